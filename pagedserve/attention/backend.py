@@ -1,0 +1,67 @@
+"""The attention-backend interface: what the runner builds once per step and what
+each attention layer calls.
+
+The runner describes the flattened batch once (`CommonAttentionMetadata`); the
+chosen backend turns that into whatever it wants to precompute (`build_metadata`,
+once per step, shared by all layers); every layer then calls `forward`, which
+writes the new K/V into the paged cache by slot mapping and attends over each
+request's blocks.  Model code never sees any of this beyond `Attention.forward`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The flattened batch of one step: B requests, T tokens, no padding."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [B + 1] int32, on device: request i's tokens are [q[i], q[i+1])
+    seq_lens: torch.Tensor  # [B] int32, on device: context length after this step's tokens
+    block_table: torch.Tensor  # [B, max_blocks] int32, on device; unused entries 0 (null block)
+    slot_mapping: torch.Tensor  # [T] int64, on device: flat cache slot of each new token
+    # Host copies, so backends can plan without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """One instance per attention layer shape; stateless across steps."""
+
+    name: str = "abstract"
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """Once per step, shared by all layers. Default: the common metadata itself."""
+        return common
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store key/value at attn_metadata's slots, then attend causally."""

@@ -1,0 +1,49 @@
+"""Pure-torch reference backend: the correctness yardstick for every other backend.
+
+Loops over requests, gathers each one's context from its blocks and does plain
+causal attention in float32.  Simple on purpose; speed lives in other backends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K/V at its flat slot (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(self, query, key, value, k_cache, v_cache, attn_metadata: CommonAttentionMetadata):
+        md = attn_metadata
+        num_tokens = md.num_actual_tokens
+        store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
+        out = torch.zeros_like(query)
+        group = self.num_heads // self.num_kv_heads
+        bs = self.block_size
+        for i in range(md.num_reqs):
+            q0, q1 = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+            n, ctx = q1 - q0, md.seq_lens_cpu[i]
+            nblocks = (ctx + bs - 1) // bs
+            blocks = md.block_table[i, :nblocks].long()
+            k = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].float()
+            v = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].float()
+            k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
+            v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+            q = query[q0:q1].float().transpose(0, 1)  # [H, n, D]
+            scores = torch.matmul(q, k.transpose(1, 2)) * self.scale  # [H, n, ctx]
+            q_pos = torch.arange(ctx - n, ctx, device=query.device)[:, None]
+            k_pos = torch.arange(ctx, device=query.device)[None, :]
+            scores.masked_fill_(k_pos > q_pos, float("-inf"))
+            out[q0:q1] = torch.matmul(scores.softmax(-1), v).transpose(0, 1).to(out.dtype)
+        return out

@@ -1,0 +1,88 @@
+"""One dataclass tree for every knob, built once (by EngineArgs) and passed down.
+
+Nothing below the entrypoints reads environment variables or module globals for
+configuration: a component gets the sub-config it needs from this tree.  This
+module imports no torch so that `core/` can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """What to load and how. `hf_config` is filled in by the loader."""
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_model_len: int | None = None  # None: the model's own limit
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    seed: int = 0
+    trust_remote_code: bool = False
+    chat_template: str | None = None
+    hf_config: Any = None  # transformers.PretrainedConfig once resolved
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    # Fraction of free memory for the KV cache when kv_cache_memory_bytes is unset.
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.25
+    num_blocks: int | None = None  # resolved at start-up
+
+
+@dataclass
+class SchedulerConfig:
+    """Token and sequence budgets for one engine step (vLLM v1 names)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is disabled "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # None: best for the device
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)

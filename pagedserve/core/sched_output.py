@@ -1,0 +1,68 @@
+"""What one scheduling step decided, in the shape the model runner consumes.
+
+The runner keeps persistent per-request state (token ids, block table rows), so a
+request is described in full once (`NewRequestData`) and afterwards only by what
+changed (`CachedRequestData`).  Plain data only: this crosses into worker/ and,
+with tensor parallelism, into other processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen since it was (re)admitted."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; recomputed like prompt tokens.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the runner already holds (struct of lists, as in vLLM v1)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Output tokens appended since the request was last scheduled.
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    # Finished or aborted since the previous step: the runner drops their state.
+    finished_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request result of `Scheduler.update_from_output`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id (or stop string, set by the engine)
+    num_cached_tokens: int = 0

@@ -1,0 +1,38 @@
+"""The per-step context that attention layers read, as nano-vllm's `Context` does.
+
+Model code takes only (input_ids, positions); everything attention needs for this
+step (metadata built once by the runner) travels here instead of through every
+layer's signature.  This is the one module-level state the engine keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: Any  # the backend's metadata object for this step; None in a profile run
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: Any) -> Iterator[None]:
+    global _CONTEXT
+    prev = _CONTEXT
+    _CONTEXT = ForwardContext(attn_metadata)
+    try:
+        yield
+    finally:
+        _CONTEXT = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention ran outside set_forward_context(): no metadata for this step")
+    return _CONTEXT

@@ -1,0 +1,37 @@
+"""The attention layer models call: q/k/v in, attention out, paged KV cache hidden."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        # Bound by the model runner after the KV cache is allocated.
+        self.impl = None  # AttentionBackend
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        md = get_forward_context().attn_metadata
+        if md is None or self.kv_cache is None:
+            # Profiling / no cache yet: the whole batch as one causal sequence.
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            ).transpose(0, 1)
+        else:
+            o = self.impl.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], md)
+        return o.reshape(t, self.num_heads * self.head_dim)
