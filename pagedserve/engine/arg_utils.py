@@ -1,0 +1,261 @@
+"""EngineArgs: the flat, user-facing knobs (vLLM's names) and their one translation
+into the EngineConfig tree.
+
+`LLM(...)`, `pagedserve generate/chat/serve` and the benchmarks all build an
+EngineArgs, so a knob is named, documented, validated and turned into a CLI flag in
+exactly one place.  Everything is checked here, before any weights are loaded, so a
+typo costs milliseconds and the message names the argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagedserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "float", "half")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# Upper bound on default step budget; a larger max_model_len still works through chunked prefill.
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+_HELP = {
+    "model": "registry name (e.g. smollm2-135m-instruct), HF model directory, or .gguf file",
+    "tokenizer": "tokenizer name or path (default: the model's)",
+    "dtype": "weight and activation dtype; auto = the checkpoint's (bfloat16 on CPU for 16-bit ones)",
+    "device": "auto, cpu, cuda or cuda:N",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (default: 8192)",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
+    "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
+    "gpu_memory_utilization": "fraction of free device memory for the KV cache when its size is unset",
+    "num_gpu_blocks_override": "exact number of KV-cache blocks (testing)",
+    "seed": "random seed of the engine (sampling without a per-request seed)",
+    "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
+    "enforce_eager": "never compile or capture graphs",
+    "tensor_parallel_size": "number of devices to shard the model over",
+    "chat_template": "Jinja chat template, or a path to a file holding one",
+    "attention_backend": "attention implementation (default: the best for the device)",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "scheduling_policy": "fcfs or priority",
+    "trust_remote_code": "allow custom code from the model directory",
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    kv_cache_memory_bytes: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    chat_template: str | None = None
+    attention_backend: str | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
+        """Like EngineArgs(**kwargs), but an unknown name gets a TypeError listing the valid ones."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise TypeError(
+                f"{caller} got unexpected engine argument(s): {', '.join(unknown)}. "
+                f"Valid engine arguments: {', '.join(sorted(valid))}"
+            )
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise bad("model", "a non-empty string (registry name, directory or .gguf path)")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise bad("tokenizer", "a string or None")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"one of {', '.join(DTYPES)}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise bad(name, "a positive integer or None")
+        for name in ("max_num_seqs", "tensor_parallel_size"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "a positive integer")
+        if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", "a positive power of two (e.g. 16 or 32)")
+        if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
+            raise bad("long_prefill_token_threshold", "an integer >= 0")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if not _is_int(self.seed):
+            raise bad("seed", "an integer")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
+        for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise bad("scheduling_policy", "'fcfs' or 'priority'")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise bad("chat_template", "a template string or a file path")
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise bad("attention_backend", "a backend name or None")
+        if (self.max_model_len is not None and self.max_num_batched_tokens is not None
+                and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+    # ------------------------------------------------------------------ config
+    def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
+        """Build the config tree.  `model_max_len` is the checkpoint's own limit
+        (max_position_embeddings) once known; max_model_len defaults to it and may
+        not exceed it."""
+        max_model_len = self.max_model_len
+        if model_max_len is not None:
+            if max_model_len is None:
+                max_model_len = model_max_len
+            elif max_model_len > model_max_len:
+                raise ValueError(
+                    f"max_model_len ({max_model_len}) is larger than the model's maximum context "
+                    f"length ({model_max_len})"
+                )
+        if max_model_len is None:
+            max_model_len = 2048
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                batched = max(batched, max_model_len)
+        chat_template = _read_chat_template(self.chat_template)
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
+                max_model_len=max_model_len, load_format=self.load_format, seed=self.seed,
+                trust_remote_code=self.trust_remote_code, chat_template=chat_template,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=float(self.gpu_memory_utilization),
+                num_blocks=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device_config=DeviceConfig(
+                device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
+            ),
+        )
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Add one flag per field.  Defaults are None ("not given") so from_cli_args
+        passes only what the user typed and EngineArgs keeps its own defaults."""
+        group = parser.add_argument_group("engine arguments")
+        for f in fields(EngineArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
+            if isinstance(default, bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            elif f.name == "kv_cache_memory_bytes":
+                group.add_argument(flag, type=str, default=None, metavar="BYTES", help=help_text)
+            else:
+                kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
+                    float if isinstance(default, float) else str)
+                choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS}.get(f.name)
+                group.add_argument(flag, type=kind, default=None, choices=choices, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        kwargs = {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name, None) is not None}
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+_INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, name: str = "size") -> int:
+    """1073741824, "1GiB", "512M", "1.5G" -> bytes."""
+    if _is_int(value):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be a byte count such as 2147483648, '2GiB' or '512M', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{name} must be an integer number of bytes or a string like '2GiB', got {value!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """A template given as a path is read here, so errors name the file at start-up."""
+    if value is None or "{" in value:
+        return value
+    import os
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    raise ValueError(f"chat_template {value!r} is neither a Jinja template nor an existing file")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

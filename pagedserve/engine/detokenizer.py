@@ -1,0 +1,120 @@
+"""Incremental detokenization with stop strings, one instance per sequence.
+
+Decoding one token at a time is wrong for most tokenizers: a byte-level BPE token
+may hold half of a UTF-8 character, and SentencePiece drops a word's leading space
+when it starts a decode.  So, as vLLM does, we decode a short sliding window twice
+-- `tokens[prefix_offset:read_offset]` (already emitted) and
+`tokens[prefix_offset:]` -- and emit the difference, but only once it no longer
+ends in U+FFFD (an incomplete character waits for the bytes that finish it).
+
+Stop strings can span tokens, so they are searched in the newly decoded characters
+plus the `len(stop) - 1` characters before them.  The text a caller may show
+(`get_text(finished=False)`) holds back `len(longest stop) - 1` characters, so a
+stop string that is still being written never leaks into a stream; it only ever
+grows, which lets streaming layers send plain suffix deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.sampling_params import SamplingParams
+
+# Prompt tokens used as left context, so the first output token decodes with the
+# spacing it has in the full text (vLLM uses the same number).
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop_strings = list(params.stop_strings)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        longest = max((len(s) for s in self.stop_strings), default=0)
+        self._max_stop_len = longest
+        # A stop string included in the output can never be taken back: no hold-back needed.
+        self.stop_buffer_length = 0 if self.include_stop_str_in_output else max(longest - 1, 0)
+
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.token_ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.num_output_tokens = 0
+        self.output_text = ""
+        self.stop_reason: str | None = None  # the stop string that ended the sequence
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_pending(self, force: bool = False) -> str:
+        """Text of tokens past read_offset, or "" while it ends in a partial character."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) and not force:
+            return ""
+        if full_text.endswith(_REPLACEMENT_CHAR) and not force:
+            return ""
+        # Slicing by length (not by prefix match) tolerates a window whose left edge
+        # starts inside a character, as vLLM's does.
+        new_text = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return new_text
+
+    def update(self, new_token_ids: list[int], skip_last: bool = False) -> str | None:
+        """Decode `new_token_ids`; return the stop string if one now matches.
+
+        skip_last: the last token ended the sequence as EOS or a stop token id; like
+        vLLM, it is kept in token_ids but not in the text (unless the caller asks
+        for stop strings in the output).
+        """
+        if self.tokenizer is None or self.stop_reason is not None:
+            self.num_output_tokens += len(new_token_ids)
+            return None
+        to_decode = new_token_ids[:-1] if skip_last and not self.include_stop_str_in_output else new_token_ids
+        new_chars = 0
+        for tid in to_decode:
+            self.token_ids.append(tid)
+            self.num_output_tokens += 1
+            piece = self._decode_pending()
+            self.output_text += piece
+            new_chars += len(piece)
+        self.num_output_tokens += len(new_token_ids) - len(to_decode)
+        return self._check_stop(new_chars)
+
+    def finish(self) -> None:
+        """The sequence ended without a stop string: flush any undecodable tail, so the
+        final text equals what `tokenizer.decode(output_ids)` gives."""
+        if self.tokenizer is None or self.stop_reason is not None:
+            return
+        if self.read_offset < len(self.token_ids):
+            piece = self._decode_pending(force=True)
+            self.output_text += piece
+            self._check_stop(len(piece))
+
+    def _check_stop(self, new_chars: int) -> str | None:
+        if not self.stop_strings or new_chars == 0 or self.num_output_tokens <= self.min_tokens:
+            return None
+        text = self.output_text
+        start = max(0, len(text) - new_chars - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.stop_strings:
+            idx = text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        end = idx + len(stop) if self.include_stop_str_in_output else idx
+        self.output_text = text[:end]
+        self.stop_reason = stop
+        return stop
+
+    def get_text(self, finished: bool) -> str:
+        """Text safe to show now: while running, minus a possible partial stop string."""
+        if finished or self.stop_buffer_length == 0:
+            return self.output_text
+        return self.output_text[: max(len(self.output_text) - self.stop_buffer_length, 0)]

@@ -1,0 +1,230 @@
+"""Turns the scheduler's per-step token ids into user-facing RequestOutputs.
+
+The scheduler only knows token ids; everything a user sees -- text, logprob dicts,
+finish reasons from stop strings, timing metrics, n > 1 aggregation -- lives here,
+in one `RequestState` per sequence the scheduler runs.  A request with n > 1 is
+fanned out into n scheduler requests ("children") that share the prompt (and, with
+prefix caching, its KV blocks); a `ParentRequest` gathers them back into one
+RequestOutput under the id the user gave.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.core.sched_output import EngineCoreOutput
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # everything so far, every step (the contract's default)
+    DELTA = 1  # only what is new since the previous output (text, token ids, logprobs)
+    FINAL_ONLY = 2  # one output, when the request finishes (what LLM.generate needs)
+
+
+@dataclass
+class SampledLogprobs:
+    """One step's logprobs for one sequence, from the raw (unprocessed) distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    topk_token_ids: list[int]
+    topk_logprobs: list[float]
+
+
+@dataclass
+class RequestState:
+    """One scheduler-level sequence (a whole request when n == 1, else one child)."""
+
+    request_id: str
+    parent: ParentRequest
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # What previous DELTA outputs already handed out.
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+            self.cumulative_logprob = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        text = self.detokenizer.get_text(self.finished)
+        token_ids, logprobs = self.output_token_ids, self.logprobs
+        if delta:
+            text, token_ids = text[self.sent_text :], token_ids[self.sent_tokens :]
+            logprobs = logprobs[self.sent_logprobs :] if logprobs is not None else None
+            self.sent_text += len(text)
+            self.sent_tokens += len(token_ids)
+            self.sent_logprobs += len(logprobs or ())
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class ParentRequest:
+    """The request as the user submitted it; owns its n children."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    metrics: RequestMetrics
+    children: list[RequestState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+    def make_output(self) -> RequestOutput | None:
+        finished = self.finished
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind is RequestOutputKind.DELTA
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.completion(delta) for c in self.children], finished=finished,
+            num_cached_tokens=max(c.num_cached_tokens for c in self.children), metrics=self.metrics,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.states: dict[str, RequestState] = {}  # by scheduler request id
+        self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
+        # Counters for EngineStats.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def add_request(self, parent: ParentRequest, child_ids: list[str], child_params: list[SamplingParams]) -> None:
+        for i, (cid, params) in enumerate(zip(child_ids, child_params, strict=True)):
+            detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params)
+            state = RequestState(cid, parent, i, params, detok)
+            parent.children.append(state)
+            self.states[cid] = state
+        self.parents[parent.request_id] = parent
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget the given user-level requests; return their scheduler-level ids."""
+        child_ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                if self.states.pop(child.request_id, None) is not None and not child.finished:
+                    child_ids.append(child.request_id)
+        return child_ids
+
+    def mark_scheduled(self, request_ids: Any, now: float) -> None:
+        for rid in request_ids:
+            state = self.states.get(rid)
+            if state is not None and state.parent.metrics.first_scheduled_time is None:
+                state.parent.metrics.first_scheduled_time = now
+
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput], logprobs: dict[str, Any] | None = None,
+        now: float | None = None,
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs for the user, ids of sequences a stop string just finished)."""
+        now = time.time() if now is None else now
+        logprobs = logprobs or {}
+        touched: dict[str, ParentRequest] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            state = self.states.get(out.request_id)
+            if state is None or state.finished:
+                continue
+            parent, new_ids = state.parent, out.new_token_ids
+            metrics = parent.metrics
+            if new_ids:
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                if not state.output_token_ids:
+                    self.num_prompt_tokens += len(parent.prompt_token_ids)
+                    state.num_cached_tokens = max(out.num_cached_tokens, 0)
+                metrics.last_token_time = now
+                self.num_generation_tokens += len(new_ids)
+                state.output_token_ids.extend(new_ids)
+                if state.logprobs is not None and out.request_id in logprobs:
+                    self._append_logprobs(state, new_ids, logprobs[out.request_id])
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            # EOS / a stop token id ends the text before that token (vLLM's behaviour).
+            token_stop = finish_reason == "stop" and not isinstance(stop_reason, str)
+            stop_str = state.detokenizer.update(new_ids, skip_last=token_stop)
+            if stop_str is not None:
+                if not out.finished:
+                    stopped.append(out.request_id)
+                finish_reason, stop_reason = "stop", stop_str
+            elif out.finished:
+                state.detokenizer.finish()
+                if state.detokenizer.stop_reason is not None:  # matched in the flushed tail
+                    finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
+            if out.finished or stop_str is not None:
+                state.finish_reason, state.stop_reason = finish_reason or "stop", stop_reason
+                del self.states[out.request_id]
+            touched[parent.request_id] = parent
+
+        outputs = []
+        for parent in touched.values():
+            if parent.finished:
+                parent.metrics.finished_time = now
+                self.parents.pop(parent.request_id, None)
+            ro = parent.make_output()
+            if ro is not None:
+                outputs.append(ro)
+        return outputs, stopped
+
+    def _append_logprobs(self, state: RequestState, new_ids: list[int], entries: Any) -> None:
+        if isinstance(entries, SampledLogprobs):
+            entries = [entries]
+        k = state.params.logprobs or 0
+        for tid, entry in zip(new_ids, entries, strict=False):
+            d = {tid: Logprob(entry.logprob, entry.rank, self._decode_token(tid))}
+            for rank, (t, lp) in enumerate(zip(entry.topk_token_ids[:k], entry.topk_logprobs[:k], strict=True), 1):
+                if t not in d:
+                    d[t] = Logprob(lp, rank, self._decode_token(t))
+            state.logprobs.append(d)
+            state.cumulative_logprob += entry.logprob
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.sampling_params import SamplingParams
+from tests.engine.helpers import make_tokenizer
+
+TEXT = "héllo wörld, 你好 🙂 the quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def stream(tok, text: str, prompt: str = "user: ", **params):
+    """Feed `text`'s tokens one at a time; return (detokenizer, texts shown after each)."""
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**params))
+    shown = []
+    stop = None
+    for tid in tok.encode(text):
+        stop = detok.update([tid])
+        shown.append(detok.get_text(finished=stop is not None))
+        if stop is not None:
+            break
+    if stop is None:
+        detok.finish()
+    return detok, shown
+
+
+def test_multibyte_characters_split_across_tokens_never_leak_half(tok) -> None:
+    ids = tok.encode(TEXT)
+    pieces = [tok.decode([i]) for i in ids]
+    assert sum("\ufffd" in p for p in pieces) >= 4, "the fixture should split characters across tokens"
+    detok, shown = stream(tok, TEXT)
+    assert detok.output_text == TEXT == tok.decode(ids)
+    for before, after in zip(shown, shown[1:], strict=False):
+        assert "\ufffd" not in after and after.startswith(before)
+
+
+def test_batch_of_tokens_in_one_update(tok) -> None:
+    ids = tok.encode(TEXT)
+    detok = IncrementalDetokenizer(tok, [5, 6], SamplingParams())
+    for i in range(0, len(ids), 3):
+        detok.update(ids[i : i + 3])
+        assert "\ufffd" not in detok.output_text
+    detok.finish()
+    assert detok.output_text == TEXT
+
+
+def test_unfinished_character_is_flushed_at_finish(tok) -> None:
+    ids = tok.encode("ab 你")
+    detok = IncrementalDetokenizer(tok, [5], SamplingParams())
+    detok.update(ids[:-1])
+    assert detok.output_text == "ab "  # the half character waits
+    detok.finish()
+    assert detok.output_text == tok.decode(ids[:-1])
+
+
+def test_leading_space_kept_by_prefix_window() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tk.train_from_iterator(["hello world again and again"] * 5, trainers.BpeTrainer(vocab_size=60))
+    sp = PreTrainedTokenizerFast(tokenizer_object=tk)
+    world = sp.convert_tokens_to_ids("▁world")
+    assert sp.decode([world]) == "world"  # decoded alone, SentencePiece-style drops the space
+    detok = IncrementalDetokenizer(sp, sp.encode("hello"), SamplingParams())
+    detok.update([world])
+    assert detok.output_text == " world"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens(tok, include: bool) -> None:
+    stop = "quick brown"
+    detok, shown = stream(tok, TEXT, stop=["zzz", stop], include_stop_str_in_output=include)
+    head = TEXT[: TEXT.index(stop)]
+    assert detok.stop_reason == stop
+    assert detok.output_text == (head + stop if include else head)
+    assert shown[-1] == detok.output_text
+    for before, after in zip(shown, shown[1:], strict=False):
+        assert after.startswith(before)
+    if not include:
+        assert all("quick" not in s for s in shown), "a partial stop string leaked into the stream"
+
+
+def test_partial_stop_is_held_back_then_released(tok) -> None:
+    detok = IncrementalDetokenizer(tok, [1], SamplingParams(stop="lazy cat"))
+    for tid in tok.encode(TEXT):
+        assert detok.update([tid]) is None
+        # While running exactly len(stop) - 1 trailing characters stay hidden ...
+        decoded = detok.output_text
+        assert detok.get_text(finished=False) == decoded[: max(len(decoded) - 7, 0)]
+    # ... and come out once the sequence ends without a match.
+    detok.finish()
+    assert detok.stop_reason is None and detok.get_text(finished=True) == TEXT
+
+
+def test_earliest_stop_wins_and_min_tokens_delays_checks(tok) -> None:
+    detok, _ = stream(tok, TEXT, stop=["lazy", "wörld"])
+    assert detok.stop_reason == "wörld" and detok.output_text == "héllo "
+    n_before = len(tok.encode("héllo wörld"))
+    detok, _ = stream(tok, TEXT, stop="wörld", min_tokens=n_before + 2, max_tokens=100)
+    assert detok.stop_reason is None and detok.output_text == TEXT
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tok, skip: bool) -> None:
+    ids = tok.encode("hello") + [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode(" world")
+    detok = IncrementalDetokenizer(tok, [1], SamplingParams(skip_special_tokens=skip))
+    for t in ids:
+        detok.update([t])
+    assert detok.output_text == ("hello world" if skip else "hello<|im_start|> world")
+
+
+def test_eos_token_text_dropped(tok) -> None:
+    eos = tok.eos_token_id
+    detok = IncrementalDetokenizer(tok, [1], SamplingParams(skip_special_tokens=False))
+    detok.update(tok.encode("hello") + [eos], skip_last=True)
+    assert detok.output_text == "hello" and detok.num_output_tokens == len(tok.encode("hello")) + 1
+
+
+def test_no_tokenizer_gives_empty_text() -> None:
+    detok = IncrementalDetokenizer(None, [1, 2], SamplingParams())
+    assert detok.update([3, 4]) is None
+    detok.finish()
+    assert detok.output_text == "" and detok.num_output_tokens == 2
