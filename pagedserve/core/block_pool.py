@@ -1,0 +1,213 @@
+"""Physical KV blocks: who holds each one, which are free, which hold a cached prefix.
+
+The pool owns only metadata; the KV tensors live in the worker and are indexed by
+`block_id`.  A block with ref_cnt 0 sits in the free queue even when it still holds a
+cached prefix: it is reusable *and* hittable until popped, and the queue's order is
+the eviction order (LRU at the head).  That is why the queue must support O(1)
+removal from the middle: a cache hit pulls a block back out of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pagedserve.core.kv_cache_utils import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Set once the block is full and registered in the prefix cache.
+    block_hash: BlockHash | None = None
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    is_null: bool = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list threaded through the blocks themselves, with two sentinels.
+
+    A deque cannot remove from the middle in O(1), and a cache hit must do exactly
+    that; the sentinels remove every head/tail special case.
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail:
+            raise ValueError("no free blocks left")
+        nxt = block.next_free_block
+        self._head.next_free_block = nxt
+        nxt.prev_free_block = self._head
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks, only {self.num_free_blocks} free")
+        out: list[KVCacheBlock] = []
+        block = self._head.next_free_block
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free_block
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        last = self._tail.prev_free_block
+        n = 0
+        for block in blocks:
+            last.next_free_block = block
+            block.prev_free_block = last
+            last = block
+            n += 1
+        last.next_free_block = self._tail
+        self._tail.prev_free_block = last
+        self.num_free_blocks += n
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        out = []
+        block = self._head.next_free_block
+        while block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+
+class BlockPool:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be an integer >= 2 (block 0 is reserved), got {num_gpu_blocks!r}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Block 0 pads block tables; it is never handed out, freed or cached.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop from the LRU head, evicting any cached prefix the block still holds."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks, only {self.free_block_queue.num_free_blocks} free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        cached = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None:
+                if cached.get(block.block_hash) is block:
+                    del cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A cache hit: take the block back from the free queue if nobody held it."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the queue in the given
+        order, which is therefore their eviction order (first = evicted first)."""
+        released = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] under their hashes.
+
+        If an equal block is already cached (two requests computed the same prefix
+        before either was cached), the first stays the canonical copy and the
+        newcomer stays private: one hash, one block.
+        """
+        if not self.enable_caching:
+            return
+        cached = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None or block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            if block_hash not in cached:
+                cached[block_hash] = block
+                block.block_hash = block_hash
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by requests (cached-but-free counts as free)."""
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_gpu_blocks - 1)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_block_hash_to_block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use,
+        because running requests' tables would point at blocks that lost their keys."""
+        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True

@@ -1,0 +1,83 @@
+"""Content hashes of full KV blocks: the keys of the prefix cache.
+
+A block's hash covers its parent's hash, so equal hashes mean equal *prefixes*, not
+just equal blocks, and a lookup can stop at the first miss.  xxh3-128 keeps
+collisions out of reach (64 bits would be birthday-close at scale) and, unlike
+Python's `hash()`, is the same in every process, so tensor-parallel workers or a
+restarted server agree on keys.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+BlockHash = int
+
+# Parent of the first block: a fixed 128-bit value, so every hashed input has the
+# same layout and "no parent" cannot collide with a crafted token prefix.
+NONE_HASH: BlockHash = xxhash.xxh3_128_intdigest(b"pagedserve/none-hash")
+
+_xxh3_128 = xxhash.xxh3_128_intdigest
+_MASK_128 = (1 << 128) - 1
+
+
+def hash_block_tokens(
+    parent_block_hash: BlockHash | None,
+    block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash of one block given its parent's hash (None for the first block).
+
+    Layout: parent (16 bytes) | token count (8) | tokens (8 each) | repr(extra_keys).
+    The count makes the token/extra boundary unambiguous.
+    """
+    if parent_block_hash is None:
+        parent_block_hash = NONE_HASH
+    data = (parent_block_hash & _MASK_128).to_bytes(16, "little")
+    data += len(block_token_ids).to_bytes(8, "little")
+    data += array("q", block_token_ids).tobytes()
+    if extra_keys:
+        data += repr(tuple(extra_keys)).encode()
+    return _xxh3_128(data)
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_full_blocks: int | None = None,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """Append hashes for the full blocks of `token_ids` not yet in `block_hashes`.
+
+    Hashes already present are reused, so a request's blocks are hashed exactly
+    once over its lifetime.  Stops at `num_full_blocks` when given.  The salt goes
+    into the first block only; the chain carries it to every later block.
+    """
+    total = len(token_ids) // block_size
+    if num_full_blocks is not None and num_full_blocks < total:
+        total = num_full_blocks
+    i = len(block_hashes)
+    parent = block_hashes[-1] if block_hashes else None
+    while i < total:
+        start = i * block_size
+        extra = (cache_salt,) if (i == 0 and cache_salt is not None) else None
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
+        block_hashes.append(parent)
+        i += 1
+    return block_hashes
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The full hash chain of a token sequence (the partial tail block is not hashed)."""
+    return extend_block_hashes([], token_ids, block_size, cache_salt=cache_salt)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,130 @@
+"""The scheduler's view of one sequence: its tokens, how far its KV is computed, its state.
+
+There are no prefill and decode phases: a request is just `num_tokens` tokens of
+which `num_computed_tokens` already have KV in the cache, and every step tries to
+close the gap.  Preemption resets `num_computed_tokens` to 0 but keeps the output
+tokens, so a resumed request simply has a longer "prompt" to recompute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state (see is_finished).
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative integers")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.eos_token_id = eos_token_id
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)):
+            raise ValueError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        # Prefix-cache hit of the first admission (reported once to the user).
+        self.num_cached_tokens = -1
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        # Chain of full-block hashes, extended by the KVCacheManager as blocks fill.
+        self.block_hashes: list[int] = []
+
+        params = self.sampling_params
+        self.max_tokens = params.max_tokens  # None: bounded only by max_model_len
+        self.min_tokens = params.min_tokens
+        # Token ids that end the request; EOS first so a plain set lookup decides.
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.eos_for_stop = None if params.ignore_eos else eos_token_id
+        # How many output tokens the model runner already holds (see Scheduler).
+        self.num_output_tokens_sent = 0
+        # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
+        self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
+        # num_preemptions at the last prefix-cache lookup that was counted in stats.
+        self._prefix_stats_key = -1
+
+    # ----- token views (no copies: the hot path reads these every step) -----
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, outputs={self.num_output_tokens})"
+        )

@@ -1,0 +1,315 @@
+"""Continuous batching: every step, hand each request the tokens it still lacks.
+
+A step's token budget goes first to running requests (in order), then to waiting
+ones while budget, max_num_seqs and KV blocks allow, so one step freely mixes
+decodes with prefill chunks.  When a running request cannot get a block the
+scheduler preempts by recomputation (FCFS: the newest running request; priority:
+the worst (priority, arrival_time)) rather than swapping: on one device that is
+simpler and, for short sequences, about as cheap.  Under the priority policy
+`running` is kept sorted, so "the worst" is simply the last one and requests
+already scheduled this step are never victims.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request_queue import create_request_queue
+from pagedserve.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+_RUNNING = RequestStatus.RUNNING
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def _sched_key(request: Request) -> tuple:
+    return request.sched_key
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.scheduler_config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # A per-request chunk cap only makes sense when prompts may be chunked.
+        self.long_prefill_token_threshold = (
+            scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
+        )
+        self.policy = scheduler_config.policy
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(); told to the runner next step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        self._next_seq = 0
+
+    # ------------------------------------------------------------ admission
+    def add_request(self, request: Request) -> None:
+        """Queue a request, refusing one that could never run to completion."""
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use by an unfinished request")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {req_id!r} is not a fresh request (status {request.status.name})")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt + 1 > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: the prompt has {num_prompt} tokens, but max_model_len is "
+                f"{self.max_model_len}, which leaves no room to generate a token"
+            )
+        max_len = self.max_model_len
+        if request.max_tokens is not None:
+            max_len = min(max_len, num_prompt + request.max_tokens)
+        # The last sampled token never needs a KV slot.
+        kvm = self.kv_cache_manager
+        if not kvm.can_ever_fit(max_len - 1):
+            raise ValueError(
+                f"request {req_id!r}: up to {max_len - 1} tokens of KV cache are needed "
+                f"({num_prompt} prompt + up to {max_len - num_prompt} generated), more than the whole "
+                f"KV cache holds ({(kvm.num_blocks - 1) * kvm.block_size} tokens); "
+                "lower max_tokens or shorten the prompt"
+            )
+        request.sched_key = (request.priority, request.arrival_time, self._next_seq)
+        self._next_seq += 1
+        self.requests[req_id] = request
+        self.waiting.add_request(request)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        kvm = self.kv_cache_manager
+        allocate_slots = kvm.allocate_slots
+        token_budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        num_scheduled_tokens: dict[str, int] = {}
+        cached = CachedRequestData()
+        c_req_ids, c_new_tokens = cached.req_ids, cached.new_token_ids
+        c_new_blocks, c_computed = cached.new_block_ids, cached.num_computed_tokens
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        running = self.running
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            n = len(request._all_token_ids) - num_computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > token_budget:
+                n = token_budget
+            if n > max_model_len - 1 - num_computed:
+                n = max_model_len - 1 - num_computed
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = allocate_slots(request, n)
+                if new_blocks is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            req_id = request.request_id
+            num_scheduled_tokens[req_id] = n
+            token_budget -= n
+            c_req_ids.append(req_id)
+            outputs = request._output_token_ids
+            sent = request.num_output_tokens_sent
+            if len(outputs) > sent:
+                c_new_tokens.append(outputs[sent:])
+                request.num_output_tokens_sent = len(outputs)
+            else:
+                c_new_tokens.append([])
+            c_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+            c_computed.append(num_computed)
+            request.num_computed_tokens = num_computed + n
+            i += 1
+
+        # A step that had to preempt is out of memory: admitting more would only
+        # preempt again next step.
+        if not preempted:
+            token_budget = self._schedule_waiting(token_budget, num_scheduled_tokens, new_reqs)
+
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            preempted_req_ids=preempted,
+            finished_req_ids=finished,
+        )
+
+    def _schedule_waiting(
+        self, token_budget: int, num_scheduled_tokens: dict[str, int], new_reqs: list[NewRequestData]
+    ) -> int:
+        """Admit waiting requests in queue order; returns the budget left."""
+        kvm = self.kv_cache_manager
+        waiting, running = self.waiting, self.running
+        threshold = self.long_prefill_token_threshold
+        while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting.peek_request()
+            computed_blocks, num_hit = kvm.get_computed_blocks(request)
+            n = request.num_tokens - num_hit
+            if 0 < threshold < n:
+                n = threshold
+            if n > token_budget:
+                if not self.enable_chunked_prefill:
+                    break  # the whole prompt must go in one step
+                n = token_budget
+            new_blocks = kvm.allocate_slots(request, n, num_hit, computed_blocks)
+            if new_blocks is None:
+                break  # head-of-line: later requests must not overtake it
+            waiting.pop_request()
+            if self.policy == "priority":
+                bisect.insort(running, request, key=_sched_key)
+            else:
+                running.append(request)
+            req_id = request.request_id
+            request.status = _RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            outputs = request._output_token_ids
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(outputs),
+                    sampling_params=request.sampling_params,
+                    block_ids=kvm.get_block_ids(req_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            request.num_output_tokens_sent = len(outputs)
+            num_scheduled_tokens[req_id] = n
+            token_budget -= n
+            request.num_computed_tokens = num_hit + n
+        return token_budget
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free the KV, keep the tokens, go back to the queue head."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend_request(request)
+
+    # --------------------------------------------------------------- update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, release finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        max_model_len = self.max_model_len
+        num_finished = 0
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue  # finished or aborted after this step was scheduled
+            all_ids = request._all_token_ids
+            if request.num_computed_tokens < len(all_ids):
+                continue  # a prompt chunk: its sample is meaningless
+            token_ids = sampled_token_ids.get(req_id)
+            if not token_ids:
+                continue
+            out_ids = request._output_token_ids
+            new_ids = []
+            status = None
+            for tok in token_ids:
+                out_ids.append(tok)
+                all_ids.append(tok)
+                new_ids.append(tok)
+                num_out = len(out_ids)
+                if num_out >= request.min_tokens:
+                    if tok == request.eos_for_stop:
+                        status = RequestStatus.FINISHED_STOPPED
+                        break
+                    if tok in request.stop_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                        request.stop_reason = tok
+                        break
+                max_tokens = request.max_tokens
+                if (max_tokens is not None and num_out >= max_tokens) or len(all_ids) >= max_model_len:
+                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    break
+            if status is None:
+                outputs.append(EngineCoreOutput(req_id, new_ids, num_cached_tokens=request.num_cached_tokens))
+                continue
+            request.status = status
+            self._release(request)
+            num_finished += 1
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_ids,
+                    finished=True,
+                    finish_reason=_FINISH_REASONS[status],
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        if num_finished:
+            self.running[:] = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string); unknown ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        any_running = False
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                any_running = True
+            else:
+                self.waiting.remove_request(request)
+            request.status = finished_status
+            self._release(request)
+        if any_running:
+            self.running[:] = [r for r in self.running if r.status == _RUNNING]
+
+    # -------------------------------------------------------------- queries
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,131 @@
+"""Builders and a fake model runner for the core tests.
+
+The fake runner keeps a token-level model of the paged KV cache: each slot holds a
+fingerprint of the whole prefix ending at that position.  It follows the
+SchedulerOutput protocol exactly as a real runner must (persistent per-request
+block tables and token lists updated from deltas), writes a step's new slots
+first and then checks that every slot each request attends over holds *its*
+prefix, so wrong block tables, wrong deltas or a wrongly shared cached block all
+fail loudly.
+"""
+
+from __future__ import annotations
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request
+from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.sampling_params import SamplingParams
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    long_prefill_token_threshold: int = 0,
+    enable_chunked_prefill: bool = True,
+    policy: str = "fcfs",
+    enable_caching: bool = True,
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill,
+        policy=policy,
+    )
+    kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching)
+    return Scheduler(cfg, kvm)
+
+
+def make_request(
+    req_id: str | int,
+    prompt: list[int] | int,
+    max_tokens: int | None = 16,
+    eos_token_id: int | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+    **params,
+) -> Request:
+    if isinstance(prompt, int):
+        prompt = [(7 * i + 3) % 1000 + 10 for i in range(prompt)]
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    at = float(int(req_id)) if arrival_time is None and str(req_id).isdigit() else arrival_time
+    return Request(str(req_id), prompt, sp, eos_token_id=eos_token_id, arrival_time=at, priority=priority)
+
+
+class FakeRunner:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.kv_cache_manager.block_size
+        self.kv: dict[int, list] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            for d in (self.tables, self.tokens, self.computed):
+                d.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            assert nr.req_id not in self.tables, f"{nr.req_id} sent as new while the runner holds it"
+            self.tables[nr.req_id] = list(nr.block_ids)
+            self.tokens[nr.req_id] = list(nr.prompt_token_ids) + list(nr.output_token_ids)
+            self.computed[nr.req_id] = nr.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            assert rid in self.tables, f"cached request {rid} unknown to the runner"
+            self.tables[rid].extend(c.new_block_ids[i])
+            self.tokens[rid].extend(c.new_token_ids[i])
+            assert c.num_computed_tokens[i] == self.computed[rid]
+
+    def execute(self, so: SchedulerOutput, sample) -> dict[str, list[int]]:
+        self._update_states(so)
+        bs, kv = self.block_size, self.kv
+        pool = self.scheduler.kv_cache_manager.block_pool
+        assert set(so.num_scheduled_tokens) == {nr.req_id for nr in so.scheduled_new_reqs} | set(
+            so.scheduled_cached_reqs.req_ids
+        )
+        # Write every new slot of the step first (as each attention layer does) ...
+        for rid, n in so.num_scheduled_tokens.items():
+            toks, table, start = self.tokens[rid], self.tables[rid], self.computed[rid]
+            assert n > 0 and start + n <= len(toks), (rid, start, n, len(toks))
+            req = self.scheduler.requests[rid]
+            assert toks == req.all_token_ids[: len(toks)]
+            assert len(table) * bs >= start + n, "not enough blocks for the scheduled tokens"
+            for pos in range(start, start + n):
+                block_id = table[pos // bs]
+                assert block_id != 0, "null block in a table"
+                assert pool.blocks[block_id].ref_cnt >= 1, f"writing into free block {block_id}"
+                kv.setdefault(block_id, [None] * bs)[pos % bs] = hash(tuple(toks[: pos + 1]))
+        # ... then every request reads its whole context.
+        sampled: dict[str, list[int]] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            toks, table = self.tokens[rid], self.tables[rid]
+            end = self.computed[rid] + n
+            for pos in range(end):
+                got = kv.get(table[pos // bs], [None] * bs)[pos % bs]
+                assert got == hash(tuple(toks[: pos + 1])), f"{rid}: wrong KV at position {pos}"
+            self.computed[rid] = end
+            sampled[rid] = [sample(rid, toks[:end])]
+        return sampled
+
+
+def default_sample(rid: str, context: list[int]) -> int:
+    return (sum(context) * 31 + len(context)) % 97 + 1
+
+
+def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None, sample=default_sample, max_steps=10_000):
+    """Drive the scheduler until no request is left; returns all EngineCoreOutputs."""
+    runner = runner or FakeRunner(sched)
+    outs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return outs
+        so = sched.schedule()
+        outs.extend(sched.update_from_output(so, runner.execute(so, sample)))
+    raise AssertionError("requests did not finish (livelock?)")
