@@ -1,0 +1,308 @@
+"""LLMEngine: tokenizer + scheduler + model runner + output processing, one step at a time.
+
+Everything a user can get wrong is checked in `add_request`, before the request
+touches the scheduler: a bad request raises ValueError and leaves every other
+request exactly as it was.  `step()` then never sees bad input, so an exception
+from inside the model means a bug, not a user error.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.arg_utils import EngineArgs, _read_chat_template
+from pagedserve.engine.output_processor import (
+    OutputProcessor,
+    ParentRequest,
+    RequestOutputKind,
+    SampledLogprobs,
+)
+from pagedserve.outputs import RequestMetrics, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve.engine")
+
+# Most top logprobs a request may ask for (vLLM's and OpenAI's limit).
+MAX_LOGPROBS = 20
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for loggers and /metrics; the token and preemption counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_runner: Any, tokenizer: Any = None,
+                 vocab_size: int | None = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.model_runner = model_runner
+        self.tokenizer = tokenizer
+        hf_config = config.model_config.hf_config
+        self.vocab_size = vocab_size or getattr(hf_config, "vocab_size", None)
+        if self.vocab_size is None:
+            raise ValueError("the model config has no vocab_size")
+        cache, sched = config.cache_config, config.scheduler_config
+        if not cache.num_blocks or cache.num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got num_blocks={cache.num_blocks}")
+        self.max_model_len = sched.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(sched, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, model_runner)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        from pagedserve.engine.model_setup import build_model_runner
+
+        config, runner, tokenizer = build_model_runner(engine_args)
+        return cls(config, runner, tokenizer)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
+        """Validate and queue one request (n > 1: n scheduler sequences).  Raises
+        ValueError naming the problem; on error nothing has changed."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params._validate()  # values may have been changed after construction
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        prompt_text, prompt_ids = self._process_prompt(prompt)
+        self._check_request(prompt_ids, params)
+
+        n = params.n
+        child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        for rid in {request_id, *child_ids}:
+            if rid in self.output_processor.parents or rid in self.scheduler.requests:
+                raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        child_params = [self._child_params(params, i) for i in range(n)]
+        arrival = time.time() if arrival_time is None else arrival_time
+        added: list[str] = []
+        try:
+            for cid, cparams in zip(child_ids, child_params, strict=True):
+                self.scheduler.add_request(Request(cid, prompt_ids, cparams, self.eos_token_id, arrival, priority))
+                added.append(cid)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        parent = ParentRequest(request_id, prompt_text, prompt_ids, output_kind, RequestMetrics(arrival))
+        self.output_processor.add_request(parent, child_ids, child_params)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Drop requests (unknown or finished ids are ignored); their blocks are freed now."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        child_ids = self.output_processor.abort_requests(list(request_ids))
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _process_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        text: str | None = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - _PROMPT_KEYS
+            if unknown or not prompt:
+                raise ValueError(
+                    f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got {sorted(prompt)}"
+                )
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+            ids = prompt.get("prompt_token_ids")
+            if ids is None:
+                return text, self._encode(text)
+            return text, self._check_token_ids(ids)
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(
+            "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise ValueError("the prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
+                "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}"
+            )
+        return list(self.tokenizer.encode(text))
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+        ids = list(ids)
+        vocab = self.vocab_size
+        for pos, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"prompt_token_ids[{pos}] is {t!r}, not an integer")
+            if not 0 <= t < vocab:
+                raise ValueError(
+                    f"token id {t} at position {pos} of the prompt is outside the vocabulary (0..{vocab - 1})"
+                )
+        return ids
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(prompt_ids)} tokens long, but the maximum model length "
+                f"(max_model_len) is {self.max_model_len}, which must leave room for at least one "
+                "generated token"
+            )
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops.
+        The caller's object is never modified (it may be shared by many prompts)."""
+        extra = [] if params.ignore_eos else [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
+        if params.n == 1 and not extra:
+            return params
+        child = copy.copy(params)
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        if extra:
+            child.stop_token_ids = list(params.stop_token_ids) + extra
+        return child
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; outputs for every request that progressed or finished."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.total_num_scheduled_tokens == 0 and not sched_out.finished_req_ids:
+            return []
+        self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
+        runner_out = self.model_runner.execute_model(sched_out)
+        if sched_out.total_num_scheduled_tokens == 0:
+            return []
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        logprobs = _convert_logprobs(getattr(runner_out, "logprobs", None))
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, logprobs, time.time())
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        kvm, op = self.kv_cache_manager, self.output_processor
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        return EngineStats(
+            num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kvm.usage,
+            prefix_cache_queries=kvm.prefix_cache_queries, prefix_cache_hits=kvm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            num_prompt_tokens=op.num_prompt_tokens, num_generation_tokens=op.num_generation_tokens,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ chat
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        """Render one conversation to prompt text with the model's (or the given) template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so chat templates cannot be applied")
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        template = (_read_chat_template(chat_template) or self.model_config.chat_template
+                    or getattr(self.tokenizer, "chat_template", None))
+        if not template:
+            raise ValueError("the model has no chat template; pass chat_template=... (a Jinja string or file)")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja2 errors come in many types; the user needs the message
+            raise ValueError(f"applying the chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict[str, Any]:
+        """Chat prompt as {'prompt', 'prompt_token_ids'}: the template already holds any
+        BOS text, so the tokenizer must not add special tokens a second time."""
+        text = self.apply_chat_template(messages, chat_template, add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+
+
+def _convert_logprobs(raw: Any) -> dict[str, Any] | None:
+    """The runner's per-request LogprobsEntry -> SampledLogprobs (the processor's shape)."""
+    if not raw:
+        return None
+    out = {}
+    for rid, e in raw.items():
+        if isinstance(e, SampledLogprobs):
+            out[rid] = e
+            continue
+        out[rid] = SampledLogprobs(
+            token_id=int(e.token_id), logprob=float(e.logprob), rank=int(e.rank),
+            topk_token_ids=list(e.topk_token_ids), topk_logprobs=list(e.topk_logprobs),
+        )
+    return out
+
+
+def _eos_token_ids(tokenizer: Any, hf_config: Any, runner: Any) -> tuple[int | None, list[int]]:
+    """(primary EOS, further EOS ids).  Llama 3 style models list several EOS ids in
+    their config; the extra ones act as stop token ids unless ignore_eos is set."""
+    ids: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None),
+                   getattr(runner, "generation_eos_token_ids", None)):
+        for t in source if isinstance(source, (list, tuple)) else [source]:
+            if isinstance(t, int) and t >= 0 and t not in ids:
+                ids.append(t)
+    if not ids:
+        return None, []
+    return ids[0], ids[1:]

@@ -1,0 +1,226 @@
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.output_processor import RequestOutputKind
+from pagedserve.sampling_params import SamplingParams
+from tests.engine.fake_runner import make_engine, run_to_completion
+from tests.engine.helpers import make_tokenizer
+
+TEXT = "héllo wörld, 你好 the quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def text_script(tok, text=TEXT):
+    ids = tok.encode(text)
+    return lambda i, prompt: ids[i % len(ids)]
+
+
+def test_token_prompts_run_to_length_with_metrics() -> None:
+    engine = make_engine()
+    for k in range(3):
+        engine.add_request(f"r{k}", [1, 2, 3 + k], SamplingParams(max_tokens=5 + k))
+    assert engine.get_num_unfinished_requests() == 3
+    final = run_to_completion(engine)
+    for k in range(3):
+        out = final[f"r{k}"]
+        c = out.outputs[0]
+        assert c.token_ids == [10 + i for i in range(5 + k)] and c.finish_reason == "length"
+        assert c.text == "" and c.logprobs is None and c.cumulative_logprob is None
+        assert out.prompt_token_ids == [1, 2, 3 + k] and out.prompt is None
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert stats.num_prompt_tokens == 9 and stats.num_generation_tokens == 5 + 6 + 7
+
+
+def test_bad_requests_raise_and_leave_others_running(tok) -> None:
+    engine = make_engine(tokenizer=tok, vocab_size=len(tok))
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=8))
+    engine.step()
+    mutated = SamplingParams()
+    mutated.temperature = -1.0
+    bad = [
+        ("", "the prompt is empty"),
+        ([], "the prompt is empty"),
+        ({"prompt_token_ids": []}, "the prompt is empty"),
+        ([1, len(tok)], "outside the vocabulary"),
+        ([1, -3], "outside the vocabulary"),
+        ([1, 2.5], "not an integer"),
+        (list(range(1, 129)), "maximum model length"),
+        (42, "a prompt must be"),
+        ({"text": "hi"}, "keys 'prompt'"),
+    ]
+    for prompt, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request("bad", prompt, SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("bad", [1], mutated)
+    with pytest.raises(ValueError, match="logprobs must be at most 20"):
+        engine.add_request("bad", [1], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("bad", [1], SamplingParams(stop_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [1], SamplingParams())
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(7, [1], SamplingParams())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("bad", [1], {"temperature": 0})
+    assert list(engine.scheduler.requests) == ["good"]
+    final = run_to_completion(engine)
+    assert list(final) == ["good"] and final["good"].outputs[0].token_ids == [10 + i for i in range(8)]
+    assert engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_text_prompts_need_a_tokenizer() -> None:
+    engine = make_engine()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.add_request("a", "hello", SamplingParams())
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request("a", [1], SamplingParams(stop="x"))
+    assert not engine.has_unfinished_requests()
+
+
+def test_text_prompt_and_stop_string_finish_the_request(tok) -> None:
+    engine = make_engine(text_script(tok), tokenizer=tok, vocab_size=len(tok))
+    engine.add_request("s", "hello world", SamplingParams(max_tokens=100, stop=["quick brown"]))
+    engine.add_request("plain", "hello", SamplingParams(max_tokens=len(tok.encode(TEXT))))
+    shown = []
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "s":
+                shown.append(out.outputs[0].text)
+            if out.finished:
+                final[out.request_id] = out
+    s = final["s"].outputs[0]
+    assert final["s"].prompt == "hello world" and final["s"].prompt_token_ids == tok.encode("hello world")
+    assert (s.text, s.finish_reason, s.stop_reason) == ("héllo wörld, 你好 the ", "stop", "quick brown")
+    assert all("quick" not in t and "\ufffd" not in t for t in shown)
+    assert all(b.startswith(a) for a, b in zip(shown, shown[1:], strict=False))
+    assert final["plain"].outputs[0].text == TEXT
+    assert "s" not in engine.scheduler.requests and engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_eos_stops_and_is_not_in_the_text(tok) -> None:
+    eos = tok.eos_token_id
+    ids = tok.encode("hello") + [eos] + tok.encode(" more")
+    engine = make_engine(lambda i, p: ids[i % len(ids)], tokenizer=tok, vocab_size=len(tok), eos_token_id=eos)
+    engine.add_request("a", [5], SamplingParams(max_tokens=20, skip_special_tokens=False))
+    engine.add_request("b", [5], SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    final = run_to_completion(engine)
+    a, b = final["a"].outputs[0], final["b"].outputs[0]
+    assert a.token_ids == ids[: ids.index(eos) + 1] and a.text == "hello"
+    assert (a.finish_reason, a.stop_reason) == ("stop", None)
+    assert b.token_ids == ids and b.finish_reason == "length"
+
+
+def test_extra_eos_ids_from_the_model_config_stop() -> None:
+    engine = make_engine(lambda i, p: [20, 21, 7, 22][i], eos_token_id=[2, 7])
+    assert engine.eos_token_id == 2
+    engine.add_request("a", [5], SamplingParams(max_tokens=10))
+    engine.add_request("b", [5], SamplingParams(max_tokens=4, ignore_eos=True))
+    final = run_to_completion(engine)
+    assert final["a"].outputs[0].token_ids == [20, 21, 7] and final["a"].outputs[0].stop_reason == 7
+    assert final["b"].outputs[0].token_ids == [20, 21, 7, 22]
+
+
+def test_n_samples_aggregate_under_the_parent_id() -> None:
+    engine = make_engine()
+    engine.add_request("p", [1, 2, 3], SamplingParams(n=3, seed=5, max_tokens=4))
+    seeds = sorted(r.sampling_params.seed for r in engine.scheduler.requests.values())
+    assert seeds == [5, 6, 7] and len(engine.scheduler.requests) == 3
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["p"] and len(outs[0].outputs) == 3
+    final = run_to_completion(engine)
+    assert [c.index for c in final["p"].outputs] == [0, 1, 2]
+    assert all(c.token_ids == [10, 11, 12, 13] for c in final["p"].outputs)
+    engine.add_request("q", [1], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="already in use"):  # a child's id
+        engine.add_request("q-1", [1])
+
+
+def test_abort_frees_everything() -> None:
+    engine = make_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    engine.add_request("b", [1, 2, 3], SamplingParams(n=2, max_tokens=50))
+    engine.add_request("c", [4], SamplingParams(max_tokens=3))
+    engine.step()
+    engine.abort_request(["a", "b", "unknown"])
+    assert set(engine.scheduler.requests) == {"c"}
+    final = run_to_completion(engine)
+    assert list(final) == ["c"] and engine.get_stats().kv_cache_usage == 0.0
+    engine.abort_request("c")  # finished: ignored
+    assert not engine.has_unfinished_requests()
+
+
+def test_logprobs_dicts_and_cumulative() -> None:
+    engine = make_engine()
+    engine.add_request("a", [1], SamplingParams(max_tokens=3, logprobs=1))
+    engine.add_request("b", [1], SamplingParams(max_tokens=3, logprobs=0))
+    final = run_to_completion(engine)
+    a, b = final["a"].outputs[0], final["b"].outputs[0]
+    assert len(a.logprobs) == 3 and a.cumulative_logprob == pytest.approx(-1.5)
+    first = a.logprobs[0]
+    assert list(first) == [10, 11] and first[10].rank == 2 and first[11].rank == 1
+    assert first[11].logprob == -0.25
+    assert all(list(d) == [t] for d, t in zip(b.logprobs, b.token_ids, strict=True))
+
+
+def test_preemption_keeps_outputs_identical() -> None:
+    prompts = [[i + 1] * (10 + i) for i in range(6)]
+    engine = make_engine(lambda i, p: (i * 7 + len(p)) % 300, num_blocks=6, block_size=16)
+    for k, p in enumerate(prompts):
+        engine.add_request(f"r{k}", p, SamplingParams(max_tokens=40))
+    final = run_to_completion(engine)
+    assert engine.get_stats().num_preemptions > 0
+    for k, p in enumerate(prompts):
+        assert final[f"r{k}"].outputs[0].token_ids == [(i * 7 + len(p)) % 300 for i in range(40)]
+
+
+def test_prompt_plus_max_tokens_is_capped_at_max_model_len() -> None:
+    engine = make_engine(max_model_len=32)
+    engine.add_request("a", list(range(1, 21)), SamplingParams(max_tokens=100))
+    out = run_to_completion(engine)["a"].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_output_kinds(tok, kind) -> None:
+    engine = make_engine(text_script(tok), tokenizer=tok, vocab_size=len(tok))
+    engine.add_request("ref", [5], SamplingParams(max_tokens=30, logprobs=2))
+    engine.add_request("x", [5], SamplingParams(max_tokens=30, logprobs=2), output_kind=kind)
+    outs = {"ref": [], "x": []}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    ref = outs["ref"][-1].outputs[0]
+    if kind is RequestOutputKind.FINAL_ONLY:
+        assert len(outs["x"]) == 1 and outs["x"][0].outputs[0] == ref
+    else:
+        assert len(outs["x"]) == 30
+        assert "".join(o.outputs[0].text for o in outs["x"]) == ref.text
+        assert sum((o.outputs[0].token_ids for o in outs["x"]), []) == ref.token_ids
+        assert sum((o.outputs[0].logprobs for o in outs["x"]), []) == ref.logprobs
+
+
+def test_chat_template(tok) -> None:
+    engine = make_engine(tokenizer=tok, vocab_size=len(tok))
+    msgs = [{"role": "user", "content": "hi"}]
+    text = engine.apply_chat_template(msgs)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert engine.apply_chat_template(msgs, add_generation_prompt=False).endswith("<|im_end|>\n")
+    assert engine.apply_chat_template(msgs, chat_template="{{ messages[0]['content'] }}!") == "hi!"
+    enc = engine.encode_chat(msgs)
+    assert enc["prompt"] == text and tok.decode(enc["prompt_token_ids"]) == text
+    with pytest.raises(ValueError, match="messages"):
+        engine.apply_chat_template([{"content": "no role"}])
+    with pytest.raises(ValueError, match="chat template failed"):
+        engine.apply_chat_template(msgs, chat_template="{{ raise_exception('nope') }}")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        make_engine().apply_chat_template(msgs)
