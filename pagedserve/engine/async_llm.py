@@ -1,0 +1,298 @@
+"""AsyncLLM: the synchronous LLMEngine driven from a background thread for asyncio callers.
+
+Why a thread and not `run_in_executor` per step: the engine is not thread-safe, so one
+thread owns it outright; callers talk to it only through a command queue (add / abort)
+and receive outputs through `loop.call_soon_threadsafe`.  Torch releases the GIL inside
+its kernels, so the event loop keeps serving HTTP while a step runs.
+
+Outputs are cumulative, so each request keeps only the newest one: a slow consumer
+skips intermediate snapshots instead of queueing them without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve.async_llm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every in-flight and later request gets this."""
+
+
+class _Collector:
+    """Newest cumulative output (or an error) for one request; lives on the event loop."""
+
+    __slots__ = ("item", "ready")
+
+    def __init__(self) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self.item, BaseException):  # an error is final
+            self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
+@dataclass
+class _ReqStats:
+    """Engine-thread bookkeeping for latency metrics of one request."""
+
+    arrival: float
+    prompt_len: int = 0
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    done: bool = False
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    arrival: float
+    future: asyncio.Future = field(repr=False)
+
+
+class AsyncLLM:
+    def __init__(self, engine: Any, stat_loggers: Sequence[StatLogger] = (), log_stats: bool = True,
+                 log_interval: float = 10.0) -> None:
+        self.engine = engine
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.stat_loggers: list[StatLogger] = list(stat_loggers)
+        self.log_stats = LoggingStatLogger(log_interval) if log_stats else None
+        if self.log_stats is not None:
+            self.stat_loggers.append(self.log_stats)
+        self.dead_error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._collectors: dict[str, _Collector] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._req_stats: dict[str, _ReqStats] = {}  # engine thread only
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def start(self) -> None:
+        """Bind to the running event loop and start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ client API
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs until the request finishes.  Closing or cancelling
+        the iterator aborts the request (its KV blocks are freed at the next loop turn);
+        invalid input raises ValueError before anything is yielded."""
+        self.start()
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}") from self.dead_error
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert self._loop is not None
+        collector = _Collector()
+        self._collectors[request_id] = collector
+        future = self._loop.create_future()
+        self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), future))
+        finished = False
+        try:
+            await future  # ValueError from add_request surfaces here
+            while True:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._collectors.pop(request_id, None)
+            if not finished:
+                # FIFO after the add, so the engine thread sees the abort even if the add is
+                # still queued; it ignores ids it does not hold.
+                if not future.done():
+                    future.cancel()
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        collector = self._collectors.pop(request_id, None)
+        self._send(("abort", request_id))
+        if collector is not None:
+            collector.put(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        return self.engine.apply_chat_template(messages, chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt)
+
+    def _send(self, command: Any) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                did_work = self._drain_commands()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._dispatch(outputs)
+                elif did_work:
+                    self._record([], time.monotonic())  # aborts change running/KV usage
+                else:
+                    self._wake.wait(timeout=self.log_stats.interval if self.log_stats else None)
+                    self._wake.clear()
+                if self.log_stats is not None:
+                    self.log_stats.maybe_log()
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine
+            logger.exception("engine loop failed; the engine is dead")
+            self.dead_error = e
+            self._call_soon(self._fail_all, e)
+
+    def _drain_commands(self) -> bool:
+        did_work = False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return did_work
+            did_work = True
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif cmd[1] in self._req_stats:  # still live in the engine
+                self.engine.abort_request([cmd[1]])
+                self._finish_stats(cmd[1], "abort", time.monotonic())
+
+    def _add(self, cmd: _Add) -> None:
+        if cmd.future.cancelled():
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=time.time(),
+                                    priority=cmd.priority)
+        except (ValueError, TypeError) as e:
+            self._call_soon(_set_exception, cmd.future, ValueError(str(e)))
+            return
+        self._req_stats[cmd.request_id] = _ReqStats(arrival=cmd.arrival)
+        self._call_soon(_set_result, cmd.future, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # Cumulative outputs are fresh objects each step (the engine copies its lists), so
+        # the event loop may read them while this thread moves on.
+        self._record(outputs, time.monotonic())
+        if outputs:
+            self._call_soon(self._deliver, outputs)
+
+    def _record(self, outputs: list[RequestOutput], now: float) -> None:
+        it = IterationStats()
+        for out in outputs:
+            rs = self._req_stats.get(out.request_id)
+            if rs is None:
+                continue
+            n = sum(len(c.token_ids) for c in out.outputs)
+            if n > rs.num_tokens:
+                if rs.first_token_time is None:
+                    rs.first_token_time = now
+                    it.num_prompt_tokens += len(out.prompt_token_ids)
+                    it.time_to_first_tokens.append(now - rs.arrival)
+                else:
+                    it.inter_token_latencies.append(now - rs.last_token_time)
+                it.num_generation_tokens += n - rs.num_tokens
+                rs.num_tokens = n
+                rs.last_token_time = now
+            if out.finished:
+                reason = out.outputs[0].finish_reason if out.outputs else "stop"
+                it.finished.append((reason or "stop", now - rs.arrival))
+                del self._req_stats[out.request_id]
+        self._emit(it)
+
+    def _finish_stats(self, request_id: str, reason: str, now: float) -> None:
+        rs = self._req_stats.pop(request_id, None)
+        if rs is not None:
+            self._emit(IterationStats(finished=[(reason, now - rs.arrival)]))
+
+    def _emit(self, it: IterationStats) -> None:
+        if not self.stat_loggers:
+            return
+        sched = SchedulerStats.from_engine(self.engine.get_stats())
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(sched, it)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    # ------------------------------------------------------------------ event loop side
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for collector in self._collectors.values():
+            collector.put(EngineDeadError(f"engine is dead: {error!r}"))
+        while True:  # pending adds that the dead thread will never answer
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add) and not cmd.future.done():
+                cmd.future.set_exception(EngineDeadError(f"engine is dead: {error!r}"))
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+

@@ -1,0 +1,332 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory, routes and `run_server`.
+
+The socket is bound and /health answers 503 while the model loads in a background
+thread, so orchestrators see "not ready" rather than "connection refused"; /health
+turns 503 again if the engine loop dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import secrets
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedserve
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+
+logger = logging.getLogger("pagedserve.api_server")
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; filled in once the engine has loaded."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    engine: AsyncLLM | None = None
+    completion: OpenAIServingCompletion | None = None
+    chat: OpenAIServingChat | None = None
+    max_model_len: int = 0
+    registry: Any = None
+    extra: dict = field(default_factory=dict)
+
+    def attach(self, engine: AsyncLLM, max_model_len: int) -> None:
+        args = (engine, self.served_model_names, max_model_len)
+        self.max_model_len = max_model_len
+        self.completion = OpenAIServingCompletion(*args)
+        self.chat = OpenAIServingChat(*args)
+        self.engine = engine  # last: its presence means "ready"
+
+    def ready(self) -> AsyncLLM:
+        if self.engine is None:
+            raise OpenAIError("The model is still loading.", status=503, type="server_error")
+        if self.engine.errored:
+            raise OpenAIError(f"The engine is dead: {self.engine.dead_error!r}", status=503, type="server_error")
+        return self.engine
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+
+
+def _json(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump())
+
+
+class SSEResponse(StreamingResponse):
+    """Streams SSE and watches for the client going away even while no token is being
+    sent (starlette's default only notices on the next write), so a disconnect aborts the
+    request at once; the body iterator is always closed, which aborts it in the engine."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-write
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run a non-streaming handler, cancelling it (and so aborting its engine requests)
+    if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    if state.registry is None:
+        state.registry = CollectorRegistry()
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app.state.server = state
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable) -> Response:
+        if state.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), state.api_key):
+                return error_response(OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                                  status=401, code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the path.
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
+        where = ".".join(loc) or "body"
+        return error_response(OpenAIError(f"{where}: {first.get('msg', 'invalid request')}",
+                                          param=loc[0] if loc else None))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(OpenAIError(str(exc)))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(OpenAIError(str(exc), status=503, type="server_error"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(OpenAIError(str(exc.detail), status=exc.status_code,
+                                          type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        state.ready()
+        root = state.served_model_names[0]
+        return _json(ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
+                                     for name in state.served_model_names]))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.ready()
+        serving = state.completion
+        model, prompts, params = serving.prepare(body)
+        if body.stream:
+            return SSEResponse(serving.stream(body, model, prompts, params))
+        result = await _cancel_on_disconnect(request, serving.full(body, model, prompts, params))
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state.ready()
+        serving = state.chat
+        model, prompt, params = serving.prepare(body)
+        if body.stream:
+            return SSEResponse(serving.stream(body, model, prompt, params))
+        result = await _cancel_on_disconnect(request, serving.full(body, model, prompt, params))
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.ready()
+        chat = state.chat
+        if body.model is not None:
+            chat.model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("send exactly one of prompt or messages")
+        if body.messages is not None:
+            ids = chat.render(body.messages, body.add_generation_prompt).token_ids
+        else:
+            ids = chat.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.ready()
+        chat = state.chat
+        if body.model is not None:
+            chat.model_name(body.model)
+        if body.tokens:
+            chat.check_token_ids(body.tokens)
+        return {"prompt": chat.tokenizer.decode(body.tokens) if chat.tokenizer is not None else ""}
+
+    return app
+
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of `pagedserve serve`: the server's own, then every EngineArgs flag."""
+    from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help=f"model to serve (same as --model; default: {DEFAULT_MODEL})")
+    group = parser.add_argument_group("server arguments")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY, else none)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use in the 'model' field (default: the MODEL argument)")
+    group.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between throughput log lines (default: 10)")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    group.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's own log level; info logs every request (default: warning)")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Bind, answer 503 while the engine loads in a thread, then serve until Ctrl-C.
+    Exits with status 1 if the engine fails to load."""
+    import uvicorn
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.metrics import PrometheusStatLogger
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.model_tag is not None and getattr(args, "model", None) not in (None, args.model_tag):
+        raise SystemExit(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+    try:
+        engine_args = EngineArgs.from_cli_args(args, model=args.model_tag)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    names = args.served_model_name or [engine_args.model]
+    state = ServerState(served_model_names=names, api_key=args.api_key or os.environ.get("PAGEDSERVE_API_KEY"))
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def attach(engine: Any) -> None:
+            stat_logger = PrometheusStatLogger(state.registry, names[0])
+            client = AsyncLLM(engine, stat_loggers=[stat_logger], log_stats=not args.disable_log_stats,
+                              log_interval=args.log_stats_interval)
+            client.start()
+            state.attach(client, engine.config.scheduler_config.max_model_len)
+            logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
+
+        def load() -> None:
+            try:
+                engine = LLMEngine.from_engine_args(engine_args)
+            except BaseException as e:  # noqa: BLE001 - reported, then the server exits
+                logger.exception("failed to load the engine")
+                failed.append(e)
+                if server is not None:
+                    server.should_exit = True
+                return
+            loop.call_soon_threadsafe(attach, engine)
+
+        threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = build_app(state, lifespan=lifespan)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    logger.info("loading %s (health is 503 until ready)", engine_args.model)
+    server.run()
+    if failed:
+        raise SystemExit(1)
+
+
+def main() -> None:
+    parser = make_arg_parser(argparse.ArgumentParser(prog="pagedserve serve",
+                                                     description="OpenAI-compatible HTTP server"))
+    run_server(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Serving metrics: per-step statistics, Prometheus collectors and the periodic log line.
+
+The async engine builds one `IterationStats` per engine step (from the outputs it hands
+out, so the numbers are exactly what clients received) and passes it, with the engine's
+own `EngineStats` snapshot, to every stat logger.  Loggers are called from the engine
+thread; prometheus_client is thread-safe and `LoggingStatLogger` guards itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+logger = logging.getLogger("pagedserve.metrics")
+
+FINISH_REASONS = ("stop", "length", "abort")
+# Bucket edges (seconds) close to vLLM's, wide enough for CPU runs.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class SchedulerStats:
+    """The engine-side numbers a logger needs (copied from `LLMEngine.get_stats()`)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction in [0, 1]
+    prefix_cache_queries: int = 0  # cumulative tokens looked up
+    prefix_cache_hits: int = 0  # cumulative tokens found
+    num_preemptions: int = 0  # cumulative
+
+    @classmethod
+    def from_engine(cls, stats: Any) -> SchedulerStats:
+        return cls(**{name: getattr(stats, name, 0) for name in cls.__dataclass_fields__})
+
+
+@dataclass
+class IterationStats:
+    """What one engine step delivered to clients."""
+
+    num_prompt_tokens: int = 0  # prompts of requests that got their first token this step
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[tuple[str, float]] = field(default_factory=list)  # (finish_reason, e2e seconds)
+
+
+class StatLogger(Protocol):
+    def record(self, sched: SchedulerStats, it: IterationStats) -> None: ...
+
+
+class PrometheusStatLogger:
+    """vLLM's metric names on a caller-supplied registry (one per app, so tests can run
+    several servers in one process without duplicate-registration errors)."""
+
+    def __init__(self, registry: Any, model_name: str) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        labels = ["model_name"]
+
+        def lab(metric: Any) -> Any:
+            return metric.labels(model_name=model_name)
+
+        kw = {"registry": registry, "labelnames": labels}
+        self.running = lab(Gauge("vllm:num_requests_running", "Requests in the running batch.", **kw))
+        self.waiting = lab(Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", **kw))
+        self.kv_usage = lab(Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", **kw))
+        self.pc_queries = lab(Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", **kw))
+        self.pc_hits = lab(Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", **kw))
+        self.preemptions = lab(Counter("vllm:num_preemptions", "Cumulative preemptions.", **kw))
+        self.prompt_tokens = lab(Counter("vllm:prompt_tokens", "Prefill tokens processed.", **kw))
+        self.gen_tokens = lab(Counter("vllm:generation_tokens", "Generation tokens processed.", **kw))
+        success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                          registry=registry, labelnames=["model_name", "finished_reason"])
+        self.success = {r: success.labels(model_name=model_name, finished_reason=r) for r in FINISH_REASONS}
+        self.ttft = lab(Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                                  buckets=_TTFT_BUCKETS, **kw))
+        self.itl = lab(Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
+                                 buckets=_ITL_BUCKETS, **kw))
+        self.e2e = lab(Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                                 buckets=_E2E_BUCKETS, **kw))
+        self._last = SchedulerStats()
+
+    def record(self, sched: SchedulerStats, it: IterationStats) -> None:
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(sched.kv_cache_usage)
+        # The engine's counters are cumulative; Prometheus counters want increments.
+        for counter, name in ((self.pc_queries, "prefix_cache_queries"), (self.pc_hits, "prefix_cache_hits"),
+                              (self.preemptions, "num_preemptions")):
+            delta = getattr(sched, name) - getattr(self._last, name)
+            if delta > 0:
+                counter.inc(delta)
+        self._last = sched
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.gen_tokens.inc(it.num_generation_tokens)
+        for t in it.time_to_first_tokens:
+            self.ttft.observe(t)
+        for t in it.inter_token_latencies:
+            self.itl.observe(t)
+        for reason, e2e in it.finished:
+            self.success.get(reason, self.success["abort"]).inc()
+            if reason != "abort":
+                self.e2e.observe(e2e)
+
+
+class LoggingStatLogger:
+    """Accumulates tokens between log lines; `maybe_log` prints vLLM's periodic line when
+    the interval has passed and something happened (silent while the server idles)."""
+
+    def __init__(self, interval: float = 10.0, log: logging.Logger = logger) -> None:
+        self.interval = interval
+        self.log = log
+        self._lock = threading.Lock()
+        self._last_time = time.monotonic()
+        self._prompt = 0
+        self._gen = 0
+        self._sched = SchedulerStats()
+        self._logged_idle = True
+
+    def record(self, sched: SchedulerStats, it: IterationStats) -> None:
+        with self._lock:
+            self._prompt += it.num_prompt_tokens
+            self._gen += it.num_generation_tokens
+            self._sched = sched
+
+    def maybe_log(self, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            elapsed = now - self._last_time
+            if elapsed < self.interval:
+                return None
+            s = self._sched
+            idle = not (self._prompt or self._gen or s.num_running or s.num_waiting)
+            if idle and self._logged_idle:
+                self._last_time = now
+                return None  # nothing new since the last (idle) line
+            hit_rate = 100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+            line = (
+                f"Avg prompt throughput: {self._prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self._gen / elapsed:.1f} tokens/s, "
+                f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
+                f"GPU KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate:.1f}%"
+            )
+            self._prompt = self._gen = 0
+            self._last_time = now
+            self._logged_idle = idle
+        self.log.info(line)
+        return line

@@ -1,0 +1,106 @@
+"""A deterministic stand-in for LLMEngine (same public surface the async layer uses),
+so AsyncLLM and the HTTP layer can be tested in-process in milliseconds.
+
+Tokens are characters (id = code point); request r emits the characters of `script`
+in a cycle, one per step, then finishes with "length" at max_tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class CharTokenizer:
+    eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [min(ord(c), 255) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class FakeEngine:
+    def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
+                 fail_after_steps: int | None = None) -> None:
+        self.tokenizer = CharTokenizer()
+        self.script = script
+        self.step_time = step_time
+        self.busy = busy  # burn the CPU in Python (holding the GIL) instead of sleeping
+        self.fail_after_steps = fail_after_steps
+        self.reqs: dict[str, tuple[list[int], SamplingParams, list[list[int]]]] = {}
+        self.steps = 0
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+        self.thread_ids.add(threading.get_ident())
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else (
+            self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if request_id in self.reqs:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.reqs[request_id] = (ids, params, [[] for _ in range(params.n)])
+
+    def abort_request(self, ids):
+        self.thread_ids.add(threading.get_ident())
+        for rid in ids:
+            if self.reqs.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.reqs)
+
+    def get_stats(self) -> FakeStats:
+        return FakeStats(num_running=len(self.reqs), kv_cache_usage=0.01 * len(self.reqs))
+
+    def apply_chat_template(self, messages, chat_template=None, add_generation_prompt=True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        if self.fail_after_steps is not None and self.steps > self.fail_after_steps:
+            raise RuntimeError("simulated device failure")
+        if self.busy:
+            end = time.perf_counter() + self.step_time
+            while time.perf_counter() < end:
+                pass
+        elif self.step_time:
+            time.sleep(self.step_time)
+        outputs = []
+        for rid, (prompt, params, seqs) in list(self.reqs.items()):
+            comps = []
+            for i, toks in enumerate(seqs):
+                if len(toks) < params.max_tokens:
+                    toks.append(ord(self.script[(len(toks) + i) % len(self.script)]))
+                done = len(toks) >= params.max_tokens
+                comps.append(CompletionOutput(index=i, text=self.tokenizer.decode(toks), token_ids=list(toks),
+                                              finish_reason="length" if done else None))
+            finished = all(c.finish_reason for c in comps)
+            outputs.append(RequestOutput(rid, None, prompt, comps, finished))
+            if finished:
+                del self.reqs[rid]
+        return outputs

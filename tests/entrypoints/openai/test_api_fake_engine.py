@@ -1,0 +1,152 @@
+"""The HTTP layer in-process (httpx ASGI transport) over the fake engine: states the real
+engine cannot be put in on demand (loading, dead), SSE framing and error shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+from fake_engine import FakeEngine
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+
+
+def make_app(engine: FakeEngine | None = None, api_key: str | None = None, ready: bool = True):
+    state = ServerState(served_model_names=["fake", "alias"], api_key=api_key)
+    app = build_app(state)
+    if ready:
+        state.attach(AsyncLLM(engine or FakeEngine(), log_stats=False), max_model_len=64)
+    return state, app
+
+
+def call(app, fn):
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await fn(client)
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def events(body: str) -> list:
+    out = []
+    for block in body.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_health_503_while_loading_then_200():
+    state, app = make_app(ready=False)
+
+    async def fn(c):
+        r1 = await c.get("/health")
+        r2 = await c.post("/v1/completions", json={"prompt": "x"})
+        state.attach(AsyncLLM(FakeEngine(), log_stats=False), max_model_len=64)
+        r3 = await c.get("/health")
+        return r1, r2, r3
+
+    r1, r2, r3 = call(app, fn)
+    assert r1.status_code == 503 and r2.status_code == 503
+    assert "loading" in r2.json()["error"]["message"]
+    assert r3.status_code == 200
+
+
+def test_dead_engine_error_event_mid_stream_then_503():
+    _, app = make_app(FakeEngine(step_time=0.01, fail_after_steps=3))
+
+    async def fn(c):
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50, "stream": True})
+        health = await c.get("/health")
+        after = await c.post("/v1/completions", json={"prompt": "hi"})
+        return r, health, after
+
+    r, health, after = call(app, fn)
+    assert r.status_code == 200
+    evs = events(r.text)
+    assert evs[-1] == "[DONE]"
+    assert "error" in evs[-2] and "simulated device failure" in evs[-2]["error"]["message"]
+    assert any("choices" in e for e in evs[:-2])  # the stream had started before the failure
+    assert health.status_code == 503
+    assert after.status_code == 503 and after.json()["error"]["type"] == "server_error"
+
+
+def test_stream_framing_finish_reason_last_and_usage():
+    _, app = make_app(FakeEngine(script="abcdef", step_time=0.002))
+
+    async def fn(c):
+        return await c.post("/v1/completions", json={
+            "model": "alias", "prompt": ["p1", "p2"], "n": 2, "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}})
+
+    r = call(app, fn)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    evs = events(r.text)
+    assert evs[-1] == "[DONE]"
+    usage_chunk = evs[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 24
+    assert usage_chunk["usage"]["prompt_tokens"] == 4
+    texts: dict[int, str] = {}
+    for e in evs[:-2]:
+        (choice,) = e["choices"]
+        i = choice["index"]
+        assert i not in texts or not texts[i].endswith("|"), f"chunk for choice {i} after its finish"
+        texts[i] = texts.get(i, "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            assert choice["finish_reason"] == "length"
+            texts[i] += "|"
+        assert e["model"] == "alias" and e["id"].startswith("cmpl-")
+    # index = prompt_index * n + completion index; the fake cycles the script per child.
+    assert texts == {0: "abcdef|", 1: "bcdefa|", 2: "abcdef|", 3: "bcdefa|"}
+
+
+def test_auth_and_error_shapes():
+    _, app = make_app(api_key="sekrit")
+
+    async def fn(c):
+        ok_headers = {"Authorization": "Bearer sekrit"}
+        return [
+            await c.post("/v1/completions", json={"prompt": "x"}),
+            await c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}),
+            await c.get("/health"),  # not under /v1: no key needed
+            await c.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"}, headers=ok_headers),
+            await c.post("/v1/completions", json={"prompt": "x", "n": 0}, headers=ok_headers),
+            await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                       "logprobs": False, "top_logprobs": 2}, headers=ok_headers),
+            await c.post("/v1/completions", json={"prompt": [], "max_tokens": 2}, headers=ok_headers),
+            await c.post("/v1/completions", json={"prompt": [999], "max_tokens": 2}, headers=ok_headers),
+            await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=ok_headers),
+        ]
+
+    rs = call(app, fn)
+    codes = [r.status_code for r in rs]
+    assert codes == [401, 401, 200, 400, 400, 400, 400, 400, 200]
+    for r in rs[:2] + rs[3:8]:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "max_tokens" in rs[3].json()["error"]["message"]
+    assert rs[4].json()["error"]["message"] == "n must be an integer >= 1, got 0"
+    assert "top_logprobs requires logprobs" in rs[5].json()["error"]["message"]
+    assert "prompt must not be empty" in rs[6].json()["error"]["message"]
+    assert "out of vocabulary" in rs[7].json()["error"]["message"]
+
+
+def test_prompt_only_context_error_and_default_max_tokens():
+    _, app = make_app(FakeEngine())
+
+    async def fn(c):
+        long = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 80}]})
+        fill = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 20}]})
+        return long, fill
+
+    long, fill = call(app, fn)
+    assert long.status_code == 400
+    msg = long.json()["error"]["message"]
+    assert msg.startswith("This model's maximum context length is 64 tokens. However, you requested ")
+    # No max_tokens on chat: generate up to the end of the context.
+    usage = fill.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
