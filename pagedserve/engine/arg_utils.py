@@ -146,33 +146,31 @@ class EngineArgs:
             )
 
     # ------------------------------------------------------------------ config
-    def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
-        """Build the config tree.  `model_max_len` is the checkpoint's own limit
-        (max_position_embeddings) once known; max_model_len defaults to it and may
-        not exceed it."""
-        max_model_len = self.max_model_len
-        if model_max_len is not None:
-            if max_model_len is None:
-                max_model_len = model_max_len
-            elif max_model_len > model_max_len:
-                raise ValueError(
-                    f"max_model_len ({max_model_len}) is larger than the model's maximum context "
-                    f"length ({model_max_len})"
-                )
-        if max_model_len is None:
-            max_model_len = 2048
+    def create_engine_config(self, load_hf_config: bool = True) -> EngineConfig:
+        """Build the config tree.  With load_hf_config (the normal case) the model's
+        config is read now -- as vLLM does -- so an unknown model or architecture,
+        and a max_model_len beyond the model's limit, fail before any weights load;
+        max_model_len defaults to the model's limit.  Tests with a stand-in model pass
+        False and get max_model_len or 2048."""
+        chat_template = _read_chat_template(self.chat_template)
+        model_config = ModelConfig(
+            model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
+            max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
+            trust_remote_code=self.trust_remote_code, chat_template=chat_template,
+        )
+        if load_hf_config:
+            from pagedserve.model_loader import load_model_config
+
+            load_model_config(model_config, self.device)
+        max_model_len = model_config.max_model_len or 2048
+        model_config.max_model_len = max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not self.enable_chunked_prefill:
                 batched = max(batched, max_model_len)
-        chat_template = _read_chat_template(self.chat_template)
         return EngineConfig(
-            model_config=ModelConfig(
-                model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
-                max_model_len=max_model_len, load_format=self.load_format, seed=self.seed,
-                trust_remote_code=self.trust_remote_code, chat_template=chat_template,
-            ),
+            model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,

@@ -59,7 +59,7 @@ class FakeRunner:
 def make_engine(script=lambda i, prompt: 10 + i % 50, tokenizer=None, vocab_size: int = 400,
                 num_blocks: int = 64, eos_token_id: int | None = None, **engine_args) -> LLMEngine:
     engine_args.setdefault("max_model_len", 128)
-    config = EngineArgs(**engine_args).create_engine_config()
+    config = EngineArgs(**engine_args).create_engine_config(load_hf_config=False)
     config.model_config.hf_config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id)
     config.cache_config.num_blocks = num_blocks
     return LLMEngine(config, FakeRunner(script), tokenizer)

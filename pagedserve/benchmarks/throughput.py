@@ -1,0 +1,118 @@
+"""Offline throughput: nano-vllm's bench.py shape, plus the chat workloads of workloads.md.
+
+    pagedserve bench throughput --load-format dummy --num-prompts 64
+    pagedserve bench throughput --workload chat-burst --dtype bfloat16
+
+"random": N token-id prompts with random prompt and output lengths, EOS ignored, so
+the work is fixed by the seed.  The timed region is one `generate()` call after a
+warm-up; model load is excluded.  Output tokens are the tokens actually returned
+(for chat-burst-natural that is each answer up to and including its EOS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pagedserve.benchmarks import workloads as wl
+from pagedserve.engine.arg_utils import EngineArgs
+
+WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--workload", choices=WORKLOADS, default="random",
+                        help="random (nano-vllm bench.py) or a preset of workloads.md")
+    parser.add_argument("--num-prompts", type=int, default=256, help="random workload: number of requests")
+    parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
+                        help="random workload: prompt length range (inclusive)")
+    parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
+                        help="random workload: output length range (inclusive)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="override the workload's temperature (random: 0.6, chat presets: 0)")
+    parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def _random_workload(args: argparse.Namespace, vocab_size: int) -> wl.Workload:
+    lo_in, hi_in = args.input_len
+    lo_out, hi_out = args.output_len
+    if not (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out) or args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1 and --input-len/--output-len need 1 <= MIN <= MAX")
+    seed = args.seed if args.seed is not None else 0
+    # nano-vllm draws ids in [0, 10000]; stay inside small vocabularies too.
+    return wl.random_tokens(args.num_prompts, (lo_in, hi_in), (lo_out, hi_out),
+                            vocab=min(10000, vocab_size - 1), seed=seed)
+
+
+def build_requests(llm, args: argparse.Namespace):
+    from pagedserve import SamplingParams
+
+    engine = llm.llm_engine
+    if args.workload == "random":
+        w = _random_workload(args, engine.vocab_size)
+    else:
+        w = {"chat-burst": wl.chat_burst, "chat-burst-natural": wl.chat_burst_natural,
+             "shared-prefix": wl.shared_prefix}[args.workload]()
+    temperature = w.temperature if args.temperature is None else args.temperature
+    if w.prompt_token_ids is not None:
+        prompts = [{"prompt_token_ids": p} for p in w.prompt_token_ids]
+    else:
+        if engine.tokenizer is None:
+            raise ValueError(f"workload {w.name} needs a tokenizer with a chat template; this model has none")
+        prompts = [engine.encode_chat(conv) for conv in w.conversations]
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=w.ignore_eos)
+              for m in w.max_tokens]
+    return w, prompts, params
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from pagedserve import LLM, LLMEngine, SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    t0 = time.perf_counter()
+    llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args))
+    load_s = time.perf_counter() - t0
+    w, prompts, params = build_requests(llm, args)
+
+    # Warm-up: a few short requests (lazy compilation, allocator, caches).
+    warm = [{"prompt_token_ids": p["prompt_token_ids"][:16]} for p in prompts[:4]]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.reset_prefix_cache()
+
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cfg = llm.llm_engine.config
+    result = {
+        "workload": w.name, "model": engine_args.model, "dtype": str(cfg.model_config.dtype),
+        "num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,
+        "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 2),
+        "requests_per_s": len(outputs) / elapsed, "output_tok_per_s": n_out / elapsed,
+        "total_tok_per_s": (n_in + n_out) / elapsed, "torch_threads": torch.get_num_threads(),
+    }
+    print(f"workload {w.name}: {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens "
+          f"in {elapsed:.2f} s (model load {load_s:.1f} s, {torch.get_num_threads()} threads)")
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['output_tok_per_s']:.1f} output "
+          f"tok/s, {result['total_tok_per_s']:.1f} total tok/s")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = add_cli_args(argparse.ArgumentParser(
+        prog="pagedserve bench throughput", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

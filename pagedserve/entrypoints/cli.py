@@ -1,0 +1,211 @@
+"""The `pagedserve` command: generate, chat, serve, bench.
+
+    pagedserve generate "What is the capital of France?"
+    pagedserve chat --temperature 0.7
+    pagedserve bench throughput --workload chat-burst
+    pagedserve serve [MODEL] --port 8000       (the OpenAI-compatible server)
+
+Every command takes the engine flags of EngineArgs (--model, --dtype,
+--max-model-len, --enable-prefix-caching/--no-enable-prefix-caching, ...).
+`serve` and `bench serve` hand their arguments to their own modules, imported
+only when used, so the offline commands never import the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import logging
+import sys
+from typing import Any
+
+from pagedserve.engine.arg_utils import EngineArgs
+
+# Subcommands implemented elsewhere: argv prefix -> (module, what it is).
+_DELEGATED = {
+    ("serve",): ("pagedserve.entrypoints.openai.api_server", "the OpenAI-compatible server"),
+    ("bench", "serve"): ("pagedserve.benchmarks.serve", "the online serving benchmark"),
+}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default: {temperature})")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--system", default=None, help="system message for chat prompts")
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty, stop=ns.stop, ignore_eos=ns.ignore_eos, seed=ns.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the chat template (default: when the model has one)")
+    _add_sampling_args(gen, temperature=0.0, max_tokens=256)
+    EngineArgs.add_cli_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming the answer (/exit or Ctrl-D quits)")
+    _add_sampling_args(chat, temperature=0.7, max_tokens=512)
+    EngineArgs.add_cli_args(chat)
+
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pagedserve serve --help`)", add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    from pagedserve.benchmarks import throughput
+
+    throughput.add_cli_args(bench_sub.add_parser("throughput", help="offline throughput (nano-vllm bench shape)"))
+    bench_sub.add_parser("serve", help="online benchmark against an OpenAI-compatible server", add_help=False)
+    return parser
+
+
+def _delegate(argv: list[str]) -> bool:
+    for prefix, (module_name, what) in _DELEGATED.items():
+        if tuple(argv[: len(prefix)]) == prefix:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as e:
+                if e.name and module_name.startswith(e.name):
+                    sys.exit(f"pagedserve {' '.join(prefix)}: {what} is not available in this installation "
+                             f"(module {module_name} is missing)")
+                raise
+            _call_main(module, "pagedserve " + " ".join(prefix), argv[len(prefix):])
+            return True
+    return False
+
+
+def _call_main(module: Any, prog: str, argv: list[str]) -> None:
+    """Run a delegated command with our argv, whatever its entry point looks like."""
+    if hasattr(module, "make_arg_parser") and hasattr(module, "run_server"):
+        parser = module.make_arg_parser(argparse.ArgumentParser(prog=prog, description=module.__doc__))
+        module.run_server(parser.parse_args(argv))
+    elif inspect.signature(module.main).parameters:
+        module.main(argv)
+    else:
+        sys.argv = [prog, *argv]
+        module.main()
+
+
+def _load(ns: argparse.Namespace):
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    from pagedserve.entrypoints.llm import LLM
+
+    llm = LLM.from_engine(_load(ns))
+    engine = llm.llm_engine
+    use_chat = ns.chat
+    has_template = engine.tokenizer is not None and bool(
+        engine.model_config.chat_template or getattr(engine.tokenizer, "chat_template", None))
+    if use_chat is None:
+        use_chat = has_template
+    if use_chat:
+        prompts: list[Any] = [engine.encode_chat(_conversation(ns.system, p)) for p in ns.prompts]
+    else:
+        prompts = list(ns.prompts)
+    outputs = llm.generate(prompts, _sampling_params(ns), use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(ns.prompts, outputs, strict=True)):
+        if len(outputs) > 1:
+            print(("\n" if i else "") + f"[{i}] {prompt}\n" + "-" * 40)
+        print(out.outputs[0].text)
+
+
+def _conversation(system: str | None, user: str) -> list[dict[str, str]]:
+    conv = [{"role": "system", "content": system}] if system else []
+    return conv + [{"role": "user", "content": user}]
+
+
+def cmd_chat(ns: argparse.Namespace) -> None:
+    from pagedserve.engine.output_processor import RequestOutputKind
+
+    engine = _load(ns)
+    params = _sampling_params(ns)
+    base = [{"role": "system", "content": ns.system}] if ns.system else []
+    history = list(base)
+    print("pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/clear":
+            history = list(base)
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        rid = f"chat-{turn}"
+        turn += 1
+        try:
+            engine.add_request(rid, engine.encode_chat(history), params, output_kind=RequestOutputKind.DELTA)
+        except ValueError as e:
+            history.pop()
+            print(f"error: {e} (try /clear)", file=sys.stderr)
+            continue
+        reply = []
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    piece = out.outputs[0].text
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _delegate(argv):
+        return
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        if ns.command == "generate":
+            cmd_generate(ns)
+        elif ns.command == "chat":
+            cmd_chat(ns)
+        elif ns.command == "bench" and ns.bench_command == "throughput":
+            from pagedserve.benchmarks import throughput
+
+            throughput.run(ns)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad flags or input: the message names the problem; a traceback would only hide it.
+        sys.exit(f"pagedserve {ns.command}: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The offline API: `LLM(model, **engine_args).generate(prompts, params)`.
+
+A thin loop over LLMEngine: add every prompt, step until all are done, return the
+outputs in input order.  Requests ask for FINAL_ONLY outputs, so the engine builds
+one RequestOutput per request instead of a cumulative copy every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.output_processor import RequestOutputKind
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine plus the batch loop.  Keyword arguments are EngineArgs fields
+    (dtype, max_model_len, enable_prefix_caching, kv_cache_memory_bytes, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        args = EngineArgs.from_kwargs("LLM()", model=model, **engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an already built engine (tests, custom runners)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._request_counter = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt_token_ids": [...]} /
+        {"prompt": "..."} dicts, or a list of these.  sampling_params: one for all
+        prompts or a list with one per prompt.  Outputs come back in input order."""
+        prompt_list = _normalize_prompts(prompts)
+        return self._run(prompt_list, _normalize_params(sampling_params, len(prompt_list)), use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the model's chat template (or `chat_template`)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        engine = self.llm_engine
+        prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt) for conv in conversations]
+        return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                rid = str(next(self._request_counter))
+                engine.add_request(rid, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(rid)
+            results = self._run_engine(ids, use_tqdm)
+        finally:
+            # A bad prompt in the middle, or Ctrl-C: leave the engine clean for the next call.
+            engine.abort_request(ids)
+        return [results[rid] for rid in ids]
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = _ProgressBar(engine, len(ids)) if use_tqdm and ids else None
+        try:
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine lost {len(pending)} request(s)")
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.finished_one()
+                if bar is not None:
+                    bar.tick()
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+
+class _ProgressBar:
+    """tqdm over requests, with input and output tokens/s measured from the engine's counters."""
+
+    def __init__(self, engine: LLMEngine, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.engine = engine
+        stats = engine.get_stats()
+        self.base = (stats.num_prompt_tokens, stats.num_generation_tokens)
+        self.start = time.perf_counter()
+        self.last = 0.0
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+
+    def finished_one(self) -> None:
+        self.bar.update(1)
+
+    def tick(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < 0.25:
+            return
+        self.last = now
+        stats = self.engine.get_stats()
+        elapsed = max(now - self.start, 1e-9)
+        tin = (stats.num_prompt_tokens - self.base[0]) / elapsed
+        tout = (stats.num_generation_tokens - self.base[1]) / elapsed
+        self.bar.set_postfix_str(f"est. speed input: {tin:.2f} toks/s, output: {tout:.2f} toks/s", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.tick(force=True)
+        self.bar.close()
+
+
+def _normalize_prompts(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+    raise ValueError(
+        "prompts must be a string, a list of token ids, a prompt dict, or a list of these; "
+        f"got {type(prompts).__name__}"
+    )
+
+
+def _normalize_params(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, (list, tuple)):
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one, or one per prompt")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        return list(params)
+    raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedserve.engine.arg_utils import EngineArgs, parse_bytes
+
+
+def test_defaults_and_config_tree() -> None:
+    args = EngineArgs(max_model_len=512, block_size=32, enable_prefix_caching=False, seed=3,
+                      long_prefill_token_threshold=64, kv_cache_memory_bytes="1MiB", dtype="bf16")
+    cfg = args.create_engine_config(load_hf_config=False)
+    assert cfg.model_config.model == "smollm2-135m-instruct" and cfg.model_config.dtype == "bfloat16"
+    assert cfg.model_config.seed == 3 and cfg.model_config.max_model_len == 512
+    assert (cfg.cache_config.block_size, cfg.cache_config.enable_prefix_caching) == (32, False)
+    assert cfg.cache_config.kv_cache_memory_bytes == 2**20
+    s = cfg.scheduler_config
+    assert (s.max_model_len, s.max_num_batched_tokens, s.long_prefill_token_threshold) == (512, 8192, 64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"dtype": "float64"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_num_seqs": -1}, "max_num_seqs"),
+        ({"block_size": 24}, "block_size"),
+        ({"block_size": True}, "block_size"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"kv_cache_memory_bytes": "lots"}, "kv_cache_memory_bytes"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"load_format": "pickle"}, "load_format"),
+        ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"model": ""}, "model"),
+        ({"chat_template": "/no/such/template.jinja"}, "chat_template"),
+    ],
+)
+def test_bad_values_name_the_argument(kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        EngineArgs(**kwargs).create_engine_config(load_hf_config=False)
+
+
+def test_unknown_kwargs_are_a_type_error_naming_them() -> None:
+    with pytest.raises(TypeError, match="max_len, speed.*Valid engine arguments: .*max_model_len"):
+        EngineArgs.from_kwargs("LLM()", model="m", max_len=3, speed=1)
+
+
+def test_chat_template_from_file(tmp_path) -> None:
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages }}")
+    cfg = EngineArgs(chat_template=str(f)).create_engine_config(load_hf_config=False)
+    assert cfg.model_config.chat_template == "{{ messages }}"
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512M") == 512 * 10**6
+    assert parse_bytes("1.5k") == 1500 and parse_bytes(4096) == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("12 parsecs")
+
+
+def test_cli_flags_round_trip() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--model", "x", "--max-model-len", "256", "--no-enable-prefix-caching",
+                            "--kv-cache-memory-bytes", "64MiB", "--dtype", "float32", "--enforce-eager"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.model, args.max_model_len, args.enable_prefix_caching) == ("x", 256, False)
+    assert args.kv_cache_memory_bytes == 64 * 2**20 and args.dtype == "float32" and args.enforce_eager
+    # Flags not given keep the dataclass defaults.
+    untouched = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert untouched == EngineArgs()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int3"])
