@@ -1,0 +1,243 @@
+"""TritonAttentionBackend: the paged-attention backend for CUDA devices.
+
+Per step, `build_metadata` splits the batch by query length: requests with one new
+token go to the decode kernel, the rest to the extend kernel.  Why two kernels
+instead of one launch over the mixed batch:
+  * decode is memory-bound: every step reads each request's whole K/V once.  Its
+    kernel packs the GQA group of one token into the tile rows and splits long
+    contexts across programs (flash-decoding), which is what keeps the GPU full when
+    a few long requests decode.  A unified kernel tiles queries BLOCK_Q tokens at a
+    time, so a decode row would use 1/BLOCK_Q of its tile's rows and get no split.
+  * extend is compute-bound on long prompts and wants big query tiles; it never
+    needs a split because its queries already give it enough programs.
+  * the price of separating them is one extra launch (a few microseconds per layer)
+    and only in steps that mix both; pure-decode steps, the bulk of a run, launch
+    store + decode (+ reduce when split).
+These are arithmetic and roofline reasoning, not measurements: this was written
+without a GPU.  `pagedserve/benchmarks/bench_kernels.py` times each kernel against
+its memory floor and against torch SDPA, and is where the tile sizes and split
+policy below should be tuned.
+
+Requires triton; `import pagedserve.attention.triton_backend` fails with ImportError
+without it, which is what the backend selector tests for.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedserve.attention.triton_kernels import LOG2E, get_kernels, next_pow2
+
+# Split-KV policy for decode: aim for TARGET_WAVES programs per SM, never give a split
+# fewer than MIN_SPLIT_TOKENS tokens (below that the reduce costs more than it buys).
+TARGET_WAVES = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 16
+
+
+def plan_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many programs share one (request, kv head)'s context in the decode kernel."""
+    programs = num_decodes * num_kv_heads
+    if programs == 0:
+        return 1
+    want = -(-TARGET_WAVES * num_sms // programs)
+    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: any small number keeps the policy exercised
+
+
+@functools.cache
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """What the kernels need beyond the common metadata, built once per step."""
+
+    common: CommonAttentionMetadata
+    num_decodes: int
+    decode_reqs: torch.Tensor  # [num_decodes] int32: request indices with query length 1
+    max_decode_seq_len: int
+    extend_reqs: list[int]  # host: request indices with query length > 1
+    # None: plan per layer shape with plan_num_splits.  Pin it for CUDA-graph capture
+    # (the decode kernel derives each split's range from seq_len on the device).
+    num_splits: int | None = None
+    _tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict, repr=False)
+    _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def extend_tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(tile -> request, tile -> first query index, count), heaviest tiles first so
+        the long-context tiles start in the first wave.  Cached per block_q: all layers
+        of a model share it."""
+        if block_q not in self._tiles:
+            c = self.common
+            work: list[tuple[int, int, int]] = []
+            for i in self.extend_reqs:
+                n = c.query_start_loc_cpu[i + 1] - c.query_start_loc_cpu[i]
+                prefix = c.seq_lens_cpu[i] - n
+                work.extend((prefix + q0 + block_q, i, q0) for q0 in range(0, n, block_q))
+            work.sort(reverse=True)
+            dev = c.query_start_loc.device
+            self._tiles[block_q] = (
+                _to_device([w[1] for w in work], dev), _to_device([w[2] for w in work], dev), len(work),
+            )
+        return self._tiles[block_q]
+
+    def split_scratch(self, num_heads: int, num_splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (num_heads, num_splits, head_dim)
+        if key not in self._scratch:
+            dev = self.common.query_start_loc.device
+            self._scratch[key] = (
+                torch.empty(self.num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=dev),
+                torch.empty(self.num_decodes, num_heads, num_splits, dtype=torch.float32, device=dev),
+            )
+        return self._scratch[key]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    # Tile sizes (tokens).  Unmeasured defaults; see the module docstring.
+    decode_block_n: int = 64
+    extend_block_m: int = 128  # rows = query tokens x GQA group
+    extend_block_n: int = 64
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        qsl = common.query_start_loc_cpu
+        if len(qsl) != common.num_reqs + 1 or len(common.seq_lens_cpu) != common.num_reqs:
+            raise ValueError(
+                f"attention metadata: {common.num_reqs} requests but {len(qsl)} query_start_loc "
+                f"and {len(common.seq_lens_cpu)} seq_lens entries"
+            )
+        decodes: list[int] = []
+        extends: list[int] = []
+        for i in range(common.num_reqs):
+            n = qsl[i + 1] - qsl[i]
+            if n < 0 or n > common.seq_lens_cpu[i]:
+                raise ValueError(f"attention metadata: request {i} has {n} new tokens but seq_len "
+                                 f"{common.seq_lens_cpu[i]}")
+            if n == 1:
+                decodes.append(i)
+            elif n > 1:
+                extends.append(i)
+        dev = common.query_start_loc.device
+        if len(decodes) == common.num_reqs:
+            decode_reqs = _arange(max(1, common.num_reqs), dev)[: common.num_reqs]
+        else:
+            decode_reqs = _to_device(decodes, dev)
+        return TritonAttentionMetadata(
+            common=common,
+            num_decodes=len(decodes),
+            decode_reqs=decode_reqs,
+            max_decode_seq_len=max((common.seq_lens_cpu[i] for i in decodes), default=0),
+            extend_reqs=extends,
+        )
+
+    def forward(self, query, key, value, k_cache, v_cache, attn_metadata, output: torch.Tensor | None = None):
+        """Store the new K/V, then decode and extend; writes every element of the output
+        (rows past num_actual_tokens, padding, are zeroed).  `output` may be passed in
+        [T, num_heads, head_dim]; otherwise a fresh tensor is returned."""
+        kern = get_kernels()
+        interpret = kern.interpreted
+        if not interpret and query.device.type != "cuda":
+            raise ValueError(f"triton backend needs CUDA tensors, got {query.device}; to run the kernels in the "
+                             "Triton interpreter (slow; for tests) set TRITON_INTERPRET=1 before triton is imported")
+        md = attn_metadata
+        if isinstance(md, CommonAttentionMetadata):
+            md = self.build_metadata(md)
+        elif not isinstance(md, TritonAttentionMetadata):
+            raise ValueError(f"triton backend got metadata of type {type(md).__name__}; "
+                             "build it with TritonAttentionBackend.build_metadata")
+        self._check(query, key, value, k_cache, v_cache)
+        c = md.common
+        num_tokens = c.num_actual_tokens
+        if output is None:
+            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        elif output.shape != query.shape or output.stride(-1) != 1:
+            raise ValueError(f"output must be {tuple(query.shape)} with contiguous rows, got {tuple(output.shape)}")
+        if num_tokens < query.shape[0]:
+            output[num_tokens:].zero_()
+        if num_tokens == 0:
+            return output
+
+        h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = h // hkv
+        block_d = next_pow2(dim)
+        prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+        cs = k_cache.stride()
+        kern.store_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, c.slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), cs[1], cs[2],
+            NUM_KV_HEADS=hkv, HEAD_DIM=dim, BLOCK_H=next_pow2(hkv, 1), BLOCK_D=block_d,
+        )
+        common_args = (c.block_table, c.seq_lens, c.query_start_loc)
+        strides = (query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+                   c.block_table.stride(0), cs[0], cs[1], cs[2])
+        scale_log2e = self.scale * LOG2E
+
+        if md.num_decodes:
+            splits = md.num_splits or plan_num_splits(
+                md.num_decodes, hkv, md.max_decode_seq_len, _num_sms(query.device))
+            if splits > 1:
+                part_out, part_lse = md.split_scratch(h, splits, dim)
+            else:
+                part_out, part_lse = output, output  # unused by the kernel
+            kern.decode_kernel[(md.num_decodes, hkv, splits)](
+                query, k_cache, v_cache, output, part_out, part_lse, *common_args, md.decode_reqs,
+                *strides, scale_log2e,
+                NUM_HEADS=h, GROUP=group, HEAD_DIM=dim, CACHE_BLOCK=self.block_size,
+                BLOCK_G=next_pow2(group), BLOCK_D=block_d, BLOCK_N=self.decode_block_n,
+                NUM_SPLITS=splits, UPCAST=interpret, DOT_PREC=prec, num_warps=4, num_stages=2,
+            )
+            if splits > 1:
+                kern.decode_reduce_kernel[(md.num_decodes, h)](
+                    part_out, part_lse, output, c.query_start_loc, md.decode_reqs,
+                    output.stride(0), output.stride(1),
+                    NUM_HEADS=h, HEAD_DIM=dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits, 2),
+                    BLOCK_D=block_d, num_warps=4,
+                )
+
+        if md.extend_reqs:
+            block_m = max(self.extend_block_m, next_pow2(group))
+            block_q = block_m // group
+            tile_req, tile_q0, num_tiles = md.extend_tiles(block_q)
+            kern.extend_kernel[(num_tiles, hkv)](
+                query, k_cache, v_cache, output, *common_args, tile_req, tile_q0,
+                *strides, scale_log2e,
+                GROUP=group, HEAD_DIM=dim, CACHE_BLOCK=self.block_size,
+                BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=self.extend_block_n,
+                UPCAST=interpret, DOT_PREC=prec, num_warps=8 if block_m >= 128 else 4, num_stages=2,
+            )
+        return output
+
+    def _check(self, query, key, value, k_cache, v_cache) -> None:
+        h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if h % hkv:
+            raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {hkv}")
+        t = query.shape[0]
+        for name, x, heads in (("query", query, h), ("key", key, hkv), ("value", value, hkv)):
+            if x.dim() != 3 or x.shape[0] != t or x.shape[1] != heads or x.shape[2] != dim:
+                raise ValueError(f"{name} must be [{t}, {heads}, {dim}], got {tuple(x.shape)}")
+            if x.stride(-1) != 1:
+                raise ValueError(f"{name} must have contiguous head_dim rows")
+        expect = (k_cache.shape[0], self.block_size, hkv, dim)
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if tuple(x.shape) != expect or not x.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {expect} tensor, got {tuple(x.shape)}")
+        if v_cache.dtype != k_cache.dtype or query.device != k_cache.device:
+            raise ValueError("query and both caches must share a device, and the caches a dtype")

@@ -1,0 +1,268 @@
+"""Triton paged-attention kernels against the torch reference backend.
+
+Triton fixes interpreter-or-compiled when it is first imported (TRITON_INTERPRET=1
+then), so this module picks its process:
+  * no GPU and triton not yet imported: it sets TRITON_INTERPRET=1 before importing
+    triton and runs the interpreter suite here on CPU tensors (the CI case);
+  * otherwise (a GPU machine, or triton already imported compiled by an earlier
+    module) the compiled GPU tests run here and the interpreter suite runs in a fresh
+    python process, so neither mode leaks into the other or into other areas' tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); the Triton backend needs it")
+
+from pagedserve.attention.backend import CommonAttentionMetadata  # noqa: E402
+from pagedserve.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from pagedserve.attention.triton_backend import (  # noqa: E402
+    MIN_SPLIT_TOKENS,
+    TritonAttentionBackend,
+    TritonAttentionMetadata,
+    plan_num_splits,
+)
+from pagedserve.attention.triton_kernels import language_interpreted  # noqa: E402
+
+INTERPRETED = language_interpreted()
+ROOT = Path(__file__).resolve().parents[2]
+interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="triton is compiled in this process: test_interpreter_suite_in_fresh_process runs these")
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+GPU_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
+                          reason="needs a CUDA GPU and triton in compiled mode (TRITON_INTERPRET unset)")
+
+
+def make_batch(specs, heads, kv_heads, dim, block_size, dtype, seed, device="cpu", pad_tokens=0):
+    """specs: [(seq_len, new_tokens)].  Prefix K/V goes straight into scattered cache
+    blocks; every other cache slot holds NaN, so a kernel reading outside a request's
+    context poisons its output."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-seq_len // block_size) for seq_len, _ in specs]
+    num_blocks = 1 + sum(nblocks) + 2  # block 0 is the null block
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    block_table = torch.zeros(len(specs), max(nblocks), dtype=torch.int32)
+    qsl, slots = [0], []
+    for i, (seq_len, n) in enumerate(specs):
+        blocks = [free.pop() for _ in range(nblocks[i])]
+        block_table[i, : nblocks[i]] = torch.tensor(blocks, dtype=torch.int32)
+        req_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)])
+        prefix = seq_len - n
+        flat_k[req_slots[:prefix]] = torch.randn(prefix, kv_heads, dim, generator=g).to(dtype)
+        flat_v[req_slots[:prefix]] = torch.randn(prefix, kv_heads, dim, generator=g).to(dtype)
+        slots.extend(req_slots[prefix:].tolist())
+        qsl.append(qsl[-1] + n)
+    rows = qsl[-1] + pad_tokens
+
+    def rnd(h):
+        return torch.randn(rows, h, dim, generator=g).to(dtype).to(device)
+
+    seq_lens = [s for s, _ in specs]
+    md = CommonAttentionMetadata(
+        num_reqs=len(specs), num_actual_tokens=qsl[-1],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        max_query_len=max(n for _, n in specs), max_seq_len=max(seq_lens), block_size=block_size,
+    )
+    return rnd(heads), rnd(kv_heads), rnd(kv_heads), k_cache.to(device), v_cache.to(device), md
+
+
+def check(specs, heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.float32, seed=0, device="cpu",
+          tiles=None, num_splits=None, pad_tokens=0, tol=TOL):
+    """Run reference and Triton on identical copies; outputs and caches must agree and
+    every output element must be overwritten (the output starts as NaN)."""
+    q, k, v, kc, vc, common = make_batch(specs, heads, kv_heads, dim, block_size, dtype, seed, device, pad_tokens)
+    scale = dim**-0.5
+    ref = TorchReferenceBackend(heads, kv_heads, dim, scale, block_size)
+    tri = TritonAttentionBackend(heads, kv_heads, dim, scale, block_size)
+    if tiles:
+        tri.decode_block_n, tri.extend_block_m, tri.extend_block_n = tiles
+    kc2, vc2 = kc.clone(), vc.clone()
+    expected = ref.forward(q, k, v, kc, vc, common)
+    md = TritonAttentionBackend.build_metadata(common)
+    md.num_splits = num_splits
+    out = torch.full_like(q, float("nan"))
+    got = tri.forward(q, k, v, kc2, vc2, md, output=out)
+    assert got is out
+    assert not got.isnan().any(), "output elements left unwritten or NaN read from outside a context"
+    torch.testing.assert_close(got.float(), expected.float(), **tol[dtype])
+    torch.testing.assert_close(kc2, kc, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(vc2, vc, atol=0, rtol=0, equal_nan=True)
+    return md
+
+
+# ---------------------------------------------------------------- interpreter (CPU)
+
+SMALL = (16, 32, 16)  # decode BLOCK_N, extend BLOCK_M, extend BLOCK_N: many tiles per request
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_only(dtype, heads, kv_heads, block_size):
+    specs = [(37, 1), (1, 1), (100, 1), (block_size, 1), (block_size + 1, 1)]
+    check(specs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=block_size + heads + kv_heads)
+    check(specs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=7, tiles=SMALL)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 2, 16), (4, 1, 32)])
+def test_prefill_with_cached_prefix(dtype, heads, kv_heads, block_size):
+    # (context, new): fresh prompts, prefix hits ending mid-block and on a block edge, a 2-token chunk.
+    specs = [(40, 40), (70, 23), (64, 32), (97, 2), (17, 17)]
+    check(specs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=11)
+    check(specs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=12, tiles=SMALL)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_writes_every_element(dtype):
+    # Decodes interleaved with extends, plus 3 padded rows past num_actual_tokens (must come back 0).
+    specs = [(50, 1), (60, 25), (9, 1), (33, 33), (130, 1), (48, 3)]
+    check(specs, 4, 2, block_size=16, dtype=dtype, seed=21, pad_tokens=3)
+    check(specs, 4, 1, block_size=32, dtype=dtype, seed=22, pad_tokens=3, tiles=SMALL)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_long_context(dtype):
+    specs = [(700, 1), (40, 1), (1, 1), (513, 1)]
+    for splits in (3, 8):  # 8 splits of the short contexts leave empty splits to merge
+        md = check(specs, 4, 2, dtype=dtype, seed=30 + splits, num_splits=splits, tiles=SMALL)
+        assert md.num_splits == splits
+    # Left to the policy (4 simulated SMs on CPU): 2 long decodes x 2 KV heads get split.
+    assert plan_num_splits(2, 2, 700, num_sms=4) == 2
+    md = check([(700, 1), (513, 1)], 4, 2, dtype=dtype, seed=33)
+    assert md.num_splits is None and list(md._scratch) == [(4, 2, 32)]
+
+
+@interpreter
+def test_odd_group_and_head_dim():
+    # GQA group 3 and head_dim 24: exercises every row/column mask.
+    check([(45, 1), (50, 13), (19, 19)], heads=6, kv_heads=2, dim=24, block_size=16, seed=40)
+    check([(45, 1), (50, 13), (19, 19)], heads=6, kv_heads=2, dim=24, block_size=16, seed=41, tiles=SMALL)
+
+
+@interpreter
+def test_store_skips_padded_slots():
+    q, k, v, kc, vc, common = make_batch([(20, 8)], 2, 2, 16, 16, torch.float32, seed=50)
+    common.slot_mapping[[1, 5]] = -1
+    kc0 = kc.clone()
+    TritonAttentionBackend(2, 2, 16, 0.25, 16).forward(q, k, v, kc, vc, common)
+    flat, flat0 = kc.view(-1, 2, 16), kc0.view(-1, 2, 16)
+    for t, slot in enumerate(common.slot_mapping.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat[slot], k[t])
+    changed = (~(flat.isnan() & flat0.isnan()) & (flat != flat0)).any(-1).any(-1).nonzero().flatten().tolist()
+    assert sorted(changed) == sorted(s for s in common.slot_mapping.tolist() if s >= 0)
+
+
+def test_plan_num_splits():
+    assert plan_num_splits(0, 8, 4096, 132) == 1
+    assert plan_num_splits(256, 8, 4096, 132) == 1  # the batch alone fills the GPU
+    assert plan_num_splits(1, 8, MIN_SPLIT_TOKENS - 1, 132) == 1  # too short to be worth it
+    many = plan_num_splits(1, 8, 32768, 132)
+    assert 1 < many <= 16
+    assert plan_num_splits(1, 8, 2 * MIN_SPLIT_TOKENS, 132) == 2  # each split keeps >= MIN_SPLIT_TOKENS
+
+
+def test_metadata_split_decode_and_extend():
+    _, _, _, _, _, common = make_batch([(5, 1), (9, 4), (3, 1), (7, 7)], 2, 1, 16, 16, torch.float32, 0)
+    md = TritonAttentionBackend.build_metadata(common)
+    assert isinstance(md, TritonAttentionMetadata)
+    assert md.num_decodes == 2 and md.decode_reqs.tolist() == [0, 2] and md.max_decode_seq_len == 5
+    assert md.extend_reqs == [1, 3]
+    tile_req, tile_q0, n = md.extend_tiles(2)
+    assert n == 2 + 4  # 4 new tokens -> 2 tiles, 7 -> 4 tiles
+    assert sorted(zip(tile_req.tolist(), tile_q0.tolist(), strict=True)) == [(1, 0), (1, 2), (3, 0), (3, 2), (3, 4), (3, 6)]
+
+
+@interpreter
+def test_bad_inputs_raise_value_error():
+    q, k, v, kc, vc, common = make_batch([(10, 2)], 4, 2, 16, 16, torch.float32, seed=60)
+    tri = TritonAttentionBackend(4, 2, 16, 0.25, 16)
+    with pytest.raises(ValueError, match="key must be"):
+        tri.forward(q, k[:, :1], v, kc, vc, common)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        tri.forward(q, k, v, kc[:, :8], vc, common)
+    with pytest.raises(ValueError, match="metadata of type"):
+        tri.forward(q, k, v, kc, vc, {"not": "metadata"})
+    with pytest.raises(ValueError, match="not a multiple"):
+        TritonAttentionBackend(3, 2, 16, 0.25, 16).forward(q[:, :3], k, v, kc, vc, common)
+    common.query_start_loc_cpu = [0, 20]
+    with pytest.raises(ValueError, match="new tokens but seq_len"):
+        TritonAttentionBackend.build_metadata(common)
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=full_env)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter suite runs in this process")
+def test_interpreter_suite_in_fresh_process():
+    res = _run(f"import sys, pytest; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', {str(Path(__file__))!r}]))",
+               TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+
+
+def test_cpu_tensors_need_the_interpreter():
+    """Compiled mode (no TRITON_INTERPRET) with CPU tensors: a clear ValueError."""
+    code = (
+        "import torch, pytest\n"
+        "from pagedserve.attention.triton_backend import TritonAttentionBackend as B\n"
+        "z = torch.zeros\n"
+        "with pytest.raises(ValueError, match='needs CUDA tensors'):\n"
+        "    B(2, 2, 16, 0.25, 16).forward(z(1, 2, 16), z(1, 2, 16), z(1, 2, 16), z(3, 16, 2, 16),\n"
+        "                                  z(3, 16, 2, 16), None)\n"
+        "print('ok')\n"
+    )
+    res = _run(code, CUDA_VISIBLE_DEVICES="")
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_importable_without_triton():
+    """The selector imports the backend module to test for triton: without triton that
+    must be a plain ImportError, and the rest of pagedserve.attention must still load."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import pagedserve.attention.torch_ref\n"
+        "try:\n    import pagedserve.attention.triton_backend\nexcept ImportError as e:\n    print('ok', e)\n"
+    )
+    res = _run(code)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr
+
+
+# ---------------------------------------------------------------- compiled kernels (CUDA)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_realistic(dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    decodes = [(int(n), 1) for n in torch.randint(1, 4096, (48,), generator=gen)]
+    extends = [(1500, 500), (700, 700), (4000, 37), (130, 2)]
+    kw = dict(heads=16, kv_heads=8, dim=128, block_size=block_size, dtype=dtype, device="cuda", tol=GPU_TOL)
+    check(decodes + extends, seed=1, pad_tokens=5, **kw)  # mixed batch, planned splits
+    check(decodes[:4], seed=2, num_splits=8, **kw)  # forced split-KV
+    check(extends, seed=3, heads=32, kv_heads=4, **{k: v for k, v in kw.items() if "heads" not in k})
