@@ -1,0 +1,85 @@
+"""LLM API shapes with a scripted runner (no model): prompt forms, ordering, errors, chat."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.engine.fake_runner import make_engine
+from tests.engine.helpers import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def llm(tok):
+    # Output i of a request is token 10 + i + first prompt token: outputs identify their prompt.
+    engine = make_engine(lambda i, p: 10 + i + p[0], tokenizer=tok, vocab_size=len(tok))
+    return LLM.from_engine(engine)
+
+
+def test_unknown_engine_argument_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="bogus_flag"):
+        LLM("smollm2-135m-instruct", bogus_flag=1)
+
+
+def test_prompt_forms(llm, tok) -> None:
+    p = SamplingParams(max_tokens=3)
+    [one] = llm.generate("hello world", p, use_tqdm=False)
+    assert one.prompt == "hello world" and one.prompt_token_ids == tok.encode("hello world")
+    assert len(one.outputs) == 1 and len(one.outputs[0].token_ids) == 3 and one.finished
+    outs = llm.generate(["hello", {"prompt_token_ids": [7, 8]}, {"prompt": "world"}, [9, 9, 9]], p,
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["hello", None, "world", None]
+    assert outs[1].outputs[0].token_ids == [17, 18, 19] and outs[3].prompt_token_ids == [9, 9, 9]
+    [ids_only] = llm.generate([5, 6], p, use_tqdm=False)  # a bare token list is one prompt
+    assert ids_only.prompt_token_ids == [5, 6]
+    assert llm.generate([], p, use_tqdm=False) == []
+
+
+def test_outputs_in_input_order_with_per_prompt_params(llm) -> None:
+    prompts = [{"prompt_token_ids": [k + 1]} for k in range(6)]
+    params = [SamplingParams(max_tokens=12 - 2 * k) for k in range(6)]  # later prompts finish first
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for k, o in enumerate(outs):
+        assert o.prompt_token_ids == [k + 1]
+        assert o.outputs[0].token_ids == [11 + k + i for i in range(12 - 2 * k)]
+    ids = [int(o.request_id) for o in outs]
+    assert ids == sorted(ids)
+
+
+def test_bad_input_raises_and_leaves_engine_clean(llm) -> None:
+    good = {"prompt_token_ids": [3]}
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([good, {"prompt_token_ids": [10**7]}, good], SamplingParams(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate([good] * 3, [SamplingParams()] * 2, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(3.5, use_tqdm=False)
+    [o] = llm.generate(good, SamplingParams(max_tokens=2), use_tqdm=False)  # still works
+    assert o.outputs[0].token_ids == [13, 14]
+
+
+def test_n_samples_and_tqdm(llm, capsys) -> None:
+    [o] = llm.generate("hello", SamplingParams(n=3, max_tokens=4, seed=1), use_tqdm=True)
+    assert [c.index for c in o.outputs] == [0, 1, 2] and all(len(c.token_ids) == 4 for c in o.outputs)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "output:" in err and "toks/s" in err
+
+
+def test_chat_single_and_batched(llm, tok) -> None:
+    conv = [{"role": "user", "content": "hi"}]
+    [o] = llm.chat(conv, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert o.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert o.prompt_token_ids == tok.encode(o.prompt, add_special_tokens=False)
+    outs = llm.chat([conv, conv + [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]],
+                    SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(outs) == 2 and outs[1].prompt.count("<|im_start|>") == 4
+    [o] = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template="Q: {{ messages[0].content }}")
+    assert o.prompt == "Q: hi"
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([], use_tqdm=False)
