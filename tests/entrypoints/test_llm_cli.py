@@ -1,0 +1,81 @@
+"""The `pagedserve` CLI with a scripted engine: argument handling, output, chat loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagedserve.entrypoints import cli
+from tests.engine.fake_runner import make_engine
+from tests.engine.helpers import make_tokenizer
+
+ANSWER = "Paris is the capital of France."
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    tok = make_tokenizer()
+    ids = tok.encode(ANSWER) + [tok.eos_token_id]
+    engines = []
+
+    def load(ns):
+        assert ns.model in (None, "m")  # engine flags reach EngineArgs
+        engines.append(make_engine(lambda i, p: ids[min(i, len(ids) - 1)], tokenizer=tok, vocab_size=len(tok),
+                                   eos_token_id=tok.eos_token_id))
+        return engines[-1]
+
+    monkeypatch.setattr(cli, "_load", load)
+    return engines
+
+
+def test_generate_prints_the_answer(fake_engine, capsys) -> None:
+    cli.main(["generate", "What is the capital of France?", "--model", "m", "--max-tokens", "50"])
+    assert capsys.readouterr().out == ANSWER + "\n"
+    cli.main(["generate", "a", "b", "--no-chat", "--max-tokens", "3"])
+    out = capsys.readouterr().out
+    assert out.startswith("[0] a\n") and "\n[1] b\n" in out and out.count("Paris is") == 2
+
+
+def test_generate_applies_the_chat_template_by_default(fake_engine, monkeypatch) -> None:
+    seen = []
+
+    def run(self, prompts, params, use_tqdm):
+        seen.extend(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text="")]) for _ in prompts]
+
+    monkeypatch.setattr("pagedserve.entrypoints.llm.LLM._run", run)
+    cli.main(["generate", "hi", "--system", "be brief"])
+    assert seen[0]["prompt"].startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi")
+    seen.clear()
+    cli.main(["generate", "hi", "--no-chat"])
+    assert seen == ["hi"]
+
+
+def test_bad_sampling_value_is_a_clean_error(fake_engine) -> None:
+    with pytest.raises(SystemExit, match="max_tokens must be"):
+        cli.main(["generate", "x", "--max-tokens", "0"])
+
+
+def test_chat_streams_and_keeps_history(fake_engine, monkeypatch, capsys) -> None:
+    lines = iter(["hello", "", "again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    cli.main(["chat", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out == ANSWER + "\n" + ANSWER + "\n"
+    engine = fake_engine[-1]
+    assert not engine.has_unfinished_requests()
+
+
+def test_chat_ends_on_eof(fake_engine, monkeypatch) -> None:
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    cli.main(["chat"])
+
+
+def test_missing_delegated_command_says_so(monkeypatch) -> None:
+    monkeypatch.setitem(cli._DELEGATED, ("serve",), ("pagedserve.no_such_server", "the server"))
+    with pytest.raises(SystemExit, match="the server is not available"):
+        cli.main(["serve", "--port", "1"])
