@@ -63,7 +63,9 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.chat_template = chat_template
-        self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
+        # The model's vocabulary (it may be padded past the tokenizer's).
+        self.vocab_size = getattr(getattr(engine, "engine", None), "vocab_size", None) or (
+            len(self.tokenizer) if self.tokenizer is not None else None)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
