@@ -52,7 +52,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render(req.messages, req.add_generation_prompt, req.chat_template)
         self.check_token_ids(prompt.token_ids)
         max_tokens = self.check_length(len(prompt.token_ids), req._requested_max_tokens())
-        return model, prompt, req.to_sampling_params(default_max_tokens=max_tokens)
+        params = req.to_sampling_params(default_max_tokens=max_tokens)
+        self.check_params(params)
+        return model, prompt, params
 
     def _generate(self, prompt: TokenizedPrompt, params: SamplingParams, request_id: str,
                   priority: int) -> AsyncIterator[RequestOutput]:

@@ -35,11 +35,10 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.model_name(req.model)
         req.check_unsupported()
         prompts = self._prompts(req.prompt)
-        # One SamplingParams for all prompts: max_tokens defaults per the longest prompt.
-        max_tokens = None
-        for p in prompts:
-            max_tokens = self.check_length(len(p.token_ids), req.max_tokens)
+        # One SamplingParams for all prompts: an unset max_tokens fills the longest one's context.
+        max_tokens = min(self.check_length(len(p.token_ids), req.max_tokens) for p in prompts)
         params = req.to_sampling_params(default_max_tokens=max_tokens)
+        self.check_params(params)
         return model, prompts, params
 
     def _prompts(self, prompt: str | list) -> list[TokenizedPrompt]:

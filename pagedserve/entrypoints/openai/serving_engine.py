@@ -106,6 +106,17 @@ class OpenAIServing:
                 "completion). Please reduce the length of the messages or completion.")
         return max_tokens
 
+    def check_params(self, params: Any) -> None:
+        """What the engine would refuse only after a stream has started (as an in-band
+        error); checked here so the client gets a plain 400 instead."""
+        bad = [t for t in params.stop_token_ids if self.vocab_size is not None and t >= self.vocab_size]
+        if bad:
+            raise OpenAIError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})",
+                              param="stop_token_ids")
+        if params.stop_strings and self.tokenizer is None:
+            raise OpenAIError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                              param="stop")
+
     # ------------------------------------------------------------------ logprobs
     def token_str(self, token_id: int, lp: Logprob | None = None) -> str:
         if lp is not None and lp.decoded_token is not None:

@@ -1,0 +1,214 @@
+"""The real server (subprocess, tiny random Llama) through the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def complete(client, **kw):
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, **kw}
+    return client.completions.create(**args)
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_usage_is_exact(client, tokenizer):
+    r = complete(client, max_tokens=10, extra_body={"ignore_eos": True})
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL_NAME
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length"
+    n_prompt = len(tokenizer.encode(PROMPT))
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens == 10
+    assert r.usage.total_tokens == n_prompt + 10
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_usage_is_exact(client, tokenizer):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=7,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    ids = tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 7 and r.usage.total_tokens == len(ids) + 7
+
+
+def test_streamed_equals_non_streamed_completion(client):
+    full = complete(client, max_tokens=24).choices[0]
+    pieces, finishes = [], []
+    for chunk in complete(client, max_tokens=24, stream=True):
+        (c,) = chunk.choices
+        pieces.append(c.text)
+        finishes.append(c.finish_reason)
+    assert "".join(pieces) == full.text
+    assert finishes[-1] == full.finish_reason and all(f is None for f in finishes[:-1])
+
+
+def test_streamed_equals_non_streamed_chat(client):
+    kw = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
+    full = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.id == chunks[0].id and ch.id.startswith("chatcmpl-") for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == full.message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks]
+    assert finishes[-1] == full.finish_reason and all(f is None for f in finishes[:-1])
+
+
+def test_n3_with_seed_indices_and_reproducible(client):
+    kw = {"n": 3, "seed": 1234, "temperature": 1.0, "max_tokens": 8}
+    a = complete(client, **kw)
+    b = complete(client, **kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in sorted(a.choices, key=lambda c: c.index)] == \
+           [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    # Streamed, each index gets exactly one finish_reason, in its last chunk.
+    seen: dict[int, list] = {0: [], 1: [], 2: []}
+    for chunk in complete(client, stream=True, **kw):
+        for c in chunk.choices:
+            seen[c.index].append(c.finish_reason)
+    for reasons in seen.values():
+        assert reasons and reasons[-1] is not None and all(r is None for r in reasons[:-1])
+
+
+def test_include_usage_chunk(client):
+    chunks = list(complete(client, max_tokens=6, stream=True, stream_options={"include_usage": True},
+                           extra_body={"ignore_eos": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 6
+    assert all(ch.usage is None for ch in chunks[:-1])
+    chat_chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=5, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    assert chat_chunks[-1].choices == [] and chat_chunks[-1].usage.completion_tokens == 5
+
+
+def test_completion_logprobs(client):
+    r = complete(client, max_tokens=8, logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert tok_lp <= 0 and 3 <= len(top) <= 4
+        # Greedy: the chosen token is the most likely one.
+        assert tok_lp == pytest.approx(max(top.values()), abs=1e-4)
+        assert top[tok] == pytest.approx(tok_lp, abs=1e-6)
+
+
+def test_chat_logprobs_and_streamed_logprobs(client):
+    kw = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True,
+          "top_logprobs": 2, "extra_body": {"ignore_eos": True}}
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4)
+        assert t.bytes == list(t.token.encode())
+    streamed = [t for ch in client.chat.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+
+
+def test_stop_strings(client):
+    base = complete(client, max_tokens=30, extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 8, base
+    stop = base[5:8]
+    expected = base[: base.find(stop)]
+    r = complete(client, max_tokens=30, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert r.text == expected and r.finish_reason == "stop" and r.stop_reason == stop
+    streamed = list(complete(client, max_tokens=30, stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].text for ch in streamed)
+    assert text == expected  # no part of the stop string leaked into any chunk
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    inc = complete(client, max_tokens=30, stop=[stop], extra_body={"ignore_eos": True,
+                                                                  "include_stop_str_in_output": True})
+    assert inc.choices[0].text == expected + stop
+
+
+def test_prompt_forms_and_echo(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    by_text = complete(client, max_tokens=5)
+    by_ids = complete(client, prompt=ids, max_tokens=5)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = complete(client, prompt=[PROMPT, "hello world"], max_tokens=5)
+    assert [c.index for c in sorted(batch.choices, key=lambda c: c.index)] == [0, 1]
+    assert sorted(batch.choices, key=lambda c: c.index)[0].text == by_text.choices[0].text
+    echo = complete(client, max_tokens=5, echo=True)
+    assert echo.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_errors_then_success(server, client):
+    # 400: validation (our own and pydantic's), context length in vLLM's words.
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.body["message"]
+    assert complete(client, max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, max_tokens="lots")
+    assert e.value.status_code == 400
+    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["count"]
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, max_tokens=300)
+    assert e.value.body["message"] == (
+        f"This model's maximum context length is 256 tokens. However, you requested {n_prompt + 300} tokens "
+        f"({n_prompt} in the messages, 300 in the completion). Please reduce the length of the messages or "
+        "completion.")
+    assert complete(client, max_tokens=2).usage.completion_tokens >= 1
+    # 401: wrong key.
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+    assert e.value.status_code == 401
+    assert complete(client, max_tokens=2).choices
+    # 404: unknown model.
+    with pytest.raises(openai.NotFoundError) as e:
+        complete(client, model="gpt-4")
+    assert e.value.status_code == 404 and "gpt-4" in e.value.body["message"]
+    assert complete(client, max_tokens=2).choices
+
+
+def test_tokenize_detokenize(server, tokenizer):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert d["prompt"] == tokenizer.decode(r["tokens"])
+
+
+def test_async_client_concurrent(server):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as ac:
+            kw = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+            results = await asyncio.gather(*(ac.completions.create(**kw) for _ in range(6)))
+            stream = await ac.completions.create(stream=True, **kw)
+            streamed = "".join([ch.choices[0].text async for ch in stream])
+            return [r.choices[0].text for r in results], streamed
+
+    texts, streamed = asyncio.run(main())
+    assert len(set(texts)) == 1 and streamed == texts[0]

@@ -1,0 +1,100 @@
+"""The real server under concurrent streaming load with disconnects, and /metrics
+parsed with prometheus_client against exactly the requests sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+from conftest import API_KEY, MODEL_NAME
+
+PROMPTS = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(32)]
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def wait_idle(server, timeout: float = 20) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
+                and m[("vllm:kv_cache_usage_perc", ())] == 0)
+        if idle or time.time() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_metrics_match_requests_sent(server, tokenizer):
+    before = wait_idle(server)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    prompts = PROMPTS[:3]
+    max_tokens = [5, 7, 9]
+    for p, m in zip(prompts, max_tokens, strict=True):
+        r = client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=m, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == m
+    after = wait_idle(server)
+    n_prompt = sum(len(tokenizer.encode(p)) for p in prompts)
+    assert delta(after, before, "vllm:request_success_total", finished_reason="length") == 3
+    assert delta(after, before, "vllm:prompt_tokens_total") == n_prompt
+    assert delta(after, before, "vllm:generation_tokens_total") == sum(max_tokens)
+    assert delta(after, before, "vllm:time_to_first_token_seconds_count") == 3
+    assert delta(after, before, "vllm:e2e_request_latency_seconds_count") == 3
+    # One inter-token gap per token after the first (one token per step here).
+    assert delta(after, before, "vllm:inter_token_latency_seconds_count") == sum(m - 1 for m in max_tokens)
+    assert delta(after, before, "vllm:e2e_request_latency_seconds_sum") > 0
+    assert delta(after, before, "vllm:prefix_cache_queries_total") >= n_prompt
+    for name in ("vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
+        assert (name, ()) in after
+    assert after[("vllm:num_requests_running", ())] == 0
+
+
+def test_32_streams_8_disconnect(server):
+    """32 concurrent streaming clients; 8 hang up after a few chunks.  The other 24 get
+    exactly the text the non-streamed request for their prompt got, and afterwards nothing is
+    running, waiting or holding KV blocks."""
+    kw = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 40, "extra_body": {"ignore_eos": True}}
+    before = wait_idle(server)
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as ac:
+            refs = await asyncio.gather(*(ac.completions.create(prompt=p, **kw) for p in PROMPTS))
+
+            async def one(i: int):
+                stream = await ac.completions.create(prompt=PROMPTS[i], stream=True, **kw)
+                text, chunks = "", 0
+                async for ch in stream:
+                    text += ch.choices[0].text
+                    chunks += 1
+                    if i % 4 == 3 and chunks == 3:
+                        await stream.close()  # hang up mid-stream
+                        return None
+                return text, ch.choices[0].finish_reason
+
+            results = await asyncio.gather(*(one(i) for i in range(32)))
+            return [r.choices[0].text for r in refs], results
+
+    refs, results = asyncio.run(main())
+    done = [r for r in results if r is not None]
+    assert len(done) == 24
+    for i, r in enumerate(results):
+        if i % 4 == 3:
+            assert r is None
+        else:
+            text, reason = r
+            assert reason == "length"
+            assert text == refs[i], i  # streamed == non-streamed for the same prompt
+    after = wait_idle(server)
+    assert after[("vllm:num_requests_running", ())] == 0
+    assert after[("vllm:num_requests_waiting", ())] == 0
+    assert after[("vllm:kv_cache_usage_perc", ())] == 0
+    assert delta(after, before, "vllm:request_success_total", finished_reason="length") == 24 + 32
+    assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 8
+    # The server is healthy and serving afterwards.
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text == refs[0]
