@@ -1,0 +1,72 @@
+"""Token embedding and LM head, split by vocabulary rows so tensor parallelism can shard them.
+
+With tied embeddings the LM head does not own a weight: it reads the embedding's
+Parameter, so a checkpoint that carries only `embed_tokens` (or both, identical)
+loads once and the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.layers.linear import get_tp_rank_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, shared_weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank_size()
+        if num_embeddings % self.tp_size:
+            raise ValueError(f"vocab_size={num_embeddings} is not divisible by tensor_parallel_size={self.tp_size}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.rows = num_embeddings // self.tp_size
+        self.row_start = self.tp_rank * self.rows
+        if shared_weight is not None:
+            self.weight = shared_weight
+            return
+        self.weight = nn.Parameter(torch.empty(self.rows, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"embedding has no shard {shard_id!r}")
+        if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"shape mismatch for embedding: model expects {(self.num_embeddings, self.embedding_dim)}, "
+                f"checkpoint has {tuple(loaded_weight.shape)}"
+            )
+        param.data.copy_(loaded_weight.narrow(0, self.row_start, self.rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.row_start
+        mine = (local >= 0) & (local < self.rows)
+        y = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        torch.distributed.all_reduce(y)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> float32 logits over the full vocabulary."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 tied_to: VocabParallelEmbedding | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, tied_to.weight if tied_to is not None else None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits.float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.compute_logits(hidden)

@@ -1,0 +1,38 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every block.
+
+Fusing the add here (as vLLM does) keeps the decoder layer to one call per norm and
+lets the residual stream be carried between layers without an extra tensor.  The
+arithmetic mirrors HF's LlamaRMSNorm exactly (normalize in float32, cast back, then
+scale) so that float32 outputs match HF bit for bit and bf16 ones round the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x).  With it: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -1,0 +1,166 @@
+"""Linear layers whose parameters know how to load (their shard of) a checkpoint tensor.
+
+The model never copies checkpoint tensors itself: every parameter carries a
+`weight_loader(param, loaded_weight, shard_id=None)`.  That is what lets one fused
+parameter (q|k|v, gate|up) be filled from several checkpoint tensors, and what will
+let tensor parallelism slice a tensor per rank later without touching model code:
+only `get_tp_rank_size()` has to change.  Today it is always (0, 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_tp_rank_size() -> tuple[int, int]:
+    """(rank, world size) of the tensor-parallel group. Tensor parallelism is not built yet."""
+    return 0, 1
+
+
+def _check_shape(what: str, expected: torch.Size, got: torch.Size) -> None:
+    if tuple(expected) != tuple(got):
+        raise ValueError(f"shape mismatch for {what}: model expects {tuple(expected)}, checkpoint has {tuple(got)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    """Whole-tensor copy for parameters that are neither fused nor sharded (norms)."""
+    if shard_id is not None:
+        raise ValueError(f"unexpected shard {shard_id!r} for an unfused parameter")
+    _check_shape("parameter", param.shape, loaded_weight.shape)
+    param.data.copy_(loaded_weight)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b); W is [out_features, in_features] as in HF checkpoints.
+
+    `tp_dim` is the dimension of W split across ranks (0: output, 1: input, None: replicated).
+    """
+
+    tp_dim: int | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank_size()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        dim = self.tp_dim
+        if dim is not None and dim < param.dim():
+            size = param.size(dim)
+            _check_shape("parameter", param.shape[:dim] + (size * self.tp_size,) + param.shape[dim + 1:],
+                         loaded_weight.shape)
+            loaded_weight = loaded_weight.narrow(dim, self.tp_rank * size, size)
+        _check_shape("parameter", param.shape, loaded_weight.shape)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank's output is its slice (no communication)."""
+
+    tp_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        _, tp_size = get_tp_rank_size()
+        super().__init__(in_features, _divide(out_features, tp_size, "out_features"), bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (gate|up); shard_id = index."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.weight.shard_ids = list(range(len(output_sizes)))
+        if self.bias is not None:
+            self.bias.shard_ids = list(range(len(output_sizes)))
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"merged linear needs a shard index in [0, {len(self.output_sizes)}), got {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _check_shape(f"shard {shard_id}", (self.output_sizes[shard_id],) + param.shape[1:], loaded_weight.shape)
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matmul; shard_id in ("q", "k", "v").
+
+    With more ranks than KV heads each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False) -> None:
+        _, tp_size = get_tp_rank_size()
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp_size, "num_attention_heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        else:
+            _divide(tp_size, total_num_kv_heads, "tp_size / num_key_value_heads")
+            self.num_kv_heads = 1
+        out = (total_num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
+        super().__init__(hidden_size, out, bias)
+        self.weight.shard_ids = ["q", "k", "v"]
+        if self.bias is not None:
+            self.bias.shard_ids = ["q", "k", "v"]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, total, rank = 0, q_size, self.total_num_heads * self.head_dim, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, total = kv_size, self.total_num_kv_heads * self.head_dim
+            rank = self.tp_rank // max(1, self.tp_size // self.total_num_kv_heads)
+        else:
+            raise ValueError(f"QKV linear needs shard 'q', 'k' or 'v', got {shard_id!r}")
+        _check_shape(f"shard {shard_id}", (total,) + param.shape[1:], loaded_weight.shape)
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed (bias added once)."""
+
+    tp_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        _, tp_size = get_tp_rank_size()
+        super().__init__(_divide(in_features, tp_size, "in_features"), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        return y

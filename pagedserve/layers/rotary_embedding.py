@@ -1,0 +1,93 @@
+"""Rotary position embedding (neox / HF "rotate_half" layout) with a precomputed cos/sin table.
+
+The table covers every position the model accepts and is built once in float32, then
+stored in the model dtype: that is exactly the rounding HF applies per forward, so
+outputs match while a step costs one gather instead of recomputing trigonometry.
+Supported `rope_scaling` types: default, linear and llama3; others are refused by name
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_config(hf_config: Any) -> tuple[float, dict]:
+    """(rope_theta, scaling dict with a 'rope_type' key) from a transformers 4.x or 5.x config."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    params = dict(params)
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {params['rope_type']!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return theta, params
+
+
+def _inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band
+        # between interpolated smoothly (HF's _compute_llama3_parameters).
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float,
+                 scaling: dict | None = None) -> None:
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        inv_freq = _inv_freq(rotary_dim, theta, scaling or {"rope_type": "default"})
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_dtype()), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if rest.shape[-1]:
+            out = torch.cat([out, rest], dim=-1)
+        return out.view(shape)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, H*D] (or [T, H, D]), k likewise -> rotated q, k (same shapes)."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
+    theta, scaling = rope_config(hf_config)
+    factor = scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    rotary_dim = int(head_dim * float(factor or 1.0))
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, theta, scaling)

@@ -1,0 +1,172 @@
+"""Reading llama.cpp GGUF files: metadata -> HF config, quantized tensors -> HF-named float tensors.
+
+Weights are dequantized to float32 with the `gguf` package, renamed from llama.cpp's
+scheme (blk.N.attn_q, ...) to HF's (model.layers.N.self_attn.q_proj, ...), and for the
+llama architecture the Q/K rows are put back in HF order: llama.cpp's converter
+interleaves each head's two rotary halves for its "normal" RoPE kernel, while our RoPE
+(like HF's) rotates halves.  After that the model code cannot tell a GGUF from a
+safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+# llama.cpp architecture -> (HF model_type, HF architecture)
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def open_gguf(path: str) -> Any:
+    """GGUFReader for `path`, or a ValueError naming the file when it is not a readable GGUF."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on garbage and truncation
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    if field.types[0] == GGUFValueType.ARRAY:
+        return len(field.data)  # only array lengths are needed here
+    part = field.parts[field.data[0]]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part[0].item()
+
+
+def gguf_to_hf_config(reader: Any, path: str) -> Any:
+    """A transformers PretrainedConfig from the file's metadata (llama, qwen2, qwen3)."""
+    from transformers import AutoConfig
+
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{path}: GGUF llama3 rope frequency factors (rope_freqs.weight) are not supported; "
+                         "load the HF checkpoint of this model instead")
+    model_type, architecture = GGUF_ARCHITECTURES[arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads = meta("attention.head_count")
+    hidden = meta("embedding_length")
+    if heads is None or hidden is None or meta("block_count") is None:
+        raise ValueError(f"{path}: GGUF metadata lacks {arch}.attention.head_count/embedding_length/block_count")
+    kwargs: dict[str, Any] = dict(
+        architectures=[architecture],
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=meta("attention.head_count_kv", heads),
+        head_dim=meta("attention.key_length", hidden // heads),
+        max_position_embeddings=meta("context_length", 2048),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        vocab_size=meta("vocab_size") or _field(reader, "tokenizer.ggml.tokens"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    scaling = meta("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r} (supported: linear)")
+        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if arch == "qwen2" or any(n.endswith("attn_q.bias") for n in tensor_names):
+        kwargs["attention_bias"] = True
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleave of the two rotary halves (rows of q/k weight or bias)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def iter_gguf_tensors(reader: Any, hf_config: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file; unknown tensors are a ValueError."""
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    permute = arch == "llama"
+    for tensor in reader.tensors:
+        name = gguf_hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the model")
+        try:
+            w = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot dequantize {tensor.name!r} "
+                             f"({tensor.tensor_type.name}): {type(e).__name__}: {e}") from None
+        w = np.asarray(w, dtype=np.float32)
+        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors come back as read-only memmaps
+            w = np.array(w, dtype=np.float32)
+        if permute and ".q_proj." in name:
+            w = _unpermute_rows(w, hf_config.num_attention_heads)
+        elif permute and ".k_proj." in name:
+            w = _unpermute_rows(w, hf_config.num_key_value_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The tokenizer and chat template embedded in the GGUF, converted by transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                             gguf_file=os.path.basename(path))
+    except Exception as e:
+        raise ValueError(f"{path}: cannot build a tokenizer from the GGUF ({type(e).__name__}: {e})") from None

@@ -1,0 +1,180 @@
+"""The loader's public entry points: resolve a ModelConfig, build the model, load the tokenizer.
+
+`load_model_config` runs first (the engine needs max_model_len and the dtype before
+it sizes the KV cache), fills in `model_config.hf_config`, `.max_model_len` and
+`.dtype`, and fails early with a ValueError for unknown names, unsupported
+architectures and impossible lengths.  `get_model` then builds the module directly
+on the target device in the target dtype and fills it from the checkpoint.
+
+Defaults, and why:
+- dtype "auto" is bfloat16 unless the checkpoint itself is float16 and runs on CUDA.
+  Float32 checkpoints (and dequantized GGUFs) are downcast as vLLM does: on the CPUs
+  this targets bf16 matmuls are ~3x fp32 (docs: workloads.md); CPU float16 matmul is slow,
+  so CPU never picks float16 by itself.  Pass dtype="float32" for exact HF parity.
+- max_model_len None is the model's own limit: max_position_embeddings, capped at
+  the sliding window for models that have one (attention over at most `window`
+  tokens is then the same as full attention, so no sliding-window kernel is needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.config import DeviceConfig, ModelConfig
+from pagedserve.model_loader.sources import ModelSource, resolve_source
+from pagedserve.models.registry import get_model_class, resolve_architecture
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def resolve_device(device: DeviceConfig | torch.device | str | None) -> torch.device:
+    if isinstance(device, DeviceConfig):
+        device = device.device
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"invalid device {device!r} ({e})") from None
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        return _DTYPES.get(value)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    if isinstance(requested, torch.dtype):
+        if requested not in _DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {requested}; expected one of {', '.join(_DTYPE_NAMES.values())}")
+        return requested
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"unknown dtype {requested!r}; expected 'auto' or one of {', '.join(_DTYPES)}")
+        return _DTYPES[requested]
+    if device.type == "cuda":
+        if _checkpoint_dtype(hf_config) == torch.float16 or not torch.cuda.is_bf16_supported():
+            return torch.float16
+    return torch.bfloat16
+
+
+def derive_max_model_len(hf_config: Any) -> int:
+    """The longest sequence the model supports, and the rule we apply to it (see module docstring)."""
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if getattr(hf_config, key, None):
+            limit = int(getattr(hf_config, key))
+            break
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window)) if limit else int(window)
+    if limit is None:
+        raise ValueError("the model config gives no maximum length (max_position_embeddings); pass max_model_len")
+    return limit
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = derive_max_model_len(hf_config)
+    if requested is None:
+        return limit
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
+    if requested > limit:
+        window = getattr(hf_config, "sliding_window", None)
+        why = " (its sliding window; sliding-window attention is not implemented)" if window == limit else ""
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens{why}")
+    return requested
+
+
+def _read_hf_config(source: ModelSource, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    if source.path is None:  # a registered name with load_format="dummy"
+        cfg = dict(source.registered.hf_config)
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    if os.path.isfile(source.path):
+        from pagedserve.model_loader.gguf_utils import gguf_to_hf_config, open_gguf
+
+        return gguf_to_hf_config(open_gguf(source.path), source.path)
+    if not os.path.isfile(os.path.join(source.path, "config.json")):
+        raise FileNotFoundError(f"no config.json in model directory {source.path}")
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ValueError(f"{source.path}/config.json: unreadable model config ({type(e).__name__}: {e})") from None
+
+
+def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.device | str | None = None) -> Any:
+    """Resolve `model_config` in place (hf_config, max_model_len, dtype name) and return the HF config."""
+    source = resolve_source(model_config.model, model_config.load_format)
+    hf_config = _read_hf_config(source, model_config.trust_remote_code)
+    resolve_architecture(hf_config)  # unsupported architectures fail here, before any weights are read
+    dtype = resolve_dtype(model_config.dtype, hf_config, resolve_device(device))
+    model_config.max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
+    model_config.dtype = _DTYPE_NAMES[dtype]
+    model_config.hf_config = hf_config
+    return hf_config
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | str | None = None,
+              dtype: torch.dtype | str | None = None) -> nn.Module:
+    """The model, built on `device` in `dtype` (default: model_config's resolved dtype), weights loaded, eval mode."""
+    target = resolve_device(device)
+    if model_config.hf_config is None:
+        load_model_config(model_config, target)
+    hf_config = model_config.hf_config
+    dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target)
+    source = resolve_source(model_config.model, model_config.load_format)
+    model_cls = get_model_class(hf_config)
+    with _default_dtype(dtype), target:
+        model = model_cls(hf_config)
+    if source.format == "dummy":
+        from pagedserve.model_loader.weight_utils import initialize_dummy_weights
+
+        initialize_dummy_weights(model, model_config.seed)
+    else:
+        _load_checkpoint(model, source, hf_config)
+    return model.eval()
+
+
+def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any) -> None:
+    if source.format == "gguf":
+        from pagedserve.model_loader.gguf_utils import iter_gguf_tensors, open_gguf
+
+        weights = iter_gguf_tensors(open_gguf(source.path), hf_config, source.path)
+    else:
+        from pagedserve.model_loader.weight_utils import iter_safetensors, safetensors_files
+
+        weights = iter_safetensors(safetensors_files(source.path))
+    try:
+        with torch.no_grad():
+            model.load_weights(weights)
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if source.path in message else f"{source.path}: {message}") from None

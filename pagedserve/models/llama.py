@@ -1,0 +1,169 @@
+"""The Llama decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral) and the blocks Qwen2/Qwen3 reuse.
+
+The three families differ only in the attention projections: Llama has optional
+bias on q/k/v/o (`attention_bias`), Qwen2 always has bias on q/k/v but not o, and
+Qwen3 adds a per-head RMSNorm on q and k before RoPE.  Those are three flags on one
+attention module (`AttentionFlags`), chosen by each CausalLM class, instead of three
+copies of the model.
+
+Everything runs over a flattened batch: `input_ids` and `positions` are [T] for all
+requests of a step together; attention layers find their per-step metadata in the
+forward context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.attention import Attention
+from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.rotary_embedding import RotaryEmbedding, get_rope
+from pagedserve.models.utils import StackedMapping, load_named_weights
+
+
+@dataclass(frozen=True)
+class AttentionFlags:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags) -> None:
+        super().__init__()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          bias=flags.qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=flags.o_bias)
+        self.rotary_emb = rotary_emb
+        self.qk_norm = flags.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary_emb, flags)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately; each norm adds the previous sub-block's output into it."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, flags: AttentionFlags) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer.
+        max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
+        rotary_emb = get_rope(config, head_dim_of(config), max_position)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, flags) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    stacked_params: StackedMapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    @classmethod
+    def attention_flags(cls, config: Any) -> AttentionFlags:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionFlags(qkv_bias=bias, o_bias=bias)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_flags(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] over the flattened batch -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head.compute_logits(hidden)
+
+    def _skip(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF-named (name, tensor) pairs -> parameters; ValueError names any missing or stray tensor."""
+        return load_named_weights(self, weights, self.stacked_params, self._skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's architecture; its sliding window is honoured by capping max_model_len to it."""

@@ -1,0 +1,77 @@
+"""Checkpoint-to-parameter plumbing shared by every model family.
+
+A checkpoint names tensors the HF way (q_proj, k_proj, ...); our modules fuse some of
+them (qkv_proj, gate_up_proj).  `load_named_weights` routes each tensor to its
+parameter's `weight_loader` with the right shard id and then checks coverage, so a
+missing or stray tensor is reported by its checkpoint name instead of leaving a
+parameter silently uninitialised.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.layers.linear import default_weight_loader
+
+# (fused parameter name, checkpoint name, shard id)
+StackedMapping = list[tuple[str, str, object]]
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: StackedMapping,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> set[str]:
+    """Load (name, tensor) pairs into `model`; returns the checkpoint names used.
+
+    Raises ValueError naming the tensor on a shape mismatch, on tensors the model has
+    no place for, and on parameters (or fused shards) the checkpoint did not provide.
+    """
+    params = dict(model.named_parameters())
+    filled: dict[str, set] = defaultdict(set)
+    used: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard = name, None
+        for fused, original, shard_id in stacked:
+            if f".{original}." in name:
+                target, shard = name.replace(f".{original}.", f".{fused}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        filled[target].add(shard)
+        used.add(name)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} tensor(s) this model does not use "
+            f"(config and weights disagree?): {', '.join(sorted(unexpected)[:8])}"
+        )
+    missing = []
+    for pname, param in params.items():
+        for shard in getattr(param, "shard_ids", [None]):
+            if shard not in filled[pname]:
+                missing.append(_checkpoint_name(pname, shard, stacked))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
+    return used
+
+
+def _checkpoint_name(param_name: str, shard: object, stacked: StackedMapping) -> str:
+    for fused, original, shard_id in stacked:
+        if shard is not None and shard == shard_id and f".{fused}." in param_name:
+            return param_name.replace(f".{fused}.", f".{original}.")
+    return param_name

