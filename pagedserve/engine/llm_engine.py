@@ -19,12 +19,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import EngineArgs, _read_chat_template
-from pagedserve.engine.output_processor import (
-    OutputProcessor,
-    ParentRequest,
-    RequestOutputKind,
-    SampledLogprobs,
-)
+from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -221,8 +216,7 @@ class LLMEngine:
         if sched_out.total_num_scheduled_tokens == 0:
             return []
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
-        logprobs = _convert_logprobs(getattr(runner_out, "logprobs", None))
-        outputs, stopped = self.output_processor.process_outputs(core_outputs, logprobs, time.time())
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
@@ -276,22 +270,6 @@ class LLMEngine:
         BOS text, so the tokenizer must not add special tokens a second time."""
         text = self.apply_chat_template(messages, chat_template, add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
-
-
-def _convert_logprobs(raw: Any) -> dict[str, Any] | None:
-    """The runner's per-request LogprobsEntry -> SampledLogprobs (the processor's shape)."""
-    if not raw:
-        return None
-    out = {}
-    for rid, e in raw.items():
-        if isinstance(e, SampledLogprobs):
-            out[rid] = e
-            continue
-        out[rid] = SampledLogprobs(
-            token_id=int(e.token_id), logprob=float(e.logprob), rank=int(e.rank),
-            topk_token_ids=list(e.topk_token_ids), topk_logprobs=list(e.topk_logprobs),
-        )
-    return out
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, runner: Any) -> tuple[int | None, list[int]]:

@@ -29,7 +29,8 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SampledLogprobs:
-    """One step's logprobs for one sequence, from the raw (unprocessed) distribution."""
+    """One step's logprobs for one sequence, from the raw (unprocessed) distribution.
+    The shape of the worker's LogprobsEntry, which is read the same way (duck-typed)."""
 
     token_id: int
     logprob: float
@@ -202,7 +203,7 @@ class OutputProcessor:
         return outputs, stopped
 
     def _append_logprobs(self, state: RequestState, new_ids: list[int], entries: Any) -> None:
-        if isinstance(entries, SampledLogprobs):
+        if not isinstance(entries, (list, tuple)):  # one entry per step: the usual case
             entries = [entries]
         k = state.params.logprobs or 0
         for tid, entry in zip(new_ids, entries, strict=False):
