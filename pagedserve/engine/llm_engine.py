@@ -50,7 +50,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_runner: Any, tokenizer: Any = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, extra_eos_token_ids: list[int] | None = None) -> None:
+        """`model_runner` has run initialize_kv_cache() (config.cache_config.num_blocks is set)."""
         self.config = config
         self.model_config = config.model_config
         self.model_runner = model_runner
@@ -68,14 +69,27 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)
-        self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, model_runner)
+        self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        from pagedserve.engine.model_setup import build_model_runner
+        """Read the model config, load weights and tokenizer, size and allocate the KV cache."""
+        from pagedserve.model_loader import get_model, load_tokenizer, resolve_device
+        from pagedserve.worker.model_runner import ModelRunner
 
-        config, runner, tokenizer = build_model_runner(engine_args)
-        return cls(config, runner, tokenizer)
+        t0 = time.perf_counter()
+        config = engine_args.create_engine_config()
+        mc = config.model_config
+        device = resolve_device(config.device_config)
+        model = get_model(mc, device)
+        tokenizer = load_tokenizer(mc)
+        extra_eos = _generation_config_eos_ids(mc)
+        eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
+        runner = ModelRunner(config, model, device, eos_token_id=eos)
+        runner.initialize_kv_cache()
+        logger.info("loaded %s (%s, %s, max_model_len %d) in %.1f s", mc.model, mc.dtype, device,
+                    mc.max_model_len, time.perf_counter() - t0)
+        return cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -272,15 +286,37 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
 
 
-def _eos_token_ids(tokenizer: Any, hf_config: Any, runner: Any) -> tuple[int | None, list[int]]:
+def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> tuple[int | None, list[int]]:
     """(primary EOS, further EOS ids).  Llama 3 style models list several EOS ids in
     their config; the extra ones act as stop token ids unless ignore_eos is set."""
     ids: list[int] = []
-    for source in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None),
-                   getattr(runner, "generation_eos_token_ids", None)):
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None), extra):
         for t in source if isinstance(source, (list, tuple)) else [source]:
             if isinstance(t, int) and t >= 0 and t not in ids:
                 ids.append(t)
     if not ids:
         return None, []
     return ids[0], ids[1:]
+
+
+def _generation_config_eos_ids(model_config: Any) -> list[int]:
+    """EOS ids from generation_config.json next to the weights (HF directories only)."""
+    import json
+    import os
+
+    from pagedserve.model_loader import resolve_source
+
+    try:
+        path = resolve_source(model_config.model, model_config.load_format).path
+    except ValueError:
+        return []
+    file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else None
+    if file is None or not os.path.isfile(file):
+        return []
+    try:
+        with open(file) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        logger.warning("ignoring unreadable %s", file)
+        return []
+    return [t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)]

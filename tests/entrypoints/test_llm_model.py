@@ -1,0 +1,116 @@
+"""LLM end to end on a tiny random Llama saved by transformers (float32, CPU, seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from tests.engine.helpers import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    make_tiny_llama(path, vocab_size=400)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir) -> LLM:
+    return LLM(tiny_dir, dtype="float32", max_model_len=256)
+
+
+def test_greedy_matches_hf(llm, tiny_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 17, 33, 2 + k, 90] for k in range(3)] + [list(range(20, 60))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    for p, o in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == ref
+
+
+def test_text_chat_and_stop_strings(llm) -> None:
+    tok = llm.get_tokenizer()
+    [o] = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    c = o.outputs[0]
+    assert o.prompt_token_ids == tok.encode("hello world")
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    [chat] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4),
+                      use_tqdm=False)
+    assert chat.prompt.endswith("<|im_start|>assistant\n")
+    if len(c.text) > 4:
+        stop = c.text[2:4]
+        [s] = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         stop=stop), use_tqdm=False)
+        assert s.outputs[0].finish_reason == "stop" and s.outputs[0].stop_reason == stop
+        assert s.outputs[0].text == c.text[: c.text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(llm) -> None:
+    prompts = [{"prompt_token_ids": [7, 8, 9 + k]} for k in range(4)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + k, max_tokens=16, ignore_eos=True)
+              for k in range(4)]
+    a = llm.generate(prompts, params, use_tqdm=False)
+    b = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]  # other batch order
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    c = llm.generate(prompts[:1], SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+                     use_tqdm=False)
+    assert c[0].outputs[0].token_ids != a[0].outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_blocks(llm) -> None:
+    prompt = {"prompt_token_ids": list(range(30, 30 + 48))}
+    [o] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert [c.index for c in o.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in o.outputs}) > 1  # seed + index: distinct samples
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
+
+
+def test_logprobs_shape(llm) -> None:
+    [o] = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+                       use_tqdm=False)
+    c = o.outputs[0]
+    assert len(c.logprobs) == 5
+    for tid, d in zip(c.token_ids, c.logprobs, strict=True):
+        assert tid in d and d[tid].rank == 1 and len(d) == 3
+        assert sorted(lp.rank for lp in d.values()) == [1, 2, 3]
+        assert all(isinstance(lp.decoded_token, str) for lp in d.values())
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs,
+                                                                                 strict=True)))
+
+
+def test_dummy_weights_take_token_ids_only(tiny_dir, tmp_path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(open(os.path.join(tiny_dir, "config.json")).read())
+    llm = LLM(str(bare), load_format="dummy", dtype="float32", max_model_len=128)
+    assert llm.get_tokenizer() is None
+    [o] = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(o.outputs[0].token_ids) == 4 and o.outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+
+
+def test_bad_models_are_clear_errors(tmp_path, tiny_dir) -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("no-such-model-xyz")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(open(os.path.join(tiny_dir, "config.json")).read())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(broken))
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_dir, max_model_len=10**6)
