@@ -1,0 +1,40 @@
+"""Pick the attention backend class by name, or the best one for the device."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend
+
+# name -> "module:Class"; imported lazily so that a missing optional dependency
+# (triton) only matters when that backend is asked for.
+BACKENDS: dict[str, str] = {
+    "torch_paged": "pagedserve.attention.torch_paged:TorchPagedBackend",
+    "torch_ref": "pagedserve.attention.torch_ref:TorchReferenceBackend",
+    "triton": "pagedserve.attention.triton_backend:TritonAttentionBackend",
+}
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_attn_backend(name: str | None, device: torch.device | str) -> type[AttentionBackend]:
+    """`name` None picks triton on CUDA when it imports, else torch_paged."""
+    device = torch.device(device)
+    if name is None:
+        if device.type == "cuda":
+            try:
+                return _load("triton")
+            except ImportError:
+                pass
+        return _load("torch_paged")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(sorted(BACKENDS))}")
+    try:
+        return _load(name)
+    except ImportError as e:
+        raise ValueError(f"attention backend {name!r} is not available here: {e}") from None

@@ -1,0 +1,200 @@
+"""The runner's persistent per-request state, kept in fixed rows of preallocated arrays.
+
+A request is described in full once (NewRequestData) and afterwards only by deltas
+(CachedRequestData), so each step touches only what changed: appended tokens, new
+block ids, the computed-token count.  Token ids and block tables live in numpy
+arrays (one row per request) so that the runner can build a step's inputs with a
+few vectorized gathers instead of per-token Python work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.sampler import SamplingMetadata
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 device: torch.device, eos_token_id: int | None = None) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_id = eos_token_id
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.req_id_to_row: dict[str, int] = {}
+        self.params: dict[int, SamplingParams] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
+        # Generators of preempted seeded requests: a resumed request continues its
+        # random stream instead of restarting it.
+        self._parked_generators: dict[str, torch.Generator] = {}
+
+    # ----------------------------------------------------------- state updates
+    def update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.remove_request(req_id)
+            self._parked_generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            gen = self.generators.get(self.req_id_to_row.get(req_id, -1))
+            self.remove_request(req_id)
+            if gen is not None:
+                self._parked_generators[req_id] = gen
+        for new in so.scheduled_new_reqs:
+            self.add_request(new)
+        self.update_cached(so.scheduled_cached_reqs)
+
+    def add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.req_id_to_row:
+            self.remove_request(new.req_id)
+        if not self._free_rows:
+            raise ValueError(f"more than max_num_seqs={self.max_num_reqs} requests in the model runner")
+        tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"request {new.req_id!r} has {len(tokens)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        row = self._free_rows.pop()
+        self.req_id_to_row[new.req_id] = row
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        params = new.sampling_params
+        self.params[row] = params
+        if params.seed is not None and not params.is_greedy:
+            gen = self._parked_generators.pop(new.req_id, None)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(params.seed)
+            self.generators[row] = gen
+
+    def update_cached(self, cached: CachedRequestData) -> None:
+        for i, req_id in enumerate(cached.req_ids):
+            row = self.req_id_to_row.get(req_id)
+            if row is None:
+                raise ValueError(f"scheduler sent deltas for request {req_id!r}, unknown to the model runner")
+            new_ids = cached.new_token_ids[i] if i < len(cached.new_token_ids) else []
+            if new_ids:
+                n = int(self.num_tokens[row])
+                if n + len(new_ids) > self.max_model_len:
+                    raise ValueError(f"request {req_id!r} would exceed max_model_len={self.max_model_len}")
+                self.token_ids[row, n:n + len(new_ids)] = new_ids
+                self.num_tokens[row] = n + len(new_ids)
+            if i < len(cached.new_block_ids):
+                self._append_blocks(row, cached.new_block_ids[i])
+            self.num_computed_tokens[row] = cached.num_computed_tokens[i]
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        self.params.pop(row, None)
+        self.generators.pop(row, None)
+        self._free_rows.append(row)
+        self._free_rows.sort(reverse=True)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        n = int(self.num_blocks[row])
+        if n + len(block_ids) > self.max_blocks_per_req:
+            raise ValueError(f"block table overflow: {n + len(block_ids)} blocks for one request, "
+                             f"max_model_len={self.max_model_len} allows {self.max_blocks_per_req}")
+        self.block_table[row, n:n + len(block_ids)] = block_ids
+        self.num_blocks[row] = n + len(block_ids)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    # ----------------------------------------------------------------- sampling
+    def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
+        """The sampling knobs of `rows` (in this order), skipping every stage no row uses."""
+        params = [self.params[r] for r in rows]
+        dev = self.device
+        greedy = [p.is_greedy for p in params]
+        md = SamplingMetadata(all_greedy=all(greedy), all_random=not any(greedy))
+
+        def col(values, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev)
+
+        if not md.all_greedy:
+            md.temperature = col([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+            if not md.all_random:
+                md.greedy = col(greedy, torch.bool)
+            vocab = self.vocab_size
+            ks = [p.top_k if 0 < p.top_k < vocab and not g else vocab for p, g in zip(params, greedy, strict=True)]
+            if any(k < vocab for k in ks):
+                md.top_k = col(ks, torch.long)
+            if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)):
+                md.top_p = col([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)])
+            if any(p.min_p > 0 and not g for p, g in zip(params, greedy, strict=True)):
+                md.min_p = col([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
+            md.generators = {i: self.generators[r] for i, r in enumerate(rows) if r in self.generators}
+            if md.generators or not md.all_random:
+                unseeded = [i for i, g in enumerate(greedy) if not g and i not in md.generators]
+                md.unseeded_random_rows = col(unseeded, torch.long)
+        self._penalties(md, rows, params)
+        self._min_tokens(md, rows, params)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        md.max_num_logprobs = max(wanted) if wanted else None
+        return md
+
+    def _penalties(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams]) -> None:
+        rep = any(p.repetition_penalty != 1.0 for p in params)
+        freq = any(p.frequency_penalty != 0.0 for p in params)
+        pres = any(p.presence_penalty != 0.0 for p in params)
+        if not (rep or freq or pres):
+            return
+        dev = self.device
+
+        def col(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32).to(dev)[:, None]
+
+        md.output_token_ids = self._padded_tokens(rows, self.num_prompt_tokens[rows], self.num_tokens[rows])
+        if rep:
+            md.repetition_penalty = col("repetition_penalty")
+            md.prompt_token_ids = self._padded_tokens(rows, np.zeros(len(rows), np.int64),
+                                                      self.num_prompt_tokens[rows])
+        if freq:
+            md.frequency_penalty = col("frequency_penalty")
+        if pres:
+            md.presence_penalty = col("presence_penalty")
+
+    def _padded_tokens(self, rows: list[int], start: np.ndarray, end: np.ndarray) -> torch.Tensor:
+        """token_ids[row, start:end] per row, padded with vocab_size (a column the
+        penalties drop), as one [N, max_len] device tensor."""
+        width = max(1, int((end - start).max()))
+        cols = start[:, None] + np.arange(width)[None, :]
+        valid = cols < end[:, None]
+        ids = self.token_ids[np.asarray(rows)[:, None], np.minimum(cols, self.max_model_len - 1)]
+        ids = np.where(valid, ids, self.vocab_size)
+        return torch.from_numpy(ids).to(self.device)
+
+    def _min_tokens(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams]) -> None:
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
+        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
+            if p.min_tokens and self.num_tokens[row] - self.num_prompt_tokens[row] < p.min_tokens:
+                stops = set(p.stop_token_ids or ())
+                if not p.ignore_eos and self.eos_token_id is not None:
+                    stops.add(self.eos_token_id)
+                stops = [t for t in stops if 0 <= t < self.vocab_size]
+                ban_rows += [i] * len(stops)
+                ban_tokens += stops
+        if ban_rows:
+            md.banned_rows = torch.tensor(ban_rows, dtype=torch.long).to(self.device)
+            md.banned_tokens = torch.tensor(ban_tokens, dtype=torch.long).to(self.device)

@@ -1,0 +1,114 @@
+"""Size, allocate and bind the paged KV cache: per attention layer a K and a V tensor
+of [num_blocks, block_size, num_kv_heads, head_dim].
+
+Block 0 is the null block: the core's BlockPool never hands it out, block tables pad
+with it, and backends point padded reads at it, so it is zeroed here (the rest is
+left uninitialised: it is always written before it is read, and touching gigabytes
+of pages at start-up would only cost time and resident memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from pagedserve.config import CacheConfig
+from pagedserve.layers.attention import Attention
+
+logger = logging.getLogger("pagedserve")
+
+NULL_BLOCK_ID = 0
+
+
+def get_attention_layers(model: nn.Module) -> list[Attention]:
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ValueError(f"model {type(model).__name__} has no pagedserve Attention layers")
+    return layers
+
+
+def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory the cache may draw on: MemAvailable on CPU, free device memory on CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # not Linux: physical pages free (an underestimate of what can be reclaimed)
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        raise ValueError("cannot tell how much memory is free here; set kv_cache_memory_bytes") from None
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
+    device: torch.device, reserved_bytes: int = 0,
+) -> int:
+    """Blocks (the null block included) for the configured budget.
+
+    An explicit `kv_cache_memory_bytes` is taken as given.  Otherwise the cache takes
+    a fraction of free memory (cpu_kv_cache_fraction on CPU, gpu_memory_utilization on
+    CUDA, after `reserved_bytes` for activations), capped at what max_num_seqs requests
+    of max_model_len tokens could ever use."""
+    bs = cache_config.block_size
+    blocks_per_req = -(-max_model_len // bs)
+    if cache_config.num_blocks is not None:
+        num_blocks, source = int(cache_config.num_blocks), f"num_blocks={cache_config.num_blocks}"
+    elif cache_config.kv_cache_memory_bytes is not None:
+        budget = int(cache_config.kv_cache_memory_bytes)
+        if budget <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {budget}")
+        num_blocks = budget // block_bytes
+        source = f"kv_cache_memory_bytes={budget}"
+    else:
+        if device.type == "cuda":
+            fraction, name = cache_config.gpu_memory_utilization, "gpu_memory_utilization"
+        else:
+            fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
+        if not 0 < fraction <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {fraction}")
+        free = available_memory_bytes(device)
+        budget = int(free * fraction) - reserved_bytes
+        num_blocks = min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_req + 1)
+        source = (f"{name}={fraction} of {free / 2**30:.1f} GiB free memory"
+                  f" (kv_cache_memory_bytes unset)")
+    if num_blocks - 1 < blocks_per_req:
+        raise ValueError(
+            f"KV cache too small: {source} gives {max(num_blocks - 1, 0)} usable blocks of {bs} tokens "
+            f"({block_bytes} bytes each), but one request of max_model_len={max_model_len} needs "
+            f"{blocks_per_req}; raise kv_cache_memory_bytes or lower max_model_len"
+        )
+    return num_blocks
+
+
+def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    caches = []
+    for layer in layers:
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+        k[NULL_BLOCK_ID].zero_()
+        v[NULL_BLOCK_ID].zero_()
+        caches.append((k, v))
+    return caches
+
+
+def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
+    """Usable blocks (the null block left out); concurrency counts whole blocks per request."""
+    usable = num_blocks - 1
+    concurrency = usable / -(-max_model_len // block_size)
+    logger.info("KV cache: %d blocks = %d tokens; max concurrency at max_model_len: %.2f (%.1f MiB)",
+                usable, usable * block_size, concurrency, num_blocks * block_bytes / 2**20)

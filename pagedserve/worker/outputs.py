@@ -1,0 +1,30 @@
+"""What the model runner hands back to the engine each step (plain Python data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LogprobsEntry:
+    """Logprobs of one sampled token, from the raw (unprocessed, temperature 1) model
+    distribution: the sampled token's logprob and rank (1 = most likely), and the
+    `logprobs` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    topk_token_ids: list[int]
+    topk_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # every request scheduled this step, in batch order
+    # Only requests whose prompt is fully computed after this step get a token.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls(req_ids=[])

@@ -1,0 +1,166 @@
+"""Batched sampling with vLLM semantics: one pass over [N, vocab] logits, greedy and
+random rows mixed.
+
+Order (as vLLM v1): raw logprobs are taken first, from the unmodified logits; then
+min_tokens masking and the penalties; greedy rows take the argmax of that; random
+rows go on through temperature, min_p, top-k/top-p and a categorical draw.  A
+seeded row draws from its own generator, one draw per sampled token, so its tokens
+do not depend on which other requests share the batch.
+
+Every optional stage is skipped when no row in the batch uses it: an all-greedy
+batch without penalties costs one argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling knobs for the rows sampled this step, as device tensors.
+    A field is None when no row needs that stage."""
+
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None = None  # [N] float32, 1.0 on greedy rows
+    greedy: torch.Tensor | None = None  # [N] bool; None when all_greedy or all_random
+    top_k: torch.Tensor | None = None  # [N] int64, vocab size where disabled
+    top_p: torch.Tensor | None = None  # [N] float32, 1.0 where disabled
+    min_p: torch.Tensor | None = None  # [N] float32, 0.0 where disabled
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    # Random rows without a seed; None when that is every row.
+    unseeded_random_rows: torch.Tensor | None = None
+    # Penalties (vLLM semantics: repetition over prompt + output, the others over output).
+    presence_penalty: torch.Tensor | None = None  # [N, 1]
+    frequency_penalty: torch.Tensor | None = None  # [N, 1]
+    repetition_penalty: torch.Tensor | None = None  # [N, 1]
+    prompt_token_ids: torch.Tensor | None = None  # [N, P] int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [N, O] int64, padded with vocab_size
+    # min_tokens: (row, token id) pairs to forbid this step.
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
+    max_num_logprobs: int | None = None  # None: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    # With logprobs requested (rows that did not ask simply ignore theirs):
+    sampled_logprobs: torch.Tensor | None = None  # [N] float32
+    sampled_ranks: torch.Tensor | None = None  # [N] int64, 1-based
+    topk_token_ids: torch.Tensor | None = None  # [N, K]
+    topk_logprobs: torch.Tensor | None = None  # [N, K]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # Noise for unseeded random rows; seeded from ModelConfig.seed by the runner so
+        # that whole runs are reproducible.
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+        logits = self.apply_penalties(logits, md)
+        if md.banned_rows is not None:
+            logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        if md.all_greedy:
+            sampled = logits.argmax(-1)
+        else:
+            sampled = self.sample_random(logits, md)
+            if md.greedy is not None:
+                sampled = torch.where(md.greedy, logits.argmax(-1), sampled)
+        out = SamplerOutput(sampled)
+        if raw_logprobs is not None:
+            self.gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
+        return out
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        n, vocab = logits.shape
+        if md.repetition_penalty is not None:
+            seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+            for ids in (md.prompt_token_ids, md.output_token_ids):
+                if ids is not None:
+                    seen.scatter_(1, ids, True)
+            seen = seen[:, :vocab]
+            pen = md.repetition_penalty
+            penalised = torch.where(logits > 0, logits / pen, logits * pen)
+            logits = torch.where(seen, penalised, logits)
+        if md.frequency_penalty is not None or md.presence_penalty is not None:
+            ids = md.output_token_ids
+            counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
+            if ids is not None:
+                counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+            counts = counts[:, :vocab]
+            if md.frequency_penalty is not None:
+                logits = logits - md.frequency_penalty * counts
+            if md.presence_penalty is not None:
+                logits = logits - md.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperature[:, None]
+        if md.min_p is not None:
+            probs = logits.softmax(-1)
+            threshold = probs.amax(-1, keepdim=True) * md.min_p[:, None]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if md.top_p is not None:
+            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+        elif md.top_k is not None:
+            logits = _apply_top_k(logits, md.top_k)
+        probs = logits.softmax(-1)
+        # A categorical draw per row.  With replacement, multinomial draws one uniform
+        # and searches the cumulative distribution: far cheaper on CPU than vocab-many
+        # exponentials (its no-replacement path), and the same distribution.
+        sampled = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+        rows = md.unseeded_random_rows
+        if rows is None:
+            sampled = torch.multinomial(probs, 1, True, generator=self.generator).squeeze(1)
+        elif rows.numel():
+            sampled[rows] = torch.multinomial(probs[rows], 1, True, generator=self.generator).squeeze(1)
+        for row, gen in md.generators.items():
+            sampled[row] = torch.multinomial(probs[row], 1, True, generator=gen)[0]
+        return sampled
+
+    @staticmethod
+    def gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
+        token_lp = raw.gather(1, sampled[:, None])
+        out.sampled_logprobs = token_lp.squeeze(1)
+        out.sampled_ranks = (raw > token_lp).sum(-1) + 1
+        if k > 0:
+            out.topk_logprobs, out.topk_token_ids = raw.topk(min(k, raw.shape[1]), dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (rows with k >= vocab are untouched)."""
+    vocab = logits.shape[1]
+    max_k = int(top_k.max())
+    if max_k >= vocab:  # some row is unrestricted: only restrict the others
+        rows = (top_k < vocab).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return logits
+        logits = logits.clone()
+        logits[rows] = _apply_top_k(logits[rows], top_k[rows])
+        return logits
+    values = logits.topk(max_k, dim=-1).values
+    kth = values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Sort once; drop tokens outside top-k, then the tail whose total mass is below
+    1 - top_p (the most likely token always stays)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum <= (1 - top_p)[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,163 @@
+"""The sampler through InputBatch.sampling_metadata, as the runner uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.core.sched_output import NewRequestData
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.input_batch import InputBatch
+from pagedserve.worker.sampler import Sampler
+
+VOCAB = 50
+EOS = 3
+
+
+def batch_of(params: list[SamplingParams], outputs: list[list[int]] | None = None,
+             prompts: list[list[int]] | None = None) -> tuple[InputBatch, list[int]]:
+    ib = InputBatch(max_num_reqs=max(64, len(params)), max_model_len=64, block_size=16, vocab_size=VOCAB,
+                    device=torch.device("cpu"), eos_token_id=EOS)
+    for i, p in enumerate(params):
+        prompt = prompts[i] if prompts else [7, 8]
+        out = outputs[i] if outputs else []
+        ib.add_request(NewRequestData(f"r{i}", prompt, out, p, [1], 0))
+    return ib, [ib.req_id_to_row[f"r{i}"] for i in range(len(params))]
+
+
+def sample(params, logits, outputs=None, prompts=None, seed=0):
+    ib, rows = batch_of(params, outputs, prompts)
+    return Sampler(torch.Generator().manual_seed(seed))(logits, ib.sampling_metadata(rows))
+
+
+def rand_logits(n, seed=0):
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_all_greedy_is_argmax_and_skips_everything():
+    logits = rand_logits(6)
+    ib, rows = batch_of([SamplingParams(temperature=0)] * 6)
+    md = ib.sampling_metadata(rows)
+    assert md.all_greedy and md.temperature is None and md.top_k is None and md.max_num_logprobs is None
+    out = Sampler()(logits, md)
+    assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.sampled_logprobs is None
+
+
+def test_mixed_greedy_and_random_rows():
+    logits = rand_logits(8)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.5) for i in range(8)]
+    for seed in range(5):
+        out = sample(params, logits, seed=seed).sampled_token_ids
+        assert out[1::2].tolist() == logits[1::2].argmax(-1).tolist()
+
+
+def draws(params: SamplingParams, logits_row: torch.Tensor, n: int = 400, **kw) -> set[int]:
+    out = sample([params] * n, logits_row.expand(n, -1).clone(), **kw)
+    return set(out.sampled_token_ids.tolist())
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    row = rand_logits(1, seed=4)[0]
+    order = row.argsort(descending=True)
+    probs = row.softmax(-1)
+    assert draws(SamplingParams(top_k=1), row) == {int(order[0])}
+    got = draws(SamplingParams(top_k=4), row)
+    assert got <= set(order[:4].tolist()) and len(got) > 1
+    # top_p: the smallest prefix of the sorted distribution reaching p.
+    cum = probs[order].cumsum(0)
+    nucleus = set(order[: int((cum < 0.6).sum()) + 1].tolist())
+    got = draws(SamplingParams(top_p=0.6), row)
+    assert got <= nucleus and len(got) > 1
+    got = draws(SamplingParams(min_p=0.2), row)
+    assert got <= set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    # Both together, mixed with unrestricted rows in one batch.
+    params = [SamplingParams(top_k=3, top_p=0.9), SamplingParams()] * 100
+    out = sample(params, row.expand(200, -1).clone()).sampled_token_ids
+    assert set(out[0::2].tolist()) <= set(order[:3].tolist())
+    assert len(set(out[1::2].tolist())) > 3
+
+
+def test_temperature_sharpens():
+    row = rand_logits(1, seed=5)[0]
+    assert len(draws(SamplingParams(temperature=0.05), row)) <= 2
+    assert len(draws(SamplingParams(temperature=5.0), row)) > 10
+
+
+def naive_penalties(logits, prompt, output, rep, freq, pres):
+    logits = logits.clone()
+    for t in set(prompt) | set(output):
+        logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+    for t in set(output):
+        logits[t] -= freq * output.count(t) + pres
+    return logits
+
+
+def test_penalties_match_vllm_semantics():
+    logits = rand_logits(4, seed=6)
+    prompts = [[1, 2, 2, 9], [4, 5], [6], [7, 7]]
+    outputs = [[2, 2, 11, 40], [5, 5, 5], [], [12]]
+    knobs = [(1.3, 0.5, 0.25), (1.0, 1.0, 0.0), (0.7, 0.0, 1.5), (1.0, 0.0, 0.0)]
+    params = [SamplingParams(temperature=0, repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+              for r, f, p in knobs]
+    ib, rows = batch_of(params, outputs, prompts)
+    md = ib.sampling_metadata(rows)
+    got = Sampler.apply_penalties(logits.clone(), md)
+    for i, (r, f, p) in enumerate(knobs):
+        torch.testing.assert_close(got[i], naive_penalties(logits[i], prompts[i], outputs[i], r, f, p))
+    # And greedy follows the penalised logits.
+    out = Sampler()(logits, md).sampled_token_ids
+    assert out.tolist() == got.argmax(-1).tolist()
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(4, VOCAB)
+    logits[:, EOS] = 10
+    logits[:, 20] = 9
+    logits[:, 21] = 8
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[20]),  # 1 output so far: banned
+        SamplingParams(temperature=0, min_tokens=1),  # reached
+        SamplingParams(temperature=0, min_tokens=5, ignore_eos=True),  # EOS not a stop: allowed
+        SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[20]),
+    ]
+    out = sample(params, logits, outputs=[[30], [30], [], []]).sampled_token_ids.tolist()
+    assert out == [21, EOS, EOS, 21]
+
+
+def test_seed_is_reproducible_regardless_of_batch_composition():
+    seeded = SamplingParams(temperature=1.0, seed=77)
+    target = rand_logits(1, seed=8)
+
+    def run(others: list[SamplingParams], position: int, steps: int = 6) -> list[int]:
+        params = list(others)
+        params.insert(position, seeded)
+        ib, rows = batch_of(params)
+        sampler = Sampler(torch.Generator().manual_seed(len(others)))
+        toks = []
+        for step in range(steps):
+            logits = rand_logits(len(params), seed=100 + step)
+            logits[position] = target[0] + step
+            toks.append(int(sampler(logits, ib.sampling_metadata(rows)).sampled_token_ids[position]))
+        return toks
+
+    alone = run([], 0)
+    assert len(set(alone)) > 1
+    assert run([SamplingParams(temperature=0.9)] * 3, 2) == alone
+    assert run([SamplingParams(temperature=0), SamplingParams(seed=5, top_k=3)], 1) == alone
+    assert run([SamplingParams(top_p=0.5)] * 7, 4) == alone
+
+
+def test_logprobs_are_raw_with_ranks_and_top_k():
+    logits = rand_logits(3, seed=9)
+    params = [SamplingParams(temperature=0.3, logprobs=5, repetition_penalty=1.5),
+              SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=2.0)]
+    out = sample(params, logits, outputs=[[1, 2, 3], [], []])
+    raw = logits.log_softmax(-1)
+    for i in range(3):
+        tok = int(out.sampled_token_ids[i])
+        assert out.sampled_logprobs[i] == pytest.approx(float(raw[i, tok]), abs=1e-6)
+        assert int(out.sampled_ranks[i]) == int((raw[i] > raw[i, tok]).sum()) + 1
+    assert out.topk_token_ids.shape == (3, 5)
+    torch.testing.assert_close(out.topk_logprobs, raw.topk(5).values)
+    assert int(out.sampled_ranks[1]) == 1
