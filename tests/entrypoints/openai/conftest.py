@@ -37,8 +37,13 @@ def make_tiny_model(path: Path) -> None:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    # Only printable-ASCII bytes in the vocabulary: random sampling then never produces half
+    # of a UTF-8 character, so per-token strings concatenate to the text exactly.
+    # GPT-2's byte-to-unicode map: printable bytes stand for themselves, space and newline
+    # are shifted past 255 ("Ġ", "Ċ").
+    alphabet = [chr(b) for b in range(33, 127)] + [chr(256 + 32), chr(256 + 10)]
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet))
     backend.train_from_iterator(_CORPUS * 5, trainer)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
