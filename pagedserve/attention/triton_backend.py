@@ -13,10 +13,12 @@ instead of one launch over the mixed batch:
   * the price of separating them is one extra launch (a few microseconds per layer)
     and only in steps that mix both; pure-decode steps, the bulk of a run, launch
     store + decode (+ reduce when split).
-These are arithmetic and roofline reasoning, not measurements: this was written
-without a GPU.  `pagedserve/benchmarks/bench_kernels.py` times each kernel against
-its memory floor and against torch SDPA, and is where the tile sizes and split
-policy below should be tuned.
+These are arithmetic and roofline reasoning, not timings: this was written without
+a GPU.  What was checked offline: every kernel compiles for sm_90 (triton.compile with
+a GPUTarget, no device needed), and the default tiles were chosen from those builds
+(ptxas -v: no register spills; cp.async pipelining engages; extend uses wgmma).
+`pagedserve/benchmarks/bench_kernels.py` times each kernel against its memory floor
+and against torch SDPA, and is where the tiles and split policy should be tuned.
 
 Requires triton; `import pagedserve.attention.triton_backend` fails with ImportError
 without it, which is what the backend selector tests for.
@@ -55,13 +57,42 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: any small number keeps the policy exercised
 
 
-@functools.cache
+_ARANGE: dict[torch.device, torch.Tensor] = {}
+
+
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
+    """A view of one long-lived arange per device: no upload, and static storage for
+    CUDA-graph capture of pure-decode steps."""
+    buf = _ARANGE.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _ARANGE[device] = torch.arange(max(n, 1024), dtype=torch.int32, device=device)
+    return buf[:n]
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes (tokens) and launch shape.  Picked from static compilation for sm_90
+    (no register spills, shared memory within an SM's budget), not from timings."""
+
+    decode_block_n: int = 64
+    decode_warps: int = 4
+    decode_stages: int = 2
+    extend_block_m: int = 128  # rows = query tokens x GQA group
+    extend_block_n: int = 64
+    extend_warps: int = 8
+    extend_stages: int = 2
+
+
+def default_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
+    if dtype == torch.float32:  # dots in 3xTF32: wider tiles spill
+        return KernelConfig(decode_block_n=32, extend_block_m=64, extend_block_n=32)
+    if head_dim > 128:
+        return KernelConfig(decode_block_n=32, extend_block_n=32)
+    return KernelConfig()
 
 
 @dataclass
@@ -111,10 +142,8 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    # Tile sizes (tokens).  Unmeasured defaults; see the module docstring.
-    decode_block_n: int = 64
-    extend_block_m: int = 128  # rows = query tokens x GQA group
-    extend_block_n: int = 64
+    # None: default_config(cache dtype, head_dim) on first use; set it to tune or test.
+    config: KernelConfig | None = None
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -137,7 +166,7 @@ class TritonAttentionBackend(AttentionBackend):
                 extends.append(i)
         dev = common.query_start_loc.device
         if len(decodes) == common.num_reqs:
-            decode_reqs = _arange(max(1, common.num_reqs), dev)[: common.num_reqs]
+            decode_reqs = _arange(common.num_reqs, dev)
         else:
             decode_reqs = _to_device(decodes, dev)
         return TritonAttentionMetadata(
@@ -152,9 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Store the new K/V, then decode and extend; writes every element of the output
         (rows past num_actual_tokens, padding, are zeroed).  `output` may be passed in
         [T, num_heads, head_dim]; otherwise a fresh tensor is returned."""
-        kern = get_kernels()
-        interpret = kern.interpreted
-        if not interpret and query.device.type != "cuda":
+        if not get_kernels().interpreted and query.device.type != "cuda":
             raise ValueError(f"triton backend needs CUDA tensors, got {query.device}; to run the kernels in the "
                              "Triton interpreter (slow; for tests) set TRITON_INTERPRET=1 before triton is imported")
         md = attn_metadata
@@ -175,55 +202,73 @@ class TritonAttentionBackend(AttentionBackend):
         if num_tokens == 0:
             return output
 
-        h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = h // hkv
-        block_d = next_pow2(dim)
-        prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-        cs = k_cache.stride()
-        kern.store_kv_kernel[(num_tokens,)](
-            key, value, k_cache, v_cache, c.slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1), cs[1], cs[2],
-            NUM_KV_HEADS=hkv, HEAD_DIM=dim, BLOCK_H=next_pow2(hkv, 1), BLOCK_D=block_d,
-        )
-        common_args = (c.block_table, c.seq_lens, c.query_start_loc)
-        strides = (query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-                   c.block_table.stride(0), cs[0], cs[1], cs[2])
-        scale_log2e = self.scale * LOG2E
-
+        self.store_kv(key, value, k_cache, v_cache, c.slot_mapping, num_tokens)
         if md.num_decodes:
-            splits = md.num_splits or plan_num_splits(
-                md.num_decodes, hkv, md.max_decode_seq_len, _num_sms(query.device))
-            if splits > 1:
-                part_out, part_lse = md.split_scratch(h, splits, dim)
-            else:
-                part_out, part_lse = output, output  # unused by the kernel
-            kern.decode_kernel[(md.num_decodes, hkv, splits)](
-                query, k_cache, v_cache, output, part_out, part_lse, *common_args, md.decode_reqs,
-                *strides, scale_log2e,
-                NUM_HEADS=h, GROUP=group, HEAD_DIM=dim, CACHE_BLOCK=self.block_size,
-                BLOCK_G=next_pow2(group), BLOCK_D=block_d, BLOCK_N=self.decode_block_n,
-                NUM_SPLITS=splits, UPCAST=interpret, DOT_PREC=prec, num_warps=4, num_stages=2,
-            )
-            if splits > 1:
-                kern.decode_reduce_kernel[(md.num_decodes, h)](
-                    part_out, part_lse, output, c.query_start_loc, md.decode_reqs,
-                    output.stride(0), output.stride(1),
-                    NUM_HEADS=h, HEAD_DIM=dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits, 2),
-                    BLOCK_D=block_d, num_warps=4,
-                )
-
+            self.decode(query, k_cache, v_cache, md, output)
         if md.extend_reqs:
-            block_m = max(self.extend_block_m, next_pow2(group))
-            block_q = block_m // group
-            tile_req, tile_q0, num_tiles = md.extend_tiles(block_q)
-            kern.extend_kernel[(num_tiles, hkv)](
-                query, k_cache, v_cache, output, *common_args, tile_req, tile_q0,
-                *strides, scale_log2e,
-                GROUP=group, HEAD_DIM=dim, CACHE_BLOCK=self.block_size,
-                BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=self.extend_block_n,
-                UPCAST=interpret, DOT_PREC=prec, num_warps=8 if block_m >= 128 else 4, num_stages=2,
-            )
+            self.extend(query, k_cache, v_cache, md, output)
         return output
+
+    # The three phases are public so the kernel benchmark can time each alone; they
+    # assume forward's checks have passed.
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, num_tokens: int) -> None:
+        cs = k_cache.stride()
+        get_kernels().store_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), cs[1], cs[2],
+            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
+            BLOCK_H=next_pow2(self.num_kv_heads, 1), BLOCK_D=next_pow2(self.head_dim),
+        )
+
+    def decode(self, query, k_cache, v_cache, md: TritonAttentionMetadata, output) -> None:
+        kern, cfg, prec, common_args = self._launch(query, k_cache, md, output)
+        h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        splits = md.num_splits or plan_num_splits(md.num_decodes, hkv, md.max_decode_seq_len, _num_sms(query.device))
+        if splits > 1:
+            part_out, part_lse = md.split_scratch(h, splits, dim)
+        else:
+            part_out, part_lse = output, output  # unused by the kernel
+        group = h // hkv
+        kern.decode_kernel[(md.num_decodes, hkv, splits)](
+            query, k_cache, v_cache, output, part_out, part_lse, *common_args[:3], md.decode_reqs, *common_args[3:],
+            NUM_HEADS=h, GROUP=group, HEAD_DIM=dim, CACHE_BLOCK=self.block_size,
+            BLOCK_G=next_pow2(group), BLOCK_D=next_pow2(dim), BLOCK_N=cfg.decode_block_n, NUM_SPLITS=splits,
+            UPCAST=kern.interpreted, DOT_PREC=prec, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+        )
+        if splits > 1:
+            kern.decode_reduce_kernel[(md.num_decodes, h)](
+                part_out, part_lse, output, md.common.query_start_loc, md.decode_reqs,
+                output.stride(0), output.stride(1),
+                NUM_HEADS=h, HEAD_DIM=dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits, 2),
+                BLOCK_D=next_pow2(dim), num_warps=4,
+            )
+
+    def extend(self, query, k_cache, v_cache, md: TritonAttentionMetadata, output) -> None:
+        kern, cfg, prec, common_args = self._launch(query, k_cache, md, output)
+        group = self.num_heads // self.num_kv_heads
+        block_m = max(cfg.extend_block_m, next_pow2(group))
+        block_q = block_m // group
+        tile_req, tile_q0, num_tiles = md.extend_tiles(block_q)
+        kern.extend_kernel[(num_tiles, self.num_kv_heads)](
+            query, k_cache, v_cache, output, *common_args[:3], tile_req, tile_q0, *common_args[3:],
+            GROUP=group, HEAD_DIM=self.head_dim, CACHE_BLOCK=self.block_size,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=next_pow2(self.head_dim), BLOCK_N=cfg.extend_block_n,
+            UPCAST=kern.interpreted, DOT_PREC=prec, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+        )
+
+    def _launch(self, query, k_cache, md: TritonAttentionMetadata, output):
+        """Arguments decode and extend share: block table, seq lens, query starts, then
+        the strides and the softmax scale (base 2)."""
+        if self.config is None:
+            self.config = default_config(k_cache.dtype, self.head_dim)
+        # 3xTF32 keeps fp32 accuracy on tensor cores; other dtypes ignore the setting.
+        prec = "tf32x3" if k_cache.dtype == torch.float32 else "tf32"
+        c, cs = md.common, k_cache.stride()
+        args = (c.block_table, c.seq_lens, c.query_start_loc,
+                query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+                c.block_table.stride(0), cs[0], cs[1], cs[2], self.scale * LOG2E)
+        return get_kernels(), self.config, prec, args
 
     def _check(self, query, key, value, k_cache, v_cache) -> None:
         h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
