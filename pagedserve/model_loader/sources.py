@@ -115,7 +115,8 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
         raise ValueError(f"unknown model {model!r}: no such file or directory, and not a registered name "
-                         f"(registered: {', '.join(MODEL_NAMES)})")
+                         f"(registered: {', '.join(MODEL_NAMES)}; Hugging Face Hub ids are not fetched: "
+                         "download the model and pass its directory)")
     if os.path.isfile(path):
         if not _is_gguf_file(path):
             raise ValueError(f"{path} is a file but not a GGUF; pass a .gguf file or an HF model directory")

@@ -17,7 +17,7 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-rope-tied": ("LlamaConfig", dict(
         tie_word_embeddings=True, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32})),
+                      "original_max_position_embeddings": 256})),  # wavelength 168 falls in the smoothed band
     "llama-linear-rope-bias": ("LlamaConfig", dict(
         rope_scaling={"rope_type": "linear", "factor": 4.0}, attention_bias=True, mlp_bias=True)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=128)),

@@ -1,0 +1,252 @@
+"""Loader: config resolution, GGUF conversion, dummy weights, tokenizers, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from models_helpers import make_hf_model
+from safetensors.torch import load_file, save_file
+
+from pagedserve.config import ModelConfig
+from pagedserve.forward_context import set_forward_context
+from pagedserve.model_loader import get_model, load_model_config, load_tokenizer
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), set_forward_context(None):
+        return model.compute_logits(model(ids, torch.arange(len(ids))))
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+# --------------------------------------------------------------------------- config resolution
+
+def test_defaults_resolve_to_model_limit_and_bf16(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("llama")
+    mc = ModelConfig(model=path)
+    hf_config = load_model_config(mc, "cpu")
+    assert mc.hf_config is hf_config and hf_config.num_hidden_layers == 2
+    assert mc.max_model_len == 256 and mc.dtype == "bfloat16"
+
+
+def test_sliding_window_caps_max_model_len(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("mistral")  # max_position_embeddings 256, sliding_window 128
+    mc = ModelConfig(model=path)
+    load_model_config(mc, "cpu")
+    assert mc.max_model_len == 128
+    with pytest.raises(ValueError, match="max_model_len=200 exceeds the model's limit of 128.*sliding window"):
+        load_model_config(ModelConfig(model=path, max_model_len=200), "cpu")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len=1000), "max_model_len=1000 exceeds the model's limit of 256"),
+    (dict(max_model_len=0), "max_model_len must be a positive integer"),
+    (dict(dtype="int8"), "unknown dtype 'int8'"),
+    (dict(load_format="pt"), "unknown load_format 'pt'"),
+])
+def test_bad_settings_are_value_errors(tiny_checkpoint, kwargs: dict, message: str) -> None:
+    path, _ = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_model_config(ModelConfig(model=path, **kwargs), "cpu")
+
+
+def test_unknown_model_name_lists_registered_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown model 'nope-7b'.*smollm2-135m-instruct"):
+        load_model_config(ModelConfig(model="nope-7b"))
+
+
+def test_unknown_architecture_is_named(tmp_path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM, MistralForCausalLM"):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+
+
+def test_registered_config_only_name_needs_dummy(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    mc = ModelConfig(model="qwen3-0.6b", load_format="dummy")
+    cfg = load_model_config(mc, "cpu")
+    assert cfg.model_type == "qwen3" and cfg.head_dim == 128 and mc.max_model_len == 40960
+    assert load_tokenizer(mc) is None
+    assert load_model_config(ModelConfig(model="smollm2-135m-instruct", load_format="dummy"), "cpu").hidden_size == 576
+    assert not (tmp_path / "cache").exists(), "dummy runs of registered names must not download"
+    with pytest.raises(ValueError, match="qwen3-0.6b is registered for its config only"):
+        load_model_config(ModelConfig(model="qwen3-0.6b"))
+
+
+# --------------------------------------------------------------------------- weights: bad files
+
+def test_missing_weights_file(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("llama")
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no *.safetensors weight files in {path}")):
+        get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+
+
+def test_missing_config(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors_names_the_file(tiny_checkpoint, damage: str) -> None:
+    path, _ = tiny_checkpoint("llama")
+    weights = os.path.join(path, "model.safetensors")
+    data = open(weights, "rb").read()
+    with open(weights, "wb") as f:
+        f.write(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 64)
+    with pytest.raises(ValueError, match=re.escape(weights) + ".*corrupt or truncated"):
+        get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+
+
+def test_missing_tensor_is_named(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen2")
+    weights = os.path.join(path, "model.safetensors")
+    sd = load_file(weights)
+    del sd["model.layers.1.self_attn.k_proj.bias"]
+    save_file(sd, weights)
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.bias"):
+        get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+
+
+def test_stray_and_misshapen_tensors_are_named(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("llama")
+    weights = os.path.join(path, "model.safetensors")
+    sd = load_file(weights)
+    save_file({**sd, "model.layers.2.mlp.up_proj.weight": torch.zeros(96, 64)}, weights)
+    with pytest.raises(ValueError, match=r"does not use.*model\.layers\.2\.mlp\.up_proj\.weight"):
+        get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+    save_file(sd, weights)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["intermediate_size"] = 80
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape mismatch"):
+        get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+
+
+# --------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama q/k rows: interleave each head's rotary halves."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf: torch.nn.Module, path: str, arch: str) -> None:
+    import gguf
+
+    c = hf.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        gname = f"blk.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[3]}" if m else _GGUF_GLOBAL[name]
+        a = t.numpy().copy()
+        if arch == "llama" and m and m[2] in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = _llama_cpp_permute(a, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
+        w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case, arch", [("llama", "llama"), ("qwen2-tied", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_file_matches_hf(tmp_path, case: str, arch: str) -> None:
+    hf = make_hf_model(case)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(hf, path, arch)
+    mc = ModelConfig(model=path, dtype="float32")
+    cfg = load_model_config(mc, "cpu")
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings and mc.max_model_len == 256
+    model = get_model(mc, "cpu")
+    ids = torch.randint(0, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=2e-5, rtol=1e-5)
+
+
+def test_garbage_and_truncated_gguf_name_the_file(tmp_path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*not a readable GGUF"):
+        load_model_config(ModelConfig(model=str(bad)), "cpu")
+    good = str(tmp_path / "tiny.gguf")
+    write_gguf(make_hf_model("llama"), good, "llama")
+    data = open(good, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 5000])
+    with pytest.raises(ValueError, match=re.escape(str(cut))):
+        get_model(ModelConfig(model=str(cut), dtype="float32"), "cpu")
+    text = tmp_path / "weights.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match="is a file but not a GGUF"):
+        load_model_config(ModelConfig(model=str(text)), "cpu")
+
+
+# --------------------------------------------------------------------------- dummy weights, tokenizers
+
+def test_dummy_weights_are_seeded_and_finite(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen3")
+    os.remove(os.path.join(path, "model.safetensors"))  # dummy needs only config.json
+    ids = torch.arange(20)
+    a = get_model(ModelConfig(model=path, load_format="dummy", dtype="bfloat16", seed=1), "cpu")
+    b = get_model(ModelConfig(model=path, load_format="dummy", dtype="bfloat16", seed=1), "cpu")
+    c = get_model(ModelConfig(model=path, load_format="dummy", dtype="bfloat16", seed=2), "cpu")
+    la, lb, lc = logits(a, ids), logits(b, ids), logits(c, ids)
+    assert torch.isfinite(la).all() and la.std() > 0
+    assert torch.equal(la, lb) and not torch.equal(la, lc)
+    assert load_tokenizer(ModelConfig(model=path, load_format="dummy")) is None
+
+
+def _save_tiny_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+
+
+def test_tokenizer_from_dir_with_chat_template_override(tiny_checkpoint, tmp_path) -> None:
+    path, _ = tiny_checkpoint("llama")
+    assert load_tokenizer(ModelConfig(model=path)) is None  # no tokenizer files: token-id prompts only
+    _save_tiny_tokenizer(path)
+    tok = load_tokenizer(ModelConfig(model=path))
+    assert tok("hello world")["input_ids"] == [2, 3] and tok.eos_token_id == 1
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    tok = load_tokenizer(ModelConfig(model=path, chat_template=str(template)))
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False) == "<hello>"
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_tokenizer(ModelConfig(model=path, tokenizer=str(tmp_path)))
