@@ -241,6 +241,27 @@ def test_cpu_tensors_need_the_interpreter():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 
+@interpreter
+def test_bench_kernels_dry_run(tmp_path):
+    """The GPU benchmark's plumbing (batches, peers, reporting, sweep) on tiny CPU cases."""
+    import json
+
+    from pagedserve.benchmarks import bench_kernels
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench_kernels.main([])
+    out = tmp_path / "rows.json"
+    bench_kernels.main(["--dry-run", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    impls = {(r["case"].split()[0], r["impl"]) for r in rows}
+    assert {("store", "triton"), ("decode", "triton decode"), ("extend", "triton extend"),
+            ("mixed", "triton forward"), ("decode", "torch_ref")} <= impls
+    assert all(float(r["maxdiff"]) < 3e-2 for r in rows if "maxdiff" in r)
+    bench_kernels.main(["--dry-run", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dtype", "float32",
+                        "--only", "decode", "--sweep"])
+
+
 _SM90_COMPILE = """
 import inspect
 import torch, triton
