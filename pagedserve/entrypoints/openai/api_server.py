@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory, routes and `run_server`.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics, /tokenize, /detokenize, /version.
 
-The socket is bound and /health answers 503 while the model loads in a background
+Implementation: FastAPI app factory (`build_app`) and `run_server`.  The socket is bound and /health answers 503 while the model loads in a background
 thread, so orchestrators see "not ready" rather than "connection refused"; /health
 turns 503 again if the engine loop dies.
 """
@@ -300,7 +301,10 @@ def run_server(args: argparse.Namespace) -> None:
             try:
                 engine = LLMEngine.from_engine_args(engine_args)
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits
-                logger.exception("failed to load the engine")
+                if isinstance(e, (ValueError, FileNotFoundError)):  # bad model/flags: the message says it
+                    logger.error("failed to load the engine: %s", e)
+                else:
+                    logger.exception("failed to load the engine")
                 failed.append(e)
                 if server is not None:
                     server.should_exit = True
