@@ -15,7 +15,6 @@ import argparse
 import json
 import time
 
-from pagedserve.benchmarks import workloads as wl
 from pagedserve.engine.arg_utils import EngineArgs
 
 WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix")
@@ -36,7 +35,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _random_workload(args: argparse.Namespace, vocab_size: int) -> wl.Workload:
+def _random_workload(args: argparse.Namespace, vocab_size: int):
+    from pagedserve.benchmarks import workloads as wl
+
     lo_in, hi_in = args.input_len
     lo_out, hi_out = args.output_len
     if not (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out) or args.num_prompts < 1:
@@ -49,6 +50,7 @@ def _random_workload(args: argparse.Namespace, vocab_size: int) -> wl.Workload:
 
 def build_requests(llm, args: argparse.Namespace):
     from pagedserve import SamplingParams
+    from pagedserve.benchmarks import workloads as wl
 
     engine = llm.llm_engine
     if args.workload == "random":
