@@ -8,14 +8,18 @@ Why it is shaped like this (measured on 2 Zen 4 cores, SmolLM2 shapes, bf16):
   * GQA is folded into the rows: the G query heads of one KV head (times the query
     tokens) are the rows of one matmul against that KV head, so K/V are never
     repeated and every matmul is a plain batched GEMM over contiguous operands.
-  * The paged gather is one `index_select` of whole head_dim rows per KV head, into
-    a [Hkv, B*L, D] layout the matmuls read directly; gathering [B*L, Hkv, D] rows
-    and transposing afterwards, strided matmuls, and advanced indexing are all
-    several times slower.
+  * The paged gather copies whole blocks (`index_select` over the block axis: one
+    contiguous block_size x Hkv x D chunk per block), then one transposing copy puts
+    K and V in the [Hkv, B*L, D] layout the matmuls read.  In a real step every
+    layer's cache is cold, and the gather is bound by memory latency: whole-block
+    chunks stream, where per-slot or per-head row gathers (and advanced indexing)
+    cost twice as much; the transpose then runs on cache-hot data.
   * Gather buffers come from a grow-only workspace shared by all layers: fresh
     multi-MB tensors every layer cost more in page faults than the gather itself.
-  * Padded key slots point at slot 0 (the zeroed null block), so padding never reads
-    uninitialised cache memory, and the padding mask is built once per step.
+  * Key positions past a request's context (the tail of its last block, or blocks it
+    does not have, which read the null block) are zeroed in the gathered copy before
+    use: cache memory that was never written may hold NaN bit patterns, which a
+    -inf mask alone would not neutralise.  The padding mask is built once per step.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class AttnGroup:
     kv_len: int
     token_idx: torch.Tensor  # [B*Q] query rows to read (padding reads row 0)
     out_idx: torch.Tensor  # [B*Q] output rows to write (padding writes the scratch row T)
-    slots: torch.Tensor  # [B*L] flat cache slots (padding reads slot 0, the null block)
+    blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's own)
+    pad_rows: torch.Tensor | None  # rows of the gathered [B*L] keys past their request's context
     masked: torch.Tensor  # [B, Q, L] bool, True where a key is not visible
     _bias: dict = field(default_factory=dict, repr=False)
 
@@ -75,7 +80,7 @@ class LongPrefill:
     q_start: int
     q_end: int
     seq_len: int
-    slots: torch.Tensor | None  # [seq_len] context slots; None when there is no cached prefix
+    blocks: torch.Tensor | None  # the request's blocks; None when there is no cached prefix
 
 
 @dataclass
@@ -137,7 +142,6 @@ class TorchPagedBackend(AttentionBackend):
         num_tokens = common.num_actual_tokens
         small: list[tuple[int, int, int]] = []
         long_prefills: list[LongPrefill] = []
-        dev = common.block_table.device
         for i in range(common.num_reqs):
             n, s = qsl[i + 1] - qsl[i], seq_lens[i]
             if n <= 0:
@@ -145,12 +149,8 @@ class TorchPagedBackend(AttentionBackend):
             if n > s:
                 raise ValueError(f"attention metadata: request {i} has {n} new tokens but seq_len {s}")
             if n > 1 and n * s > SINGLE_MIN_AREA:
-                slots = None
-                if s > n:
-                    nblk = -(-s // bs)
-                    blocks = common.block_table[i, :nblk].long()
-                    slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)).view(-1)[:s]
-                long_prefills.append(LongPrefill(qsl[i], qsl[i + 1], s, slots))
+                blocks = common.block_table[i, : -(-s // bs)].long() if s > n else None
+                long_prefills.append(LongPrefill(qsl[i], qsl[i + 1], s, blocks))
             else:
                 small.append((n, s, i))
         groups = [cls._build_group(common, g, num_tokens) for g in plan_groups(small)]
@@ -175,12 +175,11 @@ class TorchPagedBackend(AttentionBackend):
         k_pos = torch.arange(kv_len)
         masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal; also hides the padding
         # Slots on the device: the block table already lives there.
-        nblk = kv_len // bs
-        blocks = common.block_table.index_select(0, reqs.to(dev))[:, :nblk].long()
-        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(items), kv_len)
-        slots = torch.where(k_pos.to(dev)[None, :] < s.to(dev)[:, None], slots, 0).view(-1)
-        return AttnGroup(len(items), q_len, kv_len, token_idx.to(dev), out_idx.to(dev), slots,
-                         masked.to(dev))
+        # Blocks on the device: the block table already lives there.
+        blocks = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs].reshape(-1).long()
+        pad = (k_pos[None, :] >= s[:, None]).view(-1).nonzero().squeeze(1)
+        return AttnGroup(len(items), q_len, kv_len, token_idx.to(dev), out_idx.to(dev), blocks,
+                         pad.to(dev) if pad.numel() else None, masked.to(dev))
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         md = attn_metadata
@@ -204,18 +203,20 @@ class TorchPagedBackend(AttentionBackend):
         dtype = query.dtype
         qg = query.index_select(0, g.token_idx).view(b, q, hkv, grp, d)
         qg = qg.permute(2, 0, 1, 3, 4).reshape(hkv * b, q * grp, d)
-        ws = _WORKSPACE.get(2 * hkv * b * L * d, dtype, query.device)
-        kbuf, vbuf = ws.view(2, hkv, b * L, d).unbind(0)
-        kflat = k_cache.view(-1, hkv, d)
-        vflat = v_cache.view(-1, hkv, d)
-        same_dtype = k_cache.dtype == dtype
-        for h in range(hkv):
-            if same_dtype:
-                torch.index_select(kflat[:, h], 0, g.slots, out=kbuf[h])
-                torch.index_select(vflat[:, h], 0, g.slots, out=vbuf[h])
+        ws = _WORKSPACE.get(4 * hkv * b * L * d, dtype, query.device)
+        gathered, kv = ws.view(2, 2, b * L, hkv * d).unbind(0)
+        nblk = b * L // self.block_size
+        for i, cache in enumerate((k_cache, v_cache)):
+            dst = gathered[i].view(nblk, *cache.shape[1:])
+            if cache.dtype == dtype:
+                torch.index_select(cache, 0, g.blocks, out=dst)
             else:
-                kbuf[h].copy_(kflat[:, h].index_select(0, g.slots))
-                vbuf[h].copy_(vflat[:, h].index_select(0, g.slots))
+                dst.copy_(cache.index_select(0, g.blocks))
+        if g.pad_rows is not None:
+            gathered.index_fill_(1, g.pad_rows, 0)
+        kv = kv.view(2, hkv, b * L, d)
+        kv.copy_(gathered.view(2, b * L, hkv, d).transpose(1, 2))
+        kbuf, vbuf = kv.unbind(0)
         scores = torch.baddbmm(g.bias(hkv, grp, dtype), qg, kbuf.view(hkv * b, L, d).transpose(1, 2),
                                alpha=self.scale)
         o = torch.bmm(scores.softmax(-1), vbuf.view(hkv * b, L, d))
@@ -225,11 +226,11 @@ class TorchPagedBackend(AttentionBackend):
     def _long_prefill_forward(self, lp: LongPrefill, query, key, value, k_cache, v_cache, out) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         n, s = lp.q_end - lp.q_start, lp.seq_len
-        if lp.slots is None:
+        if lp.blocks is None:
             k, v = key[lp.q_start:lp.q_end], value[lp.q_start:lp.q_end]
         else:
-            k = k_cache.view(-1, hkv * d).index_select(0, lp.slots).view(s, hkv, d)
-            v = v_cache.view(-1, hkv * d).index_select(0, lp.slots).view(s, hkv, d)
+            k = k_cache.index_select(0, lp.blocks).view(-1, hkv, d)[:s]
+            v = v_cache.index_select(0, lp.blocks).view(-1, hkv, d)[:s]
         k, v = k.to(query.dtype).transpose(0, 1), v.to(query.dtype).transpose(0, 1)
         kwargs = {}
         if self.num_heads != hkv:

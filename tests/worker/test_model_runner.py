@@ -130,3 +130,23 @@ def test_execute_before_kv_cache_is_an_error():
     runner, _ = make_runner()
     with pytest.raises(RuntimeError, match="initialize_kv_cache"):
         runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, set(), set()))
+
+
+def test_preempted_seeded_request_continues_its_stream():
+    params = SamplingParams(temperature=1.0, seed=99, max_tokens=12)
+
+    def run(preempt_at: int | None) -> list[int]:
+        runner, _ = make_runner(16, 512, kv_cache_memory_bytes=1 << 20)
+        drv = Driver(runner, runner.initialize_kv_cache(), 512)
+        drv.add("s", [4, 8, 15, 16, 23, 42], params, max_tokens=12)
+        for step in range(40):
+            if not drv.reqs:
+                break
+            if step == preempt_at:
+                drv.preempt("s")
+            drv.step()
+        return drv.done["s"]["out"]
+
+    plain = run(None)
+    assert len(set(plain)) > 2
+    assert run(4) == plain

@@ -1,0 +1,50 @@
+"""KV cache sizing: explicit bytes, a fraction of free memory, the cap, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.config import CacheConfig
+from pagedserve.worker import kv_cache
+from pagedserve.worker.kv_cache import available_memory_bytes, determine_num_blocks
+
+CPU = torch.device("cpu")
+BLOCK_BYTES = 1000
+
+
+def test_explicit_bytes():
+    cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=100_500)
+    assert determine_num_blocks(cfg, BLOCK_BYTES, max_model_len=64, max_num_seqs=4, device=CPU) == 100
+
+
+def test_explicit_num_blocks_wins():
+    cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=10**9, num_blocks=9)
+    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 4, CPU) == 9
+
+
+def test_fraction_of_free_memory_capped_at_useful_size(monkeypatch):
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 4_000_000)
+    cfg = CacheConfig(block_size=16, cpu_kv_cache_fraction=0.25)
+    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 1000, CPU) == 1000
+    # 2 requests of 4 blocks can never use more than 8 blocks (+ the null block).
+    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 2, CPU) == 9
+
+
+def test_too_small_names_the_knobs(monkeypatch):
+    cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=3_500)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=3500 gives 2 usable blocks.*"
+                                         r"max_model_len=64 needs 4.*raise kv_cache_memory_bytes or lower max_model_len"):
+        determine_num_blocks(cfg, BLOCK_BYTES, 64, 4, CPU)
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 1000)
+    with pytest.raises(ValueError, match="cpu_kv_cache_fraction=0.25 of .* free memory"):
+        determine_num_blocks(CacheConfig(block_size=16), BLOCK_BYTES, 64, 4, CPU)
+    with pytest.raises(ValueError, match="cpu_kv_cache_fraction must be in"):
+        determine_num_blocks(CacheConfig(cpu_kv_cache_fraction=1.5), BLOCK_BYTES, 64, 4, CPU)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be positive"):
+        determine_num_blocks(CacheConfig(kv_cache_memory_bytes=0), BLOCK_BYTES, 64, 4, CPU)
+
+
+def test_available_memory_is_plausible():
+    free = available_memory_bytes(CPU)
+    assert 16 * 2**20 < free < 2**50
