@@ -20,6 +20,14 @@ a GPUTarget, no device needed), and the default tiles were chosen from those bui
 `pagedserve/benchmarks/bench_kernels.py` times each kernel against its memory floor
 and against torch SDPA, and is where the tiles and split policy should be tuned.
 
+CUDA graphs (decode batches): everything the kernels read per step is on the device
+(seq_lens, block_table, slot_mapping, query_start_loc; a pure-decode batch's request
+list is a view of one cached arange), and each split's token range is computed in
+the kernel from seq_len.  So a captured decode step stays valid when those tensors
+are refilled in place, provided the capture pins `md.num_splits` (the host-side plan
+follows the longest context).  Padding rows: query length 1, seq_len 0, slot -1:
+nothing is stored and their output is zeros.
+
 Requires triton; `import pagedserve.attention.triton_backend` fails with ImportError
 without it, which is what the backend selector tests for.
 """
@@ -34,8 +42,9 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedserve.attention.triton_kernels import LOG2E, get_kernels, next_pow2
 
-# Split-KV policy for decode: aim for TARGET_WAVES programs per SM, never give a split
-# fewer than MIN_SPLIT_TOKENS tokens (below that the reduce costs more than it buys).
+# Split-KV policy for decode: aim for TARGET_WAVES programs per SM and give no split
+# fewer than MIN_SPLIT_TOKENS tokens (each split adds a partial write and a reduce
+# read).  Starting values, to be tuned with bench_kernels --sweep.
 TARGET_WAVES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 16
@@ -47,7 +56,8 @@ def plan_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_s
     if programs == 0:
         return 1
     want = -(-TARGET_WAVES * num_sms // programs)
-    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    splits = max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # powers of two: NUM_SPLITS is a constexpr, one compile each
 
 
 @functools.cache
@@ -109,6 +119,7 @@ class TritonAttentionMetadata:
     num_splits: int | None = None
     _tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict, repr=False)
     _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _checked: set[int] = field(default_factory=set, repr=False)  # backends whose inputs passed _check
 
     def extend_tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(tile -> request, tile -> first query index, count), heaviest tiles first so
@@ -157,7 +168,8 @@ class TritonAttentionBackend(AttentionBackend):
         extends: list[int] = []
         for i in range(common.num_reqs):
             n = qsl[i + 1] - qsl[i]
-            if n < 0 or n > common.seq_lens_cpu[i]:
+            # seq_len 0 with one token: a padding row (CUDA-graph batch), output zeros.
+            if n < 0 or (n > common.seq_lens_cpu[i] and not (n == 1 and common.seq_lens_cpu[i] == 0)):
                 raise ValueError(f"attention metadata: request {i} has {n} new tokens but seq_len "
                                  f"{common.seq_lens_cpu[i]}")
             if n == 1:
@@ -190,7 +202,9 @@ class TritonAttentionBackend(AttentionBackend):
         elif not isinstance(md, TritonAttentionMetadata):
             raise ValueError(f"triton backend got metadata of type {type(md).__name__}; "
                              "build it with TritonAttentionBackend.build_metadata")
-        self._check(query, key, value, k_cache, v_cache)
+        if id(self) not in md._checked:  # once per step and backend: every layer has the same shapes
+            self._check(query, key, value, k_cache, v_cache)
+            md._checked.add(id(self))
         c = md.common
         num_tokens = c.num_actual_tokens
         if output is None:

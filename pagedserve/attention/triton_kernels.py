@@ -139,6 +139,7 @@ def decode_reduce_kernel(
     base = (i.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty: keep exp2's argument finite
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
     part = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
                    mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)

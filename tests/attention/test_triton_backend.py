@@ -156,6 +156,36 @@ def test_split_kv_long_context(dtype):
 
 
 @interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_graph_padding_rows(num_splits):
+    """A CUDA-graph decode batch padded with fake requests (seq_len 0, slot -1, split
+    count pinned): real rows match the reference, padded rows come back zero, and
+    the padded tokens write nothing to the cache."""
+    q, k, v, kc, vc, common = make_batch([(30, 1), (70, 1)], 4, 2, 32, 16, torch.bfloat16, seed=80)
+    kc2, vc2 = kc.clone(), vc.clone()
+    expected = TorchReferenceBackend(4, 2, 32, 32**-0.5, 16).forward(q, k, v, kc, vc, common)
+    pad = 2
+    qp, kp, vp = (torch.cat([x, torch.randn(pad, *x.shape[1:]).to(x.dtype)]) for x in (q, k, v))
+    padded = CommonAttentionMetadata(
+        num_reqs=2 + pad, num_actual_tokens=2 + pad,
+        query_start_loc=torch.arange(3 + pad, dtype=torch.int32),
+        seq_lens=torch.tensor([30, 70] + [0] * pad, dtype=torch.int32),
+        block_table=torch.cat([common.block_table, torch.zeros(pad, common.block_table.shape[1], dtype=torch.int32)]),
+        slot_mapping=torch.cat([common.slot_mapping, torch.full((pad,), -1)]),
+        query_start_loc_cpu=list(range(3 + pad)), seq_lens_cpu=[30, 70] + [0] * pad,
+        max_query_len=1, max_seq_len=70, block_size=16,
+    )
+    md = TritonAttentionBackend.build_metadata(padded)
+    md.num_splits = num_splits
+    out = torch.full_like(qp, float("nan"))
+    TritonAttentionBackend(4, 2, 32, 32**-0.5, 16).forward(qp, kp, vp, kc2, vc2, md, output=out)
+    torch.testing.assert_close(out[:2].float(), expected.float(), **TOL[torch.bfloat16])
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    torch.testing.assert_close(kc2, kc, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(vc2, vc, atol=0, rtol=0, equal_nan=True)
+
+
+@interpreter
 def test_odd_group_and_head_dim():
     # GQA group 3 and head_dim 24: exercises every row/column mask.
     check([(45, 1), (50, 13), (19, 19)], heads=6, kv_heads=2, dim=24, block_size=16, seed=40)
@@ -181,7 +211,8 @@ def test_plan_num_splits():
     assert plan_num_splits(256, 8, 4096, 132) == 1  # the batch alone fills the GPU
     assert plan_num_splits(1, 8, MIN_SPLIT_TOKENS - 1, 132) == 1  # too short to be worth it
     many = plan_num_splits(1, 8, 32768, 132)
-    assert 1 < many <= 16
+    assert 1 < many <= 16 and many & (many - 1) == 0  # a power of two: few kernel variants
+    assert plan_num_splits(1, 8, 3 * MIN_SPLIT_TOKENS, 132) == 2
     assert plan_num_splits(1, 8, 2 * MIN_SPLIT_TOKENS, 132) == 2  # each split keeps >= MIN_SPLIT_TOKENS
 
 
