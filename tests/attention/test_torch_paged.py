@@ -60,13 +60,18 @@ def run_backend(cls, case, heads, kv_heads, dim, block_size):
 
 
 MIXED = [(37, 1), (150, 1), (16, 16), (70, 23), (5, 5), (300, 1), (33, 2), (129, 1), (64, 64), (1, 1)]
-LONG = [(40, 1), (700, 700), (1000, 300), (90, 1)]  # two go through the SDPA path
+LONG = [(40, 1), (1100, 1100), (1300, 900), (90, 1)]  # two are split into query chunks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
-@pytest.mark.parametrize("specs", [MIXED, LONG, [(150, 1)] * 12], ids=["mixed", "long", "decode"])
+CASES = [
+    pytest.param(specs, heads, kv_heads, bs, dtype, id=f"{name}-{heads}/{kv_heads}-bs{bs}-{str(dtype)[6:]}")
+    for name, specs, head_cfgs in [("mixed", MIXED, [(6, 2), (4, 4), (8, 1)]), ("decode", [(150, 1)] * 12, [(6, 2), (8, 1)]),
+                                   ("long", LONG, [(6, 2)])]
+    for heads, kv_heads in head_cfgs for bs in (16, 32) for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize("specs,heads,kv_heads,block_size,dtype", CASES)
 def test_matches_reference(specs, heads, kv_heads, block_size, dtype):
     dim = 32
     case = make_case(specs, heads, kv_heads, dim, block_size, dtype, seed=hash((heads, block_size)) % 1000)
@@ -91,29 +96,29 @@ def test_padded_rows_are_zero_and_ignored():
 
 
 def test_mixed_batch_in_any_order_with_groups_split(monkeypatch):
-    """Tiny group limits force many groups and a long prefill; the result must not change."""
+    """Tiny group limits force many groups and query chunks; the result must not change."""
     monkeypatch.setattr(torch_paged, "GROUP_OVERHEAD_CELLS", 0)
-    monkeypatch.setattr(torch_paged, "SINGLE_MIN_AREA", 200)
-    monkeypatch.setattr(torch_paged, "SDPA_MAX_AREA", 4 * 8 * 40)  # several SDPA query chunks
+    monkeypatch.setattr(torch_paged, "GROUP_MAX_AREA", 2000)
     specs = [(300, 1), (45, 12), (8, 1), (200, 40), (60, 1), (17, 17), (9, 3)]
     case = make_case(specs, 8, 2, 16, 16, torch.float32, seed=11)
     ref, _, _ = run_backend(TorchReferenceBackend, case, 8, 2, 16, 16)
     md = TorchPagedBackend.build_metadata(case[-1])
-    assert len(md.groups) > 2 and md.long_prefills
+    assert len(md.groups) > 5
+    assert sum(g.num_reqs for g in md.groups) > len(specs)  # (200, 40) was cut into chunks
     out, _, _ = run_backend(TorchPagedBackend, case, 8, 2, 16, 16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_plan_groups_keeps_similar_decodes_together():
-    same = [(1, 150 + i % 3, i) for i in range(32)]
+    same = [(1, 150 + i % 3, i, i) for i in range(32)]
     assert len(plan_groups(same)) == 1
-    spread = [(1, 20, i) for i in range(16)] + [(1, 2000, 16 + i) for i in range(16)]
+    spread = [(1, 20, i, i) for i in range(16)] + [(1, 2000, 16 + i, 16 + i) for i in range(16)]
     groups = plan_groups(spread)
     assert len(groups) == 2 and {len(g) for g in groups} == {16}
     # Decodes are not padded up to a prefill's query length.
-    mixed = [(1, 100, i) for i in range(8)] + [(40, 40, 8)]
-    assert any(all(q == 1 for q, _, _ in g) for g in plan_groups(mixed))
-    assert sorted(i for g in plan_groups(mixed) for _, _, i in g) == list(range(9))
+    mixed = [(1, 100, i, i) for i in range(8)] + [(40, 40, 8, 8)]
+    assert any(all(it[0] == 1 for it in g) for g in plan_groups(mixed))
+    assert sorted(it[3] for g in plan_groups(mixed) for it in g) == list(range(9))
 
 
 def test_bad_metadata_is_a_value_error():
