@@ -107,6 +107,26 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
+class APIKeyMiddleware:
+    """Bearer-token check on /v1/* as plain ASGI (BaseHTTPMiddleware would put every
+    streamed chunk through an extra task and memory stream)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        key = self.state.api_key
+        if key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+                err = OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                  status=401, code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run a non-streaming handler, cancelling it (and so aborting its engine requests)
     if the client disconnects first."""
@@ -136,15 +156,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable) -> Response:
-        if state.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), state.api_key):
-                return error_response(OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                                  status=401, code="invalid_api_key"))
-        return await call_next(request)
+    app.add_middleware(APIKeyMiddleware, state=state)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
