@@ -52,8 +52,8 @@ class AttnGroup:
     num_reqs: int
     q_len: int
     kv_len: int
-    token_idx: torch.Tensor  # [B*Q] query rows to read (padding reads row 0)
-    out_idx: torch.Tensor  # [B*Q] output rows to write (padding writes the scratch row T)
+    token_idx: torch.Tensor | None  # [B*Q] query rows to read (padding reads row 0); None: rows 0..B*Q-1
+    out_idx: torch.Tensor | None  # [B*Q] output rows to write (padding writes the scratch row T)
     blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's own)
     pad_rows: torch.Tensor | None  # rows of the gathered [B*L] keys past their request's context
     masked: torch.Tensor  # [B, Q, L] bool, True where a key is not visible
@@ -75,6 +75,9 @@ class AttnGroup:
 class TorchPagedMetadata:
     common: CommonAttentionMetadata
     groups: list[AttnGroup]
+    # One group holding every token in batch order, unpadded (the usual all-decode
+    # step): its output is the layer's output, with no scatter.
+    identity: bool = False
 
 
 class _Workspace:
@@ -137,8 +140,11 @@ class TorchPagedBackend(AttentionBackend):
             for c0 in range(0, n, chunk):
                 c1 = min(n, c0 + chunk)
                 items.append((c1 - c0, s - n + c1, qsl[i] + c0, i))
-        groups = [cls._build_group(common, g) for g in plan_groups(items)]
-        return TorchPagedMetadata(common, groups)
+        # Within a group, batch order: an all-decode step then reads and writes rows in place.
+        groups = [cls._build_group(common, sorted(g, key=lambda it: it[2])) for g in plan_groups(items)]
+        g0 = groups[0] if len(groups) == 1 else None
+        identity = g0 is not None and g0.token_idx is None and g0.num_reqs * g0.q_len == common.num_actual_tokens
+        return TorchPagedMetadata(common, groups, identity)
 
     @staticmethod
     def _build_group(common: CommonAttentionMetadata, items: list[Item]) -> AttnGroup:
@@ -151,13 +157,18 @@ class TorchPagedBackend(AttentionBackend):
         rows = starts[:, None] + j[None, :]
         token_idx = torch.where(valid_q, rows, 0).view(-1)
         out_idx = torch.where(valid_q, rows, common.num_actual_tokens).view(-1)
+        in_order = bool(valid_q.all()) and torch.equal(token_idx, torch.arange(len(token_idx)))
         q_pos = (s - n)[:, None] + j[None, :]  # absolute position of each query row
         k_pos = torch.arange(kv_len)
         masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal; also hides the padding
         # Blocks on the device: the block table already lives there.
         blocks = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs].reshape(-1).long()
         pad = (k_pos[None, :] >= s[:, None]).view(-1).nonzero().squeeze(1)
-        return AttnGroup(len(items), q_len, kv_len, token_idx.to(dev), out_idx.to(dev), blocks,
+        if in_order:
+            token_idx = out_idx = None
+        else:
+            token_idx, out_idx = token_idx.to(dev), out_idx.to(dev)
+        return AttnGroup(len(items), q_len, kv_len, token_idx, out_idx, blocks,
                          pad.to(dev) if pad.numel() else None, masked.to(dev))
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
@@ -165,6 +176,8 @@ class TorchPagedBackend(AttentionBackend):
         num_tokens = md.common.num_actual_tokens
         store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
                        md.common.slot_mapping[:num_tokens])
+        if md.identity and query.shape[0] == num_tokens:
+            return self._group_forward(md.groups[0], query, k_cache, v_cache, None)
         # One scratch row past the real tokens takes the padded query rows' output.
         out = query.new_empty(max(query.shape[0], num_tokens + 1), self.num_heads, self.head_dim)
         for g in md.groups:
@@ -173,12 +186,14 @@ class TorchPagedBackend(AttentionBackend):
             out[num_tokens:].zero_()
         return out[: query.shape[0]]
 
-    def _group_forward(self, g: AttnGroup, query, k_cache, v_cache, out) -> None:
+    def _group_forward(self, g: AttnGroup, query, k_cache, v_cache, out) -> torch.Tensor:
+        """Attend one group; scatter into `out`, or with out=None return its [B*Q, H, D]."""
         hkv, d = self.num_kv_heads, self.head_dim
         grp = self.num_heads // hkv
         b, q, L = g.num_reqs, g.q_len, g.kv_len
         dtype = query.dtype
-        qg = query.index_select(0, g.token_idx).view(b, q, hkv, grp, d)
+        qg = query[: b * q] if g.token_idx is None else query.index_select(0, g.token_idx)
+        qg = qg.reshape(b, q, hkv, grp, d)
         qg = qg.permute(2, 0, 1, 3, 4).reshape(hkv * b, q * grp, d)
         ws = _WORKSPACE.get(4 * hkv * b * L * d, dtype, query.device)
         gathered, kv = ws.view(2, 2, b * L, hkv * d).unbind(0)
@@ -198,4 +213,10 @@ class TorchPagedBackend(AttentionBackend):
                                alpha=self.scale)
         o = torch.bmm(scores.softmax(-1), vbuf.view(hkv * b, L, d))
         o = o.view(hkv, b, q, grp, d).permute(1, 2, 0, 3, 4).reshape(b * q, self.num_heads, d)
-        out.index_copy_(0, g.out_idx, o)
+        if out is None:
+            return o
+        if g.out_idx is None:
+            out[: b * q] = o
+        else:
+            out.index_copy_(0, g.out_idx, o)
+        return out

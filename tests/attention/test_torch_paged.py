@@ -134,3 +134,11 @@ def test_selector():
     assert get_attn_backend("torch_ref", torch.device("cpu")) is TorchReferenceBackend
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_attn_backend("flash", "cpu")
+
+
+def test_all_decode_step_takes_the_in_place_path():
+    case = make_case([(150 + i, 1) for i in range(8)], 6, 2, 16, 16, torch.bfloat16, seed=5)
+    md = TorchPagedBackend.build_metadata(case[-1])
+    assert md.identity and md.groups[0].token_idx is None
+    mixed = make_case([(150, 1), (20, 4)], 6, 2, 16, 16, torch.bfloat16, seed=5)
+    assert not TorchPagedBackend.build_metadata(mixed[-1]).identity
