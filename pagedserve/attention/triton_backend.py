@@ -133,10 +133,8 @@ class TritonAttentionMetadata:
                 prefix = c.seq_lens_cpu[i] - n
                 work.extend((prefix + q0 + block_q, i, q0) for q0 in range(0, n, block_q))
             work.sort(reverse=True)
-            dev = c.query_start_loc.device
-            self._tiles[block_q] = (
-                _to_device([w[1] for w in work], dev), _to_device([w[2] for w in work], dev), len(work),
-            )
+            both = _to_device([w[1] for w in work] + [w[2] for w in work], c.query_start_loc.device)
+            self._tiles[block_q] = (both[: len(work)], both[len(work):], len(work))  # one upload
         return self._tiles[block_q]
 
     def split_scratch(self, num_heads: int, num_splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

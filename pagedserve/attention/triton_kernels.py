@@ -12,8 +12,9 @@ TRITON_INTERPRET=1 was set before triton's first import, interpreted ones that r
 on CPU tensors.  Following the language's mode rather than the variable's value at
 this module's import keeps the two consistent whatever the import order.
 
-Two interpreter defects shape the code (triton 3.x): `tl.dot` on bfloat16 operands
-multiplies the raw uint16 bits, and elementwise bf16 arithmetic is wrong.  So every
+Two interpreter limits shape the code (triton 3.x; bf16 is unsupported there, see
+triton-lang/triton#11584): `tl.dot` on bfloat16 operands multiplies the raw uint16
+bits, and elementwise bf16 arithmetic is wrong.  So every
 piece of arithmetic here is on fp32 values, and with UPCAST (set only when
 interpreting) the dot operands are widened to fp32 before `tl.dot`.  On the GPU the
 dots stay in the cache dtype and accumulate in fp32.
