@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -180,8 +181,10 @@ class LLMEngine:
         ids = list(ids)
         vocab = self.vocab_size
         for pos, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
                 raise ValueError(f"prompt_token_ids[{pos}] is {t!r}, not an integer")
+            if type(t) is not int:  # numpy integers: plain ints from here on
+                ids[pos] = t = int(t)
             if not 0 <= t < vocab:
                 raise ValueError(
                     f"token id {t} at position {pos} of the prompt is outside the vocabulary (0..{vocab - 1})"
@@ -267,6 +270,7 @@ class LLMEngine:
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages = [_flatten_content(m) for m in messages]
         template = (_read_chat_template(chat_template) or self.model_config.chat_template
                     or getattr(self.tokenizer, "chat_template", None))
         if not template:
@@ -284,6 +288,19 @@ class LLMEngine:
         BOS text, so the tokenizer must not add special tokens a second time."""
         text = self.apply_chat_template(messages, chat_template, add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+
+
+def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI-style content parts [{"type": "text", "text": ...}] -> one string (text only)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, got {part!r}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> tuple[int | None, list[int]]:

@@ -48,12 +48,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt_token_ids": [...]} /
         {"prompt": "..."} dicts, or a list of these.  sampling_params: one for all
-        prompts or a list with one per prompt.  Outputs come back in input order."""
+        prompts or a list with one per prompt.  priority (one per prompt) matters only
+        with scheduling_policy="priority".  Outputs come back in input order."""
         prompt_list = _normalize_prompts(prompts)
-        return self._run(prompt_list, _normalize_params(sampling_params, len(prompt_list)), use_tqdm)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        return self._run(prompt_list, _normalize_params(sampling_params, len(prompt_list)), use_tqdm, priority)
 
     def chat(
         self,
@@ -72,13 +76,15 @@ class LLM:
         prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt) for conv in conversations]
         return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params, strict=True):
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(rid)
             results = self._run_engine(ids, use_tqdm)
         finally:

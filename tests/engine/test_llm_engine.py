@@ -77,6 +77,16 @@ def test_bad_requests_raise_and_leave_others_running(tok) -> None:
     assert engine.get_stats().kv_cache_usage == 0.0
 
 
+def test_numpy_token_ids_are_accepted() -> None:
+    import numpy as np
+
+    engine = make_engine()
+    engine.add_request("a", {"prompt_token_ids": np.array([4, 5, 6])}.get("prompt_token_ids").tolist())
+    engine.add_request("b", [np.int64(4), np.int32(5)], SamplingParams(max_tokens=2))
+    assert engine.scheduler.requests["b"].prompt_token_ids == [4, 5]
+    assert all(type(t) is int for t in engine.scheduler.requests["b"].prompt_token_ids)
+
+
 def test_text_prompts_need_a_tokenizer() -> None:
     engine = make_engine()
     with pytest.raises(ValueError, match="no tokenizer"):
@@ -216,6 +226,10 @@ def test_chat_template(tok) -> None:
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert engine.apply_chat_template(msgs, add_generation_prompt=False).endswith("<|im_end|>\n")
     assert engine.apply_chat_template(msgs, chat_template="{{ messages[0]['content'] }}!") == "hi!"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert engine.apply_chat_template(parts) == text.replace("hi", "h\ni")
+    with pytest.raises(ValueError, match="only text content parts"):
+        engine.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
     enc = engine.encode_chat(msgs)
     assert enc["prompt"] == text and tok.decode(enc["prompt_token_ids"]) == text
     with pytest.raises(ValueError, match="messages"):

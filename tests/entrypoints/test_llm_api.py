@@ -64,6 +64,24 @@ def test_bad_input_raises_and_leaves_engine_clean(llm) -> None:
     assert o.outputs[0].token_ids == [13, 14]
 
 
+def test_priority_per_prompt() -> None:
+    engine = make_engine(lambda i, p: 10 + i, scheduling_policy="priority", max_num_seqs=1)
+    llm = LLM.from_engine(engine)
+    finished_order = []
+    step = engine.step
+
+    def spy():
+        outs = step()
+        finished_order.extend(o.prompt_token_ids[0] for o in outs if o.finished)
+        return outs
+
+    engine.step = spy
+    llm.generate([[1], [2], [3]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[2, 0, 1])
+    assert finished_order == [2, 3, 1]
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate([[1], [2]], use_tqdm=False, priority=[0])
+
+
 def test_n_samples_and_tqdm(llm, capsys) -> None:
     [o] = llm.generate("hello", SamplingParams(n=3, max_tokens=4, seed=1), use_tqdm=True)
     assert [c.index for c in o.outputs] == [0, 1, 2] and all(len(c.token_ids) == 4 for c in o.outputs)

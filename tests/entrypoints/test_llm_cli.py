@@ -40,7 +40,7 @@ def test_generate_prints_the_answer(fake_engine, capsys) -> None:
 def test_generate_applies_the_chat_template_by_default(fake_engine, monkeypatch) -> None:
     seen = []
 
-    def run(self, prompts, params, use_tqdm):
+    def run(self, prompts, params, use_tqdm, priority=None):
         seen.extend(prompts)
         return [SimpleNamespace(outputs=[SimpleNamespace(text="")]) for _ in prompts]
 
