@@ -11,6 +11,8 @@ fail loudly.
 
 from __future__ import annotations
 
+import zlib
+
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
@@ -52,7 +54,9 @@ def make_request(
     **params,
 ) -> Request:
     if isinstance(prompt, int):
-        prompt = [(7 * i + 3) % 1000 + 10 for i in range(prompt)]
+        # Distinct per request id, so that no two requests share a prefix by accident.
+        k = zlib.crc32(str(req_id).encode()) % 10_000
+        prompt = [(7 * i + 13 * k) % 50_000 + 10 for i in range(prompt)]
     sp = SamplingParams(max_tokens=max_tokens, **params)
     at = float(int(req_id)) if arrival_time is None and str(req_id).isdigit() else arrival_time
     return Request(str(req_id), prompt, sp, eos_token_id=eos_token_id, arrival_time=at, priority=priority)

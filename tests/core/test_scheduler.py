@@ -1,0 +1,278 @@
+import pytest
+from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
+
+from pagedserve.core.request import RequestStatus
+
+
+def step(sched, tokens=None, default=5):
+    """One engine step; `tokens` maps request id -> sampled token (default 5 for every request)."""
+    so = sched.schedule()
+    sampled = {rid: [(tokens or {}).get(rid, default)] for rid in so.num_scheduled_tokens}
+    return so, sched.update_from_output(so, sampled)
+
+
+def test_mixed_step_budget_and_discarded_prefill_sample():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=10)
+    a = make_request("a", 6)
+    sched.add_request(a)
+    so, outs = step(sched)
+    assert so.num_scheduled_tokens == {"a": 6} and so.total_num_scheduled_tokens == 6
+    assert [o.new_token_ids for o in outs] == [[5]]
+    b = make_request("b", 20)
+    sched.add_request(b)
+    so, outs = step(sched, {"a": 8, "b": 9})
+    # One step mixes a's decode with a 9-token chunk of b's prompt.
+    assert so.num_scheduled_tokens == {"a": 1, "b": 9} and so.total_num_scheduled_tokens == 10
+    assert so.scheduled_cached_reqs.req_ids == ["a"] and [r.req_id for r in so.scheduled_new_reqs] == ["b"]
+    # b's prompt is only partly computed: its sample is dropped and nothing is reported for it.
+    assert [o.request_id for o in outs] == ["a"] and b.num_output_tokens == 0
+    assert b.num_computed_tokens == 9
+    so, outs = step(sched)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 9}
+    so, outs = step(sched, {"b": 4})
+    assert so.num_scheduled_tokens == {"a": 1, "b": 2}  # b finishes its prompt and samples
+    assert {o.request_id: o.new_token_ids for o in outs} == {"a": [5], "b": [4]}
+
+
+def test_cached_request_deltas():
+    sched = make_scheduler(block_size=4)
+    a = make_request("a", 7)
+    sched.add_request(a)
+    so, _ = step(sched, {"a": 42})
+    (nr,) = so.scheduled_new_reqs
+    assert nr.block_ids == [1, 2] and nr.num_computed_tokens == 0 and nr.output_token_ids == []
+    so, _ = step(sched, {"a": 43})
+    c = so.scheduled_cached_reqs
+    assert c.req_ids == ["a"] and c.new_token_ids == [[42]] and c.num_computed_tokens == [7]
+    assert c.new_block_ids == [[]]  # token 8 still fits block 2
+    so, _ = step(sched)
+    assert c is not so.scheduled_cached_reqs
+    assert so.scheduled_cached_reqs.new_token_ids == [[43]]
+    assert so.scheduled_cached_reqs.new_block_ids == [[3]]
+    assert so.scheduled_cached_reqs.num_computed_tokens == [8]
+
+
+def test_long_prefill_threshold_caps_chunks():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    sched.add_request(make_request("a", 12))
+    sched.add_request(make_request("b", 3))
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 5, "b": 3}
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 5, "b": 1}
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 2, "b": 1}
+
+
+def test_chunked_prefill_disabled_waits_for_whole_prompt_budget():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 40))
+    sched.add_request(make_request("b", 30))
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 40}  # b does not fit the remaining 24 and is not chunked
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 30}
+
+
+def test_max_num_seqs_limits_admission():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(make_request(i, 3))
+    so, _ = step(sched)
+    assert set(so.num_scheduled_tokens) == {"0", "1"} and len(sched.waiting) == 2
+    assert sched.get_num_unfinished_requests() == 4 and sched.get_request_counts() == (2, 2)
+
+
+def test_fcfs_preempts_last_running_and_resumes_with_its_tokens():
+    sched = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks
+    a, b = make_request("a", 7, max_tokens=8), make_request("b", 7, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, {"a": 1, "b": 2})
+    step(sched, {"a": 1, "b": 3})  # 9 tokens each now; the pool is full
+    so, _ = step(sched)
+    assert so.preempted_req_ids == {"b"} and so.num_scheduled_tokens == {"a": 1}
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and sched.num_preemptions_total == 1
+    assert b.output_token_ids == [2, 3] and sched.kv_cache_manager.get_block_ids("b") == []
+    assert list(sched.waiting) == [b] and sched.running == [a]
+    # Finish a; b comes back as a new request carrying its outputs.
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    so, outs = step(sched, {"b": 9})
+    (nr,) = so.scheduled_new_reqs
+    assert nr.req_id == "b" and nr.output_token_ids == [2, 3] and nr.prompt_token_ids == b.prompt_token_ids
+    # Its first full block survived in the prefix cache, so it is not recomputed.
+    assert nr.num_computed_tokens == 4 and so.num_scheduled_tokens == {"b": 5}
+    assert so.finished_req_ids == {"a"}
+    assert outs[0].new_token_ids == [9] and b.output_token_ids == [2, 3, 9]
+    assert outs[0].num_cached_tokens == 0  # reported from the first admission
+
+
+def test_fcfs_preempts_the_current_request_when_it_is_last():
+    sched = make_scheduler(num_blocks=5, block_size=4)
+    a, b = make_request("a", 7, max_tokens=8), make_request("b", 8, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: 8 tokens, b: 9 tokens; 4 blocks held
+    so, _ = step(sched)
+    # a fits its 8th token in block 2; b needs a third block, and b is itself the last running.
+    assert so.num_scheduled_tokens == {"a": 1} and so.preempted_req_ids == {"b"}
+    assert sched.running == [a] and list(sched.waiting) == [b]
+
+
+def test_priority_victim_and_no_admission_in_a_preempting_step():
+    sched = make_scheduler(num_blocks=5, block_size=4, policy="priority")
+    a = make_request("a", 7, max_tokens=8, priority=1, arrival_time=1.0)
+    b = make_request("b", 7, max_tokens=8, priority=0, arrival_time=2.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    so, _ = step(sched)
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["b", "a"]  # lower value first
+    assert sched.running == [b, a]
+    step(sched)
+    c = make_request("c", 1, priority=-1, arrival_time=3.0)
+    sched.add_request(c)
+    so, _ = step(sched)
+    # b needs a block; the victim is max((priority, arrival)) = a, even though a is not last in time.
+    assert so.preempted_req_ids == {"a"} and so.num_scheduled_tokens == {"b": 1}
+    # c would fit in the block a freed, but a preempting step admits nobody.
+    assert "c" not in so.num_scheduled_tokens
+    assert list(sched.waiting) == [c, a]
+    so, _ = step(sched)
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["c"]
+
+
+def test_priority_ties_broken_by_arrival():
+    sched = make_scheduler(policy="priority", max_num_seqs=1)
+    sched.add_request(make_request("late", 3, priority=0, arrival_time=5.0))
+    sched.add_request(make_request("early", 3, priority=0, arrival_time=1.0))
+    sched.add_request(make_request("urgent", 3, priority=-3, arrival_time=9.0))
+    order = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched)
+        order += [r.req_id for r in so.scheduled_new_reqs]
+    assert order == ["urgent", "early", "late"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, tokens, expect_len, reason, stop_reason",
+    [
+        (dict(eos_token_id=2), [5, 2, 5], 2, "stop", None),
+        (dict(eos_token_id=2, ignore_eos=True, max_tokens=3), [5, 2, 5], 3, "length", None),
+        (dict(stop_token_ids=[7, 8]), [5, 8, 5], 2, "stop", 8),
+        (dict(max_tokens=3), [5, 5, 5, 5], 3, "length", None),
+        (dict(eos_token_id=2, min_tokens=3, max_tokens=5), [2, 7, 2, 5], 3, "stop", None),
+        (dict(stop_token_ids=[7], min_tokens=2), [7, 7], 2, "stop", 7),
+    ],
+)
+def test_stop_rules(kwargs, tokens, expect_len, reason, stop_reason):
+    sched = make_scheduler()
+    max_tokens = kwargs.pop("max_tokens", 16)
+    eos = kwargs.pop("eos_token_id", None)
+    req = make_request("r", 4, max_tokens=max_tokens, eos_token_id=eos, **kwargs)
+    sched.add_request(req)
+    finals = []
+    for tok in tokens:
+        _, outs = step(sched, {"r": tok})
+        finals = [o for o in outs if o.finished]
+        if finals:
+            break
+    (out,) = finals
+    assert req.num_output_tokens == expect_len and req.output_token_ids == tokens[:expect_len]
+    assert out.finish_reason == reason and out.stop_reason == stop_reason
+    assert req.get_finished_reason() == reason
+    assert sched.kv_cache_manager.usage == 0 and not sched.has_unfinished_requests()
+    assert sched.schedule().finished_req_ids == {"r"}
+
+
+def test_max_model_len_caps_generation():
+    sched = make_scheduler(max_model_len=10, max_num_batched_tokens=16)
+    req = make_request("r", 7, max_tokens=None)
+    sched.add_request(req)
+    outs = run_to_completion(sched)
+    assert req.num_tokens == 10 and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert outs[-1].finish_reason == "length"
+
+
+def test_finish_requests_aborts_waiting_and_running():
+    sched = make_scheduler(max_num_seqs=1)
+    a, b = make_request("a", 9), make_request("b", 9)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    assert sched.kv_cache_manager.usage > 0
+    sched.finish_requests(["a", "b", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED and a.get_finished_reason() == "abort"
+    assert sched.kv_cache_manager.usage == 0 and not sched.running and not sched.waiting
+    assert sched.get_num_unfinished_requests() == 0
+    so = sched.schedule()
+    assert so.finished_req_ids == {"a", "b"} and so.is_empty
+    assert sched.schedule().finished_req_ids == set()
+    with pytest.raises(ValueError, match="FINISHED"):
+        sched.finish_requests("a", RequestStatus.RUNNING)
+
+
+def test_finish_between_schedule_and_update_is_harmless():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("b", 4))
+    so = sched.schedule()
+    sched.finish_requests("a", RequestStatus.FINISHED_STOPPED)
+    outs = sched.update_from_output(so, {"a": [1], "b": [1]})
+    assert [o.request_id for o in outs] == ["b"]
+
+
+def test_add_request_refuses_what_can_never_run():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=32)  # 16 KV slots
+    ok = make_request("ok", 4, max_tokens=4)
+    sched.add_request(ok)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request("long", 32))
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add_request(make_request("big", 10, max_tokens=8))  # 17 slots > 16
+    sched.add_request(make_request("fits", 10, max_tokens=7))  # 16 slots
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("ok", 4))
+    assert set(sched.requests) == {"ok", "fits"}
+    run_to_completion(sched)
+    assert sched.kv_cache_manager.usage == 0
+
+
+def test_parallel_samples_share_prompt_blocks_in_the_same_step():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(100, 110))
+    for i in range(3):
+        sched.add_request(make_request(f"p-{i}", prompt))
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"p-0": 10, "p-1": 2, "p-2": 2}
+    kvm = sched.kv_cache_manager
+    shared = kvm.req_to_blocks["p-0"][:2]
+    assert all(kvm.req_to_blocks[f"p-{i}"][:2] == shared for i in (1, 2))
+    assert [b.ref_cnt for b in shared] == [3, 3]
+    assert [r.num_computed_tokens for r in so.scheduled_new_reqs] == [0, 8, 8]
+
+
+def test_second_request_hits_prompt_of_running_request():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(100, 109))
+    sched.add_request(make_request("a", prompt))
+    step(sched)
+    step(sched)
+    b = make_request("b", prompt)
+    sched.add_request(b)
+    so, outs = step(sched)
+    assert so.num_scheduled_tokens["b"] == 1
+    blocks = sched.kv_cache_manager.req_to_blocks
+    assert blocks["a"][:2] == blocks["b"][:2] and blocks["a"][0].ref_cnt == 2
+    assert {o.request_id: o.num_cached_tokens for o in outs}["b"] == 8
+    stats = sched.kv_cache_manager
+    assert stats.prefix_cache_queries == 18 and stats.prefix_cache_hits == 8
+
+
+def test_everything_finishes_and_the_cache_checks_out():
+    sched = make_scheduler(num_blocks=12, block_size=2, max_num_batched_tokens=8, max_num_seqs=4)
+    for i in range(10):
+        sched.add_request(make_request(i, [1, 2, 3] + [i] * (i % 5), max_tokens=6 + i % 3, eos_token_id=13))
+    run_to_completion(sched, FakeRunner(sched))
+    assert sched.num_preemptions_total > 0
+    assert sched.kv_cache_manager.usage == 0 and not sched.has_unfinished_requests()

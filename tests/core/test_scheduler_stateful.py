@@ -1,0 +1,215 @@
+"""Random add / step / abort sequences against the scheduler, with the fake runner
+checking KV contents and the invariants checked after every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from core_helpers import FakeRunner, make_scheduler
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.core.kv_cache_utils import cdiv
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+
+PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [11] * 12]
+VOCAB = 21  # small, so EOS (0) and stop ids come up by chance
+
+
+def sample(rid: str, context: list[int]) -> int:
+    return (sum(context) * 2654435761 + len(context) * 40503 + len(rid)) % VOCAB
+
+
+@st.composite
+def configs(draw):
+    max_model_len = draw(st.integers(6, 40))
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(max_model_len if not chunked else 1, 48))
+    return dict(
+        num_blocks=draw(st.integers(3, 30)),
+        block_size=draw(st.sampled_from([1, 2, 4])),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8])),
+        enable_chunked_prefill=chunked,
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        enable_caching=draw(st.booleans()),
+    )
+
+
+request_params = st.fixed_dictionaries(
+    dict(
+        max_tokens=st.one_of(st.none(), st.integers(1, 12)),
+        min_tokens=st.integers(0, 2),
+        stop_token_ids=st.lists(st.integers(1, VOCAB - 1), max_size=2),
+        ignore_eos=st.booleans(),
+    )
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(cfg=configs())
+    def setup(self, cfg):
+        self.cfg = cfg
+        self.sched = make_scheduler(**cfg)
+        self.kvm = self.sched.kv_cache_manager
+        self.runner = FakeRunner(self.sched)
+        self.added: dict[str, Request] = {}
+        self.next_id = 0
+        self.clock = 0.0
+
+    def _add(self, prompt, params, priority, eos) -> None:
+        params = dict(params)
+        if params["max_tokens"] is not None and params["min_tokens"] > params["max_tokens"]:
+            params["min_tokens"] = params["max_tokens"]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.clock += 1.0
+        req = Request(rid, prompt, SamplingParams(**params), eos_token_id=eos, arrival_time=self.clock,
+                      priority=priority)
+        cfg = self.cfg
+        max_len = cfg["max_model_len"]
+        if params["max_tokens"] is not None:
+            max_len = min(max_len, len(prompt) + params["max_tokens"])
+        fits = len(prompt) < cfg["max_model_len"] and cdiv(max_len - 1, cfg["block_size"]) <= cfg["num_blocks"] - 1
+        before = set(self.sched.requests)
+        try:
+            self.sched.add_request(req)
+        except ValueError:
+            assert not fits
+            assert set(self.sched.requests) == before
+            return
+        assert fits
+        self.added[rid] = req
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, VOCAB - 1), max_size=12),
+        params=request_params,
+        priority=st.integers(-1, 1),
+        eos=st.sampled_from([None, 0]),
+    )
+    def add(self, prefix, suffix, params, priority, eos):
+        prompt = (prefix + suffix) or [3]
+        self._add(prompt, params, priority, eos)
+
+    @rule(prefix=st.sampled_from(PREFIXES[1:]), n=st.integers(2, 3), params=request_params)
+    def add_siblings(self, prefix, n, params):
+        """What the engine does for n > 1: children with one prompt, added together."""
+        for _ in range(n):
+            self._add(list(prefix), params, 0, None)
+
+    @rule()
+    def step(self):
+        sched, cfg = self.sched, self.cfg
+        so = sched.schedule()
+        total = sum(so.num_scheduled_tokens.values())
+        assert total == so.total_num_scheduled_tokens <= cfg["max_num_batched_tokens"]
+        assert all(n > 0 for n in so.num_scheduled_tokens.values())
+        if cfg["long_prefill_token_threshold"] and cfg["enable_chunked_prefill"]:
+            assert max(so.num_scheduled_tokens.values(), default=0) <= cfg["long_prefill_token_threshold"]
+        assert len(sched.running) <= cfg["max_num_seqs"]
+        if so.preempted_req_ids:
+            assert not so.scheduled_new_reqs
+        assert not (so.preempted_req_ids & set(so.num_scheduled_tokens))
+        sampled = self.runner.execute(so, sample)
+        outs = sched.update_from_output(so, sampled)
+        for out in outs:
+            req = self.added[out.request_id]
+            assert req.output_token_ids[-len(out.new_token_ids):] == out.new_token_ids
+            assert out.finished == req.is_finished()
+        for rid in so.num_scheduled_tokens:
+            self._check_outputs(self.added[rid])
+
+    @staticmethod
+    def _check_outputs(req: Request) -> None:
+        """Each output token is what the model gives for exactly the tokens before it,
+        so a sample taken from a partial prompt can never slip in."""
+        all_ids, p = req.all_token_ids, req.num_prompt_tokens
+        for i, tok in enumerate(req.output_token_ids):
+            assert tok == sample(req.request_id, all_ids[: p + i]), (req, i)
+
+    @precondition(lambda self: bool(self.sched.requests))
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        assert rid not in self.sched.requests and self.kvm.get_block_ids(rid) == []
+
+    @invariant()
+    def blocks_are_consistent(self):
+        if not hasattr(self, "sched"):
+            return
+        sched, kvm = self.sched, self.kvm
+        pool = kvm.block_pool
+        free = pool.free_block_queue.get_all_free_blocks()
+        assert len(free) == pool.get_num_free_blocks()
+        free_ids = {b.block_id for b in free}
+        assert 0 not in free_ids
+        holders = Counter()
+        positions: dict[int, set[int]] = {}
+        for rid, blocks in kvm.req_to_blocks.items():
+            assert rid in sched.requests and sched.requests[rid].status == RequestStatus.RUNNING
+            for idx, b in enumerate(blocks):
+                assert not b.is_null
+                holders[b.block_id] += 1
+                positions.setdefault(b.block_id, set()).add(idx)
+        for b in pool.blocks[1:]:
+            assert (b.ref_cnt == 0) == (b.block_id in free_ids), b
+            assert b.ref_cnt == holders[b.block_id], b
+        for block_id, count in holders.items():
+            if count > 1:  # shared only as a cached prefix, at the same position for everyone
+                b = pool.blocks[block_id]
+                assert b.block_hash is not None and pool.get_cached_block(b.block_hash) is b
+                (idx,) = positions[block_id]
+                for rid, blocks in kvm.req_to_blocks.items():
+                    if b in blocks:
+                        assert sched.requests[rid].block_hashes[idx] == b.block_hash
+        for h, b in pool.cached_block_hash_to_block.items():
+            assert b.block_hash == h
+        assert kvm.usage == 1 - len(free) / (pool.num_gpu_blocks - 1)
+
+    @invariant()
+    def queues_are_consistent(self):
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        running, waiting = list(sched.running), list(sched.waiting)
+        assert len(running) <= self.cfg["max_num_seqs"]
+        assert {r.request_id for r in running + waiting} == set(sched.requests)
+        assert len(running) + len(waiting) == len(sched.requests) == sched.get_num_unfinished_requests()
+        assert all(r.status == RequestStatus.RUNNING for r in running)
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0 and r.request_id not in self.sched.kv_cache_manager.req_to_blocks
+        if sched.policy == "priority":
+            assert [r.sched_key for r in running] == sorted(r.sched_key for r in running)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        for _ in range(3000):
+            if not sched.has_unfinished_requests():
+                break
+            self.step()
+            self.blocks_are_consistent()
+        assert not sched.has_unfinished_requests(), "requests did not finish"
+        assert self.kvm.usage == 0 and self.kvm.req_to_blocks == {}
+        for req in self.added.values():
+            assert req.is_finished()
+            assert req.num_tokens <= self.cfg["max_model_len"]
+            if req.max_tokens is not None:
+                assert req.num_output_tokens <= req.max_tokens
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSchedulerMachine = SchedulerMachine.TestCase
