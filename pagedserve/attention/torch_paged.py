@@ -18,10 +18,14 @@ Why it is shaped like this (measured on 2 Zen 4 cores, SmolLM2 shapes, bf16):
     cost twice as much; the transpose then runs on cache-hot data.
   * Gather buffers come from a grow-only workspace shared by all layers: fresh
     multi-MB tensors every layer cost more in page faults than the gather itself.
-  * Key positions past a request's context (the tail of its last block, or blocks it
-    does not have, which read the null block) are zeroed in the gathered copy before
-    use: cache memory that was never written may hold NaN bit patterns, which a
-    -inf mask alone would not neutralise.  The padding mask is built once per step.
+  * Padded keys (the tail of a request's last block; block-table columns past its
+    context, which read the null block) are hidden by an additive -inf mask built
+    once per step.  A mask cannot hide NaN, and cache memory that was never written
+    may hold NaN bit patterns, so a block is zeroed in the step that writes its first
+    slot (offset 0: every block is filled from its start, since prefix-cache hits are
+    whole blocks); the unwritten tail of any block read is then zero.  That costs two
+    small fills per layer in the steps that open blocks and nothing in the others,
+    where zeroing the padding of every gathered copy cost ~5% of a decode step.
 """
 
 from __future__ import annotations
@@ -54,8 +58,7 @@ class AttnGroup:
     kv_len: int
     token_idx: torch.Tensor | None  # [B*Q] query rows to read (padding reads row 0); None: rows 0..B*Q-1
     out_idx: torch.Tensor | None  # [B*Q] output rows to write (padding writes the scratch row T)
-    blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's own)
-    pad_rows: torch.Tensor | None  # rows of the gathered [B*L] keys past their request's context
+    blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's context)
     masked: torch.Tensor  # [B, Q, L] bool, True where a key is not visible
     _bias: dict = field(default_factory=dict, repr=False)
 
@@ -75,6 +78,7 @@ class AttnGroup:
 class TorchPagedMetadata:
     common: CommonAttentionMetadata
     groups: list[AttnGroup]
+    fresh_blocks: torch.Tensor | None  # blocks whose first slot is written this step: zeroed first
     # One group holding every token in batch order, unpadded (the usual all-decode
     # step): its output is the layer's output, with no scatter.
     identity: bool = False
@@ -144,7 +148,10 @@ class TorchPagedBackend(AttentionBackend):
         groups = [cls._build_group(common, sorted(g, key=lambda it: it[2])) for g in plan_groups(items)]
         g0 = groups[0] if len(groups) == 1 else None
         identity = g0 is not None and g0.token_idx is None and g0.num_reqs * g0.q_len == common.num_actual_tokens
-        return TorchPagedMetadata(common, groups, identity)
+        t, bs = common.num_actual_tokens, common.block_size
+        slots = common.slot_mapping[:t]
+        fresh = slots[slots % bs == 0] // bs
+        return TorchPagedMetadata(common, groups, fresh if fresh.numel() else None, identity)
 
     @staticmethod
     def _build_group(common: CommonAttentionMetadata, items: list[Item]) -> AttnGroup:
@@ -162,18 +169,24 @@ class TorchPagedBackend(AttentionBackend):
         k_pos = torch.arange(kv_len)
         masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal; also hides the padding
         # Blocks on the device: the block table already lives there.
-        blocks = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs].reshape(-1).long()
-        pad = (k_pos[None, :] >= s[:, None]).view(-1).nonzero().squeeze(1)
+        # Only a request's own context blocks: later columns may hold blocks allocated
+        # ahead and never written.  On the device, where the block table lives.
+        blocks = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs].long()
+        own = torch.arange(kv_len // bs)[None, :] < (s[:, None] + bs - 1) // bs
+        blocks = torch.where(own.to(dev), blocks, 0).view(-1)
         if in_order:
             token_idx = out_idx = None
         else:
             token_idx, out_idx = token_idx.to(dev), out_idx.to(dev)
         return AttnGroup(len(items), q_len, kv_len, token_idx, out_idx, blocks,
-                         pad.to(dev) if pad.numel() else None, masked.to(dev))
+                         masked.to(dev))
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         md = attn_metadata
         num_tokens = md.common.num_actual_tokens
+        if md.fresh_blocks is not None:
+            k_cache.index_fill_(0, md.fresh_blocks, 0)
+            v_cache.index_fill_(0, md.fresh_blocks, 0)
         store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
                        md.common.slot_mapping[:num_tokens])
         if md.identity and query.shape[0] == num_tokens:
@@ -204,8 +217,6 @@ class TorchPagedBackend(AttentionBackend):
                 torch.index_select(cache, 0, g.blocks, out=dst)
             else:
                 dst.copy_(cache.index_select(0, g.blocks))
-        if g.pad_rows is not None:
-            gathered.index_fill_(1, g.pad_rows, 0)
         kv = kv.view(2, hkv, b * L, d)
         kv.copy_(gathered.view(2, b * L, hkv, d).transpose(1, 2))
         kbuf, vbuf = kv.unbind(0)

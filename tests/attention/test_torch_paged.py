@@ -16,12 +16,15 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2
 
 def make_case(specs, heads, kv_heads, dim, block_size, dtype, seed, pad_tokens=0):
     """specs: [(seq_len, new_tokens)] in batch order.  Each request's cached prefix is
-    written into randomly scattered blocks; every slot no request owns is NaN (except
-    the null block 0, zeroed as the allocator does), so reading outside a request's
-    context poisons the output."""
+    written into randomly scattered blocks.  NaN fills the slots no request owns
+    (except the null block 0, zeroed as the allocator does), a block allocated ahead
+    past each request's context, and the blocks this step opens (written from their
+    first slot), which the backend must zero before use: reading any of them poisons
+    the output.  The unwritten tail of a block the prefix already started holds large
+    finite garbage, which only the causal mask hides."""
     g = torch.Generator().manual_seed(seed)
     nblocks = [-(-s // block_size) for s, _ in specs]
-    num_blocks = 1 + sum(nblocks) + 3
+    num_blocks = 1 + sum(nblocks) + len(specs) + 3
     free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
     k_cache[0] = 0
@@ -31,11 +34,16 @@ def make_case(specs, heads, kv_heads, dim, block_size, dtype, seed, pad_tokens=0
     qsl, slot_mapping = [0], []
     for i, (s, n) in enumerate(specs):
         blocks = [free.pop() for _ in range(nblocks[i])]
-        block_table[i, : nblocks[i]] = torch.tensor(blocks, dtype=torch.int32)
-        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(s)])
+        # Plus one block allocated ahead and never written (NaN): it must not be read.
+        block_table[i, : nblocks[i] + 1] = torch.tensor(blocks + [free.pop()], dtype=torch.int32)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size
+                              for p in range(nblocks[i] * block_size)])
+        started = -(-(s - n) // block_size) * block_size  # slots of blocks the prefix began
+        fk[slots[s - n:started]] = 50.0
+        fv[slots[s - n:started]] = -50.0
         fk[slots[: s - n]] = torch.randn(s - n, kv_heads, dim, generator=g).to(dtype)
         fv[slots[: s - n]] = torch.randn(s - n, kv_heads, dim, generator=g).to(dtype)
-        slot_mapping += slots[s - n:].tolist()
+        slot_mapping += slots[s - n:s].tolist()
         qsl.append(qsl[-1] + n)
     rows = qsl[-1] + pad_tokens
     q, k, v = (torch.randn(rows, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
@@ -80,9 +88,14 @@ def test_matches_reference(specs, heads, kv_heads, block_size, dtype):
     assert out.shape == ref.shape and out.dtype == dtype
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
-    # The cache holds the new K/V at exactly the mapped slots, and nothing else changed.
-    assert torch.equal(kc.nan_to_num(7.0), ref_k.nan_to_num(7.0))
-    assert torch.equal(vc.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+    # The cache holds the new K/V at exactly the mapped slots; the blocks this step
+    # opened are zero elsewhere, and nothing else changed.
+    sm = case[-1].slot_mapping
+    fresh = sm[sm % block_size == 0] // block_size
+    for got, want in ((kc, ref_k), (vc, ref_v)):
+        want = want.clone()
+        want[fresh] = want[fresh].nan_to_num(0.0)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
 def test_padded_rows_are_zero_and_ignored():
