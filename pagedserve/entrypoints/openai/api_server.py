@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics, /tokenize, /detokenize, /version.
 
-Implementation: FastAPI app factory (`build_app`) and `run_server`.  The socket is bound and /health answers 503 while the model loads in a background
-thread, so orchestrators see "not ready" rather than "connection refused"; /health
-turns 503 again if the engine loop dies.
+Implementation: the FastAPI app factory (`build_app`) and `run_server`.  The socket is
+bound and /health answers 503 while the model loads in a background thread, so
+orchestrators see "not ready" rather than "connection refused"; /health turns 503
+again if the engine loop dies.
 """
 
 from __future__ import annotations
@@ -13,22 +14,26 @@ import asyncio
 import logging
 import os
 import re
-import secrets
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.entrypoints.openai.http_utils import (
+    APIKeyMiddleware,
+    SSEResponse,
+    cancel_on_disconnect,
+    error_response,
+)
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +61,6 @@ class ServerState:
     chat: OpenAIServingChat | None = None
     max_model_len: int = 0
     registry: Any = None
-    extra: dict = field(default_factory=dict)
 
     def attach(self, engine: AsyncLLM, max_model_len: int) -> None:
         args = (engine, self.served_model_names, max_model_len)
@@ -73,79 +77,8 @@ class ServerState:
         return self.engine
 
 
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
-
-
 def _json(model: BaseModel) -> JSONResponse:
     return JSONResponse(model.model_dump())
-
-
-class SSEResponse(StreamingResponse):
-    """Streams SSE and watches for the client going away even while no token is being
-    sent (starlette's default only notices on the next write), so a disconnect aborts the
-    request at once; the body iterator is always closed, which aborts it in the engine."""
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away mid-write
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-
-
-class APIKeyMiddleware:
-    """Bearer-token check on /v1/* as plain ASGI (BaseHTTPMiddleware would put every
-    streamed chunk through an extra task and memory stream)."""
-
-    def __init__(self, app: Any, state: ServerState) -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        key = self.state.api_key
-        if key and scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-                err = OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                  status=401, code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run a non-streaming handler, cancelling it (and so aborting its engine requests)
-    if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
 
 
 def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
@@ -212,7 +145,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         model, prompts, params = serving.prepare(body)
         if body.stream:
             return SSEResponse(serving.stream(body, model, prompts, params))
-        result = await _cancel_on_disconnect(request, serving.full(body, model, prompts, params))
+        result = await cancel_on_disconnect(request, serving.full(body, model, prompts, params))
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/chat/completions")
@@ -222,7 +155,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         model, prompt, params = serving.prepare(body)
         if body.stream:
             return SSEResponse(serving.stream(body, model, prompt, params))
-        result = await _cancel_on_disconnect(request, serving.full(body, model, prompt, params))
+        result = await cancel_on_disconnect(request, serving.full(body, model, prompt, params))
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/tokenize")

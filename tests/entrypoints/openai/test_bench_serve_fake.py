@@ -87,3 +87,13 @@ def test_disconnect_mid_stream_aborts_in_engine(fake_server):
         time.sleep(0.01)
     assert len(engine.aborted) == before + 1
     assert not engine.reqs
+
+
+def test_cli_bench_serve_delegates(fake_server, capsys):
+    from pagedserve.entrypoints import cli
+
+    url, _ = fake_server
+    cli.main(["bench", "serve", "--base-url", url, "--num-prompts", "3", "--random-output-len", "5"])
+    out = capsys.readouterr().out
+    assert "Successful requests:                    3" in out
+    assert "Total generated tokens:                 15" in out
