@@ -1,0 +1,52 @@
+"""Tiny random-weight checkpoints of each supported architecture, made with transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def make_tiny_checkpoint(arch: str, path: str, **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        # A wide init keeps the next-token distribution peaked, so greedy decoding
+        # is not a string of near-ties that any rounding difference would flip.
+        initializer_range=0.15, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+        )
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        common["tie_word_embeddings"] = True
+        cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.save_pretrained(path)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    cache: dict[str, tuple[str, object]] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            cache[arch] = (path, make_tiny_checkpoint(arch, path))
+        return cache[arch]
+
+    return get
