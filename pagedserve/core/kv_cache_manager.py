@@ -112,45 +112,54 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
-        if req_blocks is None:
-            req_blocks = []
+        pool = self.block_pool
+        free_queue = pool.free_block_queue
+        bs = self.block_size
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
-        bs = self.block_size
-        num_hit_blocks = len(new_computed_blocks) if new_computed_blocks else 0
-        num_new_blocks = (num_tokens_need_slot + bs - 1) // bs - len(req_blocks) - num_hit_blocks
+        num_required = (num_tokens_need_slot + bs - 1) // bs
 
-        pool = self.block_pool
-        # Hit blocks nobody holds are counted as free; taking them costs free space.
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit_blocks else 0
-        if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
-            return None
-        if req_id not in self.req_to_blocks:
-            self.req_to_blocks[req_id] = req_blocks
-            self.num_cached_block[req_id] = 0
-        if num_hit_blocks:
-            pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-            self.num_cached_block[req_id] = len(req_blocks)
-        if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
+        if req_blocks is not None and not new_computed_blocks:
+            # A running request (the per-step hot path): only the tail may grow.
+            num_new_blocks = num_required - len(req_blocks)
+            if num_new_blocks > 0:
+                if num_new_blocks > free_queue.num_free_blocks:
+                    return None
+                new_blocks = pool.get_new_blocks(num_new_blocks)
+                req_blocks.extend(new_blocks)
+            else:
+                new_blocks = []
         else:
-            new_blocks = []
+            if req_blocks is None:
+                req_blocks = []
+            hits = new_computed_blocks or []
+            num_new_blocks = num_required - len(req_blocks) - len(hits)
+            # Hit blocks nobody holds are counted as free; taking them costs free space.
+            num_evictable = sum(1 for b in hits if b.ref_cnt == 0)
+            if num_new_blocks + num_evictable > free_queue.num_free_blocks:
+                return None
+            if req_id not in self.req_to_blocks:
+                self.req_to_blocks[req_id] = req_blocks
+                self.num_cached_block[req_id] = 0
+            if hits:
+                pool.touch(hits)
+                req_blocks.extend(hits)
+                self.num_cached_block[req_id] = len(req_blocks)
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+            req_blocks.extend(new_blocks)
 
         if self.enable_caching:
+            # Register blocks that will be full once this step's tokens are computed.
             num_full = num_computed + num_new_tokens
-            if num_full > request.num_tokens:
-                num_full = request.num_tokens
-            num_full //= bs
+            num_tokens = len(request.all_token_ids)
+            num_full = (num_full if num_full < num_tokens else num_tokens) // bs
             num_cached = self.num_cached_block[req_id]
             if num_full > num_cached:
-                block_hashes = request.block_hashes
-                if len(block_hashes) < num_full:
+                if len(request.block_hashes) < num_full:
                     self._hash_blocks(request, num_full)
-                pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full)
+                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
                 self.num_cached_block[req_id] = num_full
         return new_blocks
 

@@ -62,13 +62,22 @@ def extend_block_hashes(
     if num_full_blocks is not None and num_full_blocks < total:
         total = num_full_blocks
     i = len(block_hashes)
-    parent = block_hashes[-1] if block_hashes else None
-    while i < total:
-        start = i * block_size
-        extra = (cache_salt,) if (i == 0 and cache_salt is not None) else None
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
-        block_hashes.append(parent)
-        i += 1
+    if i >= total:
+        return block_hashes
+    # Same bytes as hash_block_tokens, but the tokens of all new blocks are packed once.
+    parent = block_hashes[-1] if block_hashes else NONE_HASH
+    stride = 8 * block_size
+    packed = array("q", token_ids[i * block_size : total * block_size]).tobytes()
+    count = block_size.to_bytes(8, "little")
+    offset = 0
+    append = block_hashes.append
+    for j in range(i, total):
+        data = (parent & _MASK_128).to_bytes(16, "little") + count + packed[offset : offset + stride]
+        if j == 0 and cache_salt is not None:
+            data += repr((cache_salt,)).encode()
+        parent = _xxh3_128(data)
+        append(parent)
+        offset += stride
     return block_hashes
 
 

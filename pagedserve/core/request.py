@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -52,11 +53,16 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-        prompt_token_ids = list(prompt_token_ids)
-        if not prompt_token_ids:
+        try:
+            # array() checks every id is an integer in C; tolist() normalises numpy ints.
+            packed = array("q", prompt_token_ids)
+        except (TypeError, OverflowError):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of integers") from None
+        if not packed:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative integers")
+        if min(packed) < 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative")
+        prompt_token_ids = packed.tolist()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
         self.request_id = request_id
@@ -72,8 +78,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        # Prefix-cache hit of the first admission (reported once to the user).
-        self.num_cached_tokens = -1
+        # Prefix-cache hit (tokens) of the first admission, as reported to the user.
+        self.num_cached_tokens = 0
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(prompt_token_ids)
         self._output_token_ids: list[int] = []
@@ -84,9 +90,12 @@ class Request:
         params = self.sampling_params
         self.max_tokens = params.max_tokens  # None: bounded only by max_model_len
         self.min_tokens = params.min_tokens
-        # Token ids that end the request; EOS first so a plain set lookup decides.
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.eos_for_stop = None if params.ignore_eos else eos_token_id
+        # Every token id that ends the request, so one set lookup per sampled token decides.
+        self.finish_token_ids = self.stop_token_ids | ({self.eos_for_stop} - {None})
+        # Length at which the request is capped; the scheduler lowers it to max_model_len.
+        self.max_num_tokens = self.num_prompt_tokens + self.max_tokens if self.max_tokens else 1 << 62
         # How many output tokens the model runner already holds (see Scheduler).
         self.num_output_tokens_sent = 0
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.

@@ -27,6 +27,8 @@ from pagedserve.core.sched_output import (
 )
 
 _RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -85,6 +87,7 @@ class Scheduler:
                 f"KV cache holds ({(kvm.num_blocks - 1) * kvm.block_size} tokens); "
                 "lower max_tokens or shorten the prompt"
             )
+        request.max_num_tokens = max_len
         request.sched_key = (request.priority, request.arrival_time, self._next_seq)
         self._next_seq += 1
         self.requests[req_id] = request
@@ -187,9 +190,9 @@ class Scheduler:
             else:
                 running.append(request)
             req_id = request.request_id
-            request.status = _RUNNING
-            if request.num_cached_tokens < 0:
+            if request.status == RequestStatus.WAITING:  # first admission, not a resumption
                 request.num_cached_tokens = num_hit
+            request.status = _RUNNING
             outputs = request._output_token_ids
             new_reqs.append(
                 NewRequestData(
@@ -222,58 +225,68 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, release finished requests."""
         outputs: list[EngineCoreOutput] = []
+        append_output = outputs.append
         requests = self.requests
-        max_model_len = self.max_model_len
+        get_sampled = sampled_token_ids.get
         num_finished = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
-            if request is None or request.status != _RUNNING:
+            if request is None:
                 continue  # finished or aborted after this step was scheduled
             all_ids = request._all_token_ids
-            if request.num_computed_tokens < len(all_ids):
+            if request.num_computed_tokens < len(all_ids) or request.status is not _RUNNING:
                 continue  # a prompt chunk: its sample is meaningless
-            token_ids = sampled_token_ids.get(req_id)
+            token_ids = get_sampled(req_id)
             if not token_ids:
                 continue
             out_ids = request._output_token_ids
-            new_ids = []
             status = None
-            for tok in token_ids:
+            if len(token_ids) == 1:
+                tok = token_ids[0]
                 out_ids.append(tok)
                 all_ids.append(tok)
-                new_ids.append(tok)
-                num_out = len(out_ids)
-                if num_out >= request.min_tokens:
-                    if tok == request.eos_for_stop:
-                        status = RequestStatus.FINISHED_STOPPED
-                        break
-                    if tok in request.stop_token_ids:
-                        status = RequestStatus.FINISHED_STOPPED
+                new_ids = [tok]
+                if tok in request.finish_token_ids and len(out_ids) >= request.min_tokens:
+                    status = _STOPPED
+                    if tok != request.eos_for_stop:
                         request.stop_reason = tok
+                elif len(all_ids) >= request.max_num_tokens:
+                    status = _LENGTH_CAPPED
+            else:
+                new_ids = []
+                for tok in token_ids:
+                    out_ids.append(tok)
+                    all_ids.append(tok)
+                    new_ids.append(tok)
+                    status = self._check_stop(request, tok)
+                    if status is not None:
                         break
-                max_tokens = request.max_tokens
-                if (max_tokens is not None and num_out >= max_tokens) or len(all_ids) >= max_model_len:
-                    status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    break
             if status is None:
-                outputs.append(EngineCoreOutput(req_id, new_ids, num_cached_tokens=request.num_cached_tokens))
+                append_output(EngineCoreOutput(req_id, new_ids, False, None, None, request.num_cached_tokens))
                 continue
             request.status = status
             self._release(request)
             num_finished += 1
-            outputs.append(
+            append_output(
                 EngineCoreOutput(
-                    req_id,
-                    new_ids,
-                    finished=True,
-                    finish_reason=_FINISH_REASONS[status],
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
+                    req_id, new_ids, True, _FINISH_REASONS[status], request.stop_reason, request.num_cached_tokens
                 )
             )
         if num_finished:
-            self.running[:] = [r for r in self.running if r.status == _RUNNING]
+            self.running[:] = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    @staticmethod
+    def _check_stop(request: Request, tok: int) -> RequestStatus | None:
+        """Stop rules for the token just appended: EOS/stop ids (held back until
+        min_tokens), then max_tokens / max_model_len."""
+        if tok in request.finish_token_ids and request.num_output_tokens >= request.min_tokens:
+            if tok != request.eos_for_stop:
+                request.stop_reason = tok
+            return _STOPPED
+        if request.num_tokens >= request.max_num_tokens:
+            return _LENGTH_CAPPED
+        return None
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
