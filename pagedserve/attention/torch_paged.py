@@ -40,7 +40,7 @@ from pagedserve.attention.torch_ref import store_kv_cache
 # Padded (query, key) cells one group may hold: bounds the score matrices and the
 # workspace; a longer prefill is split into query chunks under it.
 GROUP_MAX_AREA = 1 << 20
-GROUP_MAX_KV = 1 << 16  # padded keys (requests x kv_len) one group may gather
+GROUP_MAX_KV = 1 << 15  # padded keys (requests x kv_len) one group may gather
 # Fixed cost of one more group, in padded cells: about what a group's ~12 ops per
 # layer cost compared with the per-cell matmul and gather cost.
 GROUP_OVERHEAD_CELLS = 3072
@@ -168,7 +168,6 @@ class TorchPagedBackend(AttentionBackend):
         q_pos = (s - n)[:, None] + j[None, :]  # absolute position of each query row
         k_pos = torch.arange(kv_len)
         masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal; also hides the padding
-        # Blocks on the device: the block table already lives there.
         # Only a request's own context blocks: later columns may hold blocks allocated
         # ahead and never written.  On the device, where the block table lives.
         blocks = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs].long()
