@@ -27,7 +27,7 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_id = eos_token_id
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)  # token ids < 2**31
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -181,7 +181,7 @@ class InputBatch:
         cols = start[:, None] + np.arange(width)[None, :]
         valid = cols < end[:, None]
         ids = self.token_ids[np.asarray(rows)[:, None], np.minimum(cols, self.max_model_len - 1)]
-        ids = np.where(valid, ids, self.vocab_size)
+        ids = np.where(valid, ids, self.vocab_size).astype(np.int64)
         return torch.from_numpy(ids).to(self.device)
 
     def _min_tokens(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams]) -> None:

@@ -167,8 +167,10 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=req_ids)
         if not sample_rows:
             return out
-        idx = torch.from_numpy(logits_idx).to(self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        if len(logits_idx) == t:  # every token is a sampled decode: rows already in order
+            logits = self.model.compute_logits(hidden[:t])
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(logits_idx).to(self.device)))
         rows = [ib.req_id_to_row[req_ids[i]] for i in sample_rows]
         sampled = self.sampler(logits, ib.sampling_metadata(rows))
         self._collect(out, [req_ids[i] for i in sample_rows], rows, sampled)
