@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pagedserve.core.kv_cache_utils import BlockHash
+from pagedserve.core.kv_cache_utils import BlockHash, extend_block_hashes
 
 
 @dataclass(slots=True, eq=False)
@@ -165,19 +166,30 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[KVCacheBlock] | Any,
+        block_hashes: Sequence[BlockHash] | Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        block_size: int | None = None,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under their hashes.
 
+        Also accepts vLLM's argument order `(request, blocks, num_cached, num_full,
+        block_size)`, taking the hashes from `request.block_hashes` (extended if short).
         If an equal block is already cached (two requests computed the same prefix
         before either was cached), the first stays the canonical copy and the
         newcomer stays private: one hash, one block.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
+        if hasattr(blocks, "block_hashes"):  # (request, blocks, ...) form
+            request, blocks = blocks, block_hashes
+            if len(request.block_hashes) < num_full_blocks:
+                if block_size is None:
+                    raise ValueError("block_size is needed to hash the request's blocks")
+                extend_block_hashes(request.block_hashes, request.all_token_ids, block_size,
+                                    num_full_blocks, getattr(request, "cache_salt", None))
+            block_hashes = request.block_hashes
         cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
