@@ -1,0 +1,79 @@
+"""The benchmark workloads of shared/workloads.md, defined once for every script."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+CHAT_BURST_MESSAGES = [
+    "What is the capital of France?",
+    "Write a haiku about autumn rain.",
+    "Explain photosynthesis to a ten-year-old.",
+    "List five prime numbers and say why they are prime.",
+    "How do I reverse a list in Python?",
+    "Give me three tips for better sleep.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+]
+
+SHARED_PREFIX_SYSTEM = (
+    "You are a meticulous assistant for a public library. "
+    + " ".join(
+        f"Rule {i}: answer politely, cite the catalogue section, keep answers short, and never "
+        f"invent a book that the library does not hold (section {i})."
+        for i in range(1, 15)
+    )
+)
+
+SHARED_PREFIX_QUESTIONS = [
+    f"Question {i}: where would I find books about {topic}?"
+    for i, topic in enumerate(
+        ["astronomy", "cooking", "gardening", "history", "poetry", "chess", "birds", "trains"] * 4
+    )
+]
+
+
+@dataclass
+class Workload:
+    name: str
+    conversations: list[list[dict[str, str]]] | None  # chat workloads
+    prompt_token_ids: list[list[int]] | None  # token-id workloads
+    max_tokens: list[int]
+    ignore_eos: bool
+    temperature: float = 0.0
+
+
+def chat_burst(max_tokens: int = 128, ignore_eos: bool = True) -> Workload:
+    convs = [[{"role": "user", "content": m}] for m in CHAT_BURST_MESSAGES * 4]
+    return Workload("chat-burst", convs, None, [max_tokens] * len(convs), ignore_eos)
+
+
+def chat_burst_natural() -> Workload:
+    w = chat_burst(max_tokens=256, ignore_eos=False)
+    w.name = "chat-burst-natural"
+    return w
+
+
+def shared_prefix(max_tokens: int = 64) -> Workload:
+    convs = [
+        [{"role": "system", "content": SHARED_PREFIX_SYSTEM}, {"role": "user", "content": q}]
+        for q in SHARED_PREFIX_QUESTIONS
+    ]
+    return Workload("shared-prefix", convs, None, [max_tokens] * len(convs), True)
+
+
+def random_tokens(
+    num_prompts: int = 256,
+    input_len: tuple[int, int] = (100, 1024),
+    output_len: tuple[int, int] = (100, 1024),
+    vocab: int = 10000,
+    seed: int = 0,
+    temperature: float = 0.6,
+) -> Workload:
+    """nano-vllm's bench.py: random token-id prompts and lengths drawn with random.seed(seed)."""
+    random.seed(seed)
+    prompts = [
+        [random.randint(0, vocab) for _ in range(random.randint(*input_len))] for _ in range(num_prompts)
+    ]
+    max_tokens = [random.randint(*output_len) for _ in range(num_prompts)]
+    return Workload("random", None, prompts, max_tokens, True, temperature)
