@@ -44,6 +44,7 @@ GROUP_MAX_KV = 1 << 15  # padded keys (requests x kv_len) one group may gather
 # Fixed cost of one more group, in padded cells: about what a group's ~12 ops per
 # layer cost compared with the per-cell matmul and gather cost.
 GROUP_OVERHEAD_CELLS = 3072
+BIAS_EXPAND_MAX = 1 << 18  # elements: masks up to this size are materialised per step
 
 # One unit of work: (query tokens, keys it sees, first query row, request index).
 Item = tuple[int, int, int, int]
@@ -63,14 +64,18 @@ class AttnGroup:
     _bias: dict = field(default_factory=dict, repr=False)
 
     def bias(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask as [Hkv*B, Q*G, L] in the compute dtype; built by the first layer."""
+        """The additive mask in the compute dtype, built by the first layer: expanded to
+        the scores' [Hkv*B, Q*G, L] when small (decode: baddbmm then fuses it), else
+        [1, B, Q, 1, L] for broadcasting (for long prefills the expanded mask would be
+        as big as the scores, and it lives for the whole step)."""
         key = (num_kv_heads, group, dtype)
         if key not in self._bias:
             b, q, L = self.masked.shape
             m = torch.zeros(b, q, L, dtype=dtype, device=self.masked.device)
-            m.masked_fill_(self.masked, float("-inf"))
-            m = m[None, :, :, None, :].expand(num_kv_heads, b, q, group, L)
-            self._bias[key] = m.reshape(num_kv_heads * b, q * group, L)
+            m = m.masked_fill_(self.masked, float("-inf"))[None, :, :, None, :]
+            if num_kv_heads * b * q * group * L <= BIAS_EXPAND_MAX:
+                m = m.expand(num_kv_heads, b, q, group, L).reshape(num_kv_heads * b, q * group, L)
+            self._bias[key] = m
         return self._bias[key]
 
 
@@ -219,9 +224,13 @@ class TorchPagedBackend(AttentionBackend):
         kv = kv.view(2, hkv, b * L, d)
         kv.copy_(gathered.view(2, b * L, hkv, d).transpose(1, 2))
         kbuf, vbuf = kv.unbind(0)
-        scores = torch.baddbmm(g.bias(hkv, grp, dtype), qg, kbuf.view(hkv * b, L, d).transpose(1, 2),
-                               alpha=self.scale)
-        o = torch.bmm(scores.softmax(-1), vbuf.view(hkv * b, L, d))
+        bias = g.bias(hkv, grp, dtype)
+        k_t = kbuf.view(hkv * b, L, d).transpose(1, 2)
+        if bias.dim() == 3:
+            scores = torch.baddbmm(bias, qg, k_t, alpha=self.scale)
+        else:
+            scores = torch.bmm(qg, k_t).view(hkv, b, q, grp, L).mul_(self.scale).add_(bias)
+        o = torch.bmm(scores.view(hkv * b, q * grp, L).softmax(-1), vbuf.view(hkv * b, L, d))
         o = o.view(hkv, b, q, grp, d).permute(1, 2, 0, 3, 4).reshape(b * q, self.num_heads, d)
         if out is None:
             return o
