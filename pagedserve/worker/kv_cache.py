@@ -2,9 +2,11 @@
 of [num_blocks, block_size, num_kv_heads, head_dim].
 
 Block 0 is the null block: the core's BlockPool never hands it out, block tables pad
-with it, and backends point padded reads at it, so it is zeroed here (the rest is
-left uninitialised: it is always written before it is read, and touching gigabytes
-of pages at start-up would only cost time and resident memory).
+with it, and backends point padded reads at it, so it is zeroed here.  The rest is
+left uninitialised (touching gigabytes of pages at start-up would only cost time and
+resident memory): a backend must not let never-written slots reach its arithmetic.
+torch_paged zeroes each block in the step that writes its first slot; torch_ref
+reads only written slots.
 """
 
 from __future__ import annotations
