@@ -48,7 +48,7 @@ _HELP = {
     "seed": "random seed of the engine (sampling without a per-request seed)",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs",
-    "tensor_parallel_size": "number of devices to shard the model over",
+    "tensor_parallel_size": "number of processes (GPUs, or CPU ranks over gloo) to shard the model over",
     "chat_template": "Jinja chat template, or a path to a file holding one",
     "attention_backend": "attention implementation (default: the best for the device)",
     "enable_chunked_prefill": "split long prompts over several steps",
@@ -198,6 +198,7 @@ class EngineArgs:
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            aliases = _SHORT_FLAGS.get(f.name, ())
             default = f.default
             help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
             if isinstance(default, bool):
@@ -208,7 +209,7 @@ class EngineArgs:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
                     float if isinstance(default, float) else str)
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS}.get(f.name)
-                group.add_argument(flag, type=kind, default=None, choices=choices, help=help_text)
+                group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 
     @classmethod
@@ -221,6 +222,7 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -82,12 +82,21 @@ class LLMEngine:
         config = engine_args.create_engine_config()
         mc = config.model_config
         device = resolve_device(config.device_config)
-        model = get_model(mc, device)
+        if config.parallel_config.tensor_parallel_size > 1:
+            from pagedserve.executor import validate_tensor_parallel
+
+            validate_tensor_parallel(config, device)  # a bad split fails before anything loads
         tokenizer = load_tokenizer(mc)
         extra_eos = _generation_config_eos_ids(mc)
         eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
-        runner = ModelRunner(config, model, device, eos_token_id=eos)
-        runner.initialize_kv_cache()
+        if config.parallel_config.tensor_parallel_size > 1:
+            from pagedserve.executor import MultiprocExecutor
+
+            # Starts ranks 1..N-1, loads every rank's shard and sizes the KV cache on all of them.
+            runner = MultiprocExecutor(config, device, eos_token_id=eos)
+        else:
+            runner = ModelRunner(config, get_model(mc, device), device, eos_token_id=eos)
+            runner.initialize_kv_cache()
         logger.info("loaded %s (%s, %s, max_model_len %d) in %.1f s", mc.model, mc.dtype, device,
                     mc.max_model_len, time.perf_counter() - t0)
         return cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos)
@@ -237,6 +246,12 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
+        shutdown = getattr(self.model_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()

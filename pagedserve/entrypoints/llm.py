@@ -42,6 +42,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes now (otherwise: when garbage collected or at exit)."""
+        self.llm_engine.shutdown()
+
     # ------------------------------------------------------------------ generate
     def generate(
         self,

@@ -11,19 +11,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.communication import gather_to_driver, tensor_model_parallel_all_reduce
 from pagedserve.layers.linear import get_tp_rank_size
 
 
 class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocabulary rows [r * rows, (r + 1) * rows) with rows = ceil(vocab / tp);
+    the last rank's tail past the vocabulary is zero padding, so any vocab size shards."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, shared_weight: nn.Parameter | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank_size()
-        if num_embeddings % self.tp_size:
-            raise ValueError(f"vocab_size={num_embeddings} is not divisible by tensor_parallel_size={self.tp_size}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.rows = num_embeddings // self.tp_size
+        self.rows = -(-num_embeddings // self.tp_size)
         self.row_start = self.tp_rank * self.rows
+        self.valid_rows = max(0, min(self.rows, num_embeddings - self.row_start))  # < rows only on the last rank
         if shared_weight is not None:
             self.weight = shared_weight
             return
@@ -38,16 +41,17 @@ class VocabParallelEmbedding(nn.Module):
                 f"shape mismatch for embedding: model expects {(self.num_embeddings, self.embedding_dim)}, "
                 f"checkpoint has {tuple(loaded_weight.shape)}"
             )
-        param.data.copy_(loaded_weight.narrow(0, self.row_start, self.rows))
+        if self.valid_rows:
+            param.data[: self.valid_rows].copy_(loaded_weight.narrow(0, self.row_start, self.valid_rows))
+        param.data[self.valid_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.row_start
-        mine = (local >= 0) & (local < self.rows)
+        mine = (local >= 0) & (local < self.valid_rows)
         y = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        torch.distributed.all_reduce(y)
-        return y
+        return tensor_model_parallel_all_reduce(y)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
@@ -60,13 +64,16 @@ class ParallelLMHead(VocabParallelEmbedding):
                  tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, tied_to.weight if tied_to is not None else None)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets the full [N, vocab] logits; other tensor-parallel ranks send
+        their slice to it and get None (only rank 0 samples)."""
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+            logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
+            if logits is None:
+                return None
+            logits = logits[:, : self.num_embeddings]
         return logits.float()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         return self.compute_logits(hidden)

@@ -3,8 +3,8 @@
 The model never copies checkpoint tensors itself: every parameter carries a
 `weight_loader(param, loaded_weight, shard_id=None)`.  That is what lets one fused
 parameter (q|k|v, gate|up) be filled from several checkpoint tensors, and what will
-let tensor parallelism slice a tensor per rank later without touching model code:
-only `get_tp_rank_size()` has to change.  Today it is always (0, 1).
+let tensor parallelism slice a tensor per rank without touching model code: a layer
+asks `get_tp_rank_size()` (pagedserve.distributed.parallel_state) once, when built.
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
+from pagedserve.distributed.parallel_state import get_tp_group
+
 
 def get_tp_rank_size() -> tuple[int, int]:
-    """(rank, world size) of the tensor-parallel group. Tensor parallelism is not built yet."""
-    return 0, 1
+    """(rank, world size) of the tensor-parallel group the layers being built belong to."""
+    group = get_tp_group()
+    return group.rank, group.world_size
 
 
 def _check_shape(what: str, expected: torch.Size, got: torch.Size) -> None:
@@ -162,5 +166,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
+            tensor_model_parallel_all_reduce(y)
         return y

@@ -169,9 +169,11 @@ def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any) -> N
 
         weights = iter_gguf_tensors(open_gguf(source.path), hf_config, source.path)
     else:
+        from pagedserve.distributed.parallel_state import get_tp_group
         from pagedserve.model_loader.weight_utils import iter_safetensors, safetensors_files
 
-        weights = iter_safetensors(safetensors_files(source.path))
+        # A tensor-parallel rank reads only its shard of each tensor (LazySlice.narrow).
+        weights = iter_safetensors(safetensors_files(source.path), lazy=get_tp_group().world_size > 1)
     try:
         with torch.no_grad():
             model.load_weights(weights)

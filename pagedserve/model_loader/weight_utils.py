@@ -40,8 +40,46 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every file; a corrupt file is a ValueError naming it."""
+class LazySlice:
+    """A checkpoint tensor not read yet.  `narrow` reads only the rows (or columns) it
+    asks for, which is how a tensor-parallel rank loads its shard without ever holding
+    the whole tensor; any other torch use (`param.copy_(t)` for a replicated weight)
+    reads it all, through `__torch_function__`."""
+
+    def __init__(self, handle: object, name: str, path: str) -> None:
+        self.name, self.path = name, path
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._read((slice(None),) * dim + (slice(start, start + length),))
+
+    def materialize(self) -> torch.Tensor:
+        return self._read((slice(None),) * self.dim())
+
+    def _read(self, index: tuple) -> torch.Tensor:
+        try:
+            return self._slice[index]
+        except Exception as e:
+            raise ValueError(f"{self.path}: cannot read tensor {self.name!r} ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def real(a: object) -> object:
+            return a.materialize() if isinstance(a, LazySlice) else a
+
+        return func(*map(real, args), **{k: real(v) for k, v in (kwargs or {}).items()})
+
+
+def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file; a corrupt file is a ValueError naming it.
+    With `lazy`, tensors come as LazySlice (read on narrow/use) instead of being read whole."""
     from safetensors import safe_open
 
     for path in files:
@@ -52,7 +90,7 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{path}: corrupt or truncated safetensors file ({type(e).__name__}: {e})") from None
         for name in names:
             try:
-                tensor = handle.get_tensor(name)
+                tensor = LazySlice(handle, name, path) if lazy else handle.get_tensor(name)
             except Exception as e:
                 raise ValueError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
             yield name, tensor

@@ -171,6 +171,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:t])
         else:
             logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(logits_idx).to(self.device)))
+        if logits is None:  # a tensor-parallel rank > 0: its logits went to rank 0, which samples
+            return out
         rows = [ib.req_id_to_row[req_ids[i]] for i in sample_rows]
         sampled = self.sampler(logits, ib.sampling_metadata(rows))
         self._collect(out, [req_ids[i] for i in sample_rows], rows, sampled)
