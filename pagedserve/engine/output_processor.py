@@ -28,18 +28,6 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
-class SampledLogprobs:
-    """One step's logprobs for one sequence, from the raw (unprocessed) distribution.
-    The shape of the worker's LogprobsEntry, which is read the same way (duck-typed)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    topk_token_ids: list[int]
-    topk_logprobs: list[float]
-
-
-@dataclass
 class RequestState:
     """One scheduler-level sequence (a whole request when n == 1, else one child)."""
 

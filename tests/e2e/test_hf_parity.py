@@ -56,7 +56,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], **load_kwargs) -> list[t
             for logits in out.logits:
                 lp = torch.log_softmax(logits[0].float(), -1)
                 v, i = lp.topk(TOP)
-                tops.append(dict(zip(i.tolist(), v.tolist())))
+                tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
             results.append((toks, tops))
     return results
 
@@ -73,8 +73,8 @@ def ours_greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], lis
 
 
 def check_logprobs_close(ref, ours, name: str) -> None:
-    for k, ((rt, rlp), (ot, olp)) in enumerate(zip(ref, ours)):
-        for step, (a, b) in enumerate(zip(rt, ot)):
+    for k, ((rt, rlp), (ot, olp)) in enumerate(zip(ref, ours, strict=True)):
+        for step, (a, b) in enumerate(zip(rt, ot, strict=True)):
             if a != b:
                 assert a in olp[step] and b in rlp[step], (
                     f"{name} prompt {k} step {step}: HF {a} vs ours {b} and not in each other's top-{TOP}"

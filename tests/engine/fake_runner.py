@@ -9,14 +9,14 @@ from types import SimpleNamespace
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.output_processor import SampledLogprobs
+from pagedserve.worker.outputs import LogprobsEntry
 
 
 @dataclass
 class FakeRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
 
 
 class FakeRunner:
@@ -52,7 +52,7 @@ class FakeRunner:
             p = self.prompt_len[rid]
             t = self.script(len(toks) - p, toks[:p])
             sampled[rid] = [t]
-            logprobs[rid] = SampledLogprobs(t, -0.5, 2, [t + 1, t], [-0.25, -0.5])
+            logprobs[rid] = LogprobsEntry(t, -0.5, 2, [t + 1, t], [-0.25, -0.5])
         return FakeRunnerOutput(list(so.num_scheduled_tokens), sampled, logprobs)
 
 

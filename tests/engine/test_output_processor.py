@@ -9,10 +9,10 @@ from pagedserve.engine.output_processor import (
     OutputProcessor,
     ParentRequest,
     RequestOutputKind,
-    SampledLogprobs,
 )
 from pagedserve.outputs import RequestMetrics
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.outputs import LogprobsEntry
 from tests.engine.helpers import make_tokenizer
 
 
@@ -76,7 +76,7 @@ def test_abort_returns_live_children_only() -> None:
 def test_logprobs_top_k_sliced_to_request() -> None:
     op = OutputProcessor(None)
     add(op, "a", SamplingParams(logprobs=1))
-    entry = SampledLogprobs(token_id=5, logprob=-2.0, rank=3, topk_token_ids=[9, 4, 5],
+    entry = LogprobsEntry(token_id=5, logprob=-2.0, rank=3, topk_token_ids=[9, 4, 5],
                             topk_logprobs=[-0.1, -1.0, -2.0])
     outs, _ = op.process_outputs([EngineCoreOutput("a", [5])], {"a": entry})
     [d] = outs[0].outputs[0].logprobs
