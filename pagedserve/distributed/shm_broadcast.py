@@ -114,11 +114,11 @@ class ShmBroadcaster:
 
     @staticmethod
     def _close(shm: shared_memory.SharedMemory) -> None:
-        shm.close()
         try:
             shm.unlink()
         except FileNotFoundError:
             pass
+        shm.close()
 
     def close(self) -> None:
         if self._shm is not None:

@@ -23,10 +23,13 @@ Failure handling, because a half-dead group must never hang the engine:
 from __future__ import annotations
 
 import atexit
+import datetime
 import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
+import re
 import signal
 import threading
 import time
@@ -53,6 +56,7 @@ logger = logging.getLogger("pagedserve")
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load one shard
 COLLECTIVE_TIMEOUT_S = 300.0  # a peer alive but stuck this long is an error
 _STOP_GRACE_S = 3.0
+_RENDEZVOUS_TIMEOUT_S = 60.0
 
 
 class TensorParallelError(RuntimeError):
@@ -129,7 +133,10 @@ class MultiprocExecutor:
         backend = config.parallel_config.distributed_backend or default_backend(device.type)
         self._failure: str | None = None
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _closed, _failure, the worker processes
+        self._call_lock = threading.RLock()  # one call on the ranks at a time (and shutdown)
+        self._conn_lock = threading.Lock()  # the pipes: rank 0's calls vs the monitor
+        self._backend = backend
         self._monitor_done = threading.Event()
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -160,6 +167,9 @@ class MultiprocExecutor:
                              name="pagedserve-tp-monitor", daemon=True).start()
             for rank in range(1, tp):
                 self._recv(rank, startup_timeout_s, expect="hello")
+            # Everyone is imported and about to join: a rank dying now must not leave the
+            # rendezvous waiting for the whole startup timeout.
+            store.set_timeout(datetime.timedelta(seconds=min(startup_timeout_s, _RENDEZVOUS_TIMEOUT_S)))
             group = init_distributed(store, 0, tp, backend, collective_timeout_s)
             self._dist = True
             if threads:
@@ -185,28 +195,30 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ calls
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._check()
-        try:
-            self._channel.broadcast(("execute_model", (scheduler_output,), False), self._check, self.timeout_s)
-            return self.driver.execute_model(scheduler_output)
-        except BaseException as e:
-            err = self._abandon(e)
-            if err is e:
-                raise
-            raise err from e
+        with self._call_lock:
+            self._check()
+            try:
+                self._channel.broadcast(("execute_model", (scheduler_output,), False), self._check, self.timeout_s)
+                return self.driver.execute_model(scheduler_output)
+            except BaseException as e:
+                err = self._abandon(e)
+                if err is e:
+                    raise
+                raise err from e
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Run TPWorker.`method`(*args) on every rank; results in rank order."""
-        self._check()
-        try:
-            self._channel.broadcast((method, args, True), self._check, self.timeout_s)
-            results = [getattr(self.driver, method)(*args)]
-            return results + [self._recv(rank, self.timeout_s) for rank in range(1, self.world_size)]
-        except BaseException as e:
-            err = self._abandon(e)
-            if err is e:
-                raise
-            raise err from e
+        with self._call_lock:
+            self._check()
+            try:
+                self._channel.broadcast((method, args, True), self._check, self.timeout_s)
+                results = [getattr(self.driver, method)(*args)]
+                return results + [self._recv(rank, self.timeout_s) for rank in range(1, self.world_size)]
+            except BaseException as e:
+                err = self._abandon(e)
+                if err is e:
+                    raise
+                raise err from e
 
     def _abandon(self, error: BaseException) -> BaseException:
         """Rank 0 left a call half-way: the ranks are out of step for good.  Shut down;
@@ -227,16 +239,21 @@ class MultiprocExecutor:
 
     def _recv(self, rank: int, timeout_s: float, expect: str = "ok") -> Any:
         conn, deadline = self._conns[rank - 1], time.monotonic() + timeout_s
-        while not conn.poll(0.05):
+        while True:
+            with self._conn_lock:
+                try:
+                    msg = conn.recv() if conn.poll(0.05) else None
+                except (EOFError, OSError):
+                    msg = ()
+            if msg is not None:
+                break
             self._check()
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel rank {rank} did not answer within {timeout_s:.0f} s")
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
+        if not msg:
             self._monitor_done.wait(2.0)
             self._check()
-            raise TensorParallelError(f"tensor-parallel rank {rank} closed its pipe") from None
+            raise TensorParallelError(f"tensor-parallel rank {rank} closed its pipe")
         if msg[0] == "error":
             _, kind, text, detail = msg
             if kind == "ValueError":  # a configuration or checkpoint problem: the message says it
@@ -252,17 +269,36 @@ class MultiprocExecutor:
         is left running and every rank blocked in a collective fails at once."""
         with self._lock:
             if not self._closed:
+                reasons = []
                 for p in procs:
                     p.join(1.0)  # its sentinel fires as it exits; the exit status may lag a moment
-                dead = [(self._procs.index(p) + 1, p) for p in procs]
-                self._failure = "; ".join(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
-                    for rank, p in dead) + "; the engine cannot continue (create a new LLM)"
+                    rank = self._procs.index(p) + 1
+                    reasons.append(f"tensor-parallel worker rank {rank} (pid {p.pid}) "
+                                   f"{_describe_exit(p.exitcode)}{self._last_words(rank)}")
+                self._failure = "; ".join(reasons) + "; the engine cannot continue (create a new LLM)"
                 logger.error("%s", self._failure)
                 for p in self._procs:
                     if p.exitcode is None:
                         p.kill()
+                if self._backend == "nccl":
+                    _abort_nccl()
         self._monitor_done.set()
+
+    def _last_words(self, rank: int) -> str:
+        """The error a dying worker sent, if any (its exception and where it was raised)."""
+        msg = None
+        with self._conn_lock:
+            conn = self._conns[rank - 1]
+            try:
+                while conn.poll(0):
+                    msg = conn.recv()
+            except (EOFError, OSError):
+                pass
+        if not msg or msg[0] != "error":
+            return ""
+        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', msg[3])
+        where = f" (at {os.path.basename(frames[-1][0])}:{frames[-1][1]} in {frames[-1][2]})" if frames else ""
+        return f" after {msg[1]}: {msg[2]}{where}"
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every worker (idempotent): ask (if `graceful`), then terminate, then kill;
@@ -272,6 +308,16 @@ class MultiprocExecutor:
                 return
             self._closed = True
         atexit.unregister(self._atexit)
+        # From another thread (atexit while an engine thread steps): wait for its call to end;
+        # if it does not, it is stuck in a collective -- kill the workers, leave the group alone.
+        idle = self._call_lock.acquire(timeout=_STOP_GRACE_S)
+        try:
+            self._stop(graceful and idle, destroy_group=idle)
+        finally:
+            if idle:
+                self._call_lock.release()
+
+    def _stop(self, graceful: bool, destroy_group: bool) -> None:
         if hasattr(self, "_stop_w"):
             try:
                 self._stop_w.send(None)
@@ -295,14 +341,17 @@ class MultiprocExecutor:
                 p.join(1.0)
         for conn in self._conns:
             conn.close()
-        if self._dist:
+        if self._dist and destroy_group:
             try:
                 destroy_distributed()
             except Exception:  # noqa: BLE001 - peers are gone
                 pass
             self._dist = False
         if self._channel is not None:
-            self._channel.close()
+            try:
+                self._channel.close()
+            except BufferError:  # a call stuck mid-broadcast still holds a view; unlink happened
+                pass
         torch.set_num_threads(self._threads)
 
     def __del__(self) -> None:
@@ -321,6 +370,16 @@ def _monitor(ref: weakref.ref, procs: list[Any], stop: Any) -> None:
     if executor is None or stop in ready:
         return
     executor._on_worker_exit([sentinels[s] for s in ready if s in sentinels])
+
+
+def _abort_nccl() -> None:
+    """Make NCCL collectives blocked on a dead peer return (they would wait forever)."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception as e:  # noqa: BLE001 - experimental API; the workers are killed regardless
+        logger.warning("could not abort the NCCL process group: %s", e)
 
 
 def _shutdown_ref(ref: weakref.ref) -> None:

@@ -159,3 +159,18 @@ def test_small_kv_cache_then_a_killed_worker(tp_checkpoint) -> None:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert time.monotonic() - t0 < 1
     llm.shutdown()
+
+
+def test_a_failing_worker_is_reported_with_its_error(tp_checkpoint) -> None:
+    llm = LLM(tp_checkpoint("llama", 1), tensor_parallel_size=2, **BASE)
+    executor = llm.llm_engine.model_runner
+    pid = executor.worker_pids[0]
+    # Only rank 1 gets this call: it raises there, reports, and exits.
+    executor._channel.broadcast(("no_such_method", (), False), executor._check, 5)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 1 after AttributeError"):
+        for _ in range(1000):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    assert not process_alive(pid)
+    llm.shutdown()
