@@ -174,3 +174,24 @@ def test_a_failing_worker_is_reported_with_its_error(tp_checkpoint) -> None:
     assert time.monotonic() - t0 < 10
     assert not process_alive(pid)
     llm.shutdown()
+
+
+def test_executor_runs_a_single_rank(tp_checkpoint) -> None:
+    """tp=1 through the executor (process group of one, no workers): the path a single
+    GPU runs with distributed_backend='nccl'; here gloo on CPU."""
+    import torch
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.executor import MultiprocExecutor
+
+    path = tp_checkpoint("qwen3", 2)
+    config = EngineArgs(model=path, **BASE).create_engine_config()
+    config.parallel_config.distributed_backend = "gloo"
+    executor = MultiprocExecutor(config, torch.device("cpu"))
+    try:
+        assert executor.worker_pids == [] and executor.world_size == 1
+        prompts = _prompts(seed=2)[:4]
+        ref = _greedy(LLM(path, **BASE), prompts)
+        _assert_same(ref, _greedy(LLM.from_engine(LLMEngine(config, executor)), prompts), "tp=1 executor")
+    finally:
+        executor.shutdown()
