@@ -47,6 +47,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # Overlap scheduling: prepare step N+1 while step N runs; None = on for CUDA (the
+    # engine resolves it once it knows the device).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

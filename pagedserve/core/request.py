@@ -98,6 +98,9 @@ class Request:
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens if self.max_tokens else 1 << 62
         # How many output tokens the model runner already holds (see Scheduler).
         self.num_output_tokens_sent = 0
+        # Async scheduling: tokens sampled by in-flight steps, not yet known to the host.
+        # Scheduling counts them (the runner reads them on the device); outputs do not.
+        self.num_output_placeholders = 0
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
         # num_preemptions at the last prefix-cache lookup that was counted in stats.

@@ -8,11 +8,21 @@ the worst (priority, arrival_time)) rather than swapping: on one device that is
 simpler and, for short sequences, about as cheap.  Under the priority policy
 `running` is kept sorted, so "the worst" is simply the last one and requests
 already scheduled this step are never victims.
+
+Async (overlap) scheduling, `SchedulerConfig.async_scheduling`: the engine schedules
+step N+1 before step N's sampled tokens reach the host, and hands N's results to
+`update_from_output` one step late.  A token sampled by an in-flight step is a
+placeholder (`Request.num_output_placeholders`): scheduling counts it (the runner
+reads the real id on the device), stop checks wait for it.  So a request that
+stops at step N may already be in step N+1; that extra token is dropped, and the
+blocks of a request that finishes while a step using them is in flight are freed
+only once that step's results are in.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Iterable
 
 from pagedserve.config import SchedulerConfig
@@ -60,6 +70,12 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._next_seq = 0
+        self.async_scheduling = bool(getattr(scheduler_config, "async_scheduling", False))
+        # Async: scheduled steps whose results are not processed yet, oldest first, each
+        # with the requests it holds (by object: an id may be reused after an abort).
+        self._inflight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
+        # Finished requests whose blocks an in-flight step still uses.
+        self._deferred_free: dict[str, Request] = {}
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -67,6 +83,12 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id!r} is already in use by an unfinished request")
+        old = self._deferred_free.pop(req_id, None)
+        if old is not None:
+            # The block tables are keyed by id.  Freeing early is safe: the device runs
+            # steps in launch order, so the in-flight step is done with these blocks
+            # before any later step can write them.
+            self.kv_cache_manager.free(old)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {req_id!r} is not a fresh request (status {request.status.name})")
         num_prompt = request.num_prompt_tokens
@@ -99,7 +121,6 @@ class Scheduler:
         allocate_slots = kvm.allocate_slots
         token_budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
-        max_model_len = self.max_model_len
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
         c_req_ids, c_new_tokens = cached.req_ids, cached.new_token_ids
@@ -112,13 +133,15 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            n = len(request._all_token_ids) - num_computed
+            n = len(request._all_token_ids) + request.num_output_placeholders - num_computed
             if 0 < threshold < n:
                 n = threshold
             if n > token_budget:
                 n = token_budget
-            if n > max_model_len - 1 - num_computed:
-                n = max_model_len - 1 - num_computed
+            # max_num_tokens <= max_model_len; only binds under async scheduling, when
+            # the in-flight tokens already complete the request.
+            if n > request.max_num_tokens - 1 - num_computed:
+                n = request.max_num_tokens - 1 - num_computed
             if n <= 0:
                 i += 1
                 continue
@@ -155,7 +178,7 @@ class Scheduler:
             token_budget = self._schedule_waiting(token_budget, num_scheduled_tokens, new_reqs)
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
@@ -163,6 +186,21 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
         )
+        if self.async_scheduling and num_scheduled_tokens:
+            self._add_placeholders(out)
+        return out
+
+    def _add_placeholders(self, out: SchedulerOutput) -> None:
+        """Async: every request whose known and pending tokens are all computed after
+        this step samples one more, which stays a placeholder until the step's results
+        are processed."""
+        requests = self.requests
+        held: dict[str, Request] = {}
+        for req_id in out.num_scheduled_tokens:
+            request = held[req_id] = requests[req_id]
+            if request.num_computed_tokens == len(request._all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+        self._inflight.append((out, held))
 
     def _schedule_waiting(
         self, token_budget: int, num_scheduled_tokens: dict[str, int], new_reqs: list[NewRequestData]
@@ -173,6 +211,8 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek_request()
+            if request.num_output_placeholders:
+                break  # preempted while its last sample was in flight: resume once it lands
             computed_blocks, num_hit = kvm.get_computed_blocks(request)
             n = request.num_tokens - num_hit
             if 0 < threshold < n:
@@ -224,6 +264,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, release finished requests."""
+        if self.async_scheduling:
+            return self._update_from_output_async(scheduler_output, sampled_token_ids)
         outputs: list[EngineCoreOutput] = []
         append_output = outputs.append
         requests = self.requests
@@ -276,6 +318,65 @@ class Scheduler:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
+    def _update_from_output_async(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[EngineCoreOutput]:
+        """The oldest in-flight step's results: each token fills a placeholder of the
+        request object that step held; tokens of requests finished meanwhile (stopped
+        one step late, aborted, or a reused id) are dropped."""
+        if not self._inflight or self._inflight[0][0] is not scheduler_output:
+            raise RuntimeError("async scheduling: results must be processed once each, in the order "
+                               "the steps were scheduled")
+        _, held = self._inflight.popleft()
+        outputs: list[EngineCoreOutput] = []
+        any_running_finished = False
+        for req_id, request in held.items():
+            token_ids = sampled_token_ids.get(req_id)
+            if not token_ids or not request.num_output_placeholders:
+                continue  # a prompt chunk: nothing sampled
+            request.num_output_placeholders -= 1
+            if request.is_finished():
+                continue
+            new_ids = []
+            status = None
+            for tok in token_ids:
+                request._output_token_ids.append(tok)
+                request._all_token_ids.append(tok)
+                new_ids.append(tok)
+                status = self._check_stop(request, tok)
+                if status is not None:
+                    break
+            if status is None:
+                outputs.append(EngineCoreOutput(req_id, new_ids, False, None, None, request.num_cached_tokens))
+                continue
+            if request.status == _RUNNING:
+                any_running_finished = True
+            else:  # preempted after this step was scheduled: it waits in the queue
+                self.waiting.remove_request(request)
+            request.status = status
+            self._release(request)
+            outputs.append(EngineCoreOutput(
+                req_id, new_ids, True, _FINISH_REASONS[status], request.stop_reason, request.num_cached_tokens))
+        if any_running_finished:
+            self.running[:] = [r for r in self.running if r.status is _RUNNING]
+        if self._deferred_free:
+            self._free_deferred()
+        return outputs
+
+    def _in_flight(self, request: Request) -> bool:
+        req_id = request.request_id
+        return any(held.get(req_id) is request for _, held in self._inflight)
+
+    def _free_deferred(self) -> None:
+        for req_id, request in list(self._deferred_free.items()):
+            if not self._in_flight(request):
+                del self._deferred_free[req_id]
+                self.kv_cache_manager.free(request)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
     @staticmethod
     def _check_stop(request: Request, tok: int) -> RequestStatus | None:
         """Stop rules for the token just appended: EOS/stop ids (held back until
@@ -289,7 +390,10 @@ class Scheduler:
         return None
 
     def _release(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        if self._inflight and self._in_flight(request):
+            self._deferred_free[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 

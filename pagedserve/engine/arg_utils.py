@@ -54,6 +54,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts over several steps",
     "scheduling_policy": "fcfs or priority",
     "trust_remote_code": "allow custom code from the model directory",
+    "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
+                        "(default: on for CUDA, off on CPU)",
 }
 
 
@@ -81,6 +83,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA
 
     def __post_init__(self) -> None:
         self._validate()
@@ -132,6 +135,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise bad("async_scheduling", "True, False or None (on for CUDA)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise bad("scheduling_policy", "'fcfs' or 'priority'")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
@@ -181,6 +186,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(
@@ -201,7 +207,7 @@ class EngineArgs:
             aliases = _SHORT_FLAGS.get(f.name, ())
             default = f.default
             help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
-            if isinstance(default, bool):
+            if isinstance(default, bool) or f.name in _OPTIONAL_BOOLS:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif f.name == "kv_cache_memory_bytes":
                 group.add_argument(flag, type=str, default=None, metavar="BYTES", help=help_text)
@@ -222,6 +228,7 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
+_OPTIONAL_BOOLS = {"async_scheduling"}  # None = decided later; --flag / --no-flag
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

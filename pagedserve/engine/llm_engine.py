@@ -4,6 +4,12 @@ Everything a user can get wrong is checked in `add_request`, before the request
 touches the scheduler: a bad request raises ValueError and leaves every other
 request exactly as it was.  `step()` then never sees bad input, so an exception
 from inside the model means a bug, not a user error.
+
+With async (overlap) scheduling a step schedules and launches step N+1 before it
+waits for step N's results, which it then processes: outputs arrive one step late
+(the first step returns none), and the device never waits for the host's
+bookkeeping.  When no request is left, the last in-flight step is drained at once,
+so the engine is idle with every block free.
 """
 
 from __future__ import annotations
@@ -68,7 +74,11 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching
         )
+        sched.async_scheduling = self.async_scheduling = _resolve_async_scheduling(
+            sched.async_scheduling, model_runner)
         self.scheduler = Scheduler(sched, self.kv_cache_manager)
+        # Async scheduling: the launched step whose results are not processed yet.
+        self._inflight: tuple[Any, Any] | None = None
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
 
@@ -149,6 +159,8 @@ class LLMEngine:
             request_ids = [request_ids]
         child_ids = self.output_processor.abort_requests(list(request_ids))
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        if self._inflight is not None and not self.scheduler.has_unfinished_requests():
+            self._drain()
 
     def _process_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
         text: str | None = None
@@ -233,7 +245,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; outputs for every request that progressed or finished."""
+        """One scheduling step; outputs for every request that progressed or finished
+        (with async scheduling: in the step before this one)."""
+        if self.async_scheduling:
+            return self._step_async()
         sched_out = self.scheduler.schedule()
         if sched_out.total_num_scheduled_tokens == 0 and not sched_out.finished_req_ids:
             return []
@@ -247,6 +262,34 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def _step_async(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        total = sched_out.total_num_scheduled_tokens
+        if total or sched_out.finished_req_ids:
+            if total:
+                self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
+            handle = self.model_runner.execute_model_async(sched_out)  # returns once launched
+            if total:
+                self._inflight = (sched_out, handle)
+        outputs = self._process(*prev) if prev is not None else []
+        if self._inflight is not None and not self.scheduler.has_unfinished_requests():
+            outputs.extend(self._drain())  # only finished requests' extra tokens are left
+        return outputs
+
+    def _process(self, sched_out: Any, handle: Any) -> list[RequestOutput]:
+        """Wait for a launched step's results and apply them."""
+        runner_out = handle.get_output()
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        prev, self._inflight = self._inflight, None
+        return self._process(*prev) if prev is not None else []
+
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
         shutdown = getattr(self.model_runner, "shutdown", None)
@@ -254,7 +297,8 @@ class LLMEngine:
             shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
+        return (self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
+                or self._inflight is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -303,6 +347,18 @@ class LLMEngine:
         BOS text, so the tokenizer must not add special tokens a second time."""
         text = self.apply_chat_template(messages, chat_template, add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+
+
+def _resolve_async_scheduling(value: bool | None, runner: Any) -> bool:
+    """None: on when the runner can launch a step without waiting for it and runs on
+    CUDA (on CPU the step itself is the host's work: there is nothing to overlap)."""
+    supported = callable(getattr(runner, "execute_model_async", None))
+    if value is None:
+        return supported and getattr(getattr(runner, "device", None), "type", None) == "cuda"
+    if value and not supported:
+        raise ValueError(f"async_scheduling=True needs a model runner that can launch steps asynchronously; "
+                         f"{type(runner).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")
+    return bool(value)
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,11 @@ A request is described in full once (NewRequestData) and afterwards only by delt
 block ids, the computed-token count.  Token ids and block tables live in numpy
 arrays (one row per request) so that the runner can build a step's inputs with a
 few vectorized gathers instead of per-token Python work.
+
+Sampling tensors go up through pinned memory without blocking, so that preparing a
+step never waits for the device (what overlap scheduling needs).  Under async
+scheduling a row may also have one *pending* token: sampled by the previous step
+and still only on the device; min_tokens and the penalties count it.
 """
 
 from __future__ import annotations
@@ -121,15 +126,23 @@ class InputBatch:
         return len(self.req_id_to_row)
 
     # ----------------------------------------------------------------- sampling
-    def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
-        """The sampling knobs of `rows` (in this order), skipping every stage no row uses."""
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor to the device without a host-device sync (pinned, non-blocking)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def sampling_metadata(self, rows: list[int],
+                          pending: tuple[list[int], torch.Tensor] | None = None) -> SamplingMetadata:
+        """The sampling knobs of `rows` (in this order), skipping every stage no row uses.
+        `pending`: (indices into rows that have one pending token, those tokens on the
+        device)."""
         params = [self.params[r] for r in rows]
-        dev = self.device
         greedy = [p.is_greedy for p in params]
         md = SamplingMetadata(all_greedy=all(greedy), all_random=not any(greedy))
 
         def col(values, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev)
+            return self.upload(torch.tensor(values, dtype=dtype))
 
         if not md.all_greedy:
             md.temperature = col([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
@@ -147,24 +160,34 @@ class InputBatch:
             if md.generators or not md.all_random:
                 unseeded = [i for i, g in enumerate(greedy) if not g and i not in md.generators]
                 md.unseeded_random_rows = col(unseeded, torch.long)
-        self._penalties(md, rows, params)
-        self._min_tokens(md, rows, params)
+        self._penalties(md, rows, params, pending)
+        self._min_tokens(md, rows, params, pending)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
         return md
 
-    def _penalties(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams]) -> None:
+    def _penalties(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams],
+                   pending: tuple[list[int], torch.Tensor] | None) -> None:
         rep = any(p.repetition_penalty != 1.0 for p in params)
         freq = any(p.frequency_penalty != 0.0 for p in params)
         pres = any(p.presence_penalty != 0.0 for p in params)
         if not (rep or freq or pres):
             return
-        dev = self.device
 
         def col(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32).to(dev)[:, None]
+            return self.upload(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32))[:, None]
 
-        md.output_token_ids = self._padded_tokens(rows, self.num_prompt_tokens[rows], self.num_tokens[rows])
+        start, end = self.num_prompt_tokens[rows], self.num_tokens[rows]
+        if pending is None or not pending[0]:
+            md.output_token_ids = self._padded_tokens(rows, start, end)
+        else:  # one more column for each pending token, filled in on the device
+            idx, tokens = pending
+            end = end.copy()
+            end[idx] += 1
+            ids = self._padded_tokens(rows, start, end, valid_end=self.num_tokens[rows])
+            cols = end[idx] - 1 - start[idx]
+            ids[self.upload(torch.tensor(idx)), self.upload(torch.from_numpy(cols))] = tokens
+            md.output_token_ids = ids
         if rep:
             md.repetition_penalty = col("repetition_penalty")
             md.prompt_token_ids = self._padded_tokens(rows, np.zeros(len(rows), np.int64),
@@ -174,21 +197,26 @@ class InputBatch:
         if pres:
             md.presence_penalty = col("presence_penalty")
 
-    def _padded_tokens(self, rows: list[int], start: np.ndarray, end: np.ndarray) -> torch.Tensor:
+    def _padded_tokens(self, rows: list[int], start: np.ndarray, end: np.ndarray,
+                       valid_end: np.ndarray | None = None) -> torch.Tensor:
         """token_ids[row, start:end] per row, padded with vocab_size (a column the
-        penalties drop), as one [N, max_len] device tensor."""
+        penalties drop), as one [N, max_len] device tensor; columns past `valid_end`
+        are padding too."""
         width = max(1, int((end - start).max()))
         cols = start[:, None] + np.arange(width)[None, :]
-        valid = cols < end[:, None]
+        valid = cols < (end if valid_end is None else valid_end)[:, None]
         ids = self.token_ids[np.asarray(rows)[:, None], np.minimum(cols, self.max_model_len - 1)]
         ids = np.where(valid, ids, self.vocab_size).astype(np.int64)
-        return torch.from_numpy(ids).to(self.device)
+        return self.upload(torch.from_numpy(ids))
 
-    def _min_tokens(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams]) -> None:
+    def _min_tokens(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams],
+                    pending: tuple[list[int], torch.Tensor] | None) -> None:
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
+        pend = set(pending[0]) if pending is not None else ()
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-            if p.min_tokens and self.num_tokens[row] - self.num_prompt_tokens[row] < p.min_tokens:
+            num_out = self.num_tokens[row] - self.num_prompt_tokens[row] + (i in pend)
+            if p.min_tokens and num_out < p.min_tokens:
                 stops = set(p.stop_token_ids or ())
                 if not p.ignore_eos and self.eos_token_id is not None:
                     stops.add(self.eos_token_id)
@@ -196,5 +224,5 @@ class InputBatch:
                 ban_rows += [i] * len(stops)
                 ban_tokens += stops
         if ban_rows:
-            md.banned_rows = torch.tensor(ban_rows, dtype=torch.long).to(self.device)
-            md.banned_tokens = torch.tensor(ban_tokens, dtype=torch.long).to(self.device)
+            md.banned_rows = self.upload(torch.tensor(ban_rows, dtype=torch.long))
+            md.banned_tokens = self.upload(torch.tensor(ban_tokens, dtype=torch.long))

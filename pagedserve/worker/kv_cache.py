@@ -55,16 +55,32 @@ def available_memory_bytes(device: torch.device) -> int:
         raise ValueError("cannot tell how much memory is free here; set kv_cache_memory_bytes") from None
 
 
+def cuda_memory_info(device: torch.device) -> tuple[int, int, int]:
+    """(free, total, allocated by this process's tensors) on a CUDA device.  After
+    the profile run `allocated` is the weights and persistent buffers."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total), int(torch.cuda.memory_allocated(device))
+
+
+def gpu_kv_budget(total: int, free: int, weights: int, activations: int, utilization: float) -> int:
+    """Bytes for the KV cache on a GPU (vLLM's rule): the engine may use `utilization`
+    of the device's total memory; weights and peak activations come out of that first.
+    Never more than is free now once activations are set aside, so memory held by
+    other processes shrinks the cache instead of failing an allocation later."""
+    return min(int(total * utilization) - weights - activations, free - activations)
+
+
 def determine_num_blocks(
     cache_config: CacheConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
     device: torch.device, reserved_bytes: int = 0,
 ) -> int:
     """Blocks (the null block included) for the configured budget.
 
-    An explicit `kv_cache_memory_bytes` is taken as given.  Otherwise the cache takes
-    a fraction of free memory (cpu_kv_cache_fraction on CPU, gpu_memory_utilization on
-    CUDA, after `reserved_bytes` for activations), capped at what max_num_seqs requests
-    of max_model_len tokens could ever use."""
+    An explicit `kv_cache_memory_bytes` is taken as given.  Otherwise, on CPU the cache
+    takes cpu_kv_cache_fraction of free memory; on CUDA gpu_kv_budget's share of
+    gpu_memory_utilization x total memory, with `reserved_bytes` the profile run's peak
+    activations.  Either is capped at what max_num_seqs requests of max_model_len
+    tokens could ever use."""
     bs = cache_config.block_size
     blocks_per_req = -(-max_model_len // bs)
     if cache_config.num_blocks is not None:
@@ -75,11 +91,26 @@ def determine_num_blocks(
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {budget}")
         num_blocks = budget // block_bytes
         source = f"kv_cache_memory_bytes={budget}"
+    elif device.type == "cuda":
+        fraction = cache_config.gpu_memory_utilization
+        if not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+        free, total, weights = cuda_memory_info(device)
+        budget = gpu_kv_budget(total, free, weights, reserved_bytes, fraction)
+        num_blocks = min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_req + 1)
+        source = (f"gpu_memory_utilization={fraction} of {total / 2**30:.1f} GiB total memory, less "
+                  f"{weights / 2**30:.2f} GiB of weights and {reserved_bytes / 2**30:.2f} GiB of peak "
+                  f"activations ({free / 2**30:.1f} GiB free now),")
+        if num_blocks - 1 < blocks_per_req:
+            raise ValueError(
+                f"KV cache too small: {source} leaves {max(budget, 0) / 2**30:.2f} GiB = "
+                f"{max(num_blocks - 1, 0)} usable blocks of {bs} tokens ({block_bytes} bytes each), but one "
+                f"request of max_model_len={max_model_len} needs {blocks_per_req}; raise gpu_memory_utilization "
+                f"or lower max_model_len (or set kv_cache_memory_bytes)"
+            )
+        logger.info("KV cache budget: %s %.2f GiB for the cache", source, max(budget, 0) / 2**30)
     else:
-        if device.type == "cuda":
-            fraction, name = cache_config.gpu_memory_utilization, "gpu_memory_utilization"
-        else:
-            fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
+        fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
         if not 0 < fraction <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {fraction}")
         free = available_memory_bytes(device)

@@ -8,11 +8,22 @@ attention backend plan the step once (`build_metadata`), shared by every layer,
 (4) runs the model under `set_forward_context`, and (5) computes logits only at the
 last scheduled token of requests whose known tokens are all computed after this
 step (a prompt chunk mid-way gets no token), then samples them.
+
+On CUDA, decode-only steps replay a captured graph instead (worker/cuda_graph.py):
+the same buffers, padded to the graph's batch size.
+
+Overlap scheduling (`execute_model_async`): the step returns once launched, its
+tokens still on their way to the host (worker/async_output.py).  The next step is
+scheduled before they arrive, so a request decoding in it may be one token ahead of
+what the host knows: that *pending* token is gathered on the device from the
+previous step's sampled ids into input_ids.  Host input buffers alternate between
+two sets so that preparing step N+1 never overwrites what step N's copies still read.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,11 +35,32 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.worker import kv_cache
+from pagedserve.worker.async_output import AsyncModelRunnerOutput
+from pagedserve.worker.cuda_graph import (
+    GRAPH_SAFE_BACKENDS,
+    DecodeGraphRunner,
+    capture_sizes,
+    graphs_unavailable_reason,
+    padded_size,
+)
 from pagedserve.worker.input_batch import InputBatch
-from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
-from pagedserve.worker.sampler import Sampler, SamplerOutput
+from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("pagedserve")
+
+
+@dataclass
+class StepInputs:
+    """What _prepare_inputs decided for one step (the tensors are in the buffers)."""
+
+    num_reqs: int
+    num_tokens: int
+    common: CommonAttentionMetadata | None  # None when the step replays a CUDA graph
+    graph_size: int | None  # padded batch size of the graph to replay
+    logits_idx: np.ndarray  # flat token index of each sampled request's last token
+    sample_rows: list[int]  # indices into the step's requests that sample
+    pending: np.ndarray  # [num_reqs] bool: the last scheduled token is still on the device
 
 
 def _first_eos(eos) -> int | None:
@@ -67,6 +99,11 @@ class ModelRunner:
         gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(gen)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        self.graph_runner: DecodeGraphRunner | None = None
+        # Async: the last launched step's sampled ids (device) and each request's index in them.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_index: dict[str, int] = {}
         self._alloc_buffers()
 
     @property
@@ -79,22 +116,39 @@ class ModelRunner:
         self.input_batch.eos_token_id = _first_eos(value)
 
     def _alloc_buffers(self) -> None:
-        """Host buffers filled in place every step; their device twins on accelerators."""
+        """Host buffers filled in place every step (two sets on CUDA, alternating); their
+        device twins on accelerators, which are also the CUDA graphs' static inputs."""
         t, r, b = self.max_num_tokens, self.max_num_reqs, self.input_batch.max_blocks_per_req
         self._arange = np.arange(max(t, r, b) + 1, dtype=np.int64)
-        cpu = {
-            "input_ids": torch.zeros(t, dtype=torch.int64),
-            "positions": torch.zeros(t, dtype=torch.int64),
-            "slot_mapping": torch.zeros(t, dtype=torch.int64),
-            "query_start_loc": torch.zeros(r + 1, dtype=torch.int32),
-            "seq_lens": torch.zeros(r, dtype=torch.int32),
-            "block_table": torch.zeros(r, b, dtype=torch.int32),
-        }
-        if self.device.type == "cuda":
-            cpu = {k: v.pin_memory() for k, v in cpu.items()}
-        self._cpu = cpu
-        self._np = {k: v.numpy() for k, v in cpu.items()}
+
+        def host() -> dict[str, torch.Tensor]:
+            cpu = {
+                "input_ids": torch.zeros(t, dtype=torch.int64),
+                "positions": torch.zeros(t, dtype=torch.int64),
+                "slot_mapping": torch.zeros(t, dtype=torch.int64),
+                "query_start_loc": torch.zeros(r + 1, dtype=torch.int32),
+                "seq_lens": torch.zeros(r, dtype=torch.int32),
+                "block_table": torch.zeros(r, b, dtype=torch.int32),
+                "logits_idx": torch.zeros(r, dtype=torch.int64),
+                "pending": torch.zeros(2 * r, dtype=torch.int64),  # token indices, then source indices
+            }
+            return {k: v.pin_memory() for k, v in cpu.items()} if self.device.type == "cuda" else cpu
+
+        self._host_sets = [host()] if self.device.type != "cuda" else [host(), host()]
+        self._np_sets = [{k: v.numpy() for k, v in h.items()} for h in self._host_sets]
+        self._host_turn = 0
+        self._use_host_set(0)
+        cpu = self._cpu
         self._dev = cpu if self.device.type == "cpu" else {k: v.to(self.device) for k, v in cpu.items()}
+
+    def _use_host_set(self, i: int) -> None:
+        self._cpu, self._np = self._host_sets[i], self._np_sets[i]
+
+    def _next_host_set(self) -> None:
+        """Step N+1 fills the other set: step N's non-blocking copies may still read this one."""
+        if len(self._host_sets) > 1:
+            self._host_turn ^= 1
+            self._use_host_set(self._host_turn)
 
     def _to_device(self, name: str, n: int | tuple[int, int]) -> torch.Tensor:
         src = self._cpu[name][:n] if isinstance(n, int) else self._cpu[name][: n[0], : n[1]]
@@ -107,7 +161,8 @@ class ModelRunner:
     # -------------------------------------------------------------- KV cache
     def initialize_kv_cache(self) -> int:
         """Size (see kv_cache.determine_num_blocks), allocate and bind the KV cache to
-        every attention layer; records and returns num_blocks (null block included)."""
+        every attention layer, then capture the decode CUDA graphs where they apply;
+        records and returns num_blocks (null block included)."""
         cache = self.config.cache_config
         block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
         reserved = 0
@@ -123,16 +178,35 @@ class ModelRunner:
             layer.kv_cache = kv
         cache.num_blocks = num_blocks
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        reason = graphs_unavailable_reason(self.device, self.attn_backend.name,
+                                           self.config.device_config.enforce_eager, self.tensor_parallel_size)
+        if reason is None:
+            self.capture_decode_graphs()
+        else:
+            logger.info("CUDA graphs off: %s", reason)
         return num_blocks
+
+    def capture_decode_graphs(self, use_graphs: bool = True) -> None:
+        """Capture (use_graphs=False: only set up and warm up, then run the static path
+        eagerly, which is how CPU tests exercise it) the decode graphs."""
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must run before capture_decode_graphs()")
+        if self.attn_backend.name not in GRAPH_SAFE_BACKENDS:
+            raise ValueError(f"decode graphs need a graph-safe attention backend, not {self.attn_backend.name!r}")
+        self.graph_runner = DecodeGraphRunner(
+            self.model, self.attn_backend, self._dev, capture_sizes(self.max_num_reqs, self.max_num_tokens),
+            self.block_size, self.max_model_len, self.attn_layers[0].num_kv_heads, use_graphs=use_graphs)
+        self.graph_runner.capture()
 
     @torch.inference_mode()
     def profile_run(self) -> int:
-        """One forward at the largest step (no KV cache: attention treats it as one
-        causal sequence) plus the largest logits; returns peak activation bytes on
-        CUDA (0 on CPU, where it only warms up kernels)."""
-        n = min(self.max_num_tokens, self.max_model_len)
+        """One forward at the largest step, max_num_batched_tokens tokens (no KV cache:
+        attention treats them as one causal sequence), then the logits and a worst-case
+        sampler pass (top-k/top-p sort, logprobs) for max_num_seqs rows; returns the
+        peak activation bytes on CUDA (0 on CPU, where it only warms up kernels)."""
+        n = self.max_num_tokens
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)
+        pos = torch.arange(n, device=self.device) % self.max_model_len
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -140,46 +214,94 @@ class ModelRunner:
             base = torch.cuda.memory_allocated(self.device)
         with set_forward_context(None):
             hidden = self.model(ids, pos)
-            self.model.compute_logits(hidden[-min(n, self.max_num_reqs):])
+            r = min(n, self.max_num_reqs)
+            logits = self.model.compute_logits(hidden[-r:])
+        if logits is not None:  # None on tensor-parallel ranks > 0
+            self.sampler(logits, self._dummy_sampling_metadata(r))
+        del hidden, logits
         if not cuda:
             return 0
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del hidden
         torch.cuda.empty_cache()
         return int(peak)
+
+    def _dummy_sampling_metadata(self, r: int) -> SamplingMetadata:
+        def full(value, dtype):
+            return torch.full((r,), value, dtype=dtype, device=self.device)
+
+        return SamplingMetadata(
+            all_greedy=False, all_random=True, temperature=full(0.7, torch.float32),
+            top_k=full(self.vocab_size - 1, torch.long), top_p=full(0.9, torch.float32), max_num_logprobs=20)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._execute(scheduler_output, overlap=False).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch the step and return without waiting for it; `.get_output()` waits.
+        Requests may be scheduled one token past what the host knows (async scheduling),
+        provided the previous step launched here sampled that token."""
+        return self._execute(scheduler_output, overlap=True)
+
+    def _execute(self, scheduler_output: SchedulerOutput, overlap: bool) -> AsyncModelRunnerOutput:
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
         ib = self.input_batch
         ib.update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 or not scheduler_output.num_scheduled_tokens:
-            return ModelRunnerOutput.empty()
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput.empty())
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        common, logits_idx, sample_rows = self._prepare_inputs(req_ids, scheduler_output)
-        attn_metadata = self.attn_backend.build_metadata(common)
-        t = common.num_actual_tokens
-        with set_forward_context(attn_metadata):
-            hidden = self.model(self._to_device("input_ids", t), self._to_device("positions", t))
-        out = ModelRunnerOutput(req_ids=req_ids)
-        if not sample_rows:
-            return out
-        if len(logits_idx) == t:  # every token is a sampled decode: rows already in order
+        self._next_host_set()
+        step = self._prepare_inputs(req_ids, scheduler_output, overlap)
+        t = step.num_tokens
+        pend_tokens = self._gather_pending(req_ids, step) if step.pending.any() else None
+        if step.graph_size is not None:
+            hidden = self.graph_runner.run(step.graph_size)
+        else:
+            attn_metadata = self.attn_backend.build_metadata(step.common)
+            with set_forward_context(attn_metadata):
+                hidden = self.model(self._dev["input_ids"][:t], self._dev["positions"][:t])
+        if overlap:
+            self._prev_sampled, self._prev_index = None, {}
+        if not step.sample_rows:
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids))
+        k = len(step.logits_idx)
+        if k == t:  # every token is a sampled decode: rows already in order
             logits = self.model.compute_logits(hidden[:t])
         else:
-            logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(logits_idx).to(self.device)))
+            self._np["logits_idx"][:k] = step.logits_idx
+            logits = self.model.compute_logits(hidden.index_select(0, self._to_device("logits_idx", k)))
         if logits is None:  # a tensor-parallel rank > 0: its logits went to rank 0, which samples
-            return out
-        rows = [ib.req_id_to_row[req_ids[i]] for i in sample_rows]
-        sampled = self.sampler(logits, ib.sampling_metadata(rows))
-        self._collect(out, [req_ids[i] for i in sample_rows], rows, sampled)
-        return out
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids))
+        sample_ids = [req_ids[i] for i in step.sample_rows]
+        rows = [ib.req_id_to_row[r] for r in sample_ids]
+        pending = None
+        if pend_tokens is not None:  # every pending request samples, in the same order
+            pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
+        sampled = self.sampler(logits, ib.sampling_metadata(rows, pending))
+        if overlap:
+            self._prev_sampled = sampled.sampled_token_ids
+            self._prev_index = {r: i for i, r in enumerate(sample_ids)}
+        ks = [ib.params[row].logprobs for row in rows]
+        return AsyncModelRunnerOutput(req_ids, sample_ids, ks, sampled)
 
-    def _prepare_inputs(self, req_ids: list[str], so: SchedulerOutput
-                        ) -> tuple[CommonAttentionMetadata, np.ndarray, list[int]]:
+    def _gather_pending(self, req_ids: list[str], step: StepInputs) -> torch.Tensor:
+        """Write each pending token (sampled by the previous step, still on the device)
+        into its input_ids slot; returns those tokens, in request order."""
+        idx = np.flatnonzero(step.pending)
+        p = len(idx)
+        buf = self._np["pending"]
+        buf[:p] = self._np["query_start_loc"][idx + 1] - 1  # a pending token is its request's last
+        buf[p:2 * p] = [self._prev_index[req_ids[i]] for i in idx]
+        both = self._to_device("pending", 2 * p)
+        tokens = self._prev_sampled.index_select(0, both[p:])
+        self._dev["input_ids"].index_copy_(0, both[:p], tokens)
+        return tokens
+
+    def _prepare_inputs(self, req_ids: list[str], so: SchedulerOutput, overlap: bool = False) -> StepInputs:
         ib, bs, bufs = self.input_batch, self.block_size, self._np
         b = len(req_ids)
         try:
@@ -194,57 +316,56 @@ class ModelRunner:
         computed = ib.num_computed_tokens[rows]
         seq_lens = computed + n
         known = ib.num_tokens[rows]
-        if (n <= 0).any() or (seq_lens > known).any() or (seq_lens > ib.num_blocks[rows] * bs).any():
-            i = int(np.argmax((n <= 0) | (seq_lens > known) | (seq_lens > ib.num_blocks[rows] * bs)))
+        pending = np.zeros(b, dtype=bool)
+        if overlap and self._prev_index:
+            # One token past the host's: the previous step sampled it (async scheduling).
+            prev = self._prev_index
+            pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, b)
+        total = known + pending
+        bad = (n <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * bs)
+        if bad.any():
+            i = int(np.argmax(bad))
             raise ValueError(
                 f"request {req_ids[i]!r}: {n[i]} tokens scheduled after {computed[i]} computed, but it has "
                 f"{known[i]} tokens and {ib.num_blocks[rows][i]} blocks of {bs}")
-        qsl = bufs["query_start_loc"][: b + 1]
+        graph_size = None
+        if self.graph_runner is not None and t == b:  # decode-only
+            graph_size = padded_size(self.graph_runner.sizes, b)
+        tp = graph_size or t  # rows filled (and copied): padding rows up to the graph's size
+        bp = graph_size or b
+        qsl = bufs["query_start_loc"][: bp + 1]
         qsl[0] = 0
-        np.cumsum(n, out=qsl[1:])
+        np.cumsum(n, out=qsl[1: b + 1])
         bufs["seq_lens"][:b] = seq_lens
         req_of_tok = np.repeat(self._arange[:b], n)
         pos = bufs["positions"][:t]
-        np.subtract(self._arange[:t], qsl[:-1][req_of_tok], out=pos)
+        np.subtract(self._arange[:t], qsl[:b][req_of_tok], out=pos)
         pos += computed[req_of_tok]
         row_of_tok = rows[req_of_tok]
-        bufs["input_ids"][:t] = ib.token_ids[row_of_tok, pos]
+        bufs["input_ids"][:t] = ib.token_ids[row_of_tok, pos]  # a pending slot is overwritten on the device
         bufs["slot_mapping"][:t] = ib.block_table[row_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
+        if bp > b:  # padding rows: one token each, stored nowhere, attending over nothing
+            qsl[b + 1:] = self._arange[t + 1: t + 1 + bp - b]
+            bufs["seq_lens"][b:bp] = 0
+            bufs["input_ids"][t:tp] = 0
+            bufs["positions"][t:tp] = 0
+            bufs["slot_mapping"][t:tp] = -1
         nblk = int(-(-seq_lens.max() // bs))
         table = ib.block_table[rows, :nblk]
         # Entries past a request's own blocks may be stale from a row's previous owner.
         bufs["block_table"][:b, :nblk] = np.where(self._arange[:nblk][None, :] < ib.num_blocks[rows][:, None],
                                                   table, 0)
-        common = CommonAttentionMetadata(
-            num_reqs=b, num_actual_tokens=t,
-            query_start_loc=self._to_device("query_start_loc", b + 1),
-            seq_lens=self._to_device("seq_lens", b),
-            block_table=self._to_device("block_table", (b, nblk)),
-            slot_mapping=self._to_device("slot_mapping", t),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), block_size=bs,
-        )
-        sample = seq_lens == known
-        return common, qsl[1:][sample] - 1, np.flatnonzero(sample).tolist()
-
-    def _collect(self, out: ModelRunnerOutput, req_ids: list[str], rows: list[int],
-                 sampled: SamplerOutput) -> None:
-        tokens = sampled.sampled_token_ids.tolist()
-        for req_id, tok in zip(req_ids, tokens, strict=True):
-            out.sampled_token_ids[req_id] = [tok]
-        if sampled.sampled_logprobs is None:
-            return
-        lps = sampled.sampled_logprobs.tolist()
-        ranks = sampled.sampled_ranks.tolist()
-        top_ids = sampled.topk_token_ids.tolist() if sampled.topk_token_ids is not None else None
-        top_lps = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
-        params = self.input_batch.params
-        for i, (req_id, row) in enumerate(zip(req_ids, rows, strict=True)):
-            k = params[row].logprobs
-            if k is None:
-                continue
-            out.logprobs[req_id] = LogprobsEntry(
-                token_id=tokens[i], logprob=lps[i], rank=ranks[i],
-                topk_token_ids=top_ids[i][:k] if k and top_ids else [],
-                topk_logprobs=top_lps[i][:k] if k and top_lps else [],
+        dev = {name: self._to_device(name, m) for name, m in (
+            ("input_ids", tp), ("positions", tp), ("slot_mapping", tp), ("query_start_loc", bp + 1),
+            ("seq_lens", bp), ("block_table", (b, nblk)))}
+        common = None
+        if graph_size is None:
+            common = CommonAttentionMetadata(
+                num_reqs=b, num_actual_tokens=t, query_start_loc=dev["query_start_loc"],
+                seq_lens=dev["seq_lens"], block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
+                query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+                max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), block_size=bs,
             )
+        sample = seq_lens == total
+        return StepInputs(b, t, common, graph_size, qsl[1: b + 1][sample] - 1, np.flatnonzero(sample).tolist(),
+                          pending)

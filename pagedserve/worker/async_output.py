@@ -1,0 +1,78 @@
+"""A step's sampled tokens on their way to the host.
+
+`.tolist()` on a CUDA tensor waits for the whole step.  Under overlap scheduling the
+runner instead starts a non-blocking copy into pinned host memory, records an event
+and returns at once; the engine asks for the tokens (`get_output`) only after it has
+launched the next step.  The synchronous path uses the same object and simply asks
+at once, so both paths build their ModelRunnerOutput in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
+from pagedserve.worker.sampler import SamplerOutput
+
+_FIELDS = ("sampled_token_ids", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
+
+
+class AsyncModelRunnerOutput:
+    """`req_ids`: every request of the step; `sample_req_ids`/`logprobs_k`: the sampled
+    ones and how many top logprobs each wants (None: none), taken when the step ran,
+    since a row may belong to another request by the time the output is read."""
+
+    def __init__(self, req_ids: list[str], sample_req_ids: list[str] | None = None,
+                 logprobs_k: list[int | None] | None = None, sampled: SamplerOutput | None = None) -> None:
+        self.req_ids = req_ids
+        self.sample_req_ids = sample_req_ids or []
+        self.logprobs_k = logprobs_k or []
+        self._host: dict[str, torch.Tensor] = {}
+        self._event: torch.cuda.Event | None = None
+        self._output: ModelRunnerOutput | None = None
+        if sampled is None:
+            return
+        tensors = {f: getattr(sampled, f) for f in _FIELDS if getattr(sampled, f) is not None}
+        if sampled.sampled_token_ids.device.type == "cuda":
+            for name, t in tensors.items():
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                self._host[name] = host
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
+        out = cls(output.req_ids)
+        out._output = output
+        return out
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the copy (not for anything launched after it) and build the output."""
+        if self._output is not None:
+            return self._output
+        if self._event is not None:
+            self._event.synchronize()
+        out = self._output = ModelRunnerOutput(req_ids=self.req_ids)
+        if not self.sample_req_ids:
+            return out
+        h = self._host
+        tokens = h["sampled_token_ids"].tolist()
+        for req_id, tok in zip(self.sample_req_ids, tokens, strict=True):
+            out.sampled_token_ids[req_id] = [tok]
+        if "sampled_logprobs" not in h:
+            return out
+        lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
+        top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None
+        top_lps = h["topk_logprobs"].tolist() if "topk_logprobs" in h else None
+        for i, (req_id, k) in enumerate(zip(self.sample_req_ids, self.logprobs_k, strict=True)):
+            if k is None:
+                continue
+            out.logprobs[req_id] = LogprobsEntry(
+                token_id=tokens[i], logprob=lps[i], rank=ranks[i],
+                topk_token_ids=top_ids[i][:k] if k and top_ids else [],
+                topk_logprobs=top_lps[i][:k] if k and top_lps else [],
+            )
+        return out
