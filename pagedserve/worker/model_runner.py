@@ -181,7 +181,13 @@ class ModelRunner:
         reason = graphs_unavailable_reason(self.device, self.attn_backend.name,
                                            self.config.device_config.enforce_eager, self.tensor_parallel_size)
         if reason is None:
-            self.capture_decode_graphs()
+            try:
+                self.capture_decode_graphs()
+            except Exception as e:  # noqa: BLE001 - a model op that cannot be captured: stay correct, eager
+                self.graph_runner = None
+                torch.cuda.synchronize(self.device)
+                logger.warning("CUDA graph capture failed, running eagerly (%s: %s); set enforce_eager=True "
+                               "to skip the attempt", type(e).__name__, e)
         else:
             logger.info("CUDA graphs off: %s", reason)
         return num_blocks
