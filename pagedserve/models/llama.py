@@ -60,14 +60,22 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """`rope`: this step's per-token (cos, sin) from `RotaryEmbedding.cos_sin`."""
+        qkv = self.qkv_proj(hidden)
+        t, h = qkv.shape[0], self.num_heads
         if self.qk_norm:
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(t, h, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            q = self.rotary_emb.rotate(rope, q, h)
+            k = self.rotary_emb.rotate(rope, k, self.num_kv_heads)
+        else:
+            # q|k are adjacent in the fused projection: rotate them as one tensor.
+            qk = self.rotary_emb.rotate(rope, qkv[:, : self.q_size + self.kv_size], h + self.num_kv_heads)
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, self.q_size + self.kv_size:]
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
 
 
 class LlamaMLP(nn.Module):
@@ -94,15 +102,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried separately; each norm adds the previous sub-block's output into it."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -113,7 +121,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer.
         max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
-        rotary_emb = get_rope(config, head_dim_of(config), max_position)
+        self.rotary_emb = rotary_emb = get_rope(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, flags) for _ in range(config.num_hidden_layers)
         )
@@ -121,8 +129,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb.cos_sin(positions)  # gathered once, used by every layer
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
