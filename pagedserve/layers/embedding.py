@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.communication import gather_to_driver, tensor_model_parallel_all_reduce
-from pagedserve.layers.linear import get_tp_rank_size
+from pagedserve.layers.linear import PackedLinear, get_tp_rank_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,6 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = -(-num_embeddings // self.tp_size)
         self.row_start = self.tp_rank * self.rows
         self.valid_rows = max(0, min(self.rows, num_embeddings - self.row_start))  # < rows only on the last rank
+        self._linear = PackedLinear()  # used by the LM head (its own, or the tied embedding's)
         if shared_weight is not None:
             self.weight = shared_weight
             return
@@ -44,6 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.valid_rows:
             param.data[: self.valid_rows].copy_(loaded_weight.narrow(0, self.row_start, self.valid_rows))
         param.data[self.valid_rows:].zero_()
+        self._linear.invalidate()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -63,11 +65,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, tied_to.weight if tied_to is not None else None)
+        if tied_to is not None:  # one packed copy, dropped when the embedding loads
+            self._linear = tied_to._linear
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets the full [N, vocab] logits; other tensor-parallel ranks send
         their slice to it and get None (only rank 0 samples)."""
-        logits = F.linear(hidden, self.weight)
+        logits = self._linear(hidden, self.weight, None)
         if self.tp_size > 1:
             logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
             if logits is None:
