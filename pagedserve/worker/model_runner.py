@@ -36,6 +36,7 @@ from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
+from pagedserve.worker.cpu_malloc import keep_freed_memory_on_heap
 from pagedserve.worker.cuda_graph import (
     GRAPH_SAFE_BACKENDS,
     DecodeGraphRunner,
@@ -78,6 +79,8 @@ class ModelRunner:
         if device is None:
             device = param.device if param is not None else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory_on_heap()
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0] if floats else torch.get_default_dtype()
         hf_config = config.model_config.hf_config
