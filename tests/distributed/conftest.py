@@ -11,12 +11,14 @@ import os
 import pytest
 import torch
 
+VOCAB = 509  # not a multiple of 2: the last vocabulary shard is padded
+
 
 def make_checkpoint(arch: str, path: str, num_kv_heads: int, **overrides) -> None:
     import transformers
 
     common = dict(
-        vocab_size=509, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
         # A wide init keeps greedy decoding away from near-ties that rounding could flip.
         initializer_range=0.15, tie_word_embeddings=False, rms_norm_eps=1e-6,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import random
 import signal
 import threading
 import time
@@ -24,7 +23,8 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor import TensorParallelError
-from tests.distributed.conftest import process_alive
+from tests.distributed.conftest import VOCAB, process_alive
+from tests.e2e.token_prompts import shared_prefix_prompts
 
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 128
@@ -37,17 +37,6 @@ VARIANTS = {
     "chunked-prefill-16": ({"max_num_batched_tokens": 16}, {"max_num_batched_tokens": 16}, {}),
     "preemption": ({"num_gpu_blocks_override": 13}, {}, {"num_blocks": 13}),
 }
-
-
-def _prompts(vocab: int = 509, seed: int = 0) -> list[list[int]]:
-    """8 prompts of 5..70 tokens; odd ones share a 40-token prefix (prefix-cache hits)."""
-    rng = random.Random(seed)
-    common = [rng.randrange(3, vocab) for _ in range(40)]
-    out = []
-    for i in range(8):
-        tail = [rng.randrange(3, vocab) for _ in range(rng.randint(5, 30))]
-        out.append(common + tail if i % 2 else [rng.randrange(3, vocab) for _ in range(rng.randint(5, 70))])
-    return out
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:
@@ -88,7 +77,7 @@ def tp2(request, tp_checkpoint):
 def test_tp2_greedy_equals_tp1(tp2, variant: str) -> None:
     path, llm2 = tp2
     ref_args, sched, cache = VARIANTS[variant]
-    prompts = _prompts()
+    prompts = shared_prefix_prompts(VOCAB)
     ref_llm = LLM(path, **BASE, **ref_args)
     ref = _greedy(ref_llm, prompts)
     llm = llm2 if variant == "prefix-caching" else _variant(llm2, sched, cache)
@@ -128,7 +117,7 @@ def test_small_kv_cache_then_a_killed_worker(tp_checkpoint) -> None:
     ref_llm = LLM(path, **BASE, kv_cache_memory_bytes=13 * block)
     llm = LLM(path, **BASE, kv_cache_memory_bytes=13 * block // 2, tensor_parallel_size=2)
     assert llm.llm_engine.config.cache_config.num_blocks == ref_llm.llm_engine.config.cache_config.num_blocks == 13
-    prompts = _prompts(seed=1)
+    prompts = shared_prefix_prompts(VOCAB, seed=1)
     _assert_same(_greedy(ref_llm, prompts), _greedy(llm, prompts), "kv_cache_memory_bytes")
     assert llm.llm_engine.get_stats().num_preemptions > 0
 
@@ -190,7 +179,7 @@ def test_executor_runs_a_single_rank(tp_checkpoint) -> None:
     executor = MultiprocExecutor(config, torch.device("cpu"))
     try:
         assert executor.worker_pids == [] and executor.world_size == 1
-        prompts = _prompts(seed=2)[:4]
+        prompts = shared_prefix_prompts(VOCAB, seed=2)[:4]
         ref = _greedy(LLM(path, **BASE), prompts)
         _assert_same(ref, _greedy(LLM.from_engine(LLMEngine(config, executor)), prompts), "tp=1 executor")
     finally:

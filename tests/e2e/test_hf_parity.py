@@ -8,12 +8,11 @@ each side's token must be in the other's top-5, and comparison stops there.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from tests.e2e.token_prompts import shared_prefix_prompts
 
 MAX_TOKENS = 32
 TOP = 5
@@ -25,18 +24,6 @@ ENGINE_VARIANTS = {
     "block-32": {"block_size": 32},
     "batch-1": {"max_num_seqs": 1},
 }
-
-
-def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    """8 token-id prompts of 5..70 tokens; pairs share a 40-token prefix so the
-    prefix cache really hits while both are running or after one finished."""
-    rng = random.Random(seed)
-    common = [rng.randrange(3, vocab) for _ in range(40)]
-    out = []
-    for i in range(8):
-        tail = [rng.randrange(3, vocab) for _ in range(rng.randint(5, 30))]
-        out.append(common + tail if i % 2 else [rng.randrange(3, vocab) for _ in range(rng.randint(5, 70))])
-    return out
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], **load_kwargs) -> list[tuple[list[int], list[dict]]]:
@@ -102,7 +89,7 @@ def _run_variants(model_dir: str, hf_cfg, ref, prompts, variants) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_match_hf(arch: str, tiny_checkpoint) -> None:
     model_dir, hf_cfg = tiny_checkpoint(arch)
-    prompts = _prompts(hf_cfg.vocab_size)
+    prompts = shared_prefix_prompts(hf_cfg.vocab_size)
     ref = hf_greedy(model_dir, prompts)
     _run_variants(model_dir, hf_cfg, ref, prompts, list(ENGINE_VARIANTS))
 
