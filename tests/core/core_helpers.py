@@ -100,23 +100,33 @@ class FakeRunner:
             assert n > 0 and start + n <= len(toks), (rid, start, n, len(toks))
             req = self.scheduler.requests[rid]
             assert toks == req.all_token_ids[: len(toks)]
-            assert len(table) * bs >= start + n, "not enough blocks for the scheduled tokens"
-            for pos in range(start, start + n):
-                block_id = table[pos // bs]
-                assert block_id != 0, "null block in a table"
-                assert pool.blocks[block_id].ref_cnt >= 1, f"writing into free block {block_id}"
-                kv.setdefault(block_id, [None] * bs)[pos % bs] = hash(tuple(toks[: pos + 1]))
+            write_kv(kv, pool, table, toks, start, n, bs)
         # ... then every request reads its whole context.
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             toks, table = self.tokens[rid], self.tables[rid]
             end = self.computed[rid] + n
-            for pos in range(end):
-                got = kv.get(table[pos // bs], [None] * bs)[pos % bs]
-                assert got == hash(tuple(toks[: pos + 1])), f"{rid}: wrong KV at position {pos}"
+            check_kv(kv, table, toks, end, bs, rid)
             self.computed[rid] = end
             sampled[rid] = [sample(rid, toks[:end])]
         return sampled
+
+
+def write_kv(kv: dict, pool, table: list[int], toks: list[int], start: int, n: int, bs: int) -> None:
+    """Fake attention store: slot `pos` of a request gets a fingerprint of its tokens[: pos + 1]."""
+    assert len(table) * bs >= start + n, "not enough blocks for the scheduled tokens"
+    for pos in range(start, start + n):
+        block_id = table[pos // bs]
+        assert block_id != 0, "null block in a table"
+        assert pool.blocks[block_id].ref_cnt >= 1, f"writing into free block {block_id}"
+        kv.setdefault(block_id, [None] * bs)[pos % bs] = hash(tuple(toks[: pos + 1]))
+
+
+def check_kv(kv: dict, table: list[int], toks: list[int], end: int, bs: int, rid: str) -> None:
+    """Fake attention read: every slot of the context holds the right prefix fingerprint."""
+    for pos in range(end):
+        got = kv.get(table[pos // bs], [None] * bs)[pos % bs]
+        assert got == hash(tuple(toks[: pos + 1])), f"{rid}: wrong KV at position {pos}"
 
 
 def default_sample(rid: str, context: list[int]) -> int:

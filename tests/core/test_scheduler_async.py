@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from core_helpers import make_request, make_scheduler
+from core_helpers import check_kv, make_request, make_scheduler, write_kv
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -78,17 +78,12 @@ class DeviceRunner:
             if start + n > self.host_len[rid]:  # a token only the device knows: last step's sample
                 assert start + n == self.host_len[rid] + 1 and rid in self.prev, rid
                 self.num_pending_reads += 1
-            assert len(table) * bs >= start + n
-            for pos in range(start, start + n):
-                block_id = table[pos // bs]
-                assert block_id != 0 and pool.blocks[block_id].ref_cnt >= 1, f"writing into free block {block_id}"
-                kv.setdefault(block_id, [None] * bs)[pos % bs] = hash(tuple(toks[: pos + 1]))
+            write_kv(kv, pool, table, toks, start, n, bs)
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             toks, table = self.tokens[rid], self.tables[rid]
             end = self.computed[rid] + n
-            for pos in range(end):
-                assert kv.get(table[pos // bs], [None] * bs)[pos % bs] == hash(tuple(toks[: pos + 1])), (rid, pos)
+            check_kv(kv, table, toks, end, bs, rid)
             self.computed[rid] = end
             if end == len(toks):
                 tok = sample(rid, toks)
