@@ -79,6 +79,8 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False
+    # torch.compile the model (worker/compiled_model.py); None = on for CPU at tp 1 unless enforce_eager.
+    torch_compile: bool | None = None
     attention_backend: str | None = None  # None: best for the device
 
 

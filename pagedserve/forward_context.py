@@ -3,11 +3,15 @@
 Model code takes only (input_ids, positions); everything attention needs for this
 step (metadata built once by the runner) travels here instead of through every
 layer's signature.  This is the one module-level state the engine keeps.
+
+`modules` serves torch.compile (worker/compiled_model.py): a compiled graph calls a
+layer's eager code through a custom op that can carry only tensors and numbers, so
+the op names the layer by its index in this list (layers/opaque.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -16,16 +20,17 @@ from typing import Any
 @dataclass
 class ForwardContext:
     attn_metadata: Any  # the backend's metadata object for this step; None in a profile run
+    modules: Sequence[Any] = ()  # layers a compiled graph calls back into, by index
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, modules: Sequence[Any] = ()) -> Iterator[None]:
     global _CONTEXT
     prev = _CONTEXT
-    _CONTEXT = ForwardContext(attn_metadata)
+    _CONTEXT = ForwardContext(attn_metadata, modules)
     try:
         yield
     finally:

@@ -8,6 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
+# Engines in tests run eagerly unless a test asks for torch_compile=True: compiling each
+# tiny test model would cost the suite minutes.  Compiled-vs-eager parity has its own
+# tests (tests/worker/test_compiled_model.py).  Subprocess servers inherit this.
+os.environ.setdefault("PAGEDSERVE_TORCH_COMPILE", "0")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

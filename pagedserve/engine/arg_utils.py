@@ -48,6 +48,9 @@ _HELP = {
     "seed": "random seed of the engine (sampling without a per-request seed)",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs",
+    "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, "
+                     "unless --enforce-eager; the environment variable PAGEDSERVE_TORCH_COMPILE=0/1 "
+                     "sets the default)",
     "tensor_parallel_size": "number of processes (GPUs, or CPU ranks over gloo) to shard the model over",
     "chat_template": "Jinja chat template, or a path to a file holding one",
     "attention_backend": "attention implementation (default: the best for the device)",
@@ -84,6 +87,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA
+    torch_compile: bool | None = None  # None: $PAGEDSERVE_TORCH_COMPILE, else on for CPU at tp 1
 
     def __post_init__(self) -> None:
         self._validate()
@@ -137,6 +141,10 @@ class EngineArgs:
                 raise bad(name, "True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "True, False or None (on for CUDA)")
+        if self.torch_compile is not None and not isinstance(self.torch_compile, bool):
+            raise bad("torch_compile", "True, False or None (on for CPU)")
+        if self.torch_compile and self.enforce_eager:
+            raise ValueError("torch_compile=True contradicts enforce_eager=True (which never compiles)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise bad("scheduling_policy", "'fcfs' or 'priority'")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
@@ -191,6 +199,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(
                 device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
+                torch_compile=self.torch_compile if self.torch_compile is not None else _env_torch_compile(),
             ),
         )
 
@@ -228,7 +237,7 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
-_OPTIONAL_BOOLS = {"async_scheduling"}  # None = decided later; --flag / --no-flag
+_OPTIONAL_BOOLS = {"async_scheduling", "torch_compile"}  # None = decided later; --flag / --no-flag
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -262,6 +271,21 @@ def _read_chat_template(value: str | None) -> str | None:
         with open(value, encoding="utf-8") as f:
             return f.read()
     raise ValueError(f"chat_template {value!r} is neither a Jinja template nor an existing file")
+
+
+def _env_torch_compile() -> bool | None:
+    """PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0:
+    compiling every tiny test model would cost minutes; compile tests ask explicitly)."""
+    import os
+
+    value = os.environ.get("PAGEDSERVE_TORCH_COMPILE", "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"PAGEDSERVE_TORCH_COMPILE must be 0 or 1, got {value!r}")
 
 
 def _is_int(x: object) -> bool:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedserve.forward_context import get_forward_context
+from pagedserve.layers import opaque
 
 
 class Attention(nn.Module):
@@ -18,9 +19,15 @@ class Attention(nn.Module):
         # Bound by the model runner after the KV cache is allocated.
         self.impl = None  # AttentionBackend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        if opaque.tracing(self.opaque_index):
+            return opaque.attention_op(q, k, v, self.opaque_index)
+        return self.forward_eager(q, k, v)
+
+    def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_group
+from pagedserve.layers import opaque
 
 
 def get_tp_rank_size() -> tuple[int, int]:
@@ -100,6 +101,15 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._linear = PackedLinear()
+        self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
+
+    def linear_eager(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._linear(x, weight, bias)
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if opaque.tracing(self.opaque_index):
+            return opaque.linear_op(x, self.weight, bias, self.opaque_index)
+        return self._linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
@@ -115,7 +125,7 @@ class LinearBase(nn.Module):
         self._linear.invalidate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight, self.bias)
+        return self._apply(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -205,7 +215,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(in_features, tp_size, "in_features"), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._apply(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             tensor_model_parallel_all_reduce(y)
         return y

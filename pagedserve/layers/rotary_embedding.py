@@ -79,15 +79,16 @@ class RotaryEmbedding(nn.Module):
         """x [T, num_heads*D] (rows may be strided) -> rotated, contiguous [T, num_heads, D].
 
         With x = (x1, x2) per head, HF computes x*cos + rotate_half(x)*sin, i.e.
-        (x1*cos - x2*sin, x2*cos + x1*sin).  Swapping the halves (a roll, which unlike
-        flip is a fast block copy) and multiplying by the signed sin gives the same
-        products, rounded the same way (negating is exact), in 4 ops instead of 7 with
-        full-width operands; q and k of one layer go through together."""
+        (x1*cos - x2*sin, x2*cos + x1*sin).  Swapping the halves (one cat of two block
+        copies; `roll` does the same but cannot be traced for a batch of unknown size)
+        and multiplying by the signed sin gives the same products, rounded the same way
+        (negating is exact), in 4 ops instead of 7 with full-width operands; q and k of
+        one layer go through together."""
         cos, sin = cos_sin
         t, r = x.shape[0], self.rotary_dim
         x = x.view(t, num_heads, self.head_dim)
         rot = x if r == self.head_dim else x[..., :r]
-        swapped = rot.unflatten(-1, (2, r // 2)).roll(1, dims=2).flatten(-2)
+        swapped = torch.cat((rot[..., r // 2:], rot[..., : r // 2]), dim=-1)
         out = (rot * cos).add_(swapped * sin)
         if r != self.head_dim:
             out = torch.cat([out, x[..., r:]], dim=-1)

@@ -36,6 +36,7 @@ from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
+from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
 from pagedserve.worker.cpu_malloc import keep_freed_memory_on_heap
 from pagedserve.worker.cuda_graph import (
     GRAPH_SAFE_BACKENDS,
@@ -104,6 +105,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
         self.graph_runner: DecodeGraphRunner | None = None
+        self.compiled: CompiledModel | None = None  # set by initialize_kv_cache when compiling applies
         # Async: the last launched step's sampled ids (device) and each request's index in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
@@ -181,6 +183,9 @@ class ModelRunner:
             layer.kv_cache = kv
         cache.num_blocks = num_blocks
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        dc = self.config.device_config
+        self.compiled = maybe_compile(self.model, self.device, dc.torch_compile, dc.enforce_eager,
+                                      self.tensor_parallel_size)
         reason = graphs_unavailable_reason(self.device, self.attn_backend.name,
                                            self.config.device_config.enforce_eager, self.tensor_parallel_size)
         if reason is None:
@@ -271,8 +276,9 @@ class ModelRunner:
             hidden = self.graph_runner.run(step.graph_size)
         else:
             attn_metadata = self.attn_backend.build_metadata(step.common)
+            forward = self.compiled or self.model
             with set_forward_context(attn_metadata):
-                hidden = self.model(self._dev["input_ids"][:t], self._dev["positions"][:t])
+                hidden = forward(self._dev["input_ids"][:t], self._dev["positions"][:t])
         if overlap:
             self._prev_sampled, self._prev_index = None, {}
         if not step.sample_rows:
