@@ -11,6 +11,7 @@ from pagedserve.attention.backend import AttentionBackend
 # name -> "module:Class"; imported lazily so that a missing optional dependency
 # (triton) only matters when that backend is asked for.
 BACKENDS: dict[str, str] = {
+    "cpu_paged": "pagedserve.attention.cpu_paged:CpuPagedBackend",
     "torch_paged": "pagedserve.attention.torch_paged:TorchPagedBackend",
     "torch_ref": "pagedserve.attention.torch_ref:TorchReferenceBackend",
     "triton": "pagedserve.attention.triton_backend:TritonAttentionBackend",
@@ -23,7 +24,8 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def get_attn_backend(name: str | None, device: torch.device | str) -> type[AttentionBackend]:
-    """`name` None picks triton on CUDA when it imports, else torch_paged."""
+    """`name` None picks triton on CUDA when it imports, else cpu_paged (torch_paged plus a
+    native decode kernel, which falls back to torch_paged's path where it cannot be built)."""
     device = torch.device(device)
     if name is None:
         if device.type == "cuda":
@@ -31,7 +33,7 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> type[Atten
                 return _load("triton")
             except ImportError:
                 pass
-        return _load("torch_paged")
+        return _load("cpu_paged" if device.type == "cpu" else "torch_paged")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(sorted(BACKENDS))}")
     try:

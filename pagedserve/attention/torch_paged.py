@@ -45,6 +45,9 @@ GROUP_MAX_KV = 1 << 15  # padded keys (requests x kv_len) one group may gather
 # layer cost compared with the per-cell matmul and gather cost.
 GROUP_OVERHEAD_CELLS = 3072
 BIAS_EXPAND_MAX = 1 << 18  # elements: masks up to this size are materialised per step
+# Decode groups with at most this many KV heads attend all heads in one matmul pair
+# (`_decode_all_heads`); more heads would multiply the wasted score work.
+FOLD_HEADS_MAX_KV = 4
 
 # One unit of work: (query tokens, keys it sees, first query row, request index).
 Item = tuple[int, int, int, int]
@@ -61,7 +64,24 @@ class AttnGroup:
     out_idx: torch.Tensor | None  # [B*Q] output rows to write (padding writes the scratch row T)
     blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's context)
     masked: torch.Tensor  # [B, Q, L] bool, True where a key is not visible
+    # Decode groups (Q == 1), for a kernel that walks the block table itself (cpu_paged):
+    block_table: torch.Tensor | None = None  # [B, L/block_size] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
     _bias: dict = field(default_factory=dict, repr=False)
+
+    def heads_bias(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """Decode groups attended over all KV heads at once: [B, H, L*Hkv], -inf where the
+        key is hidden or belongs to another query head's KV head."""
+        key = ("heads", num_heads, num_kv_heads, dtype)
+        if key not in self._bias:
+            b, _, L = self.masked.shape
+            dev = self.masked.device
+            other = (torch.arange(num_heads, device=dev)[:, None] // (num_heads // num_kv_heads)
+                     != torch.arange(num_kv_heads, device=dev)[None, :])  # [H, Hkv]
+            hidden = self.masked[:, 0, None, :, None] | other[None, :, None, :]  # [B, H, L, Hkv]
+            m = torch.zeros(b, num_heads, L * num_kv_heads, dtype=dtype, device=dev)
+            self._bias[key] = m.masked_fill_(hidden.reshape(b, num_heads, L * num_kv_heads), float("-inf"))
+        return self._bias[key]
 
     def bias(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask in the compute dtype, built by the first layer: expanded to
@@ -175,15 +195,16 @@ class TorchPagedBackend(AttentionBackend):
         masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal; also hides the padding
         # Only a request's own context blocks: later columns may hold blocks allocated
         # ahead and never written.  On the device, where the block table lives.
-        blocks = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs].long()
+        table = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs]
         own = torch.arange(kv_len // bs)[None, :] < (s[:, None] + bs - 1) // bs
-        blocks = torch.where(own.to(dev), blocks, 0).view(-1)
+        blocks = torch.where(own.to(dev), table.long(), 0).view(-1)
+        decode = q_len == 1
         if in_order:
             token_idx = out_idx = None
         else:
             token_idx, out_idx = token_idx.to(dev), out_idx.to(dev)
-        return AttnGroup(len(items), q_len, kv_len, token_idx, out_idx, blocks,
-                         masked.to(dev))
+        return AttnGroup(len(items), q_len, kv_len, token_idx, out_idx, blocks, masked.to(dev),
+                         table.int() if decode else None, s.int().to(dev) if decode else None)
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         md = attn_metadata
@@ -210,6 +231,13 @@ class TorchPagedBackend(AttentionBackend):
         b, q, L = g.num_reqs, g.q_len, g.kv_len
         dtype = query.dtype
         qg = query[: b * q] if g.token_idx is None else query.index_select(0, g.token_idx)
+        kernel = self._kernel_for(qg, k_cache) if q == 1 else None
+        if kernel is not None:
+            o = kernel(qg.view(b, self.num_heads, d), k_cache, v_cache, g.block_table, g.seq_lens, self.scale)
+            return self._emit(g, o, out)
+        if q == 1 and hkv <= FOLD_HEADS_MAX_KV and k_cache.dtype == dtype:
+            o = self._decode_all_heads(g, qg, k_cache, v_cache)
+            return self._emit(g, o, out)
         qg = qg.reshape(b, q, hkv, grp, d)
         qg = qg.permute(2, 0, 1, 3, 4).reshape(hkv * b, q * grp, d)
         ws = _WORKSPACE.get(4 * hkv * b * L * d, dtype, query.device)
@@ -232,10 +260,34 @@ class TorchPagedBackend(AttentionBackend):
             scores = torch.bmm(qg, k_t).view(hkv, b, q, grp, L).mul_(self.scale).add_(bias)
         o = torch.bmm(scores.view(hkv * b, q * grp, L).softmax(-1), vbuf.view(hkv * b, L, d))
         o = o.view(hkv, b, q, grp, d).permute(1, 2, 0, 3, 4).reshape(b * q, self.num_heads, d)
+        return self._emit(g, o, out)
+
+    def _decode_all_heads(self, g: AttnGroup, qg: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+        """One query token per request, every head against every KV head: the gathered
+        blocks are already [B, L*Hkv, D] row-major (slot, head), so the two matmuls read
+        them with no transposing copy, and q and the output need no permute either.  The
+        mask zeroes the probabilities of other heads' keys, so the result is exact; the
+        price is Hkv times the (small) score work, which wins while Hkv is small."""
+        b, L, hkv, d = g.num_reqs, g.kv_len, self.num_kv_heads, self.head_dim
+        ws = _WORKSPACE.get(2 * b * L * hkv * d, qg.dtype, qg.device)
+        kv = ws.view(2, b * L // self.block_size, self.block_size, hkv, d)
+        torch.index_select(k_cache, 0, g.blocks, out=kv[0])
+        torch.index_select(v_cache, 0, g.blocks, out=kv[1])
+        k, v = kv.view(2, b, L * hkv, d).unbind(0)
+        bias = g.heads_bias(self.num_heads, hkv, qg.dtype)
+        scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=self.scale)
+        return torch.bmm(scores.softmax(-1), v)  # [B, H, D]
+
+    def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor):
+        """A native decode kernel for these operands, or None (cpu_paged overrides)."""
+        return None
+
+    @staticmethod
+    def _emit(g: AttnGroup, o: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
             return o
         if g.out_idx is None:
-            out[: b * q] = o
+            out[: o.shape[0]] = o
         else:
             out.index_copy_(0, g.out_idx, o)
         return out

@@ -106,7 +106,7 @@ class LinearBase(nn.Module):
     def linear_eager(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._linear(x, weight, bias)
 
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if opaque.tracing(self.opaque_index):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
         return self._linear(x, self.weight, bias)
@@ -125,7 +125,7 @@ class LinearBase(nn.Module):
         self._linear.invalidate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(x, self.bias)
+        return self._project(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -215,7 +215,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(in_features, tp_size, "in_features"), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._apply(x, self.bias if self.tp_rank == 0 else None)
+        y = self._project(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             tensor_model_parallel_all_reduce(y)
         return y

@@ -7,11 +7,15 @@ import torch
 
 from pagedserve.attention import torch_paged
 from pagedserve.attention.backend import CommonAttentionMetadata
+from pagedserve.attention.cpu_paged import CpuPagedBackend
 from pagedserve.attention.selector import get_attn_backend
 from pagedserve.attention.torch_paged import TorchPagedBackend, plan_groups
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=5e-3, rtol=5e-3)}
+# torch_paged, and cpu_paged whose decodes go through the C++ kernel (head_dim 64 or 128).
+BACKENDS = [pytest.param(TorchPagedBackend, id="torch_paged"), pytest.param(CpuPagedBackend, id="cpu_paged")]
 
 
 def make_case(specs, heads, kv_heads, dim, block_size, dtype, seed, pad_tokens=0):
@@ -73,18 +77,19 @@ LONG = [(40, 1), (1100, 1100), (1300, 900), (90, 1)]  # two are split into query
 
 CASES = [
     pytest.param(specs, heads, kv_heads, bs, dtype, id=f"{name}-{heads}/{kv_heads}-bs{bs}-{str(dtype)[6:]}")
-    for name, specs, head_cfgs in [("mixed", MIXED, [(6, 2), (4, 4), (8, 1)]), ("decode", [(150, 1)] * 12, [(6, 2), (8, 1)]),
+    for name, specs, head_cfgs in [("mixed", MIXED, [(6, 2), (4, 4), (8, 1)]), ("decode", [(150, 1)] * 12, [(6, 2), (8, 1), (10, 5)]),
                                    ("long", LONG, [(6, 2)])]
     for heads, kv_heads in head_cfgs for bs in (16, 32) for dtype in (torch.float32, torch.bfloat16)
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("specs,heads,kv_heads,block_size,dtype", CASES)
-def test_matches_reference(specs, heads, kv_heads, block_size, dtype):
-    dim = 32
+def test_matches_reference(backend, specs, heads, kv_heads, block_size, dtype):
+    dim = 64
     case = make_case(specs, heads, kv_heads, dim, block_size, dtype, seed=hash((heads, block_size)) % 1000)
     ref, ref_k, ref_v = run_backend(TorchReferenceBackend, case, heads, kv_heads, dim, block_size)
-    out, kc, vc = run_backend(TorchPagedBackend, case, heads, kv_heads, dim, block_size)
+    out, kc, vc = run_backend(backend, case, heads, kv_heads, dim, block_size)
     assert out.shape == ref.shape and out.dtype == dtype
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
@@ -98,27 +103,29 @@ def test_matches_reference(specs, heads, kv_heads, block_size, dtype):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
-def test_padded_rows_are_zero_and_ignored():
-    case = make_case([(20, 1), (9, 9)], 4, 2, 16, 16, torch.float32, seed=3, pad_tokens=5)
-    ref, _, _ = run_backend(TorchReferenceBackend, case, 4, 2, 16, 16)
-    out, _, _ = run_backend(TorchPagedBackend, case, 4, 2, 16, 16)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_rows_are_zero_and_ignored(backend):
+    case = make_case([(20, 1), (9, 9)], 4, 2, 64, 16, torch.float32, seed=3, pad_tokens=5)
+    ref, _, _ = run_backend(TorchReferenceBackend, case, 4, 2, 64, 16)
+    out, _, _ = run_backend(backend, case, 4, 2, 64, 16)
     t = case[-1].num_actual_tokens
     assert out.shape[0] == t + 5
     torch.testing.assert_close(out[:t], ref[:t], atol=1e-5, rtol=1e-5)
     assert torch.all(out[t:] == 0)
 
 
-def test_mixed_batch_in_any_order_with_groups_split(monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_batch_in_any_order_with_groups_split(monkeypatch, backend):
     """Tiny group limits force many groups and query chunks; the result must not change."""
     monkeypatch.setattr(torch_paged, "GROUP_OVERHEAD_CELLS", 0)
     monkeypatch.setattr(torch_paged, "GROUP_MAX_AREA", 2000)
     specs = [(300, 1), (45, 12), (8, 1), (200, 40), (60, 1), (17, 17), (9, 3)]
-    case = make_case(specs, 8, 2, 16, 16, torch.float32, seed=11)
-    ref, _, _ = run_backend(TorchReferenceBackend, case, 8, 2, 16, 16)
-    md = TorchPagedBackend.build_metadata(case[-1])
+    case = make_case(specs, 8, 2, 64, 16, torch.float32, seed=11)
+    ref, _, _ = run_backend(TorchReferenceBackend, case, 8, 2, 64, 16)
+    md = backend.build_metadata(case[-1])
     assert len(md.groups) > 5
     assert sum(g.num_reqs for g in md.groups) > len(specs)  # (200, 40) was cut into chunks
-    out, _, _ = run_backend(TorchPagedBackend, case, 8, 2, 16, 16)
+    out, _, _ = run_backend(backend, case, 8, 2, 64, 16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -143,7 +150,8 @@ def test_bad_metadata_is_a_value_error():
 
 
 def test_selector():
-    assert get_attn_backend(None, "cpu") is TorchPagedBackend
+    assert get_attn_backend(None, "cpu") is CpuPagedBackend
+    assert get_attn_backend("torch_paged", "cpu") is TorchPagedBackend
     assert get_attn_backend("torch_ref", torch.device("cpu")) is TorchReferenceBackend
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_attn_backend("flash", "cpu")

@@ -1,0 +1,217 @@
+// Paged decode attention for CPU: one query token per request, K/V read in place
+// from the paged cache through the block table (no gather copy), softmax in float32.
+//
+// Work is split over (request, KV head) pairs with at::parallel_for (torch's own
+// thread pool).  For each pair the G query heads that share the KV head are scored
+// against every key of the request in one pass over its blocks, then the softmax
+// weights are applied to V in a second pass; both passes stream each 16-slot block
+// once, and the inner loops over head_dim are written so the compiler vectorises them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+inline float load(c10::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// scores[g * L] = q[g] . k for the G query heads (q pre-scaled, float32).
+template <typename scalar_t, int64_t D>
+inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, int64_t L, float* mx) {
+  constexpr int64_t NV = D / 16;
+  __m512 kv[NV];
+  for (int64_t c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+    for (int64_t c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
+    const float dot = _mm512_reduce_add_ps(acc);
+    scores[g * L] = dot;
+    mx[g] = std::max(mx[g], dot);
+  }
+}
+
+// acc[g] += p[g * L] * v for the G query heads.
+template <typename scalar_t, int64_t D>
+inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int64_t L) {
+  constexpr int64_t NV = D / 16;
+  __m512 vv[NV];
+  for (int64_t c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 pg = _mm512_set1_ps(p[g * L]);
+    float* ag = acc + g * D;
+    for (int64_t c = 0; c < NV; ++c)
+      _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+  }
+}
+#else
+template <typename scalar_t, int64_t D>
+inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, int64_t L, float* mx) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < D; ++i) dot += qg[i] * load(k[i]);
+    scores[g * L] = dot;
+    mx[g] = std::max(mx[g], dot);
+  }
+}
+
+template <typename scalar_t, int64_t D>
+inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float pg = p[g * L];
+    float* ag = acc + g * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) ag[i] += pg * load(v[i]);
+  }
+}
+#endif
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+}
+
+template <typename scalar_t, int64_t D>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+  const int64_t B = q.size(0), H = q.size(1);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = H / Hkv;
+  const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
+  const int64_t o_sb = out.stride(0), o_sh = out.stride(1);
+  const int64_t kc_sb = k_cache.stride(0), kc_ss = k_cache.stride(1), kc_sh = k_cache.stride(2);
+  const int64_t vc_sb = v_cache.stride(0), vc_ss = v_cache.stride(1), vc_sh = v_cache.stride(2);
+  const int64_t bt_s = block_table.stride(0);
+  const int64_t block_bytes = bs * kc_ss * static_cast<int64_t>(sizeof(scalar_t));
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int32_t* btp = block_table.data_ptr<int32_t>();
+  const int32_t* slp = seq_lens.data_ptr<int32_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // One task per request: its blocks are streamed whole (every KV head of a slot is
+  // adjacent), and the next block is prefetched while this one is computed on.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores, mx(H), inv(H);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = slp[b];
+      const int32_t* blocks = btp + b * bt_s;
+      const int64_t nblk = (L + bs - 1) / bs;
+      for (int64_t h = 0; h < H; ++h) {
+        const scalar_t* src = qp + b * q_sb + h * q_sh;
+        for (int64_t i = 0; i < D; ++i) qf[h * D + i] = load(src[i]) * fscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(inv.begin(), inv.end(), 0.f);
+      if (L > 0) {
+        scores.resize(H * L);
+        std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+        prefetch_block(kp + blocks[0] * kc_sb, block_bytes);
+        for (int64_t j = 0; j < nblk; ++j) {
+          if (j + 1 < nblk) prefetch_block(kp + blocks[j + 1] * kc_sb, block_bytes);
+          else prefetch_block(vp + blocks[0] * vc_sb, block_bytes);
+          const scalar_t* kb = kp + blocks[j] * kc_sb;
+          const int64_t n = std::min(bs, L - j * bs);
+          for (int64_t s = 0; s < n; ++s)
+            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+              qk_row<scalar_t, D>(qf.data() + kvh * G * D, G, kb + s * kc_ss + kvh * kc_sh,
+                                  scores.data() + kvh * G * L + j * bs + s, L, mx.data() + kvh * G);
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          float sum = 0.f;
+          float* sh = scores.data() + h * L;
+          for (int64_t t = 0; t < L; ++t) {
+            sh[t] = std::exp(sh[t] - mx[h]);
+            sum += sh[t];
+          }
+          inv[h] = 1.f / sum;
+        }
+        for (int64_t j = 0; j < nblk; ++j) {
+          if (j + 1 < nblk) prefetch_block(vp + blocks[j + 1] * vc_sb, block_bytes);
+          const scalar_t* vb = vp + blocks[j] * vc_sb;
+          const int64_t n = std::min(bs, L - j * bs);
+          for (int64_t s = 0; s < n; ++s)
+            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+              pv_row<scalar_t, D>(scores.data() + kvh * G * L + j * bs + s, G, vb + s * vc_ss + kvh * vc_sh,
+                                  acc.data() + kvh * G * D, L);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        scalar_t* dst = op + b * o_sb + h * o_sh;
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<scalar_t>(acc[h * D + i] * inv[h]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D] (rows of D contiguous); caches [num_blocks, block_size, Hkv, D] (head_dim
+// contiguous); block_table [B, >= ceil(max seq_len / block_size)] int32; seq_lens [B]
+// int32 (0: the row's output is zero).  Returns [B, H, D] in q's dtype.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode: head_dim must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode: block_table and seq_lens must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "paged_decode: index layout");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "paged_decode: head shapes");
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode: head_dim must be 64 or 128");
+  const bool d64 = q.size(2) == 64;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      d64 ? decode<float, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale)
+          : decode<float, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale);
+      break;
+    case at::kBFloat16:
+      d64 ? decode<c10::BFloat16, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale)
+          : decode<c10::BFloat16, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale);
+      break;
+    case at::kHalf:
+      d64 ? decode<c10::Half, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale)
+          : decode<c10::Half, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (one query token per request)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,101 @@
+"""The C++ decode kernel behind cpu_paged: built where a compiler exists, exact against
+float32 math for every dtype and head size it takes, and optional (no compiler: the
+backend keeps the torch path)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from pagedserve.attention import cpu_paged
+from pagedserve.attention.cpu_paged import CpuPagedBackend, paged_decode
+from pagedserve.attention.torch_paged import TorchPagedBackend
+from pagedserve.attention.torch_ref import TorchReferenceBackend
+from tests.attention.test_torch_paged import make_case, run_backend
+
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
+    """float32 attention of one query token per request over its first seq_len slots."""
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        slots = torch.arange(n)
+        blocks = block_table[b, slots // bs].long()
+        k = k_cache[blocks, slots % bs].float()  # [n, Hkv, D]
+        v = v_cache[blocks, slots % bs].float()
+        g = q.shape[1] // hkv
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [n, H, D]
+        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_kernel_builds_where_a_compiler_exists():
+    assert paged_decode() is not None
+    assert CpuPagedBackend(8, 2, 64, 0.125, 16).decode_kernel is not None
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 1, 64)])
+def test_kernel_matches_float32_math(dtype, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(heads * dim)
+    bs, num_blocks, b = 16, 64, 7
+    k_cache, v_cache = (torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    block_table = torch.randperm(num_blocks, generator=g)[: b * 8].view(b, 8).int()
+    seq_lens = torch.tensor([1, 16, 17, 128, 0, 77, 33], dtype=torch.int32)  # 0: a padding row, output 0
+    # q rows strided, as the model's q is a slice of the fused q|k projection.
+    q = torch.randn(b, heads + 2 * kv_heads, dim, generator=g).to(dtype)[:, :heads]
+    out = paged_decode()(q, k_cache, v_cache, block_table, seq_lens, dim**-0.5)
+    assert out.dtype == dtype and out.shape == (b, heads, dim)
+    ref = reference_decode(q, k_cache, v_cache, block_table, seq_lens, dim**-0.5)
+    # The kernel rounds once, at the output; the tolerance is that one rounding.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert torch.all(out[4] == 0)
+
+
+def test_without_a_compiler_the_backend_keeps_the_torch_path(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_paged, "_state", {})
+
+    def no_compiler():
+        raise RuntimeError("Error building extension: c++: not found")
+
+    monkeypatch.setattr(cpu_paged, "_build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        backend = CpuPagedBackend(6, 2, 64, 64**-0.5, 16)
+    assert backend.decode_kernel is None
+    assert "CPU attention kernel unavailable" in caplog.text and "c++: not found" in caplog.text
+    case = make_case([(150, 1)] * 6 + [(40, 9)], 6, 2, 64, 16, torch.float32, seed=2)
+    ref, _, _ = run_backend(TorchReferenceBackend, case, 6, 2, 64, 16)
+    q, k, v, kc, vc, common = case
+    out = backend.forward(q, k, v, kc.clone(), vc.clone(), CpuPagedBackend.build_metadata(common))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_decode_groups_use_the_kernel(monkeypatch):
+    """Decodes go to the kernel, prefill chunks to the torch path, in one mixed step."""
+    calls = []
+    kernel = paged_decode()
+
+    def spy(q, *args):
+        calls.append(q.shape[0])
+        return kernel(q, *args)
+
+    backend = CpuPagedBackend(6, 2, 64, 64**-0.5, 16)
+    backend.decode_kernel = spy
+    case = make_case([(150, 1), (151, 1), (30, 30), (90, 1)], 6, 2, 64, 16, torch.bfloat16, seed=4)
+    q, k, v, kc, vc, common = case
+    out = backend.forward(q, k, v, kc.clone(), vc.clone(), CpuPagedBackend.build_metadata(common))
+    torch_out, _, _ = run_backend(TorchPagedBackend, case, 6, 2, 64, 16)
+    assert sum(calls) == 3  # the three decodes; the 30-token prefill did not go to the kernel
+    torch.testing.assert_close(out.float(), torch_out.float(), atol=3e-2, rtol=3e-2)
