@@ -67,13 +67,13 @@ class CompiledModel:
             return self._compiled(input_ids, positions)
 
     @torch.inference_mode()
-    def warm_up(self, device: torch.device) -> float:
-        """Compile now (two tokens, no KV cache); returns the seconds it took."""
+    def warm_up(self, input_ids: torch.Tensor, positions: torch.Tensor) -> float:
+        """Compile now, on two tokens of the runner's own input buffers (no KV cache);
+        returns the seconds it took.  The buffers themselves, because guards check how a
+        tensor was made: ones created under inference_mode would not match them."""
         t0 = time.perf_counter()
-        ids = torch.zeros(2, dtype=torch.int64, device=device)
-        pos = torch.arange(2, dtype=torch.int64, device=device)
         with set_forward_context(None):
-            self(ids, pos)
+            self(input_ids[:2], positions[:2])
         return time.perf_counter() - t0
 
     def detach(self) -> None:
@@ -83,8 +83,10 @@ class CompiledModel:
 
 
 def maybe_compile(model: nn.Module, device: torch.device, requested: bool | None, enforce_eager: bool,
-                  tensor_parallel_size: int) -> CompiledModel | None:
+                  tensor_parallel_size: int, sample_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> CompiledModel | None:
     """The compiled model when compiling applies (requested, or by default on CPU), else None.
+    `sample_inputs`: the (input_ids, positions) buffers steps will slice (default: new ones).
 
     An explicit request that cannot be honoured is an error; a default one is skipped
     with a log line, and a compile that fails falls back to eager with a warning."""
@@ -97,8 +99,11 @@ def maybe_compile(model: nn.Module, device: torch.device, requested: bool | None
         logger.info("torch.compile off: %s", reason)
         return None
     compiled = CompiledModel(model)
+    if sample_inputs is None:
+        sample_inputs = (torch.zeros(2, dtype=torch.int64, device=device),
+                         torch.zeros(2, dtype=torch.int64, device=device))
     try:
-        seconds = compiled.warm_up(device)
+        seconds = compiled.warm_up(*sample_inputs)
     except Exception as e:  # noqa: BLE001 - an op inductor cannot handle: stay correct, eager
         compiled.detach()
         logger.warning("torch.compile failed, running eagerly (%s: %s); pass torch_compile=False "

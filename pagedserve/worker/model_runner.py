@@ -185,7 +185,7 @@ class ModelRunner:
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes)
         dc = self.config.device_config
         self.compiled = maybe_compile(self.model, self.device, dc.torch_compile, dc.enforce_eager,
-                                      self.tensor_parallel_size)
+                                      self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
         reason = graphs_unavailable_reason(self.device, self.attn_backend.name,
                                            self.config.device_config.enforce_eager, self.tensor_parallel_size)
         if reason is None:

@@ -27,7 +27,7 @@ def make_tiny_checkpoint(arch: str, path: str, **overrides):
         cfg = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
     elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=32)
+        cfg = transformers.Qwen3Config(**common, head_dim=64)  # 64: the CPU decode kernel takes it
         cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(arch)

@@ -1,6 +1,7 @@
 """Greedy generations match HF transformers token for token (float32), in every
 engine configuration that changes how the work is cut: prefix caching on/off,
-chunked prefill, block size, heavy preemption, batch size 1 and 32.
+chunked prefill, block size, heavy preemption, batch size 1 and 32, and the
+torch.compile'd model.
 
 Where a near-tie makes the two diverge, vLLM's check_logprobs_close rule applies:
 each side's token must be in the other's top-5, and comparison stops there.
@@ -23,6 +24,7 @@ ENGINE_VARIANTS = {
     "chunked-16": {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0},
     "block-32": {"block_size": 32},
     "batch-1": {"max_num_seqs": 1},
+    "compiled": {"torch_compile": True},
 }
 
 
@@ -129,7 +131,8 @@ def test_smollm2_matches_hf(smollm2_path, smollm2_gguf) -> None:
     ref = hf_greedy(d, ids, gguf_file=f)
     check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-default")
     del llm
-    for name, kw in [("chunked-16", ENGINE_VARIANTS["chunked-16"]), ("block-32", {"block_size": 32})]:
+    for name, kw in [("chunked-16", ENGINE_VARIANTS["chunked-16"]), ("block-32", {"block_size": 32}),
+                     ("compiled", {"torch_compile": True})]:
         llm = LLM(smollm2_path, dtype="float32", **kw)
         check_logprobs_close(ref, ours_greedy(llm, ids), f"smollm2-{name}")
         del llm

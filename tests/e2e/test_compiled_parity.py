@@ -1,0 +1,42 @@
+"""The torch.compile'd model (worker/compiled_model.py) against the eager one, through
+the whole engine: the same greedy tokens and logprobs in float32, across steps of every
+shape (prefills of different lengths, chunked prefill, single-token and batched
+decodes), with one graph compiled at start-up and never again."""
+
+from __future__ import annotations
+
+import pytest
+from torch._dynamo.utils import counters
+
+from pagedserve import LLM, SamplingParams
+from tests.e2e.token_prompts import shared_prefix_prompts
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_matches_eager_and_compiles_once(arch, tiny_checkpoint, monkeypatch):
+    model_dir, cfg = tiny_checkpoint(arch)
+    prompts = shared_prefix_prompts(cfg.vocab_size)
+    eager = LLM(model_dir, dtype="float32", torch_compile=False, max_num_batched_tokens=48)
+    assert eager.llm_engine.model_runner.compiled is None
+    want_batch, want_one = greedy(eager, prompts), greedy(eager, prompts[:1])
+    del eager
+
+    # The default (no argument, no PAGEDSERVE_TORCH_COMPILE) compiles on CPU.
+    monkeypatch.delenv("PAGEDSERVE_TORCH_COMPILE", raising=False)
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=48)  # 48: prompts are chunked
+    assert llm.llm_engine.model_runner.compiled is not None
+    graphs = counters["stats"]["unique_graphs"]
+    got_batch, got_one = greedy(llm, prompts), greedy(llm, prompts[:1])  # the latter decodes 1 token/step
+    assert counters["stats"]["unique_graphs"] == graphs, "a step shape recompiled the model"
+    for want, got in ((want_batch, got_batch), (want_one, got_one)):
+        for (wt, wl), (gt, gl) in zip(want, got, strict=True):
+            assert gt == wt
+            for a, b in zip(wl, gl, strict=True):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
