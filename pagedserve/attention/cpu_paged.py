@@ -54,11 +54,14 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Callable[..., torch.Tensor]:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     digest = hashlib.sha1(SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()
+    name = f"pagedserve_paged_decode_{digest[:12]}"
+    if not (Path(get_default_build_root()) / name / f"{name}.so").exists():
+        logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
     module = load(
-        name=f"pagedserve_paged_decode_{digest[:12]}",
+        name=name,
         sources=[str(SOURCE)],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],

@@ -113,10 +113,12 @@ class _Workspace:
     """Grow-only scratch per (device, dtype), shared by every layer of a step."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._bufs: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (device, dtype)
+        # Inference-mode tensors cannot be written outside inference mode (and vice
+        # versa for views): one buffer per mode, for callers that mix them.
+        key = (device, dtype, torch.is_inference_mode_enabled())
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)

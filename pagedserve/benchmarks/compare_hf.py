@@ -1,6 +1,7 @@
 """pagedserve vs HF transformers' static-batch `generate`, side by side in one run.
 
     python -m pagedserve.benchmarks.compare_hf [--workload chat-burst] [--dtype bfloat16] [--rounds 3]
+                                               [--ablation] [--hf-source dense|gguf] [--skip-hf]
 
 HF runs one left-padded static batch of all prompts, by default on the dense weights
 pagedserve converted from the GGUF (`--hf-source dense`, the stronger baseline); with
@@ -26,6 +27,13 @@ import torch
 
 from pagedserve.benchmarks.workloads import Workload, chat_burst, chat_burst_natural, shared_prefix
 
+# pagedserve configurations of --ablation: name -> engine arguments.
+ABLATION = {
+    "pagedserve": {},
+    "no-compile": {"torch_compile": False},
+    "no-kernel": {"attention_backend": "torch_paged"},
+    "neither": {"torch_compile": False, "attention_backend": "torch_paged"},
+}
 WORKLOADS = {"chat-burst": chat_burst, "chat-burst-natural": chat_burst_natural, "shared-prefix": shared_prefix}
 
 
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-source", choices=["dense", "gguf"], default="dense")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each side, alternating")
+    p.add_argument("--ablation", action="store_true",
+                   help="also run pagedserve without torch.compile, without the C++ decode kernel, and without both")
     args = p.parse_args(argv)
 
     from pagedserve.model_loader.sources import resolve_source
@@ -100,17 +110,20 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_chat_prompts(args.model, w.conversations)
     print(f"workload {w.name}: {len(prompts)} requests, max_tokens {max(w.max_tokens)}, dtype {args.dtype}, "
           f"threads {torch.get_num_threads()}")
-    sides = [_Side("pagedserve", setup_pagedserve, (args.model, prompts, w, args.dtype))]
+    variants = {"pagedserve": {}}
+    if args.ablation:  # the CPU speed-ups switched off one at a time, then both
+        variants = {name: dict(kw, kv_cache_memory_bytes="1GiB") for name, kw in ABLATION.items()}
+    sides = [_Side(name, setup_pagedserve, (args.model, prompts, w, args.dtype), kw) for name, kw in variants.items()]
     if not args.skip_hf:
         fmt = "gguf" if args.hf_source == "gguf" else "safetensors"
         sides.append(_Side(f"HF generate ({args.hf_source} weights)", setup_hf,
                            (resolve_source(args.model, fmt).path, prompts, w, getattr(torch, args.dtype))))
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for side in sides:
             side.wait_ready()
-        # Rounds alternate the two sides, so that load from elsewhere on a shared machine
-        # hits both alike; each round's ratio is of runs seconds apart.
-        ratios = []
+        # Rounds alternate the sides, so that load from elsewhere on a shared machine
+        # hits them alike; each round's ratios are of runs seconds apart.
         for r in range(1, args.rounds + 1):
             rates = []
             parts = []
@@ -118,21 +131,22 @@ def main(argv: list[str] | None = None) -> None:
                 dt, tokens = side.run()
                 rates.append(tokens / dt)
                 parts.append(f"{side.name} {tokens / dt:7.1f} tok/s ({tokens} tokens in {dt:.2f} s)")
-            if len(rates) == 2:
-                ratios.append(rates[0] / rates[1])
-                parts.append(f"ratio {ratios[-1]:.2f}x")
+            if not args.skip_hf:
+                for name, rate in zip(variants, rates, strict=False):
+                    ratios[name].append(rate / rates[-1])
+                parts.append("ratio " + ", ".join(f"{ratios[n][-1]:.2f}x" for n in variants))
             print(f"round {r}: " + " | ".join(parts), flush=True)
     finally:
         for side in sides:
             side.close()
-    if ratios:
-        print(f"ratio pagedserve / HF: median {statistics.median(ratios):.2f}x "
-              f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x over {len(ratios)} rounds)")
+    for name, rs in ratios.items():
+        if rs:
+            print(f"ratio {name} / HF: median {statistics.median(rs):.2f}x "
+                  f"(min {min(rs):.2f}x, max {max(rs):.2f}x over {len(rs)} rounds)")
 
-
-def _serve_side(conn: Connection, setup: Callable[..., Runner], setup_args: tuple) -> None:
+def _serve_side(conn: Connection, setup: Callable[..., Runner], setup_args: tuple, setup_kwargs: dict) -> None:
     """Child process: load one side, then time one run per request from the parent."""
-    run = setup(*setup_args)
+    run = setup(*setup_args, **setup_kwargs)
     conn.send("ready")
     while conn.recv() == "run":
         conn.send(run())
@@ -142,11 +156,13 @@ class _Side:
     """One side of the comparison in its own process: neither side's allocator state,
     threads or compiled code can slow the other, and the idle side only waits."""
 
-    def __init__(self, name: str, setup: Callable[..., Runner], setup_args: tuple) -> None:
+    def __init__(self, name: str, setup: Callable[..., Runner], setup_args: tuple,
+                 setup_kwargs: dict | None = None) -> None:
         self.name = name
-        self._conn, child = mp.get_context("spawn").Pipe()
-        self._proc = mp.get_context("spawn").Process(target=_serve_side, args=(child, setup, setup_args),
-                                                     daemon=True)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_side, args=(child, setup, setup_args, setup_kwargs or {}),
+                                 daemon=True)
         self._proc.start()
 
     def wait_ready(self) -> None:

@@ -99,3 +99,15 @@ def test_decode_groups_use_the_kernel(monkeypatch):
     torch_out, _, _ = run_backend(TorchPagedBackend, case, 6, 2, 64, 16)
     assert sum(calls) == 3  # the three decodes; the 30-token prefill did not go to the kernel
     torch.testing.assert_close(out.float(), torch_out.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_kernel_refuses_tables_that_would_read_out_of_bounds():
+    k_cache = v_cache = torch.zeros(4, 16, 2, 64)
+    q = torch.zeros(1, 4, 64)
+    table = torch.tensor([[1, 2]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        paged_decode()(q, k_cache, v_cache, table, torch.tensor([33], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        paged_decode()(q, k_cache, v_cache, torch.tensor([[1, 9]], dtype=torch.int32),
+                       torch.tensor([20], dtype=torch.int32), 0.125)

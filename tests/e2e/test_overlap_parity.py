@@ -83,8 +83,9 @@ VARIANTS = {
     "default": {},
     "no-prefix-caching": {"enable_prefix_caching": False},
     "chunked-8": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
-    # Room for about two requests: constant preemption.
-    "small-kv": {"kv_cache_memory_bytes": 2 * 2 * 16 * 2 * 32 * 4 * 12, "max_model_len": 96},
+    # Room for about two requests: constant preemption.  Bytes of 12 blocks of the tiny
+    # Qwen3 (2 layers x K and V x 16 slots x 2 KV heads x head_dim 64 x fp32).
+    "small-kv": {"kv_cache_memory_bytes": 2 * 2 * 16 * 2 * 64 * 4 * 12, "max_model_len": 96},
 }
 
 

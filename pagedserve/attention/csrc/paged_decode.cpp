@@ -189,6 +189,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: block_table and seq_lens must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "paged_decode: index layout");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "paged_decode: head shapes");
+  TORCH_CHECK(block_table.size(0) >= q.size(0) && seq_lens.size(0) >= q.size(0), "paged_decode: batch sizes");
+  // Every block the kernel will read must exist: a bad table is an error, not a stray read.
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), width = block_table.size(1);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_decode: k_cache and v_cache shapes differ");
+  const int32_t* btp = block_table.data_ptr<int32_t>();
+  const int32_t* slp = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t L = slp[b];
+    TORCH_CHECK(L >= 0 && L <= width * bs, "paged_decode: seq_len ", L, " of row ", b,
+                " exceeds its block table (", width, " blocks of ", bs, ")");
+    for (int64_t j = 0; j < (L + bs - 1) / bs; ++j) {
+      const int64_t blk = btp[b * block_table.stride(0) + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range [0, ",
+                  num_blocks, ")");
+    }
+  }
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode: head_dim must be 64 or 128");
   const bool d64 = q.size(2) == 64;
