@@ -6,7 +6,7 @@ softmax per layer (shared/tools/cpu_paged_attention.py's "contiguous").  The pag
 figure includes everything a real step pays: metadata built once, then per layer
 the K/V store by slot mapping, the gather and the attention.
 
-usage: python -m pagedserve.attention.bench [--backend torch_paged] [--batch 32] [--ctx 150]
+usage: python -m pagedserve.attention.bench [--backend cpu_paged] [--batch 32] [--ctx 150]
          [--heads 9] [--kv-heads 3] [--head-dim 64] [--layers 30] [--block-size 16] [--dtype bfloat16]
          [--threads N] [--cpu-time]
 """
@@ -40,7 +40,7 @@ def _best_of(fns, reps: int, rounds: int = 5, clock=time.perf_counter) -> list[f
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="torch_paged")
+    ap.add_argument("--backend", default="cpu_paged")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=150)
     ap.add_argument("--heads", type=int, default=9)
