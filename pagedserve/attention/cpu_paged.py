@@ -53,20 +53,17 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def _build() -> Callable[..., torch.Tensor]:
+def _build(extra_cflags: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
+    """Compile (or load the cached build of) the kernel for this CPU; `extra_cflags`
+    (tests: "-mno-avx512f" for the portable loops) become part of the cache key."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
-    digest = hashlib.sha1(SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()
-    name = f"pagedserve_paged_decode_{digest[:12]}"
+    flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+    key = SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode() + " ".join(flags).encode()
+    name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
     if not (Path(get_default_build_root()) / name / f"{name}.so").exists():
         logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
-    module = load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     return module.paged_decode
 
 

@@ -43,24 +43,44 @@ def test_kernel_builds_where_a_compiler_exists():
     assert CpuPagedBackend(8, 2, 64, 0.125, 16).decode_kernel is not None
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 1, 64)])
-def test_kernel_matches_float32_math(dtype, heads, kv_heads, dim):
-    g = torch.Generator().manual_seed(heads * dim)
-    bs, num_blocks, b = 16, 64, 7
+def check_kernel(kernel, dtype, heads, kv_heads, dim, bs) -> None:
+    g = torch.Generator().manual_seed(heads * dim + bs)
+    num_blocks, b = 160, 7
     k_cache, v_cache = (torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    block_table = torch.randperm(num_blocks, generator=g)[: b * 8].view(b, 8).int()
+    width = -(-128 // bs)
+    block_table = torch.randperm(num_blocks, generator=g)[: b * width].view(b, width).int()
     seq_lens = torch.tensor([1, 16, 17, 128, 0, 77, 33], dtype=torch.int32)  # 0: a padding row, output 0
     # q rows strided, as the model's q is a slice of the fused q|k projection.
     q = torch.randn(b, heads + 2 * kv_heads, dim, generator=g).to(dtype)[:, :heads]
-    out = paged_decode()(q, k_cache, v_cache, block_table, seq_lens, dim**-0.5)
+    out = kernel(q, k_cache, v_cache, block_table, seq_lens, dim**-0.5)
     assert out.dtype == dtype and out.shape == (b, heads, dim)
     ref = reference_decode(q, k_cache, v_cache, block_table, seq_lens, dim**-0.5)
     # The kernel rounds once, at the output; the tolerance is that one rounding.
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     assert torch.all(out[4] == 0)
+
+
+# (9, 3, 64): SmolLM2; G = 16 and block size 8 take the row-by-row loops instead of the
+# 16-slot blocks and register accumulators.
+HEAD_CONFIGS = [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 1, 64), (16, 1, 64)]
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_CONFIGS)
+@pytest.mark.parametrize("bs", [16, 32, 8])
+def test_kernel_matches_float32_math(dtype, heads, kv_heads, dim, bs):
+    check_kernel(paged_decode(), dtype, heads, kv_heads, dim, bs)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_build_matches_float32_math(dtype):
+    """The loops a CPU without AVX-512 gets (most laptops), built here with it disabled."""
+    kernel = cpu_paged._build(("-mno-avx512f",))
+    for heads, kv_heads, dim in HEAD_CONFIGS[:3]:
+        check_kernel(kernel, dtype, heads, kv_heads, dim, 16)
 
 
 def test_without_a_compiler_the_backend_keeps_the_torch_path(monkeypatch, caplog):
