@@ -4,9 +4,9 @@
                                                [--ablation] [--hf-source dense|gguf] [--skip-hf]
 
 HF runs one left-padded static batch of all prompts, by default on the dense weights
-pagedserve converted from the GGUF (`--hf-source dense`, the stronger baseline); with
-`--hf-source gguf` it loads the GGUF itself as a user gets it by default (transformers 5
-then keeps the weights packed and dequantizes inside float32 kernels: much slower).  Both sides see the same
+pagedserve converted from the GGUF (`--hf-source dense`); with `--hf-source gguf` it
+loads the GGUF itself, as a user gets it by default (dequantized at load; measured as
+fast as the dense weights).  Both sides see the same
 chat-templated prompts and are timed without model load (pagedserve's start-up, which
 compiles the model on CPU, is load).  Each side lives in its own process, loaded once;
 the parent alternates one timed run of each per round.  The figure reported is useful
