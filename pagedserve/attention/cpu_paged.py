@@ -56,14 +56,18 @@ def _cpu_flags() -> str:
 def _build(extra_cflags: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
     """Compile (or load the cached build of) the kernel for this CPU; `extra_cflags`
     (tests: "-mno-avx512f" for the portable loops) become part of the cache key."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils import cpp_extension
 
     flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
     key = SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode() + " ".join(flags).encode()
     name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
-    if not (Path(get_default_build_root()) / name / f"{name}.so").exists():
+    try:  # where load() puts it (a private helper: only for the log line)
+        built = (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
+    except Exception:  # noqa: BLE001
+        built = False
+    if not built:
         logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
-    module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     return module.paged_decode
 
 

@@ -129,3 +129,34 @@ def test_loader_shape_mismatch_is_a_value_error() -> None:
     row = linear.RowParallelLinear(4, 3)
     with pytest.raises(ValueError, match="shape mismatch"):
         row.weight.weight_loader(row.weight, torch.zeros(3, 5))
+
+
+def test_lm_head_settles_16_bit_ties_with_exact_top_logits() -> None:
+    """Two tokens whose bf16 logits round to the same value: the exact (float32) winner
+    is the argmax, the top logits are float32-exact, and the rest are the bf16 values."""
+    torch.manual_seed(0)
+    head = embedding.ParallelLMHead(64, 16)
+    w = torch.randn(64, 16) * 0.1
+    hidden = torch.zeros(2, 16)
+    hidden[:, :2] = 1.0
+    w[:, 0] = -1.0
+    # Weights exact in bf16; the logits 25.140625 and 25.171875 both round to 25.125.
+    w[5, :2] = torch.tensor([25.0, 9 / 64])
+    w[9, :2] = torch.tensor([25.0, 11 / 64])
+    head.weight.data.copy_(w)
+    head = head.to(torch.bfloat16)
+    h = hidden.to(torch.bfloat16)
+    plain = torch.nn.functional.linear(h, head.weight).float()
+    assert plain[0, 5] == plain[0, 9] and plain[0].argmax() == 5  # the tie, lower id first
+    logits = head.compute_logits(h)
+    exact = h.float() @ head.weight.float().T
+    assert logits.dtype == torch.float32 and int(logits[0].argmax()) == 9
+    top = exact[0].topk(embedding.EXACT_TOP).indices
+    torch.testing.assert_close(logits[:, top], exact[:, top], atol=1e-6, rtol=1e-6)
+    rest = torch.ones(64, dtype=torch.bool)
+    rest[top] = False
+    assert torch.equal(logits[:, rest], plain[:, rest])
+    # float32 models are left exactly as computed.
+    head32 = embedding.ParallelLMHead(64, 16)
+    head32.weight.data.copy_(w)
+    assert torch.equal(head32.compute_logits(hidden), hidden @ w.T)
