@@ -4,14 +4,17 @@ Why a kernel: in a CPU decode step the attention math is tiny; what costs is mov
 K/V.  The torch path gathers each request's blocks into a contiguous copy and then
 multiplies (two passes over memory, plus a dozen op dispatches per layer); the kernel
 reads every block where it lies, once for K and once for V, and keeps scores and
-accumulators in float32 registers.  On SmolLM2 shapes it attends a 32-sequence decode
-step in about 60% of the torch path's time (`python -m pagedserve.attention.bench`).
+accumulators in float32 registers.  On SmolLM2 shapes (32 sequences of 150 tokens,
+30 layers) the kernel itself takes about half the torch path's time, and the whole
+backend step, K/V store and planning included, about three quarters
+(`python -m pagedserve.attention.bench --backend cpu_paged` / `--backend torch_paged`).
 
 It is compiled with torch.utils.cpp_extension for this machine's CPU (`-march=native`:
 AVX-512 where the CPU has it, plain loops otherwise) into torch's extension cache,
-the first time in a process that needs it (~25 s once per machine, then a cached
-load).  The build directory name carries a hash of the source and the CPU's flags, so
-a cache shared across machines never runs code built for another CPU.  Without a C++
+the first time in a process that needs it (~30 s once per machine, then a cached
+load).  The build directory name carries a hash of the source, the CPU's flags, the
+torch version and the compiler flags, so a cache shared across machines never runs
+code built for another CPU.  Without a C++
 compiler, or on any build error, the backend keeps the torch path for decodes too;
 the reason is logged once.  Prefill chunks always take the torch path (their matmuls
 are big enough for oneDNN to do well).  `attention_backend="torch_paged"` is the same
