@@ -57,12 +57,13 @@ class CompiledModel:
         for i, m in enumerate(self.modules):
             m.opaque_index = i
         self._compiled = torch.compile(model.forward, fullgraph=True)
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         from torch._dynamo.decorators import mark_unbacked
 
-        mark_unbacked(input_ids, 0)
-        mark_unbacked(positions, 0)
+        self._mark_unbacked = mark_unbacked
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self._mark_unbacked(input_ids, 0)
+        self._mark_unbacked(positions, 0)
         with set_forward_context(get_forward_context().attn_metadata, self.modules):
             return self._compiled(input_ids, positions)
 

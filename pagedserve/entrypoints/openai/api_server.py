@@ -138,25 +138,23 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         return _json(ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
                                      for name in state.served_model_names]))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.ready()
-        serving = state.completion
+    async def generate(serving, body, request: Request) -> Response:
+        """Both generation endpoints: validate, then stream (SSE) or answer once."""
         model, prompts, params = serving.prepare(body)
         if body.stream:
             return SSEResponse(serving.stream(body, model, prompts, params))
         result = await cancel_on_disconnect(request, serving.full(body, model, prompts, params))
         return result if isinstance(result, Response) else _json(result)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.ready()
+        return await generate(state.completion, body, request)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.ready()
-        serving = state.chat
-        model, prompt, params = serving.prepare(body)
-        if body.stream:
-            return SSEResponse(serving.stream(body, model, prompt, params))
-        result = await cancel_on_disconnect(request, serving.full(body, model, prompt, params))
-        return result if isinstance(result, Response) else _json(result)
+        return await generate(state.chat, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
