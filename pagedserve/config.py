@@ -23,6 +23,8 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     chat_template: str | None = None
+    # Most top logprobs a request may ask for (vLLM's name and default; OpenAI's chat limit).
+    max_logprobs: int = 20
     hf_config: Any = None  # transformers.PretrainedConfig once resolved
 
 
@@ -47,12 +49,14 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # Most sequences one request may ask for (n): each is a scheduler request of its own.
+    max_n: int = 16
     # Overlap scheduling: prepare step N+1 while step N runs; None = on for CUDA (the
     # engine resolves it once it knows the device).
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 logger = logging.getLogger("pagedserve.metrics")
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # Bucket edges (seconds) close to vLLM's, wide enough for CPU runs.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

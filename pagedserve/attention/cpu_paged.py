@@ -10,7 +10,8 @@ backend step, K/V store and planning included, about three quarters
 (`python -m pagedserve.attention.bench --backend cpu_paged` / `--backend torch_paged`).
 
 It is compiled with torch.utils.cpp_extension for this machine's CPU (`-march=native`:
-AVX-512 where the CPU has it, plain loops otherwise) into torch's extension cache,
+AVX-512 where the CPU has it, AVX2/FMA where it has that, plain loops otherwise; capped
+like torch itself when ATEN_CPU_CAPABILITY says so) into torch's extension cache,
 the first time in a process that needs it (~30 s once per machine, then a cached
 load).  The build directory name carries a hash of the source, the CPU's flags, the
 torch version and the compiler flags, so a cache shared across machines never runs
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention.torch_paged import TorchPagedBackend
+from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
 
 logger = logging.getLogger("pagedserve")
 
@@ -43,26 +45,18 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.machine() + platform.processor()
-
-
-def _build(extra_cflags: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
-    """Compile (or load the cached build of) the kernel for this CPU; `extra_cflags`
-    (tests: "-mno-avx512f" for the portable loops) become part of the cache key."""
+def build(extra_cflags: tuple[str, ...] | None = None) -> Callable[..., torch.Tensor]:
+    """Compile (or load the cached build of) the kernel for this CPU.  `extra_cflags`
+    (default: whatever keeps it within torch's own ISA; tests and benchmarks pass
+    "-mno-avx512f" for the AVX2 path, or also "-mno-avx2 -mno-fma" for the plain loops)
+    become part of the cache key."""
     from torch.utils import cpp_extension
 
+    if extra_cflags is None:
+        extra_cflags = kernel_isa_cflags()
     flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
-    key = SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode() + " ".join(flags).encode()
+    key = (SOURCE.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
+           + " ".join(flags).encode())
     name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
     try:  # where load() puts it (a private helper: only for the log line)
         built = (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
@@ -84,7 +78,7 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
         if "fn" not in _state:
             fn = None
             try:
-                fn = _build()
+                fn = build()
             except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the torch path still works
                 msg = str(e).strip().splitlines()
                 logger.warning("CPU attention kernel unavailable, using the torch path (%s: %s)",

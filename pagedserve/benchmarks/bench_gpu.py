@@ -76,7 +76,7 @@ def run_config(args: argparse.Namespace, name: str) -> dict:
     llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args))
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.model_executor
     graphs = getattr(runner, "graph_runner", None)
     result = {"config": name, "load_s": round(load_s, 1), "async_scheduling": engine.async_scheduling,
               "cuda_graphs": graphs is not None and graphs.use_graphs,

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from pagedserve.core.kv_cache_utils import BlockHash, extend_block_hashes
+from pagedserve.core.kv_cache_utils import BlockHash
 
 
 @dataclass(slots=True, eq=False)
@@ -114,12 +113,12 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be an integer >= 2 (block 0 is reserved), got {num_gpu_blocks!r}")
-        self.num_gpu_blocks = num_gpu_blocks
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {num_blocks!r}")
+        self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # Block 0 pads block tables; it is never handed out, freed or cached.
@@ -164,32 +163,16 @@ class BlockPool:
                 released.append(block)
         self.free_block_queue.append_n(released)
 
-    def cache_full_blocks(
-        self,
-        blocks: Sequence[KVCacheBlock] | Any,
-        block_hashes: Sequence[BlockHash] | Sequence[KVCacheBlock],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int | None = None,
-    ) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under their hashes.
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
+                          num_cached_blocks: int, num_full_blocks: int) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
 
-        Also accepts vLLM's argument order `(request, blocks, num_cached, num_full,
-        block_size)`, taking the hashes from `request.block_hashes` (extended if short).
         If an equal block is already cached (two requests computed the same prefix
         before either was cached), the first stays the canonical copy and the
         newcomer stays private: one hash, one block.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
-        if hasattr(blocks, "block_hashes"):  # (request, blocks, ...) form
-            request, blocks = blocks, block_hashes
-            if len(request.block_hashes) < num_full_blocks:
-                if block_size is None:
-                    raise ValueError("block_size is needed to hash the request's blocks")
-                extend_block_hashes(request.block_hashes, request.all_token_ids, block_size,
-                                    num_full_blocks, getattr(request, "cache_salt", None))
-            block_hashes = request.block_hashes
         cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -208,7 +191,7 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of usable blocks held by requests (cached-but-free counts as free)."""
-        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_gpu_blocks - 1)
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -217,7 +200,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use,
         because running requests' tables would point at blocks that lost their keys."""
-        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None

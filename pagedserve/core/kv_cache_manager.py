@@ -11,8 +11,9 @@ new KV before any attention reads it, layer by layer.
 from __future__ import annotations
 
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
-from pagedserve.core.kv_cache_utils import cdiv, extend_block_hashes
+from pagedserve.core.kv_cache_utils import extend_block_hashes
 from pagedserve.core.request import Request
+from pagedserve.utils import cdiv
 
 
 class KVCacheManager:
@@ -29,8 +30,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
-        # Prefix-cache statistics in tokens, counted once per admission.  Resumptions
-        # after preemption are kept apart: re-hitting one's own freed blocks is not reuse.
+        # Prefix-cache statistics in tokens (see _record_prefix_lookup).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_requests = 0
@@ -53,9 +53,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
-
     def _hash_blocks(self, request: Request, num_full_blocks: int | None = None) -> list[int]:
         return extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks, request.cache_salt
@@ -65,8 +62,9 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks.
 
         Capped at num_tokens - 1: the last token is always recomputed because its
-        logits are what the next sample needs.  Takes no references; pass the
-        result to allocate_slots in the same step.
+        logits are what the next sample needs.  Takes no references and changes
+        nothing (a request stuck at the head of the queue is looked up every step);
+        pass the result to allocate_slots in the same step, which counts the hit.
         """
         if not self.enable_caching:
             return [], 0
@@ -79,19 +77,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit = len(blocks) * self.block_size
-        # A request stuck at the head of the queue is looked up every step; count it once.
-        key = request.num_preemptions
-        if request._prefix_stats_key != key:
-            request._prefix_stats_key = key
-            if key == 0:
-                self.prefix_cache_requests += 1
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_hit
-            else:
-                self.preempted_prefix_cache_queries += request.num_tokens
-                self.preempted_prefix_cache_hits += num_hit
-        return blocks, num_hit
+        return blocks, len(blocks) * self.block_size
 
     # --------------------------------------------------------------- allocation
     def allocate_slots(
@@ -140,9 +126,11 @@ class KVCacheManager:
             num_evictable = sum(1 for b in hits if b.ref_cnt == 0)
             if num_new_blocks + num_evictable > free_queue.num_free_blocks:
                 return None
-            if req_id not in self.req_to_blocks:
+            if req_id not in self.req_to_blocks:  # the request is admitted: its lookup counts now
                 self.req_to_blocks[req_id] = req_blocks
                 self.num_cached_block[req_id] = 0
+                if self.enable_caching:
+                    self._record_prefix_lookup(request, num_new_computed_tokens)
             if hits:
                 pool.touch(hits)
                 req_blocks.extend(hits)
@@ -162,6 +150,17 @@ class KVCacheManager:
                 pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
                 self.num_cached_block[req_id] = num_full
         return new_blocks
+
+    def _record_prefix_lookup(self, request: Request, num_hit: int) -> None:
+        """Prefix-cache statistics in tokens, once per admission; a resumption after
+        preemption re-hitting its own freed blocks is not reuse, so it counts apart."""
+        if request.num_preemptions == 0:
+            self.prefix_cache_requests += 1
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit
+        else:
+            self.preempted_prefix_cache_queries += request.num_tokens
+            self.preempted_prefix_cache_hits += num_hit
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that when they are reused

@@ -87,6 +87,3 @@ def hash_request_tokens(
     """The full hash chain of a token sequence (the partial tail block is not hashed)."""
     return extend_block_hashes([], token_ids, block_size, cache_salt=cache_salt)
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -23,6 +23,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # The model's logits for it were not a distribution (NaN/inf): it fails alone.
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -37,6 +39,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -82,8 +85,10 @@ class Request:
         self.num_cached_tokens = 0
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(prompt_token_ids)
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(prompt_token_ids)
+        # Read freely (the scheduler does, every step, without copies); append only
+        # through append_output_token_id(s), which keeps the two lists in step.
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
         # Chain of full-block hashes, extended by the KVCacheManager as blocks fill.
         self.block_hashes: list[int] = []
 
@@ -101,33 +106,28 @@ class Request:
         # Async scheduling: tokens sampled by in-flight steps, not yet known to the host.
         # Scheduling counts them (the runner reads them on the device); outputs do not.
         self.num_output_placeholders = 0
+        # Async scheduling: the first and the latest step (SchedulerOutput.step_id) that
+        # scheduled this request; -1 before any.
+        self.first_scheduled_step = -1
+        self.last_scheduled_step = -1
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
-        # num_preemptions at the last prefix-cache lookup that was counted in stats.
-        self._prefix_stats_key = -1
-
-    # ----- token views (no copies: the hot path reads these every step) -----
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return len(self.output_token_ids)
 
-    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED

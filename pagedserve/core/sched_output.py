@@ -50,6 +50,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Finished or aborted since the previous step: the runner drops their state.
     finished_req_ids: set[str]
+    # Overlap scheduling: the step's number, so results are matched to it (-1 otherwise).
+    step_id: int = -1
 
     @property
     def is_empty(self) -> bool:

@@ -9,21 +9,16 @@ simpler and, for short sequences, about as cheap.  Under the priority policy
 `running` is kept sorted, so "the worst" is simply the last one and requests
 already scheduled this step are never victims.
 
-Async (overlap) scheduling, `SchedulerConfig.async_scheduling`: the engine schedules
-step N+1 before step N's sampled tokens reach the host, and hands N's results to
-`update_from_output` one step late.  A token sampled by an in-flight step is a
-placeholder (`Request.num_output_placeholders`): scheduling counts it (the runner
-reads the real id on the device), stop checks wait for it.  So a request that
-stops at step N may already be in step N+1; that extra token is dropped, and the
-blocks of a request that finishes while a step using them is in flight are freed
-only once that step's results are in.
+The update path is one loop (`update_from_output`) with three hooks that
+`AsyncScheduler` (core/async_scheduler.py) overrides for overlap scheduling:
+whether a sampled token belongs to the request now holding its id, what happens
+after a step is scheduled, and when a finished request's blocks can be freed.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -35,15 +30,13 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.errors import InvalidRequestError
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+_ERROR = RequestStatus.FINISHED_ERROR
+_finish_reason = RequestStatus.get_finished_reason
 
 
 def _sched_key(request: Request) -> tuple:
@@ -70,12 +63,6 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._next_seq = 0
-        self.async_scheduling = bool(getattr(scheduler_config, "async_scheduling", False))
-        # Async: scheduled steps whose results are not processed yet, oldest first, each
-        # with the requests it holds (by object: an id may be reused after an abort).
-        self._inflight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
-        # Finished requests whose blocks an in-flight step still uses.
-        self._deferred_free: dict[str, Request] = {}
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -83,37 +70,34 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id!r} is already in use by an unfinished request")
-        old = self._deferred_free.pop(req_id, None)
-        if old is not None:
-            # The block tables are keyed by id.  Freeing early is safe: the device runs
-            # steps in launch order, so the in-flight step is done with these blocks
-            # before any later step can write them.
-            self.kv_cache_manager.free(old)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {req_id!r} is not a fresh request (status {request.status.name})")
         num_prompt = request.num_prompt_tokens
         if num_prompt + 1 > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r}: the prompt has {num_prompt} tokens, but max_model_len is "
-                f"{self.max_model_len}, which leaves no room to generate a token"
-            )
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, the prompt has "
+                f"{num_prompt} tokens, which leaves no room to generate one. Please reduce the length of the "
+                "prompt.", param="prompt")
         max_len = self.max_model_len
         if request.max_tokens is not None:
             max_len = min(max_len, num_prompt + request.max_tokens)
         # The last sampled token never needs a KV slot.
         kvm = self.kv_cache_manager
         if not kvm.can_ever_fit(max_len - 1):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request {req_id!r}: up to {max_len - 1} tokens of KV cache are needed "
                 f"({num_prompt} prompt + up to {max_len - num_prompt} generated), more than the whole "
                 f"KV cache holds ({(kvm.num_blocks - 1) * kvm.block_size} tokens); "
-                "lower max_tokens or shorten the prompt"
-            )
+                "lower max_tokens or shorten the prompt", param="max_tokens")
         request.max_num_tokens = max_len
         request.sched_key = (request.priority, request.arrival_time, self._next_seq)
         self._next_seq += 1
+        self._admit(request)
         self.requests[req_id] = request
         self.waiting.add_request(request)
+
+    def _admit(self, request: Request) -> None:
+        """Hook: a request has passed every check and is about to be queued."""
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -133,7 +117,7 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            n = len(request._all_token_ids) + request.num_output_placeholders - num_computed
+            n = len(request.all_token_ids) + request.num_output_placeholders - num_computed
             if 0 < threshold < n:
                 n = threshold
             if n > token_budget:
@@ -160,7 +144,7 @@ class Scheduler:
             num_scheduled_tokens[req_id] = n
             token_budget -= n
             c_req_ids.append(req_id)
-            outputs = request._output_token_ids
+            outputs = request.output_token_ids
             sent = request.num_output_tokens_sent
             if len(outputs) > sent:
                 c_new_tokens.append(outputs[sent:])
@@ -186,21 +170,12 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
         )
-        if self.async_scheduling and num_scheduled_tokens:
-            self._add_placeholders(out)
+        if num_scheduled_tokens:
+            self._after_schedule(out)
         return out
 
-    def _add_placeholders(self, out: SchedulerOutput) -> None:
-        """Async: every request whose known and pending tokens are all computed after
-        this step samples one more, which stays a placeholder until the step's results
-        are processed."""
-        requests = self.requests
-        held: dict[str, Request] = {}
-        for req_id in out.num_scheduled_tokens:
-            request = held[req_id] = requests[req_id]
-            if request.num_computed_tokens == len(request._all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1
-        self._inflight.append((out, held))
+    def _after_schedule(self, out: SchedulerOutput) -> None:
+        """Hook: a step with tokens is about to be launched."""
 
     def _schedule_waiting(
         self, token_budget: int, num_scheduled_tokens: dict[str, int], new_reqs: list[NewRequestData]
@@ -233,7 +208,7 @@ class Scheduler:
             if request.status == RequestStatus.WAITING:  # first admission, not a resumption
                 request.num_cached_tokens = num_hit
             request.status = _RUNNING
-            outputs = request._output_token_ids
+            outputs = request.output_token_ids
             new_reqs.append(
                 NewRequestData(
                     req_id=req_id,
@@ -260,142 +235,74 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     # --------------------------------------------------------------- update
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
-    ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop rules, release finished requests."""
-        if self.async_scheduling:
-            return self._update_from_output_async(scheduler_output, sampled_token_ids)
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+                           invalid_req_ids: Collection[str] = ()) -> list[EngineCoreOutput]:
+        """Append each request's sampled tokens, apply the stop rules, release finished
+        requests.  `invalid_req_ids`: requests the runner could not sample (their
+        logits were not finite); they finish with "error" and the rest go on."""
+        self._begin_update(scheduler_output)
         outputs: list[EngineCoreOutput] = []
         append_output = outputs.append
         requests = self.requests
         get_sampled = sampled_token_ids.get
-        num_finished = 0
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests.get(req_id)
-            if request is None:
-                continue  # finished or aborted after this step was scheduled
-            all_ids = request._all_token_ids
-            if request.num_computed_tokens < len(all_ids) or request.status is not _RUNNING:
-                continue  # a prompt chunk: its sample is meaningless
-            token_ids = get_sampled(req_id)
-            if not token_ids:
-                continue
-            out_ids = request._output_token_ids
-            status = None
-            if len(token_ids) == 1:
-                tok = token_ids[0]
-                out_ids.append(tok)
-                all_ids.append(tok)
-                new_ids = [tok]
-                if tok in request.finish_token_ids and len(out_ids) >= request.min_tokens:
-                    status = _STOPPED
-                    if tok != request.eos_for_stop:
-                        request.stop_reason = tok
-                elif len(all_ids) >= request.max_num_tokens:
-                    status = _LENGTH_CAPPED
-            else:
-                new_ids = []
-                for tok in token_ids:
-                    out_ids.append(tok)
-                    all_ids.append(tok)
-                    new_ids.append(tok)
-                    status = self._check_stop(request, tok)
-                    if status is not None:
-                        break
-            if status is None:
-                append_output(EngineCoreOutput(req_id, new_ids, False, None, None, request.num_cached_tokens))
-                continue
-            request.status = status
-            self._release(request)
-            num_finished += 1
-            append_output(
-                EngineCoreOutput(
-                    req_id, new_ids, True, _FINISH_REASONS[status], request.stop_reason, request.num_cached_tokens
-                )
-            )
-        if num_finished:
-            self.running[:] = [r for r in self.running if r.status is _RUNNING]
-        return outputs
-
-    def _update_from_output_async(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
-    ) -> list[EngineCoreOutput]:
-        """The oldest in-flight step's results: each token fills a placeholder of the
-        request object that step held; tokens of requests finished meanwhile (stopped
-        one step late, aborted, or a reused id) are dropped."""
-        if not self._inflight or self._inflight[0][0] is not scheduler_output:
-            raise RuntimeError("async scheduling: results must be processed once each, in the order "
-                               "the steps were scheduled")
-        _, held = self._inflight.popleft()
-        outputs: list[EngineCoreOutput] = []
         any_running_finished = False
-        for req_id, request in held.items():
-            token_ids = sampled_token_ids.get(req_id)
-            if not token_ids or not request.num_output_placeholders:
+        for req_id in scheduler_output.num_scheduled_tokens:
+            token_ids = get_sampled(req_id)
+            if not token_ids and req_id not in invalid_req_ids:
                 continue  # a prompt chunk: nothing sampled
-            request.num_output_placeholders -= 1
-            if request.is_finished():
-                continue
-            new_ids = []
-            status = None
-            for tok in token_ids:
-                request._output_token_ids.append(tok)
-                request._all_token_ids.append(tok)
-                new_ids.append(tok)
-                status = self._check_stop(request, tok)
-                if status is not None:
-                    break
+            request = requests.get(req_id)
+            if request is None or not self._takes_sample(request, scheduler_output):
+                continue  # finished or aborted since, or an older request's token
+            if token_ids:
+                status = None
+                for i, tok in enumerate(token_ids):
+                    request.append_output_token_id(tok)
+                    status = check_stop(request, tok)
+                    if status is not None:
+                        token_ids = token_ids[: i + 1]
+                        break
+            else:
+                status, token_ids = _ERROR, []
             if status is None:
-                outputs.append(EngineCoreOutput(req_id, new_ids, False, None, None, request.num_cached_tokens))
+                append_output(EngineCoreOutput(req_id, token_ids, False, None, None, request.num_cached_tokens))
                 continue
-            if request.status == _RUNNING:
-                any_running_finished = True
-            else:  # preempted after this step was scheduled: it waits in the queue
-                self.waiting.remove_request(request)
-            request.status = status
-            self._release(request)
-            outputs.append(EngineCoreOutput(
-                req_id, new_ids, True, _FINISH_REASONS[status], request.stop_reason, request.num_cached_tokens))
+            any_running_finished |= self._finish(request, status)
+            append_output(EngineCoreOutput(req_id, token_ids, True, _finish_reason(status), request.stop_reason,
+                                           request.num_cached_tokens))
         if any_running_finished:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
-        if self._deferred_free:
-            self._free_deferred()
+        self._end_update()
         return outputs
 
-    def _in_flight(self, request: Request) -> bool:
-        req_id = request.request_id
-        return any(held.get(req_id) is request for _, held in self._inflight)
+    def _begin_update(self, scheduler_output: SchedulerOutput) -> None:
+        """Hook: the results of `scheduler_output` are about to be applied."""
 
-    def _free_deferred(self) -> None:
-        for req_id, request in list(self._deferred_free.items()):
-            if not self._in_flight(request):
-                del self._deferred_free[req_id]
-                self.kv_cache_manager.free(request)
+    def _takes_sample(self, request: Request, scheduler_output: SchedulerOutput) -> bool:
+        """Hook: whether the token this step sampled for `request`'s id is its own (a
+        sample after a prompt chunk that left part of the prompt uncomputed is not)."""
+        return request.status is _RUNNING and request.num_computed_tokens >= len(request.all_token_ids)
 
-    @property
-    def num_inflight_steps(self) -> int:
-        return len(self._inflight)
+    def _end_update(self) -> None:
+        """Hook: a step's results are applied."""
 
-    @staticmethod
-    def _check_stop(request: Request, tok: int) -> RequestStatus | None:
-        """Stop rules for the token just appended: EOS/stop ids (held back until
-        min_tokens), then max_tokens / max_model_len."""
-        if tok in request.finish_token_ids and request.num_output_tokens >= request.min_tokens:
-            if tok != request.eos_for_stop:
-                request.stop_reason = tok
-            return _STOPPED
-        if request.num_tokens >= request.max_num_tokens:
-            return _LENGTH_CAPPED
-        return None
+    def _finish(self, request: Request, status: RequestStatus) -> bool:
+        """Move a request to a finished status and release it; returns whether it was
+        running (the caller then drops finished requests from `running` in one pass)."""
+        was_running = request.status is _RUNNING
+        if not was_running:
+            self.waiting.remove_request(request)
+        request.status = status
+        self._release(request)
+        return was_running
 
     def _release(self, request: Request) -> None:
-        if self._inflight and self._in_flight(request):
-            self._deferred_free[request.request_id] = request
-        else:
-            self.kv_cache_manager.free(request)
+        self._free_blocks(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+
+    def _free_blocks(self, request: Request) -> None:
+        """Hook: free a finished request's KV blocks (now, on one device stream)."""
+        self.kv_cache_manager.free(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); unknown ids are ignored."""
@@ -406,18 +313,23 @@ class Scheduler:
         any_running = False
         for req_id in request_ids:
             request = self.requests.get(req_id)
-            if request is None:
-                continue
-            if request.status == _RUNNING:
-                any_running = True
-            else:
-                self.waiting.remove_request(request)
-            request.status = finished_status
-            self._release(request)
+            if request is not None:
+                any_running |= self._finish(request, finished_status)
         if any_running:
-            self.running[:] = [r for r in self.running if r.status == _RUNNING]
+            self.running[:] = [r for r in self.running if r.status is _RUNNING]
 
     # -------------------------------------------------------------- queries
+    @property
+    def num_inflight_steps(self) -> int:
+        """Steps scheduled whose results are not applied yet (always 0 here: the engine
+        applies a step's results before scheduling the next)."""
+        return 0
+
+    @property
+    def num_deferred_frees(self) -> int:
+        """Finished requests whose blocks wait for an in-flight step (none here)."""
+        return 0
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -430,3 +342,15 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def check_stop(request: Request, tok: int) -> RequestStatus | None:
+    """Stop rules for the token just appended: EOS / stop token ids (held back until
+    min_tokens), then max_tokens / max_model_len."""
+    if tok in request.finish_token_ids and len(request.output_token_ids) >= request.min_tokens:
+        if tok != request.eos_for_stop:
+            request.stop_reason = tok
+        return _STOPPED
+    if len(request.all_token_ids) >= request.max_num_tokens:
+        return _LENGTH_CAPPED
+    return None

@@ -23,6 +23,7 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pagedserve.utils import is_int
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "float", "half")
@@ -46,6 +47,8 @@ _HELP = {
     "gpu_memory_utilization": "fraction of free device memory for the KV cache when its size is unset",
     "num_gpu_blocks_override": "exact number of KV-cache blocks (testing)",
     "seed": "random seed of the engine (sampling without a per-request seed)",
+    "max_logprobs": "most top logprobs one request may ask for",
+    "max_n": "most sequences (n) one request may ask for",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs",
     "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, "
@@ -78,6 +81,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     seed: int = 0
+    max_logprobs: int = 20
+    max_n: int = 16
     load_format: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -119,21 +124,23 @@ class EngineArgs:
             raise bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise bad(name, "a positive integer or None")
-        for name in ("max_num_seqs", "tensor_parallel_size"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+        for name in ("max_num_seqs", "tensor_parallel_size", "max_n"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "a positive integer")
-        if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise bad("block_size", "a positive power of two (e.g. 16 or 32)")
-        if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
+        if not is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
             raise bad("long_prefill_token_threshold", "an integer >= 0")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise bad("seed", "an integer")
+        if not is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise bad("max_logprobs", "an integer >= 0")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
         for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code"):
@@ -170,6 +177,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
+            max_logprobs=self.max_logprobs,
         )
         if load_hf_config:
             from pagedserve.model_loader import load_model_config
@@ -194,7 +202,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=self.async_scheduling, max_n=self.max_n,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(
@@ -247,7 +255,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 def parse_bytes(value: int | str, name: str = "size") -> int:
     """1073741824, "1GiB", "512M", "1.5G" -> bytes."""
-    if _is_int(value):
+    if is_int(value):
         n = value
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
@@ -287,6 +295,3 @@ def _env_torch_compile() -> bool | None:
         return False
     raise ValueError(f"PAGEDSERVE_TORCH_COMPILE must be 0 or 1, got {value!r}")
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

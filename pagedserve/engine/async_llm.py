@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -78,10 +80,11 @@ class _Add:
 
 
 class AsyncLLM:
-    def __init__(self, engine: Any, stat_loggers: Sequence[StatLogger] = (), log_stats: bool = True,
+    def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (), log_stats: bool = True,
                  log_interval: float = 10.0) -> None:
         self.engine = engine
-        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.tokenizer = engine.tokenizer
+        self.vocab_size: int = engine.vocab_size
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.log_stats = LoggingStatLogger(log_interval) if log_stats else None
         if self.log_stats is not None:
@@ -96,9 +99,7 @@ class AsyncLLM:
         self._req_stats: dict[str, _ReqStats] = {}  # engine thread only
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
-        from pagedserve.engine.llm_engine import LLMEngine
-
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -125,11 +126,11 @@ class AsyncLLM:
             self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ client API
-    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs until the request finishes.  Closing or cancelling
-        the iterator aborts the request (its KV blocks are freed at the next loop turn);
-        invalid input raises ValueError before anything is yielded."""
+    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Validate and queue one request; returns once the engine has accepted it, so a
+        bad request raises (ValueError / InvalidRequestError) before a server has sent
+        anything.  The returned stream must be read to its end or closed."""
         self.start()
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}") from self.dead_error
@@ -140,23 +141,26 @@ class AsyncLLM:
         self._collectors[request_id] = collector
         future = self._loop.create_future()
         self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), future))
-        finished = False
         try:
-            await future  # ValueError from add_request surfaces here
-            while True:
-                out = await collector.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    break
-        finally:
+            await future
+        except BaseException:
             self._collectors.pop(request_id, None)
-            if not finished:
-                # FIFO after the add, so the engine thread sees the abort even if the add is
-                # still queued; it ignores ids it does not hold.
-                if not future.done():
-                    future.cancel()
-                self._send(("abort", request_id))
+            if not future.done():  # cancelled while queued: the engine thread skips it
+                future.cancel()
+            raise
+        return RequestStream(self, request_id, collector)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs until the request finishes.  Closing or cancelling
+        the iterator aborts the request (its KV blocks are freed at the next loop turn);
+        invalid input raises before anything is yielded."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
 
     async def abort(self, request_id: str) -> None:
         collector = self._collectors.pop(request_id, None)
@@ -164,10 +168,17 @@ class AsyncLLM:
         if collector is not None:
             collector.put(asyncio.CancelledError(f"request {request_id} aborted"))
 
-    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
-        return self.engine.apply_chat_template(messages, chat_template=chat_template,
-                                               add_generation_prompt=add_generation_prompt)
+    def _forget(self, request_id: str, abort: bool) -> None:
+        """A stream is done with its request (finished, or closed early: abort it).  The
+        abort is FIFO after the add, and the engine thread ignores ids it does not hold."""
+        self._collectors.pop(request_id, None)
+        if abort:
+            self._send(("abort", request_id))
+
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The engine's chat rendering and tokenization (read-only: safe from the event loop)."""
+        return self.engine.encode_chat(messages, chat_template, add_generation_prompt)
 
     def _send(self, command: Any) -> None:
         self._commands.put(command)
@@ -213,8 +224,8 @@ class AsyncLLM:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=time.time(),
                                     priority=cmd.priority)
-        except (ValueError, TypeError) as e:
-            self._call_soon(_set_exception, cmd.future, ValueError(str(e)))
+        except (ValueError, TypeError) as e:  # InvalidRequestError (a ValueError) keeps its param
+            self._call_soon(_set_exception, cmd.future, e if isinstance(e, ValueError) else ValueError(str(e)))
             return
         self._req_stats[cmd.request_id] = _ReqStats(arrival=cmd.arrival)
         self._call_soon(_set_result, cmd.future, None)
@@ -285,6 +296,43 @@ class AsyncLLM:
                 break
             if isinstance(cmd, _Add) and not cmd.future.done():
                 cmd.future.set_exception(EngineDeadError(f"engine is dead: {error!r}"))
+
+
+class RequestStream:
+    """The outputs of one accepted request, newest first-come (cumulative snapshots).
+
+    Reading past the final output ends the iteration; `close()` before that, or being
+    cancelled while waiting, aborts the request; so does being dropped unread."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, collector: _Collector) -> None:
+        self._llm = llm
+        self.request_id = request_id
+        self._collector = collector
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._collector.get()
+        except BaseException:
+            self.close()
+            raise
+        if out.finished:
+            self._done = True
+            self._llm._forget(self.request_id, abort=False)
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._llm._forget(self.request_id, abort=True)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

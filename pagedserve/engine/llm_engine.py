@@ -18,22 +18,27 @@ import copy
 import logging
 import numbers
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.async_scheduler import AsyncScheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import EngineArgs, _read_chat_template
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
+from pagedserve.errors import InvalidRequestError
+from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.utils import is_int
+from pagedserve.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve.engine")
 
-# Most top logprobs a request may ask for (vLLM's and OpenAI's limit).
-MAX_LOGPROBS = 20
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
@@ -56,12 +61,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_runner: Any, tokenizer: Any = None,
+    def __init__(self, config: EngineConfig, model_executor: ModelExecutor, tokenizer: Any = None,
                  vocab_size: int | None = None, extra_eos_token_ids: list[int] | None = None) -> None:
-        """`model_runner` has run initialize_kv_cache() (config.cache_config.num_blocks is set)."""
+        """`model_executor` has allocated its KV cache (config.cache_config.num_blocks is set)."""
         self.config = config
         self.model_config = config.model_config
-        self.model_runner = model_runner
+        self.model_executor = model_executor
         self.tokenizer = tokenizer
         hf_config = config.model_config.hf_config
         self.vocab_size = vocab_size or getattr(hf_config, "vocab_size", None)
@@ -75,10 +80,12 @@ class LLMEngine:
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching
         )
         sched.async_scheduling = self.async_scheduling = _resolve_async_scheduling(
-            sched.async_scheduling, model_runner)
-        self.scheduler = Scheduler(sched, self.kv_cache_manager)
-        # Async scheduling: the launched step whose results are not processed yet.
-        self._inflight: tuple[Any, Any] | None = None
+            sched.async_scheduling, model_executor)
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(sched, self.kv_cache_manager)
+        # Async scheduling: launched steps whose results are not applied yet, oldest first
+        # (at most one stays in flight between calls to step()).
+        self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
 
@@ -93,14 +100,14 @@ class LLMEngine:
         mc = config.model_config
         device = resolve_device(config.device_config)
         if config.parallel_config.tensor_parallel_size > 1:
-            from pagedserve.executor import validate_tensor_parallel
+            from pagedserve.executor.multiproc_executor import validate_tensor_parallel
 
             validate_tensor_parallel(config, device)  # a bad split fails before anything loads
         tokenizer = load_tokenizer(mc)
         extra_eos = _generation_config_eos_ids(mc)
         eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
         if config.parallel_config.tensor_parallel_size > 1:
-            from pagedserve.executor import MultiprocExecutor
+            from pagedserve.executor.multiproc_executor import MultiprocExecutor
 
             # Starts ranks 1..N-1, loads every rank's shard and sizes the KV cache on all of them.
             runner = MultiprocExecutor(config, device, eos_token_id=eos)
@@ -129,11 +136,11 @@ class LLMEngine:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params._validate()  # values may have been changed after construction
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        params.validate()  # values may have been changed after construction
+        if not is_int(priority):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
         prompt_text, prompt_ids = self._process_prompt(prompt)
-        self._check_request(prompt_ids, params)
+        self._check_request(prompt_ids, params, priority)
 
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
@@ -159,20 +166,19 @@ class LLMEngine:
             request_ids = [request_ids]
         child_ids = self.output_processor.abort_requests(list(request_ids))
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        if self._inflight is not None and not self.scheduler.has_unfinished_requests():
-            self._drain()
+        if self._inflight and not self.scheduler.has_unfinished_requests():
+            self._apply_inflight(keep=0)  # only finished requests' extra tokens are left
 
     def _process_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
         text: str | None = None
         if isinstance(prompt, dict):
             unknown = set(prompt) - _PROMPT_KEYS
             if unknown or not prompt:
-                raise ValueError(
-                    f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got {sorted(prompt)}"
-                )
+                raise InvalidRequestError(
+                    f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got {sorted(prompt)}", param="prompt")
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+                raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}", param="prompt")
             ids = prompt.get("prompt_token_ids")
             if ids is None:
                 return text, self._encode(text)
@@ -181,53 +187,58 @@ class LLMEngine:
             return prompt, self._encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_token_ids(prompt)
-        raise ValueError(
+        raise InvalidRequestError(
             "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
-            f"'prompt_token_ids', got {type(prompt).__name__}"
-        )
+            f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
 
     def _encode(self, text: str) -> list[int]:
         if not text:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if self.tokenizer is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
-                "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}"
-            )
+                "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
         return list(self.tokenizer.encode(text))
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+            raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}", param="prompt")
         ids = list(ids)
         vocab = self.vocab_size
         for pos, t in enumerate(ids):
             if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise ValueError(f"prompt_token_ids[{pos}] is {t!r}, not an integer")
+                raise InvalidRequestError(f"prompt_token_ids[{pos}] is {t!r}, not an integer", param="prompt")
             if type(t) is not int:  # numpy integers: plain ints from here on
                 ids[pos] = t = int(t)
             if not 0 <= t < vocab:
-                raise ValueError(
-                    f"token id {t} at position {pos} of the prompt is outside the vocabulary (0..{vocab - 1})"
-                )
+                raise InvalidRequestError(
+                    f"token id {t} at position {pos} of the prompt is outside the vocabulary (0..{vocab - 1})", param="prompt")
         return ids
 
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
+        """Every limit a request can break, each raised as InvalidRequestError naming the
+        field (the prompt's length against max_model_len and the KV cache is the
+        scheduler's to check: it owns those limits)."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) + 1 > self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(prompt_ids)} tokens long, but the maximum model length "
-                f"(max_model_len) is {self.max_model_len}, which must leave room for at least one "
-                "generated token"
-            )
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        max_logprobs = self.model_config.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise InvalidRequestError(f"logprobs must be at most {max_logprobs} (max_logprobs), got {params.logprobs}",
+                                      param="logprobs")
+        max_n = self.config.scheduler_config.max_n
+        if params.n > max_n:
+            raise InvalidRequestError(f"n must be at most {max_n} (max_n), got {params.n}", param="n")
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                                      param="stop")
         bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
+            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})",
+                                      param="stop_token_ids")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            # vLLM's wording, so clients written against vLLM recognise it.
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                                      param="priority")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops.
@@ -245,60 +256,52 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; outputs for every request that progressed or finished
-        (with async scheduling: in the step before this one)."""
-        if self.async_scheduling:
-            return self._step_async()
-        sched_out = self.scheduler.schedule()
-        if sched_out.total_num_scheduled_tokens == 0 and not sched_out.finished_req_ids:
-            return []
-        self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
-        runner_out = self.model_runner.execute_model(sched_out)
-        if sched_out.total_num_scheduled_tokens == 0:
-            return []
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        """One scheduling step; outputs for every request that progressed or finished.
 
-    def _step_async(self) -> list[RequestOutput]:
+        Synchronous: launch, wait, apply.  Overlap (async_scheduling): step N+1 is
+        launched before step N's results are applied, so outputs come one step late
+        (the first step returns none); once no request is left the last in-flight
+        step is applied at once, leaving the engine idle with every block free."""
         sched_out = self.scheduler.schedule()
-        prev, self._inflight = self._inflight, None
         total = sched_out.total_num_scheduled_tokens
-        if total or sched_out.finished_req_ids:
-            if total:
-                self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
-            handle = self.model_runner.execute_model_async(sched_out)  # returns once launched
-            if total:
-                self._inflight = (sched_out, handle)
-        outputs = self._process(*prev) if prev is not None else []
-        if self._inflight is not None and not self.scheduler.has_unfinished_requests():
-            outputs.extend(self._drain())  # only finished requests' extra tokens are left
+        if total:
+            self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
+        elif not sched_out.finished_req_ids:
+            return self._apply_inflight(keep=0)
+        if not self.async_scheduling:
+            runner_out = self.model_executor.execute_model(sched_out)  # also drops finished requests' state
+            return self._apply(sched_out, runner_out) if total else []
+        pending = self.model_executor.execute_model_async(sched_out)  # returns once launched
+        keep = 0
+        if total:
+            self._inflight.append((sched_out, pending))
+            keep = 1 if self.scheduler.has_unfinished_requests() else 0
+        return self._apply_inflight(keep)
+
+    def _apply_inflight(self, keep: int) -> list[RequestOutput]:
+        """Apply launched steps, oldest first, until `keep` are left in flight."""
+        outputs: list[RequestOutput] = []
+        while len(self._inflight) > keep:
+            sched_out, pending = self._inflight.popleft()
+            outputs += self._apply(sched_out, pending.get_output())
         return outputs
 
-    def _process(self, sched_out: Any, handle: Any) -> list[RequestOutput]:
-        """Wait for a launched step's results and apply them."""
-        runner_out = handle.get_output()
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """A step's results: tokens into the scheduler, text and stop strings out."""
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
+                                                         runner_out.invalid_req_ids)
         outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
-
-    def _drain(self) -> list[RequestOutput]:
-        prev, self._inflight = self._inflight, None
-        return self._process(*prev) if prev is not None else []
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
-        shutdown = getattr(self.model_runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.model_executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
-                or self._inflight is not None)
+                or bool(self._inflight))
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -349,21 +352,26 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
 
 
-def _resolve_async_scheduling(value: bool | None, runner: Any) -> bool:
-    """None: on when the runner can launch a step without waiting for it and runs on
+def _resolve_async_scheduling(value: bool | None, executor: ModelExecutor) -> bool:
+    """None: on when the executor can launch a step without waiting for it and runs on
     CUDA (on CPU the step itself is the host's work: there is nothing to overlap)."""
-    supported = callable(getattr(runner, "execute_model_async", None))
+    supported = executor.supports_async_scheduling
     if value is None:
-        return supported and getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        return supported and executor.device.type == "cuda"
     if value and not supported:
-        raise ValueError(f"async_scheduling=True needs a model runner that can launch steps asynchronously; "
-                         f"{type(runner).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")
+        raise ValueError(f"async_scheduling=True needs a model executor that can launch steps asynchronously; "
+                         f"{type(executor).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")
     return bool(value)
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI-style content parts [{"type": "text", "text": ...}] -> one string (text only)."""
+    """The one place message content is normalised for chat templates (the server and
+    `LLM.chat` both come here): OpenAI-style content parts [{"type": "text", "text": ...}]
+    become one string, joined with newlines as vLLM does; no content is "" (an assistant
+    turn that only called tools)."""
     content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
     if not isinstance(content, list):
         return message
     texts = []

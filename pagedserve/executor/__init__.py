@@ -1,9 +1,2 @@
-"""Running the model over several tensor-parallel processes (see multiproc_executor)."""
-
-from pagedserve.executor.multiproc_executor import (
-    MultiprocExecutor,
-    TensorParallelError,
-    validate_tensor_parallel,
-)
-
-__all__ = ["MultiprocExecutor", "TensorParallelError", "validate_tensor_parallel"]
+"""Running the model: the ModelExecutor contract (abstract.py) and the tensor-parallel
+executor over several processes (multiproc_executor.py, imported only when used)."""

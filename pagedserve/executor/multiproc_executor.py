@@ -48,6 +48,7 @@ from pagedserve.distributed.parallel_state import (
     init_distributed,
 )
 from pagedserve.distributed.shm_broadcast import ShmBroadcaster
+from pagedserve.executor.abstract import PendingModelOutput
 from pagedserve.executor.worker_proc import SHUTDOWN, TPWorker, WorkerArgs, worker_main
 from pagedserve.worker.outputs import ModelRunnerOutput
 
@@ -118,7 +119,10 @@ def _describe_exit(code: int | None) -> str:
 
 class MultiprocExecutor:
     """`execute_model(scheduler_output) -> ModelRunnerOutput` over tensor_parallel_size
-    ranks (a drop-in for ModelRunner in LLMEngine), plus `shutdown()`."""
+    ranks (a ModelExecutor, like ModelRunner), plus `shutdown()`."""
+
+    # Every rank runs each step to completion before rank 0 returns: no overlap yet.
+    supports_async_scheduling = False
 
     def __init__(self, config: EngineConfig, device: torch.device, eos_token_id: Any = None,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S,
@@ -128,6 +132,7 @@ class MultiprocExecutor:
             raise RuntimeError("torch.distributed is already initialized in this process (another "
                                "tensor-parallel LLM still running?): shut that one down first")
         self.config = config
+        self.device = device
         self.world_size = tp = config.parallel_config.tensor_parallel_size
         self.timeout_s = collective_timeout_s
         backend = config.parallel_config.distributed_backend or default_backend(device.type)
@@ -205,6 +210,9 @@ class MultiprocExecutor:
                 if err is e:
                     raise
                 raise err from e
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
+        raise NotImplementedError("tensor-parallel execution has no overlap scheduling")
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Run TPWorker.`method`(*args) on every rank; results in rank order."""

@@ -7,10 +7,14 @@ architectures and impossible lengths.  `get_model` then builds the module direct
 on the target device in the target dtype and fills it from the checkpoint.
 
 Defaults, and why:
-- dtype "auto" is bfloat16 unless the checkpoint itself is float16 and runs on CUDA.
-  Float32 checkpoints (and dequantized GGUFs) are downcast as vLLM does: on the CPUs
-  this targets bf16 matmuls are ~3x fp32 (docs: workloads.md); CPU float16 matmul is slow,
-  so CPU never picks float16 by itself.  Pass dtype="float32" for exact HF parity.
+- dtype "auto" on CUDA is bfloat16 unless the checkpoint itself is float16 (or the GPU
+  has no bf16).  On CPU it is bfloat16 where the CPU has bf16 instructions (AVX-512
+  BF16, AMX: bf16 matmuls there run ~3x fp32) and float32 everywhere else: without them
+  oneDNN emulates bf16 at ~1/8 of fp32's speed (an AVX2 Zen 3 measured 15 vs 120
+  GFLOP/s at the decode shape), which costs a serving workload about 3x.  The choice
+  and its reason are logged at start-up (cpu_info.bf16_support).  Float32 checkpoints
+  (and dequantized GGUFs) are downcast as vLLM does; CPU float16 matmul is slow, so CPU
+  never picks float16 by itself.  Pass dtype="float32" for exact HF parity.
 - max_model_len None is the model's own limit: max_position_embeddings, capped at
   the sliding window for models that have one (attention over at most `window`
   tokens is then the same as full attention, so no sliding-window kernel is needed).
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import DeviceConfig, ModelConfig
+from pagedserve.cpu_info import bf16_support
 from pagedserve.model_loader.sources import ModelSource, resolve_source
 from pagedserve.models.registry import get_model_class, resolve_architecture
 
@@ -60,18 +65,28 @@ def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
 
 
 def resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    return _resolve_dtype(requested, hf_config, device)[0]
+
+
+def _resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.device) -> tuple[torch.dtype, str]:
+    """(dtype, why) -- the reason is what the start-up log says about an `auto` choice."""
     if isinstance(requested, torch.dtype):
         if requested not in _DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {requested}; expected one of {', '.join(_DTYPE_NAMES.values())}")
-        return requested
+        return requested, "as given"
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; expected 'auto' or one of {', '.join(_DTYPES)}")
-        return _DTYPES[requested]
+        return _DTYPES[requested], "as given"
     if device.type == "cuda":
         if _checkpoint_dtype(hf_config) == torch.float16 or not torch.cuda.is_bf16_supported():
-            return torch.float16
-    return torch.bfloat16
+            return torch.float16, "the checkpoint is float16 or this GPU has no bf16"
+        return torch.bfloat16, "the GPU computes bf16 natively"
+    bf16 = bf16_support()
+    if bf16.native:
+        return torch.bfloat16, f"{bf16.reason}, so bf16 matmuls run at full speed"
+    return torch.float32, (f"{bf16.reason}: bf16 matmuls would be emulated at a fraction of float32's speed "
+                           "(pass --dtype bfloat16 to use it anyway)")
 
 
 def derive_max_model_len(hf_config: Any) -> int:
@@ -125,7 +140,9 @@ def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.de
     source = resolve_source(model_config.model, model_config.load_format)
     hf_config = _read_hf_config(source, model_config.trust_remote_code)
     resolve_architecture(hf_config)  # unsupported architectures fail here, before any weights are read
-    dtype = resolve_dtype(model_config.dtype, hf_config, resolve_device(device))
+    dtype, why = _resolve_dtype(model_config.dtype, hf_config, resolve_device(device))
+    if model_config.dtype == "auto":
+        logger.info("dtype auto -> %s: %s", _DTYPE_NAMES[dtype], why)
     model_config.max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     model_config.dtype = _DTYPE_NAMES[dtype]
     model_config.hf_config = hf_config

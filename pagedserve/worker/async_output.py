@@ -14,7 +14,7 @@ import torch
 from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
 from pagedserve.worker.sampler import SamplerOutput
 
-_FIELDS = ("sampled_token_ids", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
+_FIELDS = ("sampled_token_ids", "invalid", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
 
 
 class AsyncModelRunnerOutput:
@@ -60,15 +60,19 @@ class AsyncModelRunnerOutput:
             return out
         h = self._host
         tokens = h["sampled_token_ids"].tolist()
-        for req_id, tok in zip(self.sample_req_ids, tokens, strict=True):
-            out.sampled_token_ids[req_id] = [tok]
+        invalid = h["invalid"].tolist() if "invalid" in h else [False] * len(tokens)
+        for req_id, tok, bad in zip(self.sample_req_ids, tokens, invalid, strict=True):
+            if bad:
+                out.invalid_req_ids.append(req_id)
+            else:
+                out.sampled_token_ids[req_id] = [tok]
         if "sampled_logprobs" not in h:
             return out
         lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
         top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None
         top_lps = h["topk_logprobs"].tolist() if "topk_logprobs" in h else None
         for i, (req_id, k) in enumerate(zip(self.sample_req_ids, self.logprobs_k, strict=True)):
-            if k is None:
+            if k is None or invalid[i]:
                 continue
             out.logprobs[req_id] = LogprobsEntry(
                 token_id=tokens[i], logprob=lps[i], rank=ranks[i],

@@ -72,6 +72,10 @@ def _first_eos(eos) -> int | None:
 
 
 class ModelRunner:
+    """A ModelExecutor (executor/abstract.py) for one process and one device."""
+
+    supports_async_scheduling = True
+
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device | str | None = None,
                  eos_token_id: int | list[int] | None = None, vocab_size: int | None = None) -> None:
         self.config = config
@@ -302,6 +306,9 @@ class ModelRunner:
             self._prev_index = {r: i for i, r in enumerate(sample_ids)}
         ks = [ib.params[row].logprobs for row in rows]
         return AsyncModelRunnerOutput(req_ids, sample_ids, ks, sampled)
+
+    def shutdown(self) -> None:
+        """Nothing to release: the model and its caches go with the object."""
 
     def _gather_pending(self, req_ids: list[str], step: StepInputs) -> torch.Tensor:
         """Write each pending token (sampled by the previous step, still on the device)

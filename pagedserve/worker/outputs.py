@@ -24,6 +24,8 @@ class ModelRunnerOutput:
     # Only requests whose prompt is fully computed after this step get a token.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    # Requests whose logits were not a distribution (NaN/inf): they fail, the rest go on.
+    invalid_req_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

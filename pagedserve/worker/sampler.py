@@ -9,6 +9,12 @@ do not depend on which other requests share the batch.
 
 Every optional stage is skipped when no row in the batch uses it: an all-greedy
 batch without penalties costs one argmax.
+
+A row whose logits are not a distribution (a NaN or +inf anywhere, or every logit
+-inf) is reported in `SamplerOutput.invalid` instead of reaching the categorical
+draw, which would raise and take the whole batch (and the engine) down with it; that
+request fails alone.  Finding such rows costs nothing extra for greedy rows: the
+max that gives the argmax also tells whether the row is finite.
 """
 
 from __future__ import annotations
@@ -47,12 +53,13 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [N] int64
+    sampled_token_ids: torch.Tensor  # [N] int64 (0 on invalid rows: still a valid id to gather)
     # With logprobs requested (rows that did not ask simply ignore theirs):
     sampled_logprobs: torch.Tensor | None = None  # [N] float32
     sampled_ranks: torch.Tensor | None = None  # [N] int64, 1-based
     topk_token_ids: torch.Tensor | None = None  # [N, K]
     topk_logprobs: torch.Tensor | None = None  # [N, K]
+    invalid: torch.Tensor | None = None  # [N] bool: the row's logits were not a distribution
 
 
 class Sampler:
@@ -67,13 +74,15 @@ class Sampler:
         logits = self.apply_penalties(logits, md)
         if md.banned_rows is not None:
             logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        best, argmax = logits.max(-1)
+        invalid = ~torch.isfinite(best)  # NaN anywhere, +inf, or nothing left to sample
         if md.all_greedy:
-            sampled = logits.argmax(-1)
+            sampled = argmax
         else:
-            sampled = self.sample_random(logits, md)
+            sampled = self.sample_random(logits, md, invalid)
             if md.greedy is not None:
-                sampled = torch.where(md.greedy, logits.argmax(-1), sampled)
-        out = SamplerOutput(sampled)
+                sampled = torch.where(md.greedy, argmax, sampled)
+        out = SamplerOutput(sampled.masked_fill(invalid, 0), invalid=invalid)
         if raw_logprobs is not None:
             self.gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
         return out
@@ -102,8 +111,13 @@ class Sampler:
                 logits = logits - md.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
-    def sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def sample_random(self, logits: torch.Tensor, md: SamplingMetadata,
+                      invalid: torch.Tensor | None = None) -> torch.Tensor:
+        """One categorical draw per row; `invalid` rows draw from a uniform stand-in
+        (their token is discarded) so that the draw itself cannot fail."""
         logits = logits / md.temperature[:, None]
+        if invalid is not None:
+            logits.masked_fill_(invalid[:, None], 0.0)
         if md.min_p is not None:
             probs = logits.softmax(-1)
             threshold = probs.amax(-1, keepdim=True) * md.min_p[:, None]

@@ -14,6 +14,7 @@ from pagedserve.attention import cpu_paged
 from pagedserve.attention.cpu_paged import CpuPagedBackend, paged_decode
 from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.attention.torch_ref import TorchReferenceBackend
+from pagedserve.cpu_info import cpu_flags
 from tests.attention.test_torch_paged import make_case, run_backend
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
@@ -74,13 +75,26 @@ def test_kernel_matches_float32_math(dtype, heads, kv_heads, dim, bs):
     check_kernel(paged_decode(), dtype, heads, kv_heads, dim, bs)
 
 
+CPU_FLAGS = cpu_flags()
+
+
+@pytest.mark.skipif(not HAS_COMPILER or "avx2" not in CPU_FLAGS, reason="needs a C++ compiler and an AVX2 CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_avx2_build_matches_float32_math(dtype):
+    """The AVX2/FMA path a CPU without AVX-512 gets (most laptops, Zen 3), built here with
+    AVX-512 disabled: every head shape, block sizes with whole and partial 8-slot groups."""
+    kernel = cpu_paged.build(("-mno-avx512f",))
+    for heads, kv_heads, dim in HEAD_CONFIGS:
+        for bs in (16, 8):
+            check_kernel(kernel, dtype, heads, kv_heads, dim, bs)
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_portable_build_matches_float32_math(dtype):
-    """The loops a CPU without AVX-512 gets (most laptops), built here with it disabled."""
-    kernel = cpu_paged._build(("-mno-avx512f",))
+def test_plain_loop_build_matches_float32_math():
+    """The plain loops of a CPU with neither (built here with both disabled)."""
+    kernel = cpu_paged.build(("-mno-avx512f", "-mno-avx2", "-mno-fma"))
     for heads, kv_heads, dim in HEAD_CONFIGS[:3]:
-        check_kernel(kernel, dtype, heads, kv_heads, dim, 16)
+        check_kernel(kernel, torch.bfloat16, heads, kv_heads, dim, 16)
 
 
 def test_without_a_compiler_the_backend_keeps_the_torch_path(monkeypatch, caplog):
@@ -89,7 +103,7 @@ def test_without_a_compiler_the_backend_keeps_the_torch_path(monkeypatch, caplog
     def no_compiler():
         raise RuntimeError("Error building extension: c++: not found")
 
-    monkeypatch.setattr(cpu_paged, "_build", no_compiler)
+    monkeypatch.setattr(cpu_paged, "build", no_compiler)
     with caplog.at_level(logging.WARNING, logger="pagedserve"):
         backend = CpuPagedBackend(6, 2, 64, 64**-0.5, 16)
     assert backend.decode_kernel is None

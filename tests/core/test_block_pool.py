@@ -117,17 +117,3 @@ def test_reset_prefix_cache_only_when_idle():
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
     assert pool.num_cached_blocks == 0 and all(b.block_hash is None for b in pool.blocks)
-
-
-def test_cache_full_blocks_accepts_a_request():
-    from core_helpers import make_request
-
-    from pagedserve.core.kv_cache_utils import hash_request_tokens
-
-    pool = BlockPool(6, enable_caching=True)
-    req = make_request("a", 9)
-    blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(req, blocks, 0, 2, 4)
-    assert req.block_hashes == hash_request_tokens(req.all_token_ids, 4)
-    assert [pool.get_cached_block(h) for h in req.block_hashes] == blocks[:2]
-    assert blocks[2].block_hash is None

@@ -24,7 +24,7 @@ def test_allocation_arithmetic_and_block_ids():
     assert kvm.usage == pytest.approx(3 / 9)
     # Decode steps: tokens 11 and 12 fit in block 3; token 13 needs a new block.
     for expected in ([], [], [4]):
-        req.append_output_token_ids(5)
+        req.append_output_token_id(5)
         new = kvm.allocate_slots(req, 1)
         req.num_computed_tokens += 1
         assert [b.block_id for b in new] == expected
@@ -117,13 +117,14 @@ def test_free_releases_tail_first_so_prefix_survives_longest():
     assert hit == 6
 
 
-def test_stats_count_a_request_once_and_keep_resumptions_apart():
+def test_stats_count_an_admission_once_and_keep_resumptions_apart():
     kvm = KVCacheManager(20, 4, 64)
     req = make_request("a", 9)
     kvm.get_computed_blocks(req)
-    kvm.get_computed_blocks(req)  # blocked at the queue head, looked up again
-    assert kvm.prefix_cache_queries == 9 and kvm.prefix_cache_requests == 1
+    kvm.get_computed_blocks(req)  # blocked at the queue head, looked up again: no side effects
+    assert kvm.prefix_cache_queries == 0 and kvm.prefix_cache_requests == 0
     admit(kvm, req)
+    assert kvm.prefix_cache_queries == 9 and kvm.prefix_cache_requests == 1
     kvm.free(req)
     req.num_computed_tokens = 0
     req.num_preemptions = 1

@@ -9,7 +9,7 @@ def test_token_bookkeeping():
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_id=2, arrival_time=5.0, priority=1)
     assert (req.num_tokens, req.num_prompt_tokens, req.num_output_tokens) == (3, 3, 0)
     assert req.status == RequestStatus.WAITING and req.num_computed_tokens == 0 and req.num_preemptions == 0
-    req.append_output_token_ids(9)
+    req.append_output_token_id(9)
     req.append_output_token_ids([8, 7])
     assert req.output_token_ids == [9, 8, 7] and req.all_token_ids == [1, 2, 3, 9, 8, 7]
     assert req.num_tokens == 6 and req.num_output_tokens == 3 and req.prompt_token_ids == [1, 2, 3]

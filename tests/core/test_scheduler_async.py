@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.core.kv_cache_utils import cdiv
+from pagedserve.core.async_scheduler import AsyncScheduler
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.utils import cdiv
 
 VOCAB = 21
 
@@ -31,10 +32,10 @@ def sample(rid: str, context: list[int]) -> int:
     return (sum(context) * 2654435761 + len(context) * 40503 + len(rid)) % VOCAB
 
 
-def make_async_scheduler(**kw) -> Scheduler:
+def make_async_scheduler(**kw) -> AsyncScheduler:
     sched = make_scheduler(**kw)
     sched.scheduler_config.async_scheduling = True
-    return Scheduler(sched.scheduler_config, sched.kv_cache_manager)
+    return AsyncScheduler(sched.scheduler_config, sched.kv_cache_manager)
 
 
 class Launched:
@@ -161,7 +162,7 @@ def test_outputs_match_and_everything_is_freed():
     for r in reqs:
         assert r.output_token_ids == expected_outputs(r, 64) and r.is_finished()
         assert r.num_output_placeholders in (0, 1)  # 1: stopped one step late, its extra token dropped
-    assert sched.kv_cache_manager.usage == 0 and not sched._deferred_free and sched.num_inflight_steps == 0
+    assert sched.kv_cache_manager.usage == 0 and sched.num_deferred_frees == 0 and sched.num_inflight_steps == 0
     assert loop.runner.num_pending_reads > 0
 
 
@@ -330,16 +331,19 @@ class AsyncSchedulerMachine(RuleBasedStateMachine):
         pool = kvm.block_pool
         free_ids = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
         holders = Counter()
+        num_finished_holders = 0
         for rid, blocks in kvm.req_to_blocks.items():
-            if rid in sched._deferred_free:
-                assert sched._deferred_free[rid].is_finished()
+            request = sched.requests.get(rid)
+            if request is None or request.is_finished():  # blocks kept for an in-flight step
+                num_finished_holders += 1
             else:
-                assert sched.requests[rid].status == RequestStatus.RUNNING
+                assert request.status == RequestStatus.RUNNING
             for b in blocks:
                 holders[b.block_id] += 1
+        assert num_finished_holders == sched.num_deferred_frees
         for b in pool.blocks[1:]:
             assert (b.ref_cnt == 0) == (b.block_id in free_ids) and b.ref_cnt == holders[b.block_id], b
-        assert len(sched._inflight) <= 1
+        assert sched.num_inflight_steps <= 1
         for r in sched.waiting:
             assert r.num_computed_tokens == 0 and r.request_id not in kvm.req_to_blocks
         assert all(r.status == RequestStatus.RUNNING for r in sched.running)
@@ -348,7 +352,7 @@ class AsyncSchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         self.loop.run(3000)
-        assert self.kvm.usage == 0 and self.kvm.req_to_blocks == {} and not self.sched._deferred_free
+        assert self.kvm.usage == 0 and self.kvm.req_to_blocks == {} and self.sched.num_deferred_frees == 0
         for rid, req in self.added.items():
             assert req.is_finished()
             if rid not in self.aborted:

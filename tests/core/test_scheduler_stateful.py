@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.core.kv_cache_utils import cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.utils import cdiv
 
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [11] * 12]
 VOCAB = 21  # small, so EOS (0) and stop ids come up by chance
@@ -170,7 +170,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                         assert sched.requests[rid].block_hashes[idx] == b.block_hash
         for h, b in pool.cached_block_hash_to_block.items():
             assert b.block_hash == h
-        assert kvm.usage == 1 - len(free) / (pool.num_gpu_blocks - 1)
+        assert kvm.usage == 1 - len(free) / (pool.num_blocks - 1)
 
     @invariant()
     def queues_are_consistent(self):

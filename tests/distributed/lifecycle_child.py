@@ -13,7 +13,7 @@ if __name__ == "__main__":
     prompts = [[i + 3] * 16 for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     llm = LLM(path, **args)
-    print("PIDS", *llm.llm_engine.model_runner.worker_pids, flush=True)
+    print("PIDS", *llm.llm_engine.model_executor.worker_pids, flush=True)
     try:
         while True:
             llm.generate(prompts, params, use_tqdm=False)
@@ -21,10 +21,10 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         # Mid-step (the usual case) the executor has shut itself down already: the ranks
         # were left out of step.  Between steps it still works; shutdown() is idempotent.
-        print("INTERRUPTED", llm.llm_engine.model_runner._closed, flush=True)
+        print("INTERRUPTED", llm.llm_engine.model_executor._closed, flush=True)
         llm.shutdown()
     llm2 = LLM(path, **args)
-    print("PIDS2", *llm2.llm_engine.model_runner.worker_pids, flush=True)
+    print("PIDS2", *llm2.llm_engine.model_executor.worker_pids, flush=True)
     out = llm2.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     print("DONE", len(out[0].outputs[0].token_ids), flush=True)
     # no shutdown(): the executor's atexit hook stops the worker

@@ -19,7 +19,7 @@ from pagedserve import LLM
 from pagedserve.config import EngineConfig, ModelConfig, ParallelConfig
 from pagedserve.distributed.parallel_state import TPGroup, get_tp_group, tp_group_scope
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.executor import validate_tensor_parallel
+from pagedserve.executor.multiproc_executor import validate_tensor_parallel
 from pagedserve.model_loader import get_model, load_model_config
 from pagedserve.model_loader.weight_utils import LazySlice
 

@@ -22,7 +22,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.executor import TensorParallelError
+from pagedserve.executor.multiproc_executor import TensorParallelError
 from tests.distributed.conftest import VOCAB, process_alive
 from tests.e2e.token_prompts import shared_prefix_prompts
 
@@ -62,7 +62,7 @@ def _variant(llm: LLM, sched: dict, cache: dict) -> LLM:
     cfg = engine.config
     cfg = dataclasses.replace(cfg, scheduler_config=dataclasses.replace(cfg.scheduler_config, **sched),
                               cache_config=dataclasses.replace(cfg.cache_config, **cache))
-    return LLM.from_engine(LLMEngine(cfg, engine.model_runner, engine.tokenizer))
+    return LLM.from_engine(LLMEngine(cfg, engine.model_executor, engine.tokenizer))
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-kv{m[1]}")
@@ -93,7 +93,7 @@ def test_tp2_greedy_equals_tp1(tp2, variant: str) -> None:
 
 def test_shutdown_stops_every_worker(tp2) -> None:
     path, llm = tp2
-    executor = llm.llm_engine.model_runner
+    executor = llm.llm_engine.model_executor
     pids = executor.worker_pids
     assert pids and all(process_alive(p) for p in pids)
     with pytest.raises(RuntimeError, match="shut that one down first"):
@@ -121,7 +121,7 @@ def test_small_kv_cache_then_a_killed_worker(tp_checkpoint) -> None:
     _assert_same(_greedy(ref_llm, prompts), _greedy(llm, prompts), "kv_cache_memory_bytes")
     assert llm.llm_engine.get_stats().num_preemptions > 0
 
-    engine, executor = llm.llm_engine, llm.llm_engine.model_runner
+    engine, executor = llm.llm_engine, llm.llm_engine.model_executor
     pid = executor.worker_pids[0]
     killed_at: list[float] = []
     base_tokens = engine.get_stats().num_generation_tokens
@@ -152,7 +152,7 @@ def test_small_kv_cache_then_a_killed_worker(tp_checkpoint) -> None:
 
 def test_a_failing_worker_is_reported_with_its_error(tp_checkpoint) -> None:
     llm = LLM(tp_checkpoint("llama", 1), tensor_parallel_size=2, **BASE)
-    executor = llm.llm_engine.model_runner
+    executor = llm.llm_engine.model_executor
     pid = executor.worker_pids[0]
     # Only rank 1 gets this call: it raises there, reports, and exits.
     executor._channel.broadcast(("no_such_method", (), False), executor._check, 5)
@@ -171,7 +171,7 @@ def test_executor_runs_a_single_rank(tp_checkpoint) -> None:
     import torch
 
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.executor import MultiprocExecutor
+    from pagedserve.executor.multiproc_executor import MultiprocExecutor
 
     path = tp_checkpoint("qwen3", 2)
     config = EngineArgs(model=path, **BASE).create_engine_config()

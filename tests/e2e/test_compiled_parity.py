@@ -24,14 +24,14 @@ def test_compiled_matches_eager_and_compiles_once(arch, tiny_checkpoint, monkeyp
     model_dir, cfg = tiny_checkpoint(arch)
     prompts = shared_prefix_prompts(cfg.vocab_size)
     eager = LLM(model_dir, dtype="float32", torch_compile=False, max_num_batched_tokens=48)
-    assert eager.llm_engine.model_runner.compiled is None
+    assert eager.llm_engine.model_executor.compiled is None
     want_batch, want_one = greedy(eager, prompts), greedy(eager, prompts[:1])
     del eager
 
     # The default (no argument, no PAGEDSERVE_TORCH_COMPILE) compiles on CPU.
     monkeypatch.delenv("PAGEDSERVE_TORCH_COMPILE", raising=False)
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=48)  # 48: prompts are chunked
-    assert llm.llm_engine.model_runner.compiled is not None
+    assert llm.llm_engine.model_executor.compiled is not None
     graphs = counters["stats"]["unique_graphs"]
     got_batch, got_one = greedy(llm, prompts), greedy(llm, prompts[:1])  # the latter decodes 1 token/step
     assert counters["stats"]["unique_graphs"] == graphs, "a step shape recompiled the model"

@@ -58,7 +58,7 @@ def _guard_frees(engine) -> None:
 
     def checked(request):
         if request.is_finished():  # (a preemption frees a running request's blocks on purpose)
-            assert not sched._in_flight(request), f"{request.request_id}'s blocks freed while in flight"
+            assert not sched.is_in_flight(request), f"{request.request_id}'s blocks freed while in flight"
         free(request)
 
     kvm.free = checked
@@ -74,8 +74,8 @@ def _make(model_dir: str, overlap: bool, **kw) -> LLM:
 
 def _check_idle(llm: LLM) -> None:
     engine = llm.llm_engine
-    assert not engine.has_unfinished_requests() and engine._inflight is None
-    assert engine.scheduler.num_inflight_steps == 0 and not engine.scheduler._deferred_free
+    assert not engine.has_unfinished_requests()  # no step in flight either
+    assert engine.scheduler.num_inflight_steps == 0 and engine.scheduler.num_deferred_frees == 0
     assert engine.get_stats().kv_cache_usage == 0
 
 
@@ -102,7 +102,7 @@ def test_overlap_matches_sync(variant, tiny_checkpoint):
     ref = _summary(sync.generate(prompts, params, use_tqdm=False))
     assert any(c[1] == "stop" for r in ref for c in r), "no request stopped early: the test lost its point"
     overlap = _make(model_dir, True, **VARIANTS[variant])
-    runner = overlap.llm_engine.model_runner
+    runner = overlap.llm_engine.model_executor
     gathers = 0
     gather = runner._gather_pending
 
@@ -160,7 +160,7 @@ def test_abort_everything_while_in_flight_leaves_the_engine_idle(tiny_checkpoint
     engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50))
     assert engine.step() == []  # launched; its results come with the next step
-    assert engine._inflight is not None and engine.has_unfinished_requests()
+    assert engine.scheduler.num_inflight_steps == 1 and engine.has_unfinished_requests()
     engine.abort_request("a")
     _check_idle(llm)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=5),
@@ -186,7 +186,7 @@ def test_gpu_graphs_and_overlap_match_eager(dtype, tiny_checkpoint):
         for overlap in (False, True):
             llm = LLM(model_dir, dtype=dtype, device="cuda", enforce_eager=eager, async_scheduling=overlap,
                       max_num_seqs=20)
-            runner = llm.llm_engine.model_runner
+            runner = llm.llm_engine.model_executor
             assert (runner.graph_runner is None) == eager
             results[eager, overlap] = [list(o.outputs[0].token_ids)
                                        for o in llm.generate(prompts, params, use_tqdm=False)]

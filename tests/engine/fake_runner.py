@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import torch
+
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.worker.outputs import LogprobsEntry
@@ -17,10 +19,21 @@ class FakeRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    invalid_req_ids: list[str] = field(default_factory=list)
 
 
 class FakeRunner:
-    """next token = script(output_index, prompt_token_ids); logprob -0.25 * (rank)."""
+    """next token = script(output_index, prompt_token_ids); logprob -0.25 * (rank).
+    A script returning None makes that request's logits invalid (the sampler's NaN case)."""
+
+    device = torch.device("cpu")
+    supports_async_scheduling = False
+
+    def shutdown(self) -> None:
+        pass
+
+    def execute_model_async(self, so):
+        raise NotImplementedError
 
     def __init__(self, script: Callable[[int, list[int]], int]) -> None:
         self.script = script
@@ -43,7 +56,7 @@ class FakeRunner:
         for rid, new, comp in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens, strict=True):
             self.tokens[rid].extend(new)
             self.computed[rid] = comp
-        sampled, logprobs = {}, {}
+        sampled, logprobs, invalid = {}, {}, []
         for rid, n in so.num_scheduled_tokens.items():
             self.computed[rid] += n
             toks = self.tokens[rid]
@@ -51,9 +64,12 @@ class FakeRunner:
                 continue
             p = self.prompt_len[rid]
             t = self.script(len(toks) - p, toks[:p])
+            if t is None:
+                invalid.append(rid)
+                continue
             sampled[rid] = [t]
             logprobs[rid] = LogprobsEntry(t, -0.5, 2, [t + 1, t], [-0.25, -0.5])
-        return FakeRunnerOutput(list(so.num_scheduled_tokens), sampled, logprobs)
+        return FakeRunnerOutput(list(so.num_scheduled_tokens), sampled, logprobs, invalid)
 
 
 def make_engine(script=lambda i, prompt: 10 + i % 50, tokenizer=None, vocab_size: int = 400,

@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve.engine.output_processor import RequestOutputKind
+from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_runner import make_engine, run_to_completion
 from tests.engine.helpers import make_tokenizer
@@ -52,7 +57,7 @@ def test_bad_requests_raise_and_leave_others_running(tok) -> None:
         ([1, len(tok)], "outside the vocabulary"),
         ([1, -3], "outside the vocabulary"),
         ([1, 2.5], "not an integer"),
-        (list(range(1, 129)), "maximum model length"),
+        (list(range(1, 129)), "maximum context length"),
         (42, "a prompt must be"),
         ({"text": "hi"}, "keys 'prompt'"),
     ]
@@ -238,3 +243,55 @@ def test_chat_template(tok) -> None:
         engine.apply_chat_template(msgs, chat_template="{{ raise_exception('nope') }}")
     with pytest.raises(ValueError, match="no tokenizer"):
         make_engine().apply_chat_template(msgs)
+
+
+def test_a_request_with_invalid_logits_fails_alone() -> None:
+    # The runner reports request "bad" as invalid (its logits were NaN) on its 3rd token.
+    engine = make_engine(script=lambda i, prompt: None if prompt == [9, 9] and i == 2 else 10 + i)
+    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=6))
+    engine.add_request("bad", [9, 9], SamplingParams(max_tokens=6))
+    final = run_to_completion(engine)
+    assert final["bad"].outputs[0].finish_reason == "error" and final["bad"].outputs[0].token_ids == [10, 11]
+    assert final["good"].outputs[0].finish_reason == "length" and len(final["good"].outputs[0].token_ids) == 6
+    assert engine.get_stats().kv_cache_usage == 0
+    engine.add_request("after", [4, 5], SamplingParams(max_tokens=3))
+    assert run_to_completion(engine)["after"].outputs[0].finish_reason == "length"
+
+
+def test_engine_limits_name_their_field() -> None:
+    engine = make_engine(max_n=4, max_logprobs=5)
+    cases = [(SamplingParams(n=5), "n"), (SamplingParams(logprobs=6), "logprobs"),
+             (SamplingParams(stop_token_ids=[400]), "stop_token_ids")]
+    for params, field in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("x", [1, 2], params)
+        assert e.value.param == field and field in str(e.value)
+    with pytest.raises(InvalidRequestError, match="Got priority 3 but Priority scheduling is not enabled") as e:
+        engine.add_request("x", [1, 2], SamplingParams(), priority=3)
+    assert e.value.param == "priority"
+    assert not engine.has_unfinished_requests()
+    make_engine(scheduling_policy="priority").add_request("x", [1, 2], SamplingParams(), priority=3)
+
+
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "max_tokens", "min_tokens", "logprobs")
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from(SAMPLING_FIELDS),
+       value=st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 10**30, -(10**30), -1, 0, 2**63,
+                              "1", None, [], True]))
+def test_hostile_sampling_values_never_reach_the_engine(field, value):
+    """Set after construction (bypassing __post_init__): the engine re-validates, refuses
+    with ValueError and a good request runs afterwards."""
+    engine = make_engine(max_model_len=64)
+    params = SamplingParams(max_tokens=4)
+    setattr(params, field, value)
+    try:
+        engine.add_request("x", [1, 2, 3], params)
+    except (ValueError, TypeError):
+        assert not engine.has_unfinished_requests()
+    else:
+        run_to_completion(engine)
+    engine.add_request("good", [1, 2], SamplingParams(max_tokens=2))
+    assert run_to_completion(engine)["good"].outputs[0].finish_reason == "length"

@@ -7,30 +7,30 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 from fake_runner import make_engine
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import _resolve_async_scheduling
 
 
-class _AsyncRunner:
-    def __init__(self, device_type: str) -> None:
-        self.device = type("D", (), {"type": device_type})()
-
-    def execute_model_async(self, so):  # pragma: no cover - only its presence matters here
-        raise AssertionError
+class _Executor:
+    def __init__(self, device_type: str, supports_async: bool = True) -> None:
+        self.device = torch.device(device_type)
+        self.supports_async_scheduling = supports_async
 
 
 def test_default_is_on_for_cuda_only():
-    assert _resolve_async_scheduling(None, _AsyncRunner("cuda")) is True
-    assert _resolve_async_scheduling(None, _AsyncRunner("cpu")) is False
-    assert _resolve_async_scheduling(False, _AsyncRunner("cuda")) is False
-    assert _resolve_async_scheduling(True, _AsyncRunner("cpu")) is True
-    assert _resolve_async_scheduling(None, object()) is False  # e.g. the tensor-parallel executor
+    assert _resolve_async_scheduling(None, _Executor("cuda")) is True
+    assert _resolve_async_scheduling(None, _Executor("cpu")) is False
+    assert _resolve_async_scheduling(False, _Executor("cuda")) is False
+    assert _resolve_async_scheduling(True, _Executor("cpu")) is True
+    # e.g. the tensor-parallel executor
+    assert _resolve_async_scheduling(None, _Executor("cuda", supports_async=False)) is False
 
 
 def test_runner_without_async_launch_is_refused():
-    with pytest.raises(ValueError, match="async_scheduling=True needs a model runner"):
+    with pytest.raises(ValueError, match="async_scheduling=True needs a model executor"):
         make_engine(async_scheduling=True)
     engine = make_engine()  # the fake runner: default resolves to off
     assert engine.async_scheduling is False and engine.config.scheduler_config.async_scheduling is False

@@ -114,3 +114,27 @@ def test_bad_models_are_clear_errors(tmp_path, tiny_dir) -> None:
         LLM(str(broken))
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_dir, max_model_len=10**6)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nan_logits_fail_one_request_and_the_engine_goes_on(tiny_dir, overlap) -> None:
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=128, async_scheduling=overlap)
+    model = llm.llm_engine.model_executor.model
+    compute_logits = model.compute_logits
+
+    def nan_in_row_0(hidden):
+        logits = compute_logits(hidden)
+        logits[0] = float("nan")  # the first request of every step (what a broken kernel could do)
+        return logits
+
+    model.compute_logits = nan_in_row_0
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], params, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
+    # The second request moved to row 0 once the first failed, so it fails a step later.
+    assert outs[1].outputs[0].finish_reason == "error"
+    model.compute_logits = compute_logits
+    [ok] = llm.generate({"prompt_token_ids": [5, 6, 7]}, params[0], use_tqdm=False)
+    assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 6
+    assert llm.llm_engine.get_stats().kv_cache_usage == 0

@@ -161,3 +161,17 @@ def test_logprobs_are_raw_with_ranks_and_top_k():
     assert out.topk_token_ids.shape == (3, 5)
     torch.testing.assert_close(out.topk_logprobs, raw.topk(5).values)
     assert int(out.sampled_ranks[1]) == 1
+
+
+@pytest.mark.parametrize("temperatures", [[0.0] * 4, [1.0] * 4, [0.0, 0.7, 0.0, 1.3]])
+def test_rows_that_are_not_distributions_are_flagged_not_raised(temperatures):
+    logits = rand_logits(4)
+    logits[1, 5] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 7] = float("inf")
+    params = [SamplingParams(temperature=t, top_p=0.9, min_p=0.05, seed=i if t else None, logprobs=2)
+              for i, t in enumerate(temperatures)]
+    out = sample(params, logits)  # a categorical draw on these rows would raise: it must not
+    assert out.invalid.tolist() == [False, True, True, True]
+    assert out.sampled_token_ids[1:].tolist() == [0, 0, 0]  # a valid id for the next step's gather
+    assert 0 <= out.sampled_token_ids[0] < VOCAB

@@ -6,8 +6,10 @@
 // block prefetched while this one is used: first the scores of all its query heads
 // (16 slots at a time, partial sums reduced by a transpose-add tree), then a
 // vectorised exp and sum per head, then the weighted sum of V with the accumulators in
-// registers across each block.  With AVX-512 (compiled with -march=native) those
-// loops are intrinsics; without it they are plain loops the compiler vectorises.
+// registers across each block.  Compiled with -march=native, those loops are AVX-512
+// intrinsics (16 slots at a time) where the CPU has AVX-512, AVX2/FMA intrinsics (8
+// slots at a time) where it has AVX2 (most laptops, Zen 3 servers), and plain loops
+// the compiler vectorises elsewhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -76,7 +78,7 @@ inline __m512 sum16(const __m512* a) {
 // Scores of 16 consecutive slots of one block (rows k, k + k_stride, ...; the first n
 // are real, the rest are read but masked) for the G query heads.
 template <typename scalar_t, int64_t D>
-inline void qk_block16(const float* q, int64_t G, const scalar_t* k, int64_t k_stride, int64_t n,
+inline void qk_block(const float* q, int64_t G, const scalar_t* k, int64_t k_stride, int64_t n,
                        float* scores, int64_t L, float* mx) {
   constexpr int64_t NV = D / 16;
   __m512 a[8][16];  // [g][slot] partial sums; G <= 8 here
@@ -98,7 +100,7 @@ inline void qk_block16(const float* q, int64_t G, const scalar_t* k, int64_t k_s
     mx[g] = std::max(mx[g], _mm512_reduce_max_ps(r));
   }
 }
-constexpr bool kHaveBlock16 = true;
+constexpr int64_t kSlots = 16;  // slots per qk_block
 
 // acc[g] += sum over the n slots s of p[g * L + s] * v[s] for the G query heads, the
 // accumulators held in registers across the block (G is a template argument for that).
@@ -188,9 +190,164 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
       _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
   }
 }
-#else
-constexpr bool kHaveBlock16 = false;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+constexpr int64_t kSlots = 8;  // slots per qk_block
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// r[i] = sum of a[i]'s 8 lanes, for 8 vectors at once: horizontal adds pair them up to
+// low/high-half sums, one cross-lane add finishes.
+inline __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of 8 consecutive slots of one block (the first n real, the rest read but
+// masked) for the G query heads.  One head at a time keeps its 8 partial sums, a q
+// vector and a k vector in registers (AVX2 has 16); the block's k rows stay in L1.
+template <typename scalar_t, int64_t D>
+inline void qk_block(const float* q, int64_t G, const scalar_t* k, int64_t k_stride, int64_t n,
+                     float* scores, int64_t L, float* mx) {
+  constexpr int64_t NV = D / 8;
+  const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    __m256 a[8];
+    for (int64_t s = 0; s < 8; ++s) a[s] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < NV; ++c) {
+      const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
+      for (int64_t s = 0; s < 8; ++s) a[s] = _mm256_fmadd_ps(qv, load8(k + s * k_stride + 8 * c), a[s]);
+    }
+    const __m256 r = _mm256_blendv_ps(neg_inf, sum8(a), _mm256_castsi256_ps(valid));
+    _mm256_maskstore_ps(scores + g * L, valid, r);
+    mx[g] = std::max(mx[g], hmax8(r));
+  }
+}
+
+// acc[g] += sum over the n slots s of p[g * L + s] * v[s] for the G query heads.  The
+// accumulators of CW vectors of each head stay in registers across the block (G * CW
+// of them plus CW loads fit AVX2's 16), so wide heads take several passes over V.
+template <typename scalar_t, int64_t D, int64_t G>
+inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_t n, float* acc, int64_t L) {
+  constexpr int64_t NV = D / 8;
+  constexpr int64_t CW = G <= 2 ? 4 : (G <= 4 ? 2 : 1);
+  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
+    __m256 a[G][CW];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < CW; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
+    for (int64_t s = 0; s < n; ++s) {
+      __m256 vv[CW];
+      for (int64_t j = 0; j < CW; ++j) vv[j] = load8(v + s * v_stride + 8 * (c0 + j));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 pg = _mm256_set1_ps(p[g * L + s]);
+        for (int64_t j = 0; j < CW; ++j) a[g][j] = _mm256_fmadd_ps(pg, vv[j], a[g][j]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < CW; ++j) _mm256_storeu_ps(acc + g * D + 8 * (c0 + j), a[g][j]);
+  }
+}
+
+template <typename scalar_t, int64_t D>
+inline bool pv_block_any(int64_t G, const float* p, const scalar_t* v, int64_t v_stride, int64_t n, float* acc,
+                         int64_t L) {
+  switch (G) {
+    case 1: pv_block<scalar_t, D, 1>(p, v, v_stride, n, acc, L); return true;
+    case 2: pv_block<scalar_t, D, 2>(p, v, v_stride, n, acc, L); return true;
+    case 3: pv_block<scalar_t, D, 3>(p, v, v_stride, n, acc, L); return true;
+    case 4: pv_block<scalar_t, D, 4>(p, v, v_stride, n, acc, L); return true;
+    case 5: pv_block<scalar_t, D, 5>(p, v, v_stride, n, acc, L); return true;
+    case 6: pv_block<scalar_t, D, 6>(p, v, v_stride, n, acc, L); return true;
+    case 7: pv_block<scalar_t, D, 7>(p, v, v_stride, n, acc, L); return true;
+    case 8: pv_block<scalar_t, D, 8>(p, v, v_stride, n, acc, L); return true;
+    default: return false;
+  }
+}
+
+// exp(x) for 8 lanes, x <= 0: as exp16 below, with 2^n built in the exponent bits
+// (AVX2 has no scalef); x >= -87.3 keeps 2^n a normal float.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float exp_sum(float* s, int64_t L, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum8(sum);
+  for (; t < L; ++t) {
+    s[t] = std::exp(s[t] - m);
+    total += s[t];
+  }
+  return total;
+}
+
+// One row at a time, for block sizes that are not a multiple of 8 and G > 8.
+template <typename scalar_t, int64_t D>
+inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, int64_t L, float* mx) {
+  constexpr int64_t NV = D / 8;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k));
+    for (int64_t c = 1; c < NV; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(k + 8 * c), acc);
+    const float dot = hsum8(acc);
+    scores[g * L] = dot;
+    mx[g] = std::max(mx[g], dot);
+  }
+}
+
+template <typename scalar_t, int64_t D>
+inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int64_t L) {
+  constexpr int64_t NV = D / 8;
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 pg = _mm256_set1_ps(p[g * L]);
+    float* ag = acc + g * D;
+    for (int64_t c = 0; c < NV; ++c)
+      _mm256_storeu_ps(ag + 8 * c, _mm256_fmadd_ps(pg, load8(v + 8 * c), _mm256_loadu_ps(ag + 8 * c)));
+  }
+}
+#else
+constexpr int64_t kSlots = 0;  // no blocked path: row by row
 template <typename scalar_t, int64_t D>
 inline bool pv_block_any(int64_t, const float*, const scalar_t*, int64_t, int64_t, float*, int64_t) {
   return false;
@@ -205,7 +362,7 @@ inline float exp_sum(float* s, int64_t L, float m) {
   return sum;
 }
 template <typename scalar_t, int64_t D>
-inline void qk_block16(const float*, int64_t, const scalar_t*, int64_t, int64_t, float*, int64_t, float*) {}
+inline void qk_block(const float*, int64_t, const scalar_t*, int64_t, int64_t, float*, int64_t, float*) {}
 
 template <typename scalar_t, int64_t D>
 inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, int64_t L, float* mx) {
@@ -254,9 +411,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* slp = seq_lens.data_ptr<int32_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  // 16 slots at a time: whole 16-slot groups inside every block, and at most 8 query
-  // heads per KV head (the partial sums live on the stack).
-  const bool block16 = kHaveBlock16 && bs % 16 == 0 && G <= 8;
+  // kSlots slots at a time: whole groups inside every block, and at most 8 query heads
+  // per KV head (the partial sums live in registers or on the stack).
+  const bool blocked = kSlots > 0 && bs % kSlots == 0 && G <= 8;
 
   // One task per request: its blocks are streamed whole (every KV head of a slot is
   // adjacent), and the next block is prefetched while this one is computed on.
@@ -281,12 +438,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           else prefetch_block(vp + blocks[0] * vc_sb, block_bytes);
           const scalar_t* kb = kp + blocks[j] * kc_sb;
           const int64_t n = std::min(bs, L - j * bs);
-          if (block16) {
-            for (int64_t s0 = 0; s0 < n; s0 += 16)
+          if (blocked) {
+            for (int64_t s0 = 0; s0 < n; s0 += kSlots)
               for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-                qk_block16<scalar_t, D>(qf.data() + kvh * G * D, G, kb + s0 * kc_ss + kvh * kc_sh, kc_ss,
-                                        std::min<int64_t>(16, n - s0), scores.data() + kvh * G * L + j * bs + s0,
-                                        L, mx.data() + kvh * G);
+                qk_block<scalar_t, D>(qf.data() + kvh * G * D, G, kb + s0 * kc_ss + kvh * kc_sh, kc_ss,
+                                      std::min<int64_t>(kSlots, n - s0), scores.data() + kvh * G * L + j * bs + s0,
+                                      L, mx.data() + kvh * G);
             continue;
           }
           for (int64_t s = 0; s < n; ++s)

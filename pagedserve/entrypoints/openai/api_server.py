@@ -44,7 +44,8 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
@@ -107,7 +108,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(OpenAIError(str(exc)))
+        return error_response(OpenAIError(str(exc), param=exc.param if isinstance(exc, InvalidRequestError) else None))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -138,12 +139,14 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         return _json(ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
                                      for name in state.served_model_names]))
 
-    async def generate(serving, body, request: Request) -> Response:
-        """Both generation endpoints: validate, then stream (SSE) or answer once."""
+    async def generate(serving: OpenAIServing, body: Any, request: Request) -> Response:
+        """Both generation endpoints: validate, let the engine accept the request (its
+        refusals are 400s, before any byte is sent), then stream (SSE) or answer once."""
         model, prompts, params = serving.prepare(body)
+        request_id, streams = await serving.start(body, prompts, params)
         if body.stream:
-            return SSEResponse(serving.stream(body, model, prompts, params))
-        result = await cancel_on_disconnect(request, serving.full(body, model, prompts, params))
+            return SSEResponse(serving.stream(body, model, prompts, params, request_id, streams))
+        result = await cancel_on_disconnect(request, serving.full(body, model, prompts, params, request_id, streams))
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/completions")
@@ -176,8 +179,10 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         chat = state.chat
         if body.model is not None:
             chat.model_name(body.model)
-        if body.tokens:
-            chat.check_token_ids(body.tokens)
+        vocab = state.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
         return {"prompt": chat.tokenizer.decode(body.tokens) if chat.tokenizer is not None else ""}
 
     return app

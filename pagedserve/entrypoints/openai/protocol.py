@@ -2,22 +2,22 @@
 
 Requests accept the OpenAI fields plus vLLM's sampling extras (top_k, min_p, ...);
 fields we do not act on are accepted and ignored only when ignoring them cannot change
-the result (e.g. `user`), otherwise the request is refused with a 400 naming the field.
-Each request converts itself to `SamplingParams`, which does the range validation.
+the result (e.g. `user`), otherwise the request is refused with a 400 naming the field
+(`check_unsupported`).  Each request converts itself to `SamplingParams`, which does
+the range validation; `api_param` maps an engine-side field name in an error back to
+the name this request used.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
-
-# OpenAI caps logprobs at 5 (completions) / 20 (chat); we allow 20 for both, like vLLM.
-MAX_LOGPROBS = 20
 
 
 def random_id(prefix: str) -> str:
@@ -74,26 +74,69 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    # Accepted by vLLM and not implemented here yet: refused when set (check_unsupported),
+    # since ignoring any of them changes what the client gets.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    cache_salt: str | None = None
+
+    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs", "allowed_token_ids",
+        "bad_words", "cache_salt", "logit_bias")
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def api_params(self) -> dict[str, str]:
+        """Engine-side names (SamplingParams fields, "prompt") this request spells differently."""
+        return {}
+
+    def api_param(self, param: str | None) -> str | None:
+        """The field of this request that an engine-side parameter name stands for."""
+        return self.api_params().get(param, param) if param is not None else None
 
     def check_unsupported(self) -> None:
         """Refuse fields that would silently change the output if ignored."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for name in self.REFUSED_FIELDS:
+            if getattr(self, name) not in (None, {}, []):
+                raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError(
+                f"response_format of type {self.response_format.get('type')!r} is not supported by this server "
+                "(only 'text')", param="response_format")
         n_best = getattr(self, "best_of", None)
         if n_best is not None and n_best != self.n:
-            raise ValueError(f"best_of must equal n (best_of={n_best}, n={self.n}); best_of > n is not supported")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true")
+            raise InvalidRequestError(f"best_of must equal n (best_of={n_best}, n={self.n}); best_of > n is "
+                                      "not supported", param="best_of")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidRequestError("stream_options can only be set when stream is true",
+                                          param="stream_options")
+            if self.stream_options.continuous_usage_stats:
+                raise InvalidRequestError("stream_options.continuous_usage_stats is not supported by this server",
+                                          param="stream_options")
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """`default_max_tokens` is what is left of the context after the prompt."""
-        max_tokens = self._requested_max_tokens()
+    def to_sampling_params(self) -> SamplingParams:
+        """Without max_tokens the request may run to the end of the context."""
+        try:
+            return self._to_sampling_params()
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param=self.api_param(e.param)) from None
+
+    def _to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -108,7 +151,7 @@ class _SamplingFields(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=self.requested_max_tokens(),
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
@@ -124,16 +167,15 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def _num_logprobs(self) -> int | None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         return self.logprobs
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+            raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)",
+                                      param="echo")
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -150,24 +192,33 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
-    def _requested_max_tokens(self) -> int | None:
+    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = (*_SamplingFields.REFUSED_FIELDS, "tools", "chat_template_kwargs")
+
+    def api_params(self) -> dict[str, str]:
+        return {"prompt": "messages", "logprobs": "top_logprobs",
+                "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def _num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise ValueError("top_logprobs requires logprobs to be true")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice is not supported by this server (no tools)", param="tool_choice")
+        if self.continue_final_message:
+            raise InvalidRequestError("continue_final_message is not supported by this server",
+                                      param="continue_final_message")
         if not self.messages:
-            raise ValueError("messages must be a non-empty list")
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
 
 
 class TokenizeRequest(OpenAIBaseModel):

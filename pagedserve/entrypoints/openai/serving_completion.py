@@ -8,37 +8,42 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    random_id,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     TokenizedPrompt,
-    clamp_logprob,
     make_usage,
-    merge_async_iterators,
+    merge_streams,
+    request_failed,
     sse,
     sse_error,
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    id_prefix = "cmpl"
+
     def prepare(self, req: CompletionRequest) -> tuple[str, list[TokenizedPrompt], SamplingParams]:
         model = self.model_name(req.model)
-        req.check_unsupported()
+        try:
+            req.check_unsupported()
+            params = req.to_sampling_params()
+        except InvalidRequestError as e:
+            raise self.invalid(req, e) from None
         prompts = self._prompts(req.prompt)
-        # One SamplingParams for all prompts: an unset max_tokens fills the longest one's context.
-        max_tokens = min(self.check_length(len(p.token_ids), req.max_tokens) for p in prompts)
-        params = req.to_sampling_params(default_max_tokens=max_tokens)
-        self.check_params(params)
+        for p in prompts:
+            self.check_length(len(p.token_ids), req.max_tokens)
         return model, prompts, params
 
     def _prompts(self, prompt: str | list) -> list[TokenizedPrompt]:
@@ -50,36 +55,27 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise OpenAIError("prompt must not be empty", param="prompt")
-        out = []
-        for item in items:
-            if isinstance(item, str):
-                out.append(TokenizedPrompt(item, self.tokenize(item)))
-            else:
-                ids = list(item)
-                self.check_token_ids(ids)
-                text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
-                out.append(TokenizedPrompt(text, ids))
-            self.check_token_ids(out[-1].token_ids)
-        return out
+        return [TokenizedPrompt(item, self.tokenize(item)) if isinstance(item, str) else TokenizedPrompt(None, list(item))
+                for item in items]
 
-    def generators(self, prompts: list[TokenizedPrompt], params: SamplingParams, request_id: str,
-                   priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
-        gens = [self.engine.generate({"prompt_token_ids": p.token_ids, "prompt": p.text}, params,
-                                     f"{request_id}-{i}", priority=priority)
-                for i, p in enumerate(prompts)]
-        return merge_async_iterators(*gens)
+    def _echo(self, prompt: TokenizedPrompt) -> str:
+        """The prompt's text (token-id prompts are decoded; the engine has checked their ids)."""
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
 
-    async def full(self, req: CompletionRequest, model: str, prompts: list[TokenizedPrompt],
-                   params: SamplingParams) -> CompletionResponse:
-        request_id = random_id("cmpl")
+    async def full(self, req: CompletionRequest, model: str, prompts: list[TokenizedPrompt], params: SamplingParams,
+                   request_id: str, streams: list[RequestStream]) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async for i, out in self.generators(prompts, params, request_id, req.priority):
+        async for i, out in merge_streams(streams):
             finals[i] = out
         choices = []
         for i, out in enumerate(finals):
             assert out is not None and out.finished
-            prefix = (prompts[i].text or "") if req.echo else ""
+            prefix = self._echo(prompts[i]) if req.echo else ""
             for c in out.outputs:
+                if (err := request_failed(c.finish_reason)) is not None:
+                    raise err
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=prefix + c.text,
                     logprobs=self.logprobs(c, 0, params.logprobs, 0),
@@ -87,24 +83,26 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=make_usage([o for o in finals if o is not None]))
 
-    async def stream(self, req: CompletionRequest, model: str, prompts: list[TokenizedPrompt],
-                     params: SamplingParams) -> AsyncIterator[str]:
-        request_id = random_id("cmpl")
+    async def stream(self, req: CompletionRequest, model: str, prompts: list[TokenizedPrompt], params: SamplingParams,
+                     request_id: str, streams: list[RequestStream]) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        streams: dict[int, ChoiceStream] = {}
+        choice_streams: dict[int, ChoiceStream] = {}
         finals: dict[int, RequestOutput] = {}
         try:
-            async for i, out in self.generators(prompts, params, request_id, req.priority):
+            async for i, out in merge_streams(streams):
                 finals[i] = out
                 for c in out.outputs:
+                    if (err := request_failed(c.finish_reason)) is not None:
+                        raise err
                     index = i * params.n + c.index
-                    cs = streams.get(index)
+                    cs = choice_streams.get(index)
                     if cs is None:
-                        cs = streams[index] = ChoiceStream(params.stop_strings, params.include_stop_str_in_output)
+                        cs = choice_streams[index] = ChoiceStream()
                         if req.echo:
-                            cs.text_offset_before = len(prompts[i].text or "")
-                            yield self._chunk(request_id, created, model, index, prompts[i].text or "", None, None)
+                            echo = self._echo(prompts[i])
+                            cs.text_offset_before = len(echo)
+                            yield self._chunk(request_id, created, model, index, echo, None, None)
                     delta = cs.advance(c, want_tokens=params.logprobs is not None)
                     if delta is None:
                         continue
@@ -132,18 +130,14 @@ class OpenAIServingCompletion(OpenAIServing):
                  end: int | None = None) -> CompletionLogprobs | None:
         if k is None or c.logprobs is None:
             return None
-        end = len(c.token_ids) if end is None else end
         lp = CompletionLogprobs()
-        for pos in range(start, min(end, len(c.logprobs))):
-            tok, step = c.token_ids[pos], c.logprobs[pos]
-            chosen = step.get(tok)
-            s = self.token_str(tok, chosen)
+        for s, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
             lp.tokens.append(s)
-            lp.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
+            lp.token_logprobs.append(token_lp)
             lp.text_offset.append(offset)
             offset += len(s)
-            top = {self.token_str(t, v): clamp_logprob(v.logprob) for t, v in self.top_entries(step, k)}
-            if chosen is not None:
-                top.setdefault(s, clamp_logprob(chosen.logprob))
-            lp.top_logprobs.append(top)
+            top_dict = dict(top)
+            if token_lp is not None:
+                top_dict.setdefault(s, token_lp)
+            lp.top_logprobs.append(top_dict)
         return lp

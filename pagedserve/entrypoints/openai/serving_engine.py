@@ -1,8 +1,13 @@
-"""What the completion and chat handlers share: errors, model names, prompt
-tokenization with the context-length check, logprob formatting and SSE framing.
+"""What the completion and chat handlers share: errors, model names, the flow of one
+request (validate, hand to the engine, answer once or stream), the server's own
+context-length rule, the logprobs walk and SSE framing.
 
-Prompts are tokenized here, not in the engine, because the context-length error has to
-quote the prompt's token count, and the same ids then go to the engine unchanged.
+Every check on the request's content happens once: pydantic checks JSON types, the
+request model refuses fields we do not implement, `SamplingParams` checks ranges, and
+the engine (`add_request`, awaited before any byte of the response is sent) checks
+the prompt, the vocabulary and its own limits.  Their `InvalidRequestError`s become
+400s here, with `param` translated to the name the client used.  The one rule that is
+the server's alone is OpenAI's: max_tokens must fit in the context left by the prompt.
 """
 
 from __future__ import annotations
@@ -10,14 +15,23 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.engine.async_llm import AsyncLLM, RequestStream
+from pagedserve.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
+from pagedserve.errors import InvalidRequestError
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -35,10 +49,21 @@ class OpenAIError(Exception):
                                              code=self.code))
 
 
+def request_failed(finish_reason: str | None) -> OpenAIError | None:
+    """The error for a choice the engine ended with "error" (its logits were not finite)."""
+    if finish_reason != "error":
+        return None
+    return OpenAIError("The model produced non-finite logits (NaN or inf) for this request, so it was stopped; "
+                       "other requests are unaffected.", status=500, type="server_error")
+
+
 @dataclass
 class TokenizedPrompt:
     text: str | None
     token_ids: list[int]
+
+    def engine_prompt(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
 
 
 def sse(data: BaseModel | dict | str) -> str:
@@ -56,16 +81,18 @@ def sse_error(err: BaseException) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, served_model_names: list[str], max_model_len: int,
+    """One generation endpoint.  Subclasses turn a request body into prompts and
+    sampling params (`prepare`) and render the engine's outputs (`full`, `stream`)."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_model_len: int,
                  chat_template: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.chat_template = chat_template
-        # The model's vocabulary (it may be padded past the tokenizer's).
-        self.vocab_size = getattr(getattr(engine, "engine", None), "vocab_size", None) or (
-            len(self.tokenizer) if self.tokenizer is not None else None)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -75,47 +102,47 @@ class OpenAIServing:
                               code="model_not_found")
         return requested
 
-    # ------------------------------------------------------------------ prompts
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise OpenAIError("this model has no tokenizer; send the prompt as token ids")
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    # ------------------------------------------------------------------ one request
+    def prepare(self, req: Any) -> tuple[str, list[TokenizedPrompt], SamplingParams]:
+        raise NotImplementedError
 
-    def check_token_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise OpenAIError("The prompt must contain at least one token.", param="prompt")
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or
-               (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise OpenAIError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).",
-                              param="prompt")
+    async def start(self, req: Any, prompts: list[TokenizedPrompt],
+                    params: SamplingParams) -> tuple[str, list[RequestStream]]:
+        """Hand every prompt to the engine, which validates it; any refusal aborts the
+        ones already accepted and becomes a 400 before the response starts."""
+        request_id = random_id(self.id_prefix)
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, p.engine_prompt(), params, req.priority))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, ValueError):
+                raise self.invalid(req, e) from e
+            raise
+        return request_id, streams
 
-    def check_length(self, num_prompt: int, max_tokens: int | None) -> int:
-        """Return the max_tokens to use (the rest of the context when None)."""
+    @staticmethod
+    def invalid(req: Any, e: ValueError) -> OpenAIError:
+        param = req.api_param(e.param) if isinstance(e, InvalidRequestError) else None
+        return OpenAIError(str(e), param=param)
+
+    def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
+        """OpenAI's rule: prompt + max_tokens must fit in the context (an unset max_tokens
+        means "the rest of it"; a prompt that alone leaves no room is the engine's to refuse)."""
         limit = self.max_model_len
-        if max_tokens is None:
-            if num_prompt >= limit:
-                raise OpenAIError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{num_prompt} tokens in the messages. Please reduce the length of the messages.")
-            return limit - num_prompt
         if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt + max_tokens > limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion.")
-        return max_tokens
+                "completion). Please reduce the length of the messages or completion.", param="max_tokens")
 
-    def check_params(self, params: Any) -> None:
-        """What the engine would refuse only after a stream has started (as an in-band
-        error); checked here so the client gets a plain 400 instead."""
-        bad = [t for t in params.stop_token_ids if self.vocab_size is not None and t >= self.vocab_size]
-        if bad:
-            raise OpenAIError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})",
-                              param="stop_token_ids")
-        if params.stop_strings and self.tokenizer is None:
-            raise OpenAIError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
-                              param="stop")
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     # ------------------------------------------------------------------ logprobs
     def token_str(self, token_id: int, lp: Logprob | None = None) -> str:
@@ -125,11 +152,17 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def top_entries(self, step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-        """The k most likely tokens of one step, best first."""
-        ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf,
-                                                       -kv[1].logprob))
-        return ranked[:k]
+    def logprob_steps(self, c: CompletionOutput, start: int, end: int,
+                      k: int) -> Iterator[tuple[str, float | None, list[tuple[str, float]]]]:
+        """For each generated token in [start, end): (its text, its logprob or None, the
+        k most likely (text, logprob), best first); -inf is clamped for JSON."""
+        for pos in range(start, min(end, len(c.logprobs or ()))):
+            tok, step = c.token_ids[pos], c.logprobs[pos]
+            chosen = step.get(tok)
+            ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf,
+                                                           -kv[1].logprob))
+            top = [(self.token_str(t, v), clamp_logprob(v.logprob)) for t, v in ranked[:k]]
+            yield self.token_str(tok, chosen), clamp_logprob(chosen.logprob) if chosen else None, top
 
 
 def clamp_logprob(x: float) -> float:
@@ -137,8 +170,6 @@ def clamp_logprob(x: float) -> float:
 
 
 def make_usage(outputs: list[RequestOutput]) -> UsageInfo:
-    from pagedserve.entrypoints.openai.protocol import PromptTokensDetails
-
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
@@ -146,36 +177,40 @@ def make_usage(outputs: list[RequestOutput]) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-async def merge_async_iterators(*iterators: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several async iterators as (index, item); closing the merged iterator
-    cancels (and so aborts) every source that is still running."""
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, it: AsyncIterator[Any]) -> None:
-        try:
-            async for item in it:
-                await queue.put((i, item))
-            await queue.put((i, done))
-        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (index, output); leaving early (an error,
+    a cancelled handler, a closed SSE body) closes, and so aborts, every stream."""
     try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        if len(streams) == 1:
+            async for item in streams[0]:
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for item in stream:
+                    await queue.put((i, item))
+                await queue.put((i, done))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            s.close()

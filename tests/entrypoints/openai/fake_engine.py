@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -39,9 +40,12 @@ class FakeStats:
 
 
 class FakeEngine:
+    vocab_size = 256
+
     def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
-                 fail_after_steps: int | None = None) -> None:
+                 fail_after_steps: int | None = None, max_model_len: int = 4096) -> None:
         self.tokenizer = CharTokenizer()
+        self.max_model_len = max_model_len
         self.script = script
         self.step_time = step_time
         self.busy = busy  # burn the CPU in Python (holding the GIL) instead of sleeping
@@ -55,11 +59,19 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else (
             self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        # The engine's own checks, in its words.
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        if len(ids) + 1 > self.max_model_len:
+            raise InvalidRequestError(f"This model's maximum context length (max_model_len) is {self.max_model_len} "
+                                      f"tokens. However, the prompt has {len(ids)} tokens", param="prompt")
         if request_id in self.reqs:
             raise ValueError(f"duplicate request id {request_id}")
-        self.reqs[request_id] = (ids, params, [[] for _ in range(params.n)])
+        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))
+        self.reqs[request_id] = (ids, max_tokens, [[] for _ in range(params.n)])
 
     def abort_request(self, ids):
         self.thread_ids.add(threading.get_ident())
@@ -76,8 +88,9 @@ class FakeEngine:
     def get_stats(self) -> FakeStats:
         return FakeStats(num_running=len(self.reqs), kv_cache_usage=0.01 * len(self.reqs))
 
-    def apply_chat_template(self, messages, chat_template=None, add_generation_prompt=True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+    def encode_chat(self, messages, chat_template=None, add_generation_prompt=True) -> dict:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
@@ -91,12 +104,12 @@ class FakeEngine:
         elif self.step_time:
             time.sleep(self.step_time)
         outputs = []
-        for rid, (prompt, params, seqs) in list(self.reqs.items()):
+        for rid, (prompt, max_tokens, seqs) in list(self.reqs.items()):
             comps = []
             for i, toks in enumerate(seqs):
-                if len(toks) < params.max_tokens:
+                if len(toks) < max_tokens:
                     toks.append(ord(self.script[(len(toks) + i) % len(self.script)]))
-                done = len(toks) >= params.max_tokens
+                done = len(toks) >= max_tokens
                 comps.append(CompletionOutput(index=i, text=self.tokenizer.decode(toks), token_ids=list(toks),
                                               finish_reason="length" if done else None))
             finished = all(c.finish_reason for c in comps)

@@ -17,7 +17,9 @@ def make_app(engine: FakeEngine | None = None, api_key: str | None = None, ready
     state = ServerState(served_model_names=["fake", "alias"], api_key=api_key)
     app = build_app(state)
     if ready:
-        state.attach(AsyncLLM(engine or FakeEngine(), log_stats=False), max_model_len=64)
+        engine = engine or FakeEngine()
+        engine.max_model_len = 64
+        state.attach(AsyncLLM(engine, log_stats=False), max_model_len=64)
     return state, app
 
 
@@ -132,7 +134,8 @@ def test_auth_and_error_shapes():
     assert rs[4].json()["error"]["message"] == "n must be an integer >= 1, got 0"
     assert "top_logprobs requires logprobs" in rs[5].json()["error"]["message"]
     assert "prompt must not be empty" in rs[6].json()["error"]["message"]
-    assert "out of vocabulary" in rs[7].json()["error"]["message"]
+    assert "outside the vocabulary" in rs[7].json()["error"]["message"]
+    assert [r.json()["error"]["param"] for r in rs[4:8]] == ["n", "top_logprobs", "prompt", "prompt"]
 
 
 def test_prompt_only_context_error_and_default_max_tokens():
@@ -145,8 +148,9 @@ def test_prompt_only_context_error_and_default_max_tokens():
 
     long, fill = call(app, fn)
     assert long.status_code == 400
-    msg = long.json()["error"]["message"]
-    assert msg.startswith("This model's maximum context length is 64 tokens. However, you requested ")
+    # The engine's refusal, with the param named as the chat API calls it.
+    assert long.json()["error"]["message"].startswith("This model's maximum context length")
+    assert long.json()["error"]["param"] == "messages"
     # No max_tokens on chat: generate up to the end of the context.
     usage = fill.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64

@@ -106,7 +106,7 @@ def test_value_error_propagates_without_disturbing_others():
     async def main():
         llm = AsyncLLM(engine, log_stats=False)
         good = asyncio.ensure_future(collect(llm, "good", max_tokens=20))
-        with pytest.raises(ValueError, match="prompt must not be empty"):
+        with pytest.raises(ValueError, match="the prompt is empty"):
             await collect(llm, "bad", prompt=[])
         outs = await good
         # The engine still works afterwards, and the failed id can be reused.

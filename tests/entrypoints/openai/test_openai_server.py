@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 import openai
 import pytest
 from conftest import API_KEY, MODEL_NAME
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 PROMPT = "the quick brown fox"
 SPECIALS = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
@@ -215,3 +218,80 @@ def test_async_client_concurrent(server):
 
     texts, streamed = asyncio.run(main())
     assert len(set(texts)) == 1 and streamed == texts[0]
+
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(server, url: str, body: dict) -> httpx.Response:
+    # Sent as raw text: json.dumps writes NaN / Infinity literals, which Python's parser accepts.
+    import json
+
+    return httpx.post(server.url + url, content=json.dumps(body), timeout=60,
+                      headers={**AUTH, "Content-Type": "application/json"})
+
+
+def _chat(**kw) -> dict:
+    return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, **kw}
+
+
+def test_non_finite_sampling_values_are_400s_and_the_server_lives_on(server):
+    for field, value in [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"),
+                         ("presence_penalty", "NaN")]:
+        r = _post(server, CHAT_URL, _chat(**{field: value}))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"] and err["type"] == "invalid_request_error"
+        ok = _post(server, CHAT_URL, _chat())
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+HOSTILE = st.sampled_from([math.nan, math.inf, -math.inf, "NaN", "Infinity", "-Infinity", 1e308, -1e308,
+                           10**30, -(10**30), -1, 0, "abc", [], {}, None, True])
+REQUEST_NUMBERS = ["temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "max_tokens", "min_tokens", "n", "priority", "stop_token_ids"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chat=st.booleans(), field=st.sampled_from(REQUEST_NUMBERS + ["logprobs", "top_logprobs",
+                                                                    "max_completion_tokens", "best_of"]),
+       value=HOSTILE, stream=st.booleans())
+def test_hostile_request_numbers_get_400_or_200_never_5xx(server, chat, field, value, stream):
+    if field == "stop_token_ids" and not isinstance(value, list):
+        value = [value]
+    body = _chat(stream=stream) if chat else {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2,
+                                              "stream": stream}
+    if chat and field == "logprobs" and not isinstance(value, bool):
+        body["top_logprobs"] = value
+        body["logprobs"] = True
+    else:
+        body[field] = value
+    r = _post(server, CHAT_URL if chat else COMPLETIONS_URL, body)
+    assert r.status_code in (200, 400), (field, value, r.status_code, r.text)
+    if r.status_code == 400:
+        assert r.json()["error"]["message"]
+    elif stream:
+        assert '"error"' not in r.text, r.text  # accepted means it ran: no in-band failure
+    assert _post(server, COMPLETIONS_URL, {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("guided_choice", ["yes", "no"]),
+    ("structured_outputs", {"json": {"type": "object"}}),
+    ("priority", 1),
+])
+def test_fields_we_cannot_honour_are_refused_not_ignored(server, field, value):
+    for stream in (False, True):
+        r = _post(server, CHAT_URL, _chat(stream=stream, **{field: value}))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+    if field == "priority":
+        assert r.json()["error"]["message"] == "Got priority 1 but Priority scheduling is not enabled."
+    assert _post(server, CHAT_URL, _chat(response_format={"type": "text"})).status_code == 200

@@ -1,0 +1,42 @@
+"""The contract between LLMEngine and whatever runs the model.
+
+`ModelRunner` (one process), `MultiprocExecutor` (tensor parallel) and the tests'
+fakes all satisfy `ModelExecutor`; the engine types its collaborator by it instead of
+probing for methods, so a missing method is a type error at the seam rather than a
+silent change of behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.worker.outputs import ModelRunnerOutput
+
+
+class PendingModelOutput(Protocol):
+    """A launched step whose sampled tokens may still be on their way to the host."""
+
+    def get_output(self) -> ModelRunnerOutput: ...
+
+
+class ModelExecutor(Protocol):
+    # Where the model runs (decides defaults such as overlap scheduling).
+    device: torch.device
+    # Whether execute_model_async may be called (overlap scheduling).
+    supports_async_scheduling: bool
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its sampled tokens."""
+        ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
+        """Launch one step and return at once; the step may run one token past what the
+        host knows, provided the previous step launched here sampled that token."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release processes and devices (idempotent)."""
+        ...

@@ -1,0 +1,66 @@
+"""SamplingParams validation: the one place sampling values are range-checked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
+
+NUMERIC_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "max_tokens", "min_tokens", "logprobs")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# What an abuser sends: non-finite, huge, negative, zero, and the wrong type.
+HOSTILE = st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 10**30, -(10**30), -1, -1.5, 0, 0.5,
+                           2**63, "1", "NaN", None, [], {}, True, b"x"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(NUMERIC_FIELDS), value=HOSTILE)
+def test_hostile_values_are_refused_cleanly_or_accepted_finite(field, value):
+    try:
+        params = SamplingParams(**{field: value})
+    except InvalidRequestError as e:
+        assert e.param == field or (field == "max_tokens" and e.param == "min_tokens")
+        assert field in str(e) or "min_tokens" in str(e)
+        return
+    accepted = getattr(params, field)
+    if accepted is not None:  # whatever got through is a finite number of the right kind
+        assert isinstance(accepted, (int, float)) and not isinstance(accepted, bool)
+        assert math.isfinite(accepted)
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_floats_name_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and isinstance(e.value, ValueError)
+
+
+def test_a_field_changed_after_construction_is_validated_again():
+    p = SamplingParams(stop="x")
+    assert p.stop_strings == ["x"]
+    p.stop = ["a", "b"]
+    assert p.stop_strings == ["a", "b"]  # derived, not a copy taken at construction
+    p.stop = 5
+    with pytest.raises(InvalidRequestError, match="stop"):
+        p.validate()
+    p.stop = None
+    p.temperature = math.nan
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        p.validate()
+
+
+def test_bool_fields_and_seed_range():
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(ignore_eos="yes")
+    SamplingParams(seed=2**63 - 1)
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(seed=2**63)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
