@@ -39,6 +39,15 @@ class CacheConfig:
     num_blocks: int | None = None  # resolved at start-up
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_scheduling_policy(policy: object, name: str = "policy") -> None:
+    """The one check of a policy name (EngineArgs runs it early, as `name`; SchedulerConfig again)."""
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"{name} must be 'fcfs' or 'priority', got {policy!r}")
+
+
 @dataclass
 class SchedulerConfig:
     """Token and sequence budgets for one engine step (vLLM v1 names)."""
@@ -64,8 +73,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        check_scheduling_policy(self.policy)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len when chunked prefill is disabled "

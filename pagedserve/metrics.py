@@ -39,7 +39,10 @@ class SchedulerStats:
 
     @classmethod
     def from_engine(cls, stats: Any) -> SchedulerStats:
-        return cls(**{name: getattr(stats, name, 0) for name in cls.__dataclass_fields__})
+        """Copied field by field: a field the engine's stats lack is an AttributeError, not a silent 0."""
+        return cls(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                   kv_cache_usage=stats.kv_cache_usage, prefix_cache_queries=stats.prefix_cache_queries,
+                   prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions)
 
 
 @dataclass
@@ -118,11 +121,15 @@ class LoggingStatLogger:
     """Accumulates tokens between log lines; `maybe_log` prints vLLM's periodic line when
     the interval has passed and something happened (silent while the server idles)."""
 
-    def __init__(self, interval: float = 10.0, log: logging.Logger = logger) -> None:
+    def __init__(self, interval: float = 10.0, log: logging.Logger = logger, device: str = "GPU",
+                 start: float | None = None) -> None:
+        """`device` names where the KV cache lives ("GPU", as vLLM says, or "CPU");
+        `start`: the monotonic time the first interval counts from (default: now)."""
         self.interval = interval
+        self.device = device
         self.log = log
         self._lock = threading.Lock()
-        self._last_time = time.monotonic()
+        self._last_time = time.monotonic() if start is None else start
         self._prompt = 0
         self._gen = 0
         self._sched = SchedulerStats()
@@ -150,7 +157,7 @@ class LoggingStatLogger:
                 f"Avg prompt throughput: {self._prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._gen / elapsed:.1f} tokens/s, "
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
-                f"GPU KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
+                f"{self.device} KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate:.1f}%"
             )
             self._prompt = self._gen = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,6 +39,10 @@ class AttentionBackend(ABC):
     """One instance per attention layer shape; stateless across steps."""
 
     name: str = "abstract"
+    # Whether a decode-only step may be captured in a CUDA graph and replayed: the
+    # backend's forward launches only device work whose inputs are the metadata's
+    # tensors (refilled in place), and makes no host decision from their contents.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
@@ -53,6 +57,13 @@ class AttentionBackend(ABC):
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
         """Once per step, shared by all layers. Default: the common metadata itself."""
         return common
+
+    @classmethod
+    def build_capture_metadata(cls, common: CommonAttentionMetadata, num_kv_heads: int) -> Any:
+        """Metadata for a padded decode batch that a CUDA graph captures once and replays
+        with any contents (seq_lens up to max_seq_len): every host-side plan fixed for the
+        longest context.  Only backends with supports_cuda_graphs implement it."""
+        raise NotImplementedError(f"attention backend {cls.name!r} does not support CUDA graphs")
 
     @abstractmethod
     def forward(

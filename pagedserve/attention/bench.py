@@ -8,7 +8,11 @@ the K/V store by slot mapping, the gather and the attention.
 
 usage: python -m pagedserve.attention.bench [--backend cpu_paged] [--batch 32] [--ctx 150]
          [--heads 9] [--kv-heads 3] [--head-dim 64] [--layers 30] [--block-size 16] [--dtype bfloat16]
-         [--threads N] [--cpu-time]
+         [--threads N] [--cpu-time] [--kernel-isa native|avx2|plain]
+
+`--kernel-isa` builds cpu_paged's C++ kernel for a lesser instruction set than the
+machine's (avx2: AVX-512 disabled; plain: AVX2/FMA disabled too), to compare the
+paths a CPU without AVX-512 gets.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import time
 import torch
 
 from pagedserve.attention.backend import CommonAttentionMetadata
+from pagedserve.attention.cpu_paged import CpuPagedBackend
+from pagedserve.attention.cpu_paged import build as build_kernel
 from pagedserve.attention.selector import get_attn_backend
+from pagedserve.cpu_info import describe_cpu
+
+KERNEL_ISA_CFLAGS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
 
 def _best_of(fns, reps: int, rounds: int = 5, clock=time.perf_counter) -> list[float]:
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cpu-time", action="store_true", help="time by CPU time (use with --threads 1)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kernel-isa", choices=sorted(KERNEL_ISA_CFLAGS), default="native",
+                    help="instruction set of cpu_paged's C++ kernel (default: this machine's)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -70,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     cls = get_attn_backend(a.backend, "cpu")
     impl = cls(a.heads, hkv, d, d**-0.5, bs)
+    if a.kernel_isa != "native" and isinstance(impl, CpuPagedBackend):
+        impl.decode_kernel = build_kernel(KERNEL_ISA_CFLAGS[a.kernel_isa])
     caches = [tuple(torch.randn(pool, bs, hkv, d, dtype=dt) for _ in range(2)) for _ in range(a.layers)]
     q, k, v = (torch.randn(b, h, d, dtype=dt) for h in (a.heads, hkv, hkv))
     cont = [tuple(torch.randn(b, hkv, ctx, d, dtype=dt) for _ in range(2)) for _ in range(a.layers)]
@@ -79,19 +92,32 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for kc, vc in caches:
             impl.forward(q, k, v, kc, vc, md)
 
+    seq_lens = common.seq_lens
+
+    def kernel_step():  # cpu_paged's C++ kernel alone: no K/V store, no planning
+        for kc, vc in caches:
+            impl.decode_kernel(q, kc, vc, block_table, seq_lens, impl.scale)
+
     def contiguous_step():
         qf = q.view(b, hkv, grp, d)
         for kc, vc in cont:
             s = torch.matmul(qf, kc.transpose(-1, -2)) * impl.scale
             torch.matmul(s.softmax(-1), vc)
 
+    has_kernel = isinstance(impl, CpuPagedBackend) and impl.decode_kernel is not None
     with torch.inference_mode():
         clock = time.process_time if a.cpu_time else time.perf_counter
-        paged, contiguous = _best_of([paged_step, contiguous_step], a.reps, clock=clock)
-    print(f"{a.backend}: {paged * 1e3:.1f} ms per {a.layers}-layer decode step "
+        steps = [paged_step, contiguous_step] + ([kernel_step] if has_kernel else [])
+        paged, contiguous, *kernel_only = _best_of(steps, a.reps, clock=clock)
+    kernel = f", kernel {a.kernel_isa}" if has_kernel else ""
+    print(f"CPU: {describe_cpu()}")
+    print(f"{a.backend}{kernel}: {paged * 1e3:.1f} ms per {a.layers}-layer decode step "
           f"(B={b}, ctx={ctx}, {a.heads}/{hkv} heads x {d}, block {bs}, {a.dtype}, {torch.get_num_threads()} threads)")
+    if kernel_only:
+        print(f"  of which the C++ kernel alone: {kernel_only[0] * 1e3:.1f} ms")
     print(f"contiguous math: {contiguous * 1e3:.1f} ms; ratio {paged / contiguous:.2f}")
-    return {"paged_ms": paged * 1e3, "contiguous_ms": contiguous * 1e3}
+    return {"paged_ms": paged * 1e3, "contiguous_ms": contiguous * 1e3,
+            **({"kernel_ms": kernel_only[0] * 1e3} if kernel_only else {})}
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
+from pagedserve.platforms import is_cpu
 
 logger = logging.getLogger("pagedserve")
 
@@ -58,10 +60,9 @@ def build(extra_cflags: tuple[str, ...] | None = None) -> Callable[..., torch.Te
     key = (SOURCE.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
            + " ".join(flags).encode())
     name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
-    try:  # where load() puts it (a private helper: only for the log line)
-        built = (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
-    except Exception:  # noqa: BLE001
-        built = False
+    # Where load() puts it (torch's default build root, or $TORCH_EXTENSIONS_DIR): only for the log line.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    built = (Path(root) / name / f"{name}.so").exists()
     if not built:
         logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
     module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
@@ -95,6 +96,6 @@ class CpuPagedBackend(TorchPagedBackend):
         self.decode_kernel = paged_decode() if head_dim in HEAD_DIMS else None
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        ok = (query.device.type == "cpu" and query.dtype in DTYPES and k_cache.dtype == query.dtype
+        ok = (is_cpu(query.device) and query.dtype in DTYPES and k_cache.dtype == query.dtype
               and query.stride(-1) == 1)
         return self.decode_kernel if ok else None

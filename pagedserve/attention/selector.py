@@ -7,6 +7,7 @@ import importlib
 import torch
 
 from pagedserve.attention.backend import AttentionBackend
+from pagedserve.platforms import is_cpu, is_cuda
 
 # name -> "module:Class"; imported lazily so that a missing optional dependency
 # (triton) only matters when that backend is asked for.
@@ -28,12 +29,12 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> type[Atten
     native decode kernel, which falls back to torch_paged's path where it cannot be built)."""
     device = torch.device(device)
     if name is None:
-        if device.type == "cuda":
+        if is_cuda(device):
             try:
                 return _load("triton")
             except ImportError:
                 pass
-        return _load("cpu_paged" if device.type == "cpu" else "torch_paged")
+        return _load("cpu_paged" if is_cpu(device) else "torch_paged")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(sorted(BACKENDS))}")
     try:

@@ -41,6 +41,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedserve.attention.triton_kernels import LOG2E, get_kernels, next_pow2
+from pagedserve.platforms import is_cuda
 
 # Split-KV policy for decode: aim for TARGET_WAVES programs per SM and give no split
 # fewer than MIN_SPLIT_TOKENS tokens (each split adds a partial write and a reduce
@@ -61,8 +62,8 @@ def plan_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_s
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
+def num_sms(device: torch.device) -> int:
+    if is_cuda(device):
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: any small number keeps the policy exercised
 
@@ -150,9 +151,18 @@ class TritonAttentionMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     # None: default_config(cache dtype, head_dim) on first use; set it to tune or test.
     config: KernelConfig | None = None
+
+    @classmethod
+    def build_capture_metadata(cls, common: CommonAttentionMetadata, num_kv_heads: int) -> TritonAttentionMetadata:
+        """The host cannot re-plan the split-KV decode per replay: plan for the longest context."""
+        md = cls.build_metadata(common)
+        md.num_splits = plan_num_splits(common.num_reqs, num_kv_heads, common.max_seq_len,
+                                        num_sms(common.seq_lens.device))
+        return md
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -191,7 +201,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Store the new K/V, then decode and extend; writes every element of the output
         (rows past num_actual_tokens, padding, are zeroed).  `output` may be passed in
         [T, num_heads, head_dim]; otherwise a fresh tensor is returned."""
-        if not get_kernels().interpreted and query.device.type != "cuda":
+        if not get_kernels().interpreted and not is_cuda(query.device):
             raise ValueError(f"triton backend needs CUDA tensors, got {query.device}; to run the kernels in the "
                              "Triton interpreter (slow; for tests) set TRITON_INTERPRET=1 before triton is imported")
         md = attn_metadata
@@ -236,7 +246,7 @@ class TritonAttentionBackend(AttentionBackend):
     def decode(self, query, k_cache, v_cache, md: TritonAttentionMetadata, output) -> None:
         kern, cfg, prec, common_args = self._launch(query, k_cache, md, output)
         h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        splits = md.num_splits or plan_num_splits(md.num_decodes, hkv, md.max_decode_seq_len, _num_sms(query.device))
+        splits = md.num_splits or plan_num_splits(md.num_decodes, hkv, md.max_decode_seq_len, num_sms(query.device))
         if splits > 1:
             part_out, part_lse = md.split_scratch(h, splits, dim)
         else:

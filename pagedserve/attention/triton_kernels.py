@@ -53,6 +53,39 @@ def store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def attend_tile(
+    q, k_cache_ptr, v_cache_ptr, bt_row, n, n_ok, visible, d, d_ok, kvh,
+    stride_cb, stride_cs, stride_ch, scale_log2e, m, l_sum, acc,
+    CACHE_BLOCK: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The online-softmax step every attention kernel here takes: gather one tile of
+    keys (positions `n`) through the block table, score them against the query rows,
+    hide what is not `visible` (MASKED only: the unmasked stretch of an extend skips
+    every mask), and fold the tile into the running max `m`, sum `l_sum` and output
+    `acc` (base 2).  Returns the new (m, l_sum, acc)."""
+    if MASKED:
+        blk = tl.load(bt_row + n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        blk = tl.load(bt_row + n // CACHE_BLOCK).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    row = blk * stride_cb + (n % CACHE_BLOCK) * stride_cs + kvh * stride_ch
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_sum, acc
+
+
 def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_reqs_ptr,
@@ -92,22 +125,9 @@ def decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        blk = tl.load(bt_row + n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
-        row = blk * stride_cb + (n % CACHE_BLOCK) * stride_cs + kvh * stride_ch
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
+        m, l_sum, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, n, n_ok, n_ok[None, :], d, d_ok, kvh,
+                                    stride_cb, stride_cs, stride_ch, scale_log2e, m, l_sum, acc,
+                                    CACHE_BLOCK, True, UPCAST, DOT_PREC)
 
     nonempty = l_sum > 0
     o = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
@@ -192,42 +212,19 @@ def extend_kernel(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     full_end = ((prefix + q0) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, prefix + q0 + BLOCK_Q)
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(0, full_end, BLOCK_N):  # keys every row sees: no masks
         n = n0 + tl.arange(0, BLOCK_N)
-        blk = tl.load(bt_row + n // CACHE_BLOCK).to(tl.int64)
-        row = blk * stride_cb + (n % CACHE_BLOCK) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
+        m, l_sum, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, n, n, n, d, d_ok, kvh,
+                                    stride_cb, stride_cs, stride_ch, scale_log2e, m, l_sum, acc,
+                                    CACHE_BLOCK, False, UPCAST, DOT_PREC)
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        blk = tl.load(bt_row + n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
-        row = blk * stride_cb + (n % CACHE_BLOCK) * stride_cs + kvh * stride_ch
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
         # Key 0 is visible to every row (q_pos >= 0), so no row is all -inf after tile 0.
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        m, l_sum, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, n, n_ok, visible, d, d_ok, kvh,
+                                    stride_cb, stride_cs, stride_ch, scale_log2e, m, l_sum, acc,
+                                    CACHE_BLOCK, True, UPCAST, DOT_PREC)
 
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -235,6 +232,7 @@ def extend_kernel(
 
 
 _BODIES = (store_kv_kernel, decode_kernel, decode_reduce_kernel, extend_kernel)
+_HELPERS = (attend_tile,)  # device functions the kernels call
 
 
 def language_interpreted() -> bool:
@@ -253,6 +251,11 @@ def get_kernels() -> SimpleNamespace:
         from triton.runtime.interpreter import InterpretedFunction as wrap
     else:
         wrap = JITFunction
+        # A compiled kernel resolves the functions it calls through this module's globals,
+        # and they must be JIT functions too (interpreted kernels call them as plain Python).
+        for helper in _HELPERS:
+            if not isinstance(globals()[helper.__name__], JITFunction):
+                globals()[helper.__name__] = JITFunction(helper)
     return SimpleNamespace(**{f.__name__: wrap(f) for f in _BODIES}, interpreted=interpret)
 
 

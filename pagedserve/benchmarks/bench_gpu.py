@@ -21,6 +21,7 @@ import json
 import time
 
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.platforms import is_cuda
 
 CONFIGS = {  # name -> (enforce_eager, async_scheduling)
     "eager": (True, False),
@@ -69,6 +70,7 @@ def run_config(args: argparse.Namespace, name: str) -> dict:
     import torch
 
     from pagedserve import LLM, LLMEngine, SamplingParams
+    from pagedserve.worker.model_runner import ModelRunner
 
     eager, overlap = CONFIGS[name]
     engine_args = EngineArgs.from_cli_args(args, enforce_eager=eager, async_scheduling=overlap)
@@ -77,11 +79,12 @@ def run_config(args: argparse.Namespace, name: str) -> dict:
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
     runner = engine.model_executor
-    graphs = getattr(runner, "graph_runner", None)
+    assert isinstance(runner, ModelRunner), "bench_gpu runs one GPU (tensor_parallel_size 1)"
+    graphs = runner.graph_runner
     result = {"config": name, "load_s": round(load_s, 1), "async_scheduling": engine.async_scheduling,
               "cuda_graphs": graphs is not None and graphs.use_graphs,
               "kv_blocks": engine.config.cache_config.num_blocks, "workloads": {}}
-    sync = torch.cuda.synchronize if torch.cuda.is_available() and runner.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and is_cuda(runner.device) else (lambda: None)
     try:
         llm.generate([{"prompt_token_ids": list(range(1, 33))}] * 4,
                      SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True), use_tqdm=False)

@@ -26,6 +26,7 @@ import torch
 
 from pagedserve.attention.backend import CommonAttentionMetadata
 from pagedserve.attention.torch_ref import TorchReferenceBackend, store_kv_cache
+from pagedserve.platforms import is_cuda
 
 CASES = dict(
     store=[256, 8192],  # new tokens
@@ -80,7 +81,7 @@ class Bench:
               f"block {args.block_size}")
 
     def device_name(self) -> str:
-        return torch.cuda.get_device_name() if self.dev.type == "cuda" else "cpu (dry run, interpreter)"
+        return torch.cuda.get_device_name() if is_cuda(self.dev) else "cpu (dry run, interpreter)"
 
     def time_ms(self, fn) -> float:
         return self.do_bench(fn, warmup=10, rep=self.a.rep_ms, return_mode="median")

@@ -7,6 +7,9 @@
 the work is fixed by the seed.  The timed region is one `generate()` call after a
 warm-up; model load is excluded.  Output tokens are the tokens actually returned
 (for chat-burst-natural that is each answer up to and including its EOS).
+
+`--one-at-a-time N`: the first N requests of the workload, each alone (one user
+chatting: every step is a batch of one), timed together.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import time
 
+from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
 WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix")
@@ -30,6 +34,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="random workload: output length range (inclusive)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="override the workload's temperature (random: 0.6, chat presets: 0)")
+    parser.add_argument("--one-at-a-time", type=int, default=None, metavar="N",
+                        help="run the first N requests one after another instead of all at once")
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     EngineArgs.add_cli_args(parser)
     return parser
@@ -87,19 +93,26 @@ def run(args: argparse.Namespace) -> dict:
     llm.llm_engine.reset_prefix_cache()
 
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if args.one_at_a_time:
+        n = args.one_at_a_time
+        outputs = [out for p, sp in zip(prompts[:n], params[:n], strict=True)
+                   for out in llm.generate([p], sp, use_tqdm=False)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cfg = llm.llm_engine.config
     result = {
-        "workload": w.name, "model": engine_args.model, "dtype": str(cfg.model_config.dtype),
+        "workload": w.name + (f" one at a time ({len(outputs)})" if args.one_at_a_time else ""),
+        "model": engine_args.model, "cpu": describe_cpu(), "dtype": str(cfg.model_config.dtype),
         "num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 2),
         "requests_per_s": len(outputs) / elapsed, "output_tok_per_s": n_out / elapsed,
         "total_tok_per_s": (n_in + n_out) / elapsed, "torch_threads": torch.get_num_threads(),
     }
-    print(f"workload {w.name}: {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens "
+    print(f"CPU: {result['cpu']}; dtype {result['dtype']}")
+    print(f"workload {result['workload']}: {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens "
           f"in {elapsed:.2f} s (model load {load_s:.1f} s, {torch.get_num_threads()} threads)")
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['output_tok_per_s']:.1f} output "
           f"tok/s, {result['total_tok_per_s']:.1f} total tok/s")

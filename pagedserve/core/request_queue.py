@@ -70,13 +70,7 @@ class PriorityRequestQueue:
     def __iter__(self) -> Iterator[Request]:
         return (req for _, req in sorted(self._heap, key=lambda e: e[0]))
 
-    def __getitem__(self, index: int) -> Request:
-        return sorted(self._heap, key=lambda e: e[0])[index][1]
-
 
 def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
-    if policy == "fcfs":
-        return FCFSRequestQueue()
-    if policy == "priority":
-        return PriorityRequestQueue()
-    raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+    """The queue for a policy SchedulerConfig has already checked."""
+    return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()

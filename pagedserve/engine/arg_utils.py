@@ -22,6 +22,7 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_scheduling_policy,
 )
 from pagedserve.utils import is_int
 
@@ -152,8 +153,7 @@ class EngineArgs:
             raise bad("torch_compile", "True, False or None (on for CPU)")
         if self.torch_compile and self.enforce_eager:
             raise ValueError("torch_compile=True contradicts enforce_eager=True (which never compiles)")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise bad("scheduling_policy", "'fcfs' or 'priority'")
+        check_scheduling_policy(self.scheduling_policy, "scheduling_policy")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise bad("chat_template", "a template string or a file path")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
@@ -172,7 +172,7 @@ class EngineArgs:
         and a max_model_len beyond the model's limit, fail before any weights load;
         max_model_len defaults to the model's limit.  Tests with a stand-in model pass
         False and get max_model_len or 2048."""
-        chat_template = _read_chat_template(self.chat_template)
+        chat_template = read_chat_template(self.chat_template)
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
@@ -207,7 +207,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(
                 device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
-                torch_compile=self.torch_compile if self.torch_compile is not None else _env_torch_compile(),
+                torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
             ),
         )
 
@@ -269,7 +269,7 @@ def parse_bytes(value: int | str, name: str = "size") -> int:
     return n
 
 
-def _read_chat_template(value: str | None) -> str | None:
+def read_chat_template(value: str | None) -> str | None:
     """A template given as a path is read here, so errors name the file at start-up."""
     if value is None or "{" in value:
         return value
@@ -281,7 +281,7 @@ def _read_chat_template(value: str | None) -> str | None:
     raise ValueError(f"chat_template {value!r} is neither a Jinja template nor an existing file")
 
 
-def _env_torch_compile() -> bool | None:
+def env_torch_compile() -> bool | None:
     """PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0:
     compiling every tiny test model would cost minutes; compile tests ask explicitly)."""
     import os

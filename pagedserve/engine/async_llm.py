@@ -24,6 +24,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import RequestOutput
+from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.async_llm")
@@ -86,7 +87,8 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.vocab_size
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
-        self.log_stats = LoggingStatLogger(log_interval) if log_stats else None
+        device = "GPU" if is_cuda(engine.device) else engine.device.type.upper()
+        self.log_stats = LoggingStatLogger(log_interval, device=device) if log_stats else None
         if self.log_stats is not None:
             self.stat_loggers.append(self.log_stats)
         self.dead_error: BaseException | None = None

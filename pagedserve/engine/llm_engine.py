@@ -22,17 +22,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pagedserve.config import EngineConfig
 from pagedserve.core.async_scheduler import AsyncScheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.engine.arg_utils import EngineArgs, _read_chat_template
+from pagedserve.engine.arg_utils import EngineArgs, read_chat_template
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
 from pagedserve.outputs import RequestMetrics, RequestOutput
+from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import is_int
 from pagedserve.worker.outputs import ModelRunnerOutput
@@ -79,7 +82,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching
         )
-        sched.async_scheduling = self.async_scheduling = _resolve_async_scheduling(
+        sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, model_executor)
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(sched, self.kv_cache_manager)
@@ -299,6 +302,11 @@ class LLMEngine:
         """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
         self.model_executor.shutdown()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model (and its KV cache) runs."""
+        return self.model_executor.device
+
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
                 or bool(self._inflight))
@@ -323,6 +331,13 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    @property
+    def chat_template(self) -> str | None:
+        """The template chat prompts use by default: --chat-template, else the tokenizer's."""
+        if self.tokenizer is None:
+            return None
+        return self.model_config.chat_template or getattr(self.tokenizer, "chat_template", None) or None
+
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> str:
         """Render one conversation to prompt text with the model's (or the given) template."""
@@ -333,8 +348,7 @@ class LLMEngine:
         ):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         messages = [_flatten_content(m) for m in messages]
-        template = (_read_chat_template(chat_template) or self.model_config.chat_template
-                    or getattr(self.tokenizer, "chat_template", None))
+        template = read_chat_template(chat_template) or self.chat_template
         if not template:
             raise ValueError("the model has no chat template; pass chat_template=... (a Jinja string or file)")
         try:
@@ -352,12 +366,12 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
 
 
-def _resolve_async_scheduling(value: bool | None, executor: ModelExecutor) -> bool:
+def resolve_async_scheduling(value: bool | None, executor: ModelExecutor) -> bool:
     """None: on when the executor can launch a step without waiting for it and runs on
     CUDA (on CPU the step itself is the host's work: there is nothing to overlap)."""
     supported = executor.supports_async_scheduling
     if value is None:
-        return supported and executor.device.type == "cuda"
+        return supported and is_cuda(executor.device)
     if value and not supported:
         raise ValueError(f"async_scheduling=True needs a model executor that can launch steps asynchronously; "
                          f"{type(executor).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")

@@ -120,10 +120,8 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     llm = LLM.from_engine(_load(ns))
     engine = llm.llm_engine
     use_chat = ns.chat
-    has_template = engine.tokenizer is not None and bool(
-        engine.model_config.chat_template or getattr(engine.tokenizer, "chat_template", None))
     if use_chat is None:
-        use_chat = has_template
+        use_chat = engine.chat_template is not None
     if use_chat:
         prompts: list[Any] = [engine.encode_chat(_conversation(ns.system, p)) for p in ns.prompts]
     else:

@@ -50,6 +50,7 @@ from pagedserve.distributed.parallel_state import (
 from pagedserve.distributed.shm_broadcast import ShmBroadcaster
 from pagedserve.executor.abstract import PendingModelOutput
 from pagedserve.executor.worker_proc import SHUTDOWN, TPWorker, WorkerArgs, worker_main
+from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve")
@@ -64,12 +65,22 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or failed; this engine cannot continue."""
 
 
-def valid_tp_sizes(hf_config: Any, limit: int = 64) -> list[int]:
+def tp_split_problem(hf_config: Any, tp: int) -> str | None:
+    """Why the model cannot be split `tp` ways (the rule the sharded layers rely on), or None."""
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     inter = getattr(hf_config, "intermediate_size", 0)
-    return [n for n in range(1, min(limit, heads) + 1)
-            if heads % n == 0 and (kv % n == 0 or n % kv == 0) and inter % n == 0]
+    if heads % tp:
+        return f"it does not divide num_attention_heads={heads}"
+    if kv % tp and tp % kv:
+        return f"num_key_value_heads={kv} is neither a multiple nor a divisor of it"
+    if inter % tp:
+        return f"it does not divide intermediate_size={inter}"
+    return None
+
+
+def valid_tp_sizes(hf_config: Any, limit: int = 64) -> list[int]:
+    return [n for n in range(1, min(limit, hf_config.num_attention_heads) + 1) if tp_split_problem(hf_config, n) is None]
 
 
 def validate_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
@@ -78,28 +89,19 @@ def validate_tensor_parallel(config: EngineConfig, device: torch.device) -> None
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     hf = config.model_config.hf_config
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    inter = getattr(hf, "intermediate_size", 0)
-    problem = None
-    if heads % tp:
-        problem = f"it does not divide num_attention_heads={heads}"
-    elif kv % tp and tp % kv:
-        problem = f"num_key_value_heads={kv} is neither a multiple nor a divisor of it"
-    elif inter % tp:
-        problem = f"it does not divide intermediate_size={inter}"
+    problem = tp_split_problem(hf, tp)
     if problem:
         raise ValueError(f"tensor_parallel_size={tp} cannot split {config.model_config.model}: {problem}; "
                          f"valid sizes: {', '.join(map(str, valid_tp_sizes(hf)))}")
     backend = config.parallel_config.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"distributed_backend must be 'gloo', 'nccl' or None, got {backend!r}")
-    if device.type == "cuda":
+    if is_cuda(device):
         first, count = device.index or 0, torch.cuda.device_count()
         if first + tp > count:
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs from cuda:{first}, "
                              f"but {count} {'is' if count == 1 else 'are'} visible")
-    elif device.type == "cpu":
+    elif is_cpu(device):
         if backend == "nccl":
             raise ValueError("distributed_backend='nccl' needs CUDA devices; use 'gloo' on CPU")
     else:
@@ -151,13 +153,13 @@ class MultiprocExecutor:
         self._atexit = functools.partial(_shutdown_ref, weakref.ref(self))
         atexit.register(self._atexit)
         ctx = mp.get_context("spawn")
-        threads = max(1, self._threads // tp) if device.type == "cpu" else None
+        threads = max(1, self._threads // tp) if is_cpu(device) else None
         try:
             store = create_store(tp, startup_timeout_s)
             self._channel = ShmBroadcaster(tp - 1, ctx)
             base = device.index or 0
             for rank in range(1, tp):
-                dev = "cpu" if device.type == "cpu" else f"cuda:{base + rank}"
+                dev = "cpu" if is_cpu(device) else f"cuda:{base + rank}"
                 args = WorkerArgs(config, rank, tp, backend, dev, store.port, eos_token_id,
                                   self._channel.reader_handle(rank - 1), collective_timeout_s, threads)
                 ours, theirs = ctx.Pipe()

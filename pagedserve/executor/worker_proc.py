@@ -13,7 +13,6 @@ want_reply) -- until told to stop or until rank 0 is gone.  Rank 0 holds a
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -35,7 +34,7 @@ from pagedserve.distributed.parallel_state import (
     tp_group_scope,
 )
 from pagedserve.distributed.shm_broadcast import ReaderHandle, ShmReader
-from pagedserve.worker import kv_cache
+from pagedserve.platforms import is_cuda
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 SHUTDOWN = "shutdown"
@@ -55,19 +54,8 @@ class TPWorker:
 
     def propose_num_blocks(self) -> int:
         """The KV blocks this rank could hold; rank 0 takes the minimum over ranks so
-        block ids mean the same slots everywhere.  Runs the profile forward on CUDA
-        (a collective: every rank does it together)."""
-        r = self.runner
-        cache = r.config.cache_config
-        if cache.num_blocks is not None:
-            return int(cache.num_blocks)
-        block_bytes = kv_cache.bytes_per_block(r.attn_layers, r.block_size, r.dtype)
-        cuda = r.device.type == "cuda"
-        reserved = r.profile_run() if cuda and cache.kv_cache_memory_bytes is None else 0
-        if not cuda:  # the ranks share one host's memory
-            cache = dataclasses.replace(cache, cpu_kv_cache_fraction=cache.cpu_kv_cache_fraction
-                                        / self.group.world_size)
-        return kv_cache.determine_num_blocks(cache, block_bytes, r.max_model_len, r.max_num_reqs, r.device, reserved)
+        block ids mean the same slots everywhere."""
+        return self.runner.propose_num_blocks(host_ranks=self.group.world_size)[0]
 
     def initialize_kv_cache(self, num_blocks: int) -> int:
         self.runner.config.cache_config.num_blocks = num_blocks
@@ -115,7 +103,7 @@ def worker_main(args: WorkerArgs, conn: Any) -> None:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         device = torch.device(args.device)
-        if device.type == "cuda":
+        if is_cuda(device):
             torch.cuda.set_device(device)
         store = connect_store(args.store_port, args.world_size, args.timeout_s)
         group = init_distributed(store, args.rank, args.world_size, args.backend, args.timeout_s)

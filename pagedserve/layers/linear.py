@@ -16,6 +16,7 @@ from torch import nn
 from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers import opaque
+from pagedserve.platforms import is_cpu
 
 
 def get_tp_rank_size() -> tuple[int, int]:
@@ -61,7 +62,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not (PackedLinear.enabled and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
-                and x.device.type == "cpu" and weight.device.type == "cpu" and not torch.is_grad_enabled()):
+                and is_cpu(x.device) and is_cpu(weight.device) and not torch.is_grad_enabled()):
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         try:

@@ -31,11 +31,11 @@ def rope_config(hf_config: Any) -> tuple[float, dict]:
     return theta, params
 
 
-def _inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+def inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
     rope_type = scaling["rope_type"]
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
+        return freq / float(scaling["factor"])
     if rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band
         # between interpolated smoothly (HF's _compute_llama3_parameters).
@@ -43,13 +43,13 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_len = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > low_wavelen, freq / factor, freq)
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    return inv_freq
+    return freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,8 +61,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.max_position = max_position
-        inv_freq = _inv_freq(rotary_dim, theta, scaling or {"rope_type": "default"})
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
+        freq = inv_freq(rotary_dim, theta, scaling or {"rope_type": "default"})
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), freq.to(torch.float32))
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_dtype()), persistent=False)
 

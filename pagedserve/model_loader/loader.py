@@ -35,6 +35,7 @@ from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.model_loader.sources import ModelSource, resolve_source
 from pagedserve.models.registry import get_model_class, resolve_architecture
+from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def _resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.d
         if requested not in _DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; expected 'auto' or one of {', '.join(_DTYPES)}")
         return _DTYPES[requested], "as given"
-    if device.type == "cuda":
+    if is_cuda(device):
         if _checkpoint_dtype(hf_config) == torch.float16 or not torch.cuda.is_bf16_supported():
             return torch.float16, "the checkpoint is float16 or this GPU has no bf16"
         return torch.bfloat16, "the GPU computes bf16 natively"

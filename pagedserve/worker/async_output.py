@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.platforms import is_cuda
 from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
 from pagedserve.worker.sampler import SamplerOutput
 
@@ -33,7 +34,7 @@ class AsyncModelRunnerOutput:
         if sampled is None:
             return
         tensors = {f: getattr(sampled, f) for f in _FIELDS if getattr(sampled, f) is not None}
-        if sampled.sampled_token_ids.device.type == "cuda":
+        if is_cuda(sampled.sampled_token_ids.device):
             for name, t in tensors.items():
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)

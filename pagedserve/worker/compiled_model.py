@@ -30,13 +30,14 @@ from torch import nn
 from pagedserve.forward_context import get_forward_context, set_forward_context
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.linear import LinearBase
+from pagedserve.platforms import is_cpu
 
 logger = logging.getLogger("pagedserve")
 
 
 def compile_unavailable_reason(device: torch.device, tensor_parallel_size: int) -> str | None:
     """Why torch.compile cannot be used here, or None."""
-    if device.type != "cpu":
+    if not is_cpu(device):
         return f"torch_compile is implemented for CPU only (device {device}); CUDA uses CUDA graphs"
     if tensor_parallel_size > 1:
         return "torch_compile does not support tensor_parallel_size > 1 yet"

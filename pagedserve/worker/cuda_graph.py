@@ -31,14 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.attention.backend import CommonAttentionMetadata
+from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedserve.forward_context import set_forward_context
+from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger("pagedserve")
-
-# Backends whose decode path launches only device work reading the metadata's tensors.
-GRAPH_SAFE_BACKENDS = frozenset({"triton"})
-
 
 def capture_sizes(max_num_seqs: int, max_num_tokens: int) -> list[int]:
     """1, 2, 4, 8, then steps of 16, and the largest possible batch itself so that
@@ -56,22 +53,22 @@ def padded_size(sizes: list[int], num_reqs: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graphs_unavailable_reason(device: torch.device, backend_name: str, enforce_eager: bool,
+def graphs_unavailable_reason(device: torch.device, backend: type[AttentionBackend], enforce_eager: bool,
                               tensor_parallel_size: int = 1) -> str | None:
     """Why this runner cannot use CUDA graphs, or None when it can."""
     if enforce_eager:
         return "enforce_eager=True"
-    if device.type != "cuda":
+    if not is_cuda(device):
         return f"device {device} is not CUDA"
-    if backend_name not in GRAPH_SAFE_BACKENDS:
-        return f"attention backend {backend_name!r} is not graph-safe (only {', '.join(sorted(GRAPH_SAFE_BACKENDS))})"
+    if not backend.supports_cuda_graphs:
+        return f"attention backend {backend.name!r} does not support CUDA graphs"
     if tensor_parallel_size > 1:
         return "tensor parallelism (its collectives are not captured)"
     return None
 
 
 class DecodeGraphRunner:
-    def __init__(self, model: nn.Module, backend: type, buffers: dict[str, torch.Tensor],
+    def __init__(self, model: nn.Module, backend: type[AttentionBackend], buffers: dict[str, torch.Tensor],
                  sizes: list[int], block_size: int, max_model_len: int,
                  num_kv_heads: int, use_graphs: bool = True) -> None:
         self.model = model
@@ -88,62 +85,55 @@ class DecodeGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
 
-    def _build_metadata(self, bs: int) -> Any:
-        """Metadata over the first bs rows of the static buffers, valid for any contents."""
+    def _build_metadata(self, batch: int) -> Any:
+        """Metadata over the first batch rows of the static buffers, valid for any contents."""
         b = self.buffers
         common = CommonAttentionMetadata(
-            num_reqs=bs, num_actual_tokens=bs,
-            query_start_loc=b["query_start_loc"][: bs + 1], seq_lens=b["seq_lens"][:bs],
-            block_table=b["block_table"][:bs], slot_mapping=b["slot_mapping"][:bs],
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[0] * bs,
+            num_reqs=batch, num_actual_tokens=batch,
+            query_start_loc=b["query_start_loc"][: batch + 1], seq_lens=b["seq_lens"][:batch],
+            block_table=b["block_table"][:batch], slot_mapping=b["slot_mapping"][:batch],
+            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[0] * batch,
             max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size,
         )
-        md = self.backend.build_metadata(common)
-        if hasattr(md, "num_splits"):
-            from pagedserve.attention.triton_backend import _num_sms, plan_num_splits
+        return self.backend.build_capture_metadata(common, self.num_kv_heads)
 
-            # The host cannot re-plan per step: plan for the longest context.
-            md.num_splits = plan_num_splits(bs, self.num_kv_heads, self.max_model_len,
-                                            _num_sms(common.seq_lens.device))
-        return md
-
-    def _pad_all(self, bs: int) -> None:
+    def _pad_all(self, batch: int) -> None:
         """Every row a padding row: a warm-up that stores nothing and reads nothing."""
         b = self.buffers
-        b["input_ids"][:bs].zero_()
-        b["positions"][:bs].zero_()
-        b["slot_mapping"][:bs].fill_(-1)
-        b["seq_lens"][:bs].zero_()
-        b["query_start_loc"][: bs + 1].copy_(torch.arange(bs + 1, dtype=b["query_start_loc"].dtype))
+        b["input_ids"][:batch].zero_()
+        b["positions"][:batch].zero_()
+        b["slot_mapping"][:batch].fill_(-1)
+        b["seq_lens"][:batch].zero_()
+        b["query_start_loc"][: batch + 1].copy_(torch.arange(batch + 1, dtype=b["query_start_loc"].dtype))
 
-    def _forward(self, bs: int) -> None:
-        with set_forward_context(self.metadata[bs]):
-            out = self.model(self.buffers["input_ids"][:bs], self.buffers["positions"][:bs])
+    def _forward(self, batch: int) -> None:
+        with set_forward_context(self.metadata[batch]):
+            out = self.model(self.buffers["input_ids"][:batch], self.buffers["positions"][:batch])
             if self.hidden is None:
                 self.hidden = torch.empty((self.max_size, *out.shape[1:]), dtype=out.dtype, device=out.device)
-            self.hidden[:bs] = out
+            self.hidden[:batch] = out
 
     @torch.inference_mode()
     def capture(self) -> None:
-        cuda = self.buffers["input_ids"].device.type == "cuda"
+        cuda = is_cuda(self.buffers["input_ids"].device)
         if cuda:
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         pool = None
-        for bs in reversed(self.sizes):
-            self.metadata[bs] = self._build_metadata(bs)
-            self._pad_all(bs)
-            self._forward(bs)  # warm-up: compiles kernels, allocates per-metadata scratch
+        for batch in reversed(self.sizes):
+            self.metadata[batch] = self._build_metadata(batch)
+            self._pad_all(batch)
+            self._forward(batch)  # warm-up: compiles kernels, allocates per-metadata scratch
             if not self.use_graphs:
                 continue
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
+                self._forward(batch)
             if pool is None:
                 pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[batch] = graph
         if cuda:
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
@@ -151,12 +141,12 @@ class DecodeGraphRunner:
                         "captured" if self.use_graphs else "warmed up", len(self.sizes), self.max_size,
                         time.perf_counter() - t0, used / 2**20)
 
-    def run(self, bs: int) -> torch.Tensor:
-        """Replay size bs over the buffers as filled (rows past the batch padded);
-        returns the hidden states [bs, hidden], valid until the next run."""
+    def run(self, batch: int) -> torch.Tensor:
+        """Replay size batch over the buffers as filled (rows past the batch padded);
+        returns the hidden states [batch, hidden], valid until the next run."""
         if self.use_graphs:
-            self.graphs[bs].replay()
+            self.graphs[batch].replay()
         else:
-            self._forward(bs)
+            self._forward(batch)
         self.num_replays += 1
-        return self.hidden[:bs]
+        return self.hidden[:batch]

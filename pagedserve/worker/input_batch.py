@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.sampler import SamplingMetadata
 
@@ -128,7 +129,7 @@ class InputBatch:
     # ----------------------------------------------------------------- sampling
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the device without a host-device sync (pinned, non-blocking)."""
-        if self.device.type != "cuda":
+        if not is_cuda(self.device):
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 

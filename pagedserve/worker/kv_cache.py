@@ -19,6 +19,8 @@ from torch import nn
 
 from pagedserve.config import CacheConfig
 from pagedserve.layers.attention import Attention
+from pagedserve.platforms import is_cuda
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
 
@@ -39,7 +41,7 @@ def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype
 
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory the cache may draw on: MemAvailable on CPU, free device memory on CUDA."""
-    if device.type == "cuda":
+    if is_cuda(device):
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     try:
@@ -73,8 +75,9 @@ def gpu_kv_budget(total: int, free: int, weights: int, activations: int, utiliza
 def determine_num_blocks(
     cache_config: CacheConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
     device: torch.device, reserved_bytes: int = 0,
-) -> int:
-    """Blocks (the null block included) for the configured budget.
+) -> tuple[int, str]:
+    """(blocks, the null block included, for the configured budget; the rule that chose
+    that number, for the start-up log).
 
     An explicit `kv_cache_memory_bytes` is taken as given.  Otherwise, on CPU the cache
     takes cpu_kv_cache_fraction of free memory; on CUDA gpu_kv_budget's share of
@@ -82,22 +85,26 @@ def determine_num_blocks(
     activations.  Either is capped at what max_num_seqs requests of max_model_len
     tokens could ever use."""
     bs = cache_config.block_size
-    blocks_per_req = -(-max_model_len // bs)
+    blocks_per_req = cdiv(max_model_len, bs)
+    need = max_num_seqs * blocks_per_req + 1
+    need_text = (f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} could use "
+                 f"{need * block_bytes / 2**30:.2f} GiB")
     if cache_config.num_blocks is not None:
-        num_blocks, source = int(cache_config.num_blocks), f"num_blocks={cache_config.num_blocks}"
+        num_blocks = int(cache_config.num_blocks)
+        source = f"num_blocks={num_blocks} (given, or agreed by the tensor-parallel ranks)"
     elif cache_config.kv_cache_memory_bytes is not None:
         budget = int(cache_config.kv_cache_memory_bytes)
         if budget <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {budget}")
         num_blocks = budget // block_bytes
         source = f"kv_cache_memory_bytes={budget}"
-    elif device.type == "cuda":
+    elif is_cuda(device):
         fraction = cache_config.gpu_memory_utilization
         if not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         free, total, weights = cuda_memory_info(device)
         budget = gpu_kv_budget(total, free, weights, reserved_bytes, fraction)
-        num_blocks = min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_req + 1)
+        num_blocks = min(max(budget, 0) // block_bytes, need)
         source = (f"gpu_memory_utilization={fraction} of {total / 2**30:.1f} GiB total memory, less "
                   f"{weights / 2**30:.2f} GiB of weights and {reserved_bytes / 2**30:.2f} GiB of peak "
                   f"activations ({free / 2**30:.1f} GiB free now),")
@@ -108,23 +115,27 @@ def determine_num_blocks(
                 f"request of max_model_len={max_model_len} needs {blocks_per_req}; raise gpu_memory_utilization "
                 f"or lower max_model_len (or set kv_cache_memory_bytes)"
             )
-        logger.info("KV cache budget: %s %.2f GiB for the cache", source, max(budget, 0) / 2**30)
+        source += f" {max(budget, 0) / 2**30:.2f} GiB for the cache"
+        if num_blocks == need:
+            source = f"{need_text}, less than {source}"
     else:
         fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
         if not 0 < fraction <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {fraction}")
         free = available_memory_bytes(device)
         budget = int(free * fraction) - reserved_bytes
-        num_blocks = min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_req + 1)
-        source = (f"{name}={fraction} of {free / 2**30:.1f} GiB free memory"
-                  f" (kv_cache_memory_bytes unset)")
+        num_blocks = min(max(budget, 0) // block_bytes, need)
+        source = f"{name}={fraction} of {free / 2**30:.1f} GiB available memory"
+        source = (f"{need_text}, less than {source}" if num_blocks == need
+                  else f"{source}, less than the {need_text}")
+        source += " (set kv_cache_memory_bytes to choose)"
     if num_blocks - 1 < blocks_per_req:
         raise ValueError(
             f"KV cache too small: {source} gives {max(num_blocks - 1, 0)} usable blocks of {bs} tokens "
             f"({block_bytes} bytes each), but one request of max_model_len={max_model_len} needs "
             f"{blocks_per_req}; raise kv_cache_memory_bytes or lower max_model_len"
         )
-    return num_blocks
+    return num_blocks, source
 
 
 def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -139,9 +150,11 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
     return caches
 
 
-def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
+def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int, device: torch.device,
+                 why: str) -> None:
     """Usable blocks (the null block left out); concurrency counts whole blocks per request."""
     usable = num_blocks - 1
-    concurrency = usable / -(-max_model_len // block_size)
-    logger.info("KV cache: %d blocks = %d tokens; max concurrency at max_model_len: %.2f (%.1f MiB)",
-                usable, usable * block_size, concurrency, num_blocks * block_bytes / 2**20)
+    concurrency = usable / cdiv(max_model_len, block_size)
+    logger.info("KV cache on %s: %.2f GiB = %d blocks of %d tokens (%d tokens; max concurrency at max_model_len: "
+                "%.2f), sized by %s", device, num_blocks * block_bytes / 2**30, usable, block_size,
+                usable * block_size, concurrency, why)

@@ -22,6 +22,7 @@ two sets so that preparing step N+1 never overwrites what step N's copies still 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -34,12 +35,13 @@ from pagedserve.attention.selector import get_attn_backend
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.forward_context import set_forward_context
+from pagedserve.platforms import is_cpu, is_cuda
+from pagedserve.utils import cdiv
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
 from pagedserve.worker.cpu_malloc import keep_freed_memory_on_heap
 from pagedserve.worker.cuda_graph import (
-    GRAPH_SAFE_BACKENDS,
     DecodeGraphRunner,
     capture_sizes,
     graphs_unavailable_reason,
@@ -84,7 +86,7 @@ class ModelRunner:
         if device is None:
             device = param.device if param is not None else torch.device("cpu")
         self.device = torch.device(device)
-        if self.device.type == "cpu":
+        if is_cpu(self.device):
             keep_freed_memory_on_heap()
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0] if floats else torch.get_default_dtype()
@@ -96,7 +98,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_model_len = sched.max_model_len
         self.max_num_reqs = sched.max_num_seqs
-        self.max_num_tokens = sched.max_num_batched_tokens
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.attn_backend = get_attn_backend(config.device_config.attention_backend, self.device)
         self.attn_layers = kv_cache.get_attention_layers(model)
         if eos_token_id is None:
@@ -127,7 +129,7 @@ class ModelRunner:
     def _alloc_buffers(self) -> None:
         """Host buffers filled in place every step (two sets on CUDA, alternating); their
         device twins on accelerators, which are also the CUDA graphs' static inputs."""
-        t, r, b = self.max_num_tokens, self.max_num_reqs, self.input_batch.max_blocks_per_req
+        t, r, b = self.max_num_batched_tokens, self.max_num_reqs, self.input_batch.max_blocks_per_req
         self._arange = np.arange(max(t, r, b) + 1, dtype=np.int64)
 
         def host() -> dict[str, torch.Tensor]:
@@ -141,14 +143,14 @@ class ModelRunner:
                 "logits_idx": torch.zeros(r, dtype=torch.int64),
                 "pending": torch.zeros(2 * r, dtype=torch.int64),  # token indices, then source indices
             }
-            return {k: v.pin_memory() for k, v in cpu.items()} if self.device.type == "cuda" else cpu
+            return {k: v.pin_memory() for k, v in cpu.items()} if is_cuda(self.device) else cpu
 
-        self._host_sets = [host()] if self.device.type != "cuda" else [host(), host()]
+        self._host_sets = [host()] if not is_cuda(self.device) else [host(), host()]
         self._np_sets = [{k: v.numpy() for k, v in h.items()} for h in self._host_sets]
         self._host_turn = 0
         self._use_host_set(0)
         cpu = self._cpu
-        self._dev = cpu if self.device.type == "cpu" else {k: v.to(self.device) for k, v in cpu.items()}
+        self._dev = cpu if is_cpu(self.device) else {k: v.to(self.device) for k, v in cpu.items()}
 
     def _use_host_set(self, i: int) -> None:
         self._cpu, self._np = self._host_sets[i], self._np_sets[i]
@@ -161,7 +163,7 @@ class ModelRunner:
 
     def _to_device(self, name: str, n: int | tuple[int, int]) -> torch.Tensor:
         src = self._cpu[name][:n] if isinstance(n, int) else self._cpu[name][: n[0], : n[1]]
-        if self.device.type == "cpu":
+        if is_cpu(self.device):
             return src
         dst = self._dev[name][:n] if isinstance(n, int) else self._dev[name][: n[0], : n[1]]
         dst.copy_(src, non_blocking=True)
@@ -174,11 +176,7 @@ class ModelRunner:
         records and returns num_blocks (null block included)."""
         cache = self.config.cache_config
         block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
-        reserved = 0
-        if self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
-            reserved = self.profile_run()
-        num_blocks = kv_cache.determine_num_blocks(cache, block_bytes, self.max_model_len, self.max_num_reqs,
-                                                   self.device, reserved)
+        num_blocks, why = self.propose_num_blocks()
         self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
                                                      self.dtype, self.device)
         for layer, kv in zip(self.attn_layers, self.kv_caches, strict=True):
@@ -186,11 +184,11 @@ class ModelRunner:
                                            self.block_size)
             layer.kv_cache = kv
         cache.num_blocks = num_blocks
-        kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why)
         dc = self.config.device_config
         self.compiled = maybe_compile(self.model, self.device, dc.torch_compile, dc.enforce_eager,
                                       self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
-        reason = graphs_unavailable_reason(self.device, self.attn_backend.name,
+        reason = graphs_unavailable_reason(self.device, self.attn_backend,
                                            self.config.device_config.enforce_eager, self.tensor_parallel_size)
         if reason is None:
             try:
@@ -204,15 +202,32 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", reason)
         return num_blocks
 
+    def propose_num_blocks(self, host_ranks: int = 1) -> tuple[int, str]:
+        """(KV blocks this process can hold, the rule that chose them): see
+        kv_cache.determine_num_blocks.  On CUDA, sizing by memory first runs the profile
+        forward (a collective under tensor parallelism: every rank does it together).
+        `host_ranks`: processes sharing this host's memory (tensor-parallel CPU ranks),
+        which split its share between them."""
+        cache = self.config.cache_config
+        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        reserved = 0
+        if is_cuda(self.device) and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
+            reserved = self.profile_run()
+        if host_ranks > 1 and is_cpu(self.device):
+            cache = dataclasses.replace(cache, cpu_kv_cache_fraction=cache.cpu_kv_cache_fraction / host_ranks)
+        return kv_cache.determine_num_blocks(cache, block_bytes, self.max_model_len, self.max_num_reqs,
+                                             self.device, reserved)
+
     def capture_decode_graphs(self, use_graphs: bool = True) -> None:
         """Capture (use_graphs=False: only set up and warm up, then run the static path
         eagerly, which is how CPU tests exercise it) the decode graphs."""
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must run before capture_decode_graphs()")
-        if self.attn_backend.name not in GRAPH_SAFE_BACKENDS:
-            raise ValueError(f"decode graphs need a graph-safe attention backend, not {self.attn_backend.name!r}")
+        if not self.attn_backend.supports_cuda_graphs:
+            raise ValueError(f"decode graphs need an attention backend that supports CUDA graphs, not "
+                             f"{self.attn_backend.name!r}")
         self.graph_runner = DecodeGraphRunner(
-            self.model, self.attn_backend, self._dev, capture_sizes(self.max_num_reqs, self.max_num_tokens),
+            self.model, self.attn_backend, self._dev, capture_sizes(self.max_num_reqs, self.max_num_batched_tokens),
             self.block_size, self.max_model_len, self.attn_layers[0].num_kv_heads, use_graphs=use_graphs)
         self.graph_runner.capture()
 
@@ -222,10 +237,10 @@ class ModelRunner:
         attention treats them as one causal sequence), then the logits and a worst-case
         sampler pass (top-k/top-p sort, logprobs) for max_num_seqs rows; returns the
         peak activation bytes on CUDA (0 on CPU, where it only warms up kernels)."""
-        n = self.max_num_tokens
+        n = self.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device) % self.max_model_len
-        cuda = self.device.type == "cuda"
+        cuda = is_cuda(self.device)
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -324,70 +339,100 @@ class ModelRunner:
         return tokens
 
     def _prepare_inputs(self, req_ids: list[str], so: SchedulerOutput, overlap: bool = False) -> StepInputs:
-        ib, bs, bufs = self.input_batch, self.block_size, self._np
-        b = len(req_ids)
-        try:
-            rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int64, b)
-        except KeyError as e:
-            raise ValueError(f"scheduled request {e.args[0]!r} is unknown to the model runner") from None
-        n = np.fromiter(so.num_scheduled_tokens.values(), np.int64, b)
-        t = int(n.sum())
-        if t > self.max_num_tokens or b > self.max_num_reqs:
-            raise ValueError(f"step of {t} tokens / {b} requests exceeds max_num_batched_tokens="
-                             f"{self.max_num_tokens} / max_num_seqs={self.max_num_reqs}")
-        computed = ib.num_computed_tokens[rows]
-        seq_lens = computed + n
+        """Fill this step's host buffers (and start their copies to the device), in four
+        named steps: which InputBatch rows run and how many tokens each (`_step_shape`),
+        the per-token buffers (`_fill_token_buffers`), the block table
+        (`_fill_block_table`), and the attention metadata plus the rows that sample.  A
+        decode-only step that a CUDA graph covers is padded to the graph's batch size."""
+        ib, bufs = self.input_batch, self._np
+        rows, num_new, computed = self._step_shape(req_ids, so)
+        num_reqs, num_tokens = len(req_ids), int(num_new.sum())
+        seq_lens = computed + num_new
         known = ib.num_tokens[rows]
-        pending = np.zeros(b, dtype=bool)
+        pending = np.zeros(num_reqs, dtype=bool)
         if overlap and self._prev_index:
             # One token past the host's: the previous step sampled it (async scheduling).
             prev = self._prev_index
-            pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, b)
+            pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, num_reqs)
         total = known + pending
-        bad = (n <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * bs)
+        bad = (num_new <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * self.block_size)
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
-                f"request {req_ids[i]!r}: {n[i]} tokens scheduled after {computed[i]} computed, but it has "
-                f"{known[i]} tokens and {ib.num_blocks[rows][i]} blocks of {bs}")
+                f"request {req_ids[i]!r}: {num_new[i]} tokens scheduled after {computed[i]} computed, but it has "
+                f"{known[i]} tokens and {ib.num_blocks[rows][i]} blocks of {self.block_size}")
         graph_size = None
-        if self.graph_runner is not None and t == b:  # decode-only
-            graph_size = padded_size(self.graph_runner.sizes, b)
-        tp = graph_size or t  # rows filled (and copied): padding rows up to the graph's size
-        bp = graph_size or b
-        qsl = bufs["query_start_loc"][: bp + 1]
-        qsl[0] = 0
-        np.cumsum(n, out=qsl[1: b + 1])
-        bufs["seq_lens"][:b] = seq_lens
-        req_of_tok = np.repeat(self._arange[:b], n)
-        pos = bufs["positions"][:t]
-        np.subtract(self._arange[:t], qsl[:b][req_of_tok], out=pos)
-        pos += computed[req_of_tok]
-        row_of_tok = rows[req_of_tok]
-        bufs["input_ids"][:t] = ib.token_ids[row_of_tok, pos]  # a pending slot is overwritten on the device
-        bufs["slot_mapping"][:t] = ib.block_table[row_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
-        if bp > b:  # padding rows: one token each, stored nowhere, attending over nothing
-            qsl[b + 1:] = self._arange[t + 1: t + 1 + bp - b]
-            bufs["seq_lens"][b:bp] = 0
-            bufs["input_ids"][t:tp] = 0
-            bufs["positions"][t:tp] = 0
-            bufs["slot_mapping"][t:tp] = -1
-        nblk = int(-(-seq_lens.max() // bs))
-        table = ib.block_table[rows, :nblk]
-        # Entries past a request's own blocks may be stale from a row's previous owner.
-        bufs["block_table"][:b, :nblk] = np.where(self._arange[:nblk][None, :] < ib.num_blocks[rows][:, None],
-                                                  table, 0)
+        if self.graph_runner is not None and num_tokens == num_reqs:  # decode-only
+            graph_size = padded_size(self.graph_runner.sizes, num_reqs)
+        # Rows filled and copied: padding rows up to the graph's batch size, if one replays.
+        padded_tokens, padded_reqs = graph_size or num_tokens, graph_size or num_reqs
+        self._fill_token_buffers(rows, num_new, computed, seq_lens, padded_reqs)
+        max_blocks = self._fill_block_table(rows, int(seq_lens.max()))
+        qsl = bufs["query_start_loc"][: padded_reqs + 1]
         dev = {name: self._to_device(name, m) for name, m in (
-            ("input_ids", tp), ("positions", tp), ("slot_mapping", tp), ("query_start_loc", bp + 1),
-            ("seq_lens", bp), ("block_table", (b, nblk)))}
+            ("input_ids", padded_tokens), ("positions", padded_tokens), ("slot_mapping", padded_tokens),
+            ("query_start_loc", padded_reqs + 1), ("seq_lens", padded_reqs), ("block_table", (num_reqs, max_blocks)))}
         common = None
         if graph_size is None:
             common = CommonAttentionMetadata(
-                num_reqs=b, num_actual_tokens=t, query_start_loc=dev["query_start_loc"],
+                num_reqs=num_reqs, num_actual_tokens=num_tokens, query_start_loc=dev["query_start_loc"],
                 seq_lens=dev["seq_lens"], block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
                 query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
-                max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), block_size=bs,
+                max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
             )
-        sample = seq_lens == total
-        return StepInputs(b, t, common, graph_size, qsl[1: b + 1][sample] - 1, np.flatnonzero(sample).tolist(),
-                          pending)
+        sample = seq_lens == total  # every known (and pending) token computed: the next one is sampled
+        return StepInputs(num_reqs, num_tokens, common, graph_size, qsl[1: num_reqs + 1][sample] - 1,
+                          np.flatnonzero(sample).tolist(), pending)
+
+    def _step_shape(self, req_ids: list[str], so: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(InputBatch row, tokens scheduled, tokens already computed) per request, in
+        step order; the step must fit the budgets the buffers were sized for."""
+        ib, num_reqs = self.input_batch, len(req_ids)
+        try:
+            rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int64, num_reqs)
+        except KeyError as e:
+            raise ValueError(f"scheduled request {e.args[0]!r} is unknown to the model runner") from None
+        num_new = np.fromiter(so.num_scheduled_tokens.values(), np.int64, num_reqs)
+        num_tokens = int(num_new.sum())
+        if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_reqs:
+            raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} / max_num_seqs={self.max_num_reqs}")
+        return rows, num_new, ib.num_computed_tokens[rows]
+
+    def _fill_token_buffers(self, rows: np.ndarray, num_new: np.ndarray, computed: np.ndarray,
+                            seq_lens: np.ndarray, padded_reqs: int) -> None:
+        """query_start_loc, seq_lens, and per token: position, token id and KV slot
+        (block_id * block_size + offset), gathered from the rows with a few numpy ops.
+        Padding rows (a CUDA graph's batch beyond the real one) get one token each that
+        is stored nowhere (slot -1) and attends over nothing (seq_len 0)."""
+        ib, bufs, block_size = self.input_batch, self._np, self.block_size
+        num_reqs, num_tokens = len(rows), int(num_new.sum())
+        qsl = bufs["query_start_loc"][: padded_reqs + 1]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1: num_reqs + 1])
+        bufs["seq_lens"][:num_reqs] = seq_lens
+        req_of_tok = np.repeat(self._arange[:num_reqs], num_new)
+        pos = bufs["positions"][:num_tokens]
+        np.subtract(self._arange[:num_tokens], qsl[:num_reqs][req_of_tok], out=pos)
+        pos += computed[req_of_tok]
+        row_of_tok = rows[req_of_tok]
+        bufs["input_ids"][:num_tokens] = ib.token_ids[row_of_tok, pos]  # a pending slot is overwritten on the device
+        bufs["slot_mapping"][:num_tokens] = (ib.block_table[row_of_tok, pos // block_size].astype(np.int64)
+                                             * block_size + pos % block_size)
+        if padded_reqs > num_reqs:
+            end = num_tokens + padded_reqs - num_reqs
+            qsl[num_reqs + 1:] = self._arange[num_tokens + 1: end + 1]
+            bufs["seq_lens"][num_reqs:padded_reqs] = 0
+            bufs["input_ids"][num_tokens:end] = 0
+            bufs["positions"][num_tokens:end] = 0
+            bufs["slot_mapping"][num_tokens:end] = -1
+
+    def _fill_block_table(self, rows: np.ndarray, max_seq_len: int) -> int:
+        """The rows' block tables, as wide as the longest request needs; returns that width."""
+        ib = self.input_batch
+        max_blocks = cdiv(max_seq_len, self.block_size)
+        table = ib.block_table[rows, :max_blocks]
+        # Entries past a request's own blocks may be stale from a row's previous owner: point them at block 0.
+        own = self._arange[:max_blocks][None, :] < ib.num_blocks[rows][:, None]
+        self._np["block_table"][: len(rows), :max_blocks] = np.where(own, table, 0)
+        return max_blocks

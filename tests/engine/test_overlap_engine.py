@@ -11,7 +11,7 @@ import torch
 from fake_runner import make_engine
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.llm_engine import _resolve_async_scheduling
+from pagedserve.engine.llm_engine import resolve_async_scheduling
 
 
 class _Executor:
@@ -21,12 +21,12 @@ class _Executor:
 
 
 def test_default_is_on_for_cuda_only():
-    assert _resolve_async_scheduling(None, _Executor("cuda")) is True
-    assert _resolve_async_scheduling(None, _Executor("cpu")) is False
-    assert _resolve_async_scheduling(False, _Executor("cuda")) is False
-    assert _resolve_async_scheduling(True, _Executor("cpu")) is True
+    assert resolve_async_scheduling(None, _Executor("cuda")) is True
+    assert resolve_async_scheduling(None, _Executor("cpu")) is False
+    assert resolve_async_scheduling(False, _Executor("cuda")) is False
+    assert resolve_async_scheduling(True, _Executor("cpu")) is True
     # e.g. the tensor-parallel executor
-    assert _resolve_async_scheduling(None, _Executor("cuda", supports_async=False)) is False
+    assert resolve_async_scheduling(None, _Executor("cuda", supports_async=False)) is False
 
 
 def test_runner_without_async_launch_is_refused():

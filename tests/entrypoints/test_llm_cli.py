@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
+from pagedserve.cpu_info import cpu_flags
 from pagedserve.entrypoints import cli
 from tests.engine.fake_runner import make_engine
-from tests.engine.helpers import make_tokenizer
+from tests.engine.helpers import make_tiny_llama, make_tokenizer
 
 ANSWER = "Paris is the capital of France."
 
@@ -67,15 +71,35 @@ def test_chat_streams_and_keeps_history(fake_engine, monkeypatch, capsys) -> Non
     assert not engine.has_unfinished_requests()
 
 
-def test_chat_ends_on_eof(fake_engine, monkeypatch) -> None:
+def test_chat_ends_on_eof(fake_engine, monkeypatch, capsys) -> None:
+    prompts = []
+
     def eof(prompt=""):
+        prompts.append(prompt)
         raise EOFError
 
     monkeypatch.setattr("builtins.input", eof)
-    cli.main(["chat"])
+    cli.main(["chat"])  # returns (no SystemExit, no traceback) after one prompt
+    assert prompts == [">>> "] and capsys.readouterr().out == "\n"
+    assert not fake_engine[-1].has_unfinished_requests()
 
 
 def test_missing_delegated_command_says_so(monkeypatch) -> None:
     monkeypatch.setitem(cli._DELEGATED, ("serve",), ("pagedserve.no_such_server", "the server"))
     with pytest.raises(SystemExit, match="the server is not available"):
         cli.main(["serve", "--port", "1"])
+
+
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="an x86 CPU with AVX2")
+def test_generate_on_an_avx2_only_cpu_runs_float32_and_says_why(tmp_path) -> None:
+    """What a user of a CPU without AVX-512 sees (emulated here the way the README's AVX2
+    figures were taken): `auto` picks float32 and the log says why."""
+    make_tiny_llama(str(tmp_path), vocab_size=400)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    run = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "generate", "hello", "--no-chat",
+                          "--model", str(tmp_path), "--max-tokens", "3", "--attention-backend", "torch_paged"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "dtype auto -> float32: torch runs with AVX2 kernels" in run.stderr or \
+        "dtype auto -> float32: this CPU has no bf16 instructions" in run.stderr, run.stderr
+    assert "KV cache on cpu:" in run.stderr and "sized by" in run.stderr

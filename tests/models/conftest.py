@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from models_helpers import make_hf_model
+
+from tests.models.models_helpers import make_hf_model
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models_helpers import TINY_CASES
 
 from pagedserve.config import ModelConfig
 from pagedserve.forward_context import set_forward_context
 from pagedserve.model_loader import get_model
+from tests.models.models_helpers import TINY_CASES
 
 
 def our_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from pagedserve.engine.arg_utils import EngineArgs, _env_torch_compile
+from pagedserve.engine.arg_utils import EngineArgs, env_torch_compile
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
 from tests.worker.worker_helpers import ToyModel
 
@@ -53,11 +53,11 @@ def test_engine_args():
 def test_environment_default(monkeypatch):
     for value, want in (("1", True), ("off", False), ("", None)):
         monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", value)
-        assert _env_torch_compile() is want
+        assert env_torch_compile() is want
         assert EngineArgs().create_engine_config(load_hf_config=False).device_config.torch_compile is want
     monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", "maybe")
     with pytest.raises(ValueError, match="PAGEDSERVE_TORCH_COMPILE must be 0 or 1"):
-        _env_torch_compile()
+        env_torch_compile()
     # An explicit argument wins over the environment.
     monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", "1")
     cfg = EngineArgs(torch_compile=False).create_engine_config(load_hf_config=False)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from worker_helpers import Driver, ToyModel, toy_config
 
+from pagedserve.attention.selector import get_attn_backend
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.cuda_graph import capture_sizes, graphs_unavailable_reason, padded_size
@@ -39,11 +40,12 @@ def test_padded_size():
 
 def test_graphs_unavailable_reason():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert graphs_unavailable_reason(cuda, "triton", False) is None
-    assert graphs_unavailable_reason(cuda, "triton", True) == "enforce_eager=True"
-    assert "not CUDA" in graphs_unavailable_reason(cpu, "triton", False)
-    assert "not graph-safe" in graphs_unavailable_reason(cuda, "torch_paged", False)
-    assert "tensor parallelism" in graphs_unavailable_reason(cuda, "triton", False, tensor_parallel_size=2)
+    triton, torch_paged = get_attn_backend("triton", cpu), get_attn_backend("torch_paged", cpu)
+    assert graphs_unavailable_reason(cuda, triton, False) is None
+    assert graphs_unavailable_reason(cuda, triton, True) == "enforce_eager=True"
+    assert "not CUDA" in graphs_unavailable_reason(cpu, triton, False)
+    assert "does not support CUDA graphs" in graphs_unavailable_reason(cuda, torch_paged, False)
+    assert "tensor parallelism" in graphs_unavailable_reason(cuda, triton, False, tensor_parallel_size=2)
 
 
 def _runner_with_fake_graphs(sizes):
@@ -99,7 +101,7 @@ def test_no_graphs_on_cpu_and_only_with_a_graph_safe_backend():
     runner = ModelRunner(config, ToyModel().eval())
     runner.initialize_kv_cache()
     assert runner.graph_runner is None
-    with pytest.raises(ValueError, match="graph-safe attention backend"):
+    with pytest.raises(ValueError, match="an attention backend that supports CUDA graphs"):
         runner.capture_decode_graphs(use_graphs=False)
 
 

@@ -15,20 +15,23 @@ BLOCK_BYTES = 1000
 
 def test_explicit_bytes():
     cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=100_500)
-    assert determine_num_blocks(cfg, BLOCK_BYTES, max_model_len=64, max_num_seqs=4, device=CPU) == 100
+    assert determine_num_blocks(cfg, BLOCK_BYTES, max_model_len=64, max_num_seqs=4, device=CPU)[0] == 100
 
 
 def test_explicit_num_blocks_wins():
     cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=10**9, num_blocks=9)
-    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 4, CPU) == 9
+    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 4, CPU)[0] == 9
 
 
 def test_fraction_of_free_memory_capped_at_useful_size(monkeypatch):
     monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 4_000_000)
     cfg = CacheConfig(block_size=16, cpu_kv_cache_fraction=0.25)
-    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 1000, CPU) == 1000
+    num_blocks, why = determine_num_blocks(cfg, BLOCK_BYTES, 64, 1000, CPU)
+    assert num_blocks == 1000
+    assert why.startswith("cpu_kv_cache_fraction=0.25 of 0.0 GiB available memory, less than the max_num_seqs=1000")
     # 2 requests of 4 blocks can never use more than 8 blocks (+ the null block).
-    assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 2, CPU) == 9
+    num_blocks, why = determine_num_blocks(cfg, BLOCK_BYTES, 64, 2, CPU)
+    assert num_blocks == 9 and why.startswith("max_num_seqs=2 x max_model_len=64 could use")
 
 
 def test_too_small_names_the_knobs(monkeypatch):
@@ -37,7 +40,7 @@ def test_too_small_names_the_knobs(monkeypatch):
                                          r"max_model_len=64 needs 4.*raise kv_cache_memory_bytes or lower max_model_len"):
         determine_num_blocks(cfg, BLOCK_BYTES, 64, 4, CPU)
     monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 1000)
-    with pytest.raises(ValueError, match="cpu_kv_cache_fraction=0.25 of .* free memory"):
+    with pytest.raises(ValueError, match="cpu_kv_cache_fraction=0.25 of .* available memory"):
         determine_num_blocks(CacheConfig(block_size=16), BLOCK_BYTES, 64, 4, CPU)
     with pytest.raises(ValueError, match="cpu_kv_cache_fraction must be in"):
         determine_num_blocks(CacheConfig(cpu_kv_cache_fraction=1.5), BLOCK_BYTES, 64, 4, CPU)

@@ -32,9 +32,9 @@ def test_cuda_num_blocks(monkeypatch):
     cfg = CacheConfig(block_size=16, gpu_memory_utilization=0.5)
     block = 1 << 20
     expect = (40 * GiB - 2 * GiB - GiB // 2) // block
-    assert determine_num_blocks(cfg, block, 4096, 10_000, CUDA, reserved_bytes=GiB // 2) == expect
+    assert determine_num_blocks(cfg, block, 4096, 10_000, CUDA, reserved_bytes=GiB // 2)[0] == expect
     # Capped at what max_num_seqs requests of max_model_len can use (plus the null block).
-    assert determine_num_blocks(cfg, block, 4096, 4, CUDA, reserved_bytes=GiB // 2) == 4 * 256 + 1
+    assert determine_num_blocks(cfg, block, 4096, 4, CUDA, reserved_bytes=GiB // 2)[0] == 4 * 256 + 1
 
 
 def test_cuda_too_small_names_both_knobs(monkeypatch):
@@ -50,8 +50,8 @@ def test_cuda_too_small_names_both_knobs(monkeypatch):
 
 def test_explicit_sizes_skip_profiling(monkeypatch):
     _stub(monkeypatch, free=1, total=1, weights=1)  # would fail if consulted
-    assert determine_num_blocks(CacheConfig(kv_cache_memory_bytes=64 << 20), 1 << 20, 64, 8, CUDA) == 64
-    assert determine_num_blocks(CacheConfig(num_blocks=33), 1 << 20, 64, 8, CUDA) == 33
+    assert determine_num_blocks(CacheConfig(kv_cache_memory_bytes=64 << 20), 1 << 20, 64, 8, CUDA)[0] == 64
+    assert determine_num_blocks(CacheConfig(num_blocks=33), 1 << 20, 64, 8, CUDA)[0] == 33
 
 
 def test_profile_run_covers_the_whole_token_budget_and_the_sampler():

@@ -111,7 +111,7 @@ class _SamplingFields(OpenAIBaseModel):
     def check_unsupported(self) -> None:
         """Refuse fields that would silently change the output if ignored."""
         for name in self.REFUSED_FIELDS:
-            if getattr(self, name) not in (None, {}, []):
+            if getattr(self, name) not in (None, []):  # an empty list is a no-op; {} is not (a schema)
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError(

@@ -7,10 +7,10 @@ import asyncio
 import json
 
 import httpx
-from fake_engine import FakeEngine
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from tests.engine.fake_engine import FakeEngine
 
 
 def make_app(engine: FakeEngine | None = None, api_key: str | None = None, ready: bool = True):

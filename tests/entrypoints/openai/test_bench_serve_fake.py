@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
 
 from pagedserve.benchmarks import serve as bench
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from tests.engine.fake_engine import FakeEngine
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,13 @@ import re
 import numpy as np
 import pytest
 import torch
-from models_helpers import make_hf_model
 from safetensors.torch import load_file, save_file
 
 from pagedserve.config import ModelConfig
+from pagedserve.cpu_info import bf16_support
 from pagedserve.forward_context import set_forward_context
 from pagedserve.model_loader import get_model, load_model_config, load_tokenizer
+from tests.models.models_helpers import make_hf_model
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -29,12 +30,12 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- config resolution
 
-def test_defaults_resolve_to_model_limit_and_bf16(tiny_checkpoint) -> None:
+def test_defaults_resolve_to_model_limit_and_the_cpus_fast_dtype(tiny_checkpoint) -> None:
     path, _ = tiny_checkpoint("llama")
     mc = ModelConfig(model=path)
     hf_config = load_model_config(mc, "cpu")
     assert mc.hf_config is hf_config and hf_config.num_hidden_layers == 2
-    assert mc.max_model_len == 256 and mc.dtype == "bfloat16"
+    assert mc.max_model_len == 256 and mc.dtype == ("bfloat16" if bf16_support().native else "float32")
 
 
 def test_sliding_window_caps_max_model_len(tiny_checkpoint) -> None:

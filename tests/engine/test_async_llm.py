@@ -8,11 +8,11 @@ import threading
 import time
 
 import pytest
-from fake_engine import FakeEngine
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger
+from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.sampling_params import SamplingParams
+from tests.engine.fake_engine import FakeEngine
 
 
 def run(coro):
@@ -46,23 +46,24 @@ def test_streams_cumulative_outputs_from_engine_thread():
 
 
 def test_new_request_joins_running_batch():
-    engine = FakeEngine(step_time=0.005)
+    engine = FakeEngine(step_time=0.001)
 
     async def main():
         llm = AsyncLLM(engine, log_stats=False)
-        long_task = asyncio.ensure_future(collect(llm, "long", max_tokens=100))
-        while engine.steps < 5:
-            await asyncio.sleep(0.005)
+        long_stream = await llm.add_request("long", "hi", SamplingParams(max_tokens=1_000_000))
+        await long_stream.__anext__()
+        # The long request cannot finish for 10^6 steps: the short one must join its batch.
         short = await collect(llm, "short", max_tokens=3)
-        long_running_when_short_done = not long_task.done()
-        long_outs = await long_task
+        long_running = "long" in engine.reqs
+        long_stream.close()  # aborts it, at the engine thread's next turn
+        while engine.has_unfinished_requests():
+            await asyncio.sleep(0.001)
         llm.shutdown()
-        return short, long_running_when_short_done, long_outs
+        return short, long_running
 
-    short, overlapped, long_outs = run(main())
+    short, long_running = run(main())
     assert short[-1].finished and len(short[-1].outputs[0].token_ids) == 3
-    assert overlapped, "the short request had to wait for the long one to finish"
-    assert len(long_outs[-1].outputs[0].token_ids) == 100
+    assert long_running and engine.aborted == ["long"]
 
 
 def test_cancelled_consumer_aborts_request():
@@ -133,28 +134,23 @@ def test_engine_failure_marks_dead_and_fails_inflight():
     run(main())
 
 
-def test_busy_engine_does_not_starve_event_loop():
-    """Steps that hold the GIL for 30 ms (pure-Python work) must still let the loop run:
-    a 5 ms sleep should never come back more than ~one switch interval late."""
-    engine = FakeEngine(step_time=0.03, busy=True)
+def test_gil_holding_steps_do_not_starve_the_event_loop():
+    """Every step spins in pure Python (holding the GIL) until the event loop has run
+    once more, so a request can only finish if the loop runs while steps hold the GIL."""
+    ticked = threading.Event()
+    engine = FakeEngine(spin_until=ticked)
 
     async def main():
         llm = AsyncLLM(engine, log_stats=False)
         task = asyncio.ensure_future(collect(llm, "busy", max_tokens=20))
-        while engine.steps < 2:
-            await asyncio.sleep(0.001)
-        lateness = []
         while not task.done():
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.005)
-            lateness.append(time.perf_counter() - t0 - 0.005)
+            ticked.set()  # this line runs on the loop, between the engine thread's bytecodes
+            await asyncio.sleep(0.001)
         llm.shutdown()
-        return sorted(lateness)
+        return task.result()
 
-    lateness = run(main())
-    assert len(lateness) > 20
-    median = lateness[len(lateness) // 2]
-    assert median < 0.02 and lateness[-1] < 0.1, (median, lateness[-1])
+    outs = run(main())
+    assert outs[-1].finished and engine.steps >= 20
 
 
 def test_stat_loggers_see_tokens_and_finishes():
@@ -185,20 +181,7 @@ def test_stat_loggers_see_tokens_and_finishes():
     assert value("vllm:num_requests_running") == 0
     line = log_stats.maybe_log(now=time.monotonic() + 2000)
     assert line is not None and "Avg generation throughput:" in line and "Running: 0 reqs" in line
-    assert "GPU KV cache usage: 0.0%" in line and "Prefix cache hit rate: 0.0%" in line
+    assert "CPU KV cache usage: 0.0%" in line and "Prefix cache hit rate: 0.0%" in line
     # One all-zero line marks the end of activity (as vLLM does), then silence.
     assert "Avg generation throughput: 0.0 tokens/s" in log_stats.maybe_log(now=time.monotonic() + 4000)
     assert log_stats.maybe_log(now=time.monotonic() + 6000) is None
-
-
-def test_logging_stat_logger_rates():
-    from pagedserve.metrics import IterationStats, SchedulerStats
-
-    log = LoggingStatLogger(interval=5.0)
-    t0 = log._last_time
-    log.record(SchedulerStats(num_running=3, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=200,
-                              prefix_cache_hits=50), IterationStats(num_prompt_tokens=100, num_generation_tokens=40))
-    assert log.maybe_log(now=t0 + 1.0) is None  # interval not reached
-    line = log.maybe_log(now=t0 + 10.0)
-    assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 4.0 tokens/s, "
-                    "Running: 3 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")

@@ -14,14 +14,24 @@ if __name__ == "__main__":
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     llm = LLM(path, **args)
     print("PIDS", *llm.llm_engine.model_executor.worker_pids, flush=True)
+    engine, step, calls = llm.llm_engine, llm.llm_engine.step, [0, 0]
+
+    def step_and_say_so():  # the parent interrupts once it reads that a generate() is under way
+        calls[1] += 1
+        if calls[1] == 3:
+            print("STEPPING", calls[0], flush=True)
+        return step()
+
+    engine.step = step_and_say_so
     try:
         while True:
+            calls[:] = [calls[0] + 1, 0]
             llm.generate(prompts, params, use_tqdm=False)
             print("GENERATED", flush=True)
     except KeyboardInterrupt:
         # Mid-step (the usual case) the executor has shut itself down already: the ranks
         # were left out of step.  Between steps it still works; shutdown() is idempotent.
-        print("INTERRUPTED", llm.llm_engine.model_executor._closed, flush=True)
+        print("INTERRUPTED", flush=True)
         llm.shutdown()
     llm2 = LLM(path, **args)
     print("PIDS2", *llm2.llm_engine.model_executor.worker_pids, flush=True)

@@ -10,7 +10,7 @@ import torch
 from pagedserve.layers import embedding, linear
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.rotary_embedding import _inv_freq, get_rope, rope_config
+from pagedserve.layers.rotary_embedding import get_rope, inv_freq, rope_config
 
 
 def test_rmsnorm_fused_residual_equals_add_then_norm() -> None:
@@ -41,9 +41,9 @@ def test_scaled_inv_freq_matches_transformers(scaling: dict) -> None:
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, rope_scaling=dict(scaling))
     ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
     theta, params = rope_config(cfg)
-    ours = _inv_freq(64, theta, params)
+    ours = inv_freq(64, theta, params)
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)
-    assert not torch.equal(ours, _inv_freq(64, theta, {"rope_type": "default"}))
+    assert not torch.equal(ours, inv_freq(64, theta, {"rope_type": "default"}))
 
 
 def test_rope_rotates_halves_and_keeps_norm() -> None:

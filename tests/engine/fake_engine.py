@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -41,14 +43,18 @@ class FakeStats:
 
 class FakeEngine:
     vocab_size = 256
+    device = torch.device("cpu")
 
     def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
-                 fail_after_steps: int | None = None, max_model_len: int = 4096) -> None:
+                 fail_after_steps: int | None = None, max_model_len: int = 4096,
+                 spin_until: threading.Event | None = None) -> None:
         self.tokenizer = CharTokenizer()
         self.max_model_len = max_model_len
         self.script = script
         self.step_time = step_time
         self.busy = busy  # burn the CPU in Python (holding the GIL) instead of sleeping
+        # Each step spins in Python until this is set (by another thread), then clears it.
+        self.spin_until = spin_until
         self.fail_after_steps = fail_after_steps
         self.reqs: dict[str, tuple[list[int], SamplingParams, list[list[int]]]] = {}
         self.steps = 0
@@ -97,6 +103,12 @@ class FakeEngine:
         self.steps += 1
         if self.fail_after_steps is not None and self.steps > self.fail_after_steps:
             raise RuntimeError("simulated device failure")
+        if self.spin_until is not None:
+            deadline = time.monotonic() + 20
+            while not self.spin_until.is_set():  # pure Python: the GIL is only given up by force
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the event loop never ran while a step held the GIL")
+            self.spin_until.clear()
         if self.busy:
             end = time.perf_counter() + self.step_time
             while time.perf_counter() < end:

@@ -1,0 +1,74 @@
+"""The package's layering rules, checked on its source: no import cycles between modules,
+no `_`-prefixed name imported from another module, and `core/` free of torch (that
+last one runs in a subprocess in tests/core/test_kv_cache_utils.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pagedserve"
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = ast.parse(path.read_text(encoding="utf-8"))
+    return out
+
+
+def _imports(tree: ast.Module, module_level_only: bool) -> list[ast.ImportFrom | ast.Import]:
+    if not module_level_only:
+        return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    found = []
+    for node in tree.body:  # imports inside functions run later, not at import time
+        found += [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
+                  and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, tree in mods.items():
+        for node in _imports(tree, module_level_only=True):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                for i in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+                    target = ".".join(parts[:i])
+                    if target in mods and target != mod and not mod.startswith(target + "."):
+                        graph[mod].add(target)
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, "import cycle: " + " -> ".join(path[path.index(n):] + [n])
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(mods):
+        if m not in state:
+            visit(m)
+
+
+def test_no_private_names_cross_modules():
+    offenders = []
+    for mod, tree in _modules().items():
+        for node in _imports(tree, module_level_only=False):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedserve"):
+                offenders += [f"{mod}: from {node.module} import {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert offenders == []
