@@ -245,15 +245,22 @@ class Scheduler:
         append_output = outputs.append
         requests = self.requests
         get_sampled = sampled_token_ids.get
+        takes_sample = self._takes_sample
         any_running_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
             token_ids = get_sampled(req_id)
             if not token_ids and req_id not in invalid_req_ids:
                 continue  # a prompt chunk: nothing sampled
             request = requests.get(req_id)
-            if request is None or not self._takes_sample(request, scheduler_output):
+            if request is None or not takes_sample(request, scheduler_output):
                 continue  # finished or aborted since, or an older request's token
-            if token_ids:
+            if not token_ids:
+                status = _ERROR
+            elif len(token_ids) == 1:  # one token a step, the usual case, without the loop's overhead
+                tok = token_ids[0]
+                request.append_output_token_id(tok)
+                status = check_stop(request, tok)
+            else:
                 status = None
                 for i, tok in enumerate(token_ids):
                     request.append_output_token_id(tok)
@@ -261,14 +268,12 @@ class Scheduler:
                     if status is not None:
                         token_ids = token_ids[: i + 1]
                         break
-            else:
-                status, token_ids = _ERROR, []
             if status is None:
                 append_output(EngineCoreOutput(req_id, token_ids, False, None, None, request.num_cached_tokens))
                 continue
             any_running_finished |= self._finish(request, status)
-            append_output(EngineCoreOutput(req_id, token_ids, True, _finish_reason(status), request.stop_reason,
-                                           request.num_cached_tokens))
+            append_output(EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
+                                           request.stop_reason, request.num_cached_tokens))
         if any_running_finished:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
         self._end_update()
