@@ -60,12 +60,14 @@ def build(extra_cflags: tuple[str, ...] | None = None) -> Callable[..., torch.Te
     key = (SOURCE.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
            + " ".join(flags).encode())
     name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
-    # Where load() puts it (torch's default build root, or $TORCH_EXTENSIONS_DIR): only for the log line.
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    built = (Path(root) / name / f"{name}.so").exists()
-    if not built:
+    # Our own directory under torch's extension root ($TORCH_EXTENSIONS_DIR or its default), so
+    # whether a build is needed is known before starting one (for the log line).
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
         logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
-    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                build_directory=str(build_dir), verbose=False)
     return module.paged_decode
 
 
