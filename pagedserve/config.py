@@ -33,7 +33,9 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
-    # Fraction of free memory for the KV cache when kv_cache_memory_bytes is unset.
+    # When kv_cache_memory_bytes is unset, on CUDA: the fraction of total device memory the
+    # engine may use (the KV cache gets what weights and peak activations leave); on CPU:
+    # the fraction of available memory the KV cache may take (worker/kv_cache.py).
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.25
     num_blocks: int | None = None  # resolved at start-up

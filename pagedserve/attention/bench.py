@@ -2,7 +2,7 @@
 
 The yardstick is what attention costs with no paging at all: K/V already laid out
 contiguously per sequence, GQA folded into the rows, two batched matmuls and a
-softmax per layer (shared/tools/cpu_paged_attention.py's "contiguous").  The paged
+softmax per layer.  The paged
 figure includes everything a real step pays: metadata built once, then per layer
 the K/V store by slot mapping, the gather and the attention.
 
@@ -12,21 +12,26 @@ usage: python -m pagedserve.attention.bench [--backend cpu_paged] [--batch 32] [
 
 `--kernel-isa` builds cpu_paged's C++ kernel for a lesser instruction set than the
 machine's (avx2: AVX-512 disabled; plain: AVX2/FMA disabled too), to compare the
-paths a CPU without AVX-512 gets.
+paths a CPU without AVX-512 gets; `--kernel-source FILE` builds another version of
+the kernel's source (e.g. one from git history) the same way.  `--layers 1` keeps K/V
+cache-resident (the arithmetic), the default 30 distinct layer caches do not (memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from pagedserve.attention.backend import CommonAttentionMetadata
+from pagedserve.attention.cpu_paged import SOURCE as KERNEL_SOURCE
 from pagedserve.attention.cpu_paged import CpuPagedBackend
 from pagedserve.attention.cpu_paged import build as build_kernel
 from pagedserve.attention.selector import get_attn_backend
 from pagedserve.cpu_info import describe_cpu
+from pagedserve.utils import cdiv
 
 KERNEL_ISA_CFLAGS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
@@ -63,12 +68,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kernel-isa", choices=sorted(KERNEL_ISA_CFLAGS), default="native",
                     help="instruction set of cpu_paged's C++ kernel (default: this machine's)")
+    ap.add_argument("--kernel-source", type=Path, default=None,
+                    help="build cpu_paged's kernel from this .cpp instead of the package's")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     dt, b, ctx, bs = getattr(torch, a.dtype), a.batch, a.ctx, a.block_size
     hkv, d, grp = a.kv_heads, a.head_dim, a.heads // a.kv_heads
-    nblk = -(-ctx // bs)
+    nblk = cdiv(ctx, bs)
     pool = max(2048, 2 * b * nblk + 1)
     torch.manual_seed(0)
     block_table = (torch.randperm(pool - 1)[: b * nblk] + 1).view(b, nblk).int()
@@ -81,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     cls = get_attn_backend(a.backend, "cpu")
     impl = cls(a.heads, hkv, d, d**-0.5, bs)
-    if a.kernel_isa != "native" and isinstance(impl, CpuPagedBackend):
-        impl.decode_kernel = build_kernel(KERNEL_ISA_CFLAGS[a.kernel_isa])
+    if (a.kernel_isa != "native" or a.kernel_source) and isinstance(impl, CpuPagedBackend):
+        impl.decode_kernel = build_kernel(KERNEL_ISA_CFLAGS[a.kernel_isa], a.kernel_source or KERNEL_SOURCE)
     caches = [tuple(torch.randn(pool, bs, hkv, d, dtype=dt) for _ in range(2)) for _ in range(a.layers)]
     q, k, v = (torch.randn(b, h, d, dtype=dt) for h in (a.heads, hkv, hkv))
     cont = [tuple(torch.randn(b, hkv, ctx, d, dtype=dt) for _ in range(2)) for _ in range(a.layers)]
@@ -109,13 +116,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         clock = time.process_time if a.cpu_time else time.perf_counter
         steps = [paged_step, contiguous_step] + ([kernel_step] if has_kernel else [])
         paged, contiguous, *kernel_only = _best_of(steps, a.reps, clock=clock)
-    kernel = f", kernel {a.kernel_isa}" if has_kernel else ""
+    kernel = f", kernel {a.kernel_isa}{' from ' + str(a.kernel_source) if a.kernel_source else ''}" if has_kernel else ""
     print(f"CPU: {describe_cpu()}")
-    print(f"{a.backend}{kernel}: {paged * 1e3:.1f} ms per {a.layers}-layer decode step "
+    print(f"{a.backend}{kernel}: {paged * 1e3:.2f} ms per {a.layers}-layer decode step "
           f"(B={b}, ctx={ctx}, {a.heads}/{hkv} heads x {d}, block {bs}, {a.dtype}, {torch.get_num_threads()} threads)")
     if kernel_only:
-        print(f"  of which the C++ kernel alone: {kernel_only[0] * 1e3:.1f} ms")
-    print(f"contiguous math: {contiguous * 1e3:.1f} ms; ratio {paged / contiguous:.2f}")
+        print(f"  of which the C++ kernel alone: {kernel_only[0] * 1e3:.2f} ms")
+    print(f"contiguous math: {contiguous * 1e3:.2f} ms; ratio {paged / contiguous:.2f}")
     return {"paged_ms": paged * 1e3, "contiguous_ms": contiguous * 1e3,
             **({"kernel_ms": kernel_only[0] * 1e3} if kernel_only else {})}
 

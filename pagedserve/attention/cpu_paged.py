@@ -47,17 +47,17 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def build(extra_cflags: tuple[str, ...] | None = None) -> Callable[..., torch.Tensor]:
+def build(extra_cflags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Callable[..., torch.Tensor]:
     """Compile (or load the cached build of) the kernel for this CPU.  `extra_cflags`
     (default: whatever keeps it within torch's own ISA; tests and benchmarks pass
     "-mno-avx512f" for the AVX2 path, or also "-mno-avx2 -mno-fma" for the plain loops)
-    become part of the cache key."""
+    become part of the cache key, as does `source` (benchmarks compare another version)."""
     from torch.utils import cpp_extension
 
     if extra_cflags is None:
         extra_cflags = kernel_isa_cflags()
     flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
-    key = (SOURCE.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
+    key = (source.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
            + " ".join(flags).encode())
     name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
     # Our own directory under torch's extension root ($TORCH_EXTENSIONS_DIR or its default), so
@@ -66,7 +66,7 @@ def build(extra_cflags: tuple[str, ...] | None = None) -> Callable[..., torch.Te
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / f"{name}.so").exists():
         logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
-    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                 build_directory=str(build_dir), verbose=False)
     return module.paged_decode
 

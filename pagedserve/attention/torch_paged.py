@@ -36,6 +36,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedserve.attention.torch_ref import store_kv_cache
+from pagedserve.utils import cdiv
 
 # Padded (query, key) cells one group may hold: bounds the score matrices and the
 # workspace; a longer prefill is split into query chunks under it.
@@ -184,7 +185,7 @@ class TorchPagedBackend(AttentionBackend):
     def _build_group(common: CommonAttentionMetadata, items: list[Item]) -> AttnGroup:
         dev, bs = common.block_table.device, common.block_size
         q_len = max(it[0] for it in items)
-        kv_len = -(-max(it[1] for it in items) // bs) * bs
+        kv_len = cdiv(max(it[1] for it in items), bs) * bs
         n, s, starts, reqs = (torch.tensor(col, dtype=torch.long) for col in zip(*items, strict=True))
         j = torch.arange(q_len)
         valid_q = j[None, :] < n[:, None]  # [B, Q]

@@ -42,6 +42,7 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedserve.attention.triton_kernels import LOG2E, get_kernels, next_pow2
 from pagedserve.platforms import is_cuda
+from pagedserve.utils import cdiv
 
 # Split-KV policy for decode: aim for TARGET_WAVES programs per SM and give no split
 # fewer than MIN_SPLIT_TOKENS tokens (each split adds a partial write and a reduce
@@ -56,7 +57,7 @@ def plan_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_s
     programs = num_decodes * num_kv_heads
     if programs == 0:
         return 1
-    want = -(-TARGET_WAVES * num_sms // programs)
+    want = cdiv(TARGET_WAVES * num_sms, programs)
     splits = max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # powers of two: NUM_SPLITS is a constexpr, one compile each
 

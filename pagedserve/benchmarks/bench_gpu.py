@@ -1,4 +1,4 @@
-"""W1 and W2 of workloads.md on a GPU, with CUDA graphs and overlap scheduling each
+"""W1 and W2 (below) on a GPU, with CUDA graphs and overlap scheduling each
 on and off, side by side in one run (so the ratios compare like with like).
 
     python -m pagedserve.benchmarks.bench_gpu                       # all four configs
@@ -29,7 +29,7 @@ CONFIGS = {  # name -> (enforce_eager, async_scheduling)
     "graphs": (False, False),
     "graphs+overlap": (False, True),
 }
-# workloads.md: the H100 floors and the peers' figures the issue measures against.
+# The H100 floors (docs/gpu_notes.md) and the peers' figures the GPU issue measures against.
 REFERENCE = {
     "w1": "floor ~24,600 tok/s on H100; target >= 10,000; vLLM 8,588 on A800 (~14,100 scaled to H100)",
     "w2": "floor ~30,700 tok/s on H100; target >= 14,940 (20x HF continuous batching's 747)",

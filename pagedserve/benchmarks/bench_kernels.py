@@ -27,6 +27,7 @@ import torch
 from pagedserve.attention.backend import CommonAttentionMetadata
 from pagedserve.attention.torch_ref import TorchReferenceBackend, store_kv_cache
 from pagedserve.platforms import is_cuda
+from pagedserve.utils import cdiv
 
 CASES = dict(
     store=[256, 8192],  # new tokens
@@ -100,7 +101,7 @@ class Bench:
     def batch(self, specs: list[tuple[int, int]]):
         """A paged batch: specs [(context, new tokens)], blocks scattered over the pool."""
         a, bs, dev = self.a, self.a.block_size, self.dev
-        nblocks = [-(-ctx // bs) for ctx, _ in specs]
+        nblocks = [cdiv(ctx, bs) for ctx, _ in specs]
         perm = torch.randperm(sum(nblocks), device=dev, dtype=torch.int32) + 1  # block 0: null
         table = torch.zeros(len(specs), max(nblocks), dtype=torch.int32, device=dev)
         slots, start = [], 0

@@ -1,4 +1,4 @@
-"""Offline throughput: nano-vllm's bench.py shape, plus the chat workloads of workloads.md.
+"""Offline throughput: nano-vllm's bench.py shape, plus the chat workloads of benchmarks/workloads.py.
 
     pagedserve bench throughput --load-format dummy --num-prompts 64
     pagedserve bench throughput --workload chat-burst --dtype bfloat16
@@ -26,7 +26,7 @@ WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix")
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workload", choices=WORKLOADS, default="random",
-                        help="random (nano-vllm bench.py) or a preset of workloads.md")
+                        help="random (nano-vllm bench.py) or a preset of benchmarks/workloads.py")
     parser.add_argument("--num-prompts", type=int, default=256, help="random workload: number of requests")
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
                         help="random workload: prompt length range (inclusive)")

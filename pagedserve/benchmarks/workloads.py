@@ -1,4 +1,10 @@
-"""The benchmark workloads of shared/workloads.md, defined once for every script."""
+"""The benchmark workloads, defined once for every script.
+
+chat-burst: 32 chat requests (the 8 CHAT_BURST_MESSAGES, 4 times each) with the chat
+template applied, greedy, 128 new tokens each, EOS ignored; chat-burst-natural: the
+same, 256 tokens at most, EOS honoured; shared-prefix: 32 questions sharing a ~400-token
+system message, 64 new tokens; random: nano-vllm's bench.py (see random_tokens).
+"""
 
 from __future__ import annotations
 

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
+from pagedserve.utils import cdiv
+
 _U64 = 8
 _DEFAULT_CAPACITY = 1 << 22  # 4 MiB: a step with thousands of new prompt tokens fits
 
 
 def _payload_offset(num_readers: int) -> int:
-    return -(-(2 + num_readers) * _U64 // 64) * 64
+    return cdiv((2 + num_readers) * _U64, 64) * 64
 
 
 def _get(buf: memoryview, offset: int) -> int:

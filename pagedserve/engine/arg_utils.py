@@ -45,7 +45,9 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
     "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
-    "gpu_memory_utilization": "fraction of free device memory for the KV cache when its size is unset",
+    "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
+                              "what the weights and the profiled peak activations leave of it (never more than "
+                              "is free), when kv_cache_memory_bytes is unset",
     "num_gpu_blocks_override": "exact number of KV-cache blocks (testing)",
     "seed": "random seed of the engine (sampling without a per-request seed)",
     "max_logprobs": "most top logprobs one request may ask for",

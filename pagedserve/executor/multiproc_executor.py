@@ -34,7 +34,8 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve")
+T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load one shard
 COLLECTIVE_TIMEOUT_S = 300.0  # a peer alive but stuck this long is an error
@@ -202,28 +204,31 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ calls
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        with self._call_lock:
-            self._check()
-            try:
-                self._channel.broadcast(("execute_model", (scheduler_output,), False), self._check, self.timeout_s)
-                return self.driver.execute_model(scheduler_output)
-            except BaseException as e:
-                err = self._abandon(e)
-                if err is e:
-                    raise
-                raise err from e
+        def run() -> ModelRunnerOutput:
+            self._channel.broadcast(("execute_model", (scheduler_output,), False), self._check, self.timeout_s)
+            return self.driver.execute_model(scheduler_output)
+
+        return self._on_all_ranks(run)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
         raise NotImplementedError("tensor-parallel execution has no overlap scheduling")
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Run TPWorker.`method`(*args) on every rank; results in rank order."""
+        def run() -> list[Any]:
+            self._channel.broadcast((method, args, True), self._check, self.timeout_s)
+            results = [getattr(self.driver, method)(*args)]
+            return results + [self._recv(rank, self.timeout_s) for rank in range(1, self.world_size)]
+
+        return self._on_all_ranks(run)
+
+    def _on_all_ranks(self, call: Callable[[], T]) -> T:
+        """One call that every rank takes part in, one at a time; if rank 0 leaves it
+        half-way the executor is shut down and the error says which rank failed."""
         with self._call_lock:
             self._check()
             try:
-                self._channel.broadcast((method, args, True), self._check, self.timeout_s)
-                results = [getattr(self.driver, method)(*args)]
-                return results + [self._recv(rank, self.timeout_s) for rank in range(1, self.world_size)]
+                return call()
             except BaseException as e:
                 err = self._abandon(e)
                 if err is e:

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.distributed.communication import gather_to_driver, tensor_model_parallel_all_reduce
 from pagedserve.layers.linear import PackedLinear, get_tp_rank_size
+from pagedserve.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank_size()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.rows = -(-num_embeddings // self.tp_size)
+        self.rows = cdiv(num_embeddings, self.tp_size)
         self.row_start = self.tp_rank * self.rows
         self.valid_rows = max(0, min(self.rows, num_embeddings - self.row_start))  # < rows only on the last rank
         self._linear = PackedLinear()  # used by the LM head (its own, or the tied embedding's)

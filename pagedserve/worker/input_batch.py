@@ -20,6 +20,7 @@ import torch
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.utils import cdiv
 from pagedserve.worker.sampler import SamplingMetadata
 
 
@@ -29,7 +30,7 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_id = eos_token_id

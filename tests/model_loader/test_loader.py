@@ -13,20 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.config import ModelConfig
 from pagedserve.cpu_info import bf16_support
-from pagedserve.forward_context import set_forward_context
 from pagedserve.model_loader import get_model, load_model_config, load_tokenizer
-from tests.models.models_helpers import make_hf_model
-
-
-def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), set_forward_context(None):
-        return model.compute_logits(model(ids, torch.arange(len(ids))))
-
-
-def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids[None]).logits[0].float()
-
+from tests.models.models_helpers import hf_logits, make_hf_model
+from tests.models.models_helpers import our_logits as logits
 
 # --------------------------------------------------------------------------- config resolution
 

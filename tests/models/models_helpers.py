@@ -43,3 +43,17 @@ def make_hf_model(case: str, **overrides: Any) -> torch.nn.Module:
             else:
                 p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
     return model
+
+
+def our_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Our model's logits for one sequence: with no attention metadata, Attention treats
+    the flattened batch as one causal sequence."""
+    from pagedserve.forward_context import set_forward_context
+
+    with torch.no_grad(), set_forward_context(None):
+        return model.compute_logits(model(ids, torch.arange(len(ids))))
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()

@@ -6,20 +6,8 @@ import pytest
 import torch
 
 from pagedserve.config import ModelConfig
-from pagedserve.forward_context import set_forward_context
 from pagedserve.model_loader import get_model
-from tests.models.models_helpers import TINY_CASES
-
-
-def our_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    # No attention metadata: Attention treats the flattened batch as one causal sequence.
-    with torch.no_grad(), set_forward_context(None):
-        return model.compute_logits(model(ids, torch.arange(len(ids))))
-
-
-def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids[None]).logits[0].float()
+from tests.models.models_helpers import TINY_CASES, hf_logits, our_logits
 
 
 @pytest.mark.parametrize("case", sorted(TINY_CASES))

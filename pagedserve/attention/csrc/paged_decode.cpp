@@ -122,22 +122,6 @@ inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_
     for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
 }
 
-// pv_block for a runtime G; false when G has no instantiation (the caller goes row by row).
-template <typename scalar_t, int64_t D>
-inline bool pv_block_any(int64_t G, const float* p, const scalar_t* v, int64_t v_stride, int64_t n, float* acc,
-                         int64_t L) {
-  switch (G) {
-    case 1: pv_block<scalar_t, D, 1>(p, v, v_stride, n, acc, L); return true;
-    case 2: pv_block<scalar_t, D, 2>(p, v, v_stride, n, acc, L); return true;
-    case 3: pv_block<scalar_t, D, 3>(p, v, v_stride, n, acc, L); return true;
-    case 4: pv_block<scalar_t, D, 4>(p, v, v_stride, n, acc, L); return true;
-    case 5: pv_block<scalar_t, D, 5>(p, v, v_stride, n, acc, L); return true;
-    case 6: pv_block<scalar_t, D, 6>(p, v, v_stride, n, acc, L); return true;
-    case 7: pv_block<scalar_t, D, 7>(p, v, v_stride, n, acc, L); return true;
-    case 8: pv_block<scalar_t, D, 8>(p, v, v_stride, n, acc, L); return true;
-    default: return false;
-  }
-}
 
 // exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by a
 // degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n by scalef.
@@ -270,21 +254,6 @@ inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_
   }
 }
 
-template <typename scalar_t, int64_t D>
-inline bool pv_block_any(int64_t G, const float* p, const scalar_t* v, int64_t v_stride, int64_t n, float* acc,
-                         int64_t L) {
-  switch (G) {
-    case 1: pv_block<scalar_t, D, 1>(p, v, v_stride, n, acc, L); return true;
-    case 2: pv_block<scalar_t, D, 2>(p, v, v_stride, n, acc, L); return true;
-    case 3: pv_block<scalar_t, D, 3>(p, v, v_stride, n, acc, L); return true;
-    case 4: pv_block<scalar_t, D, 4>(p, v, v_stride, n, acc, L); return true;
-    case 5: pv_block<scalar_t, D, 5>(p, v, v_stride, n, acc, L); return true;
-    case 6: pv_block<scalar_t, D, 6>(p, v, v_stride, n, acc, L); return true;
-    case 7: pv_block<scalar_t, D, 7>(p, v, v_stride, n, acc, L); return true;
-    case 8: pv_block<scalar_t, D, 8>(p, v, v_stride, n, acc, L); return true;
-    default: return false;
-  }
-}
 
 // exp(x) for 8 lanes, x <= 0: as exp16 below, with 2^n built in the exponent bits
 // (AVX2 has no scalef); x >= -87.3 keeps 2^n a normal float.
@@ -348,10 +317,8 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
 }
 #else
 constexpr int64_t kSlots = 0;  // no blocked path: row by row
-template <typename scalar_t, int64_t D>
-inline bool pv_block_any(int64_t, const float*, const scalar_t*, int64_t, int64_t, float*, int64_t) {
-  return false;
-}
+template <typename scalar_t, int64_t D, int64_t G>
+inline void pv_block(const float*, const scalar_t*, int64_t, int64_t, float*, int64_t) {}
 
 inline float exp_sum(float* s, int64_t L, float m) {
   float sum = 0.f;
@@ -386,6 +353,25 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
   }
 }
 #endif
+
+// pv_block for a runtime G (every ISA above); false when there is no blocked path or no
+// instantiation for G (the caller then goes row by row).
+template <typename scalar_t, int64_t D>
+inline bool pv_block_any(int64_t G, const float* p, const scalar_t* v, int64_t v_stride, int64_t n, float* acc,
+                         int64_t L) {
+  if (kSlots == 0) return false;
+  switch (G) {
+    case 1: pv_block<scalar_t, D, 1>(p, v, v_stride, n, acc, L); return true;
+    case 2: pv_block<scalar_t, D, 2>(p, v, v_stride, n, acc, L); return true;
+    case 3: pv_block<scalar_t, D, 3>(p, v, v_stride, n, acc, L); return true;
+    case 4: pv_block<scalar_t, D, 4>(p, v, v_stride, n, acc, L); return true;
+    case 5: pv_block<scalar_t, D, 5>(p, v, v_stride, n, acc, L); return true;
+    case 6: pv_block<scalar_t, D, 6>(p, v, v_stride, n, acc, L); return true;
+    case 7: pv_block<scalar_t, D, 7>(p, v, v_stride, n, acc, L); return true;
+    case 8: pv_block<scalar_t, D, 8>(p, v, v_stride, n, acc, L); return true;
+    default: return false;
+  }
+}
 
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);

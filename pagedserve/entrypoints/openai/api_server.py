@@ -159,12 +159,16 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         state.ready()
         return await generate(state.chat, body, request)
 
+    def tokenizing(body: TokenizeRequest | DetokenizeRequest) -> OpenAIServingChat:
+        """The chat handler (it holds the tokenizer), once the model named is known."""
+        state.ready()
+        if body.model is not None:
+            state.chat.model_name(body.model)
+        return state.chat
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        state.ready()
-        chat = state.chat
-        if body.model is not None:
-            chat.model_name(body.model)
+        chat = tokenizing(body)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("send exactly one of prompt or messages")
         if body.messages is not None:
@@ -175,10 +179,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        state.ready()
-        chat = state.chat
-        if body.model is not None:
-            chat.model_name(body.model)
+        chat = tokenizing(body)
         vocab = state.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

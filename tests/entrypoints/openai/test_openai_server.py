@@ -295,3 +295,16 @@ def test_fields_we_cannot_honour_are_refused_not_ignored(server, field, value):
     if field == "priority":
         assert r.json()["error"]["message"] == "Got priority 1 but Priority scheduling is not enabled."
     assert _post(server, CHAT_URL, _chat(response_format={"type": "text"})).status_code == 200
+
+
+def test_content_parts_render_as_llm_chat_renders_them(server, tokenizer):
+    """One flattener: text parts joined by newlines on the server as in LLM.chat (the
+    server once joined them with nothing, so the same messages made another prompt)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    served = httpx.post(server.url + "/tokenize", json={"messages": parts}).json()["tokens"]
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "hello\nworld"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert served == tokenizer.encode(expected, add_special_tokens=False)
+    r = _post(server, CHAT_URL, {"model": MODEL_NAME, "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
