@@ -25,7 +25,24 @@ class ModelConfig:
     chat_template: str | None = None
     # Most top logprobs a request may ask for (vLLM's name and default; OpenAI's chat limit).
     max_logprobs: int = 20
+    # "auto": sampling defaults from the model's generation_config.json (for what a request
+    # leaves unset); "vllm": the built-in defaults (temperature 1, no top-k/p, ...).
+    generation_config: str = "auto"
     hf_config: Any = None  # transformers.PretrainedConfig once resolved
+    # generation_config.json next to the weights, as read at load ({} when there is none).
+    generation_config_values: dict[str, Any] = field(default_factory=dict)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """SamplingParams defaults from the generation config (vLLM's mapping), when
+        generation_config is "auto"."""
+        if self.generation_config != "auto":
+            return {}
+        values = self.generation_config_values
+        out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+               if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
+        if isinstance(values.get("max_new_tokens"), int):
+            out["max_tokens"] = values["max_new_tokens"]
+        return out
 
 
 @dataclass

@@ -10,8 +10,10 @@ finite: a NaN temperature once reached the sampler and stopped the whole engine.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.utils import is_int
@@ -19,6 +21,73 @@ from pagedserve.utils import is_int
 _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed takes 64-bit values; n > 1 children add their index.
 _SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names): exactly one of a JSON schema
+    (a dict, a JSON string or a pydantic model class), any JSON object, a regular
+    expression, a choice among strings, an EBNF/GBNF grammar, or an xgrammar structural
+    tag (free text in which tagged parts follow schemas: how tool calls are kept valid).
+    The output then matches it, or is a prefix of a match if max_tokens runs out first."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def validate(self) -> None:
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidRequestError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                                      f"json_object or structural_tag, got {kinds or 'none'}",
+                                      param="structured_outputs")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise InvalidRequestError("structured_outputs.regex must be a string", param="structured_outputs")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequestError("structured_outputs.grammar must be a string", param="structured_outputs")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings",
+                                      param="structured_outputs")
+        if self.json_object not in (None, True, False):
+            raise InvalidRequestError("structured_outputs.json_object must be true or false", param="structured_outputs")
+        self.schema_text()  # a schema that cannot be serialised is refused here
+
+    def schema_text(self) -> str | None:
+        """The JSON schema as text (the compile cache's key), or None for other kinds."""
+        schema = self.json
+        if schema is None:
+            return None
+        if isinstance(schema, str):
+            return schema
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
+            schema = schema.model_json_schema()
+        try:
+            return json.dumps(schema)  # key order kept: it is the order the fields are generated in
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"structured_outputs.json is not a JSON schema: {e}",
+                                      param="structured_outputs") from None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): equal keys compile to the same grammar."""
+        if self.json is not None:
+            return ("json", self.schema_text() or "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(self.choice))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            return ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
+        return ("json_object", "")
 
 
 @dataclass
@@ -39,7 +108,19 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Top logprobs of every prompt token (0: just the prompt token's own), as vLLM.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words (strings) the output may not contain; each is banned as the token sequences
+    # the tokenizer makes of it, with and without a leading space (vLLM's semantics).
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine from bad_words (it needs the tokenizer).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:
@@ -82,6 +163,25 @@ class SamplingParams:
                 f"max_tokens={self.max_tokens}", param="min_tokens")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "an integer >= 0 or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_int(t) and t >= 0 and _is_finite(b) for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "a dict of non-negative token ids to finite numbers")
+            if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+                raise bad("logit_bias", "biases in [-100, 100] (OpenAI's range)")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "a list of non-empty strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams")
+            self.structured_outputs.validate()
         stops = self.stop_strings if isinstance(self.stop, (str, list, tuple, type(None))) else None
         if stops is None or not all(isinstance(s, str) and s for s in stops):
             raise bad("stop", "a non-empty string or a list of non-empty strings")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from array import array
+from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling: the scheduler skips it
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state (see is_finished).
@@ -43,6 +45,24 @@ _FINISH_REASONS = {
 }
 
 
+class GrammarState(Protocol):
+    """What the scheduler needs of a request's grammar (structured_output/ implements it)."""
+
+    error: str | None  # why it failed to compile, once is_ready() says it is done
+
+    def is_ready(self) -> bool:
+        """Compiled, or failed; never blocks."""
+        ...
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance over a sampled token; False if the grammar forbids it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar has reached its end: nothing more may follow."""
+        ...
+
+
 class Request:
     def __init__(
         self,
@@ -53,6 +73,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -77,6 +98,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Structured output: the grammar the sampled tokens must follow (None: free text).
+        self.grammar = grammar
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -9,6 +9,7 @@ with tensor parallelism, into other processes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -42,6 +43,17 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The allowed next tokens of the constrained requests of one step: row `rows[i]` of
+    the sampled rows gets `bitmask[rows[i]]` (int32, one bit per vocabulary token: a
+    torch tensor filled by structured_output/; core only carries it)."""
+
+    rows: list[int]
+    bitmask: Any
+    vocab_size: int
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -52,6 +64,12 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Overlap scheduling: the step's number, so results are matched to it (-1 otherwise).
     step_id: int = -1
+    # Constrained requests that sample this step -> their row among the sampled requests
+    # (requests whose known tokens are all computed after the step, in this order).
+    structured_output_rows: dict[str, int] = field(default_factory=dict)
+    # Their bitmask: filled by the engine before the step runs (or, with overlap
+    # scheduling, handed to the launched step once the previous step's tokens are in).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -36,6 +36,7 @@ _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
+_WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 _finish_reason = RequestStatus.get_finished_reason
 
 
@@ -63,6 +64,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._next_seq = 0
+        self.num_grammar_requests = 0  # unfinished requests with a grammar
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -72,6 +74,8 @@ class Scheduler:
             raise ValueError(f"request id {req_id!r} is already in use by an unfinished request")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {req_id!r} is not a fresh request (status {request.status.name})")
+        if request.grammar is not None and not request.grammar.is_ready():
+            request.status = _WAITING_FOR_FSM
         num_prompt = request.num_prompt_tokens
         if num_prompt + 1 > self.max_model_len:
             raise InvalidRequestError(
@@ -94,6 +98,7 @@ class Scheduler:
         self._next_seq += 1
         self._admit(request)
         self.requests[req_id] = request
+        self.num_grammar_requests += request.grammar is not None
         self.waiting.add_request(request)
 
     def _admit(self, request: Request) -> None:
@@ -170,6 +175,8 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
         )
+        if self.num_grammar_requests and num_scheduled_tokens:
+            out.structured_output_rows = self._structured_output_rows(num_scheduled_tokens)
         if num_scheduled_tokens:
             self._after_schedule(out)
         return out
@@ -177,15 +184,38 @@ class Scheduler:
     def _after_schedule(self, out: SchedulerOutput) -> None:
         """Hook: a step with tokens is about to be launched."""
 
+    def _structured_output_rows(self, num_scheduled_tokens: dict[str, int]) -> dict[str, int]:
+        """The constrained requests that sample this step, with their row among all the
+        requests that sample (those whose known and pending tokens are all computed after
+        it: the runner's rule), in step order."""
+        rows: dict[str, int] = {}
+        row = 0
+        requests = self.requests
+        for req_id in num_scheduled_tokens:
+            request = requests[req_id]
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+                if request.grammar is not None:
+                    rows[req_id] = row
+                row += 1
+        return rows
+
     def _schedule_waiting(
         self, token_budget: int, num_scheduled_tokens: dict[str, int], new_reqs: list[NewRequestData]
     ) -> int:
-        """Admit waiting requests in queue order; returns the budget left."""
+        """Admit waiting requests in queue order; returns the budget left.  A request whose
+        grammar is still compiling is stepped over (and keeps its place), so a slow schema
+        holds up nothing but itself."""
         kvm = self.kv_cache_manager
         waiting, running = self.waiting, self.running
         threshold = self.long_prefill_token_threshold
+        compiling: list[Request] = []
         while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek_request()
+            if request.status is _WAITING_FOR_FSM:
+                if not request.grammar.is_ready() or request.grammar.error is not None:
+                    compiling.append(waiting.pop_request())  # (a failed one: the engine ends it)
+                    continue
+                request.status = RequestStatus.WAITING
             if request.num_output_placeholders:
                 break  # preempted while its last sample was in flight: resume once it lands
             computed_blocks, num_hit = kvm.get_computed_blocks(request)
@@ -223,6 +253,8 @@ class Scheduler:
             num_scheduled_tokens[req_id] = n
             token_budget -= n
             request.num_computed_tokens = num_hit + n
+        for request in reversed(compiling):
+            waiting.prepend_request(request)
         return token_budget
 
     def _preempt(self, request: Request) -> None:
@@ -259,12 +291,12 @@ class Scheduler:
             elif len(token_ids) == 1:  # one token a step, the usual case, without the loop's overhead
                 tok = token_ids[0]
                 request.append_output_token_id(tok)
-                status = check_stop(request, tok)
+                status = check_stop(request, tok) if request.grammar is None else self._advance(request, tok)
             else:
                 status = None
                 for i, tok in enumerate(token_ids):
                     request.append_output_token_id(tok)
-                    status = check_stop(request, tok)
+                    status = check_stop(request, tok) if request.grammar is None else self._advance(request, tok)
                     if status is not None:
                         token_ids = token_ids[: i + 1]
                         break
@@ -278,6 +310,17 @@ class Scheduler:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
         self._end_update()
         return outputs
+
+    @staticmethod
+    def _advance(request: Request, tok: int) -> RequestStatus | None:
+        """check_stop for a constrained request: the grammar takes the token first; a
+        token it refuses is an error, and a grammar at its end stops the request."""
+        if not request.grammar.accept_token(tok):
+            return _ERROR
+        status = check_stop(request, tok)
+        if status is None and request.grammar.is_terminated():
+            status = _STOPPED
+        return status
 
     def _begin_update(self, scheduler_output: SchedulerOutput) -> None:
         """Hook: the results of `scheduler_output` are about to be applied."""
@@ -302,6 +345,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._free_blocks(request)
+        self.num_grammar_requests -= request.grammar is not None
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 

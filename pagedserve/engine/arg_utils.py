@@ -52,6 +52,7 @@ _HELP = {
     "seed": "random seed of the engine (sampling without a per-request seed)",
     "max_logprobs": "most top logprobs one request may ask for",
     "max_n": "most sequences (n) one request may ask for",
+    "generation_config": "auto: sampling defaults from the model's generation_config.json; vllm: built-in defaults",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs",
     "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, "
@@ -86,6 +87,7 @@ class EngineArgs:
     seed: int = 0
     max_logprobs: int = 20
     max_n: int = 16
+    generation_config: str = "auto"
     load_format: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -144,6 +146,8 @@ class EngineArgs:
             raise bad("seed", "an integer")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise bad("max_logprobs", "an integer >= 0")
+        if self.generation_config not in ("auto", "vllm"):
+            raise bad("generation_config", "'auto' or 'vllm'")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
         for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code"):
@@ -179,7 +183,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
-            max_logprobs=self.max_logprobs,
+            max_logprobs=self.max_logprobs, generation_config=self.generation_config,
         )
         if load_hf_config:
             from pagedserve.model_loader import load_model_config
@@ -233,7 +237,8 @@ class EngineArgs:
             else:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
                     float if isinstance(default, float) else str)
-                choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS}.get(f.name)
+                choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
+                           "generation_config": ("auto", "vllm")}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 

@@ -86,6 +86,8 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.vocab_size
+        # The model's generation-config sampling defaults, for request fields left unset.
+        self.sampling_defaults: dict[str, Any] = engine.sampling_defaults()
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         device = "GPU" if is_cuda(engine.device) else engine.device.type.upper()
         self.log_stats = LoggingStatLogger(log_interval, device=device) if log_stats else None
@@ -138,6 +140,10 @@ class AsyncLLM:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}") from self.dead_error
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if sampling_params.structured_outputs is not None:
+            # Compiled in the engine's grammar pool, awaited here: a bad schema is refused
+            # before the engine sees the request, and the engine loop never waits for one.
+            await asyncio.wrap_future(self.engine.structured_output.compile(sampling_params.structured_outputs))
         assert self._loop is not None
         collector = _Collector()
         self._collectors[request_id] = collector
@@ -178,9 +184,9 @@ class AsyncLLM:
             self._send(("abort", request_id))
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict[str, Any]:
+                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         """The engine's chat rendering and tokenization (read-only: safe from the event loop)."""
-        return self.engine.encode_chat(messages, chat_template, add_generation_prompt)
+        return self.engine.encode_chat(messages, chat_template, add_generation_prompt, **kwargs)
 
     def _send(self, command: Any) -> None:
         self._commands.put(command)

@@ -15,10 +15,12 @@ so the engine is idle with every block free.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import numbers
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.async_scheduler import AsyncScheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import EngineArgs, read_chat_template
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
@@ -37,12 +39,13 @@ from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve.engine")
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 @dataclass
@@ -91,6 +94,12 @@ class LLMEngine:
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
+        stop_ids = [t for t in [self.eos_token_id, *self._extra_eos_ids] if t is not None]
+        # Grammars for structured outputs (xgrammar is imported on the first one).
+        self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, stop_ids, sched.max_num_seqs)
+        # Requests whose grammar was still compiling when they were added: parent id -> its
+        # compilation (a failure ends the request with "error" at the next step).
+        self._compiling: dict[str, Future] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -107,7 +116,8 @@ class LLMEngine:
 
             validate_tensor_parallel(config, device)  # a bad split fails before anything loads
         tokenizer = load_tokenizer(mc)
-        extra_eos = _generation_config_eos_ids(mc)
+        eos_ids = mc.generation_config_values.get("eos_token_id")
+        extra_eos = [t for t in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(t, int)]
         eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
         if config.parallel_config.tensor_parallel_size > 1:
             from pagedserve.executor.multiproc_executor import MultiprocExecutor
@@ -142,8 +152,13 @@ class LLMEngine:
         params.validate()  # values may have been changed after construction
         if not is_int(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
-        prompt_text, prompt_ids = self._process_prompt(prompt)
+        prompt_text, prompt_ids, cache_salt = self._process_prompt(prompt)
         self._check_request(prompt_ids, params, priority)
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured_output.compile(params.structured_outputs)
+            if compiled.done() and compiled.exception() is not None:
+                raise compiled.exception()
 
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
@@ -155,13 +170,18 @@ class LLMEngine:
         added: list[str] = []
         try:
             for cid, cparams in zip(child_ids, child_params, strict=True):
-                self.scheduler.add_request(Request(cid, prompt_ids, cparams, self.eos_token_id, arrival, priority))
+                grammar = self.structured_output.request(params.structured_outputs) if compiled else None
+                self.scheduler.add_request(Request(cid, prompt_ids, cparams, self.eos_token_id, arrival, priority,
+                                                   cache_salt, grammar))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
         parent = ParentRequest(request_id, prompt_text, prompt_ids, output_kind, RequestMetrics(arrival))
         self.output_processor.add_request(parent, child_ids, child_params)
+        if compiled is not None and not compiled.done():
+            self._compiling[request_id] = compiled
+
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drop requests (unknown or finished ids are ignored); their blocks are freed now."""
@@ -172,24 +192,28 @@ class LLMEngine:
         if self._inflight and not self.scheduler.has_unfinished_requests():
             self._apply_inflight(keep=0)  # only finished requests' extra tokens are left
 
-    def _process_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def _process_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache salt).  A dict prompt may carry vLLM's `cache_salt`: its
+        blocks then never share the prefix cache with another salt's (or no salt's)."""
         text: str | None = None
         if isinstance(prompt, dict):
             unknown = set(prompt) - _PROMPT_KEYS
-            if unknown or not prompt:
+            if unknown or not (set(prompt) & {"prompt", "prompt_token_ids"}):
                 raise InvalidRequestError(
-                    f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got {sorted(prompt)}", param="prompt")
+                    "a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids' (and 'cache_salt'), got "
+                    f"{sorted(prompt)}", param="prompt")
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}", param="prompt")
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
             ids = prompt.get("prompt_token_ids")
-            if ids is None:
-                return text, self._encode(text)
-            return text, self._check_token_ids(ids)
+            return text, self._encode(text) if ids is None else self._check_token_ids(ids), salt
         if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
+            return prompt, self._encode(prompt), None
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
+            return None, self._check_token_ids(prompt), None
         raise InvalidRequestError(
             "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
@@ -234,20 +258,27 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                                       param="stop")
-        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})",
-                                      param="stop_token_ids")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                          f"(0..{self.vocab_size - 1})", param=name)
+        if (params.bad_words or params.structured_outputs is not None) and self.tokenizer is None:
+            field = "bad_words" if params.bad_words else "structured_outputs"
+            raise InvalidRequestError(f"{field} needs a tokenizer; this model has none", param=field)
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             # vLLM's wording, so clients written against vLLM recognise it.
             raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
                                       param="priority")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops.
-        The caller's object is never modified (it may be shared by many prompts)."""
+        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops,
+        bad words as token sequences.  The caller's object is never modified (it may be
+        shared by many prompts)."""
         extra = [] if params.ignore_eos else [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
-        if params.n == 1 and not extra:
+        if params.n == 1 and not extra and not params.bad_words:
             return params
         child = copy.copy(params)
         child.n = 1
@@ -255,7 +286,19 @@ class LLMEngine:
             child.seed = params.seed + index
         if extra:
             child.stop_token_ids = list(params.stop_token_ids) + extra
+        if params.bad_words:
+            child.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return child
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as the tokenizer writes it alone and after a space (vLLM's rule)."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -265,21 +308,52 @@ class LLMEngine:
         launched before step N's results are applied, so outputs come one step late
         (the first step returns none); once no request is left the last in-flight
         step is applied at once, leaving the engine idle with every block free."""
+        outputs = self._fail_grammars() if self._compiling else []
         sched_out = self.scheduler.schedule()
         total = sched_out.total_num_scheduled_tokens
         if total:
             self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
         elif not sched_out.finished_req_ids:
-            return self._apply_inflight(keep=0)
+            return outputs + self._apply_inflight(keep=0)
         if not self.async_scheduling:
+            if sched_out.structured_output_rows:
+                sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
             runner_out = self.model_executor.execute_model(sched_out)  # also drops finished requests' state
-            return self._apply(sched_out, runner_out) if total else []
+            return outputs + (self._apply(sched_out, runner_out) if total else [])
         pending = self.model_executor.execute_model_async(sched_out)  # returns once launched
-        keep = 0
-        if total:
-            self._inflight.append((sched_out, pending))
-            keep = 1 if self.scheduler.has_unfinished_requests() else 0
-        return self._apply_inflight(keep)
+        if not total:
+            return outputs + self._apply_inflight(keep=0)
+        self._inflight.append((sched_out, pending))
+        outputs += self._apply_inflight(keep=1)
+        if sched_out.structured_output_rows:
+            # The launched step's grammar mask needs the tokens of the step just applied:
+            # its forward already runs, its sampling waits for the mask.
+            pending.sample(self._grammar_bitmask(sched_out))
+        if not self.scheduler.has_unfinished_requests():
+            outputs += self._apply_inflight(keep=0)
+        return outputs
+
+    def _grammar_bitmask(self, sched_out: SchedulerOutput) -> GrammarBitmask:
+        requests = self.scheduler.requests
+        grammars = {rid: requests[rid].grammar if rid in requests else None for rid in sched_out.structured_output_rows}
+        return self.structured_output.fill_bitmask(sched_out.structured_output_rows, grammars)
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile after they were added end with "error"
+        (the message as their stop_reason); they never held a KV block."""
+        failed: list[EngineCoreOutput] = []
+        for parent_id, compiled in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[parent_id]
+            error = compiled.exception()
+            parent = self.output_processor.parents.get(parent_id)
+            if error is None or parent is None:
+                continue
+            child_ids = [c.request_id for c in parent.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ERROR)
+            failed += [EngineCoreOutput(cid, [], True, "error", str(error)) for cid in child_ids]
+        return self.output_processor.process_outputs(failed, None, time.time())[0] if failed else []
 
     def _apply_inflight(self, keep: int) -> list[RequestOutput]:
         """Apply launched steps, oldest first, until `keep` are left in flight."""
@@ -300,7 +374,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
+        self.structured_output.shutdown()
         self.model_executor.shutdown()
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """SamplingParams fields the model's generation config sets (--generation-config auto)."""
+        return self.model_config.sampling_defaults()
 
     @property
     def device(self) -> torch.device:
@@ -339,30 +418,42 @@ class LLMEngine:
         return self.model_config.chat_template or getattr(self.tokenizer, "chat_template", None) or None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
-        """Render one conversation to prompt text with the model's (or the given) template."""
+                            add_generation_prompt: bool = True, *, tools: list[dict[str, Any]] | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False) -> str:
+        """Render one conversation to prompt text with the model's (or the given) template.
+        `tools` (OpenAI's function definitions) and `chat_template_kwargs` (e.g. Qwen3's
+        enable_thinking) reach the template; `continue_final_message` leaves the last
+        (assistant) message open for the model to go on with."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat templates cannot be applied")
         if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        messages = [_flatten_content(m) for m in messages]
+        if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
+        messages = [_normalise_message(m) for m in messages]
         template = read_chat_template(chat_template) or self.chat_template
         if not template:
             raise ValueError("the model has no chat template; pass chat_template=... (a Jinja string or file)")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kwargs)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=tools, continue_final_message=continue_final_message, **kwargs)
         except Exception as e:  # jinja2 errors come in many types; the user needs the message
             raise ValueError(f"applying the chat template failed: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Chat prompt as {'prompt', 'prompt_token_ids'}: the template already holds any
-        BOS text, so the tokenizer must not add special tokens a second time."""
-        text = self.apply_chat_template(messages, chat_template, add_generation_prompt)
+                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """Chat prompt as {'prompt', 'prompt_token_ids'} (kwargs: apply_chat_template's).
+        The template already holds any BOS text, so the tokenizer must not add special
+        tokens a second time."""
+        text = self.apply_chat_template(messages, chat_template, add_generation_prompt, **kwargs)
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
 
 
@@ -378,22 +469,38 @@ def resolve_async_scheduling(value: bool | None, executor: ModelExecutor) -> boo
     return bool(value)
 
 
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """The one place message content is normalised for chat templates (the server and
-    `LLM.chat` both come here): OpenAI-style content parts [{"type": "text", "text": ...}]
-    become one string, joined with newlines as vLLM does; no content is "" (an assistant
-    turn that only called tools)."""
+def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The one place messages are normalised for chat templates (the server and `LLM.chat`
+    both come here): OpenAI-style content parts [{"type": "text", "text": ...}] become one
+    string, joined with newlines as vLLM does; no content is "" (an assistant turn that
+    only called tools); tool-call arguments sent as JSON text become the objects that
+    templates render."""
     content = message.get("content")
+    message = {**message}
     if content is None:
-        return {**message, "content": ""}
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"only text content parts are supported, got {part!r}")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+        message["content"] = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got {part!r}")
+            texts.append(part["text"])
+        message["content"] = "\n".join(texts)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message["tool_calls"] = [_tool_call_for_template(c) for c in calls]
+    return message
+
+
+def _tool_call_for_template(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> tuple[int | None, list[int]]:
@@ -407,26 +514,3 @@ def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> t
     if not ids:
         return None, []
     return ids[0], ids[1:]
-
-
-def _generation_config_eos_ids(model_config: Any) -> list[int]:
-    """EOS ids from generation_config.json next to the weights (HF directories only)."""
-    import json
-    import os
-
-    from pagedserve.model_loader import resolve_source
-
-    try:
-        path = resolve_source(model_config.model, model_config.load_format).path
-    except ValueError:
-        return []
-    file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else None
-    if file is None or not os.path.isfile(file):
-        return []
-    try:
-        with open(file) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, ValueError):
-        logger.warning("ignoring unreadable %s", file)
-        return []
-    return [t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)]

@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate()` uses when given no SamplingParams: the model's generation-config
+        defaults (--generation-config auto), else the built-in ones."""
+        return SamplingParams(**self.llm_engine.sampling_defaults())
+
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes now (otherwise: when garbage collected or at exit)."""
         self.llm_engine.shutdown()
@@ -61,6 +66,8 @@ class LLM:
         prompt_list = _normalize_prompts(prompts)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         return self._run(prompt_list, _normalize_params(sampling_params, len(prompt_list)), use_tqdm, priority)
 
     def chat(
@@ -70,19 +77,34 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them,
-        rendered with the model's chat template (or `chat_template`)."""
+        rendered with the model's chat template (or `chat_template`), as the server renders
+        them: `tools` (OpenAI function definitions) and `chat_template_kwargs` reach the
+        template, `continue_final_message` continues the last assistant message."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
-        prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt) for conv in conversations]
+        prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools,
+                                      chat_template_kwargs=chat_template_kwargs,
+                                      continue_final_message=continue_final_message)
+                   for conv in conversations]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
              priority: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
+        # Every grammar compiles first (in parallel, in the engine's pool): an invalid one is
+        # a ValueError here, before any request runs.
+        for compiled in [engine.structured_output.compile(sp.structured_outputs)
+                         for sp in params if sp.structured_outputs is not None]:
+            compiled.result()
         ids: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):

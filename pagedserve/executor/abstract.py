@@ -12,12 +12,17 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 
 class PendingModelOutput(Protocol):
     """A launched step whose sampled tokens may still be on their way to the host."""
+
+    def sample(self, grammar: GrammarBitmask) -> None:
+        """A step launched with constrained requests but no grammar mask (overlap
+        scheduling: the mask needs the previous step's tokens) samples once given it."""
+        ...
 
     def get_output(self) -> ModelRunnerOutput: ...
 

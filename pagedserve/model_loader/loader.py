@@ -147,7 +147,28 @@ def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.de
     model_config.max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     model_config.dtype = _DTYPE_NAMES[dtype]
     model_config.hf_config = hf_config
+    model_config.generation_config_values = read_generation_config(source)
+    if model_config.sampling_defaults():
+        logger.info("sampling defaults from generation_config.json (for fields a request leaves unset): %s; "
+                    "--generation-config vllm ignores them", model_config.sampling_defaults())
     return hf_config
+
+
+def read_generation_config(source: ModelSource) -> dict[str, Any]:
+    """generation_config.json next to the weights (HF directories), or {}."""
+    import json
+
+    path = source.path
+    file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else None
+    if file is None or not os.path.isfile(file):
+        return {}
+    try:
+        with open(file) as f:
+            values = json.load(f)
+    except (OSError, ValueError):
+        logger.warning("ignoring unreadable %s", file)
+        return {}
+    return values if isinstance(values, dict) else {}
 
 
 @contextlib.contextmanager

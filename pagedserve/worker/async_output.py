@@ -9,8 +9,11 @@ at once, so both paths build their ModelRunnerOutput in one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.platforms import is_cuda
 from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
 from pagedserve.worker.sampler import SamplerOutput
@@ -31,8 +34,23 @@ class AsyncModelRunnerOutput:
         self._host: dict[str, torch.Tensor] = {}
         self._event: torch.cuda.Event | None = None
         self._output: ModelRunnerOutput | None = None
-        if sampled is None:
-            return
+        self._deferred: Callable[[GrammarBitmask], None] | None = None
+        if sampled is not None:
+            self.set_sampled(sampled)
+
+    def defer_sampling(self, sample: Callable[[GrammarBitmask], None]) -> None:
+        """The step's logits are computed but its constrained rows wait for their grammar
+        mask (overlap scheduling): `sample(mask)` runs when the engine has one."""
+        self._deferred = sample
+
+    def sample(self, grammar: GrammarBitmask) -> None:
+        if self._deferred is None:
+            raise RuntimeError("this step sampled when it was launched: it takes no grammar mask now")
+        sample, self._deferred = self._deferred, None
+        sample(grammar)
+
+    def set_sampled(self, sampled: SamplerOutput) -> None:
+        """Start bringing the sampled tokens to the host (without waiting on CUDA)."""
         tensors = {f: getattr(sampled, f) for f in _FIELDS if getattr(sampled, f) is not None}
         if is_cuda(sampled.sampled_token_ids.device):
             for name, t in tensors.items():
@@ -54,6 +72,8 @@ class AsyncModelRunnerOutput:
         """Wait for the copy (not for anything launched after it) and build the output."""
         if self._output is not None:
             return self._output
+        if self._deferred is not None:
+            raise RuntimeError("the step's grammar mask was never given (sample() before get_output())")
         if self._event is not None:
             self._event.synchronize()
         out = self._output = ModelRunnerOutput(req_ids=self.req_ids)

@@ -164,6 +164,7 @@ class InputBatch:
                 md.unseeded_random_rows = col(unseeded, torch.long)
         self._penalties(md, rows, params, pending)
         self._min_tokens(md, rows, params, pending)
+        self._logit_edits(md, params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
         return md
@@ -213,6 +214,10 @@ class InputBatch:
 
     def _min_tokens(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams],
                     pending: tuple[list[int], torch.Tensor] | None) -> None:
+        """Tokens to forbid this step, as (row, token) pairs: EOS and stop ids before
+        min_tokens, and the last token of a bad word whose other tokens the output ends
+        with.  (Under overlap scheduling a row's newest token may still be on the device:
+        min_tokens counts it; bad words see the tokens the host has.)"""
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
         pend = set(pending[0]) if pending is not None else ()
@@ -225,6 +230,30 @@ class InputBatch:
                 stops = [t for t in stops if 0 <= t < self.vocab_size]
                 ban_rows += [i] * len(stops)
                 ban_tokens += stops
+            if p.bad_words_token_ids:
+                end, start = int(self.num_tokens[row]), int(self.num_prompt_tokens[row])
+                out = self.token_ids[row, start:end]
+                for seq in p.bad_words_token_ids:
+                    prefix = seq[:-1]
+                    if len(prefix) <= len(out) and (not prefix or out[len(out) - len(prefix):].tolist() == prefix):
+                        ban_rows.append(i)
+                        ban_tokens.append(seq[-1])
         if ban_rows:
             md.banned_rows = self.upload(torch.tensor(ban_rows, dtype=torch.long))
             md.banned_tokens = self.upload(torch.tensor(ban_tokens, dtype=torch.long))
+
+    def _logit_edits(self, md: SamplingMetadata, params: list[SamplingParams]) -> None:
+        """logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token)
+        pairs that stay, every other token of those rows forbidden."""
+        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+        if bias:
+            r, t, b = zip(*bias, strict=True)
+            md.bias_rows = self.upload(torch.tensor(r, dtype=torch.long))
+            md.bias_tokens = self.upload(torch.tensor(t, dtype=torch.long))
+            md.bias_values = self.upload(torch.tensor(b, dtype=torch.float32))
+        allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids for t in p.allowed_token_ids]
+        if allowed:
+            r, t = zip(*allowed, strict=True)
+            md.allowed_rows = self.upload(torch.tensor(sorted(set(r)), dtype=torch.long))
+            md.allowed_pairs = (self.upload(torch.tensor(r, dtype=torch.long)),
+                                self.upload(torch.tensor(t, dtype=torch.long)))

@@ -33,7 +33,7 @@ from torch import nn
 from pagedserve.attention.backend import CommonAttentionMetadata
 from pagedserve.attention.selector import get_attn_backend
 from pagedserve.config import EngineConfig
-from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv
@@ -49,7 +49,7 @@ from pagedserve.worker.cuda_graph import (
 )
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.outputs import ModelRunnerOutput
-from pagedserve.worker.sampler import Sampler, SamplingMetadata
+from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve")
 
@@ -315,12 +315,22 @@ class ModelRunner:
         pending = None
         if pend_tokens is not None:  # every pending request samples, in the same order
             pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
-        sampled = self.sampler(logits, ib.sampling_metadata(rows, pending))
-        if overlap:
-            self._prev_sampled = sampled.sampled_token_ids
-            self._prev_index = {r: i for i, r in enumerate(sample_ids)}
-        ks = [ib.params[row].logprobs for row in rows]
-        return AsyncModelRunnerOutput(req_ids, sample_ids, ks, sampled)
+        out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows])
+
+        def sample(grammar: GrammarBitmask | None) -> None:
+            if grammar is not None:
+                apply_grammar_bitmask(logits, grammar)
+            sampled = self.sampler(logits, ib.sampling_metadata(rows, pending))
+            if overlap:
+                self._prev_sampled = sampled.sampled_token_ids
+                self._prev_index = {r: i for i, r in enumerate(sample_ids)}
+            out.set_sampled(sampled)
+
+        if scheduler_output.structured_output_rows and scheduler_output.grammar_bitmask is None:
+            out.defer_sampling(torch.inference_mode()(sample))  # the engine hands the mask over later
+        else:
+            sample(scheduler_output.grammar_bitmask)
+        return out
 
     def shutdown(self) -> None:
         """Nothing to release: the model and its caches go with the object."""

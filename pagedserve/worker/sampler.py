@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.core.sched_output import GrammarBitmask
+
 
 @dataclass
 class SamplingMetadata:
@@ -45,9 +47,16 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [N, 1]
     prompt_token_ids: torch.Tensor | None = None  # [N, P] int64, padded with vocab_size
     output_token_ids: torch.Tensor | None = None  # [N, O] int64, padded with vocab_size
-    # min_tokens: (row, token id) pairs to forbid this step.
+    # min_tokens and bad words: (row, token id) pairs to forbid this step.
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # logit_bias: (row, token id, bias) triples added to the logits.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # allowed_token_ids: the rows that have a list, and the (row, token id) pairs it allows.
+    allowed_rows: torch.Tensor | None = None
+    allowed_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # None: no row wants logprobs
 
 
@@ -72,8 +81,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
         logits = self.apply_penalties(logits, md)
-        if md.banned_rows is not None:
-            logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        self.apply_logit_edits(logits, md)
         best, argmax = logits.max(-1)
         invalid = ~torch.isfinite(best)  # NaN anywhere, +inf, or nothing left to sample
         if md.all_greedy:
@@ -86,6 +94,20 @@ class Sampler:
         if raw_logprobs is not None:
             self.gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
         return out
+
+    @staticmethod
+    def apply_logit_edits(logits: torch.Tensor, md: SamplingMetadata) -> None:
+        """logit_bias, allowed_token_ids and forbidden tokens (min_tokens, bad words), in
+        place; each is skipped when no row uses it."""
+        if md.bias_rows is not None:
+            logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
+        if md.allowed_rows is not None:
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[md.allowed_pairs] = True
+            outside = ~keep[md.allowed_rows]
+            logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(outside, float("-inf"))
+        if md.banned_rows is not None:
+            logits[md.banned_rows, md.banned_tokens] = float("-inf")
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -178,3 +200,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     drop[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:
+    """Forbid, in place, every token the grammar's bitmask clears, on the constrained rows
+    only (xgrammar's kernel: C++ on CPU, CUDA on GPU)."""
+    import xgrammar as xgr
+
+    bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=grammar.rows, vocab_size=grammar.vocab_size)

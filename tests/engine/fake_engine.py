@@ -94,7 +94,10 @@ class FakeEngine:
     def get_stats(self) -> FakeStats:
         return FakeStats(num_running=len(self.reqs), kv_cache_usage=0.01 * len(self.reqs))
 
-    def encode_chat(self, messages, chat_template=None, add_generation_prompt=True) -> dict:
+    def sampling_defaults(self) -> dict:
+        return {}
+
+    def encode_chat(self, messages, chat_template=None, add_generation_prompt=True, **kwargs) -> dict:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 

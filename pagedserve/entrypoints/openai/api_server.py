@@ -45,6 +45,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedserve.api_server")
@@ -63,11 +64,11 @@ class ServerState:
     max_model_len: int = 0
     registry: Any = None
 
-    def attach(self, engine: AsyncLLM, max_model_len: int) -> None:
+    def attach(self, engine: AsyncLLM, max_model_len: int, tool_parser: ToolParser | None = None) -> None:
         args = (engine, self.served_model_names, max_model_len)
         self.max_model_len = max_model_len
         self.completion = OpenAIServingCompletion(*args)
-        self.chat = OpenAIServingChat(*args)
+        self.chat = OpenAIServingChat(*args, tool_parser=tool_parser)
         self.engine = engine  # last: its presence means "ready"
 
     def ready(self) -> AsyncLLM:
@@ -142,11 +143,11 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def generate(serving: OpenAIServing, body: Any, request: Request) -> Response:
         """Both generation endpoints: validate, let the engine accept the request (its
         refusals are 400s, before any byte is sent), then stream (SSE) or answer once."""
-        model, prompts, params = serving.prepare(body)
-        request_id, streams = await serving.start(body, prompts, params)
+        prep = serving.prepare(body)
+        request_id, streams = await serving.start(body, prep)
         if body.stream:
-            return SSEResponse(serving.stream(body, model, prompts, params, request_id, streams))
-        result = await cancel_on_disconnect(request, serving.full(body, model, prompts, params, request_id, streams))
+            return SSEResponse(serving.stream(body, prep, request_id, streams))
+        result = await cancel_on_disconnect(request, serving.full(body, prep, request_id, streams))
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/completions")
@@ -172,7 +173,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("send exactly one of prompt or messages")
         if body.messages is not None:
-            ids = chat.render(body.messages, body.add_generation_prompt).token_ids
+            ids = chat.render(None, body.messages, body.add_generation_prompt).token_ids
         else:
             ids = chat.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -206,6 +207,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between throughput log lines (default: 10)")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's names: "
+                            "hermes for Qwen2.5/3, llama3_json for Llama 3.x)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level; info logs every request (default: warning)")
@@ -243,7 +247,8 @@ def run_server(args: argparse.Namespace) -> None:
             client = AsyncLLM(engine, stat_loggers=[stat_logger], log_stats=not args.disable_log_stats,
                               log_interval=args.log_stats_interval)
             client.start()
-            state.attach(client, engine.config.scheduler_config.max_model_len)
+            parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
+            state.attach(client, engine.config.scheduler_config.max_model_len, parser)
             logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
 
         def load() -> None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -74,8 +74,8 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
-    # Accepted by vLLM and not implemented here yet: refused when set (check_unsupported),
-    # since ignoring any of them changes what the client gets.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs extra and its
+    # older guided_* spellings (at most one of them per request).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -89,10 +89,13 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     cache_salt: str | None = None
 
-    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = (
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs", "allowed_token_ids",
-        "bad_words", "cache_salt", "logit_bias")
+    # Accepted by vLLM, not implemented here: refused when set (check_unsupported), since
+    # ignoring any of them would change what the client gets.
+    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern",)
+    # The fields that each constrain the output; the engine reports them all as
+    # "structured_outputs", and errors name the one this request used.
+    STRUCTURED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -102,60 +105,113 @@ class _SamplingFields(OpenAIBaseModel):
 
     def api_params(self) -> dict[str, str]:
         """Engine-side names (SamplingParams fields, "prompt") this request spells differently."""
-        return {}
+        return {"structured_outputs": (self._structured_fields() or ["structured_outputs"])[0]}
 
     def api_param(self, param: str | None) -> str | None:
         """The field of this request that an engine-side parameter name stands for."""
         return self.api_params().get(param, param) if param is not None else None
 
+    def _structured_fields(self) -> list[str]:
+        """The constraining fields this request sets (response_format "text" constrains nothing)."""
+        return [f for f in self.STRUCTURED_FIELDS if getattr(self, f) is not None
+                and not (f == "response_format" and self.response_format.get("type", "text") == "text")]
+
     def check_unsupported(self) -> None:
         """Refuse fields that would silently change the output if ignored."""
         for name in self.REFUSED_FIELDS:
-            if getattr(self, name) not in (None, []):  # an empty list is a no-op; {} is not (a schema)
+            if getattr(self, name) not in (None, []):  # an empty list is a no-op
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError(
-                f"response_format of type {self.response_format.get('type')!r} is not supported by this server "
-                "(only 'text')", param="response_format")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise InvalidRequestError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
+                                      "this server constrains with xgrammar", param="guided_decoding_backend")
         n_best = getattr(self, "best_of", None)
         if n_best is not None and n_best != self.n:
             raise InvalidRequestError(f"best_of must equal n (best_of={n_best}, n={self.n}); best_of > n is "
                                       "not supported", param="best_of")
-        if self.stream_options is not None:
-            if not self.stream:
-                raise InvalidRequestError("stream_options can only be set when stream is true",
-                                          param="stream_options")
-            if self.stream_options.continuous_usage_stats:
-                raise InvalidRequestError("stream_options.continuous_usage_stats is not supported by this server",
-                                          param="stream_options")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Without max_tokens the request may run to the end of the context."""
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint this request asks for, whichever field it used."""
+        used = self._structured_fields()
+        if len(used) > 1:
+            raise InvalidRequestError(f"send one way of constraining the output, got {', '.join(used)}",
+                                      param=used[1])
+        if not used:
+            return None
+        field = used[0]
+        value = getattr(self, field)
+        if field == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind == "json_schema":
+                spec = value.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                    raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
+                                              param=field)
+                return StructuredOutputsParams(json=spec.get("schema", {}))
+            raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
+                                      f"got {kind!r}", param=field)
+        if field == "structured_outputs":
+            if not isinstance(value, dict):
+                raise InvalidRequestError("structured_outputs must be an object", param=field)
+            unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise InvalidRequestError(f"structured_outputs takes json, regex, choice, grammar or json_object, "
+                                          f"not {', '.join(sorted(unknown))}", param=field)
+            return StructuredOutputsParams(**value)
+        kind = field.removeprefix("guided_")
+        return StructuredOutputsParams(**{kind: value})
+
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: what the model's generation config says for fields this request
+        leaves unset (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
+        Without max_tokens the request may run to the end of the context."""
         try:
-            return self._to_sampling_params()
+            return self._to_sampling_params(defaults or {})
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e), param=self.api_param(e.param)) from None
 
-    def _to_sampling_params(self) -> SamplingParams:
+    def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        def pick(name: str, builtin: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, builtin) if value is None else value
+
+        max_tokens = self.requested_max_tokens()
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
-            max_tokens=self.requested_max_tokens(),
+            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -179,9 +235,23 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(OpenAIBaseModel):
+    # Other fields (tool_calls of an assistant turn, tool_call_id of a tool result) are
+    # kept as sent and reach the chat template.
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -190,16 +260,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
-
-    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = (*_SamplingFields.REFUSED_FIELDS, "tools", "chat_template_kwargs")
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def api_params(self) -> dict[str, str]:
-        return {"prompt": "messages", "logprobs": "top_logprobs",
+        return {**super().api_params(), "prompt": "messages", "logprobs": "top_logprobs",
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
     def requested_max_tokens(self) -> int | None:
@@ -210,15 +279,40 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_mode(self) -> tuple[str, FunctionDefinition | None]:
+        """("none" | "auto" | "required" | "named", the named function).  With tools and no
+        tool_choice it is "auto", as in OpenAI's API."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            return "none", None
+        if choice is None:
+            return "auto", None
+        if isinstance(choice, str):
+            return choice, None
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        for tool in self.tools:
+            if tool.function.name == name:
+                return "named", tool.function
+        raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not among the tools",
+                                  param="tool_choice")
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice is not supported by this server (no tools)", param="tool_choice")
-        if self.continue_final_message:
-            raise InvalidRequestError("continue_final_message is not supported by this server",
-                                      param="continue_final_message")
         if not self.messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true "
+                                          "(set add_generation_prompt to false)", param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
+                                          param="continue_final_message")
+        mode, _ = self.tool_mode()
+        if mode in ("required", "named") and self._structured_fields():
+            raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop "
+                                      f"{self._structured_fields()[0]}", param=self._structured_fields()[0])
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -284,9 +378,21 @@ class ChatLogprobs(OpenAIBaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -306,9 +412,22 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -1,9 +1,24 @@
-"""POST /v1/chat/completions: messages -> chat template -> one engine request (n choices)."""
+"""POST /v1/chat/completions: messages -> chat template -> one engine request (n choices).
+
+Tools (OpenAI's function calling): the tools are rendered through the model's chat
+template (unless tool_choice is "none") and the answer is read back as tool calls:
+- a named tool_choice constrains the answer to that function's parameter schema: the
+  whole answer is its arguments;
+- "required" constrains it to a JSON array of {"name", "parameters"} calls;
+- "auto" lets the model choose, reading calls in its own format with the server's
+  `--tool-call-parser` (whose structural tag, where the format has one, keeps every
+  call the model opens valid for its tool's schema).
+A choice with calls has `tool_calls` and finish_reason "tool_calls"; streamed, plain
+text goes out as it comes and each call once its arguments are complete (a named call:
+its arguments as they are generated).
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import (
@@ -16,12 +31,19 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    FunctionDefinition,
+    ToolCall,
     TopLogprob,
+    random_id,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    PreparedRequest,
     TokenizedPrompt,
     make_usage,
     merge_streams,
@@ -30,63 +52,158 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream
+from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
 
 _MISSING = -9999.0
+
+
+@dataclass
+class ToolPlan:
+    """How one request's answer is read: mode "none" | "auto" | "required" | "named"."""
+
+    mode: str = "none"
+    function: FunctionDefinition | None = None
+    parser: ToolParser | None = None
+
+    def calls(self, text: str, finished: bool) -> tuple[str | None, list[ParsedToolCall]]:
+        """(plain text, tool calls) of an answer."""
+        if self.mode == "named":
+            return None, [ParsedToolCall(self.function.name, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return (text, []) if finished else (None, [])
+            return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
+                          if isinstance(c, dict) and isinstance(c.get("name"), str)]
+        if self.mode == "auto":
+            return self.parser.extract(text)
+        return text, []
+
+
+@dataclass
+class ToolStream:
+    """Per choice: how much plain text and which calls were sent."""
+
+    sent_text: int = 0
+    sent_calls: int = 0
+    sent_args: int = 0  # named mode: characters of the arguments sent
+    call_ids: list[str] = field(default_factory=list)
 
 
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               chat_template: str | None = None) -> TokenizedPrompt:
-        """The engine's chat rendering (template, content parts) and tokenization, so the
-        server and `LLM.chat` build the same prompt from the same messages."""
+    def __init__(self, *args, tool_parser: ToolParser | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+
+    def render(self, req: ChatCompletionRequest | None, messages: list[ChatMessage],
+               add_generation_prompt: bool = True, tools: list[dict] | None = None) -> TokenizedPrompt:
+        """The engine's chat rendering (template, content parts, tools) and tokenization,
+        so the server and `LLM.chat` build the same prompt from the same messages."""
         conversation = [m.model_dump(exclude_unset=True) for m in messages]
+        kwargs = {}
+        if req is not None:
+            kwargs = dict(chat_template_kwargs=req.chat_template_kwargs,
+                          continue_final_message=req.continue_final_message)
         try:
-            encoded = self.engine.encode_chat(conversation, chat_template or self.chat_template,
-                                              add_generation_prompt)
+            encoded = self.engine.encode_chat(conversation, (req.chat_template if req else None) or self.chat_template,
+                                              add_generation_prompt, tools=tools, **kwargs)
         except ValueError as e:
             raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
         return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"])
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[TokenizedPrompt], SamplingParams]:
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        mode, function = req.tool_mode()
+        if mode == "auto" and self.tool_parser is None:
+            raise OpenAIError('"auto" tool choice needs the server started with --tool-call-parser (hermes or '
+                              'llama3_json, the format the model writes calls in)', param="tool_choice")
+        return ToolPlan(mode, function, self.tool_parser if mode == "auto" else None)
+
+    def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)
         try:
             req.check_unsupported()
-            params = req.to_sampling_params()
+            plan = self.tool_plan(req)
+            params = req.to_sampling_params(self.engine.sampling_defaults)
+            constraint = self._tool_constraint(req, plan)
+            if constraint is not None:
+                params.structured_outputs = constraint
+                params.validate()
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
-        prompt = self.render(req.messages, req.add_generation_prompt, req.chat_template)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
+        prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
+        if plan.mode == "auto" and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
+            raise OpenAIError("this model's chat template does not render tools, so the model cannot know them "
+                              "for tool_choice 'auto'; start the server with a --chat-template that does (or use "
+                              "tool_choice 'required' or a named function, which constrain the answer)",
+                              param="tools")
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
-        return model, [prompt], params
+        return PreparedRequest(model, [prompt], params, plan)
 
-    async def full(self, req: ChatCompletionRequest, model: str, prompts: list[TokenizedPrompt],
-                   params: SamplingParams, request_id: str, streams: list[RequestStream]) -> ChatCompletionResponse:
+    def _tool_constraint(self, req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputsParams | None:
+        if plan.mode == "named":
+            return StructuredOutputsParams(json=plan.function.parameters or {"type": "object"})
+        if plan.mode == "required":
+            calls = [{"type": "object", "required": ["name", "parameters"],
+                      "properties": {"name": {"const": t.function.name},
+                                     "parameters": t.function.parameters or {"type": "object"}}}
+                     for t in req.tools]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if req.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+            return StructuredOutputsParams(json=schema)
+        if plan.mode == "auto" and not req._structured_fields():
+            tag = plan.parser.structural_tag([t.function.model_dump() for t in req.tools],
+                                             one_call=req.parallel_tool_calls is False)
+            return StructuredOutputsParams(structural_tag=tag) if tag is not None else None
+        return None
+
+    def message(self, plan: ToolPlan, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+        """The choice's message and finish_reason."""
+        text, calls = plan.calls(c.text, finished=True)
+        if not calls:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        tool_calls = [ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls]
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return ChatResponseMessage(content=text, tool_calls=tool_calls), reason
+
+    async def full(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
+                   streams: list[RequestStream]) -> ChatCompletionResponse:
         final = None
         async for _, out in merge_streams(streams):
             final = out
         assert final is not None and final.finished
+        choices = []
         for c in final.outputs:
-            if (err := request_failed(c.finish_reason)) is not None:
+            if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                 raise err
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self.logprobs(c, 0, params.logprobs),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in final.outputs]
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage([final]))
+            message, reason = self.message(prep.tools, c)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=self.logprobs(c, 0, prep.params.logprobs),
+                                      finish_reason=reason, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=request_id, model=prep.model, choices=choices, usage=make_usage([final]))
 
-    async def stream(self, req: ChatCompletionRequest, model: str, prompts: list[TokenizedPrompt],
-                     params: SamplingParams, request_id: str, streams: list[RequestStream]) -> AsyncIterator[str]:
+    async def stream(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+        model, params = prep.model, prep.params
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        plan: ToolPlan = prep.tools
         choice_streams = [ChoiceStream() for _ in range(params.n)]
+        tool_streams = [ToolStream() for _ in range(params.n)]
         final = None
 
         def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+            usage = make_usage([final]) if continuous_usage and final is not None else None
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                           usage=usage))
 
         try:
             # The role goes first, before any token exists, as OpenAI does.
@@ -95,8 +212,12 @@ class OpenAIServingChat(OpenAIServing):
             async for _, out in merge_streams(streams):
                 final = out
                 for c in out.outputs:
-                    if (err := request_failed(c.finish_reason)) is not None:
+                    if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err
+                    if plan.mode != "none":
+                        for piece in self._tool_deltas(plan, tool_streams[c.index], c):
+                            yield chunk(piece)
+                        continue
                     cs = choice_streams[c.index]
                     delta = cs.advance(c, want_tokens=params.logprobs is not None)
                     if delta is None:
@@ -113,6 +234,43 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - the stream already started: report in-band
             yield sse_error(e)
         yield "data: [DONE]\n\n"
+
+    def _tool_deltas(self, plan: ToolPlan, ts: ToolStream, c: CompletionOutput) -> list[ChatStreamChoice]:
+        """The chunks a tool-enabled choice owes after this output: plain text that can
+        no longer start a call, calls whose arguments are complete (a named call's
+        arguments as they grow), and the finish_reason once done."""
+        finished = c.finish_reason is not None
+        pieces: list[DeltaMessage] = []
+        if plan.mode == "named":
+            if not ts.call_ids:
+                ts.call_ids.append(random_id("call"))
+                pieces.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, id=ts.call_ids[0], type="function",
+                    function=DeltaFunctionCall(name=plan.function.name, arguments=""))]))
+            if len(c.text) > ts.sent_args:
+                pieces.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, function=DeltaFunctionCall(arguments=c.text[ts.sent_args:]))]))
+                ts.sent_args = len(c.text)
+            reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        else:
+            text, calls = plan.calls(c.text, finished)
+            if plan.mode == "auto" and not calls:  # no call yet: the part that cannot open one
+                safe = len(c.text) if finished else plan.parser.text_before_calls(c.text)
+                text = c.text[:safe]
+            if text and len(text) > ts.sent_text:
+                pieces.append(DeltaMessage(content=text[ts.sent_text:]))
+                ts.sent_text = len(text)
+            for i, call in enumerate(calls[ts.sent_calls:], start=ts.sent_calls):
+                pieces.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=i, id=random_id("call"), type="function",
+                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments))]))
+            ts.sent_calls = len(calls)
+            reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        choices = [ChatStreamChoice(index=c.index, delta=d) for d in pieces]
+        if finished:
+            choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
+                                            stop_reason=c.stop_reason))
+        return choices
 
     def logprobs(self, c: CompletionOutput, start: int, k: int | None,
                  end: int | None = None) -> ChatLogprobs | None:

@@ -14,10 +14,12 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    PreparedRequest,
     TokenizedPrompt,
     make_usage,
     merge_streams,
@@ -28,23 +30,22 @@ from pagedserve.entrypoints.openai.serving_engine import (
 from pagedserve.entrypoints.openai.streaming import ChoiceStream
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
     id_prefix = "cmpl"
 
-    def prepare(self, req: CompletionRequest) -> tuple[str, list[TokenizedPrompt], SamplingParams]:
+    def prepare(self, req: CompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)
         try:
             req.check_unsupported()
-            params = req.to_sampling_params()
+            params = req.to_sampling_params(self.engine.sampling_defaults)
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
         prompts = self._prompts(req.prompt)
         for p in prompts:
             self.check_length(len(p.token_ids), req.max_tokens)
-        return model, prompts, params
+        return PreparedRequest(model, prompts, params)
 
     def _prompts(self, prompt: str | list) -> list[TokenizedPrompt]:
         if isinstance(prompt, str):
@@ -64,8 +65,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
 
-    async def full(self, req: CompletionRequest, model: str, prompts: list[TokenizedPrompt], params: SamplingParams,
-                   request_id: str, streams: list[RequestStream]) -> CompletionResponse:
+    async def full(self, req: CompletionRequest, prep: PreparedRequest, request_id: str,
+                   streams: list[RequestStream]) -> CompletionResponse:
+        prompts, params = prep.prompts, prep.params
         finals: list[RequestOutput | None] = [None] * len(prompts)
         async for i, out in merge_streams(streams):
             finals[i] = out
@@ -74,26 +76,28 @@ class OpenAIServingCompletion(OpenAIServing):
             assert out is not None and out.finished
             prefix = self._echo(prompts[i]) if req.echo else ""
             for c in out.outputs:
-                if (err := request_failed(c.finish_reason)) is not None:
+                if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                     raise err
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=prefix + c.text,
                     logprobs=self.logprobs(c, 0, params.logprobs, 0),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=request_id, model=model, choices=choices,
+        return CompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=make_usage([o for o in finals if o is not None]))
 
-    async def stream(self, req: CompletionRequest, model: str, prompts: list[TokenizedPrompt], params: SamplingParams,
-                     request_id: str, streams: list[RequestStream]) -> AsyncIterator[str]:
+    async def stream(self, req: CompletionRequest, prep: PreparedRequest, request_id: str,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+        model, prompts, params = prep.model, prep.prompts, prep.params
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         choice_streams: dict[int, ChoiceStream] = {}
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
                 finals[i] = out
                 for c in out.outputs:
-                    if (err := request_failed(c.finish_reason)) is not None:
+                    if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err
                     index = i * params.n + c.index
                     cs = choice_streams.get(index)
@@ -102,7 +106,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         if req.echo:
                             echo = self._echo(prompts[i])
                             cs.text_offset_before = len(echo)
-                            yield self._chunk(request_id, created, model, index, echo, None, None)
+                            yield self._chunk(request_id, created, model, index, echo, None, None,
+                                              make_usage(list(finals.values())) if continuous_usage else None)
                     delta = cs.advance(c, want_tokens=params.logprobs is not None)
                     if delta is None:
                         continue
@@ -110,7 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self.logprobs(c, tok_start, params.logprobs, cs.text_offset_before, tok_end)
                     if logprobs is not None:
                         cs.text_offset_before += sum(len(t) for t in logprobs.tokens)
-                    yield self._chunk(request_id, created, model, index, text, logprobs, c if cs.done else None)
+                    yield self._chunk(request_id, created, model, index, text, logprobs, c if cs.done else None,
+                                      make_usage(list(finals.values())) if continuous_usage else None)
             if include_usage:
                 usage = make_usage(list(finals.values()))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
@@ -120,11 +126,12 @@ class OpenAIServingCompletion(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     def _chunk(self, request_id: str, created: int, model: str, index: int, text: str,
-               logprobs: CompletionLogprobs | None, finished: CompletionOutput | None) -> str:
+               logprobs: CompletionLogprobs | None, finished: CompletionOutput | None,
+               usage: UsageInfo | None = None) -> str:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                   finish_reason=finished.finish_reason if finished else None,
                                   stop_reason=finished.stop_reason if finished else None)
-        return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
+        return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage))
 
     def logprobs(self, c: CompletionOutput, start: int, k: int | None, offset: int,
                  end: int | None = None) -> CompletionLogprobs | None:

@@ -49,12 +49,26 @@ class OpenAIError(Exception):
                                              code=self.code))
 
 
-def request_failed(finish_reason: str | None) -> OpenAIError | None:
-    """The error for a choice the engine ended with "error" (its logits were not finite)."""
+def request_failed(finish_reason: str | None, reason: object = None) -> OpenAIError | None:
+    """The error for a choice the engine ended with "error": the engine's message when it
+    gave one (a grammar that failed to compile), else its logits were not finite."""
     if finish_reason != "error":
         return None
+    if isinstance(reason, str):
+        return OpenAIError(reason, status=400)
     return OpenAIError("The model produced non-finite logits (NaN or inf) for this request, so it was stopped; "
                        "other requests are unaffected.", status=500, type="server_error")
+
+
+@dataclass
+class PreparedRequest:
+    """What a validated request becomes: the model name to answer with, its prompts
+    (several for /v1/completions), sampling params, and how to read tool calls (chat)."""
+
+    model: str
+    prompts: list[TokenizedPrompt]
+    params: SamplingParams
+    tools: Any = None
 
 
 @dataclass
@@ -103,19 +117,21 @@ class OpenAIServing:
         return requested
 
     # ------------------------------------------------------------------ one request
-    def prepare(self, req: Any) -> tuple[str, list[TokenizedPrompt], SamplingParams]:
+    def prepare(self, req: Any) -> PreparedRequest:
         raise NotImplementedError
 
-    async def start(self, req: Any, prompts: list[TokenizedPrompt],
-                    params: SamplingParams) -> tuple[str, list[RequestStream]]:
+    async def start(self, req: Any, prep: PreparedRequest) -> tuple[str, list[RequestStream]]:
         """Hand every prompt to the engine, which validates it; any refusal aborts the
         ones already accepted and becomes a 400 before the response starts."""
         request_id = random_id(self.id_prefix)
         streams: list[RequestStream] = []
         try:
-            for i, p in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, p.engine_prompt(), params, req.priority))
+            for i, p in enumerate(prep.prompts):
+                rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
+                prompt = p.engine_prompt()
+                if req.cache_salt is not None:
+                    prompt["cache_salt"] = req.cache_salt
+                streams.append(await self.engine.add_request(rid, prompt, prep.params, req.priority))
         except BaseException as e:
             for s in streams:
                 s.close()

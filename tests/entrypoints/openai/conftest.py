@@ -15,8 +15,11 @@ import httpx
 import pytest
 
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{{ bos_token }}{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m.get('tool_calls', []) %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog.",
@@ -47,6 +50,7 @@ def make_tiny_model(path: Path) -> None:
     backend.train_from_iterator(_CORPUS * 5, trainer)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # plain (not special) tokens, as in Qwen's vocabulary
     tok.chat_template = CHAT_TEMPLATE
     cfg = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -131,7 +135,7 @@ class ServerProcess:
         self._log.close()
 
 
-SERVER_FLAGS = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--dtype", "float32",
+SERVER_FLAGS = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--dtype", "float32", "--tool-call-parser", "hermes",
                 "--max-model-len", "256", "--max-num-seqs", "64", "--kv-cache-memory-bytes", "16MiB",
                 "--enforce-eager", "--seed", "0", "--log-stats-interval", "2"]
 

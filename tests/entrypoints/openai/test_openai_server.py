@@ -278,13 +278,8 @@ def test_hostile_request_numbers_get_400_or_200_never_5xx(server, chat, field, v
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("chat_template_kwargs", {"enable_thinking": False}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["yes", "no"]),
-    ("structured_outputs", {"json": {"type": "object"}}),
+    ("guided_whitespace_pattern", r"[ ]?"),
+    ("guided_decoding_backend", "outlines"),
     ("priority", 1),
 ])
 def test_fields_we_cannot_honour_are_refused_not_ignored(server, field, value):

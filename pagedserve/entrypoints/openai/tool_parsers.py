@@ -1,0 +1,115 @@
+"""Tool calls in the model's own format: one parser per format, chosen with
+`--tool-call-parser` (vLLM's names), used when `tool_choice` is "auto".
+
+A parser knows three things about its format: how to find the calls in a finished
+answer (`extract`), how much of a running answer is certainly plain text, so a stream
+can send it before a call may begin (`text_before_calls`), and, where the format has a
+clear opening, a structural tag that makes every call the model opens well-formed for
+its tool's parameter schema (the constraint `auto` runs under; plain text outside calls
+stays free).
+
+- hermes (Qwen2.5/3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  possibly several, after optional text.
+- llama3_json (Llama 3.x): the whole answer is `{"name": ..., "parameters": {...}}` (or
+  several joined by ";"), optionally after `<|python_tag|>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+def _call_from(obj: Any, args_key: str) -> ParsedToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+class HermesToolParser:
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        calls = []
+        for body in self._CALL.findall(text):
+            try:
+                call = _call_from(json.loads(body), "arguments")
+            except ValueError:
+                call = None
+            if call is not None:
+                calls.append(call)
+        if not calls:
+            return text, []
+        content = text[: text.index(self.OPEN)].strip()
+        return content or None, calls
+
+    def text_before_calls(self, text: str) -> int:
+        """Characters of `text` that cannot belong to a call: up to the first opening
+        tag, or up to a tail that could still become one."""
+        i = text.find(self.OPEN)
+        if i >= 0:
+            return i
+        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+            if self.OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
+        """Free text, in which every opened call follows its tool's schema (`one_call`:
+        nothing may follow the first call)."""
+        tags = [{"type": "tag", "begin": f'{self.OPEN}\n{{"name": {json.dumps(t["name"])}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": t.get("parameters") or {"type": "object"}},
+                 "end": f"}}\n{self.CLOSE}"} for t in tools]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN],
+                                                      "tags": tags, "stop_after_first": one_call}}
+
+
+class Llama3JsonToolParser:
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        body = text.strip().removeprefix(self.PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in body.split(";"):
+            try:
+                call = _call_from(json.loads(part), "parameters")
+            except ValueError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        return None, calls
+
+    def text_before_calls(self, text: str) -> int:
+        """An answer that may be a call (it opens with "{" or the python tag) is held back whole."""
+        head = text.lstrip()
+        if not head or head.startswith(("{", self.PYTHON_TAG)) or self.PYTHON_TAG.startswith(head):
+            return 0
+        return len(text)
+
+    def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
+        return None  # no opening to trigger on: the answer is free
+
+
+TOOL_PARSERS: dict[str, type] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+ToolParser = HermesToolParser | Llama3JsonToolParser
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}")
+    return TOOL_PARSERS[name]()

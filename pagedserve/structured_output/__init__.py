@@ -1,0 +1,180 @@
+"""Structured outputs: grammars compiled off the engine loop, one matcher per request,
+one token bitmask per step (xgrammar, the backend vLLM and SGLang default to).
+
+The parts, and where each runs:
+- `StructuredOutputManager.compile(params)` (any thread): submits the grammar to a
+  small thread pool, keyed by its spec, and returns a future; equal specs share one
+  compilation.  `AsyncLLM` and `LLM` await it before they hand the request to the
+  engine, so an invalid schema, regex or grammar is a ValueError (a 400 on the server)
+  carrying the compiler's message, decided before the request takes a KV block; and a
+  slow one never stops the engine loop.
+- `StructuredOutputManager.request(params)`: the per-request state (a matcher over the
+  compiled grammar) the scheduler sees through `core.request.GrammarState`.  A request
+  whose grammar is still compiling waits in WAITING_FOR_FSM, skipped by the scheduler.
+- `StructuredOutputManager.fill_bitmask(...)`: after scheduling, the allowed next tokens
+  of every constrained request that samples this step, one row each of a preallocated
+  bitmask (rows in the order the runner samples); the runner applies it to the logits
+  in place before sampling.  With overlap scheduling the forward is launched first and
+  the mask is filled once the previous step's tokens have reached the matchers.
+- The scheduler advances a matcher on every accepted token; a grammar that has reached
+  its end finishes the request with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pagedserve.core.sched_output import GrammarBitmask
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams
+
+# xgrammar errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs the rest.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    """root ::= "a" | "b" (each choice a literal, escaped as a JSON string)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class StructuredOutputRequest:
+    """One request's grammar: compiled (or failing) in the background, then matched."""
+
+    def __init__(self, compiled: Future, stop_token_ids: list[int]) -> None:
+        self._compiled = compiled
+        self._stop_token_ids = stop_token_ids
+        self.matcher: Any = None
+        self.error: str | None = None
+
+    def is_ready(self) -> bool:
+        """Compiled (or failed: see `error`); never blocks."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self._compiled.done():
+            return False
+        exc = self._compiled.exception()
+        if exc is not None:
+            self.error = str(exc)
+            return True
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(self._compiled.result(), override_stop_tokens=self._stop_token_ids or None)
+        return True
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():  # its token is dropped anyway (overlap: a step late)
+            bitmask[row].fill_(-1)
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
+                 max_workers: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.max_num_seqs = max_num_seqs
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedserve-grammar")
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._cache: dict[tuple[str, str], Future] = {}
+        self._bitmasks: list[torch.Tensor] = []
+        self._turn = 0
+        # Statistics for the log line and /metrics.
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ compiling
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of `params`, as a future (thread-safe; cached by spec).
+        Its exception, if any, is an InvalidRequestError carrying the compiler's message."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this model has none",
+                                      param="structured_outputs")
+        key = params.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self.num_cache_hits += 1
+                return future
+            future = self._cache[key] = self._pool.submit(self._compile, key)
+        return future
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        import time
+
+        import xgrammar as xgr
+
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        kind, spec = key
+        try:
+            if kind == "json":
+                compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
+            elif kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
+                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(spec)
+            elif kind == "choice":
+                compiled = self._compiler.compile_grammar(_choice_ebnf(json.loads(spec)))
+            elif kind == "structural_tag":
+                compiled = self._compiler.compile_structural_tag(spec)
+            else:
+                compiled = self._compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError) as e:
+            with self._lock:
+                self._cache.pop(key, None)  # a bad spec is not worth keeping
+            what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar", "structural_tag": "structural tag"}[kind]
+            message = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            raise InvalidRequestError(f"invalid {what}: {message}", param="structured_outputs") from None
+        with self._lock:
+            self.num_compiled += 1
+            self.compile_seconds += time.perf_counter() - t0
+        return compiled
+
+    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """A fresh matcher state for one request (n > 1: one each) over the shared grammar."""
+        return StructuredOutputRequest(self.compile(params), self.stop_token_ids)
+
+    # ------------------------------------------------------------------ per step
+    def fill_bitmask(self, rows: dict[str, int],
+                     grammars: dict[str, StructuredOutputRequest | None]) -> GrammarBitmask:
+        """Rows `rows[req_id]` of a [max_num_seqs, vocab/32] bitmask from each request's matcher
+        (a request finished meanwhile, `grammars[req_id] is None`, allows everything: its
+        token is dropped).  Two preallocated buffers alternate, so filling step N+1's
+        never overwrites what step N's sampling may still read."""
+        import xgrammar as xgr
+
+        if not self._bitmasks:
+            self._bitmasks = [xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size) for _ in range(2)]
+        self._turn ^= 1
+        bitmask = self._bitmasks[self._turn]
+        for req_id, row in rows.items():
+            grammar = grammars.get(req_id)
+            if grammar is None or grammar.matcher is None:
+                bitmask[row].fill_(-1)
+            else:
+                grammar.fill_bitmask(bitmask, row)
+        return GrammarBitmask(rows=list(rows.values()), bitmask=bitmask, vocab_size=self.vocab_size)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

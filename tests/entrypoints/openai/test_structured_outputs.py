@@ -1,0 +1,152 @@
+"""Structured outputs and tool calls through the real server, with the official client
+(the tiny random model writes nonsense, so every check is that the output follows the
+constraint it was given)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+MESSAGES = [{"role": "user", "content": "hello world"}]
+# Bounded strings and arrays: a random model must still be able to finish inside max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"zip": {"type": "integer", "minimum": 1000, "maximum": 9999}},
+                    "required": ["zip"]},
+    },
+    "required": ["name", "age", "colour", "tags", "address"],
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL_NAME, messages=kw.pop("messages", MESSAGES),
+                                          max_tokens=kw.pop("max_tokens", 120), **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_json_schema_response_format_is_valid(client, temperature):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    r = chat(client, response_format=fmt, temperature=temperature, seed=3, n=2)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_json_object_and_streaming_with_a_schema(client):
+    obj = chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=200)
+    if obj.choices[0].finish_reason == "stop":  # a free JSON object may run past max_tokens
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    pieces = [ch.choices[0].delta.content or "" for ch in
+              chat(client, response_format=fmt, temperature=0.5, seed=1, stream=True) if ch.choices]
+    jsonschema.validate(json.loads("".join(pieces)), SCHEMA)
+
+
+def test_regex_choice_and_vllm_spellings(server, client):
+    r = chat(client, temperature=0.9, seed=2, extra_body={"structured_outputs": {"regex": "[a-e]{3}-[0-9]{2}"}})
+    text = r.choices[0].message.content
+    assert len(text) == 6 and text[3] == "-" and set(text[:3]) <= set("abcde") and text[4:].isdigit()
+    r = chat(client, temperature=0.9, seed=2, extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert r.choices[0].message.content in ("yes", "no", "maybe")
+    body = {"model": MODEL_NAME, "prompt": "the quick", "max_tokens": 50, "temperature": 0.7,
+            "guided_json": {"type": "array", "items": {"type": "integer", "maximum": 9}, "maxItems": 4}}
+    text = httpx.post(server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["choices"][0]["text"]
+    assert all(isinstance(x, int) for x in json.loads(text))
+
+
+def test_parse_with_a_pydantic_model(client):
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=120)
+        likes_tea: bool
+
+    r = client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Person, max_tokens=120,
+                                      temperature=0)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+def test_invalid_schema_regex_and_grammar_are_400s(client):
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                               "schema": {"type": "objekt"}}}},
+                  {"extra_body": {"guided_regex": "[a-"}},
+                  {"extra_body": {"guided_grammar": "root ::= ("}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, **extra)
+        field = next(iter(extra["extra_body"])) if "extra_body" in extra else "response_format"
+        assert e.value.body["param"] == field, e.value.body
+        assert "invalid" in e.value.body["message"]
+    assert chat(client, max_tokens=3).choices[0].message.content is not None
+
+
+def test_forced_and_required_tool_calls(client):
+    named = chat(client, tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                 temperature=0.7, seed=5)
+    (choice,) = named.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call-")
+    jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
+    required = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False,
+                    temperature=0.7, seed=6)
+    (call,) = required.choices[0].message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    # Streamed, the argument pieces of the named call concatenate to the same kind of JSON.
+    chunks = list(chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                       temperature=0.7, seed=5, stream=True))
+    deltas = [tc for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls
+              for tc in ch.choices[0].delta.tool_calls]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)),
+                        WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_call_then_its_result_fed_back(client, tokenizer):
+    opener = tokenizer.convert_tokens_to_ids("<tool_call>")
+    # The random model is pushed to open a call; the parser's structural tag makes the call valid.
+    first = chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, temperature=0,
+                 logit_bias={str(opener): 100})
+    (choice,) = first.choices
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = chat(client, messages=history, tools=[WEATHER], max_tokens=5, temperature=0)
+    assert second.choices[0].message.content is not None
+    # The tool result and the earlier call are part of the prompt, not dropped.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + len(tokenizer.encode("sunny, 21 C"))
+    streamed = list(chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, temperature=0,
+                         logit_bias={str(opener): 100}, stream=True))
+    calls = [tc for ch in streamed if ch.choices and ch.choices[0].delta.tool_calls
+             for tc in ch.choices[0].delta.tool_calls]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
