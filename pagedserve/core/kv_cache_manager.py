@@ -66,8 +66,8 @@ class KVCacheManager:
         nothing (a request stuck at the head of the queue is looked up every step);
         pass the result to allocate_slots in the same step, which counts the hit.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt token computed
         block_hashes = self._hash_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         cached = self.block_pool.cached_block_hash_to_block

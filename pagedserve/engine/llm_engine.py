@@ -365,6 +365,8 @@ class LLMEngine:
 
     def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """A step's results: tokens into the scheduler, text and stop strings out."""
+        if runner_out.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
                                                          runner_out.invalid_req_ids)
         outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())

@@ -84,6 +84,9 @@ class ParentRequest:
     output_kind: RequestOutputKind
     metrics: RequestMetrics
     children: list[RequestState] = field(default_factory=list)
+    # With prompt_logprobs: one entry per prompt token (None for the first, which nothing
+    # predicts), filled as prefill chunks compute them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +101,7 @@ class ParentRequest:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[c.completion(delta) for c in self.children], finished=finished,
             num_cached_tokens=max(c.num_cached_tokens for c in self.children), metrics=self.metrics,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
 
@@ -112,6 +116,8 @@ class OutputProcessor:
         self.num_generation_tokens = 0
 
     def add_request(self, parent: ParentRequest, child_ids: list[str], child_params: list[SamplingParams]) -> None:
+        if child_params[0].prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
         for i, (cid, params) in enumerate(zip(child_ids, child_params, strict=True)):
             detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params)
             state = RequestState(cid, parent, i, params, detok)
@@ -190,16 +196,30 @@ class OutputProcessor:
                 outputs.append(ro)
         return outputs, stopped
 
+    def add_prompt_logprobs(self, computed: dict[str, tuple[int, list[Any]]]) -> None:
+        """Prompt logprobs a step computed (each child computes them; the first child's count)."""
+        for req_id, (first, entries) in computed.items():
+            state = self.states.get(req_id)
+            if state is None or state.index != 0 or state.parent.prompt_logprobs is None:
+                continue
+            k = state.params.prompt_logprobs or 0
+            for j, entry in enumerate(entries):
+                state.parent.prompt_logprobs[first + j] = self._logprob_dict(entry.token_id, entry, k)
+
+    def _logprob_dict(self, token_id: int, entry: Any, k: int) -> dict[int, Logprob]:
+        """{token: Logprob} for one position: the token itself, then the k most likely."""
+        d = {token_id: Logprob(entry.logprob, entry.rank, self._decode_token(token_id))}
+        for rank, (t, lp) in enumerate(zip(entry.topk_token_ids[:k], entry.topk_logprobs[:k], strict=True), 1):
+            if t not in d:
+                d[t] = Logprob(lp, rank, self._decode_token(t))
+        return d
+
     def _append_logprobs(self, state: RequestState, new_ids: list[int], entries: Any) -> None:
         if not isinstance(entries, (list, tuple)):  # one entry per step: the usual case
             entries = [entries]
         k = state.params.logprobs or 0
         for tid, entry in zip(new_ids, entries, strict=False):
-            d = {tid: Logprob(entry.logprob, entry.rank, self._decode_token(tid))}
-            for rank, (t, lp) in enumerate(zip(entry.topk_token_ids[:k], entry.topk_logprobs[:k], strict=True), 1):
-                if t not in d:
-                    d[t] = Logprob(lp, rank, self._decode_token(t))
-            state.logprobs.append(d)
+            state.logprobs.append(self._logprob_dict(tid, entry, k))
             state.cumulative_logprob += entry.logprob
 
     def _decode_token(self, token_id: int) -> str | None:

@@ -27,8 +27,10 @@ class AsyncModelRunnerOutput:
     since a row may belong to another request by the time the output is read."""
 
     def __init__(self, req_ids: list[str], sample_req_ids: list[str] | None = None,
-                 logprobs_k: list[int | None] | None = None, sampled: SamplerOutput | None = None) -> None:
+                 logprobs_k: list[int | None] | None = None, sampled: SamplerOutput | None = None,
+                 prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] | None = None) -> None:
         self.req_ids = req_ids
+        self.prompt_logprobs = prompt_logprobs or {}
         self.sample_req_ids = sample_req_ids or []
         self.logprobs_k = logprobs_k or []
         self._host: dict[str, torch.Tensor] = {}
@@ -76,7 +78,7 @@ class AsyncModelRunnerOutput:
             raise RuntimeError("the step's grammar mask was never given (sample() before get_output())")
         if self._event is not None:
             self._event.synchronize()
-        out = self._output = ModelRunnerOutput(req_ids=self.req_ids)
+        out = self._output = ModelRunnerOutput(req_ids=self.req_ids, prompt_logprobs=self.prompt_logprobs)
         if not self.sample_req_ids:
             return out
         h = self._host

@@ -42,6 +42,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self.params: dict[int, SamplingParams] = {}
+        self.prompt_logprob_rows: set[int] = set()  # rows whose request wants prompt logprobs
         self.generators: dict[int, torch.Generator] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
         # Generators of preempted seeded requests: a resumed request continues its
@@ -81,6 +82,8 @@ class InputBatch:
         self._append_blocks(row, new.block_ids)
         params = new.sampling_params
         self.params[row] = params
+        if params.prompt_logprobs is not None:
+            self.prompt_logprob_rows.add(row)
         if params.seed is not None and not params.is_greedy:
             gen = self._parked_generators.pop(new.req_id, None)
             if gen is None:
@@ -109,6 +112,7 @@ class InputBatch:
         if row is None:
             return
         self.params.pop(row, None)
+        self.prompt_logprob_rows.discard(row)
         self.generators.pop(row, None)
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)

@@ -48,7 +48,7 @@ from pagedserve.worker.cuda_graph import (
     padded_size,
 )
 from pagedserve.worker.input_batch import InputBatch
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
 from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve")
@@ -300,8 +300,9 @@ class ModelRunner:
                 hidden = forward(self._dev["input_ids"][:t], self._dev["positions"][:t])
         if overlap:
             self._prev_sampled, self._prev_index = None, {}
+        prompt_logprobs = self._prompt_logprobs(req_ids, step, hidden) if ib.prompt_logprob_rows else {}
         if not step.sample_rows:
-            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids))
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids, prompt_logprobs=prompt_logprobs))
         k = len(step.logits_idx)
         if k == t:  # every token is a sampled decode: rows already in order
             logits = self.model.compute_logits(hidden[:t])
@@ -315,7 +316,8 @@ class ModelRunner:
         pending = None
         if pend_tokens is not None:  # every pending request samples, in the same order
             pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
-        out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows])
+        out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
+                                     prompt_logprobs=prompt_logprobs)
 
         def sample(grammar: GrammarBitmask | None) -> None:
             if grammar is not None:
@@ -330,6 +332,46 @@ class ModelRunner:
             out.defer_sampling(torch.inference_mode()(sample))  # the engine hands the mask over later
         else:
             sample(scheduler_output.grammar_bitmask)
+        return out
+
+    def _prompt_logprobs(self, req_ids: list[str], step: StepInputs,
+                         hidden: torch.Tensor) -> dict[str, tuple[int, list[LogprobsEntry]]]:
+        """Logprobs of the prompt tokens this step's hidden states predict, for requests that
+        asked (`prompt_logprobs` top ones each): the state at prompt position p scores
+        prompt token p + 1.  One compute_logits call over all their rows."""
+        ib, qsl = self.input_batch, self._np["query_start_loc"]
+        spans: list[tuple[str, int, int, int, int]] = []  # (request, row, first position, count, flat start)
+        flat: list[np.ndarray] = []
+        for i, req_id in enumerate(req_ids):
+            row = ib.req_id_to_row[req_id]
+            if row not in ib.prompt_logprob_rows:
+                continue
+            start = int(ib.num_computed_tokens[row])
+            end = min(start + int(qsl[i + 1] - qsl[i]), int(ib.num_prompt_tokens[row]) - 1)
+            if end > start:
+                spans.append((req_id, row, start, end - start, int(qsl[i])))
+                flat.append(np.arange(qsl[i], qsl[i] + end - start))
+        if not spans:
+            return {}
+        index = torch.from_numpy(np.concatenate(flat)).to(hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        if logits is None:  # a tensor-parallel rank > 0
+            return {}
+        logprobs = logits.float().log_softmax(-1)
+        out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
+        offset = 0
+        for req_id, row, start, count, _ in spans:
+            lp = logprobs[offset: offset + count]
+            targets = torch.from_numpy(ib.token_ids[row, start + 1: start + 1 + count].astype(np.int64))
+            target_lp = lp.gather(1, targets.to(lp.device)[:, None])
+            ranks = ((lp > target_lp).sum(-1) + 1).tolist()
+            k = ib.params[row].prompt_logprobs
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            out[req_id] = (start + 1, [
+                LogprobsEntry(t, v, r, ids, vals) for t, v, r, ids, vals in zip(
+                    targets.tolist(), target_lp.squeeze(1).tolist(), ranks, top_ids.tolist(), top_lp.tolist(),
+                    strict=True)])
+            offset += count
         return out
 
     def shutdown(self) -> None:

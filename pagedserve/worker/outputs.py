@@ -26,6 +26,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
     # Requests whose logits were not a distribution (NaN/inf): they fail, the rest go on.
     invalid_req_ids: list[str] = field(default_factory=list)
+    # Requests that asked for prompt logprobs: (index of the first prompt token covered,
+    # one entry per prompt token from there) for the prompt positions this step computed.
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

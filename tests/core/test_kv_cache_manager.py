@@ -168,3 +168,22 @@ def test_reset_prefix_cache():
     assert kvm.reset_prefix_cache() is True
     _, hit = admit(kvm, make_request("b", 9))
     assert hit == 0
+
+
+def test_cache_salts_never_share_blocks():
+    kvm = KVCacheManager(20, 4, 64)
+    tokens = list(range(12))
+    a = make_request("a", tokens)
+    a.cache_salt = "tenant-1"
+    admit(kvm, a)
+    kvm.free(a)
+    for rid, salt in [("b", "tenant-2"), ("c", None)]:
+        other = make_request(rid, tokens)
+        other.cache_salt = salt
+        _, hit = admit(kvm, other)
+        assert hit == 0, f"{rid} ({salt}) reused tenant-1's blocks"
+        kvm.free(other)
+    same = make_request("d", tokens)
+    same.cache_salt = "tenant-1"
+    _, hit = admit(kvm, same)
+    assert hit == 8

@@ -20,6 +20,7 @@ class FakeRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
     invalid_req_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 class FakeRunner:

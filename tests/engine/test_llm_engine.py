@@ -295,3 +295,28 @@ def test_hostile_sampling_values_never_reach_the_engine(field, value):
         run_to_completion(engine)
     engine.add_request("good", [1, 2], SamplingParams(max_tokens=2))
     assert run_to_completion(engine)["good"].outputs[0].finish_reason == "length"
+
+
+def test_chat_template_options_tools_and_tool_history(tok) -> None:
+    engine = make_engine(tokenizer=tok, vocab_size=len(tok))
+    template = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.get('tool_calls', []) %}{{ c.function.name }}({{ c.function.arguments.city }})"
+                "{% endfor %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+                "{% if think is defined %}think={{ think }}{% endif %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = engine.apply_chat_template(msgs, template, tools=tools, chat_template_kwargs={"think": False})
+    # Tools rendered, the call's JSON-text arguments given to the template as an object, the
+    # tool result kept, the template kwarg seen.
+    assert text == "[get_weather]<user>hi<assistant>get_weather(Rome)<tool>sunny<assistant>think=False"
+    cont = engine.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+                                      add_generation_prompt=False, continue_final_message=True)
+    assert cont.endswith("<|im_start|>assistant\nHel")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}], continue_final_message=True)
+    with pytest.raises(ValueError, match="may not set tools"):
+        engine.apply_chat_template(msgs, template, chat_template_kwargs={"tools": []})

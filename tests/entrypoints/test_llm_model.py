@@ -138,3 +138,45 @@ def test_nan_logits_fail_one_request_and_the_engine_goes_on(tiny_dir, overlap) -
     [ok] = llm.generate({"prompt_token_ids": [5, 6, 7]}, params[0], use_tqdm=False)
     assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 6
     assert llm.llm_engine.get_stats().kv_cache_usage == 0
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+def test_prompt_logprobs_match_hf(tiny_dir, budget) -> None:
+    """Every prompt token's logprob as HF computes it, also when the prompt is prefilled in
+    chunks of 8 (and with the prompt already in the prefix cache: it must be recomputed)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"max_num_batched_tokens": budget, "long_prefill_token_threshold": 8} if budget else {}
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=128, **kw)
+    prompt = [5, 17, 33, 2, 90, 41, 7, 7, 19, 250, 3, 64, 8, 11, 12, 13, 99, 2, 45]
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)  # cache it
+    [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=3),
+                         use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for pos in range(1, len(prompt)):
+        entry = plp[pos]
+        tok = prompt[pos]
+        assert entry[tok].logprob == pytest.approx(ref[pos - 1, tok].item(), abs=1e-4)
+        assert entry[tok].rank == int((ref[pos - 1] > ref[pos - 1, tok]).sum()) + 1
+        top = ref[pos - 1].topk(3).indices.tolist()
+        assert set(top) <= set(entry) and len(entry) <= 4
+
+
+def test_generation_config_gives_the_defaults(tiny_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    model = tmp_path / "with-defaults"
+    shutil.copytree(tiny_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": 7, "top_p": 0.8,
+                                                               "eos_token_id": [2]}))
+    llm = LLM(str(model), dtype="float32", max_model_len=128)
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.top_p) == (0.25, 7, 0.8)
+    plain = LLM(str(model), dtype="float32", max_model_len=128, generation_config="vllm")
+    d = plain.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.top_p) == (1.0, 0, 1.0)

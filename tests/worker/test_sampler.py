@@ -175,3 +175,22 @@ def test_rows_that_are_not_distributions_are_flagged_not_raised(temperatures):
     assert out.invalid.tolist() == [False, True, True, True]
     assert out.sampled_token_ids[1:].tolist() == [0, 0, 0]  # a valid id for the next step's gather
     assert 0 <= out.sampled_token_ids[0] < VOCAB
+
+
+def test_logit_bias_allowed_tokens_and_bad_words():
+    logits = rand_logits(3)
+    biased = SamplingParams(temperature=0, logit_bias={11: 100.0, 12: -100.0})
+    allowed = SamplingParams(temperature=0, allowed_token_ids=[20, 21])
+    bad = SamplingParams(temperature=0)
+    bad.bad_words_token_ids = [[30], [7, 8, 9]]  # the engine fills this from bad_words
+    ib, rows = batch_of([biased, allowed, bad], outputs=[[], [], [7, 8]])
+    out = Sampler()(logits.clone(), ib.sampling_metadata(rows))
+    assert out.sampled_token_ids[0] == 11
+    assert out.sampled_token_ids[1] == (20 if logits[1, 20] >= logits[1, 21] else 21)
+    edited = logits[2].clone()
+    edited[[30, 9]] = float("-inf")  # a one-token bad word always, [7, 8, 9] after 7, 8
+    assert out.sampled_token_ids[2] == edited.argmax()
+    # Without the 7, 8 prefix only the one-token bad word is banned.
+    ib, rows = batch_of([bad], outputs=[[7, 1]])
+    md = ib.sampling_metadata(rows)
+    assert md.banned_tokens.tolist() == [30]

@@ -143,6 +143,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def generate(serving: OpenAIServing, body: Any, request: Request) -> Response:
         """Both generation endpoints: validate, let the engine accept the request (its
         refusals are 400s, before any byte is sent), then stream (SSE) or answer once."""
+        serving.warn_unknown_fields(body)
         prep = serving.prepare(body)
         request_id, streams = await serving.start(body, prep)
         if body.stream:

@@ -130,6 +130,10 @@ class _SamplingFields(OpenAIBaseModel):
                                       "not supported", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs comes with the whole response: not with stream=true (for "
+                                      "the echoed prompt's logprobs in a stream, use echo with logprobs)",
+                                      param="prompt_logprobs")
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint this request asks for, whichever field it used."""
@@ -229,9 +233,12 @@ class CompletionRequest(_SamplingFields):
         super().check_unsupported()
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)",
-                                      param="echo")
+
+    def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        params = super()._to_sampling_params(defaults)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs  # echoed prompt tokens come with their logprobs
+        return params
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -346,6 +353,22 @@ class CompletionLogprobs(OpenAIBaseModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def extend(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        """These tokens, then `other`'s (whose text offsets already count these)."""
+        return CompletionLogprobs(text_offset=self.text_offset + other.text_offset,
+                                  token_logprobs=self.token_logprobs + other.token_logprobs,
+                                  tokens=self.tokens + other.tokens, top_logprobs=self.top_logprobs + other.top_logprobs)
+
+
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: per prompt token (None for the first), token id -> its logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
 
 class CompletionChoice(OpenAIBaseModel):
     index: int
@@ -353,6 +376,7 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -410,6 +434,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(OpenAIBaseModel):

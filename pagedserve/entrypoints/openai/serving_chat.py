@@ -47,6 +47,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     TokenizedPrompt,
     make_usage,
     merge_streams,
+    prompt_logprobs_of,
     request_failed,
     sse,
     sse_error,
@@ -187,7 +188,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self.logprobs(c, 0, prep.params.logprobs),
                                       finish_reason=reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=prep.model, choices=choices, usage=make_usage([final]))
+        return ChatCompletionResponse(id=request_id, model=prep.model, choices=choices, usage=make_usage([final]),
+                                      prompt_logprobs=prompt_logprobs_of(final))
 
     async def stream(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[str]:

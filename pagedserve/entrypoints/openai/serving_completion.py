@@ -23,6 +23,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     TokenizedPrompt,
     make_usage,
     merge_streams,
+    prompt_logprobs_of,
     request_failed,
     sse,
     sse_error,
@@ -78,10 +79,13 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                     raise err
+                logprobs = self.logprobs(c, 0, params.logprobs, len(prefix))
+                if req.echo and logprobs is not None:
+                    logprobs = self._prompt_logprobs(out, params.logprobs).extend(logprobs)
                 choices.append(CompletionChoice(
-                    index=i * params.n + c.index, text=prefix + c.text,
-                    logprobs=self.logprobs(c, 0, params.logprobs, 0),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs_of(out) if req.prompt_logprobs is not None else None))
         return CompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=make_usage([o for o in finals if o is not None]))
 
@@ -106,7 +110,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         if req.echo:
                             echo = self._echo(prompts[i])
                             cs.text_offset_before = len(echo)
-                            yield self._chunk(request_id, created, model, index, echo, None, None,
+                            echo_lp = self._prompt_logprobs(out, params.logprobs) if params.logprobs is not None \
+                                else None
+                            yield self._chunk(request_id, created, model, index, echo, echo_lp, None,
                                               make_usage(list(finals.values())) if continuous_usage else None)
                     delta = cs.advance(c, want_tokens=params.logprobs is not None)
                     if delta is None:
@@ -133,6 +139,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                   stop_reason=finished.stop_reason if finished else None)
         return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage))
 
+    def _prompt_logprobs(self, out: RequestOutput, k: int) -> CompletionLogprobs:
+        """The echoed prompt's tokens with their logprobs (the first has none)."""
+        prompt = CompletionOutput(index=0, text="", token_ids=out.prompt_token_ids, logprobs=out.prompt_logprobs)
+        return self.logprobs(prompt, 0, k, 0) or CompletionLogprobs()
+
     def logprobs(self, c: CompletionOutput, start: int, k: int | None, offset: int,
                  end: int | None = None) -> CompletionLogprobs | None:
         if k is None or c.logprobs is None:
@@ -146,5 +157,5 @@ class OpenAIServingCompletion(OpenAIServing):
             top_dict = dict(top)
             if token_lp is not None:
                 top_dict.setdefault(s, token_lp)
-            lp.top_logprobs.append(top_dict)
+            lp.top_logprobs.append(top_dict if token_lp is not None else None)
         return lp

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from pagedserve.engine.async_llm import AsyncLLM, RequestStream
 from pagedserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     UsageInfo,
     random_id,
@@ -34,6 +37,7 @@ from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+logger = logging.getLogger("pagedserve.api_server")
 
 
 class OpenAIError(Exception):
@@ -107,6 +111,15 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.chat_template = chat_template
+        self._warned_fields: set[str] = set()
+
+    def warn_unknown_fields(self, req: BaseModel) -> None:
+        """Fields no version of OpenAI's or vLLM's API defines are ignored (newer clients
+        keep working), with one warning per field name so an operator can see them."""
+        for name in (req.model_extra or {}):
+            if name not in self._warned_fields:
+                self._warned_fields.add(name)
+                logger.warning("ignoring the unknown request field %r (logged once)", name)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -174,11 +187,23 @@ class OpenAIServing:
         k most likely (text, logprob), best first); -inf is clamped for JSON."""
         for pos in range(start, min(end, len(c.logprobs or ()))):
             tok, step = c.token_ids[pos], c.logprobs[pos]
+            if step is None:  # a prompt's first token: nothing predicts it
+                yield self.token_str(tok), None, []
+                continue
             chosen = step.get(tok)
             ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf,
                                                            -kv[1].logprob))
             top = [(self.token_str(t, v), clamp_logprob(v.logprob)) for t, v in ranked[:k]]
             yield self.token_str(tok, chosen), clamp_logprob(chosen.logprob) if chosen else None, top
+
+
+def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
+    """The request's prompt logprobs in vLLM's response shape (None when not asked for)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if step is None else {t: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                                        decoded_token=lp.decoded_token) for t, lp in step.items()}
+            for step in out.prompt_logprobs]
 
 
 def clamp_logprob(x: float) -> float:

@@ -303,3 +303,37 @@ def test_content_parts_render_as_llm_chat_renders_them(server, tokenizer):
     r = _post(server, CHAT_URL, {"model": MODEL_NAME, "max_tokens": 2,
                                  "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(client, tokenizer):
+    n_prompt = len(tokenizer.encode(PROMPT))
+    r = complete(client, max_tokens=4, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and r.choices[0].text.startswith(PROMPT)
+    streamed = list(complete(client, max_tokens=4, echo=True, logprobs=2, stream=True,
+                             extra_body={"ignore_eos": True}))
+    first = streamed[0].choices[0]
+    assert first.text == PROMPT and first.logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:n_prompt], abs=1e-4)
+    plain = complete(client, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    plp = plain.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None and all(len(step) >= 1 for step in plp[1:])
+
+
+def test_cache_salt_separates_prefix_caches(client):
+    long_prompt = PROMPT + " jumps over the lazy dog again and again" * 3
+    kw = {"prompt": long_prompt, "max_tokens": 1}
+    complete(client, **kw, extra_body={"cache_salt": "a"})
+    same = complete(client, **kw, extra_body={"cache_salt": "a"})
+    other = complete(client, **kw, extra_body={"cache_salt": "b"})
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(complete(client, max_tokens=3, stream=True, extra_body={"ignore_eos": True},
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert counted == sorted(counted) and counted[-1] == 3

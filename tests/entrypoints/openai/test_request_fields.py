@@ -1,0 +1,176 @@
+"""The rule: every field of the request models either does what OpenAI's / vLLM's docs say
+(an effect observable in the response) or is refused with a 400 whose `param` names it.
+The table must cover every field: a new field without a decision fails here."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "user", "content": "hello world"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}]
+
+
+def post(server, chat: bool, **fields) -> httpx.Response:
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, **fields}
+    body.setdefault("messages" if chat else "prompt", MESSAGES if chat else PROMPT)
+    return httpx.post(server.url + ("/v1/chat/completions" if chat else "/v1/completions"), timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, json=body)
+
+
+def text(r: httpx.Response, i: int = 0) -> str:
+    c = r.json()["choices"][i]
+    return c["message"]["content"] if "message" in c else c["text"]
+
+
+def tokens(r: httpx.Response) -> int:
+    return r.json()["usage"]["completion_tokens"]
+
+
+def refused(param: str):
+    def check(r, base, tok):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    return check
+
+
+def same_as_greedy(r, base, tok):
+    assert r.status_code == 200 and text(r) == text(base), (text(r), text(base))
+
+
+def ok(r, base, tok):
+    assert r.status_code == 200, r.text
+
+
+def differs(r, base, tok):
+    assert r.status_code == 200 and text(r) != text(base)
+
+
+def sse_events(r) -> list:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+# field -> (value(s) to send, check(response, greedy baseline response, tokenizer))
+COMMON = {
+    "model": ({"model": MODEL_NAME}, ok),
+    "max_tokens": ({"max_tokens": 2, "ignore_eos": True}, lambda r, b, t: tokens(r) == 2 or pytest.fail()),
+    "temperature": ({"temperature": 0}, same_as_greedy),
+    "top_p": ({"temperature": 1.0, "top_p": 1e-9, "seed": 3}, same_as_greedy),
+    "top_k": ({"temperature": 1.0, "top_k": 1, "seed": 3}, same_as_greedy),
+    "min_p": ({"temperature": 1.0, "min_p": 1.0, "seed": 3}, same_as_greedy),
+    "n": ({"n": 3, "temperature": 1.0}, lambda r, b, t: len(r.json()["choices"]) == 3 or pytest.fail()),
+    "stop": ({"stop": ["zzzz"]}, same_as_greedy),
+    "seed": ({"seed": 11, "temperature": 1.0},
+             lambda r, b, t: text(r) == text(post(SERVER[0], CHAT[0], seed=11, temperature=1.0)) or pytest.fail()),
+    "presence_penalty": ({"presence_penalty": 2.0, "max_tokens": 20, "ignore_eos": True}, differs),
+    "frequency_penalty": ({"frequency_penalty": 2.0, "max_tokens": 20, "ignore_eos": True}, differs),
+    "repetition_penalty": ({"repetition_penalty": 3.0, "max_tokens": 20, "ignore_eos": True}, differs),
+    "stream": ({"stream": True}, lambda r, b, t: r.text.rstrip().endswith("data: [DONE]") or pytest.fail()),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}},
+                       lambda r, b, t: sse_events(r)[-1]["usage"] is not None or pytest.fail()),
+    "user": ({"user": "someone"}, same_as_greedy),
+    "logit_bias": (None, None),  # filled per tokenizer below
+    "min_tokens": ({"min_tokens": 5, "max_tokens": 5}, lambda r, b, t: tokens(r) == 5 or pytest.fail()),
+    "stop_token_ids": (None, None),
+    "ignore_eos": ({"ignore_eos": True, "max_tokens": 30}, lambda r, b, t: tokens(r) == 30 or pytest.fail()),
+    "include_stop_str_in_output": (None, None),
+    "skip_special_tokens": ({"skip_special_tokens": False}, ok),
+    "priority": ({"priority": 1}, refused("priority")),
+    "response_format": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": ["yes", "no"]}}}},
+        lambda r, b, t: json.loads(text(r)) in ("yes", "no") or pytest.fail()),
+    "structured_outputs": ({"structured_outputs": {"choice": ["left", "right"]}},
+                           lambda r, b, t: text(r) in ("left", "right") or pytest.fail()),
+    "guided_json": ({"guided_json": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    lambda r, b, t: 0 <= json.loads(text(r)) <= 9 or pytest.fail()),
+    "guided_regex": ({"guided_regex": "[xyz]{3}"}, lambda r, b, t: set(text(r)) <= set("xyz") or pytest.fail()),
+    "guided_choice": ({"guided_choice": ["cat", "dog"]}, lambda r, b, t: text(r) in ("cat", "dog") or pytest.fail()),
+    "guided_grammar": ({"guided_grammar": 'root ::= "ab" | "cd"'},
+                       lambda r, b, t: text(r) in ("ab", "cd") or pytest.fail()),
+    "guided_decoding_backend": ({"guided_decoding_backend": "outlines"}, refused("guided_decoding_backend")),
+    "guided_whitespace_pattern": ({"guided_whitespace_pattern": " "}, refused("guided_whitespace_pattern")),
+    "prompt_logprobs": ({"prompt_logprobs": 0},
+                        lambda r, b, t: r.json()["choices"][0].get("prompt_logprobs") is not None
+                        or r.json().get("prompt_logprobs") is not None or pytest.fail()),
+    "allowed_token_ids": (None, None),
+    "bad_words": (None, None),
+    "cache_salt": ({"cache_salt": "tenant"}, same_as_greedy),
+}
+CHAT_ONLY = {
+    "messages": ({"messages": MESSAGES}, ok),
+    "max_completion_tokens": ({"max_completion_tokens": 2, "ignore_eos": True},
+                              lambda r, b, t: tokens(r) == 2 or pytest.fail()),
+    "logprobs": ({"logprobs": True}, lambda r, b, t: r.json()["choices"][0]["logprobs"] or pytest.fail()),
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 3},
+                     lambda r, b, t: len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+                     or pytest.fail()),
+    "add_generation_prompt": ({"add_generation_prompt": False},
+                              lambda r, b, t: r.json()["usage"]["prompt_tokens"] < b.json()["usage"]["prompt_tokens"]
+                              or pytest.fail()),
+    "continue_final_message": ({"messages": [*MESSAGES, {"role": "assistant", "content": "the"}],
+                                "continue_final_message": True, "add_generation_prompt": False}, ok),
+    "chat_template": ({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+                      lambda r, b, t: r.json()["usage"]["prompt_tokens"] == len(t.encode("hello world",
+                                                                                         add_special_tokens=False))
+                      or pytest.fail()),
+    "chat_template_kwargs": ({"chat_template": "{{ greeting }}", "chat_template_kwargs": {"greeting": "hello"}},
+                             lambda r, b, t: r.json()["usage"]["prompt_tokens"] == len(t.encode(
+                                 "hello", add_special_tokens=False)) or pytest.fail()),
+    "tools": ({"tools": TOOLS, "tool_choice": "required", "max_tokens": 200},
+              lambda r, b, t: r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+              or pytest.fail()),
+    "tool_choice": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 50},
+                    lambda r, b, t: json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"][
+                        "arguments"])["x"] in (1, 2) or pytest.fail()),
+    "parallel_tool_calls": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+                             "max_tokens": 200},
+                            lambda r, b, t: len(r.json()["choices"][0]["message"]["tool_calls"]) == 1 or pytest.fail()),
+}
+COMPLETION_ONLY = {
+    "prompt": ({"prompt": [5, 6, 7]}, ok),
+    "echo": ({"echo": True}, lambda r, b, t: text(r) == PROMPT + text(b) or pytest.fail()),
+    "logprobs": ({"logprobs": 2}, lambda r, b, t: len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+                 or pytest.fail()),
+    "best_of": ({"best_of": 2, "n": 1}, refused("best_of")),
+    "suffix": ({"suffix": "!"}, refused("suffix")),
+}
+SERVER, CHAT = [None], [False]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_every_request_field_works_or_is_refused(server, tokenizer, chat):
+    SERVER[0], CHAT[0] = server, chat
+    model = ChatCompletionRequest if chat else CompletionRequest
+    table = {**COMMON, **(CHAT_ONLY if chat else COMPLETION_ONLY)}
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    word = tokenizer.convert_tokens_to_ids("the")
+    table["logit_bias"] = ({"logit_bias": {str(word): 100}, "max_tokens": 3, "ignore_eos": True},
+                           lambda r, b, t: t.encode(text(r), add_special_tokens=False) == [word] * 3 or pytest.fail())
+    table["allowed_token_ids"] = ({"allowed_token_ids": [word], "max_tokens": 3, "ignore_eos": True},
+                                  lambda r, b, t: text(r) == "thethethe" or pytest.fail())
+    table["stop_token_ids"] = ({"stop_token_ids": [word], "logit_bias": {str(word): 100}},
+                               lambda r, b, t: r.json()["choices"][0]["finish_reason"] == "stop" or pytest.fail())
+    table["include_stop_str_in_output"] = (
+        {"stop": ["the"], "include_stop_str_in_output": True, "logit_bias": {str(word): 100}},
+        lambda r, b, t: text(r) == "the" or pytest.fail())
+    table["bad_words"] = ({"bad_words": ["the"], "logit_bias": {str(word): 100}, "max_tokens": 3, "ignore_eos": True},
+                          lambda r, b, t: word not in t.encode(text(r), add_special_tokens=False) or pytest.fail())
+    missing = set(model.model_fields) - set(table)
+    assert not missing, f"request fields with no decision in this table: {sorted(missing)}"
+    baseline = post(server, chat)
+    assert baseline.status_code == 200 and eos
+    failures = []
+    for name in sorted(model.model_fields):
+        fields, check = table[name]
+        r = post(server, chat, **fields)
+        try:
+            check(r, baseline, tokenizer)
+        except (AssertionError, pytest.fail.Exception, KeyError, IndexError, TypeError, ValueError) as e:
+            failures.append(f"{name}: {type(e).__name__} {e} -> {r.status_code} {r.text[:300]}")
+    assert not failures, "\n".join(failures)
