@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 logger = logging.getLogger("pagedserve.metrics")
@@ -36,13 +36,15 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative tokens looked up
     prefix_cache_hits: int = 0  # cumulative tokens found
     num_preemptions: int = 0  # cumulative
+    num_structured_requests: int = 0  # unfinished requests with a grammar (compiling or running)
+    grammar_compiles: int = 0  # cumulative grammars compiled
+    grammar_cache_hits: int = 0  # cumulative requests whose grammar was already compiled (or compiling)
+    grammar_compile_seconds: float = 0.0  # cumulative time spent compiling
 
     @classmethod
     def from_engine(cls, stats: Any) -> SchedulerStats:
         """Copied field by field: a field the engine's stats lack is an AttributeError, not a silent 0."""
-        return cls(num_running=stats.num_running, num_waiting=stats.num_waiting,
-                   kv_cache_usage=stats.kv_cache_usage, prefix_cache_queries=stats.prefix_cache_queries,
-                   prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions)
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -79,6 +81,13 @@ class PrometheusStatLogger:
         self.pc_queries = lab(Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", **kw))
         self.pc_hits = lab(Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", **kw))
         self.preemptions = lab(Counter("vllm:num_preemptions", "Cumulative preemptions.", **kw))
+        self.structured = lab(Gauge("pagedserve:num_requests_structured",
+                                    "Unfinished requests with a structured-output grammar.", **kw))
+        self.grammar_compiles = lab(Counter("pagedserve:grammar_compiles", "Grammars compiled.", **kw))
+        self.grammar_hits = lab(Counter("pagedserve:grammar_cache_hits",
+                                        "Requests whose grammar came from the compile cache.", **kw))
+        self.grammar_seconds = lab(Counter("pagedserve:grammar_compile_seconds",
+                                           "Time spent compiling grammars (off the engine loop).", **kw))
         self.prompt_tokens = lab(Counter("vllm:prompt_tokens", "Prefill tokens processed.", **kw))
         self.gen_tokens = lab(Counter("vllm:generation_tokens", "Generation tokens processed.", **kw))
         success = Counter("vllm:request_success", "Finished requests by finish reason.",
@@ -96,9 +105,12 @@ class PrometheusStatLogger:
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.kv_usage.set(sched.kv_cache_usage)
+        self.structured.set(sched.num_structured_requests)
         # The engine's counters are cumulative; Prometheus counters want increments.
         for counter, name in ((self.pc_queries, "prefix_cache_queries"), (self.pc_hits, "prefix_cache_hits"),
-                              (self.preemptions, "num_preemptions")):
+                              (self.preemptions, "num_preemptions"), (self.grammar_compiles, "grammar_compiles"),
+                              (self.grammar_hits, "grammar_cache_hits"),
+                              (self.grammar_seconds, "grammar_compile_seconds")):
             delta = getattr(sched, name) - getattr(self._last, name)
             if delta > 0:
                 counter.inc(delta)
@@ -158,7 +170,8 @@ class LoggingStatLogger:
                 f"Avg generation throughput: {self._gen / elapsed:.1f} tokens/s, "
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
                 f"{self.device} KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
-                f"Prefix cache hit rate: {hit_rate:.1f}%"
+                f"Prefix cache hit rate: {hit_rate:.1f}%, "
+                f"Structured-output reqs: {s.num_structured_requests}"
             )
             self._prompt = self._gen = 0
             self._last_time = now

@@ -60,6 +60,10 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_structured_requests: int
+    grammar_compiles: int
+    grammar_cache_hits: int
+    grammar_compile_seconds: float
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -156,7 +160,7 @@ class LLMEngine:
         self._check_request(prompt_ids, params, priority)
         compiled = None
         if params.structured_outputs is not None:
-            compiled = self.structured_output.compile(params.structured_outputs)
+            compiled = self.structured_output.claim(params.structured_outputs)
             if compiled.done() and compiled.exception() is not None:
                 raise compiled.exception()
 
@@ -396,13 +400,16 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
-        kvm, op = self.kv_cache_manager, self.output_processor
+        kvm, op, so = self.kv_cache_manager, self.output_processor, self.structured_output
         num_running, num_waiting = self.scheduler.get_request_counts()
         return EngineStats(
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kvm.usage,
             prefix_cache_queries=kvm.prefix_cache_queries, prefix_cache_hits=kvm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions_total,
             num_prompt_tokens=op.num_prompt_tokens, num_generation_tokens=op.num_generation_tokens,
+            num_structured_requests=self.scheduler.num_grammar_requests,
+            grammar_compiles=so.num_compiled, grammar_cache_hits=so.num_cache_hits,
+            grammar_compile_seconds=so.compile_seconds,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -4,7 +4,8 @@ one token bitmask per step (xgrammar, the backend vLLM and SGLang default to).
 The parts, and where each runs:
 - `StructuredOutputManager.compile(params)` (any thread): submits the grammar to a
   small thread pool, keyed by its spec, and returns a future; equal specs share one
-  compilation.  `AsyncLLM` and `LLM` await it before they hand the request to the
+  compilation (a bounded LRU cache; `claim` is the lookup of a request entering the
+  engine, the one that counts cache hits).  `AsyncLLM` and `LLM` await it before they hand the request to the
   engine, so an invalid schema, regex or grammar is a ValueError (a 400 on the server)
   carrying the compiler's message, decided before the request takes a KV block; and a
   slow one never stops the engine loop.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,6 +36,8 @@ from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import StructuredOutputsParams
 
+# Compiled grammars kept for reuse (a JSON schema's is tens of kB to a few MB).
+GRAMMAR_CACHE_SIZE = 256
 # xgrammar errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
@@ -90,7 +94,9 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedserve-grammar")
         self._lock = threading.Lock()
         self._compiler: Any = None
-        self._cache: dict[tuple[str, str], Future] = {}
+        # Least recently used first; bounded, since every client may send its own schema.
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._served: set[tuple[str, str]] = set()  # cached specs some request has used
         self._bitmasks: list[torch.Tensor] = []
         self._turn = 0
         # Statistics for the log line and /metrics.
@@ -109,9 +115,24 @@ class StructuredOutputManager:
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
-                self.num_cache_hits += 1
+                self._cache.move_to_end(key)
                 return future
             future = self._cache[key] = self._pool.submit(self._compile, key)
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                old, _ = self._cache.popitem(last=False)  # requests holding its future keep it alive
+                self._served.discard(old)
+        return future
+
+    def claim(self, params: StructuredOutputsParams) -> Future:
+        """`compile` for a request entering the engine (once per request, whatever its n):
+        counts a cache hit when an earlier request already used this grammar.  Looking a
+        spec up beforehand (to refuse a bad one early) does not count."""
+        future = self.compile(params)
+        with self._lock:
+            if params.key in self._served:
+                self.num_cache_hits += 1
+            elif params.key in self._cache:
+                self._served.add(params.key)
         return future
 
     def _compile(self, key: tuple[str, str]) -> Any:
@@ -119,12 +140,13 @@ class StructuredOutputManager:
 
         import xgrammar as xgr
 
-        t0 = time.perf_counter()
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # Its own cache is off: ours (above) is keyed by spec and bounded.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        t0 = time.perf_counter()
         kind, spec = key
         try:
             if kind == "json":
@@ -142,6 +164,7 @@ class StructuredOutputManager:
         except (RuntimeError, ValueError) as e:
             with self._lock:
                 self._cache.pop(key, None)  # a bad spec is not worth keeping
+                self._served.discard(key)
             what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
                     "grammar": "grammar", "structural_tag": "structural tag"}[kind]
             message = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)

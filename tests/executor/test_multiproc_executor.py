@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import re
 import signal
 import threading
 import time
@@ -23,8 +24,10 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.multiproc_executor import TensorParallelError
+from pagedserve.sampling_params import StructuredOutputsParams as S
 from tests.distributed.conftest import VOCAB, process_alive
 from tests.e2e.token_prompts import shared_prefix_prompts
+from tests.engine.helpers import make_tokenizer
 
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 128
@@ -89,6 +92,30 @@ def test_tp2_greedy_equals_tp1(tp2, variant: str) -> None:
         assert stats.num_preemptions > 0
     if variant == "prefix-caching":
         assert stats.prefix_cache_hits > 0
+
+
+def test_tp2_structured_outputs_equal_tp1(tp2) -> None:
+    """Every rank applies the same grammar bitmask before its (seeded) sampler: the
+    constrained outputs of tp=2 are tp=1's, token for token, and follow the grammar."""
+    path, llm2 = tp2
+    tok = make_tokenizer()
+    regex = r"[a-f]{2}(-[0-9]{1,3}){2}"
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=40, structured_outputs=kind)
+              for i, (t, kind) in enumerate([(0.0, S(regex=regex)), (0.9, S(regex=regex)),
+                                              (0.9, S(choice=["left", "right"])), (0.0, S(json={"enum": [1, 22]}))])]
+    prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(VOCAB)[:len(params)]]
+
+    def with_tokenizer(llm: LLM) -> LLM:
+        llm.llm_engine.step()  # the ranks forget the last finished requests
+        return LLM.from_engine(LLMEngine(llm.llm_engine.config, llm.llm_engine.model_executor, tok))
+
+    ref, llm = with_tokenizer(LLM(path, **BASE)), with_tokenizer(llm2)
+    a = ref.generate(prompts, params, use_tqdm=False)
+    b = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert all(o.outputs[0].finish_reason == "stop" for o in b)
+    assert re.fullmatch(regex, b[0].outputs[0].text) and re.fullmatch(regex, b[1].outputs[0].text)
+    assert b[2].outputs[0].text in ("left", "right") and b[3].outputs[0].text in ("1", "22")
 
 
 def test_shutdown_stops_every_worker(tp2) -> None:

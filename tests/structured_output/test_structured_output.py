@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import jsonschema
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, structured_output
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
@@ -120,11 +120,19 @@ def test_an_invalid_grammar_is_a_value_error_before_anything_runs(tiny_dir):
     assert len(ok.outputs[0].token_ids) == 2
 
 
-def test_compiles_are_cached_by_spec_and_errors_carry_the_compilers_message():
+def test_compiles_are_cached_by_spec_and_errors_carry_the_compilers_message(monkeypatch):
+    monkeypatch.setattr(structured_output, "GRAMMAR_CACHE_SIZE", 3)
     mgr = StructuredOutputManager(make_tokenizer(), 400, [2], max_num_seqs=4)
     first = mgr.compile(S(regex="[ab]+"))
-    assert mgr.compile(S(regex="[ab]+")) is first and mgr.num_cache_hits == 1
+    assert mgr.compile(S(regex="[ab]+")) is first and mgr.num_cache_hits == 0  # looking up is not a hit
+    assert mgr.claim(S(regex="[ab]+")) is first and mgr.num_cache_hits == 0  # the first request compiled it
+    assert mgr.claim(S(regex="[ab]+")) is first and mgr.num_cache_hits == 1  # the second reuses it
     first.result()
+    assert mgr.num_compiled == 1 and mgr.compile_seconds > 0
+    others = [mgr.compile(S(regex=f"x{i}")) for i in range(2)]
+    assert mgr.compile(S(regex="[ab]+")) is first  # used last: kept
+    mgr.compile(S(regex="x9"))  # the cache holds 3: the least recently used (x0) goes
+    assert mgr.compile(S(regex="x1")) is others[1] and mgr.compile(S(regex="x0")) is not others[0]
     bad = mgr.compile(S(json='{"type": "objekt"}'))
     with pytest.raises(InvalidRequestError) as e:
         bad.result()

@@ -150,3 +150,17 @@ def test_auto_tool_call_then_its_result_fed_back(client, tokenizer):
              for tc in ch.choices[0].delta.tool_calls]
     assert [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
+
+
+def test_grammar_compiles_and_cache_hits_reach_metrics(server, client):
+    def value(m: dict, name: str) -> float:
+        return m.get((name, ()), 0.0)
+
+    before = server.metrics()
+    for _ in range(2):
+        chat(client, temperature=0, max_tokens=8, extra_body={"structured_outputs": {"regex": "[q-v]{4}"}})
+    after = server.metrics()
+    assert value(after, "pagedserve:grammar_compiles_total") - value(before, "pagedserve:grammar_compiles_total") == 1
+    assert value(after, "pagedserve:grammar_cache_hits_total") - value(before, "pagedserve:grammar_cache_hits_total") == 1
+    assert value(after, "pagedserve:grammar_compile_seconds_total") > value(before, "pagedserve:grammar_compile_seconds_total")
+    assert value(after, "pagedserve:num_requests_structured") == 0
