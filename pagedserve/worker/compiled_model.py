@@ -84,6 +84,21 @@ class CompiledModel:
             m.opaque_index = None
 
 
+def _key_cache_by_cpu_isa() -> None:
+    """Make the vector width inductor generates for part of its on-disk cache key.
+
+    Left unset, inductor picks the width from ATen's CPU capability but does not key its
+    FX-graph cache by it: a graph compiled under ATEN_CPU_CAPABILITY=avx2 (how we
+    emulate AVX2-only CPUs) and loaded by a default process on an AVX-512 CPU corrupted
+    the heap (torch 2.13, reproduced).  Naming the width it would pick anyway keys the
+    cache and changes nothing else."""
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.cpp.simdlen is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+        inductor_config.cpp.simdlen = {"AVX512": 512, "AVX2": 256}.get(capability)
+
+
 def maybe_compile(model: nn.Module, device: torch.device, requested: bool | None, enforce_eager: bool,
                   tensor_parallel_size: int, sample_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ) -> CompiledModel | None:
@@ -102,6 +117,7 @@ def maybe_compile(model: nn.Module, device: torch.device, requested: bool | None
         return None
     logger.info("torch.compile: compiling the model (~25 s the first time on 2 cores, cached after; "
                 "torch_compile=False skips it)")
+    _key_cache_by_cpu_isa()
     compiled = CompiledModel(model)
     if sample_inputs is None:
         sample_inputs = (torch.zeros(2, dtype=torch.int64, device=device),

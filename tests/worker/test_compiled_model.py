@@ -62,3 +62,34 @@ def test_environment_default(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", "1")
     cfg = EngineArgs(torch_compile=False).create_engine_config(load_hf_config=False)
     assert cfg.device_config.torch_compile is False
+
+
+_CHILD = """
+import sys
+from pagedserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", torch_compile=True, max_model_len=64)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+print(llm.generate({"prompt_token_ids": [3, 5, 7, 9]}, params, use_tqdm=False)[0].outputs[0].token_ids)
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="needs an AVX-512 CPU: elsewhere the emulated AVX2 capability is the default one")
+def test_a_graph_cached_under_another_cpu_capability_is_not_reused(tmp_path):
+    """Compiling under ATEN_CPU_CAPABILITY=avx2 then loading that cache in a default
+    process crashed with heap corruption before the cache was keyed by vector width."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.engine.helpers import make_tiny_llama
+
+    make_tiny_llama(str(tmp_path / "model"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    outputs = []
+    for extra in ({"ATEN_CPU_CAPABILITY": "avx2"}, {}):
+        run = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "model")], env={**env, **extra},
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append(run.stdout.strip().splitlines()[-1])
+    assert outputs[0] == outputs[1]
