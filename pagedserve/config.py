@@ -115,6 +115,21 @@ class DeviceConfig:
     attention_backend: str | None = None  # None: best for the device
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    # The grammar library: "auto" (llguidance: structured_output/backend_types.py says
+    # why), "guidance" or "xgrammar".
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+                             f"got {self.backend!r}")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -122,3 +137,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -16,12 +16,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedserve.config import (
+    STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check_scheduling_policy,
 )
 from pagedserve.utils import is_int
@@ -64,6 +66,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts over several steps",
     "scheduling_policy": "fcfs or priority",
     "trust_remote_code": "allow custom code from the model directory",
+    "structured_outputs_backend": "grammar library for structured outputs and tool calls: auto (= guidance), "
+                                  "guidance (llguidance) or xgrammar",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
 }
@@ -98,6 +102,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA
     torch_compile: bool | None = None  # None: $PAGEDSERVE_TORCH_COMPILE, else on for CPU at tp 1
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -146,6 +151,8 @@ class EngineArgs:
             raise bad("seed", "an integer")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise bad("max_logprobs", "an integer >= 0")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise bad("structured_outputs_backend", f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}")
         if self.generation_config not in ("auto", "vllm"):
             raise bad("generation_config", "'auto' or 'vllm'")
         if self.load_format not in LOAD_FORMATS:
@@ -215,6 +222,7 @@ class EngineArgs:
                 device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
                 torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
             ),
+            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
         )
 
     # ------------------------------------------------------------------ CLI
@@ -238,7 +246,8 @@ class EngineArgs:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
                     float if isinstance(default, float) else str)
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
-                           "generation_config": ("auto", "vllm")}.get(f.name)
+                           "generation_config": ("auto", "vllm"),
+                           "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 
@@ -253,7 +262,9 @@ class EngineArgs:
 
 
 _OPTIONAL_BOOLS = {"async_scheduling", "torch_compile"}  # None = decided later; --flag / --no-flag
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
+# Other spellings: vLLM's short ones, and its current and older names for ours.
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",),
+                "structured_outputs_backend": ("--structured-outputs-config.backend", "--guided-decoding-backend")}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

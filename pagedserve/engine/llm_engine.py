@@ -99,8 +99,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
         stop_ids = [t for t in [self.eos_token_id, *self._extra_eos_ids] if t is not None]
-        # Grammars for structured outputs (xgrammar is imported on the first one).
-        self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, stop_ids, sched.max_num_seqs)
+        # Grammars for structured outputs (the grammar library loads on the first one).
+        self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, stop_ids, sched.max_num_seqs,
+                                                         config.structured_outputs_config.backend)
         # Requests whose grammar was still compiling when they were added: parent id -> its
         # compilation (a failure ends the request with "error" at the next step).
         self._compiling: dict[str, Future] = {}

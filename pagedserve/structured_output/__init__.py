@@ -1,14 +1,15 @@
 """Structured outputs: grammars compiled off the engine loop, one matcher per request,
-one token bitmask per step (xgrammar, the backend vLLM and SGLang default to).
+one token bitmask per step.  The grammar library is a backend (backend_types.py says
+why llguidance is the default and xgrammar the alternative).
 
 The parts, and where each runs:
 - `StructuredOutputManager.compile(params)` (any thread): submits the grammar to a
   small thread pool, keyed by its spec, and returns a future; equal specs share one
   compilation (a bounded LRU cache; `claim` is the lookup of a request entering the
-  engine, the one that counts cache hits).  `AsyncLLM` and `LLM` await it before they hand the request to the
-  engine, so an invalid schema, regex or grammar is a ValueError (a 400 on the server)
-  carrying the compiler's message, decided before the request takes a KV block; and a
-  slow one never stops the engine loop.
+  engine, the one that counts cache hits).  `AsyncLLM` and `LLM` await it before they
+  hand the request to the engine, so an invalid schema, regex or grammar is a
+  ValueError (a 400 on the server) carrying the compiler's message, decided before the
+  request takes a KV block; and a slow one never stops the engine loop.
 - `StructuredOutputManager.request(params)`: the per-request state (a matcher over the
   compiled grammar) the scheduler sees through `core.request.GrammarState`.  A request
   whose grammar is still compiling waits in WAITING_FOR_FSM, skipped by the scheduler.
@@ -23,11 +24,12 @@ The parts, and where each runs:
 
 from __future__ import annotations
 
-import json
-import re
+import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,25 +37,35 @@ import torch
 from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.structured_output.backend_types import (
+    GrammarBackend,
+    GrammarMatcher,
+    create_backend,
+    resolve_backend_name,
+)
 
 # Compiled grammars kept for reuse (a JSON schema's is tens of kB to a few MB).
 GRAMMAR_CACHE_SIZE = 256
-# xgrammar errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs the rest.
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# os nice value of the compile threads (0 = the engine's; 19 = the least).
+COMPILE_THREAD_NICE = 10
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
+               "grammar": "grammar", "structural_tag": "structural tag"}
 
 
-def _choice_ebnf(choices: list[str]) -> str:
-    """root ::= "a" | "b" (each choice a literal, escaped as a JSON string)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """What a compile future resolves to: the grammar and the backend that reads it."""
+
+    backend: GrammarBackend
+    grammar: Any
 
 
 class StructuredOutputRequest:
     """One request's grammar: compiled (or failing) in the background, then matched."""
 
-    def __init__(self, compiled: Future, stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled: Future) -> None:
         self._compiled = compiled
-        self._stop_token_ids = stop_token_ids
-        self.matcher: Any = None
+        self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
 
     def is_ready(self) -> bool:
@@ -66,34 +78,39 @@ class StructuredOutputRequest:
         if exc is not None:
             self.error = str(exc)
             return True
-        import xgrammar as xgr
-
-        self.matcher = xgr.GrammarMatcher(self._compiled.result(), override_stop_tokens=self._stop_token_ids or None)
+        compiled: CompiledGrammar = self._compiled.result()
+        self.matcher = compiled.backend.new_matcher(compiled.grammar)
         return True
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self.matcher.accept_token(token_id))
+        return self.matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.matcher.is_terminated():  # its token is dropped anyway (overlap: a step late)
-            bitmask[row].fill_(-1)
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+def _lower_priority() -> None:
+    """Compile threads yield the CPU to the engine's step (Linux: per-thread nice);
+    a compile then costs the running streams little even on a 2-core machine."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_THREAD_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
-                 max_workers: int = 2) -> None:
+                 backend: str = "auto", max_workers: int = 2) -> None:
+        """`backend`: "auto", "guidance" or "xgrammar" (backend_types.py)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.max_num_seqs = max_num_seqs
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedserve-grammar")
+        self.backend_name = resolve_backend_name(backend)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedserve-grammar",
+                                        initializer=_lower_priority)
         self._lock = threading.Lock()
-        self._compiler: Any = None
+        self._backend: GrammarBackend | None = None  # made on the first compile (indexes the vocabulary)
         # Least recently used first; bounded, since every client may send its own schema.
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._served: set[tuple[str, str]] = set()  # cached specs some request has used
@@ -106,8 +123,9 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ compiling
     def compile(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `params`, as a future (thread-safe; cached by spec).
-        Its exception, if any, is an InvalidRequestError carrying the compiler's message."""
+        """The compiled grammar of `params`, as a future of a CompiledGrammar (thread-safe;
+        cached by spec).  Its exception, if any, is an InvalidRequestError carrying the
+        compiler's message."""
         if self.tokenizer is None:
             raise InvalidRequestError("structured outputs need a tokenizer; this model has none",
                                       param="structured_outputs")
@@ -135,48 +153,32 @@ class StructuredOutputManager:
                 self._served.add(params.key)
         return future
 
-    def _compile(self, key: tuple[str, str]) -> Any:
-        import time
-
-        import xgrammar as xgr
-
+    def _get_backend(self) -> GrammarBackend:
         with self._lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids or None)
-                # Its own cache is off: ours (above) is keyed by spec and bounded.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            if self._backend is None:
+                self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
+                                               self.stop_token_ids)
+            return self._backend
+
+    def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
+        backend = self._get_backend()
         t0 = time.perf_counter()
         kind, spec = key
         try:
-            if kind == "json":
-                compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
-            elif kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
-                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(spec)
-            elif kind == "choice":
-                compiled = self._compiler.compile_grammar(_choice_ebnf(json.loads(spec)))
-            elif kind == "structural_tag":
-                compiled = self._compiler.compile_structural_tag(spec)
-            else:
-                compiled = self._compiler.compile_grammar(spec)
-        except (RuntimeError, ValueError) as e:
+            grammar = backend.compile(kind, spec)
+        except ValueError as e:
             with self._lock:
                 self._cache.pop(key, None)  # a bad spec is not worth keeping
                 self._served.discard(key)
-            what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar", "structural_tag": "structural tag"}[kind]
-            message = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-            raise InvalidRequestError(f"invalid {what}: {message}", param="structured_outputs") from None
+            raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
-        return compiled
+        return CompiledGrammar(backend, grammar)
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A fresh matcher state for one request (n > 1: one each) over the shared grammar."""
-        return StructuredOutputRequest(self.compile(params), self.stop_token_ids)
+        return StructuredOutputRequest(self.compile(params))
 
     # ------------------------------------------------------------------ per step
     def fill_bitmask(self, rows: dict[str, int],
@@ -185,18 +187,20 @@ class StructuredOutputManager:
         (a request finished meanwhile, `grammars[req_id] is None`, allows everything: its
         token is dropped).  Two preallocated buffers alternate, so filling step N+1's
         never overwrites what step N's sampling may still read."""
-        import xgrammar as xgr
-
         if not self._bitmasks:
-            self._bitmasks = [xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size) for _ in range(2)]
+            words = (self.vocab_size + 31) // 32
+            self._bitmasks = [torch.full((self.max_num_seqs, words), -1, dtype=torch.int32) for _ in range(2)]
         self._turn ^= 1
         bitmask = self._bitmasks[self._turn]
+        matched: list[tuple[GrammarMatcher, int]] = []
         for req_id, row in rows.items():
             grammar = grammars.get(req_id)
-            if grammar is None or grammar.matcher is None:
-                bitmask[row].fill_(-1)
+            if grammar is None or grammar.matcher is None or grammar.matcher.is_terminated():
+                bitmask[row].fill_(-1)  # its token is dropped anyway (overlap: it ended a step late)
             else:
-                grammar.fill_bitmask(bitmask, row)
+                matched.append((grammar.matcher, row))
+        if matched:
+            self._get_backend().fill_bitmask(bitmask, matched)
         return GrammarBitmask(rows=list(rows.values()), bitmask=bitmask, vocab_size=self.vocab_size)
 
     def shutdown(self) -> None:

@@ -204,7 +204,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:
     """Forbid, in place, every token the grammar's bitmask clears, on the constrained rows
-    only (xgrammar's kernel: C++ on CPU, CUDA on GPU)."""
+    only (xgrammar's kernel: C++ on CPU, CUDA on GPU; both backends fill this one layout)."""
     import xgrammar as xgr
 
     bitmask = grammar.bitmask.to(logits.device, non_blocking=True)

@@ -116,14 +116,16 @@ class _SamplingFields(OpenAIBaseModel):
         return [f for f in self.STRUCTURED_FIELDS if getattr(self, f) is not None
                 and not (f == "response_format" and self.response_format.get("type", "text") == "text")]
 
-    def check_unsupported(self) -> None:
-        """Refuse fields that would silently change the output if ignored."""
+    def check_unsupported(self, structured_outputs_backend: str) -> None:
+        """Refuse fields that would silently change the output if ignored
+        (`structured_outputs_backend`: the server's grammar library)."""
         for name in self.REFUSED_FIELDS:
             if getattr(self, name) not in (None, []):  # an empty list is a no-op
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        if self.guided_decoding_backend not in (None, "auto", structured_outputs_backend):
             raise InvalidRequestError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
-                                      "this server constrains with xgrammar", param="guided_decoding_backend")
+                                      f"this server constrains with {structured_outputs_backend} (start it with "
+                                      "--structured-outputs-backend to choose)", param="guided_decoding_backend")
         n_best = getattr(self, "best_of", None)
         if n_best is not None and n_best != self.n:
             raise InvalidRequestError(f"best_of must equal n (best_of={n_best}, n={self.n}); best_of > n is "
@@ -229,8 +231,8 @@ class CompletionRequest(_SamplingFields):
     def _num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check_unsupported(self, structured_outputs_backend: str) -> None:
+        super().check_unsupported(structured_outputs_backend)
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
 
@@ -305,8 +307,8 @@ class ChatCompletionRequest(_SamplingFields):
         raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not among the tools",
                                   param="tool_choice")
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check_unsupported(self, structured_outputs_backend: str) -> None:
+        super().check_unsupported(structured_outputs_backend)
         if not self.messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         if self.continue_final_message:

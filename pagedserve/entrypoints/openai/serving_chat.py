@@ -128,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)
         try:
-            req.check_unsupported()
+            req.check_unsupported(self.engine.structured_outputs_backend)
             plan = self.tool_plan(req)
             params = req.to_sampling_params(self.engine.sampling_defaults)
             constraint = self._tool_constraint(req, plan)

@@ -42,8 +42,15 @@ def test_errors_name_the_field_the_client_sent():
 @pytest.mark.parametrize("field,value", [("guided_whitespace_pattern", "[ ]?"), ("guided_decoding_backend", "outlines")])
 def test_fields_that_would_change_the_output_are_refused(field, value):
     with pytest.raises(InvalidRequestError) as e:
-        ChatCompletionRequest(messages=MSGS, **{field: value}).check_unsupported()
+        ChatCompletionRequest(messages=MSGS, **{field: value}).check_unsupported("guidance")
     assert e.value.param == field
+
+
+def test_the_servers_own_backend_may_be_named():
+    for backend in ("auto", "xgrammar"):
+        ChatCompletionRequest(messages=MSGS, guided_decoding_backend=backend).check_unsupported("xgrammar")
+    with pytest.raises(InvalidRequestError, match="constrains with guidance"):
+        ChatCompletionRequest(messages=MSGS, guided_decoding_backend="xgrammar").check_unsupported("guidance")
 
 
 @pytest.mark.parametrize("field,value,expected", [
@@ -86,11 +93,11 @@ def test_tool_choice_modes_and_template_options():
                       (dict(continue_final_message=True), "continue_final_message"),
                       (dict(tools=tools, tool_choice="required", guided_json={}), "guided_json")]:
         with pytest.raises(InvalidRequestError) as e:
-            ChatCompletionRequest(messages=MSGS, **kw).check_unsupported()
+            ChatCompletionRequest(messages=MSGS, **kw).check_unsupported("guidance")
         assert e.value.param == param, kw
     ok = ChatCompletionRequest(messages=[*MSGS, {"role": "assistant", "content": "Hel"}],
                                continue_final_message=True, add_generation_prompt=False)
-    ok.check_unsupported()
+    ok.check_unsupported("guidance")
 
 
 def test_logit_bias_and_generation_config_defaults():
@@ -102,9 +109,9 @@ def test_logit_bias_and_generation_config_defaults():
 
 def test_harmless_fields_pass():
     ChatCompletionRequest(messages=MSGS, response_format={"type": "text"}, tool_choice="none", user="u",
-                          some_future_field=1).check_unsupported()
-    CompletionRequest(prompt="x", stream=True, stream_options={"continuous_usage_stats": True}).check_unsupported()
+                          some_future_field=1).check_unsupported("guidance")
+    CompletionRequest(prompt="x", stream=True, stream_options={"continuous_usage_stats": True}).check_unsupported("guidance")
     with pytest.raises(InvalidRequestError, match="stream_options can only be set"):
-        CompletionRequest(prompt="x", stream_options={"include_usage": True}).check_unsupported()
+        CompletionRequest(prompt="x", stream_options={"include_usage": True}).check_unsupported("guidance")
     with pytest.raises(InvalidRequestError, match="best_of"):
-        CompletionRequest(prompt="x", n=1, best_of=2).check_unsupported()
+        CompletionRequest(prompt="x", n=1, best_of=2).check_unsupported("guidance")

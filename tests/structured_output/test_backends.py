@@ -1,0 +1,76 @@
+"""The two grammar backends accept and refuse the same texts: JSON with closed objects,
+and the tool-call structural tags the parsers build (a trigger written as text, or as
+the one added token the tokenizer has for it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser
+from pagedserve.sampling_params import StructuredOutputsParams as S
+from pagedserve.structured_output import StructuredOutputManager
+from pagedserve.structured_output.backend_guidance import _closed_objects
+from tests.engine.helpers import make_tokenizer
+
+EOS = 2
+TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                                                "required": ["city"]}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+def tokenizer(with_tool_tokens: bool):
+    tok = make_tokenizer()
+    if with_tool_tokens:
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+    return tok
+
+
+def accepts(tok, backend: str, params: S, text: str) -> bool:
+    """Whether `text` (then EOS) is a complete output under `params`."""
+    mgr = StructuredOutputManager(tok, len(tok), [EOS], max_num_seqs=1, backend=backend)
+    request = mgr.request(params)
+    mgr.compile(params).result()
+    assert request.is_ready() and request.error is None
+    ok = all(request.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+    ok = ok and request.accept_token(EOS) and request.is_terminated()
+    mgr.shutdown()
+    return ok
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+@pytest.mark.parametrize("tool_tokens", [False, True], ids=["text-trigger", "token-trigger"])
+def test_tool_call_structural_tags(backend, tool_tokens):
+    tok = tokenizer(tool_tokens)
+    auto = S(structural_tag=HermesToolParser().structural_tag(TOOLS))
+    one = S(structural_tag=HermesToolParser().structural_tag(TOOLS, one_call=True))
+    assert accepts(tok, backend, auto, "Just text, no call.")
+    assert accepts(tok, backend, auto, "Let me look. " + CALL)
+    assert accepts(tok, backend, auto, CALL + "\n" + CALL.replace("Rome", "Paris"))
+    assert not accepts(tok, backend, auto, CALL.replace("Rome", "Oslo"))  # not in the enum
+    assert not accepts(tok, backend, auto, CALL.replace("get_weather", "get_time"))  # no such tool
+    assert accepts(tok, backend, one, CALL)
+    assert not accepts(tok, backend, one, CALL + " and more")  # nothing after the one call
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_json_objects_are_closed_unless_the_schema_opens_them(backend):
+    tok = tokenizer(False)
+    closed = S(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    opened = S(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                     "additionalProperties": {"type": "integer"}})
+    assert accepts(tok, backend, closed, '{"a": 1}')
+    assert not accepts(tok, backend, closed, '{"a": 1, "b": 2}')
+    assert accepts(tok, backend, opened, '{"a": 1, "b": 2}')
+
+
+def test_closing_objects_walks_subschemas_only():
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "items": {"type": "array", "items": {"properties": {}}}},
+              "$defs": {"d": {"properties": {}}}, "anyOf": [{"properties": {}}]}
+    out = _closed_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert "additionalProperties" not in out["properties"]  # the name -> schema map itself is not a schema
+    assert out["properties"]["items"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the input is left alone
