@@ -89,7 +89,7 @@ class AsyncLLM:
         # The model's generation-config sampling defaults, for request fields left unset.
         self.sampling_defaults: dict[str, Any] = engine.sampling_defaults()
         # The grammar library constraining structured outputs ("guidance" or "xgrammar").
-        self.structured_outputs_backend: str = engine.structured_output.backend_name
+        self.structured_outputs_backend: str = engine.structured_outputs_backend
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         device = "GPU" if is_cuda(engine.device) else engine.device.type.upper()
         self.log_stats = LoggingStatLogger(log_interval, device=device) if log_stats else None

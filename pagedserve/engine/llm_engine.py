@@ -400,6 +400,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    @property
+    def structured_outputs_backend(self) -> str:
+        """The grammar library constraining structured outputs ("guidance" or "xgrammar")."""
+        return self.structured_output.backend_name
+
     def get_stats(self) -> EngineStats:
         kvm, op, so = self.kv_cache_manager, self.output_processor, self.structured_output
         num_running, num_waiting = self.scheduler.get_request_counts()

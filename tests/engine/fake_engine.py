@@ -39,11 +39,16 @@ class FakeStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_structured_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
 
 
 class FakeEngine:
     vocab_size = 256
     device = torch.device("cpu")
+    structured_outputs_backend = "guidance"
 
     def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
                  fail_after_steps: int | None = None, max_model_len: int = 4096,
