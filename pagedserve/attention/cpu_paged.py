@@ -9,13 +9,8 @@ accumulators in float32 registers.  On SmolLM2 shapes (32 sequences of 150 token
 backend step, K/V store and planning included, about three quarters
 (`python -m pagedserve.attention.bench --backend cpu_paged` / `--backend torch_paged`).
 
-It is compiled with torch.utils.cpp_extension for this machine's CPU (`-march=native`:
-AVX-512 where the CPU has it, AVX2/FMA where it has that, plain loops otherwise; capped
-like torch itself when ATEN_CPU_CAPABILITY says so) into torch's extension cache,
-the first time in a process that needs it (~30 s once per machine, then a cached
-load).  The build directory name carries a hash of the source, the CPU's flags, the
-torch version and the compiler flags, so a cache shared across machines never runs
-code built for another CPU.  Without a C++
+It is compiled for this machine's CPU (`cpu_extension.py`) the first time in a process
+that needs it (~30 s once per machine, then a cached load).  Without a C++
 compiler, or on any build error, the backend keeps the torch path for decodes too;
 the reason is logged once.  Prefill chunks always take the torch path (their matmuls
 are big enough for oneDNN to do well).  `attention_backend="torch_paged"` is the same
@@ -24,9 +19,7 @@ backend without the kernel.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention.torch_paged import TorchPagedBackend
-from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
+from pagedserve.cpu_extension import build_cpu_extension
 from pagedserve.platforms import is_cpu
 
 logger = logging.getLogger("pagedserve")
@@ -48,27 +41,10 @@ _state: dict[str, object] = {}
 
 
 def build(extra_cflags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Callable[..., torch.Tensor]:
-    """Compile (or load the cached build of) the kernel for this CPU.  `extra_cflags`
-    (default: whatever keeps it within torch's own ISA; tests and benchmarks pass
-    "-mno-avx512f" for the AVX2 path, or also "-mno-avx2 -mno-fma" for the plain loops)
-    become part of the cache key, as does `source` (benchmarks compare another version)."""
-    from torch.utils import cpp_extension
-
-    if extra_cflags is None:
-        extra_cflags = kernel_isa_cflags()
-    flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
-    key = (source.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
-           + " ".join(flags).encode())
-    name = f"pagedserve_paged_decode_{hashlib.sha1(key).hexdigest()[:12]}"
-    # Our own directory under torch's extension root ($TORCH_EXTENSIONS_DIR or its default), so
-    # whether a build is needed is known before starting one (for the log line).
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{name}.so").exists():
-        logger.info("building the CPU decode-attention kernel for this machine (once, ~30 s)")
-    module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                build_directory=str(build_dir), verbose=False)
-    return module.paged_decode
+    """Compile (or load the cached build of) the kernel for this CPU (cpu_extension.py;
+    `source`: benchmarks compare another version)."""
+    return build_cpu_extension("pagedserve_paged_decode", source, "CPU decode-attention kernel",
+                               extra_cflags).paged_decode
 
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:

@@ -1,0 +1,256 @@
+"""Weight-only quantized weights on CPU: blocks of 32 weights sharing a scale.
+
+Three kinds, each one of llama.cpp's own formats or a lossless rewrite of it, run by
+one C++ kernel (layers/csrc/quant_linear.cpp; why our own: docs/cpu_quantization.md):
+  Q4_SYM   w = d * (u - 8),  u in 0..15   GGUF Q4_0; `--quantization int4`
+  Q4_ASYM  w = d * u + m,    u in 0..15   GGUF Q4_1; Q4_K (d = super-scale x sub-scale, m = -dmin x sub-min,
+                                          each rounded to fp16: the one lossy step, measured in the docs)
+  Q8       w = d * s,        s in -128..127  GGUF Q8_0; `--quantization int8`; every other GGUF
+                                          quantized type (Q5_0, Q5_K, Q6_K, ...) dequantized and requantized
+`BlockWeights` is the plain form (codes [N, K], per-block scales [N, K/32]) that
+loaders produce and that tensor parallelism narrows (rows anywhere, columns at block
+boundaries only); `pack` turns it into the tiled layout the kernel streams
+(`PackedWeight`), and only that is kept.  A weight whose K is not a multiple of 32
+(quantized from a float checkpoint) is padded with zero columns; the activations get
+the same padding at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("pagedserve")
+
+QK = 32  # weights per block (one scale each)
+TILE = 16  # rows per kernel tile (one SIMD lane each)
+
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+
+
+class QuantKind(IntEnum):
+    Q4_SYM = 0
+    Q4_ASYM = 1
+    Q8 = 2
+
+
+@dataclass
+class BlockWeights:
+    """A quantized [N, K] weight in plain form.  codes: uint8 (0..15) for the 4-bit kinds,
+    int8 for Q8; d (and m for Q4_ASYM): float16 [N, K // 32]."""
+
+    kind: QuantKind
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+    source_type: str = ""  # the GGUF type (or "int8"/"int4") it came from, for logs
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockWeights:
+        """Rows anywhere; columns only at block boundaries (tensor parallelism's row split)."""
+        if dim == 0:
+            return BlockWeights(self.kind, self.codes.narrow(0, start, length), self.d.narrow(0, start, length),
+                                None if self.m is None else self.m.narrow(0, start, length), self.source_type)
+        if start % QK or length % QK:
+            raise ValueError(f"a quantized weight splits only at multiples of its {QK}-weight blocks: columns "
+                             f"[{start}, {start + length}) of {self.shape[1]} do not (choose a "
+                             "tensor_parallel_size that divides the input features into multiples of 32, "
+                             "or load with --quantization none)")
+        b0, nb = start // QK, length // QK
+        return BlockWeights(self.kind, self.codes.narrow(1, start, length), self.d.narrow(1, b0, nb),
+                            None if self.m is None else self.m.narrow(1, b0, nb), self.source_type)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the exact values the kernel multiplies by."""
+        n, k = self.codes.shape
+        d = self.d.float().repeat_interleave(QK, dim=1)
+        if self.kind == QuantKind.Q8:
+            return self.codes.float() * d
+        if self.kind == QuantKind.Q4_SYM:
+            return (self.codes.float() - 8.0) * d
+        assert self.m is not None
+        return self.codes.float() * d + self.m.float().repeat_interleave(QK, dim=1)
+
+
+@dataclass
+class PackedWeight:
+    """The kernel's tiled layout of one [N, K] weight (K a multiple of 32)."""
+
+    kind: QuantKind
+    n: int
+    k: int
+    codes: torch.Tensor  # uint8, flat
+    d: torch.Tensor  # float16 [tiles, K/32, 16]
+    aux: torch.Tensor  # Q4_ASYM: float16 offsets; Q8: int16 code sums; Q4_SYM: empty
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.aux))
+
+
+def pack(w: BlockWeights) -> PackedWeight:
+    """The tiled layout quant_linear.cpp reads (its header comment describes it)."""
+    n, k = w.codes.shape
+    if k % QK:
+        raise ValueError(f"pack needs K a multiple of {QK}, got {k}")
+    kb, tiles = k // QK, -(-n // TILE)
+    pad = tiles * TILE - n
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+    codes = rows(w.codes.contiguous())
+    if w.kind == QuantKind.Q8:
+        # chunk j, byte 4r + i: row r's code of k = 4j + i
+        c = codes.view(torch.int8).view(tiles, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4)
+        flat = c.contiguous().view(torch.uint8).reshape(-1)
+        aux = rows(w.codes.view(torch.int8).view(n, kb, QK).sum(-1, dtype=torch.int32).to(torch.int16))
+    else:
+        # chunk p, byte 4r + i: row r's code of k = 8p + i (low nibble) and k = 8p + 4 + i (high)
+        c = codes.view(tiles, TILE, kb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, p, r, i, half]
+        flat = (c[..., 0] | (c[..., 1] << 4)).contiguous().reshape(-1)
+        aux = rows(w.m) if w.kind == QuantKind.Q4_ASYM else torch.empty(0, dtype=torch.float16)
+    d = rows(w.d.to(torch.float16)).view(tiles, TILE, kb).transpose(1, 2).contiguous()
+    if aux.numel():
+        aux = aux.view(tiles, TILE, kb).transpose(1, 2).contiguous()
+    return PackedWeight(w.kind, n, k, flat, d, aux)
+
+
+# ----------------------------------------------------------------------------- quantizing float weights
+
+
+def quantize(w: torch.Tensor, method: str) -> BlockWeights:
+    """`--quantization int8|int4`: group-wise (32) weight-only quantization of a float [N, K]
+    weight, round to nearest; K is zero-padded to a multiple of 32."""
+    w = w.detach().float()
+    n, k = w.shape
+    if k % QK:
+        w = torch.nn.functional.pad(w, (0, QK - k % QK))
+    blocks = w.view(n, -1, QK)
+    if method == "int8":
+        amax = blocks.abs().amax(-1)
+        d = (amax / 127).to(torch.float16)
+        inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(amax))
+        codes = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return BlockWeights(QuantKind.Q8, codes.view(n, -1), d, None, "int8")
+    if method == "int4":
+        # Q4_0's rule: the value of largest magnitude maps to -8, so its sign sets the scale's
+        amax_idx = blocks.abs().argmax(-1, keepdim=True)
+        extreme = blocks.gather(-1, amax_idx).squeeze(-1)
+        d = (extreme / -8).to(torch.float16)
+        inv = torch.where(d.float() != 0, 1.0 / d.float(), torch.zeros_like(extreme))
+        codes = (torch.round(blocks * inv.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.uint8)
+        return BlockWeights(QuantKind.Q4_SYM, codes.view(n, -1), d, None, "int4")
+    raise ValueError(f"unknown weight quantization {method!r}; expected 'int8' or 'int4'")
+
+
+# ----------------------------------------------------------------------------- GGUF blocks
+
+
+def _nibbles_q4(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes of Q4_0/Q4_1 -> [blocks, 32] codes (low nibbles are weights 0..15)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockWeights | None:
+    """A GGUF tensor's raw bytes as BlockWeights, or None for float types (F32/F16/BF16).
+    `shape` is the [N, K] of the weight (GGUF lists it reversed)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import Q4_K, dequantize
+
+    n, k = shape
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+    if type_name in ("F32", "F16", "BF16"):
+        return None
+    if type_name == "Q4_0":
+        b = raw.reshape(n, k // QK, 18)
+        d = b[..., :2].copy().view(np.float16)[..., 0]
+        codes = _nibbles_q4(b[..., 2:].reshape(-1, 16)).reshape(n, k)
+        return BlockWeights(QuantKind.Q4_SYM, torch.from_numpy(codes), torch.from_numpy(d), None, type_name)
+    if type_name == "Q4_1":
+        b = raw.reshape(n, k // QK, 20)
+        d = b[..., :2].copy().view(np.float16)[..., 0]
+        m = b[..., 2:4].copy().view(np.float16)[..., 0]
+        codes = _nibbles_q4(b[..., 4:].reshape(-1, 16)).reshape(n, k)
+        return BlockWeights(QuantKind.Q4_ASYM, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m),
+                            type_name)
+    if type_name == "Q8_0":
+        b = raw.reshape(n, k // QK, 34)
+        d = b[..., :2].copy().view(np.float16)[..., 0]
+        codes = b[..., 2:].copy().view(np.int8).reshape(n, k)
+        return BlockWeights(QuantKind.Q8, torch.from_numpy(codes), torch.from_numpy(d), None, type_name)
+    if type_name == "Q4_K":
+        # super-blocks of 256: d, dmin (fp16), 12 bytes of 6-bit sub-scales/mins, 128 bytes of nibbles
+        b = raw.reshape(n * (k // 256), 144)
+        dd = b[:, :2].copy().view(np.float16).astype(np.float32)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
+        d = (dd * sc.reshape(-1, 8).astype(np.float32)).astype(np.float16)
+        m = (-dmin * mn.reshape(-1, 8).astype(np.float32)).astype(np.float16)
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 0x0F).reshape(n, k)
+        return BlockWeights(QuantKind.Q4_ASYM, torch.from_numpy(np.ascontiguousarray(codes)),
+                            torch.from_numpy(d.reshape(n, -1)), torch.from_numpy(m.reshape(n, -1)), type_name)
+    if k % QK:
+        return None  # cannot be re-blocked: stays float
+    w = np.asarray(dequantize(raw.reshape(-1), GGMLQuantizationType[type_name]), dtype=np.float32).reshape(n, k)
+    out = quantize(torch.from_numpy(w), "int8")
+    out.source_type = type_name
+    return out
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+_KERNEL: ModuleType | None = None
+_KERNEL_LOCK = threading.Lock()
+
+
+def quant_kernel(extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
+    """The compiled kernel for this machine (built once, cached; see cpu_extension.py).
+    `extra_cflags` builds another variant (tests: the AVX2 and plain paths)."""
+    global _KERNEL
+    from pagedserve.cpu_extension import build_cpu_extension
+
+    source = Path(__file__).parent / "csrc" / "quant_linear.cpp"
+    if extra_cflags is not None:
+        return build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel", extra_cflags)
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
+            _KERNEL = build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel")
+        return _KERNEL
+
+
+def quantized_matmul(x: torch.Tensor, segments: list[tuple[int, PackedWeight]], n: int,
+                     kernel: ModuleType | None = None) -> torch.Tensor:
+    """x [..., K] times the [n, K] weight made of `segments` (row offset, packed rows)
+    transposed: float32 [..., n].  The activations are quantized once for all segments."""
+    kernel = kernel or quant_kernel()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    k = segments[0][1].k
+    if x2.shape[1] != k:
+        x2 = torch.nn.functional.pad(x2, (0, k - x2.shape[1]))
+    xq, xd, xds = kernel.quantize_activations(x2)
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    for offset, w in segments:
+        kernel.qgemm(xq, xd, xds, w.codes, w.d, w.aux, int(w.kind), w.n, out, offset)
+    return out.view(*lead, n)
+
+
+def dequantize_rows(w: PackedWeight, ids: torch.Tensor, kernel: ModuleType | None = None) -> torch.Tensor:
+    """Rows `ids` of a packed weight as float32 [len(ids), K] (embedding lookups)."""
+    kernel = kernel or quant_kernel()
+    return kernel.dequantize_rows(w.codes, w.d, w.aux, int(w.kind), w.k, ids.reshape(-1))
