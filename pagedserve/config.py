@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+
 
 @dataclass
 class ModelConfig:
@@ -28,9 +30,21 @@ class ModelConfig:
     # "auto": sampling defaults from the model's generation_config.json (for what a request
     # leaves unset); "vllm": the built-in defaults (temperature 1, no top-k/p, ...).
     generation_config: str = "auto"
+    # Weight-only quantization on CPU (layers/quantization.py): "auto" keeps a GGUF's
+    # quantized tensors as they are ("gguf") when running on CPU, else "none" (float
+    # weights; a GGUF is dequantized); "int8"/"int4" quantize a float checkpoint at load.
+    quantization: str = "auto"
+    # Keep a second, oneDNN-packed copy of each 16-bit linear weight (faster matmuls on
+    # CPU, twice the weight memory); False keeps one copy.
+    prepack_weights: bool = True
     hf_config: Any = None  # transformers.PretrainedConfig once resolved
     # generation_config.json next to the weights, as read at load ({} when there is none).
     generation_config_values: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
 
     def sampling_defaults(self) -> dict[str, Any]:
         """SamplingParams defaults from the generation config (vLLM's mapping), when

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.communication import gather_to_driver, tensor_model_parallel_all_reduce
+from pagedserve.layers import opaque
 from pagedserve.layers.linear import PackedLinear, get_tp_rank_size
+from pagedserve.layers.quantization import BlockWeights, QuantizedWeight, as_block_weights
 from pagedserve.utils import cdiv
 
 
@@ -29,13 +31,33 @@ class VocabParallelEmbedding(nn.Module):
         self.row_start = self.tp_rank * self.rows
         self.valid_rows = max(0, min(self.rows, num_embeddings - self.row_start))  # < rows only on the last rank
         self._linear = PackedLinear()  # used by the LM head (its own, or the tied embedding's)
+        self.quant_method: str | None = None
+        self.qweight: QuantizedWeight | None = None
+        self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
         if shared_weight is not None:
             self.weight = shared_weight
             return
         self.weight = nn.Parameter(torch.empty(self.rows, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+        """Keep the table quantized (see LinearBase.enable_quantization): lookups dequantize
+        the rows they read, and an LM head that reads it multiplies by it directly.  A
+        float table is quantized to int8 whatever `method` says: its rows are read one
+        token at a time (lookups) or once per step (the head), so 4 bits would save little
+        time and cost accuracy where it shows most."""
+        self.quant_method = "int8" if method == "int4" else method
+        self.qweight = QuantizedWeight(self.rows, self.embedding_dim)
+        self.weight.data = torch.empty(self.rows, 0, dtype=self.weight.dtype, device=self.weight.device)
+        self._linear.invalidate()
+        if weight is not None:
+            self._store_local(weight)
+
+    def set_prepack(self, enabled: bool) -> None:
+        self._linear.prepack = enabled
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | BlockWeights,
+                      shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"embedding has no shard {shard_id!r}")
         if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
@@ -43,17 +65,48 @@ class VocabParallelEmbedding(nn.Module):
                 f"shape mismatch for embedding: model expects {(self.num_embeddings, self.embedding_dim)}, "
                 f"checkpoint has {tuple(loaded_weight.shape)}"
             )
+        mine = loaded_weight.narrow(0, self.row_start, self.valid_rows)
+        if self.qweight is not None:
+            self._store_local(mine)
+            return
+        if isinstance(mine, BlockWeights):
+            mine = mine.dequantize()
         if self.valid_rows:
-            param.data[: self.valid_rows].copy_(loaded_weight.narrow(0, self.row_start, self.valid_rows))
+            param.data[: self.valid_rows].copy_(mine)
         param.data[self.valid_rows:].zero_()
         self._linear.invalidate()
 
+    def _store_local(self, mine: torch.Tensor | BlockWeights) -> None:
+        """This rank's rows into the quantized table; the last rank's padding rows are zero blocks."""
+        assert self.qweight is not None and self.quant_method is not None
+        blocks = as_block_weights(mine[: self.valid_rows] if isinstance(mine, torch.Tensor) else mine,
+                                  self.quant_method)
+        if self.valid_rows < self.rows:
+            pad = self.rows - self.valid_rows
+            blocks = BlockWeights(
+                blocks.kind, torch.cat([blocks.codes, blocks.codes.new_zeros(pad, blocks.shape[1])]),
+                torch.cat([blocks.d, blocks.d.new_zeros(pad, blocks.d.shape[1])]),
+                None if blocks.m is None else torch.cat([blocks.m, blocks.m.new_zeros(pad, blocks.m.shape[1])]),
+                blocks.source_type)
+        self.qweight.store(0, blocks)
+
+    def lookup_eager(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (local, valid) of the table, in the model's dtype."""
+        if self.qweight is not None:
+            return self.qweight.rows(ids).to(weight.dtype).view(*ids.shape, self.embedding_dim)
+        return F.embedding(ids, weight)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if opaque.tracing(self.opaque_index):
+            return opaque.embedding_op(ids, self.weight, self.embedding_dim, self.opaque_index)
+        return self.lookup_eager(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.row_start
         mine = (local >= 0) & (local < self.valid_rows)
-        y = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        y = self._lookup(local.clamp(0, self.rows - 1)) * mine.unsqueeze(-1).to(self.weight.dtype)
         return tensor_model_parallel_all_reduce(y)
 
     def extra_repr(self) -> str:
@@ -69,12 +122,28 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, tied_to.weight if tied_to is not None else None)
+        # The tied embedding, held outside the module tree (it is registered under the model already).
+        self._tied: tuple[VocabParallelEmbedding, ...] = (tied_to,) if tied_to is not None else ()
         if tied_to is not None:  # one packed copy, dropped when the embedding loads
             self._linear = tied_to._linear
+
+    def enable_quantization(self, method: str) -> None:
+        if not self._tied:  # a tied head multiplies by the embedding's quantized table
+            super().enable_quantization(method)
+
+    def _quantized(self) -> QuantizedWeight | None:
+        return self._tied[0].qweight if self._tied else self.qweight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets the full [N, vocab] logits; other tensor-parallel ranks send
         their slice to it and get None (only rank 0 samples)."""
+        quantized = self._quantized()
+        if quantized is not None:  # float32 out of the kernel already: no 16-bit rounding to repair
+            logits = quantized.matmul(hidden)
+            if self.tp_size > 1:
+                logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
+                return None if logits is None else logits[:, : self.num_embeddings]
+            return logits[:, : self.num_embeddings]
         logits = self._linear(hidden, self.weight, None)
         if self.tp_size > 1:
             logits = gather_to_driver(logits, self.tp_rank, self.tp_size)

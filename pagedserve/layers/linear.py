@@ -16,6 +16,7 @@ from torch import nn
 from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers import opaque
+from pagedserve.layers.quantization import BlockWeights, QuantizedWeight, as_block_weights
 from pagedserve.platforms import is_cpu
 
 
@@ -56,12 +57,13 @@ class PackedLinear:
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
+        self.prepack = True  # per layer: off (ModelConfig.prepack_weights) keeps one copy of each weight
 
     def invalidate(self) -> None:
         self._key = self._packed = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not (PackedLinear.enabled and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
+        if not (PackedLinear.enabled and self.prepack and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
                 and is_cpu(x.device) and is_cpu(weight.device) and not torch.is_grad_enabled()):
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
@@ -103,27 +105,60 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self._linear = PackedLinear()
         self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
+        self.quant_method: str | None = None
+        self.qweight: QuantizedWeight | None = None
+
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+        """Keep the weight quantized ("gguf": blocks as the file has them; "int8"/"int4":
+        float tensors quantized at load; `weight`: these values, now).  The float weight
+        becomes an empty [N, 0] placeholder (it still tells a compiled graph the output width)."""
+        self.quant_method = method
+        self.qweight = QuantizedWeight(self.out_features, self.in_features)
+        self.weight.data = torch.empty(self.out_features, 0, dtype=self.weight.dtype, device=self.weight.device)
+        self._linear.invalidate()
+        if weight is not None:
+            self.store_rows(self.weight, 0, weight)
+
+    def set_prepack(self, enabled: bool) -> None:
+        self._linear.prepack = enabled
+
+    def logical_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The parameter's shape as the checkpoint sees it (a quantized weight's placeholder is [N, 0])."""
+        return (self.out_features, self.in_features) if param is self.weight else tuple(param.shape)
 
     def linear_eager(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            y = self.qweight.matmul(x).to(x.dtype)
+            return y if bias is None else y + bias
         return self._linear(x, weight, bias)
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if opaque.tracing(self.opaque_index):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
-        return self._linear(x, self.weight, bias)
+        return self.linear_eager(x, self.weight, bias)
+
+    def store_rows(self, param: nn.Parameter, offset: int, rows: torch.Tensor | BlockWeights) -> None:
+        """Rows [offset, offset + len(rows)) of `param` from (this rank's slice of) a checkpoint tensor."""
+        if param is self.weight and self.qweight is not None:
+            assert self.quant_method is not None
+            self.qweight.store(offset, as_block_weights(rows, self.quant_method))
+            return
+        if isinstance(rows, BlockWeights):
+            rows = rows.dequantize()
+        param.data.narrow(0, offset, rows.shape[0]).copy_(rows)
+        self._linear.invalidate()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        shape = self.logical_shape(param)
         dim = self.tp_dim
-        if dim is not None and dim < param.dim():
-            size = param.size(dim)
-            _check_shape("parameter", param.shape[:dim] + (size * self.tp_size,) + param.shape[dim + 1:],
-                         loaded_weight.shape)
+        if dim is not None and dim < len(shape):
+            size = shape[dim]
+            _check_shape("parameter", shape[:dim] + (size * self.tp_size,) + shape[dim + 1:], loaded_weight.shape)
             loaded_weight = loaded_weight.narrow(dim, self.tp_rank * size, size)
-        _check_shape("parameter", param.shape, loaded_weight.shape)
-        param.data.copy_(loaded_weight)
-        self._linear.invalidate()
+        _check_shape("parameter", shape, loaded_weight.shape)
+        self.store_rows(param, 0, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._project(x, self.bias)
@@ -161,9 +196,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(f"merged linear needs a shard index in [0, {len(self.output_sizes)}), got {shard_id!r}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _check_shape(f"shard {shard_id}", (self.output_sizes[shard_id],) + param.shape[1:], loaded_weight.shape)
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
-        self._linear.invalidate()
+        _check_shape(f"shard {shard_id}", (self.output_sizes[shard_id],) + self.logical_shape(param)[1:],
+                     loaded_weight.shape)
+        self.store_rows(param, offset, loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -201,9 +236,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             rank = self.tp_rank // max(1, self.tp_size // self.total_num_kv_heads)
         else:
             raise ValueError(f"QKV linear needs shard 'q', 'k' or 'v', got {shard_id!r}")
-        _check_shape(f"shard {shard_id}", (total,) + param.shape[1:], loaded_weight.shape)
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
-        self._linear.invalidate()
+        _check_shape(f"shard {shard_id}", (total,) + self.logical_shape(param)[1:], loaded_weight.shape)
+        self.store_rows(param, offset, loaded_weight.narrow(0, rank * size, size))
 
 
 class RowParallelLinear(LinearBase):

@@ -4,7 +4,8 @@ Two kinds of layer must stay opaque when the decoder is compiled
 (worker/compiled_model.py):
   * attention: its per-step metadata (groups, block tables, Python loops over them)
     would otherwise be traced into the graph and guard on every step's shapes;
-  * linears: they call oneDNN with a weight packed once (`PackedLinear`), an opaque
+  * quantized embeddings: their C++ row lookup;
+  * linears: they call oneDNN (or the quantized kernel) with a weight packed once (`PackedLinear`), an opaque
     tensor that fake tensors cannot trace, and inductor's own bf16 matmuls re-pack the
     weight on every call.
 Everything between them (norms, residual adds, rotary, SwiGLU) is what compiling
@@ -43,6 +44,17 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 @linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("pagedserve::embedding", mutates_args=())
+def embedding_op(ids: torch.Tensor, weight: torch.Tensor, dim: int, layer: int) -> torch.Tensor:
+    """Rows `ids` of embedding layer `layer`'s (quantized) table."""
+    return get_forward_context().modules[layer].lookup_eager(ids, weight)
+
+
+@embedding_op.register_fake
+def _(ids: torch.Tensor, weight: torch.Tensor, dim: int, layer: int) -> torch.Tensor:
+    return weight.new_empty(*ids.shape, dim)
 
 
 def tracing(layer_index: int | None) -> bool:

@@ -23,17 +23,16 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch import nn
 
 logger = logging.getLogger("pagedserve")
 
 QK = 32  # weights per block (one scale each)
 TILE = 16  # rows per kernel tile (one SIMD lane each)
-
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
-
 
 class QuantKind(IntEnum):
     Q4_SYM = 0
@@ -254,3 +253,61 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor, kernel: ModuleType | Non
     """Rows `ids` of a packed weight as float32 [len(ids), K] (embedding lookups)."""
     kernel = kernel or quant_kernel()
     return kernel.dequantize_rows(w.codes, w.d, w.aux, int(w.kind), w.k, ids.reshape(-1))
+
+
+class QuantizedWeight:
+    """A layer's quantized [n, k] weight: packed row segments, one per checkpoint shard
+    (q, k, v of a fused qkv may even be of different GGUF types).  What the layer keeps
+    instead of its float weight."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.n, self.k = n, k
+        self.segments: list[tuple[int, PackedWeight]] = []
+        self.source_types: set[str] = set()
+
+    def store(self, offset: int, w: BlockWeights) -> None:
+        rows, cols = w.shape
+        if cols != -(-self.k // QK) * QK or offset < 0 or offset + rows > self.n:
+            raise ValueError(f"quantized rows [{offset}, {offset + rows}) x {cols} do not fit a [{self.n}, {self.k}] "
+                             "weight")
+        self.segments = sorted([s for s in self.segments if s[0] != offset] + [(offset, pack(w))],
+                               key=lambda s: s[0])
+        self.source_types.add(w.source_type)
+
+    def complete(self) -> bool:
+        return sum(w.n for _, w in self.segments) == self.n
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., k] -> float32 [..., n]."""
+        return quantized_matmul(x, self.segments, self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), k] (a single-segment weight: embeddings)."""
+        return dequantize_rows(self.segments[0][1], ids)[:, : self.k]
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for _, w in self.segments)
+
+
+def as_block_weights(tensor: torch.Tensor | BlockWeights, method: str) -> BlockWeights:
+    """What a quantized layer stores for a checkpoint tensor: GGUF blocks as they come;
+    float tensors quantized by `method` ("int8"/"int4"; "gguf" layers take float shards
+    as int8, the finer of the two)."""
+    if isinstance(tensor, BlockWeights):
+        return tensor
+    return quantize(tensor, "int8" if method == "gguf" else method)
+
+
+@runtime_checkable
+class QuantizableLayer(Protocol):
+    """A layer that can keep its weight quantized (linears, embeddings, the LM head)."""
+
+    weight: nn.Parameter
+    qweight: QuantizedWeight | None
+
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+        """From now on keep the weight quantized by `method`; `weight`: quantize these
+        values now (random weights), else the checkpoint's arrive through the loader."""
+
+    def set_prepack(self, enabled: bool) -> None:
+        """Whether a float weight keeps a oneDNN-packed second copy (PackedLinear)."""

@@ -1,4 +1,5 @@
-"""Reading llama.cpp GGUF files: metadata -> HF config, quantized tensors -> HF-named float tensors.
+"""Reading llama.cpp GGUF files: metadata -> HF config, quantized tensors -> HF-named float
+tensors, or kept quantized (BlockWeights) for the CPU's quantized layers.
 
 Weights are dequantized to float32 with the `gguf` package, renamed from llama.cpp's
 scheme (blk.N.attn_q, ...) to HF's (model.layers.N.self_attn.q_proj, ...), and for the
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagedserve.layers.quantization import BlockWeights, from_gguf
 
 # llama.cpp architecture -> (HF model_type, HF architecture)
 GGUF_ARCHITECTURES = {
@@ -127,6 +130,13 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _unpermute_block_rows(w: BlockWeights, n_head: int) -> BlockWeights:
+    """`_unpermute_rows` for quantized rows: every row keeps its blocks, so moving rows is lossless."""
+    order = torch.from_numpy(_unpermute_rows(np.arange(w.shape[0]), n_head).copy())
+    return BlockWeights(w.kind, w.codes.index_select(0, order), w.d.index_select(0, order),
+                        None if w.m is None else w.m.index_select(0, order), w.source_type)
+
+
 def gguf_hf_name(name: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
@@ -136,8 +146,10 @@ def gguf_hf_name(name: str) -> str | None:
     return None
 
 
-def iter_gguf_tensors(reader: Any, hf_config: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file; unknown tensors are a ValueError."""
+def iter_gguf_tensors(reader: Any, hf_config: Any, path: str,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockWeights]]:
+    """(HF name, float32 tensor) for every tensor in the file; unknown tensors are a ValueError.
+    With `keep_quantized`, quantized matrices come as BlockWeights instead (layers/quantization.py)."""
     from gguf.quants import dequantize
 
     arch = _field(reader, "general.architecture")
@@ -146,6 +158,20 @@ def iter_gguf_tensors(reader: Any, hf_config: Any, path: str) -> Iterator[tuple[
         name = gguf_hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the model")
+        if keep_quantized and len(tensor.shape) == 2:
+            k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+            try:
+                blocks = from_gguf(tensor.data, tensor.tensor_type.name, (int(tensor.n_elements) // k, k))
+            except Exception as e:
+                raise ValueError(f"{path}: cannot read {tensor.name!r} ({tensor.tensor_type.name}): "
+                                 f"{type(e).__name__}: {e}") from None
+            if blocks is not None:
+                if permute and ".q_proj." in name:
+                    blocks = _unpermute_block_rows(blocks, hf_config.num_attention_heads)
+                elif permute and ".k_proj." in name:
+                    blocks = _unpermute_block_rows(blocks, hf_config.num_key_value_heads)
+                yield name, blocks
+                continue
         try:
             w = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:

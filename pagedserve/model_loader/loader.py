@@ -33,6 +33,7 @@ from torch import nn
 
 from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
+from pagedserve.layers.quantization import QuantizableLayer
 from pagedserve.model_loader.sources import ModelSource, resolve_source
 from pagedserve.models.registry import get_model_class, resolve_architecture
 from pagedserve.platforms import is_cuda
@@ -190,20 +191,71 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     hf_config = model_config.hf_config
     dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target)
     source = resolve_source(model_config.model, model_config.load_format)
+    method, gguf_file = resolve_quantization(model_config.quantization, source, target)
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), target:
         model = model_cls(hf_config)
+    layers = [m for m in model.modules() if isinstance(m, QuantizableLayer)]
+    for layer in layers:
+        layer.set_prepack(model_config.prepack_weights)
     if source.format == "dummy":
         from pagedserve.model_loader.weight_utils import initialize_dummy_weights
 
         initialize_dummy_weights(model, model_config.seed)
+        if method != "none":  # quantize the random weights as a checkpoint's would be
+            for layer in layers:
+                layer.enable_quantization(method, layer.weight.data.clone())
     else:
-        _load_checkpoint(model, source, hf_config)
+        if method != "none":
+            for layer in layers:
+                layer.enable_quantization(method)
+        _load_checkpoint(model, source, hf_config, gguf_file)
+    if method != "none":
+        _log_quantized(model, layers, method)
     return model.eval()
 
 
-def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any) -> None:
-    if source.format == "gguf":
+def resolve_quantization(requested: str, source: ModelSource, device: torch.device) -> tuple[str, str | None]:
+    """(method, GGUF file to read quantized blocks from): see ModelConfig.quantization."""
+    gguf_file = source.path if source.format == "gguf" else None
+    if gguf_file is None and source.format == "safetensors" and source.registered and source.registered.gguf_member:
+        # a registered model's converted directory keeps the GGUF it came from
+        candidate = os.path.join(source.path or "", os.path.basename(source.registered.gguf_member))
+        gguf_file = candidate if os.path.isfile(candidate) else None
+    if requested == "auto":
+        return ("gguf", gguf_file) if gguf_file and not is_cuda(device) else ("none", None)
+    if requested == "none":
+        return "none", None
+    if is_cuda(device):
+        raise ValueError(f"quantization={requested!r}: the quantized kernels run on CPU only "
+                         "(use quantization='none' on CUDA)")
+    if requested == "gguf":
+        if source.format == "dummy":
+            raise ValueError("quantization='gguf' needs GGUF weights; with load_format='dummy' use 'int8' or 'int4'")
+        if gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a GGUF file; {source.path} is not one "
+                             "(use 'int8' or 'int4' to quantize a float checkpoint)")
+        return "gguf", gguf_file
+    return requested, None
+
+
+def _log_quantized(model: nn.Module, layers: list[QuantizableLayer], method: str) -> None:
+    quantized = [m for m in layers if m.qweight is not None]
+    types = sorted({t for m in quantized if m.qweight is not None for t in m.qweight.source_types})
+    qbytes = sum(m.qweight.nbytes() for m in quantized if m.qweight is not None)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    from pagedserve.layers.quantization import quant_kernel
+
+    logger.info("quantization %s: %d layers keep %s weights (%.0f MB, kernel: %s); other weights %.0f MB",
+                method, len(quantized), "/".join(types), qbytes / 2**20, quant_kernel().isa(), dense / 2**20)
+
+
+def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any, gguf_file: str | None = None) -> None:
+    if gguf_file is not None:
+        from pagedserve.model_loader.gguf_utils import iter_gguf_tensors, open_gguf
+
+        weights = iter_gguf_tensors(open_gguf(gguf_file), hf_config, gguf_file, keep_quantized=True)
+    elif source.format == "gguf":
         from pagedserve.model_loader.gguf_utils import iter_gguf_tensors, open_gguf
 
         weights = iter_gguf_tensors(open_gguf(source.path), hf_config, source.path)

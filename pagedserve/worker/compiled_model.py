@@ -29,6 +29,7 @@ from torch import nn
 
 from pagedserve.forward_context import get_forward_context, set_forward_context
 from pagedserve.layers.attention import Attention
+from pagedserve.layers.embedding import VocabParallelEmbedding
 from pagedserve.layers.linear import LinearBase
 from pagedserve.platforms import is_cpu
 
@@ -54,7 +55,7 @@ class CompiledModel:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         # Layers the graph calls back into, by index (layers/opaque.py).
-        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, (Attention, LinearBase))]
+        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, (Attention, LinearBase, VocabParallelEmbedding))]
         for i, m in enumerate(self.modules):
             m.opaque_index = i
         self._compiled = torch.compile(model.forward, fullgraph=True)

@@ -461,8 +461,6 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-}  // namespace
-
 // q [B, H, D] (rows of D contiguous); caches [num_blocks, block_size, Hkv, D] (head_dim
 // contiguous); block_table [B, >= ceil(max seq_len / block_size)] int32; seq_lens [B]
 // int32 (0: the row's output is zero).  Returns [B, H, D] in q's dtype.
@@ -514,6 +512,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   return out;
 }
+
+}  // namespace (everything internal: builds for several ISAs load into one process in tests)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (one query token per request)",

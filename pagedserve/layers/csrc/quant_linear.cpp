@@ -257,8 +257,6 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
 }
 
-}  // namespace
-
 // x [M, K] float32/bfloat16/float16 -> (int8 codes [M, K], scales [M, K/32], scale * code sum [M, K/32]).
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [M, K] with K a multiple of 32");
@@ -368,9 +366,12 @@ torch::Tensor dequantize_rows(torch::Tensor codes, torch::Tensor d, torch::Tenso
 
 std::string isa() { return PAGEDSERVE_QUANT_ISA; }
 
+}  // namespace (everything internal: builds for several ISAs load into one process in tests)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_activations", &quantize_activations);
-  m.def("qgemm", &qgemm);
-  m.def("dequantize_rows", &dequantize_rows);
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("quantize_activations", &quantize_activations, nogil);
+  m.def("qgemm", &qgemm, nogil);
+  m.def("dequantize_rows", &dequantize_rows, nogil);
   m.def("isa", &isa);
 }

@@ -1,0 +1,188 @@
+"""The quantized linear kernel against dequantize-then-matmul, for every kind, every
+build (AVX-512 VNNI where the CPU has it, AVX2, plain loops) and odd shapes; GGUF block
+decoding against the gguf package's own dequantization; the layers that keep weights
+quantized."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.cpu_info import cpu_flags
+from pagedserve.layers.quantization import (
+    QK,
+    BlockWeights,
+    QuantizedWeight,
+    QuantKind,
+    dequantize_rows,
+    from_gguf,
+    pack,
+    quant_kernel,
+    quantize,
+    quantized_matmul,
+)
+
+pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                                reason="no C++ compiler on this machine")
+
+# (M activation rows, N weight rows, K): N not a multiple of the 16-row tile, K not a
+# multiple of the 64 bytes a vector reads, K not even a multiple of the 32-weight block
+# (quantize pads it), a single row, more rows than one pass of the kernel keeps (64).
+SHAPES = [(1, 37, 96), (3, 16, 32), (7, 50, 200), (65, 33, 64), (2, 300, 1024)]
+
+
+def blocks_of(kind: QuantKind, n: int, k: int, seed: int) -> BlockWeights:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if kind == QuantKind.Q8:
+        return quantize(w, "int8")
+    b = quantize(w, "int4")
+    if kind == QuantKind.Q4_ASYM:
+        m = (torch.randn(b.d.shape, generator=g) * 0.2).half()
+        b = BlockWeights(QuantKind.Q4_ASYM, b.codes, b.d, m)
+    return b
+
+
+def reference(x: torch.Tensor, w: BlockWeights, kernel=None) -> torch.Tensor:
+    """The kernel's own arithmetic in float64: its int8 activations (checked on their own
+    below: round to nearest per block of 32, scale amax / 127) times the dequantized weight."""
+    k = w.shape[1]
+    xq, xd, _ = (kernel or quant_kernel()).quantize_activations(torch.nn.functional.pad(x.float(), (0, k - x.shape[1])))
+    xr = (xq.double().view(x.shape[0], -1, QK) * xd.double().unsqueeze(-1)).view(x.shape[0], k)
+    return xr @ w.dequantize().double().T
+
+
+def test_activations_round_to_nearest_per_block() -> None:
+    x = torch.randn(9, 96) * torch.tensor([0.0, 1.0, 1000.0]).repeat_interleave(32)  # a zero block too
+    xq, xd, xds = quant_kernel().quantize_activations(x.bfloat16())
+    blocks = x.bfloat16().float().view(9, 3, QK)
+    amax = blocks.abs().amax(-1)
+    assert torch.allclose(xd, amax / 127, rtol=1e-6)
+    err = (xq.float().view(9, 3, QK) * xd.unsqueeze(-1) - blocks).abs()
+    assert (err <= xd.unsqueeze(-1) * (0.5 + 1e-5)).all()
+    assert torch.allclose(xds, xd * xq.float().view(9, 3, QK).sum(-1), rtol=1e-6)
+    assert (xq.view(9, 3, QK)[:, 0] == 0).all() and (xd[:, 0] == 0).all()
+
+
+BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("kind", list(QuantKind))
+def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> None:
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    kernel = quant_kernel(BUILDS[build])
+    for i, (m, n, k) in enumerate(SHAPES):
+        w = blocks_of(kind, n, k, seed=i)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + i))
+        y = quantized_matmul(x, [(0, pack(w))], n, kernel)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        exact = reference(x, w, kernel)
+        scale = exact.abs().max().item()
+        assert (y.double() - exact).abs().max().item() <= 1e-5 * scale, (build, kind, m, n, k)
+        # and against plain dequantize-then-matmul in float32: only the activations' rounding differs
+        loose = torch.nn.functional.pad(x, (0, w.shape[1] - k)) @ w.dequantize().T
+        assert (y - loose).abs().max().item() <= 0.03 * loose.abs().max().item()
+        rows = torch.tensor([0, n - 1, n // 2, n // 2])
+        assert torch.equal(dequantize_rows(pack(w), rows, kernel), w.dequantize()[rows])
+
+
+def test_bf16_activations_and_segments_of_mixed_kinds() -> None:
+    """A fused qkv whose shards came as different GGUF types: one call, three segments."""
+    parts = [blocks_of(QuantKind.Q4_SYM, 48, 128, 1), blocks_of(QuantKind.Q8, 17, 128, 2),
+             blocks_of(QuantKind.Q4_ASYM, 33, 128, 3)]
+    qw = QuantizedWeight(98, 128)
+    offset = 0
+    for p in parts:
+        qw.store(offset, p)
+        offset += p.shape[0]
+    assert qw.complete()
+    x = torch.randn(5, 128).bfloat16()
+    y = qw.matmul(x)
+    assert y.shape == (5, 98)
+    offset = 0
+    for p in parts:
+        ref = reference(x.float(), p)
+        got = y[:, offset: offset + p.shape[0]].double()
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        offset += p.shape[0]
+
+
+def test_quantize_is_round_to_nearest_per_block() -> None:
+    w = torch.randn(20, 70)
+    # int8: half a step of amax/127.  int4 (Q4_0's rule): the extreme value maps to -8, so
+    # the other side reaches only 7/8 of it: up to amax/8 off where it clamps.
+    for method, bound in (("int8", 0.5 / 127), ("int4", 1 / 8)):
+        b = quantize(w, method)
+        assert b.shape == (20, 96)  # K padded to the block
+        err = (b.dequantize()[:, :70] - w).abs().view(20, -1)
+        amax = torch.nn.functional.pad(w, (0, 26)).abs().view(20, -1, 32).amax(-1)
+        per_block = torch.nn.functional.pad(err, (0, 26)).view(20, -1, 32).amax(-1)
+        assert (per_block <= amax * bound + 1e-3 * amax).all(), method
+        assert (b.dequantize()[:, 70:] == 0).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_kept_exactly(type_name: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
+    qt = GGMLQuantizationType[type_name]
+    raw = gguf_quantize(w, qt)
+    b = from_gguf(raw, type_name, (24, 96))
+    assert b is not None and b.source_type == type_name
+    assert torch.equal(b.dequantize(), torch.from_numpy(dequantize(raw, qt).astype(np.float32)))
+
+
+def random_k_blocks(type_name: str, n: int, k: int, block_bytes: int) -> np.ndarray:
+    """Random bytes are valid K-quant blocks once the fp16 super-scales are made finite."""
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(n * k // 256, block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((raw.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if type_name == "Q4_K":
+        raw[:, :4] = scales
+    else:  # Q6_K: d is the last two bytes
+        raw[:, -2:] = scales[:, :2]
+    return raw.reshape(n, -1)
+
+
+def test_q4_k_becomes_q4_asym_with_fp16_rounding_only() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_k_blocks("Q4_K", 8, 512, 144)
+    b = from_gguf(raw, "Q4_K", (8, 512))
+    assert b is not None and b.kind == QuantKind.Q4_ASYM
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)).view(8, 512)
+    # d*sc and dmin*m rounded to fp16: relative error per term at most 2^-11
+    err = (b.dequantize() - ref).abs().max().item()
+    assert err <= 2 * 2**-11 * ref.abs().max().item()
+
+
+def test_other_types_are_requantized_to_8_bits() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_k_blocks("Q6_K", 4, 256, 210)
+    b = from_gguf(raw, "Q6_K", (4, 256))
+    assert b is not None and b.kind == QuantKind.Q8 and b.source_type == "Q6_K"
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float32)).view(4, 256)
+    amax = ref.abs().view(4, -1, 32).amax(-1, keepdim=True)
+    err = (b.dequantize() - ref).abs().view(4, -1, 32)
+    assert (err <= amax / 127 * 0.5 + amax * 2**-10).all()
+    assert from_gguf(np.zeros((2, 64), np.float16), "F16", (2, 32)) is None
+
+
+def test_columns_split_only_at_block_boundaries() -> None:
+    b = quantize(torch.randn(8, 128), "int8")
+    assert b.narrow(1, 64, 64).shape == (8, 64)
+    assert torch.equal(b.narrow(1, 64, 64).dequantize(), b.dequantize()[:, 64:])
+    assert torch.equal(b.narrow(0, 3, 2).dequantize(), b.dequantize()[3:5])
+    with pytest.raises(ValueError, match="multiples of its 32-weight blocks"):
+        b.narrow(1, 48, 48)
