@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedserve.config import (
+    QUANTIZATION_METHODS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     DeviceConfig,
@@ -68,6 +69,11 @@ _HELP = {
     "trust_remote_code": "allow custom code from the model directory",
     "structured_outputs_backend": "grammar library for structured outputs and tool calls: auto (= guidance), "
                                   "guidance (llguidance) or xgrammar",
+    "quantization": "weight-only quantization on CPU: auto (a GGUF's quantized tensors stay quantized; "
+                    "float checkpoints stay float), none (dequantize a GGUF), gguf, or int8 / int4 "
+                    "(quantize a float checkpoint's linear layers at load, groups of 32)",
+    "prepack_weights": "keep a oneDNN-packed second copy of each 16-bit linear weight on CPU (faster "
+                       "matmuls, twice the memory of those weights; quantized layers never have one)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
 }
@@ -103,6 +109,8 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: on for CUDA
     torch_compile: bool | None = None  # None: $PAGEDSERVE_TORCH_COMPILE, else on for CPU at tp 1
     structured_outputs_backend: str = "auto"
+    quantization: str = "auto"
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         self._validate()
@@ -153,11 +161,14 @@ class EngineArgs:
             raise bad("max_logprobs", "an integer >= 0")
         if self.structured_outputs_backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise bad("structured_outputs_backend", f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise bad("quantization", f"one of {', '.join(QUANTIZATION_METHODS)}")
         if self.generation_config not in ("auto", "vllm"):
             raise bad("generation_config", "'auto' or 'vllm'")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
-        for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code"):
+        for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code",
+                     "prepack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -191,6 +202,7 @@ class EngineArgs:
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
             max_logprobs=self.max_logprobs, generation_config=self.generation_config,
+            quantization=self.quantization, prepack_weights=self.prepack_weights,
         )
         if load_hf_config:
             from pagedserve.model_loader import load_model_config
@@ -247,7 +259,8 @@ class EngineArgs:
                     float if isinstance(default, float) else str)
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                            "generation_config": ("auto", "vllm"),
-                           "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS}.get(f.name)
+                           "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
+                           "quantization": QUANTIZATION_METHODS}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 
@@ -263,7 +276,7 @@ class EngineArgs:
 
 _OPTIONAL_BOOLS = {"async_scheduling", "torch_compile"}  # None = decided later; --flag / --no-flag
 # Other spellings: vLLM's short ones, and its current and older names for ours.
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",),
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "quantization": ("-q",),
                 "structured_outputs_backend": ("--structured-outputs-config.backend", "--guided-decoding-backend")}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

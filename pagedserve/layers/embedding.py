@@ -41,15 +41,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
-        """Keep the table quantized (see LinearBase.enable_quantization): lookups dequantize
-        the rows they read, and an LM head that reads it multiplies by it directly.  A
-        float table is quantized to int8 whatever `method` says: its rows are read one
-        token at a time (lookups) or once per step (the head), so 4 bits would save little
-        time and cost accuracy where it shows most."""
+        """Keep the table quantized (see LinearBase.enable_quantization; under "gguf" only
+        when the file's table is quantized): lookups dequantize the rows they read, and an
+        LM head that reads it multiplies by it directly.  A float table is quantized to
+        int8 whatever `method` says: its rows are read one token at a time (lookups) or
+        once per step (the head), so 4 bits would save little time and cost accuracy
+        where it shows most."""
         self.quant_method = "int8" if method == "int4" else method
-        self.qweight = QuantizedWeight(self.rows, self.embedding_dim)
-        self.weight.data = torch.empty(self.rows, 0, dtype=self.weight.dtype, device=self.weight.device)
-        self._linear.invalidate()
         if weight is not None:
             self._store_local(weight)
 
@@ -66,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"checkpoint has {tuple(loaded_weight.shape)}"
             )
         mine = loaded_weight.narrow(0, self.row_start, self.valid_rows)
-        if self.qweight is not None:
+        if self.quant_method is not None and (self.quant_method != "gguf" or isinstance(mine, BlockWeights)):
             self._store_local(mine)
             return
         if isinstance(mine, BlockWeights):
@@ -78,7 +76,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def _store_local(self, mine: torch.Tensor | BlockWeights) -> None:
         """This rank's rows into the quantized table; the last rank's padding rows are zero blocks."""
-        assert self.qweight is not None and self.quant_method is not None
+        assert self.quant_method is not None
+        if self.qweight is None:
+            self.qweight = QuantizedWeight(self.rows, self.embedding_dim)
+            self.weight.data = torch.empty(self.rows, 0, dtype=self.weight.dtype, device=self.weight.device)
+            self._linear.invalidate()
         blocks = as_block_weights(mine[: self.valid_rows] if isinstance(mine, torch.Tensor) else mine,
                                   self.quant_method)
         if self.valid_rows < self.rows:
@@ -127,9 +129,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:  # one packed copy, dropped when the embedding loads
             self._linear = tied_to._linear
 
-    def enable_quantization(self, method: str) -> None:
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
         if not self._tied:  # a tied head multiplies by the embedding's quantized table
-            super().enable_quantization(method)
+            super().enable_quantization(method, weight)
 
     def _quantized(self) -> QuantizedWeight | None:
         return self._tied[0].qweight if self._tied else self.qweight

@@ -107,17 +107,28 @@ class LinearBase(nn.Module):
         self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
         self.quant_method: str | None = None
         self.qweight: QuantizedWeight | None = None
+        self._float_rows: list[tuple[int, int]] = []  # (offset, rows) loaded as float under "gguf"
 
     def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
-        """Keep the weight quantized ("gguf": blocks as the file has them; "int8"/"int4":
-        float tensors quantized at load; `weight`: these values, now).  The float weight
-        becomes an empty [N, 0] placeholder (it still tells a compiled graph the output width)."""
+        """Keep the weight quantized: "int8"/"int4" quantize float tensors as they load
+        (`weight`: these values, now); "gguf" keeps a GGUF's quantized blocks as they
+        come and leaves a layer whose tensors are all float in the file float.  The float
+        weight becomes an empty [N, 0] placeholder (it still tells a compiled graph the
+        output width)."""
         self.quant_method = method
-        self.qweight = QuantizedWeight(self.out_features, self.in_features)
-        self.weight.data = torch.empty(self.out_features, 0, dtype=self.weight.dtype, device=self.weight.device)
-        self._linear.invalidate()
+        if method != "gguf":
+            self._to_quantized()
         if weight is not None:
             self.store_rows(self.weight, 0, weight)
+
+    def _to_quantized(self) -> None:
+        """Switch to a quantized weight; rows that arrived as float so far are quantized too."""
+        assert self.quant_method is not None
+        self.qweight = QuantizedWeight(self.out_features, self.in_features)
+        for offset, n in self._float_rows:
+            self.qweight.store(offset, as_block_weights(self.weight.data[offset: offset + n], self.quant_method))
+        self.weight.data = torch.empty(self.out_features, 0, dtype=self.weight.dtype, device=self.weight.device)
+        self._linear.invalidate()
 
     def set_prepack(self, enabled: bool) -> None:
         self._linear.prepack = enabled
@@ -139,10 +150,13 @@ class LinearBase(nn.Module):
 
     def store_rows(self, param: nn.Parameter, offset: int, rows: torch.Tensor | BlockWeights) -> None:
         """Rows [offset, offset + len(rows)) of `param` from (this rank's slice of) a checkpoint tensor."""
-        if param is self.weight and self.qweight is not None:
-            assert self.quant_method is not None
-            self.qweight.store(offset, as_block_weights(rows, self.quant_method))
-            return
+        if param is self.weight and self.quant_method is not None:
+            if self.qweight is None and isinstance(rows, BlockWeights):
+                self._to_quantized()
+            if self.qweight is not None:
+                self.qweight.store(offset, as_block_weights(rows, self.quant_method))
+                return
+            self._float_rows.append((offset, rows.shape[0]))
         if isinstance(rows, BlockWeights):
             rows = rows.dequantize()
         param.data.narrow(0, offset, rows.shape[0]).copy_(rows)

@@ -9,6 +9,8 @@ each side's token must be in the other's top-5, and comparison stops there.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -61,18 +63,24 @@ def ours_greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], lis
     return res
 
 
-def check_logprobs_close(ref, ours, name: str) -> None:
+def check_logprobs_close(ref, ours, name: str, atol: float = 0.05) -> list[int]:
+    """vLLM's rule (plus a bound on the logprob of each agreed token); returns, per
+    prompt, how many tokens agreed before the first divergence."""
+    agreed = []
     for k, ((rt, rlp), (ot, olp)) in enumerate(zip(ref, ours, strict=True)):
+        agreed.append(len(rt))
         for step, (a, b) in enumerate(zip(rt, ot, strict=True)):
             if a != b:
                 assert a in olp[step] and b in rlp[step], (
                     f"{name} prompt {k} step {step}: HF {a} vs ours {b} and not in each other's top-{TOP}"
                     f" (HF top {rlp[step]}, ours {olp[step]})"
                 )
+                agreed[-1] = step
                 break
-            assert abs(rlp[step][a] - olp[step][a]) < 0.05, (
+            assert abs(rlp[step][a] - olp[step][a]) < atol, (
                 f"{name} prompt {k} step {step}: logprob {rlp[step][a]:.4f} (HF) vs {olp[step][a]:.4f}"
             )
+    return agreed
 
 
 def kv_bytes_for_blocks(cfg, num_blocks: int, block_size: int, dtype_bytes: int = 4) -> int:
@@ -138,3 +146,19 @@ def test_smollm2_matches_hf(smollm2_path, smollm2_gguf) -> None:
         del llm
     llm = LLM(smollm2_path, dtype="float32", max_num_seqs=32)
     check_logprobs_close(ref * 4, ours_greedy(llm, ids * 4), "smollm2-batch-32")
+
+
+def test_smollm2_quantized_matches_dequantized(smollm2_path, caplog) -> None:
+    """The default model as it runs by default on CPU (its Q4_1/Q8_0 blocks kept, int8
+    activations) against the same weights dequantized to bf16: vLLM's check_logprobs_close."""
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", quantization="none")
+    tok = llm.get_tokenizer()
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                       tokenize=False), add_special_tokens=False)["input_ids"] for m in SMOL_MESSAGES]
+    ref = ours_greedy(llm, ids)
+    del llm
+    with caplog.at_level(logging.INFO):
+        llm = LLM("smollm2-135m-instruct", dtype="bfloat16")
+    assert "quantization gguf: 121 layers keep Q4_1/Q8_0 weights" in caplog.text
+    agreed = check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-quantized", atol=0.25)
+    assert sum(agreed) >= len(ids) * MAX_TOKENS // 2, agreed  # mostly the same text, not just top-5 neighbours

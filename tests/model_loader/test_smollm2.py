@@ -47,7 +47,7 @@ def hf_model_from_gguf(gguf_path: str, our_config: Any, monkeypatch: pytest.Monk
 
 @pytest.mark.slow
 def test_smollm2_matches_hf_reading_the_gguf(smollm2_path: str, smollm2_gguf: str, monkeypatch) -> None:
-    mc = ModelConfig(model="smollm2-135m-instruct", dtype="float32")
+    mc = ModelConfig(model="smollm2-135m-instruct", dtype="float32", quantization="none")
     load_model_config(mc, "cpu")
     assert mc.max_model_len == 8192 and mc.hf_config.num_hidden_layers == 30
     tok = load_tokenizer(mc)
