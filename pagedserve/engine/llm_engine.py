@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import numbers
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -40,7 +41,7 @@ from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
-from pagedserve.utils import is_int
+from pagedserve.utils import is_int, record_startup, startup_breakdown
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve.engine")
@@ -68,6 +69,19 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def start_cpu_kernel_builds() -> None:
+    """Build (first run on a machine, ~30 s each) or load our two C++ CPU kernels in
+    background threads, so the compiler runs while the config, tokenizer and weights
+    load; whoever needs a kernel first waits for its thread (the builders hold locks)."""
+    from pagedserve.attention.cpu_paged import paged_decode
+    from pagedserve.layers.quantization import quant_kernel_error
+
+    if torch.cuda.is_available():
+        return
+    for name, target in (("attention", paged_decode), ("quantized linear", quant_kernel_error)):
+        threading.Thread(target=target, name=f"build {name} kernel", daemon=True).start()
 
 
 class LLMEngine:
@@ -113,14 +127,19 @@ class LLMEngine:
         from pagedserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
+        if engine_args.device in ("auto", "cpu"):
+            start_cpu_kernel_builds()  # they compile (first run) while the config, tokenizer and weights load
         config = engine_args.create_engine_config()
         mc = config.model_config
         device = resolve_device(config.device_config)
+        record_startup("resolve", time.perf_counter() - t0)
         if config.parallel_config.tensor_parallel_size > 1:
             from pagedserve.executor.multiproc_executor import validate_tensor_parallel
 
             validate_tensor_parallel(config, device)  # a bad split fails before anything loads
+        t1 = time.perf_counter()
         tokenizer = load_tokenizer(mc)
+        record_startup("tokenizer", time.perf_counter() - t1)
         eos_ids = mc.generation_config_values.get("eos_token_id")
         extra_eos = [t for t in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(t, int)]
         eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
@@ -130,10 +149,13 @@ class LLMEngine:
             # Starts ranks 1..N-1, loads every rank's shard and sizes the KV cache on all of them.
             runner = MultiprocExecutor(config, device, eos_token_id=eos)
         else:
-            runner = ModelRunner(config, get_model(mc, device), device, eos_token_id=eos)
+            t1 = time.perf_counter()
+            model = get_model(mc, device)
+            record_startup("weights", time.perf_counter() - t1)
+            runner = ModelRunner(config, model, device, eos_token_id=eos)
             runner.initialize_kv_cache()
-        logger.info("loaded %s (%s, %s, max_model_len %d) in %.1f s", mc.model, mc.dtype, device,
-                    mc.max_model_len, time.perf_counter() - t0)
+        logger.info("loaded %s (%s, %s, max_model_len %d) in %.1f s (%s)", mc.model, mc.dtype, device,
+                    mc.max_model_len, time.perf_counter() - t0, startup_breakdown())
         return cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos)
 
     # ------------------------------------------------------------------ requests

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 from torch import nn
+
+from pagedserve.utils import record_startup
 
 logger = logging.getLogger("pagedserve")
 
@@ -228,8 +231,20 @@ def quant_kernel(extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
         return build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel", extra_cflags)
     with _KERNEL_LOCK:
         if _KERNEL is None:
+            t0 = time.perf_counter()
             _KERNEL = build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel")
+            record_startup("quantized kernel", time.perf_counter() - t0)
         return _KERNEL
+
+
+def quant_kernel_error() -> str | None:
+    """None when the kernel builds (or is built) here, else why not (no compiler, ...)."""
+    try:
+        quant_kernel()
+    except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the caller decides
+        msg = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {msg[-1] if msg else ''}"
+    return None
 
 
 def quantized_matmul(x: torch.Tensor, segments: list[tuple[int, PackedWeight]], n: int,

@@ -33,7 +33,7 @@ from torch import nn
 
 from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
-from pagedserve.layers.quantization import QuantizableLayer
+from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
 from pagedserve.model_loader.sources import ModelSource, resolve_source
 from pagedserve.models.registry import get_model_class, resolve_architecture
 from pagedserve.platforms import is_cuda
@@ -223,12 +223,22 @@ def resolve_quantization(requested: str, source: ModelSource, device: torch.devi
         candidate = os.path.join(source.path or "", os.path.basename(source.registered.gguf_member))
         gguf_file = candidate if os.path.isfile(candidate) else None
     if requested == "auto":
-        return ("gguf", gguf_file) if gguf_file and not is_cuda(device) else ("none", None)
+        if not gguf_file or is_cuda(device):
+            return "none", None
+        error = quant_kernel_error()
+        if error is not None:
+            logger.warning("quantized CPU kernel unavailable (%s): dequantizing the GGUF instead", error)
+            return "none", None
+        return "gguf", gguf_file
     if requested == "none":
         return "none", None
     if is_cuda(device):
         raise ValueError(f"quantization={requested!r}: the quantized kernels run on CPU only "
                          "(use quantization='none' on CUDA)")
+    error = quant_kernel_error()
+    if error is not None:
+        raise ValueError(f"quantization={requested!r} needs the quantized CPU kernel, which cannot be built "
+                         f"here ({error}); use quantization='none'")
     if requested == "gguf":
         if source.format == "dummy":
             raise ValueError("quantization='gguf' needs GGUF weights; with load_format='dummy' use 'int8' or 'int4'")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.platforms import is_cpu, is_cuda
-from pagedserve.utils import cdiv
+from pagedserve.utils import cdiv, record_startup
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
@@ -177,6 +178,7 @@ class ModelRunner:
         cache = self.config.cache_config
         block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
         num_blocks, why = self.propose_num_blocks()
+        t0 = time.perf_counter()
         self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
                                                      self.dtype, self.device)
         for layer, kv in zip(self.attn_layers, self.kv_caches, strict=True):
@@ -185,9 +187,12 @@ class ModelRunner:
             layer.kv_cache = kv
         cache.num_blocks = num_blocks
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why)
+        record_startup("KV cache", time.perf_counter() - t0)
         dc = self.config.device_config
+        t0 = time.perf_counter()
         self.compiled = maybe_compile(self.model, self.device, dc.torch_compile, dc.enforce_eager,
                                       self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
+        record_startup("compile", time.perf_counter() - t0)
         reason = graphs_unavailable_reason(self.device, self.attn_backend,
                                            self.config.device_config.enforce_eager, self.tensor_parallel_size)
         if reason is None:

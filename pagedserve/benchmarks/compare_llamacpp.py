@@ -1,0 +1,271 @@
+"""pagedserve against llama.cpp's `llama-server` on the same GGUF files, on this CPU.
+
+    python -m pagedserve.benchmarks.compare_llamacpp            # 1.7B-shape Q4_0 and Q8_0, and the default model
+    python -m pagedserve.benchmarks.compare_llamacpp --files Q4_0 default
+
+For each file both servers are started back to back (never at once) with the same
+threads, the same 32 slots of `--ctx-per-slot` tokens of KV cache, and are driven by the
+same HTTP client through their OpenAI-compatible /v1/completions endpoint:
+  * single-stream decode: one request at a time, 128 new tokens (EOS ignored), tokens per
+    second between the first and the last streamed token (median of 3);
+  * batch throughput: 8 and 32 requests in flight (two rounds each), new tokens per second;
+  * TTFT of a 512-token prompt (max_tokens 1, fresh random tokens each time so no prefix
+    cache helps; median of 3);
+  * resident memory after load and after the run (the process tree's VmRSS), and that
+    less the KV cache both were given, against the file's size.
+The 1.7B-shape files have random weights in SmolLM2-1.7B's shape (random_gguf.py); the
+text they produce is noise, the work per token is the real model's.  Set
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine to stand in for an
+AVX2-only CPU: pagedserve then runs its AVX2 kernels in float32 and llama.cpp is built
+for AVX2 as well.  A benchmark, not a test: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pagedserve.benchmarks.llamacpp import LlamaServer, ensure_llama_server, free_port, rss_bytes
+from pagedserve.benchmarks.random_gguf import SMOLLM2_1_7B, ensure_random_gguf
+from pagedserve.cpu_info import describe_cpu
+
+NEW_TOKENS = 128
+SLOTS = 32
+TTFT_PROMPT = 512
+
+
+@dataclass
+class Figures:
+    side: str
+    load_s: float = 0.0
+    decode_tok_s: float = 0.0
+    batch_tok_s: dict[int, float] = field(default_factory=dict)
+    ttft_s: float = 0.0
+    rss_load: int = 0
+    rss_end: int = 0
+    kv_bytes: int = 0
+
+
+def tree_rss(pid: int) -> int:
+    """VmRSS of a process and all its descendants (pagedserve may run workers)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss_bytes(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return total
+
+
+class PagedServer:
+    """`pagedserve serve` in a subprocess on a loopback port."""
+
+    def __init__(self, model: str, args: list[str], log_path: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, *args,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagedserve serve exited with {self.proc.returncode} (see {log_path})")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"pagedserve serve not ready in 900 s (see {log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+async def completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                     max_tokens: int) -> tuple[float, float, float]:
+    """(start, first token, last token) times of one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    first = last = 0.0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    return start, first, last
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+async def measure(url: str, rng: random.Random, fig: Figures, batches: list[int]) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        await completion(client, url, model, random_prompt(rng, 16), 8)  # warm-up
+        rates = []
+        for _ in range(3):
+            _, first, last = await completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
+            rates.append((NEW_TOKENS - 1) / (last - first))
+        fig.decode_tok_s = statistics.median(rates)
+        for n in batches:
+            t0 = time.perf_counter()
+            for _ in range(2):
+                await asyncio.gather(*(completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
+                                       for _ in range(n)))
+            fig.batch_tok_s[n] = 2 * n * NEW_TOKENS / (time.perf_counter() - t0)
+        ttfts = []
+        for _ in range(3):
+            start, first, _ = await completion(client, url, model, random_prompt(rng, TTFT_PROMPT), 1)
+            ttfts.append(first - start)
+        fig.ttft_s = statistics.median(ttfts)
+
+
+def kv_bytes_per_token(gguf_path: str, dtype_bytes: int) -> int:
+    from pagedserve.model_loader.gguf_utils import gguf_to_hf_config, open_gguf
+
+    c = gguf_to_hf_config(open_gguf(gguf_path), gguf_path)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
+
+
+@contextmanager
+def timed_start(start: Any) -> Iterator[tuple[Any, float]]:
+    t0 = time.perf_counter()
+    server = start()
+    try:
+        yield server, time.perf_counter() - t0
+    finally:
+        server.stop()
+
+
+def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace, logdir: str) -> list[Figures]:
+    from pagedserve.cpu_info import bf16_support
+
+    ctx = args.ctx_per_slot
+    out = []
+    batches = [b for b in (8, 32) if b <= SLOTS]
+    # llama.cpp keeps its KV cache in f16; pagedserve in the model dtype (bf16, or fp32 without bf16)
+    ps_dtype_bytes = 2 if bf16_support().native else 4
+    kv_tokens = SLOTS * ctx
+    ps_kv = kv_tokens * kv_bytes_per_token(gguf_path, ps_dtype_bytes)
+    ps_args = ["--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx), "--kv-cache-memory-bytes", str(ps_kv),
+               *args.pagedserve_args]
+    sides = []
+    if not args.skip_llamacpp:
+        binary = ensure_llama_server()
+        sides.append(("llama-server", lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=SLOTS,
+                                                          ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama.log"),
+                      kv_tokens * kv_bytes_per_token(gguf_path, 2)))
+    sides.append(("pagedserve", lambda: PagedServer(model_arg, ps_args, f"{logdir}/{name}-pagedserve.log"), ps_kv))
+    for side, start, kv in sides:
+        fig = Figures(side, kv_bytes=kv)
+        with timed_start(start) as (server, load_s):
+            fig.load_s = load_s
+            time.sleep(1.0)
+            fig.rss_load = tree_rss(server.proc.pid)
+            asyncio.run(measure(server.url, random.Random(0), fig, batches))
+            fig.rss_end = tree_rss(server.proc.pid)
+        out.append(fig)
+        print(f"  {side}: {fig}", flush=True)
+    return out
+
+
+def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
+    size = os.path.getsize(gguf_path)
+    lines = [f"### {name}: {os.path.basename(gguf_path)} ({size / 2**20:.0f} MiB)", "",
+             "| | " + " | ".join(f.side for f in figs) + (" | pagedserve / llama-server |" if len(figs) == 2 else " |"),
+             "|---" * (len(figs) + 1 + (len(figs) == 2)) + "|"]
+
+    def row(label: str, values: list[float], fmt: str, higher_better: bool = True) -> None:
+        cells = [format(v, fmt) for v in values]
+        if len(values) == 2 and values[0] > 0:
+            cells.append(f"{values[1] / values[0]:.2f}x")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("single-stream decode, tok/s", [f.decode_tok_s for f in figs], ".1f")
+    for n in figs[0].batch_tok_s:
+        row(f"{n} in flight, tok/s", [f.batch_tok_s.get(n, 0.0) for f in figs], ".1f")
+    row(f"TTFT, {TTFT_PROMPT}-token prompt, s", [f.ttft_s for f in figs], ".3f")
+    row("start-up to ready, s", [f.load_s for f in figs], ".1f")
+    row("RSS after load, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
+    row("RSS after the run, MiB", [f.rss_end / 2**20 for f in figs], ".0f")
+    row("KV cache given, MiB", [f.kv_bytes / 2**20 for f in figs], ".0f")
+    row("(RSS after load - KV) / file size", [(f.rss_load - f.kv_bytes) / size for f in figs], ".2f")
+    return "\n".join(lines)
+
+
+FILES = ("Q4_0", "Q8_0", "default")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--files", nargs="+", choices=FILES, default=list(FILES),
+                   help="Q4_0 / Q8_0: random weights in SmolLM2-1.7B's shape; default: the default model's Q4_1 file")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads (-t, -tb)")
+    p.add_argument("--ctx-per-slot", type=int, default=1024, help="KV-cache tokens per slot (32 slots)")
+    p.add_argument("--skip-llamacpp", action="store_true", help="measure pagedserve only")
+    p.add_argument("--pagedserve-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra `pagedserve serve` flags (last on the command line)")
+    args = p.parse_args(argv)
+    print(f"CPU: {describe_cpu()}; ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}",
+          flush=True)
+    if not args.skip_llamacpp:
+        try:
+            ensure_llama_server()
+        except RuntimeError as e:
+            print(f"llama-server cannot be built here ({e}); measuring pagedserve only", flush=True)
+            args.skip_llamacpp = True
+    from pagedserve.model_loader.sources import resolve_gguf_path
+
+    reports = []
+    logdir = tempfile.mkdtemp(prefix="compare-llamacpp-")
+    print(f"server logs: {logdir}", flush=True)
+    for name in args.files:
+        if name == "default":
+            path, model_arg = resolve_gguf_path("smollm2-135m-instruct"), "smollm2-135m-instruct"
+        else:
+            path = model_arg = ensure_random_gguf(name, SMOLLM2_1_7B)
+        print(f"{name}: {path}", flush=True)
+        reports.append(report(name if name == "default" else f"{SMOLLM2_1_7B.name} {name}", path,
+                              run_file(name, path, model_arg, args, logdir)))
+    print()
+    print("\n\n".join(reports))
+
+
+if __name__ == "__main__":
+    main()
