@@ -96,6 +96,10 @@ class SchedulerConfig:
     # Overlap scheduling: prepare step N+1 while step N runs; None = on for CUDA (the
     # engine resolves it once it knows the device).
     async_scheduling: bool | None = None
+    # A target for one step's duration in milliseconds (core/step_budget.py): the token
+    # budget shrinks to what the measured per-token cost fits in it, so decodes keep
+    # flowing while long prompts prefill in chunks.  None: the token budget alone.
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n"):
@@ -107,6 +111,11 @@ class SchedulerConfig:
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
         check_scheduling_policy(self.policy)
+        if self.max_step_ms is not None and not (isinstance(self.max_step_ms, (int, float))
+                                                 and not isinstance(self.max_step_ms, bool) and self.max_step_ms > 0):
+            raise ValueError(f"max_step_ms must be a positive number of milliseconds or None, got {self.max_step_ms!r}")
+        if self.max_step_ms is not None and not self.enable_chunked_prefill:
+            raise ValueError("max_step_ms needs chunked prefill (a step's time is bounded by chunking prompts)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len when chunked prefill is disabled "

@@ -30,6 +30,7 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.core.step_budget import StepTimeBudget
 from pagedserve.errors import InvalidRequestError
 
 _RUNNING = RequestStatus.RUNNING
@@ -65,6 +66,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._next_seq = 0
         self.num_grammar_requests = 0  # unfinished requests with a grammar
+        self.step_budget = (StepTimeBudget(scheduler_config.max_step_ms / 1000, self.max_num_batched_tokens)
+                            if scheduler_config.max_step_ms else None)
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -109,6 +112,9 @@ class Scheduler:
         kvm = self.kv_cache_manager
         allocate_slots = kvm.allocate_slots
         token_budget = self.max_num_batched_tokens
+        if self.step_budget is not None:  # every running request, and a block of prefill progress
+            token_budget = self.step_budget.token_budget(len(self.running) + kvm.block_size)
+        step_budget = token_budget
         threshold = self.long_prefill_token_threshold
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
@@ -171,7 +177,7 @@ class Scheduler:
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            total_num_scheduled_tokens=step_budget - token_budget,
             preempted_req_ids=preempted,
             finished_req_ids=finished,
         )
@@ -180,6 +186,11 @@ class Scheduler:
         if num_scheduled_tokens:
             self._after_schedule(out)
         return out
+
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        """A step's duration, for the time budget (max_step_ms)."""
+        if self.step_budget is not None:
+            self.step_budget.observe(num_tokens, seconds)
 
     def _after_schedule(self, out: SchedulerOutput) -> None:
         """Hook: a step with tokens is about to be launched."""

@@ -74,6 +74,9 @@ _HELP = {
                     "(quantize a float checkpoint's linear layers at load, groups of 32)",
     "prepack_weights": "keep a oneDNN-packed second copy of each 16-bit linear weight on CPU (faster "
                        "matmuls, twice the memory of those weights; quantized layers never have one)",
+    "max_step_ms": "target duration of one step in ms: the token budget shrinks to what the measured "
+                   "per-token cost fits in it, so running streams keep decoding while long prompts prefill "
+                   "in chunks (default: off, the token budget alone)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
 }
@@ -111,6 +114,7 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"
     quantization: str = "auto"
     prepack_weights: bool = True
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -155,6 +159,9 @@ class EngineArgs:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
+        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
+                                             or not isinstance(self.max_step_ms, (int, float)) or self.max_step_ms <= 0):
+            raise bad("max_step_ms", "a positive number of milliseconds or None")
         if not is_int(self.seed):
             raise bad("seed", "an integer")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
@@ -227,7 +234,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling, max_n=self.max_n,
+                async_scheduling=self.async_scheduling, max_n=self.max_n, max_step_ms=self.max_step_ms,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(
@@ -256,7 +263,7 @@ class EngineArgs:
                 group.add_argument(flag, type=str, default=None, metavar="BYTES", help=help_text)
             else:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
-                    float if isinstance(default, float) else str)
+                    float if isinstance(default, float) or f.name in _FLOAT_FIELDS else str)
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                            "generation_config": ("auto", "vllm"),
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
@@ -278,6 +285,7 @@ _OPTIONAL_BOOLS = {"async_scheduling", "torch_compile"}  # None = decided later;
 # Other spellings: vLLM's short ones, and its current and older names for ours.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "quantization": ("-q",),
                 "structured_outputs_backend": ("--structured-outputs-config.backend", "--guided-decoding-backend")}
+_FLOAT_FIELDS = {"max_step_ms"}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -345,7 +345,9 @@ class LLMEngine:
         if not self.async_scheduling:
             if sched_out.structured_output_rows:
                 sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
+            t0 = time.perf_counter()
             runner_out = self.model_executor.execute_model(sched_out)  # also drops finished requests' state
+            self.scheduler.record_step_time(total, time.perf_counter() - t0)
             return outputs + (self._apply(sched_out, runner_out) if total else [])
         pending = self.model_executor.execute_model_async(sched_out)  # returns once launched
         if not total:

@@ -31,8 +31,10 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     policy: str = "fcfs",
     enable_caching: bool = True,
+    max_step_ms: float | None = None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
+        max_step_ms=max_step_ms,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
