@@ -7,6 +7,8 @@ loads once and the two can never drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -140,12 +142,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Rank 0 gets the full [N, vocab] logits; other tensor-parallel ranks send
         their slice to it and get None (only rank 0 samples)."""
         quantized = self._quantized()
-        if quantized is not None:  # float32 out of the kernel already: no 16-bit rounding to repair
+        if quantized is not None:
             logits = quantized.matmul(hidden)
             if self.tp_size > 1:
                 logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
                 return None if logits is None else logits[:, : self.num_embeddings]
-            return logits[:, : self.num_embeddings]
+            logits = logits[:, : self.num_embeddings]
+            if logits.shape[0]:
+                self._exact_top(hidden, logits, quantized.rows)
+            return logits
         logits = self._linear(hidden, self.weight, None)
         if self.tp_size > 1:
             logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
@@ -154,22 +159,25 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits[:, : self.num_embeddings].float()
         logits = logits.float()
         if hidden.dtype in (torch.bfloat16, torch.float16) and logits.shape[0]:
-            self._exact_top(hidden, logits)
+            self._exact_top(hidden, logits, lambda ids: self.weight.index_select(0, ids))
         return logits
 
-    def _exact_top(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """Recompute each row's EXACT_TOP largest logits in float32, in place.
+    def _exact_top(self, hidden: torch.Tensor, logits: torch.Tensor,
+                   rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Recompute each row's EXACT_TOP largest logits in float32, in place (`rows(ids)`:
+        those rows of the head's weight).
 
         A 16-bit matmul rounds its output to 16 bits: logits near 25 are multiples of
         0.125 in bf16, so the top two tokens often come out equal and argmax picks the
         lower id whatever the exact values say (SmolLM2 answering "What is the capital
-        of France?" in bf16: 'L' and 'The' both 25.125, exactly 25.139 and 25.178).
-        The same inputs dotted in float32 for the few tokens that can win settle greedy
-        choices and the top logprobs; the rest of the row keeps the fast 16-bit values.
-        Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
+        of France?" in bf16: 'L' and 'The' both 25.125, exactly 25.139 and 25.178).  A
+        quantized head rounds the hidden state to int8 instead, which moves logits by
+        about as much.  The same inputs dotted in float32 for the few tokens that can win
+        settle greedy choices and the top logprobs; the rest of the row keeps the fast
+        values.  Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
         n = logits.shape[0]
         top = logits.topk(min(EXACT_TOP, logits.shape[1]), dim=-1).indices  # [N, k]
-        w = self.weight.index_select(0, top.reshape(-1)).view(n, top.shape[1], -1).float()
+        w = rows(top.reshape(-1)).view(n, top.shape[1], -1).float()
         exact = torch.bmm(w, hidden.float().unsqueeze(-1)).squeeze(-1)
         logits.scatter_(1, top, exact)
 

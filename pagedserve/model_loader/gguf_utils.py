@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,33 +50,115 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def open_gguf(path: str) -> Any:
-    """GGUFReader for `path`, or a ValueError naming the file when it is not a readable GGUF."""
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: `data` is a read-only view into the mapped file (raw
+    block bytes [rows, bytes per row] for quantized types, typed values for float ones)."""
 
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: innermost dimension first
+    n_elements: int
+    data: np.ndarray
+
+
+@dataclass
+class GGUFFile:
+    """What pagedserve needs of a GGUF: scalar metadata (arrays by their length only) and
+    the tensor index over a memory map.  gguf's own GGUFReader also decodes every string
+    of the embedded vocabulary (4 s for SmolLM2's 49,152 tokens); this skips them."""
+
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _read_gguf(path: str) -> GGUFFile:
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        value = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return bytes(buf[pos - n: pos]).decode("utf-8", errors="replace")
+
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError("bad magic")
+    pos = 4
+    version = take("<I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, vtype = string(), take("<I")
+        if vtype == _ARRAY:
+            etype, count = take("<I"), take("<Q")
+            if etype == _STRING:
+                for _ in range(count):
+                    n = take("<Q")  # (not `pos += take(...)`: take moves pos itself)
+                    pos += n
+            else:
+                pos += count * struct.calcsize(_SCALARS[etype])
+            metadata[key] = count  # arrays: only their length is needed here
+        elif vtype == _STRING:
+            metadata[key] = string()
+        else:
+            metadata[key] = take(_SCALARS[vtype])
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("<I")
+        dims = tuple(take("<Q") for _ in range(n_dims))
+        infos.append((name, dims, GGMLQuantizationType(take("<I")), take("<Q")))
+    align = int(metadata.get("general.alignment", 32))
+    data_start = -(-pos // align) * align
+    tensors = []
+    for name, dims, qtype, offset in infos:
+        n = int(np.prod(dims)) if dims else 1
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        size = n // block * nbytes
+        raw = mm[data_start + offset: data_start + offset + size]
+        if len(raw) != size:
+            raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
+        if qtype.name in ("F32", "F16"):
+            data = raw.view(np.float32 if qtype.name == "F32" else np.float16).reshape(tuple(reversed(dims)))
+        else:
+            data = raw.reshape(n // dims[0], -1) if dims else raw
+        tensors.append(GGUFTensor(name, qtype, dims, n, data))
+    return GGUFFile(metadata, tensors)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The GGUF at `path`, or a ValueError naming the file when it is not a readable GGUF."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on garbage and truncation
+        return _read_gguf(path)
+    except Exception as e:  # assorted errors on garbage and truncation
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    from gguf import GGUFValueType
-
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:
-        return len(field.data)  # only array lengths are needed here
-    part = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return part[0].item()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.metadata.get(key)
+    return default if value is None else value
 
 
-def gguf_to_hf_config(reader: Any, path: str) -> Any:
+def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
     """A transformers PretrainedConfig from the file's metadata (llama, qwen2, qwen3)."""
     from transformers import AutoConfig
 
@@ -146,7 +229,7 @@ def gguf_hf_name(name: str) -> str | None:
     return None
 
 
-def iter_gguf_tensors(reader: Any, hf_config: Any, path: str,
+def iter_gguf_tensors(reader: GGUFFile, hf_config: Any, path: str,
                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockWeights]]:
     """(HF name, float32 tensor) for every tensor in the file; unknown tensors are a ValueError.
     With `keep_quantized`, quantized matrices come as BlockWeights instead (layers/quantization.py)."""
