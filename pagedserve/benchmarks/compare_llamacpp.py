@@ -2,6 +2,7 @@
 
     python -m pagedserve.benchmarks.compare_llamacpp            # 1.7B-shape Q4_0 and Q8_0, and the default model
     python -m pagedserve.benchmarks.compare_llamacpp --files Q4_0 default
+    python -m pagedserve.benchmarks.compare_llamacpp --latency --max-step-ms 100    # the latency load
 
 For each file both servers are started back to back (never at once) with the same
 threads, the same 32 slots of `--ctx-per-slot` tokens of KV cache, and are driven by the
@@ -230,6 +231,46 @@ def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
 
 
 FILES = ("Q4_0", "Q8_0", "default")
+LATENCY_LOAD = ["--num-prompts", "64", "--max-concurrency", "16", "--random-input-len", "128",
+                "--random-output-len", "64"]
+
+
+def run_latency(args: argparse.Namespace, logdir: str) -> str:
+    """The guidellm-shaped load (16 in flight, 128 tokens in, 64 out, 64 requests: the
+    `pagedserve bench serve` client) against llama-server and pagedserve on the default
+    model, back to back; pagedserve once with its defaults and once per --max-step-ms
+    value.  Each side also runs the same load with 4-token prompts first: its ITL there
+    is its decode-only step, what the ITL under prompts is compared with."""
+    from pagedserve.benchmarks import serve as bench_serve
+    from pagedserve.model_loader.sources import resolve_gguf_path, resolve_source
+
+    path = resolve_gguf_path("smollm2-135m-instruct")
+    tokenizer = resolve_source("smollm2-135m-instruct").path  # the converted directory's tokenizer
+    sides: list[tuple[str, Any]] = []
+    if not args.skip_llamacpp:
+        binary = ensure_llama_server()
+        sides.append(("llama-server (16 slots)", lambda: LlamaServer(
+            binary, path, threads=args.threads, parallel=16, ctx_per_slot=512, log_path=f"{logdir}/latency-llama.log")))
+    for ms in [None, *args.max_step_ms]:
+        extra = [] if ms is None else ["--max-step-ms", str(ms)]
+        name = "pagedserve" + ("" if ms is None else f" --max-step-ms {ms:g}")
+        sides.append((name, lambda extra=extra: PagedServer(
+            "smollm2-135m-instruct", ["--max-model-len", "512", *extra, *args.pagedserve_args],
+            f"{logdir}/latency-pagedserve{'-'.join(extra)}.log")))
+    lines = ["### guidellm-shaped load, default model: 16 in flight, 128 in / 64 out, 64 requests", "",
+             "| | TTFT median, ms | ITL median, ms | decode-only ITL median, ms | ITL / decode-only | output tok/s |",
+             "|---|---|---|---|---|---|"]
+    for name, start in sides:
+        with timed_start(start) as (server, _):
+            common = ["--base-url", server.url, "--tokenizer", tokenizer, "--seed", "1"]
+            decode_only = bench_serve.main([*common, *LATENCY_LOAD[:4], "--random-input-len", "4",
+                                            "--random-output-len", "64"])
+            loaded = bench_serve.main([*common, *LATENCY_LOAD])
+        base = decode_only["median_itl_ms"]
+        lines.append(f"| {name} | {loaded['median_ttft_ms']:.0f} | {loaded['median_itl_ms']:.1f} | {base:.1f} | "
+                     f"{loaded['median_itl_ms'] / base:.2f}x | {loaded['output_throughput']:.1f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads (-t, -tb)")
     p.add_argument("--ctx-per-slot", type=int, default=1024, help="KV-cache tokens per slot (32 slots)")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure pagedserve only")
+    p.add_argument("--latency", action="store_true",
+                   help="run the guidellm-shaped latency load on the default model instead of the file table")
+    p.add_argument("--max-step-ms", type=float, nargs="*", default=[],
+                   help="with --latency: also run pagedserve with each of these step-time targets")
     p.add_argument("--pagedserve-args", nargs=argparse.REMAINDER, default=[],
                    help="extra `pagedserve serve` flags (last on the command line)")
     args = p.parse_args(argv)
@@ -255,6 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     reports = []
     logdir = tempfile.mkdtemp(prefix="compare-llamacpp-")
     print(f"server logs: {logdir}", flush=True)
+    if args.latency:
+        print()
+        print(run_latency(args, logdir))
+        return
     for name in args.files:
         if name == "default":
             path, model_arg = resolve_gguf_path("smollm2-135m-instruct"), "smollm2-135m-instruct"

@@ -288,9 +288,25 @@ class QuantizedWeight:
         self.segments = sorted([s for s in self.segments if s[0] != offset] + [(offset, pack(w))],
                                key=lambda s: s[0])
         self.source_types.add(w.source_type)
+        if self.complete():
+            self.merge()
 
     def complete(self) -> bool:
         return sum(w.n for _, w in self.segments) == self.n
+
+    def merge(self) -> None:
+        """Once every shard is in: adjacent segments of one kind whose rows fill whole tiles
+        become one (the tiled layout concatenates), so a fused q|k|v is one kernel call."""
+        merged: list[tuple[int, PackedWeight]] = []
+        for offset, w in self.segments:
+            if merged:
+                o, m = merged[-1]
+                if m.kind == w.kind and m.n % TILE == 0 and o + m.n == offset:
+                    merged[-1] = (o, PackedWeight(m.kind, m.n + w.n, m.k, torch.cat([m.codes, w.codes]),
+                                                  torch.cat([m.d, w.d]), torch.cat([m.aux, w.aux])))
+                    continue
+            merged.append((offset, w))
+        self.segments = merged
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> float32 [..., n]."""

@@ -186,3 +186,21 @@ def test_columns_split_only_at_block_boundaries() -> None:
     assert torch.equal(b.narrow(0, 3, 2).dequantize(), b.dequantize()[3:5])
     with pytest.raises(ValueError, match="multiples of its 32-weight blocks"):
         b.narrow(1, 48, 48)
+
+
+def test_shards_of_one_kind_merge_into_one_call() -> None:
+    """q|k|v of one GGUF type: once all are in, one packed weight (one kernel call)."""
+    parts = [blocks_of(QuantKind.Q4_ASYM, n, 64, seed) for seed, n in enumerate((32, 16, 24))]
+    qw = QuantizedWeight(72, 64)
+    for offset, p in zip((0, 32, 48), parts, strict=True):
+        qw.store(offset, p)
+    assert [(o, w.n) for o, w in qw.segments] == [(0, 72)]
+    x = torch.randn(3, 64)
+    full = BlockWeights(QuantKind.Q4_ASYM, torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                        torch.cat([p.m for p in parts]))
+    ref = reference(x, full)
+    assert (qw.matmul(x).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    ragged = QuantizedWeight(40, 64)  # a first shard that ends mid-tile stays a segment of its own
+    ragged.store(0, parts[2])
+    ragged.store(24, parts[1])
+    assert [(o, w.n) for o, w in ragged.segments] == [(0, 24), (24, 16)]
