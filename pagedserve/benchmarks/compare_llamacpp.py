@@ -12,8 +12,8 @@ same HTTP client through their OpenAI-compatible /v1/completions endpoint:
   * batch throughput: 8 and 32 requests in flight (two rounds each), new tokens per second;
   * TTFT of a 512-token prompt (max_tokens 1, fresh random tokens each time so no prefix
     cache helps; median of 3);
-  * resident memory after load and after the run (the process tree's VmRSS), and that
-    less the KV cache both were given, against the file's size.
+  * resident memory (the process tree's VmRSS) of a separate start with one slot of
+    1024 tokens after one request, against the file's size, and after the run above.
 The 1.7B-shape files have random weights in SmolLM2-1.7B's shape (random_gguf.py); the
 text they produce is noise, the work per token is the real model's.  Set
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine to stand in for an
@@ -187,8 +187,8 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     ps_args = ["--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx), "--kv-cache-memory-bytes", str(ps_kv),
                *args.pagedserve_args]
     sides = []
-    if not args.skip_llamacpp:
-        binary = ensure_llama_server()
+    binary = None if args.skip_llamacpp else ensure_llama_server()
+    if binary is not None:
         sides.append(("llama-server", lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=SLOTS,
                                                           ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama.log"),
                       kv_tokens * kv_bytes_per_token(gguf_path, 2)))
@@ -197,13 +197,30 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
         fig = Figures(side, kv_bytes=kv)
         with timed_start(start) as (server, load_s):
             fig.load_s = load_s
-            time.sleep(1.0)
-            fig.rss_load = tree_rss(server.proc.pid)
             asyncio.run(measure(server.url, random.Random(0), fig, batches))
             fig.rss_end = tree_rss(server.proc.pid)
         out.append(fig)
-        print(f"  {side}: {fig}", flush=True)
+    # Memory on its own start: one slot of 1024 tokens (KV at most ~0.2 GB at the 1.7B
+    # shape), after one short request, so the figure is weights + runtime, not KV.
+    small_kv = ctx * kv_bytes_per_token(gguf_path, ps_dtype_bytes)
+    small = {"llama-server": lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=1,
+                                                 ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama-mem.log"),
+             "pagedserve": lambda: PagedServer(model_arg, ["--max-num-seqs", "1", "--max-model-len", str(ctx),
+                                                           "--kv-cache-memory-bytes", str(small_kv),
+                                                           *args.pagedserve_args],
+                                               f"{logdir}/{name}-pagedserve-mem.log")}
+    for fig in out:
+        with timed_start(small[fig.side]) as (server, _):
+            asyncio.run(one_request(server.url))
+            fig.rss_load = tree_rss(server.proc.pid)
+        print(f"  {fig.side}: {fig}", flush=True)
     return out
+
+
+async def one_request(url: str) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        await completion(client, url, model, random_prompt(random.Random(1), 16), 8)
 
 
 def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
@@ -223,10 +240,10 @@ def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
         row(f"{n} in flight, tok/s", [f.batch_tok_s.get(n, 0.0) for f in figs], ".1f")
     row(f"TTFT, {TTFT_PROMPT}-token prompt, s", [f.ttft_s for f in figs], ".3f")
     row("start-up to ready, s", [f.load_s for f in figs], ".1f")
-    row("RSS after load, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
-    row("RSS after the run, MiB", [f.rss_end / 2**20 for f in figs], ".0f")
-    row("KV cache given, MiB", [f.kv_bytes / 2**20 for f in figs], ".0f")
-    row("(RSS after load - KV) / file size", [(f.rss_load - f.kv_bytes) / size for f in figs], ".2f")
+    row("RSS, 1 slot of 1024 tokens, after a request, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
+    row("  the same / file size", [f.rss_load / size for f in figs], ".2f")
+    row(f"RSS after the run above ({SLOTS} slots), MiB", [f.rss_end / 2**20 for f in figs], ".0f")
+    row(f"  KV cache given for {SLOTS} slots, MiB", [f.kv_bytes / 2**20 for f in figs], ".0f")
     return "\n".join(lines)
 
 

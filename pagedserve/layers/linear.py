@@ -139,7 +139,7 @@ class LinearBase(nn.Module):
 
     def linear_eager(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
-            y = self.qweight.matmul(x).to(x.dtype)
+            y = self.qweight.linear(x)
             return y if bias is None else y + bias
         return self._linear(x, weight, bias)
 

@@ -224,6 +224,8 @@ def quant_kernel(extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
     """The compiled kernel for this machine (built once, cached; see cpu_extension.py).
     `extra_cflags` builds another variant (tests: the AVX2 and plain paths)."""
     global _KERNEL
+    if _KERNEL is not None and extra_cflags is None:  # the per-call path: nothing else to do
+        return _KERNEL
     from pagedserve.cpu_extension import build_cpu_extension
 
     source = Path(__file__).parent / "csrc" / "quant_linear.cpp"
@@ -279,6 +281,7 @@ class QuantizedWeight:
         self.n, self.k = n, k
         self.segments: list[tuple[int, PackedWeight]] = []
         self.source_types: set[str] = set()
+        self._args: tuple | None = None  # the kernel's arguments, built on first use
 
     def store(self, offset: int, w: BlockWeights) -> None:
         rows, cols = w.shape
@@ -288,6 +291,7 @@ class QuantizedWeight:
         self.segments = sorted([s for s in self.segments if s[0] != offset] + [(offset, pack(w))],
                                key=lambda s: s[0])
         self.source_types.add(w.source_type)
+        self._args = None
         if self.complete():
             self.merge()
 
@@ -311,6 +315,18 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> float32 [..., n]."""
         return quantized_matmul(x, self.segments, self.n)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., k] -> [..., n] in x's dtype: the layer's forward, one call into the kernel
+        (a decode step makes ~100 of these, so Python work per call shows)."""
+        args = self._args
+        if args is None:
+            segs = [w for _, w in self.segments]
+            args = self._args = ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs],
+                                 [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
+                                 self.n, segs[0].k)
+        lead = x.shape[:-1]
+        return quant_kernel().linear(x.reshape(-1, x.shape[-1]), *args).view(*lead, self.n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), k] (a single-segment weight: embeddings)."""

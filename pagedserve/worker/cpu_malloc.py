@@ -40,3 +40,17 @@ def keep_freed_memory_on_heap() -> bool:
     if ok:
         logger.debug("glibc malloc: mmap and trim thresholds raised to %d bytes", _KEEP_BYTES)
     return ok
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free memory back to the kernel (glibc's malloc_trim).  Loading a
+    quantized model frees as much as it keeps (unpacked codes, numpy scratch) in pieces
+    that glibc keeps: SmolLM2-1.7B's Q4_0 blocks (918 MB) left 1.72 GB resident before
+    this, 1.2 GB after.  Called once the weights are in, before the thresholds above
+    are raised."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

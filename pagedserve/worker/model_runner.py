@@ -41,7 +41,7 @@ from pagedserve.utils import cdiv, record_startup
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
-from pagedserve.worker.cpu_malloc import keep_freed_memory_on_heap
+from pagedserve.worker.cpu_malloc import keep_freed_memory_on_heap, release_freed_memory
 from pagedserve.worker.cuda_graph import (
     DecodeGraphRunner,
     capture_sizes,
@@ -88,6 +88,7 @@ class ModelRunner:
             device = param.device if param is not None else torch.device("cpu")
         self.device = torch.device(device)
         if is_cpu(self.device):
+            release_freed_memory()  # what loading the weights freed, before the heap starts keeping it
             keep_freed_memory_on_heap()
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0] if floats else torch.get_default_dtype()

@@ -104,6 +104,9 @@ def test_bf16_activations_and_segments_of_mixed_kinds() -> None:
     x = torch.randn(5, 128).bfloat16()
     y = qw.matmul(x)
     assert y.shape == (5, 98)
+    fused = qw.linear(x.view(5, 1, 128))  # the layer's one-call path: any leading dims, x's dtype out
+    assert fused.dtype == torch.bfloat16 and fused.shape == (5, 1, 98)
+    assert torch.equal(fused.view(5, 98), y.to(torch.bfloat16))
     offset = 0
     for p in parts:
         ref = reference(x.float(), p)
@@ -204,3 +207,12 @@ def test_shards_of_one_kind_merge_into_one_call() -> None:
     ragged.store(0, parts[2])
     ragged.store(24, parts[1])
     assert [(o, w.n) for o, w in ragged.segments] == [(0, 24), (24, 16)]
+
+
+def test_unpadded_activations_against_a_block_padded_weight() -> None:
+    w = torch.randn(20, 70)
+    qw = QuantizedWeight(20, 70)
+    qw.store(0, quantize(w, "int8"))
+    x = torch.randn(3, 70)
+    ref = reference(x, quantize(w, "int8"))
+    assert (qw.linear(x).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()

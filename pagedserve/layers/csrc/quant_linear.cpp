@@ -327,6 +327,23 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
   });
 }
 
+// y [M, N] in x's dtype = x [M, Kx] . W^T, W made of row segments (a fused q|k|v whose
+// shards are of different kinds): the whole layer in one call, activations quantized once.
+// K >= Kx is the packed (block-padded) width; x's missing columns count as zeros.
+torch::Tensor linear(torch::Tensor x, const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& d,
+                     const std::vector<torch::Tensor>& aux, const std::vector<int64_t>& kinds,
+                     const std::vector<int64_t>& ns, const std::vector<int64_t>& offsets, int64_t N, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K, "x must be [M, <= K]");
+  TORCH_CHECK(codes.size() == d.size() && d.size() == aux.size() && aux.size() == kinds.size() &&
+              kinds.size() == ns.size() && ns.size() == offsets.size() && !codes.empty(), "segment lists differ");
+  auto xk = x.size(1) == K ? x : torch::constant_pad_nd(x, {0, K - x.size(1)});
+  auto q = quantize_activations(xk);
+  auto out = torch::empty({x.size(0), N}, torch::kFloat32);
+  for (size_t i = 0; i < codes.size(); ++i)
+    qgemm(q[0], q[1], q[2], codes[i], d[i], aux[i], kinds[i], ns[i], out, offsets[i]);
+  return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+}
+
 // Rows `ids` of the packed weight, dequantized: [len(ids), K] float32 (embedding lookups).
 torch::Tensor dequantize_rows(torch::Tensor codes, torch::Tensor d, torch::Tensor aux, int64_t kind, int64_t K,
                               torch::Tensor ids) {
@@ -372,6 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("quantize_activations", &quantize_activations, nogil);
   m.def("qgemm", &qgemm, nogil);
+  m.def("linear", &linear, nogil);
   m.def("dequantize_rows", &dequantize_rows, nogil);
   m.def("isa", &isa);
 }
