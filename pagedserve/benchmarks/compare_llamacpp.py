@@ -202,7 +202,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
         out.append(fig)
     # Memory on its own start: one slot of 1024 tokens (KV at most ~0.2 GB at the 1.7B
     # shape), after one short request, so the figure is weights + runtime, not KV.
-    small_kv = ctx * kv_bytes_per_token(gguf_path, ps_dtype_bytes)
+    small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes)  # (+ the null block, rounding)
     small = {"llama-server": lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=1,
                                                  ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama-mem.log"),
              "pagedserve": lambda: PagedServer(model_arg, ["--max-num-seqs", "1", "--max-model-len", str(ctx),
