@@ -59,6 +59,7 @@ class Figures:
     rss_load: int = 0
     rss_end: int = 0
     kv_bytes: int = 0
+    restarts: int = 0
 
 
 def tree_rss(pid: int) -> int:
@@ -134,26 +135,59 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-async def measure(url: str, rng: random.Random, fig: Figures, batches: list[int]) -> None:
+async def run_phase(url: str, phase: str, rng: random.Random, fig: Figures) -> None:
+    """One measurement (after an 8-token warm-up request): "single", "batch-N" or "ttft"."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-        await completion(client, url, model, random_prompt(rng, 16), 8)  # warm-up
-        rates = []
-        for _ in range(3):
-            _, first, last = await completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
-            rates.append((NEW_TOKENS - 1) / (last - first))
-        fig.decode_tok_s = statistics.median(rates)
-        for n in batches:
+        await completion(client, url, model, random_prompt(rng, 16), 8)
+        if phase == "single":
+            rates = []
+            for _ in range(3):
+                _, first, last = await completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
+                rates.append((NEW_TOKENS - 1) / (last - first))
+            fig.decode_tok_s = statistics.median(rates)
+        elif phase.startswith("batch-"):
+            n = int(phase.removeprefix("batch-"))
             t0 = time.perf_counter()
             for _ in range(2):
                 await asyncio.gather(*(completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
                                        for _ in range(n)))
             fig.batch_tok_s[n] = 2 * n * NEW_TOKENS / (time.perf_counter() - t0)
-        ttfts = []
-        for _ in range(3):
-            start, first, _ = await completion(client, url, model, random_prompt(rng, TTFT_PROMPT), 1)
-            ttfts.append(first - start)
-        fig.ttft_s = statistics.median(ttfts)
+        else:
+            ttfts = []
+            for _ in range(3):
+                start, first, _ = await completion(client, url, model, random_prompt(rng, TTFT_PROMPT), 1)
+                ttfts.append(first - start)
+            fig.ttft_s = statistics.median(ttfts)
+
+
+def measure(start: Any, fig: Figures, batches: list[int]) -> None:
+    """Every phase against one server, started here.  A server that dies between requests
+    (llama-server here, now and then, shut itself down cleanly right after answering, with
+    no request or signal of ours to explain it) is started again and the phase redone;
+    the restarts are counted in the output."""
+    rng = random.Random(0)
+    t0 = time.perf_counter()
+    server = start()
+    fig.load_s = time.perf_counter() - t0
+    try:
+        for phase in ["single", *(f"batch-{n}" for n in batches), "ttft"]:
+            for attempt in range(3):
+                try:
+                    asyncio.run(run_phase(server.url, phase, rng, fig))
+                    break
+                except httpx.TransportError:
+                    time.sleep(1.0)
+                    if server.proc.poll() is None or attempt == 2:
+                        raise
+                    fig.restarts += 1
+                    print(f"  {fig.side} exited during {phase} (code {server.proc.returncode}); restarting",
+                          flush=True)
+                    server.stop()
+                    server = start()
+        fig.rss_end = tree_rss(server.proc.pid)
+    finally:
+        server.stop()
 
 
 def kv_bytes_per_token(gguf_path: str, dtype_bytes: int) -> int:
@@ -195,10 +229,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     sides.append(("pagedserve", lambda: PagedServer(model_arg, ps_args, f"{logdir}/{name}-pagedserve.log"), ps_kv))
     for side, start, kv in sides:
         fig = Figures(side, kv_bytes=kv)
-        with timed_start(start) as (server, load_s):
-            fig.load_s = load_s
-            asyncio.run(measure(server.url, random.Random(0), fig, batches))
-            fig.rss_end = tree_rss(server.proc.pid)
+        measure(start, fig, batches)
         out.append(fig)
     # Memory on its own start: one slot of 1024 tokens (KV at most ~0.2 GB at the 1.7B
     # shape), after one short request, so the figure is weights + runtime, not KV.
@@ -240,6 +271,8 @@ def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
         row(f"{n} in flight, tok/s", [f.batch_tok_s.get(n, 0.0) for f in figs], ".1f")
     row(f"TTFT, {TTFT_PROMPT}-token prompt, s", [f.ttft_s for f in figs], ".3f")
     row("start-up to ready, s", [f.load_s for f in figs], ".1f")
+    if any(f.restarts for f in figs):
+        row("server restarts during the run", [f.restarts for f in figs], "d")
     row("RSS, 1 slot of 1024 tokens, after a request, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
     row("  the same / file size", [f.rss_load / size for f in figs], ".2f")
     row(f"RSS after the run above ({SLOTS} slots), MiB", [f.rss_end / 2**20 for f in figs], ".0f")
