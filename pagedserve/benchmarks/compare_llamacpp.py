@@ -177,8 +177,11 @@ def measure(start: Any, fig: Figures, batches: list[int]) -> None:
                     asyncio.run(run_phase(server.url, phase, rng, fig))
                     break
                 except httpx.TransportError:
-                    time.sleep(1.0)
-                    if server.proc.poll() is None or attempt == 2:
+                    try:
+                        server.proc.wait(timeout=30)  # a server shutting down takes a moment to exit
+                    except subprocess.TimeoutExpired:
+                        raise  # alive: the error was something else
+                    if attempt == 2:
                         raise
                     fig.restarts += 1
                     print(f"  {fig.side} exited during {phase} (code {server.proc.returncode}); restarting",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -234,9 +234,25 @@ def quant_kernel(extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
     with _KERNEL_LOCK:
         if _KERNEL is None:
             t0 = time.perf_counter()
-            _KERNEL = build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel")
+            kernel = build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel")
+            _register_fake(kernel)
+            _KERNEL = kernel
             record_startup("quantized kernel", time.perf_counter() - t0)
         return _KERNEL
+
+
+def linear_op(kernel: ModuleType) -> Any:
+    """The kernel's layer forward as a torch operator (what a compiled graph calls)."""
+    return getattr(torch.ops, kernel.__name__).linear
+
+
+def _register_fake(kernel: ModuleType) -> None:
+    """Output shapes for torch.compile's tracing of `linear_op(kernel)`."""
+
+    @torch.library.register_fake(f"{kernel.__name__}::linear")
+    def _(x: torch.Tensor, codes: list[torch.Tensor], d: list[torch.Tensor], aux: list[torch.Tensor],
+          kinds: list[int], ns: list[int], offsets: list[int], n: int, k: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
 
 
 def quant_kernel_error() -> str | None:
@@ -282,6 +298,7 @@ class QuantizedWeight:
         self.segments: list[tuple[int, PackedWeight]] = []
         self.source_types: set[str] = set()
         self._args: tuple | None = None  # the kernel's arguments, built on first use
+        self._op: Any = None
 
     def store(self, offset: int, w: BlockWeights) -> None:
         rows, cols = w.shape
@@ -325,8 +342,10 @@ class QuantizedWeight:
             args = self._args = ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs],
                                  [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
                                  self.n, segs[0].k)
+        if self._op is None:
+            self._op = linear_op(quant_kernel())
         lead = x.shape[:-1]
-        return quant_kernel().linear(x.reshape(-1, x.shape[-1]), *args).view(*lead, self.n)
+        return self._op(x.reshape(-1, x.shape[-1]), *args).view(*lead, self.n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), k] (a single-segment weight: embeddings)."""

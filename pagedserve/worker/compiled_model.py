@@ -31,7 +31,6 @@ from pagedserve.forward_context import get_forward_context, set_forward_context
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import VocabParallelEmbedding
 from pagedserve.layers.linear import LinearBase
-from pagedserve.layers.quantization import QuantizableLayer
 from pagedserve.platforms import is_cpu
 
 logger = logging.getLogger("pagedserve")
@@ -112,12 +111,6 @@ def maybe_compile(model: nn.Module, device: torch.device, requested: bool | None
     if requested is False or (requested is None and enforce_eager):
         return None
     reason = compile_unavailable_reason(device, tensor_parallel_size)
-    if reason is None and requested is None and any(
-            isinstance(m, QuantizableLayer) and m.qweight is not None for m in model.modules()):
-        # Measured on SmolLM2 (Q4_1/Q8_0 blocks, Zen 4): eager 702 tok/s for 32 chats in
-        # flight and 65 one at a time, compiled 516 and 41 -- each opaque quantized linear
-        # costs a custom-op dispatch in the graph -- and the compile adds ~10-25 s to start-up.
-        reason = "the model has quantized layers, which run faster eagerly (torch_compile=True compiles anyway)"
     if reason is not None:
         if requested:
             raise ValueError(reason)

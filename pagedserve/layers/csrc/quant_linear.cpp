@@ -330,9 +330,8 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
 // y [M, N] in x's dtype = x [M, Kx] . W^T, W made of row segments (a fused q|k|v whose
 // shards are of different kinds): the whole layer in one call, activations quantized once.
 // K >= Kx is the packed (block-padded) width; x's missing columns count as zeros.
-torch::Tensor linear(torch::Tensor x, const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& d,
-                     const std::vector<torch::Tensor>& aux, const std::vector<int64_t>& kinds,
-                     const std::vector<int64_t>& ns, const std::vector<int64_t>& offsets, int64_t N, int64_t K) {
+torch::Tensor linear(const torch::Tensor& x, at::TensorList codes, at::TensorList d, at::TensorList aux,
+                     at::IntArrayRef kinds, at::IntArrayRef ns, at::IntArrayRef offsets, int64_t N, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= K, "x must be [M, <= K]");
   TORCH_CHECK(codes.size() == d.size() && d.size() == aux.size() && aux.size() == kinds.size() &&
               kinds.size() == ns.size() && ns.size() == offsets.size() && !codes.empty(), "segment lists differ");
@@ -389,7 +388,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("quantize_activations", &quantize_activations, nogil);
   m.def("qgemm", &qgemm, nogil);
-  m.def("linear", &linear, nogil);
+  m.def("linear", [](const torch::Tensor& x, const std::vector<torch::Tensor>& codes,
+                     const std::vector<torch::Tensor>& d, const std::vector<torch::Tensor>& aux,
+                     const std::vector<int64_t>& kinds, const std::vector<int64_t>& ns,
+                     const std::vector<int64_t>& offsets, int64_t N, int64_t K) {
+    return linear(x, codes, d, aux, kinds, ns, offsets, N, K);
+  }, nogil);
   m.def("dequantize_rows", &dequantize_rows, nogil);
   m.def("isa", &isa);
 }
+
+// The same layer forward as a torch operator, torch.ops.<this module's name>.linear, so a
+// torch.compile'd graph calls it directly (no Python in between); the namespace is the
+// build's own, since builds for several ISAs can be loaded into one process.
+#define PAGEDSERVE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PAGEDSERVE_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+PAGEDSERVE_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("linear(Tensor x, Tensor[] codes, Tensor[] d, Tensor[] aux, int[] kinds, int[] ns, int[] offsets, "
+        "int N, int K) -> Tensor");
+}
+PAGEDSERVE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("linear", &linear); }
