@@ -59,7 +59,6 @@ class Figures:
     rss_load: int = 0
     rss_end: int = 0
     kv_bytes: int = 0
-    restarts: int = 0
 
 
 def tree_rss(pid: int) -> int:
@@ -137,60 +136,48 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 async def run_phase(url: str, phase: str, rng: random.Random, fig: Figures) -> None:
     """One measurement (after an 8-token warm-up request): "single", "batch-N" or "ttft"."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
-        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-        await completion(client, url, model, random_prompt(rng, 16), 8)
+    async with new_client() as http:
+        model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
+        await completion(http, url, model, random_prompt(rng, 16), 8)
         if phase == "single":
             rates = []
             for _ in range(3):
-                _, first, last = await completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
+                _, first, last = await completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS)
                 rates.append((NEW_TOKENS - 1) / (last - first))
             fig.decode_tok_s = statistics.median(rates)
         elif phase.startswith("batch-"):
             n = int(phase.removeprefix("batch-"))
             t0 = time.perf_counter()
             for _ in range(2):
-                await asyncio.gather(*(completion(client, url, model, random_prompt(rng, 16), NEW_TOKENS)
+                await asyncio.gather(*(completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS)
                                        for _ in range(n)))
             fig.batch_tok_s[n] = 2 * n * NEW_TOKENS / (time.perf_counter() - t0)
         else:
             ttfts = []
             for _ in range(3):
-                start, first, _ = await completion(client, url, model, random_prompt(rng, TTFT_PROMPT), 1)
+                start, first, _ = await completion(http, url, model, random_prompt(rng, TTFT_PROMPT), 1)
                 ttfts.append(first - start)
             fig.ttft_s = statistics.median(ttfts)
 
 
 def measure(start: Any, fig: Figures, batches: list[int]) -> None:
-    """Every phase against one server, started here.  A server that dies between requests
-    (llama-server here, now and then, shut itself down cleanly right after answering, with
-    no request or signal of ours to explain it) is started again and the phase redone;
-    the restarts are counted in the output."""
+    """Every phase against one server, started here."""
     rng = random.Random(0)
     t0 = time.perf_counter()
     server = start()
     fig.load_s = time.perf_counter() - t0
     try:
         for phase in ["single", *(f"batch-{n}" for n in batches), "ttft"]:
-            for attempt in range(3):
-                try:
-                    asyncio.run(run_phase(server.url, phase, rng, fig))
-                    break
-                except httpx.TransportError:
-                    try:
-                        server.proc.wait(timeout=30)  # a server shutting down takes a moment to exit
-                    except subprocess.TimeoutExpired:
-                        raise  # alive: the error was something else
-                    if attempt == 2:
-                        raise
-                    fig.restarts += 1
-                    print(f"  {fig.side} exited during {phase} (code {server.proc.returncode}); restarting",
-                          flush=True)
-                    server.stop()
-                    server = start()
+            asyncio.run(run_phase(server.url, phase, rng, fig))
         fig.rss_end = tree_rss(server.proc.pid)
     finally:
         server.stop()
+
+
+def new_client() -> httpx.AsyncClient:
+    """A connection per request: llama-server closes a streamed response's connection
+    after a while, and a pooled connection reused at that moment fails the next request."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def kv_bytes_per_token(gguf_path: str, dtype_bytes: int) -> int:
@@ -252,9 +239,9 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
 
 
 async def one_request(url: str) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-        await completion(client, url, model, random_prompt(random.Random(1), 16), 8)
+    async with new_client() as http:
+        model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
+        await completion(http, url, model, random_prompt(random.Random(1), 16), 8)
 
 
 def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
@@ -274,8 +261,6 @@ def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
         row(f"{n} in flight, tok/s", [f.batch_tok_s.get(n, 0.0) for f in figs], ".1f")
     row(f"TTFT, {TTFT_PROMPT}-token prompt, s", [f.ttft_s for f in figs], ".3f")
     row("start-up to ready, s", [f.load_s for f in figs], ".1f")
-    if any(f.restarts for f in figs):
-        row("server restarts during the run", [f.restarts for f in figs], "d")
     row("RSS, 1 slot of 1024 tokens, after a request, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
     row("  the same / file size", [f.rss_load / size for f in figs], ".2f")
     row(f"RSS after the run above ({SLOTS} slots), MiB", [f.rss_end / 2**20 for f in figs], ".0f")

@@ -108,9 +108,7 @@ class LlamaServer:
                "-b", "2048", "-ub", "512"]
         self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
-        # stdin: a pipe held open until stop(); with stdin at EOF (a benchmark run under nohup
-        # or setsid) this llama-server shut itself down after its first request.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -132,8 +130,6 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
         self._log.close()
 
     def rss_bytes(self) -> int:

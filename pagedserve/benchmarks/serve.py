@@ -122,7 +122,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     n_conn = args.max_concurrency or args.num_prompts
-    limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
+    # No keep-alive: a server may close a finished stream's connection just as the pool
+    # hands it to the next request (llama-server does), which would fail that request.
+    limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=0)
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         if args.model is None:
             models = (await client.get(args.base_url + "/v1/models")).json()
