@@ -34,7 +34,7 @@ def bench(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def torch_int4(ws: list[torch.Tensor]) -> Callable[[torch.Tensor], list[torch.Tensor]] | None:
+def torch_int4(ws: list[torch.Tensor], dtype: torch.dtype) -> Callable[[torch.Tensor], list[torch.Tensor]] | None:
     try:
         packed = []
         for w in ws:
@@ -45,9 +45,9 @@ def torch_int4(ws: list[torch.Tensor]) -> Callable[[torch.Tensor], list[torch.Te
             sz = torch.stack([d, torch.zeros_like(d)], dim=-1).contiguous()  # tinygemm: w = (u - 8) * d + 0
             packed.append((wp, sz))
 
-        def run(x: torch.Tensor) -> list[torch.Tensor]:
-            return [torch.ops.aten._weight_int4pack_mm_for_cpu(x, wp, 32, sz) for wp, sz in packed]
-        run(torch.randn(1, K, dtype=torch.bfloat16))
+        def run(x: torch.Tensor) -> list[torch.Tensor]:  # (its scales must be in x's dtype)
+            return [torch.ops.aten._weight_int4pack_mm_for_cpu(x, wp, 32, sz.to(x.dtype)) for wp, sz in packed]
+        run(torch.randn(1, K, dtype=dtype))
         return run
     except (RuntimeError, AttributeError) as e:
         print(f"  torch int4pack unavailable: {e}")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         pws = [pack(quantize(w, method)) for w in ws]
         candidates[f"pagedserve {method} (blocks of 32)"] = (
             lambda x, pws=pws: [quantized_matmul(x, [(0, pw)], N) for pw in pws], pws[0].nbytes())
-    int4 = torch_int4(ws)
+    int4 = torch_int4(ws, dtype)
     if int4 is not None:
         candidates["torch _weight_int4pack_mm_for_cpu (groups of 32)"] = (int4, N * K // 2 + N * K // 32 * 8)
     candidates["torch _weight_int8pack_mm (per channel)"] = (torch_int8(ws), N * K + N * 4)
