@@ -255,13 +255,19 @@ def _register_fake(kernel: ModuleType) -> None:
         return x.new_empty(x.shape[0], n)
 
 
+_KERNEL_ERROR: list[str] = []  # why the build failed, once it has (not retried in this process)
+
+
 def quant_kernel_error() -> str | None:
     """None when the kernel builds (or is built) here, else why not (no compiler, ...)."""
+    if _KERNEL_ERROR:
+        return _KERNEL_ERROR[0]
     try:
         quant_kernel()
     except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the caller decides
         msg = str(e).strip().splitlines()
-        return f"{type(e).__name__}: {msg[-1] if msg else ''}"
+        _KERNEL_ERROR.append(f"{type(e).__name__}: {msg[-1] if msg else ''}")
+        return _KERNEL_ERROR[0]
     return None
 
 
