@@ -29,18 +29,17 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from pagedserve.benchmarks.llamacpp import LlamaServer, ensure_llama_server, free_port, rss_bytes
+from pagedserve.benchmarks.llamacpp import LlamaServer, LocalServer, ensure_llama_server, rss_bytes
 from pagedserve.benchmarks.random_gguf import SMOLLM2_1_7B, ensure_random_gguf
 from pagedserve.cpu_info import describe_cpu
 
@@ -75,39 +74,18 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-class PagedServer:
+class PagedServer(LocalServer):
     """`pagedserve serve` in a subprocess on a loopback port."""
 
-    def __init__(self, model: str, args: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, *args,
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.log_path = log_path
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pagedserve serve exited with {self.proc.returncode} (see {log_path})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"pagedserve serve not ready in 900 s (see {log_path})")
+    what = "pagedserve serve"
+    ready_timeout = 900.0
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def __init__(self, model: str, args: list[str], log_path: str) -> None:
+        self.args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, *args, "--host", "127.0.0.1"]
+        super().__init__(log_path=log_path)
+
+    def command(self, port: int) -> list[str]:
+        return [*self.args, "--port", str(port)]
 
 
 async def completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
@@ -160,7 +138,7 @@ async def run_phase(url: str, phase: str, rng: random.Random, fig: Figures) -> N
             fig.ttft_s = statistics.median(ttfts)
 
 
-def measure(start: Any, fig: Figures, batches: list[int]) -> None:
+def measure(start: Callable[[], LocalServer], fig: Figures, batches: list[int]) -> None:
     """Every phase against one server, started here."""
     rng = random.Random(0)
     t0 = time.perf_counter()
@@ -189,11 +167,10 @@ def kv_bytes_per_token(gguf_path: str, dtype_bytes: int) -> int:
 
 
 @contextmanager
-def timed_start(start: Any) -> Iterator[tuple[Any, float]]:
-    t0 = time.perf_counter()
+def running(start: Callable[[], LocalServer]) -> Iterator[LocalServer]:
     server = start()
     try:
-        yield server, time.perf_counter() - t0
+        yield server
     finally:
         server.stop()
 
@@ -231,7 +208,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
                                                            *args.pagedserve_args],
                                                f"{logdir}/{name}-pagedserve-mem.log")}
     for fig in out:
-        with timed_start(small[fig.side]) as (server, _):
+        with running(small[fig.side]) as server:
             asyncio.run(one_request(server.url))
             fig.rss_load = tree_rss(server.proc.pid)
         print(f"  {fig.side}: {fig}", flush=True)
@@ -299,7 +276,7 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
              "| | TTFT median, ms | ITL median, ms | decode-only ITL median, ms | ITL / decode-only | output tok/s |",
              "|---|---|---|---|---|---|"]
     for name, start in sides:
-        with timed_start(start) as (server, _):
+        with running(start) as server:
             common = ["--base-url", server.url, "--tokenizer", tokenizer, "--seed", "1"]
             decode_only = bench_serve.main([*common, *LATENCY_LOAD[:4], "--random-input-len", "4",
                                             "--random-output-len", "64"])

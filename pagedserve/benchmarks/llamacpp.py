@@ -96,23 +96,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LlamaServer:
-    """`llama-server -m GGUF` on a loopback port, `parallel` slots of `ctx_per_slot` tokens."""
+class LocalServer:
+    """An HTTP server subprocess on a loopback port, ready once /health answers 200;
+    subclasses give `command(port)`, its command line.  Its output goes to `log_path`."""
 
-    def __init__(self, binary: Path, gguf: str, threads: int, parallel: int = 1, ctx_per_slot: int = 2048,
-                 log_path: str | None = None) -> None:
+    what = "server"
+    ready_timeout = 300.0
+
+    def __init__(self, log_path: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-               "-tb", str(threads), "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "--no-webui",
-               "-b", "2048", "-ub", "512"]
         self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 300
+        self.proc = subprocess.Popen(self.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} (see {log_path})")
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode} (see {log_path})")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -120,13 +120,16 @@ class LlamaServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError("llama-server did not become ready in 300 s")
+        raise RuntimeError(f"{self.what} did not become ready in {self.ready_timeout:.0f} s (see {log_path})")
+
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -134,6 +137,23 @@ class LlamaServer:
 
     def rss_bytes(self) -> int:
         return rss_bytes(self.proc.pid)
+
+
+class LlamaServer(LocalServer):
+    """`llama-server -m GGUF` on a loopback port, `parallel` slots of `ctx_per_slot` tokens."""
+
+    what = "llama-server"
+
+    def __init__(self, binary: Path, gguf: str, threads: int, parallel: int = 1, ctx_per_slot: int = 2048,
+                 log_path: str | None = None) -> None:
+        self.args = [str(binary), "-m", gguf, "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+                     "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "--no-webui", "-b", "2048",
+                     "-ub", "512"]
+        ld = str(binary.parent) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")
+        super().__init__(log_path=log_path, env={**os.environ, "LD_LIBRARY_PATH": ld})
+
+    def command(self, port: int) -> list[str]:
+        return [*self.args, "--port", str(port)]
 
 
 def rss_bytes(pid: int) -> int:

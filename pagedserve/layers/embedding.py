@@ -101,7 +101,7 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(ids, weight)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if opaque.tracing(self.opaque_index):
+        if self.qweight is not None and opaque.tracing(self.opaque_index):  # (a float table traces as is)
             return opaque.embedding_op(ids, self.weight, self.embedding_dim, self.opaque_index)
         return self.lookup_eager(ids, self.weight)
 
