@@ -6,10 +6,17 @@ the CPU has it, AVX2/FMA where it has that, plain loops otherwise; capped like t
 itself when ATEN_CPU_CAPABILITY says so).  The build directory's name carries a hash
 of the source, the CPU's flags, the torch version and the compiler flags, so a cache
 shared across machines never runs code built for another CPU.
+
+Builders take an OS file lock (flock) on the build directory, not only torch's own
+"lock" file: torch's marker stays behind when a process dies mid-build (a CLI run that
+answered before its background build finished, a killed worker), and every later
+build of that kernel would wait on it forever.  The flock dies with its process, so
+whoever holds it knows a leftover marker is stale and removes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -23,13 +30,11 @@ from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
 logger = logging.getLogger("pagedserve")
 
 
-def build_cpu_extension(prefix: str, source: Path, what: str,
-                        extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
-    """Compile (or load the cached build of) `source` as module `prefix_<hash>`.
-    `extra_cflags` (default: whatever keeps it within torch's own ISA; tests and
-    benchmarks pass "-mno-avx512f" for the AVX2 path, or also "-mno-avx2 -mno-fma" for
-    the plain loops) become part of the cache key.  `what` names it in the one log line
-    a fresh build prints."""
+def extension_build_dir(prefix: str, source: Path,
+                        extra_cflags: tuple[str, ...] | None = None) -> tuple[str, Path, list[str]]:
+    """(module name, build directory, compiler flags) of `source` built with `extra_cflags`
+    (default: whatever keeps it within torch's own ISA; tests and benchmarks pass
+    "-mno-avx512f" for the AVX2 path, or also "-mno-avx2 -mno-fma" for the plain loops)."""
     from torch.utils import cpp_extension
 
     if extra_cflags is None:
@@ -40,9 +45,28 @@ def build_cpu_extension(prefix: str, source: Path, what: str,
     name = f"{prefix}_{hashlib.sha1(key).hexdigest()[:12]}"
     # Our own directory under torch's extension root ($TORCH_EXTENSIONS_DIR or its default), so
     # whether a build is needed is known before starting one (for the log line).
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return name, Path(root) / name, flags
+
+
+def build_cpu_extension(prefix: str, source: Path, what: str,
+                        extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
+    """Compile (or load the cached build of) `source` as module `prefix_<hash>` (see
+    extension_build_dir).  `what` names it in the one log line a fresh build prints."""
+    from torch.utils import cpp_extension
+
+    name, build_dir, flags = extension_build_dir(prefix, source, extra_cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{name}.so").exists():
-        logger.info("building the %s for this machine (once, ~30 s)", what)
-    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              build_directory=str(build_dir), verbose=False)
+    with open(build_dir / "pagedserve.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per directory, across threads and processes
+        try:
+            stale = build_dir / "lock"  # torch's marker; no live builder can own it while we hold the flock
+            if stale.exists():
+                logger.warning("removing %s, left by a build that was interrupted", stale)
+                stale.unlink()
+            if not (build_dir / f"{name}.so").exists():
+                logger.info("building the %s for this machine (once, ~30 s)", what)
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
+                                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -74,14 +74,16 @@ class EngineStats:
 def start_cpu_kernel_builds() -> None:
     """Build (first run on a machine, ~30 s each) or load our two C++ CPU kernels in
     background threads, so the compiler runs while the config, tokenizer and weights
-    load; whoever needs a kernel first waits for its thread (the builders hold locks)."""
+    load; whoever needs a kernel first waits for its thread (the builders hold locks).
+    Not daemons: a process that is done before a build is (a short `generate`) waits for
+    it at exit, so the next run finds the kernel built instead of starting again."""
     from pagedserve.attention.cpu_paged import paged_decode
     from pagedserve.layers.quantization import quant_kernel_error
 
     if torch.cuda.is_available():
         return
     for name, target in (("attention", paged_decode), ("quantized linear", quant_kernel_error)):
-        threading.Thread(target=target, name=f"build {name} kernel", daemon=True).start()
+        threading.Thread(target=target, name=f"build {name} kernel").start()
 
 
 class LLMEngine:
