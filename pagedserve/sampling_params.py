@@ -21,6 +21,12 @@ from pagedserve.utils import is_int
 _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed takes 64-bit values; n > 1 children add their index.
 _SEED_RANGE = (-(2**63), 2**63 - 1)
+# Bounds on what a request makes every step do: stop strings are searched in each new
+# piece of text and the longest is held back from streams; stop and bad-word lists are
+# walked per token.  Generous next to OpenAI's 4 stop strings.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000
+MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, bad_words
 
 
 @dataclass
@@ -133,7 +139,10 @@ class SamplingParams:
         """Raise InvalidRequestError (a ValueError) naming the first field out of range."""
 
         def bad(name: str, allowed: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}", param=name)
+            got = repr(getattr(self, name))
+            if len(got) > 200:  # a huge value is not echoed back whole
+                got = f"{got[:200]}... ({len(got)} characters)"
+            return InvalidRequestError(f"{name} must be {allowed}, got {got}", param=name)
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
@@ -185,8 +194,13 @@ class SamplingParams:
         stops = self.stop_strings if isinstance(self.stop, (str, list, tuple, type(None))) else None
         if stops is None or not all(isinstance(s, str) and s for s in stops):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
+        for name in ("stop_token_ids", "bad_words"):
+            if len(getattr(self, name) or ()) > MAX_TOKEN_ID_LIST:
+                raise bad(name, f"a list of at most {MAX_TOKEN_ID_LIST} entries")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")

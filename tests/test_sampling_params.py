@@ -64,3 +64,18 @@ def test_bool_fields_and_seed_range():
         SamplingParams(seed=2**63)
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-1])
+
+
+def test_stop_lists_and_strings_are_bounded_and_huge_values_not_echoed():
+    from pagedserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOKEN_ID_LIST
+
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_TOKEN_ID_LIST))).validate()
+    SamplingParams(stop="y" * MAX_STOP_STRING_CHARS).validate()
+    for kwargs, param in (({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+                          ({"stop": "y" * 1_000_000}, "stop"),
+                          ({"stop_token_ids": list(range(MAX_TOKEN_ID_LIST + 1))}, "stop_token_ids"),
+                          ({"bad_words": ["w"] * (MAX_TOKEN_ID_LIST + 1)}, "bad_words")):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kwargs).validate()
+        assert info.value.param == param
+        assert len(str(info.value)) < 400  # the message names the limit without echoing a megabyte

@@ -7,6 +7,13 @@ its kernels, so the event loop keeps serving HTTP while a step runs.
 
 Outputs are cumulative, so each request keeps only the newest one: a slow consumer
 skips intermediate snapshots instead of queueing them without bound.
+
+Admission and lifetime limits live here, at the front door, because only a serving
+front end needs them (the offline API hands the engine all its prompts at once):
+`max_waiting_requests` refuses new requests while that many wait for a slot
+(EngineOverloadedError, an HTTP 503 with Retry-After), `request_timeout` ends a request
+that runs longer (RequestTimeoutError; its blocks are freed), and `abort_all` ends
+every open request with an error (graceful shutdown past its deadline).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +39,22 @@ logger = logging.getLogger("pagedserve.async_llm")
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; every in-flight and later request gets this."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting for a slot; try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request ran longer than the server's request timeout and was aborted."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The server is shutting down: the request was not accepted, or it was aborted."""
 
 
 class _Collector:
@@ -82,8 +105,18 @@ class _Add:
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (), log_stats: bool = True,
-                 log_interval: float = 10.0) -> None:
+                 log_interval: float = 10.0, max_waiting_requests: int | None = None,
+                 request_timeout: float | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """`on_dead` is called on the event loop once the engine loop has failed (after
+        every open request got its error): a server exits so a supervisor restarts it."""
+        for name, value in (("max_waiting_requests", max_waiting_requests), ("request_timeout", request_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout = request_timeout
+        self._on_dead = on_dead
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.vocab_size
         # The model's generation-config sampling defaults, for request fields left unset.
@@ -103,6 +136,9 @@ class AsyncLLM:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._req_stats: dict[str, _ReqStats] = {}  # engine thread only
+        self._num_waiting = 0  # the scheduler's waiting queue after the last step (written by the engine thread)
+        self._pending_adds = 0  # adds sent to the engine thread and not answered yet (event loop only)
+        self._closed: BaseException | None = None  # set by close_admission: new requests get this
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -116,6 +152,22 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def num_open_requests(self) -> int:
+        """Accepted requests whose stream has not ended yet."""
+        return len(self._collectors)
+
+    def close_admission(self, error: BaseException) -> None:
+        """From now on add_request raises `error` (shutdown: running requests go on)."""
+        self._closed = error
+
+    def abort_all(self, error: BaseException) -> None:
+        """End every open request with `error` (its stream raises it) and free its blocks."""
+        for request_id in list(self._collectors):
+            collector = self._collectors.pop(request_id)
+            collector.put(error)
+            self._send(("abort", request_id))
 
     def start(self) -> None:
         """Bind to the running event loop and start the engine thread (idempotent)."""
@@ -139,7 +191,13 @@ class AsyncLLM:
         anything.  The returned stream must be read to its end or closed."""
         self.start()
         if self.dead_error is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_error!r}") from self.dead_error
+            raise _dead(self.dead_error) from self.dead_error
+        if self._closed is not None:
+            raise self._closed
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_waiting + self._pending_adds >= limit:
+            raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
+                                        "(max_waiting_requests); retry later.")
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         if sampling_params.structured_outputs is not None:
@@ -151,6 +209,7 @@ class AsyncLLM:
         self._collectors[request_id] = collector
         future = self._loop.create_future()
         self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), future))
+        self._pending_adds += 1
         try:
             await future
         except BaseException:
@@ -158,7 +217,10 @@ class AsyncLLM:
             if not future.done():  # cancelled while queued: the engine thread skips it
                 future.cancel()
             raise
-        return RequestStream(self, request_id, collector)
+        finally:
+            self._pending_adds -= 1
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        return RequestStream(self, request_id, collector, deadline)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -201,6 +263,7 @@ class AsyncLLM:
                 did_work = self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    self._num_waiting = self.engine.get_stats().num_waiting
                     self._dispatch(outputs)
                 elif did_work:
                     self._record([], time.monotonic())  # aborts change running/KV usage
@@ -213,6 +276,8 @@ class AsyncLLM:
             logger.exception("engine loop failed; the engine is dead")
             self.dead_error = e
             self._call_soon(self._fail_all, e)
+            if self._on_dead is not None:
+                self._call_soon(self._on_dead, e)
 
     def _drain_commands(self) -> bool:
         did_work = False
@@ -238,6 +303,7 @@ class AsyncLLM:
             self._call_soon(_set_exception, cmd.future, e if isinstance(e, ValueError) else ValueError(str(e)))
             return
         self._req_stats[cmd.request_id] = _ReqStats(arrival=cmd.arrival)
+        self._num_waiting += cmd.params.n  # until the next step's count replaces it
         self._call_soon(_set_result, cmd.future, None)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -298,14 +364,14 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for collector in self._collectors.values():
-            collector.put(EngineDeadError(f"engine is dead: {error!r}"))
+            collector.put(_dead(error))
         while True:  # pending adds that the dead thread will never answer
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add) and not cmd.future.done():
-                cmd.future.set_exception(EngineDeadError(f"engine is dead: {error!r}"))
+                cmd.future.set_exception(_dead(error))
 
 
 class RequestStream:
@@ -314,10 +380,13 @@ class RequestStream:
     Reading past the final output ends the iteration; `close()` before that, or being
     cancelled while waiting, aborts the request; so does being dropped unread."""
 
-    def __init__(self, llm: AsyncLLM, request_id: str, collector: _Collector) -> None:
+    def __init__(self, llm: AsyncLLM, request_id: str, collector: _Collector,
+                 deadline: float | None = None) -> None:
+        """`deadline` (time.monotonic()): past it the stream raises RequestTimeoutError."""
         self._llm = llm
         self.request_id = request_id
         self._collector = collector
+        self._deadline = deadline
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -327,7 +396,15 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            out = await self._collector.get()
+            if self._deadline is None:
+                out = await self._collector.get()
+            else:
+                try:
+                    out = await asyncio.wait_for(self._collector.get(), max(0.0, self._deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(
+                        f"The request ran longer than the server's request timeout "
+                        f"({self._llm.request_timeout:g} s) and was aborted.") from None
         except BaseException:
             self.close()
             raise
@@ -343,6 +420,15 @@ class RequestStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _dead(error: BaseException) -> EngineDeadError:
+    """What requests see of an engine failure: its kind only (the details, which may
+    name files, are in the server's log)."""
+    dead = EngineDeadError(f"The engine failed ({type(error).__name__}; details in the server log) and "
+                           "cannot serve requests; the server is shutting down.")
+    dead.__cause__ = error  # in-process callers still see what failed
+    return dead
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -52,7 +52,7 @@ class FakeEngine:
 
     def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
                  fail_after_steps: int | None = None, max_model_len: int = 4096,
-                 spin_until: threading.Event | None = None) -> None:
+                 spin_until: threading.Event | None = None, max_running: int | None = None) -> None:
         self.tokenizer = CharTokenizer()
         self.max_model_len = max_model_len
         self.script = script
@@ -61,6 +61,7 @@ class FakeEngine:
         # Each step spins in Python until this is set (by another thread), then clears it.
         self.spin_until = spin_until
         self.fail_after_steps = fail_after_steps
+        self.max_running = max_running  # requests past the first max_running wait (no tokens) like a full batch
         self.reqs: dict[str, tuple[list[int], SamplingParams, list[list[int]]]] = {}
         self.steps = 0
         self.aborted: list[str] = []
@@ -97,7 +98,8 @@ class FakeEngine:
         return len(self.reqs)
 
     def get_stats(self) -> FakeStats:
-        return FakeStats(num_running=len(self.reqs), kv_cache_usage=0.01 * len(self.reqs))
+        running = len(self.reqs) if self.max_running is None else min(len(self.reqs), self.max_running)
+        return FakeStats(num_running=running, num_waiting=len(self.reqs) - running, kv_cache_usage=0.01 * running)
 
     def sampling_defaults(self) -> dict:
         return {}
@@ -124,7 +126,7 @@ class FakeEngine:
         elif self.step_time:
             time.sleep(self.step_time)
         outputs = []
-        for rid, (prompt, max_tokens, seqs) in list(self.reqs.items()):
+        for rid, (prompt, max_tokens, seqs) in list(self.reqs.items())[:self.max_running]:
             comps = []
             for i, toks in enumerate(seqs):
                 if len(toks) < max_tokens:

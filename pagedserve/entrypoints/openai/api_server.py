@@ -3,8 +3,13 @@
 
 Implementation: the FastAPI app factory (`build_app`) and `run_server`.  The socket is
 bound and /health answers 503 while the model loads in a background thread, so
-orchestrators see "not ready" rather than "connection refused"; /health turns 503
-again if the engine loop dies.
+orchestrators see "not ready" rather than "connection refused".
+
+What happens under faults: if the engine loop dies, every open request gets an error
+(a 503, or an error event on its stream), /health turns 503 and the process exits
+with status 1 so a supervisor restarts it.  SIGTERM/SIGINT drain: new requests get
+503, running ones finish until --shutdown-timeout, the rest end with an error event,
+and the process exits 0; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import asyncio
 import logging
 import os
 import re
+import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,9 +34,16 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestTimeoutError,
+)
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
+    BodyLimitMiddleware,
     SSEResponse,
     cancel_on_disconnect,
     error_response,
@@ -44,12 +58,12 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
-from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt as token ids is ~1 MB of JSON
 
 
 @dataclass
@@ -58,6 +72,9 @@ class ServerState:
 
     served_model_names: list[str]
     api_key: str | None = None
+    metrics_without_auth: bool = False  # /metrics answers without the API key (for a scraper)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    draining: bool = False  # shutting down: new requests get 503
     engine: AsyncLLM | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
@@ -72,10 +89,13 @@ class ServerState:
         self.engine = engine  # last: its presence means "ready"
 
     def ready(self) -> AsyncLLM:
+        if self.draining:
+            raise OpenAIError("The server is shutting down.", status=503, type="server_error", code="shutting_down")
         if self.engine is None:
             raise OpenAIError("The model is still loading.", status=503, type="server_error")
         if self.engine.errored:
-            raise OpenAIError(f"The engine is dead: {self.engine.dead_error!r}", status=503, type="server_error")
+            raise OpenAIError("The engine failed and the server is shutting down.", status=503,
+                              type="server_error", code="engine_dead")
         return self.engine
 
 
@@ -91,11 +111,15 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state
 
-    app.add_middleware(APIKeyMiddleware, state=state)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes)
+    app.add_middleware(APIKeyMiddleware, state=state)  # added last: runs first
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+    async def _error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_openai_error(exc))
+
+    for exc_class in (OpenAIError, ValueError, EngineDeadError, EngineOverloadedError, RequestTimeoutError,
+                      EngineShutdownError, Exception):
+        app.add_exception_handler(exc_class, _error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -106,14 +130,6 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         where = ".".join(loc) or "body"
         return error_response(OpenAIError(f"{where}: {first.get('msg', 'invalid request')}",
                                           param=loc[0] if loc else None))
-
-    @app.exception_handler(ValueError)
-    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(OpenAIError(str(exc), param=exc.param if isinstance(exc, InvalidRequestError) else None))
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(OpenAIError(str(exc), status=503, type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -211,6 +227,21 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's names: "
                             "hermes for Qwen2.5/3, llama3_json for Llama 3.x)")
+    group.add_argument("--metrics-without-auth", action="store_true",
+                       help="serve /metrics without the API key (for a Prometheus scraper); every other route "
+                            "but /health needs it")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="refuse new requests with 503 and Retry-After while this many wait for a slot "
+                            "(default: no limit)")
+    group.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may run; a longer one is aborted, its blocks freed, and its "
+                            "client gets a 408 or an error event (default: none)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted "
+                            "(default: 30)")
+    group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
+                       help="largest request body accepted; larger ones get 413 before they are parsed "
+                            "(bytes, or with a unit: 16MiB; default: 16MiB)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level; info logs every request (default: warning)")
@@ -218,12 +249,65 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+class _DrainingServer:
+    """uvicorn's server with our signal handling: the first SIGTERM/SIGINT drains (see
+    the module docstring), a second one exits at once."""
+
+    def __init__(self, config: Any, state: ServerState, shutdown_timeout: float) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(inner, sig: int, frame: Any) -> None:  # noqa: N805 - uvicorn's signature
+                self.on_signal(sig)
+
+        self.server = Server(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    def on_signal(self, sig: int) -> None:
+        if self.state.draining or self.server.should_exit:
+            logger.warning("second signal (%s): exiting now", signal.Signals(sig).name)
+            os._exit(128 + sig)
+        self.state.draining = True
+        logger.info("%s: draining (new requests get 503; running ones get %g s)", signal.Signals(sig).name,
+                    self.shutdown_timeout)
+        if self._loop is None:
+            self.server.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
+
+    async def drain(self) -> None:
+        engine = self.state.engine
+        if engine is not None:
+            engine.close_admission(EngineShutdownError("The server is shutting down and accepts no new requests."))
+            deadline = time.monotonic() + self.shutdown_timeout
+            while engine.num_open_requests and time.monotonic() < deadline and not engine.errored:
+                await asyncio.sleep(0.05)
+            if engine.num_open_requests:
+                logger.warning("aborting %d requests still running after the shutdown timeout",
+                               engine.num_open_requests)
+                engine.abort_all(EngineShutdownError("The server shut down before this request finished."))
+                await asyncio.sleep(0.2)  # the streams write their error events
+        self.server.should_exit = True
+
+    def exit_failed(self) -> None:
+        """The engine died: exit non-zero once the open requests have their errors."""
+        self.exit_code = 1
+        self.server.should_exit = True
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Bind, answer 503 while the engine loads in a thread, then serve until Ctrl-C.
-    Exits with status 1 if the engine fails to load."""
+    """Bind, answer 503 while the engine loads in a thread, then serve until a signal
+    (drained, exit 0) or an engine failure (exit 1).  Exits with status 1 if the engine
+    fails to load."""
     import uvicorn
 
-    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.arg_utils import EngineArgs, parse_bytes
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.metrics import PrometheusStatLogger
 
@@ -232,21 +316,32 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree")
     try:
         engine_args = EngineArgs.from_cli_args(args, model=args.model_tag)
+        max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        for flag, value in (("--max-waiting-requests", args.max_waiting_requests),
+                            ("--request-timeout", args.request_timeout)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     names = args.served_model_name or [engine_args.model]
-    state = ServerState(served_model_names=names, api_key=args.api_key or os.environ.get("PAGEDSERVE_API_KEY"))
+    state = ServerState(served_model_names=names, api_key=args.api_key or os.environ.get("PAGEDSERVE_API_KEY"),
+                        metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes)
     failed: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    runner: _DrainingServer | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
+        assert runner is not None
+        runner.bind_loop()
 
         def attach(engine: Any) -> None:
             stat_logger = PrometheusStatLogger(state.registry, names[0])
             client = AsyncLLM(engine, stat_loggers=[stat_logger], log_stats=not args.disable_log_stats,
-                              log_interval=args.log_stats_interval)
+                              log_interval=args.log_stats_interval, max_waiting_requests=args.max_waiting_requests,
+                              request_timeout=args.request_timeout, on_dead=lambda _: runner.exit_failed())
             client.start()
             parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
             state.attach(client, engine.config.scheduler_config.max_model_len, parser)
@@ -261,10 +356,10 @@ def run_server(args: argparse.Namespace) -> None:
                 else:
                     logger.exception("failed to load the engine")
                 failed.append(e)
-                if server is not None:
-                    server.should_exit = True
+                runner.server.should_exit = True
                 return
-            loop.call_soon_threadsafe(attach, engine)
+            if not state.draining:
+                loop.call_soon_threadsafe(attach, engine)
 
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
         yield
@@ -274,10 +369,10 @@ def run_server(args: argparse.Namespace) -> None:
     app = build_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    runner = _DrainingServer(config, state, args.shutdown_timeout)
     logger.info("loading %s (health is 503 until ready)", engine_args.model)
-    server.run()
-    if failed:
+    runner.server.run()
+    if failed or runner.exit_code:
         raise SystemExit(1)
 
 

@@ -22,7 +22,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedserve.engine.async_llm import AsyncLLM, RequestStream
+from pagedserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestStream,
+    RequestTimeoutError,
+)
 from pagedserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -44,9 +51,11 @@ class OpenAIError(Exception):
     """An error with an HTTP status, rendered in OpenAI's `{"error": {...}}` shape."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
@@ -92,10 +101,32 @@ def sse(data: BaseModel | dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def to_openai_error(err: BaseException) -> OpenAIError:
+    """The one mapping from what a request can fail with to the status and body a client
+    gets, as a response or as a stream's error event.  Bodies never carry a traceback or
+    a path: an unexpected exception is named by its type (the server log has the rest)."""
+    if isinstance(err, OpenAIError):
+        return err
+    if isinstance(err, InvalidRequestError):
+        return OpenAIError(str(err), param=err.param)
+    if isinstance(err, EngineOverloadedError):
+        return OpenAIError(str(err), status=503, type="server_error", code="server_overloaded",
+                           headers={"Retry-After": str(err.retry_after)})
+    if isinstance(err, RequestTimeoutError):
+        return OpenAIError(str(err), status=408, type="timeout_error", code="request_timeout")
+    if isinstance(err, EngineShutdownError):
+        return OpenAIError(str(err), status=503, type="server_error", code="shutting_down")
+    if isinstance(err, EngineDeadError):
+        return OpenAIError(str(err), status=503, type="server_error", code="engine_dead")
+    if isinstance(err, ValueError):
+        return OpenAIError(str(err))
+    logger.error("request failed", exc_info=err)
+    return OpenAIError(f"Internal server error ({type(err).__name__}; details in the server log).", status=500,
+                       type="server_error")
+
+
 def sse_error(err: BaseException) -> str:
-    if not isinstance(err, OpenAIError):
-        err = OpenAIError(str(err) or type(err).__name__, status=500, type="server_error")
-    return sse({"error": err.to_response().error.model_dump()})
+    return sse({"error": to_openai_error(err).to_response().error.model_dump()})
 
 
 class OpenAIServing:

@@ -83,13 +83,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180) -> None:
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180,
+                 module: str = "pagedserve.entrypoints.cli", env: dict[str, str] | None = None) -> None:
+        """`module`: what `python -m` runs (a test's launcher that injects a fault)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *args,
-               "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+        cmd = [sys.executable, "-m", module, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         self._wait_ready(timeout)

@@ -1,0 +1,199 @@
+"""The server under abuse, in-process over the fake engine: body limits (413 before
+parsing), the API key on every route but /health, backpressure (503 + Retry-After),
+request timeouts, aborting everything at shutdown, and error bodies without internals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from pagedserve.engine.async_llm import AsyncLLM, EngineShutdownError
+from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from tests.engine.fake_engine import FakeEngine
+from tests.entrypoints.openai.test_api_fake_engine import call, events
+
+KEY = {"Authorization": "Bearer k"}
+
+
+def make(engine: FakeEngine | None = None, **state_kwargs) -> tuple[ServerState, object]:
+    """App and state; AsyncLLM options go in `state_kwargs["llm"]`."""
+    llm_kwargs = state_kwargs.pop("llm", {})
+    state = ServerState(served_model_names=["fake"], api_key="k", **state_kwargs)
+    app = build_app(state)
+    state.attach(AsyncLLM(engine or FakeEngine(), log_stats=False, **llm_kwargs), max_model_len=4096)
+    return state, app
+
+
+def test_body_over_the_limit_is_413_by_length_and_when_chunked():
+    _, app = make(max_request_bytes=1000)
+    big = b'{"prompt": "' + b"a" * 5000 + b'"}'
+
+    async def chunks():
+        for i in range(0, len(big), 100):
+            yield big[i:i + 100]
+
+    async def fn(c):
+        by_length = await c.post("/v1/completions", content=big, headers={**KEY, "content-type": "application/json"})
+        chunked = await c.post("/v1/completions", content=chunks(),
+                               headers={**KEY, "content-type": "application/json"})
+        small_chunked = await c.post("/v1/completions", content=_iter(b'{"prompt": "hi", "max_tokens": 2}'),
+                                     headers={**KEY, "content-type": "application/json"})
+        return by_length, chunked, small_chunked
+
+    by_length, chunked, small_chunked = call(app, fn)
+    for r in (by_length, chunked):
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert "1000 bytes" in err["message"] and err["code"] == "request_too_large"
+    assert small_chunked.status_code == 200 and small_chunked.json()["choices"][0]["text"] == "ab"
+
+
+async def _iter(data: bytes):
+    yield data
+
+
+def test_key_on_every_route_but_health_and_metrics_opt_out():
+    _, app = make()
+    _, open_metrics = make(metrics_without_auth=True)
+
+    async def fn(c):
+        return {path: (await c.get(path)).status_code for path in ("/health", "/metrics", "/version", "/v1/models")} | {
+            "/tokenize": (await c.post("/tokenize", json={"prompt": "x"})).status_code,
+            "/detokenize": (await c.post("/detokenize", json={"tokens": [65]})).status_code,
+            "/metrics+key": (await c.get("/metrics", headers=KEY)).status_code,
+            "/tokenize+key": (await c.post("/tokenize", json={"prompt": "x"}, headers=KEY)).status_code,
+        }
+
+    assert call(app, fn) == {"/health": 200, "/metrics": 401, "/version": 401, "/v1/models": 401,
+                             "/tokenize": 401, "/detokenize": 401, "/metrics+key": 200, "/tokenize+key": 200}
+    assert call(open_metrics, fn)["/metrics"] == 200
+
+
+def test_waiting_queue_bound_refuses_with_503_and_retry_after():
+    # Two requests run, everything else waits: with max_waiting_requests=3 the 6th is refused.
+    engine = FakeEngine(step_time=0.005, max_running=2)
+    state, app = make(engine, llm={"max_waiting_requests": 3})
+
+    async def fn(c):
+        body = {"prompt": "hi", "max_tokens": 40}
+        tasks = []
+        for _ in range(5):
+            tasks.append(asyncio.ensure_future(c.post("/v1/completions", json=body, headers=KEY)))
+            await asyncio.sleep(0.03)  # each is accepted (and counted as waiting) before the next
+        refused = await c.post("/v1/completions", json=body, headers=KEY)
+        done = await asyncio.gather(*tasks)
+        after = await c.post("/v1/completions", json={**body, "max_tokens": 2}, headers=KEY)
+        return refused, done, after
+
+    refused, done, after = call(app, fn)
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    err = refused.json()["error"]
+    assert err["code"] == "server_overloaded" and "max_waiting_requests" in err["message"]
+    assert [r.status_code for r in done] == [200] * 5  # nothing accepted is lost
+    assert after.status_code == 200  # the queue drained: admitted again
+    assert state.engine.num_open_requests == 0
+
+
+def test_request_timeout_aborts_and_frees_both_ways():
+    engine = FakeEngine(step_time=0.02)
+    state, app = make(engine, llm={"request_timeout": 0.3})
+
+    async def fn(c):
+        full = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1000}, headers=KEY)
+        stream = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1000, "stream": True},
+                              headers=KEY)
+        quick = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers=KEY)
+        await asyncio.sleep(0.1)  # the engine thread applies the aborts
+        return full, stream, quick
+
+    full, stream, quick = call(app, fn)
+    assert full.status_code == 408 and full.json()["error"]["code"] == "request_timeout"
+    assert "0.3 s" in full.json()["error"]["message"]
+    evs = events(stream.text)
+    assert evs[-1] == "[DONE]" and evs[-2]["error"]["code"] == "request_timeout"
+    assert any("choices" in e for e in evs[:-2])  # tokens flowed before the deadline
+    assert quick.status_code == 200
+    assert len(engine.aborted) == 2 and not engine.reqs  # both timed-out requests left the engine
+
+
+def test_abort_all_ends_open_streams_with_an_error_event_and_admission_closes():
+    engine = FakeEngine(step_time=0.02)
+    state, app = make(engine)
+
+    async def fn(c):
+        stream = asyncio.ensure_future(c.post("/v1/completions", headers=KEY, json={
+            "prompt": "hi", "max_tokens": 1000, "stream": True}))
+        full = asyncio.ensure_future(c.post("/v1/completions", headers=KEY, json={"prompt": "hi", "max_tokens": 1000}))
+        while state.engine.num_open_requests < 2:
+            await asyncio.sleep(0.01)
+        state.engine.close_admission(EngineShutdownError("The server is shutting down and accepts no new requests."))
+        refused = await c.post("/v1/completions", headers=KEY, json={"prompt": "hi", "max_tokens": 2})
+        state.engine.abort_all(EngineShutdownError("The server shut down before this request finished."))
+        results = await asyncio.gather(stream, full)
+        await asyncio.sleep(0.1)
+        return refused, *results
+
+    refused, stream, full = call(app, fn)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert full.status_code == 503 and "shut down before" in full.json()["error"]["message"]
+    evs = events(stream.text)
+    assert evs[-1] == "[DONE]" and evs[-2]["error"]["code"] == "shutting_down"
+    assert not engine.reqs and state.engine.num_open_requests == 0
+
+
+def test_an_unexpected_error_is_a_500_without_internals():
+    class Exploding(FakeEngine):
+        def encode_chat(self, *args, **kwargs):
+            raise KeyError("/secret/path/to/template.jinja")
+
+    _, app = make(Exploding())
+
+    async def fn(c):
+        bad = await c.post("/v1/chat/completions", headers=KEY,
+                           json={"messages": [{"role": "user", "content": "x"}]})
+        ok = await c.post("/v1/completions", headers=KEY, json={"prompt": "hi", "max_tokens": 2})
+        return bad, ok
+
+    transport_app = app
+
+    async def main():
+        transport = httpx.ASGITransport(app=transport_app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await fn(c)
+
+    bad, ok = asyncio.run(main())
+    assert bad.status_code == 500
+    err = bad.json()["error"]
+    assert err["type"] == "server_error" and "KeyError" in err["message"]
+    assert "/secret" not in bad.text and "Traceback" not in bad.text
+    assert ok.status_code == 200  # the server keeps serving
+
+
+def test_engine_death_fails_open_requests_and_calls_on_dead():
+    seen: list[str] = []
+    engine = FakeEngine(step_time=0.01, fail_after_steps=2)
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False, on_dead=lambda e: seen.append(type(e).__name__))
+        stream = await llm.add_request("r", "hi", _params(50))
+        try:
+            async for _ in stream:
+                pass
+        except Exception as e:  # noqa: BLE001
+            seen.append(str(e))
+        await asyncio.sleep(0.05)
+        return llm
+
+    llm = asyncio.run(main())
+    assert llm.errored
+    assert "RuntimeError" in seen  # on_dead: the server exits non-zero
+    (message,) = [m for m in seen if m != "RuntimeError"]
+    assert message.startswith("The engine failed (RuntimeError") and "simulated" not in message
+
+
+def _params(max_tokens: int):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens)

@@ -1,0 +1,111 @@
+"""The real server process under signals and an engine fault: SIGTERM drains (new
+requests 503, running ones finish, exit 0), past --shutdown-timeout the rest end with
+an error event, a second signal exits at once, and an engine failure gives every open
+request an error and exits 1 so a supervisor restarts it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.conftest import API_KEY, MODEL_NAME, SERVER_FLAGS, ServerProcess
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def start(tiny_model_dir, tmp_path, *extra: str, **kwargs) -> ServerProcess:
+    return ServerProcess([str(tiny_model_dir), *SERVER_FLAGS, *extra], tmp_path / "server.log", **kwargs)
+
+
+class Stream:
+    """A streaming completion read in a thread: its events, and when the first arrived."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.events: list = []
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=HEADERS, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.started.set()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            self.error = e
+            self.started.set()
+
+    def join(self) -> list:
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return self.events
+
+
+def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model_dir, tmp_path):
+    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
+    stream = Stream(srv.url, max_tokens=200)
+    assert stream.started.wait(30)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    refused = httpx.post(srv.url + "/v1/completions", headers=HEADERS, timeout=10,
+                         json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+    health = httpx.get(srv.url + "/health", timeout=10)
+    events = stream.join()
+    assert srv.proc.wait(timeout=60) == 0, srv.log()
+    srv.stop()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert health.status_code == 503
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])  # it ran to the end
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_past_the_shutdown_timeout_open_streams_end_with_an_error_event(tiny_model_dir, tmp_path):
+    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "0")
+    stream = Stream(srv.url, max_tokens=240)
+    assert stream.started.wait(30)
+    srv.proc.send_signal(signal.SIGTERM)
+    events = stream.join()
+    assert srv.proc.wait(timeout=60) == 0, srv.log()
+    srv.stop()
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "shutting_down", events[-2]
+
+
+def test_a_second_signal_exits_at_once(tiny_model_dir, tmp_path):
+    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
+    stream = Stream(srv.url, max_tokens=240)
+    assert stream.started.wait(30)
+    srv.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.proc.wait(timeout=10) == 128 + signal.SIGINT, srv.log()
+    srv.stop()
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_fault_fails_open_requests_and_exits_1(tiny_model_dir, tmp_path):
+    srv = start(tiny_model_dir, tmp_path, module="tests.entrypoints.openai.faulty_server",
+                env={"FAULT_AFTER_STEPS": "5"})
+    stream = Stream(srv.url, max_tokens=100)
+    events = stream.join()
+    assert srv.proc.wait(timeout=60) == 1, srv.log()
+    log = srv.log()
+    srv.stop()
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["type"] == "server_error" and err["code"] == "engine_dead"
+    assert "RuntimeError" in err["message"] and "/some/kernel" not in err["message"]  # no paths in bodies
+    assert "injected fault" in log  # the details are in the log
