@@ -197,3 +197,21 @@ def _params(max_tokens: int):
     from pagedserve.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens)
+
+
+def test_a_stream_nobody_reads_holds_one_snapshot_not_every_step():
+    """A client that stops reading costs one cumulative output, however many steps run."""
+    engine = FakeEngine(step_time=0.001)
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        stream = await llm.add_request("r", "hi", _params(300))
+        while engine.reqs:  # the engine runs all 300 steps while nobody reads
+            await asyncio.sleep(0.01)
+        held = [stream._collector.item]  # what is buffered for the request: one object
+        outs = [out async for out in stream]
+        return held, outs
+
+    held, outs = asyncio.run(main())
+    assert held[0] is not None and len(outs) == 1  # intermediate snapshots were replaced, not queued
+    assert outs[0].finished and len(outs[0].outputs[0].token_ids) == 300

@@ -109,3 +109,33 @@ def test_an_engine_fault_fails_open_requests_and_exits_1(tiny_model_dir, tmp_pat
     assert err["type"] == "server_error" and err["code"] == "engine_dead"
     assert "RuntimeError" in err["message"] and "/some/kernel" not in err["message"]  # no paths in bodies
     assert "injected fault" in log  # the details are in the log
+
+
+def test_a_flood_past_the_waiting_bound_gets_503s_and_memory_stays_flat(tiny_model_dir, tmp_path):
+    import asyncio
+
+    import psutil
+
+    srv = start(tiny_model_dir, tmp_path, "--max-waiting-requests", "4", "--max-num-seqs", "2")
+    rss = psutil.Process(srv.proc.pid).memory_info
+
+    async def flood(n: int) -> list[int]:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=srv.url, headers=HEADERS, timeout=60, limits=limits) as c:
+            body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 16, "ignore_eos": True}
+            rs = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(n)))
+        for r in rs:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] and r.json()["error"]["code"] == "server_overloaded"
+        return [r.status_code for r in rs]
+
+    asyncio.run(flood(100))  # warm-up
+    before = rss().rss
+    codes = [c for _ in range(2) for c in asyncio.run(flood(100))]
+    after = rss().rss
+    final = httpx.post(srv.url + "/v1/completions", headers=HEADERS, timeout=30,
+                       json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+    srv.stop()
+    assert set(codes) == {200, 503} and codes.count(503) > codes.count(200), codes
+    assert after - before < 32 << 20, (before, after)  # refusals cost no memory that stays
+    assert final.status_code == 200
