@@ -302,6 +302,10 @@ class AsyncLLM:
         except (ValueError, TypeError) as e:  # InvalidRequestError (a ValueError) keeps its param
             self._call_soon(_set_exception, cmd.future, e if isinstance(e, ValueError) else ValueError(str(e)))
             return
+        except Exception as e:  # noqa: BLE001 - a bug reached by one request's input fails that request only
+            logger.exception("adding request %s failed", cmd.request_id)
+            self._call_soon(_set_exception, cmd.future, e)
+            return
         self._req_stats[cmd.request_id] = _ReqStats(arrival=cmd.arrival)
         self._num_waiting += cmd.params.n  # until the next step's count replaces it
         self._call_soon(_set_result, cmd.future, None)

@@ -186,3 +186,20 @@ def test_stat_loggers_see_tokens_and_finishes():
     # One all-zero line marks the end of activity (as vLLM does), then silence.
     assert "Avg generation throughput: 0.0 tokens/s" in log_stats.maybe_log(now=time.monotonic() + 4000)
     assert log_stats.maybe_log(now=time.monotonic() + 6000) is None
+
+
+def test_an_unexpected_error_adding_one_request_fails_it_alone():
+    class Buggy(FakeEngine):
+        def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+            if prompt == "boom":
+                raise KeyError("a bug reached by this input")
+            return super().add_request(request_id, prompt, params, arrival_time, priority)
+
+    async def main():
+        llm = AsyncLLM(Buggy(), log_stats=False)
+        with pytest.raises(KeyError):
+            await llm.add_request("bad", "boom", SamplingParams(max_tokens=2))
+        assert not llm.errored
+        return await collect(llm, "good", max_tokens=3)
+
+    run(main())
