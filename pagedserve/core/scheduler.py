@@ -18,7 +18,7 @@ after a step is scheduled, and when a finished request's blocks can be freed.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable, Mapping
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -279,10 +279,12 @@ class Scheduler:
 
     # --------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
-                           invalid_req_ids: Collection[str] = ()) -> list[EngineCoreOutput]:
+                           invalid_req_ids: Mapping[str, str | None] | None = None) -> list[EngineCoreOutput]:
         """Append each request's sampled tokens, apply the stop rules, release finished
-        requests.  `invalid_req_ids`: requests the runner could not sample (their
-        logits were not finite); they finish with "error" and the rest go on."""
+        requests.  `invalid_req_ids`: requests the runner could not sample, each with
+        the reason the client gets (None: the logits were not finite); they finish with
+        "error" and the rest go on."""
+        invalid_req_ids = invalid_req_ids or {}
         self._begin_update(scheduler_output)
         outputs: list[EngineCoreOutput] = []
         append_output = outputs.append
@@ -299,6 +301,7 @@ class Scheduler:
                 continue  # finished or aborted since, or an older request's token
             if not token_ids:
                 status = _ERROR
+                request.stop_reason = invalid_req_ids.get(req_id)
             elif len(token_ids) == 1:  # one token a step, the usual case, without the loop's overhead
                 tok = token_ids[0]
                 request.append_output_token_id(tok)

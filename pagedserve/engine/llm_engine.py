@@ -278,9 +278,11 @@ class LLMEngine:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         max_logprobs = self.model_config.max_logprobs
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise InvalidRequestError(f"logprobs must be at most {max_logprobs} (max_logprobs), got {params.logprobs}",
-                                      param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise InvalidRequestError(f"{name} must be at most {max_logprobs} (max_logprobs), got {value}",
+                                          param=name)
         max_n = self.config.scheduler_config.max_n
         if params.n > max_n:
             raise InvalidRequestError(f"n must be at most {max_n} (max_n), got {params.n}", param="n")

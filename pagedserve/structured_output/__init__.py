@@ -166,7 +166,7 @@ class StructuredOutputManager:
         kind, spec = key
         try:
             grammar = backend.compile(kind, spec)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - grammar libraries raise what they like on a bad spec (a client's)
             with self._lock:
                 self._cache.pop(key, None)  # a bad spec is not worth keeping
                 self._served.discard(key)

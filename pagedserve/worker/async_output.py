@@ -15,10 +15,10 @@ import torch
 
 from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.platforms import is_cuda
-from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
+from pagedserve.worker.outputs import NO_TOKEN_LEFT, LogprobsEntry, ModelRunnerOutput
 from pagedserve.worker.sampler import SamplerOutput
 
-_FIELDS = ("sampled_token_ids", "invalid", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
+_FIELDS = ("sampled_token_ids", "invalid", "no_token", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
 
 
 class AsyncModelRunnerOutput:
@@ -84,9 +84,10 @@ class AsyncModelRunnerOutput:
         h = self._host
         tokens = h["sampled_token_ids"].tolist()
         invalid = h["invalid"].tolist() if "invalid" in h else [False] * len(tokens)
-        for req_id, tok, bad in zip(self.sample_req_ids, tokens, invalid, strict=True):
+        no_token = h["no_token"].tolist() if "no_token" in h else [False] * len(tokens)
+        for req_id, tok, bad, empty in zip(self.sample_req_ids, tokens, invalid, no_token, strict=True):
             if bad:
-                out.invalid_req_ids.append(req_id)
+                out.invalid_req_ids[req_id] = NO_TOKEN_LEFT if empty else None
             else:
                 out.sampled_token_ids[req_id] = [tok]
         if "sampled_logprobs" not in h:

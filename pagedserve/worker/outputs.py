@@ -18,14 +18,20 @@ class LogprobsEntry:
     topk_logprobs: list[float]
 
 
+NO_TOKEN_LEFT = ("the request's constraints (grammar or response format, allowed_token_ids, logit_bias, "
+                 "bad_words, min_tokens) together allow no token at this point")
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # every request scheduled this step, in batch order
     # Only requests whose prompt is fully computed after this step get a token.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
-    # Requests whose logits were not a distribution (NaN/inf): they fail, the rest go on.
-    invalid_req_ids: list[str] = field(default_factory=list)
+    # Requests whose logits were not a distribution: they fail, the rest go on.  The value
+    # is the client's error message when their own constraints excluded every token
+    # (NO_TOKEN_LEFT), None when the model's logits were not finite (a server error).
+    invalid_req_ids: dict[str, str | None] = field(default_factory=dict)
     # Requests that asked for prompt logprobs: (index of the first prompt token covered,
     # one entry per prompt token from there) for the prompt positions this step computed.
     prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)

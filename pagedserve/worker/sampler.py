@@ -69,6 +69,10 @@ class SamplerOutput:
     topk_token_ids: torch.Tensor | None = None  # [N, K]
     topk_logprobs: torch.Tensor | None = None  # [N, K]
     invalid: torch.Tensor | None = None  # [N] bool: the row's logits were not a distribution
+    # [N] bool, the invalid rows whose every token was -inf: the request's own constraints
+    # (grammar, allowed_token_ids, logit_bias, bad words, min_tokens) left nothing to
+    # sample -- the client's doing, not the model's.
+    no_token: torch.Tensor | None = None
 
 
 class Sampler:
@@ -90,7 +94,7 @@ class Sampler:
             sampled = self.sample_random(logits, md, invalid)
             if md.greedy is not None:
                 sampled = torch.where(md.greedy, argmax, sampled)
-        out = SamplerOutput(sampled.masked_fill(invalid, 0), invalid=invalid)
+        out = SamplerOutput(sampled.masked_fill(invalid, 0), invalid=invalid, no_token=best == float("-inf"))
         if raw_logprobs is not None:
             self.gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
         return out

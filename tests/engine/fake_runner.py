@@ -19,7 +19,7 @@ class FakeRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
-    invalid_req_ids: list[str] = field(default_factory=list)
+    invalid_req_ids: dict[str, str | None] = field(default_factory=dict)
     prompt_logprobs: dict = field(default_factory=dict)
 
 
@@ -57,7 +57,7 @@ class FakeRunner:
         for rid, new, comp in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens, strict=True):
             self.tokens[rid].extend(new)
             self.computed[rid] = comp
-        sampled, logprobs, invalid = {}, {}, []
+        sampled, logprobs, invalid = {}, {}, {}
         for rid, n in so.num_scheduled_tokens.items():
             self.computed[rid] += n
             toks = self.tokens[rid]
@@ -66,7 +66,7 @@ class FakeRunner:
             p = self.prompt_len[rid]
             t = self.script(len(toks) - p, toks[:p])
             if t is None:
-                invalid.append(rid)
+                invalid[rid] = None
                 continue
             sampled[rid] = [t]
             logprobs[rid] = LogprobsEntry(t, -0.5, 2, [t + 1, t], [-0.25, -0.5])

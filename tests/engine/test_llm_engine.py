@@ -261,6 +261,7 @@ def test_a_request_with_invalid_logits_fails_alone() -> None:
 def test_engine_limits_name_their_field() -> None:
     engine = make_engine(max_n=4, max_logprobs=5)
     cases = [(SamplingParams(n=5), "n"), (SamplingParams(logprobs=6), "logprobs"),
+             (SamplingParams(prompt_logprobs=10**30), "prompt_logprobs"),
              (SamplingParams(stop_token_ids=[400]), "stop_token_ids")]
     for params, field in cases:
         with pytest.raises(InvalidRequestError) as e:

@@ -173,6 +173,7 @@ def test_rows_that_are_not_distributions_are_flagged_not_raised(temperatures):
               for i, t in enumerate(temperatures)]
     out = sample(params, logits)  # a categorical draw on these rows would raise: it must not
     assert out.invalid.tolist() == [False, True, True, True]
+    assert out.no_token.tolist() == [False, False, True, False]  # only row 2 had nothing left: not the model's fault
     assert out.sampled_token_ids[1:].tolist() == [0, 0, 0]  # a valid id for the next step's gather
     assert 0 <= out.sampled_token_ids[0] < VOCAB
 

@@ -60,6 +60,7 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
+from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
@@ -125,6 +126,12 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        raised = first.get("ctx", {}).get("error")
+        if isinstance(raised, InvalidRequestError):  # a model validator's own refusal, with its param
+            return error_response(to_openai_error(raised))
+        if first.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
+            return error_response(OpenAIError(f"The request body is not valid JSON ({first.get('msg', 'invalid')} "
+                                              f"at character {first.get('loc', ('', '?'))[-1]})."))
         # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the path.
         loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
         where = ".".join(loc) or "body"

@@ -134,6 +134,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # let the cancellation run (it aborts the engine requests)
     if task.cancelled():
         return Response(status_code=499)
     return task.result()

@@ -10,11 +10,12 @@ the name this request used.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -28,6 +29,33 @@ class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (not rejected) so that newer clients keep working; the
     # serving layer refuses the few it knows would change the output.
     model_config = ConfigDict(extra="allow")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class RequestBody(OpenAIBaseModel):
+    """A top-level request body.  JSON may spell lone UTF-16 surrogates ("\\ud800"), which
+    are not Unicode text: no tokenizer, template or grammar can take them, so a body
+    holding one anywhere is refused here, naming where, before any of them sees it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        stack: list[tuple[Any, str]] = [(data, "")]
+        while stack:  # iterative: bodies may nest deeper than the recursion limit
+            value, path = stack.pop()
+            if isinstance(value, str):
+                if _SURROGATE.search(value):
+                    raise InvalidRequestError(f"{path or 'body'} contains a lone UTF-16 surrogate, which is not valid "
+                                              "Unicode text", param=path.split(".")[0] or None)
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    stack.append((k, path))
+                    stack.append((v, f"{path}.{k}" if path else str(k)))
+            elif isinstance(value, list):
+                stack.extend((v, f"{path}.{i}") for i, v in enumerate(value))
+        return data
 
 
 # --------------------------------------------------------------------------- errors
@@ -48,7 +76,7 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -300,7 +328,12 @@ class ChatCompletionRequest(_SamplingFields):
             return "auto", None
         if isinstance(choice, str):
             return choice, None
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                function.get("name"), str):
+            raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
+                                      '{"type": "function", "function": {"name": NAME}}', param="tool_choice")
+        name = function["name"]
         for tool in self.tools:
             if tool.function.name == name:
                 return "named", tool.function
@@ -324,7 +357,7 @@ class ChatCompletionRequest(_SamplingFields):
                                       f"{self._structured_fields()[0]}", param=self._structured_fields()[0])
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -332,7 +365,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
