@@ -33,8 +33,13 @@ from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.cpu_malloc import release_freed_memory
 
 logger = logging.getLogger("pagedserve.async_llm")
+# After this long without work, the heap's free memory goes back to the kernel: steps keep
+# freed activations on the heap for speed (worker/cpu_malloc.py), which an idle server
+# need not hold; trimming only after a pause keeps it off a busy server's path.
+IDLE_TRIM_SECONDS = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -258,17 +263,24 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        worked = False  # stepped since the heap was last trimmed
         try:
             while not self._stop:
                 did_work = self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    worked = True
                     self._num_waiting = self.engine.get_stats().num_waiting
                     self._dispatch(outputs)
                 elif did_work:
                     self._record([], time.monotonic())  # aborts change running/KV usage
                 else:
-                    self._wake.wait(timeout=self.log_stats.interval if self.log_stats else None)
+                    timeout = self.log_stats.interval if self.log_stats else None
+                    if worked:
+                        timeout = min(timeout or IDLE_TRIM_SECONDS, IDLE_TRIM_SECONDS)
+                    if not self._wake.wait(timeout=timeout) and worked:
+                        release_freed_memory()
+                        worked = False
                     self._wake.clear()
                 if self.log_stats is not None:
                     self.log_stats.maybe_log()

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedserve.config import CacheConfig
 from pagedserve.layers.attention import Attention
-from pagedserve.platforms import is_cuda
+from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
@@ -140,12 +140,19 @@ def determine_num_blocks(
 
 def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """On CPU the cache is written through at once: an untouched allocation only becomes
+    resident as the block pool cycles through its blocks, so RSS would climb by the whole
+    cache over hours of traffic (a leak to anyone watching it) and a machine without the
+    memory would fail mid-serving instead of at start-up."""
     caches = []
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
-        k[NULL_BLOCK_ID].zero_()
-        v[NULL_BLOCK_ID].zero_()
+        if is_cpu(device):
+            k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        else:
+            k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+            k[NULL_BLOCK_ID].zero_()
+            v[NULL_BLOCK_ID].zero_()
         caches.append((k, v))
     return caches
 
