@@ -117,7 +117,7 @@ class ServerProcess:
         """{(sample name, sorted labels without model_name): value}."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}).text
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:

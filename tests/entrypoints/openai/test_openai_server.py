@@ -12,6 +12,8 @@ from conftest import API_KEY, MODEL_NAME
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 PROMPT = "the quick brown fox"
 SPECIALS = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
 MESSAGES = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "hello world"}]
@@ -32,7 +34,7 @@ def test_models_health_version(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
 
 
 def test_completion_usage_is_exact(client, tokenizer):
@@ -179,7 +181,7 @@ def test_errors_then_success(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, max_tokens="lots")
     assert e.value.status_code == 400
-    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["count"]
+    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()["count"]
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, max_tokens=300)
     assert e.value.body["message"] == (
@@ -201,9 +203,9 @@ def test_errors_then_success(server, client):
 
 
 def test_tokenize_detokenize(server, tokenizer):
-    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
     assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
-    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()
     assert d["prompt"] == tokenizer.decode(r["tokens"])
 
 
@@ -221,7 +223,6 @@ def test_async_client_concurrent(server):
 
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _post(server, url: str, body: dict) -> httpx.Response:
@@ -296,7 +297,7 @@ def test_content_parts_render_as_llm_chat_renders_them(server, tokenizer):
     """One flattener: text parts joined by newlines on the server as in LLM.chat (the
     server once joined them with nothing, so the same messages made another prompt)."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
-    served = httpx.post(server.url + "/tokenize", json={"messages": parts}).json()["tokens"]
+    served = httpx.post(server.url + "/tokenize", json={"messages": parts}, headers=AUTH).json()["tokens"]
     expected = tokenizer.apply_chat_template([{"role": "user", "content": "hello\nworld"}], tokenize=False,
                                              add_generation_prompt=True)
     assert served == tokenizer.encode(expected, add_special_tokens=False)
