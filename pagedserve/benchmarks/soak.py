@@ -34,10 +34,7 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+
+from pagedserve.benchmarks.llamacpp import LocalServer, rss_bytes
 
 # vLLM's metric names, which pagedserve's /metrics uses (pagedserve/metrics.py).
 METRIC_RUNNING = "vllm:num_requests_running"
@@ -62,8 +61,6 @@ _WORDS = ("the of and to in is it you that he was for on are with as his they be
           "round man year came show every good me give our under name very just form great think say help low").split()
 _SHARED_PREFIXES = ("You are a helpful assistant. Answer briefly.", "Context: the quick brown fox jumps over the dog.",
                     "Summarize the following text in one line:")
-_LINE_RE = re.compile(r"^([^\s{]+)(?:\{(.*)\})?\s+(\S+)")
-_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _OK_STATUSES = range(200, 300)
 
 
@@ -410,26 +407,13 @@ class StreamCheck:
 
 
 # --------------------------------------------------------------------------- server facts
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text format -> {sample name: [(labels, value)]} (enough for gauges and counters)."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE_RE.match(line)
-        if m is None:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = dict(_LABEL_RE.findall(m.group(2) or ""))
-        out.setdefault(m.group(1), []).append((labels, value))
-    return out
-
-
 def gauges_from_metrics(text: str) -> ServerGauges:
-    samples = parse_metrics(text)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
 
     def total(name: str) -> float | None:
         return sum(v for _, v in samples[name]) if name in samples else None
@@ -453,32 +437,7 @@ class RssSample:
 
 
 def process_rss(pid: int) -> RssSample | None:
-    """RSS of a process and all its children (psutil, else /proc); None if it is gone."""
-    try:
-        import psutil
-    except ImportError:
-        return _proc_rss(pid)
-    try:
-        proc = psutil.Process(pid)
-        sample = RssSample(proc.memory_info().rss)
-        for child in proc.children(recursive=True):
-            try:
-                sample.children += child.memory_info().rss
-                sample.num_children += 1
-            except psutil.Error:
-                pass  # it exited meanwhile
-        return sample
-    except psutil.Error:
-        return None
-
-
-def _proc_rss(pid: int) -> RssSample | None:
-    def own(p: int) -> int | None:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:
-            return None
+    """RSS of a process and all its children (from /proc); None if it is gone."""
 
     def children(p: int) -> list[int]:
         out: list[int] = []
@@ -490,15 +449,15 @@ def _proc_rss(pid: int) -> RssSample | None:
             pass
         return out
 
-    main = own(pid)
-    if main is None:
+    main = rss_bytes(pid)
+    if not main:
         return None
     sample = RssSample(main)
     todo = children(pid)
     while todo:
         c = todo.pop()
-        rss = own(c)
-        if rss is not None:
+        rss = rss_bytes(c)
+        if rss:
             sample.children += rss
             sample.num_children += 1
             todo += children(c)
@@ -546,50 +505,23 @@ def _log_size(path: str | None) -> int:
         return 0
 
 
-class LaunchedServer:
-    """`python -m pagedserve.entrypoints.cli serve ARGS` on a free loopback port, ready once
-    /health answers 200; its output goes to a log file (kept, and named on failure)."""
+class LaunchedServer(LocalServer):
+    """`pagedserve serve ARGS` started by the soak; its output goes to a log file (kept,
+    and named on failure), a temporary one unless given."""
 
-    def __init__(self, args: list[str], log_path: str | None = None, timeout: float = 600.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+    what = "pagedserve serve"
+    ready_timeout = 600.0
+
+    def __init__(self, args: list[str], log_path: str | None = None) -> None:
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="pagedserve-soak-", suffix=".log")
             os.close(fd)
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *args,
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"the server exited with {self.proc.returncode} (log: {log_path})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the server was not ready after {timeout:.0f} s (log: {log_path})")
+        self.args, self.log_path = args, log_path
+        super().__init__(log_path=log_path)
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *self.args,
+                "--host", "127.0.0.1", "--port", str(port)]
 
 
 # --------------------------------------------------------------------------- the run
@@ -1019,7 +951,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if api_key is None and "--api-key" in launch_args[:-1]:
             api_key = launch_args[launch_args.index("--api-key") + 1]
         server = LaunchedServer(launch_args, args.server_log)
-        base_url, pid, server_log = server.url, server.pid, server.log_path
+        base_url, pid, server_log = server.url, server.proc.pid, server.log_path
         log(f"soak: launched the server (pid {pid}, log {server.log_path})")
     cfg = SoakConfig(
         base_url=base_url, api_key=api_key, model=args.model, pid=pid, server_log=server_log,
@@ -1033,7 +965,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         summary = asyncio.run(Soak(cfg).run())
         if server is not None:
-            alive = server.alive()
+            alive = server.proc.poll() is None
             summary["conditions"]["launched server still running at the end"] = alive
             if not alive:
                 summary["ok"] = False

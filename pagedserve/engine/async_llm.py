@@ -108,6 +108,13 @@ class _Add:
     future: asyncio.Future = field(repr=False)
 
 
+def check_front_door_limits(max_waiting_requests: int | None, request_timeout: float | None) -> None:
+    """The admission limits' one check (a server runs it on its flags before loading)."""
+    for name, value in (("max_waiting_requests", max_waiting_requests), ("request_timeout", request_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (), log_stats: bool = True,
                  log_interval: float = 10.0, max_waiting_requests: int | None = None,
@@ -115,9 +122,7 @@ class AsyncLLM:
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
         """`on_dead` is called on the event loop once the engine loop has failed (after
         every open request got its error): a server exits so a supervisor restarts it."""
-        for name, value in (("max_waiting_requests", max_waiting_requests), ("request_timeout", request_timeout)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        check_front_door_limits(max_waiting_requests, request_timeout)
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout

@@ -40,6 +40,7 @@ from pagedserve.engine.async_llm import (
     EngineOverloadedError,
     EngineShutdownError,
     RequestTimeoutError,
+    check_front_door_limits,
 )
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
@@ -326,10 +327,7 @@ def run_server(args: argparse.Namespace) -> None:
         max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        for flag, value in (("--max-waiting-requests", args.max_waiting_requests),
-                            ("--request-timeout", args.request_timeout)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{flag} must be positive, got {value}")
+        check_front_door_limits(args.max_waiting_requests, args.request_timeout)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     names = args.served_model_name or [engine_args.model]
