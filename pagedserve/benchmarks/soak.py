@@ -17,8 +17,9 @@ bodies; prompts longer than the context) and at the end checks that
   one a 400, and no response at all was a 5xx;
 - once the traffic stops the server drains: requests running = waiting = 0 and KV-cache
   usage 0 (read from its Prometheus /metrics);
-- the server's RSS at rest (after `--settle` s of quiet) at the end is within 10% of its RSS at rest after warm-up (with `--pid` or
-  `--launch`: the server's process and its children);
+- the server's RSS at rest (after `--settle` s of quiet) at the end is within 10% of its
+  RSS at rest after warm-up (with `--pid` or `--launch`: the server's process and its
+  children running the same executable; a compiler a kernel build runs is shown apart);
 - the server's log (with `--server-log` or `--launch`) has no traceback: a client that
   hangs up or sends garbage must not make the server raise, even where no client sees it.
 
@@ -424,20 +425,25 @@ def gauges_from_metrics(text: str) -> ServerGauges:
 
 @dataclass
 class RssSample:
-    """Resident bytes of the server process and of its children (worker processes, or a
-    compiler a build started: reported apart so a transient child is told from a leak)."""
+    """Resident bytes of the server: its own process, its children that run the same
+    executable (tensor-parallel workers: part of the server), and apart from those any other
+    descendant (a compiler a kernel build started, which comes and goes and is not the
+    server's memory; on a clean machine it can hold a gigabyte mid-build)."""
 
     main: int
-    children: int = 0
-    num_children: int = 0
+    workers: int = 0
+    num_workers: int = 0
+    transient: int = 0
+    num_transient: int = 0
 
     @property
     def total(self) -> int:
-        return self.main + self.children
+        """What the RSS condition compares: the server's own processes."""
+        return self.main + self.workers
 
 
 def process_rss(pid: int) -> RssSample | None:
-    """RSS of a process and all its children (from /proc); None if it is gone."""
+    """RSS of a process and all its descendants (from /proc); None if it is gone."""
 
     def children(p: int) -> list[int]:
         out: list[int] = []
@@ -449,17 +455,28 @@ def process_rss(pid: int) -> RssSample | None:
             pass
         return out
 
+    def exe(p: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/{p}/exe")
+        except OSError:
+            return None
+
     main = rss_bytes(pid)
     if not main:
         return None
     sample = RssSample(main)
+    server_exe = exe(pid)
     todo = children(pid)
     while todo:
         c = todo.pop()
         rss = rss_bytes(c)
         if rss:
-            sample.children += rss
-            sample.num_children += 1
+            if server_exe is not None and exe(c) == server_exe:
+                sample.workers += rss
+                sample.num_workers += 1
+            else:
+                sample.transient += rss
+                sample.num_transient += 1
             todo += children(c)
     return sample
 
@@ -851,7 +868,10 @@ def _mib(n: int | None) -> str:
 def _rss(r: RssSample | None) -> str:
     if r is None:
         return "n/a"
-    return _mib(r.total) + (f" ({r.num_children} children: {_mib(r.children)})" if r.num_children else "")
+    parts = [f"{r.num_workers} workers: {_mib(r.workers)}"] if r.num_workers else []
+    if r.num_transient:
+        parts.append(f"not counted: {r.num_transient} other processes, e.g. a kernel build's compiler: {_mib(r.transient)}")
+    return _mib(r.total) + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def format_report(s: dict[str, Any]) -> str:
@@ -875,7 +895,7 @@ def format_report(s: dict[str, Any]) -> str:
         f"end {_mib(rss['end'])}, peak {_mib(rss['peak'])}"
         + (f" ({rss['growth_vs_warmup']:+.1%} vs after warm-up)" if rss["growth_vs_warmup"] is not None else ""),
         "                " + ", ".join(f"{k}: {_rss(RssSample(**v))}" for k, v in s["rss_detail"].items() if v)
-        + " (server process + children)",
+        + " (server process + workers)",
         f"  at the end:   running {g['running']}, waiting {g['waiting']}, KV usage {g['kv_cache_usage']} "
         f"(drained in {g['drain_s']} s)",
     ]
