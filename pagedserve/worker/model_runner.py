@@ -41,7 +41,7 @@ from pagedserve.utils import cdiv, record_startup
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
-from pagedserve.worker.cpu_malloc import keep_freed_memory_on_heap, release_freed_memory
+from pagedserve.worker.cpu_malloc import bound_onednn_caches, keep_freed_memory_on_heap, release_freed_memory
 from pagedserve.worker.cuda_graph import (
     DecodeGraphRunner,
     capture_sizes,
@@ -90,6 +90,7 @@ class ModelRunner:
         if is_cpu(self.device):
             release_freed_memory()  # what loading the weights freed, before the heap starts keeping it
             keep_freed_memory_on_heap()
+            bound_onednn_caches()
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0] if floats else torch.get_default_dtype()
         hf_config = config.model_config.hf_config
