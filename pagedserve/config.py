@@ -153,6 +153,56 @@ class StructuredOutputsConfig:
                              f"got {self.backend!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                       "disable_by_batch_size", "model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names).  "ngram" (prompt lookup)
+    drafts by finding the sequence's last n tokens earlier in it and proposing what
+    followed; the model then verifies all drafts in one forward (core/ngram_proposer.py,
+    worker/rejection_sampler.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # most drafts per request per step
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up
+    prompt_lookup_min: int = 2  # shortest one that still counts as a match
+    # Draft only while at most this many requests run: verifying drafts costs compute,
+    # which a large batch no longer has to spare (the README gives the measurement).
+    disable_by_batch_size: int = 4
+    model: str | None = None  # a draft model: not supported yet (refused by name)
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            raise ValueError("speculative_config.model: draft-model speculation is not supported yet; "
+                             "use {\"method\": \"ngram\"}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_dict(cls, values: object) -> SpeculativeConfig:
+        """From `LLM(speculative_config={...})` or `--speculative-config '{...}'`."""
+        if isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(values).__name__}")
+        unknown = sorted(set(values) - set(_SPECULATIVE_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(_SPECULATIVE_FIELDS)}")
+        return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -161,3 +211,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -133,6 +133,9 @@ class Request:
         # scheduled this request; -1 before any.
         self.first_scheduled_step = -1
         self.last_scheduled_step = -1
+        # Speculative decoding: most drafts the proposer may give it next step (adapted to
+        # how many were accepted; set by the scheduler when speculation is on).
+        self.max_draft_tokens = 0
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
 

@@ -70,6 +70,9 @@ class SchedulerOutput:
     # Their bitmask: filled by the engine before the step runs (or, with overlap
     # scheduling, handed to the launched step once the previous step's tokens are in).
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: the draft tokens scheduled (and given KV slots) after each
+    # decoding request's last known token; the runner verifies them (vLLM's name).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

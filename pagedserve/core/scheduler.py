@@ -20,8 +20,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.ngram_proposer import NgramProposer, SpecDecodingStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import create_request_queue
 from pagedserve.core.sched_output import (
@@ -46,7 +47,8 @@ def _sched_key(request: Request) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -68,6 +70,12 @@ class Scheduler:
         self.num_grammar_requests = 0  # unfinished requests with a grammar
         self.step_budget = (StepTimeBudget(scheduler_config.max_step_ms / 1000, self.max_num_batched_tokens)
                             if scheduler_config.max_step_ms else None)
+        # Speculative decoding: drafts proposed here, at schedule time, for decoding requests
+        # whose sampling allows exact verification, while the batch is small enough.
+        self.speculative_config = speculative_config
+        self.drafter = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.spec_stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * (speculative_config.num_speculative_tokens if speculative_config else 0))
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -97,6 +105,8 @@ class Scheduler:
                 f"KV cache holds ({(kvm.num_blocks - 1) * kvm.block_size} tokens); "
                 "lower max_tokens or shorten the prompt", param="max_tokens")
         request.max_num_tokens = max_len
+        if self.drafter is not None:
+            request.max_draft_tokens = self.drafter.max_drafts
         request.sched_key = (request.priority, request.arrival_time, self._next_seq)
         self._next_seq += 1
         self._admit(request)
@@ -122,6 +132,10 @@ class Scheduler:
         c_new_blocks, c_computed = cached.new_block_ids, cached.num_computed_tokens
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
+        drafter = self.drafter
+        if drafter is not None and len(self.running) > self.speculative_config.disable_by_batch_size:
+            drafter = None
 
         running = self.running
         i = 0
@@ -129,6 +143,10 @@ class Scheduler:
             request = running[i]
             num_computed = request.num_computed_tokens
             n = len(request.all_token_ids) + request.num_output_placeholders - num_computed
+            drafts = None
+            if n == 1 and drafter is not None and self._may_speculate(request):
+                drafts = drafter.propose(request.all_token_ids, request.max_draft_tokens)
+                n += len(drafts)
             if 0 < threshold < n:
                 n = threshold
             if n > token_budget:
@@ -152,6 +170,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             req_id = request.request_id
+            if drafts and n > 1:  # the budgets may have cut some drafts
+                spec_tokens[req_id] = drafts[: n - 1]
             num_scheduled_tokens[req_id] = n
             token_budget -= n
             c_req_ids.append(req_id)
@@ -180,12 +200,20 @@ class Scheduler:
             total_num_scheduled_tokens=step_budget - token_budget,
             preempted_req_ids=preempted,
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         if self.num_grammar_requests and num_scheduled_tokens:
             out.structured_output_rows = self._structured_output_rows(num_scheduled_tokens)
         if num_scheduled_tokens:
             self._after_schedule(out)
         return out
+
+    @staticmethod
+    def _may_speculate(request: Request) -> bool:
+        """Drafts can be verified exactly for this request (see SamplingParams.allows_speculation)."""
+        return (request.max_draft_tokens > 0 and request.grammar is None
+                and len(request.output_token_ids) >= request.min_tokens
+                and request.sampling_params.allows_speculation)
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         """A step's duration, for the time budget (max_step_ms)."""
@@ -291,6 +319,7 @@ class Scheduler:
         requests = self.requests
         get_sampled = sampled_token_ids.get
         takes_sample = self._takes_sample
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
         any_running_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
             token_ids = get_sampled(req_id)
@@ -299,6 +328,8 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not takes_sample(request, scheduler_output):
                 continue  # finished or aborted since, or an older request's token
+            if drafts_of and token_ids and req_id in drafts_of:
+                self._settle_drafts(request, len(drafts_of[req_id]), len(token_ids) - 1)
             if not token_ids:
                 status = _ERROR
                 request.stop_reason = invalid_req_ids.get(req_id)
@@ -324,6 +355,14 @@ class Scheduler:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
         self._end_update()
         return outputs
+
+    def _settle_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """The runner verified `num_drafted` drafts and accepted the first `num_accepted`
+        (it returns those plus one token of its own).  The step counted every draft as
+        computed: the rejected ones' KV slots are taken back, to be overwritten."""
+        request.num_computed_tokens -= num_drafted - num_accepted
+        self.spec_stats.observe(num_drafted, num_accepted)
+        request.max_draft_tokens = self.drafter.next_num_drafts(num_drafted, num_accepted)
 
     @staticmethod
     def _advance(request: Request, tok: int) -> RequestStatus | None:

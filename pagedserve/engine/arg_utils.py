@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,6 +25,7 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     check_scheduling_policy,
 )
@@ -79,6 +81,9 @@ _HELP = {
                    "in chunks (default: off, the token budget alone)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
+    "speculative_config": "speculative decoding as a JSON object, e.g. "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
+                          "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size)",
 }
 
 
@@ -115,6 +120,9 @@ class EngineArgs:
     quantization: str = "auto"
     prepack_weights: bool = True
     max_step_ms: float | None = None
+    # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a JSON string on the command line.
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -182,6 +190,10 @@ class EngineArgs:
             raise bad("async_scheduling", "True, False or None (on for CUDA)")
         if self.torch_compile is not None and not isinstance(self.torch_compile, bool):
             raise bad("torch_compile", "True, False or None (on for CPU)")
+        self._speculative = self._parse_speculative_config()
+        if self._speculative is not None and self.async_scheduling:
+            raise ValueError("speculative_config does not work with async_scheduling=True yet (a step's drafts "
+                             "depend on the previous step's tokens); turn one of them off")
         if self.torch_compile and self.enforce_eager:
             raise ValueError("torch_compile=True contradicts enforce_eager=True (which never compiles)")
         check_scheduling_policy(self.scheduling_policy, "scheduling_policy")
@@ -195,6 +207,18 @@ class EngineArgs:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
+
+    def _parse_speculative_config(self) -> SpeculativeConfig | None:
+        value = self.speculative_config
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r} "
+                                 f"({e.msg})") from None
+        return SpeculativeConfig.from_dict(value)
 
     # ------------------------------------------------------------------ config
     def create_engine_config(self, load_hf_config: bool = True) -> EngineConfig:
@@ -242,6 +266,7 @@ class EngineArgs:
                 torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
             ),
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
+            speculative_config=self._speculative,
         )
 
     # ------------------------------------------------------------------ CLI

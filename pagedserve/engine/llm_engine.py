@@ -106,9 +106,11 @@ class LLMEngine:
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching
         )
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
-            sched.async_scheduling, model_executor)
-        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(sched, self.kv_cache_manager)
+            sched.async_scheduling, model_executor, config.speculative_config is not None)
+        if self.async_scheduling:
+            self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager)
+        else:
+            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config)
         # Async scheduling: launched steps whose results are not applied yet, oldest first
         # (at most one stays in flight between calls to step()).
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
@@ -500,12 +502,15 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
 
 
-def resolve_async_scheduling(value: bool | None, executor: ModelExecutor) -> bool:
+def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, speculative: bool = False) -> bool:
     """None: on when the executor can launch a step without waiting for it and runs on
-    CUDA (on CPU the step itself is the host's work: there is nothing to overlap)."""
+    CUDA (on CPU the step itself is the host's work: there is nothing to overlap), and
+    speculative decoding is off (drafts need the previous step's tokens on the host)."""
     supported = executor.supports_async_scheduling
     if value is None:
-        return supported and is_cuda(executor.device)
+        return supported and is_cuda(executor.device) and not speculative
+    if value and speculative:
+        raise ValueError("speculative_config does not work with async_scheduling=True yet")
     if value and not supported:
         raise ValueError(f"async_scheduling=True needs a model executor that can launch steps asynchronously; "
                          f"{type(executor).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")

@@ -16,6 +16,7 @@ import torch
 from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.platforms import is_cuda
 from pagedserve.worker.outputs import NO_TOKEN_LEFT, LogprobsEntry, ModelRunnerOutput
+from pagedserve.worker.rejection_sampler import DraftVerdict
 from pagedserve.worker.sampler import SamplerOutput
 
 _FIELDS = ("sampled_token_ids", "invalid", "no_token", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
@@ -37,6 +38,9 @@ class AsyncModelRunnerOutput:
         self._event: torch.cuda.Event | None = None
         self._output: ModelRunnerOutput | None = None
         self._deferred: Callable[[GrammarBitmask], None] | None = None
+        # Speculative decoding: requests whose drafts were verified, with the verdicts.
+        self._drafts: dict[str, list[int]] = {}
+        self._verdicts: dict[str, DraftVerdict] = {}
         if sampled is not None:
             self.set_sampled(sampled)
 
@@ -64,6 +68,11 @@ class AsyncModelRunnerOutput:
         else:
             self._host = tensors
 
+    def set_draft_verdicts(self, drafts: dict[str, list[int]], verdicts: dict[str, DraftVerdict]) -> None:
+        """A request with verdict keeps its accepted drafts, then the replacement of the
+        first rejected one, or (all accepted) the token sampled at its last position."""
+        self._drafts, self._verdicts = drafts, verdicts
+
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
         out = cls(output.req_ids)
@@ -85,8 +94,20 @@ class AsyncModelRunnerOutput:
         tokens = h["sampled_token_ids"].tolist()
         invalid = h["invalid"].tolist() if "invalid" in h else [False] * len(tokens)
         no_token = h["no_token"].tolist() if "no_token" in h else [False] * len(tokens)
+        verdicts = self._verdicts
         for req_id, tok, bad, empty in zip(self.sample_req_ids, tokens, invalid, no_token, strict=True):
-            if bad:
+            v = verdicts.get(req_id) if verdicts else None
+            if v is not None and v.invalid:
+                out.invalid_req_ids[req_id] = None
+            elif v is not None:
+                kept = self._drafts[req_id][: v.num_accepted]
+                if v.replacement is not None:
+                    out.sampled_token_ids[req_id] = [*kept, v.replacement]
+                elif bad:
+                    out.invalid_req_ids[req_id] = NO_TOKEN_LEFT if empty else None
+                else:
+                    out.sampled_token_ids[req_id] = [*kept, tok]
+            elif bad:
                 out.invalid_req_ids[req_id] = NO_TOKEN_LEFT if empty else None
             else:
                 out.sampled_token_ids[req_id] = [tok]

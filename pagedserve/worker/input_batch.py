@@ -107,6 +107,18 @@ class InputBatch:
                 self._append_blocks(row, cached.new_block_ids[i])
             self.num_computed_tokens[row] = cached.num_computed_tokens[i]
 
+    def write_draft_tokens(self, drafts: dict[str, list[int]]) -> None:
+        """Speculative decoding: put each request's drafts after its known tokens, where
+        the step reads its input ids; they stay unknown (num_tokens does not move) until
+        verified and sent back as output tokens."""
+        for req_id, ids in drafts.items():
+            row = self.req_id_to_row[req_id]
+            n = int(self.num_tokens[row])
+            if n + len(ids) > self.max_model_len:
+                raise ValueError(f"request {req_id!r}: {len(ids)} drafts after {n} tokens exceed "
+                                 f"max_model_len={self.max_model_len}")
+            self.token_ids[row, n:n + len(ids)] = ids
+
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:

@@ -50,6 +50,7 @@ from pagedserve.worker.cuda_graph import (
 )
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
+from pagedserve.worker.rejection_sampler import DraftVerdict, verify_drafts
 from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve")
@@ -293,6 +294,10 @@ class ModelRunner:
         ib.update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 or not scheduler_output.num_scheduled_tokens:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput.empty())
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if drafts and overlap:
+            raise ValueError("speculative decoding does not run under overlap (async) scheduling")
+        ib.write_draft_tokens(drafts)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         self._next_host_set()
         step = self._prepare_inputs(req_ids, scheduler_output, overlap)
@@ -325,6 +330,8 @@ class ModelRunner:
             pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
         out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
                                      prompt_logprobs=prompt_logprobs)
+        if drafts:
+            out.set_draft_verdicts(drafts, self._verify_drafts(req_ids, drafts, hidden))
 
         def sample(grammar: GrammarBitmask | None) -> None:
             if grammar is not None:
@@ -340,6 +347,22 @@ class ModelRunner:
         else:
             sample(scheduler_output.grammar_bitmask)
         return out
+
+    def _verify_drafts(self, req_ids: list[str], drafts: dict[str, list[int]],
+                       hidden: torch.Tensor) -> dict[str, DraftVerdict]:
+        """Score each request's drafts against the hidden states before them (the k rows
+        ahead of its last query row, which the ordinary sampler takes)."""
+        ib, qsl = self.input_batch, self._np["query_start_loc"]
+        spec_ids = [r for r in req_ids if r in drafts]
+        where = {r: i for i, r in enumerate(req_ids)}
+        flat = np.concatenate([np.arange(qsl[where[r] + 1] - 1 - len(drafts[r]), qsl[where[r] + 1] - 1)
+                               for r in spec_ids])
+        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(flat).to(hidden.device)))
+        if logits is None:  # a tensor-parallel rank > 0: rank 0 verifies
+            return {}
+        rows = [ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]]
+        verdicts = verify_drafts(self.sampler, logits, ib.sampling_metadata(rows), [drafts[r] for r in spec_ids])
+        return dict(zip(spec_ids, verdicts, strict=True))
 
     def _prompt_logprobs(self, req_ids: list[str], step: StepInputs,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[LogprobsEntry]]]:
@@ -414,6 +437,9 @@ class ModelRunner:
             prev = self._prev_index
             pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, num_reqs)
         total = known + pending
+        if so.scheduled_spec_decode_tokens:  # drafts sit in the token rows past the known tokens
+            spec = so.scheduled_spec_decode_tokens
+            total = total + np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, num_reqs)
         bad = (num_new <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * self.block_size)
         if bad.any():
             i = int(np.argmax(bad))

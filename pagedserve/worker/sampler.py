@@ -141,6 +141,12 @@ class Sampler:
                       invalid: torch.Tensor | None = None) -> torch.Tensor:
         """One categorical draw per row; `invalid` rows draw from a uniform stand-in
         (their token is discarded) so that the draw itself cannot fail."""
+        return self.draw(self.processed_probs(logits, md, invalid), md)
+
+    @staticmethod
+    def processed_probs(logits: torch.Tensor, md: SamplingMetadata,
+                        invalid: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, min_p, top-k/top-p."""
         logits = logits / md.temperature[:, None]
         if invalid is not None:
             logits.masked_fill_(invalid[:, None], 0.0)
@@ -152,10 +158,14 @@ class Sampler:
             logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
         elif md.top_k is not None:
             logits = _apply_top_k(logits, md.top_k)
-        probs = logits.softmax(-1)
-        # A categorical draw per row.  With replacement, multinomial draws one uniform
-        # and searches the cumulative distribution: far cheaper on CPU than vocab-many
-        # exponentials (its no-replacement path), and the same distribution.
+        return logits.softmax(-1)
+
+    def draw(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """One token per row from `probs` (rows need not be normalised), seeded rows from
+        their own generators."""
+        # With replacement, multinomial draws one uniform and searches the cumulative
+        # distribution: far cheaper on CPU than vocab-many exponentials (its
+        # no-replacement path), and the same distribution.
         sampled = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
         rows = md.unseeded_random_rows
         if rows is None:
@@ -165,6 +175,14 @@ class Sampler:
         for row, gen in md.generators.items():
             sampled[row] = torch.multinomial(probs[row], 1, True, generator=gen)[0]
         return sampled
+
+    def uniform(self, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+        """One uniform draw in [0, 1) per row, from the same generators `draw` uses."""
+        n = len(md.temperature) if md.temperature is not None else 0
+        u = torch.rand(n, generator=self.generator, device=device)
+        for row, gen in md.generators.items():
+            u[row] = torch.rand(1, generator=gen, device=device)[0]
+        return u
 
     @staticmethod
     def gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:

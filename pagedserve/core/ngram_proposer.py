@@ -1,0 +1,78 @@
+"""N-gram (prompt lookup) drafting for speculative decoding, on the host, per request.
+
+Text that copies (an edited code snippet given back, a summary that quotes, JSON that
+echoes its input) repeats runs of the sequence so far.  Take the sequence's last n
+tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), find their latest
+earlier occurrence, and propose the tokens that followed it.  The search runs in C:
+the ids are packed as 4-byte integers and `bytes.rfind` looks for the packed n-gram
+(a hit at an offset that is not a multiple of 4 straddles two ids and is skipped).
+
+How many drafts a request gets adapts to how many were accepted (`next_num_drafts`):
+a draft that is rejected costs a verified position in the next forward and buys
+nothing, so after a miss a request drafts fewer, and after a full hit more, up to
+`num_speculative_tokens`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from pagedserve.config import SpeculativeConfig
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.max_drafts = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], num_drafts: int) -> list[int]:
+        """Up to `num_drafts` tokens that followed the latest earlier occurrence of the
+        longest suffix n-gram of `token_ids`; [] when no suffix of at least `min_n`
+        tokens occurs earlier."""
+        length = len(token_ids)
+        if num_drafts <= 0 or length <= self.min_n:
+            return []
+        packed = array("i", token_ids).tobytes()
+        # A match must end before the last token, so something follows it.
+        end = (length - 1) * 4
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            pattern = packed[(length - n) * 4:]
+            pos = packed.rfind(pattern, 0, end)
+            while pos > 0 and pos % 4:
+                pos = packed.rfind(pattern, 0, pos + len(pattern) - 1)
+            if pos >= 0:
+                start = pos // 4 + n
+                return token_ids[start: start + num_drafts]
+        return []
+
+    def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
+        """Drafts to allow a request next, after `num_accepted` of its `num_drafted` were
+        accepted: one more than were accepted (so a full hit grows it), at least one."""
+        return max(1, min(self.max_drafts, num_accepted + 1))
+
+
+@dataclass
+class SpecDecodingStats:
+    """Cumulative counts, vLLM's spec_decode metrics: verification steps with drafts,
+    drafts proposed, drafts accepted, and acceptances by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

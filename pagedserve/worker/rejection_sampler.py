@@ -1,0 +1,75 @@
+"""Verify draft tokens (speculative decoding) so that the output distribution is exactly
+the model's.
+
+A request with k drafts d_1..d_k is run with k + 1 query tokens; the hidden state at
+query j gives the target distribution p_j for the token after it.  Drafts are checked in
+order, and the first one rejected ends the run:
+
+* greedy: d_j is accepted while it is the argmax of p_(j-1), and the argmax replaces
+  the first draft that is not: token for token what one-at-a-time decoding produces;
+* random: n-gram drafts are deterministic (a point mass q = 1 on d_j), so standard
+  speculative sampling (accept with probability min(1, p/q), on rejection draw from
+  the normalised max(0, p - q)) becomes: accept with probability p(d_j); on rejection
+  draw from p with d_j removed.  Every emitted token then has distribution p exactly.
+
+When every draft is accepted the request keeps the token the ordinary sampler drew
+from the last position (the "bonus" token), so a full hit yields k + 1 tokens.  Only
+requests whose distribution is the same at every position draft at all
+(SamplingParams.allows_speculation), so p_j here is the ordinary sampler's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.worker.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class DraftVerdict:
+    """One request's verification: how many drafts it keeps, the token that replaces
+    the first rejected one (None when all were accepted: the bonus token follows), and
+    whether a position's logits were not a distribution (the request then fails)."""
+
+    num_accepted: int
+    replacement: int | None
+    invalid: bool = False
+
+
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata,
+                  drafts: list[list[int]]) -> list[DraftVerdict]:
+    """`logits`: [sum of len(d) for d in drafts, vocab], the rows that predict each draft,
+    request by request; `md`: their sampling knobs (a request's row repeated per draft)."""
+    logits = logits.float()
+    flat = [t for d in drafts for t in d]
+    targets = torch.tensor(flat, dtype=torch.long, device=logits.device)
+    best, argmax = logits.max(-1)
+    invalid = ~torch.isfinite(best)
+    if md.all_greedy:
+        accept, replacement = argmax == targets, argmax
+    else:
+        probs = sampler.processed_probs(logits, md, invalid)
+        p_draft = probs.gather(1, targets[:, None]).squeeze(1)
+        accept = sampler.uniform(md, logits.device) < p_draft
+        # p without the draft; a row whose whole mass was on the draft always accepts it,
+        # but the draw below still needs a row with some mass.
+        residual = probs.scatter(1, targets[:, None], 0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+        replacement = sampler.draw(residual, md)
+        if md.greedy is not None:
+            accept = torch.where(md.greedy, argmax == targets, accept)
+            replacement = torch.where(md.greedy, argmax, replacement)
+    accept_l, repl_l, invalid_l = accept.tolist(), replacement.tolist(), invalid.tolist()
+    verdicts: list[DraftVerdict] = []
+    row = 0
+    for d in drafts:
+        k = len(d)
+        a = 0
+        while a < k and accept_l[row + a] and not invalid_l[row + a]:
+            a += 1
+        bad = any(invalid_l[row: row + min(a + 1, k)])
+        verdicts.append(DraftVerdict(a, repl_l[row + a] if a < k else None, bad))
+        row += k
+    return verdicts
