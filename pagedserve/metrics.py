@@ -40,6 +40,12 @@ class SchedulerStats:
     grammar_compiles: int = 0  # cumulative grammars compiled
     grammar_cache_hits: int = 0  # cumulative requests whose grammar was already compiled (or compiling)
     grammar_compile_seconds: float = 0.0  # cumulative time spent compiling
+    # Speculative decoding (cumulative; all 0 when it is off): verification steps with
+    # drafts, drafts proposed, drafts accepted, and acceptances by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @classmethod
     def from_engine(cls, stats: Any) -> SchedulerStats:
@@ -88,6 +94,16 @@ class PrometheusStatLogger:
                                         "Requests whose grammar came from the compile cache.", **kw))
         self.grammar_seconds = lab(Counter("pagedserve:grammar_compile_seconds",
                                            "Time spent compiling grammars (off the engine loop).", **kw))
+        self.spec_drafts = lab(Counter("vllm:spec_decode_num_drafts",
+                                       "Speculative decoding: verification steps with drafts.", **kw))
+        self.spec_draft_tokens = lab(Counter("vllm:spec_decode_num_draft_tokens",
+                                             "Speculative decoding: draft tokens proposed.", **kw))
+        self.spec_accepted = lab(Counter("vllm:spec_decode_num_accepted_tokens",
+                                         "Speculative decoding: draft tokens accepted.", **kw))
+        self.spec_per_pos_family = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Speculative decoding: draft tokens accepted, by draft position.",
+                                           registry=registry, labelnames=["model_name", "position"])
+        self.model_name = model_name
         self.prompt_tokens = lab(Counter("vllm:prompt_tokens", "Prefill tokens processed.", **kw))
         self.gen_tokens = lab(Counter("vllm:generation_tokens", "Generation tokens processed.", **kw))
         success = Counter("vllm:request_success", "Finished requests by finish reason.",
@@ -110,10 +126,18 @@ class PrometheusStatLogger:
         for counter, name in ((self.pc_queries, "prefix_cache_queries"), (self.pc_hits, "prefix_cache_hits"),
                               (self.preemptions, "num_preemptions"), (self.grammar_compiles, "grammar_compiles"),
                               (self.grammar_hits, "grammar_cache_hits"),
-                              (self.grammar_seconds, "grammar_compile_seconds")):
+                              (self.grammar_seconds, "grammar_compile_seconds"),
+                              (self.spec_drafts, "spec_decode_num_drafts"),
+                              (self.spec_draft_tokens, "spec_decode_num_draft_tokens"),
+                              (self.spec_accepted, "spec_decode_num_accepted_tokens")):
             delta = getattr(sched, name) - getattr(self._last, name)
             if delta > 0:
                 counter.inc(delta)
+        last_pos = self._last.spec_decode_num_accepted_tokens_per_pos
+        for pos, n in enumerate(sched.spec_decode_num_accepted_tokens_per_pos):
+            delta = n - (last_pos[pos] if pos < len(last_pos) else 0)
+            if delta > 0:
+                self.spec_per_pos_family.labels(model_name=self.model_name, position=str(pos)).inc(delta)
         self._last = sched
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
@@ -145,6 +169,7 @@ class LoggingStatLogger:
         self._prompt = 0
         self._gen = 0
         self._sched = SchedulerStats()
+        self._spec_last = (0, 0)  # (drafted, accepted) at the last line
         self._logged_idle = True
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
@@ -173,6 +198,11 @@ class LoggingStatLogger:
                 f"Prefix cache hit rate: {hit_rate:.1f}%, "
                 f"Structured-output reqs: {s.num_structured_requests}"
             )
+            drafted = s.spec_decode_num_draft_tokens - self._spec_last[0]
+            if drafted:  # speculative decoding: acceptance over the interval
+                accepted = s.spec_decode_num_accepted_tokens - self._spec_last[1]
+                line += f", Draft acceptance rate: {100.0 * accepted / drafted:.1f}% ({accepted}/{drafted} tokens)"
+            self._spec_last = (s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens)
             self._prompt = self._gen = 0
             self._last_time = now
             self._logged_idle = idle

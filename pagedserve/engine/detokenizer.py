@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.num_output_tokens = 0
+        self.tokens_after_stop = 0  # of the last update's tokens, those past its stop string
         self.output_text = ""
         self.stop_reason: str | None = None  # the stop string that ended the sequence
 
@@ -75,15 +76,25 @@ class IncrementalDetokenizer:
             self.num_output_tokens += len(new_token_ids)
             return None
         to_decode = new_token_ids[:-1] if skip_last and not self.include_stop_str_in_output else new_token_ids
-        new_chars = 0
-        for tid in to_decode:
-            self.token_ids.append(tid)
-            self.num_output_tokens += 1
-            piece = self._decode_pending()
-            self.output_text += piece
-            new_chars += len(piece)
+        # Checked after each token, so that when several arrive at once (speculative
+        # decoding) a stop string ends the output at the token that completed it; the
+        # caller drops the `tokens_after_stop` that came after.
+        self.tokens_after_stop = 0
+        for i, tid in enumerate(to_decode):
+            stop = self._append(tid)
+            if stop is not None:
+                self.tokens_after_stop = len(new_token_ids) - 1 - i
+                return stop
         self.num_output_tokens += len(new_token_ids) - len(to_decode)
-        return self._check_stop(new_chars)
+        return None
+
+    def _append(self, tid: int) -> str | None:
+        """Decode one more token and check the stop strings."""
+        self.token_ids.append(tid)
+        self.num_output_tokens += 1
+        piece = self._decode_pending()
+        self.output_text += piece
+        return self._check_stop(len(piece))
 
     def finish(self) -> None:
         """The sequence ended without a stop string: flush any undecodable tail, so the

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,10 @@ class EngineStats:
     grammar_compiles: int
     grammar_cache_hits: int
     grammar_compile_seconds: float
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -437,6 +441,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         kvm, op, so = self.kv_cache_manager, self.output_processor, self.structured_output
+        spec = self.scheduler.spec_stats
         num_running, num_waiting = self.scheduler.get_request_counts()
         return EngineStats(
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kvm.usage,
@@ -446,6 +451,9 @@ class LLMEngine:
             num_structured_requests=self.scheduler.num_grammar_requests,
             grammar_compiles=so.num_compiled, grammar_cache_hits=so.num_cache_hits,
             grammar_compile_seconds=so.compile_seconds,
+            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
         )
 
     def reset_prefix_cache(self) -> bool:

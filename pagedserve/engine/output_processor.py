@@ -173,6 +173,10 @@ class OutputProcessor:
             # EOS / a stop token id ends the text before that token (vLLM's behaviour).
             token_stop = finish_reason == "stop" and not isinstance(stop_reason, str)
             stop_str = state.detokenizer.update(new_ids, skip_last=token_stop)
+            extra = state.detokenizer.tokens_after_stop
+            if stop_str is not None and extra:  # tokens that came after the stop string in one step
+                del state.output_token_ids[-extra:]
+                self.num_generation_tokens -= extra
             if stop_str is not None:
                 if not out.finished:
                     stopped.append(out.request_id)

@@ -50,7 +50,7 @@ from pagedserve.worker.cuda_graph import (
 )
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
-from pagedserve.worker.rejection_sampler import DraftVerdict, verify_drafts
+from pagedserve.worker.rejection_sampler import verify_drafts
 from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve")
@@ -321,6 +321,8 @@ class ModelRunner:
         else:
             self._np["logits_idx"][:k] = step.logits_idx
             logits = self.model.compute_logits(hidden.index_select(0, self._to_device("logits_idx", k)))
+        # Every rank computes the draft rows' logits too (a collective under tensor parallelism).
+        draft_logits = self._draft_logits(req_ids, drafts, hidden) if drafts else None
         if logits is None:  # a tensor-parallel rank > 0: its logits went to rank 0, which samples
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids))
         sample_ids = [req_ids[i] for i in step.sample_rows]
@@ -330,8 +332,11 @@ class ModelRunner:
             pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
         out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
                                      prompt_logprobs=prompt_logprobs)
-        if drafts:
-            out.set_draft_verdicts(drafts, self._verify_drafts(req_ids, drafts, hidden))
+        if draft_logits is not None:
+            spec_ids = [r for r in req_ids if r in drafts]
+            md = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
+            verdicts = verify_drafts(self.sampler, draft_logits, md, [drafts[r] for r in spec_ids])
+            out.set_draft_verdicts(drafts, dict(zip(spec_ids, verdicts, strict=True)))
 
         def sample(grammar: GrammarBitmask | None) -> None:
             if grammar is not None:
@@ -348,21 +353,16 @@ class ModelRunner:
             sample(scheduler_output.grammar_bitmask)
         return out
 
-    def _verify_drafts(self, req_ids: list[str], drafts: dict[str, list[int]],
-                       hidden: torch.Tensor) -> dict[str, DraftVerdict]:
-        """Score each request's drafts against the hidden states before them (the k rows
-        ahead of its last query row, which the ordinary sampler takes)."""
-        ib, qsl = self.input_batch, self._np["query_start_loc"]
-        spec_ids = [r for r in req_ids if r in drafts]
-        where = {r: i for i, r in enumerate(req_ids)}
-        flat = np.concatenate([np.arange(qsl[where[r] + 1] - 1 - len(drafts[r]), qsl[where[r] + 1] - 1)
-                               for r in spec_ids])
-        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(flat).to(hidden.device)))
-        if logits is None:  # a tensor-parallel rank > 0: rank 0 verifies
-            return {}
-        rows = [ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]]
-        verdicts = verify_drafts(self.sampler, logits, ib.sampling_metadata(rows), [drafts[r] for r in spec_ids])
-        return dict(zip(spec_ids, verdicts, strict=True))
+    def _draft_logits(self, req_ids: list[str], drafts: dict[str, list[int]],
+                      hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the rows that predict each request's drafts (the k rows ahead of its
+        last query row, which the ordinary sampler takes), request by request in step
+        order; None on tensor-parallel ranks > 0."""
+        qsl = self._np["query_start_loc"]
+        ends = [int(qsl[i + 1]) - 1 for i, r in enumerate(req_ids) if r in drafts]
+        flat = np.concatenate([np.arange(end - len(drafts[r]), end)
+                               for end, r in zip(ends, (r for r in req_ids if r in drafts), strict=True)])
+        return self.model.compute_logits(hidden.index_select(0, torch.from_numpy(flat).to(hidden.device)))
 
     def _prompt_logprobs(self, req_ids: list[str], step: StepInputs,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[LogprobsEntry]]]:

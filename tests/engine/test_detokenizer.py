@@ -129,3 +129,20 @@ def test_no_tokenizer_gives_empty_text() -> None:
     assert detok.update([3, 4]) is None
     detok.finish()
     assert detok.output_text == "" and detok.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_several_tokens_at_once_stop_at_the_token_that_completes_the_stop_string(tok, include: bool) -> None:
+    """Speculative decoding hands over several tokens a step: the text and the token count
+    must be what one token at a time gives, and the caller learns how many came after."""
+    ids = tok.encode(TEXT)
+    one, _ = stream(tok, TEXT, stop="fox", include_stop_str_in_output=include)
+    used = len(one.token_ids) - len(tok.encode("user: "))  # output tokens up to the stop
+    detok = IncrementalDetokenizer(tok, tok.encode("user: "), SamplingParams(stop="fox", include_stop_str_in_output=include))
+    stop = detok.update(ids[:used - 2])
+    assert stop is None and detok.tokens_after_stop == 0
+    stop = detok.update(ids[used - 2:used + 3])  # the stop string completes at the 2nd of these 5
+    assert stop == "fox"
+    assert detok.tokens_after_stop == 3
+    assert detok.output_text == one.output_text
+    assert detok.token_ids == one.token_ids
