@@ -221,13 +221,13 @@ class SamplingParams:
     def allows_speculation(self) -> bool:
         """Whether drafted tokens can be verified exactly for these params: every verified
         position must sample from the same processed distribution it would get one token
-        at a time.  Penalties depend on the tokens before each position, and logit edits,
-        logprobs and grammars are applied to the sampled row only, so requests using them
-        decode one token per step.  (min_tokens is checked per request by the scheduler:
+        at a time.  Penalties depend on the tokens before each position, and logit edits
+        and grammars are applied to the sampled row only, so requests using them decode
+        one token per step.  (min_tokens is checked per request by the scheduler:
         once reached, it no longer changes the distribution.)"""
         return (self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
                 and not self.logit_bias and self.allowed_token_ids is None and not self.bad_words_token_ids
-                and not self.bad_words and self.logprobs is None and self.structured_outputs is None)
+                and not self.bad_words and self.structured_outputs is None)
 
 
 def _is_finite(x: object) -> bool:

@@ -175,8 +175,13 @@ class OutputProcessor:
             stop_str = state.detokenizer.update(new_ids, skip_last=token_stop)
             extra = state.detokenizer.tokens_after_stop
             if stop_str is not None and extra:  # tokens that came after the stop string in one step
+                dropped = state.output_token_ids[-extra:]
                 del state.output_token_ids[-extra:]
                 self.num_generation_tokens -= extra
+                if state.logprobs:
+                    for tid, d in zip(dropped, state.logprobs[-extra:], strict=True):
+                        state.cumulative_logprob -= d[tid].logprob
+                    del state.logprobs[-extra:]
             if stop_str is not None:
                 if not out.finished:
                     stopped.append(out.request_id)

@@ -41,6 +41,7 @@ class AsyncModelRunnerOutput:
         # Speculative decoding: requests whose drafts were verified, with the verdicts.
         self._drafts: dict[str, list[int]] = {}
         self._verdicts: dict[str, DraftVerdict] = {}
+        self._draft_logprobs: dict[str, list[LogprobsEntry]] = {}
         if sampled is not None:
             self.set_sampled(sampled)
 
@@ -68,10 +69,13 @@ class AsyncModelRunnerOutput:
         else:
             self._host = tensors
 
-    def set_draft_verdicts(self, drafts: dict[str, list[int]], verdicts: dict[str, DraftVerdict]) -> None:
+    def set_draft_verdicts(self, drafts: dict[str, list[int]], verdicts: dict[str, DraftVerdict],
+                           draft_logprobs: dict[str, list[LogprobsEntry]]) -> None:
         """A request with verdict keeps its accepted drafts, then the replacement of the
-        first rejected one, or (all accepted) the token sampled at its last position."""
-        self._drafts, self._verdicts = drafts, verdicts
+        first rejected one, or (all accepted) the token sampled at its last position;
+        `draft_logprobs`: the entries of the tokens its draft rows emitted, for requests
+        that asked for logprobs."""
+        self._drafts, self._verdicts, self._draft_logprobs = drafts, verdicts, draft_logprobs
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -113,6 +117,24 @@ class AsyncModelRunnerOutput:
                 out.sampled_token_ids[req_id] = [tok]
         if "sampled_logprobs" not in h:
             return out
+        lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
+        top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None
+        top_lps = h["topk_logprobs"].tolist() if "topk_logprobs" in h else None
+        for i, (req_id, k) in enumerate(zip(self.sample_req_ids, self.logprobs_k, strict=True)):
+            if k is None or req_id not in out.sampled_token_ids:
+                continue
+            v = verdicts.get(req_id) if verdicts else None
+            last = LogprobsEntry(
+                token_id=tokens[i], logprob=lps[i], rank=ranks[i],
+                topk_token_ids=top_ids[i][:k] if k and top_ids else [],
+                topk_logprobs=top_lps[i][:k] if k and top_lps else [],
+            )
+            if v is None:
+                out.logprobs[req_id] = last
+            else:  # the draft rows' entries, then the bonus token's when every draft was accepted
+                entries = list(self._draft_logprobs.get(req_id, ()))
+                out.logprobs[req_id] = entries + [last] if v.replacement is None else entries
+        return out
         lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
         top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None
         top_lps = h["topk_logprobs"].tolist() if "topk_logprobs" in h else None

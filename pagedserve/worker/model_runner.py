@@ -50,8 +50,8 @@ from pagedserve.worker.cuda_graph import (
 )
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
-from pagedserve.worker.rejection_sampler import verify_drafts
-from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
+from pagedserve.worker.rejection_sampler import DraftVerdict, verify_drafts
+from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve")
 
@@ -336,7 +336,8 @@ class ModelRunner:
             spec_ids = [r for r in req_ids if r in drafts]
             md = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
             verdicts = verify_drafts(self.sampler, draft_logits, md, [drafts[r] for r in spec_ids])
-            out.set_draft_verdicts(drafts, dict(zip(spec_ids, verdicts, strict=True)))
+            out.set_draft_verdicts(drafts, dict(zip(spec_ids, verdicts, strict=True)),
+                                   self._draft_logprobs(spec_ids, drafts, verdicts, draft_logits))
 
         def sample(grammar: GrammarBitmask | None) -> None:
             if grammar is not None:
@@ -363,6 +364,40 @@ class ModelRunner:
         flat = np.concatenate([np.arange(end - len(drafts[r]), end)
                                for end, r in zip(ends, (r for r in req_ids if r in drafts), strict=True)])
         return self.model.compute_logits(hidden.index_select(0, torch.from_numpy(flat).to(hidden.device)))
+
+    def _draft_logprobs(self, spec_ids: list[str], drafts: dict[str, list[int]], verdicts: list[DraftVerdict],
+                        logits: torch.Tensor) -> dict[str, list[LogprobsEntry]]:
+        """Logprobs (raw model distribution, as for sampled tokens) of the tokens the draft
+        rows emitted: the accepted drafts and the replacement of the first rejected one."""
+        ib = self.input_batch
+        ks = [ib.params[ib.req_id_to_row[r]].logprobs for r in spec_ids]
+        if all(k is None for k in ks):
+            return {}
+        rows: list[int] = []
+        emitted: list[int] = []
+        start = 0
+        for r, v in zip(spec_ids, verdicts, strict=True):
+            d = drafts[r]
+            n = v.num_accepted + (v.replacement is not None)
+            rows += range(start, start + n)
+            emitted += d[: v.num_accepted] + ([v.replacement] if v.replacement is not None else [])
+            start += len(d)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        raw = logits.index_select(0, index).float().log_softmax(-1)
+        lp = SamplerOutput(torch.tensor(emitted, dtype=torch.long, device=logits.device))
+        Sampler.gather_logprobs(raw, lp.sampled_token_ids, max(k or 0 for k in ks), lp)
+        token_lp, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
+        top_ids = lp.topk_token_ids.tolist() if lp.topk_token_ids is not None else None
+        top_lps = lp.topk_logprobs.tolist() if lp.topk_logprobs is not None else None
+        out: dict[str, list[LogprobsEntry]] = {}
+        i = 0
+        for r, v, k in zip(spec_ids, verdicts, ks, strict=True):
+            n = v.num_accepted + (v.replacement is not None)
+            if k is not None:
+                out[r] = [LogprobsEntry(emitted[j], token_lp[j], ranks[j], top_ids[j][:k] if k and top_ids else [],
+                                        top_lps[j][:k] if k and top_lps else []) for j in range(i, i + n)]
+            i += n
+        return out
 
     def _prompt_logprobs(self, req_ids: list[str], step: StepInputs,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[LogprobsEntry]]]:

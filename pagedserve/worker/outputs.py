@@ -27,7 +27,8 @@ class ModelRunnerOutput:
     req_ids: list[str]  # every request scheduled this step, in batch order
     # Only requests whose prompt is fully computed after this step get a token.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    # One entry per sampled token: a list where a step emitted several (speculative decoding).
+    logprobs: dict[str, LogprobsEntry | list[LogprobsEntry]] = field(default_factory=dict)
     # Requests whose logits were not a distribution: they fail, the rest go on.  The value
     # is the client's error message when their own constraints excluded every token
     # (NO_TOKEN_LEFT), None when the model's logits were not finite (a server error).

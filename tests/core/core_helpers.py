@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.sched_output import SchedulerOutput
@@ -32,6 +32,7 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_caching: bool = True,
     max_step_ms: float | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_step_ms=max_step_ms,
@@ -43,7 +44,11 @@ def make_scheduler(
         policy=policy,
     )
     kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching)
-    return Scheduler(cfg, kvm)
+    spec = None
+    if num_speculative_tokens:  # n-gram drafts at any batch size
+        spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1,
+                                 disable_by_batch_size=max_num_seqs)
+    return Scheduler(cfg, kvm, spec)
 
 
 def make_request(
@@ -90,27 +95,41 @@ class FakeRunner:
             assert c.num_computed_tokens[i] == self.computed[rid]
 
     def execute(self, so: SchedulerOutput, sample) -> dict[str, list[int]]:
+        """One step.  Drafts (speculative decoding) are verified as a greedy model would:
+        each is kept while it equals what `sample` gives for the tokens before it, and the
+        first that does not is replaced by that sample (all kept: one more sample)."""
         self._update_states(so)
         bs, kv = self.block_size, self.kv
         pool = self.scheduler.kv_cache_manager.block_pool
         assert set(so.num_scheduled_tokens) == {nr.req_id for nr in so.scheduled_new_reqs} | set(
             so.scheduled_cached_reqs.req_ids
         )
+        drafts = so.scheduled_spec_decode_tokens
+        assert set(drafts) <= set(so.num_scheduled_tokens)
         # Write every new slot of the step first (as each attention layer does) ...
         for rid, n in so.num_scheduled_tokens.items():
-            toks, table, start = self.tokens[rid], self.tables[rid], self.computed[rid]
+            toks, table, start = self.tokens[rid] + drafts.get(rid, []), self.tables[rid], self.computed[rid]
             assert n > 0 and start + n <= len(toks), (rid, start, n, len(toks))
+            if rid in drafts:  # drafts follow the last known token, which is all that is new
+                assert start + n == len(toks) and n == len(drafts[rid]) + 1, (rid, start, n, len(toks))
             req = self.scheduler.requests[rid]
-            assert toks == req.all_token_ids[: len(toks)]
+            assert self.tokens[rid] == req.all_token_ids[: len(self.tokens[rid])]
             write_kv(kv, pool, table, toks, start, n, bs)
         # ... then every request reads its whole context.
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
-            toks, table = self.tokens[rid], self.tables[rid]
+            d = drafts.get(rid, [])
+            toks, table = self.tokens[rid] + d, self.tables[rid]
             end = self.computed[rid] + n
             check_kv(kv, table, toks, end, bs, rid)
-            self.computed[rid] = end
-            sampled[rid] = [sample(rid, toks[:end])]
+            out: list[int] = []
+            for j in range(len(d) + 1):
+                tok = sample(rid, toks[: end - len(d) + j])
+                out.append(tok)
+                if j == len(d) or d[j] != tok:
+                    break
+            self.computed[rid] = end - (len(d) - (len(out) - 1))
+            sampled[rid] = out
         return sampled
 
 

@@ -276,3 +276,42 @@ def test_everything_finishes_and_the_cache_checks_out():
     run_to_completion(sched, FakeRunner(sched))
     assert sched.num_preemptions_total > 0
     assert sched.kv_cache_manager.usage == 0 and not sched.has_unfinished_requests()
+
+
+def test_speculative_drafts_are_scheduled_verified_and_rejected_slots_taken_back() -> None:
+    """A model that repeats a cycle: the n-gram drafts hit once the cycle has been seen,
+    outputs are exactly the non-speculative ones, and KV accounting is unchanged."""
+    from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
+
+    def cyclic(rid: str, context: list[int]) -> int:
+        return 1 + len(context) % 5  # 1 2 3 4 5 1 2 ...
+
+    outputs = {}
+    for k in (None, 3):
+        sched = make_scheduler(num_blocks=40, block_size=4, max_model_len=64, num_speculative_tokens=k)
+        reqs = [make_request(i, 6 + i, max_tokens=30, ignore_eos=True) for i in range(3)]
+        for r in reqs:
+            sched.add_request(r)
+        runner = FakeRunner(sched)
+        steps = []
+        orig = sched.schedule
+
+        def schedule():
+            so = orig()
+            steps.append(so)
+            return so
+
+        sched.schedule = schedule
+        run_to_completion(sched, runner, sample=cyclic)
+        outputs[k] = [list(r.output_token_ids) for r in reqs]
+        assert all(len(o) == 30 for o in outputs[k])
+        assert sched.kv_cache_manager.usage == 0
+        if k is None:
+            assert sched.spec_stats.num_drafts == 0
+            base_steps = len(steps)
+        else:
+            s = sched.spec_stats
+            assert s.num_drafts > 0 and s.num_accepted_tokens > 0.8 * s.num_draft_tokens
+            assert all(len(d) <= 3 for so in steps for d in so.scheduled_spec_decode_tokens.values())
+            assert len(steps) < base_steps / 2  # several tokens per step
+    assert outputs[3] == outputs[None]

@@ -37,6 +37,7 @@ def configs(draw):
         enable_chunked_prefill=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         enable_caching=draw(st.booleans()),
+        num_speculative_tokens=draw(st.sampled_from([None, None, 1, 3])),
     )
 
 
@@ -58,6 +59,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kvm = self.sched.kv_cache_manager
         self.runner = FakeRunner(self.sched)
         self.added: dict[str, Request] = {}
+        self.num_drafted = 0
         self.next_id = 0
         self.clock = 0.0
 
@@ -117,6 +119,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not (so.preempted_req_ids & set(so.num_scheduled_tokens))
         sampled = self.runner.execute(so, sample)
         outs = sched.update_from_output(so, sampled)
+        self.num_drafted += sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
         for out in outs:
             req = self.added[out.request_id]
             assert req.output_token_ids[-len(out.new_token_ids):] == out.new_token_ids
@@ -198,6 +201,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
             self.blocks_are_consistent()
         assert not sched.has_unfinished_requests(), "requests did not finish"
+        assert sched.spec_stats.num_draft_tokens == self.num_drafted  # every draft verified once
         assert self.kvm.usage == 0 and self.kvm.req_to_blocks == {}
         for req in self.added.values():
             assert req.is_finished()
