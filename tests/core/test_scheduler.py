@@ -296,7 +296,7 @@ def test_speculative_drafts_are_scheduled_verified_and_rejected_slots_taken_back
         steps = []
         orig = sched.schedule
 
-        def schedule():
+        def schedule(orig=orig, steps=steps):
             so = orig()
             steps.append(so)
             return so

@@ -1,0 +1,117 @@
+"""Speculative decoding (n-gram) through the real engine: greedy outputs are token for
+token those of decoding one token at a time, in every configuration that changes how
+the work is cut, and every run really drafted and accepted something (else the
+comparison would prove nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.e2e.test_hf_parity import ENGINE_VARIANTS, kv_bytes_for_blocks
+from tests.e2e.token_prompts import shared_prefix_prompts
+
+MAX_TOKENS = 48
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 64}
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    """The parity prompts, plus prompts that repeat a run (something to copy from)."""
+    base = shared_prefix_prompts(vocab)
+    return base + [p[:12] * 3 for p in base[:4]]
+
+
+def greedy(llm: LLM, prompts: list[list[int]], **params) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **params)
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                use_tqdm=False)]
+
+
+def assert_drafted(llm: LLM, name: str) -> None:
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0, (name, stats)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_identical_with_speculation_on_and_off(arch: str, tiny_checkpoint) -> None:
+    model_dir, hf_cfg = tiny_checkpoint(arch)
+    prompts = prompts_for(hf_cfg.vocab_size)
+    variants = {name: ENGINE_VARIANTS[name] for name in ("default", "no-prefix-caching", "chunked-16", "batch-1")}
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    blocks = -(-longest // 16) + 2
+    variants["preemption"] = {"max_model_len": longest,
+                              "kv_cache_memory_bytes": kv_bytes_for_blocks(hf_cfg, blocks + 1, 16)}
+    for name, kw in variants.items():
+        off = greedy(LLM(model_dir, dtype="float32", seed=0, **kw), prompts)
+        llm = LLM(model_dir, dtype="float32", seed=0, speculative_config=NGRAM, **kw)
+        assert greedy(llm, prompts) == off, name
+        assert_drafted(llm, name)
+        if name == "preemption":
+            assert llm.llm_engine.get_stats().num_preemptions > 0, "the small KV cache should force preemptions"
+
+    # Batch of 32, all in flight together (drafting at any batch size here).
+    many = prompts * 3
+    off = greedy(LLM(model_dir, dtype="float32", max_num_seqs=32), many[:32])
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=32, speculative_config=NGRAM)
+    assert greedy(llm, many[:32]) == off
+    assert_drafted(llm, "batch-32")
+
+
+def test_stops_and_limits_inside_an_accepted_run(tiny_checkpoint) -> None:
+    """max_tokens, a stop token id and EOS that fall inside a run of accepted drafts end
+    the output at the same token as without speculation; logprobs cover every token."""
+    model_dir, hf_cfg = tiny_checkpoint("llama")
+    prompts = prompts_for(hf_cfg.vocab_size)
+    off_llm = LLM(model_dir, dtype="float32", seed=0)
+    on_llm = LLM(model_dir, dtype="float32", seed=0, speculative_config=NGRAM)
+    ref = greedy(off_llm, prompts)
+    # A token each output produces somewhere after its first few: the stop lands mid-step.
+    stop_id = next(t for out in ref for t in out[5:] if t not in out[:5])
+    for params in ({"max_tokens": 7}, {"max_tokens": 13}, {"stop_token_ids": [stop_id]}):
+        sp = {**params}
+        max_tokens = sp.pop("max_tokens", MAX_TOKENS)
+        want = [list(o.outputs[0].token_ids) for o in off_llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sp), use_tqdm=False)]
+        got_outs = on_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                  logprobs=1, **sp), use_tqdm=False)
+        got = [list(o.outputs[0].token_ids) for o in got_outs]
+        assert got == want, params
+        for o in got_outs:
+            c = o.outputs[0]
+            assert len(c.logprobs) == len(c.token_ids)
+            assert all(t in d for t, d in zip(c.token_ids, c.logprobs, strict=True))
+    assert_drafted(on_llm, "stops")
+
+
+def test_stop_string_inside_an_accepted_run(tmp_path) -> None:
+    """A stop string completed by a token in the middle of a step's accepted drafts cuts
+    the text and the token ids where one token at a time does."""
+    from tests.engine.helpers import make_tiny_llama
+
+    make_tiny_llama(str(tmp_path))
+    off_llm = LLM(str(tmp_path), dtype="float32", seed=0)
+    on_llm = LLM(str(tmp_path), dtype="float32", seed=0, speculative_config=NGRAM)
+    # This prompt's greedy output repeats one token ("laz") four times: a 2-gram the
+    # drafts hit from the third on, and a stop string the fourth completes inside a step.
+    prompt = "hello world hello world hello"
+    full = off_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    stop = " laz laz laz laz"
+    assert stop in full.text, full.text
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    want = off_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    got = on_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
+    assert_drafted(on_llm, "stop string")
+
+
+def test_refused_with_async_scheduling_and_bad_config(tiny_checkpoint) -> None:
+    model_dir, _ = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(model_dir, dtype="float32", speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        LLM(model_dir, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        LLM(model_dir, dtype="float32", speculative_config="{ngram")
