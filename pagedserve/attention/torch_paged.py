@@ -46,6 +46,11 @@ GROUP_MAX_KV = 1 << 15  # padded keys (requests x kv_len) one group may gather
 # layer cost compared with the per-cell matmul and gather cost.
 GROUP_OVERHEAD_CELLS = 3072
 BIAS_EXPAND_MAX = 1 << 18  # elements: masks up to this size are materialised per step
+# A request with at most this many new tokens attends them as that many one-token decode
+# rows (each over its own context length), so each row is computed exactly as a one-token
+# step computes it: speculative decoding's verified drafts then match decoding one token
+# at a time bit for bit, and short chunks take the native decode kernel.
+DECODE_ROWS_MAX_TOKENS = 8
 # Decode groups with at most this many KV heads attend all heads in one matmul pair
 # (`_decode_all_heads`); more heads would multiply the wasted score work.
 FOLD_HEADS_MAX_KV = 4
@@ -168,6 +173,9 @@ class TorchPagedBackend(AttentionBackend):
                 continue
             if n > s:
                 raise ValueError(f"attention metadata: request {i} has {n} new tokens but seq_len {s}")
+            if n <= DECODE_ROWS_MAX_TOKENS:
+                items += [(1, s - n + j + 1, qsl[i] + j, i) for j in range(n)]
+                continue
             chunk = n if n * s <= GROUP_MAX_AREA else max(1, GROUP_MAX_AREA // s)
             for c0 in range(0, n, chunk):
                 c1 = min(n, c0 + chunk)

@@ -21,7 +21,7 @@ import time
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
-WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix")
+WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix", "edit-code")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def build_requests(llm, args: argparse.Namespace):
         w = _random_workload(args, engine.vocab_size)
     else:
         w = {"chat-burst": wl.chat_burst, "chat-burst-natural": wl.chat_burst_natural,
-             "shared-prefix": wl.shared_prefix}[args.workload]()
+             "shared-prefix": wl.shared_prefix, "edit-code": wl.edit_code}[args.workload]()
     temperature = w.temperature if args.temperature is None else args.temperature
     if w.prompt_token_ids is not None:
         prompts = [{"prompt_token_ids": p} for p in w.prompt_token_ids]

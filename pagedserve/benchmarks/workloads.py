@@ -3,7 +3,10 @@
 chat-burst: 32 chat requests (the 8 CHAT_BURST_MESSAGES, 4 times each) with the chat
 template applied, greedy, 128 new tokens each, EOS ignored; chat-burst-natural: the
 same, 256 tokens at most, EOS honoured; shared-prefix: 32 questions sharing a ~400-token
-system message, 64 new tokens; random: nano-vllm's bench.py (see random_tokens).
+system message, 64 new tokens; edit-code: 8 chat requests that each give a 200-400 token
+Python snippet and ask for it back with one small change (greedy, EOS honoured, 512 new
+tokens at most: the copying that speculative decoding turns into several tokens a
+step); random: nano-vllm's bench.py (see random_tokens).
 """
 
 from __future__ import annotations
@@ -39,6 +42,61 @@ SHARED_PREFIX_QUESTIONS = [
 ]
 
 
+# (class name, noun, fields, the change asked for): each becomes one snippet of the
+# edit-code workload.
+_EDIT_CODE_SPECS = [
+    ("Inventory", "item", ["name", "quantity", "price", "location"], "rename the method `total_value` to `stock_value`"),
+    ("Library", "book", ["title", "author", "year", "shelf"], "make `find_by` ignore upper and lower case"),
+    ("Gradebook", "student", ["name", "grade", "age", "group"], "add a docstring to `average`"),
+    ("Garage", "car", ["model", "mileage", "year", "owner"], "rename the parameter `limit` to `max_count`"),
+    ("Pantry", "jar", ["label", "weight", "expires", "shelf"], "change `total_value` to round its result to 2 decimals"),
+    ("Roster", "player", ["name", "number", "position", "team"], "rename the class to `TeamRoster`"),
+    ("Playlist", "song", ["title", "artist", "seconds", "genre"], "make `remove` return True when it removed something"),
+    ("Warehouse", "crate", ["code", "weight", "zone", "client"], "add a type hint `-> int` to `count`"),
+]
+
+
+def _edit_code_snippet(cls: str, noun: str, fields: list[str]) -> str:
+    a, b, c, d = fields
+    return f"""class {cls}:
+    def __init__(self):
+        self.{noun}s = []
+
+    def add(self, {a}, {b}, {c}, {d}):
+        {noun} = {{"{a}": {a}, "{b}": {b}, "{c}": {c}, "{d}": {d}}}
+        self.{noun}s.append({noun})
+        return {noun}
+
+    def remove(self, {a}):
+        for {noun} in self.{noun}s:
+            if {noun}["{a}"] == {a}:
+                self.{noun}s.remove({noun})
+                return
+        return
+
+    def find_by(self, key, value):
+        return [{noun} for {noun} in self.{noun}s if {noun}[key] == value]
+
+    def count(self):
+        return len(self.{noun}s)
+
+    def total_value(self):
+        total = 0
+        for {noun} in self.{noun}s:
+            total += {noun}["{b}"] * 1.5
+        return total
+
+    def average(self):
+        if not self.{noun}s:
+            return 0
+        return self.total_value() / len(self.{noun}s)
+
+    def top(self, limit=3):
+        ordered = sorted(self.{noun}s, key=lambda {noun}: {noun}["{b}"], reverse=True)
+        return ordered[:limit]
+"""
+
+
 @dataclass
 class Workload:
     name: str
@@ -66,6 +124,13 @@ def shared_prefix(max_tokens: int = 64) -> Workload:
         for q in SHARED_PREFIX_QUESTIONS
     ]
     return Workload("shared-prefix", convs, None, [max_tokens] * len(convs), True)
+
+
+def edit_code(max_tokens: int = 512) -> Workload:
+    convs = [[{"role": "user", "content": f"Here is some Python code:\n\n```python\n{_edit_code_snippet(cls, noun, fields)}"
+                                          f"```\n\nPlease {change}. Reply with the complete updated code only."}]
+             for cls, noun, fields, change in _EDIT_CODE_SPECS]
+    return Workload("edit-code", convs, None, [max_tokens] * len(convs), False)
 
 
 def random_tokens(

@@ -178,7 +178,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         n = logits.shape[0]
         top = logits.topk(min(EXACT_TOP, logits.shape[1]), dim=-1).indices  # [N, k]
         w = rows(top.reshape(-1)).view(n, top.shape[1], -1).float()
-        exact = torch.bmm(w, hidden.float().unsqueeze(-1)).squeeze(-1)
+        # Multiply and sum, not bmm: a row's result must not depend on how many rows there
+        # are (MKL's batched product rounds one row differently from several), or greedy
+        # choices would change with the batch, and speculative decoding's verified rows
+        # would differ from one-token steps.
+        exact = (w * hidden.float().unsqueeze(1)).sum(-1)
         logits.scatter_(1, top, exact)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]

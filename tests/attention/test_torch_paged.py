@@ -161,5 +161,31 @@ def test_all_decode_step_takes_the_in_place_path():
     case = make_case([(150 + i, 1) for i in range(8)], 6, 2, 16, 16, torch.bfloat16, seed=5)
     md = TorchPagedBackend.build_metadata(case[-1])
     assert md.identity and md.groups[0].token_idx is None
-    mixed = make_case([(150, 1), (20, 4)], 6, 2, 16, 16, torch.bfloat16, seed=5)
+    mixed = make_case([(150, 1), (40, torch_paged.DECODE_ROWS_MAX_TOKENS + 4)], 6, 2, 16, 16, torch.bfloat16, seed=5)
     assert not TorchPagedBackend.build_metadata(mixed[-1]).identity
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_new_tokens_attend_exactly_as_one_token_steps(dtype):
+    """Speculative decoding verifies 1 + k tokens of a request in one step; each row must
+    come out bit for bit as the one-token step at that position would compute it.  The
+    native decode kernel (cpu_paged, head_dim 64) computes each row alone, so it does;
+    torch_paged pads a group's rows to its longest context, which moves the last bits."""
+    backend = CpuPagedBackend
+    heads, kv_heads, dim, bs = 6, 2, 64, 16
+    n = torch_paged.DECODE_ROWS_MAX_TOKENS
+    case = make_case([(150, 1), (97, n), (40, 3)], heads, kv_heads, dim, bs, dtype, seed=11)
+    q, k, v, _, _, common = case
+    out, kc, vc = run_backend(backend, case, heads, kv_heads, dim, bs)
+    row0 = 1  # the (97, n) request's first query row
+    for j in range(n):
+        seq_len = 97 - n + j + 1
+        one = CommonAttentionMetadata(
+            num_reqs=1, num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32), block_table=common.block_table[1:2],
+            slot_mapping=common.slot_mapping[row0 + j: row0 + j + 1], query_start_loc_cpu=[0, 1],
+            seq_lens_cpu=[seq_len], max_query_len=1, max_seq_len=seq_len, block_size=bs)
+        impl = backend(heads, kv_heads, dim, dim**-0.5, bs)
+        r = slice(row0 + j, row0 + j + 1)
+        single = impl.forward(q[r], k[r], v[r], kc.clone(), vc.clone(), backend.build_metadata(one))
+        assert torch.equal(single[0], out[row0 + j]), j

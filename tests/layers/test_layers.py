@@ -160,3 +160,16 @@ def test_lm_head_settles_16_bit_ties_with_exact_top_logits() -> None:
     head32 = embedding.ParallelLMHead(64, 16)
     head32.weight.data.copy_(w)
     assert torch.equal(head32.compute_logits(hidden), hidden @ w.T)
+
+
+def test_lm_head_rows_do_not_depend_on_how_many_rows_there_are() -> None:
+    """A row's logits are the same computed alone or among others (greedy choices must not
+    change with the batch; speculative decoding's verified rows must match one-token steps)."""
+    torch.manual_seed(0)
+    head = embedding.ParallelLMHead(2048, 576).to(torch.bfloat16)
+    head.weight.data.normal_()
+    hidden = torch.randn(12, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        full = head.compute_logits(hidden)
+        for m in (1, 2, 3, 5):
+            assert torch.equal(head.compute_logits(hidden[:m]), full[:m]), m

@@ -1,0 +1,109 @@
+"""Speculative decoding (n-gram) against none, side by side in one process.
+
+    python -m pagedserve.benchmarks.bench_spec [engine args, e.g. --dtype float32]
+
+Two engines of the same model, one with `--speculative-config` (default: n-gram, 4
+drafts) and one without, take turns on three workloads (benchmarks/workloads.py):
+
+- edit-code, one request at a time: code given back with a small change, where drafts
+  copied from the prompt should be accepted;
+- single-stream chat: the first 8 chat-burst requests one at a time (128 tokens each):
+  little to copy, so speculation must cost nothing;
+- chat-burst: 32 requests at once: the batch is past `disable_by_batch_size`, so
+  speculation stays off and must cost nothing.
+
+Per workload it prints output tok/s for both, the ratio, the draft acceptance, and how
+many greedy outputs were token for token the same.  Model load and a warm-up are
+excluded; every figure comes from this one run on this machine (the CPU is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from pagedserve.cpu_info import describe_cpu
+from pagedserve.engine.arg_utils import EngineArgs
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _workloads() -> list[tuple[str, Any, int | None]]:
+    """(label, workload, how many to run one at a time; None: all at once)."""
+    from pagedserve.benchmarks import workloads as wl
+
+    return [("edit-code, one at a time", wl.edit_code(), 8),
+            ("single-stream chat (chat-burst, one at a time)", wl.chat_burst(), 8),
+            ("chat-burst, 32 at once", wl.chat_burst(), None)]
+
+
+def _run(llm: Any, w: Any, one_at_a_time: int | None) -> tuple[float, list[list[int]], tuple[int, int]]:
+    from pagedserve import SamplingParams
+
+    engine = llm.llm_engine
+    prompts = [engine.encode_chat(conv) for conv in w.conversations]
+    params = [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=w.ignore_eos) for m in w.max_tokens]
+    before = engine.get_stats()
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        outs = [o for p, sp in zip(prompts[:one_at_a_time], params[:one_at_a_time], strict=True)
+                for o in llm.generate([p], sp, use_tqdm=False)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    after = engine.get_stats()
+    spec = (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+            after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return sum(map(len, tokens)) / elapsed, tokens, spec
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedserve import LLM, LLMEngine, SamplingParams
+
+    spec = json.loads(args.speculative_config) if args.speculative_config else DEFAULT_SPEC
+    base = EngineArgs.from_cli_args(args).replace(speculative_config=None)
+    llms = {"off": LLM.from_engine(LLMEngine.from_engine_args(base)),
+            "ngram": LLM.from_engine(LLMEngine.from_engine_args(base.replace(speculative_config=spec)))}
+    for llm in llms.values():  # warm-up: compilation, kernels, allocator
+        llm.generate(["Hello there, how are you?"] * 2, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    print(f"CPU: {describe_cpu()}; model {base.model}; dtype {llms['off'].llm_engine.config.model_config.dtype}; "
+          f"speculative_config {json.dumps(spec)}")
+    results: dict[str, Any] = {"cpu": describe_cpu(), "model": base.model, "speculative_config": spec, "workloads": {}}
+    for label, w, one in _workloads():
+        rates, outputs, spec_counts = {}, {}, {}
+        for round_ in range(args.repeat):
+            for name, llm in (llms.items() if round_ % 2 == 0 else reversed(llms.items())):
+                llm.llm_engine.reset_prefix_cache()
+                rate, tokens, counts = _run(llm, w, one)
+                rates.setdefault(name, []).append(rate)
+                outputs[name], spec_counts[name] = tokens, counts
+        best = {name: max(r) for name, r in rates.items()}
+        drafted, accepted = spec_counts["ngram"]
+        same = sum(a == b for a, b in zip(outputs["off"], outputs["ngram"], strict=True))
+        row = {"off_tok_s": best["off"], "ngram_tok_s": best["ngram"], "ratio": best["ngram"] / best["off"],
+               "drafted": drafted, "accepted": accepted, "identical_outputs": f"{same}/{len(outputs['off'])}",
+               "output_tokens": sum(map(len, outputs["ngram"]))}
+        results["workloads"][label] = row
+        rate = f"{100 * accepted / drafted:.0f}%" if drafted else "n/a"
+        print(f"{label}: off {best['off']:.1f} tok/s, ngram {best['ngram']:.1f} tok/s, ratio {row['ratio']:.2f}x; "
+              f"drafts {drafted}, accepted {accepted} ({rate}); identical greedy outputs {row['identical_outputs']}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pagedserve.benchmarks.bench_spec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=2, help="rounds per workload (best of; order alternates)")
+    parser.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
