@@ -36,6 +36,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedserve.attention.torch_ref import store_kv_cache
+from pagedserve.config import MAX_SPECULATIVE_TOKENS
 from pagedserve.utils import cdiv
 
 # Padded (query, key) cells one group may hold: bounds the score matrices and the
@@ -50,7 +51,7 @@ BIAS_EXPAND_MAX = 1 << 18  # elements: masks up to this size are materialised pe
 # rows (each over its own context length), so each row is computed exactly as a one-token
 # step computes it: speculative decoding's verified drafts then match decoding one token
 # at a time bit for bit, and short chunks take the native decode kernel.
-DECODE_ROWS_MAX_TOKENS = 8
+DECODE_ROWS_MAX_TOKENS = MAX_SPECULATIVE_TOKENS + 1
 # Decode groups with at most this many KV heads attend all heads in one matmul pair
 # (`_decode_all_heads`); more heads would multiply the wasted score work.
 FOLD_HEADS_MAX_KV = 4

@@ -2,7 +2,7 @@
 
     python -m pagedserve.benchmarks.bench_spec [engine args, e.g. --dtype float32]
 
-Two engines of the same model, one with `--speculative-config` (default: n-gram, 4
+Two engines of the same model, one with `--speculative-config` (default: n-gram, 8
 drafts) and one without, take turns on three workloads (benchmarks/workloads.py):
 
 - edit-code, one request at a time: code given back with a small change, where drafts
@@ -27,16 +27,20 @@ from typing import Any
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 8}
 
 
-def _workloads() -> list[tuple[str, Any, int | None]]:
+WORKLOADS = ("edit-code", "single-chat", "chat-burst")
+
+
+def _workloads(names: list[str]) -> list[tuple[str, Any, int | None]]:
     """(label, workload, how many to run one at a time; None: all at once)."""
     from pagedserve.benchmarks import workloads as wl
 
-    return [("edit-code, one at a time", wl.edit_code(), 8),
-            ("single-stream chat (chat-burst, one at a time)", wl.chat_burst(), 8),
-            ("chat-burst, 32 at once", wl.chat_burst(), None)]
+    every = {"edit-code": ("edit-code, one at a time", wl.edit_code(), 8),
+             "single-chat": ("single-stream chat (chat-burst, one at a time)", wl.chat_burst(), 8),
+             "chat-burst": ("chat-burst, 32 at once", wl.chat_burst(), None)}
+    return [every[n] for n in names]
 
 
 def _run(llm: Any, w: Any, one_at_a_time: int | None) -> tuple[float, list[list[int]], tuple[int, int]]:
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"CPU: {describe_cpu()}; model {base.model}; dtype {llms['off'].llm_engine.config.model_config.dtype}; "
           f"speculative_config {json.dumps(spec)}")
     results: dict[str, Any] = {"cpu": describe_cpu(), "model": base.model, "speculative_config": spec, "workloads": {}}
-    for label, w, one in _workloads():
+    for label, w, one in _workloads(args.workloads):
         rates, outputs, spec_counts = {}, {}, {}
         for round_ in range(args.repeat):
             for name, llm in (llms.items() if round_ % 2 == 0 else reversed(llms.items())):
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pagedserve.benchmarks.bench_spec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2, help="rounds per workload (best of; order alternates)")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(parser)
     run(parser.parse_args(argv))

@@ -78,6 +78,7 @@ def test_stats_count_acceptances_by_position() -> None:
     ({"method": "eagle"}, "speculative_config.method"),
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 16}, "at most 15"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
     ({"model": "some/draft"}, "speculative_config.model"),
     ({"num_spec_tokens": 3}, "unknown field"),

@@ -115,3 +115,25 @@ def test_refused_with_async_scheduling_and_bad_config(tiny_checkpoint) -> None:
         LLM(model_dir, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="must be a JSON object"):
         LLM(model_dir, dtype="float32", speculative_config="{ngram")
+
+
+def test_default_model_greedy_identical_one_at_a_time_and_batched(smollm2_path) -> None:
+    """The default model as it runs by default (quantized; bf16 where the CPU has it):
+    edit-code requests, where most drafts are accepted, alone and four at once."""
+    from pagedserve.benchmarks.workloads import edit_code
+
+    convs = edit_code().conversations[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=96)
+    results = {}
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 8})):
+        llm = LLM("smollm2-135m-instruct", speculative_config=spec)
+        prompts = [llm.llm_engine.encode_chat(c) for c in convs]
+        alone = [list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts[:2]]
+        together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        results[name] = (alone, together)
+        if spec:
+            assert_drafted(llm, "default model")
+            stats = llm.llm_engine.get_stats()
+            assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens, stats
+        del llm
+    assert results["ngram"] == results["off"]

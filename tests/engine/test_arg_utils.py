@@ -75,3 +75,19 @@ def test_cli_flags_round_trip() -> None:
     assert untouched == EngineArgs()
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "int3"])
+
+
+def test_speculative_config_from_the_command_line_and_from_a_dict() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config(load_hf_config=False)
+    assert cfg.speculative_config.method == "ngram" and cfg.speculative_config.num_speculative_tokens == 3
+    cfg = EngineArgs(speculative_config={"prompt_lookup_max": 5}).create_engine_config(load_hf_config=False)
+    assert (cfg.speculative_config.prompt_lookup_max, cfg.speculative_config.num_speculative_tokens) == (5, 8)
+    assert EngineArgs().create_engine_config(load_hf_config=False).speculative_config is None
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineArgs(speculative_config="ngram")
+    with pytest.raises(ValueError, match="unknown field"):
+        EngineArgs(speculative_config={"method": "ngram", "k": 3})
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(speculative_config={}, async_scheduling=True)
