@@ -211,3 +211,21 @@ def test_executor_runs_a_single_rank(tp_checkpoint) -> None:
         _assert_same(ref, _greedy(LLM.from_engine(LLMEngine(config, executor)), prompts), "tp=1 executor")
     finally:
         executor.shutdown()
+
+
+def test_tp2_speculative_decoding_equals_tp1_without(tp2) -> None:
+    """n-gram drafts verified over tp=2 ranks (every rank computes the draft rows' logits,
+    rank 0 verifies): the same tokens as tp=1 decoding one token at a time."""
+    from pagedserve.config import SpeculativeConfig
+
+    path, llm2 = tp2
+    base = shared_prefix_prompts(VOCAB)
+    prompts = base + [p[:12] * 3 for p in base[:4]]
+    ref = _greedy(LLM(path, **BASE), prompts)
+    engine = llm2.llm_engine
+    engine.step()
+    cfg = dataclasses.replace(engine.config, speculative_config=SpeculativeConfig(disable_by_batch_size=64))
+    llm = LLM.from_engine(LLMEngine(cfg, engine.model_executor, engine.tokenizer))
+    _assert_same(ref, _greedy(llm, prompts), "speculative")
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0, stats
