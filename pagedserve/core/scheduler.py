@@ -232,7 +232,8 @@ class Scheduler:
         requests = self.requests
         for req_id in num_scheduled_tokens:
             request = requests[req_id]
-            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+            # (>=: a request with drafts counts them as computed, and samples too.)
+            if request.num_computed_tokens >= len(request.all_token_ids) + request.num_output_placeholders:
                 if request.grammar is not None:
                     rows[req_id] = row
                 row += 1

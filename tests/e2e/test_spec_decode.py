@@ -5,6 +5,8 @@ comparison would prove nothing)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -152,3 +154,23 @@ def test_sampled_and_parallel_sequences_run_with_speculation(tiny_checkpoint) ->
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in first]
     assert_drafted(llm, "n=3, temperature 0.1")
+
+
+def test_a_constrained_request_beside_drafting_ones_gets_its_own_mask(tmp_path) -> None:
+    """A request with a grammar decodes one token a step while others verify drafts in the
+    same step: its bitmask must land on its own row of the sampled logits."""
+    from pagedserve.sampling_params import StructuredOutputsParams
+    from tests.engine.helpers import make_tiny_llama
+
+    make_tiny_llama(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", seed=0, speculative_config=NGRAM)
+    # This prompt's output soon repeats itself (see the stop-string test): drafts come
+    # while the constrained request is still decoding.
+    repeats = ["hello world hello world hello"] * 3
+    constrained = SamplingParams(temperature=0.0, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z ]{50}"))
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([*repeats, "Say hello:"], [free] * 3 + [constrained], use_tqdm=False)
+    out = outs[-1].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[a-z ]{50}", out.text), (out.text, out.finish_reason)
+    assert_drafted(llm, "beside a grammar")

@@ -118,6 +118,24 @@ def test_tp2_structured_outputs_equal_tp1(tp2) -> None:
     assert b[2].outputs[0].text in ("left", "right") and b[3].outputs[0].text in ("1", "22")
 
 
+def test_tp2_speculative_decoding_equals_tp1_without(tp2) -> None:
+    """n-gram drafts verified over tp=2 ranks (every rank computes the draft rows' logits,
+    rank 0 verifies): the same tokens as tp=1 decoding one token at a time."""
+    from pagedserve.config import SpeculativeConfig
+
+    path, llm2 = tp2
+    base = shared_prefix_prompts(VOCAB)
+    prompts = base + [p[:12] * 3 for p in base[:4]]
+    ref = _greedy(LLM(path, **BASE), prompts)
+    engine = llm2.llm_engine
+    engine.step()
+    cfg = dataclasses.replace(engine.config, speculative_config=SpeculativeConfig(disable_by_batch_size=64))
+    llm = LLM.from_engine(LLMEngine(cfg, engine.model_executor, engine.tokenizer))
+    _assert_same(ref, _greedy(llm, prompts), "speculative")
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0, stats
+
+
 def test_shutdown_stops_every_worker(tp2) -> None:
     path, llm = tp2
     executor = llm.llm_engine.model_executor
@@ -212,20 +230,3 @@ def test_executor_runs_a_single_rank(tp_checkpoint) -> None:
     finally:
         executor.shutdown()
 
-
-def test_tp2_speculative_decoding_equals_tp1_without(tp2) -> None:
-    """n-gram drafts verified over tp=2 ranks (every rank computes the draft rows' logits,
-    rank 0 verifies): the same tokens as tp=1 decoding one token at a time."""
-    from pagedserve.config import SpeculativeConfig
-
-    path, llm2 = tp2
-    base = shared_prefix_prompts(VOCAB)
-    prompts = base + [p[:12] * 3 for p in base[:4]]
-    ref = _greedy(LLM(path, **BASE), prompts)
-    engine = llm2.llm_engine
-    engine.step()
-    cfg = dataclasses.replace(engine.config, speculative_config=SpeculativeConfig(disable_by_batch_size=64))
-    llm = LLM.from_engine(LLMEngine(cfg, engine.model_executor, engine.tokenizer))
-    _assert_same(ref, _greedy(llm, prompts), "speculative")
-    stats = llm.llm_engine.get_stats()
-    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0, stats
