@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.platforms import is_cuda
-from pagedserve.worker.outputs import NO_TOKEN_LEFT, LogprobsEntry, ModelRunnerOutput
+from pagedserve.worker.outputs import NO_TOKEN_LEFT, LogprobsEntry, ModelRunnerOutput, logprobs_entries
 from pagedserve.worker.rejection_sampler import DraftVerdict
 from pagedserve.worker.sampler import SamplerOutput
 
@@ -117,23 +117,19 @@ class AsyncModelRunnerOutput:
                 out.sampled_token_ids[req_id] = [tok]
         if "sampled_logprobs" not in h:
             return out
-        lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
         top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None
         top_lps = h["topk_logprobs"].tolist() if "topk_logprobs" in h else None
-        for i, (req_id, k) in enumerate(zip(self.sample_req_ids, self.logprobs_k, strict=True)):
-            if k is None or req_id not in out.sampled_token_ids:
+        entries = logprobs_entries(tokens, h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist(), top_ids,
+                                   top_lps, self.logprobs_k)
+        for req_id, last in zip(self.sample_req_ids, entries, strict=True):
+            if last is None or req_id not in out.sampled_token_ids:
                 continue
             v = verdicts.get(req_id) if verdicts else None
-            last = LogprobsEntry(
-                token_id=tokens[i], logprob=lps[i], rank=ranks[i],
-                topk_token_ids=top_ids[i][:k] if k and top_ids else [],
-                topk_logprobs=top_lps[i][:k] if k and top_lps else [],
-            )
             if v is None:
                 out.logprobs[req_id] = last
             else:  # the draft rows' entries, then the bonus token's when every draft was accepted
-                entries = list(self._draft_logprobs.get(req_id, ()))
-                out.logprobs[req_id] = entries + [last] if v.replacement is None else entries
+                drafted = list(self._draft_logprobs.get(req_id, ()))
+                out.logprobs[req_id] = drafted + [last] if v.replacement is None else drafted
         return out
         lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
         top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None

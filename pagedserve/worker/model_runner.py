@@ -49,7 +49,7 @@ from pagedserve.worker.cuda_graph import (
     padded_size,
 )
 from pagedserve.worker.input_batch import InputBatch
-from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput
+from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput, logprobs_entries
 from pagedserve.worker.rejection_sampler import DraftVerdict, verify_drafts
 from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_grammar_bitmask
 
@@ -322,7 +322,8 @@ class ModelRunner:
             self._np["logits_idx"][:k] = step.logits_idx
             logits = self.model.compute_logits(hidden.index_select(0, self._to_device("logits_idx", k)))
         # Every rank computes the draft rows' logits too (a collective under tensor parallelism).
-        draft_logits = self._draft_logits(req_ids, drafts, hidden) if drafts else None
+        spec_ids = [r for r in req_ids if r in drafts]
+        draft_logits = self._draft_logits(req_ids, spec_ids, drafts, hidden) if drafts else None
         if logits is None:  # a tensor-parallel rank > 0: its logits went to rank 0, which samples
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids))
         sample_ids = [req_ids[i] for i in step.sample_rows]
@@ -333,7 +334,6 @@ class ModelRunner:
         out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
                                      prompt_logprobs=prompt_logprobs)
         if draft_logits is not None:
-            spec_ids = [r for r in req_ids if r in drafts]
             md = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
             verdicts = verify_drafts(self.sampler, draft_logits, md, [drafts[r] for r in spec_ids])
             out.set_draft_verdicts(drafts, dict(zip(spec_ids, verdicts, strict=True)),
@@ -354,15 +354,14 @@ class ModelRunner:
             sample(scheduler_output.grammar_bitmask)
         return out
 
-    def _draft_logits(self, req_ids: list[str], drafts: dict[str, list[int]],
+    def _draft_logits(self, req_ids: list[str], spec_ids: list[str], drafts: dict[str, list[int]],
                       hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of the rows that predict each request's drafts (the k rows ahead of its
-        last query row, which the ordinary sampler takes), request by request in step
-        order; None on tensor-parallel ranks > 0."""
+        last query row, which the ordinary sampler takes), for `spec_ids` (the requests
+        with drafts, in step order); None on tensor-parallel ranks > 0."""
         qsl = self._np["query_start_loc"]
         ends = [int(qsl[i + 1]) - 1 for i, r in enumerate(req_ids) if r in drafts]
-        flat = np.concatenate([np.arange(end - len(drafts[r]), end)
-                               for end, r in zip(ends, (r for r in req_ids if r in drafts), strict=True)])
+        flat = np.concatenate([np.arange(end - len(drafts[r]), end) for end, r in zip(ends, spec_ids, strict=True)])
         return self.model.compute_logits(hidden.index_select(0, torch.from_numpy(flat).to(hidden.device)))
 
     def _draft_logprobs(self, spec_ids: list[str], drafts: dict[str, list[int]], verdicts: list[DraftVerdict],
@@ -375,27 +374,28 @@ class ModelRunner:
             return {}
         rows: list[int] = []
         emitted: list[int] = []
+        counts: list[int] = []  # tokens each request's draft rows emitted
         start = 0
         for r, v in zip(spec_ids, verdicts, strict=True):
             d = drafts[r]
-            n = v.num_accepted + (v.replacement is not None)
-            rows += range(start, start + n)
+            counts.append(v.num_accepted + (v.replacement is not None))
+            rows += range(start, start + counts[-1])
             emitted += d[: v.num_accepted] + ([v.replacement] if v.replacement is not None else [])
             start += len(d)
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         raw = logits.index_select(0, index).float().log_softmax(-1)
         lp = SamplerOutput(torch.tensor(emitted, dtype=torch.long, device=logits.device))
         Sampler.gather_logprobs(raw, lp.sampled_token_ids, max(k or 0 for k in ks), lp)
-        token_lp, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-        top_ids = lp.topk_token_ids.tolist() if lp.topk_token_ids is not None else None
-        top_lps = lp.topk_logprobs.tolist() if lp.topk_logprobs is not None else None
+        row_ks = [k for k, n in zip(ks, counts, strict=True) for _ in range(n)]
+        entries = logprobs_entries(
+            emitted, lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist(),
+            lp.topk_token_ids.tolist() if lp.topk_token_ids is not None else None,
+            lp.topk_logprobs.tolist() if lp.topk_logprobs is not None else None, row_ks)
         out: dict[str, list[LogprobsEntry]] = {}
         i = 0
-        for r, v, k in zip(spec_ids, verdicts, ks, strict=True):
-            n = v.num_accepted + (v.replacement is not None)
+        for r, k, n in zip(spec_ids, ks, counts, strict=True):
             if k is not None:
-                out[r] = [LogprobsEntry(emitted[j], token_lp[j], ranks[j], top_ids[j][:k] if k and top_ids else [],
-                                        top_lps[j][:k] if k and top_lps else []) for j in range(i, i + n)]
+                out[r] = entries[i: i + n]
             i += n
         return out
 

@@ -18,6 +18,16 @@ class LogprobsEntry:
     topk_logprobs: list[float]
 
 
+def logprobs_entries(tokens: list[int], logprobs: list[float], ranks: list[int], top_ids: list[list[int]] | None,
+                     top_lps: list[list[float]] | None, ks: list[int | None]) -> list[LogprobsEntry | None]:
+    """One entry per row from a sampler's logprob lists (host), each cut to its row's k
+    top logprobs (None where the row asked for none)."""
+    return [None if k is None else LogprobsEntry(tokens[i], logprobs[i], ranks[i],
+                                                 top_ids[i][:k] if k and top_ids else [],
+                                                 top_lps[i][:k] if k and top_lps else [])
+            for i, k in enumerate(ks)]
+
+
 NO_TOKEN_LEFT = ("the request's constraints (grammar or response format, allowed_token_ids, logit_bias, "
                  "bad_words, min_tokens) together allow no token at this point")
 
