@@ -9,6 +9,10 @@ simpler and, for short sequences, about as cheap.  Under the priority policy
 `running` is kept sorted, so "the worst" is simply the last one and requests
 already scheduled this step are never victims.
 
+With speculative decoding (`speculative_config`), a decoding request may also get
+n-gram drafts (core/ngram_proposer.py): they are scheduled and given KV slots like any
+token, and `update_from_output` takes back the slots of the ones the runner rejected.
+
 The update path is one loop (`update_from_output`) with three hooks that
 `AsyncScheduler` (core/async_scheduler.py) overrides for overlap scheduling:
 whether a sampled token belongs to the request now holding its id, what happens
