@@ -174,3 +174,57 @@ def test_a_constrained_request_beside_drafting_ones_gets_its_own_mask(tmp_path) 
     out = outs[-1].outputs[0]
     assert out.finish_reason == "stop" and re.fullmatch("[a-z ]{50}", out.text), (out.text, out.finish_reason)
     assert_drafted(llm, "beside a grammar")
+
+
+def test_sampled_distribution_unchanged_through_the_engine(tmp_path) -> None:
+    """Temperature 1 on a tiny 64-token model: the prompt holds every token once, so after
+    the first sampled token t1 the proposer always drafts the token that followed t1 in
+    the prompt, and the second token goes through verification.  Its distribution over
+    20,000 sequences must match 20,000 without speculation (two-sample chi-square,
+    p = 0.001), and so must the first token's (sampled as always) and how often the
+    second token is the draft."""
+    import random
+
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    vocab = 64
+    make_tiny_checkpoint("llama", str(tmp_path), vocab_size=vocab, initializer_range=0.05)
+    order = list(range(vocab))
+    random.Random(0).shuffle(order)
+    prompt = {"prompt_token_ids": order}
+    n = 20_000
+    sp = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)  # (the last token never has drafts)
+    follow = {a: b for a, b in zip(order, order[1:], strict=False)}  # the draft after each token
+    counts, hits = {}, {}
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 1,
+                                                 "prompt_lookup_min": 1, "disable_by_batch_size": 256})):
+        llm = LLM(str(tmp_path), dtype="float32", seed=1 if spec else 2, max_num_seqs=256, max_model_len=128,
+                  speculative_config=spec)
+        outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        counts[name] = [[sum(1 for t in tokens if t[pos] == v) for v in range(vocab)] for pos in (0, 1)]
+        # How often the second token is the draft itself: the statistic a wrong accept or
+        # residual rule moves most (a residual that kept the draft about doubles it).
+        hits[name] = sum(1 for t in tokens if t[0] in follow and t[1] == follow[t[0]])
+        if spec:
+            stats = llm.llm_engine.get_stats()
+            assert stats.spec_decode_num_drafts >= 0.99 * n, stats  # (t1 is in the prompt unless it is its last)
+            assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
+    for pos in (0, 1):
+        a, b = counts["off"][pos], counts["ngram"][pos]
+        # Bins with few draws are pooled so every expected count is at least 5.
+        bins, pool_a, pool_b = [], 0, 0
+        for x, y in zip(a, b, strict=True):
+            if x + y >= 20:
+                bins.append((x, y))
+            else:
+                pool_a, pool_b = pool_a + x, pool_b + y
+        if pool_a + pool_b:
+            bins.append((pool_a, pool_b))
+        chi2 = sum((x - y) ** 2 / (x + y) for x, y in bins)  # equal sample sizes
+        df = len(bins) - 1
+        # Wilson-Hilferty approximation of the chi-square 0.999 quantile.
+        crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+        assert chi2 < crit, (pos, chi2, crit, df)
+    x, y = hits["off"], hits["ngram"]
+    assert (x - y) ** 2 / (x + y) < 10.83, hits  # chi-square, 1 degree of freedom, p = 0.001
