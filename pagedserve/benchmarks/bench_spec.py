@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
+from pagedserve.benchmarks.throughput import generate_timed, workload_requests
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
@@ -44,19 +44,10 @@ def _workloads(names: list[str]) -> list[tuple[str, Any, int | None]]:
 
 
 def _run(llm: Any, w: Any, one_at_a_time: int | None) -> tuple[float, list[list[int]], tuple[int, int]]:
-    from pagedserve import SamplingParams
-
     engine = llm.llm_engine
-    prompts = [engine.encode_chat(conv) for conv in w.conversations]
-    params = [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=w.ignore_eos) for m in w.max_tokens]
+    prompts, params = workload_requests(engine, w)
     before = engine.get_stats()
-    t0 = time.perf_counter()
-    if one_at_a_time:
-        outs = [o for p, sp in zip(prompts[:one_at_a_time], params[:one_at_a_time], strict=True)
-                for o in llm.generate([p], sp, use_tqdm=False)]
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    outs, elapsed = generate_timed(llm, prompts, params, one_at_a_time)
     after = engine.get_stats()
     spec = (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
             after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)

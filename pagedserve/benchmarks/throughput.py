@@ -55,7 +55,6 @@ def _random_workload(args: argparse.Namespace, vocab_size: int):
 
 
 def build_requests(llm, args: argparse.Namespace):
-    from pagedserve import SamplingParams
     from pagedserve.benchmarks import workloads as wl
 
     engine = llm.llm_engine
@@ -64,7 +63,15 @@ def build_requests(llm, args: argparse.Namespace):
     else:
         w = {"chat-burst": wl.chat_burst, "chat-burst-natural": wl.chat_burst_natural,
              "shared-prefix": wl.shared_prefix, "edit-code": wl.edit_code}[args.workload]()
-    temperature = w.temperature if args.temperature is None else args.temperature
+    return (w, *workload_requests(engine, w, args.temperature))
+
+
+def workload_requests(engine, w, temperature: float | None = None) -> tuple[list[dict], list]:
+    """A workload's prompts (chat template applied) and sampling params for `engine`;
+    `temperature` overrides the workload's."""
+    from pagedserve import SamplingParams
+
+    temperature = w.temperature if temperature is None else temperature
     if w.prompt_token_ids is not None:
         prompts = [{"prompt_token_ids": p} for p in w.prompt_token_ids]
     else:
@@ -73,7 +80,19 @@ def build_requests(llm, args: argparse.Namespace):
         prompts = [engine.encode_chat(conv) for conv in w.conversations]
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=w.ignore_eos)
               for m in w.max_tokens]
-    return w, prompts, params
+    return prompts, params
+
+
+def generate_timed(llm, prompts: list, params: list, one_at_a_time: int | None = None) -> tuple[list, float]:
+    """(outputs, seconds) of one generate() over all requests, or with `one_at_a_time` N
+    the first N requests each alone (one user chatting), timed together."""
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        outputs = [out for p, sp in zip(prompts[:one_at_a_time], params[:one_at_a_time], strict=True)
+                   for out in llm.generate([p], sp, use_tqdm=False)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -92,14 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()
 
-    t0 = time.perf_counter()
-    if args.one_at_a_time:
-        n = args.one_at_a_time
-        outputs = [out for p, sp in zip(prompts[:n], params[:n], strict=True)
-                   for out in llm.generate([p], sp, use_tqdm=False)]
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    outputs, elapsed = generate_timed(llm, prompts, params, args.one_at_a_time)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cfg = llm.llm_engine.config
