@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -208,3 +209,72 @@ class LoggingStatLogger:
             self._logged_idle = idle
         self.log.info(line)
         return line
+
+
+def _percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted list (None when empty)."""
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+class SeriesStatLogger:
+    """The last `seconds` seconds as one point per second, for the dashboard's charts.
+
+    `record` (engine thread, every step) only adds to the current second's sums; a
+    second is closed into a point when time passes it, by `record` or by a reader
+    (`points_since`), so an idle server still gets its zero points.  Each point:
+    t (unix seconds), prompt and generation tokens/s, KV usage, prefix-cache hit rate
+    over that second (None without lookups), TTFT and inter-token latency p50/p95
+    (None without samples), preemptions, running and waiting requests.
+    """
+
+    def __init__(self, seconds: int = 300, clock: Any = time.time) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.points: deque[dict[str, Any]] = deque(maxlen=seconds)
+        self._start = float(int(clock()))
+        self._sched = SchedulerStats()
+        self._last_closed = SchedulerStats()  # cumulative counters at the last closed second
+        self._new_bucket()
+
+    def _new_bucket(self) -> None:
+        self._prompt = self._gen = 0
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
+
+    def _roll(self, now: float) -> None:
+        if now - self._start > 2 * self.seconds:  # idle for longer than the window: skip ahead
+            self._start = float(int(now)) - self.seconds - 1
+        while now >= self._start + 1.0:
+            s, last = self._sched, self._last_closed
+            queries = s.prefix_cache_queries - last.prefix_cache_queries
+            ttft, itl = sorted(self._ttft), sorted(self._itl)
+            self.points.append({
+                "t": self._start, "prompt_tps": self._prompt, "gen_tps": self._gen,
+                "kv_usage": s.kv_cache_usage,
+                "hit_rate": (s.prefix_cache_hits - last.prefix_cache_hits) / queries if queries else None,
+                "ttft_p50": _percentile(ttft, 0.5), "ttft_p95": _percentile(ttft, 0.95),
+                "itl_p50": _percentile(itl, 0.5), "itl_p95": _percentile(itl, 0.95),
+                "preemptions": s.num_preemptions - last.num_preemptions,
+                "running": s.num_running, "waiting": s.num_waiting,
+            })
+            self._last_closed = s
+            self._new_bucket()
+            self._start += 1.0
+
+    def record(self, sched: SchedulerStats, it: IterationStats) -> None:
+        with self._lock:
+            self._roll(self.clock())
+            self._sched = sched
+            self._prompt += it.num_prompt_tokens
+            self._gen += it.num_generation_tokens
+            self._ttft.extend(it.time_to_first_tokens)
+            self._itl.extend(it.inter_token_latencies)
+
+    def points_since(self, t: float | None = None) -> list[dict[str, Any]]:
+        """Closed points newer than `t` (all of them for None), oldest first."""
+        with self._lock:
+            self._roll(self.clock())
+            return [p for p in self.points if t is None or p["t"] > t]

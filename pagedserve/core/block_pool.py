@@ -124,6 +124,21 @@ class BlockPool:
         # Block 0 pads block tables; it is never handed out, freed or cached.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Ids of blocks whose ref_cnt or hash changed since take_changed_block_ids(), kept
+        # only while someone watches the pool (the dashboard): None costs one test per call.
+        self.changed_block_ids: set[int] | None = None
+
+    def track_changes(self, enabled: bool) -> None:
+        """Start (from an empty set) or stop recording which blocks change."""
+        self.changed_block_ids = set() if enabled else None
+
+    def take_changed_block_ids(self) -> list[int]:
+        """The blocks changed since the last call (sorted); empty when not tracking."""
+        changed = self.changed_block_ids
+        if not changed:
+            return []
+        self.changed_block_ids = set()
+        return sorted(changed)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop from the LRU head, evicting any cached prefix the block still holds."""
@@ -139,20 +154,25 @@ class BlockPool:
                     del cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+        if self.changed_block_ids is not None:
+            self.changed_block_ids.update(b.block_id for b in blocks)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A cache hit: take the block back from the free queue if nobody held it."""
-        queue = self.free_block_queue
+        queue, changed = self.free_block_queue, self.changed_block_ids
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 queue.remove(block)
             block.ref_cnt += 1
+            if changed is not None:
+                changed.add(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the queue in the given
         order, which is therefore their eviction order (first = evicted first)."""
         released = []
+        changed = self.changed_block_ids
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -161,6 +181,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 released.append(block)
+            if changed is not None:
+                changed.add(block.block_id)
         self.free_block_queue.append_n(released)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
@@ -182,6 +204,8 @@ class BlockPool:
             if block_hash not in cached:
                 cached[block_hash] = block
                 block.block_hash = block_hash
+                if self.changed_block_ids is not None:
+                    self.changed_block_ids.add(block.block_id)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -204,5 +228,7 @@ class BlockPool:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
+            if self.changed_block_ids is not None:
+                self.changed_block_ids.add(block.block_id)
         self.cached_block_hash_to_block.clear()
         return True

@@ -35,6 +35,7 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.core.snapshot import KVSnapshot, take_snapshot
 from pagedserve.core.step_budget import StepTimeBudget
 from pagedserve.errors import InvalidRequestError
 
@@ -449,6 +450,16 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def watch_blocks(self, enabled: bool) -> None:
+        """Record block changes for `snapshot` deltas (only while someone watches)."""
+        self.kv_cache_manager.block_pool.track_changes(enabled)
+
+    def snapshot(self, full: bool) -> KVSnapshot:
+        """The block pool and the queues for the dashboard (see core/snapshot.py)."""
+        kvm = self.kv_cache_manager
+        return take_snapshot(kvm.block_pool, kvm.block_size, self.running, self.waiting, len(self.running),
+                             len(self.waiting), kvm.req_to_blocks, full)
 
 
 def check_stop(request: Request, tok: int) -> RequestStatus | None:

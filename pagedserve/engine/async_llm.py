@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
@@ -40,6 +41,9 @@ logger = logging.getLogger("pagedserve.async_llm")
 # freed activations on the heap for speed (worker/cpu_malloc.py), which an idle server
 # need not hold; trimming only after a pause keeps it off a busy server's path.
 IDLE_TRIM_SECONDS = 2.0
+# How often a watched engine publishes a snapshot of its block pool and queues (the
+# dashboard): often enough to look live, rare enough to cost nothing measurable.
+SNAPSHOT_INTERVAL = 0.25
 
 
 class EngineDeadError(RuntimeError):
@@ -149,6 +153,10 @@ class AsyncLLM:
         self._num_waiting = 0  # the scheduler's waiting queue after the last step (written by the engine thread)
         self._pending_adds = 0  # adds sent to the engine thread and not answered yet (event loop only)
         self._closed: BaseException | None = None  # set by close_admission: new requests get this
+        # The dashboard's snapshot listener (engine thread state, set through a command).
+        self._watcher: Callable[[KVSnapshot], None] | None = None
+        self._snapshot_full = True
+        self._next_snapshot = 0.0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -257,6 +265,13 @@ class AsyncLLM:
         if abort:
             self._send(("abort", request_id))
 
+    def watch(self, listener: Callable[[KVSnapshot], None] | None) -> None:
+        """Call `listener` on the event loop with a snapshot of the block pool and the
+        queues every SNAPSHOT_INTERVAL seconds (the first one full, then only changed
+        blocks), until `watch(None)`.  While nobody watches, the pool records nothing."""
+        self.start()
+        self._send(("watch", listener))
+
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         """The engine's chat rendering and tokenization (read-only: safe from the event loop)."""
@@ -283,12 +298,16 @@ class AsyncLLM:
                     timeout = self.log_stats.interval if self.log_stats else None
                     if worked:
                         timeout = min(timeout or IDLE_TRIM_SECONDS, IDLE_TRIM_SECONDS)
+                    if self._watcher is not None:
+                        timeout = min(timeout or SNAPSHOT_INTERVAL, SNAPSHOT_INTERVAL)
                     if not self._wake.wait(timeout=timeout) and worked:
                         release_freed_memory()
                         worked = False
                     self._wake.clear()
                 if self.log_stats is not None:
                     self.log_stats.maybe_log()
+                if self._watcher is not None:
+                    self._publish_snapshot()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine loop failed; the engine is dead")
             self.dead_error = e
@@ -306,9 +325,22 @@ class AsyncLLM:
             did_work = True
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif cmd[0] == "watch":
+                self._watcher = cmd[1]
+                self.engine.watch_blocks(cmd[1] is not None)
+                self._snapshot_full, self._next_snapshot = True, 0.0
             elif cmd[1] in self._req_stats:  # still live in the engine
                 self.engine.abort_request([cmd[1]])
                 self._finish_stats(cmd[1], "abort", time.monotonic())
+
+    def _publish_snapshot(self) -> None:
+        now = time.monotonic()
+        if now < self._next_snapshot:
+            return
+        snapshot = self.engine.snapshot(self._snapshot_full)
+        self._snapshot_full = False
+        self._next_snapshot = now + SNAPSHOT_INTERVAL
+        self._call_soon(self._watcher, snapshot)
 
     def _add(self, cmd: _Add) -> None:
         if cmd.future.cancelled():

@@ -33,6 +33,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs, read_chat_template
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
@@ -127,6 +128,8 @@ class LLMEngine:
         # Requests whose grammar was still compiling when they were added: parent id -> its
         # compilation (a failure ends the request with "error" at the next step).
         self._compiling: dict[str, Future] = {}
+        self.busiest_snapshot: KVSnapshot | None = None  # see keep_busiest_snapshot
+        self.busiest_usage = -1.0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -348,6 +351,9 @@ class LLMEngine:
         outputs = self._fail_grammars() if self._compiling else []
         sched_out = self.scheduler.schedule()
         total = sched_out.total_num_scheduled_tokens
+        if self.busiest_snapshot is not None and self.kv_cache_manager.usage > self.busiest_usage:
+            self.busiest_usage = self.kv_cache_manager.usage
+            self.busiest_snapshot = self.snapshot(full=True)
         if total:
             self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
         elif not sched_out.finished_req_ids:
@@ -458,6 +464,37 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ watching (the dashboard)
+    def watch_blocks(self, enabled: bool) -> None:
+        """Record which KV blocks change, so `snapshot(full=False)` can send only those."""
+        self.scheduler.watch_blocks(enabled)
+
+    def snapshot(self, full: bool) -> KVSnapshot:
+        """The block pool and request queues now (core/snapshot.py)."""
+        return self.scheduler.snapshot(full)
+
+    def keep_busiest_snapshot(self) -> None:
+        """From now on keep, in `busiest_snapshot`, a full snapshot of the step with the
+        highest KV usage (`generate --show-blocks`; it costs a full snapshot whenever
+        usage climbs, so it is for offline runs, not for serving)."""
+        self.busiest_usage = -1.0
+        self.busiest_snapshot = self.snapshot(full=True)
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration people ask about first, for the dashboard."""
+        mc, cache, sched = self.model_config, self.config.cache_config, self.config.scheduler_config
+        spec = self.config.speculative_config
+        return {
+            "model": mc.model, "dtype": mc.dtype, "quantization": mc.quantization,
+            "block_size": cache.block_size, "num_blocks": cache.num_blocks,
+            "prefix_caching": "on" if cache.enable_prefix_caching else "off",
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_model_len": sched.max_model_len, "chunked_prefill": "on" if sched.enable_chunked_prefill else "off",
+            "overlap_scheduling": "on" if self.async_scheduling else "off",
+            "speculative_decoding": "off" if spec is None else f"{spec.method}, k={spec.num_speculative_tokens}",
+            **self.model_executor.describe(),
+        }
 
     # ------------------------------------------------------------------ chat
     def get_tokenizer(self) -> Any:

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
     _add_sampling_args(gen, temperature=0.0, max_tokens=256)
+    gen.add_argument("--show-blocks", action="store_true",
+                     help="at the end, print the KV block pool as text: in use, shared, cached (prefix cache) "
+                          "and free blocks, and the busiest moment of the run")
     EngineArgs.add_cli_args(gen)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming the answer (/exit or Ctrl-D quits)")
@@ -137,11 +140,21 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         prompts: list[Any] = [engine.encode_chat(_conversation(ns.system, p)) for p in ns.prompts]
     else:
         prompts = list(ns.prompts)
+    if ns.show_blocks:
+        engine.keep_busiest_snapshot()
     outputs = llm.generate(prompts, _sampling_params(ns), use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(ns.prompts, outputs, strict=True)):
         if len(outputs) > 1:
             print(("\n" if i else "") + f"[{i}] {prompt}\n" + "-" * 40)
         print(out.outputs[0].text)
+    if ns.show_blocks:
+        from pagedserve.core.snapshot import render_block_pool
+
+        assert engine.busiest_snapshot is not None
+        print(f"\nKV block pool at the busiest step (KV usage {100 * engine.busiest_usage:.0f}%):")
+        print(render_block_pool(engine.busiest_snapshot))
+        print("\nKV block pool at the end (finished requests' blocks stay cached for reuse):")
+        print(render_block_pool(engine.snapshot(full=True)))
 
 
 def _conversation(system: str | None, user: str) -> list[dict[str, str]]:

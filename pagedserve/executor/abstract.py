@@ -42,6 +42,11 @@ class ModelExecutor(Protocol):
         host knows, provided the previous step launched here sampled that token."""
         ...
 
+    def describe(self) -> dict[str, str]:
+        """What runs the model, for people (the dashboard's configuration panel):
+        the attention backend, whether the model is compiled, and so on."""
+        ...
+
     def shutdown(self) -> None:
         """Release processes and devices (idempotent)."""
         ...

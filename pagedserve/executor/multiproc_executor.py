@@ -202,6 +202,9 @@ class MultiprocExecutor:
         """Rank 0's ModelRunner (its KV caches, input batch, device)."""
         return self.driver.runner
 
+    def describe(self) -> dict[str, str]:
+        return self.driver.runner.describe()  # every rank runs the same setup
+
     # ------------------------------------------------------------------ calls
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         def run() -> ModelRunnerOutput:

@@ -192,6 +192,7 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target)
     source = resolve_source(model_config.model, model_config.load_format)
     method, gguf_file = resolve_quantization(model_config.quantization, source, target)
+    model_config.quantization = method  # resolved, like dtype (resolving again gives the same)
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), target:
         model = model_cls(hf_config)

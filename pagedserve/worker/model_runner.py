@@ -439,6 +439,12 @@ class ModelRunner:
             offset += count
         return out
 
+    def describe(self) -> dict[str, str]:
+        return {"device": str(self.device), "attention_backend": self.attn_backend.name,
+                "torch_compile": "on" if self.compiled is not None else "off",
+                "cuda_graphs": "on" if self.graph_runner is not None else "off",
+                "tensor_parallel_size": str(self.tensor_parallel_size)}
+
     def shutdown(self) -> None:
         """Nothing to release: the model and its caches go with the object."""
 

@@ -33,6 +33,9 @@ class FakeRunner:
     def shutdown(self) -> None:
         pass
 
+    def describe(self) -> dict[str, str]:
+        return {"device": "cpu", "attention_backend": "fake"}
+
     def execute_model_async(self, so):
         raise NotImplementedError
 

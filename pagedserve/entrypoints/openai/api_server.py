@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics, /tokenize, /detokenize, /version.
+/health, /metrics, /tokenize, /detokenize, /version, and the dashboard at / (see
+entrypoints/dashboard).
 
 Implementation: the FastAPI app factory (`build_app`) and `run_server`.  The socket is
 bound and /health answers 503 while the model loads in a background thread, so
@@ -42,6 +43,7 @@ from pagedserve.engine.async_llm import (
     RequestTimeoutError,
     check_front_door_limits,
 )
+from pagedserve.entrypoints.dashboard import DashboardHub, add_dashboard_routes, is_public_path
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -62,6 +64,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 from pagedserve.errors import InvalidRequestError
+from pagedserve.metrics import SeriesStatLogger
 
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
@@ -82,13 +85,27 @@ class ServerState:
     chat: OpenAIServingChat | None = None
     max_model_len: int = 0
     registry: Any = None
+    enable_dashboard: bool = True  # the live page at / (--disable-dashboard turns it off)
+    # The dashboard's per-second history: a stat logger the engine feeds from start-up.
+    series: SeriesStatLogger | None = None
+    dashboard: DashboardHub | None = None
 
-    def attach(self, engine: AsyncLLM, max_model_len: int, tool_parser: ToolParser | None = None) -> None:
+    def attach(self, engine: AsyncLLM, max_model_len: int, tool_parser: ToolParser | None = None,
+               engine_description: dict[str, Any] | None = None) -> None:
         args = (engine, self.served_model_names, max_model_len)
         self.max_model_len = max_model_len
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(*args, tool_parser=tool_parser)
+        if self.enable_dashboard:
+            config = {"served_model_name": self.served_model_names[0], **(engine_description or {})}
+            self.dashboard = DashboardHub(engine, self.series or SeriesStatLogger(), config)
         self.engine = engine  # last: its presence means "ready"
+
+    def is_public(self, path: str) -> bool:
+        """Routes served without the API key: /health, /metrics for a scraper when asked,
+        and the dashboard page (which asks for the key itself)."""
+        return (path == "/health" or (path == "/metrics" and self.metrics_without_auth)
+                or (self.enable_dashboard and is_public_path(path)))
 
     def ready(self) -> AsyncLLM:
         if self.draining:
@@ -143,6 +160,14 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(OpenAIError(str(exc.detail), status=exc.status_code,
                                           type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+
+    if state.enable_dashboard:
+        def hub() -> DashboardHub:
+            state.ready()
+            assert state.dashboard is not None
+            return state.dashboard
+
+        add_dashboard_routes(app, hub, SSEResponse)
 
     @app.get("/health")
     async def health() -> Response:
@@ -250,6 +275,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                        help="largest request body accepted; larger ones get 413 before they are parsed "
                             "(bytes, or with a unit: 16MiB; default: 16MiB)")
+    group.add_argument("--disable-dashboard", action="store_true",
+                       help="do not serve the live dashboard and chat playground at / and /dashboard")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level; info logs every request (default: warning)")
@@ -332,7 +359,10 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {e}") from None
     names = args.served_model_name or [engine_args.model]
     state = ServerState(served_model_names=names, api_key=args.api_key or os.environ.get("PAGEDSERVE_API_KEY"),
-                        metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes)
+                        metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
+                        enable_dashboard=not args.disable_dashboard)
+    if state.enable_dashboard:
+        state.series = SeriesStatLogger()
     failed: list[BaseException] = []
     runner: _DrainingServer | None = None
 
@@ -343,13 +373,15 @@ def run_server(args: argparse.Namespace) -> None:
         runner.bind_loop()
 
         def attach(engine: Any) -> None:
-            stat_logger = PrometheusStatLogger(state.registry, names[0])
-            client = AsyncLLM(engine, stat_loggers=[stat_logger], log_stats=not args.disable_log_stats,
+            stat_loggers = [PrometheusStatLogger(state.registry, names[0])]
+            if state.series is not None:
+                stat_loggers.append(state.series)
+            client = AsyncLLM(engine, stat_loggers=stat_loggers, log_stats=not args.disable_log_stats,
                               log_interval=args.log_stats_interval, max_waiting_requests=args.max_waiting_requests,
                               request_timeout=args.request_timeout, on_dead=lambda _: runner.exit_failed())
             client.start()
             parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
-            state.attach(client, engine.config.scheduler_config.max_model_len, parser)
+            state.attach(client, engine.config.scheduler_config.max_model_len, parser, engine.describe())
             logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
 
         def load() -> None:

@@ -47,19 +47,16 @@ class SSEResponse(StreamingResponse):
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on every route but /health (and /metrics with
-    `metrics_without_auth`), as plain ASGI (BaseHTTPMiddleware would put every streamed
+    """Bearer-token check on every route but the state's public ones (`state.is_public`:
+    /health, /metrics with `metrics_without_auth`, the dashboard page), as plain ASGI (BaseHTTPMiddleware would put every streamed
     chunk through an extra task and memory stream).  The comparison takes constant time."""
 
     def __init__(self, app: Any, state: Any) -> None:
         self.app, self.state = app, state
 
-    def _open(self, path: str) -> bool:
-        return path == "/health" or (path == "/metrics" and self.state.metrics_without_auth)
-
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         key = self.state.api_key
-        if key and scope["type"] == "http" and not self._open(scope["path"]):
+        if key and scope["type"] == "http" and not self.state.is_public(scope["path"]):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):

@@ -1,0 +1,161 @@
+"""The live dashboard and chat playground that `pagedserve serve` shows at `/`.
+
+The page (static/, plain HTML, CSS and JavaScript shipped in the package: installs
+here have no internet for a CDN) reads one Server-Sent Events stream,
+`/dashboard/events`.  `DashboardHub` produces it on the event loop: while at least one
+page is open it asks the engine to publish a snapshot every 250 ms (AsyncLLM.watch;
+the first full, then only the KV blocks that changed), keeps a mirror of the block
+pool so a page that opens later starts from a full picture, and adds the per-second
+points of `SeriesStatLogger`.  Nobody watching: the engine records nothing.
+
+The page itself and its static files are public (the page asks for the API key);
+the event stream, like every API route, needs the key.  The playground talks to
+/v1/chat/completions like any client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from pagedserve.core.snapshot import KVSnapshot
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.metrics import SeriesStatLogger
+
+logger = logging.getLogger("pagedserve.dashboard")
+
+PAGE_PATHS = ("/", "/dashboard")
+STATIC_PREFIX = "/dashboard/static/"
+EVENTS_PATH = "/dashboard/events"
+# Events queued for one page before it counts as stuck and is dropped (its browser
+# reconnects and starts again from a full picture): 16 s of snapshots.
+MAX_QUEUED_EVENTS = 64
+_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                  ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
+
+
+def is_public_path(path: str) -> bool:
+    """The page and its files: served without the API key (the page asks for it)."""
+    return path in PAGE_PATHS or path.startswith(STATIC_PREFIX)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class DashboardHub:
+    """Fans the engine's snapshots out to the open pages (event loop only)."""
+
+    def __init__(self, engine: AsyncLLM, series: SeriesStatLogger, config: dict[str, Any]) -> None:
+        self.engine = engine
+        self.series = series
+        self.config = config
+        self.subscribers: set[asyncio.Queue[str | None]] = set()
+        # [ref_cnt, hash prefix] per block: valid from the first full snapshot after the
+        # first page opened until the last one closed (None otherwise).
+        self.blocks: list[list[Any]] | None = None
+        self.latest: KVSnapshot | None = None
+        self._series_t: float | None = None  # newest series point already sent
+        self.num_events = 0
+
+    async def events(self) -> AsyncIterator[str]:
+        """One page's stream: a full picture, then deltas, until it disconnects."""
+        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=MAX_QUEUED_EVENTS)
+        first = not self.subscribers
+        self.subscribers.add(queue)
+        try:
+            if first:
+                self.engine.watch(self._on_snapshot)  # its first snapshot is full: broadcast to all
+            elif self.blocks is not None:
+                queue.put_nowait(self._full_event())
+            while True:
+                event = await queue.get()
+                if event is None:  # dropped as too slow: the browser reconnects
+                    return
+                yield event
+        finally:
+            self.subscribers.discard(queue)
+            if not self.subscribers:
+                self.engine.watch(None)
+                self.blocks = self.latest = None
+
+    def _full_event(self) -> str:
+        assert self.blocks is not None and self.latest is not None
+        blocks = [[i, ref, digest] for i, (ref, digest) in enumerate(self.blocks)]
+        return _sse(self._payload("full", self.latest, blocks, self.series.points_since(None)))
+
+    def _payload(self, kind: str, snap: KVSnapshot, blocks: list[Any], series: list[dict[str, Any]]) -> dict:
+        return {
+            "type": kind, "blocks": blocks, "series": series,
+            "num_blocks": snap.num_blocks, "block_size": snap.block_size, "null_block_id": snap.null_block_id,
+            "running": [asdict(r) for r in snap.running], "waiting": [asdict(r) for r in snap.waiting],
+            "num_running": snap.num_running, "num_waiting": snap.num_waiting,
+            **({"config": self.config} if kind == "full" else {}),
+        }
+
+    def _on_snapshot(self, snap: KVSnapshot) -> None:
+        if not self.subscribers:
+            return
+        series = self.series.points_since(self._series_t)
+        if series:
+            self._series_t = series[-1]["t"]
+        if snap.full:
+            self.blocks = [[ref, digest] for _, ref, digest in snap.blocks]
+            self.latest = snap
+            event = self._full_event()
+        elif self.blocks is None:  # a delta from before the last page closed
+            return
+        else:
+            for block_id, ref, digest in snap.blocks:
+                self.blocks[block_id] = [ref, digest]
+            self.latest = snap
+            event = _sse(self._payload("delta", snap, [list(b) for b in snap.blocks], series))
+        self.num_events += 1
+        for queue in list(self.subscribers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                logger.warning("a dashboard page fell %d events behind; dropping it (it reconnects)",
+                               MAX_QUEUED_EVENTS)
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(None)
+                self.subscribers.discard(queue)
+
+
+def _static_file(name: str) -> Response:
+    """A file of static/ (no subfolders, so no path tricks), or a 404."""
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    if "/" in name or name.startswith(".") or suffix not in _CONTENT_TYPES:
+        return Response(status_code=404)
+    path = resources.files(__package__).joinpath("static", name)
+    if not path.is_file():
+        return Response(status_code=404)
+    return Response(path.read_bytes(), media_type=_CONTENT_TYPES[suffix], headers={"Cache-Control": "no-cache"})
+
+
+def add_dashboard_routes(app: FastAPI, hub_of: Any, sse_response: Any) -> None:
+    """`hub_of()` gives the hub once the engine has loaded (raising a 503 before);
+    `sse_response` wraps an async iterator of SSE strings in a streaming response."""
+
+    async def page() -> Response:
+        return _static_file("index.html")
+
+    for path in PAGE_PATHS:
+        app.add_api_route(path, page, methods=["GET"], include_in_schema=False)
+
+    @app.get(STATIC_PREFIX + "{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        return _static_file(name)
+
+    @app.get(EVENTS_PATH, include_in_schema=False)
+    async def events() -> Response:
+        return sse_response(hub_of().events())
