@@ -6,7 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.metrics import IterationStats, LoggingStatLogger, PrometheusStatLogger, SchedulerStats
+from pagedserve.metrics import (
+    IterationStats,
+    LoggingStatLogger,
+    PrometheusStatLogger,
+    SchedulerStats,
+    SeriesStatLogger,
+)
 
 
 def test_logging_stat_logger_rates():
@@ -60,3 +66,42 @@ def test_speculative_decoding_acceptance_in_the_log_line_and_prometheus():
     assert value("vllm:spec_decode_num_accepted_tokens_total") == 7
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 5
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+
+
+class _Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_series_closes_one_point_per_second_with_rates_percentiles_and_deltas():
+    clock = _Clock(1000.2)
+    series = SeriesStatLogger(seconds=5, clock=clock)
+    sched = SchedulerStats(num_running=2, kv_cache_usage=0.5, prefix_cache_queries=100, prefix_cache_hits=40,
+                           num_preemptions=1)
+    series.record(sched, IterationStats(num_prompt_tokens=30, num_generation_tokens=4,
+                                        time_to_first_tokens=[0.1, 0.3], inter_token_latencies=[0.02] * 9 + [0.5]))
+    clock.t = 1000.7
+    series.record(SchedulerStats(num_running=2, kv_cache_usage=0.6, prefix_cache_queries=200, prefix_cache_hits=90,
+                                 num_preemptions=3), IterationStats(num_generation_tokens=6))
+    assert series.points_since(None) == []  # the second is not over yet
+    clock.t = 1003.1  # two more seconds pass with no step: zero points, usage carried
+    p0, p1, p2 = series.points_since(None)
+    assert p0["t"] == 1000.0 and p0["prompt_tps"] == 30 and p0["gen_tps"] == 10 and p0["kv_usage"] == 0.6
+    assert p0["hit_rate"] == 90 / 200 and p0["preemptions"] == 3 and p0["running"] == 2
+    assert p0["ttft_p50"] == 0.3 and p0["itl_p50"] == 0.02 and p0["itl_p95"] == 0.5
+    assert p1["t"] == 1001.0 and p1["gen_tps"] == 0 and p1["hit_rate"] is None and p1["ttft_p50"] is None
+    assert p1["kv_usage"] == 0.6 and p1["preemptions"] == 0
+    assert series.points_since(1001.0) == [p2]
+
+
+def test_series_keeps_only_its_window_and_skips_a_long_idle_gap():
+    clock = _Clock(50.0)
+    series = SeriesStatLogger(seconds=5, clock=clock)
+    clock.t = 60.0
+    assert [p["t"] for p in series.points_since(None)] == [55.0, 56.0, 57.0, 58.0, 59.0]
+    clock.t = 1e9  # a long idle: no million-point loop, still the window's worth
+    points = series.points_since(None)
+    assert len(points) == 5 and points[-1]["t"] == 1e9 - 1

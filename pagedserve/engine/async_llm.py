@@ -154,7 +154,7 @@ class AsyncLLM:
         self._pending_adds = 0  # adds sent to the engine thread and not answered yet (event loop only)
         self._closed: BaseException | None = None  # set by close_admission: new requests get this
         # The dashboard's snapshot listener (engine thread state, set through a command).
-        self._watcher: Callable[[KVSnapshot], None] | None = None
+        self._watcher: Callable[[KVSnapshot, float], None] | None = None
         self._snapshot_full = True
         self._next_snapshot = 0.0
 
@@ -265,10 +265,11 @@ class AsyncLLM:
         if abort:
             self._send(("abort", request_id))
 
-    def watch(self, listener: Callable[[KVSnapshot], None] | None) -> None:
-        """Call `listener` on the event loop with a snapshot of the block pool and the
-        queues every SNAPSHOT_INTERVAL seconds (the first one full, then only changed
-        blocks), until `watch(None)`.  While nobody watches, the pool records nothing."""
+    def watch(self, listener: Callable[[KVSnapshot, float], None] | None) -> None:
+        """Call `listener(snapshot, seconds it took)` on the event loop with a snapshot
+        of the block pool and the queues every SNAPSHOT_INTERVAL seconds (the first one
+        full, then only changed blocks), until `watch(None)`.  While nobody watches, the
+        pool records nothing."""
         self.start()
         self._send(("watch", listener))
 
@@ -337,10 +338,11 @@ class AsyncLLM:
         now = time.monotonic()
         if now < self._next_snapshot:
             return
+        t0 = time.perf_counter()
         snapshot = self.engine.snapshot(self._snapshot_full)
         self._snapshot_full = False
         self._next_snapshot = now + SNAPSHOT_INTERVAL
-        self._call_soon(self._watcher, snapshot)
+        self._call_soon(self._watcher, snapshot, time.perf_counter() - t0)
 
     def _add(self, cmd: _Add) -> None:
         if cmd.future.cancelled():

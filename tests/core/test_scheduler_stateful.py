@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.snapshot import block_state
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
 
@@ -62,6 +63,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_drafted = 0
         self.next_id = 0
         self.clock = 0.0
+        # The dashboard's view: a full snapshot, then deltas of changed blocks only.
+        self.sched.watch_blocks(True)
+        self.mirror = {b[0]: b for b in self.sched.snapshot(full=True).blocks}
 
     def _add(self, prompt, params, priority, eos) -> None:
         params = dict(params)
@@ -174,6 +178,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         for h, b in pool.cached_block_hash_to_block.items():
             assert b.block_hash == h
         assert kvm.usage == 1 - len(free) / (pool.num_blocks - 1)
+
+    @invariant()
+    def snapshot_deltas_keep_a_true_picture(self):
+        """A watcher applying only the changed blocks sees exactly the pool's state, and
+        each listed running request holds exactly the blocks its table says."""
+        if not hasattr(self, "sched"):
+            return
+        snap = self.sched.snapshot(full=False)
+        assert not snap.full
+        self.mirror.update({b[0]: b for b in snap.blocks})
+        assert [self.mirror[i] for i in range(snap.num_blocks)] == [block_state(b) for b in self.kvm.block_pool.blocks]
+        assert snap.num_running == len(self.sched.running) and snap.num_waiting == len(self.sched.waiting)
+        for row in snap.running:
+            assert row.state == "running" and row.block_ids == self.kvm.get_block_ids(row.request_id)
+        assert all(row.block_ids == [] for row in snap.waiting)
 
     @invariant()
     def queues_are_consistent(self):

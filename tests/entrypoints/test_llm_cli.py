@@ -41,6 +41,21 @@ def test_generate_prints_the_answer(fake_engine, capsys) -> None:
     assert out.startswith("[0] a\n") and "\n[1] b\n" in out and out.count("Paris is") == 2
 
 
+def test_generate_show_blocks_prints_the_pool_at_its_busiest_and_at_the_end(fake_engine, capsys) -> None:
+    cli.main(["generate", "The same long prompt, " * 4, "The same long prompt, " * 4 + "twice.", "--no-chat",
+              "--max-tokens", "20", "--show-blocks"])
+    out = capsys.readouterr().out
+    busiest = out.split("KV block pool at the busiest step")[1].split("KV block pool at the end")[0]
+    end = out.split("KV block pool at the end")[1]
+    # 64 blocks of 16 tokens: one line of cells, then the legend.
+    busy_cells, end_cells = busiest.splitlines()[1], end.splitlines()[1]
+    assert busy_cells[0] == end_cells[0] == "0" and len(busy_cells) == len(end_cells) == 64
+    assert "S" in busy_cells and "#" in busy_cells  # the shared prompt prefix, each request's own tail
+    assert set(end_cells[1:]) <= {"c", "."} and "c" in end_cells  # all freed, the prefix still cached
+    assert "in use 0" in end and "shared 0" in end
+    assert fake_engine[-1].busiest_usage > 0
+
+
 def test_generate_applies_the_chat_template_by_default(fake_engine, monkeypatch) -> None:
     seen = []
 

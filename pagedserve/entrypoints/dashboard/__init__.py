@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -64,7 +65,10 @@ class DashboardHub:
         self.blocks: list[list[Any]] | None = None
         self.latest: KVSnapshot | None = None
         self._series_t: float | None = None  # newest series point already sent
-        self.num_events = 0
+        # Seconds the server has spent on the dashboard's data (the engine thread taking
+        # snapshots, the event loop turning them into events): sent with every event, so
+        # the page (and bench_dashboard) can show what watching costs.
+        self.cost_seconds = 0.0
 
     async def events(self) -> AsyncIterator[str]:
         """One page's stream: a full picture, then deltas, until it disconnects."""
@@ -97,13 +101,15 @@ class DashboardHub:
             "type": kind, "blocks": blocks, "series": series,
             "num_blocks": snap.num_blocks, "block_size": snap.block_size, "null_block_id": snap.null_block_id,
             "running": [asdict(r) for r in snap.running], "waiting": [asdict(r) for r in snap.waiting],
-            "num_running": snap.num_running, "num_waiting": snap.num_waiting,
+            "num_running": snap.num_running, "num_waiting": snap.num_waiting, "cost_seconds": self.cost_seconds,
             **({"config": self.config} if kind == "full" else {}),
         }
 
-    def _on_snapshot(self, snap: KVSnapshot) -> None:
+    def _on_snapshot(self, snap: KVSnapshot, engine_seconds: float) -> None:
         if not self.subscribers:
             return
+        t0 = time.perf_counter()
+        self.cost_seconds += engine_seconds
         series = self.series.points_since(self._series_t)
         if series:
             self._series_t = series[-1]["t"]
@@ -118,17 +124,26 @@ class DashboardHub:
                 self.blocks[block_id] = [ref, digest]
             self.latest = snap
             event = _sse(self._payload("delta", snap, [list(b) for b in snap.blocks], series))
-        self.num_events += 1
+        self.cost_seconds += time.perf_counter() - t0
         for queue in list(self.subscribers):
             try:
                 queue.put_nowait(event)
             except asyncio.QueueFull:
                 logger.warning("a dashboard page fell %d events behind; dropping it (it reconnects)",
                                MAX_QUEUED_EVENTS)
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(None)
-                self.subscribers.discard(queue)
+                self._end(queue)
+
+    def _end(self, queue: asyncio.Queue[str | None]) -> None:
+        """End one page's stream after what it has already read."""
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(None)
+        self.subscribers.discard(queue)
+
+    def close(self) -> None:
+        """End every page's stream (the server is shutting down: open streams would hold it)."""
+        for queue in list(self.subscribers):
+            self._end(queue)
 
 
 def _static_file(name: str) -> Response:
@@ -142,7 +157,8 @@ def _static_file(name: str) -> Response:
     return Response(path.read_bytes(), media_type=_CONTENT_TYPES[suffix], headers={"Cache-Control": "no-cache"})
 
 
-def add_dashboard_routes(app: FastAPI, hub_of: Any, sse_response: Any) -> None:
+def add_dashboard_routes(app: FastAPI, hub_of: Callable[[], DashboardHub],
+                         sse_response: Callable[[AsyncIterator[str]], Response]) -> None:
     """`hub_of()` gives the hub once the engine has loaded (raising a 503 before);
     `sse_response` wraps an async iterator of SSE strings in a streaming response."""
 

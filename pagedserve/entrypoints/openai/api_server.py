@@ -328,6 +328,8 @@ class _DrainingServer:
                                engine.num_open_requests)
                 engine.abort_all(EngineShutdownError("The server shut down before this request finished."))
                 await asyncio.sleep(0.2)  # the streams write their error events
+        if self.state.dashboard is not None:
+            self.state.dashboard.close()  # open pages' streams would hold the shutdown
         self.server.should_exit = True
 
     def exit_failed(self) -> None:

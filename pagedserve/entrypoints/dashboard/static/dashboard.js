@@ -14,6 +14,7 @@ const state = {
   maxInUseSeen: 0,
   running: [], waiting: [], numRunning: 0, numWaiting: 0,
   series: [], config: {}, events: 0, fullEvents: 0,
+  costSeconds: 0, costSince: null,  // the server's seconds spent on this page's data; [time, cost] at the start
 };
 window.pagedserve = state;
 
@@ -253,6 +254,13 @@ function apply(ev) {
     state.series = state.series.concat(ev.series).slice(-SERIES_SECONDS);
   }
   showCounts();
+  state.costSeconds = ev.cost_seconds;
+  const now = performance.now() / 1000;
+  if (ev.type === "full" || !state.costSince) state.costSince = [now, ev.cost_seconds];
+  if (now - state.costSince[0] > 2) {
+    const ms = 1000 * (ev.cost_seconds - state.costSince[1]) / (now - state.costSince[0]);
+    $("cost").textContent = `this page costs the server ${ms.toFixed(2)} ms/s (${(ms / 10).toFixed(3)}%)`;
+  }
   state.running = ev.running; state.waiting = ev.waiting;
   state.numRunning = ev.num_running; state.numWaiting = ev.num_waiting;
   $("running-count").textContent = ev.num_running;

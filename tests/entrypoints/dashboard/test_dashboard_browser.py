@@ -1,0 +1,120 @@
+"""The dashboard in a real headless Chromium (Debian's, at /usr/bin/chromium; .ci/run
+installs it) against a real `pagedserve serve` running a tiny model.  Everything is
+asserted from the page itself: its block counters, queue rows, chart values and the
+playground's streamed reply.  Screenshots of both tabs are written to
+$PAGEDSERVE_SCREENSHOT_DIR (the README's picture comes from there) or the test's tmp dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.entrypoints.openai.conftest import API_KEY, MODEL_NAME, ServerProcess, make_tiny_model
+
+CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--no-first-run"]
+pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt install chromium)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model(model)
+    proc = ServerProcess([str(model), "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--dtype", "float32",
+                          "--max-model-len", "256", "--max-num-seqs", "32", "--kv-cache-memory-bytes", "4MiB",
+                          "--enforce-eager", "--seed", "0"], tmp_path_factory.mktemp("log") / "server.log")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def page(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000})
+        page = context.pages[0] if context.pages else context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        yield page
+        context.close()
+        assert not errors, f"the page raised: {errors}"
+
+
+def _fire_batch(server, n: int, max_tokens: int) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    shared = "Paris is the capital of France. What is the capital of Italy? Rome is. " * 3
+
+    def one(i: int) -> None:
+        out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": shared + str(i)}],
+                                             max_tokens=max_tokens, temperature=1.0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == max_tokens
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(one, range(n)))
+
+
+def _in_use(page) -> int:
+    return page.evaluate("+document.getElementById('count-used').textContent"
+                         " + +document.getElementById('count-shared').textContent")
+
+
+def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_streams(server, page, tmp_path):
+    shots = Path(os.environ.get("PAGEDSERVE_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    page.goto(server.url + "/")
+    page.wait_for_selector("#key-form:not([hidden])", timeout=15_000)  # the event stream answered 401
+    page.fill("#api-key", API_KEY)
+    page.click("#key-form button[type=submit]")
+    page.wait_for_function("window.pagedserve.fullEvents > 0", timeout=15_000)
+    assert MODEL_NAME in page.inner_text("#config")
+    total = page.evaluate("window.pagedserve.numBlocks")
+    assert total > 2 and _in_use(page) == 0
+
+    batch = threading.Thread(target=_fire_batch, args=(server, 24, 120))
+    batch.start()
+    # While the batch runs: in-use (and shared: one prompt prefix) cells and running rows appear.
+    page.wait_for_function("+document.getElementById('count-used').textContent > 0", timeout=60_000)
+    page.wait_for_function("document.querySelectorAll('#running tr').length > 0", timeout=60_000)
+    page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
+    first_row = page.inner_text("#running tr")
+    assert "running" in first_row
+    batch.join(timeout=120)
+    assert not batch.is_alive()
+    # Afterwards: every cell is back to free or cached, the queues are empty, the
+    # throughput chart has a point with generated tokens.
+    page.wait_for_function("+document.getElementById('count-used').textContent"
+                           " + +document.getElementById('count-shared').textContent == 0", timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#running tr').length == 0", timeout=30_000)
+    page.wait_for_function("+(document.getElementById('chart-throughput').dataset.gen_tps || 0) > 0 ||"
+                           " window.pagedserve.series.some(p => p.gen_tps > 0)", timeout=30_000)
+    counts = page.evaluate("window.pagedserve.counts")
+    assert counts["cached"] > 0 and counts["cached"] + counts["free"] == total - 1
+    assert page.evaluate("window.pagedserve.maxInUseSeen") > 0
+    assert page.evaluate("window.pagedserve.series.some(p => p.gen_tps > 0 && p.kv_usage >= 0)")
+    page.screenshot(path=str(shots / "dashboard-after.png"), full_page=True)
+
+    page.click("#tab-playground")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "24")
+    page.fill("#message", "What is the capital of Italy?")
+    page.click("#send")
+    page.wait_for_selector(".msg[data-done='1']", timeout=60_000)
+    reply = page.locator(".msg.assistant").first
+    assert int(reply.get_attribute("data-chunks")) > 1  # it streamed, chunk by chunk
+    assert "completion tokens" in reply.inner_text() and "first token" in reply.inner_text()
+    page.fill("#copies", "4")
+    page.click("#send-copies")
+    page.wait_for_selector("#copies-result[data-done='1']", timeout=60_000)
+    assert page.inner_text("#copies-result").startswith("4/4 copies answered")
+    page.screenshot(path=str(shots / "playground.png"), full_page=True)
