@@ -68,8 +68,7 @@ def take_snapshot(pool: BlockPool, block_size: int, running: Iterable[Request], 
                   full: bool) -> KVSnapshot:
     """`full`: every block (a new watcher's first picture); else those changed since the
     previous snapshot.  `block_ids_of` is the KV manager's request -> blocks table."""
-    if full:
-        pool.take_changed_block_ids()  # a full picture supersedes the pending delta
+    if full:  # leaves the pending changes to the next delta: it may repeat a block, never miss one
         blocks = [block_state(b) for b in pool.blocks]
     else:
         blocks = [block_state(pool.blocks[i]) for i in pool.take_changed_block_ids()]

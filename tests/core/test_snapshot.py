@@ -34,13 +34,14 @@ def test_changes_are_recorded_once_and_taken():
     assert pool.take_changed_block_ids() == []
 
 
-def test_full_snapshot_lists_every_block_and_supersedes_pending_changes():
+def test_full_snapshot_lists_every_block_and_leaves_pending_changes_to_the_next_delta():
     pool = BlockPool(6)
     pool.track_changes(True)
-    pool.get_new_blocks(3)
+    blocks = pool.get_new_blocks(3)
     snap = _snapshot(pool)
     assert snap.full and [b[0] for b in snap.blocks] == list(range(6)) and snap.null_block_id == 0
-    assert _snapshot(pool, full=False).blocks == []
+    # A full picture taken for another reader (generate --show-blocks) must not eat a watcher's delta.
+    assert _snapshot(pool, full=False).blocks == [block_state(b) for b in blocks]
 
 
 def test_render_block_pool_marks_each_state():

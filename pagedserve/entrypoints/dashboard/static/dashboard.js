@@ -116,7 +116,10 @@ function count(id, sign) {
   if (kind !== "null") state.counts[kind] += sign;
 }
 function showCounts() {
-  for (const k of ["used", "shared", "cached", "free"]) $("count-" + k).textContent = state.counts[k];
+  for (const k of ["used", "shared", "cached", "free"]) {
+    const el = $("count-" + k), text = String(state.counts[k]);
+    if (el.textContent !== text) el.textContent = text;
+  }
   state.maxInUseSeen = Math.max(state.maxInUseSeen, state.counts.used + state.counts.shared);
 }
 function holders(id) {
@@ -141,7 +144,11 @@ $("pool").addEventListener("mousemove", (e) => {
 $("pool").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
 
 // ---------------------------------------------------------------- queues and config
+const rendered = {};  // the rows each table shows now, as JSON: unchanged tables are not rebuilt
 function renderQueue(tbodyId, rows, total) {
+  const key = JSON.stringify([rows, total]);
+  if (rendered[tbodyId] === key) return;
+  rendered[tbodyId] = key;
   const body = $(tbodyId);
   body.replaceChildren();
   for (const r of rows) {
@@ -150,6 +157,7 @@ function renderQueue(tbodyId, rows, total) {
     cells.forEach((v, i) => {
       const td = document.createElement("td");
       td.textContent = v;
+      if (i === 0) td.title = v;
       if (i === 1) td.className = "state-" + v;
       tr.appendChild(td);
     });
