@@ -144,6 +144,16 @@ def stream_reader(url: str, chromium: str) -> Iterator[Observer]:
         thread.join(timeout=5)
 
 
+def open_dashboard(page: Any, url: str, api_key: str, timeout_ms: float = 30_000) -> None:
+    """Open the dashboard in a Playwright page, answer its API-key prompt (the event
+    stream's 401 shows it) and wait for the first full picture."""
+    page.goto(url + "/")
+    page.wait_for_selector("#key-form:not([hidden])", timeout=timeout_ms)
+    page.fill("#api-key", api_key)
+    page.click("#key-form button[type=submit]")
+    page.wait_for_function("window.pagedserve.fullEvents > 0", timeout=timeout_ms)
+
+
 @contextmanager
 def browser_page(url: str, chromium: str) -> Iterator[Observer]:
     """The dashboard open in headless Chromium, key entered, live."""
@@ -153,11 +163,7 @@ def browser_page(url: str, chromium: str) -> Iterator[Observer]:
         context = pw.chromium.launch_persistent_context(profile, executable_path=chromium, headless=True,
                                                         args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000})
         page = context.pages[0] if context.pages else context.new_page()
-        page.goto(url + "/")
-        page.wait_for_selector("#key-form:not([hidden])")
-        page.fill("#api-key", API_KEY)
-        page.click("#key-form button[type=submit]")
-        page.wait_for_function("window.pagedserve.fullEvents > 0")
+        open_dashboard(page, url, API_KEY)
         try:
             yield Observer(lambda: page.evaluate("window.pagedserve.events"),
                            lambda: page.evaluate("window.pagedserve.costSeconds"), lambda: pids_with(profile))

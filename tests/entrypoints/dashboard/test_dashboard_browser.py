@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.benchmarks.bench_dashboard import CHROMIUM_ARGS, open_dashboard
 from tests.entrypoints.openai.conftest import API_KEY, MODEL_NAME, ServerProcess, make_tiny_model
 
 CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--no-first-run"]
 pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt install chromium)")
 
 
@@ -72,11 +71,7 @@ def _in_use(page) -> int:
 def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_streams(server, page, tmp_path):
     shots = Path(os.environ.get("PAGEDSERVE_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    page.goto(server.url + "/")
-    page.wait_for_selector("#key-form:not([hidden])", timeout=15_000)  # the event stream answered 401
-    page.fill("#api-key", API_KEY)
-    page.click("#key-form button[type=submit]")
-    page.wait_for_function("window.pagedserve.fullEvents > 0", timeout=15_000)
+    open_dashboard(page, server.url, API_KEY)  # the page asks for the key when its event stream gets a 401
     assert MODEL_NAME in page.inner_text("#config")
     total = page.evaluate("window.pagedserve.numBlocks")
     assert total > 2 and _in_use(page) == 0

@@ -82,10 +82,13 @@ def test_full_picture_then_deltas_that_track_the_pool_and_a_late_page_starts_fro
         assert [tuple(mirror[i]) for i in range(32)] == [block_state(b) for b in pool.blocks]
         assert any(b[2] is not None for b in mirror.values())  # the finished prompt stays cached
 
+        # Once the request's last second has closed, the series has counted each generated token once.
+        await _wait_for(lambda: sum(p["gen_tps"] for p in series.points_since(None)) >= 30)
+        assert sum(p["gen_tps"] for p in series.points_since(None)) == 30
         second = hub.events()  # a page opened later: a full picture at once, from the hub's mirror
         late = _event(await asyncio.wait_for(anext(second), 5))
         assert late["type"] == "full" and [tuple(b) for b in late["blocks"]] == [block_state(b) for b in pool.blocks]
-        assert late["series"] and all(p["t"] < time.time() for p in late["series"])
+        assert late["series"] and late["series"][0] == series.points_since(None)[0]
 
         await first.aclose()
         await second.aclose()
