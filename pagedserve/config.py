@@ -153,7 +153,7 @@ class StructuredOutputsConfig:
                              f"got {self.backend!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Most drafts per request per step: 1 + k tokens of a request must stay within what the
 # CPU attention computes as one-token rows (attention/torch_paged.py), so that greedy
 # speculation is exact.
@@ -166,10 +166,12 @@ _SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", 
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config` names).  "ngram" (prompt lookup)
     drafts by finding the sequence's last n tokens earlier in it and proposing what
-    followed; the model then verifies all drafts in one forward (core/ngram_proposer.py,
-    worker/rejection_sampler.py)."""
+    followed (core/ngram_proposer.py); "draft_model" (chosen by giving `model`) lets a
+    small model that shares the target's tokenizer propose them greedily
+    (worker/draft_model.py).  The target verifies all drafts in one forward
+    (worker/rejection_sampler.py)."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
     # Most drafts per request per step; 8 measured best on the edit-code workload (README).
     num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up
@@ -177,15 +179,20 @@ class SpeculativeConfig:
     # Draft only while at most this many requests run: verifying drafts costs compute,
     # which a large batch no longer has to spare (the README gives the measurement).
     disable_by_batch_size: int = 4
-    model: str | None = None  # a draft model: not supported yet (refused by name)
+    model: str | None = None  # the draft model (method "draft_model"): whatever LLM(...) takes
 
     def __post_init__(self) -> None:
-        if self.model is not None:
-            raise ValueError("speculative_config.model: draft-model speculation is not supported yet; "
-                             "use {\"method\": \"ngram\"}")
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model: method 'draft_model' needs the draft model "
+                             f"(a registry name, an HF directory or a .gguf file), got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is for method 'draft_model'; method 'ngram' drafts "
+                             "from the sequence itself (leave out model, or method)")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

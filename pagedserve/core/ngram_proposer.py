@@ -16,9 +16,34 @@ nothing, so after a miss a request drafts fewer, and after a full hit more, up t
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedserve.config import SpeculativeConfig
+
+# What the scheduler asks a drafter about one decoding request: its id, its tokens so
+# far (prompt and output), and how many drafts it may get.
+DraftRequest = tuple[str, list[int], int]
+
+
+class Drafter(Protocol):
+    """What proposes drafts to the scheduler: `NgramProposer` here, or a draft model
+    (worker/draft_model.py, which the engine hands in: core never runs a model)."""
+
+    max_drafts: int
+
+    def propose_batch(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        """Drafts for each request (an id missing or [] : none this step)."""
+        ...
+
+    def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
+        """Drafts to allow a request next, after `num_accepted` of `num_drafted` were accepted."""
+        ...
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These requests finished: drop whatever is kept for them."""
+        ...
 
 
 class NgramProposer:
@@ -47,10 +72,16 @@ class NgramProposer:
                 return token_ids[start: start + num_drafts]
         return []
 
+    def propose_batch(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        return {req_id: self.propose(token_ids, n) for req_id, token_ids, n in requests}
+
     def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
-        """Drafts to allow a request next, after `num_accepted` of its `num_drafted` were
-        accepted: one more than were accepted (so a full hit grows it), at least one."""
+        """One more than were accepted (so a full hit grows it), at least one: a rejected
+        draft costs a verified position and buys nothing."""
         return max(1, min(self.max_drafts, num_accepted + 1))
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Nothing is kept per request."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ simpler and, for short sequences, about as cheap.  Under the priority policy
 already scheduled this step are never victims.
 
 With speculative decoding (`speculative_config`), a decoding request may also get
-n-gram drafts (core/ngram_proposer.py): they are scheduled and given KV slots like any
+drafts (n-gram, core/ngram_proposer.py, or a draft model's): they are scheduled and given KV slots like any
 token, and `update_from_output` takes back the slots of the ones the runner rejected.
 
 The update path is one loop (`update_from_output`) with three hooks that
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.ngram_proposer import NgramProposer, SpecDecodingStats
+from pagedserve.core.ngram_proposer import Drafter, NgramProposer, SpecDecodingStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import create_request_queue
 from pagedserve.core.sched_output import (
@@ -53,7 +53,9 @@ def _sched_key(request: Request) -> tuple:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None, drafter: Drafter | None = None) -> None:
+        """`drafter`: a draft model's proposer (method "draft_model", built by the engine);
+        the n-gram one is built here."""
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -78,7 +80,14 @@ class Scheduler:
         # Speculative decoding: drafts proposed here, at schedule time, for decoding requests
         # whose sampling allows exact verification, while the batch is small enough.
         self.speculative_config = speculative_config
-        self.drafter = NgramProposer(speculative_config) if speculative_config is not None else None
+        if speculative_config is None:
+            drafter = None
+        elif drafter is None:
+            if speculative_config.method != "ngram":
+                raise ValueError(f"speculative method {speculative_config.method!r} needs its drafter "
+                                 "(the engine builds the draft model's)")
+            drafter = NgramProposer(speculative_config)
+        self.drafter = drafter
         self.spec_stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * (speculative_config.num_speculative_tokens if speculative_config else 0))
 
@@ -138,9 +147,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
-        drafter = self.drafter
-        if drafter is not None and len(self.running) > self.speculative_config.disable_by_batch_size:
-            drafter = None
+        proposals = self._propose_drafts()
 
         running = self.running
         i = 0
@@ -148,9 +155,8 @@ class Scheduler:
             request = running[i]
             num_computed = request.num_computed_tokens
             n = len(request.all_token_ids) + request.num_output_placeholders - num_computed
-            drafts = None
-            if n == 1 and drafter is not None and self._may_speculate(request):
-                drafts = drafter.propose(request.all_token_ids, request.max_draft_tokens)
+            drafts = proposals.get(request.request_id) if n == 1 else None
+            if drafts:
                 n += len(drafts)
             if 0 < threshold < n:
                 n = threshold
@@ -212,6 +218,22 @@ class Scheduler:
         if num_scheduled_tokens:
             self._after_schedule(out)
         return out
+
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """Drafts for every running request that decodes one token this step and may
+        speculate, asked of the drafter in one batch (a draft model runs them together);
+        none while more than `disable_by_batch_size` requests run."""
+        drafter = self.drafter
+        if drafter is None:
+            return {}
+        if self.finished_req_ids:
+            drafter.forget(self.finished_req_ids)
+        if len(self.running) > self.speculative_config.disable_by_batch_size:
+            return {}
+        wanted = [(r.request_id, r.all_token_ids, r.max_draft_tokens) for r in self.running
+                  if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1
+                  and self._may_speculate(r)]
+        return drafter.propose_batch(wanted) if wanted else {}
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:

@@ -83,7 +83,8 @@ _HELP = {
                         "(default: on for CUDA, off on CPU)",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
-                          "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size)",
+                          "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; or "
+                          "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}' for a draft model)",
 }
 
 
@@ -194,6 +195,10 @@ class EngineArgs:
         if self._speculative is not None and self.async_scheduling:
             raise ValueError("speculative_config does not work with async_scheduling=True yet (a step's drafts "
                              "depend on the previous step's tokens); turn one of them off")
+        if (self._speculative is not None and self._speculative.method == "draft_model"
+                and self.tensor_parallel_size > 1):
+            raise ValueError("speculative_config.model: a draft model does not run under tensor parallelism yet "
+                             "(tensor_parallel_size > 1); n-gram speculation does ({\"method\": \"ngram\"})")
         if self.torch_compile and self.enforce_eager:
             raise ValueError("torch_compile=True contradicts enforce_eager=True (which never compiles)")
         check_scheduling_policy(self.scheduling_policy, "scheduling_policy")

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from pagedserve.core.async_scheduler import AsyncScheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.ngram_proposer import Drafter
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
@@ -42,7 +43,7 @@ from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
-from pagedserve.utils import is_int, record_startup, startup_breakdown
+from pagedserve.utils import cdiv, is_int, record_startup, startup_breakdown
 from pagedserve.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve.engine")
@@ -91,10 +92,50 @@ def start_cpu_kernel_builds() -> None:
         threading.Thread(target=target, name=f"build {name} kernel").start()
 
 
+def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: torch.device,
+                         tokenizer: Any) -> Drafter:
+    """Load speculative_config.model beside the target, with its own small KV cache sized
+    for `disable_by_batch_size` requests of max_model_len tokens (drafting stops past that
+    batch size), and check it shares the target's vocabulary."""
+    from pagedserve.model_loader import get_model, load_tokenizer
+    from pagedserve.worker.draft_model import DraftModelProposer
+    from pagedserve.worker.model_runner import ModelRunner
+
+    spec = config.speculative_config
+    assert spec is not None and spec.model is not None
+    assert config.parallel_config.tensor_parallel_size == 1  # EngineArgs refuses a draft model under TP
+    sched, cache = config.scheduler_config, config.cache_config
+    max_len, num_seqs = sched.max_model_len, spec.disable_by_batch_size
+    num_blocks = num_seqs * cdiv(max_len + MAX_SPECULATIVE_TOKENS, cache.block_size) + 1
+    try:
+        draft_config = engine_args.replace(
+            model=spec.model, tokenizer=None, speculative_config=None, chat_template=None, quantization="auto",
+            tensor_parallel_size=1, async_scheduling=False, enable_prefix_caching=False, max_model_len=max_len,
+            max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * max_len, num_gpu_blocks_override=num_blocks,
+            kv_cache_memory_bytes=None, max_step_ms=None).create_engine_config()
+        draft_tokenizer = load_tokenizer(draft_config.model_config)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from None
+    draft_vocab = draft_config.model_config.hf_config.vocab_size
+    target_vocab = config.model_config.hf_config.vocab_size
+    if draft_vocab != target_vocab or (tokenizer is not None and draft_tokenizer is not None
+                                       and tokenizer.get_vocab() != draft_tokenizer.get_vocab()):
+        raise ValueError(f"speculative_config.model {spec.model!r}: its vocabulary ({draft_vocab} tokens) is not the "
+                         f"target's ({target_vocab} tokens, {config.model_config.model}); a draft model must share "
+                         "the target's tokenizer")
+    runner = ModelRunner(draft_config, get_model(draft_config.model_config, device), device)
+    runner.initialize_kv_cache()
+    logger.info("draft model %s: %d KV blocks for %d requests, up to %d drafts each", spec.model, num_blocks,
+                num_seqs, spec.num_speculative_tokens)
+    return DraftModelProposer(runner, num_blocks, num_seqs, spec.num_speculative_tokens)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_executor: ModelExecutor, tokenizer: Any = None,
-                 vocab_size: int | None = None, extra_eos_token_ids: list[int] | None = None) -> None:
-        """`model_executor` has allocated its KV cache (config.cache_config.num_blocks is set)."""
+                 vocab_size: int | None = None, extra_eos_token_ids: list[int] | None = None,
+                 drafter: Drafter | None = None) -> None:
+        """`model_executor` has allocated its KV cache (config.cache_config.num_blocks is set);
+        `drafter`: the draft model's proposer when speculative_config names one."""
         self.config = config
         self.model_config = config.model_config
         self.model_executor = model_executor
@@ -115,7 +156,7 @@ class LLMEngine:
         if self.async_scheduling:
             self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager)
         else:
-            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config)
+            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config, drafter)
         # Async scheduling: launched steps whose results are not applied yet, oldest first
         # (at most one stays in flight between calls to step()).
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
@@ -165,9 +206,15 @@ class LLMEngine:
             record_startup("weights", time.perf_counter() - t1)
             runner = ModelRunner(config, model, device, eos_token_id=eos)
             runner.initialize_kv_cache()
+        drafter = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            t1 = time.perf_counter()
+            drafter = build_draft_proposer(config, engine_args, device, tokenizer)
+            record_startup("draft model", time.perf_counter() - t1)
         logger.info("loaded %s (%s, %s, max_model_len %d) in %.1f s (%s)", mc.model, mc.dtype, device,
                     mc.max_model_len, time.perf_counter() - t0, startup_breakdown())
-        return cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos)
+        return cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos, drafter=drafter)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -492,7 +539,8 @@ class LLMEngine:
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "max_model_len": sched.max_model_len, "chunked_prefill": "on" if sched.enable_chunked_prefill else "off",
             "overlap_scheduling": "on" if self.async_scheduling else "off",
-            "speculative_decoding": "off" if spec is None else f"{spec.method}, k={spec.num_speculative_tokens}",
+            "speculative_decoding": "off" if spec is None else (
+                f"{spec.method}{f' ({spec.model})' if spec.model else ''}, k={spec.num_speculative_tokens}"),
             **self.model_executor.describe(),
         }
 

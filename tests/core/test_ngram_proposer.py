@@ -80,10 +80,23 @@ def test_stats_count_acceptances_by_position() -> None:
     ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 16}, "at most 15"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
-    ({"model": "some/draft"}, "speculative_config.model"),
+    ({"method": "draft_model"}, "speculative_config.model: method 'draft_model' needs"),
+    ({"method": "draft_model", "model": ""}, "speculative_config.model: method 'draft_model' needs"),
+    ({"method": "ngram", "model": "some/draft"}, "speculative_config.model is for method 'draft_model'"),
     ({"num_spec_tokens": 3}, "unknown field"),
     ([1, 2], "must be a dict"),
 ])
 def test_bad_config_is_refused_naming_the_field(values: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(values)
+
+
+def test_a_model_means_draft_model_and_no_model_means_ngram() -> None:
+    assert SpeculativeConfig.from_dict({"model": "some/draft"}).method == "draft_model"
+    assert SpeculativeConfig.from_dict({}).method == "ngram"
+
+
+def test_propose_batch_is_propose_per_request() -> None:
+    p = proposer()
+    tokens = [5, 6, 1, 2, 5, 6]
+    assert p.propose_batch([("a", tokens, 2), ("b", [1, 2, 3], 2)]) == {"a": [1, 2], "b": []}

@@ -1,7 +1,7 @@
-"""Speculative decoding (n-gram) through the real engine: greedy outputs are token for
-token those of decoding one token at a time, in every configuration that changes how
-the work is cut, and every run really drafted and accepted something (else the
-comparison would prove nothing)."""
+"""Speculative decoding (n-gram and a draft model) through the real engine: greedy
+outputs are token for token those of decoding one token at a time, in every
+configuration that changes how the work is cut, and every run really drafted and
+accepted something (else the comparison would prove nothing)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,59 @@ def test_greedy_identical_with_speculation_on_and_off(arch: str, tiny_checkpoint
     llm = LLM(model_dir, dtype="float32", max_num_seqs=32, speculative_config=NGRAM)
     assert greedy(llm, many[:32]) == off
     assert_drafted(llm, "batch-32")
+
+
+@pytest.fixture(scope="module")
+def drafts_for_llama(tiny_checkpoint, tmp_path_factory) -> dict[str, str]:
+    """Draft models for the tiny llama: itself (every draft accepted) and the same
+    architecture with smaller weights (about a quarter accepted)."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    target, _ = tiny_checkpoint("llama")
+    partial = str(tmp_path_factory.mktemp("draft-partial"))
+    make_tiny_checkpoint("llama", partial, initializer_range=0.12)
+    return {"self": target, "partial": partial}
+
+
+def test_greedy_identical_with_a_draft_model(tiny_checkpoint, drafts_for_llama) -> None:
+    model_dir, hf_cfg = tiny_checkpoint("llama")
+    prompts = prompts_for(hf_cfg.vocab_size)
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    variants = {name: ENGINE_VARIANTS[name] for name in ("default", "no-prefix-caching", "chunked-16", "batch-1")}
+    variants["preemption"] = {"max_model_len": longest,
+                              "kv_cache_memory_bytes": kv_bytes_for_blocks(hf_cfg, -(-longest // 16) + 3, 16)}
+    off = {name: greedy(LLM(model_dir, dtype="float32", seed=0, **kw), prompts) for name, kw in variants.items()}
+    for draft, names in (("self", ["default"]), ("partial", list(variants))):
+        spec = {"model": drafts_for_llama[draft], "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+        for name in names:
+            llm = LLM(model_dir, dtype="float32", seed=0, speculative_config=spec, **variants[name])
+            assert greedy(llm, prompts) == off[name], (draft, name)
+            assert_drafted(llm, f"draft model {draft}, {name}")
+            stats = llm.llm_engine.get_stats()
+            if draft == "self":
+                assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens, stats
+            else:
+                assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
+            if name == "preemption":
+                assert stats.num_preemptions > 0, "the small KV cache should force preemptions"
+
+
+def test_draft_model_refusals(tiny_checkpoint, tmp_path) -> None:
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    model_dir, _ = tiny_checkpoint("llama")
+    other_vocab = str(tmp_path / "vocab-256")
+    make_tiny_checkpoint("llama", other_vocab, vocab_size=256)
+    with pytest.raises(ValueError, match=r"speculative_config.model .*vocabulary \(256 tokens\).*target's \(512"):
+        LLM(model_dir, dtype="float32", speculative_config={"model": other_vocab})
+    with pytest.raises(ValueError, match="speculative_config.model '/no/such/draft'"):
+        LLM(model_dir, dtype="float32", speculative_config={"model": "/no/such/draft"})
+    with pytest.raises(ValueError, match="speculative_config.model: a draft model does not run under tensor"):
+        LLM(model_dir, dtype="float32", speculative_config={"model": model_dir}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="method 'draft_model' needs the draft model"):
+        LLM(model_dir, dtype="float32", speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="speculative_config.model is for method 'draft_model'"):
+        LLM(model_dir, dtype="float32", speculative_config={"method": "ngram", "model": model_dir})
 
 
 def test_stops_and_limits_inside_an_accepted_run(tiny_checkpoint) -> None:
@@ -177,12 +230,13 @@ def test_a_constrained_request_beside_drafting_ones_gets_its_own_mask(tmp_path) 
 
 
 def test_sampled_distribution_unchanged_through_the_engine(tmp_path) -> None:
-    """Temperature 1 on a tiny 64-token model: the prompt holds every token once, so after
-    the first sampled token t1 the proposer always drafts the token that followed t1 in
-    the prompt, and the second token goes through verification.  Its distribution over
-    20,000 sequences must match 20,000 without speculation (two-sample chi-square,
-    p = 0.001), and so must the first token's (sampled as always) and how often the
-    second token is the draft."""
+    """Temperature 1 on a tiny 64-token model, one draft per step, and the second sampled
+    token goes through verification: with n-gram drafts (the prompt holds every token
+    once, so after the first sampled token t1 the draft is the token that followed t1 in
+    the prompt) and with a draft model (the model itself, whose greedy draft after t1 is
+    the target's most likely token).  Over 20,000 sequences each, the first and second
+    tokens' distributions must match 20,000 without speculation (two-sample chi-square,
+    p = 0.001), and so must how often the second token is the draft."""
     import random
 
     from tests.e2e.conftest import make_tiny_checkpoint
@@ -194,37 +248,46 @@ def test_sampled_distribution_unchanged_through_the_engine(tmp_path) -> None:
     prompt = {"prompt_token_ids": order}
     n = 20_000
     sp = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)  # (the last token never has drafts)
-    follow = {a: b for a, b in zip(order, order[1:], strict=False)}  # the draft after each token
+    engine = {"dtype": "float32", "max_num_seqs": 256, "max_model_len": 128}
+    # The draft after each first token t1, per method.
+    greedy_next = LLM(str(tmp_path), **engine).generate(
+        [{"prompt_token_ids": [*order, t]} for t in range(vocab)],
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    follow = {"ngram": dict(zip(order, order[1:], strict=False)),
+              "draft_model": {t: o.outputs[0].token_ids[0] for t, o in zip(range(vocab), greedy_next, strict=True)}}
     counts, hits = {}, {}
-    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 1,
-                                                 "prompt_lookup_min": 1, "disable_by_batch_size": 256})):
-        llm = LLM(str(tmp_path), dtype="float32", seed=1 if spec else 2, max_num_seqs=256, max_model_len=128,
-                  speculative_config=spec)
+    methods = {"off": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+                         "disable_by_batch_size": 256},
+               "draft_model": {"model": str(tmp_path), "num_speculative_tokens": 1, "disable_by_batch_size": 256}}
+    for seed, (name, spec) in enumerate(methods.items()):
+        llm = LLM(str(tmp_path), seed=seed, speculative_config=spec, **engine)
         outs = llm.generate([prompt] * n, sp, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outs]
         counts[name] = [[sum(1 for t in tokens if t[pos] == v) for v in range(vocab)] for pos in (0, 1)]
         # How often the second token is the draft itself: the statistic a wrong accept or
         # residual rule moves most (a residual that kept the draft about doubles it).
-        hits[name] = sum(1 for t in tokens if t[0] in follow and t[1] == follow[t[0]])
+        hits[name] = {m: sum(1 for t in tokens if t[0] in f and t[1] == f[t[0]]) for m, f in follow.items()}
         if spec:
             stats = llm.llm_engine.get_stats()
             assert stats.spec_decode_num_drafts >= 0.99 * n, stats  # (t1 is in the prompt unless it is its last)
             assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
-    for pos in (0, 1):
-        a, b = counts["off"][pos], counts["ngram"][pos]
-        # Bins with few draws are pooled so every expected count is at least 5.
-        bins, pool_a, pool_b = [], 0, 0
-        for x, y in zip(a, b, strict=True):
-            if x + y >= 20:
-                bins.append((x, y))
-            else:
-                pool_a, pool_b = pool_a + x, pool_b + y
-        if pool_a + pool_b:
-            bins.append((pool_a, pool_b))
-        chi2 = sum((x - y) ** 2 / (x + y) for x, y in bins)  # equal sample sizes
-        df = len(bins) - 1
-        # Wilson-Hilferty approximation of the chi-square 0.999 quantile.
-        crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
-        assert chi2 < crit, (pos, chi2, crit, df)
-    x, y = hits["off"], hits["ngram"]
-    assert (x - y) ** 2 / (x + y) < 10.83, hits  # chi-square, 1 degree of freedom, p = 0.001
+    for name in ("ngram", "draft_model"):
+        for pos in (0, 1):
+            a, b = counts["off"][pos], counts[name][pos]
+            # Bins with few draws are pooled so every expected count is at least 5.
+            bins, pool_a, pool_b = [], 0, 0
+            for x, y in zip(a, b, strict=True):
+                if x + y >= 20:
+                    bins.append((x, y))
+                else:
+                    pool_a, pool_b = pool_a + x, pool_b + y
+            if pool_a + pool_b:
+                bins.append((pool_a, pool_b))
+            chi2 = sum((x - y) ** 2 / (x + y) for x, y in bins)  # equal sample sizes
+            df = len(bins) - 1
+            # Wilson-Hilferty approximation of the chi-square 0.999 quantile.
+            crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+            assert chi2 < crit, (name, pos, chi2, crit, df)
+        x, y = hits["off"][name], hits[name][name]
+        assert (x - y) ** 2 / (x + y) < 10.83, (name, hits)  # chi-square, 1 degree of freedom, p = 0.001
