@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram) against none, side by side in one process.
+"""Speculative decoding (n-gram, or a draft model with --speculative-config) against none,
+side by side in one process.
 
     python -m pagedserve.benchmarks.bench_spec [engine args, e.g. --dtype float32]
 
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = json.loads(args.speculative_config) if args.speculative_config else DEFAULT_SPEC
     base = EngineArgs.from_cli_args(args).replace(speculative_config=None)
     llms = {"off": LLM.from_engine(LLMEngine.from_engine_args(base)),
-            "ngram": LLM.from_engine(LLMEngine.from_engine_args(base.replace(speculative_config=spec)))}
+            "spec": LLM.from_engine(LLMEngine.from_engine_args(base.replace(speculative_config=spec)))}
+    method = llms["spec"].llm_engine.config.speculative_config.method
     for llm in llms.values():  # warm-up: compilation, kernels, allocator
         llm.generate(["Hello there, how are you?"] * 2, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     print(f"CPU: {describe_cpu()}; model {base.model}; dtype {llms['off'].llm_engine.config.model_config.dtype}; "
@@ -76,14 +78,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rates.setdefault(name, []).append(rate)
                 outputs[name], spec_counts[name] = tokens, counts
         best = {name: max(r) for name, r in rates.items()}
-        drafted, accepted = spec_counts["ngram"]
-        same = sum(a == b for a, b in zip(outputs["off"], outputs["ngram"], strict=True))
-        row = {"off_tok_s": best["off"], "ngram_tok_s": best["ngram"], "ratio": best["ngram"] / best["off"],
+        drafted, accepted = spec_counts["spec"]
+        same = sum(a == b for a, b in zip(outputs["off"], outputs["spec"], strict=True))
+        row = {"off_tok_s": best["off"], "spec_tok_s": best["spec"], "ratio": best["spec"] / best["off"],
                "drafted": drafted, "accepted": accepted, "identical_outputs": f"{same}/{len(outputs['off'])}",
-               "output_tokens": sum(map(len, outputs["ngram"]))}
+               "output_tokens": sum(map(len, outputs["spec"]))}
         results["workloads"][label] = row
         rate = f"{100 * accepted / drafted:.0f}%" if drafted else "n/a"
-        print(f"{label}: off {best['off']:.1f} tok/s, ngram {best['ngram']:.1f} tok/s, ratio {row['ratio']:.2f}x; "
+        print(f"{label}: off {best['off']:.1f} tok/s, {method} {best['spec']:.1f} tok/s, ratio {row['ratio']:.2f}x; "
               f"drafts {drafted}, accepted {accepted} ({rate}); identical greedy outputs {row['identical_outputs']}")
     if args.output_json:
         with open(args.output_json, "w") as f:
