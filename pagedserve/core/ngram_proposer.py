@@ -27,6 +27,13 @@ from pagedserve.config import SpeculativeConfig
 DraftRequest = tuple[str, list[int], int]
 
 
+def next_num_drafts(max_drafts: int, num_drafted: int, num_accepted: int) -> int:
+    """Drafts to allow a request next: one more than were accepted (so a full hit grows
+    it), at least one, at most `max_drafts`; a rejected draft costs a verified position
+    and buys nothing.  Every drafter uses this rule."""
+    return max(1, min(max_drafts, num_accepted + 1))
+
+
 class Drafter(Protocol):
     """What proposes drafts to the scheduler: `NgramProposer` here, or a draft model
     (worker/draft_model.py, which the engine hands in: core never runs a model)."""
@@ -76,9 +83,7 @@ class NgramProposer:
         return {req_id: self.propose(token_ids, n) for req_id, token_ids, n in requests}
 
     def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
-        """One more than were accepted (so a full hit grows it), at least one: a rejected
-        draft costs a verified position and buys nothing."""
-        return max(1, min(self.max_drafts, num_accepted + 1))
+        return next_num_drafts(self.max_drafts, num_drafted, num_accepted)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Nothing is kept per request."""

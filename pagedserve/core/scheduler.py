@@ -10,8 +10,9 @@ simpler and, for short sequences, about as cheap.  Under the priority policy
 already scheduled this step are never victims.
 
 With speculative decoding (`speculative_config`), a decoding request may also get
-drafts (n-gram, core/ngram_proposer.py, or a draft model's): they are scheduled and given KV slots like any
-token, and `update_from_output` takes back the slots of the ones the runner rejected.
+drafts (n-gram, core/ngram_proposer.py, or a draft model's): they are scheduled and
+given KV slots like any token, and `update_from_output` takes back the slots of the
+ones the runner rejected.
 
 The update path is one loop (`update_from_output`) with three hooks that
 `AsyncScheduler` (core/async_scheduler.py) overrides for overlap scheduling:
@@ -49,6 +50,12 @@ _finish_reason = RequestStatus.get_finished_reason
 
 def _sched_key(request: Request) -> tuple:
     return request.sched_key
+
+
+def _tokens_to_compute(request: Request) -> int:
+    """Known tokens (and, under overlap scheduling, in-flight placeholders) without KV yet:
+    1 for a decoding request."""
+    return len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
 
 
 class Scheduler:
@@ -154,7 +161,7 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            n = len(request.all_token_ids) + request.num_output_placeholders - num_computed
+            n = _tokens_to_compute(request)
             drafts = proposals.get(request.request_id) if n == 1 else None
             if drafts:
                 n += len(drafts)
@@ -231,8 +238,7 @@ class Scheduler:
         if len(self.running) > self.speculative_config.disable_by_batch_size:
             return {}
         wanted = [(r.request_id, r.all_token_ids, r.max_draft_tokens) for r in self.running
-                  if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1
-                  and self._may_speculate(r)]
+                  if _tokens_to_compute(r) == 1 and self._may_speculate(r)]
         return drafter.propose_batch(wanted) if wanted else {}
 
     @staticmethod

@@ -1,6 +1,6 @@
 """A picture of the KV block pool and the request queues, for people to look at.
 
-The dashboard (entrypoints/dashboard.py) draws it live and `pagedserve generate
+The dashboard (entrypoints/dashboard/) draws it live and `pagedserve generate
 --show-blocks` prints it as text.  Taking one costs O(changed blocks + listed
 requests): the pool records which blocks changed only while someone watches
 (`BlockPool.track_changes`), so an unwatched engine pays one `is None` test per pool

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedserve.core.ngram_proposer import DraftRequest
+from pagedserve.core.ngram_proposer import DraftRequest, next_num_drafts
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
@@ -60,9 +60,7 @@ class DraftModelProposer:
         self.held: set[str] = set()  # requests the runner holds state for (dropped each round)
 
     def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
-        """As n-gram: one more than were accepted, at least one (a model that keeps
-        missing drafts one token and costs little)."""
-        return max(1, min(self.max_drafts, num_accepted + 1))
+        return next_num_drafts(self.max_drafts, num_drafted, num_accepted)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for req_id in request_ids:
