@@ -9,6 +9,12 @@ and tokenizer conversion.  Every registered name also carries its config, so
 `load_format="dummy"` runs (benchmarks) never download anything.
 
 Cache dir: $PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve.
+
+A Hugging Face Hub id (`Qwen/Qwen3-0.6B`) is read from the local Hugging Face cache
+(`hf_hub_snapshot`: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub),
+the snapshot that `refs/main` names, as `huggingface-cli download` or transformers left
+it.  Nothing is downloaded from the Hub: a missing model is an error naming the
+directory looked in.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,10 +120,11 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
             return ModelSource("gguf", os.path.join(model_dir, os.path.basename(entry.gguf_member)), entry)
         return ModelSource("safetensors", model_dir, entry)
     path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path) and _HUB_ID.fullmatch(model):
+        path = hf_hub_snapshot(model)
     if not os.path.exists(path):
         raise ValueError(f"unknown model {model!r}: no such file or directory, and not a registered name "
-                         f"(registered: {', '.join(MODEL_NAMES)}; Hugging Face Hub ids are not fetched: "
-                         "download the model and pass its directory)")
+                         f"(registered: {', '.join(MODEL_NAMES)}) or a Hugging Face Hub id (ORG/NAME)")
     if os.path.isfile(path):
         if not _is_gguf_file(path):
             raise ValueError(f"{path} is a file but not a GGUF; pass a .gguf file or an HF model directory")
@@ -132,6 +140,50 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
             raise ValueError(f"{path}: expected exactly one .gguf file, found {len(ggufs)}; pass the file itself")
         return ModelSource("gguf", ggufs[0])
     return ModelSource("safetensors", path)
+
+
+# ORG/NAME as the Hub spells repository ids (no leading dot or dash, no "..").
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def hf_hub_cache_dir() -> str:
+    """Where the Hugging Face libraries keep downloaded models, by their own variables."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def hf_hub_snapshot(repo_id: str) -> str:
+    """The local snapshot directory of a Hub model: the one `refs/main` names, or the only
+    one there is.  ValueError naming the directory looked in when it is not cached."""
+    cache = hf_hub_cache_dir()
+    repo_dir = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    how = (f"pagedserve reads Hugging Face models from the local cache only, it does not download them: "
+           f"fetch it first (`huggingface-cli download {repo_id}`), or set HF_HOME / HF_HUB_CACHE to the cache "
+           "that holds it")
+    snapshots = os.path.join(repo_dir, "snapshots")
+    if not os.path.isdir(snapshots):
+        raise ValueError(f"model {repo_id!r} is neither a local path nor in the Hugging Face cache "
+                         f"({repo_dir} does not exist). {how}")
+    ref = os.path.join(repo_dir, "refs", "main")
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            snapshot = os.path.join(snapshots, f.read().strip())
+    else:
+        found = sorted(os.listdir(snapshots))
+        if len(found) != 1:
+            raise ValueError(f"model {repo_id!r}: {repo_dir} has no refs/main and {len(found)} snapshots "
+                             f"({', '.join(found) or 'none'}); pass the snapshot directory you mean")
+        snapshot = os.path.join(snapshots, found[0])
+    if not os.path.isdir(snapshot) or not (os.path.isfile(os.path.join(snapshot, "config.json"))
+                                           or glob.glob(os.path.join(snapshot, "*.gguf"))):
+        raise ValueError(f"model {repo_id!r}: the cached snapshot {snapshot} has no config.json or .gguf file "
+                         f"(an interrupted download?). {how}")
+    logger.info("%s: read from the Hugging Face cache, %s", repo_id, snapshot)
+    return snapshot
 
 
 def resolve_gguf_path(model: str) -> str:
