@@ -3,8 +3,9 @@
 The table covers every position the model accepts and is built once in float32, then
 stored in the model dtype: that is exactly the rounding HF applies per forward, so
 outputs match while a step costs one gather instead of recomputing trigonometry.
-Supported `rope_scaling` types: default, linear and llama3; others are refused by name
-rather than silently ignored.
+Supported `rope_scaling` types: default, linear, llama3 and yarn (Qwen2.5/Qwen3's long
+context); others are refused by name rather than silently ignored.  YaRN also scales
+cos and sin by its attention factor, folded into the table.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_config(hf_config: Any) -> tuple[float, dict]:
@@ -28,12 +29,66 @@ def rope_config(hf_config: Any) -> tuple[float, dict]:
         raise ValueError(
             f"unsupported rope_scaling type {params['rope_type']!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    if params["rope_type"] == "yarn":
+        # The context the model was trained on, and (when the config gives none) the
+        # stretch factor that takes it to max_position_embeddings, as HF reads them.
+        max_pos = getattr(hf_config, "max_position_embeddings", None)
+        original = params.get("original_max_position_embeddings") or max_pos
+        if original is None:
+            raise ValueError("rope_scaling type 'yarn' needs original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original
+        if params.get("factor") is None:
+            if max_pos is None:
+                raise ValueError("rope_scaling type 'yarn' needs factor (or max_position_embeddings)")
+            params["factor"] = max_pos / original
     return theta, params
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: dict) -> float:
+    """What cos and sin are multiplied by: 1, except for YaRN (the paper's 0.1 ln(s) + 1,
+    or the ratio of the two mscales DeepSeek-style configs give, or the config's own)."""
+    if scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: dimensions that turn many times over the original context keep their
+    frequency (extrapolate), those that turn less than once are slowed by `factor`
+    (interpolate), with a linear ramp between beta_fast and beta_slow rotations."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dim_at(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_at(scaling.get("beta_fast") or 32), dim_at(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    wavelength = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    return 1.0 / (factor * wavelength) * (1 - keep) + 1.0 / wavelength * keep
 
 
 def inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
     rope_type = scaling["rope_type"]
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, theta, scaling)
     if rope_type == "linear":
         return freq / float(scaling["factor"])
     if rope_type == "llama3":
@@ -54,16 +109,30 @@ def inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float,
-                 scaling: dict | None = None) -> None:
+                 scaling: dict | None = None, freq_factors: list[float] | None = None) -> None:
+        """`freq_factors`: one divisor per rotary frequency, as Llama 3.1 GGUF files carry
+        their scaling (llama.cpp's rope_freqs); not together with a scaling type."""
         super().__init__()
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.max_position = max_position
-        freq = inv_freq(rotary_dim, theta, scaling or {"rope_type": "default"})
+        scaling = scaling or {"rope_type": "default"}
+        freq = inv_freq(rotary_dim, theta, scaling)
+        if freq_factors is not None:
+            if scaling["rope_type"] != "default":
+                raise ValueError(f"rope frequency factors and rope_scaling {scaling['rope_type']!r} both rescale "
+                                 "the rotary frequencies; a model has one or the other")
+            if len(freq_factors) != rotary_dim // 2:
+                raise ValueError(f"{len(freq_factors)} rope frequency factors for {rotary_dim // 2} rotary "
+                                 "frequencies")
+            freq = freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), freq.to(torch.float32))
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
+        mscale = attention_factor(scaling)
+        if mscale != 1.0:
+            cache = cache * mscale  # HF scales cos and sin in float32, before the cast
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_dtype()), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,4 +180,5 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbeddin
     theta, scaling = rope_config(hf_config)
     factor = scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
     rotary_dim = int(head_dim * float(factor or 1.0))
-    return RotaryEmbedding(head_dim, rotary_dim, max_position, theta, scaling)
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, theta, scaling,
+                           getattr(hf_config, "rope_freq_factors", None))

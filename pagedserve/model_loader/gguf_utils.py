@@ -168,9 +168,6 @@ def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"{path}: GGUF llama3 rope frequency factors (rope_freqs.weight) are not supported; "
-                         "load the HF checkpoint of this model instead")
     model_type, architecture = GGUF_ARCHITECTURES[arch]
 
     def meta(key: str, default: Any = None) -> Any:
@@ -197,14 +194,50 @@ def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
-    scaling = meta("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r} (supported: linear)")
-        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    scaling = _gguf_rope_scaling(meta, path)
+    if scaling is not None:
+        kwargs["rope_scaling"] = scaling
+    freq_factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freq_factors is not None:
+        # Llama 3.1's scaling, as llama.cpp's converter stores it: each rotary frequency is
+        # divided by its factor (RotaryEmbedding's freq_factors).
+        kwargs["rope_freq_factors"] = [float(x) for x in np.asarray(freq_factors.data, dtype=np.float32).ravel()]
     if arch == "qwen2" or any(n.endswith("attn_q.bias") for n in tensor_names):
         kwargs["attention_bias"] = True
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+# llama.cpp's per-dimension rope frequency divisors (Llama 3.1's scaling, precomputed).
+ROPE_FREQS = "rope_freqs.weight"
+# YaRN keys llama.cpp may write whose effect pagedserve does not implement: refused when
+# present with a value other than the neutral one.
+_YARN_UNSUPPORTED = {"rope.scaling.attn_factor": 1.0, "rope.scaling.yarn_attn_factor": 1.0,
+                     "rope.scaling.yarn_ext_factor": None, "rope.scaling.yarn_log_multiplier": 0.0}
+
+
+def _gguf_rope_scaling(meta: Any, path: str) -> dict[str, Any] | None:
+    """The HF rope_scaling dict for the file's rope.scaling.* metadata (none, linear, yarn)."""
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = meta("rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn":
+        raise ValueError(f"{path}: unsupported GGUF rope scaling {kind!r} (supported: linear, yarn)")
+    original = meta("rope.scaling.original_context_length")
+    if factor is None or original is None:
+        raise ValueError(f"{path}: GGUF yarn rope scaling needs rope.scaling.factor and "
+                         "rope.scaling.original_context_length")
+    for key, neutral in _YARN_UNSUPPORTED.items():
+        value = meta(key)
+        if value is not None and (neutral is None or float(value) != neutral):
+            raise ValueError(f"{path}: GGUF yarn setting {key} = {value} is not supported")
+    out = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        if meta(key) is not None:
+            out[name] = float(meta(key))
+    return out
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -238,6 +271,8 @@ def iter_gguf_tensors(reader: GGUFFile, hf_config: Any, path: str,
     arch = _field(reader, "general.architecture")
     permute = arch == "llama"
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # read into the config (rope_freq_factors), not a weight
         name = gguf_hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the model")

@@ -116,6 +116,22 @@ def test_tiny_models_match_hf(arch: str, tiny_checkpoint) -> None:
     check_logprobs_close(ref * 4, ours_greedy(llm, prompts * 4), "batch-32")
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_yarn_rope_scaling_matches_hf(arch: str, tmp_path) -> None:
+    """Qwen with YaRN (as Qwen2.5 / Qwen3 configs for long contexts set it), trained
+    context 32 tokens, so the prompts and outputs run well past it."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    hf_cfg = make_tiny_checkpoint(arch, str(tmp_path), rope_parameters=yarn)
+    prompts = shared_prefix_prompts(hf_cfg.vocab_size)
+    assert max(map(len, prompts)) > 32
+    ref = hf_greedy(str(tmp_path), prompts)
+    _run_variants(str(tmp_path), hf_cfg, ref, prompts, ["default", "chunked-16"])
+    default = make_tiny_checkpoint(arch, str(tmp_path / "plain"))  # the scaling matters here
+    assert ours_greedy(LLM(str(tmp_path / "plain"), dtype="float32"), prompts) != ref, default
+
+
 SMOL_MESSAGES = [
     "What is the capital of France?", "Write a haiku about autumn rain.",
     "Explain photosynthesis to a ten-year-old.", "List five prime numbers.",

@@ -10,7 +10,7 @@ import torch
 from pagedserve.layers import embedding, linear
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.rotary_embedding import get_rope, inv_freq, rope_config
+from pagedserve.layers.rotary_embedding import attention_factor, get_rope, inv_freq, rope_config
 
 
 def test_rmsnorm_fused_residual_equals_add_then_norm() -> None:
@@ -33,17 +33,35 @@ def test_silu_and_mul_gates_with_first_half() -> None:
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},  # Qwen2.5 / Qwen3's
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+     "mscale": 1.0, "mscale_all_dim": 0.8},  # DeepSeek's two mscales
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "attention_factor": 1.3,
+     "truncate": False},
 ])
 def test_scaled_inv_freq_matches_transformers(scaling: dict) -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, rope_scaling=dict(scaling))
-    ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, max_position_embeddings=8192,
+                      rope_scaling=dict(scaling))
+    ref, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
     theta, params = rope_config(cfg)
     ours = inv_freq(64, theta, params)
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)
     assert not torch.equal(ours, inv_freq(64, theta, {"rope_type": "default"}))
+    assert attention_factor(params) == pytest.approx(ref_factor, rel=1e-12)
+    if scaling["rope_type"] == "yarn":
+        assert attention_factor(params) != 1.0
+
+
+def test_yarn_without_a_factor_stretches_to_max_position_embeddings() -> None:
+    cfg = SimpleNamespace(rope_theta=1e6, max_position_embeddings=131072,
+                          rope_scaling={"type": "yarn", "original_max_position_embeddings": 32768})
+    _, params = rope_config(cfg)
+    assert params["factor"] == 4.0 and params["rope_type"] == "yarn"
+    with pytest.raises(ValueError, match="yarn.*original_max_position_embeddings"):
+        rope_config(SimpleNamespace(rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 4.0}))
 
 
 def test_rope_rotates_halves_and_keeps_norm() -> None:
@@ -64,8 +82,8 @@ def test_rope_rotates_halves_and_keeps_norm() -> None:
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    cfg = SimpleNamespace(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_theta=1e4)
-    with pytest.raises(ValueError, match="yarn"):
+    cfg = SimpleNamespace(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, rope_theta=1e4)
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'; supported: .*yarn"):
         get_rope(cfg, head_dim=8, max_position=16)
 
 

@@ -140,11 +140,14 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf: torch.nn.Module, path: str, arch: str) -> None:
+def write_gguf(hf: torch.nn.Module, path: str, arch: str, extra=None) -> None:
+    """The model as llama.cpp's converter writes it; `extra(writer)` adds metadata or tensors."""
     import gguf
 
     c = hf.config
     w = gguf.GGUFWriter(path, arch)
+    if extra is not None:
+        extra(w)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -181,6 +184,71 @@ def test_gguf_file_matches_hf(tmp_path, case: str, arch: str) -> None:
     model = get_model(mc, "cpu")
     ids = torch.randint(0, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=2e-5, rtol=1e-5)
+
+
+def test_llama31_gguf_rope_freqs_are_honoured(tmp_path) -> None:
+    """Llama 3.1 files carry their llama3 rope scaling as llama.cpp's rope_freqs tensor (a
+    divisor per rotary frequency) and no scaling metadata: positions past the smoothed
+    band must rotate as the HF model with rope_scaling llama3 does."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = make_hf_model("llama3-rope-tied")
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    plain = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    factors = (plain / scaled).numpy().astype(np.float32)
+    assert factors.max() > 1.5  # the scaling does something
+    path = str(tmp_path / "llama31.gguf")
+    write_gguf(hf, path, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    model = get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+    ids = torch.randint(0, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=5e-5, rtol=1e-5)
+    plain_path = str(tmp_path / "no-factors.gguf")  # without the tensor the logits are those of another model
+    write_gguf(hf, plain_path, "llama")
+    assert not torch.allclose(logits(get_model(ModelConfig(model=plain_path, dtype="float32"), "cpu"), ids),
+                              hf_logits(hf, ids), atol=1e-3)
+
+
+def test_yarn_gguf_matches_hf(tmp_path) -> None:
+    """Qwen GGUF files with YaRN: rope.scaling.type yarn, factor, original_context_length."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    hf = make_hf_model("qwen2", rope_parameters=yarn)
+
+    def meta(w) -> None:
+        w.add_rope_scaling_type(gguf_rope_type("yarn"))
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+
+    path = str(tmp_path / "yarn.gguf")
+    write_gguf(hf, path, "qwen2", extra=meta)
+    cfg = load_model_config(ModelConfig(model=path, dtype="float32"), "cpu")
+    assert cfg.rope_scaling["rope_type"] == "yarn" or cfg.rope_parameters["rope_type"] == "yarn"
+    model = get_model(ModelConfig(model=path, dtype="float32"), "cpu")
+    ids = torch.randint(0, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=5e-5, rtol=1e-5)
+
+
+def test_gguf_yarn_settings_it_cannot_honour_are_refused(tmp_path) -> None:
+    import gguf
+
+    hf = make_hf_model("qwen2")
+
+    def meta(w) -> None:
+        w.add_rope_scaling_type(gguf_rope_type("yarn"))
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+        w.add_float32(gguf.Keys.Rope.SCALING_YARN_LOG_MUL.format(arch="qwen2"), 0.1)
+
+    path = str(tmp_path / "yarn-logmul.gguf")
+    write_gguf(hf, path, "qwen2", extra=meta)
+    with pytest.raises(ValueError, match="yarn setting rope.scaling.yarn_log_multiplier = 0.1"):
+        load_model_config(ModelConfig(model=path, dtype="float32"), "cpu")
+
+
+def gguf_rope_type(name: str):
+    import gguf
+
+    return gguf.RopeScalingType(name)
 
 
 def test_garbage_and_truncated_gguf_name_the_file(tmp_path) -> None:
