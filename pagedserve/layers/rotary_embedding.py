@@ -3,9 +3,10 @@
 The table covers every position the model accepts and is built once in float32, then
 stored in the model dtype: that is exactly the rounding HF applies per forward, so
 outputs match while a step costs one gather instead of recomputing trigonometry.
-Supported `rope_scaling` types: default, linear, llama3 and yarn (Qwen2.5/Qwen3's long
-context); others are refused by name rather than silently ignored.  YaRN also scales
-cos and sin by its attention factor, folded into the table.
+Supported `rope_scaling` types: default, linear, llama3, yarn (Qwen2.5/Qwen3's long
+context) and longrope (Phi-3 / Phi-4-mini); others are refused by name rather than
+silently ignored.  YaRN and LongRoPE also scale cos and sin by an attention factor,
+folded into the table.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_config(hf_config: Any) -> tuple[float, dict]:
@@ -29,18 +30,22 @@ def rope_config(hf_config: Any) -> tuple[float, dict]:
         raise ValueError(
             f"unsupported rope_scaling type {params['rope_type']!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params["rope_type"] == "yarn":
+    if params["rope_type"] in ("yarn", "longrope"):
         # The context the model was trained on, and (when the config gives none) the
         # stretch factor that takes it to max_position_embeddings, as HF reads them.
+        kind = params["rope_type"]
         max_pos = getattr(hf_config, "max_position_embeddings", None)
-        original = params.get("original_max_position_embeddings") or max_pos
+        original = (params.get("original_max_position_embeddings")
+                    or getattr(hf_config, "original_max_position_embeddings", None) or max_pos)
         if original is None:
-            raise ValueError("rope_scaling type 'yarn' needs original_max_position_embeddings")
+            raise ValueError(f"rope_scaling type {kind!r} needs original_max_position_embeddings")
         params["original_max_position_embeddings"] = original
         if params.get("factor") is None:
             if max_pos is None:
-                raise ValueError("rope_scaling type 'yarn' needs factor (or max_position_embeddings)")
+                raise ValueError(f"rope_scaling type {kind!r} needs factor (or max_position_embeddings)")
             params["factor"] = max_pos / original
+        if kind == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+            raise ValueError("rope_scaling type 'longrope' needs short_factor and long_factor")
     return theta, params
 
 
@@ -50,12 +55,16 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def attention_factor(scaling: dict) -> float:
     """What cos and sin are multiplied by: 1, except for YaRN (the paper's 0.1 ln(s) + 1,
-    or the ratio of the two mscales DeepSeek-style configs give, or the config's own)."""
-    if scaling["rope_type"] != "yarn":
+    or the ratio of the two mscales DeepSeek-style configs give, or the config's own) and
+    LongRoPE (sqrt(1 + ln(s) / ln(original context)), or the config's own)."""
+    if scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
@@ -84,9 +93,20 @@ def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor
     return 1.0 / (factor * wavelength) * (1 - keep) + 1.0 / wavelength * keep
 
 
+def longrope_inv_freq(rotary_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE (Phi-3 / Phi-4-mini): each frequency divided by its own factor."""
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors for {rotary_dim // 2} rotary frequencies")
+    shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**shape)
+
+
 def inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """The rotary frequencies; for LongRoPE the short-context ones (see RotaryEmbedding)."""
     freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
     rope_type = scaling["rope_type"]
+    if rope_type == "longrope":
+        return longrope_inv_freq(rotary_dim, theta, scaling["short_factor"])
     if rope_type == "yarn":
         return _yarn_inv_freq(rotary_dim, theta, scaling)
     if rope_type == "linear":
@@ -129,6 +149,15 @@ class RotaryEmbedding(nn.Module):
                                  "frequencies")
             freq = freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), freq.to(torch.float32))
+        if scaling["rope_type"] == "longrope":
+            # Positions past the original context rotate with the long factors.  HF switches a
+            # whole forward to them once its sequence is longer than that context, so a
+            # prompt longer than it differs from HF at its first positions; shorter
+            # sequences match exactly.
+            original = int(scaling["original_max_position_embeddings"])
+            long = torch.outer(torch.arange(max_position, dtype=torch.float32),
+                               longrope_inv_freq(rotary_dim, theta, scaling["long_factor"]))
+            freqs[original:] = long[original:]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
         mscale = attention_factor(scaling)
         if mscale != 1.0:

@@ -7,12 +7,14 @@ from typing import Any
 from torch import nn
 
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
@@ -21,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }

@@ -29,6 +29,18 @@ def make_tiny_checkpoint(arch: str, path: str, **overrides):
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=64)  # 64: the CPU decode kernel takes it
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "phi3":
+        # Phi-4-mini's shape of the rope: 3/4 of each head rotates, LongRoPE factors, an
+        # original context (256) longer than the tests' sequences, so the short factors apply.
+        rotary_half = 16 * 3 // 4 // 2  # head_dim 16 (64 / 4 heads)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)],
+                "original_max_position_embeddings": 256}
+        common["max_position_embeddings"] = 1024
+        cfg = transformers.Phi3Config(**common, rope_parameters=rope, original_max_position_embeddings=256,
+                                      pad_token_id=0)
+        cls = transformers.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

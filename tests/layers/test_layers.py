@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -53,6 +54,27 @@ def test_scaled_inv_freq_matches_transformers(scaling: dict) -> None:
     assert attention_factor(params) == pytest.approx(ref_factor, rel=1e-12)
     if scaling["rope_type"] == "yarn":
         assert attention_factor(params) != 1.0
+
+
+def test_longrope_rotates_with_short_factors_then_long_ones_past_the_original_context() -> None:
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(12)], "long_factor": [3.0 + 0.5 * i for i in range(12)],
+            "original_max_position_embeddings": 64}
+    cfg = Phi3Config(hidden_size=128, num_attention_heads=4, max_position_embeddings=512, rope_parameters=rope,
+                     original_max_position_embeddings=64, pad_token_id=0)
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=65)
+    assert factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(64)))
+    with torch.device("cpu"):
+        emb = get_rope(cfg, head_dim=32, max_position=512)
+    assert emb.rotary_dim == 24
+    for pos, freq in ((0, short), (63, short), (64, long), (511, long)):
+        angle = pos * freq.double()
+        want = torch.cat([angle.cos(), angle.sin()]) * factor
+        torch.testing.assert_close(emb.cos_sin_cache[pos].double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_yarn_without_a_factor_stretches_to_max_position_embeddings() -> None:
