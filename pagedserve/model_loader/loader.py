@@ -35,7 +35,7 @@ from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
 from pagedserve.model_loader.sources import ModelSource, resolve_source
-from pagedserve.models.registry import get_model_class, resolve_architecture
+from pagedserve.models.registry import check_supported_config, get_model_class, resolve_architecture
 from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.de
     source = resolve_source(model_config.model, model_config.load_format)
     hf_config = _read_hf_config(source, model_config.trust_remote_code)
     resolve_architecture(hf_config)  # unsupported architectures fail here, before any weights are read
+    check_supported_config(hf_config)  # and math-changing fields we do not implement
     dtype, why = _resolve_dtype(model_config.dtype, hf_config, resolve_device(device))
     if model_config.dtype == "auto":
         logger.info("dtype auto -> %s: %s", _DTYPE_NAMES[dtype], why)

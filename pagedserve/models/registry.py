@@ -33,6 +33,31 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
+# Config fields that change a model's math in families we do not implement them for:
+# the value each must have (None: absent or None) for our model to compute what the
+# checkpoint's own code computes.  Anything else is refused by name, never ignored.
+_NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
+    "attn_logit_softcapping": (None,),  # Gemma 2: tanh cap on attention scores
+    "final_logit_softcapping": (None,),  # Gemma 2: tanh cap on the logits
+    "query_pre_attn_scalar": (None,),  # Gemma 2/3: attention scale other than 1/sqrt(head_dim)
+    "logit_scale": (None, 1.0),  # Cohere
+    "embedding_multiplier": (None, 1.0),  # Granite's muP multipliers
+    "residual_multiplier": (None, 1.0),
+    "attention_multiplier": (None,),
+    "logits_scaling": (None, 1.0),
+}
+
+
+def check_supported_config(hf_config: Any) -> None:
+    """ValueError naming a config field whose effect the model's family here does not implement."""
+    for name, neutral in _NEUTRAL_FIELDS.items():
+        value = getattr(hf_config, name, None)
+        if value not in neutral:
+            raise ValueError(f"the model config sets {name}={value!r}, which changes the model's math and is not "
+                             f"implemented for {resolve_architecture(hf_config)}; refusing rather than computing "
+                             "something else")
+
+
 def resolve_architecture(hf_config: Any) -> str:
     """The one supported architecture name of `hf_config`, or ValueError naming what it has."""
     names = list(getattr(hf_config, "architectures", None) or [])
@@ -51,4 +76,5 @@ def resolve_architecture(hf_config: Any) -> str:
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
+    check_supported_config(hf_config)
     return MODEL_REGISTRY[resolve_architecture(hf_config)]

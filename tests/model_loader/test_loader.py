@@ -61,6 +61,18 @@ def test_unknown_architecture_is_named(tmp_path) -> None:
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
 
 
+@pytest.mark.parametrize(("field", "value"), [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                                              ("logit_scale", 0.0625), ("embedding_multiplier", 12.0)])
+def test_math_changing_config_fields_we_do_not_implement_are_refused(tmp_path, field: str, value: float) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                intermediate_size=64, vocab_size=64, **{field: value}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"sets {field}={value!r}, which changes the model's math and is not "
+                                         "implemented for LlamaForCausalLM"):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+
+
 def test_registered_config_only_name_needs_dummy(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     mc = ModelConfig(model="qwen3-0.6b", load_format="dummy")
