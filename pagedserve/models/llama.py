@@ -13,7 +13,7 @@ forward context.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +79,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
@@ -95,12 +95,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary_emb, flags)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,14 +116,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, flags: AttentionFlags) -> None:
+    def __init__(self, config: Any, flags: AttentionFlags,
+                 make_mlp: Callable[[Any, int], nn.Module] = lambda config, layer: LlamaMLP(config)) -> None:
+        """`make_mlp(config, layer index)`: each layer's feed-forward block (a mixture of
+        experts on some layers of MoE families)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer.
         max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
         self.rotary_emb = rotary_emb = get_rope(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, flags) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, flags, make_mlp(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -150,10 +153,15 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionFlags(qkv_bias=bias, o_bias=bias)
 
+    @classmethod
+    def make_mlp(cls, config: Any, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward block."""
+        return LlamaMLP(config)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_flags(config))
+        self.model = LlamaModel(config, self.attention_flags(config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)

@@ -29,6 +29,12 @@ def make_tiny_checkpoint(arch: str, path: str, **overrides):
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=64)  # 64: the CPU decode kernel takes it
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        # 8 experts, 2 per token; layer 0 sparse, layer 1 dense (mlp_only_layers).
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+                                          norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
     elif arch == "phi3":
         # Phi-4-mini's shape of the rope: 3/4 of each head rotates, LongRoPE factors, an
         # original context (256) longer than the tests' sequences, so the short factors apply.

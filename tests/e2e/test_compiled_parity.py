@@ -19,7 +19,7 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24):
             for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_compiled_matches_eager_and_compiles_once(arch, tiny_checkpoint, monkeypatch):
     model_dir, cfg = tiny_checkpoint(arch)
     prompts = shared_prefix_prompts(cfg.vocab_size)
