@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,16 +77,18 @@ def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_stream
     total = page.evaluate("window.pagedserve.numBlocks")
     assert total > 2 and _in_use(page) == 0
 
-    batch = threading.Thread(target=_fire_batch, args=(server, 24, 120))
+    batch = threading.Thread(target=_fire_batch, args=(server, 32, 120))
+    t0 = time.monotonic()
     batch.start()
-    # While the batch runs: in-use (and shared: one prompt prefix) cells and running rows appear.
-    page.wait_for_function("+document.getElementById('count-used').textContent > 0", timeout=60_000)
-    page.wait_for_function("document.querySelectorAll('#running tr').length > 0", timeout=60_000)
+    # While the batch runs (32 requests of 120 tokens: many 250 ms snapshots long), one
+    # snapshot shows in-use cells and running rows together.
+    page.wait_for_function("+document.getElementById('count-used').textContent > 0"
+                           " && document.querySelectorAll('#running tr').length > 0", timeout=60_000)
     page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
-    first_row = page.inner_text("#running tr")
-    assert "running" in first_row
+    assert page.evaluate("window.pagedserve.running.every(r => r.state === 'running')")
     batch.join(timeout=120)
     assert not batch.is_alive()
+    print(f"the batch took {time.monotonic() - t0:.2f} s")
     # Afterwards: every cell is back to free or cached, the queues are empty, the
     # throughput chart has a point with generated tokens.
     page.wait_for_function("+document.getElementById('count-used').textContent"
