@@ -331,7 +331,7 @@ async function errorText(r) {
 }
 async function send(text) {
   const messages = messagesWith(text);
-  addMessage("user", text);
+  const userDiv = addMessage("user", text);
   const div = addMessage("assistant", "");
   div.dataset.chunks = "0";
   const t0 = performance.now();
@@ -343,7 +343,7 @@ async function send(text) {
       body: JSON.stringify(Object.assign(samplingBody(), { messages, stream: true,
         stream_options: { include_usage: true } })),
     });
-    if (r.status === 401) { div.remove(); await needKey(); return send(text); }
+    if (r.status === 401) { userDiv.remove(); div.remove(); await needKey(); return send(text); }
     if (!r.ok) throw new Error(await errorText(r));
     for await (const data of sseData(r)) {
       if (data === "[DONE]") break;
