@@ -486,8 +486,7 @@ class Scheduler:
     def snapshot(self, full: bool) -> KVSnapshot:
         """The block pool and the queues for the dashboard (see core/snapshot.py)."""
         kvm = self.kv_cache_manager
-        return take_snapshot(kvm.block_pool, kvm.block_size, self.running, self.waiting, len(self.running),
-                             len(self.waiting), kvm.req_to_blocks, full)
+        return take_snapshot(kvm.block_pool, kvm.block_size, self.running, self.waiting, kvm.req_to_blocks, full)
 
 
 def check_stop(request: Request, tok: int) -> RequestStatus | None:

@@ -11,9 +11,10 @@ blocks changed since the previous one); the queues are always listed whole, up t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Protocol
 
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
 from pagedserve.core.request import Request, RequestStatus
@@ -63,9 +64,16 @@ class KVSnapshot:
     num_waiting: int
 
 
-def take_snapshot(pool: BlockPool, block_size: int, running: Iterable[Request], waiting: Iterable[Request],
-                  num_running: int, num_waiting: int, block_ids_of: dict[str, list[KVCacheBlock]],
-                  full: bool) -> KVSnapshot:
+class RequestQueue(Protocol):
+    """The scheduler's running list or waiting queue: sized, iterated in scheduling order."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+def take_snapshot(pool: BlockPool, block_size: int, running: RequestQueue, waiting: RequestQueue,
+                  block_ids_of: dict[str, list[KVCacheBlock]], full: bool) -> KVSnapshot:
     """`full`: every block (a new watcher's first picture); else those changed since the
     previous snapshot.  `block_ids_of` is the KV manager's request -> blocks table."""
     if full:  # leaves the pending changes to the next delta: it may repeat a block, never miss one
@@ -80,7 +88,7 @@ def take_snapshot(pool: BlockPool, block_size: int, running: Iterable[Request], 
                 for r in islice(requests, MAX_LISTED_REQUESTS)]
 
     return KVSnapshot(full, pool.num_blocks, block_size, pool.null_block.block_id, blocks, rows(running),
-                      rows(waiting), num_running, num_waiting)
+                      rows(waiting), len(running), len(waiting))
 
 
 # One character per block (or per group of blocks) in the text picture; in a group,

@@ -103,12 +103,12 @@ def longrope_inv_freq(rotary_dim: int, theta: float, factors: list[float]) -> to
 
 def inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     """The rotary frequencies; for LongRoPE the short-context ones (see RotaryEmbedding)."""
-    freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
     rope_type = scaling["rope_type"]
     if rope_type == "longrope":
         return longrope_inv_freq(rotary_dim, theta, scaling["short_factor"])
     if rope_type == "yarn":
         return _yarn_inv_freq(rotary_dim, theta, scaling)
+    freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
     if rope_type == "linear":
         return freq / float(scaling["factor"])
     if rope_type == "llama3":

@@ -11,7 +11,6 @@ Mistral: model_loader/loader.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
@@ -19,12 +18,6 @@ from pagedserve.models.llama import LlamaForCausalLM, head_dim_of
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any) -> None:
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} for Phi-3: only 'silu' is implemented")
-        super().__init__(config)
-
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         c = self.config
         head_dim = head_dim_of(c)
