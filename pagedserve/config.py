@@ -70,6 +70,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.25
     num_blocks: int | None = None  # resolved at start-up
+    # Each KV-cache group's sliding window (None: full attention), resolved at start-up
+    # with num_blocks from the model's attention layers (worker/kv_cache.py).
+    group_windows: tuple[int | None, ...] = (None,)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")

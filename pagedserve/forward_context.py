@@ -19,7 +19,9 @@ from typing import Any
 
 @dataclass
 class ForwardContext:
-    attn_metadata: Any  # the backend's metadata object for this step; None in a profile run
+    # The backend's metadata for this step, one per KV-cache group (a layer reads its
+    # group's: worker/kv_cache.py); None in a profile run.
+    attn_metadata: Sequence[Any] | None
     modules: Sequence[Any] = ()  # layers a compiled graph calls back into, by index
 
 
@@ -27,7 +29,7 @@ _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, modules: Sequence[Any] = ()) -> Iterator[None]:
+def set_forward_context(attn_metadata: Sequence[Any] | None, modules: Sequence[Any] = ()) -> Iterator[None]:
     global _CONTEXT
     prev = _CONTEXT
     _CONTEXT = ForwardContext(attn_metadata, modules)

@@ -33,6 +33,9 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # The KV-cache group's sliding window: a query at position p sees keys (p - W, p].
+    # Blocks before a request's window may be stale or the null block: never read them.
+    sliding_window: int | None = None
 
 
 class AttentionBackend(ABC):

@@ -50,7 +50,7 @@ def build(extra_cflags: tuple[str, ...] | None = None, source: Path = SOURCE) ->
 
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:
-    """The kernel `paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale) -> [B, H, D]`
+    """The kernel `paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window=0) -> [B, H, D]`
     (q [B, H, D]; block_table [B, >= blocks of the longest] and seq_lens [B], int32),
     built once per process; None where it cannot be built."""
     if "fn" in _state:

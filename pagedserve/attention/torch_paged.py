@@ -72,8 +72,9 @@ class AttnGroup:
     blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's context)
     masked: torch.Tensor  # [B, Q, L] bool, True where a key is not visible
     # Decode groups (Q == 1), for a kernel that walks the block table itself (cpu_paged):
-    block_table: torch.Tensor | None = None  # [B, L/block_size] int32
+    block_table: torch.Tensor | None = None  # [B, blocks of the longest context] int32
     seq_lens: torch.Tensor | None = None  # [B] int32
+    window: int = 0  # the sliding window (0: none)
     _bias: dict = field(default_factory=dict, repr=False)
 
     def heads_bias(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -192,10 +193,14 @@ class TorchPagedBackend(AttentionBackend):
 
     @staticmethod
     def _build_group(common: CommonAttentionMetadata, items: list[Item]) -> AttnGroup:
-        dev, bs = common.block_table.device, common.block_size
+        """Pad the items to one batch.  Under a sliding window each request's keys start
+        at the block holding its first query's window (earlier blocks may be stale or
+        the null block, and are never gathered); the mask hides what falls outside."""
+        dev, bs, window = common.block_table.device, common.block_size, common.sliding_window
         q_len = max(it[0] for it in items)
-        kv_len = cdiv(max(it[1] for it in items), bs) * bs
         n, s, starts, reqs = (torch.tensor(col, dtype=torch.long) for col in zip(*items, strict=True))
+        first_blk = (s - n - window + 1).clamp(min=0) // bs if window is not None else torch.zeros_like(s)
+        kv_len = cdiv(int((s - first_blk * bs).max()), bs) * bs
         j = torch.arange(q_len)
         valid_q = j[None, :] < n[:, None]  # [B, Q]
         rows = starts[:, None] + j[None, :]
@@ -203,20 +208,26 @@ class TorchPagedBackend(AttentionBackend):
         out_idx = torch.where(valid_q, rows, common.num_actual_tokens).view(-1)
         in_order = bool(valid_q.all()) and torch.equal(token_idx, torch.arange(len(token_idx)))
         q_pos = (s - n)[:, None] + j[None, :]  # absolute position of each query row
-        k_pos = torch.arange(kv_len)
-        masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal; also hides the padding
+        k_pos = (first_blk * bs)[:, None] + torch.arange(kv_len)[None, :]  # [B, L] absolute
+        masked = k_pos[:, None, :] > q_pos[:, :, None]  # causal; also hides the padding
+        if window is not None:
+            masked |= k_pos[:, None, :] <= q_pos[:, :, None] - window
         # Only a request's own context blocks: later columns may hold blocks allocated
         # ahead and never written.  On the device, where the block table lives.
-        table = common.block_table.index_select(0, reqs.to(dev))[:, : kv_len // bs]
-        own = torch.arange(kv_len // bs)[None, :] < (s[:, None] + bs - 1) // bs
+        cols = first_blk[:, None] + torch.arange(kv_len // bs)[None, :]  # [B, L/bs]
+        own = cols < (s[:, None] + bs - 1) // bs
+        full = common.block_table.index_select(0, reqs.to(dev))
+        table = full.gather(1, cols.clamp(max=full.shape[1] - 1).to(dev))
         blocks = torch.where(own.to(dev), table.long(), 0).view(-1)
         decode = q_len == 1
         if in_order:
             token_idx = out_idx = None
         else:
             token_idx, out_idx = token_idx.to(dev), out_idx.to(dev)
+        # A decode kernel walks the table itself from position 0 (and skips to the window).
+        kernel_table = full[:, : cdiv(int(s.max()), bs)].int() if decode else None
         return AttnGroup(len(items), q_len, kv_len, token_idx, out_idx, blocks, masked.to(dev),
-                         table.int() if decode else None, s.int().to(dev) if decode else None)
+                         kernel_table, s.int().to(dev) if decode else None, window or 0)
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         md = attn_metadata
@@ -245,7 +256,8 @@ class TorchPagedBackend(AttentionBackend):
         qg = query[: b * q] if g.token_idx is None else query.index_select(0, g.token_idx)
         kernel = self._kernel_for(qg, k_cache) if q == 1 else None
         if kernel is not None:
-            o = kernel(qg.view(b, self.num_heads, d), k_cache, v_cache, g.block_table, g.seq_lens, self.scale)
+            o = kernel(qg.view(b, self.num_heads, d), k_cache, v_cache, g.block_table, g.seq_lens, self.scale,
+                       g.window)
             return self._emit(g, o, out)
         if q == 1 and hkv <= FOLD_HEADS_MAX_KV and k_cache.dtype == dtype:
             o = self._decode_all_heads(g, qg, k_cache, v_cache)

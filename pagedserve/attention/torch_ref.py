@@ -1,7 +1,7 @@
 """Pure-torch reference backend: the correctness yardstick for every other backend.
 
 Loops over requests, gathers each one's context from its blocks and does plain
-causal attention in float32.  Simple on purpose; speed lives in other backends.
+causal attention in float32 (within the sliding window, for a group that has one).  Simple on purpose; speed lives in other backends.
 """
 
 from __future__ import annotations
@@ -34,16 +34,22 @@ class TorchReferenceBackend(AttentionBackend):
         for i in range(md.num_reqs):
             q0, q1 = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
             n, ctx = q1 - q0, md.seq_lens_cpu[i]
+            # Keys from the block holding the first query's window start (0 without a window).
+            w = md.sliding_window
+            first = max(0, ctx - n - w + 1) // bs * bs if w is not None else 0
             nblocks = (ctx + bs - 1) // bs
-            blocks = md.block_table[i, :nblocks].long()
-            k = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].float()
-            v = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx].float()
+            blocks = md.block_table[i, first // bs:nblocks].long()
+            k = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
+            v = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1)
             q = query[q0:q1].float().transpose(0, 1)  # [H, n, D]
             scores = torch.matmul(q, k.transpose(1, 2)) * self.scale  # [H, n, ctx]
             q_pos = torch.arange(ctx - n, ctx, device=query.device)[:, None]
-            k_pos = torch.arange(ctx, device=query.device)[None, :]
-            scores.masked_fill_(k_pos > q_pos, float("-inf"))
+            k_pos = torch.arange(first, ctx, device=query.device)[None, :]
+            hidden = k_pos > q_pos
+            if w is not None:
+                hidden |= k_pos <= q_pos - w
+            scores.masked_fill_(hidden, float("-inf"))
             out[q0:q1] = torch.matmul(scores.softmax(-1), v).transpose(0, 1).to(out.dtype)
         return out

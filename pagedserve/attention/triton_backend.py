@@ -282,7 +282,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _launch(self, query, k_cache, md: TritonAttentionMetadata, output):
         """Arguments decode and extend share: block table, seq lens, query starts, then
-        the strides and the softmax scale (base 2)."""
+        the strides, the softmax scale (base 2) and the sliding window (0: none)."""
         if self.config is None:
             self.config = default_config(k_cache.dtype, self.head_dim)
         # 3xTF32 keeps fp32 accuracy on tensor cores; other dtypes ignore the setting.
@@ -290,7 +290,7 @@ class TritonAttentionBackend(AttentionBackend):
         c, cs = md.common, k_cache.stride()
         args = (c.block_table, c.seq_lens, c.query_start_loc,
                 query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-                c.block_table.stride(0), cs[0], cs[1], cs[2], self.scale * LOG2E)
+                c.block_table.stride(0), cs[0], cs[1], cs[2], self.scale * LOG2E, c.sliding_window or 0)
         return get_kernels(), self.config, prec, args
 
     def _check(self, query, key, value, k_cache, v_cache) -> None:

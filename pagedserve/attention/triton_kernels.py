@@ -79,8 +79,11 @@ def attend_tile(
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
+    # A row that has seen no visible key yet (a sliding window's start lies in a later
+    # tile) keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_sub[:, None])
+    alpha = tl.exp2(m - m_sub)
     l_sum = l_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_sum, acc
@@ -90,7 +93,7 @@ def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_reqs_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    scale_log2e,
+    scale_log2e, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -98,15 +101,17 @@ def decode_kernel(
     """Program (decode i, kv head, split): the GROUP query heads sharing one KV head are
     the rows of one tile, so each K/V row is read once for all of them.  The split's
     token range is derived in-kernel from seq_len, so a fixed NUM_SPLITS serves any
-    context length (what a captured CUDA graph needs)."""
+    context length (what a captured CUDA graph needs).  `window` > 0: a sliding window,
+    the keys [seq_len - window, seq_len) only (earlier blocks are never read)."""
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     req = tl.load(decode_reqs_ptr + i)
     tok = tl.load(query_start_loc_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    win_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - win_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = win_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -173,7 +178,7 @@ def extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_req_ptr, tile_q0_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    scale_log2e,
+    scale_log2e, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -182,7 +187,9 @@ def extend_kernel(
     of one KV head form the BLOCK_M rows (row r = token r // GROUP, head r % GROUP).
     Query j of a request with context L and n new tokens sits at position L - n + j.
     Keys below the tile's first position are visible to every row, so that stretch
-    runs without a causal mask; only the diagonal stretch is masked."""
+    runs without a causal mask; only the diagonal stretch is masked.  With a sliding
+    window (`window` > 0: row p sees keys (p - window, p]) every tile is masked and the
+    keys start at the tile holding the first row's window."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -210,18 +217,21 @@ def extend_kernel(
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    full_end = ((prefix + q0) // BLOCK_N) * BLOCK_N
+    windowed = window > 0
+    win = tl.where(windowed, window, seq_len + 1)
+    kv_lo = (tl.maximum(prefix + q0 - win + 1, 0) // BLOCK_N) * BLOCK_N
+    full_end = tl.where(windowed, 0, ((prefix + q0) // BLOCK_N) * BLOCK_N)
+    masked_lo = tl.where(windowed, kv_lo, full_end)
     kv_end = tl.minimum(seq_len, prefix + q0 + BLOCK_Q)
     for n0 in range(0, full_end, BLOCK_N):  # keys every row sees: no masks
         n = n0 + tl.arange(0, BLOCK_N)
         m, l_sum, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, n, n, n, d, d_ok, kvh,
                                     stride_cb, stride_cs, stride_ch, scale_log2e, m, l_sum, acc,
                                     CACHE_BLOCK, False, UPCAST, DOT_PREC)
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(masked_lo, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        # Key 0 is visible to every row (q_pos >= 0), so no row is all -inf after tile 0.
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - win) & n_ok[None, :]
         m, l_sum, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, n, n_ok, visible, d, d_ok, kvh,
                                     stride_cb, stride_cs, stride_ch, scale_log2e, m, l_sum, acc,
                                     CACHE_BLOCK, True, UPCAST, DOT_PREC)

@@ -14,6 +14,15 @@ from dataclasses import dataclass
 
 from pagedserve.core.kv_cache_utils import BlockHash
 
+# Block hashes are 128-bit; a KV-cache group's blocks are keyed above that range.
+_GROUP_SHIFT = 128
+
+
+def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a KV-cache group's block of these tokens (group 0's is
+    the token hash itself, so a model with one group keys blocks exactly as before)."""
+    return block_hash | (group << _GROUP_SHIFT) if group else block_hash
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -159,10 +168,14 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """A cache hit: take the block back from the free queue if nobody held it."""
+        """A cache hit: take the block back from the free queue if nobody held it (the
+        null block, standing in a hit for a sliding-window group's unneeded positions,
+        is nobody's)."""
         queue, changed = self.free_block_queue, self.changed_block_ids
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
             if changed is not None:
@@ -186,24 +199,29 @@ class BlockPool:
         self.free_block_queue.append_n(released)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
+                          num_cached_blocks: int, num_full_blocks: int, group: int = 0,
+                          num_groups: int = 1) -> None:
+        """Register the KV-cache group's blocks at positions [num_cached_blocks,
+        num_full_blocks) under their token hashes.  `blocks` is a request's table,
+        position-major over `num_groups` groups (position i of group g at
+        i * num_groups + g); each group's blocks are keyed apart (group_block_key),
+        since two groups hold different layers' KV for the same tokens.
 
         If an equal block is already cached (two requests computed the same prefix
         before either was cached), the first stays the canonical copy and the
-        newcomer stays private: one hash, one block.
+        newcomer stays private: one key, one block.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
+            block = blocks[i * num_groups + group]
             if block.block_hash is not None or block.is_null:
-                continue
-            block_hash = block_hashes[i]
-            if block_hash not in cached:
-                cached[block_hash] = block
-                block.block_hash = block_hash
+                continue  # (null: a sliding-window group's block that left the window)
+            key = group_block_key(block_hashes[i], group)
+            if key not in cached:
+                cached[key] = block
+                block.block_hash = key
                 if self.changed_block_ids is not None:
                     self.changed_block_ids.add(block.block_id)
 

@@ -119,11 +119,12 @@ class Scheduler:
             max_len = min(max_len, num_prompt + request.max_tokens)
         # The last sampled token never needs a KV slot.
         kvm = self.kv_cache_manager
-        if not kvm.can_ever_fit(max_len - 1):
+        if not kvm.can_ever_fit(max_len - 1, self.max_num_batched_tokens):
             raise InvalidRequestError(
                 f"request {req_id!r}: up to {max_len - 1} tokens of KV cache are needed "
-                f"({num_prompt} prompt + up to {max_len - num_prompt} generated), more than the whole "
-                f"KV cache holds ({(kvm.num_blocks - 1) * kvm.block_size} tokens); "
+                f"({num_prompt} prompt + up to {max_len - num_prompt} generated), "
+                f"{kvm.blocks_needed(max_len - 1, self.max_num_batched_tokens)} blocks, more than the whole "
+                f"KV cache holds ({kvm.num_blocks - 1} blocks of {kvm.block_size} tokens); "
                 "lower max_tokens or shorten the prompt", param="max_tokens")
         request.max_num_tokens = max_len
         if self.drafter is not None:

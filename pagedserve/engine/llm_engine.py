@@ -124,6 +124,9 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
                          f"target's ({target_vocab} tokens, {config.model_config.model}); a draft model must share "
                          "the target's tokenizer")
     runner = ModelRunner(draft_config, get_model(draft_config.model_config, device), device)
+    if runner.num_kv_groups > 1:  # the proposer keeps one block table per request
+        raise ValueError(f"speculative_config.model {spec.model!r}: a draft model with sliding-window layers "
+                         "(several KV-cache groups) is not supported yet")
     runner.initialize_kv_cache()
     logger.info("draft model %s: %d KV blocks for %d requests, up to %d drafts each", spec.model, num_blocks,
                 num_seqs, spec.num_speculative_tokens)
@@ -149,8 +152,8 @@ class LLMEngine:
             raise ValueError(f"the KV cache needs at least 2 blocks, got num_blocks={cache.num_blocks}")
         self.max_model_len = sched.max_model_len
         self.kv_cache_manager = KVCacheManager(
-            cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching
-        )
+            cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
+            cache.group_windows)
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, model_executor, config.speculative_config is not None)
         if self.async_scheduling:

@@ -54,7 +54,7 @@ def padded_size(sizes: list[int], num_reqs: int) -> int | None:
 
 
 def graphs_unavailable_reason(device: torch.device, backend: type[AttentionBackend], enforce_eager: bool,
-                              tensor_parallel_size: int = 1) -> str | None:
+                              tensor_parallel_size: int = 1, num_kv_groups: int = 1) -> str | None:
     """Why this runner cannot use CUDA graphs, or None when it can."""
     if enforce_eager:
         return "enforce_eager=True"
@@ -64,6 +64,8 @@ def graphs_unavailable_reason(device: torch.device, backend: type[AttentionBacke
         return f"attention backend {backend.name!r} does not support CUDA graphs"
     if tensor_parallel_size > 1:
         return "tensor parallelism (its collectives are not captured)"
+    if num_kv_groups > 1:
+        return "the model has several KV-cache groups (sliding-window layers); graphs capture one"
     return None
 
 
@@ -91,7 +93,7 @@ class DecodeGraphRunner:
         common = CommonAttentionMetadata(
             num_reqs=batch, num_actual_tokens=batch,
             query_start_loc=b["query_start_loc"][: batch + 1], seq_lens=b["seq_lens"][:batch],
-            block_table=b["block_table"][:batch], slot_mapping=b["slot_mapping"][:batch],
+            block_table=b["block_table"][0, :batch], slot_mapping=b["slot_mapping"][0, :batch],
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[0] * batch,
             max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size,
         )
@@ -102,12 +104,12 @@ class DecodeGraphRunner:
         b = self.buffers
         b["input_ids"][:batch].zero_()
         b["positions"][:batch].zero_()
-        b["slot_mapping"][:batch].fill_(-1)
+        b["slot_mapping"][0, :batch].fill_(-1)
         b["seq_lens"][:batch].zero_()
         b["query_start_loc"][: batch + 1].copy_(torch.arange(batch + 1, dtype=b["query_start_loc"].dtype))
 
     def _forward(self, batch: int) -> None:
-        with set_forward_context(self.metadata[batch]):
+        with set_forward_context([self.metadata[batch]]):
             out = self.model(self.buffers["input_ids"][:batch], self.buffers["positions"][:batch])
             if self.hidden is None:
                 self.hidden = torch.empty((self.max_size, *out.shape[1:]), dtype=out.dtype, device=out.device)

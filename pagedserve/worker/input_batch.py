@@ -26,7 +26,7 @@ from pagedserve.worker.sampler import SamplingMetadata
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device, eos_token_id: int | None = None) -> None:
+                 device: torch.device, eos_token_id: int | None = None, num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -38,8 +38,11 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per KV-cache group (core/kv_cache_manager.py): the scheduler sends a request's
+        # block ids position-major over the groups, and each group's table is kept apart.
+        self.num_kv_groups = num_kv_groups
+        self.block_table = np.zeros((num_kv_groups, max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # block positions, the same in every group
         self.req_id_to_row: dict[str, int] = {}
         self.params: dict[int, SamplingParams] = {}
         self.prompt_logprob_rows: set[int] = set()  # rows whose request wants prompt logprobs
@@ -132,12 +135,15 @@ class InputBatch:
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
             return
-        n = int(self.num_blocks[row])
-        if n + len(block_ids) > self.max_blocks_per_req:
-            raise ValueError(f"block table overflow: {n + len(block_ids)} blocks for one request, "
+        g = self.num_kv_groups
+        if len(block_ids) % g:
+            raise ValueError(f"{len(block_ids)} new block ids do not fill whole positions of {g} KV-cache groups")
+        n, k = int(self.num_blocks[row]), len(block_ids) // g
+        if n + k > self.max_blocks_per_req:
+            raise ValueError(f"block table overflow: {n + k} blocks for one request, "
                              f"max_model_len={self.max_model_len} allows {self.max_blocks_per_req}")
-        self.block_table[row, n:n + len(block_ids)] = block_ids
-        self.num_blocks[row] = n + len(block_ids)
+        self.block_table[:, row, n:n + k] = np.asarray(block_ids, dtype=np.int32).reshape(k, g).T
+        self.num_blocks[row] = n + k
 
     @property
     def num_reqs(self) -> int:

@@ -1,5 +1,7 @@
-"""Size, allocate and bind the paged KV cache: per attention layer a K and a V tensor
-of [num_blocks, block_size, num_kv_heads, head_dim].
+"""Size, allocate and bind the paged KV cache: K and V tensors of [num_blocks,
+block_size, num_kv_heads, head_dim], one pair per attention layer, or, for a model
+whose layers do not all attend alike, one pair per slot of its KV-cache groups
+(`KVCacheLayout`).
 
 Block 0 is the null block: the core's BlockPool never hands it out, block tables pad
 with it, and backends point padded reads at it, so it is zeroed here.  The rest is
@@ -13,14 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagedserve.config import CacheConfig
+from pagedserve.core.kv_cache_manager import max_blocks_held
 from pagedserve.layers.attention import Attention
 from pagedserve.platforms import is_cpu, is_cuda
-from pagedserve.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
 
@@ -34,8 +37,63 @@ def get_attention_layers(model: nn.Module) -> list[Attention]:
     return layers
 
 
-def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """How attention layers share the cache (vLLM v1's hybrid KV cache).
+
+    Layers are grouped by attention type (full, or a sliding window of W tokens); each
+    KV-cache group gets its own blocks from the one block pool (core/kv_cache_manager.py).
+    For one pool to serve every group, a block must hold as many layers in each: every
+    group has `num_slots` layers (a type's last group may have fewer), and layer j of
+    each group uses the j-th of `num_slots` shared K/V tensor pairs.  Gemma 3 270M (15
+    sliding layers, 3 full ones) gets one full group and five sliding groups of three
+    layers, so a block holds three layers' KV; a model of one attention type has one
+    group holding every layer, and a tensor pair per layer, as before.
+    """
+
+    group_windows: tuple[int | None, ...]  # each group's sliding window (None: full attention)
+    layer_group: tuple[int, ...]  # per attention layer, in model order
+    layer_slot: tuple[int, ...]  # per attention layer: the shared tensor pair it uses
+    num_slots: int  # layers a block holds (tensor pairs allocated)
+
+
+def kv_cache_layout(layers: list[Attention]) -> KVCacheLayout:
+    windows = [layer.sliding_window for layer in layers]
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)  # full attention first
+    if len(kinds) == 1:
+        n = len(layers)
+        return KVCacheLayout((kinds[0],), (0,) * n, tuple(range(n)), n)
+    shapes = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
+    if len(shapes) > 1:
+        raise ValueError(f"layers of different attention types share the KV cache's blocks, so they must have "
+                         f"one KV shape; got (num_kv_heads, head_dim) {sorted(shapes)}")
+    by_kind = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
+    num_slots = min(len(idx) for idx in by_kind.values())
+    group_windows: list[int | None] = []
+    layer_group, layer_slot = [0] * len(layers), [0] * len(layers)
+    for w in kinds:
+        idx = by_kind[w]
+        for start in range(0, len(idx), num_slots):
+            for slot, i in enumerate(idx[start:start + num_slots]):
+                layer_group[i], layer_slot[i] = len(group_windows), slot
+            group_windows.append(w)
+    return KVCacheLayout(tuple(group_windows), tuple(layer_group), tuple(layer_slot), num_slots)
+
+
+def slot_layers(layers: list[Attention], layout: KVCacheLayout) -> list[Attention]:
+    """One layer per tensor slot (its shape is the slot's)."""
+    firsts: dict[int, Attention] = {}
+    for layer, slot in zip(layers, layout.layer_slot, strict=True):
+        firsts.setdefault(slot, layer)
+    return [firsts[j] for j in range(layout.num_slots)]
+
+
+def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype,
+                    layout: KVCacheLayout | None = None) -> int:
+    """Bytes of one block id: every layer's K and V, or with a layout, every slot's."""
     elem = torch.empty((), dtype=dtype).element_size()
+    if layout is not None:
+        layers = slot_layers(layers, layout)
     return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
 
 
@@ -74,7 +132,8 @@ def gpu_kv_budget(total: int, free: int, weights: int, activations: int, utiliza
 
 def determine_num_blocks(
     cache_config: CacheConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
-    device: torch.device, reserved_bytes: int = 0,
+    device: torch.device, reserved_bytes: int = 0, group_windows: tuple[int | None, ...] = (None,),
+    max_step_tokens: int | None = None,
 ) -> tuple[int, str]:
     """(blocks, the null block included, for the configured budget; the rule that chose
     that number, for the start-up log).
@@ -83,9 +142,10 @@ def determine_num_blocks(
     takes cpu_kv_cache_fraction of free memory; on CUDA gpu_kv_budget's share of
     gpu_memory_utilization x total memory, with `reserved_bytes` the profile run's peak
     activations.  Either is capped at what max_num_seqs requests of max_model_len
-    tokens could ever use."""
+    tokens could ever use (with sliding-window groups, what they hold at most: see
+    max_blocks_held)."""
     bs = cache_config.block_size
-    blocks_per_req = cdiv(max_model_len, bs)
+    blocks_per_req = max_blocks_held(max_model_len, bs, group_windows, max_step_tokens or max_model_len)
     need = max_num_seqs * blocks_per_req + 1
     need_text = (f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} could use "
                  f"{need * block_bytes / 2**30:.2f} GiB")
@@ -139,11 +199,17 @@ def determine_num_blocks(
 
 
 def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """On CPU the cache is written through at once: an untouched allocation only becomes
+                       device: torch.device, layout: KVCacheLayout | None = None,
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) cache; with a layout, layers of one slot share a pair.
+
+    On CPU the cache is written through at once: an untouched allocation only becomes
     resident as the block pool cycles through its blocks, so RSS would climb by the whole
     cache over hours of traffic (a leak to anyone watching it) and a machine without the
     memory would fail mid-serving instead of at start-up."""
+    if layout is not None:
+        pairs = allocate_kv_caches(slot_layers(layers, layout), num_blocks, block_size, dtype, device)
+        return [pairs[slot] for slot in layout.layer_slot]
     caches = []
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
@@ -158,10 +224,16 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
 
 
 def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int, device: torch.device,
-                 why: str) -> None:
+                 why: str, layout: KVCacheLayout | None = None, max_step_tokens: int | None = None) -> None:
     """Usable blocks (the null block left out); concurrency counts whole blocks per request."""
     usable = num_blocks - 1
-    concurrency = usable / cdiv(max_model_len, block_size)
+    windows = layout.group_windows if layout is not None else (None,)
+    concurrency = usable / max_blocks_held(max_model_len, block_size, windows, max_step_tokens or max_model_len)
+    groups = ""
+    if len(windows) > 1 or windows[0] is not None:
+        kinds = ", ".join(f"{windows.count(w)} {'full-attention' if w is None else f'sliding-window ({w})'}"
+                          for w in dict.fromkeys(windows))
+        groups = f"; KV-cache groups of {layout.num_slots} layers: {kinds}"
     logger.info("KV cache on %s: %.2f GiB = %d blocks of %d tokens (%d tokens; max concurrency at max_model_len: "
-                "%.2f), sized by %s", device, num_blocks * block_bytes / 2**30, usable, block_size,
-                usable * block_size, concurrency, why)
+                "%.2f%s), sized by %s", device, num_blocks * block_bytes / 2**30, usable, block_size,
+                usable * block_size, concurrency, groups, why)

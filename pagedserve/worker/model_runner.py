@@ -55,6 +55,9 @@ from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, 
 
 logger = logging.getLogger("pagedserve")
 
+# Step buffers with a leading KV-cache-group dimension.
+_GROUPED_BUFFERS = ("slot_mapping", "block_table")
+
 
 @dataclass
 class StepInputs:
@@ -62,7 +65,7 @@ class StepInputs:
 
     num_reqs: int
     num_tokens: int
-    common: CommonAttentionMetadata | None  # None when the step replays a CUDA graph
+    common: list[CommonAttentionMetadata] | None  # per KV-cache group; None when a CUDA graph replays
     graph_size: int | None  # padded batch size of the graph to replay
     logits_idx: np.ndarray  # flat token index of each sampled request's last token
     sample_rows: list[int]  # indices into the step's requests that sample
@@ -105,10 +108,12 @@ class ModelRunner:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.attn_backend = get_attn_backend(config.device_config.attention_backend, self.device)
         self.attn_layers = kv_cache.get_attention_layers(model)
+        self.kv_layout = kv_cache.kv_cache_layout(self.attn_layers)
+        self.num_kv_groups = len(self.kv_layout.group_windows)
         if eos_token_id is None:
             eos_token_id = getattr(hf_config, "eos_token_id", None)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size, self.vocab_size,
-                                      self.device, _first_eos(eos_token_id))
+                                      self.device, _first_eos(eos_token_id), self.num_kv_groups)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(gen)
@@ -134,16 +139,17 @@ class ModelRunner:
         """Host buffers filled in place every step (two sets on CUDA, alternating); their
         device twins on accelerators, which are also the CUDA graphs' static inputs."""
         t, r, b = self.max_num_batched_tokens, self.max_num_reqs, self.input_batch.max_blocks_per_req
+        g = self.num_kv_groups
         self._arange = np.arange(max(t, r, b) + 1, dtype=np.int64)
 
         def host() -> dict[str, torch.Tensor]:
             cpu = {
                 "input_ids": torch.zeros(t, dtype=torch.int64),
                 "positions": torch.zeros(t, dtype=torch.int64),
-                "slot_mapping": torch.zeros(t, dtype=torch.int64),
+                "slot_mapping": torch.zeros(g, t, dtype=torch.int64),  # per KV-cache group
                 "query_start_loc": torch.zeros(r + 1, dtype=torch.int32),
                 "seq_lens": torch.zeros(r, dtype=torch.int32),
-                "block_table": torch.zeros(r, b, dtype=torch.int32),
+                "block_table": torch.zeros(g, r, b, dtype=torch.int32),  # per KV-cache group
                 "logits_idx": torch.zeros(r, dtype=torch.int64),
                 "pending": torch.zeros(2 * r, dtype=torch.int64),  # token indices, then source indices
             }
@@ -166,10 +172,19 @@ class ModelRunner:
             self._use_host_set(self._host_turn)
 
     def _to_device(self, name: str, n: int | tuple[int, int]) -> torch.Tensor:
-        src = self._cpu[name][:n] if isinstance(n, int) else self._cpu[name][: n[0], : n[1]]
+        """The first `n` rows (or [rows, columns]) of a buffer; of every KV-cache group's
+        for the grouped ones (slot_mapping, block_table)."""
+        grouped = name in _GROUPED_BUFFERS
+
+        def part(t: torch.Tensor) -> torch.Tensor:
+            if grouped:
+                return t[:, :n] if isinstance(n, int) else t[:, : n[0], : n[1]]
+            return t[:n] if isinstance(n, int) else t[: n[0], : n[1]]
+
+        src = part(self._cpu[name])
         if is_cpu(self.device):
             return src
-        dst = self._dev[name][:n] if isinstance(n, int) else self._dev[name][: n[0], : n[1]]
+        dst = part(self._dev[name])
         dst.copy_(src, non_blocking=True)
         return dst
 
@@ -178,18 +193,21 @@ class ModelRunner:
         """Size (see kv_cache.determine_num_blocks), allocate and bind the KV cache to
         every attention layer, then capture the decode CUDA graphs where they apply;
         records and returns num_blocks (null block included)."""
-        cache = self.config.cache_config
-        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        cache, layout = self.config.cache_config, self.kv_layout
+        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype, layout)
         num_blocks, why = self.propose_num_blocks()
         t0 = time.perf_counter()
         self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
-                                                     self.dtype, self.device)
-        for layer, kv in zip(self.attn_layers, self.kv_caches, strict=True):
+                                                     self.dtype, self.device, layout)
+        for layer, kv, group in zip(self.attn_layers, self.kv_caches, layout.layer_group, strict=True):
             layer.impl = self.attn_backend(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
                                            self.block_size)
             layer.kv_cache = kv
+            layer.kv_cache_group = group
         cache.num_blocks = num_blocks
-        kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why)
+        cache.group_windows = layout.group_windows
+        kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why,
+                              layout, self.max_num_batched_tokens)
         record_startup("KV cache", time.perf_counter() - t0)
         dc = self.config.device_config
         t0 = time.perf_counter()
@@ -197,7 +215,8 @@ class ModelRunner:
                                       self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
         reason = graphs_unavailable_reason(self.device, self.attn_backend,
-                                           self.config.device_config.enforce_eager, self.tensor_parallel_size)
+                                           self.config.device_config.enforce_eager, self.tensor_parallel_size,
+                                           self.num_kv_groups)
         if reason is None:
             try:
                 self.capture_decode_graphs()
@@ -217,14 +236,15 @@ class ModelRunner:
         `host_ranks`: processes sharing this host's memory (tensor-parallel CPU ranks),
         which split its share between them."""
         cache = self.config.cache_config
-        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype, self.kv_layout)
         reserved = 0
         if is_cuda(self.device) and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
             reserved = self.profile_run()
         if host_ranks > 1 and is_cpu(self.device):
             cache = dataclasses.replace(cache, cpu_kv_cache_fraction=cache.cpu_kv_cache_fraction / host_ranks)
         return kv_cache.determine_num_blocks(cache, block_bytes, self.max_model_len, self.max_num_reqs,
-                                             self.device, reserved)
+                                             self.device, reserved, self.kv_layout.group_windows,
+                                             self.max_num_batched_tokens)
 
     def capture_decode_graphs(self, use_graphs: bool = True) -> None:
         """Capture (use_graphs=False: only set up and warm up, then run the static path
@@ -306,7 +326,7 @@ class ModelRunner:
         if step.graph_size is not None:
             hidden = self.graph_runner.run(step.graph_size)
         else:
-            attn_metadata = self.attn_backend.build_metadata(step.common)
+            attn_metadata = [self.attn_backend.build_metadata(c) for c in step.common]
             forward = self.compiled or self.model
             with set_forward_context(attn_metadata):
                 hidden = forward(self._dev["input_ids"][:t], self._dev["positions"][:t])
@@ -500,12 +520,13 @@ class ModelRunner:
             ("query_start_loc", padded_reqs + 1), ("seq_lens", padded_reqs), ("block_table", (num_reqs, max_blocks)))}
         common = None
         if graph_size is None:
-            common = CommonAttentionMetadata(
+            qsl_cpu, seq_lens_cpu = qsl.tolist(), seq_lens.tolist()
+            common = [CommonAttentionMetadata(
                 num_reqs=num_reqs, num_actual_tokens=num_tokens, query_start_loc=dev["query_start_loc"],
-                seq_lens=dev["seq_lens"], block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
-                query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
-                max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
-            )
+                seq_lens=dev["seq_lens"], block_table=dev["block_table"][g], slot_mapping=dev["slot_mapping"][g],
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, max_query_len=int(num_new.max()),
+                max_seq_len=int(seq_lens.max()), block_size=self.block_size, sliding_window=window,
+            ) for g, window in enumerate(self.kv_layout.group_windows)]
         sample = seq_lens == total  # every known (and pending) token computed: the next one is sampled
         return StepInputs(num_reqs, num_tokens, common, graph_size, qsl[1: num_reqs + 1][sample] - 1,
                           np.flatnonzero(sample).tolist(), pending)
@@ -543,22 +564,23 @@ class ModelRunner:
         pos += computed[req_of_tok]
         row_of_tok = rows[req_of_tok]
         bufs["input_ids"][:num_tokens] = ib.token_ids[row_of_tok, pos]  # a pending slot is overwritten on the device
-        bufs["slot_mapping"][:num_tokens] = (ib.block_table[row_of_tok, pos // block_size].astype(np.int64)
-                                             * block_size + pos % block_size)
+        bufs["slot_mapping"][:, :num_tokens] = (ib.block_table[:, row_of_tok, pos // block_size].astype(np.int64)
+                                                * block_size + pos % block_size)
         if padded_reqs > num_reqs:
             end = num_tokens + padded_reqs - num_reqs
             qsl[num_reqs + 1:] = self._arange[num_tokens + 1: end + 1]
             bufs["seq_lens"][num_reqs:padded_reqs] = 0
             bufs["input_ids"][num_tokens:end] = 0
             bufs["positions"][num_tokens:end] = 0
-            bufs["slot_mapping"][num_tokens:end] = -1
+            bufs["slot_mapping"][:, num_tokens:end] = -1
 
     def _fill_block_table(self, rows: np.ndarray, max_seq_len: int) -> int:
-        """The rows' block tables, as wide as the longest request needs; returns that width."""
+        """The rows' block tables (every KV-cache group's), as wide as the longest request
+        needs; returns that width."""
         ib = self.input_batch
         max_blocks = cdiv(max_seq_len, self.block_size)
-        table = ib.block_table[rows, :max_blocks]
+        table = ib.block_table[:, rows, :max_blocks]
         # Entries past a request's own blocks may be stale from a row's previous owner: point them at block 0.
         own = self._arange[:max_blocks][None, :] < ib.num_blocks[rows][:, None]
-        self._np["block_table"][: len(rows), :max_blocks] = np.where(own, table, 0)
+        self._np["block_table"][:, : len(rows), :max_blocks] = np.where(own[None], table, 0)
         return max_blocks

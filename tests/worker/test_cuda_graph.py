@@ -78,16 +78,16 @@ def test_decode_batch_is_padded_to_the_next_graph():
     buf = runner._np
     assert buf["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
     assert buf["seq_lens"][:4].tolist() == [3, 5, 7, 0]  # padding row: seq_len 0 ...
-    assert buf["slot_mapping"][3] == -1  # ... and stores nowhere
+    assert buf["slot_mapping"][0, 3] == -1  # ... and stores nowhere
     assert buf["input_ids"][:4].tolist() == [5, 6, 7, 0] and buf["positions"][:4].tolist() == [2, 4, 6, 0]
     # Slots: request i's last token in its own blocks.
-    assert buf["slot_mapping"][:3].tolist() == [1 * 4 + 2, 2 * 4 + 4, 4 * 4 + 6]
+    assert buf["slot_mapping"][0, :3].tolist() == [1 * 4 + 2, 2 * 4 + 4, 4 * 4 + 6]
 
 
 def test_ineligible_steps_run_eagerly():
     runner = _runner_with_fake_graphs([1, 2, 4])
     mixed = _step(runner, {"a": [5] * 6, "b": [6] * 3}, {"a": 1, "b": 3})  # a prefill in the step
-    assert mixed.graph_size is None and mixed.common is not None and mixed.common.num_actual_tokens == 4
+    assert mixed.graph_size is None and mixed.common is not None and mixed.common[0].num_actual_tokens == 4
     runner = _runner_with_fake_graphs([1, 2, 4])
     big = _step(runner, {f"r{i}": [5] * 4 for i in range(5)}, {f"r{i}": 1 for i in range(5)})
     assert big.graph_size is None  # larger than the largest graph

@@ -380,7 +380,8 @@ inline void prefetch_block(const void* p, int64_t bytes) {
 
 template <typename scalar_t, int64_t D>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+            const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+            int64_t window) {
   const int64_t B = q.size(0), H = q.size(1);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = H / Hkv;
@@ -416,12 +417,17 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(inv.begin(), inv.end(), 0.f);
       if (L > 0) {
+        // A sliding window sees keys [start, L): blocks before the one holding `start`
+        // are never read (they may be stale or the null block); the slots of that block
+        // before `start` get probability 0.
+        const int64_t start = window > 0 && L > window ? L - window : 0;
+        const int64_t j0 = start / bs;
         scores.resize(H * L);
         std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-        prefetch_block(kp + blocks[0] * kc_sb, block_bytes);
-        for (int64_t j = 0; j < nblk; ++j) {
+        prefetch_block(kp + blocks[j0] * kc_sb, block_bytes);
+        for (int64_t j = j0; j < nblk; ++j) {
           if (j + 1 < nblk) prefetch_block(kp + blocks[j + 1] * kc_sb, block_bytes);
-          else prefetch_block(vp + blocks[0] * vc_sb, block_bytes);
+          else prefetch_block(vp + blocks[j0] * vc_sb, block_bytes);
           const scalar_t* kb = kp + blocks[j] * kc_sb;
           const int64_t n = std::min(bs, L - j * bs);
           if (blocked) {
@@ -437,8 +443,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               qk_row<scalar_t, D>(qf.data() + kvh * G * D, G, kb + s * kc_ss + kvh * kc_sh,
                                   scores.data() + kvh * G * L + j * bs + s, L, mx.data() + kvh * G);
         }
-        for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / exp_sum(scores.data() + h * L, L, mx[h]);
-        for (int64_t j = 0; j < nblk; ++j) {
+        for (int64_t h = 0; h < H; ++h) {
+          float* sh = scores.data() + h * L;
+          if (start > j0 * bs) {  // the max over the visible keys only, then hide the rest
+            mx[h] = *std::max_element(sh + start, sh + L);
+            std::fill(sh + j0 * bs, sh + start, 0.f);
+          }
+          inv[h] = 1.f / exp_sum(sh + start, L - start, mx[h]);
+        }
+        for (int64_t j = j0; j < nblk; ++j) {
           if (j + 1 < nblk) prefetch_block(vp + blocks[j + 1] * vc_sb, block_bytes);
           const scalar_t* vb = vp + blocks[j] * vc_sb;
           const int64_t n = std::min(bs, L - j * bs);
@@ -463,9 +476,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 // q [B, H, D] (rows of D contiguous); caches [num_blocks, block_size, Hkv, D] (head_dim
 // contiguous); block_table [B, >= ceil(max seq_len / block_size)] int32; seq_lens [B]
-// int32 (0: the row's output is zero).  Returns [B, H, D] in q's dtype.
+// int32 (0: the row's output is zero); window > 0: a sliding window of that many keys ending at
+// the query.  Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                        int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "paged_decode: head_dim must be contiguous");
@@ -485,7 +501,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     const int64_t L = slp[b];
     TORCH_CHECK(L >= 0 && L <= width * bs, "paged_decode: seq_len ", L, " of row ", b,
                 " exceeds its block table (", width, " blocks of ", bs, ")");
-    for (int64_t j = 0; j < (L + bs - 1) / bs; ++j) {
+    const int64_t j0 = window > 0 && L > window ? (L - window) / bs : 0;  // blocks before it are not read
+    for (int64_t j = j0; j < (L + bs - 1) / bs; ++j) {
       const int64_t blk = btp[b * block_table.stride(0) + j];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range [0, ",
                   num_blocks, ")");
@@ -496,16 +513,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const bool d64 = q.size(2) == 64;
   switch (q.scalar_type()) {
     case at::kFloat:
-      d64 ? decode<float, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale)
-          : decode<float, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale);
+      d64 ? decode<float, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)
+          : decode<float, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
       break;
     case at::kBFloat16:
-      d64 ? decode<c10::BFloat16, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale)
-          : decode<c10::BFloat16, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale);
+      d64 ? decode<c10::BFloat16, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)
+          : decode<c10::BFloat16, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
       break;
     case at::kHalf:
-      d64 ? decode<c10::Half, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale)
-          : decode<c10::Half, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale);
+      d64 ? decode<c10::Half, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)
+          : decode<c10::Half, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
@@ -517,5 +534,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (one query token per request)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_table"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
