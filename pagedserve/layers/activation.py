@@ -1,4 +1,4 @@
-"""The SwiGLU activation over the fused gate|up projection output."""
+"""Gated activations over the fused gate|up projection output: SwiGLU, and GELU-tanh (Gemma)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,11 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's gated MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

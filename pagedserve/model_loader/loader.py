@@ -15,9 +15,10 @@ Defaults, and why:
   and its reason are logged at start-up (cpu_info.bf16_support).  Float32 checkpoints
   (and dequantized GGUFs) are downcast as vLLM does; CPU float16 matmul is slow, so CPU
   never picks float16 by itself.  Pass dtype="float32" for exact HF parity.
-- max_model_len None is the model's own limit: max_position_embeddings, capped at
-  the sliding window for models that have one (attention over at most `window`
-  tokens is then the same as full attention, so no sliding-window kernel is needed).
+- max_model_len None is the model's own limit: max_position_embeddings.  Families whose
+  layers honour a sliding window (Gemma 3, Mistral) attend within it at any length; for
+  the others a window in the config caps the limit at it (attention over at most
+  `window` tokens is then the same as full attention).
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
 from pagedserve.model_loader.sources import ModelSource, resolve_source
-from pagedserve.models.registry import check_supported_config, get_model_class, resolve_architecture
+from pagedserve.models.registry import (
+    SLIDING_WINDOW_ARCHITECTURES,
+    check_supported_config,
+    get_model_class,
+    resolve_architecture,
+)
 from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger(__name__)
@@ -99,11 +105,18 @@ def derive_max_model_len(hf_config: Any) -> int:
             limit = int(getattr(hf_config, key))
             break
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
+    if window and getattr(hf_config, "use_sliding_window", True) and not _honours_window(hf_config):
         limit = min(limit, int(window)) if limit else int(window)
     if limit is None:
         raise ValueError("the model config gives no maximum length (max_position_embeddings); pass max_model_len")
     return limit
+
+
+def _honours_window(hf_config: Any) -> bool:
+    try:
+        return resolve_architecture(hf_config) in SLIDING_WINDOW_ARCHITECTURES
+    except ValueError:
+        return False  # an unsupported architecture is refused by name later
 
 
 def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
@@ -114,7 +127,8 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
     if requested > limit:
         window = getattr(hf_config, "sliding_window", None)
-        why = " (its sliding window; sliding-window attention is not implemented)" if window == limit else ""
+        why = (" (its sliding window; sliding-window attention is not implemented for this family)"
+               if window == limit else "")
         raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens{why}")
     return requested
 

@@ -41,7 +41,8 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -58,7 +59,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         """`rope`: this step's per-token (cos, sin) from `RotaryEmbedding.cos_sin`."""
@@ -95,10 +96,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags, mlp: nn.Module) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, flags: AttentionFlags, mlp: nn.Module,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb, flags)
+        self.self_attn = LlamaAttention(config, rotary_emb, flags, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
 
@@ -117,16 +119,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, flags: AttentionFlags,
-                 make_mlp: Callable[[Any, int], nn.Module] = lambda config, layer: LlamaMLP(config)) -> None:
+                 make_mlp: Callable[[Any, int], nn.Module] = lambda config, layer: LlamaMLP(config),
+                 sliding_window: int | None = None) -> None:
         """`make_mlp(config, layer index)`: each layer's feed-forward block (a mixture of
-        experts on some layers of MoE families)."""
+        experts on some layers of MoE families); `sliding_window`: every layer's (Mistral)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer.
         max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
         self.rotary_emb = rotary_emb = get_rope(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, flags, make_mlp(config, i)) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, flags, make_mlp(config, i), sliding_window)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -154,6 +158,12 @@ class LlamaForCausalLM(nn.Module):
         return AttentionFlags(qkv_bias=bias, o_bias=bias)
 
     @classmethod
+    def sliding_window(cls, config: Any) -> int | None:
+        """Every layer's sliding window; None: full attention (a window in the config of
+        a family without one here caps max_model_len instead)."""
+        return None
+
+    @classmethod
     def make_mlp(cls, config: Any, layer: int) -> nn.Module:
         """Layer `layer`'s feed-forward block."""
         return LlamaMLP(config)
@@ -161,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_flags(config), self.make_mlp)
+        self.model = LlamaModel(config, self.attention_flags(config), self.make_mlp, self.sliding_window(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
@@ -183,4 +193,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's architecture; its sliding window is honoured by capping max_model_len to it."""
+    """Mistral is Llama's architecture with, in the 7B v0.1 configs, every layer attending
+    over a sliding window (one sliding KV-cache group: blocks leave as the window moves)."""
+
+    @classmethod
+    def sliding_window(cls, config: Any) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        return int(window) if window else None

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
@@ -13,6 +14,7 @@ from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
@@ -23,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 # For configs without `architectures` (e.g. built from GGUF metadata or by hand).
 _BY_MODEL_TYPE = {
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -51,9 +54,22 @@ _NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Fields a family implements itself (its model reads them), exempt from the check below.
+_IMPLEMENTED_FIELDS: dict[str, tuple[str, ...]] = {
+    "Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
+}
+
+# Families whose layers honour the config's sliding_window (KV-cache groups); for the
+# others a window caps max_model_len (model_loader/loader.py).
+SLIDING_WINDOW_ARCHITECTURES = ("Gemma3ForCausalLM", "MistralForCausalLM")
+
+
 def check_supported_config(hf_config: Any) -> None:
     """ValueError naming a config field whose effect the model's family here does not implement."""
+    implemented = _IMPLEMENTED_FIELDS.get(resolve_architecture(hf_config), ())
     for name, neutral in _NEUTRAL_FIELDS.items():
+        if name in implemented:
+            continue
         value = getattr(hf_config, name, None)
         if value not in neutral:
             raise ValueError(f"the model config sets {name}={value!r}, which changes the model's math and is not "

@@ -47,6 +47,18 @@ def make_tiny_checkpoint(arch: str, path: str, **overrides):
         cfg = transformers.Phi3Config(**common, rope_parameters=rope, original_max_position_embeddings=256,
                                       pad_token_id=0)
         cls = transformers.Phi3ForCausalLM
+    elif arch == "gemma3":
+        # Two sliding layers (window 24, shorter than most prompts plus their 32 new
+        # tokens) and a global one: three KV-cache groups of one layer each.  A query
+        # scalar other than head_dim, and final-logit soft-capping, so both count.
+        common["num_hidden_layers"] = 3
+        cfg = transformers.Gemma3TextConfig(
+            **common, head_dim=64, sliding_window=24, query_pre_attn_scalar=32, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        cls = transformers.Gemma3ForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, head_dim=64, sliding_window=24)  # every layer sliding
+        cls = transformers.MistralForCausalLM
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

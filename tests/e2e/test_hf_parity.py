@@ -96,7 +96,7 @@ def _run_variants(model_dir: str, hf_cfg, ref, prompts, variants) -> None:
         del llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gemma3", "mistral"])
 def test_tiny_models_match_hf(arch: str, tiny_checkpoint) -> None:
     model_dir, hf_cfg = tiny_checkpoint(arch)
     prompts = shared_prefix_prompts(hf_cfg.vocab_size)
