@@ -120,7 +120,7 @@ class KVCacheManager:
         block_hashes = self._hash_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         cached = self.block_pool.cached_block_hash_to_block
-        if self.num_groups == 1:
+        if not self.sliding_groups:  # one full-attention group: the plain prefix walk
             blocks: list[KVCacheBlock] = []
             for block_hash in block_hashes[:max_blocks]:
                 block = cached.get(block_hash)

@@ -33,6 +33,7 @@ def make_scheduler(
     enable_caching: bool = True,
     max_step_ms: float | None = None,
     num_speculative_tokens: int | None = None,
+    group_windows: tuple[int | None, ...] = (None,),
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_step_ms=max_step_ms,
@@ -43,7 +44,8 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
     )
-    kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching)
+    kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching,
+                         group_windows=group_windows)
     spec = None
     if num_speculative_tokens:  # n-gram drafts at any batch size
         spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1,
@@ -73,6 +75,8 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.block_size = scheduler.kv_cache_manager.block_size
+        # KV-cache groups: tables arrive position-major over them (core/kv_cache_manager.py).
+        self.group_windows = scheduler.kv_cache_manager.group_windows
         self.kv: dict[int, list] = {}
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -114,14 +118,19 @@ class FakeRunner:
                 assert start + n == len(toks) and n == len(drafts[rid]) + 1, (rid, start, n, len(toks))
             req = self.scheduler.requests[rid]
             assert self.tokens[rid] == req.all_token_ids[: len(self.tokens[rid])]
-            write_kv(kv, pool, table, toks, start, n, bs)
-        # ... then every request reads its whole context.
+            groups = len(self.group_windows)
+            for g in range(groups):
+                write_kv(kv, pool, table[g::groups], toks, start, n, bs)
+        # ... then every request reads its whole context (a sliding-window group: the
+        # window of the step's first query on).
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             d = drafts.get(rid, [])
             toks, table = self.tokens[rid] + d, self.tables[rid]
-            end = self.computed[rid] + n
-            check_kv(kv, table, toks, end, bs, rid)
+            start, end = self.computed[rid], self.computed[rid] + n
+            groups = len(self.group_windows)
+            for g, w in enumerate(self.group_windows):
+                check_kv(kv, table[g::groups], toks, end, bs, rid, 0 if w is None else max(0, start - w + 1))
             out: list[int] = []
             for j in range(len(d) + 1):
                 tok = sample(rid, toks[: end - len(d) + j])
@@ -143,9 +152,9 @@ def write_kv(kv: dict, pool, table: list[int], toks: list[int], start: int, n: i
         kv.setdefault(block_id, [None] * bs)[pos % bs] = hash(tuple(toks[: pos + 1]))
 
 
-def check_kv(kv: dict, table: list[int], toks: list[int], end: int, bs: int, rid: str) -> None:
-    """Fake attention read: every slot of the context holds the right prefix fingerprint."""
-    for pos in range(end):
+def check_kv(kv: dict, table: list[int], toks: list[int], end: int, bs: int, rid: str, first: int = 0) -> None:
+    """Fake attention read: every slot of the context (from `first`) holds the right prefix fingerprint."""
+    for pos in range(first, end):
         got = kv.get(table[pos // bs], [None] * bs)[pos % bs]
         assert got == hash(tuple(toks[: pos + 1])), f"{rid}: wrong KV at position {pos}"
 

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedserve.core.block_pool import group_block_key
+from pagedserve.core.kv_cache_manager import first_block_in_window, max_blocks_held
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.snapshot import block_state
 from pagedserve.sampling_params import SamplingParams
@@ -39,6 +41,9 @@ def configs(draw):
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         enable_caching=draw(st.booleans()),
         num_speculative_tokens=draw(st.sampled_from([None, None, 1, 3])),
+        # KV-cache groups: one full-attention group (dense models), or hybrid ones with
+        # sliding windows of a few tokens (Gemma 3's shape), or one sliding group (Mistral).
+        group_windows=draw(st.sampled_from([(None,), (None,), (None, 3), (None, 2, 2), (5,)])),
     )
 
 
@@ -80,7 +85,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_len = cfg["max_model_len"]
         if params["max_tokens"] is not None:
             max_len = min(max_len, len(prompt) + params["max_tokens"])
-        fits = len(prompt) < cfg["max_model_len"] and cdiv(max_len - 1, cfg["block_size"]) <= cfg["num_blocks"] - 1
+        # Blocks it holds at most: every position in a full group; in a sliding group, the
+        # window of a step's first query through that step's last token.
+        bs, step_tokens, positions = cfg["block_size"], cfg["max_num_batched_tokens"], cdiv(max_len - 1, cfg["block_size"])
+        need = sum(positions if w is None else min(positions, (w + step_tokens - 2) // bs + 2)
+                   for w in cfg["group_windows"])
+        fits = len(prompt) < cfg["max_model_len"] and need <= cfg["num_blocks"] - 1
         before = set(self.sched.requests)
         try:
             self.sched.add_request(req)
@@ -158,10 +168,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert 0 not in free_ids
         holders = Counter()
         positions: dict[int, set[int]] = {}
+        groups = kvm.num_groups
         for rid, blocks in kvm.req_to_blocks.items():
             assert rid in sched.requests and sched.requests[rid].status == RequestStatus.RUNNING
+            assert len(blocks) % groups == 0
             for idx, b in enumerate(blocks):
-                assert not b.is_null
+                if b.is_null:  # only a sliding-window group's released positions
+                    assert kvm.group_windows[idx % groups] is not None
+                    continue
                 holders[b.block_id] += 1
                 positions.setdefault(b.block_id, set()).add(idx)
         for b in pool.blocks[1:]:
@@ -173,11 +187,30 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert b.block_hash is not None and pool.get_cached_block(b.block_hash) is b
                 (idx,) = positions[block_id]
                 for rid, blocks in kvm.req_to_blocks.items():
-                    if b in blocks:
-                        assert sched.requests[rid].block_hashes[idx] == b.block_hash
+                    if b in blocks:  # the group's key of the tokens at that position
+                        key = group_block_key(sched.requests[rid].block_hashes[idx // groups], idx % groups)
+                        assert key == b.block_hash
         for h, b in pool.cached_block_hash_to_block.items():
             assert b.block_hash == h
         assert kvm.usage == 1 - len(free) / (pool.num_blocks - 1)
+
+    @invariant()
+    def sliding_groups_hold_their_window(self):
+        """In a sliding-window group a running request holds every block the next step's
+        queries read (from its window's first block on) and, before it, only released
+        (null) positions: never more than the window and one step's tokens span."""
+        if not hasattr(self, "sched"):
+            return
+        kvm, bs = self.kvm, self.kvm.block_size
+        for rid, blocks in kvm.req_to_blocks.items():
+            computed = self.sched.requests[rid].num_computed_tokens
+            for g, w in kvm.sliding_groups:
+                table = blocks[g::kvm.num_groups]
+                first = first_block_in_window(computed, w, bs)
+                assert all(not b.is_null for b in table[first:]), (rid, g, table)
+                held = [i for i, b in enumerate(table) if not b.is_null]
+                assert held == list(range(held[0], len(table))) if held else True  # nulls only lead
+                assert len(held) <= max_blocks_held(len(table) * bs, bs, (w,), self.cfg["max_num_batched_tokens"] + 3)
 
     @invariant()
     def snapshot_deltas_keep_a_true_picture(self):
