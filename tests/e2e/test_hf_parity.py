@@ -176,7 +176,7 @@ def test_gemma3_270m_matches_hf(gemma3_path) -> None:
     tok = llm.get_tokenizer()
     turn = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
     story = " ".join(f"Day {i}: the {c} fox walked to the {p} and counted {i * 7} stones." for i, (c, p) in
-                     enumerate(zip(["red", "grey", "small", "quick"] * 12, ["river", "hill", "town"] * 16)))
+                     enumerate(zip(["red", "grey", "small", "quick"] * 12, ["river", "hill", "town"] * 16, strict=True)))
     texts = [turn.format(SMOL_MESSAGES[0]), turn.format(SMOL_MESSAGES[4]),
              turn.format(story + " How many stones did the fox count on day 20?")]
     ids = [tok(t)["input_ids"] for t in texts]
