@@ -85,10 +85,11 @@ def make_batch(specs, heads, kv_heads, dim, block_size, dtype, seed, device="cpu
 
 
 def check(specs, heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.float32, seed=0, device="cpu",
-          tiles=None, num_splits=None, pad_tokens=0, tol=TOL):
+          tiles=None, num_splits=None, pad_tokens=0, tol=TOL, window=None):
     """Run reference and Triton on identical copies; outputs and caches must agree and
     every output element must be overwritten (the output starts as NaN)."""
     q, k, v, kc, vc, common = make_batch(specs, heads, kv_heads, dim, block_size, dtype, seed, device, pad_tokens)
+    common.sliding_window = window
     scale = dim**-0.5
     ref = TorchReferenceBackend(heads, kv_heads, dim, scale, block_size)
     tri = TritonAttentionBackend(heads, kv_heads, dim, scale, block_size)
@@ -131,6 +132,16 @@ def test_prefill_with_cached_prefix(dtype, heads, kv_heads, block_size):
     specs = [(40, 40), (70, 23), (64, 32), (97, 2), (17, 17)]
     check(specs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=11)
     check(specs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=12, tiles=SMALL)
+
+
+@interpreter
+@pytest.mark.parametrize("window", [1, 20, 48])
+def test_sliding_window(window):
+    """Decodes (split or not) and extends over a window that starts mid-tile, so a row's
+    first tiles can hold no visible key."""
+    specs = [(50, 1), (60, 25), (9, 1), (33, 33), (130, 1), (48, 3)]
+    check(specs, 4, 2, block_size=16, seed=31, window=window)
+    check(specs, 4, 1, block_size=16, seed=32, window=window, tiles=SMALL, num_splits=4)
 
 
 @interpreter
