@@ -73,9 +73,15 @@ class CacheConfig:
     # Each KV-cache group's sliding window (None: full attention), resolved at start-up
     # with num_blocks from the model's attention layers (worker/kv_cache.py).
     group_windows: tuple[int | None, ...] = (None,)
+    # The KV tier beneath the pool (core/kv_tier.py, worker/kv_offload.py): a directory
+    # that outlives the process, bounded by kv_offload_bytes (default 8 GiB); or, with
+    # only kv_offload_bytes, host memory.
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int | None = None
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def check_scheduling_policy(policy: object, name: str = "policy") -> None:
@@ -94,6 +100,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # "recompute": a preempted request's KV is freed and recomputed on resumption (what
+    # the caches lack); "swap": it is copied to the KV tier first and loaded back.
+    preemption_mode: str = "recompute"
     # Most sequences one request may ask for (n): each is a scheduler request of its own.
     max_n: int = 16
     # Overlap scheduling: prepare step N+1 while step N runs; None = on for CUDA (the

@@ -37,6 +37,12 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative tokens looked up
     prefix_cache_hits: int = 0  # cumulative tokens found
     num_preemptions: int = 0  # cumulative
+    # The KV tier (cumulative): tokens asked of it past the pool's hit, tokens loaded
+    # from it (both also in prefix_cache_*), blocks written to it, entries found damaged.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_invalid_blocks: int = 0
     num_structured_requests: int = 0  # unfinished requests with a grammar (compiling or running)
     grammar_compiles: int = 0  # cumulative grammars compiled
     grammar_cache_hits: int = 0  # cumulative requests whose grammar was already compiled (or compiling)
@@ -88,6 +94,14 @@ class PrometheusStatLogger:
         self.pc_queries = lab(Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", **kw))
         self.pc_hits = lab(Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", **kw))
         self.preemptions = lab(Counter("vllm:num_preemptions", "Cumulative preemptions.", **kw))
+        self.ext_queries = lab(Counter("vllm:external_prefix_cache_queries",
+                                       "KV tier (offload) queries past the pool's prefix hit, in tokens.", **kw))
+        self.ext_hits = lab(Counter("vllm:external_prefix_cache_hits",
+                                    "KV tier (offload) hits: tokens loaded instead of computed.", **kw))
+        self.offload_stored = lab(Counter("pagedserve:kv_offload_stored_blocks", "KV blocks written to the tier.",
+                                          **kw))
+        self.offload_invalid = lab(Counter("pagedserve:kv_offload_invalid_blocks",
+                                           "KV tier entries found truncated, corrupted or foreign (removed).", **kw))
         self.structured = lab(Gauge("pagedserve:num_requests_structured",
                                     "Unfinished requests with a structured-output grammar.", **kw))
         self.grammar_compiles = lab(Counter("pagedserve:grammar_compiles", "Grammars compiled.", **kw))
@@ -126,6 +140,10 @@ class PrometheusStatLogger:
         # The engine's counters are cumulative; Prometheus counters want increments.
         for counter, name in ((self.pc_queries, "prefix_cache_queries"), (self.pc_hits, "prefix_cache_hits"),
                               (self.preemptions, "num_preemptions"), (self.grammar_compiles, "grammar_compiles"),
+                              (self.ext_queries, "external_prefix_cache_queries"),
+                              (self.ext_hits, "external_prefix_cache_hits"),
+                              (self.offload_stored, "kv_offload_stored_blocks"),
+                              (self.offload_invalid, "kv_offload_invalid_blocks"),
                               (self.grammar_hits, "grammar_cache_hits"),
                               (self.grammar_seconds, "grammar_compile_seconds"),
                               (self.spec_drafts, "spec_decode_num_drafts"),

@@ -18,12 +18,20 @@ block whose tokens all lie before the window of the next token to compute is
 released as decoding moves on and replaced by the null block, so those layers
 hold O(W) tokens per request, not O(context).  A model with one full-attention
 group (every dense model) has tables of one block per position, as before.
+
+Beneath the pool an optional tier (core/kv_tier.py) keeps blocks past their
+eviction: a prefix lookup that stops in the pool goes on in the tier, and the blocks
+it finds there are loaded into fresh blocks instead of being recomputed.  Every
+block registered in the prefix cache is saved to the tier once the step computing
+it has run; in swap mode a preempted request's blocks, its partly filled last one
+included, are copied out before they are freed.
 """
 
 from __future__ import annotations
 
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock, group_block_key
-from pagedserve.core.kv_cache_utils import extend_block_hashes
+from pagedserve.core.kv_cache_utils import BlockHash, extend_block_hashes
+from pagedserve.core.kv_tier import KVTier, KVTransfers, partial_block_key
 from pagedserve.core.request import Request
 from pagedserve.utils import cdiv
 
@@ -47,9 +55,12 @@ def max_blocks_held(num_tokens: int, block_size: int, group_windows: tuple[int |
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True,
-                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 group_windows: tuple[int | None, ...] = (None,), tier: KVTier | None = None,
+                 swap: bool = False) -> None:
         """`group_windows`: each KV-cache group's sliding window in tokens (None: full
-        attention); the executor reports them with the pool's size."""
+        attention); the executor reports them with the pool's size.  `tier`: the KV
+        tier beneath the pool (None: none); `swap`: preempted requests are copied out
+        to it (preemption_mode="swap") instead of being recomputed."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -66,6 +77,18 @@ class KVCacheManager:
         self.num_groups = len(self.group_windows)
         self.sliding_groups = [(g, w) for g, w in enumerate(self.group_windows) if w is not None]
         self.full_groups = [g for g, w in enumerate(self.group_windows) if w is None]
+        if swap and tier is None:
+            raise ValueError("swap preemption needs a KV tier to swap to")
+        if tier is not None and self.num_groups > 1:
+            raise ValueError("a KV tier (kv_offload_dir, kv_offload_bytes, preemption_mode='swap') is not supported "
+                             "yet for models with several KV-cache groups (sliding-window layers)")
+        self.tier = tier
+        self.swap = swap
+        # Copies between the pool and the tier decided since the last take_transfers().
+        self._transfers = KVTransfers()
+        # Swap mode: a preempted request's partly filled last block in the tier, as
+        # (its position, tokens in it, tier key), until the request resumes or ends.
+        self.swapped_tail: dict[str, tuple[int, int, BlockHash]] = {}
         # Each request's blocks, position-major over the groups (see the module docstring).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading positions of each request are registered in the prefix cache.
@@ -78,6 +101,9 @@ class KVCacheManager:
         self.prefix_cache_requests = 0
         self.preempted_prefix_cache_queries = 0
         self.preempted_prefix_cache_hits = 0
+        # Tokens asked of the tier (past the pool's hit) and loaded from it, every admission.
+        self.tier_queries = 0
+        self.tier_hits = 0
 
     # ------------------------------------------------------------------ lookups
     @property
@@ -108,28 +134,43 @@ class KVCacheManager:
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in whole blocks.
+        """Longest cached prefix of the request: whole blocks from the pool, then
+        whole blocks (and, for a request swapped out, its partly filled last block)
+        from the tier; returns the pool's blocks and the tokens of both.
 
         Capped at num_tokens - 1: the last token is always recomputed because its
         logits are what the next sample needs.  Takes no references and changes
         nothing (a request stuck at the head of the queue is looked up every step);
-        pass the result to allocate_slots in the same step, which counts the hit.
+        pass the result to allocate_slots in the same step, which counts the hit and
+        loads the tier's blocks.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt token computed
+        # Without prefix caching the tier only gives a swapped-out request its own blocks back.
+        use_tier = self.tier is not None and (self.enable_caching or request.request_id in self.swapped_tail)
+        if not self.enable_caching and not use_tier:
+            return [], 0
         block_hashes = self._hash_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         cached = self.block_pool.cached_block_hash_to_block
-        if not self.sliding_groups:  # one full-attention group: the plain prefix walk
-            blocks: list[KVCacheBlock] = []
+        if self.sliding_groups:
+            num_hit = self._longest_hybrid_hit(block_hashes[:max_blocks])
+            return self._hybrid_hit_blocks(block_hashes, num_hit), num_hit * self.block_size
+        blocks: list[KVCacheBlock] = []
+        if self.enable_caching:  # one full-attention group: the plain prefix walk
             for block_hash in block_hashes[:max_blocks]:
                 block = cached.get(block_hash)
                 if block is None:
                     break
                 blocks.append(block)
-            return blocks, len(blocks) * self.block_size
-        num_hit = self._longest_hybrid_hit(block_hashes[:max_blocks])
-        return self._hybrid_hit_blocks(block_hashes, num_hit), num_hit * self.block_size
+        num_hit = len(blocks)
+        if use_tier and num_hit < max_blocks:
+            num_hit += self.tier.lookup(block_hashes[num_hit:max_blocks])
+        num_hit_tokens = num_hit * self.block_size
+        tail = self.swapped_tail.get(request.request_id)
+        if use_tier and tail is not None and tail[0] == num_hit and self.tier.lookup([tail[2]]):
+            num_hit_tokens = min(num_hit_tokens + tail[1], request.num_tokens - 1)
+        return blocks, num_hit_tokens
 
     def _longest_hybrid_hit(self, block_hashes: list[int]) -> int:
         """Most leading positions whose KV every group has cached where it will read
@@ -226,6 +267,8 @@ class KVCacheManager:
                         first_block_in_window(num_computed, w, bs) for _, w in self.sliding_groups)
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             req_blocks.extend(new_blocks)
+            if self.tier is not None:
+                self._load_from_tier(request, len(hits), num_computed, new_blocks)
 
         if self.enable_caching:
             # Register blocks that will be full once this step's tokens are computed.
@@ -239,7 +282,70 @@ class KVCacheManager:
                 for g in range(num_groups):
                     pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full, g, num_groups)
                 self.num_cached_block[req_id] = num_full
+                if self.tier is not None:
+                    self._save_to_tier(req_blocks, request.block_hashes, num_cached, num_full)
         return new_blocks
+
+    # ------------------------------------------------------------------- tier
+    def _load_from_tier(self, request: Request, num_pool_hits: int, num_computed: int,
+                        new_blocks: list[KVCacheBlock]) -> None:
+        """The positions after the pool's hit up to `num_computed` tokens come from the
+        tier: the first of the request's new blocks receive them."""
+        num_loaded = cdiv(num_computed, self.block_size) - num_pool_hits
+        tail = self.swapped_tail.pop(request.request_id, None)
+        if self.enable_caching or tail is not None:  # the tier was asked (get_computed_blocks)
+            self.tier_queries += request.num_tokens - num_pool_hits * self.block_size
+        if num_loaded <= 0:
+            return
+        num_full = num_computed // self.block_size
+        keys = request.block_hashes[num_pool_hits:num_full]
+        if num_full * self.block_size < num_computed:  # the hit ends in the swapped-out partial block
+            assert tail is not None and tail[0] == num_full
+            keys.append(tail[2])
+        self.tier.claim(keys)
+        self._transfers.loads.extend((b.block_id, k) for b, k in zip(new_blocks, keys, strict=False))
+        self.tier_hits += num_computed - num_pool_hits * self.block_size
+
+    def _save_to_tier(self, req_blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int,
+                      end: int) -> None:
+        """Store-on-compute: blocks this request registered in the prefix cache at
+        positions [start, end) go to the tier after the step (the canonical copy only:
+        a block another request cached first is that request's to save)."""
+        tier, saves = self.tier, self._transfers.saves
+        for i in range(start, end):
+            block, key = req_blocks[i], block_hashes[i]
+            if block.block_hash == key and not tier.contains(key):
+                saves.append((block.block_id, key))
+
+    def _swap_out(self, request: Request) -> None:
+        """Preemption in swap mode: copy the request's computed KV
+        to the tier, blocks the tier lacks and the partly filled last one, so that it
+        resumes by loading them.  A tier that cannot hold them drops the oldest entries
+        or these (it stays bounded): whatever is missing then is recomputed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        bs, num_computed = self.block_size, request.num_computed_tokens
+        num_full = min(num_computed // bs, len(blocks))
+        hashes = self._hash_blocks(request, num_full)
+        out = self._transfers.swap_outs
+        pending = {k for _, k in out}
+        for i in range(num_full):
+            if not self.tier.contains(hashes[i]) and hashes[i] not in pending:
+                out.append((blocks[i].block_id, hashes[i]))
+        partial = num_computed - num_full * bs
+        if partial and num_full < len(blocks):
+            tokens = request.all_token_ids[num_full * bs:num_computed]
+            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens)
+            out.append((blocks[num_full].block_id, key))
+            self.swapped_tail[request.request_id] = (num_full, partial, key)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The step's copies between pool and tier (None: none), handed to the runner."""
+        if not self._transfers:
+            return None
+        transfers, self._transfers = self._transfers, KVTransfers()
+        return transfers
 
     def _release_out_of_window(self, req_id: str, req_blocks: list[KVCacheBlock], num_computed: int) -> None:
         """Give back, in each sliding-window group, the blocks before the window of the
@@ -277,7 +383,16 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that when they are reused
         the shareable prefix blocks are evicted last."""
-        req_id = request.request_id
+        self.swapped_tail.pop(request.request_id, None)
+        self._free_blocks(request.request_id)
+
+    def preempt(self, request: Request) -> None:
+        """Release a preempted request's blocks; in swap mode copy them out first."""
+        if self.swap:
+            self._swap_out(request)
+        self._free_blocks(request.request_id)
+
+    def _free_blocks(self, req_id: str) -> None:
         blocks = self.req_to_blocks.pop(req_id, None)
         self.num_cached_block.pop(req_id, None)
         self.num_skipped_block.pop(req_id, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -73,6 +74,8 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled (and given KV slots) after each
     # decoding request's last known token; the runner verifies them (vLLM's name).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Block copies between the pool and the KV tier (core/kv_tier.py); None: none.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

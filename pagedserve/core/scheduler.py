@@ -220,6 +220,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=spec_tokens,
+            kv_transfers=self.kv_cache_manager.take_transfers(),
         )
         if self.num_grammar_requests and num_scheduled_tokens:
             out.structured_output_rows = self._structured_output_rows(num_scheduled_tokens)
@@ -332,8 +333,9 @@ class Scheduler:
         return token_budget
 
     def _preempt(self, request: Request) -> None:
-        """Recompute later: free the KV, keep the tokens, go back to the queue head."""
-        self.kv_cache_manager.free(request)
+        """Free the KV (swap mode: copied out to the tier first), keep the tokens, go
+        back to the queue head; the resumption recomputes what the caches lack."""
+        self.kv_cache_manager.preempt(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

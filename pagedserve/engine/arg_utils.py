@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedserve.config import (
+    PREEMPTION_MODES,
     QUANTIZATION_METHODS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
@@ -53,6 +54,13 @@ _HELP = {
     "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
                               "what the weights and the profiled peak activations leave of it (never more than "
                               "is free), when kv_cache_memory_bytes is unset",
+    "kv_offload_dir": "directory of a KV tier under the block pool that outlives the process: computed prefix "
+                      "blocks are written there in the background and loaded instead of recomputed, after "
+                      "eviction or a restart (bounded by --kv-offload-bytes, default 8 GiB)",
+    "kv_offload_bytes": "size of the KV tier: of --kv-offload-dir, or without it, of a tier in host memory "
+                        "(suffixes K, M, G, KiB, MiB, GiB accepted)",
+    "preemption_mode": "recompute (free a preempted request's KV and recompute it) or swap (copy it to the KV "
+                       "tier, host memory of 4 GiB unless --kv-offload-* say otherwise, and load it back)",
     "num_gpu_blocks_override": "exact number of KV-cache blocks (testing)",
     "seed": "random seed of the engine (sampling without a per-request seed)",
     "max_logprobs": "most top logprobs one request may ask for",
@@ -103,6 +111,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | str | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int | str | None = None
+    preemption_mode: str = "recompute"
     seed: int = 0
     max_logprobs: int = 20
     max_n: int = 16
@@ -166,6 +177,7 @@ class EngineArgs:
             raise bad("long_prefill_token_threshold", "an integer >= 0")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        self._validate_kv_tier()
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
@@ -213,6 +225,24 @@ class EngineArgs:
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
 
+    def _validate_kv_tier(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
+            raise ValueError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")
+        if self.kv_offload_bytes is not None:
+            self.kv_offload_bytes = parse_bytes(self.kv_offload_bytes, "kv_offload_bytes")
+        tier = self.kv_offload_dir is not None or self.kv_offload_bytes is not None
+        if not tier and self.preemption_mode == "recompute":
+            return
+        what = "kv_offload_dir/kv_offload_bytes" if tier else "preemption_mode='swap'"
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"{what}: a KV tier does not work under tensor parallelism yet "
+                             "(tensor_parallel_size > 1)")
+        if tier and not self.enable_prefix_caching and self.preemption_mode != "swap":
+            raise ValueError("kv_offload_dir/kv_offload_bytes: the KV tier holds prefix-cache blocks, so it needs "
+                             "enable_prefix_caching (or preemption_mode='swap', which uses it without)")
+
     def _parse_speculative_config(self) -> SpeculativeConfig | None:
         value = self.speculative_config
         if value is None:
@@ -257,13 +287,15 @@ class EngineArgs:
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
-                num_blocks=self.num_gpu_blocks_override,
+                num_blocks=self.num_gpu_blocks_override, kv_offload_dir=self.kv_offload_dir,
+                kv_offload_bytes=self.kv_offload_bytes,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling, max_n=self.max_n, max_step_ms=self.max_step_ms,
+                preemption_mode=self.preemption_mode,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(
@@ -289,7 +321,7 @@ class EngineArgs:
             help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
             if isinstance(default, bool) or f.name in _OPTIONAL_BOOLS:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            elif f.name == "kv_cache_memory_bytes":
+            elif f.name in ("kv_cache_memory_bytes", "kv_offload_bytes"):
                 group.add_argument(flag, type=str, default=None, metavar="BYTES", help=help_text)
             else:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
@@ -297,7 +329,7 @@ class EngineArgs:
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                            "generation_config": ("auto", "vllm"),
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
-                           "quantization": QUANTIZATION_METHODS}.get(f.name)
+                           "quantization": QUANTIZATION_METHODS, "preemption_mode": PREEMPTION_MODES}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 

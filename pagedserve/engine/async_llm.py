@@ -196,10 +196,14 @@ class AsyncLLM:
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the engine loop, then the engine (its KV tier finishes queued writes)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                return  # a step is stuck: leave the engine to the process's exit
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ client API
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,

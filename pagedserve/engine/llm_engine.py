@@ -61,6 +61,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    external_prefix_cache_queries: int
+    external_prefix_cache_hits: int
+    kv_offload_stored_blocks: int
+    kv_offload_invalid_blocks: int
     num_prompt_tokens: int
     num_generation_tokens: int
     num_structured_requests: int
@@ -153,7 +157,7 @@ class LLMEngine:
         self.max_model_len = sched.max_model_len
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
-            cache.group_windows)
+            cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap")
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, model_executor, config.speculative_config is not None)
         if self.async_scheduling:
@@ -498,11 +502,15 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         kvm, op, so = self.kv_cache_manager, self.output_processor, self.structured_output
         spec = self.scheduler.spec_stats
+        tier = self.model_executor.kv_tier
         num_running, num_waiting = self.scheduler.get_request_counts()
         return EngineStats(
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kvm.usage,
             prefix_cache_queries=kvm.prefix_cache_queries, prefix_cache_hits=kvm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions_total,
+            external_prefix_cache_queries=kvm.tier_queries, external_prefix_cache_hits=kvm.tier_hits,
+            kv_offload_stored_blocks=tier.num_stored if tier is not None else 0,
+            kv_offload_invalid_blocks=tier.num_invalid if tier is not None else 0,
             num_prompt_tokens=op.num_prompt_tokens, num_generation_tokens=op.num_generation_tokens,
             num_structured_requests=self.scheduler.num_grammar_requests,
             grammar_compiles=so.num_compiled, grammar_cache_hits=so.num_cache_hits,

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from pagedserve.core.kv_tier import KVTier
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.worker.outputs import ModelRunnerOutput
 
@@ -32,6 +33,9 @@ class ModelExecutor(Protocol):
     device: torch.device
     # Whether execute_model_async may be called (overlap scheduling).
     supports_async_scheduling: bool
+    # The KV tier beneath the block pool, when configured (its bytes move in the
+    # executor; the KV-cache manager decides what moves).
+    kv_tier: KVTier | None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return its sampled tokens."""

@@ -127,6 +127,7 @@ class MultiprocExecutor:
 
     # Every rank runs each step to completion before rank 0 returns: no overlap yet.
     supports_async_scheduling = False
+    kv_tier = None  # EngineArgs refuses a KV tier under tensor parallelism
 
     def __init__(self, config: EngineConfig, device: torch.device, eos_token_id: Any = None,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S,

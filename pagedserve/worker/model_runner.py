@@ -34,11 +34,12 @@ from torch import nn
 from pagedserve.attention.backend import CommonAttentionMetadata
 from pagedserve.attention.selector import get_attn_backend
 from pagedserve.config import EngineConfig
+from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv, record_startup
-from pagedserve.worker import kv_cache
+from pagedserve.worker import kv_cache, kv_offload
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
 from pagedserve.worker.cpu_malloc import bound_onednn_caches, keep_freed_memory_on_heap, release_freed_memory
@@ -118,6 +119,9 @@ class ModelRunner:
         gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(gen)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The KV tier beneath the block pool (worker/kv_offload.py), made with the cache.
+        self.kv_tier: kv_offload.HostKVTier | kv_offload.DiskKVTier | None = None
+        self._kv_tensors: list[torch.Tensor] = []
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
         self.graph_runner: DecodeGraphRunner | None = None
         self.compiled: CompiledModel | None = None  # set by initialize_kv_cache when compiling applies
@@ -206,6 +210,13 @@ class ModelRunner:
             layer.kv_cache_group = group
         cache.num_blocks = num_blocks
         cache.group_windows = layout.group_windows
+        self._kv_tensors = kv_offload.kv_block_tensors(self.kv_caches)
+        swap = self.config.scheduler_config.preemption_mode == "swap"
+        self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes, swap,
+                                               kv_offload.block_nbytes(self._kv_tensors), self.kv_fingerprint())
+        if self.kv_tier is not None:
+            logger.info("KV tier: %s (%s)%s", self.kv_tier.name, cache.kv_offload_dir or "no directory",
+                        "" if self.kv_tier.enabled else ", off")
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why,
                               layout, self.max_num_batched_tokens)
         record_startup("KV cache", time.perf_counter() - t0)
@@ -228,6 +239,21 @@ class ModelRunner:
         else:
             logger.info("CUDA graphs off: %s", reason)
         return num_blocks
+
+    def kv_fingerprint(self) -> str:
+        """What makes a KV block's bytes valid besides its tokens: a disk tier's files
+        are read back only under the same fingerprint."""
+        mc = self.config.model_config
+        hf_text = repr(mc.hf_config)  # (a transformers config's repr is its JSON)
+        shapes = [(tuple(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors]
+        parts = [
+            "pagedserve-kv/1", f"model={mc.model}", f"load_format={mc.load_format}", f"quantization={mc.quantization}",
+            f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}",
+            f"block_size={self.block_size}", f"tp={self.config.parallel_config.tensor_parallel_size}",
+            f"windows={self.kv_layout.group_windows}", f"tensors={shapes}",
+            "hf_config=" + kv_offload.checksum(hf_text.encode()).hex(),
+        ]
+        return "|".join(parts)
 
     def propose_num_blocks(self, host_ranks: int = 1) -> tuple[int, str]:
         """(KV blocks this process can hold, the rule that chose them): see
@@ -312,6 +338,9 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
         ib = self.input_batch
         ib.update_states(scheduler_output)
+        transfers = scheduler_output.kv_transfers
+        if transfers is not None:
+            self._transfer_before_step(transfers)
         if scheduler_output.total_num_scheduled_tokens == 0 or not scheduler_output.num_scheduled_tokens:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput.empty())
         drafts = scheduler_output.scheduled_spec_decode_tokens
@@ -330,6 +359,8 @@ class ModelRunner:
             forward = self.compiled or self.model
             with set_forward_context(attn_metadata):
                 hidden = forward(self._dev["input_ids"][:t], self._dev["positions"][:t])
+        if transfers is not None and transfers.saves:
+            self._copy_out(transfers.saves)  # this step computed them
         if overlap:
             self._prev_sampled, self._prev_index = None, {}
         prompt_logprobs = self._prompt_logprobs(req_ids, step, hidden) if ib.prompt_logprob_rows else {}
@@ -459,6 +490,21 @@ class ModelRunner:
             offset += count
         return out
 
+    def _transfer_before_step(self, transfers: KVTransfers) -> None:
+        """Copy out the blocks of requests preempted this step (the step may reuse
+        them), then load the blocks admissions found in the tier."""
+        if transfers.swap_outs:
+            self._copy_out(transfers.swap_outs)
+        if transfers.loads:
+            tier = self.kv_tier
+            ids = [b for b, _ in transfers.loads]
+            rows = torch.stack([tier.take(k) for _, k in transfers.loads])
+            kv_offload.scatter_blocks(self._kv_tensors, ids, rows)
+
+    def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        rows, ready = kv_offload.gather_blocks(self._kv_tensors, [b for b, _ in pairs])
+        self.kv_tier.put([k for _, k in pairs], rows, ready)
+
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "attention_backend": self.attn_backend.name,
                 "torch_compile": "on" if self.compiled is not None else "off",
@@ -466,7 +512,9 @@ class ModelRunner:
                 "tensor_parallel_size": str(self.tensor_parallel_size)}
 
     def shutdown(self) -> None:
-        """Nothing to release: the model and its caches go with the object."""
+        """Finish the KV tier's queued writes; the model and its caches go with the object."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def _gather_pending(self, req_ids: list[str], step: StepInputs) -> torch.Tensor:
         """Write each pending token (sampled by the previous step, still on the device)

@@ -34,6 +34,8 @@ def make_scheduler(
     max_step_ms: float | None = None,
     num_speculative_tokens: int | None = None,
     group_windows: tuple[int | None, ...] = (None,),
+    tier: FakeTier | None = None,
+    preemption_mode: str = "recompute",
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_step_ms=max_step_ms,
@@ -43,9 +45,10 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
+        preemption_mode=preemption_mode,
     )
     kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching,
-                         group_windows=group_windows)
+                         group_windows=group_windows, tier=tier, swap=preemption_mode == "swap")
     spec = None
     if num_speculative_tokens:  # n-gram drafts at any batch size
         spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1,
@@ -69,6 +72,41 @@ def make_request(
     sp = SamplingParams(max_tokens=max_tokens, **params)
     at = float(int(req_id)) if arrival_time is None and str(req_id).isdigit() else arrival_time
     return Request(str(req_id), prompt, sp, eos_token_id=eos_token_id, arrival_time=at, priority=priority)
+
+
+class FakeTier:
+    """The KV tier as the core sees it (core/kv_tier.py), holding the fake runner's slot
+    fingerprints per key, at most `capacity` entries (least recently stored dropped)."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self.capacity = capacity
+        self.entries: dict[int, list] = {}
+        self.claimed: dict[int, list] = {}
+        self.num_stored = 0
+        self.num_invalid = 0
+
+    def contains(self, key: int) -> bool:
+        return key in self.entries
+
+    def lookup(self, keys) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.entries:
+            n += 1
+        return n
+
+    def claim(self, keys) -> None:
+        for key in keys:
+            self.claimed[key] = self.entries[key]
+
+    def put(self, key: int, slots: list) -> None:
+        self.entries.pop(key, None)
+        self.entries[key] = list(slots)
+        self.num_stored += 1
+        while len(self.entries) > self.capacity:
+            del self.entries[next(iter(self.entries))]
+
+    def take(self, key: int) -> list:
+        return self.claimed.pop(key)
 
 
 class FakeRunner:
@@ -105,6 +143,15 @@ class FakeRunner:
         self._update_states(so)
         bs, kv = self.block_size, self.kv
         pool = self.scheduler.kv_cache_manager.block_pool
+        tier = self.scheduler.kv_cache_manager.tier
+        transfers = so.kv_transfers
+        if transfers is not None:  # swap-outs before loads (a block may be both), loads before the step
+            for block_id, key in transfers.swap_outs:
+                tier.put(key, kv.get(block_id, [None] * bs))
+            for block_id, key in transfers.loads:
+                assert pool.blocks[block_id].ref_cnt >= 1, f"loading into free block {block_id}"
+                kv[block_id] = list(tier.take(key))
+            assert not tier.claimed, "claimed tier entries not loaded"
         assert set(so.num_scheduled_tokens) == {nr.req_id for nr in so.scheduled_new_reqs} | set(
             so.scheduled_cached_reqs.req_ids
         )
@@ -139,6 +186,11 @@ class FakeRunner:
                     break
             self.computed[rid] = end - (len(d) - (len(out) - 1))
             sampled[rid] = out
+        if transfers is not None:  # after the step, which computed them
+            for block_id, key in transfers.saves:
+                slots = kv[block_id]
+                assert None not in slots, f"saving block {block_id}, not full"
+                tier.put(key, slots)
         return sampled
 
 

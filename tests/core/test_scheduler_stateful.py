@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from core_helpers import FakeRunner, make_scheduler
+from core_helpers import FakeRunner, FakeTier, make_scheduler
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -44,6 +44,10 @@ def configs(draw):
         # KV-cache groups: one full-attention group (dense models), or hybrid ones with
         # sliding windows of a few tokens (Gemma 3's shape), or one sliding group (Mistral).
         group_windows=draw(st.sampled_from([(None,), (None,), (None, 3), (None, 2, 2), (5,)])),
+        # The KV tier beneath the pool (one full-attention group only), of a few entries
+        # or plenty, and whether preemption swaps to it.
+        tier=draw(st.sampled_from([None, None, "tier", "swap"])),
+        tier_capacity=draw(st.sampled_from([2, 8, 1000])),
     )
 
 
@@ -61,6 +65,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(cfg=configs())
     def setup(self, cfg):
         self.cfg = cfg
+        cfg = dict(cfg)
+        mode, capacity = cfg.pop("tier"), cfg.pop("tier_capacity")
+        if mode is not None and cfg["group_windows"] == (None,):
+            cfg["tier"] = FakeTier(capacity)
+            cfg["preemption_mode"] = "recompute" if mode == "tier" else "swap"
         self.sched = make_scheduler(**cfg)
         self.kvm = self.sched.kv_cache_manager
         self.runner = FakeRunner(self.sched)
@@ -155,6 +164,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
         self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
         assert rid not in self.sched.requests and self.kvm.get_block_ids(rid) == []
+
+    @precondition(lambda self: self.kvm.tier is not None and bool(self.kvm.tier.entries))
+    @rule(data=st.data())
+    def lose_tier_entry(self, data):
+        """An entry vanishes (evicted, found damaged, removed by another server): whoever
+        needed it recomputes."""
+        key = data.draw(st.sampled_from(sorted(self.kvm.tier.entries)))
+        del self.kvm.tier.entries[key]
+
+    @invariant()
+    def swapped_tails_belong_to_preempted_requests(self):
+        if not hasattr(self, "sched"):
+            return
+        for rid in self.kvm.swapped_tail:
+            assert self.sched.requests[rid].status == RequestStatus.PREEMPTED
 
     @invariant()
     def blocks_are_consistent(self):

@@ -29,6 +29,7 @@ class FakeRunner:
 
     device = torch.device("cpu")
     supports_async_scheduling = False
+    kv_tier = None
 
     def shutdown(self) -> None:
         pass

@@ -1,0 +1,432 @@
+"""The KV tier beneath the block pool (core/kv_tier.py): host memory or a directory.
+
+An entry is one block's bytes: every KV tensor's slice for that block id (each
+layer's K then V, in the runner's order), flattened to uint8, keyed by the block's
+prefix-cache key.  What else makes those bytes valid (model, dtype, block size,
+tensor-parallel rank, the cache's tensor shapes) is the tier's *fingerprint*: a host
+tier lives and dies with its engine so it needs none, a directory checks it in every
+file.
+
+`DiskKVTier` file format (one file per block, `<fingerprint digest>-<key>.kv`):
+a 96-byte header -- magic, fingerprint digest (sha256), key, payload length, xxh3-128
+of the payload -- then the payload.  Files are written to a temporary name, fsynced
+and renamed, so a reader (this server after a restart, or another one sharing the
+directory) sees a whole file or none; one that is truncated, corrupted, of another
+fingerprint or of the wrong size is a miss and is removed.  Writes run on a
+background thread; a step only copies the block's bytes out of the cache.  The
+directory is kept under its byte bound by evicting least recently used entries (a
+hit refreshes a file's mtime, so the order survives restarts).  An unwritable or
+full directory logs one warning and turns the tier off; the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import xxhash
+
+from pagedserve.platforms import is_cuda
+
+logger = logging.getLogger("pagedserve")
+
+_MAGIC = b"PSKVBLK1"
+_HEADER = struct.Struct("<8s32s32sQ16s")  # magic, fingerprint digest, key, payload bytes, checksum
+_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_SECONDS = 3600.0  # a temporary file older than this is a crashed writer's leftover
+# Entries read back and verified by a lookup but not yet claimed by an admission:
+# a request stuck at the head of the queue is looked up every step, so they are kept,
+# within a bound.
+_MAX_STAGED = 256
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(payload)
+
+
+def kv_block_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """The distinct cache tensors in the order a payload lays them out (layers sharing
+    a tensor pair, in a hybrid layout, count once)."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for k, v in kv_caches:
+        for t in (k, v):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def block_nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def gather_blocks(tensors: Sequence[torch.Tensor], block_ids: Sequence[int]
+                  ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """([len(block_ids), block_nbytes] uint8 rows on the host, one per block; on CUDA
+    the event after which they may be read).  On CUDA the rows are pinned and the copy
+    is queued on the current stream, so a step does not wait for it."""
+    device = tensors[0].device
+    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+    n = len(block_ids)
+    rows = torch.cat([t.index_select(0, idx).reshape(n, -1).view(torch.uint8) for t in tensors], dim=1)
+    if not is_cuda(device):
+        return rows, None
+    host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def scatter_blocks(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    """Write payload rows (as gather_blocks makes them) into the blocks."""
+    device = tensors[0].device
+    n = len(block_ids)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+    rows = rows.to(device, non_blocking=True)
+    offset = 0
+    for t in tensors:
+        size = t[0].numel() * t.element_size()
+        part = rows[:, offset:offset + size].contiguous().view(t.dtype).view(n, *t.shape[1:])
+        t.index_copy_(0, idx, part)
+        offset += size
+
+
+class _TierBase:
+    """Bookkeeping both tiers share: claimed payloads and counters."""
+
+    def __init__(self, capacity_bytes: int, entry_bytes: int) -> None:
+        if capacity_bytes < entry_bytes:
+            raise ValueError(f"the KV tier's size ({capacity_bytes} bytes) holds not even one block "
+                             f"({entry_bytes} bytes)")
+        self.capacity_bytes = capacity_bytes
+        self.entry_bytes = entry_bytes
+        self._lock = threading.Lock()
+        # Payloads an admission committed to load this step, until the runner takes them.
+        self._claimed: dict[int, torch.Tensor] = {}
+        self.enabled = True
+        self.num_stored = 0  # entries written
+        self.num_loaded = 0  # entries loaded into the pool
+        self.num_dropped = 0  # saves not kept (writer behind, or tier off)
+        self.num_invalid = 0  # entries found damaged, foreign or unreadable (removed)
+
+    def take(self, key: int) -> torch.Tensor:
+        """The claimed payload of `key` (the runner loads it into a block)."""
+        payload = self._claimed.pop(key)
+        self.num_loaded += 1
+        return payload
+
+    def stats(self) -> dict[str, int]:
+        return {"stored": self.num_stored, "loaded": self.num_loaded, "dropped": self.num_dropped,
+                "invalid": self.num_invalid}
+
+
+class HostKVTier(_TierBase):
+    """Blocks in host memory (pinned on CUDA), least recently used evicted first."""
+
+    name = "host memory"
+
+    def __init__(self, capacity_bytes: int, entry_bytes: int) -> None:
+        super().__init__(capacity_bytes, entry_bytes)
+        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def contains(self, key: int) -> bool:
+        return key in self._entries
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        entries = self._entries
+        n = 0
+        for key in keys:
+            if key not in entries:
+                break
+            n += 1
+        return n
+
+    def claim(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            payload = self._entries[key]
+            self._entries.move_to_end(key)
+            self._claimed[key] = payload
+
+    def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Keep `rows[i]` under `keys[i]` (rows from gather_blocks, not copied again; a
+        load copies them back on the same stream, after the copy out)."""
+        entries = self._entries
+        max_entries = self.capacity_bytes // self.entry_bytes
+        for key, row in zip(keys, rows, strict=True):
+            if key in entries:
+                entries.move_to_end(key)
+                continue
+            entries[key] = row
+            self.num_stored += 1
+            while len(entries) > max_entries:
+                entries.popitem(last=False)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self._entries.clear()
+
+
+class DiskKVTier(_TierBase):
+    """Blocks in a directory, bounded in bytes; see the module docstring."""
+
+    name = "disk"
+
+    def __init__(self, directory: str, capacity_bytes: int, entry_bytes: int, fingerprint: str) -> None:
+        super().__init__(capacity_bytes, entry_bytes)
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self._digest = hashlib.sha256(fingerprint.encode()).digest()
+        self._prefix = self._digest.hex()[:16] + "-"
+        self._file_bytes = _HEADER.size + entry_bytes
+        self._index: OrderedDict[int, None] = OrderedDict()  # entries on disk, least recent first
+        self._pending: dict[int, torch.Tensor] = {}  # saves queued for the writer
+        self._staged: OrderedDict[int, torch.Tensor] = OrderedDict()  # read back by lookups
+        self._queue: queue.Queue[tuple[list[int], torch.cuda.Event | None] | None] = queue.Queue()
+        self._max_pending = max(1, min(capacity_bytes, 256 * 2**20) // entry_bytes)
+        self._writer: threading.Thread | None = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f"{_TMP_PREFIX}probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+            self._scan()
+        except OSError as e:
+            self._disable(f"cannot use {self.directory}: {e}")
+            return
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload writer", daemon=True)
+        self._writer.start()
+
+    # ---------------------------------------------------------------- index
+    def _path(self, key: int) -> Path:
+        return self.directory / f"{self._prefix}{key:x}{_SUFFIX}"
+
+    def _scan(self) -> None:
+        """Index this fingerprint's files, oldest first; remove crashed writers' leftovers."""
+        found: list[tuple[float, int]] = []
+        now = time.time()
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                name = entry.name
+                try:
+                    if name.startswith(_TMP_PREFIX):
+                        if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                            os.unlink(entry.path)
+                    elif name.startswith(self._prefix) and name.endswith(_SUFFIX):
+                        key = int(name[len(self._prefix):-len(_SUFFIX)], 16)
+                        found.append((entry.stat().st_mtime, key))
+                except (OSError, ValueError):
+                    continue
+        for _, key in sorted(found):
+            self._index[key] = None
+        self._evict_to_bound()
+
+    def _evict_to_bound(self) -> None:
+        max_files = self.capacity_bytes // self._file_bytes
+        while len(self._index) > max_files:
+            key, _ = self._index.popitem(last=False)
+            self._remove(key)
+
+    def _remove(self, key: int) -> None:
+        try:
+            os.unlink(self._path(key))
+        except OSError:
+            pass
+
+    def _disable(self, why: str) -> None:
+        if self.enabled:
+            logger.warning("KV offload to disk is off: %s; the engine goes on without it", why)
+        self.enabled = False
+        with self._lock:
+            self.num_dropped += len(self._pending)
+            self._pending.clear()
+            self._staged.clear()
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._index)
+
+    # --------------------------------------------------------------- lookups
+    def contains(self, key: int) -> bool:
+        return self.enabled and (key in self._index or key in self._pending)
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        if not self.enabled:
+            return 0
+        staged = self._staged
+        while len(staged) > _MAX_STAGED:  # (never what this call stages: claim follows it)
+            staged.popitem(last=False)
+        n = 0
+        for key in keys:
+            if key in staged or key in self._claimed:
+                n += 1
+                continue
+            with self._lock:
+                payload = self._pending.get(key)  # (the writer may finish it any moment)
+            if payload is None:
+                if key not in self._index:
+                    break
+                payload = self._read(key)
+                if payload is None:
+                    break
+            staged[key] = payload
+            n += 1
+        return n
+
+    def _read(self, key: int) -> torch.Tensor | None:
+        """The verified payload of `key`, or None (a bad file is removed)."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self._forget(key, remove=False)
+            return None
+        why = self._check(data, key)
+        if why is not None:
+            self.num_invalid += 1
+            logger.warning("KV offload: %s %s; recomputing instead and removing it", path.name, why)
+            self._forget(key, remove=True)
+            return None
+        try:
+            os.utime(path)  # recency survives a restart
+        except OSError:
+            pass
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        return torch.frombuffer(bytearray(data[_HEADER.size:]), dtype=torch.uint8)
+
+    def _check(self, data: bytes, key: int) -> str | None:
+        if len(data) < _HEADER.size:
+            return "is truncated"
+        magic, digest, stored_key, size, crc = _HEADER.unpack_from(data)
+        if magic != _MAGIC:
+            return "is not a KV block file"
+        if digest != self._digest:
+            return "was written for another model, dtype, block size or layout"
+        if int.from_bytes(stored_key, "little") != key:
+            return "holds another block"
+        if size != self.entry_bytes:
+            return f"holds {size} bytes, not {self.entry_bytes}"
+        if len(data) != _HEADER.size + size:
+            return "is truncated"
+        if checksum(memoryview(data)[_HEADER.size:]) != crc:
+            return "fails its checksum"
+        return None
+
+    def _forget(self, key: int, remove: bool) -> None:
+        with self._lock:
+            self._index.pop(key, None)
+        if remove:
+            self._remove(key)
+
+    def claim(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            if key not in self._claimed:
+                self._claimed[key] = self._staged.pop(key)
+
+    # ---------------------------------------------------------------- writes
+    def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Queue `rows[i]` to be written under `keys[i]` (after `ready`, on CUDA); never
+        waits for the disk."""
+        if not self.enabled:
+            self.num_dropped += len(keys)
+            return
+        queued = []
+        with self._lock:
+            for key, row in zip(keys, rows, strict=True):
+                if key in self._index or key in self._pending:
+                    continue
+                if len(self._pending) >= self._max_pending:
+                    self.num_dropped += 1  # the writer is behind: this block is recomputed if needed
+                    continue
+                self._pending[key] = row
+                queued.append(key)
+        if queued:
+            self._queue.put((queued, ready))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            keys, ready = item
+            if ready is not None:
+                ready.synchronize()  # gather_blocks' copy to the host has landed
+            for key in keys:
+                with self._lock:
+                    payload = self._pending.get(key)
+                if payload is None or not self.enabled:
+                    continue
+                try:
+                    self._write(key, payload)
+                except OSError as e:
+                    self._disable(f"writing {self._path(key)} failed: {e}")
+                    continue
+                with self._lock:
+                    self._pending.pop(key, None)
+                    self._index[key] = None
+                    self.num_stored += 1
+                    self._evict_to_bound()
+
+    def _write(self, key: int, payload: torch.Tensor) -> None:
+        body = payload.numpy().tobytes()
+        header = _HEADER.pack(_MAGIC, self._digest, key.to_bytes(32, "little"), len(body), checksum(body))
+        tmp = self.directory / f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{key:x}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(key))
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait (at most `timeout` s) until every queued write is on disk."""
+        deadline = time.monotonic() + timeout
+        while self._pending and self.enabled and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._queue.put(None)
+            self._writer.join(timeout=5)
+            self._writer = None
+
+
+# Sizes when only part of the tier is configured: a directory without a bound, and
+# swap preemption without a tier (vLLM's default swap space).
+DEFAULT_DISK_TIER_BYTES = 8 * 2**30
+DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30
+
+
+def make_kv_tier(directory: str | None, capacity_bytes: int | None, swap: bool, entry_bytes: int,
+                 fingerprint: str) -> HostKVTier | DiskKVTier | None:
+    """The configured tier: a directory when one is given (bounded by capacity_bytes,
+    default 8 GiB), else host memory of capacity_bytes (or 4 GiB for swap alone)."""
+    if directory is not None:
+        return DiskKVTier(directory, capacity_bytes or DEFAULT_DISK_TIER_BYTES, entry_bytes, fingerprint)
+    if capacity_bytes is not None or swap:
+        return HostKVTier(capacity_bytes or DEFAULT_SWAP_SPACE_BYTES, entry_bytes)
+    return None

@@ -1,0 +1,243 @@
+"""The KV tier's stores: bytes round-trip exactly, a damaged or foreign file is a miss
+(and is removed), the directory stays under its bound, and a bad directory turns the
+tier off instead of failing the engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from pagedserve.worker.kv_offload import (
+    DiskKVTier,
+    HostKVTier,
+    block_nbytes,
+    gather_blocks,
+    kv_block_tensors,
+    make_kv_tier,
+    scatter_blocks,
+)
+
+FP = "model=test|dtype=bf16|block_size=4"
+
+
+def caches(num_blocks: int = 8, dtype=torch.bfloat16, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two layers of different shapes (a payload must lay out any mix)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(num_blocks, 4, 2, 8, generator=g).to(dtype), torch.randn(num_blocks, 4, 2, 8, generator=g).to(dtype)),
+            (torch.randn(num_blocks, 4, 1, 16, generator=g).to(dtype), torch.randn(num_blocks, 4, 1, 16, generator=g).to(dtype))]
+
+
+def disk_tier(path, capacity: int | None = None, fingerprint: str = FP, entry_bytes: int | None = None) -> DiskKVTier:
+    entry = entry_bytes or block_nbytes(kv_block_tensors(caches()))
+    return DiskKVTier(str(path), capacity or 1000 * entry, entry, fingerprint)
+
+
+def save(tier, kv, block_ids: list[int], keys: list[int]) -> None:
+    rows, ready = gather_blocks(kv_block_tensors(kv), block_ids)
+    tier.put(keys, rows, ready)
+    if isinstance(tier, DiskKVTier):
+        tier.flush()
+
+
+def load(tier, kv, block_ids: list[int], keys: list[int]) -> None:
+    assert tier.lookup(keys) == len(keys)
+    tier.claim(keys)
+    scatter_blocks(kv_block_tensors(kv), block_ids, torch.stack([tier.take(k) for k in keys]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_payload_round_trip_is_bit_identical(dtype) -> None:
+    src, dst = caches(dtype=dtype), caches(dtype=dtype, seed=1)
+    tensors = kv_block_tensors(src)
+    assert block_nbytes(tensors) == 4 * (2 * 8 * 2 + 16 * 2) * torch.empty((), dtype=dtype).element_size()
+    rows, _ = gather_blocks(tensors, [3, 5])
+    scatter_blocks(kv_block_tensors(dst), [6, 1], rows)
+    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+        assert torch.equal(dk[6].view(torch.uint8), sk[3].view(torch.uint8))
+        assert torch.equal(dv[1].view(torch.uint8), sv[5].view(torch.uint8))
+    assert not torch.equal(dst[0][0][0], src[0][0][0])  # untouched blocks stay
+
+
+def test_shared_tensor_pairs_count_once() -> None:
+    k, v = torch.zeros(4, 2, 1, 4), torch.zeros(4, 2, 1, 4)
+    assert kv_block_tensors([(k, v), (k, v)]) == [k, v]
+
+
+def test_disk_round_trip_survives_a_restart(tmp_path) -> None:
+    src = caches()
+    tier = disk_tier(tmp_path)
+    save(tier, src, [1, 2, 3], [11, 12, 13])
+    assert tier.num_stored == 3 and all(tier.contains(k) for k in (11, 12, 13))
+    tier.close()
+    again = disk_tier(tmp_path)  # a new process on the same directory
+    assert again.num_entries == 3 and again.lookup([11, 12, 13, 14]) == 3 and again.lookup([14, 11]) == 0
+    dst = caches(seed=5)
+    load(again, dst, [4, 5, 6], [11, 12, 13])
+    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+        assert torch.equal(dk[4:7], sk[1:4]) and torch.equal(dv[4:7], sv[1:4])
+    assert again.num_loaded == 3
+    again.close()
+
+
+def test_queued_saves_are_hits_before_they_reach_the_disk(tmp_path, monkeypatch) -> None:
+    tier = disk_tier(tmp_path)
+    release = threading.Event()
+    write = tier._write
+    monkeypatch.setattr(tier, "_write", lambda key, payload: (release.wait(10), write(key, payload)))
+    rows, _ = gather_blocks(kv_block_tensors(caches()), [1])
+    tier.put([7], rows)  # the writer is held back
+    assert tier.contains(7) and tier.lookup([7]) == 1 and not os.listdir(tmp_path)
+    tier.claim([7])
+    assert torch.equal(tier.take(7), rows[0])
+    release.set()
+    tier.close()
+    assert tier.num_stored == 1 and len(os.listdir(tmp_path)) == 1
+
+
+def _only_file(path) -> str:
+    (name,) = [n for n in os.listdir(path) if n.endswith(".kv")]
+    return os.path.join(path, name)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage", "wrong-key"])
+def test_damaged_files_are_misses_and_removed(tmp_path, damage, caplog) -> None:
+    tier = disk_tier(tmp_path)
+    save(tier, caches(), [1], [42])
+    tier.close()
+    path = _only_file(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[: len(data) - 10]
+    elif damage == "flip":
+        data[-1] ^= 0x01  # one bit of the payload
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "garbage":
+        data = bytearray(b"x" * len(data))
+    else:  # a valid file under another key's name
+        os.rename(path, path.replace("-2a.kv", "-2b.kv"))
+        path = path.replace("-2a.kv", "-2b.kv")
+    if damage != "wrong-key":
+        open(path, "wb").write(bytes(data))
+    again = disk_tier(tmp_path)
+    key = 43 if damage == "wrong-key" else 42
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        assert again.lookup([key]) == 0
+    assert not os.path.exists(path) and again.num_invalid == 1 and not again.contains(key)
+    assert "recomputing instead" in caplog.text
+
+
+def test_foreign_fingerprint_is_a_miss(tmp_path) -> None:
+    tier = disk_tier(tmp_path, fingerprint=FP)
+    save(tier, caches(), [1], [42])
+    tier.close()
+    path = _only_file(tmp_path)
+    other = disk_tier(tmp_path, fingerprint=FP.replace("bf16", "fp32"))
+    assert other.num_entries == 0 and other.lookup([42]) == 0  # its files are named apart
+    # The same name, but written under another fingerprint (a renamed or crafted file).
+    os.rename(path, path.replace(tier._prefix, other._prefix))
+    other = disk_tier(tmp_path, fingerprint=FP.replace("bf16", "fp32"))
+    assert other.num_entries == 1 and other.lookup([42]) == 0 and other.num_invalid == 1
+    assert not os.listdir(tmp_path)
+
+
+def test_wrong_block_size_is_a_miss(tmp_path) -> None:
+    tier = disk_tier(tmp_path)
+    save(tier, caches(), [1], [42])
+    tier.close()
+    entry = block_nbytes(kv_block_tensors(caches()))
+    other = disk_tier(tmp_path, entry_bytes=entry * 2)  # same fingerprint string, other layout size
+    assert other.lookup([42]) == 0 and other.num_invalid == 1
+
+
+def test_half_written_files_are_never_read(tmp_path) -> None:
+    """A writer killed mid-write leaves only its temporary file, which no lookup reads."""
+    tier = disk_tier(tmp_path)
+    save(tier, caches(), [1], [42])
+    tier.close()
+    path = _only_file(tmp_path)
+    os.rename(path, os.path.join(tmp_path, ".tmp-123-456-2a"))
+    again = disk_tier(tmp_path)
+    assert again.num_entries == 0 and again.lookup([42]) == 0
+    os.utime(os.path.join(tmp_path, ".tmp-123-456-2a"), (0, 0))  # a crashed writer's, long ago
+    disk_tier(tmp_path)
+    assert not os.listdir(tmp_path)
+
+
+def test_directory_stays_under_its_bound_least_recent_out(tmp_path) -> None:
+    entry = block_nbytes(kv_block_tensors(caches()))
+    file_bytes = entry + 96
+    tier = disk_tier(tmp_path, capacity=3 * file_bytes)
+    kv = caches()
+    save(tier, kv, [1, 2, 3], [1, 2, 3])
+    assert tier.lookup([1]) == 1  # 1 is now the most recent
+    save(tier, kv, [4], [4])
+    assert tier.num_entries == 3 and not tier.contains(2) and tier.contains(1)
+    assert sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path)) <= 3 * file_bytes
+    tier.close()
+    again = disk_tier(tmp_path, capacity=2 * file_bytes)  # a smaller bound on restart
+    assert again.num_entries == 2 and len(os.listdir(tmp_path)) == 2
+
+
+def test_two_tiers_share_a_directory(tmp_path) -> None:
+    a, b = disk_tier(tmp_path), disk_tier(tmp_path)
+    kv = caches()
+    save(a, kv, [1], [1])
+    save(b, kv, [1, 2], [1, 2])  # the same key written twice: both whole
+    c = disk_tier(tmp_path)
+    assert c.lookup([1, 2]) == 2 and c.num_invalid == 0
+    a.close(), b.close(), c.close()
+
+
+def test_unwritable_directory_turns_the_tier_off(tmp_path, caplog) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        tier = disk_tier(blocker / "kv")
+    assert not tier.enabled and caplog.text.count("KV offload to disk is off") == 1
+    kv = caches()
+    save(tier, kv, [1], [1])  # dropped, no error
+    assert tier.lookup([1]) == 0 and not tier.contains(1) and tier.num_dropped == 1
+
+
+def test_a_failing_write_turns_the_tier_off_once(tmp_path, caplog, monkeypatch) -> None:
+    tier = disk_tier(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier, "_write", full)
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        save(tier, caches(), [1, 2], [1, 2])
+        save(tier, caches(), [3], [3])
+    assert not tier.enabled and caplog.text.count("No space left on device") == 1
+    assert tier.lookup([1]) == 0
+
+
+def test_host_tier_is_bounded_lru() -> None:
+    kv = caches()
+    entry = block_nbytes(kv_block_tensors(kv))
+    tier = HostKVTier(2 * entry, entry)
+    save(tier, kv, [1, 2], [1, 2])
+    assert tier.lookup([1, 2]) == 2
+    tier.claim([1])  # 1 becomes the most recent
+    save(tier, kv, [3], [3])
+    assert tier.contains(1) and not tier.contains(2) and tier.contains(3)
+    dst = caches(seed=3)
+    scatter_blocks(kv_block_tensors(dst), [5], torch.stack([tier.take(1)]))
+    assert torch.equal(dst[1][1][5], kv[1][1][1])
+
+
+def test_make_kv_tier_picks_by_configuration(tmp_path) -> None:
+    assert make_kv_tier(None, None, False, 100, FP) is None
+    assert isinstance(make_kv_tier(None, None, True, 100, FP), HostKVTier)
+    assert make_kv_tier(None, 1000, False, 100, FP).capacity_bytes == 1000
+    disk = make_kv_tier(str(tmp_path), None, False, 100, FP)
+    assert isinstance(disk, DiskKVTier) and disk.capacity_bytes == 8 * 2**30
+    disk.close()
+    with pytest.raises(ValueError, match="holds not even one block"):
+        make_kv_tier(None, 10, False, 100, FP)
