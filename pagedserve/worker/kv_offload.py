@@ -113,17 +113,24 @@ class _TierBase:
         self.capacity_bytes = capacity_bytes
         self.entry_bytes = entry_bytes
         self._lock = threading.Lock()
-        # Payloads an admission committed to load this step, until the runner takes them.
-        self._claimed: dict[int, torch.Tensor] = {}
+        # Payloads admissions committed to load this step, until the runner takes them,
+        # with how many loads of each are due (two requests may load one prefix).
+        self._claimed: dict[int, tuple[torch.Tensor, int]] = {}
         self.enabled = True
         self.num_stored = 0  # entries written
         self.num_loaded = 0  # entries loaded into the pool
         self.num_dropped = 0  # saves not kept (writer behind, or tier off)
         self.num_invalid = 0  # entries found damaged, foreign or unreadable (removed)
 
+    def _claim(self, key: int, payload: torch.Tensor) -> None:
+        held = self._claimed.get(key)
+        self._claimed[key] = (payload, 1 if held is None else held[1] + 1)
+
     def take(self, key: int) -> torch.Tensor:
         """The claimed payload of `key` (the runner loads it into a block)."""
-        payload = self._claimed.pop(key)
+        payload, count = self._claimed.pop(key)
+        if count > 1:
+            self._claimed[key] = (payload, count - 1)
         self.num_loaded += 1
         return payload
 
@@ -155,9 +162,8 @@ class HostKVTier(_TierBase):
 
     def claim(self, keys: Sequence[int]) -> None:
         for key in keys:
-            payload = self._entries[key]
             self._entries.move_to_end(key)
-            self._claimed[key] = payload
+            self._claim(key, self._entries[key])
 
     def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
         """Keep `rows[i]` under `keys[i]` (rows from gather_blocks, not copied again; a
@@ -336,8 +342,8 @@ class DiskKVTier(_TierBase):
 
     def claim(self, keys: Sequence[int]) -> None:
         for key in keys:
-            if key not in self._claimed:
-                self._claimed[key] = self._staged.pop(key)
+            held = self._claimed.get(key)
+            self._claim(key, held[0] if held is not None else self._staged.pop(key))
 
     # ---------------------------------------------------------------- writes
     def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:

@@ -95,8 +95,8 @@ class FakeTier:
         return n
 
     def claim(self, keys) -> None:
-        for key in keys:
-            self.claimed[key] = self.entries[key]
+        for key in keys:  # (two requests may load the same prefix in one step)
+            self.claimed.setdefault(key, []).append(self.entries[key])
 
     def put(self, key: int, slots: list) -> None:
         self.entries.pop(key, None)
@@ -106,7 +106,10 @@ class FakeTier:
             del self.entries[next(iter(self.entries))]
 
     def take(self, key: int) -> list:
-        return self.claimed.pop(key)
+        slots = self.claimed[key].pop()
+        if not self.claimed[key]:
+            del self.claimed[key]
+        return slots
 
 
 class FakeRunner:

@@ -241,3 +241,18 @@ def test_make_kv_tier_picks_by_configuration(tmp_path) -> None:
     disk.close()
     with pytest.raises(ValueError, match="holds not even one block"):
         make_kv_tier(None, 10, False, 100, FP)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_two_loads_of_one_key_in_a_step(tmp_path, kind) -> None:
+    """Two requests resuming with the same prefix both load it."""
+    kv = caches()
+    entry = block_nbytes(kv_block_tensors(kv))
+    tier = HostKVTier(10 * entry, entry) if kind == "host" else disk_tier(tmp_path)
+    save(tier, kv, [1], [9])
+    for _ in range(2):
+        assert tier.lookup([9]) == 1
+        tier.claim([9])
+    assert torch.equal(tier.take(9), tier.take(9))
+    with pytest.raises(KeyError):
+        tier.take(9)

@@ -1,0 +1,110 @@
+"""The KV tier through the engine: blocks written by one engine are loaded by the next
+on the same directory bit for bit, with the same greedy outputs; swap preemption
+gives the outputs of no preemption while computing fewer prompt tokens than
+recompute preemption."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.core.kv_cache_utils import hash_request_tokens
+from pagedserve.engine.llm_engine import LLMEngine
+from tests.e2e.test_hf_parity import kv_bytes_for_blocks
+from tests.e2e.token_prompts import shared_prefix_prompts
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def cached_block_bytes(engine: LLMEngine) -> dict[int, list[bytes]]:
+    """Every cached block's K/V bytes, per layer tensor, by prefix-cache key."""
+    runner = engine.model_executor
+    out = {}
+    for key, block in engine.kv_cache_manager.block_pool.cached_block_hash_to_block.items():
+        out[key] = [t[block.block_id].view(torch.uint8).numpy().tobytes() for kv in runner.kv_caches for t in kv]
+    return out
+
+
+def count_computed_tokens(engine: LLMEngine) -> list[int]:
+    """Tokens each step computes, summed in the returned one-element list."""
+    total = [0]
+    execute = engine.model_executor.execute_model
+
+    def counting(so):
+        total[0] += so.total_num_scheduled_tokens
+        return execute(so)
+
+    engine.model_executor.execute_model = counting
+    return total
+
+
+def test_offload_then_reload_across_engines(tiny_checkpoint, tmp_path) -> None:
+    model_dir, cfg = tiny_checkpoint("llama")
+    prompts = shared_prefix_prompts(cfg.vocab_size)
+    ref = greedy(LLM(model_dir, dtype="float32"), prompts)
+
+    first = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    assert greedy(first, prompts) == ref
+    written = cached_block_bytes(first.llm_engine)
+    stats = first.llm_engine.get_stats()
+    assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_stored_blocks == len(written) > 8
+    first.llm_engine.shutdown()  # queued writes finish
+
+    second = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    computed = count_computed_tokens(second.llm_engine)
+    assert greedy(second, prompts) == ref
+    stats = second.llm_engine.get_stats()
+    # Every full block of every prompt (but each prompt's last token) came from the disk,
+    # the odd prompts' shared 40-token prefix (2 blocks) once, then from the pool ...
+    loadable = sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert stats.prefix_cache_hits == loadable
+    assert stats.external_prefix_cache_hits == loadable - 3 * 32
+    assert computed[0] == sum(len(p) for p in prompts) - loadable + len(prompts) * (PARAMS.max_tokens - 1)
+    # ... holding exactly the bytes the first engine computed (the blocks the second one
+    # computed itself, the prompts' tails and outputs, may differ in the last bits: its
+    # batches had other shapes).
+    reloaded = cached_block_bytes(second.llm_engine)
+    loaded = {h for p in prompts for h in hash_request_tokens(p, 16)[: (len(p) - 1) // 16]}
+    assert len(loaded) == loadable // 16 - 3 * 2 and loaded <= set(written) & set(reloaded)
+    assert all(reloaded[k] == written[k] for k in loaded)
+    second.llm_engine.shutdown()
+
+
+def test_a_damaged_directory_costs_recomputation_not_tokens(tiny_checkpoint, tmp_path) -> None:
+    model_dir, cfg = tiny_checkpoint("llama")
+    prompts = shared_prefix_prompts(cfg.vocab_size)[:4]
+    first = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    ref = greedy(first, prompts)
+    first.llm_engine.shutdown()
+    for i, path in enumerate(sorted(tmp_path.iterdir())):
+        data = bytearray(path.read_bytes())
+        data[-1 - i % 7] ^= 0xFF  # every file damaged somewhere in its payload
+        path.write_bytes(bytes(data))
+    second = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    assert greedy(second, prompts) == ref
+    stats = second.llm_engine.get_stats()
+    assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_invalid_blocks > 0
+
+
+def test_swap_preemption_matches_no_preemption_with_fewer_tokens_computed(tiny_checkpoint) -> None:
+    model_dir, cfg = tiny_checkpoint("llama")
+    prompts = shared_prefix_prompts(cfg.vocab_size)
+    ref = greedy(LLM(model_dir, dtype="float32", enable_prefix_caching=False), prompts)
+    longest = max(len(p) for p in prompts) + PARAMS.max_tokens
+    blocks = -(-longest // 16) + 2  # room for one request and a block: heavy preemption
+    computed, preemptions = {}, {}
+    for mode in ("recompute", "swap"):
+        llm = LLM(model_dir, dtype="float32", max_model_len=longest, enable_prefix_caching=False,
+                  kv_cache_memory_bytes=kv_bytes_for_blocks(cfg, blocks + 1, 16), preemption_mode=mode)
+        count = count_computed_tokens(llm.llm_engine)
+        assert greedy(llm, prompts) == ref, mode
+        computed[mode], preemptions[mode] = count[0], llm.llm_engine.get_stats().num_preemptions
+    assert preemptions["recompute"] > 0 and preemptions["swap"] > 0
+    assert computed["swap"] < computed["recompute"], computed
+    # Without preemption every prompt token and all but the last generated one are computed once.
+    assert computed["swap"] >= sum(len(p) for p in prompts) + len(prompts) * (PARAMS.max_tokens - 1)
