@@ -78,10 +78,14 @@ class CacheConfig:
     # only kv_offload_bytes, host memory.
     kv_offload_dir: str | None = None
     kv_offload_bytes: int | None = None
+    # "hash": whole blocks by their chained hash; "radix": then, token by token, part of
+    # the next block copied from a cached one (core/radix_index.py).
+    prefix_caching_algo: str = "hash"
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
+PREFIX_CACHING_ALGOS = ("hash", "radix")
 
 
 def check_scheduling_policy(policy: object, name: str = "policy") -> None:

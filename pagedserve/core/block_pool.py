@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pagedserve.core.kv_cache_utils import BlockHash
+from pagedserve.core.radix_index import RadixIndex
 
 # Block hashes are 128-bit; a KV-cache group's blocks are keyed above that range.
 _GROUP_SHIFT = 128
@@ -136,6 +137,9 @@ class BlockPool:
         # Ids of blocks whose ref_cnt or hash changed since take_changed_block_ids(), kept
         # only while someone watches the pool (the dashboard): None costs one test per call.
         self.changed_block_ids: set[int] | None = None
+        # The radix tree over the cached blocks (prefix_caching_algo="radix"), set by the
+        # KV-cache manager: a block handed out again leaves it.
+        self.radix: RadixIndex | None = None
 
     def track_changes(self, enabled: bool) -> None:
         """Start (from an empty set) or stop recording which blocks change."""
@@ -156,8 +160,10 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks, only {self.free_block_queue.num_free_blocks} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        cached = self.cached_block_hash_to_block
+        cached, radix = self.cached_block_hash_to_block, self.radix
         for block in blocks:
+            if radix is not None:
+                radix.remove(block.block_id)
             if block.block_hash is not None:
                 if cached.get(block.block_hash) is block:
                     del cached[block.block_hash]
@@ -249,4 +255,6 @@ class BlockPool:
             if self.changed_block_ids is not None:
                 self.changed_block_ids.add(block.block_id)
         self.cached_block_hash_to_block.clear()
+        if self.radix is not None:
+            self.radix.clear()
         return True

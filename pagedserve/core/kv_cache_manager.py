@@ -32,6 +32,7 @@ from __future__ import annotations
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock, group_block_key
 from pagedserve.core.kv_cache_utils import BlockHash, extend_block_hashes
 from pagedserve.core.kv_tier import KVTier, KVTransfers, partial_block_key
+from pagedserve.core.radix_index import RadixIndex
 from pagedserve.core.request import Request
 from pagedserve.utils import cdiv
 
@@ -56,11 +57,12 @@ def max_blocks_held(num_tokens: int, block_size: int, group_windows: tuple[int |
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True,
                  group_windows: tuple[int | None, ...] = (None,), tier: KVTier | None = None,
-                 swap: bool = False) -> None:
+                 swap: bool = False, radix: bool = False) -> None:
         """`group_windows`: each KV-cache group's sliding window in tokens (None: full
         attention); the executor reports them with the pool's size.  `tier`: the KV
         tier beneath the pool (None: none); `swap`: preempted requests are copied out
-        to it (preemption_mode="swap") instead of being recomputed."""
+        to it (preemption_mode="swap") instead of being recomputed; `radix`: the radix
+        tree's token-granular matching after the hash chain's (core/radix_index.py)."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -82,8 +84,19 @@ class KVCacheManager:
         if tier is not None and self.num_groups > 1:
             raise ValueError("a KV tier (kv_offload_dir, kv_offload_bytes, preemption_mode='swap') is not supported "
                              "yet for models with several KV-cache groups (sliding-window layers)")
+        if radix and (self.num_groups > 1 or not enable_caching):
+            raise ValueError("prefix_caching_algo='radix' needs prefix caching and a model of one KV-cache group "
+                             "(no sliding-window layers)")
         self.tier = tier
         self.swap = swap
+        self.radix = RadixIndex() if radix else None
+        self.block_pool.radix = self.radix
+        # Radix: the block a waiting request's lookup matched part of, as (its position,
+        # block id), for the admission that copies it.
+        self._partial_src: dict[str, tuple[int, int]] = {}
+        # Radix nodes of blocks this schedule registered, whose KV the step computes:
+        # published when the schedule ends, so no copy reads a block before it is written.
+        self._radix_pending: list[tuple[object, KVCacheBlock, int, list[int]]] = []
         # Copies between the pool and the tier decided since the last take_transfers().
         self._transfers = KVTransfers()
         # Swap mode: a preempted request's partly filled last block in the tier, as
@@ -169,8 +182,27 @@ class KVCacheManager:
         num_hit_tokens = num_hit * self.block_size
         tail = self.swapped_tail.get(request.request_id)
         if use_tier and tail is not None and tail[0] == num_hit and self.tier.lookup([tail[2]]):
-            num_hit_tokens = min(num_hit_tokens + tail[1], request.num_tokens - 1)
+            return blocks, min(num_hit_tokens + tail[1], request.num_tokens - 1)
+        if self.radix is not None:
+            num_hit_tokens += self._radix_partial_hit(request, num_hit)
         return blocks, num_hit_tokens
+
+    def _radix_parent(self, request: Request, position: int) -> object:
+        """The radix tree's key of the prefix before block `position`."""
+        return request.block_hashes[position - 1] if position else ("root", request.cache_salt)
+
+    def _radix_partial_hit(self, request: Request, position: int) -> int:
+        """Tokens of block `position` a cached block (or a finished request's last one)
+        already holds, past the whole blocks found; remembers that block for the copy."""
+        start = position * self.block_size
+        limit = min(start + self.block_size, request.num_tokens - 1)
+        self._partial_src.pop(request.request_id, None)
+        if start >= limit:
+            return 0
+        src, n = self.radix.longest_match(self._radix_parent(request, position), request.all_token_ids[start:limit])
+        if n:
+            self._partial_src[request.request_id] = (position, src)
+        return n
 
     def _longest_hybrid_hit(self, block_hashes: list[int]) -> int:
         """Most leading positions whose KV every group has cached where it will read
@@ -267,8 +299,8 @@ class KVCacheManager:
                         first_block_in_window(num_computed, w, bs) for _, w in self.sliding_groups)
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             req_blocks.extend(new_blocks)
-            if self.tier is not None:
-                self._load_from_tier(request, len(hits), num_computed, new_blocks)
+            if self.tier is not None or self.radix is not None:
+                self._fill_hit(request, len(hits), num_computed, new_blocks)
 
         if self.enable_caching:
             # Register blocks that will be full once this step's tokens are computed.
@@ -284,27 +316,45 @@ class KVCacheManager:
                 self.num_cached_block[req_id] = num_full
                 if self.tier is not None:
                     self._save_to_tier(req_blocks, request.block_hashes, num_cached, num_full)
+                if self.radix is not None:
+                    self._radix_insert(request, req_blocks, num_cached, num_full)
         return new_blocks
 
+    def _radix_insert(self, request: Request, req_blocks: list[KVCacheBlock], start: int, end: int) -> None:
+        """Blocks this request registered in the prefix cache at [start, end) become
+        nodes once this step has computed them (see take_transfers)."""
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        for i in range(start, end):
+            block = req_blocks[i]
+            if block.block_hash == hashes[i]:
+                self._radix_pending.append((self._radix_parent(request, i), block, hashes[i],
+                                            tokens[i * bs:(i + 1) * bs]))
+
     # ------------------------------------------------------------------- tier
-    def _load_from_tier(self, request: Request, num_pool_hits: int, num_computed: int,
-                        new_blocks: list[KVCacheBlock]) -> None:
-        """The positions after the pool's hit up to `num_computed` tokens come from the
-        tier: the first of the request's new blocks receive them."""
-        num_loaded = cdiv(num_computed, self.block_size) - num_pool_hits
-        tail = self.swapped_tail.pop(request.request_id, None)
-        if self.enable_caching or tail is not None:  # the tier was asked (get_computed_blocks)
+    def _fill_hit(self, request: Request, num_pool_hits: int, num_computed: int,
+                  new_blocks: list[KVCacheBlock]) -> None:
+        """The hit past the pool's whole blocks, into the first of the request's new
+        blocks: whole blocks loaded from the tier, then a partly matched last block
+        loaded from the tier (a swapped-out request's) or copied from the pool (radix)."""
+        req_id = request.request_id
+        tail = self.swapped_tail.pop(req_id, None)
+        src = self._partial_src.pop(req_id, None)
+        if self.tier is not None and (self.enable_caching or tail is not None):  # it was asked
             self.tier_queries += request.num_tokens - num_pool_hits * self.block_size
-        if num_loaded <= 0:
-            return
         num_full = num_computed // self.block_size
         keys = request.block_hashes[num_pool_hits:num_full]
-        if num_full * self.block_size < num_computed:  # the hit ends in the swapped-out partial block
-            assert tail is not None and tail[0] == num_full
-            keys.append(tail[2])
-        self.tier.claim(keys)
-        self._transfers.loads.extend((b.block_id, k) for b, k in zip(new_blocks, keys, strict=False))
-        self.tier_hits += num_computed - num_pool_hits * self.block_size
+        loaded = len(keys) * self.block_size
+        if num_full * self.block_size < num_computed:  # the hit ends inside a block
+            if tail is not None and tail[0] == num_full:
+                keys.append(tail[2])
+                loaded += num_computed - num_full * self.block_size
+            else:
+                assert src is not None and src[0] == num_full
+                self._transfers.copies.append((src[1], new_blocks[len(keys)].block_id))
+        if keys:
+            self.tier.claim(keys)
+            self._transfers.loads.extend((b.block_id, k) for b, k in zip(new_blocks, keys, strict=False))
+            self.tier_hits += loaded
 
     def _save_to_tier(self, req_blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int,
                       end: int) -> None:
@@ -341,7 +391,14 @@ class KVCacheManager:
             self.swapped_tail[request.request_id] = (num_full, partial, key)
 
     def take_transfers(self) -> KVTransfers | None:
-        """The step's copies between pool and tier (None: none), handed to the runner."""
+        """The step's copies between pool and tier (None: none), handed to the runner.
+        Ends the schedule: the radix nodes it registered become matchable (a later
+        step's copy runs after this step has written them)."""
+        if self._radix_pending:
+            for parent, block, key, tokens in self._radix_pending:
+                if block.block_hash == key:  # (not handed out again meanwhile)
+                    self.radix.insert(parent, block.block_id, tokens)
+            self._radix_pending.clear()
         if not self._transfers:
             return None
         transfers, self._transfers = self._transfers, KVTransfers()
@@ -384,20 +441,29 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so that when they are reused
         the shareable prefix blocks are evicted last."""
         self.swapped_tail.pop(request.request_id, None)
-        self._free_blocks(request.request_id)
+        self._partial_src.pop(request.request_id, None)
+        self._free_blocks(request)
 
     def preempt(self, request: Request) -> None:
         """Release a preempted request's blocks; in swap mode copy them out first."""
         if self.swap:
             self._swap_out(request)
-        self._free_blocks(request.request_id)
+        self._free_blocks(request)
 
-    def _free_blocks(self, req_id: str) -> None:
+    def _free_blocks(self, request: Request) -> None:
+        req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, None)
         self.num_cached_block.pop(req_id, None)
         self.num_skipped_block.pop(req_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        if not blocks:
+            return
+        if self.radix is not None:  # the partly filled last block stays matchable while it lasts
+            position, n = divmod(request.num_computed_tokens, self.block_size)
+            if n and position < len(blocks) and blocks[position].block_hash is None:
+                start = position * self.block_size
+                self.radix.insert(self._radix_parent(request, position), blocks[position].block_id,
+                                  request.all_token_ids[start:start + n])
+        self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -12,6 +12,8 @@ to loading them; the bytes move in the worker, described by `KVTransfers` in the
 step's SchedulerOutput:
 
 - `loads` run before the step's forward, into blocks just allocated for the hit;
+- `copies` too: a radix partial hit copies a pool block's KV into the request's own
+  block (core/radix_index.py), sources read before any destination is written;
 - `swap_outs` run before the forward too: a request preempted this step (swap mode)
   has its blocks copied out before the step may reuse them;
 - `saves` run after the forward, because the step computes their tokens (a block is
@@ -72,8 +74,10 @@ class KVTransfers:
     """Block copies between the pool and the tier in one step: (block id, tier key)."""
 
     loads: list[tuple[int, BlockHash]] = field(default_factory=list)
+    # Radix partial hits, within the pool: (source block id, destination block id).
+    copies: list[tuple[int, int]] = field(default_factory=list)
     swap_outs: list[tuple[int, BlockHash]] = field(default_factory=list)
     saves: list[tuple[int, BlockHash]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.swap_outs or self.saves)
+        return bool(self.loads or self.copies or self.swap_outs or self.saves)

@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve.config import (
     PREEMPTION_MODES,
+    PREFIX_CACHING_ALGOS,
     QUANTIZATION_METHODS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
@@ -54,6 +55,8 @@ _HELP = {
     "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
                               "what the weights and the profiled peak activations leave of it (never more than "
                               "is free), when kv_cache_memory_bytes is unset",
+    "prefix_caching_algo": "hash (whole blocks by their chained hash, vLLM's) or radix (SGLang's radix tree: "
+                           "then token by token, the matching part of the next block copied from a cached one)",
     "kv_offload_dir": "directory of a KV tier under the block pool that outlives the process: computed prefix "
                       "blocks are written there in the background and loaded instead of recomputed, after "
                       "eviction or a restart (bounded by --kv-offload-bytes, default 8 GiB)",
@@ -111,6 +114,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | str | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    prefix_caching_algo: str = "hash"
     kv_offload_dir: str | None = None
     kv_offload_bytes: int | str | None = None
     preemption_mode: str = "recompute"
@@ -226,6 +230,10 @@ class EngineArgs:
             )
 
     def _validate_kv_tier(self) -> None:
+        if self.prefix_caching_algo not in PREFIX_CACHING_ALGOS:
+            raise ValueError(f"prefix_caching_algo must be 'hash' or 'radix', got {self.prefix_caching_algo!r}")
+        if self.prefix_caching_algo == "radix" and not self.enable_prefix_caching:
+            raise ValueError("prefix_caching_algo='radix' indexes the prefix cache: it needs enable_prefix_caching")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
@@ -288,7 +296,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
                 num_blocks=self.num_gpu_blocks_override, kv_offload_dir=self.kv_offload_dir,
-                kv_offload_bytes=self.kv_offload_bytes,
+                kv_offload_bytes=self.kv_offload_bytes, prefix_caching_algo=self.prefix_caching_algo,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
@@ -329,7 +337,8 @@ class EngineArgs:
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                            "generation_config": ("auto", "vllm"),
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
-                           "quantization": QUANTIZATION_METHODS, "preemption_mode": PREEMPTION_MODES}.get(f.name)
+                           "quantization": QUANTIZATION_METHODS, "preemption_mode": PREEMPTION_MODES,
+                           "prefix_caching_algo": PREFIX_CACHING_ALGOS}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 

@@ -157,7 +157,8 @@ class LLMEngine:
         self.max_model_len = sched.max_model_len
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
-            cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap")
+            cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap",
+            cache.prefix_caching_algo == "radix")
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, model_executor, config.speculative_config is not None)
         if self.async_scheduling:

@@ -44,10 +44,10 @@ _HEADER = struct.Struct("<8s32s32sQ16s")  # magic, fingerprint digest, key, payl
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0  # a temporary file older than this is a crashed writer's leftover
-# Entries read back and verified by a lookup but not yet claimed by an admission:
-# a request stuck at the head of the queue is looked up every step, so they are kept,
-# within a bound.
-_MAX_STAGED = 256
+# Entries read back and verified by a lookup but not yet claimed by an admission: a
+# request stuck at the head of the queue is looked up every step, so they are kept,
+# within this many bytes (what one lookup stages is always kept until claimed).
+_MAX_STAGED_BYTES = 64 * 2**20
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
@@ -166,8 +166,9 @@ class HostKVTier(_TierBase):
             self._claim(key, self._entries[key])
 
     def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
-        """Keep `rows[i]` under `keys[i]` (rows from gather_blocks, not copied again; a
-        load copies them back on the same stream, after the copy out)."""
+        """Keep `rows[i]` under `keys[i]` (rows from gather_blocks, not copied again, so
+        one step's rows are freed with the last of them; a load copies them back on the
+        same stream, after the copy out)."""
         entries = self._entries
         max_entries = self.capacity_bytes // self.entry_bytes
         for key, row in zip(keys, rows, strict=True):
@@ -274,7 +275,7 @@ class DiskKVTier(_TierBase):
         if not self.enabled:
             return 0
         staged = self._staged
-        while len(staged) > _MAX_STAGED:  # (never what this call stages: claim follows it)
+        while len(staged) * self.entry_bytes > _MAX_STAGED_BYTES:  # (never what this call stages)
             staged.popitem(last=False)
         n = 0
         for key in keys:

@@ -492,9 +492,13 @@ class ModelRunner:
 
     def _transfer_before_step(self, transfers: KVTransfers) -> None:
         """Copy out the blocks of requests preempted this step (the step may reuse
-        them), then load the blocks admissions found in the tier."""
+        them), copy radix partial hits within the pool (every source read before any
+        destination is written), then load the blocks admissions found in the tier."""
         if transfers.swap_outs:
             self._copy_out(transfers.swap_outs)
+        if transfers.copies:
+            rows, _ = kv_offload.gather_blocks(self._kv_tensors, [s for s, _ in transfers.copies])
+            kv_offload.scatter_blocks(self._kv_tensors, [d for _, d in transfers.copies], rows)
         if transfers.loads:
             tier = self.kv_tier
             ids = [b for b, _ in transfers.loads]

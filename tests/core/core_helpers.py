@@ -36,6 +36,7 @@ def make_scheduler(
     group_windows: tuple[int | None, ...] = (None,),
     tier: FakeTier | None = None,
     preemption_mode: str = "recompute",
+    radix: bool = False,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_step_ms=max_step_ms,
@@ -48,7 +49,8 @@ def make_scheduler(
         preemption_mode=preemption_mode,
     )
     kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching,
-                         group_windows=group_windows, tier=tier, swap=preemption_mode == "swap")
+                         group_windows=group_windows, tier=tier, swap=preemption_mode == "swap",
+                         radix=radix)
     spec = None
     if num_speculative_tokens:  # n-gram drafts at any batch size
         spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1,
@@ -151,10 +153,14 @@ class FakeRunner:
         if transfers is not None:  # swap-outs before loads (a block may be both), loads before the step
             for block_id, key in transfers.swap_outs:
                 tier.put(key, kv.get(block_id, [None] * bs))
+            sources = [list(kv.get(src, [None] * bs)) for src, _ in transfers.copies]
+            for (_, dst), slots in zip(transfers.copies, sources, strict=True):
+                assert pool.blocks[dst].ref_cnt >= 1, f"copying into free block {dst}"
+                kv[dst] = slots
             for block_id, key in transfers.loads:
                 assert pool.blocks[block_id].ref_cnt >= 1, f"loading into free block {block_id}"
                 kv[block_id] = list(tier.take(key))
-            assert not tier.claimed, "claimed tier entries not loaded"
+            assert tier is None or not tier.claimed, "claimed tier entries not loaded"
         assert set(so.num_scheduled_tokens) == {nr.req_id for nr in so.scheduled_new_reqs} | set(
             so.scheduled_cached_reqs.req_ids
         )

@@ -48,6 +48,7 @@ def configs(draw):
         # or plenty, and whether preemption swaps to it.
         tier=draw(st.sampled_from([None, None, "tier", "swap"])),
         tier_capacity=draw(st.sampled_from([2, 8, 1000])),
+        radix=draw(st.booleans()),
     )
 
 
@@ -67,6 +68,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.cfg = cfg
         cfg = dict(cfg)
         mode, capacity = cfg.pop("tier"), cfg.pop("tier_capacity")
+        cfg["radix"] = cfg["radix"] and cfg["enable_caching"] and cfg["group_windows"] == (None,)
         if mode is not None and cfg["group_windows"] == (None,):
             cfg["tier"] = FakeTier(capacity)
             cfg["preemption_mode"] = "recompute" if mode == "tier" else "swap"
@@ -172,6 +174,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         needed it recomputes."""
         key = data.draw(st.sampled_from(sorted(self.kvm.tier.entries)))
         del self.kvm.tier.entries[key]
+
+    @invariant()
+    def radix_nodes_are_blocks_holding_their_tokens(self):
+        """Every radix node is a block no one is writing into whose KV holds, slot by
+        slot, the prefix its parent key and tokens say (the fake runner's fingerprints)."""
+        if not hasattr(self, "sched") or self.kvm.radix is None:
+            return
+        radix, pool = self.kvm.radix, self.kvm.block_pool
+        for parent, kids in radix.children.items():
+            for block_id, tokens in kids.items():
+                assert radix.parent_of[block_id] == parent and 0 < len(tokens) <= self.kvm.block_size
+                block = pool.blocks[block_id]
+                assert block.ref_cnt == 0 or block.block_hash is not None, block  # partial ones are free
+                slots = self.runner.kv.get(block_id)
+                assert slots is not None and None not in slots[:len(tokens)], (block_id, slots)
 
     @invariant()
     def swapped_tails_belong_to_preempted_requests(self):

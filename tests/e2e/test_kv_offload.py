@@ -108,3 +108,36 @@ def test_swap_preemption_matches_no_preemption_with_fewer_tokens_computed(tiny_c
     assert computed["swap"] < computed["recompute"], computed
     # Without preemption every prompt token and all but the last generated one are computed once.
     assert computed["swap"] >= sum(len(p) for p in prompts) + len(prompts) * (PARAMS.max_tokens - 1)
+
+
+def test_radix_reuses_partial_blocks_with_the_same_outputs(tiny_checkpoint) -> None:
+    """Multi-turn chat in token ids: each turn's prompt is the last prompt, its answer
+    and a few new tokens.  The radix tree reuses the last turn's partly filled block
+    too (copied), so it computes fewer tokens than the hash chain, with the same outputs
+    as without any prefix caching."""
+    model_dir, cfg = tiny_checkpoint("llama")
+    first = shared_prefix_prompts(cfg.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)  # answers end mid-block
+    results, hits, copies = {}, {}, {}
+    for name, kw in {"none": dict(enable_prefix_caching=False), "hash": {},
+                     "radix": dict(prefix_caching_algo="radix")}.items():
+        llm = LLM(model_dir, dtype="float32", **kw)
+        engine = llm.llm_engine
+        seen = [0]
+        execute = engine.model_executor.execute_model
+
+        def counting(so, execute=execute, seen=seen):
+            seen[0] += len(so.kv_transfers.copies) if so.kv_transfers is not None else 0
+            return execute(so)
+
+        engine.model_executor.execute_model = counting
+        prompts, outs = [list(p) for p in first], []
+        for turn in range(3):
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            answers = [list(o.outputs[0].token_ids) for o in got]
+            outs.append(answers)
+            prompts = [p + a + [5 + turn, 7, 11 + i] for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+        results[name], hits[name], copies[name] = outs, engine.get_stats().prefix_cache_hits, seen[0]
+    assert results["radix"] == results["none"] and results["hash"] == results["none"]
+    assert copies["hash"] == 0 and copies["radix"] >= 8  # every chat's later turns copy a partial block
+    assert hits["radix"] > hits["hash"] > 0, hits

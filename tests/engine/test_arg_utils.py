@@ -91,3 +91,35 @@ def test_speculative_config_from_the_command_line_and_from_a_dict() -> None:
         EngineArgs(speculative_config={"method": "ngram", "k": 3})
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(speculative_config={}, async_scheduling=True)
+
+
+def test_kv_tier_flags_reach_the_config_tree() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--kv-offload-dir", "/tmp/kv", "--kv-offload-bytes", "2GiB", "--preemption-mode", "swap",
+                            "--prefix-caching-algo", "radix"])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config(load_hf_config=False)
+    cache = cfg.cache_config
+    assert (cache.kv_offload_dir, cache.kv_offload_bytes, cache.prefix_caching_algo) == ("/tmp/kv", 2 * 2**30, "radix")
+    assert cfg.scheduler_config.preemption_mode == "swap"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--preemption-mode", "discard"])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap'"),
+    (dict(prefix_caching_algo="trie"), "prefix_caching_algo must be 'hash' or 'radix'"),
+    (dict(prefix_caching_algo="radix", enable_prefix_caching=False), "radix.*needs enable_prefix_caching"),
+    (dict(kv_offload_dir="/tmp/kv", enable_prefix_caching=False), "needs enable_prefix_caching"),
+    (dict(kv_offload_bytes="lots"), "kv_offload_bytes"),
+    (dict(kv_offload_dir=""), "kv_offload_dir must be a directory path"),
+    (dict(kv_offload_dir="/tmp/kv", tensor_parallel_size=2), "not work under tensor parallelism"),
+    (dict(preemption_mode="swap", tensor_parallel_size=2), "preemption_mode='swap'.*tensor parallelism"),
+])
+def test_kv_tier_settings_that_cannot_work_are_refused(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_swap_without_prefix_caching_is_allowed() -> None:
+    cfg = EngineArgs(preemption_mode="swap", enable_prefix_caching=False).create_engine_config(load_hf_config=False)
+    assert cfg.scheduler_config.preemption_mode == "swap" and cfg.cache_config.kv_offload_dir is None
