@@ -29,11 +29,14 @@ def test_logging_stat_logger_rates():
 
 def test_scheduler_stats_copy_every_field_and_refuse_a_missing_one():
     full = SimpleNamespace(num_running=1, num_waiting=2, kv_cache_usage=0.5, prefix_cache_queries=4,
-                           prefix_cache_hits=3, num_preemptions=7, num_structured_requests=2, grammar_compiles=5,
+                           prefix_cache_hits=3, num_preemptions=7, external_prefix_cache_queries=11,
+                           external_prefix_cache_hits=10, kv_offload_stored_blocks=6, kv_offload_invalid_blocks=1,
+                           num_structured_requests=2, grammar_compiles=5,
                            grammar_cache_hits=9, grammar_compile_seconds=0.25, spec_decode_num_drafts=3,
                            spec_decode_num_draft_tokens=8, spec_decode_num_accepted_tokens=5,
                            spec_decode_num_accepted_tokens_per_pos=[3, 2])
-    assert SchedulerStats.from_engine(full) == SchedulerStats(1, 2, 0.5, 4, 3, 7, 2, 5, 9, 0.25, 3, 8, 5, [3, 2])
+    assert SchedulerStats.from_engine(full) == SchedulerStats(1, 2, 0.5, 4, 3, 7, 11, 10, 6, 1, 2, 5, 9, 0.25, 3, 8, 5,
+                                                              [3, 2])
     del full.num_preemptions  # a renamed engine field must fail loudly, not read as 0
     with pytest.raises(AttributeError):
         SchedulerStats.from_engine(full)

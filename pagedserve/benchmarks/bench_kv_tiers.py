@@ -8,9 +8,9 @@ against recompute preemption.
    directory answers the same system prompt with another question (loaded from disk);
    a third request on that engine hits the pool.  Each engine answers one warm-up
    prompt first, so no figure includes first-call costs.
-2. preemption: 16 requests of ~600 prompt tokens and 128 new tokens in a KV cache
-   with room for about four, recompute vs swap (host-memory tier): wall time, tokens
-   computed, preemptions.
+2. preemption: 16 requests of 600 prompt tokens and 128 new tokens in a KV cache of
+   160 blocks (four prompts fit, not their answers), recompute vs swap (host-memory
+   tier), prefix caching off: wall time, tokens computed, preemptions.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def preemption(model: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     outputs = {}
     for mode in ("recompute", "swap"):
-        # ~4 requests of 728 tokens: 4 x 46 blocks of 16 tokens.
+        # 160 blocks of 16 tokens: four prompts (38 blocks each) are admitted, and as
+        # they decode towards 46 blocks each some are preempted.
         llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, preemption_mode=mode,
-                  num_gpu_blocks_override=4 * 46 + 1)
+                  num_gpu_blocks_override=161)
         warm(llm)
         engine = llm.llm_engine
         computed = [0]
@@ -98,10 +99,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--facts", type=int, default=70, help="system prompt size (70: about 2,000 tokens)")
+    ap.add_argument("--parts", nargs="+", default=["restart", "preemption"], choices=["restart", "preemption"])
     args = ap.parse_args()
     print(f"model {args.model}; CPU: {describe_cpu()}")
-    restart(args.model, args.facts)
-    preemption(args.model)
+    if "restart" in args.parts:
+        restart(args.model, args.facts)
+    if "preemption" in args.parts:
+        preemption(args.model)
 
 
 if __name__ == "__main__":

@@ -99,9 +99,10 @@ class KVCacheManager:
         self._radix_pending: list[tuple[object, KVCacheBlock, int, list[int]]] = []
         # Copies between the pool and the tier decided since the last take_transfers().
         self._transfers = KVTransfers()
-        # Swap mode: a preempted request's partly filled last block in the tier, as
-        # (its position, tokens in it, tier key), until the request resumes or ends.
-        self.swapped_tail: dict[str, tuple[int, int, BlockHash]] = {}
+        # Swap mode: each swapped-out request's partly filled last block in the tier, as
+        # (its position, tokens in it, tier key; 0 and None when its KV ended on a block
+        # boundary), until the request resumes or ends.
+        self.swapped: dict[str, tuple[int, int, BlockHash | None]] = {}
         # Each request's blocks, position-major over the groups (see the module docstring).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading positions of each request are registered in the prefix cache.
@@ -160,7 +161,7 @@ class KVCacheManager:
         if request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt token computed
         # Without prefix caching the tier only gives a swapped-out request its own blocks back.
-        use_tier = self.tier is not None and (self.enable_caching or request.request_id in self.swapped_tail)
+        use_tier = self.tier is not None and (self.enable_caching or request.request_id in self.swapped)
         if not self.enable_caching and not use_tier:
             return [], 0
         block_hashes = self._hash_blocks(request)
@@ -180,8 +181,8 @@ class KVCacheManager:
         if use_tier and num_hit < max_blocks:
             num_hit += self.tier.lookup(block_hashes[num_hit:max_blocks])
         num_hit_tokens = num_hit * self.block_size
-        tail = self.swapped_tail.get(request.request_id)
-        if use_tier and tail is not None and tail[0] == num_hit and self.tier.lookup([tail[2]]):
+        tail = self.swapped.get(request.request_id)
+        if use_tier and tail is not None and tail[1] and tail[0] == num_hit and self.tier.lookup([tail[2]]):
             return blocks, min(num_hit_tokens + tail[1], request.num_tokens - 1)
         if self.radix is not None:
             num_hit_tokens += self._radix_partial_hit(request, num_hit)
@@ -337,7 +338,7 @@ class KVCacheManager:
         blocks: whole blocks loaded from the tier, then a partly matched last block
         loaded from the tier (a swapped-out request's) or copied from the pool (radix)."""
         req_id = request.request_id
-        tail = self.swapped_tail.pop(req_id, None)
+        tail = self.swapped.pop(req_id, None)
         src = self._partial_src.pop(req_id, None)
         if self.tier is not None and (self.enable_caching or tail is not None):  # it was asked
             self.tier_queries += request.num_tokens - num_pool_hits * self.block_size
@@ -345,7 +346,7 @@ class KVCacheManager:
         keys = request.block_hashes[num_pool_hits:num_full]
         loaded = len(keys) * self.block_size
         if num_full * self.block_size < num_computed:  # the hit ends inside a block
-            if tail is not None and tail[0] == num_full:
+            if tail is not None and tail[1] and tail[0] == num_full:
                 keys.append(tail[2])
                 loaded += num_computed - num_full * self.block_size
             else:
@@ -388,7 +389,9 @@ class KVCacheManager:
             tokens = request.all_token_ids[num_full * bs:num_computed]
             key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens)
             out.append((blocks[num_full].block_id, key))
-            self.swapped_tail[request.request_id] = (num_full, partial, key)
+            self.swapped[request.request_id] = (num_full, partial, key)
+        else:
+            self.swapped[request.request_id] = (num_full, 0, None)
 
     def take_transfers(self) -> KVTransfers | None:
         """The step's copies between pool and tier (None: none), handed to the runner.
@@ -440,7 +443,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that when they are reused
         the shareable prefix blocks are evicted last."""
-        self.swapped_tail.pop(request.request_id, None)
+        self.swapped.pop(request.request_id, None)
         self._partial_src.pop(request.request_id, None)
         self._free_blocks(request)
 

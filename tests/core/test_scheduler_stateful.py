@@ -191,10 +191,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert slots is not None and None not in slots[:len(tokens)], (block_id, slots)
 
     @invariant()
-    def swapped_tails_belong_to_preempted_requests(self):
+    def swapped_requests_are_preempted_ones(self):
         if not hasattr(self, "sched"):
             return
-        for rid in self.kvm.swapped_tail:
+        for rid in self.kvm.swapped:
             assert self.sched.requests[rid].status == RequestStatus.PREEMPTED
 
     @invariant()

@@ -39,6 +39,10 @@ class FakeStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_invalid_blocks: int = 0
     num_structured_requests: int = 0
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
@@ -68,6 +72,7 @@ class FakeEngine:
         self.max_running = max_running  # requests past the first max_running wait (no tokens) like a full batch
         self.reqs: dict[str, tuple[list[int], SamplingParams, list[list[int]]]] = {}
         self.steps = 0
+        self.shut_down = False
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
 
@@ -107,6 +112,9 @@ class FakeEngine:
 
     def sampling_defaults(self) -> dict:
         return {}
+
+    def shutdown(self) -> None:
+        self.shut_down = True
 
     def encode_chat(self, messages, chat_template=None, add_generation_prompt=True, **kwargs) -> dict:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
