@@ -3,9 +3,11 @@
 A step's token budget goes first to running requests (in order), then to waiting
 ones while budget, max_num_seqs and KV blocks allow, so one step freely mixes
 decodes with prefill chunks.  When a running request cannot get a block the
-scheduler preempts by recomputation (FCFS: the newest running request; priority:
-the worst (priority, arrival_time)) rather than swapping: on one device that is
-simpler and, for short sequences, about as cheap.  Under the priority policy
+scheduler preempts one (FCFS: the newest running request; priority: the worst
+(priority, arrival_time)): by default its KV is freed and recomputed on resumption
+(what the prefix cache and the KV tier still hold is not); with
+preemption_mode="swap" the KV-cache manager first copies it to the KV tier, and the
+resumption loads it back.  Under the priority policy
 `running` is kept sorted, so "the worst" is simply the last one and requests
 already scheduled this step are never victims.
 
