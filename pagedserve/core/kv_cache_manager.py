@@ -57,12 +57,14 @@ def max_blocks_held(num_tokens: int, block_size: int, group_windows: tuple[int |
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True,
                  group_windows: tuple[int | None, ...] = (None,), tier: KVTier | None = None,
-                 swap: bool = False, radix: bool = False) -> None:
+                 swap: bool = False, radix: bool = False, store_computed: bool = True) -> None:
         """`group_windows`: each KV-cache group's sliding window in tokens (None: full
         attention); the executor reports them with the pool's size.  `tier`: the KV
         tier beneath the pool (None: none); `swap`: preempted requests are copied out
         to it (preemption_mode="swap") instead of being recomputed; `radix`: the radix
-        tree's token-granular matching after the hash chain's (core/radix_index.py)."""
+        tree's token-granular matching after the hash chain's (core/radix_index.py);
+        `store_computed`: the tier is a prefix cache too, so every computed block goes
+        to it (False: a tier for swapping only)."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -81,19 +83,21 @@ class KVCacheManager:
         self.full_groups = [g for g, w in enumerate(self.group_windows) if w is None]
         if swap and tier is None:
             raise ValueError("swap preemption needs a KV tier to swap to")
-        if tier is not None and self.num_groups > 1:
+        if tier is not None and self.sliding_groups:
             raise ValueError("a KV tier (kv_offload_dir, kv_offload_bytes, preemption_mode='swap') is not supported "
                              "yet for models with several KV-cache groups (sliding-window layers)")
-        if radix and (self.num_groups > 1 or not enable_caching):
+        if radix and (self.sliding_groups or not enable_caching):
             raise ValueError("prefix_caching_algo='radix' needs prefix caching and a model of one KV-cache group "
                              "(no sliding-window layers)")
         self.tier = tier
         self.swap = swap
+        self.store_computed = tier is not None and store_computed
         self.radix = RadixIndex() if radix else None
         self.block_pool.radix = self.radix
-        # Radix: the block a waiting request's lookup matched part of, as (its position,
-        # block id), for the admission that copies it.
-        self._partial_src: dict[str, tuple[int, int]] = {}
+        # A waiting request's hit that ends inside a block, as its lookup found it: (the
+        # position, a pool block to copy (radix) or None, a tier key to load (its own
+        # swapped-out block) or None), for the admission that fills it.
+        self._partial_src: dict[str, tuple[int, int | None, BlockHash | None]] = {}
         # Radix nodes of blocks this schedule registered, whose KV the step computes:
         # published when the schedule ends, so no copy reads a block before it is written.
         self._radix_pending: list[tuple[object, KVCacheBlock, int, list[int]]] = []
@@ -178,12 +182,19 @@ class KVCacheManager:
                     break
                 blocks.append(block)
         num_hit = len(blocks)
-        if use_tier and num_hit < max_blocks:
+        self._partial_src.pop(request.request_id, None)
+        tail = self.swapped.get(request.request_id) if use_tier else None
+        if tail is not None and tail[1] and num_hit <= tail[0] <= max_blocks:
+            # One lookup for the whole blocks and the swapped-out partial one after them.
+            keys = [*block_hashes[num_hit:tail[0]], tail[2]]
+            found = self.tier.lookup(keys)
+            if found == len(keys):
+                self._partial_src[request.request_id] = (tail[0], None, tail[2])
+                return blocks, min(tail[0] * self.block_size + tail[1], request.num_tokens - 1)
+            num_hit += found
+        elif use_tier and num_hit < max_blocks:
             num_hit += self.tier.lookup(block_hashes[num_hit:max_blocks])
         num_hit_tokens = num_hit * self.block_size
-        tail = self.swapped.get(request.request_id)
-        if use_tier and tail is not None and tail[1] and tail[0] == num_hit and self.tier.lookup([tail[2]]):
-            return blocks, min(num_hit_tokens + tail[1], request.num_tokens - 1)
         if self.radix is not None:
             num_hit_tokens += self._radix_partial_hit(request, num_hit)
         return blocks, num_hit_tokens
@@ -197,12 +208,11 @@ class KVCacheManager:
         already holds, past the whole blocks found; remembers that block for the copy."""
         start = position * self.block_size
         limit = min(start + self.block_size, request.num_tokens - 1)
-        self._partial_src.pop(request.request_id, None)
         if start >= limit:
             return 0
         src, n = self.radix.longest_match(self._radix_parent(request, position), request.all_token_ids[start:limit])
         if n:
-            self._partial_src[request.request_id] = (position, src)
+            self._partial_src[request.request_id] = (position, src, None)
         return n
 
     def _longest_hybrid_hit(self, block_hashes: list[int]) -> int:
@@ -339,19 +349,21 @@ class KVCacheManager:
         loaded from the tier (a swapped-out request's) or copied from the pool (radix)."""
         req_id = request.request_id
         tail = self.swapped.pop(req_id, None)
-        src = self._partial_src.pop(req_id, None)
+        partial = self._partial_src.pop(req_id, None)
         if self.tier is not None and (self.enable_caching or tail is not None):  # it was asked
             self.tier_queries += request.num_tokens - num_pool_hits * self.block_size
-        num_full = num_computed // self.block_size
-        keys = request.block_hashes[num_pool_hits:num_full]
+        # Whole blocks from the tier up to the block the lookup matched in part (a radix
+        # match may fill it: a cached block the hash walk did not reach past a tier hit).
+        end = num_computed // self.block_size if partial is None else partial[0]
+        keys = request.block_hashes[num_pool_hits:end]
         loaded = len(keys) * self.block_size
-        if num_full * self.block_size < num_computed:  # the hit ends inside a block
-            if tail is not None and tail[1] and tail[0] == num_full:
-                keys.append(tail[2])
-                loaded += num_computed - num_full * self.block_size
+        if partial is not None:
+            _, src, key = partial
+            if key is not None:
+                keys.append(key)
+                loaded = num_computed - num_pool_hits * self.block_size
             else:
-                assert src is not None and src[0] == num_full
-                self._transfers.copies.append((src[1], new_blocks[len(keys)].block_id))
+                self._transfers.copies.append((src, new_blocks[len(keys)].block_id))
         if keys:
             self.tier.claim(keys)
             self._transfers.loads.extend((b.block_id, k) for b, k in zip(new_blocks, keys, strict=False))
@@ -362,6 +374,8 @@ class KVCacheManager:
         """Store-on-compute: blocks this request registered in the prefix cache at
         positions [start, end) go to the tier after the step (the canonical copy only:
         a block another request cached first is that request's to save)."""
+        if not self.store_computed:
+            return
         tier, saves = self.tier, self._transfers.saves
         for i in range(start, end):
             block, key = req_blocks[i], block_hashes[i]
@@ -387,7 +401,7 @@ class KVCacheManager:
         partial = num_computed - num_full * bs
         if partial and num_full < len(blocks):
             tokens = request.all_token_ids[num_full * bs:num_computed]
-            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens)
+            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens, request.cache_salt)
             out.append((blocks[num_full].block_id, key))
             self.swapped[request.request_id] = (num_full, partial, key)
         else:
@@ -462,6 +476,8 @@ class KVCacheManager:
             return
         if self.radix is not None:  # the partly filled last block stays matchable while it lasts
             position, n = divmod(request.num_computed_tokens, self.block_size)
+            # (Its parent may be a block completed by accepted drafts, never hashed yet.)
+            self._hash_blocks(request, position)
             if n and position < len(blocks) and blocks[position].block_hash is None:
                 start = position * self.block_size
                 self.radix.insert(self._radix_parent(request, position), blocks[position].block_id,

@@ -159,7 +159,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
             cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap",
-            cache.prefix_caching_algo == "radix")
+            cache.prefix_caching_algo == "radix",
+            store_computed=cache.kv_offload_dir is not None or cache.kv_offload_bytes is not None)
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, model_executor, config.speculative_config is not None)
         if self.async_scheduling:
@@ -412,7 +413,7 @@ class LLMEngine:
             self.busiest_snapshot = self.snapshot(full=True)
         if total:
             self.output_processor.mark_scheduled(sched_out.num_scheduled_tokens, time.time())
-        elif not sched_out.finished_req_ids:
+        elif not sched_out.finished_req_ids and sched_out.kv_transfers is None:  # (swap-outs must run)
             return outputs + self._apply_inflight(keep=0)
         if not self.async_scheduling:
             if sched_out.structured_output_rows:

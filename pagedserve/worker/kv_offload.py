@@ -67,40 +67,72 @@ def kv_block_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> 
     return out
 
 
+def files_identity(path: str) -> str:
+    """Names, sizes and modification times of the files at `path` (a file, or a
+    directory's top level), hashed: what changes when new weights replace old ones at
+    the same path.  Empty for a name that is not a path (a registered model name stands
+    for one checksummed file)."""
+    try:
+        if os.path.isdir(path):
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+            stats = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file()]
+        elif os.path.isfile(path):
+            st = os.stat(path)
+            stats = [(os.path.basename(path), st.st_size, st.st_mtime_ns)]
+        else:
+            return ""
+    except OSError:
+        return ""
+    return checksum(repr(stats).encode()).hex()
+
+
 def block_nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
+def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids on the device without making the host wait for the stream (pinned)."""
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    return idx.pin_memory().to(device, non_blocking=True) if is_cuda(device) else idx
+
+
 def gather_blocks(tensors: Sequence[torch.Tensor], block_ids: Sequence[int]
-                  ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """([len(block_ids), block_nbytes] uint8 rows on the host, one per block; on CUDA
-    the event after which they may be read).  On CUDA the rows are pinned and the copy
-    is queued on the current stream, so a step does not wait for it."""
+                  ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """(one uint8 payload of block_nbytes per block, on the host, each its own
+    allocation, so a tier frees them one by one; on CUDA the event after which they
+    may be read: they are pinned and filled by copies queued on the current stream, so
+    a step does not wait for them)."""
     device = tensors[0].device
-    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
     n = len(block_ids)
-    rows = torch.cat([t.index_select(0, idx).reshape(n, -1).view(torch.uint8) for t in tensors], dim=1)
+    rows = torch.cat([t.index_select(0, _index(block_ids, device)).reshape(n, -1).view(torch.uint8)
+                      for t in tensors], dim=1)
     if not is_cuda(device):
-        return rows, None
-    host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
+        return list(rows.unbind(0)) if n == 1 else [row.clone() for row in rows], None
+    host = [torch.empty(rows.shape[1], dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+    for dst, row in zip(host, rows, strict=True):
+        dst.copy_(row, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
 
 
-def scatter_blocks(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], rows: torch.Tensor) -> None:
-    """Write payload rows (as gather_blocks makes them) into the blocks."""
+def scatter_blocks(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], rows: Sequence[torch.Tensor]) -> None:
+    """Write payloads (as gather_blocks makes them) into the blocks."""
     device = tensors[0].device
     n = len(block_ids)
-    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
-    rows = rows.to(device, non_blocking=True)
+    idx = _index(block_ids, device)
+    data = torch.stack([row.to(device, non_blocking=True) for row in rows])
     offset = 0
     for t in tensors:
         size = t[0].numel() * t.element_size()
-        part = rows[:, offset:offset + size].contiguous().view(t.dtype).view(n, *t.shape[1:])
+        part = data[:, offset:offset + size].contiguous().view(t.dtype).view(n, *t.shape[1:])
         t.index_copy_(0, idx, part)
         offset += size
+
+
+# A block's bytes on the host, and the CUDA event after which they may be read (None:
+# readable now).
+Payload = tuple[torch.Tensor, "torch.cuda.Event | None"]
 
 
 class _TierBase:
@@ -115,24 +147,29 @@ class _TierBase:
         self._lock = threading.Lock()
         # Payloads admissions committed to load this step, until the runner takes them,
         # with how many loads of each are due (two requests may load one prefix).
-        self._claimed: dict[int, tuple[torch.Tensor, int]] = {}
+        self._claimed: dict[int, tuple[Payload, int]] = {}
         self.enabled = True
         self.num_stored = 0  # entries written
         self.num_loaded = 0  # entries loaded into the pool
         self.num_dropped = 0  # saves not kept (writer behind, or tier off)
         self.num_invalid = 0  # entries found damaged, foreign or unreadable (removed)
 
-    def _claim(self, key: int, payload: torch.Tensor) -> None:
+    def _claim(self, key: int, payload: Payload) -> None:
         held = self._claimed.get(key)
         self._claimed[key] = (payload, 1 if held is None else held[1] + 1)
 
     def take(self, key: int) -> torch.Tensor:
-        """The claimed payload of `key` (the runner loads it into a block)."""
+        """The claimed payload of `key` (the runner loads it into a block); on CUDA,
+        once the copy that filled it has landed (a swap-out of an earlier step may
+        still be on its way)."""
         payload, count = self._claimed.pop(key)
         if count > 1:
             self._claimed[key] = (payload, count - 1)
         self.num_loaded += 1
-        return payload
+        row, ready = payload
+        if ready is not None:
+            ready.synchronize()
+        return row
 
     def stats(self) -> dict[str, int]:
         return {"stored": self.num_stored, "loaded": self.num_loaded, "dropped": self.num_dropped,
@@ -146,7 +183,7 @@ class HostKVTier(_TierBase):
 
     def __init__(self, capacity_bytes: int, entry_bytes: int) -> None:
         super().__init__(capacity_bytes, entry_bytes)
-        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[int, Payload] = OrderedDict()
 
     def contains(self, key: int) -> bool:
         return key in self._entries
@@ -165,17 +202,15 @@ class HostKVTier(_TierBase):
             self._entries.move_to_end(key)
             self._claim(key, self._entries[key])
 
-    def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
-        """Keep `rows[i]` under `keys[i]` (rows from gather_blocks, not copied again, so
-        one step's rows are freed with the last of them; a load copies them back on the
-        same stream, after the copy out)."""
+    def put(self, keys: Sequence[int], rows: Sequence[torch.Tensor], ready: torch.cuda.Event | None = None) -> None:
+        """Keep `rows[i]` under `keys[i]` (payloads from gather_blocks, not copied again)."""
         entries = self._entries
         max_entries = self.capacity_bytes // self.entry_bytes
         for key, row in zip(keys, rows, strict=True):
             if key in entries:
                 entries.move_to_end(key)
                 continue
-            entries[key] = row
+            entries[key] = (row, ready)
             self.num_stored += 1
             while len(entries) > max_entries:
                 entries.popitem(last=False)
@@ -201,9 +236,10 @@ class DiskKVTier(_TierBase):
         self._prefix = self._digest.hex()[:16] + "-"
         self._file_bytes = _HEADER.size + entry_bytes
         self._index: OrderedDict[int, None] = OrderedDict()  # entries on disk, least recent first
-        self._pending: dict[int, torch.Tensor] = {}  # saves queued for the writer
-        self._staged: OrderedDict[int, torch.Tensor] = OrderedDict()  # read back by lookups
-        self._queue: queue.Queue[tuple[list[int], torch.cuda.Event | None] | None] = queue.Queue()
+        self._pending: dict[int, Payload] = {}  # saves queued for the writer
+        # Read back by lookups; only the engine thread touches it.
+        self._staged: OrderedDict[int, Payload] = OrderedDict()
+        self._queue: queue.Queue[list[int] | None] = queue.Queue()
         self._max_pending = max(1, min(capacity_bytes, 256 * 2**20) // entry_bytes)
         self._writer: threading.Thread | None = None
         try:
@@ -261,7 +297,6 @@ class DiskKVTier(_TierBase):
         with self._lock:
             self.num_dropped += len(self._pending)
             self._pending.clear()
-            self._staged.clear()
 
     @property
     def num_entries(self) -> int:
@@ -275,7 +310,9 @@ class DiskKVTier(_TierBase):
         if not self.enabled:
             return 0
         staged = self._staged
-        while len(staged) * self.entry_bytes > _MAX_STAGED_BYTES:  # (never what this call stages)
+        # Drop what earlier lookups staged and no admission claimed, oldest first; never
+        # what this one stages (every hit of a lookup is claimed right after it).
+        while len(staged) * self.entry_bytes > _MAX_STAGED_BYTES:
             staged.popitem(last=False)
         n = 0
         for key in keys:
@@ -294,7 +331,7 @@ class DiskKVTier(_TierBase):
             n += 1
         return n
 
-    def _read(self, key: int) -> torch.Tensor | None:
+    def _read(self, key: int) -> Payload | None:
         """The verified payload of `key`, or None (a bad file is removed)."""
         path = self._path(key)
         try:
@@ -315,7 +352,7 @@ class DiskKVTier(_TierBase):
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-        return torch.frombuffer(bytearray(data[_HEADER.size:]), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(data[_HEADER.size:]), dtype=torch.uint8), None
 
     def _check(self, data: bytes, key: int) -> str | None:
         if len(data) < _HEADER.size:
@@ -347,7 +384,7 @@ class DiskKVTier(_TierBase):
             self._claim(key, held[0] if held is not None else self._staged.pop(key))
 
     # ---------------------------------------------------------------- writes
-    def put(self, keys: Sequence[int], rows: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+    def put(self, keys: Sequence[int], rows: Sequence[torch.Tensor], ready: torch.cuda.Event | None = None) -> None:
         """Queue `rows[i]` to be written under `keys[i]` (after `ready`, on CUDA); never
         waits for the disk."""
         if not self.enabled:
@@ -361,26 +398,26 @@ class DiskKVTier(_TierBase):
                 if len(self._pending) >= self._max_pending:
                     self.num_dropped += 1  # the writer is behind: this block is recomputed if needed
                     continue
-                self._pending[key] = row
+                self._pending[key] = (row, ready)
                 queued.append(key)
         if queued:
-            self._queue.put((queued, ready))
+            self._queue.put(queued)
 
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            keys, ready = item
-            if ready is not None:
-                ready.synchronize()  # gather_blocks' copy to the host has landed
-            for key in keys:
+            for key in item:
                 with self._lock:
                     payload = self._pending.get(key)
                 if payload is None or not self.enabled:
                     continue
+                row, ready = payload
+                if ready is not None:
+                    ready.synchronize()  # gather_blocks' copy to the host has landed
                 try:
-                    self._write(key, payload)
+                    self._write(key, row)
                 except OSError as e:
                     self._disable(f"writing {self._path(key)} failed: {e}")
                     continue

@@ -245,13 +245,14 @@ class ModelRunner:
         are read back only under the same fingerprint."""
         mc = self.config.model_config
         hf_text = repr(mc.hf_config)  # (a transformers config's repr is its JSON)
+        weights = kv_offload.files_identity(mc.model)  # new weights at the same path: another model
         shapes = [(tuple(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors]
         parts = [
             "pagedserve-kv/1", f"model={mc.model}", f"load_format={mc.load_format}", f"quantization={mc.quantization}",
             f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}",
             f"block_size={self.block_size}", f"tp={self.config.parallel_config.tensor_parallel_size}",
             f"windows={self.kv_layout.group_windows}", f"tensors={shapes}",
-            "hf_config=" + kv_offload.checksum(hf_text.encode()).hex(),
+            "hf_config=" + kv_offload.checksum(hf_text.encode()).hex(), f"weights={weights}",
         ]
         return "|".join(parts)
 
@@ -502,8 +503,7 @@ class ModelRunner:
         if transfers.loads:
             tier = self.kv_tier
             ids = [b for b, _ in transfers.loads]
-            rows = torch.stack([tier.take(k) for _, k in transfers.loads])
-            kv_offload.scatter_blocks(self._kv_tensors, ids, rows)
+            kv_offload.scatter_blocks(self._kv_tensors, ids, [tier.take(k) for _, k in transfers.loads])
 
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
         rows, ready = kv_offload.gather_blocks(self._kv_tensors, [b for b, _ in pairs])

@@ -37,6 +37,7 @@ def make_scheduler(
     tier: FakeTier | None = None,
     preemption_mode: str = "recompute",
     radix: bool = False,
+    store_computed: bool = True,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_step_ms=max_step_ms,
@@ -50,7 +51,7 @@ def make_scheduler(
     )
     kvm = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching,
                          group_windows=group_windows, tier=tier, swap=preemption_mode == "swap",
-                         radix=radix)
+                         radix=radix, store_computed=store_computed)
     spec = None
     if num_speculative_tokens:  # n-gram drafts at any batch size
         spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1,

@@ -55,3 +55,16 @@ def test_partial_hit_copies_the_finished_requests_last_block() -> None:
     _, _, so = _second_turn(radix=False)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 8  # the hash chain: whole blocks only
     assert so.kv_transfers is None
+
+
+def test_tier_and_radix_are_refused_for_sliding_window_models() -> None:
+    import pytest
+    from core_helpers import FakeTier
+
+    from pagedserve.core.kv_cache_manager import KVCacheManager
+
+    for windows in [(5,), (None, 3)]:  # every layer sliding (Mistral), or a hybrid (Gemma 3)
+        with pytest.raises(ValueError, match="sliding-window"):
+            KVCacheManager(16, 4, 64, group_windows=windows, tier=FakeTier())
+        with pytest.raises(ValueError, match="sliding-window"):
+            KVCacheManager(16, 4, 64, group_windows=windows, radix=True)

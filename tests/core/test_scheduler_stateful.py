@@ -46,7 +46,7 @@ def configs(draw):
         group_windows=draw(st.sampled_from([(None,), (None,), (None, 3), (None, 2, 2), (5,)])),
         # The KV tier beneath the pool (one full-attention group only), of a few entries
         # or plenty, and whether preemption swaps to it.
-        tier=draw(st.sampled_from([None, None, "tier", "swap"])),
+        tier=draw(st.sampled_from([None, None, "tier", "swap", "swap-only"])),
         tier_capacity=draw(st.sampled_from([2, 8, 1000])),
         radix=draw(st.booleans()),
     )
@@ -72,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if mode is not None and cfg["group_windows"] == (None,):
             cfg["tier"] = FakeTier(capacity)
             cfg["preemption_mode"] = "recompute" if mode == "tier" else "swap"
+            cfg["store_computed"] = mode != "swap-only"  # a tier for swapping only
         self.sched = make_scheduler(**cfg)
         self.kvm = self.sched.kv_cache_manager
         self.runner = FakeRunner(self.sched)
@@ -304,7 +305,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=400,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -46,7 +46,7 @@ def save(tier, kv, block_ids: list[int], keys: list[int]) -> None:
 def load(tier, kv, block_ids: list[int], keys: list[int]) -> None:
     assert tier.lookup(keys) == len(keys)
     tier.claim(keys)
-    scatter_blocks(kv_block_tensors(kv), block_ids, torch.stack([tier.take(k) for k in keys]))
+    scatter_blocks(kv_block_tensors(kv), block_ids, [tier.take(k) for k in keys])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -228,7 +228,7 @@ def test_host_tier_is_bounded_lru() -> None:
     save(tier, kv, [3], [3])
     assert tier.contains(1) and not tier.contains(2) and tier.contains(3)
     dst = caches(seed=3)
-    scatter_blocks(kv_block_tensors(dst), [5], torch.stack([tier.take(1)]))
+    scatter_blocks(kv_block_tensors(dst), [5], [tier.take(1)])
     assert torch.equal(dst[1][1][5], kv[1][1][1])
 
 
@@ -256,3 +256,44 @@ def test_two_loads_of_one_key_in_a_step(tmp_path, kind) -> None:
     assert torch.equal(tier.take(9), tier.take(9))
     with pytest.raises(KeyError):
         tier.take(9)
+
+
+def test_payloads_are_separate_allocations() -> None:
+    """A tier frees entries one by one: no payload may keep a whole step's rows alive."""
+    rows, _ = gather_blocks(kv_block_tensors(caches()), [1, 2, 3])
+    assert len({row.untyped_storage().data_ptr() for row in rows}) == 3
+    assert all(row.untyped_storage().nbytes() == row.numel() for row in rows)
+
+
+def test_one_lookup_larger_than_the_staging_bound_is_claimed_whole(tmp_path, monkeypatch) -> None:
+    import pagedserve.worker.kv_offload as kv_offload
+
+    tier = disk_tier(tmp_path)
+    kv = caches()
+    save(tier, kv, [1, 2, 3, 4], [1, 2, 3, 4])
+    monkeypatch.setattr(kv_offload, "_MAX_STAGED_BYTES", tier.entry_bytes)  # room for one staged entry
+    assert tier.lookup([1, 2]) == 2  # staged, never claimed (the admission did not fit)
+    assert tier.lookup([3, 4]) == 2  # drops what the last lookup left, keeps its own
+    tier.claim([3, 4])
+    dst = caches(seed=2)
+    scatter_blocks(kv_block_tensors(dst), [5, 6], [tier.take(3), tier.take(4)])
+    assert torch.equal(dst[0][0][5:7], kv[0][0][3:5])
+    tier.close()
+
+
+def test_turning_off_keeps_what_a_lookup_already_verified(tmp_path) -> None:
+    tier = disk_tier(tmp_path)
+    save(tier, caches(), [1], [1])
+    assert tier.lookup([1]) == 1
+    tier._disable("the disk filled up")  # noqa: SLF001 - the writer thread's path
+    tier.claim([1])  # the admission that followed the lookup still gets its block
+    assert tier.take(1).numel() == tier.entry_bytes and tier.lookup([1]) == 0
+
+
+def test_files_identity_changes_with_the_weights(tmp_path) -> None:
+    from pagedserve.worker.kv_offload import files_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 10)
+    before = files_identity(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 11)
+    assert files_identity(str(tmp_path)) != before and files_identity("smollm2-135m-instruct") == ""
