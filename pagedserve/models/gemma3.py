@@ -30,9 +30,9 @@ from pagedserve.layers.activation import GeluTanhAndMul
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.layernorm import GemmaRMSNorm
-from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.rotary_embedding import RotaryEmbedding, get_rope
-from pagedserve.models.llama import LlamaForCausalLM, head_dim_of
+from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
 from pagedserve.models.utils import load_named_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -94,19 +94,12 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"unsupported hidden_activation {act!r} for Gemma 3: only 'gelu_pytorch_tanh'")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
-        self.act_fn = GeluTanhAndMul()
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+def gemma3_mlp(config: Any) -> LlamaMLP:
+    """Llama's gated MLP with GELU-tanh in place of SiLU (no biases in Gemma 3)."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported hidden_activation {act!r} for Gemma 3: only 'gelu_pytorch_tanh'")
+    return LlamaMLP(config, act_fn=GeluTanhAndMul())
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -118,7 +111,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, rotary_emb, sliding_window)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = gemma3_mlp(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:

@@ -80,15 +80,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None, act_fn: nn.Module | None = None) -> None:
+        """`act_fn`: the gated activation of another family (Gemma's GELU-tanh), checked
+        by its caller; None: the config's hidden_act, which must be SwiGLU's silu."""
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+        if act_fn is None:
+            act = getattr(config, "hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+            act_fn = SiluAndMul()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

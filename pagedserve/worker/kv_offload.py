@@ -171,10 +171,6 @@ class _TierBase:
             ready.synchronize()
         return row
 
-    def stats(self) -> dict[str, int]:
-        return {"stored": self.num_stored, "loaded": self.num_loaded, "dropped": self.num_dropped,
-                "invalid": self.num_invalid}
-
 
 class HostKVTier(_TierBase):
     """Blocks in host memory (pinned on CUDA), least recently used evicted first."""
@@ -231,7 +227,6 @@ class DiskKVTier(_TierBase):
     def __init__(self, directory: str, capacity_bytes: int, entry_bytes: int, fingerprint: str) -> None:
         super().__init__(capacity_bytes, entry_bytes)
         self.directory = Path(directory)
-        self.fingerprint = fingerprint
         self._digest = hashlib.sha256(fingerprint.encode()).digest()
         self._prefix = self._digest.hex()[:16] + "-"
         self._file_bytes = _HEADER.size + entry_bytes
