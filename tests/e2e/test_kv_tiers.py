@@ -51,9 +51,9 @@ def test_offload_then_reload_across_engines(tiny_checkpoint, tmp_path) -> None:
     first = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
     assert greedy(first, prompts) == ref
     written = cached_block_bytes(first.llm_engine)
+    first.llm_engine.shutdown()  # queued writes finish (the stored count follows the writer thread)
     stats = first.llm_engine.get_stats()
     assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_stored_blocks == len(written) > 8
-    first.llm_engine.shutdown()  # queued writes finish
 
     second = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
     computed = count_computed_tokens(second.llm_engine)
