@@ -143,6 +143,43 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    # Engine replicas, each a Ray actor holding a whole engine (engine/data_parallel.py);
+    # 1 runs the engine in this process and needs no Ray.
+    data_parallel_size: int = 1
+    ray_address: str | None = None  # None: start a local Ray; "auto" or "HOST:PORT": join that cluster
+    cpus_per_replica: int | None = None  # None: this machine's cores / data_parallel_size (at least 1)
+
+
+ROUTER_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+@dataclass
+class RouterConfig:
+    """How the data-parallel front end picks a replica for each request (engine/router.py).
+
+    cache_aware sends a request to the replica whose prefix index matches most of its
+    prompt, when the match covers at least `cache_threshold` of it; otherwise, and
+    whenever the loads are imbalanced (the busiest replica's load exceeds the idlest's by
+    more than `balance_abs_threshold` AND by more than `balance_rel_threshold` times), to
+    the least loaded one.  Load is vLLM's: waiting x 4 + running."""
+
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
+        if isinstance(self.cache_threshold, bool) or not isinstance(self.cache_threshold, (int, float)) or not (
+                0.0 <= self.cache_threshold <= 1.0):
+            raise ValueError(f"router_cache_threshold must be in [0, 1], got {self.cache_threshold!r}")
+        if isinstance(self.balance_abs_threshold, bool) or not isinstance(self.balance_abs_threshold, int) or (
+                self.balance_abs_threshold < 0):
+            raise ValueError(f"router_balance_abs_threshold must be an integer >= 0, got {self.balance_abs_threshold!r}")
+        if isinstance(self.balance_rel_threshold, bool) or not isinstance(
+                self.balance_rel_threshold, (int, float)) or self.balance_rel_threshold < 1.0:
+            raise ValueError(f"router_balance_rel_threshold must be a number >= 1, got {self.balance_rel_threshold!r}")
 
 
 @dataclass
@@ -243,3 +280,4 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    router_config: RouterConfig = field(default_factory=RouterConfig)  # data parallelism only

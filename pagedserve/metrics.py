@@ -75,61 +75,127 @@ class StatLogger(Protocol):
     def record(self, sched: SchedulerStats, it: IterationStats) -> None: ...
 
 
-class PrometheusStatLogger:
-    """vLLM's metric names on a caller-supplied registry (one per app, so tests can run
-    several servers in one process without duplicate-registration errors)."""
+class PrometheusFamilies:
+    """The metric families, registered once per registry; each engine's logger binds its labels."""
 
-    def __init__(self, registry: Any, model_name: str) -> None:
+    def __init__(self, registry: Any) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
-        labels = ["model_name"]
+        kw = {"registry": registry, "labelnames": ["model_name", "engine"]}
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", **kw)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", **kw)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", **kw)
+        self.pc_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", **kw)
+        self.pc_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", **kw)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative preemptions.", **kw)
+        self.ext_queries = Counter("vllm:external_prefix_cache_queries",
+                                   "KV tier (offload) queries past the pool's prefix hit, in tokens.", **kw)
+        self.ext_hits = Counter("vllm:external_prefix_cache_hits",
+                                "KV tier (offload) hits: tokens loaded instead of computed.", **kw)
+        self.offload_stored = Counter("pagedserve:kv_offload_stored_blocks", "KV blocks written to the tier.", **kw)
+        self.offload_invalid = Counter("pagedserve:kv_offload_invalid_blocks",
+                                       "KV tier entries found truncated, corrupted or foreign (removed).", **kw)
+        self.structured = Gauge("pagedserve:num_requests_structured",
+                                "Unfinished requests with a structured-output grammar.", **kw)
+        self.grammar_compiles = Counter("pagedserve:grammar_compiles", "Grammars compiled.", **kw)
+        self.grammar_hits = Counter("pagedserve:grammar_cache_hits",
+                                    "Requests whose grammar came from the compile cache.", **kw)
+        self.grammar_seconds = Counter("pagedserve:grammar_compile_seconds",
+                                       "Time spent compiling grammars (off the engine loop).", **kw)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts",
+                                   "Speculative decoding: verification steps with drafts.", **kw)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens",
+                                         "Speculative decoding: draft tokens proposed.", **kw)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Speculative decoding: draft tokens accepted.", **kw)
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Speculative decoding: draft tokens accepted, by draft position.",
+                                    registry=registry, labelnames=["model_name", "engine", "position"])
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", **kw)
+        self.gen_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", **kw)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               registry=registry, labelnames=["model_name", "engine", "finished_reason"])
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, **kw)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", buckets=_ITL_BUCKETS, **kw)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_E2E_BUCKETS, **kw)
+
+
+def make_prometheus_loggers(registry: Any, model_name: str, num_engines: int = 1) -> list[PrometheusStatLogger]:
+    """One logger per engine (data-parallel replica), sharing one set of families."""
+    families = PrometheusFamilies(registry)
+    return [PrometheusStatLogger(families, model_name, engine=i) for i in range(num_engines)]
+
+
+class RouterMetrics:
+    """The data-parallel router's own series: requests sent to each replica, those sent
+    for its cache (cache_aware affinity), retries after a replica failed, and which
+    replicas are up and how often they came back."""
+
+    def __init__(self, registry: Any, model_name: str, num_engines: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        kw = {"registry": registry, "labelnames": ["model_name", "engine"]}
+        requests = Counter("pagedserve:router_requests", "Requests the router sent to each replica.", **kw)
+        affinity = Counter("pagedserve:router_affinity_hits",
+                           "Requests sent to a replica because its prefix index matched the prompt.", **kw)
+        up = Gauge("pagedserve:router_replica_up", "1 while the replica serves, 0 while it is down.", **kw)
+        restarts = Counter("pagedserve:router_replica_restarts", "Times the replica came back after failing.", **kw)
+        engines = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
+        self.requests = [requests.labels(**e) for e in engines]
+        self.affinity_hits = [affinity.labels(**e) for e in engines]
+        self.up = [up.labels(**e) for e in engines]
+        self.restarts = [restarts.labels(**e) for e in engines]
+        self.retries = Counter("pagedserve:router_retries",
+                               "Requests sent again to another replica after theirs failed before any token.",
+                               registry=registry, labelnames=["model_name"]).labels(model_name=model_name)
+        for gauge in self.up:
+            gauge.set(1)
+
+
+class PrometheusStatLogger:
+    """vLLM's metric names on a caller-supplied registry (one per app, so tests can run
+    several servers in one process without duplicate-registration errors), one logger per
+    engine: every series carries vLLM's `engine` label (its index among data-parallel
+    replicas; "0" for a single engine).  Build them with `make_prometheus_loggers`."""
+
+    def __init__(self, families: PrometheusFamilies, model_name: str, engine: int = 0) -> None:
+        f = families
+        labels = {"model_name": model_name, "engine": str(engine)}
 
         def lab(metric: Any) -> Any:
-            return metric.labels(model_name=model_name)
+            return metric.labels(**labels)
 
-        kw = {"registry": registry, "labelnames": labels}
-        self.running = lab(Gauge("vllm:num_requests_running", "Requests in the running batch.", **kw))
-        self.waiting = lab(Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", **kw))
-        self.kv_usage = lab(Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", **kw))
-        self.pc_queries = lab(Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", **kw))
-        self.pc_hits = lab(Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", **kw))
-        self.preemptions = lab(Counter("vllm:num_preemptions", "Cumulative preemptions.", **kw))
-        self.ext_queries = lab(Counter("vllm:external_prefix_cache_queries",
-                                       "KV tier (offload) queries past the pool's prefix hit, in tokens.", **kw))
-        self.ext_hits = lab(Counter("vllm:external_prefix_cache_hits",
-                                    "KV tier (offload) hits: tokens loaded instead of computed.", **kw))
-        self.offload_stored = lab(Counter("pagedserve:kv_offload_stored_blocks", "KV blocks written to the tier.",
-                                          **kw))
-        self.offload_invalid = lab(Counter("pagedserve:kv_offload_invalid_blocks",
-                                           "KV tier entries found truncated, corrupted or foreign (removed).", **kw))
-        self.structured = lab(Gauge("pagedserve:num_requests_structured",
-                                    "Unfinished requests with a structured-output grammar.", **kw))
-        self.grammar_compiles = lab(Counter("pagedserve:grammar_compiles", "Grammars compiled.", **kw))
-        self.grammar_hits = lab(Counter("pagedserve:grammar_cache_hits",
-                                        "Requests whose grammar came from the compile cache.", **kw))
-        self.grammar_seconds = lab(Counter("pagedserve:grammar_compile_seconds",
-                                           "Time spent compiling grammars (off the engine loop).", **kw))
-        self.spec_drafts = lab(Counter("vllm:spec_decode_num_drafts",
-                                       "Speculative decoding: verification steps with drafts.", **kw))
-        self.spec_draft_tokens = lab(Counter("vllm:spec_decode_num_draft_tokens",
-                                             "Speculative decoding: draft tokens proposed.", **kw))
-        self.spec_accepted = lab(Counter("vllm:spec_decode_num_accepted_tokens",
-                                         "Speculative decoding: draft tokens accepted.", **kw))
-        self.spec_per_pos_family = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                           "Speculative decoding: draft tokens accepted, by draft position.",
-                                           registry=registry, labelnames=["model_name", "position"])
-        self.model_name = model_name
-        self.prompt_tokens = lab(Counter("vllm:prompt_tokens", "Prefill tokens processed.", **kw))
-        self.gen_tokens = lab(Counter("vllm:generation_tokens", "Generation tokens processed.", **kw))
-        success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                          registry=registry, labelnames=["model_name", "finished_reason"])
-        self.success = {r: success.labels(model_name=model_name, finished_reason=r) for r in FINISH_REASONS}
-        self.ttft = lab(Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                                  buckets=_TTFT_BUCKETS, **kw))
-        self.itl = lab(Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
-                                 buckets=_ITL_BUCKETS, **kw))
-        self.e2e = lab(Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                                 buckets=_E2E_BUCKETS, **kw))
+        self.running = lab(f.running)
+        self.waiting = lab(f.waiting)
+        self.kv_usage = lab(f.kv_usage)
+        self.pc_queries = lab(f.pc_queries)
+        self.pc_hits = lab(f.pc_hits)
+        self.preemptions = lab(f.preemptions)
+        self.ext_queries = lab(f.ext_queries)
+        self.ext_hits = lab(f.ext_hits)
+        self.offload_stored = lab(f.offload_stored)
+        self.offload_invalid = lab(f.offload_invalid)
+        self.structured = lab(f.structured)
+        self.grammar_compiles = lab(f.grammar_compiles)
+        self.grammar_hits = lab(f.grammar_hits)
+        self.grammar_seconds = lab(f.grammar_seconds)
+        self.spec_drafts = lab(f.spec_drafts)
+        self.spec_draft_tokens = lab(f.spec_draft_tokens)
+        self.spec_accepted = lab(f.spec_accepted)
+        self.spec_per_pos_family = f.spec_per_pos
+        self.labels = labels
+        self.prompt_tokens = lab(f.prompt_tokens)
+        self.gen_tokens = lab(f.gen_tokens)
+        self.success = {r: f.success.labels(finished_reason=r, **labels) for r in FINISH_REASONS}
+        self.ttft = lab(f.ttft)
+        self.itl = lab(f.itl)
+        self.e2e = lab(f.e2e)
+        self._last = SchedulerStats()
+
+    def engine_restarted(self) -> None:
+        """The engine's cumulative counters start again from 0 (a replica came back)."""
         self._last = SchedulerStats()
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
@@ -156,7 +222,7 @@ class PrometheusStatLogger:
         for pos, n in enumerate(sched.spec_decode_num_accepted_tokens_per_pos):
             delta = n - (last_pos[pos] if pos < len(last_pos) else 0)
             if delta > 0:
-                self.spec_per_pos_family.labels(model_name=self.model_name, position=str(pos)).inc(delta)
+                self.spec_per_pos_family.labels(position=str(pos), **self.labels).inc(delta)
         self._last = sched
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
@@ -177,10 +243,12 @@ class LoggingStatLogger:
     the interval has passed and something happened (silent while the server idles)."""
 
     def __init__(self, interval: float = 10.0, log: logging.Logger = logger, device: str = "GPU",
-                 start: float | None = None) -> None:
+                 start: float | None = None, prefix: str = "") -> None:
         """`device` names where the KV cache lives ("GPU", as vLLM says, or "CPU");
-        `start`: the monotonic time the first interval counts from (default: now)."""
+        `start`: the monotonic time the first interval counts from (default: now);
+        `prefix` starts each line (data-parallel replicas: "Engine 001: ", as vLLM writes)."""
         self.interval = interval
+        self.prefix = prefix
         self.device = device
         self.log = log
         self._lock = threading.Lock()
@@ -210,7 +278,7 @@ class LoggingStatLogger:
                 return None  # nothing new since the last (idle) line
             hit_rate = 100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
             line = (
-                f"Avg prompt throughput: {self._prompt / elapsed:.1f} tokens/s, "
+                f"{self.prefix}Avg prompt throughput: {self._prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._gen / elapsed:.1f} tokens/s, "
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
                 f"{self.device} KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "

@@ -9,9 +9,9 @@ import pytest
 from pagedserve.metrics import (
     IterationStats,
     LoggingStatLogger,
-    PrometheusStatLogger,
     SchedulerStats,
     SeriesStatLogger,
+    make_prometheus_loggers,
 )
 
 
@@ -57,12 +57,12 @@ def test_speculative_decoding_acceptance_in_the_log_line_and_prometheus():
     assert log.maybe_log(now=t0 + 20.0).endswith("Draft acceptance rate: 25.0% (1/4 tokens)")  # this interval's
 
     registry = CollectorRegistry()
-    prom = PrometheusStatLogger(registry, "m")
+    prom = make_prometheus_loggers(registry, "m")[0]
     prom.record(first, IterationStats())
     prom.record(second, IterationStats())
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {"model_name": "m", **labels})
+        return registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
 
     assert value("vllm:spec_decode_num_drafts_total") == 5
     assert value("vllm:spec_decode_num_draft_tokens_total") == 14

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -20,12 +21,14 @@ from pagedserve.config import (
     PREEMPTION_MODES,
     PREFIX_CACHING_ALGOS,
     QUANTIZATION_METHODS,
+    ROUTER_POLICIES,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    RouterConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -75,6 +78,22 @@ _HELP = {
                      "unless --enforce-eager; the environment variable PAGEDSERVE_TORCH_COMPILE=0/1 "
                      "sets the default)",
     "tensor_parallel_size": "number of processes (GPUs, or CPU ranks over gloo) to shard the model over",
+    "data_parallel_size": "engine replicas, each a Ray actor with a whole engine (its own scheduler, KV cache and "
+                          "tensor-parallel group), behind one router; 1 needs no Ray",
+    "ray_address": "Ray cluster the replicas join: auto (the one `ray start` began on this node) or HOST:PORT of "
+                   "its head (default: start a local Ray with the resources the replicas need)",
+    "cpus_per_replica": "CPU cores each replica reserves in Ray and runs its threads on (default: this "
+                        "machine's cores / data_parallel_size, at least 1)",
+    "router_policy": "how a replica is picked: cache_aware (the replica holding the longest prefix of the "
+                     "prompt, unless loads are imbalanced), least_loaded (waiting x 4 + running) or round_robin "
+                     "(default: cache_aware)",
+    "router_cache_threshold": "cache_aware: smallest fraction of the prompt a replica's prefix match must cover "
+                              "to win; below it the least loaded replica gets the request (default: 0.5)",
+    "router_balance_abs_threshold": "cache_aware: loads count as imbalanced, and the least loaded replica gets "
+                                    "the request whatever the others cache, when the busiest replica's load "
+                                    "(waiting x 4 + running) exceeds the idlest's by more than this and by more "
+                                    "than router_balance_rel_threshold times (default: 32)",
+    "router_balance_rel_threshold": "cache_aware: the relative half of the imbalance test above (default: 1.5)",
     "chat_template": "Jinja chat template, or a path to a file holding one",
     "attention_backend": "attention implementation (default: the best for the device)",
     "enable_chunked_prefill": "split long prompts over several steps",
@@ -125,6 +144,15 @@ class EngineArgs:
     load_format: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # Data parallelism (engine/data_parallel.py): replicas on Ray behind one router.  The
+    # router fields are None when not given: they mean something only with replicas.
+    data_parallel_size: int = 1
+    ray_address: str | None = None
+    cpus_per_replica: int | None = None
+    router_policy: str | None = None
+    router_cache_threshold: float | None = None
+    router_balance_abs_threshold: int | None = None
+    router_balance_rel_threshold: float | None = None
     chat_template: str | None = None
     attention_backend: str | None = None
     enable_chunked_prefill: bool = True
@@ -172,7 +200,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise bad(name, "a positive integer or None")
-        for name in ("max_num_seqs", "tensor_parallel_size", "max_n"):
+        for name in ("max_num_seqs", "tensor_parallel_size", "max_n", "data_parallel_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "a positive integer")
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -182,6 +210,7 @@ class EngineArgs:
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
         self._validate_kv_tier()
+        self._validate_data_parallel()
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
@@ -251,6 +280,40 @@ class EngineArgs:
             raise ValueError("kv_offload_dir/kv_offload_bytes: the KV tier holds prefix-cache blocks, so it needs "
                              "enable_prefix_caching (or preemption_mode='swap', which uses it without)")
 
+    def _validate_data_parallel(self) -> None:
+        router = {k: v for k, v in self.router_settings().items() if v is not None}
+        if self.data_parallel_size == 1:
+            given = [n for n in ("ray_address", "cpus_per_replica") if getattr(self, n) is not None]
+            given += [f"router_{k}" for k in router]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only data-parallel replicas use this; set "
+                                 "data_parallel_size > 1 (or leave it out)")
+            return
+        self.router_config()  # its own checks, naming the argument
+        address = self.ray_address
+        if address is not None and (not isinstance(address, str) or not re.fullmatch(r"auto|[\w.\-]+:\d+", address)):
+            raise ValueError(f"ray_address must be 'auto' or HOST:PORT of the cluster's head, got {address!r}")
+        if self.cpus_per_replica is not None and (not is_int(self.cpus_per_replica) or self.cpus_per_replica < 1):
+            raise ValueError(f"cpus_per_replica must be a positive integer, got {self.cpus_per_replica!r}")
+
+    def router_settings(self) -> dict[str, Any]:
+        """The router_* arguments as RouterConfig fields (None: not given)."""
+        return {"policy": self.router_policy, "cache_threshold": self.router_cache_threshold,
+                "balance_abs_threshold": self.router_balance_abs_threshold,
+                "balance_rel_threshold": self.router_balance_rel_threshold}
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(**{k: v for k, v in self.router_settings().items() if v is not None})
+
+    def for_replica(self, index: int) -> EngineArgs:
+        """One data-parallel replica's own engine: no replicas of its own, and a KV tier
+        directory of its own (two engines writing one directory would evict each other's
+        files behind their backs)."""
+        tier_dir = None if self.kv_offload_dir is None else os.path.join(self.kv_offload_dir, f"replica-{index}")
+        return self.replace(data_parallel_size=1, ray_address=None, cpus_per_replica=None, router_policy=None,
+                            router_cache_threshold=None, router_balance_abs_threshold=None,
+                            router_balance_rel_threshold=None, kv_offload_dir=tier_dir)
+
     def _parse_speculative_config(self) -> SpeculativeConfig | None:
         value = self.speculative_config
         if value is None:
@@ -305,13 +368,16 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling, max_n=self.max_n, max_step_ms=self.max_step_ms,
                 preemption_mode=self.preemption_mode,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           data_parallel_size=self.data_parallel_size, ray_address=self.ray_address,
+                                           cpus_per_replica=self.cpus_per_replica),
             device_config=DeviceConfig(
                 device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
                 torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
             ),
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
             speculative_config=self._speculative,
+            router_config=self.router_config(),
         )
 
     # ------------------------------------------------------------------ CLI
@@ -338,7 +404,7 @@ class EngineArgs:
                            "generation_config": ("auto", "vllm"),
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
                            "quantization": QUANTIZATION_METHODS, "preemption_mode": PREEMPTION_MODES,
-                           "prefix_caching_algo": PREFIX_CACHING_ALGOS}.get(f.name)
+                           "prefix_caching_algo": PREFIX_CACHING_ALGOS, "router_policy": ROUTER_POLICIES}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 
@@ -354,10 +420,11 @@ class EngineArgs:
 
 _OPTIONAL_BOOLS = {"async_scheduling", "torch_compile"}  # None = decided later; --flag / --no-flag
 # Other spellings: vLLM's short ones, and its current and older names for ours.
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "quantization": ("-q",),
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "quantization": ("-q",),
                 "structured_outputs_backend": ("--structured-outputs-config.backend", "--guided-decoding-backend")}
-_FLOAT_FIELDS = {"max_step_ms"}
-_INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"}
+_FLOAT_FIELDS = {"max_step_ms", "router_cache_threshold", "router_balance_rel_threshold"}
+_INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "cpus_per_replica",
+               "router_balance_abs_threshold"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
@@ -66,7 +66,7 @@ class EngineShutdownError(RuntimeError):
     """The server is shutting down: the request was not accepted, or it was aborted."""
 
 
-class _Collector:
+class OutputCollector:
     """Newest cumulative output (or an error) for one request; lives on the event loop."""
 
     __slots__ = ("item", "ready")
@@ -144,7 +144,7 @@ class AsyncLLM:
             self.stat_loggers.append(self.log_stats)
         self.dead_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._collectors: dict[str, _Collector] = {}
+        self._collectors: dict[str, OutputCollector] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -170,6 +170,11 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def serving(self) -> bool:
+        """Can take requests now (the data-parallel client's answer can change back and forth)."""
+        return self.dead_error is None
 
     @property
     def num_open_requests(self) -> int:
@@ -207,10 +212,11 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ client API
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, final_only: bool = False) -> RequestStream:
         """Validate and queue one request; returns once the engine has accepted it, so a
         bad request raises (ValueError / InvalidRequestError) before a server has sent
-        anything.  The returned stream must be read to its end or closed."""
+        anything.  The returned stream must be read to its end or closed; with
+        `final_only` it yields the finished output alone (a non-streaming response)."""
         self.start()
         if self.dead_error is not None:
             raise _dead(self.dead_error) from self.dead_error
@@ -227,7 +233,7 @@ class AsyncLLM:
             # before the engine sees the request, and the engine loop never waits for one.
             await asyncio.wrap_future(self.engine.structured_output.compile(sampling_params.structured_outputs))
         assert self._loop is not None
-        collector = _Collector()
+        collector = OutputCollector()
         self._collectors[request_id] = collector
         future = self._loop.create_future()
         self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), future))
@@ -242,7 +248,7 @@ class AsyncLLM:
         finally:
             self._pending_adds -= 1
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
-        return RequestStream(self, request_id, collector, deadline)
+        return RequestStream(self, request_id, collector, deadline, final_only)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -262,7 +268,7 @@ class AsyncLLM:
         if collector is not None:
             collector.put(asyncio.CancelledError(f"request {request_id} aborted"))
 
-    def _forget(self, request_id: str, abort: bool) -> None:
+    def forget(self, request_id: str, abort: bool) -> None:
         """A stream is done with its request (finished, or closed early: abort it).  The
         abort is FIFO after the add, and the engine thread ignores ids it does not hold."""
         self._collectors.pop(request_id, None)
@@ -433,19 +439,29 @@ class AsyncLLM:
                 cmd.future.set_exception(_dead(error))
 
 
+class StreamOwner(Protocol):
+    """What a RequestStream reports to: the client that accepted its request."""
+
+    request_timeout: float | None
+
+    def forget(self, request_id: str, abort: bool) -> None: ...
+
+
 class RequestStream:
     """The outputs of one accepted request, newest first-come (cumulative snapshots).
 
     Reading past the final output ends the iteration; `close()` before that, or being
     cancelled while waiting, aborts the request; so does being dropped unread."""
 
-    def __init__(self, llm: AsyncLLM, request_id: str, collector: _Collector,
-                 deadline: float | None = None) -> None:
-        """`deadline` (time.monotonic()): past it the stream raises RequestTimeoutError."""
-        self._llm = llm
+    def __init__(self, owner: StreamOwner, request_id: str, collector: OutputCollector,
+                 deadline: float | None = None, final_only: bool = False) -> None:
+        """`deadline` (time.monotonic()): past it the stream raises RequestTimeoutError;
+        `final_only`: intermediate outputs are skipped."""
+        self._owner = owner
         self.request_id = request_id
         self._collector = collector
         self._deadline = deadline
+        self._final_only = final_only
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -455,27 +471,31 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            if self._deadline is None:
-                out = await self._collector.get()
-            else:
-                try:
-                    out = await asyncio.wait_for(self._collector.get(), max(0.0, self._deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    raise RequestTimeoutError(
-                        f"The request ran longer than the server's request timeout "
-                        f"({self._llm.request_timeout:g} s) and was aborted.") from None
+            out = await self._next()
+            while self._final_only and not out.finished:
+                out = await self._next()
         except BaseException:
             self.close()
             raise
         if out.finished:
             self._done = True
-            self._llm._forget(self.request_id, abort=False)
+            self._owner.forget(self.request_id, abort=False)
         return out
+
+    async def _next(self) -> RequestOutput:
+        if self._deadline is None:
+            return await self._collector.get()
+        try:
+            return await asyncio.wait_for(self._collector.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"The request ran longer than the server's request timeout "
+                f"({self._owner.request_timeout:g} s) and was aborted.") from None
 
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._llm._forget(self.request_id, abort=True)
+            self._owner.forget(self.request_id, abort=True)
 
     def __del__(self) -> None:
         self.close()

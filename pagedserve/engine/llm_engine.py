@@ -15,7 +15,7 @@ so the engine is idle with every block free.
 from __future__ import annotations
 
 import copy
-import json
+import itertools
 import logging
 import numbers
 import threading
@@ -23,7 +23,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,7 +35,8 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.snapshot import KVSnapshot
-from pagedserve.engine.arg_utils import EngineArgs, read_chat_template
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.chat_utils import encode_chat, render_chat
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
@@ -138,6 +139,14 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
     return DraftModelProposer(runner, num_blocks, num_seqs, spec.num_speculative_tokens)
 
 
+class BatchProgress(Protocol):
+    """What `LLMEngine.run_batch` reports to (a progress bar)."""
+
+    def finished_one(self) -> None: ...
+
+    def tick(self) -> None: ...
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_executor: ModelExecutor, tokenizer: Any = None,
                  vocab_size: int | None = None, extra_eos_token_ids: list[int] | None = None,
@@ -148,6 +157,7 @@ class LLMEngine:
         self.model_config = config.model_config
         self.model_executor = model_executor
         self.tokenizer = tokenizer
+        self._batch_ids = itertools.count()  # request ids of run_batch
         hf_config = config.model_config.hf_config
         self.vocab_size = vocab_size or getattr(hf_config, "vocab_size", None)
         if self.vocab_size is None:
@@ -188,6 +198,10 @@ class LLMEngine:
         from pagedserve.model_loader import get_model, load_tokenizer, resolve_device
         from pagedserve.worker.model_runner import ModelRunner
 
+        if engine_args.data_parallel_size > 1:
+            raise ValueError(f"one LLMEngine cannot hold {engine_args.data_parallel_size} data-parallel replicas: "
+                             "LLM(..., data_parallel_size=N) and `pagedserve serve --data-parallel-size N` run them "
+                             "(generate and chat run one engine)")
         t0 = time.perf_counter()
         if engine_args.device in ("auto", "cpu"):
             start_cpu_kernel_builds()  # they compile (first run) while the config, tokenizer and weights load
@@ -277,6 +291,40 @@ class LLMEngine:
         if compiled is not None and not compiled.done():
             self._compiling[request_id] = compiled
 
+
+    def run_batch(self, prompts: list[Any], params: list[SamplingParams], priority: list[int] | None = None,
+                  progress: BatchProgress | None = None) -> list[RequestOutput]:
+        """The offline batch loop (`LLM.generate`, and each data-parallel replica's share of
+        one): compile every grammar first (an invalid one is a ValueError before any request
+        runs), add every prompt as FINAL_ONLY (one RequestOutput per request instead of a
+        cumulative copy every step), step until all are done, return them in input order."""
+        for compiled in [self.structured_output.compile(sp.structured_outputs)
+                         for sp in params if sp.structured_outputs is not None]:
+            compiled.result()
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                rid = str(next(self._batch_ids))
+                self.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
+                                 output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(rid)
+            pending = set(ids)
+            while pending:
+                if not self.has_unfinished_requests():
+                    raise RuntimeError(f"the engine lost {len(pending)} request(s)")
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if progress is not None:
+                            progress.finished_one()
+                if progress is not None:
+                    progress.tick()
+        finally:
+            # A bad prompt in the middle, or Ctrl-C: leave the engine clean for the next call.
+            self.abort_request(ids)
+        return [results[rid] for rid in ids]
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drop requests (unknown or finished ids are ignored); their blocks are freed now."""
@@ -570,43 +618,16 @@ class LLMEngine:
         return self.model_config.chat_template or getattr(self.tokenizer, "chat_template", None) or None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                            add_generation_prompt: bool = True, *, tools: list[dict[str, Any]] | None = None,
-                            chat_template_kwargs: dict[str, Any] | None = None,
-                            continue_final_message: bool = False) -> str:
-        """Render one conversation to prompt text with the model's (or the given) template.
-        `tools` (OpenAI's function definitions) and `chat_template_kwargs` (e.g. Qwen3's
-        enable_thinking) reach the template; `continue_final_message` leaves the last
-        (assistant) message open for the model to go on with."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so chat templates cannot be applied")
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-        ):
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
-            raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
-        messages = [_normalise_message(m) for m in messages]
-        template = read_chat_template(chat_template) or self.chat_template
-        if not template:
-            raise ValueError("the model has no chat template; pass chat_template=... (a Jinja string or file)")
-        kwargs = dict(chat_template_kwargs or {})
-        reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kwargs)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                tools=tools, continue_final_message=continue_final_message, **kwargs)
-        except Exception as e:  # jinja2 errors come in many types; the user needs the message
-            raise ValueError(f"applying the chat template failed: {e}") from e
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render one conversation to prompt text (chat_utils.render_chat says how)."""
+        return render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
+                           **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """Chat prompt as {'prompt', 'prompt_token_ids'} (kwargs: apply_chat_template's).
-        The template already holds any BOS text, so the tokenizer must not add special
-        tokens a second time."""
-        text = self.apply_chat_template(messages, chat_template, add_generation_prompt, **kwargs)
-        return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+        """Chat prompt as {'prompt', 'prompt_token_ids'} (chat_utils.encode_chat)."""
+        return encode_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
+                           **kwargs)
 
 
 def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, speculative: bool = False) -> bool:
@@ -622,40 +643,6 @@ def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, specul
         raise ValueError(f"async_scheduling=True needs a model executor that can launch steps asynchronously; "
                          f"{type(executor).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")
     return bool(value)
-
-
-def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The one place messages are normalised for chat templates (the server and `LLM.chat`
-    both come here): OpenAI-style content parts [{"type": "text", "text": ...}] become one
-    string, joined with newlines as vLLM does; no content is "" (an assistant turn that
-    only called tools); tool-call arguments sent as JSON text become the objects that
-    templates render."""
-    content = message.get("content")
-    message = {**message}
-    if content is None:
-        message["content"] = ""
-    elif isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got {part!r}")
-            texts.append(part["text"])
-        message["content"] = "\n".join(texts)
-    calls = message.get("tool_calls")
-    if isinstance(calls, list):
-        message["tool_calls"] = [_tool_call_for_template(c) for c in calls]
-    return message
-
-
-def _tool_call_for_template(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> tuple[int | None, list[int]]:

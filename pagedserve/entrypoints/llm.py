@@ -1,20 +1,17 @@
 """The offline API: `LLM(model, **engine_args).generate(prompts, params)`.
 
-A thin loop over LLMEngine: add every prompt, step until all are done, return the
-outputs in input order.  Requests ask for FINAL_ONLY outputs, so the engine builds
-one RequestOutput per request instead of a cumulative copy every step.
+Prompts are normalised here and handed to `LLMEngine.run_batch` (the batch loop), or with
+data_parallel_size > 1 split over engine replicas on Ray (`engine/data_parallel.py`).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.output_processor import RequestOutputKind
+from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -22,34 +19,58 @@ Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
+class BatchEngine(Protocol):
+    """What `LLM` drives: an `LLMEngine`, or data-parallel replicas (`ReplicaSet`)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def sampling_defaults(self) -> dict[str, Any]: ...
+
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]: ...
+
+    def run_batch(self, prompts: list[Any], params: list[SamplingParams], priority: list[int] | None = None,
+                  progress: BatchProgress | None = None) -> list[RequestOutput]: ...
+
+    def shutdown(self) -> None: ...
+
+
 class LLM:
     """An engine plus the batch loop.  Keyword arguments are EngineArgs fields
-    (dtype, max_model_len, enable_prefix_caching, kv_cache_memory_bytes, ...)."""
+    (dtype, max_model_len, enable_prefix_caching, kv_cache_memory_bytes, ...);
+    data_parallel_size=N runs N engine replicas on Ray and splits each batch over them
+    (`llm_engine` is then None)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs("LLM()", model=model, **engine_args)
-        self.llm_engine = LLMEngine.from_engine_args(args)
-        self._request_counter = itertools.count()
+        self.llm_engine: LLMEngine | None = None
+        if args.data_parallel_size > 1:
+            from pagedserve.engine.data_parallel import ReplicaSet
+
+            self.engine: BatchEngine = ReplicaSet(args)
+        else:
+            self.engine = self.llm_engine = LLMEngine.from_engine_args(args)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an already built engine (tests, custom runners)."""
         llm = cls.__new__(cls)
-        llm.llm_engine = engine
-        llm._request_counter = itertools.count()
+        llm.engine = llm.llm_engine = engine
         return llm
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate()` uses when given no SamplingParams: the model's generation-config
         defaults (--generation-config auto), else the built-in ones."""
-        return SamplingParams(**self.llm_engine.sampling_defaults())
+        return SamplingParams(**self.engine.sampling_defaults())
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes now (otherwise: when garbage collected or at exit)."""
-        self.llm_engine.shutdown()
+        """Stop tensor-parallel worker processes and data-parallel replicas now (otherwise:
+        when garbage collected or at exit)."""
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -88,7 +109,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        engine = self.llm_engine
+        engine = self.engine
         prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools,
                                       chat_template_kwargs=chat_template_kwargs,
                                       continue_final_message=continue_final_message)
@@ -99,61 +120,30 @@ class LLM:
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
              priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        engine = self.llm_engine
-        # Every grammar compiles first (in parallel, in the engine's pool): an invalid one is
-        # a ValueError here, before any request runs.
-        for compiled in [engine.structured_output.compile(sp.structured_outputs)
-                         for sp in params if sp.structured_outputs is not None]:
-            compiled.result()
-        ids: list[str] = []
+        engine = self.engine
+        stats = self.llm_engine.get_stats if self.llm_engine is not None else None
+        bar = _ProgressBar(stats, len(prompts)) if use_tqdm and prompts else None
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-                rid = str(next(self._request_counter))
-                engine.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
-                                   output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(rid)
-            results = self._run_engine(ids, use_tqdm)
-        finally:
-            # A bad prompt in the middle, or Ctrl-C: leave the engine clean for the next call.
-            engine.abort_request(ids)
-        return [results[rid] for rid in ids]
-
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        engine = self.llm_engine
-        pending = set(ids)
-        results: dict[str, RequestOutput] = {}
-        bar = _ProgressBar(engine, len(ids)) if use_tqdm and ids else None
-        try:
-            while pending:
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"the engine lost {len(pending)} request(s)")
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.finished_one()
-                if bar is not None:
-                    bar.tick()
+            return engine.run_batch(prompts, params, list(priority) if priority is not None else None, bar)
         finally:
             if bar is not None:
                 bar.close()
-        return results
 
 
 class _ProgressBar:
-    """tqdm over requests, with input and output tokens/s measured from the engine's counters."""
+    """tqdm over requests, with input and output tokens/s measured from the engine's
+    counters (`stats`; None for data-parallel replicas, whose counters stay with them)."""
 
-    def __init__(self, engine: LLMEngine, total: int) -> None:
+    def __init__(self, stats: Callable[[], EngineStats] | None, total: int) -> None:
         from tqdm.auto import tqdm
 
-        self.engine = engine
-        stats = engine.get_stats()
-        self.base = (stats.num_prompt_tokens, stats.num_generation_tokens)
+        self.stats = stats
+        first = stats() if stats is not None else None
+        self.base = (first.num_prompt_tokens, first.num_generation_tokens) if first is not None else (0, 0)
         self.start = time.perf_counter()
         self.last = 0.0
         self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
-                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s" if stats else None)
 
     def finished_one(self) -> None:
         self.bar.update(1)
@@ -163,7 +153,10 @@ class _ProgressBar:
         if not force and now - self.last < 0.25:
             return
         self.last = now
-        stats = self.engine.get_stats()
+        if self.stats is None:
+            self.bar.refresh()
+            return
+        stats = self.stats()
         elapsed = max(now - self.start, 1e-9)
         tin = (stats.num_prompt_tokens - self.base[0]) / elapsed
         tout = (stats.num_generation_tokens - self.base[1]) / elapsed

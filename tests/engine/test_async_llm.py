@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedserve.metrics import PrometheusStatLogger
+from pagedserve.metrics import make_prometheus_loggers
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_engine import FakeEngine
 
@@ -161,7 +161,7 @@ def test_stat_loggers_see_tokens_and_finishes():
     registry = CollectorRegistry()
 
     async def main():
-        llm = AsyncLLM(engine, stat_loggers=[PrometheusStatLogger(registry, "fake")], log_stats=True,
+        llm = AsyncLLM(engine, stat_loggers=[make_prometheus_loggers(registry, "fake")[0]], log_stats=True,
                        log_interval=1000)
         await asyncio.gather(collect(llm, "a", max_tokens=4, prompt="abc"),
                              collect(llm, "b", max_tokens=6, prompt="de"))
@@ -171,7 +171,7 @@ def test_stat_loggers_see_tokens_and_finishes():
     log_stats = run(main())
 
     def value(name, **labels):
-        return registry.get_sample_value(name, {"model_name": "fake", **labels})
+        return registry.get_sample_value(name, {"model_name": "fake", "engine": "0", **labels})
 
     assert value("vllm:prompt_tokens_total") == 5
     assert value("vllm:generation_tokens_total") == 10

@@ -43,6 +43,7 @@ from pagedserve.engine.async_llm import (
     RequestTimeoutError,
     check_front_door_limits,
 )
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard import DashboardHub, add_dashboard_routes, is_public_path
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
@@ -80,7 +81,7 @@ class ServerState:
     metrics_without_auth: bool = False  # /metrics answers without the API key (for a scraper)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     draining: bool = False  # shutting down: new requests get 503
-    engine: AsyncLLM | None = None
+    engine: EngineClient | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     max_model_len: int = 0
@@ -90,13 +91,14 @@ class ServerState:
     series: SeriesStatLogger | None = None
     dashboard: DashboardHub | None = None
 
-    def attach(self, engine: AsyncLLM, max_model_len: int, tool_parser: ToolParser | None = None,
+    def attach(self, engine: EngineClient, max_model_len: int, tool_parser: ToolParser | None = None,
                engine_description: dict[str, Any] | None = None) -> None:
         args = (engine, self.served_model_names, max_model_len)
         self.max_model_len = max_model_len
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(*args, tool_parser=tool_parser)
         if self.enable_dashboard:
+            assert isinstance(engine, AsyncLLM), "the dashboard watches one engine's block pool"
             config = {"served_model_name": self.served_model_names[0], **(engine_description or {})}
             self.dashboard = DashboardHub(engine, self.series or SeriesStatLogger(), config)
         self.engine = engine  # last: its presence means "ready"
@@ -107,7 +109,7 @@ class ServerState:
         return (path == "/health" or (path == "/metrics" and self.metrics_without_auth)
                 or (self.enable_dashboard and is_public_path(path)))
 
-    def ready(self) -> AsyncLLM:
+    def ready(self) -> EngineClient:
         if self.draining:
             raise OpenAIError("The server is shutting down.", status=503, type="server_error", code="shutting_down")
         if self.engine is None:
@@ -115,6 +117,9 @@ class ServerState:
         if self.engine.errored:
             raise OpenAIError("The engine failed and the server is shutting down.", status=503,
                               type="server_error", code="engine_dead")
+        if not self.engine.serving:
+            raise OpenAIError("No engine replica is serving right now (they restart on their own); retry shortly.",
+                              status=503, type="server_error", code="engine_dead")
         return self.engine
 
 
@@ -345,8 +350,9 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     from pagedserve.engine.arg_utils import EngineArgs, parse_bytes
+    from pagedserve.engine.data_parallel import DPAsyncLLM, ReplicaSet
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.metrics import PrometheusStatLogger
+    from pagedserve.metrics import RouterMetrics, StatLogger, make_prometheus_loggers
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if args.model_tag is not None and getattr(args, "model", None) not in (None, args.model_tag):
@@ -360,9 +366,13 @@ def run_server(args: argparse.Namespace) -> None:
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     names = args.served_model_name or [engine_args.model]
+    replicated = engine_args.data_parallel_size > 1
+    if replicated and not args.disable_dashboard:
+        logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "
+                    "/metrics has every replica's series (label engine)")
     state = ServerState(served_model_names=names, api_key=args.api_key or os.environ.get("PAGEDSERVE_API_KEY"),
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
-                        enable_dashboard=not args.disable_dashboard)
+                        enable_dashboard=not args.disable_dashboard and not replicated)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     failed: list[BaseException] = []
@@ -374,21 +384,33 @@ def run_server(args: argparse.Namespace) -> None:
         assert runner is not None
         runner.bind_loop()
 
-        def attach(engine: Any) -> None:
-            stat_loggers = [PrometheusStatLogger(state.registry, names[0])]
-            if state.series is not None:
-                stat_loggers.append(state.series)
-            client = AsyncLLM(engine, stat_loggers=stat_loggers, log_stats=not args.disable_log_stats,
-                              log_interval=args.log_stats_interval, max_waiting_requests=args.max_waiting_requests,
-                              request_timeout=args.request_timeout, on_dead=lambda _: runner.exit_failed())
+        def attach(engine: LLMEngine | ReplicaSet) -> None:
+            front_door = {"log_stats": not args.disable_log_stats, "log_interval": args.log_stats_interval,
+                          "max_waiting_requests": args.max_waiting_requests, "request_timeout": args.request_timeout,
+                          "on_dead": lambda _: runner.exit_failed()}
+            client: EngineClient
+            if isinstance(engine, ReplicaSet):
+                n = engine.num_replicas
+                client = DPAsyncLLM(engine, engine.router_config,
+                                    prometheus=make_prometheus_loggers(state.registry, names[0], n),
+                                    router_metrics=RouterMetrics(state.registry, names[0], n), **front_door)
+                max_model_len = engine.info.max_model_len
+                description = {**engine.info.description, "data_parallel_size": n,
+                               "router_policy": engine.router_config.policy}
+            else:
+                stat_loggers: list[StatLogger] = [*make_prometheus_loggers(state.registry, names[0])]
+                if state.series is not None:
+                    stat_loggers.append(state.series)
+                client = AsyncLLM(engine, stat_loggers=stat_loggers, **front_door)
+                max_model_len, description = engine.config.scheduler_config.max_model_len, engine.describe()
             client.start()
             parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
-            state.attach(client, engine.config.scheduler_config.max_model_len, parser, engine.describe())
+            state.attach(client, max_model_len, parser, description)
             logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
 
         def load() -> None:
             try:
-                engine = LLMEngine.from_engine_args(engine_args)
+                engine = ReplicaSet(engine_args) if replicated else LLMEngine.from_engine_args(engine_args)
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits
                 if isinstance(e, (ValueError, FileNotFoundError)):  # bad model/flags: the message says it
                     logger.error("failed to load the engine: %s", e)

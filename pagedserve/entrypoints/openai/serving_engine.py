@@ -23,13 +23,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from pagedserve.engine.async_llm import (
-    AsyncLLM,
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
     RequestStream,
     RequestTimeoutError,
 )
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -135,7 +135,7 @@ class OpenAIServing:
 
     id_prefix = "cmpl"
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_model_len: int,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
                  chat_template: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -175,7 +175,8 @@ class OpenAIServing:
                 prompt = p.engine_prompt()
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
-                streams.append(await self.engine.add_request(rid, prompt, prep.params, req.priority))
+                streams.append(await self.engine.add_request(rid, prompt, prep.params, req.priority,
+                                                             final_only=not req.stream))
         except BaseException as e:
             for s in streams:
                 s.close()

@@ -114,15 +114,16 @@ class ServerProcess:
         return self.log_path.read_text()[-5000:]
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
-        """{(sample name, sorted labels without model_name): value}."""
+        """{(sample name, sorted labels without model_name and engine): value}, summed over
+        engines (data-parallel replicas)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(self.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}).text
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-                out[(s.name, labels)] = s.value
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
+                out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
         return out
 
     def stop(self) -> None:

@@ -1,0 +1,42 @@
+"""EngineClient: what the OpenAI server needs of an engine, whether one in this process
+(`AsyncLLM`) or data-parallel replicas on Ray behind a router (`DPAsyncLLM`)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pagedserve.engine.async_llm import RequestStream
+from pagedserve.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    tokenizer: Any
+    vocab_size: int
+    sampling_defaults: dict[str, Any]  # the model's generation-config defaults for unset request fields
+    structured_outputs_backend: str  # the grammar library ("guidance" or "xgrammar")
+    request_timeout: float | None
+
+    @property
+    def errored(self) -> bool:
+        """Failed for good: the server exits so a supervisor restarts it."""
+
+    @property
+    def serving(self) -> bool:
+        """Can take a request now."""
+
+    @property
+    def num_open_requests(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
+                          priority: int = 0, final_only: bool = False) -> RequestStream: ...
+
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]: ...
+
+    def close_admission(self, error: BaseException) -> None: ...
+
+    def abort_all(self, error: BaseException) -> None: ...
+
+    def shutdown(self) -> None: ...
