@@ -50,7 +50,7 @@ from pagedserve.engine.async_llm import (
 )
 from pagedserve.engine.chat_utils import encode_chat
 from pagedserve.engine.llm_engine import BatchProgress
-from pagedserve.engine.router import NoReplicaError, RouteDecision, Router
+from pagedserve.engine.router import NoReplicaError, Router
 from pagedserve.errors import InvalidRequestError
 from pagedserve.metrics import (
     IterationStats,
@@ -249,11 +249,14 @@ class ReplicaSet:
         cpus = engine_args.cpus_per_replica or max(1, (os.cpu_count() or 1) // n)
         gpus = tp if _wants_gpu(engine_args.device) else 0
         self.started_ray = False
+        # Ray's C++ core would install a fatal-signal handler in this process that turns the
+        # server's SIGTERM drain into an abort at ray.shutdown(); the server handles its signals.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         if not ray.is_initialized():
             if engine_args.ray_address is None:
                 # A local Ray with exactly what the replicas reserve; its dashboard is not needed.
-                ray.init(num_cpus=n * cpus, num_gpus=n * gpus, include_dashboard=False, namespace=RAY_NAMESPACE,
-                         object_store_memory=256 << 20)
+                _start_local_ray(num_cpus=n * cpus, num_gpus=n * gpus, include_dashboard=False,
+                                 namespace=RAY_NAMESPACE, object_store_memory=256 << 20)
                 self.started_ray = True
             else:
                 ray.init(address=engine_args.ray_address, namespace=RAY_NAMESPACE)
@@ -351,6 +354,7 @@ class ReplicaSet:
 
         if not ray.is_initialized():
             return
+        logger.info("stopping %d engine replicas", self.num_replicas)
         try:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
         except Exception:  # noqa: BLE001 - a dead or stuck replica must not stop the shutdown
@@ -358,6 +362,31 @@ class ReplicaSet:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self._release()
+
+
+def _start_local_ray(**init_kwargs: Any) -> None:
+    """ray.init that starts Ray's own processes (GCS, raylet), from a thread that lives as
+    long as this process: they are started with PR_SET_PDEATHSIG, which kills them when the
+    *thread* that started them ends (the server loads its engine in a short-lived thread)."""
+    import ray
+
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def keep() -> None:
+        try:
+            ray.init(**init_kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            failed.append(e)
+            started.set()
+            return
+        started.set()
+        threading.Event().wait()  # never set: the thread's life is what keeps Ray's processes
+
+    threading.Thread(target=keep, name="pagedserve-ray", daemon=True).start()
+    started.wait()
+    if failed:
+        raise failed[0]
 
 
 def routing_tokens(prompt: Any, tokenizer: Any) -> tuple[list[int] | None, str | None]:
@@ -387,6 +416,7 @@ class _Flight:
 
     replica: int
     attempts: int
+    counted: bool = True  # in its replica's load (router.dispatched, not yet router.ended)
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -421,7 +451,6 @@ class DPAsyncLLM:
         self.dead_error: BaseException | None = None
         self._collectors: dict[str, OutputCollector] = {}
         self._flights: dict[str, _Flight] = {}
-        self._pending_adds = 0
         self._closed: BaseException | None = None
         self._boot_ids: list[str | None] = [None] * n
         self._down_since: list[float | None] = [None] * n
@@ -474,7 +503,7 @@ class DPAsyncLLM:
             raise self._closed
         limit = self.max_waiting_requests
         waiting = sum(load.waiting for load, up in zip(self.router.loads, self.router.up, strict=True) if up)
-        if limit is not None and waiting + self._pending_adds >= limit:
+        if limit is not None and waiting >= limit:  # dispatched requests count as waiting at once
             raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
                                         "(max_waiting_requests); retry later.")
         if request_id in self._collectors:
@@ -487,15 +516,13 @@ class DPAsyncLLM:
         request = (request_id, prompt, sampling_params, priority, final_only)
         collector = OutputCollector()
         self._collectors[request_id] = collector
-        self._pending_adds += 1
         try:
             flight, gen = await self._dispatch(request, hashes, len(ids or ()), exclude=set(), attempts=0)
         except BaseException:
             self._collectors.pop(request_id, None)
             raise
-        finally:
-            self._pending_adds -= 1
         if request_id not in self._collectors:  # closed (abort_all) while it was being accepted
+            self.router.ended(flight.replica)
             self._abort_on(flight.replica, request_id)
             raise asyncio.CancelledError(f"request {request_id} aborted")
         self._flights[request_id] = flight
@@ -507,7 +534,8 @@ class DPAsyncLLM:
     async def _dispatch(self, request: tuple, hashes: list[int], num_tokens: int, exclude: set[int],
                         attempts: int) -> tuple[_Flight, Any]:
         """Send the request to the router's choice and wait for its acceptance; a replica that
-        fails first is marked down and the request goes to another (once)."""
+        fails first is marked down and the request goes to another (once).  The returned
+        flight counts in its replica's load until `_end` takes it off."""
         import ray
 
         while True:
@@ -515,11 +543,16 @@ class DPAsyncLLM:
                 decision = self.router.choose(hashes, num_tokens, exclude)
             except NoReplicaError as e:
                 raise EngineDeadError(f"{e}; retry shortly (replicas restart on their own).") from None
-            self._count_dispatch(decision, hashes)
+            self.router.dispatched(decision.replica, hashes)
+            if self.metrics is not None:
+                self.metrics.requests[decision.replica].inc()
+                if decision.affinity:
+                    self.metrics.affinity_hits[decision.replica].inc()
             gen = self.replicas.actors[decision.replica].generate.remote(*request)
             try:
                 first = await (await gen.__anext__())
             except ray.exceptions.RayActorError:
+                self.router.ended(decision.replica)
                 self._replica_failed(decision.replica)
                 if attempts >= 1:
                     raise EngineDeadError("The engine replicas serving this request failed; retry later.") from None
@@ -528,21 +561,27 @@ class DPAsyncLLM:
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 continue
+            except BaseException:
+                self.router.ended(decision.replica)
+                raise
             if isinstance(first, ReplicaRefusal):
+                self.router.ended(decision.replica)
                 raise first.error()
             return _Flight(decision.replica, attempts), gen
-
-    def _count_dispatch(self, decision: RouteDecision, hashes: list[int]) -> None:
-        self.router.dispatched(decision.replica, hashes)
-        if self.metrics is not None:
-            self.metrics.requests[decision.replica].inc()
-            if decision.affinity:
-                self.metrics.affinity_hits[decision.replica].inc()
 
     async def _pump(self, request: tuple, hashes: list[int], num_tokens: int, flight: _Flight, gen: Any,
                     collector: OutputCollector) -> None:
         """Move a request's outputs from its replica to its collector; on a replica failure,
         retry elsewhere if nothing was delivered yet and it has not been retried."""
+        try:
+            await self._pump_outputs(request, hashes, num_tokens, flight, gen, collector)
+        finally:
+            if flight.counted:
+                self.router.ended(flight.replica)
+            self._flights.pop(request[0], None)
+
+    async def _pump_outputs(self, request: tuple, hashes: list[int], num_tokens: int, flight: _Flight, gen: Any,
+                            collector: OutputCollector) -> None:
         import ray
 
         request_id = request[0]
@@ -554,18 +593,17 @@ class DPAsyncLLM:
                     collector.put(out)
                     delivered = True
                     if out.finished:
-                        self._flights.pop(request_id, None)
                         return
                 collector.put(RuntimeError(f"replica {flight.replica} ended request {request_id} without a "
                                            "final output"))
                 return
             except ray.exceptions.RayActorError:
-                failed = flight.replica
+                pass
             except ray.exceptions.RayTaskError as e:  # the replica's stream raised
                 if not isinstance(e.cause, EngineDeadError):
                     collector.put(e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e)))
                     return
-                failed = flight.replica
+            failed = flight.replica
             self._replica_failed(failed)
             if delivered or flight.attempts >= 1:
                 collector.put(EngineDeadError(f"The engine replica serving this request (replica {failed}) failed "
@@ -574,13 +612,15 @@ class DPAsyncLLM:
             if self.metrics is not None:
                 self.metrics.retries.inc()
             logger.warning("replica %d failed: sending request %s to another replica", failed, request_id)
+            self.router.ended(failed)
+            flight.counted = False
             try:
-                flight_new, gen = await self._dispatch(request, hashes, num_tokens, exclude={failed},
-                                                       attempts=flight.attempts + 1)
+                moved, gen = await self._dispatch(request, hashes, num_tokens, exclude={failed},
+                                                  attempts=flight.attempts + 1)
             except Exception as e:  # noqa: BLE001 - the request's error, not the pump's
                 collector.put(e)
                 return
-            flight.replica, flight.attempts = flight_new.replica, flight_new.attempts
+            flight.replica, flight.attempts, flight.counted = moved.replica, moved.attempts, True
 
     async def abort(self, request_id: str) -> None:
         collector = self._collectors.get(request_id)
@@ -629,7 +669,7 @@ class DPAsyncLLM:
             self._down_since[replica] = None
             if self.metrics is not None:
                 self.metrics.up[replica].set(1)
-        self.router.report(replica, report.sched.num_waiting, report.sched.num_running)
+        self.router.report(replica, report.sched.num_waiting)
         if self.prometheus:
             self.prometheus[replica].record(report.sched, report.it)
         if self.log_stats:

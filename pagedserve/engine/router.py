@@ -2,10 +2,12 @@
 
 Three policies, as vLLM's and SGLang's routers have them:
 - round_robin: the next replica that is up.
-- least_loaded: vLLM's internal balancer.  A replica's load is waiting x 4 + running,
-  as it last reported them (every ~0.1 s), plus the requests sent to it since, each
-  counted as waiting the moment it is sent ("optimistic"), so a burst between two reports
-  still spreads.
+- least_loaded: vLLM's internal balancer.  A replica's load is waiting x 4 + running.
+  The front end knows exactly how many of its requests a replica holds (sent, not yet
+  ended); of those, the waiting ones are what the replica last reported (every ~0.1 s)
+  plus every request sent since, counted as waiting the moment it is sent
+  ("optimistic"), so a burst between two reports still spreads, and a report taken just
+  before a request ended never counts it.
 - cache_aware (default): SGLang router's policy, over block hashes instead of text.
   Each replica has an approximate prefix index: the chained block hashes
   (core/kv_cache_utils.py, the keys the replica's own prefix cache uses) of the prompts
@@ -80,8 +82,17 @@ class PrefixIndex:
 
 @dataclass
 class ReplicaLoad:
-    waiting: int = 0
-    running: int = 0
+    in_flight: int = 0  # requests sent to the replica and not ended (exact: counted here)
+    reported_waiting: int = 0  # the replica's waiting queue at its last report
+    sent_since_report: int = 0
+
+    @property
+    def waiting(self) -> int:
+        return min(self.in_flight, self.reported_waiting + self.sent_since_report)
+
+    @property
+    def running(self) -> int:
+        return self.in_flight - self.waiting
 
     @property
     def score(self) -> int:
@@ -145,15 +156,22 @@ class Router:
 
     def dispatched(self, replica: int, hashes: Sequence[BlockHash]) -> None:
         """A request was sent to `replica`: it will cache the prompt's blocks, and it has one
-        more waiting request until its next report says otherwise."""
+        more request, waiting until its next report says otherwise."""
         self.indexes[replica].insert(hashes)
-        self.loads[replica].waiting += 1
+        load = self.loads[replica]
+        load.in_flight += 1
+        load.sent_since_report += 1
         self._next = (replica + 1) % self.num_replicas
 
-    def report(self, replica: int, num_waiting: int, num_running: int) -> None:
-        """The replica's own counts, which replace the optimistic ones."""
+    def ended(self, replica: int) -> None:
+        """A request sent to `replica` ended there (finished, aborted, failed or moved)."""
         load = self.loads[replica]
-        load.waiting, load.running = num_waiting, num_running
+        load.in_flight = max(0, load.in_flight - 1)
+
+    def report(self, replica: int, num_waiting: int) -> None:
+        """The replica's own waiting count, which replaces the optimistic one."""
+        load = self.loads[replica]
+        load.reported_waiting, load.sent_since_report = num_waiting, 0
 
     def set_up(self, replica: int, up: bool) -> None:
         self.up[replica] = up
