@@ -9,6 +9,7 @@ import pytest
 from pagedserve.metrics import (
     IterationStats,
     LoggingStatLogger,
+    RouterMetrics,
     SchedulerStats,
     SeriesStatLogger,
     make_prometheus_loggers,
@@ -108,3 +109,32 @@ def test_series_keeps_only_its_window_and_skips_a_long_idle_gap():
     clock.t = 1e9  # a long idle: no million-point loop, still the window's worth
     points = series.points_since(None)
     assert len(points) == 5 and points[-1]["t"] == 1e9 - 1
+
+
+def test_each_engine_has_its_own_series_and_a_restart_starts_its_counters_over():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    e0, e1 = make_prometheus_loggers(registry, "m", num_engines=2)
+    e0.record(SchedulerStats(num_running=3, prefix_cache_queries=100, prefix_cache_hits=40), IterationStats())
+    e1.record(SchedulerStats(num_running=1, prefix_cache_queries=10, prefix_cache_hits=10), IterationStats())
+
+    def value(name: str, engine: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m", "engine": engine})
+
+    assert value("vllm:num_requests_running", "0") == 3 and value("vllm:num_requests_running", "1") == 1
+    assert value("vllm:prefix_cache_hits_total", "0") == 40 and value("vllm:prefix_cache_hits_total", "1") == 10
+    e1.engine_restarted()  # the replica came back: its cumulative counters begin again at 0
+    e1.record(SchedulerStats(prefix_cache_queries=5, prefix_cache_hits=2), IterationStats())
+    assert value("vllm:prefix_cache_hits_total", "1") == 12 and value("vllm:prefix_cache_queries_total", "1") == 15
+    router = RouterMetrics(registry, "m", num_engines=2)
+    router.requests[1].inc()
+    router.up[0].set(0)
+    assert value("pagedserve:router_requests_total", "1") == 1 and value("pagedserve:router_replica_up", "0") == 0
+    assert value("pagedserve:router_replica_up", "1") == 1
+
+
+def test_replica_log_lines_say_which_replica():
+    log = LoggingStatLogger(interval=1.0, device="CPU", start=0.0, prefix="Engine 001: ")
+    log.record(SchedulerStats(num_running=1), IterationStats(num_generation_tokens=5))
+    assert log.maybe_log(now=1.0).startswith("Engine 001: Avg prompt throughput")

@@ -123,3 +123,44 @@ def test_kv_tier_settings_that_cannot_work_are_refused(kwargs, message) -> None:
 def test_swap_without_prefix_caching_is_allowed() -> None:
     cfg = EngineArgs(preemption_mode="swap", enable_prefix_caching=False).create_engine_config(load_hf_config=False)
     assert cfg.scheduler_config.preemption_mode == "swap" and cfg.cache_config.kv_offload_dir is None
+
+
+def test_data_parallel_flags_reach_the_config_tree_and_each_replica_gets_one_engine() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["-dp", "3", "--ray-address", "10.0.0.1:6379", "--cpus-per-replica", "4",
+                            "--router-policy", "least_loaded", "--router-cache-threshold", "0.25",
+                            "--router-balance-abs-threshold", "8", "--router-balance-rel-threshold", "2",
+                            "--kv-offload-dir", "/tmp/kv"])
+    args = EngineArgs.from_cli_args(ns)
+    cfg = args.create_engine_config(load_hf_config=False)
+    par, router = cfg.parallel_config, cfg.router_config
+    assert (par.data_parallel_size, par.ray_address, par.cpus_per_replica) == (3, "10.0.0.1:6379", 4)
+    assert (router.policy, router.cache_threshold, router.balance_abs_threshold,
+            router.balance_rel_threshold) == ("least_loaded", 0.25, 8, 2.0)
+    replica = args.for_replica(2)
+    assert replica.data_parallel_size == 1 and replica.ray_address is None and replica.router_policy is None
+    assert replica.kv_offload_dir == "/tmp/kv/replica-2"  # two engines never share one tier directory
+    assert EngineArgs(data_parallel_size=2).router_config().policy == "cache_aware"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(data_parallel_size=0), "data_parallel_size must be a positive integer"),
+    (dict(ray_address="auto"), "ray_address: only data-parallel replicas use this"),
+    (dict(router_policy="cache_aware"), "router_policy: only data-parallel replicas"),
+    (dict(data_parallel_size=2, router_policy="random"), "router_policy must be one of"),
+    (dict(data_parallel_size=2, router_cache_threshold=1.5), r"router_cache_threshold must be in \[0, 1\]"),
+    (dict(data_parallel_size=2, router_balance_abs_threshold=-1), "router_balance_abs_threshold"),
+    (dict(data_parallel_size=2, router_balance_rel_threshold=0.5), "router_balance_rel_threshold must be"),
+    (dict(data_parallel_size=2, ray_address="ray://head:10001"), "ray_address must be 'auto' or HOST:PORT"),
+    (dict(data_parallel_size=2, cpus_per_replica=0), "cpus_per_replica must be a positive integer"),
+])
+def test_data_parallel_settings_that_cannot_work_are_refused(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_one_engine_refuses_replicas() -> None:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="cannot hold 2 data-parallel replicas"):
+        LLMEngine.from_engine_args(EngineArgs(data_parallel_size=2))

@@ -1,0 +1,48 @@
+"""What the data-parallel front end routes on: a prompt's token ids and cache salt,
+found without ever failing a request (a malformed prompt is its replica's to refuse)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.engine.data_parallel import ReplicaRefusal, routing_tokens
+from pagedserve.errors import InvalidRequestError
+
+
+class _Tok:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_routing_tokens_of_each_prompt_form():
+    tok = _Tok()
+    assert routing_tokens("ab", tok) == ([97, 98], None)
+    assert routing_tokens([5, 6], tok) == ([5, 6], None)
+    assert routing_tokens({"prompt": "ab", "cache_salt": "s"}, tok) == ([97, 98], "s")
+    assert routing_tokens({"prompt_token_ids": [1], "prompt": "zz"}, tok) == ([1], None)  # the ids win, as in the engine
+    assert routing_tokens("ab", None) == (None, None)  # no tokenizer: routed by load alone
+    for bad in ("", [], [1, "x"], [True], [-1], {"prompt": 3}, None, 4.5, [2**70]):
+        ids, _ = routing_tokens(bad, tok)
+        assert ids in (None, [])
+
+
+json_like = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                         lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids,
+                                                                                    max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=json_like | st.dictionaries(st.sampled_from(["prompt", "prompt_token_ids", "cache_salt"]), json_like))
+def test_routing_never_fails_a_request(prompt):
+    ids, salt = routing_tokens(prompt, _Tok())
+    assert ids is None or all(type(t) is int and t >= 0 for t in ids)
+    assert salt is None or isinstance(salt, str)
+
+
+def test_a_refusal_travels_back_as_the_same_kind_of_error():
+    err = ReplicaRefusal.of(InvalidRequestError("too long", param="max_tokens")).error()
+    assert isinstance(err, InvalidRequestError) and err.param == "max_tokens" and str(err) == "too long"
+    plain = ReplicaRefusal.of(ValueError("bad")).error()
+    assert isinstance(plain, ValueError) and plain.param is None
+    assert not isinstance(ReplicaRefusal.of(KeyError("x")).error(), ValueError)
