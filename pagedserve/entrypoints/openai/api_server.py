@@ -350,7 +350,8 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     from pagedserve.engine.arg_utils import EngineArgs, parse_bytes
-    from pagedserve.engine.data_parallel import DPAsyncLLM, ReplicaSet
+    from pagedserve.engine.data_parallel import ReplicaSet
+    from pagedserve.engine.dp_client import DPAsyncLLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.metrics import RouterMetrics, StatLogger, make_prometheus_loggers
 
