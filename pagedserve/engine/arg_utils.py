@@ -306,11 +306,13 @@ class EngineArgs:
         return RouterConfig(**{k: v for k, v in self.router_settings().items() if v is not None})
 
     def for_replica(self, index: int) -> EngineArgs:
-        """One data-parallel replica's own engine: no replicas of its own, and a KV tier
-        directory of its own (two engines writing one directory would evict each other's
-        files behind their backs)."""
+        """One data-parallel replica's own engine: no replicas of its own, its own GPUs, and
+        a KV tier directory of its own (two engines writing one directory would evict each
+        other's files behind their backs)."""
         tier_dir = None if self.kv_offload_dir is None else os.path.join(self.kv_offload_dir, f"replica-{index}")
-        return self.replace(data_parallel_size=1, ray_address=None, cpus_per_replica=None, router_policy=None,
+        # Ray shows a replica only its own GPUs (CUDA_VISIBLE_DEVICES): "cuda:3" means nothing there.
+        device = "cuda" if self.device.startswith("cuda") else self.device
+        return self.replace(data_parallel_size=1, device=device, ray_address=None, cpus_per_replica=None, router_policy=None,
                             router_cache_threshold=None, router_balance_abs_threshold=None,
                             router_balance_rel_threshold=None, kv_offload_dir=tier_dir)
 

@@ -44,6 +44,8 @@ IDLE_TRIM_SECONDS = 2.0
 # How often a watched engine publishes a snapshot of its block pool and queues (the
 # dashboard): often enough to look live, rare enough to cost nothing measurable.
 SNAPSHOT_INTERVAL = 0.25
+# How often an idle engine checks whether its statistics moved without a step.
+IDLE_STATS_SECONDS = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -157,6 +159,7 @@ class AsyncLLM:
         self._watcher: Callable[[KVSnapshot, float], None] | None = None
         self._snapshot_full = True
         self._next_snapshot = 0.0
+        self._last_emitted: SchedulerStats | None = None  # what the stat loggers last got (engine thread)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -180,6 +183,12 @@ class AsyncLLM:
     def num_open_requests(self) -> int:
         """Accepted requests whose stream has not ended yet."""
         return len(self._collectors)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a slot as the event loop sees them now: the scheduler's queue
+        after the last step, those added since, and adds not answered yet."""
+        return self._num_waiting + self._pending_adds
 
     def close_admission(self, error: BaseException) -> None:
         """From now on add_request raises `error` (shutdown: running requests go on)."""
@@ -223,7 +232,7 @@ class AsyncLLM:
         if self._closed is not None:
             raise self._closed
         limit = self.max_waiting_requests
-        if limit is not None and self._num_waiting + self._pending_adds >= limit:
+        if limit is not None and self.num_waiting >= limit:
             raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
                                         "(max_waiting_requests); retry later.")
         if request_id in self._collectors:
@@ -306,14 +315,18 @@ class AsyncLLM:
                 elif did_work:
                     self._record([], time.monotonic())  # aborts change running/KV usage
                 else:
-                    timeout = self.log_stats.interval if self.log_stats else None
+                    timeout = IDLE_STATS_SECONDS
+                    if self.log_stats is not None:
+                        timeout = min(timeout, self.log_stats.interval)
                     if worked:
-                        timeout = min(timeout or IDLE_TRIM_SECONDS, IDLE_TRIM_SECONDS)
+                        timeout = min(timeout, IDLE_TRIM_SECONDS)
                     if self._watcher is not None:
-                        timeout = min(timeout or SNAPSHOT_INTERVAL, SNAPSHOT_INTERVAL)
-                    if not self._wake.wait(timeout=timeout) and worked:
-                        release_freed_memory()
-                        worked = False
+                        timeout = min(timeout, SNAPSHOT_INTERVAL)
+                    if not self._wake.wait(timeout=timeout):
+                        if worked:
+                            release_freed_memory()
+                            worked = False
+                        self._emit_if_changed()
                     self._wake.clear()
                 if self.log_stats is not None:
                     self.log_stats.maybe_log()
@@ -409,9 +422,15 @@ class AsyncLLM:
     def _emit(self, it: IterationStats) -> None:
         if not self.stat_loggers:
             return
-        sched = SchedulerStats.from_engine(self.engine.get_stats())
+        sched = self._last_emitted = SchedulerStats.from_engine(self.engine.get_stats())
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched, it)
+
+    def _emit_if_changed(self) -> None:
+        """While idle, counters can still move (the KV tier's background writes): pass them
+        on when they have, so /metrics does not wait for the next request to show them."""
+        if self.stat_loggers and SchedulerStats.from_engine(self.engine.get_stats()) != self._last_emitted:
+            self._emit(IterationStats())
 
     def _call_soon(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None

@@ -28,6 +28,9 @@ from typing import Any
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_llm import (
     AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
 )
 from pagedserve.engine.chat_utils import encode_chat
 from pagedserve.engine.llm_engine import BatchProgress
@@ -44,6 +47,7 @@ logger = logging.getLogger("pagedserve.data_parallel")
 
 RAY_NAMESPACE = "pagedserve"
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to have a replica's resources
+REPLICA_START_TIMEOUT = 1800.0  # seconds for every replica to load its model
 ACCEPTED = "accepted"  # a replica's first answer to a request it took
 
 
@@ -65,22 +69,28 @@ class ReplicaInfo:
 
 @dataclass
 class ReplicaRefusal:
-    """A replica refused a request at admission; `error()` rebuilds the exception."""
+    """A replica refused a request at admission; `error()` rebuilds the exception.
+
+    kind: "invalid" (a ValueError: 400), "dead" (its engine died: the front end tries
+    another replica), "overloaded" or "shutdown" (503), or "error" (500)."""
 
     message: str
     param: str | None = None
-    invalid: bool = True  # a ValueError (400); else a server-side failure (500)
+    kind: str = "invalid"
 
     @classmethod
     def of(cls, e: BaseException) -> ReplicaRefusal:
         if isinstance(e, ValueError):
             return cls(str(e), e.param if isinstance(e, InvalidRequestError) else None)
-        return cls(f"{type(e).__name__}: {e}", invalid=False)
+        kinds = ((EngineDeadError, "dead"), (EngineOverloadedError, "overloaded"), (EngineShutdownError, "shutdown"))
+        kind = next((k for t, k in kinds if isinstance(e, t)), "error")
+        return cls(str(e) if kind != "error" else f"{type(e).__name__}: {e}", kind=kind)
 
     def error(self) -> BaseException:
-        if self.invalid:
+        if self.kind == "invalid":
             return InvalidRequestError(self.message, param=self.param)
-        return RuntimeError(self.message)
+        return {"dead": EngineDeadError, "overloaded": EngineOverloadedError,
+                "shutdown": EngineShutdownError}.get(self.kind, RuntimeError)(self.message)
 
 
 @dataclass
@@ -91,6 +101,11 @@ class ReplicaReport:
     boot_id: str
     sched: SchedulerStats
     it: IterationStats
+    # Read together on the replica's event loop: requests it has received (`generate`
+    # calls) and those of them waiting for a slot now, so the front end knows which of the
+    # requests it sent are not in that count yet.
+    received: int = 0
+    num_waiting: int = 0
 
 
 class _StatsRecorder:
@@ -136,6 +151,9 @@ class EngineReplica:
         self.engine = LLMEngine.from_engine_args(engine_args.for_replica(index))
         self.stats = _StatsRecorder()
         self.llm: AsyncLLM | None = None
+        self.received = 0
+        self._admitting: dict[str, bool] = {}  # request id -> aborted while being admitted
+        self._batch_lock = asyncio.Lock()  # one offline batch at a time: the engine is not thread-safe
 
     def _serving(self) -> AsyncLLM:
         if self.llm is None:
@@ -162,10 +180,17 @@ class EngineReplica:
                        final_only: bool) -> AsyncIterator[Any]:
         """Yields ACCEPTED or a ReplicaRefusal, then (if accepted) the outputs."""
         llm = self._serving()
+        self.received += 1
+        self._admitting[request_id] = False
         try:
             stream = await llm.add_request(request_id, prompt, params, priority, final_only=final_only)
         except Exception as e:  # noqa: BLE001 - the refusal travels back as data
             yield ReplicaRefusal.of(e)
+            return
+        finally:
+            aborted = self._admitting.pop(request_id, False)
+        if aborted:  # the front end gave up while its grammar compiled
+            stream.close()
             return
         yield ACCEPTED
         try:
@@ -175,17 +200,20 @@ class EngineReplica:
             stream.close()
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self._admitting:
+            self._admitting[request_id] = True
         if self.llm is not None:
             await self.llm.abort(request_id)
 
     async def poll(self) -> ReplicaReport:
-        self._serving()  # the stats recorder is fed by the serving loop
+        llm = self._serving()  # the stats recorder is fed by the serving loop
         sched, it = self.stats.take()
-        return ReplicaReport(self.boot_id, sched, it)
+        return ReplicaReport(self.boot_id, sched, it, self.received, llm.num_waiting)
 
     async def run_batch(self, prompts: list[Any], params: list[SamplingParams],
                         priority: list[int] | None) -> list[RequestOutput]:
-        return await asyncio.to_thread(self.engine.run_batch, prompts, params, priority)
+        async with self._batch_lock:
+            return await asyncio.to_thread(self.engine.run_batch, prompts, params, priority)
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -194,11 +222,15 @@ class EngineReplica:
             self.engine.shutdown()
 
 
-def _wants_gpu(device: str) -> bool:
+def _wants_gpu(device: str, cluster: dict[str, float] | None = None) -> bool:
+    """Whether replicas reserve GPUs: asked for, or with device "auto" when the cluster
+    (a joined one) or else this machine has them."""
     if device.startswith("cuda"):
         return True
     if device != "auto":
         return False
+    if cluster is not None:
+        return cluster.get("GPU", 0) > 0
     import torch
 
     return torch.cuda.is_available()
@@ -221,19 +253,27 @@ class ReplicaSet:
         n = self.num_replicas = engine_args.data_parallel_size
         tp = engine_args.tensor_parallel_size
         cpus = engine_args.cpus_per_replica or max(1, (os.cpu_count() or 1) // n)
-        gpus = tp if _wants_gpu(engine_args.device) else 0
         self.started_ray = False
         # Ray's C++ core would install a fatal-signal handler in this process that turns the
         # server's SIGTERM drain into an abort at ray.shutdown(); the server handles its signals.
         os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-        if not ray.is_initialized():
-            if engine_args.ray_address is None:
-                # A local Ray with exactly what the replicas reserve; its dashboard is not needed.
-                _start_local_ray(num_cpus=n * cpus, num_gpus=n * gpus, include_dashboard=False,
-                                 namespace=RAY_NAMESPACE, object_store_memory=256 << 20)
-                self.started_ray = True
-            else:
-                ray.init(address=engine_args.ray_address, namespace=RAY_NAMESPACE)
+        if ray.is_initialized():
+            if engine_args.ray_address is not None:
+                logger.warning("this process is already connected to Ray; ray_address=%s is not used",
+                               engine_args.ray_address)
+            gpus = tp if _wants_gpu(engine_args.device, ray.cluster_resources()) else 0
+        elif engine_args.ray_address is None:
+            # A local Ray with exactly what the replicas reserve; its dashboard is not needed.
+            gpus = tp if _wants_gpu(engine_args.device) else 0
+            _start_local_ray(num_cpus=n * cpus, num_gpus=n * gpus, include_dashboard=False, namespace=RAY_NAMESPACE)
+            self.started_ray = True
+        else:
+            ray.init(address=engine_args.ray_address, namespace=RAY_NAMESPACE)
+            gpus = tp if _wants_gpu(engine_args.device, ray.cluster_resources()) else 0
+        if not gpus and engine_args.kv_cache_memory_bytes is None and engine_args.num_gpu_blocks_override is None:
+            logger.warning("each CPU replica sizes its KV cache from the memory free on its node when it starts, "
+                           "so replicas sharing a node may together take more than one would; set "
+                           "--kv-cache-memory-bytes (per replica) to choose")
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self.name_prefix = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.placement_groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(n)]
@@ -255,7 +295,11 @@ class ReplicaSet:
         ]
         logger.info("starting %d engine replicas on Ray (%s per replica)", n, bundle)
         try:
-            infos = ray.get([a.info.remote() for a in self.actors])
+            infos = ray.get([a.info.remote() for a in self.actors], timeout=REPLICA_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise ValueError(f"the engine replicas did not load within {REPLICA_START_TIMEOUT:g} s (Ray restarts a "
+                             "replica whose process dies while loading: see the replicas' log lines)") from None
         except ray.exceptions.RayError as e:
             self._release()
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else None
@@ -294,19 +338,26 @@ class ReplicaSet:
             for r, idx in enumerate(shares) if idx
         }
         results: list[RequestOutput | None] = [None] * len(prompts)
-        while pending:
+        failure: BaseException | None = None
+        while pending:  # every share ends before this returns, even when one failed
             done, _ = ray.wait(list(pending), num_returns=1)
             idx = pending.pop(done[0])
             try:
                 outputs = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
-                raise e.cause if isinstance(e.cause, Exception) else e from None
+                failure = failure or (e.cause if isinstance(e.cause, Exception) else e)
+                continue
+            except ray.exceptions.RayError as e:
+                failure = failure or RuntimeError(f"an engine replica failed during the batch: {e}")
+                continue
             for i, out in zip(idx, outputs, strict=True):
                 results[i] = out
                 if progress is not None:
                     progress.finished_one()
             if progress is not None:
                 progress.tick()
+        if failure is not None:
+            raise failure
         return results  # type: ignore[return-value]
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,

@@ -47,13 +47,30 @@ REPLICA_DEAD_SECONDS = 600.0
 
 
 @dataclass
+class _Request:
+    """What is sent again when a request moves to another replica."""
+
+    request_id: str
+    args: tuple  # EngineReplica.generate's arguments
+    hashes: list[int]  # the prompt's block hashes, for the router
+    num_tokens: int
+
+
+@dataclass
 class _Flight:
     """One request in flight: where it runs and the task pumping its outputs."""
 
     replica: int
-    attempts: int
+    attempts: int  # times it moved to another replica after one failed
     counted: bool = True  # in its replica's load (router.dispatched, not yet router.ended)
     task: asyncio.Task | None = field(default=None, repr=False)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class DPAsyncLLM:
@@ -91,6 +108,7 @@ class DPAsyncLLM:
         self._boot_ids: list[str | None] = [None] * n
         self._down_since: list[float | None] = [None] * n
         self._monitor: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -108,7 +126,8 @@ class DPAsyncLLM:
 
     def start(self) -> None:
         if self._monitor is None:
-            self._monitor = asyncio.get_running_loop().create_task(self._watch_replicas())
+            self._loop = asyncio.get_running_loop()
+            self._monitor = self._loop.create_task(self._watch_replicas())
 
     def close_admission(self, error: BaseException) -> None:
         self._closed = error
@@ -122,6 +141,9 @@ class DPAsyncLLM:
         self._stopping = True
         if self._monitor is not None:
             self._monitor.cancel()
+        for flight in list(self._flights.values()):  # no retries while the replicas stop
+            if flight.task is not None:
+                flight.task.cancel()
         self.replicas.shutdown()
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
@@ -148,115 +170,117 @@ class DPAsyncLLM:
         if ids is not None and isinstance(prompt, (str, dict)):  # the replica need not tokenize again
             prompt = {**prompt, "prompt_token_ids": ids} if isinstance(prompt, dict) else {
                 "prompt": prompt, "prompt_token_ids": ids}
-        hashes = self.router.block_hashes(ids, salt)
-        request = (request_id, prompt, sampling_params, priority, final_only)
+        request = _Request(request_id, (request_id, prompt, sampling_params, priority, final_only),
+                           self.router.block_hashes(ids, salt), len(ids or ()))
         collector = OutputCollector()
         self._collectors[request_id] = collector
+        flight = _Flight(replica=-1, attempts=0, counted=False)
+        self._flights[request_id] = flight
         try:
-            flight, gen = await self._dispatch(request, hashes, len(ids or ()), exclude=set(), attempts=0)
+            gen = await self._dispatch(request, flight, exclude=set())
         except BaseException:
             self._collectors.pop(request_id, None)
+            self._flights.pop(request_id, None)
             raise
-        if request_id not in self._collectors:  # closed (abort_all) while it was being accepted
-            self.router.ended(flight.replica)
-            self._abort_on(flight.replica, request_id)
+        if request_id not in self._collectors:  # closed (abort_all, a drain) while it was being accepted
+            self._end(request_id, flight, abort=True)
+            self._flights.pop(request_id, None)
+            if isinstance(collector.item, BaseException):
+                raise collector.item
             raise asyncio.CancelledError(f"request {request_id} aborted")
-        self._flights[request_id] = flight
-        flight.task = asyncio.get_running_loop().create_task(
-            self._pump(request, hashes, len(ids or ()), flight, gen, collector))
+        flight.task = asyncio.get_running_loop().create_task(self._pump(request, flight, gen, collector))
+        # Runs even when the task is cancelled before it starts: the load count never leaks.
+        flight.task.add_done_callback(lambda task: self._end(request_id, flight, abort=task.cancelled()))
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         return RequestStream(self, request_id, collector, deadline, final_only)
 
-    async def _dispatch(self, request: tuple, hashes: list[int], num_tokens: int, exclude: set[int],
-                        attempts: int) -> tuple[_Flight, Any]:
-        """Send the request to the router's choice and wait for its acceptance; a replica that
-        fails first is marked down and the request goes to another (once).  The returned
-        flight counts in its replica's load until `_end` takes it off."""
+    async def _dispatch(self, request: _Request, flight: _Flight, exclude: set[int]) -> Any:
+        """Send the request to the router's choice and wait for its acceptance (a refusal
+        raises its error).  A replica that fails first is marked down and the request goes
+        to another, once per request (`flight.attempts`).  On return the flight names the
+        replica and counts in its load."""
         import ray
 
         while True:
             try:
-                decision = self.router.choose(hashes, num_tokens, exclude)
+                decision = self.router.choose(request.hashes, request.num_tokens, exclude)
             except NoReplicaError as e:
                 raise EngineDeadError(f"{e}; retry shortly (replicas restart on their own).") from None
-            self.router.dispatched(decision.replica, hashes)
+            self.router.dispatched(decision.replica, request.hashes)
+            flight.replica, flight.counted = decision.replica, True
             if self.metrics is not None:
                 self.metrics.requests[decision.replica].inc()
                 if decision.affinity:
                     self.metrics.affinity_hits[decision.replica].inc()
-            gen = self.replicas.actors[decision.replica].generate.remote(*request)
+            failure: BaseException
             try:
+                gen = self.replicas.actors[decision.replica].generate.remote(*request.args)
                 first = await (await gen.__anext__())
-            except ray.exceptions.RayActorError:
-                self.router.ended(decision.replica)
-                self._replica_failed(decision.replica)
-                if attempts >= 1:
-                    raise EngineDeadError("The engine replicas serving this request failed; retry later.") from None
-                attempts += 1
-                exclude.add(decision.replica)
-                if self.metrics is not None:
-                    self.metrics.retries.inc()
-                continue
-            except BaseException:
-                self.router.ended(decision.replica)
+            except ray.exceptions.RayTaskError as e:  # generate itself raised: a bug, not the input
+                self._end(request.request_id, flight, abort=False)
+                raise RuntimeError(f"replica {decision.replica} failed the request: {e.cause!r}") from None
+            except ray.exceptions.RayError as e:
+                failure = e
+            except BaseException:  # cancelled while waiting: the replica must not go on alone
+                self._end(request.request_id, flight, abort=True)
                 raise
-            if isinstance(first, ReplicaRefusal):
-                self.router.ended(decision.replica)
-                raise first.error()
-            return _Flight(decision.replica, attempts), gen
-
-    async def _pump(self, request: tuple, hashes: list[int], num_tokens: int, flight: _Flight, gen: Any,
-                    collector: OutputCollector) -> None:
-        """Move a request's outputs from its replica to its collector; on a replica failure,
-        retry elsewhere if nothing was delivered yet and it has not been retried."""
-        try:
-            await self._pump_outputs(request, hashes, num_tokens, flight, gen, collector)
-        finally:
-            if flight.counted:
-                self.router.ended(flight.replica)
-            self._flights.pop(request[0], None)
-
-    async def _pump_outputs(self, request: tuple, hashes: list[int], num_tokens: int, flight: _Flight, gen: Any,
-                            collector: OutputCollector) -> None:
-        import ray
-
-        request_id = request[0]
-        delivered = False
-        while True:
-            try:
-                async for ref in gen:
-                    out = await ref
-                    collector.put(out)
-                    delivered = True
-                    if out.finished:
-                        return
-                collector.put(RuntimeError(f"replica {flight.replica} ended request {request_id} without a "
-                                           "final output"))
-                return
-            except ray.exceptions.RayActorError:
-                pass
-            except ray.exceptions.RayTaskError as e:  # the replica's stream raised
-                if not isinstance(e.cause, EngineDeadError):
-                    collector.put(e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e)))
-                    return
-            failed = flight.replica
-            self._replica_failed(failed)
-            if delivered or flight.attempts >= 1:
-                collector.put(EngineDeadError(f"The engine replica serving this request (replica {failed}) failed "
-                                              "after it had started answering; retry the request."))
-                return
+            else:
+                if not isinstance(first, ReplicaRefusal):
+                    return gen
+                if first.kind != "dead":
+                    self._end(request.request_id, flight, abort=False)
+                    raise first.error()
+                failure = first.error()
+            self._end(request.request_id, flight, abort=True)  # best effort: it may be alive yet
+            self._replica_failed(decision.replica, failure)
+            if flight.attempts >= 1:
+                raise EngineDeadError("The engine replicas given this request failed; retry later.")
+            flight.attempts += 1
+            exclude.add(decision.replica)
             if self.metrics is not None:
                 self.metrics.retries.inc()
-            logger.warning("replica %d failed: sending request %s to another replica", failed, request_id)
-            self.router.ended(failed)
-            flight.counted = False
-            try:
-                moved, gen = await self._dispatch(request, hashes, num_tokens, exclude={failed},
-                                                  attempts=flight.attempts + 1)
-            except Exception as e:  # noqa: BLE001 - the request's error, not the pump's
-                collector.put(e)
-                return
-            flight.replica, flight.attempts, flight.counted = moved.replica, moved.attempts, True
+
+    async def _pump(self, request: _Request, flight: _Flight, gen: Any, collector: OutputCollector) -> None:
+        """Move a request's outputs from its replica to its collector.  On a replica
+        failure it goes to another replica if nothing was delivered yet and it has not been
+        moved before; every way out leaves a final output or an error in the collector."""
+        import ray
+
+        delivered = False
+        try:
+            while True:
+                try:
+                    async for ref in gen:
+                        out = await ref
+                        collector.put(out)
+                        delivered = True
+                        if out.finished:
+                            return
+                    raise RuntimeError(f"replica {flight.replica} ended the request without a final output")
+                except ray.exceptions.RayTaskError as e:  # the replica's stream raised
+                    if not isinstance(e.cause, EngineDeadError):
+                        collector.put(e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e)))
+                        return
+                    failure: BaseException = e.cause
+                except ray.exceptions.RayError as e:  # the replica died or is unreachable
+                    failure = e
+                failed = flight.replica
+                self._replica_failed(failed, failure)
+                if delivered or flight.attempts >= 1:
+                    collector.put(EngineDeadError(f"The engine replica serving this request (replica {failed}) "
+                                                  "failed after it had started answering; retry the request."))
+                    return
+                self._end(request.request_id, flight, abort=True)  # best effort: it may be alive yet
+                flight.attempts += 1
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
+                logger.warning("replica %d failed: sending request %s to another replica", failed,
+                               request.request_id)
+                gen = await self._dispatch(request, flight, exclude={failed})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the request's error (a refusal, no replica left, a bug)
+            collector.put(e)
 
     async def abort(self, request_id: str) -> None:
         collector = self._collectors.get(request_id)
@@ -265,25 +289,39 @@ class DPAsyncLLM:
             collector.put(asyncio.CancelledError(f"request {request_id} aborted"))
 
     def forget(self, request_id: str, abort: bool) -> None:
-        """A stream is done with its request (finished, or closed early: abort it)."""
+        """A stream is done with its request (finished, or closed early: abort it).  A
+        stream dropped unread may call this from another thread: it hops to the loop."""
+        if self._loop is not None and _running_loop() is not self._loop:
+            self._loop.call_soon_threadsafe(self.forget, request_id, abort)
+            return
         self._collectors.pop(request_id, None)
-        flight = self._flights.pop(request_id, None)
+        flight = self._flights.get(request_id)
         if flight is None or not abort:
             return
+        # A pump is cancelled (its done callback aborts the request on its replica); a
+        # request still being accepted is ended by add_request, which finds its collector gone.
         if flight.task is not None:
             flight.task.cancel()
-        self._abort_on(flight.replica, request_id)
 
-    def _abort_on(self, replica: int, request_id: str) -> None:
-        try:
-            self.replicas.actors[replica].abort.remote(request_id)
-        except Exception:  # noqa: BLE001 - a dead replica has nothing left to abort
-            pass
+    def _end(self, request_id: str, flight: _Flight, abort: bool) -> None:
+        """The flight's replica no longer holds the request: take it off the replica's load
+        (once), and with `abort` tell the replica to stop it."""
+        if flight.counted:
+            flight.counted = False
+            self.router.ended(flight.replica)
+            if abort:
+                try:
+                    self.replicas.actors[flight.replica].abort.remote(request_id)
+                except Exception:  # noqa: BLE001 - a dead replica has nothing left to abort
+                    pass
+        if flight.task is not None and flight.task.done() and self._flights.get(request_id) is flight:
+            del self._flights[request_id]
 
     # ------------------------------------------------------------------ health and statistics
-    def _replica_failed(self, replica: int) -> None:
+    def _replica_failed(self, replica: int, reason: BaseException | str) -> None:
         if self.router.up[replica]:
-            logger.warning("engine replica %d is down; routing around it until it is back", replica)
+            logger.warning("engine replica %d is down (%s); routing around it until it is back", replica,
+                           type(reason).__name__ if isinstance(reason, BaseException) else reason)
             self.router.set_up(replica, False)
             self._down_since[replica] = time.monotonic()
             if self.metrics is not None:
@@ -305,47 +343,50 @@ class DPAsyncLLM:
             self._down_since[replica] = None
             if self.metrics is not None:
                 self.metrics.up[replica].set(1)
-        self.router.report(replica, report.sched.num_waiting)
+        self.router.report(replica, report.num_waiting, report.received)
         if self.prometheus:
             self.prometheus[replica].record(report.sched, report.it)
         if self.log_stats:
             self.log_stats[replica].record(report.sched, report.it)
 
     async def _watch_replicas(self) -> None:
-        import ray
-
         n = self.replicas.num_replicas
         polls: dict[int, tuple[asyncio.Future, float]] = {}
         while not self._stopping:
-            now = time.monotonic()
-            for i in range(n):
-                if i not in polls:
-                    polls[i] = (asyncio.wrap_future(self.replicas.actors[i].poll.remote().future()), now)
             await asyncio.sleep(STATS_INTERVAL)
-            now = time.monotonic()
-            for i, (fut, sent) in list(polls.items()):
-                if fut.done():
-                    del polls[i]
-                    try:
-                        report = fut.result()
-                    except ray.exceptions.RayError:
-                        self._replica_failed(i)
-                        continue
-                    except Exception:  # noqa: BLE001 - the monitor must outlive any one bad answer
-                        logger.exception("polling replica %d failed", i)
-                        self._replica_failed(i)
-                        continue
-                    self._replica_answered(i, report)
-                elif now - sent > HEALTH_TIMEOUT:
-                    self._replica_failed(i)  # unanswered: down, but keep waiting on the same poll
-            for line_logger in self.log_stats:
-                line_logger.maybe_log()
-            down = [t for t in self._down_since if t is not None]
-            if len(down) == n and now - max(down) > REPLICA_DEAD_SECONDS and self.dead_error is None:
-                self.dead_error = EngineDeadError(f"every engine replica has been down for over "
-                                                  f"{REPLICA_DEAD_SECONDS:g} s")
-                logger.error("%s; the server gives up", self.dead_error)
-                for request_id in list(self._collectors):
-                    self._collectors[request_id].put(self.dead_error)
-                if self._on_dead is not None:
-                    self._on_dead(self.dead_error)
+            try:
+                self._watch_once(polls, n)
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one failure
+                logger.exception("watching the replicas failed; trying again")
+
+    def _watch_once(self, polls: dict[int, tuple[asyncio.Future, float]], n: int) -> None:
+        """One round of the monitor: read the polls that came back, mark replicas down or up,
+        send the next polls, write the log lines, give up when every replica stayed down."""
+        import ray
+
+        now = time.monotonic()
+        for i, (fut, sent) in list(polls.items()):
+            if fut.done():
+                del polls[i]
+                try:
+                    report = fut.result()
+                except ray.exceptions.RayError as e:
+                    self._replica_failed(i, e)
+                    continue
+                self._replica_answered(i, report)
+            elif now - sent > HEALTH_TIMEOUT:
+                self._replica_failed(i, f"no answer in {HEALTH_TIMEOUT:g} s")  # keep waiting on the same poll
+        for i in range(n):
+            if i not in polls:
+                polls[i] = (asyncio.wrap_future(self.replicas.actors[i].poll.remote().future()), now)
+        for line_logger in self.log_stats:
+            line_logger.maybe_log()
+        down = [t for t in self._down_since if t is not None]
+        if len(down) == n and now - max(down) > REPLICA_DEAD_SECONDS and self.dead_error is None:
+            self.dead_error = EngineDeadError(f"every engine replica has been down for over "
+                                              f"{REPLICA_DEAD_SECONDS:g} s")
+            logger.error("%s; the server gives up", self.dead_error)
+            for request_id in list(self._collectors):
+                self._collectors[request_id].put(self.dead_error)
+            if self._on_dead is not None:
+                self._on_dead(self.dead_error)

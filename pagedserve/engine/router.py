@@ -4,8 +4,9 @@ Three policies, as vLLM's and SGLang's routers have them:
 - round_robin: the next replica that is up.
 - least_loaded: vLLM's internal balancer.  A replica's load is waiting x 4 + running.
   The front end knows exactly how many of its requests a replica holds (sent, not yet
-  ended); of those, the waiting ones are what the replica last reported (every ~0.1 s)
-  plus every request sent since, counted as waiting the moment it is sent
+  ended); of those, the waiting ones are what the replica last reported (polled every
+  ~0.1 s, with how many requests it had received then) plus every request sent that the
+  report had not seen: a request counts as waiting the moment it is sent
   ("optimistic"), so a burst between two reports still spreads, and a report taken just
   before a request ended never counts it.
 - cache_aware (default): SGLang router's policy, over block hashes instead of text.
@@ -83,12 +84,15 @@ class PrefixIndex:
 @dataclass
 class ReplicaLoad:
     in_flight: int = 0  # requests sent to the replica and not ended (exact: counted here)
-    reported_waiting: int = 0  # the replica's waiting queue at its last report
-    sent_since_report: int = 0
+    sent: int = 0  # requests ever sent to this incarnation of the replica
+    reported_waiting: int = 0  # the replica's waiting requests at its last report...
+    reported_received: int = 0  # ... when it had received this many
 
     @property
     def waiting(self) -> int:
-        return min(self.in_flight, self.reported_waiting + self.sent_since_report)
+        """The reported waiting ones plus those sent that the report had not seen yet."""
+        unseen = max(0, self.sent - self.reported_received)
+        return min(self.in_flight, self.reported_waiting + unseen)
 
     @property
     def running(self) -> int:
@@ -160,7 +164,7 @@ class Router:
         self.indexes[replica].insert(hashes)
         load = self.loads[replica]
         load.in_flight += 1
-        load.sent_since_report += 1
+        load.sent += 1
         self._next = (replica + 1) % self.num_replicas
 
     def ended(self, replica: int) -> None:
@@ -168,10 +172,11 @@ class Router:
         load = self.loads[replica]
         load.in_flight = max(0, load.in_flight - 1)
 
-    def report(self, replica: int, num_waiting: int) -> None:
-        """The replica's own waiting count, which replaces the optimistic one."""
+    def report(self, replica: int, num_waiting: int, num_received: int) -> None:
+        """The replica's own count of waiting requests when it had received `num_received`
+        requests in all (requests sent after those still count as waiting)."""
         load = self.loads[replica]
-        load.reported_waiting, load.sent_since_report = num_waiting, 0
+        load.reported_waiting, load.reported_received = num_waiting, num_received
 
     def set_up(self, replica: int, up: bool) -> None:
         self.up[replica] = up

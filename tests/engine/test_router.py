@@ -41,14 +41,17 @@ def test_least_loaded_weighs_waiting_four_times_and_counts_dispatches_at_once():
     # A burst with no report in between still spreads: each dispatch counts as waiting.
     assert sorted(send(r, prompt(0)) for _ in range(8)) == [0] * 4 + [1] * 4
     # Replica 0 reports its 4 all running, replica 1 all waiting: 4 against 16.
-    r.report(0, num_waiting=0)
-    r.report(1, num_waiting=4)
+    r.report(0, num_waiting=0, num_received=4)
+    r.report(1, num_waiting=4, num_received=4)
     assert r.loads[0].score == 4 and r.loads[1].score == 16
     assert send(r, prompt(0)) == 0
+    # A report that has not seen a request yet leaves it waiting.
+    r.report(0, num_waiting=0, num_received=4)
+    assert r.loads[0].waiting == 1 and r.loads[0].score == 8
     # A report never counts a request the front end already saw end.
     for _ in range(5):
         r.ended(0)
-    r.report(0, num_waiting=3)  # taken before they ended
+    r.report(0, num_waiting=3, num_received=5)  # taken before they ended
     assert r.loads[0].score == 0
 
 
@@ -127,7 +130,7 @@ def test_choices_are_replicas_that_are_up_and_loads_stay_consistent(policy, ops)
             r.ended(replica)
             in_flight[replica] -= 1
         elif op == "report":
-            r.report(replica, k)
+            r.report(replica, k, k)
         elif op in ("down", "up"):
             r.set_up(replica, op == "up")
         elif op == "reset":
