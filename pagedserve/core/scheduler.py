@@ -46,6 +46,8 @@ _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
+GRAMMAR_REFUSED = ("the structured-output grammar refused a token its own mask allowed: the grammar library cannot "
+                   "follow this constraint (simplify the regex, schema or grammar)")
 _WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 _finish_reason = RequestStatus.get_finished_reason
 
@@ -408,6 +410,10 @@ class Scheduler:
         """check_stop for a constrained request: the grammar takes the token first; a
         token it refuses is an error, and a grammar at its end stops the request."""
         if not request.grammar.accept_token(tok):
+            # Only a token the step's mask allowed is sampled, so the grammar library
+            # contradicted itself (llguidance does for a regex with control characters):
+            # the constraint cannot be followed, which the client hears (a 400), not a crash.
+            request.stop_reason = GRAMMAR_REFUSED
             return _ERROR
         status = check_stop(request, tok)
         if status is None and request.grammar.is_terminated():

@@ -104,6 +104,14 @@ def test_invalid_schema_regex_and_grammar_are_400s(client):
     assert chat(client, max_tokens=3).choices[0].message.content is not None
 
 
+def test_a_constraint_the_grammar_library_cannot_follow_is_a_400(server):
+    """llguidance's mask for the regex "\x1f0" allows "0", which its matcher then refuses
+    (found by the schema fuzzer): the request ends with a 400 that says so, not a 500."""
+    r = httpx.post(server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL_NAME, "prompt": "0", "guided_regex": "\x1f0", "max_tokens": 1})
+    assert r.status_code == 400 and "grammar refused a token" in r.json()["error"]["message"], r.text
+
+
 def test_forced_and_required_tool_calls(client):
     named = chat(client, tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
                  temperature=0.7, seed=5)
