@@ -28,6 +28,8 @@ import torch
 from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
 
 logger = logging.getLogger("pagedserve")
+# Compiler flags that turn an instruction-set extension off, and the CPU flag of each.
+_ISA_OFF = {"-mno-avx512f": "avx512f", "-mno-avx2": "avx2", "-mno-fma": "fma"}
 
 
 def extension_build_dir(prefix: str, source: Path,
@@ -39,6 +41,11 @@ def extension_build_dir(prefix: str, source: Path,
 
     if extra_cflags is None:
         extra_cflags = kernel_isa_cflags()
+    # Turning off an extension the CPU lacks changes nothing under -march=native: dropped,
+    # so such a build shares the native one's cache (on an AVX2-only CPU the "AVX2" build
+    # is the native build, not a second 40 s compile).
+    have = cpu_flags()
+    extra_cflags = tuple(f for f in extra_cflags if _ISA_OFF.get(f, "") in have or f not in _ISA_OFF)
     flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
     key = (source.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
            + " ".join(flags).encode())
