@@ -281,10 +281,9 @@ class EngineArgs:
                              "enable_prefix_caching (or preemption_mode='swap', which uses it without)")
 
     def _validate_data_parallel(self) -> None:
-        router = {k: v for k, v in self.router_settings().items() if v is not None}
         if self.data_parallel_size == 1:
             given = [n for n in ("ray_address", "cpus_per_replica") if getattr(self, n) is not None]
-            given += [f"router_{k}" for k in router]
+            given += [f"router_{k}" for k in self.router_settings()]
             if given:
                 raise ValueError(f"{', '.join(given)}: only data-parallel replicas use this; set "
                                  "data_parallel_size > 1 (or leave it out)")
@@ -297,13 +296,14 @@ class EngineArgs:
             raise ValueError(f"cpus_per_replica must be a positive integer, got {self.cpus_per_replica!r}")
 
     def router_settings(self) -> dict[str, Any]:
-        """The router_* arguments as RouterConfig fields (None: not given)."""
-        return {"policy": self.router_policy, "cache_threshold": self.router_cache_threshold,
-                "balance_abs_threshold": self.router_balance_abs_threshold,
-                "balance_rel_threshold": self.router_balance_rel_threshold}
+        """The router_* arguments given (not None), as RouterConfig fields."""
+        settings = {"policy": self.router_policy, "cache_threshold": self.router_cache_threshold,
+                    "balance_abs_threshold": self.router_balance_abs_threshold,
+                    "balance_rel_threshold": self.router_balance_rel_threshold}
+        return {k: v for k, v in settings.items() if v is not None}
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(**{k: v for k, v in self.router_settings().items() if v is not None})
+        return RouterConfig(**self.router_settings())
 
     def for_replica(self, index: int) -> EngineArgs:
         """One data-parallel replica's own engine: no replicas of its own, its own GPUs, and

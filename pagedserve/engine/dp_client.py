@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.config import RouterConfig
 from pagedserve.engine.async_llm import (
     EngineDeadError,
     EngineOverloadedError,
@@ -76,7 +75,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 class DPAsyncLLM:
     """The server's engine client over data-parallel replicas (see the module docstring)."""
 
-    def __init__(self, replicas: ReplicaSet, router_config: RouterConfig,
+    def __init__(self, replicas: ReplicaSet,
                  prometheus: Sequence[PrometheusStatLogger] = (), router_metrics: RouterMetrics | None = None,
                  log_stats: bool = True, log_interval: float = 10.0, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None,
@@ -93,7 +92,7 @@ class DPAsyncLLM:
         self.structured_outputs_backend = info.structured_outputs_backend
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
-        self.router = Router(router_config, n, info.block_size, info.num_blocks)
+        self.router = Router(replicas.router_config, n, info.block_size, info.num_blocks)
         self.metrics = router_metrics
         if prometheus and len(prometheus) != n:
             raise ValueError(f"got {len(prometheus)} Prometheus loggers for {n} replicas")

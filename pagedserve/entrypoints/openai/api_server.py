@@ -392,8 +392,7 @@ def run_server(args: argparse.Namespace) -> None:
             client: EngineClient
             if isinstance(engine, ReplicaSet):
                 n = engine.num_replicas
-                client = DPAsyncLLM(engine, engine.router_config,
-                                    prometheus=make_prometheus_loggers(state.registry, names[0], n),
+                client = DPAsyncLLM(engine, prometheus=make_prometheus_loggers(state.registry, names[0], n),
                                     router_metrics=RouterMetrics(state.registry, names[0], n), **front_door)
                 max_model_len = engine.info.max_model_len
                 description = {**engine.info.description, "data_parallel_size": n,
