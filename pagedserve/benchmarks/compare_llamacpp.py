@@ -4,12 +4,13 @@
     python -m pagedserve.benchmarks.compare_llamacpp --files Q4_0 default
     python -m pagedserve.benchmarks.compare_llamacpp --latency --max-step-ms 100    # the latency load
 
-For each file both servers are started back to back (never at once) with the same
-threads, the same 32 slots of `--ctx-per-slot` tokens of KV cache, and are driven by the
-same HTTP client through their OpenAI-compatible /v1/completions endpoint:
+For each file both servers are started one after the other with the same threads, the
+same 32 slots of `--ctx-per-slot` tokens of KV cache, and are driven by the same HTTP
+client through their OpenAI-compatible /v1/completions endpoint, taking turns sample by
+sample (only one works at a time; the same prompts go to both):
   * single-stream decode: one request at a time, 128 new tokens (EOS ignored), tokens per
-    second between the first and the last streamed token (median of 3);
-  * batch throughput: 8 and 32 requests in flight (two rounds each), new tokens per second;
+    second between the first and the last streamed token (median of 5 turns each);
+  * batch throughput: 8 and 32 requests in flight, new tokens per second (median of 2);
   * TTFT of a 512-token prompt (max_tokens 1, fresh random tokens each time so no prefix
     cache helps; median of 3);
   * resident memory (the process tree's VmRSS) of a separate start with one slot of
@@ -112,44 +113,64 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-async def run_phase(url: str, phase: str, rng: random.Random, fig: Figures) -> None:
-    """One measurement (after an 8-token warm-up request): "single", "batch-N" or "ttft"."""
+ROUNDS = {"single": 5, "batch": 2, "ttft": 3}
+
+
+async def sample(http: httpx.AsyncClient, url: str, model: str, phase: str, rng: random.Random) -> float:
+    """One measurement of `phase` against one server: "single" (decode tok/s of one
+    request), "batch-N" (tok/s of N requests in flight) or "ttft" (seconds)."""
+    if phase == "single":
+        _, first, last = await completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS)
+        return (NEW_TOKENS - 1) / (last - first)
+    if phase.startswith("batch-"):
+        n = int(phase.removeprefix("batch-"))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS) for _ in range(n)))
+        return n * NEW_TOKENS / (time.perf_counter() - t0)
+    start, first, _ = await completion(http, url, model, random_prompt(rng, TTFT_PROMPT), 1)
+    return first - start
+
+
+async def run_phases(servers: list[tuple[Figures, LocalServer]], batches: list[int]) -> None:
+    """Every phase, the servers taking turns sample by sample (the median of each side's
+    samples is its figure).  Both are loaded and only one works at a time: this
+    machine's memory bandwidth drifts by a third over minutes, and alternating puts
+    both sides in the same moments instead of one side in a good one."""
+    rngs = [random.Random(0) for _ in servers]  # the same prompts for every side
     async with new_client() as http:
-        model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
-        await completion(http, url, model, random_prompt(rng, 16), 8)
-        if phase == "single":
-            rates = []
-            for _ in range(3):
-                _, first, last = await completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS)
-                rates.append((NEW_TOKENS - 1) / (last - first))
-            fig.decode_tok_s = statistics.median(rates)
-        elif phase.startswith("batch-"):
-            n = int(phase.removeprefix("batch-"))
-            t0 = time.perf_counter()
-            for _ in range(2):
-                await asyncio.gather(*(completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS)
-                                       for _ in range(n)))
-            fig.batch_tok_s[n] = 2 * n * NEW_TOKENS / (time.perf_counter() - t0)
-        else:
-            ttfts = []
-            for _ in range(3):
-                start, first, _ = await completion(http, url, model, random_prompt(rng, TTFT_PROMPT), 1)
-                ttfts.append(first - start)
-            fig.ttft_s = statistics.median(ttfts)
-
-
-def measure(start: Callable[[], LocalServer], fig: Figures, batches: list[int]) -> None:
-    """Every phase against one server, started here."""
-    rng = random.Random(0)
-    t0 = time.perf_counter()
-    server = start()
-    fig.load_s = time.perf_counter() - t0
-    try:
+        models = [(await http.get(s.url + "/v1/models")).json()["data"][0]["id"] for _, s in servers]
+        for (_, s), model, rng in zip(servers, models, rngs, strict=True):
+            await completion(http, s.url, model, random_prompt(rng, 16), 8)  # warm-up
         for phase in ["single", *(f"batch-{n}" for n in batches), "ttft"]:
-            asyncio.run(run_phase(server.url, phase, rng, fig))
-        fig.rss_end = tree_rss(server.proc.pid)
+            samples: list[list[float]] = [[] for _ in servers]
+            for _ in range(ROUNDS[phase.split("-")[0]]):
+                for i, ((_, s), model, rng) in enumerate(zip(servers, models, rngs, strict=True)):
+                    samples[i].append(await sample(http, s.url, model, phase, rng))
+            for (fig, _), values in zip(servers, samples, strict=True):
+                value = statistics.median(values)
+                if phase == "single":
+                    fig.decode_tok_s = value
+                elif phase == "ttft":
+                    fig.ttft_s = value
+                else:
+                    fig.batch_tok_s[int(phase.removeprefix("batch-"))] = value
+
+
+def measure(sides: list[tuple[Figures, Callable[[], LocalServer]]], batches: list[int]) -> None:
+    """Start every side's server (one after the other, each timed alone), then run the
+    phases with the servers taking turns."""
+    servers: list[tuple[Figures, LocalServer]] = []
+    try:
+        for fig, start in sides:
+            t0 = time.perf_counter()
+            servers.append((fig, start()))
+            fig.load_s = time.perf_counter() - t0
+        asyncio.run(run_phases(servers, batches))
+        for fig, server in servers:
+            fig.rss_end = tree_rss(server.proc.pid)
     finally:
-        server.stop()
+        for _, server in servers:
+            server.stop()
 
 
 def new_client() -> httpx.AsyncClient:
@@ -179,7 +200,6 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     from pagedserve.cpu_info import bf16_support
 
     ctx = args.ctx_per_slot
-    out = []
     batches = [b for b in (8, 32) if b <= SLOTS]
     # llama.cpp keeps its KV cache in f16; pagedserve in the model dtype (bf16, or fp32 without bf16)
     ps_dtype_bytes = 2 if bf16_support().native else 4
@@ -194,10 +214,8 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
                                                           ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama.log"),
                       kv_tokens * kv_bytes_per_token(gguf_path, 2)))
     sides.append(("pagedserve", lambda: PagedServer(model_arg, ps_args, f"{logdir}/{name}-pagedserve.log"), ps_kv))
-    for side, start, kv in sides:
-        fig = Figures(side, kv_bytes=kv)
-        measure(start, fig, batches)
-        out.append(fig)
+    out = [Figures(side, kv_bytes=kv) for side, _, kv in sides]
+    measure([(fig, start) for fig, (_, start, _) in zip(out, sides, strict=True)], batches)
     # Memory on its own start: one slot of 1024 tokens (KV at most ~0.2 GB at the 1.7B
     # shape), after one short request, so the figure is weights + runtime, not KV.
     small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes)  # (+ the null block, rounding)

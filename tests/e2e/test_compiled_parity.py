@@ -1,7 +1,8 @@
 """The torch.compile'd model (worker/compiled_model.py) against the eager one, through
 the whole engine: the same greedy tokens and logprobs in float32, across steps of every
 shape (prefills of different lengths, chunked prefill, single-token and batched
-decodes), with one graph compiled at start-up and never again."""
+decodes), with one graph compiled at start-up and never again: checked through dynamo
+with its guards, which is what lets the default run the compiled bytecode without them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.worker.compiled_model import CompiledModel
 from tests.e2e.token_prompts import shared_prefix_prompts
 
 
@@ -30,13 +32,17 @@ def test_compiled_matches_eager_and_compiles_once(arch, tiny_checkpoint, monkeyp
 
     # The default (no argument, no PAGEDSERVE_TORCH_COMPILE) compiles on CPU.
     monkeypatch.delenv("PAGEDSERVE_TORCH_COMPILE", raising=False)
-    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=48)  # 48: prompts are chunked
-    assert llm.llm_engine.model_executor.compiled is not None
-    graphs = counters["stats"]["unique_graphs"]
-    got_batch, got_one = greedy(llm, prompts), greedy(llm, prompts[:1])  # the latter decodes 1 token/step
-    assert counters["stats"]["unique_graphs"] == graphs, "a step shape recompiled the model"
-    for want, got in ((want_batch, got_batch), (want_one, got_one)):
-        for (wt, wl), (gt, gl) in zip(want, got, strict=True):
-            assert gt == wt
-            for a, b in zip(wl, gl, strict=True):
-                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    for skip_guards in (False, True):
+        monkeypatch.setattr(CompiledModel, "skip_guards", skip_guards)
+        llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=48)  # 48: prompts are chunked
+        compiled = llm.llm_engine.model_executor.compiled
+        assert compiled is not None and compiled.guard_free is skip_guards
+        graphs = counters["stats"]["unique_graphs"]
+        got_batch, got_one = greedy(llm, prompts), greedy(llm, prompts[:1])  # the latter decodes 1 token/step
+        assert counters["stats"]["unique_graphs"] == graphs, "a step shape recompiled the model"
+        for want, got in ((want_batch, got_batch), (want_one, got_one)):
+            for (wt, wl), (gt, gl) in zip(want, got, strict=True):
+                assert gt == wt
+                for a, b in zip(wl, gl, strict=True):
+                    assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        del llm
