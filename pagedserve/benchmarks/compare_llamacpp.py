@@ -196,6 +196,27 @@ def running(start: Callable[[], LocalServer]) -> Iterator[LocalServer]:
         server.stop()
 
 
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second `threads` threads read from memory here: torch's sum over 1 GiB
+    of float32 (8x this machine's caches), best of 5.  What a single stream's decode is
+    measured against: each token reads every weight once."""
+    import torch
+
+    x = torch.ones(2**28)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x.sum()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return x.numel() * 4 / best
+
+
 def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace, logdir: str) -> list[Figures]:
     from pagedserve.cpu_info import bf16_support
 
@@ -239,7 +260,9 @@ async def one_request(url: str) -> None:
         await completion(http, url, model, random_prompt(random.Random(1), 16), 8)
 
 
-def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
+def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float) -> str:
+    """The file's table, and the single-stream ceiling: the weights (the file's bytes, as
+    both sides keep them) read once per token at the bandwidth measured just before."""
     size = os.path.getsize(gguf_path)
     lines = [f"### {name}: {os.path.basename(gguf_path)} ({size / 2**20:.0f} MiB)", "",
              "| | " + " | ".join(f.side for f in figs) + (" | pagedserve / llama-server |" if len(figs) == 2 else " |"),
@@ -260,6 +283,10 @@ def report(name: str, gguf_path: str, figs: list[Figures]) -> str:
     row("  the same / file size", [f.rss_load / size for f in figs], ".2f")
     row(f"RSS after the run above ({SLOTS} slots), MiB", [f.rss_end / 2**20 for f in figs], ".0f")
     row(f"  KV cache given for {SLOTS} slots, MiB", [f.kv_bytes / 2**20 for f in figs], ".0f")
+    lines += ["", f"Memory read bandwidth just before ({2**30 // 2**20} MiB summed): {bandwidth / 1e9:.1f} GB/s, so one "
+              f"stream, reading the file's {size / 1e6:.0f} MB of weights per token, is bound at "
+              f"{bandwidth / size:.1f} tok/s; single-stream decode reached "
+              + ", ".join(f"{f.decode_tok_s * size / bandwidth:.0%} of that ({f.side})" for f in figs) + "."]
     return "\n".join(lines)
 
 
@@ -343,8 +370,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             path = model_arg = ensure_random_gguf(name, SMOLLM2_1_7B)
         print(f"{name}: {path}", flush=True)
+        bandwidth = read_bandwidth(args.threads)
+        print(f"  memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
         reports.append(report(name if name == "default" else f"{SMOLLM2_1_7B.name} {name}", path,
-                              run_file(name, path, model_arg, args, logdir)))
+                              run_file(name, path, model_arg, args, logdir), bandwidth))
     print()
     print("\n\n".join(reports))
 
