@@ -89,10 +89,17 @@ class CompiledModel:
         tensor was made: ones created under inference_mode would not match them."""
         t0 = time.perf_counter()
         ids, pos = input_ids[:2], positions[:2]
-        with set_forward_context(None):
+        with set_forward_context(None, self.modules):
+            # Eagerly first: layers build state on first use (a quantized linear's kernel
+            # arguments), and dynamo guards on what it reads, so state made during the
+            # trace would fail the guards at the next step and compile the model again.
+            self.model(ids, pos)
             self(ids, pos)
         code = self._compiled_code(ids, pos) if self.skip_guards else None
-        if code is not None:  # else (never seen): keep calling through dynamo, guards and all
+        if self.skip_guards and code is None:
+            logger.warning("torch.compile: steps keep dynamo's guards (about 2-4 ms a step on CPU): "
+                           "its cache holds no single entry whose guards pass after the warm-up")
+        if code is not None:
             forward = self.model.forward.__func__
             self._direct = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__,
                                               forward.__closure__)

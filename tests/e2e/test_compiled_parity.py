@@ -21,11 +21,14 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24):
             for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
-def test_compiled_matches_eager_and_compiles_once(arch, tiny_checkpoint, monkeypatch):
+# int8: quantized linears build their kernel arguments on first use, state dynamo guards on.
+@pytest.mark.parametrize("arch, quantization", [("llama", "auto"), ("qwen3", "auto"), ("qwen3_moe", "auto"),
+                                                ("llama", "int8")])
+def test_compiled_matches_eager_and_compiles_once(arch, quantization, tiny_checkpoint, monkeypatch):
     model_dir, cfg = tiny_checkpoint(arch)
     prompts = shared_prefix_prompts(cfg.vocab_size)
-    eager = LLM(model_dir, dtype="float32", torch_compile=False, max_num_batched_tokens=48)
+    eager = LLM(model_dir, dtype="float32", quantization=quantization, torch_compile=False,
+                max_num_batched_tokens=48)
     assert eager.llm_engine.model_executor.compiled is None
     want_batch, want_one = greedy(eager, prompts), greedy(eager, prompts[:1])
     del eager
@@ -34,7 +37,7 @@ def test_compiled_matches_eager_and_compiles_once(arch, tiny_checkpoint, monkeyp
     monkeypatch.delenv("PAGEDSERVE_TORCH_COMPILE", raising=False)
     for skip_guards in (False, True):
         monkeypatch.setattr(CompiledModel, "skip_guards", skip_guards)
-        llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=48)  # 48: prompts are chunked
+        llm = LLM(model_dir, dtype="float32", quantization=quantization, max_num_batched_tokens=48)  # chunked
         compiled = llm.llm_engine.model_executor.compiled
         assert compiled is not None and compiled.guard_free is skip_guards
         graphs = counters["stats"]["unique_graphs"]
