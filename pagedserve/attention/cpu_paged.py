@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.attention.torch_paged import TorchPagedBackend
+from pagedserve.attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
 from pagedserve.cpu_extension import build_cpu_extension
 from pagedserve.platforms import is_cpu
 from pagedserve.utils import record_startup
@@ -50,8 +50,10 @@ def build(extra_cflags: tuple[str, ...] | None = None, source: Path = SOURCE) ->
 
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:
-    """The kernel `paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window=0) -> [B, H, D]`
-    (q [B, H, D]; block_table [B, >= blocks of the longest] and seq_lens [B], int32),
+    """The kernel `paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window=0, key=None,
+    value=None, slot_mapping=None) -> [B, H, D]` (q [B, H, D]; block_table [B, >= blocks of
+    the longest] and seq_lens [B], int32; key/value [T, Hkv, D] and slot_mapping [T] int64:
+    the step's new K/V, stored first),
     built once per process; None where it cannot be built."""
     if "fn" in _state:
         return _state["fn"]  # type: ignore[return-value]
@@ -76,6 +78,21 @@ class CpuPagedBackend(TorchPagedBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.decode_kernel = paged_decode() if head_dim in HEAD_DIMS else None
+
+    def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
+        """An all-decode step (one group of one-token rows in batch order: the usual step)
+        is one kernel call that also stores the new K/V; at a small model's size the
+        store's own tensor operations and this class's Python per layer were a tenth of
+        a decode step.  Anything else takes the general path."""
+        md = attn_metadata
+        g, n = md.groups[0], md.common.num_actual_tokens
+        kernel = (self._kernel_for(query, k_cache)
+                  if md.identity and g.q_len == 1 and query.shape[0] == n and key.dtype == k_cache.dtype else None)
+        if kernel is None:
+            return super().forward(query, key, value, k_cache, v_cache, md)
+        self._zero_fresh_blocks(md, k_cache, v_cache)
+        return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,
+                      key, value, md.common.slot_mapping[:n])
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         ok = (is_cpu(query.device) and query.dtype in DTYPES and k_cache.dtype == query.dtype

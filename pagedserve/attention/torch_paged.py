@@ -232,9 +232,7 @@ class TorchPagedBackend(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         md = attn_metadata
         num_tokens = md.common.num_actual_tokens
-        if md.fresh_blocks is not None:
-            k_cache.index_fill_(0, md.fresh_blocks, 0)
-            v_cache.index_fill_(0, md.fresh_blocks, 0)
+        self._zero_fresh_blocks(md, k_cache, v_cache)
         store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
                        md.common.slot_mapping[:num_tokens])
         if md.identity and query.shape[0] == num_tokens:
@@ -246,6 +244,13 @@ class TorchPagedBackend(AttentionBackend):
         if query.shape[0] > num_tokens:
             out[num_tokens:].zero_()
         return out[: query.shape[0]]
+
+    @staticmethod
+    def _zero_fresh_blocks(md: TorchPagedMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Zero the blocks this step opens, before their first slot is written (see the module doc)."""
+        if md.fresh_blocks is not None:
+            k_cache.index_fill_(0, md.fresh_blocks, 0)
+            v_cache.index_fill_(0, md.fresh_blocks, 0)
 
     def _group_forward(self, g: AttnGroup, query, k_cache, v_cache, out) -> torch.Tensor:
         """Attend one group; scatter into `out`, or with out=None return its [B*Q, H, D]."""

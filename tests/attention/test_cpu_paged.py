@@ -145,3 +145,40 @@ def test_kernel_refuses_tables_that_would_read_out_of_bounds():
     with pytest.raises(RuntimeError, match="block id 9 out of range"):
         paged_decode()(q, k_cache, v_cache, torch.tensor([[1, 9]], dtype=torch.int32),
                        torch.tensor([20], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_all_decode_step_is_one_kernel_call_that_stores_kv():
+    """The usual step (every request decoding one token) hands the new K/V to the kernel,
+    which stores them before attending: the same cache and output as storing first."""
+    calls = []
+    kernel = paged_decode()
+
+    def spy(*args, **kwargs):
+        calls.append(len(args) + len(kwargs))
+        return kernel(*args, **kwargs)
+
+    backend = CpuPagedBackend(6, 2, 64, 64**-0.5, 16)
+    backend.decode_kernel = spy
+    case = make_case([(150, 1), (129, 1), (3, 1)], 6, 2, 64, 16, torch.float32, seed=5)  # 129: opens a block
+    q, k, v, kc, vc, common = case
+    kc, vc = kc.clone(), vc.clone()
+    out = backend.forward(q, k, v, kc, vc, CpuPagedBackend.build_metadata(common))
+    assert calls == [10]  # one call, with key, value and slot_mapping
+    ref, ref_k, ref_v = run_backend(TorchPagedBackend, case, 6, 2, 64, 16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kc.nan_to_num(7.0), ref_k.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_kernel_refuses_a_bad_slot_before_writing_any():
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    q, key = torch.zeros(2, 4, 64), torch.ones(2, 2, 64)
+    table, lens = torch.tensor([[1], [2]], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="slot 64 out of range"):
+        paged_decode()(q, k_cache, v_cache, table, lens, 0.125, 0, key, key, torch.tensor([18, 64]))
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(RuntimeError, match="come together"):
+        paged_decode()(q, k_cache, v_cache, table, lens, 0.125, 0, key, key)
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        paged_decode()(q, k_cache, v_cache, table, lens, 0.125, 0, key.double(), key.double(), torch.tensor([18, 35]))

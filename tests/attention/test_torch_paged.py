@@ -79,7 +79,7 @@ LONG = [(40, 1), (1100, 1100), (1300, 900), (90, 1)]  # two are split into query
 
 CASES = [
     pytest.param(specs, heads, kv_heads, bs, dtype, id=f"{name}-{heads}/{kv_heads}-bs{bs}-{str(dtype)[6:]}")
-    for name, specs, head_cfgs in [("mixed", MIXED, [(6, 2), (4, 4), (8, 1)]), ("decode", [(150, 1)] * 12, [(6, 2), (8, 1), (10, 5)]),
+    for name, specs, head_cfgs in [("mixed", MIXED, [(6, 2), (4, 4), (8, 1)]), ("decode", [(150, 1)] * 11 + [(129, 1)], [(6, 2), (8, 1), (10, 5)]),
                                    ("long", LONG, [(6, 2)])]
     for heads, kv_heads in head_cfgs for bs in (16, 32) for dtype in (torch.float32, torch.bfloat16)
 ]
