@@ -235,6 +235,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
                                                           ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama.log"),
                       kv_tokens * kv_bytes_per_token(gguf_path, 2)))
     sides.append(("pagedserve", lambda: PagedServer(model_arg, ps_args, f"{logdir}/{name}-pagedserve.log"), ps_kv))
+    check_memory(gguf_path, ctx, [kv for _, _, kv in sides])
     out = [Figures(side, kv_bytes=kv) for side, _, kv in sides]
     measure([(fig, start) for fig, (_, start, _) in zip(out, sides, strict=True)], batches)
     # Memory on its own start: one slot of 1024 tokens (KV at most ~0.2 GB at the 1.7B
@@ -252,6 +253,35 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
             fig.rss_load = tree_rss(server.proc.pid)
         print(f"  {fig.side}: {fig}", flush=True)
     return out
+
+
+# Both servers stay loaded while they take turns, and a long run touches every KV block
+# of each.  Their KV caches and weights may take this share of available memory; the rest
+# is for the runtimes (llama-server's compute buffers at 32 slots measured 3.4 GB at the
+# 1.7B shape, pagedserve's torch ~1.3 GB).  Past it the kernel's OOM killer ends one side
+# mid-run (it did: 12 + 6 GiB of float32 and f16 KV cache on a 24 GB Zen 3 machine).
+MEMORY_SHARE = 0.7
+
+
+def check_memory(gguf_path: str, ctx: int, kv_bytes: list[int]) -> None:
+    """Refuse, naming the --ctx-per-slot that would fit, before starting anything."""
+    import torch
+
+    from pagedserve.worker.kv_cache import available_memory_bytes
+
+    avail = available_memory_bytes(torch.device("cpu"))
+    weights = len(kv_bytes) * os.path.getsize(gguf_path)
+    need = sum(kv_bytes) + weights
+    if need <= MEMORY_SHARE * avail:
+        return
+    per_token = sum(kv_bytes) / ctx
+    fits = int((MEMORY_SHARE * avail - weights) / per_token) // 128 * 128
+    hint = (f"pass --ctx-per-slot {fits} (at least {TTFT_PROMPT + 1} for the TTFT prompt)" if fits > TTFT_PROMPT
+            else "this machine cannot hold both sides for this file")
+    raise SystemExit(f"compare_llamacpp: {os.path.basename(gguf_path)} at --ctx-per-slot {ctx}: the two servers' KV "
+                     f"caches ({' + '.join(f'{b / 2**30:.1f}' for b in kv_bytes)} GiB) and weights "
+                     f"({weights / 2**30:.1f} GiB) exceed {MEMORY_SHARE:.0%} of the {avail / 2**30:.1f} GiB available "
+                     f"(the rest is for their runtimes); {hint}")
 
 
 async def one_request(url: str) -> None:
