@@ -238,7 +238,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     check_memory(gguf_path, ctx, [kv for _, _, kv in sides])
     out = [Figures(side, kv_bytes=kv) for side, _, kv in sides]
     measure([(fig, start) for fig, (_, start, _) in zip(out, sides, strict=True)], batches)
-    # Memory on its own start: one slot of 1024 tokens (KV at most ~0.2 GB at the 1.7B
+    # Memory on its own start: one slot of --ctx-per-slot tokens (KV at most ~0.2 GB at the 1.7B
     # shape), after one short request, so the figure is weights + runtime, not KV.
     small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes)  # (+ the null block, rounding)
     small = {"llama-server": lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=1,
@@ -290,7 +290,7 @@ async def one_request(url: str) -> None:
         await completion(http, url, model, random_prompt(random.Random(1), 16), 8)
 
 
-def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float) -> str:
+def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float, ctx: int) -> str:
     """The file's table, and the single-stream ceiling: the weights (the file's bytes, as
     both sides keep them) read once per token at the bandwidth measured just before."""
     size = os.path.getsize(gguf_path)
@@ -309,7 +309,7 @@ def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float) -> 
         row(f"{n} in flight, tok/s", [f.batch_tok_s.get(n, 0.0) for f in figs], ".1f")
     row(f"TTFT, {TTFT_PROMPT}-token prompt, s", [f.ttft_s for f in figs], ".3f")
     row("start-up to ready, s", [f.load_s for f in figs], ".1f")
-    row("RSS, 1 slot of 1024 tokens, after a request, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
+    row(f"RSS, 1 slot of {ctx} tokens, after a request, MiB", [f.rss_load / 2**20 for f in figs], ".0f")
     row("  the same / file size", [f.rss_load / size for f in figs], ".2f")
     row(f"RSS after the run above ({SLOTS} slots), MiB", [f.rss_end / 2**20 for f in figs], ".0f")
     row(f"  KV cache given for {SLOTS} slots, MiB", [f.kv_bytes / 2**20 for f in figs], ".0f")
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = read_bandwidth(args.threads)
         print(f"  memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
         reports.append(report(name if name == "default" else f"{SMOLLM2_1_7B.name} {name}", path,
-                              run_file(name, path, model_arg, args, logdir), bandwidth))
+                              run_file(name, path, model_arg, args, logdir), bandwidth, args.ctx_per_slot))
     print()
     print("\n\n".join(reports))
 

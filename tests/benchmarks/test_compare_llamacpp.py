@@ -1,0 +1,26 @@
+"""compare_llamacpp keeps both servers loaded: a configuration whose KV caches and
+weights would not leave room for the runtimes is refused before anything starts, with a
+--ctx-per-slot that fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.benchmarks import compare_llamacpp
+from pagedserve.worker import kv_cache
+
+GiB = 2**30
+
+
+def test_a_run_that_would_not_fit_is_refused_with_a_ctx_that_does(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1024)
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 22 * GiB)
+    compare_llamacpp.check_memory(str(gguf), 640, [int(3.75 * GiB), int(7.5 * GiB)])  # 11.25 GiB: fits
+    with pytest.raises(SystemExit, match=r"KV caches \(6\.0 \+ 12\.0 GiB\).*pass --ctx-per-slot 768") as e:
+        compare_llamacpp.check_memory(str(gguf), 1024, [6 * GiB, 12 * GiB])
+    # 768 fits the rule it names.
+    compare_llamacpp.check_memory(str(gguf), 768, [int(4.5 * GiB), 9 * GiB])
+    with pytest.raises(SystemExit, match="cannot hold both sides") as e:
+        compare_llamacpp.check_memory(str(gguf), 1024, [40 * GiB, 40 * GiB])
+    assert "m.gguf" in str(e.value)
