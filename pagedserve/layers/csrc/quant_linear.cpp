@@ -158,6 +158,24 @@ constexpr int kMaxMR = 4;
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ---------------------------------------------------------------- AVX2: a tile as two halves of 8 rows
+// acc[mm] += the block's integer sums scaled by weight and activation scales (plus, for
+// the 4-bit kinds, their offset times the activations' block sum): rows 8h..8h+7 of
+// block b, for activation rows m0..m0+MR-1.
+template <int MR>
+inline void add_block_avx2(const uint16_t* d, const uint16_t* aux, int64_t kind, const QuantizedX& x, int64_t m0,
+                           int64_t b, int h, const __m256i* iacc, __m256* acc) {
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kTile + 8 * h)));
+  __m256 ov = _mm256_setzero_ps();
+  if (kind == Q4_SYM) ov = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
+  if (kind == Q4_ASYM)
+    ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux + b * kTile + 8 * h)));
+  for (int mm = 0; mm < MR; ++mm) {
+    const int64_t i = (m0 + mm) * x.Kb + b;
+    acc[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[mm]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[i])), acc[mm]);
+    if (kind != Q8) acc[mm] = _mm256_fmadd_ps(ov, _mm256_set1_ps(x.ds[i]), acc[mm]);
+  }
+}
+
 template <int MR>
 void half_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
                const QuantizedX& x, int64_t m0, int h, float* out /* [MR][8] */) {
@@ -202,16 +220,7 @@ void half_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
       }
       for (int mm = 0; mm < MR; ++mm) iacc[mm] = _mm256_madd_epi16(sacc[mm], ones);
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kTile + 8 * h)));
-    __m256 ov = _mm256_setzero_ps();
-    if (kind == Q4_SYM) ov = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
-    if (kind == Q4_ASYM)
-      ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux + b * kTile + 8 * h)));
-    for (int mm = 0; mm < MR; ++mm) {
-      const int64_t i = (m0 + mm) * x.Kb + b;
-      acc[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[mm]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[i])), acc[mm]);
-      if (kind != Q8) acc[mm] = _mm256_fmadd_ps(ov, _mm256_set1_ps(x.ds[i]), acc[mm]);
-    }
+    add_block_avx2<MR>(d, aux, kind, x, m0, b, h, iacc, acc);
   }
   for (int mm = 0; mm < MR; ++mm) _mm256_storeu_ps(out + 8 * mm, acc[mm]);
 }
@@ -224,16 +233,16 @@ void half_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
 template <int MR>
 void full_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
                const QuantizedX& x, int64_t m0, float* out /* [MR][16] */) {
-  __m256 acc[MR][2];
-  for (int mm = 0; mm < MR; ++mm) acc[mm][0] = acc[mm][1] = _mm256_setzero_ps();
+  __m256 acc[2][MR];
+  for (int mm = 0; mm < MR; ++mm) acc[0][mm] = acc[1][mm] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xrow[MR];
   for (int mm = 0; mm < MR; ++mm) xrow[mm] = x.q + (m0 + mm) * x.K;
   for (int64_t b = 0; b < x.Kb; ++b) {
-    __m256i iacc[MR][2];
+    __m256i iacc[2][MR];
     if (kind == Q8) {
-      for (int mm = 0; mm < MR; ++mm) iacc[mm][0] = iacc[mm][1] = _mm256_setzero_si256();
+      for (int mm = 0; mm < MR; ++mm) iacc[0][mm] = iacc[1][mm] = _mm256_setzero_si256();
       const uint8_t* c = codes + b * 512;
       for (int j = 0; j < 8; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * j), _MM_HINT_T0);
@@ -244,13 +253,13 @@ void full_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
             int32_t xv;
             std::memcpy(&xv, xrow[mm] + b * kBlock + 4 * j, 4);
             const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), w);
-            iacc[mm][h] = _mm256_add_epi32(iacc[mm][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+            iacc[h][mm] = _mm256_add_epi32(iacc[h][mm], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
           }
         }
       }
     } else {
-      __m256i sacc[MR][2];
-      for (int mm = 0; mm < MR; ++mm) sacc[mm][0] = sacc[mm][1] = _mm256_setzero_si256();
+      __m256i sacc[2][MR];
+      for (int mm = 0; mm < MR; ++mm) sacc[0][mm] = sacc[1][mm] = _mm256_setzero_si256();
       const uint8_t* c = codes + b * 256;
       for (int p = 0; p < 4; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * p), _MM_HINT_T0);
@@ -267,31 +276,19 @@ void full_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
           const __m256i lo = _mm256_and_si256(w, low4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
           for (int mm = 0; mm < MR; ++mm) {
-            sacc[mm][h] = _mm256_add_epi16(sacc[mm][h], _mm256_maddubs_epi16(lo, xl[mm]));
-            sacc[mm][h] = _mm256_add_epi16(sacc[mm][h], _mm256_maddubs_epi16(hi, xh[mm]));
+            sacc[h][mm] = _mm256_add_epi16(sacc[h][mm], _mm256_maddubs_epi16(lo, xl[mm]));
+            sacc[h][mm] = _mm256_add_epi16(sacc[h][mm], _mm256_maddubs_epi16(hi, xh[mm]));
           }
         }
       }
       for (int mm = 0; mm < MR; ++mm)
-        for (int h = 0; h < 2; ++h) iacc[mm][h] = _mm256_madd_epi16(sacc[mm][h], ones);
+        for (int h = 0; h < 2; ++h) iacc[h][mm] = _mm256_madd_epi16(sacc[h][mm], ones);
     }
     _mm_prefetch(reinterpret_cast<const char*>(d + b * kTile) + kPrefetch / 8, _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kTile + 8 * h)));
-      __m256 ov = _mm256_setzero_ps();
-      if (kind == Q4_SYM) ov = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
-      if (kind == Q4_ASYM)
-        ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux + b * kTile + 8 * h)));
-      for (int mm = 0; mm < MR; ++mm) {
-        const int64_t i = (m0 + mm) * x.Kb + b;
-        acc[mm][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[mm][h]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[i])),
-                                     acc[mm][h]);
-        if (kind != Q8) acc[mm][h] = _mm256_fmadd_ps(ov, _mm256_set1_ps(x.ds[i]), acc[mm][h]);
-      }
-    }
+    for (int h = 0; h < 2; ++h) add_block_avx2<MR>(d, aux, kind, x, m0, b, h, iacc[h], acc[h]);
   }
   for (int mm = 0; mm < MR; ++mm)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + 16 * mm + 8 * h, acc[mm][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + 16 * mm + 8 * h, acc[h][mm]);
 }
 
 template <int MR>
