@@ -66,7 +66,10 @@ def build_workloads(args: argparse.Namespace, vocab_size: int) -> dict:
     return out
 
 
-def run_config(args: argparse.Namespace, name: str) -> dict:
+def run_config(args: argparse.Namespace, name: str, greedy_out: dict[str, list[list[int]]] | None = None) -> dict:
+    """One fresh engine in config `name`: a warm-up, then each workload timed.  The
+    greedy workloads' token ids go into `greedy_out` (workload -> per prompt) for
+    compare_greedy."""
     import torch
 
     from pagedserve import LLM, LLMEngine, SamplingParams
@@ -97,6 +100,8 @@ def run_config(args: argparse.Namespace, name: str) -> dict:
             sync()
             elapsed = time.perf_counter() - t0
             n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            if greedy_out is not None and all(p.temperature == 0 for p in params):
+                greedy_out[wname] = [list(o.outputs[0].token_ids) for o in outs]
             result["workloads"][wname] = {
                 "output_tokens": n_out, "elapsed_s": round(elapsed, 3), "output_tok_per_s": round(n_out / elapsed, 1),
                 "graph_replays": (graphs.num_replays - replays0) if graphs is not None else 0,
@@ -112,12 +117,37 @@ def run_config(args: argparse.Namespace, name: str) -> dict:
     return result
 
 
+def compare_greedy(tokens: dict[str, dict[str, list[list[int]]]]) -> dict[str, dict[str, dict]]:
+    """Per greedy workload and config: how many sequences are token-for-token equal to
+    the first config's, and the first position where any differs (None: all equal)."""
+    report: dict[str, dict[str, dict]] = {}
+    names = list(tokens)
+    if not names:
+        return report
+    for w in tokens[names[0]]:
+        ref = tokens[names[0]][w]
+        report[w] = {}
+        for name in names[1:]:
+            got = tokens[name].get(w)
+            if got is None:
+                continue
+            diverge = [next((k for k, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+                       for x, y in zip(ref, got, strict=True) if x != y]
+            report[w][name] = {"identical": len(ref) - len(diverge), "of": len(ref),
+                               "first_divergence": min(diverge) if diverge else None}
+    return report
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = add_cli_args(argparse.ArgumentParser(
         prog="python -m pagedserve.benchmarks.bench_gpu", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
-    results = [run_config(args, name) for name in args.configs]
+    tokens: dict[str, dict[str, list[list[int]]]] = {name: {} for name in args.configs}
+    results = [run_config(args, name, tokens[name]) for name in args.configs]
+    same = compare_greedy(tokens)
+    for r in results:
+        r["greedy_vs_first"] = {w: rep[r["config"]] for w, rep in same.items() if r["config"] in rep}
     print(f"\n{'config':16s}" + "".join(f"{w + ' tok/s':>14s}" for w in args.workloads)
           + "   graphs  overlap  kv blocks")
     for r in results:
@@ -126,6 +156,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['kv_blocks']}")
     for w in args.workloads:
         print(f"{w}: {REFERENCE[w]}")
+    for w, rep in same.items():
+        for name, c in rep.items():
+            print(f"greedy {w}: {name} vs {args.configs[0]}: {c['identical']}/{c['of']} sequences identical"
+                  + ("" if c["first_divergence"] is None else f", first divergence at token {c['first_divergence']}"))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

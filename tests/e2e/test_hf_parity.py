@@ -19,6 +19,7 @@ from tests.e2e.token_prompts import shared_prefix_prompts
 
 MAX_TOKENS = 32
 TOP = 5
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gemma3", "mistral"]
 
 ENGINE_VARIANTS = {
     "default": {},
@@ -30,16 +31,17 @@ ENGINE_VARIANTS = {
 }
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], **load_kwargs) -> list[tuple[list[int], list[dict]]]:
+def hf_greedy(model_dir: str, prompts: list[list[int]], dtype: torch.dtype = torch.float32, device: str = "cpu",
+              **load_kwargs) -> list[tuple[list[int], list[dict]]]:
     """Per prompt: HF's greedy tokens and, per step, {token: logprob} for its top-5."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load_kwargs).eval().to(device)
     results = []
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(
-                torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                torch.tensor([p], device=device), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
                 output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             toks = out.sequences[0, len(p):].tolist()
@@ -96,7 +98,7 @@ def _run_variants(model_dir: str, hf_cfg, ref, prompts, variants) -> None:
         del llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_match_hf(arch: str, tiny_checkpoint) -> None:
     model_dir, hf_cfg = tiny_checkpoint(arch)
     prompts = shared_prefix_prompts(hf_cfg.vocab_size)
@@ -114,6 +116,25 @@ def test_tiny_models_match_hf(arch: str, tiny_checkpoint) -> None:
     # Batch of 32: the 8 prompts four times over, all in flight together.
     llm = LLM(model_dir, dtype="float32", max_num_seqs=32)
     check_logprobs_close(ref * 4, ours_greedy(llm, prompts * 4), "batch-32")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_models_match_hf_on_cuda_bf16(arch: str, tiny_checkpoint) -> None:
+    """On a GPU in bfloat16, both sides: HF on CUDA against the engine as it runs there by
+    default (Triton kernels, CUDA graphs where the model allows, overlap scheduling) and
+    eagerly.  bf16 rounding makes near-ties flip, so vLLM's rule alone applies (no bound
+    on the logprobs), plus: most tokens agree before any divergence."""
+    model_dir, hf_cfg = tiny_checkpoint(arch)
+    prompts = shared_prefix_prompts(hf_cfg.vocab_size)
+    ref = hf_greedy(model_dir, prompts, dtype=torch.bfloat16, device="cuda")
+    for eager in (False, True):
+        llm = LLM(model_dir, dtype="bfloat16", device="cuda", seed=0, enforce_eager=eager, max_num_seqs=32)
+        agreed = check_logprobs_close(ref * 4, ours_greedy(llm, prompts * 4), f"{arch}-cuda-bf16-eager={eager}",
+                                      atol=None)
+        assert sum(agreed) >= len(agreed) * MAX_TOKENS // 2, agreed
+        del llm
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

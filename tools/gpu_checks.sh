@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU issue's checks in one go, in its order, each step under its own time limit and
+# every log under $OUT, so that a step that times out still leaves what ran before it.
+#
+#   OUT=/tmp/gpu bash tools/gpu_checks.sh                 # all steps
+#   OUT=/tmp/gpu bash tools/gpu_checks.sh tests bench     # some of: env tests bench kernels
+#
+# Limits (seconds) can be set with T_TESTS, T_BENCH, T_KERNELS.  Wheels of packages the
+# GPU machine lacks (gguf, fastapi, pydantic, ...) are installed from .whl/ when present
+# (see docs/gpu_notes.md); the machine's own torch and triton are kept.
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+STEPS=${*:-env tests bench kernels}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+step() {  # name limit command...: run, log, and record rc and seconds in $OUT/steps.txt
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.txt"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+    tail -n 40 "$OUT/$name.log"
+}
+
+for s in $STEPS; do
+    case $s in
+    env)
+        { nvidia-smi; "$PY" -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, \
+triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.log" 2>&1
+        head -n 20 "$OUT/env.log" ;;
+    tests)
+        # The GPU-only tests, the files whose tests run on CUDA when it is there (the engine's
+        # device is "auto"), and the tiny models' HF parity in bf16 on CUDA.
+        step tests "${T_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
+            --junitxml="$OUT/tests.xml" \
+            -k "not fresh_process and not sm90 and not dry_run" \
+            tests/attention/test_triton_backend.py tests/worker/test_cuda_graph.py tests/worker/test_kv_sizing.py \
+            tests/worker/test_async_output.py tests/e2e/test_overlap_parity.py \
+            "tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16" ;;
+    bench)
+        # W1 (nano-vllm's bench.py) and W2, CUDA graphs and overlap each on and off.
+        step bench_gpu "${T_BENCH:-240}" "$PY" -m pagedserve.benchmarks.bench_gpu \
+            --output-json "$OUT/bench_gpu.json" ;;
+    kernels)
+        step bench_kernels "${T_KERNELS:-60}" "$PY" -m pagedserve.benchmarks.bench_kernels --rep-ms 25 \
+            --json "$OUT/kernels.json" ;;
+    *) echo "unknown step $s" ;;
+    esac
+done
