@@ -3,9 +3,9 @@
 # every log under $OUT, so that a step that times out still leaves what ran before it.
 #
 #   OUT=/tmp/gpu bash tools/gpu_checks.sh                 # all steps
-#   OUT=/tmp/gpu bash tools/gpu_checks.sh tests bench     # some of: env tests bench kernels
+#   OUT=/tmp/gpu bash tools/gpu_checks.sh tests bench     # some of: env tests bench kernels profile
 #
-# Limits (seconds) can be set with T_TESTS, T_BENCH, T_KERNELS.  Wheels of packages the
+# Limits (seconds) can be set with T_TESTS, T_BENCH, T_KERNELS, T_PROFILE.  Wheels of packages the
 # GPU machine lacks (gguf, fastapi, pydantic, ...) are installed from .whl/ when present
 # (see docs/gpu_notes.md); the machine's own torch and triton are kept.
 set -u
@@ -44,7 +44,7 @@ triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 
         # device is "auto"), and the tiny models' HF parity in bf16 on CUDA.
         step tests "${T_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
             --junitxml="$OUT/tests.xml" \
-            -k "not fresh_process and not sm90 and not dry_run" \
+            -k "not fresh_process and not sm90 and not dry_run and not interpreter" \
             tests/attention/test_triton_backend.py tests/worker/test_cuda_graph.py tests/worker/test_kv_sizing.py \
             tests/worker/test_async_output.py tests/e2e/test_overlap_parity.py \
             "tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16" ;;
@@ -52,6 +52,10 @@ triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 
         # W1 (nano-vllm's bench.py) and W2, CUDA graphs and overlap each on and off.
         step bench_gpu "${T_BENCH:-240}" "$PY" -m pagedserve.benchmarks.bench_gpu \
             --output-json "$OUT/bench_gpu.json" ;;
+    profile)
+        # Where a steady decode step's time goes (host functions, kernels), default config.
+        step profile "${T_PROFILE:-60}" "$PY" -m pagedserve.benchmarks.profile_steps --batch 256 --context 700 \
+            --steps 20 ;;
     kernels)
         step bench_kernels "${T_KERNELS:-60}" "$PY" -m pagedserve.benchmarks.bench_kernels --rep-ms 25 \
             --json "$OUT/kernels.json" ;;
