@@ -41,17 +41,19 @@ triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 
         head -n 20 "$OUT/env.log" ;;
     tests)
         # The GPU-only tests, the files whose tests run on CUDA when it is there (the engine's
-        # device is "auto"), and the tiny models' HF parity in bf16 on CUDA.
-        step tests "${T_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
-            --junitxml="$OUT/tests.xml" \
-            -k "not fresh_process and not sm90 and not dry_run and not interpreter" \
-            tests/attention/test_triton_backend.py tests/worker/test_cuda_graph.py tests/worker/test_kv_sizing.py \
-            tests/worker/test_async_output.py tests/e2e/test_overlap_parity.py \
-            "tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16" ;;
+        # device is "auto"), and the tiny models' HF parity in bf16 on CUDA; one pytest per
+        # file, so that a CUDA error that poisons one process (a device-side assert is
+        # sticky) cannot hide the other files' results.  TEST_FILES overrides the list.
+        files=${TEST_FILES:-"tests/attention/test_triton_backend.py tests/worker/test_cuda_graph.py \
+tests/worker/test_kv_sizing.py tests/worker/test_async_output.py tests/e2e/test_overlap_parity.py \
+tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16"}
+        step tests "${T_TESTS:-240}" bash -c 'for f in $0; do echo "--- $f"; "$1" -m pytest -q -p no:cacheprovider \
+            -rfEs --tb=short --timeout 120 -k "not fresh_process and not sm90 and not dry_run and not interpreter" \
+            "$f"; done' "$files" "$PY" ;;
     bench)
         # W1 (nano-vllm's bench.py) and W2, CUDA graphs and overlap each on and off.
         step bench_gpu "${T_BENCH:-240}" "$PY" -m pagedserve.benchmarks.bench_gpu \
-            --output-json "$OUT/bench_gpu.json" ;;
+            --output-json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} ;;
     profile)
         # Where a steady decode step's time goes (host functions, kernels), default config.
         step profile "${T_PROFILE:-60}" "$PY" -m pagedserve.benchmarks.profile_steps --batch 256 --context 700 \

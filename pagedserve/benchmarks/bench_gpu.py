@@ -93,7 +93,7 @@ def run_config(args: argparse.Namespace, name: str, greedy_out: dict[str, list[l
                      SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True), use_tqdm=False)
         for wname, (prompts, params) in build_workloads(args, engine.vocab_size).items():
             engine.reset_prefix_cache()
-            replays0 = graphs.num_replays if graphs is not None else 0
+            replays0 = graphs.num_replays if result["cuda_graphs"] else 0
             sync()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -104,7 +104,7 @@ def run_config(args: argparse.Namespace, name: str, greedy_out: dict[str, list[l
                 greedy_out[wname] = [list(o.outputs[0].token_ids) for o in outs]
             result["workloads"][wname] = {
                 "output_tokens": n_out, "elapsed_s": round(elapsed, 3), "output_tok_per_s": round(n_out / elapsed, 1),
-                "graph_replays": (graphs.num_replays - replays0) if graphs is not None else 0,
+                "graph_replays": (graphs.num_replays - replays0) if result["cuda_graphs"] else 0,
                 "preemptions": engine.get_stats().num_preemptions,
             }
             print(f"  {name:15s} {wname}: {n_out} tokens in {elapsed:.2f} s = {n_out / elapsed:,.0f} tok/s", flush=True)

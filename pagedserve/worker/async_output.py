@@ -131,15 +131,3 @@ class AsyncModelRunnerOutput:
                 drafted = list(self._draft_logprobs.get(req_id, ()))
                 out.logprobs[req_id] = drafted + [last] if v.replacement is None else drafted
         return out
-        lps, ranks = h["sampled_logprobs"].tolist(), h["sampled_ranks"].tolist()
-        top_ids = h["topk_token_ids"].tolist() if "topk_token_ids" in h else None
-        top_lps = h["topk_logprobs"].tolist() if "topk_logprobs" in h else None
-        for i, (req_id, k) in enumerate(zip(self.sample_req_ids, self.logprobs_k, strict=True)):
-            if k is None or invalid[i]:
-                continue
-            out.logprobs[req_id] = LogprobsEntry(
-                token_id=tokens[i], logprob=lps[i], rank=ranks[i],
-                topk_token_ids=top_ids[i][:k] if k and top_ids else [],
-                topk_logprobs=top_lps[i][:k] if k and top_lps else [],
-            )
-        return out
