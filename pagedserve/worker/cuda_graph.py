@@ -72,7 +72,9 @@ def graphs_unavailable_reason(device: torch.device, backend: type[AttentionBacke
 class DecodeGraphRunner:
     def __init__(self, model: nn.Module, backend: type[AttentionBackend], buffers: dict[str, torch.Tensor],
                  sizes: list[int], block_size: int, max_model_len: int,
-                 num_kv_heads: int, use_graphs: bool = True) -> None:
+                 num_kv_heads: int, use_graphs: bool = True, sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window of the model's one KV-cache group (None: full
+        attention), baked into every captured step's metadata like the split count."""
         self.model = model
         self.backend = backend
         self.buffers = buffers
@@ -82,6 +84,7 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         self.num_kv_heads = num_kv_heads
         self.use_graphs = use_graphs
+        self.sliding_window = sliding_window
         self.hidden: torch.Tensor | None = None  # [max_size, hidden], from the first warm-up
         self.metadata: dict[int, Any] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -96,6 +99,7 @@ class DecodeGraphRunner:
             block_table=b["block_table"][0, :batch], slot_mapping=b["slot_mapping"][0, :batch],
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[0] * batch,
             max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size,
+            sliding_window=self.sliding_window,
         )
         return self.backend.build_capture_metadata(common, self.num_kv_heads)
 

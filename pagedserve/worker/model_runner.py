@@ -291,7 +291,8 @@ class ModelRunner:
                              f"{self.attn_backend.name!r}")
         self.graph_runner = DecodeGraphRunner(
             self.model, self.attn_backend, self._dev, capture_sizes(self.max_num_reqs, self.max_num_batched_tokens),
-            self.block_size, self.max_model_len, self.attn_layers[0].num_kv_heads, use_graphs=use_graphs)
+            self.block_size, self.max_model_len, self.attn_layers[0].num_kv_heads, use_graphs=use_graphs,
+            sliding_window=self.kv_layout.group_windows[0])
         self.graph_runner.capture()
 
     @torch.inference_mode()

@@ -178,7 +178,7 @@ def test_abort_everything_while_in_flight_leaves_the_engine_idle(tiny_checkpoint
 
 def test_async_scheduling_defaults_off_on_cpu(tiny_checkpoint):
     model_dir, _ = tiny_checkpoint("qwen3")
-    llm = LLM(model_dir, dtype="float32")
+    llm = LLM(model_dir, dtype="float32", device="cpu")  # (the default device is CUDA where there is one)
     assert llm.llm_engine.async_scheduling is False
 
 

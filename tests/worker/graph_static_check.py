@@ -20,12 +20,12 @@ from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
 PROMPTS = [list(range(3 + i, 8 + 10 * i)) for i in range(5)]
 
 
-def make_runner(backend: str, static_graphs: bool) -> ModelRunner:
+def make_runner(backend: str, static_graphs: bool, window: int | None = None) -> ModelRunner:
     # max_model_len 1024: the pinned split count is > 1 for the small sizes.
     config = toy_config(block_size=16, max_num_batched_tokens=512, kv_cache_memory_bytes=1 << 20,
                         max_num_seqs=8, max_model_len=1024)
     config.device_config.attention_backend = backend
-    runner = ModelRunner(config, ToyModel().eval())
+    runner = ModelRunner(config, ToyModel(window=window).eval())
     runner.initialize_kv_cache()
     assert runner.graph_runner is None  # CPU: no graphs unless asked for
     if static_graphs:
@@ -75,6 +75,14 @@ def main() -> None:
     got = engine_outputs(graph_runner, overlap=True)
     assert got == ref, (got, ref)
     assert graph_runner.graph_runner.num_replays > replays
+    # Every layer sliding (Mistral's shape: one KV-cache group, so graphs apply): the
+    # window must reach the captured steps' metadata (the first GPU run found it did not).
+    eager_w, graph_w = make_runner("triton", False, window=6), make_runner("triton", True, window=6)
+    assert graph_w.graph_runner.sliding_window == 6
+    (eager, _), (graphed, _) = driver_outputs(eager_w), driver_outputs(graph_w)
+    assert graphed == eager, (graphed, eager)
+    full, _ = driver_outputs(make_runner("triton", False))
+    assert full != eager, "the window changed nothing: the check lost its point"
     print("ok", replays)
 
 

@@ -15,13 +15,13 @@ from pagedserve.layers.attention import Attention
 
 
 class ToyLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, window: int | None = None) -> None:
         super().__init__()
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv = nn.Linear(hidden, self.q_size + 2 * self.kv_size)
         self.o = nn.Linear(self.q_size, hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
-        self.attn = Attention(heads, head_dim, head_dim**-0.5, kv_heads)
+        self.attn = Attention(heads, head_dim, head_dim**-0.5, kv_heads, sliding_window=window)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], -1)
@@ -31,12 +31,13 @@ class ToyLayer(nn.Module):
 
 class ToyModel(nn.Module):
     def __init__(self, vocab: int = 97, hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                 layers: int = 2, max_pos: int = 1024, seed: int = 0) -> None:
+                 layers: int = 2, max_pos: int = 1024, seed: int = 0, window: int | None = None) -> None:
+        """`window`: every layer attends a sliding window of that many tokens."""
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(max_pos, hidden)  # positions must matter
-        self.layers = nn.ModuleList(ToyLayer(hidden, heads, kv_heads, head_dim) for _ in range(layers))
+        self.layers = nn.ModuleList(ToyLayer(hidden, heads, kv_heads, head_dim, window) for _ in range(layers))
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         with torch.no_grad():
             self.lm_head.weight.mul_(8.0)  # peaked distributions: greedy far from ties
