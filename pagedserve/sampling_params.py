@@ -16,17 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.request_limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID_LIST,
+)
 from pagedserve.utils import is_int
 
 _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed takes 64-bit values; n > 1 children add their index.
 _SEED_RANGE = (-(2**63), 2**63 - 1)
-# Bounds on what a request makes every step do: stop strings are searched in each new
-# piece of text and the longest is held back from streams; stop and bad-word lists are
-# walked per token.  Generous next to OpenAI's 4 stop strings.
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1000
-MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, bad_words
 
 
 @dataclass
@@ -180,13 +182,21 @@ class SamplingParams:
                 raise bad("logit_bias", "a dict of non-negative token ids to finite numbers")
             if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
                 raise bad("logit_bias", "biases in [-100, 100] (OpenAI's range)")
-        if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
-            raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
-        if self.bad_words is not None and (not isinstance(self.bad_words, list)
-                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
-            raise bad("bad_words", "a list of non-empty strings")
+            if len(self.logit_bias) > MAX_TOKEN_ID_LIST:
+                raise bad("logit_bias", f"a dict of at most {MAX_TOKEN_ID_LIST} entries")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+                raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS or len(set(ids)) != len(ids):
+                raise bad("allowed_token_ids", f"a list of at most {MAX_ALLOWED_TOKEN_IDS} distinct token ids")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip()
+                                                               for w in self.bad_words):
+                raise bad("bad_words", "a list of non-empty strings")
+            if len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                raise bad("bad_words", f"at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters "
+                                       "each")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "a StructuredOutputsParams")
@@ -198,9 +208,8 @@ class SamplingParams:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
-        for name in ("stop_token_ids", "bad_words"):
-            if len(getattr(self, name) or ()) > MAX_TOKEN_ID_LIST:
-                raise bad(name, f"a list of at most {MAX_TOKEN_ID_LIST} entries")
+        if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
+            raise bad("stop_token_ids", f"a list of at most {MAX_TOKEN_ID_LIST} entries")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")

@@ -66,15 +66,29 @@ def test_bool_fields_and_seed_range():
         SamplingParams(stop_token_ids=[-1])
 
 
-def test_stop_lists_and_strings_are_bounded_and_huge_values_not_echoed():
-    from pagedserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOKEN_ID_LIST
+def test_lists_and_strings_are_bounded_and_huge_values_not_echoed():
+    from pagedserve.request_limits import (
+        MAX_ALLOWED_TOKEN_IDS,
+        MAX_BAD_WORD_CHARS,
+        MAX_BAD_WORDS,
+        MAX_STOP_STRING_CHARS,
+        MAX_STOP_STRINGS,
+        MAX_TOKEN_ID_LIST,
+    )
 
-    SamplingParams(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_TOKEN_ID_LIST))).validate()
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_TOKEN_ID_LIST)),
+                   logit_bias=dict.fromkeys(range(MAX_TOKEN_ID_LIST), 1.0),
+                   allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS)),
+                   bad_words=["w" * MAX_BAD_WORD_CHARS] * MAX_BAD_WORDS).validate()
     SamplingParams(stop="y" * MAX_STOP_STRING_CHARS).validate()
     for kwargs, param in (({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
                           ({"stop": "y" * 1_000_000}, "stop"),
                           ({"stop_token_ids": list(range(MAX_TOKEN_ID_LIST + 1))}, "stop_token_ids"),
-                          ({"bad_words": ["w"] * (MAX_TOKEN_ID_LIST + 1)}, "bad_words")):
+                          ({"logit_bias": dict.fromkeys(range(49_152), 1.0)}, "logit_bias"),
+                          ({"allowed_token_ids": [7] * 1_000_000}, "allowed_token_ids"),
+                          ({"allowed_token_ids": [7, 8, 7]}, "allowed_token_ids"),
+                          ({"bad_words": ["w"] * (MAX_BAD_WORDS + 1)}, "bad_words"),
+                          ({"bad_words": ["w" * 9_600]}, "bad_words")):
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**kwargs).validate()
         assert info.value.param == param

@@ -135,6 +135,7 @@ class AsyncLLM:
         self._on_dead = on_dead
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.vocab_size
+        self.max_prompt_chars: int = engine.max_prompt_chars  # longer prompt text is refused untokenized
         # The model's generation-config sampling defaults, for request fields left unset.
         self.sampling_defaults: dict[str, Any] = engine.sampling_defaults()
         # The grammar library constraining structured outputs ("guidance" or "xgrammar").
@@ -241,6 +242,10 @@ class AsyncLLM:
             # Compiled in the engine's grammar pool, awaited here: a bad schema is refused
             # before the engine sees the request, and the engine loop never waits for one.
             await asyncio.wrap_future(self.engine.structured_output.compile(sampling_params.structured_outputs))
+        if sampling_params.bad_words and not sampling_params.bad_words_token_ids and self.tokenizer is not None:
+            # Tokenized here, in a worker thread, so the engine thread never spends a step's time on it.
+            sampling_params.bad_words_token_ids = await asyncio.to_thread(self.engine.bad_words_token_ids,
+                                                                          sampling_params.bad_words)
         assert self._loop is not None
         collector = OutputCollector()
         self._collectors[request_id] = collector

@@ -3,25 +3,176 @@
 A function of the tokenizer and the default template only, so both an engine and a
 front end that holds no engine (the data-parallel client, `engine/data_parallel.py`)
 render a conversation the same way: the server, `LLM.chat` and the CLI all come here.
+
+Two kinds of template, two places they run.  The default one (the server's
+--chat-template, read from its file at start-up, else the model's) is trusted and
+rendered here, in-process, as transformers does.  A template a request brings is text
+(never a path: only the server's flag may name a file) written by whoever sent it, so
+it is rendered by `TemplateSandbox` in a child process bounded in time and memory: a
+Jinja bomb costs that process, and the request gets a 400 naming the limit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from typing import Any
 
-from pagedserve.engine.arg_utils import read_chat_template
+from pagedserve.errors import InvalidRequestError
+from pagedserve.request_limits import (
+    MAX_PROMPT_CHARS,
+    MAX_REQUEST_TEMPLATE_CHARS,
+    REQUEST_TEMPLATE_MEMORY_BYTES,
+    REQUEST_TEMPLATE_SECONDS,
+)
+
+logger = logging.getLogger("pagedserve")
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
+_WORKER_START_SECONDS = 30.0  # importing transformers' renderer: ~0.6 s warm, more on a cold disk
+
+
+class TemplateSandbox:
+    """Renders request-supplied chat templates in a child process (template_worker.py),
+    one at a time: at most `seconds` of wall time and `memory_bytes` of address space
+    each, the rendered text at most the caller's `max_chars`.  A render past a limit
+    kills the child (the next render starts a new one) and raises InvalidRequestError
+    naming the limit; the server process is never at risk."""
+
+    def __init__(self, seconds: float = REQUEST_TEMPLATE_SECONDS,
+                 memory_bytes: int = REQUEST_TEMPLATE_MEMORY_BYTES) -> None:
+        self.seconds = seconds
+        self.memory_bytes = memory_bytes
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        self.num_restarts = 0  # children stopped at a limit (for tests and logs)
+
+    def render(self, template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool, continue_final_message: bool, kwargs: dict[str, Any],
+               max_chars: int) -> str:
+        req = {"template": template, "messages": messages, "tools": tools, "kwargs": kwargs,
+               "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "max_chars": max_chars}
+        try:
+            line = json.dumps(req) + "\n"
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"the conversation cannot be given to a request's chat_template: {e}",
+                                      param="chat_template") from None
+        with self._lock:
+            proc = self._ensure_started()
+            try:
+                proc.stdin.write(line.encode())
+                proc.stdin.flush()
+                reply = self._read_line(time.monotonic() + self.seconds)
+            except BrokenPipeError:
+                reply = None
+            if reply is None or "limit" in reply:  # past a limit (or dead): never reuse this child
+                self._stop()
+                self.num_restarts += 1
+            if reply is None:
+                code = proc.poll()
+                if code is None or code == -9:
+                    why = f"rendering took longer than {self.seconds:g} s"
+                else:
+                    why = f"the rendering process died (exit status {code})"
+                raise InvalidRequestError(f"chat_template: {why}, the limit for a request's own template",
+                                          param="chat_template")
+        if "error" in reply:
+            raise InvalidRequestError(f"chat_template: {reply['error']}", param="chat_template")
+        return reply["text"]
+
+    def _ensure_started(self) -> subprocess.Popen:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", _WORKER, str(self.memory_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env, cwd="/")
+        self._buf = b""
+        ready = self._read_line(time.monotonic() + _WORKER_START_SECONDS)
+        if not ready or not ready.get("ready"):
+            self._stop()
+            raise RuntimeError("the chat template sandbox process did not start")
+        return self._proc
+
+    def _read_line(self, deadline: float) -> dict[str, Any] | None:
+        """The child's next reply, or None if it died or missed the deadline."""
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+_SANDBOX: TemplateSandbox | None = None
+_SANDBOX_LOCK = threading.Lock()
+
+
+def template_sandbox() -> TemplateSandbox:
+    """The process's one sandbox (its child starts with the first request template)."""
+    global _SANDBOX
+    with _SANDBOX_LOCK:
+        if _SANDBOX is None:
+            _SANDBOX = TemplateSandbox()
+        return _SANDBOX
+
+
+def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a prompt of max_model_len tokens can have: the vocabulary's
+    longest token (its stored form is at least as long as the text it decodes to) times
+    max_model_len, capped at MAX_PROMPT_CHARS."""
+    if tokenizer is None:
+        return MAX_PROMPT_CHARS
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return min(MAX_PROMPT_CHARS, max(1, longest) * max_model_len)
+
+
+def check_prompt_chars(text: str, max_chars: int, param: str = "prompt") -> None:
+    """Text longer than any max_model_len-token prompt can spell is refused before the
+    tokenizer spends seconds on it (the one check of prompt text size)."""
+    if len(text) > max_chars:
+        raise InvalidRequestError(f"the prompt is {len(text)} characters, more than the {max_chars} that "
+                                  f"max_model_len tokens of this model can spell", param=param)
 
 
 def render_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],
                 chat_template: str | None = None, add_generation_prompt: bool = True, *,
                 tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                continue_final_message: bool = False) -> str:
-    """Render one conversation to prompt text with `chat_template` (a Jinja string or a
-    file), else `default_template` (--chat-template, else the tokenizer's).  `tools`
-    (OpenAI's function definitions) and `chat_template_kwargs` (e.g. Qwen3's
-    enable_thinking) reach the template; `continue_final_message` leaves the last
-    (assistant) message open for the model to go on with."""
+                continue_final_message: bool = False, max_chars: int = MAX_PROMPT_CHARS) -> str:
+    """Render one conversation to prompt text with `chat_template` (a request's own
+    Jinja text: rendered in the sandbox), else `default_template` (--chat-template,
+    else the tokenizer's).  `tools` (OpenAI's function definitions) and
+    `chat_template_kwargs` (e.g. Qwen3's enable_thinking) reach the template;
+    `continue_final_message` leaves the last (assistant) message open for the model to
+    go on with.  The text is at most `max_chars` characters."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat templates cannot be applied")
     if not isinstance(messages, list) or not messages or not all(
@@ -31,19 +182,28 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
     messages = [_normalise_message(m) for m in messages]
-    template = read_chat_template(chat_template) or default_template
-    if not template:
-        raise ValueError("the model has no chat template; pass chat_template=... (a Jinja string or file)")
     kwargs = dict(chat_template_kwargs or {})
-    reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kwargs)
+    reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+                "messages", "documents", "conversations"} & set(kwargs)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    if chat_template is not None:
+        if not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise InvalidRequestError(f"chat_template must be Jinja template text of at most "
+                                      f"{MAX_REQUEST_TEMPLATE_CHARS} characters", param="chat_template")
+        specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, (str, list))}
+        return template_sandbox().render(chat_template, messages, tools, add_generation_prompt,
+                                         continue_final_message, {**specials, **kwargs}, max_chars)
+    if not default_template:
+        raise ValueError("the model has no chat template; pass chat_template=... (Jinja template text)")
     try:
-        return tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=default_template, tokenize=False, add_generation_prompt=add_generation_prompt,
             tools=tools, continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # jinja2 errors come in many types; the user needs the message
         raise ValueError(f"applying the chat template failed: {e}") from e
+    check_prompt_chars(text, max_chars, "messages")
+    return text
 
 
 def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],

@@ -61,6 +61,7 @@ class ReplicaInfo:
     sampling_defaults: dict[str, Any]
     structured_outputs_backend: str
     max_model_len: int
+    max_prompt_chars: int  # longer prompt text is refused before tokenizing
     block_size: int
     num_blocks: int
     description: dict[str, Any]
@@ -170,7 +171,7 @@ class EngineReplica:
             tokenizer=engine.tokenizer, chat_template=engine.chat_template, vocab_size=engine.vocab_size,
             sampling_defaults=engine.sampling_defaults(),
             structured_outputs_backend=engine.structured_outputs_backend, max_model_len=engine.max_model_len,
-            block_size=cache.block_size, num_blocks=int(cache.num_blocks or 0), description=engine.describe(),
+            max_prompt_chars=engine.max_prompt_chars, block_size=cache.block_size, num_blocks=int(cache.num_blocks or 0), description=engine.describe(),
             device="GPU" if engine.device.type == "cuda" else engine.device.type.upper())
 
     async def pid(self) -> int:
@@ -363,7 +364,7 @@ class ReplicaSet:
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         return encode_chat(self.info.tokenizer, self.info.chat_template, messages, chat_template,
-                           add_generation_prompt, **kwargs)
+                           add_generation_prompt, max_chars=self.info.max_prompt_chars, **kwargs)
 
     def _release(self) -> None:
         import ray

@@ -88,6 +88,7 @@ class DPAsyncLLM:
         n = replicas.num_replicas
         self.tokenizer = info.tokenizer
         self.vocab_size = info.vocab_size
+        self.max_prompt_chars = info.max_prompt_chars
         self.sampling_defaults = info.sampling_defaults
         self.structured_outputs_backend = info.structured_outputs_backend
         self.max_waiting_requests = max_waiting_requests

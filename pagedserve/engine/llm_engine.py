@@ -36,7 +36,7 @@ from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, Sched
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.chat_utils import encode_chat, render_chat
+from pagedserve.engine.chat_utils import check_prompt_chars, encode_chat, prompt_char_limit, render_chat
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
@@ -166,6 +166,8 @@ class LLMEngine:
         if not cache.num_blocks or cache.num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got num_blocks={cache.num_blocks}")
         self.max_model_len = sched.max_model_len
+        # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
+        self.max_prompt_chars = prompt_char_limit(tokenizer, sched.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
             cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap",
@@ -274,6 +276,9 @@ class LLMEngine:
         for rid in {request_id, *child_ids}:
             if rid in self.output_processor.parents or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        if params.bad_words and not params.bad_words_token_ids:  # once per request, not per sample
+            params = copy.copy(params)
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         child_params = [self._child_params(params, i) for i in range(n)]
         arrival = time.time() if arrival_time is None else arrival_time
         added: list[str] = []
@@ -368,6 +373,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
                 "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
+        check_prompt_chars(text, self.max_prompt_chars)
         return list(self.tokenizer.encode(text))
 
     def _check_token_ids(self, ids: Any) -> list[int]:
@@ -419,11 +425,10 @@ class LLMEngine:
                                       param="priority")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops,
-        bad words as token sequences.  The caller's object is never modified (it may be
-        shared by many prompts)."""
+        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops.
+        The caller's object is never modified (it may be shared by many prompts)."""
         extra = [] if params.ignore_eos else [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
-        if params.n == 1 and not extra and not params.bad_words:
+        if params.n == 1 and not extra:
             return params
         child = copy.copy(params)
         child.n = 1
@@ -431,12 +436,12 @@ class LLMEngine:
             child.seed = params.seed + index
         if extra:
             child.stop_token_ids = list(params.stop_token_ids) + extra
-        if params.bad_words:
-            child.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return child
 
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word as the tokenizer writes it alone and after a space (vLLM's rule)."""
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as the tokenizer writes it alone and after a space (vLLM's rule).  A
+        front end calls this off the engine thread and hands the result in the request's
+        params (`bad_words_token_ids`); add_request does it otherwise, once per request."""
         seqs: list[list[int]] = []
         for word in words:
             for text in (word, " " + word.lstrip()):
@@ -621,13 +626,13 @@ class LLMEngine:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render one conversation to prompt text (chat_utils.render_chat says how)."""
         return render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           **kwargs)
+                           max_chars=self.max_prompt_chars, **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         """Chat prompt as {'prompt', 'prompt_token_ids'} (chat_utils.encode_chat)."""
         return encode_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           **kwargs)
+                           max_chars=self.max_prompt_chars, **kwargs)
 
 
 def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, speculative: bool = False) -> bool:

@@ -12,6 +12,7 @@ from pagedserve.sampling_params import SamplingParams
 class EngineClient(Protocol):
     tokenizer: Any
     vocab_size: int
+    max_prompt_chars: int  # longer prompt text cannot fit in max_model_len tokens: refused untokenized
     sampling_defaults: dict[str, Any]  # the model's generation-config defaults for unset request fields
     structured_outputs_backend: str  # the grammar library ("guidance" or "xgrammar")
     request_timeout: float | None

@@ -43,11 +43,16 @@ from pagedserve.structured_output.backend_types import (
     create_backend,
     resolve_backend_name,
 )
+from pagedserve.structured_output.limits import check_spec
 
 # Compiled grammars kept for reuse (a JSON schema's is tens of kB to a few MB).
 GRAMMAR_CACHE_SIZE = 256
 # os nice value of the compile threads (0 = the engine's; 19 = the least).
 COMPILE_THREAD_NICE = 10
+# Stack of each compile thread: grammar compilers recurse on the spec's shape, and 8 MiB
+# overflowed (exit 139) at ~2,500 chained $refs; with this, 3,000 compile and 20,000 get
+# llguidance's own "schema too large".  Virtual memory: pages are touched only as used.
+COMPILE_THREAD_STACK_BYTES = 256 << 20
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
                "grammar": "grammar", "structural_tag": "structural tag"}
 
@@ -89,6 +94,23 @@ class StructuredOutputRequest:
         return self.matcher.is_terminated()
 
 
+def _large_stack_pool(workers: int) -> ThreadPoolExecutor:
+    """A compile pool whose threads have COMPILE_THREAD_STACK_BYTES stacks: they are all
+    started now, while the stack size is set (the executor starts threads as tasks
+    arrive, and the size applies to threads started while it is set)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedserve-grammar",
+                              initializer=_lower_priority)
+    started = threading.Barrier(workers + 1)
+    previous = threading.stack_size(COMPILE_THREAD_STACK_BYTES)
+    try:
+        for _ in range(workers):  # each task holds its thread until all are started
+            pool.submit(started.wait)
+    finally:
+        threading.stack_size(previous)
+    started.wait()
+    return pool
+
+
 def _lower_priority() -> None:
     """Compile threads yield the CPU to the engine's step (Linux: per-thread nice);
     a compile then costs the running streams little even on a 2-core machine."""
@@ -107,8 +129,7 @@ class StructuredOutputManager:
         self.stop_token_ids = stop_token_ids
         self.max_num_seqs = max_num_seqs
         self.backend_name = resolve_backend_name(backend)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedserve-grammar",
-                                        initializer=_lower_priority)
+        self._pool = _large_stack_pool(max_workers)
         self._lock = threading.Lock()
         self._backend: GrammarBackend | None = None  # made on the first compile (indexes the vocabulary)
         # Least recently used first; bounded, since every client may send its own schema.
@@ -134,6 +155,11 @@ class StructuredOutputManager:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
+                return future
+        check_spec(*key)  # raises on a spec past a bound: it never reaches the compiler
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
                 return future
             future = self._cache[key] = self._pool.submit(self._compile, key)
             if len(self._cache) > GRAMMAR_CACHE_SIZE:

@@ -50,6 +50,24 @@ _STALE_TMP_SECONDS = 3600.0  # a temporary file older than this is a crashed wri
 _MAX_STAGED_BYTES = 64 * 2**20
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that named this temporary file (".tmp-PID-...") still runs:
+    a killed writer's leftover is removed at once, not after _STALE_TMP_SECONDS (another
+    live process sharing the directory may be writing it)."""
+    pid = tmp_name[len(_TMP_PREFIX):].split("-", 1)[0]
+    if not pid.isdigit():
+        pid = tmp_name.rsplit("-", 1)[-1]  # the probe: ".tmp-probe-PID"
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return pid.isdigit()
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by someone else
+        return True
+    return True
+
+
 def checksum(payload: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
@@ -262,7 +280,7 @@ class DiskKVTier(_TierBase):
                 name = entry.name
                 try:
                     if name.startswith(_TMP_PREFIX):
-                        if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                        if not _writer_alive(name) or now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
                             os.unlink(entry.path)
                     elif name.startswith(self._prefix) and name.endswith(_SUFFIX):
                         key = int(name[len(self._prefix):-len(_SUFFIX)], 16)

@@ -56,6 +56,9 @@ from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, 
 
 logger = logging.getLogger("pagedserve")
 
+# Prompt positions scored per compute_logits call for prompt_logprobs (a [rows, vocab]
+# float32 block each: 100 MB at a 49k vocabulary).
+PROMPT_LOGPROBS_ROWS = 512
 # Step buffers with a leading KV-cache-group dimension.
 _GROUPED_BUFFERS = ("slot_mapping", "block_table")
 
@@ -464,40 +467,38 @@ class ModelRunner:
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[LogprobsEntry]]]:
         """Logprobs of the prompt tokens this step's hidden states predict, for requests that
         asked (`prompt_logprobs` top ones each): the state at prompt position p scores
-        prompt token p + 1.  One compute_logits call over all their rows."""
+        prompt token p + 1.  Rows go through compute_logits PROMPT_LOGPROBS_ROWS at a time,
+        so a long prompt costs a bounded [rows, vocab] of float32 per pass (all of an
+        8k-token chunk's rows at once took 6 GB for a 49k vocabulary)."""
         ib, qsl = self.input_batch, self._np["query_start_loc"]
-        spans: list[tuple[str, int, int, int, int]] = []  # (request, row, first position, count, flat start)
-        flat: list[np.ndarray] = []
+        out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
         for i, req_id in enumerate(req_ids):
             row = ib.req_id_to_row[req_id]
             if row not in ib.prompt_logprob_rows:
                 continue
             start = int(ib.num_computed_tokens[row])
             end = min(start + int(qsl[i + 1] - qsl[i]), int(ib.num_prompt_tokens[row]) - 1)
-            if end > start:
-                spans.append((req_id, row, start, end - start, int(qsl[i])))
-                flat.append(np.arange(qsl[i], qsl[i] + end - start))
-        if not spans:
-            return {}
-        index = torch.from_numpy(np.concatenate(flat)).to(hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        if logits is None:  # a tensor-parallel rank > 0
-            return {}
-        logprobs = logits.float().log_softmax(-1)
-        out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
-        offset = 0
-        for req_id, row, start, count, _ in spans:
-            lp = logprobs[offset: offset + count]
-            targets = torch.from_numpy(ib.token_ids[row, start + 1: start + 1 + count].astype(np.int64))
-            target_lp = lp.gather(1, targets.to(lp.device)[:, None])
-            ranks = ((lp > target_lp).sum(-1) + 1).tolist()
-            k = ib.params[row].prompt_logprobs
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            out[req_id] = (start + 1, [
-                LogprobsEntry(t, v, r, ids, vals) for t, v, r, ids, vals in zip(
+            entries: list[LogprobsEntry] = []
+            for c0 in range(0, end - start, PROMPT_LOGPROBS_ROWS):
+                count = min(PROMPT_LOGPROBS_ROWS, end - start - c0)
+                first = int(qsl[i]) + c0
+                index = torch.arange(first, first + count, device=hidden.device)
+                logits = self.model.compute_logits(hidden.index_select(0, index))
+                if logits is None:  # a tensor-parallel rank > 0 (it still took part in the collective)
+                    continue
+                lp = logits.float().log_softmax(-1)
+                del logits
+                pos = start + c0
+                targets = torch.from_numpy(ib.token_ids[row, pos + 1: pos + 1 + count].astype(np.int64))
+                target_lp = lp.gather(1, targets.to(lp.device)[:, None])
+                ranks = ((lp > target_lp).sum(-1) + 1).tolist()
+                k = ib.params[row].prompt_logprobs
+                top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+                entries += [LogprobsEntry(t, v, r, ids, vals) for t, v, r, ids, vals in zip(
                     targets.tolist(), target_lp.squeeze(1).tolist(), ranks, top_ids.tolist(), top_lp.tolist(),
-                    strict=True)])
-            offset += count
+                    strict=True)]
+            if entries:
+                out[req_id] = (start + 1, entries)
         return out
 
     def _transfer_before_step(self, transfers: KVTransfers) -> None:

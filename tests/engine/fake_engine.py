@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.request_limits import MAX_PROMPT_CHARS
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -63,6 +64,7 @@ class FakeEngine:
                  spin_until: threading.Event | None = None, max_running: int | None = None) -> None:
         self.tokenizer = CharTokenizer()
         self.max_model_len = max_model_len
+        self.max_prompt_chars = MAX_PROMPT_CHARS
         self.script = script
         self.step_time = step_time
         self.busy = busy  # burn the CPU in Python (holding the GIL) instead of sleeping
@@ -75,6 +77,9 @@ class FakeEngine:
         self.shut_down = False
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(w) for w in words]
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         self.thread_ids.add(threading.get_ident())

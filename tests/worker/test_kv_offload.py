@@ -160,10 +160,11 @@ def test_half_written_files_are_never_read(tmp_path) -> None:
     save(tier, caches(), [1], [42])
     tier.close()
     path = _only_file(tmp_path)
-    os.rename(path, os.path.join(tmp_path, ".tmp-123-456-2a"))
+    tmp = os.path.join(tmp_path, f".tmp-{os.getpid()}-456-2a")  # a live writer's (this process)
+    os.rename(path, tmp)
     again = disk_tier(tmp_path)
     assert again.num_entries == 0 and again.lookup([42]) == 0
-    os.utime(os.path.join(tmp_path, ".tmp-123-456-2a"), (0, 0))  # a crashed writer's, long ago
+    os.utime(tmp, (0, 0))  # one that has not moved for longer than any write takes
     disk_tier(tmp_path)
     assert not os.listdir(tmp_path)
 
@@ -297,3 +298,18 @@ def test_files_identity_changes_with_the_weights(tmp_path) -> None:
     before = files_identity(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"b" * 11)
     assert files_identity(str(tmp_path)) != before and files_identity("smollm2-135m-instruct") == ""
+
+
+def test_a_killed_writers_temporary_files_are_removed_at_start(tmp_path) -> None:
+    """A writer killed mid-write (SIGKILL) leaves ".tmp-PID-..." behind: the next tier on
+    the directory removes it at once when PID is gone, and keeps a live writer's."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = tmp_path / f".tmp-{dead.pid}-1-abc"
+    live = tmp_path / f".tmp-{os.getpid()}-1-def"
+    for path in (leftover, live):
+        path.write_bytes(b"partial")
+    disk_tier(tmp_path)
+    assert not leftover.exists() and live.exists()

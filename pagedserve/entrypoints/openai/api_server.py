@@ -48,9 +48,12 @@ from pagedserve.entrypoints.dashboard import DashboardHub, add_dashboard_routes,
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
+    HostCheckMiddleware,
     SSEResponse,
     cancel_on_disconnect,
     error_response,
+    header_timeout_protocol,
+    parse_allowed_hosts,
 )
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -70,6 +73,7 @@ from pagedserve.metrics import SeriesStatLogger
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt as token ids is ~1 MB of JSON
+DEFAULT_HTTP_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body
 
 
 @dataclass
@@ -80,6 +84,10 @@ class ServerState:
     api_key: str | None = None
     metrics_without_auth: bool = False  # /metrics answers without the API key (for a scraper)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    http_read_timeout: float | None = DEFAULT_HTTP_READ_TIMEOUT  # the body's deadline (the headers': uvicorn's protocol)
+    # Host header values answered (DNS rebinding); None: any (in-process tests, or a server
+    # bound to every interface).
+    allowed_hosts: frozenset[str] | None = None
     draining: bool = False  # shutting down: new requests get 503
     engine: EngineClient | None = None
     completion: OpenAIServingCompletion | None = None
@@ -135,8 +143,9 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes)
-    app.add_middleware(APIKeyMiddleware, state=state)  # added last: runs first
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes, read_timeout=state.http_read_timeout)
+    app.add_middleware(APIKeyMiddleware, state=state)
+    app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
 
     async def _error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_openai_error(exc))
@@ -195,14 +204,21 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
                                      for name in state.served_model_names]))
 
     async def generate(serving: OpenAIServing, body: Any, request: Request) -> Response:
-        """Both generation endpoints: validate, let the engine accept the request (its
-        refusals are 400s, before any byte is sent), then stream (SSE) or answer once."""
+        """Both generation endpoints: validate and render off the event loop (templates and
+        tokenizing a long prompt take seconds), let the engine accept the request (its
+        refusals are 400s, before any byte is sent), then stream (SSE) or answer once.  A
+        client that leaves at any point cancels it all, which aborts every engine request
+        it started (a 20,000-prompt fan-out included)."""
         serving.warn_unknown_fields(body)
-        prep = serving.prepare(body)
-        request_id, streams = await serving.start(body, prep)
-        if body.stream:
-            return SSEResponse(serving.stream(body, prep, request_id, streams))
-        result = await cancel_on_disconnect(request, serving.full(body, prep, request_id, streams))
+
+        async def handle() -> Response | BaseModel:
+            prep = await asyncio.to_thread(serving.prepare, body)
+            request_id, streams = await serving.start(body, prep)
+            if body.stream:
+                return SSEResponse(serving.stream(body, prep, request_id, streams))
+            return await serving.full(body, prep, request_id, streams)
+
+        result = await cancel_on_disconnect(request, handle())
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/completions")
@@ -228,9 +244,9 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("send exactly one of prompt or messages")
         if body.messages is not None:
-            ids = chat.render(None, body.messages, body.add_generation_prompt).token_ids
+            ids = (await asyncio.to_thread(chat.render, None, body.messages, body.add_generation_prompt)).token_ids
         else:
-            ids = chat.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(chat.tokenize, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -280,6 +296,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                        help="largest request body accepted; larger ones get 413 before they are parsed "
                             "(bytes, or with a unit: 16MiB; default: 16MiB)")
+    group.add_argument("--http-read-timeout", type=float, default=DEFAULT_HTTP_READ_TIMEOUT,
+                       help="seconds a client has to send a request's headers (the connection is closed after) "
+                            f"and then its body (408) (default: {DEFAULT_HTTP_READ_TIMEOUT:g})")
+    group.add_argument("--allowed-hosts", default=None,
+                       help="comma-separated names and addresses the Host header may carry, '*' for any "
+                            "(default: the --host address and localhost names; any when bound to 0.0.0.0 or ::), "
+                            "so that a web page cannot reach the server by DNS rebinding")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live dashboard and chat playground at / and /dashboard")
     group.add_argument("--uvicorn-log-level", default="warning",
@@ -363,6 +386,14 @@ def run_server(args: argparse.Namespace) -> None:
         max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if not args.http_read_timeout > 0:
+            raise ValueError(f"--http-read-timeout must be > 0, got {args.http_read_timeout}")
+        allowed_hosts = parse_allowed_hosts(args.allowed_hosts, args.host)
+        api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key
+                                        and api_key):
+            raise ValueError("the API key (--api-key or $PAGEDSERVE_API_KEY) must be printable ASCII without "
+                             "surrounding spaces: HTTP clients send headers as ASCII, so no other key could match")
         check_front_door_limits(args.max_waiting_requests, args.request_timeout)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -371,8 +402,9 @@ def run_server(args: argparse.Namespace) -> None:
     if replicated and not args.disable_dashboard:
         logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "
                     "/metrics has every replica's series (label engine)")
-    state = ServerState(served_model_names=names, api_key=args.api_key or os.environ.get("PAGEDSERVE_API_KEY"),
+    state = ServerState(served_model_names=names, api_key=api_key,
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
+                        http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
                         enable_dashboard=not args.disable_dashboard and not replicated)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
@@ -429,7 +461,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     app = build_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http=header_timeout_protocol(args.http_read_timeout))
     runner = _DrainingServer(config, state, args.shutdown_timeout)
     logger.info("loading %s (health is 503 until ready)", engine_args.model)
     runner.server.run()

@@ -1,10 +1,11 @@
 """ASGI plumbing of the server: SSE streaming that notices disconnects, cancelling
-non-streaming handlers whose client left, the API-key check, the request-body limit
-and error responses."""
+handlers whose client left, the Host and API-key checks, the request-body limit and
+read deadline, the HTTP protocol's header deadline, and error responses."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
@@ -49,7 +51,9 @@ class SSEResponse(StreamingResponse):
 class APIKeyMiddleware:
     """Bearer-token check on every route but the state's public ones (`state.is_public`:
     /health, /metrics with `metrics_without_auth`, the dashboard page), as plain ASGI (BaseHTTPMiddleware would put every streamed
-    chunk through an extra task and memory stream).  The comparison takes constant time."""
+    chunk through an extra task and memory stream).  The comparison takes constant time
+    and is of bytes: the header as sent against the key's UTF-8 (the server refuses a
+    key with characters HTTP clients cannot send)."""
 
     def __init__(self, app: Any, state: Any) -> None:
         self.app, self.state = app, state
@@ -57,9 +61,9 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         key = self.state.api_key
         if key and scope["type"] == "http" and not self.state.is_public(scope["path"]):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), key.encode()):
                 err = OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                   status=401, code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
@@ -67,14 +71,80 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with a 413 before they are parsed: by
-    Content-Length at once, or, for a chunked body, as soon as the bytes read pass the
-    limit (so a 50 MB body never sits in memory).  A chunked body under the limit is
-    handed on whole, then the connection's later messages (disconnects) pass through."""
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+def default_allowed_hosts(bind_host: str) -> frozenset[str] | None:
+    """The Host header values a server bound to `bind_host` answers by default: the
+    address it is bound to and the loopback names; None (any) when it is bound to every
+    interface, where the names clients use cannot be known."""
+    host = bind_host.strip("[]").lower()
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    return frozenset({host, *LOOPBACK_NAMES})
+
+
+def parse_allowed_hosts(value: str | None, bind_host: str) -> frozenset[str] | None:
+    """--allowed-hosts: comma-separated names or addresses, '*' for any; unset: the default."""
+    if value is None:
+        return default_allowed_hosts(bind_host)
+    names = [n.strip().strip("[]").lower() for n in value.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--allowed-hosts needs at least one name, or '*' for any")
+    return None if "*" in names else frozenset(names)
+
+
+def _host_name(header: bytes) -> str:
+    """The host part of a Host header (without its port; an IPv6 address unbracketed)."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    name, sep, port = text.rpartition(":")
+    return name if sep and port.isdigit() else text
+
+
+class HostCheckMiddleware:
+    """Answers only requests whose Host header names this server (DNS rebinding: a web
+    page whose domain resolves to 127.0.0.1 would otherwise reach a local server through
+    the visitor's browser).  `allowed`: names and addresses, None for any; any loopback
+    address is allowed wherever one of the loopback names is."""
+
+    def __init__(self, app: Any, state: Any) -> None:
+        self.app, self.state = app, state
+
+    def _allowed(self, name: str) -> bool:
+        allowed = self.state.allowed_hosts
+        if allowed is None or name in allowed:
+            return True
+        if "localhost" in allowed:
+            try:
+                return ipaddress.ip_address(name).is_loopback
+            except ValueError:
+                return False
+        return False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.state.allowed_hosts is not None:
+            header = dict(scope["headers"]).get(b"host")
+            if header is not None and not self._allowed(_host_name(header)):
+                shown = header.decode("latin-1")[:100]
+                err = OpenAIError(f"The Host header {shown!r} does not name this server; start it with "
+                                  "--allowed-hosts listing the names clients use (or '*').", status=400,
+                                  code="invalid_host")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads every request body before the app sees it, within two bounds: `max_bytes`
+    (a 413: by Content-Length at once, or for a chunked body as soon as the bytes read
+    pass it, so a 50 MB body never sits in memory) and `read_timeout` seconds (a 408: a
+    client trickling its body, slowloris, holds nothing for long).  The body is then
+    handed on whole, and the connection's later messages (disconnects) pass through."""
+
+    def __init__(self, app: Any, max_bytes: int, read_timeout: float | None = None) -> None:
+        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
 
     def _too_large(self) -> JSONResponse:
         return error_response(OpenAIError(
@@ -89,15 +159,23 @@ class BodyLimitMiddleware:
         if length is not None:
             if not length.isdigit():
                 await error_response(OpenAIError("Content-Length is not a number"))(scope, receive, send)
-            elif int(length) > self.max_bytes:
+                return
+            if int(length) > self.max_bytes:
                 await self._too_large()(scope, receive, send)
-            else:  # the HTTP parser holds the client to its Content-Length
-                await self.app(scope, receive, send)
-            return
+                return
+        loop = asyncio.get_running_loop()
+        deadline = None if self.read_timeout is None else loop.time() + self.read_timeout
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                message = await asyncio.wait_for(receive(), left)
+            except TimeoutError:
+                await error_response(OpenAIError(
+                    f"The request body did not arrive within {self.read_timeout:g} s (--http-read-timeout).",
+                    status=408, code="request_timeout"))(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(message.get("body", b""))
@@ -115,9 +193,53 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers have not all
+    arrived `seconds` after it opened or after its last response (uvicorn's keep-alive
+    timer is cancelled by any byte, so a client sending one byte a minute held a
+    connection forever)."""
+
+    class HeaderTimeoutH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def handle_events(self) -> None:
+            scope = self.scope
+            super().handle_events()
+            if self.scope is not scope:  # a request's headers are in
+                self._disarm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutH11
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run a non-streaming handler, cancelling it (and so aborting its engine requests)
-    if the client disconnects first."""
+    """Run a handler, cancelling it (and so aborting its engine requests) if the client
+    disconnects first."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:

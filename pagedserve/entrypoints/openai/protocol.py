@@ -27,8 +27,10 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (not rejected) so that newer clients keep working; the
-    # serving layer refuses the few it knows would change the output.
-    model_config = ConfigDict(extra="allow")
+    # serving layer refuses the few it knows would change the output.  Strict: JSON
+    # `true` or "1" is not a number, nor 1 a boolean (pydantic's lax mode coerced them,
+    # where SamplingParams would refuse a bool).
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -112,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs = dict(chat_template_kwargs=req.chat_template_kwargs,
                           continue_final_message=req.continue_final_message)
         try:
-            encoded = self.engine.encode_chat(conversation, (req.chat_template if req else None) or self.chat_template,
+            encoded = self.engine.encode_chat(conversation, req.chat_template if req else None,
                                               add_generation_prompt, tools=tools, **kwargs)
         except ValueError as e:
             raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e

@@ -43,12 +43,12 @@ class OpenAIServingCompletion(OpenAIServing):
             params = req.to_sampling_params(self.engine.sampling_defaults)
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
-        prompts = self._prompts(req.prompt)
+        prompts = self._prompts(req.prompt, params.n)
         for p in prompts:
             self.check_length(len(p.token_ids), req.max_tokens)
         return PreparedRequest(model, prompts, params)
 
-    def _prompts(self, prompt: str | list) -> list[TokenizedPrompt]:
+    def _prompts(self, prompt: str | list, n: int) -> list[TokenizedPrompt]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -57,6 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise OpenAIError("prompt must not be empty", param="prompt")
+        self.check_fanout(len(items), n)  # before tokenizing any of them
         return [TokenizedPrompt(item, self.tokenize(item)) if isinstance(item, str) else TokenizedPrompt(None, list(item))
                 for item in items]
 

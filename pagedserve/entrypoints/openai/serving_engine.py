@@ -29,6 +29,7 @@ from pagedserve.engine.async_llm import (
     RequestStream,
     RequestTimeoutError,
 )
+from pagedserve.engine.chat_utils import check_prompt_chars
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -41,6 +42,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
 from pagedserve.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -135,22 +137,30 @@ class OpenAIServing:
 
     id_prefix = "cmpl"
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
-                 chat_template: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
-        self.chat_template = chat_template
         self._warned_fields: set[str] = set()
 
     def warn_unknown_fields(self, req: BaseModel) -> None:
         """Fields no version of OpenAI's or vLLM's API defines are ignored (newer clients
-        keep working), with one warning per field name so an operator can see them."""
-        for name in (req.model_extra or {}):
-            if name not in self._warned_fields:
-                self._warned_fields.add(name)
-                logger.warning("ignoring the unknown request field %r (logged once)", name)
+        keep working), with one warning line per request naming the new ones, each name
+        once, for the first MAX_WARNED_FIELD_NAMES names (a request of 50,000 made-up
+        names costs one line, and the set of names seen stays bounded)."""
+        extra = req.model_extra or {}
+        if not extra or len(self._warned_fields) >= MAX_WARNED_FIELD_NAMES:
+            return
+        new = [name for name in extra if name not in self._warned_fields]
+        new = new[: MAX_WARNED_FIELD_NAMES - len(self._warned_fields)]
+        if new:
+            self._warned_fields.update(new)
+            shown = ", ".join(repr(n[:100]) for n in new[:10])
+            more = f" and {len(new) - 10} more" if len(new) > 10 else ""
+            full = len(self._warned_fields) >= MAX_WARNED_FIELD_NAMES
+            logger.warning("ignoring unknown request field(s) %s%s (each logged once%s)", shown, more,
+                           "; no more will be logged" if full else "")
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -190,6 +200,14 @@ class OpenAIServing:
         param = req.api_param(e.param) if isinstance(e, InvalidRequestError) else None
         return OpenAIError(str(e), param=param)
 
+    @staticmethod
+    def check_fanout(num_prompts: int, n: int) -> None:
+        """One request starts at most MAX_SEQUENCES_PER_REQUEST sequences (prompts x n)."""
+        if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+            raise OpenAIError(f"this request would start {num_prompts} prompts x n={n} = {num_prompts * n} "
+                              f"sequences; at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request",
+                              param="prompt" if num_prompts > 1 else "n")
+
     def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
         """OpenAI's rule: prompt + max_tokens must fit in the context (an unset max_tokens
         means "the rest of it"; a prompt that alone leaves no room is the engine's to refuse)."""
@@ -203,6 +221,7 @@ class OpenAIServing:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
+        check_prompt_chars(prompt, self.engine.max_prompt_chars)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     # ------------------------------------------------------------------ logprobs

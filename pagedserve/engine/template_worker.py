@@ -1,0 +1,64 @@
+"""The child process that renders chat templates requests bring (run as a script, not
+imported: it needs jinja2 and transformers' renderer, not pagedserve or torch).
+
+Why a process: a template is a program.  Jinja's sandbox keeps it from reaching
+Python's internals, but not from multiplying a string to 16 GB or looping for hours;
+only a process can be bounded in memory (RLIMIT_AS, set here before the first render)
+and stopped at a deadline (the parent kills it).  Whatever a template does, it costs
+this process alone, and the parent starts a new one for the next request.
+
+Protocol: one JSON object per line on stdin ({"template", "messages", "tools",
+"add_generation_prompt", "continue_final_message", "kwargs", "max_chars"}), one per
+line on stdout ({"text": ...} or {"error": ...}).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+
+def _address_space_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _render(req: dict, render_jinja_template) -> str:
+    rendered, _ = render_jinja_template(
+        conversations=[req["messages"]], tools=req.get("tools"), chat_template=req["template"],
+        continue_final_message=req.get("continue_final_message", False),
+        add_generation_prompt=req.get("add_generation_prompt", True), **req.get("kwargs", {}))
+    return rendered[0]
+
+
+def main() -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    budget = int(sys.argv[1])
+    # The budget is on top of what the interpreter and its imports already map.
+    limit = _address_space_now() + budget
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    out = sys.stdout
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            text = _render(req, render_jinja_template)
+            if len(text) > req["max_chars"]:
+                reply = {"error": f"the rendered prompt is {len(text)} characters, more than the "
+                                  f"{req['max_chars']} this server accepts", "limit": "size"}
+            else:
+                reply = {"text": text}
+        except MemoryError:
+            reply = {"error": f"rendering needed more than {budget >> 20} MiB of memory", "limit": "memory"}
+        except RecursionError:
+            reply = {"error": "the template recursed too deeply", "limit": "recursion"}
+        except Exception as e:  # noqa: BLE001 - a template error is the client's: say what it was
+            reply = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        print(json.dumps(reply), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Every bound on what one request may make the server do, in one place.
+
+A request is hostile until bounded: each field whose size or shape decides how much
+memory, CPU time or engine-thread time the request costs has a limit here, and a
+request past it is refused with a 400 that names the field and the limit.  The
+server's own flags (--max-request-bytes, --max-n, --max-logprobs, --request-timeout,
+--max-waiting-requests, --http-read-timeout) bound the rest; docs/reliability.md lists
+them all with their defaults, flags and errors.  These are generous next to what
+OpenAI's API allows, and fixed: no legitimate request comes near them.
+"""
+
+from __future__ import annotations
+
+# Stop strings are searched in each new piece of text, and the longest is held back
+# from streams (OpenAI allows 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000
+# stop_token_ids and logit_bias entries: walked or applied every step.
+MAX_TOKEN_ID_LIST = 1024
+# allowed_token_ids: one index per entry every step (duplicates are refused too).
+MAX_ALLOWED_TOKEN_IDS = 16384
+# bad_words: each is tokenized twice (alone and after a space) once per request, and its
+# token sequences are matched against the output every step.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 200
+# Sequences one request may start: prompts (a completions request's list) x n.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
+# A request's own chat template (the server's --chat-template and the model's are
+# trusted): template text only, never a path, rendered in a sandboxed child process
+# that may use this much time and memory before it is stopped.
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+REQUEST_TEMPLATE_SECONDS = 2.0
+REQUEST_TEMPLATE_MEMORY_BYTES = 256 << 20
+
+# Prompt text is refused before tokenizing when it is longer than max_model_len tokens
+# could spell: the longest token of the vocabulary, in characters, times max_model_len
+# (no text longer than that can fit), and never more than this many characters.
+MAX_PROMPT_CHARS = 32 << 20
+
+# Unknown request fields are ignored with a warning, once per name, for this many names.
+MAX_WARNED_FIELD_NAMES = 256
+
+# JSON schemas, grammars and regexes for structured outputs and tools, checked before
+# the grammar compiler sees them (llguidance recurses on $ref chains and rule chains and
+# overflowed its stack, exit 139, at ~2,500 of either).
+MAX_GRAMMAR_CHARS = 1 << 20
+MAX_SCHEMA_DEPTH = 128  # nesting of subschemas, counting each $ref followed
+MAX_SCHEMA_NODES = 100_000  # subschemas visited while measuring that depth
+MAX_GRAMMAR_RULES = 1000
+MAX_GRAMMAR_NESTING = 256  # parentheses and brackets open at once in a grammar or regex
