@@ -77,12 +77,16 @@ class FakeEngine:
         self.shut_down = False
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
+        self.bad_words_threads: set[int] = set()  # where bad words were tokenized
+        self.params_seen: list[SamplingParams] = []
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        self.bad_words_threads.add(threading.get_ident())
         return [self.tokenizer.encode(w) for w in words]
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         self.thread_ids.add(threading.get_ident())
+        self.params_seen.append(params)
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else (
             self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
         # The engine's own checks, in its words.

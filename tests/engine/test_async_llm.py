@@ -203,3 +203,21 @@ def test_an_unexpected_error_adding_one_request_fails_it_alone():
         return await collect(llm, "good", max_tokens=3)
 
     run(main())
+
+
+def test_bad_words_are_tokenized_off_the_engine_thread_once():
+    """The engine thread gets the request with its bad words already as token ids (it
+    once tokenized 1,024 long words per choice there, freezing every stream)."""
+    engine = FakeEngine()
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        params = SamplingParams(max_tokens=3, n=4, bad_words=["xy", "zz"])
+        async for _ in llm.generate("hi", params, "r1"):
+            pass
+        llm.shutdown()
+
+    run(main())
+    (seen,) = engine.params_seen
+    assert seen.bad_words_token_ids == [[120, 121], [122, 122]]
+    assert engine.bad_words_threads and not engine.bad_words_threads & engine.thread_ids

@@ -239,8 +239,11 @@ def test_chat_template(tok) -> None:
     assert enc["prompt"] == text and tok.decode(enc["prompt_token_ids"]) == text
     with pytest.raises(ValueError, match="messages"):
         engine.apply_chat_template([{"content": "no role"}])
-    with pytest.raises(ValueError, match="chat template failed"):
+    with pytest.raises(ValueError, match="chat_template: TemplateError: nope"):  # a request's: the sandbox's error
         engine.apply_chat_template(msgs, chat_template="{{ raise_exception('nope') }}")
+    with pytest.raises(ValueError, match="chat template failed"):  # the default one's, in-process
+        make_engine(tokenizer=tok, vocab_size=len(tok), chat_template="{{ raise_exception('no') }}").apply_chat_template(
+            msgs)
     with pytest.raises(ValueError, match="no tokenizer"):
         make_engine().apply_chat_template(msgs)
 
@@ -321,3 +324,28 @@ def test_chat_template_options_tools_and_tool_history(tok) -> None:
         engine.apply_chat_template([{"role": "user", "content": "hi"}], continue_final_message=True)
     with pytest.raises(ValueError, match="may not set tools"):
         engine.apply_chat_template(msgs, template, chat_template_kwargs={"tools": []})
+
+
+def test_bad_words_are_tokenized_once_per_request_and_text_prompts_are_bounded(tok) -> None:
+    """n=4 samples share one tokenization of the bad words (it was once per sample, on
+    the engine thread); prompt text too long for max_model_len tokens is refused before
+    the tokenizer sees it."""
+    engine = make_engine(tokenizer=tok, vocab_size=len(tok))
+    calls = []
+    encode = tok.encode
+
+    def counting(text, *a, **kw):
+        calls.append(text)
+        return encode(text, *a, **kw)
+
+    tok.encode = counting
+    try:
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, n=4, bad_words=["fox", "dog"]))
+        assert len(calls) == 4  # each word alone and after a space, once
+        calls.clear()
+        with pytest.raises(InvalidRequestError, match="characters") as info:
+            engine.add_request("big", "ab " * (engine.max_prompt_chars // 3 + 1), SamplingParams())
+        assert info.value.param == "prompt" and not calls
+    finally:
+        tok.encode = encode
+    assert engine.max_prompt_chars <= 128 * max(len(t) for t in tok.get_vocab())

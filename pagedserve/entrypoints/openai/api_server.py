@@ -389,9 +389,8 @@ def run_server(args: argparse.Namespace) -> None:
         if not args.http_read_timeout > 0:
             raise ValueError(f"--http-read-timeout must be > 0, got {args.http_read_timeout}")
         allowed_hosts = parse_allowed_hosts(args.allowed_hosts, args.host)
-        api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-        if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key
-                                        and api_key):
+        api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None  # "": no key
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key):
             raise ValueError("the API key (--api-key or $PAGEDSERVE_API_KEY) must be printable ASCII without "
                              "surrounding spaces: HTTP clients send headers as ASCII, so no other key could match")
         check_front_door_limits(args.max_waiting_requests, args.request_timeout)

@@ -114,8 +114,9 @@ class OpenAIServingChat(OpenAIServing):
         try:
             encoded = self.engine.encode_chat(conversation, req.chat_template if req else None,
                                               add_generation_prompt, tools=tools, **kwargs)
-        except ValueError as e:
-            raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
+        except ValueError as e:  # the field a bound names (chat_template, messages), else the messages
+            param = e.param if isinstance(e, InvalidRequestError) and e.param else "messages"
+            raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e
         return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"])
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:

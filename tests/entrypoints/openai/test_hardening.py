@@ -5,6 +5,7 @@ request timeouts, aborting everything at shutdown, and error bodies without inte
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -215,3 +216,107 @@ def test_a_stream_nobody_reads_holds_one_snapshot_not_every_step():
     held, outs = asyncio.run(main())
     assert held[0] is not None and len(outs) == 1  # intermediate snapshots were replaced, not queued
     assert outs[0].finished and len(outs[0].outputs[0].token_ids) == 300
+
+
+# ------------------------------------------------------------ slow clients, hosts, keys
+def _uvicorn_server(app, read_timeout: float):
+    """The app behind a real uvicorn (in a thread) with the server's protocol: the header
+    deadline lives in the HTTP protocol, below anything an ASGI test client reaches."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from pagedserve.entrypoints.openai.http_utils import header_timeout_protocol
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           http=header_timeout_protocol(read_timeout)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, thread, port
+
+
+def test_slow_headers_and_bodies_are_cut_off():
+    import socket
+
+    _, app = make(http_read_timeout=0.5)
+    server, thread, port = _uvicorn_server(app, 0.5)
+    try:
+        # Headers trickling in: the connection is closed once the deadline passes, though
+        # bytes keep arriving (uvicorn's own keep-alive timer restarts on every byte).
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            t0 = time.monotonic()
+            closed = False
+            for ch in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
+                try:
+                    s.sendall(bytes([ch]))
+                    time.sleep(0.05)
+                    s.setblocking(False)
+                    if s.recv(1) == b"":
+                        closed = True
+                        break
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed = True
+                    break
+                finally:
+                    s.setblocking(True)
+            assert closed and time.monotonic() - t0 < 3
+        # A body that stops short of its Content-Length: 408 at the deadline.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+            t0 = time.monotonic()
+            reply = s.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert b"--http-read-timeout" in reply and time.monotonic() - t0 < 3
+        # A prompt client is served as before.
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert r.status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_allowed_hosts_defaults_and_flag():
+    from pagedserve.entrypoints.openai.http_utils import parse_allowed_hosts
+
+    assert parse_allowed_hosts(None, "127.0.0.1") == {"127.0.0.1", "localhost", "::1"}
+    assert parse_allowed_hosts(None, "0.0.0.0") is None and parse_allowed_hosts(None, "::") is None
+    assert parse_allowed_hosts("api.example.com, 10.0.0.5", "0.0.0.0") == {"api.example.com", "10.0.0.5"}
+    assert parse_allowed_hosts("*", "127.0.0.1") is None
+    state, app = make()
+    state.allowed_hosts = parse_allowed_hosts(None, "127.0.0.1")
+
+    async def fn(c):
+        return [(await c.get("/health", headers={"Host": h})).status_code
+                for h in ("127.0.0.1:8000", "LOCALHOST", "127.0.0.2", "[::1]:80", "evil.example", "rebind.test:8000")]
+
+    assert call(app, fn) == [200, 200, 200, 200, 400, 400]
+
+
+def test_an_api_key_clients_cannot_send_is_refused_at_start():
+    import subprocess
+    import sys
+
+    for key in ("ключ", " k"):
+        proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--api-key", key,
+                               "--port", "1"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "printable ASCII" in proc.stderr, proc.stderr[-500:]
+
+
+def test_api_key_is_compared_as_bytes():
+    state, app = make()
+
+    async def fn(c):
+        good = await c.get("/v1/models", headers={"Authorization": "Bearer k"})
+        bad = await c.get("/v1/models", headers={"Authorization": b"Bearer k\xc3\xa9"})
+        return good.status_code, bad.status_code
+
+    assert call(app, fn) == (200, 401)

@@ -464,6 +464,102 @@ def test_cases_found_by_fuzzing(client, route, content):
     send(client, route, content, JSON_HEADERS)
 
 
+# ------------------------------------------------ hostile content: templates, grammars, bounds
+# Pieces of Jinja a hostile request combines: bombs of memory and time, escapes from the
+# sandbox, file access, and ordinary template code (the bounds must not refuse that).
+TEMPLATE_PIECES = [
+    "{{ messages[0].content }}", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+    "{{ 'ab' * %d }}", "{% for i in range(%d) %}x{% endfor %}", "{% for i in range(%d) %}{% for j in range(%d) %}"
+    "{% endfor %}{% endfor %}", "{{ ().__class__.__base__.__subclasses__() }}", "{{ cycler.__init__.__globals__ }}",
+    "{% include '/etc/passwd' %}", "{% import 'x' as y %}", "{{ raise_exception('refused') }}", "{{ a.b.c }}",
+    "{{ '%%0%dd' %% 1 }}", "{{ 'a' | center(%d) }}", "{{ 10 ** 10 ** %d }}", "{{ lipsum(%d) }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(%d) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "{{ tools | tojson }}", "/etc/passwd", "{%", "{{ bos_token }}", "{% if add_generation_prompt %}A:{% endif %}",
+]
+
+
+@st.composite
+def hostile_template(draw) -> str:
+    pieces = []
+    for piece in draw(st.lists(st.sampled_from(TEMPLATE_PIECES), min_size=1, max_size=3)):
+        while "%d" in piece:
+            piece = piece.replace("%d", str(draw(st.sampled_from([1, 3, 40, 10**5, 10**8]))), 1)
+        pieces.append(piece.replace("%%", "%"))
+    return "".join(pieces)
+
+
+@settings(FUZZ, max_examples=15)
+@given(template=hostile_template(), stream=st.booleans())
+def test_hostile_chat_templates_get_answers_not_5xx(client, template, stream):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "chat_template": template, "stream": stream}
+    send(client, "/v1/chat/completions", json.dumps(body), JSON_HEADERS)
+    answers_normally(client)
+
+
+@st.composite
+def hostile_constraint(draw) -> dict:
+    n = draw(st.sampled_from([1, 10, 100, 1000, 3000]))
+    kind = draw(st.sampled_from(["refs", "props", "arrays", "anyof", "rules", "parens", "regex"]))
+    if kind in ("refs", "props"):
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} if kind == "refs" else
+                {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+        defs[f"d{n}"] = {"type": "integer"}
+        return {"guided_json": {"$defs": defs, "$ref": "#/$defs/d0"}}
+    if kind in ("arrays", "anyof"):
+        schema: dict = {"type": "integer"}
+        for _ in range(min(n, 400)):  # deeper bodies are the JSON parser's (a 400 before us)
+            schema = {"type": "array", "items": schema} if kind == "arrays" else {"anyOf": [schema, {"type": "null"}]}
+        return {"guided_json": schema}
+    if kind == "rules":
+        return {"guided_grammar": "\n".join(["root ::= r0", *(f"r{i} ::= r{i + 1}" for i in range(n)),
+                                             f'r{n} ::= "7"'])}
+    if kind == "parens":
+        return {"guided_grammar": "root ::= " + "(" * n + '"x"' + ")" * n}
+    return {"guided_regex": "(" * n + "x" + ")" * n + draw(st.sampled_from(["", "{1000}", "*", "{1,65535}"]))}
+
+
+@settings(FUZZ, max_examples=15)
+@given(constraint=hostile_constraint(), route=st.sampled_from(GENERATING))
+def test_hostile_grammars_get_answers_not_5xx(client, constraint, route):
+    body = {"model": MODEL_NAME, "max_tokens": 2, **constraint,
+            **({"prompt": "n:"} if route == "/v1/completions" else {"messages": MESSAGES})}
+    send(client, route, json.dumps(body), JSON_HEADERS)
+    answers_normally(client)
+
+
+@st.composite
+def bounded_fields(draw) -> dict:
+    """A list field drawn around its bound (request_limits.py), or a big fan-out."""
+    from pagedserve import request_limits as rl
+
+    field = draw(st.sampled_from(["bad_words", "allowed_token_ids", "logit_bias", "stop", "stop_token_ids",
+                                  "prompt"]))
+    bound = {"bad_words": rl.MAX_BAD_WORDS, "allowed_token_ids": rl.MAX_ALLOWED_TOKEN_IDS,
+             "logit_bias": rl.MAX_TOKEN_ID_LIST, "stop": rl.MAX_STOP_STRINGS,
+             "stop_token_ids": rl.MAX_TOKEN_ID_LIST, "prompt": rl.MAX_SEQUENCES_PER_REQUEST}[field]
+    size = draw(st.sampled_from([1, bound, bound + 1, 3 * bound]))
+    if field == "bad_words":
+        return {field: ["w" * draw(st.sampled_from([1, rl.MAX_BAD_WORD_CHARS, 9600]))] * size,
+                "n": draw(st.sampled_from([1, 16]))}
+    if field == "allowed_token_ids":
+        return {field: draw(st.sampled_from([list(range(5, 5 + min(size, 300))), [7] * size]))}
+    if field == "logit_bias":
+        return {field: {str(i % 384): 1.0 for i in range(size)}}
+    if field == "stop":
+        return {field: ["zz"] * size}
+    if field == "stop_token_ids":
+        return {field: [3] * size}
+    return {"prompt": ["hi"] * max(1, size // 4), "n": 4, "max_tokens": 1}
+
+
+@settings(FUZZ, max_examples=20)
+@given(fields=bounded_fields())
+def test_bounded_fields_get_answers_not_5xx(client, fields):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, **fields}
+    send(client, "/v1/completions", json.dumps(body), JSON_HEADERS)
+    answers_normally(client)
+
+
 def test_server_answers_a_normal_request_afterwards(client, server):
     answers_normally(client)
     assert client.get("/health").status_code == 200

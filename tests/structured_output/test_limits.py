@@ -1,0 +1,121 @@
+"""What reaches the grammar compiler is bounded (structured_output/limits.py), and the
+compile threads have the stack the bounds leave margin in."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.errors import InvalidRequestError
+from pagedserve.request_limits import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_RULES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+from pagedserve.structured_output import COMPILE_THREAD_STACK_BYTES
+from pagedserve.structured_output.limits import check_spec
+
+
+def ref_chain(n: int, through_properties: bool = False) -> str:
+    defs = {f"d{i}": ({"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} if through_properties
+                      else {"$ref": f"#/$defs/d{i + 1}"}) for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return json.dumps({"$defs": defs, "$ref": "#/$defs/d0"})
+
+
+def refused(kind: str, spec: str, words: str) -> None:
+    with pytest.raises(InvalidRequestError, match=words) as info:
+        check_spec(kind, spec)
+    assert info.value.param == "structured_outputs"
+
+
+def test_ref_chains_past_the_depth_are_refused():
+    check_spec("json", ref_chain(MAX_SCHEMA_DEPTH - 5))
+    refused("json", ref_chain(3000), f"deeper than {MAX_SCHEMA_DEPTH}")
+    refused("json", ref_chain(MAX_SCHEMA_DEPTH), "deeper")
+    check_spec("json", ref_chain(30, through_properties=True))
+    refused("json", ref_chain(3000, through_properties=True), "deeper")
+
+
+def test_inline_nesting_counts_too():
+    schema: dict = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        schema = {"items": schema}
+    refused("json", json.dumps(schema), "deeper")
+    refused("json", "[" * 100_000 + "]" * 100_000, "deeper")  # past Python's own recursion limit
+
+
+def test_recursive_schemas_and_shared_definitions_are_fine():
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}
+    check_spec("json", json.dumps(tree))
+    # 36 definitions, each referring to the next two: 2^36 paths, but each is walked once.
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 2}"}]} for i in range(36)}
+    defs["d36"] = defs["d37"] = {"type": "null"}
+    check_spec("json", json.dumps({"$defs": defs, "$ref": "#/$defs/d0"}))
+
+
+def test_node_count_and_size_are_bounded():
+    refused("json", "[" + "{}, " * MAX_SCHEMA_NODES + "{}]", "subschemas")
+    refused("regex", "a" * (MAX_GRAMMAR_CHARS + 1), "characters")
+
+
+def test_grammar_rules_are_counted():
+    chain = "\n".join(["root ::= r0", *(f"r{i} ::= r{i + 1}" for i in range(MAX_GRAMMAR_RULES)), 'r ::= "x"'])
+    refused("grammar", chain, f"more than the {MAX_GRAMMAR_RULES}")
+    check_spec("grammar", 'root ::= "a" | b\nb ::= [0-9]+\n')
+    lark = "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(MAX_GRAMMAR_RULES)), 'r: "x"'])
+    refused("grammar", lark, "rules")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.recursive(st.none() | st.integers() | st.text(max_size=5),
+                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
+                        st.sampled_from(["$ref", "$defs", "items", "properties", "anyOf", "a", "type"]), kids,
+                        max_size=4), max_leaves=60),
+       st.sampled_from(["#", "#/$defs/a", "#/$defs", "#/properties/a", "#/items/0", "http://x", "#/~1"]))
+def test_any_json_is_measured_without_crashing(doc, ref):
+    """Whatever the document (refs anywhere, to anything, cycles included): a decision,
+    never an exception other than the refusal."""
+    if isinstance(doc, dict):
+        doc = {**doc, "$ref": ref}
+    try:
+        check_spec("json", json.dumps(doc))
+    except InvalidRequestError:
+        pass
+
+
+_DEEP_C_RECURSION = """
+import json, sys, threading
+sys.setrecursionlimit(10**7)
+from pagedserve.structured_output import _large_stack_pool
+nested = []
+for _ in range(300_000):
+    nested = [nested]
+work = lambda: len(json.dumps(nested))  # the C encoder recurses, one native frame a level
+if sys.argv[1] == "pool":
+    pool = _large_stack_pool(1)
+    print(pool.submit(work).result())
+else:
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    print("survived")
+"""
+
+
+@pytest.mark.parametrize("where,ok", [("pool", True), ("default", False)])
+def test_compile_threads_have_large_stacks(where, ok):
+    """Native recursion 300,000 deep: fine on a compile thread, fatal on a default one
+    (which is what llguidance did to the whole server)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _DEEP_C_RECURSION, where], capture_output=True, text=True,
+                          timeout=120)
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip() == str(600_002), proc.stderr[-500:]
+    else:
+        assert proc.returncode < 0, (proc.returncode, proc.stdout)  # killed by a signal (SIGSEGV)
+    assert threading.stack_size() == 0 and COMPILE_THREAD_STACK_BYTES >= 256 << 20
