@@ -1,8 +1,9 @@
-"""The one exception type for a request the engine refuses.
+"""The exception types a request can be refused with, whichever layer refuses it.
 
-It is a ValueError (what the offline API promises for bad input) that also names the
-field at fault, so the OpenAI server can answer 400 with `param` set without
-re-deriving which field a message is about.
+InvalidRequestError is a ValueError (what the offline API promises for bad input) that
+also names the field at fault, so the OpenAI server can answer 400 with `param` set
+without re-deriving which field a message is about.  OverloadedError is a shared
+resource saturated for now (HTTP 503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -12,3 +13,11 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class OverloadedError(RuntimeError):
+    """Too much is queued for a shared resource; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

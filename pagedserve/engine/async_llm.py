@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import OverloadedError
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import is_cuda
@@ -52,12 +53,8 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; every in-flight and later request gets this."""
 
 
-class EngineOverloadedError(RuntimeError):
+class EngineOverloadedError(OverloadedError):
     """Too many requests are waiting for a slot; try again after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class RequestTimeoutError(TimeoutError):

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
     MAX_REQUEST_TEMPLATE_CHARS,
@@ -35,6 +35,9 @@ from pagedserve.request_limits import (
 logger = logging.getLogger("pagedserve")
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
 _WORKER_START_SECONDS = 30.0  # importing transformers' renderer: ~0.6 s warm, more on a cold disk
+# A render waits this long for the one before it; past that the caller gets a 503, so a
+# queue of hostile templates holds each server thread for a bounded time.
+_QUEUE_SECONDS = 2 * REQUEST_TEMPLATE_SECONDS
 
 
 class TemplateSandbox:
@@ -64,7 +67,10 @@ class TemplateSandbox:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"the conversation cannot be given to a request's chat_template: {e}",
                                       param="chat_template") from None
-        with self._lock:
+        if not self._lock.acquire(timeout=_QUEUE_SECONDS):
+            raise OverloadedError("requests' own chat templates are rendered one at a time and others are "
+                                  "waiting; retry shortly")
+        try:
             proc = self._ensure_started()
             try:
                 proc.stdin.write(line.encode())
@@ -83,6 +89,8 @@ class TemplateSandbox:
                     why = f"the rendering process died (exit status {code})"
                 raise InvalidRequestError(f"chat_template: {why}, the limit for a request's own template",
                                           param="chat_template")
+        finally:
+            self._lock.release()
         if "error" in reply:
             raise InvalidRequestError(f"chat_template: {reply['error']}", param="chat_template")
         return reply["text"]

@@ -103,9 +103,11 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them,
-        rendered with the model's chat template (or `chat_template`), as the server renders
-        them: `tools` (OpenAI function definitions) and `chat_template_kwargs` reach the
-        template, `continue_final_message` continues the last assistant message."""
+        rendered with the model's chat template (or `chat_template`, Jinja text rendered as
+        the server renders a request's own: in a bounded child process; a file belongs in
+        `LLM(..., chat_template=PATH)`), as the server renders them: `tools` (OpenAI function
+        definitions) and `chat_template_kwargs` reach the template, `continue_final_message`
+        continues the last assistant message."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

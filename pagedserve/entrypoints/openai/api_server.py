@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,6 @@ import pagedserve
 from pagedserve.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
-    EngineOverloadedError,
     EngineShutdownError,
     RequestTimeoutError,
     check_front_door_limits,
@@ -67,13 +67,16 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.metrics import SeriesStatLogger
 
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt as token ids is ~1 MB of JSON
 DEFAULT_HTTP_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body
+# Threads that render and tokenize requests off the event loop (their own, so that a
+# queue of slow renders never holds the threads asyncio uses for anything else).
+PREPARE_THREADS = 16
 
 
 @dataclass
@@ -143,6 +146,11 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state
 
+    prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="pagedserve-prepare")
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, fn, *args)
+
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes, read_timeout=state.http_read_timeout)
     app.add_middleware(APIKeyMiddleware, state=state)
     app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
@@ -150,7 +158,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def _error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_openai_error(exc))
 
-    for exc_class in (OpenAIError, ValueError, EngineDeadError, EngineOverloadedError, RequestTimeoutError,
+    for exc_class in (OpenAIError, ValueError, EngineDeadError, OverloadedError, RequestTimeoutError,
                       EngineShutdownError, Exception):
         app.add_exception_handler(exc_class, _error)
 
@@ -212,7 +220,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         serving.warn_unknown_fields(body)
 
         async def handle() -> Response | BaseModel:
-            prep = await asyncio.to_thread(serving.prepare, body)
+            prep = await off_loop(serving.prepare, body)
             request_id, streams = await serving.start(body, prep)
             if body.stream:
                 return SSEResponse(serving.stream(body, prep, request_id, streams))
@@ -244,9 +252,9 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("send exactly one of prompt or messages")
         if body.messages is not None:
-            ids = (await asyncio.to_thread(chat.render, None, body.messages, body.add_generation_prompt)).token_ids
+            ids = (await off_loop(chat.render, None, body.messages, body.add_generation_prompt)).token_ids
         else:
-            ids = await asyncio.to_thread(chat.tokenize, body.prompt, body.add_special_tokens)
+            ids = await off_loop(chat.tokenize, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -24,7 +24,6 @@ from pydantic import BaseModel
 
 from pagedserve.engine.async_llm import (
     EngineDeadError,
-    EngineOverloadedError,
     EngineShutdownError,
     RequestStream,
     RequestTimeoutError,
@@ -40,7 +39,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
 from pagedserve.sampling_params import SamplingParams
@@ -111,7 +110,7 @@ def to_openai_error(err: BaseException) -> OpenAIError:
         return err
     if isinstance(err, InvalidRequestError):
         return OpenAIError(str(err), param=err.param)
-    if isinstance(err, EngineOverloadedError):
+    if isinstance(err, OverloadedError):
         return OpenAIError(str(err), status=503, type="server_error", code="server_overloaded",
                            headers={"Retry-After": str(err.retry_after)})
     if isinstance(err, RequestTimeoutError):

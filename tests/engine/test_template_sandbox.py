@@ -1,0 +1,66 @@
+"""The child process that renders requests' own chat templates: bounded in time and
+memory, replaced after a breach, one render at a time with a bounded wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pagedserve.engine import chat_utils
+from pagedserve.engine.chat_utils import TemplateSandbox
+from pagedserve.errors import InvalidRequestError, OverloadedError
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def render(sandbox: TemplateSandbox, template: str, max_chars: int = 10_000) -> str:
+    return sandbox.render(template, MSGS, None, True, False, {"bos_token": "<s>"}, max_chars)
+
+
+def test_limits_are_enforced_and_the_child_replaced():
+    sandbox = TemplateSandbox(seconds=1.0, memory_bytes=64 << 20)
+    try:
+        assert render(sandbox, "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}") == "<s>hi"
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="longer than 1 s") as info:
+            render(sandbox, "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}")
+        assert info.value.param == "chat_template" and time.monotonic() - t0 < 5
+        with pytest.raises(InvalidRequestError, match="64 MiB"):
+            render(sandbox, "{{ 'a' * 200000000 }}", max_chars=10**9)
+        with pytest.raises(InvalidRequestError, match="the rendered prompt is 20000 characters"):
+            render(sandbox, "{{ 'ab' * 10000 }}")
+        with pytest.raises(InvalidRequestError, match="SecurityError"):
+            render(sandbox, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+        with pytest.raises(InvalidRequestError, match="no loader"):  # no template reaches a file
+            render(sandbox, "{% include '/etc/passwd' %}")
+        assert sandbox.num_restarts == 2  # after the time and the memory breach
+        assert render(sandbox, "ok {{ messages | length }}") == "ok 1"  # a fresh child
+    finally:
+        sandbox.close()
+
+
+def test_renders_queue_for_a_bounded_time(monkeypatch):
+    monkeypatch.setattr(chat_utils, "_QUEUE_SECONDS", 0.2)
+    sandbox = TemplateSandbox(seconds=1.0)
+    render(sandbox, "warm")
+    errors: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            render(sandbox, "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.1)
+    try:
+        with pytest.raises(OverloadedError, match="one at a time"):
+            render(sandbox, "quick")
+        t.join()
+        assert isinstance(errors[0], InvalidRequestError)
+        assert render(sandbox, "quick") == "quick"
+    finally:
+        sandbox.close()
