@@ -35,7 +35,7 @@ def test_limits_are_enforced_and_the_child_replaced():
             render(sandbox, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
         with pytest.raises(InvalidRequestError, match="no loader"):  # no template reaches a file
             render(sandbox, "{% include '/etc/passwd' %}")
-        assert sandbox.num_restarts == 2  # after the time and the memory breach
+        assert sandbox.num_restarts == 3  # after the time, memory and size breaches
         assert render(sandbox, "ok {{ messages | length }}") == "ok 1"  # a fresh child
     finally:
         sandbox.close()
