@@ -204,12 +204,20 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=state.served_model_names[0], max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         state.ready()
-        root = state.served_model_names[0]
-        return _json(ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
-                                     for name in state.served_model_names]))
+        return _json(ModelList(data=[model_card(name) for name in state.served_model_names]))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        """OpenAI's retrieve (`client.models.retrieve`); ids may contain slashes (org/name)."""
+        state.ready()
+        state.chat.model_name(model_id)  # a 404 naming it when it is not served
+        return _json(model_card(model_id))
 
     async def generate(serving: OpenAIServing, body: Any, request: Request) -> Response:
         """Both generation endpoints: validate and render off the event loop (templates and

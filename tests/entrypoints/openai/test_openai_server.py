@@ -33,6 +33,10 @@ def complete(client, **kw):
 def test_models_health_version(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    one = client.models.retrieve(MODEL_NAME)  # GET /v1/models/{id}
+    assert one.id == MODEL_NAME and one.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no/such-model")
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
 
