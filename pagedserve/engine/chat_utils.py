@@ -203,7 +203,9 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         return template_sandbox().render(chat_template, messages, tools, add_generation_prompt,
                                          continue_final_message, {**specials, **kwargs}, max_chars)
     if not default_template:
-        raise ValueError("the model has no chat template; pass chat_template=... (Jinja template text)")
+        raise ValueError("this model has no chat template (a base model: it serves completions); give one with "
+                         "`pagedserve serve --chat-template FILE`, the request field `chat_template` (Jinja text), "
+                         "or offline `LLM(..., chat_template=FILE)`")
     try:
         text = tokenizer.apply_chat_template(
             messages, chat_template=default_template, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -305,9 +305,32 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated spelling of tools / tool_choice: mapped onto them (its documented
+    # equivalence), so the answer comes back as tool_calls.
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatCompletionRequest:
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise InvalidRequestError("send tools/tool_choice or the deprecated functions/function_call, not both",
+                                      param="functions")
+        if self.functions:
+            self.tools = [ChatCompletionTool(function=f) for f in self.functions]
+        call = self.function_call
+        if isinstance(call, dict):
+            if not isinstance(call.get("name"), str):
+                raise InvalidRequestError('function_call must be "none", "auto" or {"name": NAME}',
+                                          param="function_call")
+            call = {"type": "function", "function": {"name": call["name"]}}
+        self.tool_choice = call
+        return self
 
     def api_params(self) -> dict[str, str]:
-        return {**super().api_params(), "prompt": "messages", "logprobs": "top_logprobs",
+        legacy = {"tools": "functions", "tool_choice": "function_call"} if self.functions is not None else {}
+        return {**super().api_params(), **legacy, "prompt": "messages", "logprobs": "top_logprobs",
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
     def requested_max_tokens(self) -> int | None:

@@ -136,6 +136,20 @@ def test_forced_and_required_tool_calls(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_legacy_functions_are_tools(client):
+    """OpenAI's deprecated functions/function_call: the same request as tools/tool_choice."""
+    r = chat(client, functions=[CLOCK["function"]], function_call={"name": "get_time"}, temperature=0.7, seed=5)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, functions=[CLOCK["function"]], tools=[WEATHER])
+    assert info.value.body["param"] == "functions"
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, functions=[CLOCK["function"]], function_call={"name": "nope"})
+    assert info.value.body["param"] == "function_call"
+
+
 def test_auto_tool_call_then_its_result_fed_back(client, tokenizer):
     opener = tokenizer.convert_tokens_to_ids("<tool_call>")
     # The random model is pushed to open a call; the parser's structural tag makes the call valid.
