@@ -4,8 +4,10 @@ Both kernels (attention/csrc/paged_decode.cpp, layers/csrc/quant_linear.cpp) com
 with torch.utils.cpp_extension for this machine's CPU (`-march=native`: AVX-512 where
 the CPU has it, AVX2/FMA where it has that, plain loops otherwise; capped like torch
 itself when ATEN_CPU_CAPABILITY says so).  The build directory's name carries a hash
-of the source, the CPU's flags, the torch version and the compiler flags, so a cache
-shared across machines never runs code built for another CPU.
+of the source, the CPU's flags, the torch version, the compiler flags and the build
+environment (torch's and Python's include paths, the compiler), so a cache shared across
+machines never runs code built for another CPU, and one shared by two virtual
+environments keeps a build for each instead of rebuilding over the other's.
 
 Builders take an OS file lock (flock) on the build directory, not only torch's own
 "lock" file: torch's marker stays behind when a process dies mid-build (a CLI run that
@@ -48,12 +50,23 @@ def extension_build_dir(prefix: str, source: Path,
     extra_cflags = tuple(f for f in extra_cflags if _ISA_OFF.get(f, "") in have or f not in _ISA_OFF)
     flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
     key = (source.read_bytes() + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()
-           + " ".join(flags).encode())
+           + " ".join(flags).encode() + "\0".join(_build_environment()).encode())
     name = f"{prefix}_{hashlib.sha1(key).hexdigest()[:12]}"
     # Our own directory under torch's extension root ($TORCH_EXTENSIONS_DIR or its default), so
     # whether a build is needed is known before starting one (for the log line).
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return name, Path(root) / name, flags
+
+
+def _build_environment() -> tuple[str, ...]:
+    """What else goes into torch's build command: the torch install's headers and the
+    Python include directory (each virtual environment has its own), and the compiler.
+    Two environments sharing the cache used to share a directory whose build command
+    each changed, so each rebuilt over the other's (80-110 s at every start)."""
+    import sysconfig
+
+    return (os.path.dirname(os.path.abspath(torch.__file__)), sysconfig.get_paths()["include"],
+            os.environ.get("CXX", "c++"))
 
 
 def build_cpu_extension(prefix: str, source: Path, what: str,

@@ -22,3 +22,19 @@ def test_a_lock_marker_left_by_a_killed_build_does_not_block_the_next() -> None:
     module = build_cpu_extension("pagedserve_paged_decode", SOURCE, "CPU decode-attention kernel")
     assert module.__name__ == name and callable(module.paged_decode)
     assert not (build_dir / "lock").exists()
+
+
+def test_each_virtual_environment_gets_its_own_build_directory(monkeypatch) -> None:
+    """Two environments with the same torch version share the cache root, but torch writes
+    each one's include paths into the build command: one directory each, so neither
+    rebuilds over the other's."""
+    import torch
+
+    source = SOURCE
+    here, again = extension_build_dir("k", source), extension_build_dir("k", source)
+    assert here == again  # stable within one environment
+    monkeypatch.setattr(torch, "__file__", "/other/venv/lib/python3.11/site-packages/torch/__init__.py")
+    other = extension_build_dir("k", source)
+    assert other[0] != here[0] and other[1] != here[1] and other[2] == here[2]
+    monkeypatch.setenv("CXX", "clang++")
+    assert extension_build_dir("k", source)[0] not in (here[0], other[0])
