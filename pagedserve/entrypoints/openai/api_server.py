@@ -66,7 +66,12 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
-from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
+from pagedserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ToolParser,
+    default_tool_parser,
+    get_tool_parser,
+)
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.metrics import SeriesStatLogger
 
@@ -451,7 +456,12 @@ def run_server(args: argparse.Namespace) -> None:
                 client = AsyncLLM(engine, stat_loggers=stat_loggers, **front_door)
                 max_model_len, description = engine.config.scheduler_config.max_model_len, engine.describe()
             client.start()
-            parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
+            if args.tool_call_parser:
+                parser = get_tool_parser(args.tool_call_parser)
+            else:
+                parser, why = default_tool_parser(client.tokenizer)
+                logger.info("tool calls (tool_choice 'auto'): the %s format, since %s; --tool-call-parser "
+                            "chooses another", parser.name, why)
             state.attach(client, max_model_len, parser, description)
             logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
 

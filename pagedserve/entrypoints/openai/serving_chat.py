@@ -16,6 +16,7 @@ its arguments as they are generated).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -59,6 +60,16 @@ from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import StructuredOutputsParams
 
 _MISSING = -9999.0
+logger = logging.getLogger("pagedserve.api_server")
+
+
+def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
+    """The conversation with `text` at the end of its system message (one added first
+    where it has none)."""
+    if messages and messages[0].role == "system" and isinstance(messages[0].content, str):
+        first = messages[0].model_copy(update={"content": f"{messages[0].content}\n\n{text}"})
+        return [first, *messages[1:]]
+    return [ChatMessage(role="system", content=text), *messages]
 
 
 @dataclass
@@ -101,6 +112,7 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, tool_parser: ToolParser | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
+        self._warned_tools_block = False
 
     def render(self, req: ChatCompletionRequest | None, messages: list[ChatMessage],
                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> TokenizedPrompt:
@@ -122,8 +134,9 @@ class OpenAIServingChat(OpenAIServing):
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         mode, function = req.tool_mode()
         if mode == "auto" and self.tool_parser is None:
-            raise OpenAIError('"auto" tool choice needs the server started with --tool-call-parser (hermes or '
-                              'llama3_json, the format the model writes calls in)', param="tool_choice")
+            raise OpenAIError('"auto" tool choice needs a tool call parser: start the server with '
+                              '--tool-call-parser (hermes or llama3_json, the format the model writes calls in)',
+                              param="tool_choice")
         return ToolPlan(mode, function, self.tool_parser if mode == "auto" else None)
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
@@ -141,10 +154,15 @@ class OpenAIServingChat(OpenAIServing):
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
         prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
         if plan.mode == "auto" and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
-            raise OpenAIError("this model's chat template does not render tools, so the model cannot know them "
-                              "for tool_choice 'auto'; start the server with a --chat-template that does (or use "
-                              "tool_choice 'required' or a named function, which constrain the answer)",
-                              param="tools")
+            # The template does not render tools: tell the model about them in the parser's
+            # own format, in the system message, as vLLM's tool-aware templates would.
+            if not self._warned_tools_block:
+                self._warned_tools_block = True
+                logger.info("the chat template does not render tools: tool_choice 'auto' adds them to the system "
+                            "message in the %s format (a --chat-template that renders tools takes precedence)",
+                            plan.parser.name)
+            messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
+            prompt = self.render(req, messages, req.add_generation_prompt, tools)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
         return PreparedRequest(model, [prompt], params, plan)
 

@@ -1,12 +1,14 @@
 """Tool calls in the model's own format: one parser per format, chosen with
 `--tool-call-parser` (vLLM's names), used when `tool_choice` is "auto".
 
-A parser knows three things about its format: how to find the calls in a finished
+A parser knows four things about its format: how to find the calls in a finished
 answer (`extract`), how much of a running answer is certainly plain text, so a stream
-can send it before a call may begin (`text_before_calls`), and, where the format has a
+can send it before a call may begin (`text_before_calls`), where the format has a
 clear opening, a structural tag that makes every call the model opens well-formed for
 its tool's parameter schema (the constraint `auto` runs under; plain text outside calls
-stays free).
+stays free), and how to tell a model about the tools in that format when its chat
+template does not render them (`tools_system_prompt`).  Without `--tool-call-parser`,
+`default_tool_parser` picks the format the model's vocabulary points to.
 
 - hermes (Qwen2.5/3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
   possibly several, after optional text.
@@ -65,6 +67,13 @@ class HermesToolParser:
                 return len(text) - k
         return len(text)
 
+    def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You can call functions to help answer. The functions, as JSON schemas:\n<tools>\n" + listed
+                + "\n</tools>\nTo call one, answer with its name and arguments as a JSON object between the "
+                  "tags, one call per pair:\n<tool_call>\n{\"name\": \"FUNCTION NAME\", \"arguments\": "
+                  "{ARGUMENTS}}\n</tool_call>\nOtherwise answer in plain text.")
+
     def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
         """Free text, in which every opened call follows its tool's schema (`one_call`:
         nothing may follow the first call)."""
@@ -101,6 +110,12 @@ class Llama3JsonToolParser:
             return 0
         return len(text)
 
+    def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You can call functions to help answer. The functions, as JSON schemas:\n" + listed
+                + "\nTo call one, answer with only a JSON object {\"name\": FUNCTION NAME, \"parameters\": "
+                  "ARGUMENTS}; otherwise answer in plain text.")
+
     def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
         return None  # no opening to trigger on: the answer is free
 
@@ -113,3 +128,15 @@ def get_tool_parser(name: str) -> ToolParser:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}")
     return TOOL_PARSERS[name]()
+
+
+def default_tool_parser(tokenizer: Any) -> tuple[ToolParser, str]:
+    """(the parser for tool_choice "auto" when --tool-call-parser is not given, why):
+    llama3_json where the vocabulary has Llama 3's tool tokens, else hermes, the format
+    most open chat models (Qwen, Hermes, SmolLM) were taught."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    if "<|python_tag|>" in vocab or "<|eom_id|>" in vocab:
+        return Llama3JsonToolParser(), "the vocabulary has Llama 3's <|python_tag|>"
+    if "<tool_call>" in vocab:
+        return HermesToolParser(), "the vocabulary has <tool_call>"
+    return HermesToolParser(), "the most common format (no format-specific tokens in the vocabulary)"

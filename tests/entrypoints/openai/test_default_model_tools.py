@@ -1,0 +1,68 @@
+"""Agents' default: `tools` without `tool_choice` ("auto") against `pagedserve serve` on
+the default model with no tool flags.  SmolLM2's chat template does not render tools
+and no --tool-call-parser is given: the server picks hermes from the vocabulary, tells
+the model about the tools in a system block, and reads calls back in that format."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from conftest import ServerProcess
+
+from pagedserve.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    default_tool_parser,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path, tmp_path_factory):
+    proc = ServerProcess([smollm2_path, "--served-model-name", "smol", "--enforce-eager", "--max-model-len", "2048"],
+                         tmp_path_factory.mktemp("log") / "server.log")
+    yield proc
+    proc.stop()
+
+
+def test_tools_with_tool_choice_omitted_work_on_the_default_model(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    r = client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER], max_tokens=64,
+                                       temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason in ("stop", "tool_calls", "length")
+    for call in choice.message.tool_calls or []:  # whatever it chose, a call is well-formed
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert choice.message.tool_calls or choice.message.content
+    # The model was told about the tool: the prompt is longer than without it.
+    plain = client.chat.completions.create(model="smol", messages=messages, max_tokens=1)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 40
+    log = smollm2_server.log()
+    assert "the hermes format" in log and "does not render tools" in log
+    # The deprecated spelling takes the same path.
+    legacy = client.chat.completions.create(model="smol", messages=messages, functions=[WEATHER["function"]],
+                                            max_tokens=8)
+    assert legacy.usage.prompt_tokens == r.usage.prompt_tokens
+
+
+class _Vocab:
+    def __init__(self, *tokens: str) -> None:
+        self.tokens = {t: i for i, t in enumerate(tokens)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokens
+
+
+def test_the_default_parser_follows_the_vocabulary():
+    assert isinstance(default_tool_parser(_Vocab("a", "<|python_tag|>"))[0], Llama3JsonToolParser)
+    assert isinstance(default_tool_parser(_Vocab("a", "<tool_call>"))[0], HermesToolParser)
+    parser, why = default_tool_parser(_Vocab("a"))
+    assert isinstance(parser, HermesToolParser) and "most common" in why
+    block = HermesToolParser().tools_system_prompt([WEATHER])
+    assert '"get_weather"' in block and "<tool_call>" in block
