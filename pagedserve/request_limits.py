@@ -32,6 +32,9 @@ MAX_SEQUENCES_PER_REQUEST = 1024
 MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
 REQUEST_TEMPLATE_SECONDS = 2.0
 REQUEST_TEMPLATE_MEMORY_BYTES = 256 << 20
+# They render one at a time; a request waits this long for its turn (on the event loop,
+# holding no thread), then gets a 503 server_overloaded.
+TEMPLATE_QUEUE_SECONDS = 2 * REQUEST_TEMPLATE_SECONDS
 
 # Prompt text is refused before tokenizing when it is longer than max_model_len tokens
 # could spell: the longest token of the vocabulary, in characters, times max_model_len
@@ -43,9 +46,11 @@ MAX_WARNED_FIELD_NAMES = 256
 
 # JSON schemas, grammars and regexes for structured outputs and tools, checked before
 # the grammar compiler sees them (llguidance recurses on $ref chains and rule chains and
-# overflowed its stack, exit 139, at ~2,500 of either).
-MAX_GRAMMAR_CHARS = 1 << 20
+# overflowed its stack, exit 139, at ~2,500 of either; and converting GBNF to Lark is
+# Python that holds the GIL, ~1.3 s per MiB).  The libraries refuse deep nesting of
+# groups themselves, with an error.
+MAX_SCHEMA_CHARS = 1 << 20  # JSON schemas and structural tags (a tag holds every tool's schema)
+MAX_GRAMMAR_CHARS = 128 << 10  # grammars, regexes, choices
 MAX_SCHEMA_DEPTH = 128  # nesting of subschemas, counting each $ref followed
 MAX_SCHEMA_NODES = 100_000  # subschemas visited while measuring that depth
 MAX_GRAMMAR_RULES = 1000
-MAX_GRAMMAR_NESTING = 256  # parentheses and brackets open at once in a grammar or regex

@@ -19,6 +19,7 @@ every open request with an error (graceful shutdown past its deadline).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -240,9 +241,11 @@ class AsyncLLM:
             # before the engine sees the request, and the engine loop never waits for one.
             await asyncio.wrap_future(self.engine.structured_output.compile(sampling_params.structured_outputs))
         if sampling_params.bad_words and not sampling_params.bad_words_token_ids and self.tokenizer is not None:
-            # Tokenized here, in a worker thread, so the engine thread never spends a step's time on it.
-            sampling_params.bad_words_token_ids = await asyncio.to_thread(self.engine.bad_words_token_ids,
-                                                                          sampling_params.bad_words)
+            # Tokenized here, in a worker thread, so the engine thread never spends a step's
+            # time on it (on a copy: the caller's params are never modified).
+            words = await asyncio.to_thread(self.engine.bad_words_token_ids, sampling_params.bad_words)
+            sampling_params = copy.copy(sampling_params)
+            sampling_params.bad_words_token_ids = words
         assert self._loop is not None
         collector = OutputCollector()
         self._collectors[request_id] = collector

@@ -30,22 +30,21 @@ from pagedserve.request_limits import (
     MAX_REQUEST_TEMPLATE_CHARS,
     REQUEST_TEMPLATE_MEMORY_BYTES,
     REQUEST_TEMPLATE_SECONDS,
+    TEMPLATE_QUEUE_SECONDS,
 )
 
 logger = logging.getLogger("pagedserve")
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
 _WORKER_START_SECONDS = 30.0  # importing transformers' renderer: ~0.6 s warm, more on a cold disk
-# A render waits this long for the one before it; past that the caller gets a 503, so a
-# queue of hostile templates holds each server thread for a bounded time.
-_QUEUE_SECONDS = 2 * REQUEST_TEMPLATE_SECONDS
 
 
 class TemplateSandbox:
     """Renders request-supplied chat templates in a child process (template_worker.py),
     one at a time: at most `seconds` of wall time and `memory_bytes` of address space
-    each, the rendered text at most the caller's `max_chars`.  A render past a limit
-    kills the child (the next render starts a new one) and raises InvalidRequestError
-    naming the limit; the server process is never at risk."""
+    each, the rendered text at most the caller's `max_chars`.  A render past a limit, or
+    any failure of the exchange, stops the child (the next render starts a new one, so
+    no reply can reach the wrong caller) and raises InvalidRequestError naming the limit;
+    the server process is never at risk."""
 
     def __init__(self, seconds: float = REQUEST_TEMPLATE_SECONDS,
                  memory_bytes: int = REQUEST_TEMPLATE_MEMORY_BYTES) -> None:
@@ -53,7 +52,7 @@ class TemplateSandbox:
         self.memory_bytes = memory_bytes
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
-        self._buf = b""
+        self._chunks: list[bytes] = []
         self.num_restarts = 0  # children stopped at a limit (for tests and logs)
 
     def render(self, template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -67,43 +66,53 @@ class TemplateSandbox:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"the conversation cannot be given to a request's chat_template: {e}",
                                       param="chat_template") from None
-        if not self._lock.acquire(timeout=_QUEUE_SECONDS):
+        if not self._lock.acquire(timeout=TEMPLATE_QUEUE_SECONDS):
             raise OverloadedError("requests' own chat templates are rendered one at a time and others are "
                                   "waiting; retry shortly")
+        try:
+            reply, code = self._exchange(line)
+        finally:
+            self._lock.release()
+        if reply is None:
+            why = (f"rendering took longer than {self.seconds:g} s" if code is None
+                   else f"the rendering process died (exit status {code})")
+            raise InvalidRequestError(f"chat_template: {why}, the limit for a request's own template",
+                                      param="chat_template")
+        if reply.get("limit") == "size":
+            raise prompt_too_long(reply["length"], max_chars, "chat_template")
+        if "error" in reply:
+            raise InvalidRequestError(f"chat_template: {reply['error']}", param="chat_template")
+        return reply["text"]
+
+    def _exchange(self, line: str) -> tuple[dict[str, Any] | None, int | None]:
+        """(the child's reply or None, its exit status if it died).  Holding the lock."""
         try:
             proc = self._ensure_started()
             try:
                 proc.stdin.write(line.encode())
                 proc.stdin.flush()
-                reply = self._read_line(time.monotonic() + self.seconds)
             except BrokenPipeError:
-                reply = None
-            if reply is None or "limit" in reply:  # past a limit (or dead): never reuse this child
-                self._stop()
-                self.num_restarts += 1
-            if reply is None:
-                code = proc.poll()
-                if code is None or code == -9:
-                    why = f"rendering took longer than {self.seconds:g} s"
-                else:
-                    why = f"the rendering process died (exit status {code})"
-                raise InvalidRequestError(f"chat_template: {why}, the limit for a request's own template",
-                                          param="chat_template")
-        finally:
-            self._lock.release()
-        if "error" in reply:
-            raise InvalidRequestError(f"chat_template: {reply['error']}", param="chat_template")
-        return reply["text"]
+                pass  # it died: the read below says so
+            reply = self._read_line(time.monotonic() + self.seconds)
+        except BaseException:
+            self._stop()  # whatever went wrong, no half-read reply stays for the next caller
+            raise
+        code = None if self._proc is None else self._proc.poll()
+        if reply is None or "limit" in reply:  # past a limit (or dead): never reuse this child
+            self._stop()
+            self.num_restarts += 1
+        return reply, code
 
     def _ensure_started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        self._stop()
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
         self._proc = subprocess.Popen(
             [sys.executable, "-I", _WORKER, str(self.memory_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, cwd="/")
-        self._buf = b""
+        self._chunks = []
         ready = self._read_line(time.monotonic() + _WORKER_START_SECONDS)
         if not ready or not ready.get("ready"):
             self._stop()
@@ -111,17 +120,22 @@ class TemplateSandbox:
         return self._proc
 
     def _read_line(self, deadline: float) -> dict[str, Any] | None:
-        """The child's next reply, or None if it died or missed the deadline."""
+        """The child's next reply, or None if it died or missed the deadline (poll, not
+        select: descriptors past 1024 are fine)."""
         fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buf:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        while not self._chunks or b"\n" not in self._chunks[-1]:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(left * 1000):
                 return None
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return None
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
+            self._chunks.append(chunk)
+        data = b"".join(self._chunks)
+        line, _, rest = data.partition(b"\n")
+        self._chunks = [rest] if rest else []
         return json.loads(line)
 
     def _stop(self) -> None:
@@ -134,6 +148,7 @@ class TemplateSandbox:
                 except OSError:
                     pass
             self._proc = None
+        self._chunks = []
 
     def close(self) -> None:
         with self._lock:
@@ -163,12 +178,24 @@ def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int:
     return min(MAX_PROMPT_CHARS, max(1, longest) * max_model_len)
 
 
+def prompt_too_long(length: int, max_chars: int, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"the prompt is {length} characters, more than the {max_chars} that "
+                               f"max_model_len tokens of this model can spell", param=param)
+
+
 def check_prompt_chars(text: str, max_chars: int, param: str = "prompt") -> None:
     """Text longer than any max_model_len-token prompt can spell is refused before the
     tokenizer spends seconds on it (the one check of prompt text size)."""
     if len(text) > max_chars:
-        raise InvalidRequestError(f"the prompt is {len(text)} characters, more than the {max_chars} that "
-                                  f"max_model_len tokens of this model can spell", param=param)
+        raise prompt_too_long(len(text), max_chars, param)
+
+
+def encode_text(tokenizer: Any, text: str, max_chars: int, add_special_tokens: bool = True,
+                param: str = "prompt") -> list[int]:
+    """Prompt text to token ids, bounded first: every place that tokenizes a request's
+    text (a completion prompt in the engine or the server, a rendered chat) comes here."""
+    check_prompt_chars(text, max_chars, param)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def render_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],
@@ -195,7 +222,7 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
                 "messages", "documents", "conversations"} & set(kwargs)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
-    if chat_template is not None:
+    if chat_template:  # ("" is no template: the default renders)
         if not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
             raise InvalidRequestError(f"chat_template must be Jinja template text of at most "
                                       f"{MAX_REQUEST_TEMPLATE_CHARS} characters", param="chat_template")
@@ -223,7 +250,8 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     template already holds any BOS text, so the tokenizer must not add special tokens a
     second time."""
     text = render_chat(tokenizer, default_template, messages, chat_template, add_generation_prompt, **kwargs)
-    return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+    max_chars = kwargs.get("max_chars", MAX_PROMPT_CHARS)
+    return {"prompt": text, "prompt_token_ids": encode_text(tokenizer, text, max_chars, False, "messages")}
 
 
 def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, Sched
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.chat_utils import check_prompt_chars, encode_chat, prompt_char_limit, render_chat
+from pagedserve.engine.chat_utils import encode_chat, encode_text, prompt_char_limit, render_chat
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
@@ -373,8 +373,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
                 "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
-        check_prompt_chars(text, self.max_prompt_chars)
-        return list(self.tokenizer.encode(text))
+        return encode_text(self.tokenizer, text, self.max_prompt_chars)
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)):

@@ -46,11 +46,8 @@ def main() -> None:
         try:
             req = json.loads(line)
             text = _render(req, render_jinja_template)
-            if len(text) > req["max_chars"]:
-                reply = {"error": f"the rendered prompt is {len(text)} characters, more than the "
-                                  f"{req['max_chars']} this server accepts", "limit": "size"}
-            else:
-                reply = {"text": text}
+            # Too long: the parent words the refusal (chat_utils.prompt_too_long).
+            reply = {"limit": "size", "length": len(text)} if len(text) > req["max_chars"] else {"text": text}
         except MemoryError:
             reply = {"error": f"rendering needed more than {budget >> 20} MiB of memory", "limit": "memory"}
         except RecursionError:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
 from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -103,14 +103,15 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them,
-        rendered with the model's chat template (or `chat_template`, Jinja text rendered as
-        the server renders a request's own: in a bounded child process; a file belongs in
-        `LLM(..., chat_template=PATH)`), as the server renders them: `tools` (OpenAI function
-        definitions) and `chat_template_kwargs` reach the template, `continue_final_message`
-        continues the last assistant message."""
+        rendered with the model's chat template (or `chat_template`: Jinja text, or a file
+        holding it, rendered as the server renders a request's own, in a bounded child
+        process), as the server renders them: `tools` (OpenAI function definitions) and
+        `chat_template_kwargs` reach the template, `continue_final_message` continues the
+        last assistant message."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        chat_template = read_chat_template(chat_template)  # the caller's own process may name a file
         engine = self.engine
         prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools,
                                       chat_template_kwargs=chat_template_kwargs,

@@ -156,11 +156,6 @@ class StructuredOutputManager:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-        check_spec(*key)  # raises on a spec past a bound: it never reaches the compiler
-        with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
-                return future
             future = self._cache[key] = self._pool.submit(self._compile, key)
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 old, _ = self._cache.popitem(last=False)  # requests holding its future keep it alive
@@ -191,11 +186,14 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         kind, spec = key
         try:
+            check_spec(kind, spec)  # a spec past a bound never reaches the compiler
             grammar = backend.compile(kind, spec)
         except Exception as e:  # noqa: BLE001 - grammar libraries raise what they like on a bad spec (a client's)
             with self._lock:
                 self._cache.pop(key, None)  # a bad spec is not worth keeping
                 self._served.discard(key)
+            if isinstance(e, InvalidRequestError):
+                raise
             raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
         with self._lock:
             self.num_compiled += 1

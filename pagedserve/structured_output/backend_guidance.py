@@ -17,7 +17,9 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+from pagedserve.structured_output.limits import is_lark
 
 # Compact JSON with the separators json.dumps writes (what xgrammar emits too).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -66,8 +68,8 @@ class GuidanceBackend:
         elif kind == "structural_tag":
             grammar = LLMatcher.grammar_from_lark(structural_tag_lark(json.loads(spec), self._added))
         else:  # EBNF/GBNF ("root ::= ...", as xgrammar and llama.cpp write it) or Lark
-            try:
-                grammar = LLMatcher.grammar_from_lark(any_to_lark(spec))
+            try:  # (llguidance's any_to_lark tests for Lark with a regex quadratic in blank lines)
+                grammar = LLMatcher.grammar_from_lark(spec if is_lark(spec) else gbnf_to_lark(spec))
             except GbnfToLarkError as e:
                 raise ValueError(str(e)) from None
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import queue
+import socket
 import struct
 import threading
 import time
@@ -50,15 +51,22 @@ _STALE_TMP_SECONDS = 3600.0  # a temporary file older than this is a crashed wri
 _MAX_STAGED_BYTES = 64 * 2**20
 
 
+def _writer_tag() -> str:
+    """Who writes a temporary file: "PID_HOST" (a directory may be shared between hosts,
+    or between containers with their own process ids and host names)."""
+    return f"{os.getpid()}_{socket.gethostname().replace('-', '').replace('_', '')}"
+
+
 def _writer_alive(tmp_name: str) -> bool:
-    """Whether the process that named this temporary file (".tmp-PID-...") still runs:
-    a killed writer's leftover is removed at once, not after _STALE_TMP_SECONDS (another
-    live process sharing the directory may be writing it)."""
-    pid = tmp_name[len(_TMP_PREFIX):].split("-", 1)[0]
-    if not pid.isdigit():
-        pid = tmp_name.rsplit("-", 1)[-1]  # the probe: ".tmp-probe-PID"
-    if not pid.isdigit() or int(pid) == os.getpid():
-        return pid.isdigit()
+    """Whether the process that named this temporary file (".tmp-PID_HOST-...") may
+    still run: a leftover of a killed writer on this host is removed at once, not after
+    _STALE_TMP_SECONDS; one of another host (or an unknown name) is left to the timeout."""
+    tag = tmp_name[len(_TMP_PREFIX):].split("-", 1)[0]
+    pid, _, host = tag.partition("_")
+    if not pid.isdigit() or host != _writer_tag().partition("_")[2]:
+        return True
+    if int(pid) == os.getpid():
+        return True
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -257,7 +265,7 @@ class DiskKVTier(_TierBase):
         self._writer: threading.Thread | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / f"{_TMP_PREFIX}probe-{os.getpid()}"
+            probe = self.directory / f"{_TMP_PREFIX}{_writer_tag()}-probe"
             probe.write_bytes(b"")
             probe.unlink()
             self._scan()
@@ -443,7 +451,7 @@ class DiskKVTier(_TierBase):
     def _write(self, key: int, payload: torch.Tensor) -> None:
         body = payload.numpy().tobytes()
         header = _HEADER.pack(_MAGIC, self._digest, key.to_bytes(32, "little"), len(body), checksum(body))
-        tmp = self.directory / f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{key:x}"
+        tmp = self.directory / f"{_TMP_PREFIX}{_writer_tag()}-{threading.get_ident()}-{key:x}"
         try:
             with open(tmp, "wb") as f:
                 f.write(header)

@@ -29,7 +29,7 @@ def test_limits_are_enforced_and_the_child_replaced():
         assert info.value.param == "chat_template" and time.monotonic() - t0 < 5
         with pytest.raises(InvalidRequestError, match="64 MiB"):
             render(sandbox, "{{ 'a' * 200000000 }}", max_chars=10**9)
-        with pytest.raises(InvalidRequestError, match="the rendered prompt is 20000 characters"):
+        with pytest.raises(InvalidRequestError, match="the prompt is 20000 characters"):
             render(sandbox, "{{ 'ab' * 10000 }}")
         with pytest.raises(InvalidRequestError, match="SecurityError"):
             render(sandbox, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
@@ -42,7 +42,7 @@ def test_limits_are_enforced_and_the_child_replaced():
 
 
 def test_renders_queue_for_a_bounded_time(monkeypatch):
-    monkeypatch.setattr(chat_utils, "_QUEUE_SECONDS", 0.2)
+    monkeypatch.setattr(chat_utils, "TEMPLATE_QUEUE_SECONDS", 0.2)
     sandbox = TemplateSandbox(seconds=1.0)
     render(sandbox, "warm")
     errors: list[BaseException] = []

@@ -160,7 +160,9 @@ def test_half_written_files_are_never_read(tmp_path) -> None:
     save(tier, caches(), [1], [42])
     tier.close()
     path = _only_file(tmp_path)
-    tmp = os.path.join(tmp_path, f".tmp-{os.getpid()}-456-2a")  # a live writer's (this process)
+    from pagedserve.worker.kv_offload import _writer_tag
+
+    tmp = os.path.join(tmp_path, f".tmp-{_writer_tag()}-456-2a")  # a live writer's (this process)
     os.rename(path, tmp)
     again = disk_tier(tmp_path)
     assert again.num_entries == 0 and again.lookup([42]) == 0
@@ -305,11 +307,15 @@ def test_a_killed_writers_temporary_files_are_removed_at_start(tmp_path) -> None
     the directory removes it at once when PID is gone, and keeps a live writer's."""
     import subprocess
 
+    from pagedserve.worker.kv_offload import _writer_tag
+
     dead = subprocess.Popen(["true"])
     dead.wait()
-    leftover = tmp_path / f".tmp-{dead.pid}-1-abc"
-    live = tmp_path / f".tmp-{os.getpid()}-1-def"
-    for path in (leftover, live):
+    host = _writer_tag().partition("_")[2]
+    leftover = tmp_path / f".tmp-{dead.pid}_{host}-1-abc"
+    live = tmp_path / f".tmp-{_writer_tag()}-1-def"
+    elsewhere = tmp_path / f".tmp-{dead.pid}_otherhost-1-abc"  # another host's writer: its pid means nothing here
+    for path in (leftover, live, elsewhere):
         path.write_bytes(b"partial")
     disk_tier(tmp_path)
-    assert not leftover.exists() and live.exists()
+    assert not leftover.exists() and live.exists() and elsewhere.exists()

@@ -74,6 +74,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 )
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.metrics import SeriesStatLogger
+from pagedserve.request_limits import TEMPLATE_QUEUE_SECONDS
 
 logger = logging.getLogger("pagedserve.api_server")
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
@@ -106,6 +107,7 @@ class ServerState:
     # The dashboard's per-second history: a stat logger the engine feeds from start-up.
     series: SeriesStatLogger | None = None
     dashboard: DashboardHub | None = None
+    prepare_pool: ThreadPoolExecutor | None = None  # rendering and tokenizing, off the event loop
 
     def attach(self, engine: EngineClient, max_model_len: int, tool_parser: ToolParser | None = None,
                engine_description: dict[str, Any] | None = None) -> None:
@@ -151,7 +153,9 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state
 
-    prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="pagedserve-prepare")
+    prepare_pool = state.prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS,
+                                                            thread_name_prefix="pagedserve-prepare")
+    template_turn = asyncio.Semaphore(1)
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(prepare_pool, fn, *args)
@@ -233,7 +237,20 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         serving.warn_unknown_fields(body)
 
         async def handle() -> Response | BaseModel:
-            prep = await off_loop(serving.prepare, body)
+            if isinstance(body, ChatCompletionRequest) and body.chat_template:
+                # Its own template renders in the one sandbox: wait for the turn here, holding
+                # no thread, so a queue of slow templates never starves other requests.
+                try:
+                    await asyncio.wait_for(template_turn.acquire(), TEMPLATE_QUEUE_SECONDS)
+                except TimeoutError:
+                    raise OverloadedError("requests' own chat templates are rendered one at a time and others "
+                                          "are waiting; retry shortly") from None
+                try:
+                    prep = await off_loop(serving.prepare, body)
+                finally:
+                    template_turn.release()
+            else:
+                prep = await off_loop(serving.prepare, body)
             request_id, streams = await serving.start(body, prep)
             if body.stream:
                 return SSEResponse(serving.stream(body, prep, request_id, streams))
@@ -273,11 +290,15 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         chat = tokenizing(body)
+        if len(body.tokens) > state.max_model_len:
+            raise OpenAIError(f"{len(body.tokens)} tokens is more than max_model_len ({state.max_model_len})",
+                              param="tokens")
         vocab = state.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-        return {"prompt": chat.tokenizer.decode(body.tokens) if chat.tokenizer is not None else ""}
+        text = await off_loop(chat.tokenizer.decode, body.tokens) if chat.tokenizer is not None else ""
+        return {"prompt": text}
 
     return app
 
@@ -483,6 +504,8 @@ def run_server(args: argparse.Namespace) -> None:
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        if state.prepare_pool is not None:
+            state.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = build_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -207,8 +207,9 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
             self._arm_header_timer()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_header_timer()
+            super().on_response_complete()  # may start a pipelined request already buffered
+            if self.cycle is None or self.cycle.response_complete:
+                self._arm_header_timer()
 
         def handle_events(self) -> None:
             scope = self.scope

@@ -28,7 +28,7 @@ from pagedserve.engine.async_llm import (
     RequestStream,
     RequestTimeoutError,
 )
-from pagedserve.engine.chat_utils import check_prompt_chars
+from pagedserve.engine.chat_utils import encode_text
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -220,8 +220,7 @@ class OpenAIServing:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
-        check_prompt_chars(prompt, self.engine.max_prompt_chars)
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        return encode_text(self.tokenizer, prompt, self.engine.max_prompt_chars, add_special_tokens)
 
     # ------------------------------------------------------------------ logprobs
     def token_str(self, token_id: int, lp: Logprob | None = None) -> str:

@@ -244,9 +244,21 @@ def _uvicorn_server(app, read_timeout: float):
 def test_slow_headers_and_bodies_are_cut_off():
     import socket
 
-    _, app = make(http_read_timeout=0.5)
+    _, app = make(FakeEngine(step_time=0.1), http_read_timeout=0.5)
     server, thread, port = _uvicorn_server(app, 0.5)
     try:
+        # Pipelined: a second request already buffered behind the first is served whole,
+        # not cut off by a header timer armed while it ran.
+        body = b'{"prompt": "hi", "max_tokens": 8}'
+        first = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(first + first)  # each takes 0.8 s, past the 0.5 s header deadline
+            got = b""
+            while got.count(b"HTTP/1.1 200") < 2:
+                chunk = s.recv(65536)
+                assert chunk, got[-300:]  # closed before the second answer
+                got += chunk
         # Headers trickling in: the connection is closed once the deadline passes, though
         # bytes keep arriving (uvicorn's own keep-alive timer restarts on every byte).
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

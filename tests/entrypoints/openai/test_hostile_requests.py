@@ -124,6 +124,30 @@ def test_jinja_bombs_are_400s_and_others_keep_flowing(server, client, template, 
     stream.finish()
 
 
+def test_a_crowd_of_slow_templates_does_not_starve_other_requests(server, client):
+    """20 requests whose own templates each run to the 2 s limit: they take their turn in
+    the one sandbox (the rest get 503 after waiting), while requests without a template
+    are answered at once."""
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    codes: list[int] = []
+
+    def bomb() -> None:
+        codes.append(chat(httpx.Client(base_url=server.url, headers=AUTH, timeout=60), chat_template=slow).status_code)
+
+    threads = [threading.Thread(target=bomb) for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    for _ in range(5):
+        t0 = time.monotonic()
+        assert chat(client).status_code == 200
+        assert time.monotonic() - t0 < 2.0
+    for t in threads:
+        t.join()
+    assert set(codes) <= {400, 503} and 400 in codes and 503 in codes, codes
+    healthy(server, client)
+
+
 def test_a_working_request_template_renders(client):
     r = chat(client, chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}>",
              prompt_logprobs=0)
