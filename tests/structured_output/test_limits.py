@@ -119,3 +119,28 @@ def test_compile_threads_have_large_stacks(where, ok):
     else:
         assert proc.returncode < 0, (proc.returncode, proc.stdout)  # killed by a signal (SIGSEGV)
     assert threading.stack_size() == 0 and COMPILE_THREAD_STACK_BYTES >= 256 << 20
+
+
+def test_refs_resolve_as_a_compiler_would_so_no_chain_hides():
+    """A dummy $defs in every definition must not make the walk resolve "#/$defs/..."
+    against it (JSON Schema resolves "#" against the document); anchors are followed too."""
+    n = 3000
+    defs = {f"d{i}": {"$defs": {"x": {}}, "$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    refused("json", json.dumps({"$defs": defs, "$ref": "#/$defs/d0"}), "deeper")
+    anchored = {f"d{i}": {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"} for i in range(n)}
+    anchored[f"d{n}"] = {"$anchor": f"a{n}", "type": "integer"}
+    refused("json", json.dumps({"$defs": anchored, "$ref": "#a0"}), "deeper")
+
+
+def test_checks_take_linear_time_on_blank_lines():
+    """A multi-line regex with a leading \\s* was quadratic on blank lines (40 KB: 15 s)."""
+    import time
+
+    from pagedserve.structured_output.limits import is_lark
+
+    spec = " \n" * 60_000 + 'root ::= "x"\n'
+    t0 = time.perf_counter()
+    check_spec("grammar", spec)
+    assert not is_lark(spec) and is_lark(" \n" * 60_000 + "start: x\n")
+    assert time.perf_counter() - t0 < 1.0
