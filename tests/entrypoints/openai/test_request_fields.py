@@ -128,6 +128,11 @@ CHAT_ONLY = {
     "tool_choice": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 50},
                     lambda r, b, t: json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"][
                         "arguments"])["x"] in (1, 2) or pytest.fail()),
+    "functions": ({"functions": [TOOLS[0]["function"]], "function_call": {"name": "f"}, "max_tokens": 50},
+                  lambda r, b, t: r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+                  or pytest.fail()),
+    "function_call": ({"functions": [TOOLS[0]["function"]], "function_call": "none"},
+                      lambda r, b, t: not r.json()["choices"][0]["message"].get("tool_calls") or pytest.fail()),
     "parallel_tool_calls": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
                              "max_tokens": 200},
                             lambda r, b, t: len(r.json()["choices"][0]["message"]["tool_calls"]) == 1 or pytest.fail()),
