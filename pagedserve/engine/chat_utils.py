@@ -192,8 +192,8 @@ def check_prompt_chars(text: str, max_chars: int, param: str = "prompt") -> None
 
 def encode_text(tokenizer: Any, text: str, max_chars: int, add_special_tokens: bool = True,
                 param: str = "prompt") -> list[int]:
-    """Prompt text to token ids, bounded first: every place that tokenizes a request's
-    text (a completion prompt in the engine or the server, a rendered chat) comes here."""
+    """Prompt text to token ids, bounded first: a completion prompt, in the engine or the
+    server (a rendered chat is bounded by render_chat)."""
     check_prompt_chars(text, max_chars, param)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -246,12 +246,11 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
 def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],
                 chat_template: str | None = None, add_generation_prompt: bool = True,
                 **kwargs: Any) -> dict[str, Any]:
-    """Chat prompt as {'prompt', 'prompt_token_ids'} (kwargs: render_chat's).  The
-    template already holds any BOS text, so the tokenizer must not add special tokens a
-    second time."""
+    """Chat prompt as {'prompt', 'prompt_token_ids'} (kwargs: render_chat's, which bounds
+    the text).  The template already holds any BOS text, so the tokenizer must not add
+    special tokens a second time."""
     text = render_chat(tokenizer, default_template, messages, chat_template, add_generation_prompt, **kwargs)
-    max_chars = kwargs.get("max_chars", MAX_PROMPT_CHARS)
-    return {"prompt": text, "prompt_token_ids": encode_text(tokenizer, text, max_chars, False, "messages")}
+    return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
 
 
 def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:

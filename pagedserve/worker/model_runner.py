@@ -229,9 +229,16 @@ class ModelRunner:
                                       self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
         eager = self.config.device_config.enforce_eager
-        reason = graphs_unavailable_reason(self.device, self.attn_backend, eager, self.tensor_parallel_size,
+        reason = graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
                                            self.num_kv_groups)
-        if reason is None:
+        if reason is None and eager:
+            # Eager decode steps take the graphs' padded shapes (and split counts) without
+            # capturing: a GEMM's rounding depends on its row count, so an unpadded batch
+            # would make greedy outputs differ from a run with graphs in the last bits.
+            self.capture_decode_graphs(use_graphs=False)
+            logger.info("CUDA graphs off: enforce_eager=True (decode steps keep the graphs' padded batch sizes, "
+                        "so outputs equal a run with graphs)")
+        elif reason is None:
             try:
                 self.capture_decode_graphs()
             except Exception as e:  # noqa: BLE001 - a model op that cannot be captured: stay correct, eager
@@ -239,14 +246,6 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
                 logger.warning("CUDA graph capture failed, running eagerly (%s: %s); set enforce_eager=True "
                                "to skip the attempt", type(e).__name__, e)
-        elif eager and graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
-                                                 self.num_kv_groups) is None:
-            # Eager decode steps take the graphs' padded shapes (and split counts) without
-            # capturing: a GEMM's rounding depends on its row count, so an unpadded batch
-            # would make greedy outputs differ from a run with graphs in the last bits.
-            self.capture_decode_graphs(use_graphs=False)
-            logger.info("CUDA graphs off: enforce_eager=True (decode steps keep the graphs' padded batch sizes, "
-                        "so outputs equal a run with graphs)")
         else:
             logger.info("CUDA graphs off: %s", reason)
         return num_blocks
