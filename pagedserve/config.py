@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+QUANT_ACTIVATION_BITS = (16, 8)  # the first is the default
 
 
 @dataclass
@@ -34,6 +35,10 @@ class ModelConfig:
     # quantized tensors as they are ("gguf") when running on CPU, else "none" (float
     # weights; a GGUF is dequantized); "int8"/"int4" quantize a float checkpoint at load.
     quantization: str = "auto"
+    # The bits a quantized layer's activations are rounded to, per block of 32: 16 keeps
+    # the dequantized model's answers; 8 (llama.cpp's scheme) is faster on long prompts
+    # and changes small models' answers (docs/cpu_quantization.md, "Activations").
+    quant_activation_bits: int = QUANT_ACTIVATION_BITS[0]
     # Keep a second, oneDNN-packed copy of each 16-bit linear weight (faster matmuls on
     # CPU, twice the weight memory); False keeps one copy.
     prepack_weights: bool = True
@@ -45,6 +50,8 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+        if self.quant_activation_bits not in QUANT_ACTIVATION_BITS or isinstance(self.quant_activation_bits, bool):
+            raise ValueError(f"quant_activation_bits must be 16 or 8, got {self.quant_activation_bits!r}")
 
     def sampling_defaults(self) -> dict[str, Any]:
         """SamplingParams defaults from the generation config (vLLM's mapping), when

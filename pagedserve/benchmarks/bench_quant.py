@@ -6,7 +6,7 @@
 One [8192, 2048] projection (SmolLM2-1.7B's MLP shape), twelve different weights cycled
 so they stream from memory as a real model's layers do, at 1, 8, 32 and 512 activation
 rows.  Candidates: pagedserve's kernel (layers/csrc/quant_linear.cpp) with 4-bit and
-8-bit blocks of 32; torch's own weight-only CPU ops `_weight_int4pack_mm_for_cpu`
+8-bit blocks of 32, each with 16-bit (the default) and 8-bit activations; torch's own weight-only CPU ops `_weight_int4pack_mm_for_cpu`
 (groups of 32) and `_weight_int8pack_mm` (per channel); and the 16-bit (or, where bf16 is
 emulated, 32-bit) dense matmul the model would otherwise run.  Prints ms per matmul and
 the weight bytes per second that implies.  A benchmark: it prints figures, asserts nothing.
@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedserve.config import QUANT_ACTIVATION_BITS
 from pagedserve.cpu_info import bf16_support, describe_cpu
 from pagedserve.layers.quantization import pack, quant_kernel, quantize, quantized_matmul
 
@@ -77,8 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     candidates: dict[str, tuple[Callable[[torch.Tensor], object], int]] = {}
     for method in ("int4", "int8"):
         pws = [pack(quantize(w, method)) for w in ws]
-        candidates[f"pagedserve {method} (blocks of 32)"] = (
-            lambda x, pws=pws: [quantized_matmul(x, [(0, pw)], N) for pw in pws], pws[0].nbytes())
+        for bits in QUANT_ACTIVATION_BITS:
+            candidates[f"pagedserve {method}, {bits}-bit activations"] = (
+                lambda x, pws=pws, bits=bits: [quantized_matmul(x, [(0, pw)], N, bits=bits) for pw in pws],
+                pws[0].nbytes())
     int4 = torch_int4(ws, dtype)
     if int4 is not None:
         candidates["torch _weight_int4pack_mm_for_cpu (groups of 32)"] = (int4, N * K // 2 + N * K // 32 * 8)

@@ -20,6 +20,7 @@ from typing import Any
 from pagedserve.config import (
     PREEMPTION_MODES,
     PREFIX_CACHING_ALGOS,
+    QUANT_ACTIVATION_BITS,
     QUANTIZATION_METHODS,
     ROUTER_POLICIES,
     STRUCTURED_OUTPUT_BACKENDS,
@@ -104,6 +105,9 @@ _HELP = {
     "quantization": "weight-only quantization on CPU: auto (a GGUF's quantized tensors stay quantized; "
                     "float checkpoints stay float), none (dequantize a GGUF), gguf, or int8 / int4 "
                     "(quantize a float checkpoint's linear layers at load, groups of 32)",
+    "quant_activation_bits": "bits a quantized layer rounds its activations to, per block of 32: 16 keeps "
+                             "the dequantized model's answers; 8 (llama.cpp's scheme) is faster on long "
+                             "prompts and changes small models' answers",
     "prepack_weights": "keep a oneDNN-packed second copy of each 16-bit linear weight on CPU (faster "
                        "matmuls, twice the memory of those weights; quantized layers never have one)",
     "max_step_ms": "target duration of one step in ms: the token budget shrinks to what the measured "
@@ -162,6 +166,7 @@ class EngineArgs:
     torch_compile: bool | None = None  # None: $PAGEDSERVE_TORCH_COMPILE, else on for CPU at tp 1
     structured_outputs_backend: str = "auto"
     quantization: str = "auto"
+    quant_activation_bits: int = QUANT_ACTIVATION_BITS[0]
     prepack_weights: bool = True
     max_step_ms: float | None = None
     # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
@@ -341,7 +346,8 @@ class EngineArgs:
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
             max_logprobs=self.max_logprobs, generation_config=self.generation_config,
-            quantization=self.quantization, prepack_weights=self.prepack_weights,
+            quantization=self.quantization, quant_activation_bits=self.quant_activation_bits,
+            prepack_weights=self.prepack_weights,
         )
         if load_hf_config:
             from pagedserve.model_loader import load_model_config
@@ -405,7 +411,8 @@ class EngineArgs:
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                            "generation_config": ("auto", "vllm"),
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
-                           "quantization": QUANTIZATION_METHODS, "preemption_mode": PREEMPTION_MODES,
+                           "quantization": QUANTIZATION_METHODS, "quant_activation_bits": QUANT_ACTIVATION_BITS,
+                           "preemption_mode": PREEMPTION_MODES,
                            "prefix_caching_algo": PREFIX_CACHING_ALGOS, "router_policy": ROUTER_POLICIES}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser

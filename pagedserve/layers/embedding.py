@@ -16,7 +16,12 @@ from torch import nn
 from pagedserve.distributed.communication import gather_to_driver, tensor_model_parallel_all_reduce
 from pagedserve.layers import opaque
 from pagedserve.layers.linear import PackedLinear, get_tp_rank_size
-from pagedserve.layers.quantization import BlockWeights, QuantizedWeight, as_block_weights
+from pagedserve.layers.quantization import (
+    DEFAULT_ACTIVATION_BITS,
+    BlockWeights,
+    QuantizedWeight,
+    as_block_weights,
+)
 from pagedserve.utils import cdiv
 
 
@@ -34,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         self.valid_rows = max(0, min(self.rows, num_embeddings - self.row_start))  # < rows only on the last rank
         self._linear = PackedLinear()  # used by the LM head (its own, or the tied embedding's)
         self.quant_method: str | None = None
+        self.activation_bits = DEFAULT_ACTIVATION_BITS
         self.qweight: QuantizedWeight | None = None
         self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
         if shared_weight is not None:
@@ -42,7 +48,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None,
+                            activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
         """Keep the table quantized (see LinearBase.enable_quantization; under "gguf" only
         when the file's table is quantized): lookups dequantize the rows they read, and an
         LM head that reads it multiplies by it directly.  A float table is quantized to
@@ -50,6 +57,7 @@ class VocabParallelEmbedding(nn.Module):
         once per step (the head), so 4 bits would save little time and cost accuracy
         where it shows most."""
         self.quant_method = "int8" if method == "int4" else method
+        self.activation_bits = activation_bits
         if weight is not None:
             self._store_local(weight)
 
@@ -80,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows into the quantized table; the last rank's padding rows are zero blocks."""
         assert self.quant_method is not None
         if self.qweight is None:
-            self.qweight = QuantizedWeight(self.rows, self.embedding_dim)
+            self.qweight = QuantizedWeight(self.rows, self.embedding_dim, self.activation_bits)
             self.weight.data = torch.empty(self.rows, 0, dtype=self.weight.dtype, device=self.weight.device)
             self._linear.invalidate()
         blocks = as_block_weights(mine[: self.valid_rows] if isinstance(mine, torch.Tensor) else mine,
@@ -131,9 +139,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:  # one packed copy, dropped when the embedding loads
             self._linear = tied_to._linear
 
-    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None,
+                            activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
         if not self._tied:  # a tied head multiplies by the embedding's quantized table
-            super().enable_quantization(method, weight)
+            super().enable_quantization(method, weight, activation_bits)
 
     def _quantized(self) -> QuantizedWeight | None:
         return self._tied[0].qweight if self._tied else self.qweight
@@ -171,8 +180,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         0.125 in bf16, so the top two tokens often come out equal and argmax picks the
         lower id whatever the exact values say (SmolLM2 answering "What is the capital
         of France?" in bf16: 'L' and 'The' both 25.125, exactly 25.139 and 25.178).  A
-        quantized head rounds the hidden state to int8 instead, which moves logits by
-        about as much.  The same inputs dotted in float32 for the few tokens that can win
+        quantized head rounds the hidden state instead: to 8 bits (the opt-in) it moves
+        logits by about as much, to 16 bits by ~1e-4.  The same inputs dotted in float32 for the few tokens that can win
         settle greedy choices and the top logprobs; the rest of the row keeps the fast
         values.  Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
         n = logits.shape[0]

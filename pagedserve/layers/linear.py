@@ -16,7 +16,12 @@ from torch import nn
 from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers import opaque
-from pagedserve.layers.quantization import BlockWeights, QuantizedWeight, as_block_weights
+from pagedserve.layers.quantization import (
+    DEFAULT_ACTIVATION_BITS,
+    BlockWeights,
+    QuantizedWeight,
+    as_block_weights,
+)
 from pagedserve.platforms import is_cpu
 
 
@@ -106,16 +111,19 @@ class LinearBase(nn.Module):
         self._linear = PackedLinear()
         self.opaque_index: int | None = None  # set when a compiled model calls this layer (layers/opaque.py)
         self.quant_method: str | None = None
+        self.activation_bits = DEFAULT_ACTIVATION_BITS
         self.qweight: QuantizedWeight | None = None
         self._float_rows: list[tuple[int, int]] = []  # (offset, rows) loaded as float under "gguf"
 
-    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None,
+                            activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
         """Keep the weight quantized: "int8"/"int4" quantize float tensors as they load
         (`weight`: these values, now); "gguf" keeps a GGUF's quantized blocks as they
         come and leaves a layer whose tensors are all float in the file float.  The float
         weight becomes an empty [N, 0] placeholder (it still tells a compiled graph the
-        output width)."""
+        output width).  `activation_bits`: what the kernel rounds activations to (16 or 8)."""
         self.quant_method = method
+        self.activation_bits = activation_bits
         if method != "gguf":
             self._to_quantized()
         if weight is not None:
@@ -124,7 +132,7 @@ class LinearBase(nn.Module):
     def _to_quantized(self) -> None:
         """Switch to a quantized weight; rows that arrived as float so far are quantized too."""
         assert self.quant_method is not None
-        self.qweight = QuantizedWeight(self.out_features, self.in_features)
+        self.qweight = QuantizedWeight(self.out_features, self.in_features, self.activation_bits)
         for offset, n in self._float_rows:
             self.qweight.store(offset, as_block_weights(self.weight.data[offset: offset + n], self.quant_method))
         self.weight.data = torch.empty(self.out_features, 0, dtype=self.weight.dtype, device=self.weight.device)

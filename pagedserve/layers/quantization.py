@@ -30,12 +30,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.config import QUANT_ACTIVATION_BITS
 from pagedserve.utils import record_startup
 
 logger = logging.getLogger("pagedserve")
 
 QK = 32  # weights per block (one scale each)
 TILE = 16  # rows per kernel tile (one SIMD lane each)
+# The activations' codes per block of 32 (ModelConfig.quant_activation_bits): 16 bits by
+# default, 8 an opt-in.
+DEFAULT_ACTIVATION_BITS = QUANT_ACTIVATION_BITS[0]
 
 class QuantKind(IntEnum):
     Q4_SYM = 0
@@ -251,7 +255,7 @@ def _register_fake(kernel: ModuleType) -> None:
 
     @torch.library.register_fake(f"{kernel.__name__}::linear")
     def _(x: torch.Tensor, codes: list[torch.Tensor], d: list[torch.Tensor], aux: list[torch.Tensor],
-          kinds: list[int], ns: list[int], offsets: list[int], n: int, k: int) -> torch.Tensor:
+          kinds: list[int], ns: list[int], offsets: list[int], n: int, k: int, bits: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
 
@@ -272,16 +276,17 @@ def quant_kernel_error() -> str | None:
 
 
 def quantized_matmul(x: torch.Tensor, segments: list[tuple[int, PackedWeight]], n: int,
-                     kernel: ModuleType | None = None) -> torch.Tensor:
+                     kernel: ModuleType | None = None, bits: int = DEFAULT_ACTIVATION_BITS) -> torch.Tensor:
     """x [..., K] times the [n, K] weight made of `segments` (row offset, packed rows)
-    transposed: float32 [..., n].  The activations are quantized once for all segments."""
+    transposed: float32 [..., n].  The activations are quantized once for all segments,
+    to `bits` (16 or 8) per block of 32."""
     kernel = kernel or quant_kernel()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     k = segments[0][1].k
     if x2.shape[1] != k:
         x2 = torch.nn.functional.pad(x2, (0, k - x2.shape[1]))
-    xq, xd, xds = kernel.quantize_activations(x2)
+    xq, xd, xds = kernel.quantize_activations(x2, bits)
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     for offset, w in segments:
         kernel.qgemm(xq, xd, xds, w.codes, w.d, w.aux, int(w.kind), w.n, out, offset)
@@ -299,8 +304,9 @@ class QuantizedWeight:
     (q, k, v of a fused qkv may even be of different GGUF types).  What the layer keeps
     instead of its float weight."""
 
-    def __init__(self, n: int, k: int) -> None:
+    def __init__(self, n: int, k: int, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
         self.n, self.k = n, k
+        self.activation_bits = activation_bits
         self.segments: list[tuple[int, PackedWeight]] = []
         self.source_types: set[str] = set()
         self._args: tuple | None = None  # the kernel's arguments, built on first use
@@ -337,7 +343,7 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> float32 [..., n]."""
-        return quantized_matmul(x, self.segments, self.n)
+        return quantized_matmul(x, self.segments, self.n, bits=self.activation_bits)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> [..., n] in x's dtype: the layer's forward, one call into the kernel
@@ -347,7 +353,7 @@ class QuantizedWeight:
             segs = [w for _, w in self.segments]
             args = self._args = ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs],
                                  [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
-                                 self.n, segs[0].k)
+                                 self.n, segs[0].k, self.activation_bits)
         if self._op is None:
             self._op = linear_op(quant_kernel())
         lead = x.shape[:-1]
@@ -377,9 +383,11 @@ class QuantizableLayer(Protocol):
     weight: nn.Parameter
     qweight: QuantizedWeight | None
 
-    def enable_quantization(self, method: str, weight: torch.Tensor | None = None) -> None:
+    def enable_quantization(self, method: str, weight: torch.Tensor | None = None,
+                            activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
         """From now on keep the weight quantized by `method`; `weight`: quantize these
-        values now (random weights), else the checkpoint's arrive through the loader."""
+        values now (random weights), else the checkpoint's arrive through the loader;
+        `activation_bits`: what the kernel rounds the activations to."""
 
     def set_prepack(self, enabled: bool) -> None:
         """Whether a float weight keeps a oneDNN-packed second copy (PackedLinear)."""

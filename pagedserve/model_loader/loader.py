@@ -220,14 +220,14 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
         initialize_dummy_weights(model, model_config.seed)
         if method != "none":  # quantize the random weights as a checkpoint's would be
             for layer in layers:
-                layer.enable_quantization(method, layer.weight.data.clone())
+                layer.enable_quantization(method, layer.weight.data.clone(), model_config.quant_activation_bits)
     else:
         if method != "none":
             for layer in layers:
-                layer.enable_quantization(method)
+                layer.enable_quantization(method, activation_bits=model_config.quant_activation_bits)
         _load_checkpoint(model, source, hf_config, gguf_file)
     if method != "none":
-        _log_quantized(model, layers, method)
+        _log_quantized(model, layers, method, model_config.quant_activation_bits)
     return model.eval()
 
 
@@ -265,15 +265,16 @@ def resolve_quantization(requested: str, source: ModelSource, device: torch.devi
     return requested, None
 
 
-def _log_quantized(model: nn.Module, layers: list[QuantizableLayer], method: str) -> None:
+def _log_quantized(model: nn.Module, layers: list[QuantizableLayer], method: str, activation_bits: int) -> None:
     quantized = [m for m in layers if m.qweight is not None]
     types = sorted({t for m in quantized if m.qweight is not None for t in m.qweight.source_types})
     qbytes = sum(m.qweight.nbytes() for m in quantized if m.qweight is not None)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     from pagedserve.layers.quantization import quant_kernel
 
-    logger.info("quantization %s: %d layers keep %s weights (%.0f MB, kernel: %s); other weights %.0f MB",
-                method, len(quantized), "/".join(types), qbytes / 2**20, quant_kernel().isa(), dense / 2**20)
+    logger.info("quantization %s: %d layers keep %s weights (%.0f MB, kernel: %s, %d-bit activations); "
+                "other weights %.0f MB", method, len(quantized), "/".join(types), qbytes / 2**20,
+                quant_kernel().isa(), activation_bits, dense / 2**20)
 
 
 def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any, gguf_file: str | None = None) -> None:

@@ -211,17 +211,24 @@ def test_gemma3_270m_matches_hf(gemma3_path) -> None:
 
 
 def test_smollm2_quantized_matches_dequantized(smollm2_path, caplog) -> None:
-    """The default model as it runs by default on CPU (its Q4_1/Q8_0 blocks kept, int8
-    activations) against the same weights dequantized to bf16: vLLM's check_logprobs_close."""
-    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", quantization="none")
+    """The default model as it runs by default on CPU (its Q4_1/Q8_0 blocks kept, 16-bit
+    activations) against the same weights dequantized, both in float32: vLLM's
+    check_logprobs_close and agreed tokens' logprobs within 0.05, on 8 chat prompts.  The
+    opt-in 8-bit activations (llama.cpp's scheme) fail that bound here: what made the
+    default answer "What is the capital of France?" with nonsense."""
+    llm = LLM("smollm2-135m-instruct", dtype="float32", quantization="none")
     tok = llm.get_tokenizer()
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
                                        tokenize=False), add_special_tokens=False)["input_ids"] for m in SMOL_MESSAGES]
     ref = ours_greedy(llm, ids)
     del llm
     with caplog.at_level(logging.INFO):
-        llm = LLM("smollm2-135m-instruct", dtype="bfloat16")
+        llm = LLM("smollm2-135m-instruct", dtype="float32")
     assert "quantization gguf: 121 layers keep Q4_1/Q8_0 weights" in caplog.text
-    # vLLM's own rule: 4-bit weights and int8 activations move logprobs by up to ~0.3 here
-    agreed = check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-quantized", atol=None)
-    assert sum(agreed) >= len(ids) * MAX_TOKENS // 2, agreed  # mostly the same text, not just top-5 neighbours
+    assert "16-bit activations" in caplog.text
+    agreed = check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-quantized")
+    assert sum(agreed) >= len(ids) * MAX_TOKENS * 3 // 4, agreed  # the same text, not just top-5 neighbours
+    del llm
+    llm = LLM("smollm2-135m-instruct", dtype="float32", quant_activation_bits=8)
+    with pytest.raises(AssertionError):  # a token out of the other's top-5, or a logprob off
+        check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-quantized-8-bit-activations")

@@ -75,6 +75,10 @@ def test_cli_flags_round_trip() -> None:
     assert untouched == EngineArgs()
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "int3"])
+    assert untouched.quant_activation_bits == 16
+    assert EngineArgs.from_cli_args(parser.parse_args(["--quant-activation-bits", "8"])).quant_activation_bits == 8
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quant-activation-bits", "4"])
 
 
 def test_speculative_config_from_the_command_line_and_from_a_dict() -> None:

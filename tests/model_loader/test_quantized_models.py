@@ -47,6 +47,19 @@ def test_gguf_method_needs_a_gguf(tiny_checkpoint) -> None:
         build(path, "gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(model=path, quantization="fp4")
+    with pytest.raises(ValueError, match="quant_activation_bits must be 16 or 8"):
+        ModelConfig(model=path, quant_activation_bits=4)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_activation_bits_reach_every_quantized_layer(tiny_checkpoint, bits: int) -> None:
+    """The config's activation bits are what each layer's kernel call uses, the tied head's too."""
+    path, _ = tiny_checkpoint("qwen2-tied")
+    mc = ModelConfig(model=path, dtype="float32", quantization="int4", quant_activation_bits=bits)
+    load_model_config(mc, "cpu")
+    model = get_model(mc, "cpu")
+    quantized = [m.qweight for m in model.modules() if isinstance(m, QuantizableLayer) and m.qweight is not None]
+    assert quantized and {q.activation_bits for q in quantized} == {bits}
 
 
 def test_step_time_budget_keeps_greedy_outputs(tiny_checkpoint) -> None:

@@ -1,8 +1,9 @@
 // Weight-only quantized linear layers for CPUs: y[M, N] = x[M, K] . W[N, K]^T, with W in
 // blocks of 32 weights that share a scale (llama.cpp's Q4_0, Q4_1, Q8_0, and the 4-bit
-// K-quants, converted at load by layers/quantization.py).  Like llama.cpp, the
-// activations are quantized to int8 per block of 32 (one float scale each) and every
-// block's dot product is an integer dot product, scaled once.
+// K-quants, converted at load by layers/quantization.py).  The activations are quantized
+// per block of 32 too (one float scale each), to 16-bit codes by default or to 8-bit ones
+// (llama.cpp's scheme, an opt-in), and every block's dot product is an integer dot
+// product, scaled once.
 //
 // Layout (written by layers/quantization.py `pack`): rows are grouped in tiles of 16,
 // one SIMD lane per row, so a tile's 16 dot products accumulate in one register and no
@@ -16,7 +17,7 @@
 // A weight is   Q4_SYM: d*(u - 8)   Q4_ASYM: d*u + aux   Q8: d*s   (u unsigned, s signed).
 //
 // Paths, chosen at compile time for the machine (-march=native, capped like torch):
-// AVX-512 VNNI (one vpdpbusd per 64 multiply-adds), AVX2 (vpmaddubsw), plain loops.
+// AVX-512 VNNI (vpdpwssd / vpdpbusd), AVX2 (vpmaddwd / vpmaddubsw), plain loops.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -48,13 +49,22 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(v);
 }
 
-// Activations: int8 codes per block of 32, the block's scale, and scale * sum(codes).
+// Activations, quantized per block of 32 (one float scale each) to 16-bit codes (the
+// default: the rounding is 1/256 of what 8 bits give, far below the weights' own, so the
+// answers are the dequantized model's) or 8-bit codes (llama.cpp's scheme: faster where
+// compute bounds, i.e. long prompts; it changes answers on small models).  16-bit codes
+// are stored in pair order: within every 4 values, x0 x2 x1 x3, so one 32-bit word holds
+// the two activations that meet one 32-bit lane's two 16-bit weights (see dot16 below).
 struct QuantizedX {
-  const int8_t* q;   // [M, K]
-  const float* d;    // [M, Kb]
-  const float* ds;   // [M, Kb]
+  const int8_t* q8;    // [M, K] when 8-bit
+  const int16_t* q16;  // [M, K] when 16-bit (pair order)
+  const float* d;      // [M, Kb]
+  const float* ds;     // [M, Kb]: scale * sum(codes)
   int64_t M, K, Kb;
 };
+
+// Where logical column k of a block sits in the 16-bit pair order.
+inline int pair_pos(int k) { return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1); }
 
 // ---------------------------------------------------------------- plain loops
 void tile_plain(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
@@ -64,18 +74,18 @@ void tile_plain(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, in
     for (int r = 0; r < rows; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < x.Kb; ++b) {
-        const int8_t* xq = x.q + m * x.K + b * kBlock;
+        const int64_t base = m * x.K + b * kBlock;
         int32_t dot = 0;
-        if (kind == Q8) {
-          const int8_t* c = reinterpret_cast<const int8_t*>(codes + b * 512);
-          for (int k = 0; k < kBlock; ++k) dot += int32_t(c[(k / 4) * 64 + r * 4 + k % 4]) * xq[k];
-        } else {
-          const uint8_t* c = codes + b * 256;
-          for (int k = 0; k < kBlock; ++k) {
-            const int p = k / 8, w = k % 8;
-            const uint8_t byte = c[p * 64 + r * 4 + (w % 4)];
-            dot += int32_t(w < 4 ? (byte & 15) : (byte >> 4)) * xq[k];
+        for (int k = 0; k < kBlock; ++k) {
+          const int32_t xv = x.q16 ? int32_t(x.q16[base + pair_pos(k)]) : int32_t(x.q8[base + k]);
+          int32_t w;
+          if (kind == Q8) {
+            w = reinterpret_cast<const int8_t*>(codes + b * 512)[(k / 4) * 64 + r * 4 + k % 4];
+          } else {
+            const uint8_t byte = codes[b * 256 + (k / 8) * 64 + r * 4 + (k % 8) % 4];
+            w = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
           }
+          dot += w * xv;
         }
         const float dw = half_to_float(d[b * kTile + r]);
         const float dx = x.d[m * x.Kb + b], dsx = x.ds[m * x.Kb + b];
@@ -88,21 +98,32 @@ void tile_plain(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, in
   }
 }
 
+inline int32_t load_word(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------- AVX-512 VNNI
-template <int MR>
+// XB: the activations' bits.  8: one vpdpbusd per 64 multiply-adds.  16: one vpdpwssd per
+// 32, the weights widened in registers: a 32-bit lane (one row) holds two of the row's
+// weights as int16, met by a broadcast word of two activations in pair order.
+template <int MR, int XB>
 void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
                const QuantizedX& x, int64_t m0, int rows, float* y, int64_t ldy) {
-  // Two integer and two float accumulators per activation row: the dependency chains of
-  // vpdpbusd (5 cycles) and of the fused multiply-adds are what bounds one row (decode).
+  // Several integer and two float accumulators per activation row: the dependency chains of
+  // the dot products (5 cycles each) and of the fused multiply-adds bound one row (decode).
+  constexpr int kChains = XB == 8 ? 2 : 4;
   __m512 acc[MR], acc_off[MR];
   for (int mm = 0; mm < MR; ++mm) acc[mm] = acc_off[mm] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int8_t* xrow[MR];
-  for (int mm = 0; mm < MR; ++mm) xrow[mm] = x.q + (m0 + mm) * x.K;
+  const __m512i low4w = _mm512_set1_epi32(0x000F000F);
   for (int64_t b = 0; b < x.Kb; ++b) {
-    __m512i ia[MR], ib[MR];
-    for (int mm = 0; mm < MR; ++mm) ia[mm] = ib[mm] = _mm512_setzero_si512();
+    __m512i ia[kChains][MR];
+    for (int c = 0; c < kChains; ++c)
+      for (int mm = 0; mm < MR; ++mm) ia[c][mm] = _mm512_setzero_si512();
+    const int64_t xo = b * kBlock;
     if (kind == Q8) {
       const uint8_t* c = codes + b * 512;
       for (int j = 0; j < 8; j += 2) {
@@ -110,31 +131,55 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
         _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * j + 64), _MM_HINT_T0);
         const __m512i w0 = _mm512_loadu_si512(c + 64 * j);
         const __m512i w1 = _mm512_loadu_si512(c + 64 * (j + 1));
-        for (int mm = 0; mm < MR; ++mm) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xrow[mm] + b * kBlock + 4 * j, 4);
-          std::memcpy(&x1, xrow[mm] + b * kBlock + 4 * j + 4, 4);
-          // x + 128 as unsigned bytes times the signed codes; 128 * sum(codes) is taken off below.
-          ia[mm] = _mm512_dpbusd_epi32(ia[mm], _mm512_set1_epi32(x0 ^ int32_t(0x80808080)), w0);
-          ib[mm] = _mm512_dpbusd_epi32(ib[mm], _mm512_set1_epi32(x1 ^ int32_t(0x80808080)), w1);
+        if constexpr (XB == 8) {
+          for (int mm = 0; mm < MR; ++mm) {
+            const int8_t* xr = x.q8 + (m0 + mm) * x.K + xo;
+            // x + 128 as unsigned bytes times the signed codes; 128 * sum(codes) is taken off below.
+            ia[0][mm] = _mm512_dpbusd_epi32(ia[0][mm], _mm512_set1_epi32(load_word(xr + 4 * j) ^ int32_t(0x80808080)), w0);
+            ia[1][mm] = _mm512_dpbusd_epi32(ia[1][mm], _mm512_set1_epi32(load_word(xr + 4 * j + 4) ^ int32_t(0x80808080)), w1);
+          }
+        } else {  // bytes 0, 2 of a lane (k = 4j, 4j+2) and bytes 1, 3 (4j+1, 4j+3), sign-extended
+          const __m512i e0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8), o0 = _mm512_srai_epi16(w0, 8);
+          const __m512i e1 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8), o1 = _mm512_srai_epi16(w1, 8);
+          for (int mm = 0; mm < MR; ++mm) {
+            const int16_t* xr = x.q16 + (m0 + mm) * x.K + xo + 4 * j;
+            ia[0][mm] = _mm512_dpwssd_epi32(ia[0][mm], e0, _mm512_set1_epi32(load_word(xr)));
+            ia[1][mm] = _mm512_dpwssd_epi32(ia[1][mm], o0, _mm512_set1_epi32(load_word(xr + 2)));
+            ia[2][mm] = _mm512_dpwssd_epi32(ia[2][mm], e1, _mm512_set1_epi32(load_word(xr + 4)));
+            ia[3][mm] = _mm512_dpwssd_epi32(ia[3][mm], o1, _mm512_set1_epi32(load_word(xr + 6)));
+          }
         }
       }
-      const __m512i wsum = _mm512_slli_epi32(
-          _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile))), 7);
-      for (int mm = 0; mm < MR; ++mm) ia[mm] = _mm512_sub_epi32(ia[mm], wsum);
+      if constexpr (XB == 8) {
+        const __m512i wsum = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile))), 7);
+        for (int mm = 0; mm < MR; ++mm) ia[0][mm] = _mm512_sub_epi32(ia[0][mm], wsum);
+      }
     } else {
       const uint8_t* c = codes + b * 256;
       for (int p = 0; p < 4; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * p), _MM_HINT_T0);
         const __m512i w = _mm512_loadu_si512(c + 64 * p);
-        const __m512i lo = _mm512_and_si512(w, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-        for (int mm = 0; mm < MR; ++mm) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xrow[mm] + b * kBlock + 8 * p, 4);
-          std::memcpy(&xh, xrow[mm] + b * kBlock + 8 * p + 4, 4);
-          ia[mm] = _mm512_dpbusd_epi32(ia[mm], lo, _mm512_set1_epi32(xl));
-          ib[mm] = _mm512_dpbusd_epi32(ib[mm], hi, _mm512_set1_epi32(xh));
+        if constexpr (XB == 8) {
+          const __m512i lo = _mm512_and_si512(w, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+          for (int mm = 0; mm < MR; ++mm) {
+            const int8_t* xr = x.q8 + (m0 + mm) * x.K + xo + 8 * p;
+            ia[0][mm] = _mm512_dpbusd_epi32(ia[0][mm], lo, _mm512_set1_epi32(load_word(xr)));
+            ia[1][mm] = _mm512_dpbusd_epi32(ia[1][mm], hi, _mm512_set1_epi32(load_word(xr + 4)));
+          }
+        } else {  // the low nibbles of bytes 0, 2 (k = 8p, 8p+2), of bytes 1, 3; then the high nibbles
+          const __m512i w0 = _mm512_and_si512(w, low4w);
+          const __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(w, 8), low4w);
+          const __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(w, 4), low4w);
+          const __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(w, 12), low4w);
+          for (int mm = 0; mm < MR; ++mm) {
+            const int16_t* xr = x.q16 + (m0 + mm) * x.K + xo + 8 * p;
+            ia[0][mm] = _mm512_dpwssd_epi32(ia[0][mm], w0, _mm512_set1_epi32(load_word(xr)));
+            ia[1][mm] = _mm512_dpwssd_epi32(ia[1][mm], w1, _mm512_set1_epi32(load_word(xr + 2)));
+            ia[2][mm] = _mm512_dpwssd_epi32(ia[2][mm], w2, _mm512_set1_epi32(load_word(xr + 4)));
+            ia[3][mm] = _mm512_dpwssd_epi32(ia[3][mm], w3, _mm512_set1_epi32(load_word(xr + 6)));
+          }
         }
       }
     }
@@ -144,8 +189,9 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
     if (kind == Q4_ASYM) ov = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile)));
     for (int mm = 0; mm < MR; ++mm) {
       const int64_t i = (m0 + mm) * x.Kb + b;
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(ia[mm], ib[mm]));
-      acc[mm] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(x.d[i])), acc[mm]);
+      __m512i sum = ia[0][mm];
+      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, ia[c][mm]);
+      acc[mm] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[i])), acc[mm]);
       if (kind != Q8) acc_off[mm] = _mm512_fmadd_ps(ov, _mm512_set1_ps(x.ds[i]), acc_off[mm]);
     }
   }
@@ -158,6 +204,71 @@ constexpr int kMaxMR = 4;
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ---------------------------------------------------------------- AVX2: a tile as two halves of 8 rows
+// The integer dot products of block b with rows 8h..8h+7 of a tile, one register per
+// activation row m0..m0+MR-1.  XB as in the AVX-512 path: 8-bit activations by
+// vpmaddubsw (the sign moved onto x for the signed 8-bit codes), 16-bit by vpmaddwd.
+template <int MR, int XB>
+inline void block_dot_avx2(const uint8_t* codes, int64_t kind, const QuantizedX& x, int64_t m0, int64_t b, int h,
+                           __m256i* iacc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t xo = b * kBlock;
+  for (int mm = 0; mm < MR; ++mm) iacc[mm] = _mm256_setzero_si256();
+  if (kind == Q8) {
+    const uint8_t* c = codes + b * 512 + 32 * h;
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j));
+      if constexpr (XB == 8) {
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned bytes; the sign moves to x
+        for (int mm = 0; mm < MR; ++mm) {
+          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_word(x.q8 + (m0 + mm) * x.K + xo + 4 * j)), w);
+          iacc[mm] = _mm256_add_epi32(iacc[mm], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+        }
+      } else {
+        const __m256i e = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), o = _mm256_srai_epi16(w, 8);
+        for (int mm = 0; mm < MR; ++mm) {
+          const int16_t* xr = x.q16 + (m0 + mm) * x.K + xo + 4 * j;
+          iacc[mm] = _mm256_add_epi32(iacc[mm], _mm256_add_epi32(_mm256_madd_epi16(e, _mm256_set1_epi32(load_word(xr))),
+                                                                 _mm256_madd_epi16(o, _mm256_set1_epi32(load_word(xr + 2)))));
+        }
+      }
+    }
+    return;
+  }
+  const uint8_t* c = codes + b * 256 + 32 * h;
+  if constexpr (XB == 8) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i sacc[MR];  // int16: 8 products of at most 2*15*127 each fit
+    for (int mm = 0; mm < MR; ++mm) sacc[mm] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
+      const __m256i lo = _mm256_and_si256(w, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      for (int mm = 0; mm < MR; ++mm) {
+        const int8_t* xr = x.q8 + (m0 + mm) * x.K + xo + 8 * p;
+        sacc[mm] = _mm256_add_epi16(sacc[mm], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_word(xr))));
+        sacc[mm] = _mm256_add_epi16(sacc[mm], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_word(xr + 4))));
+      }
+    }
+    for (int mm = 0; mm < MR; ++mm) iacc[mm] = _mm256_madd_epi16(sacc[mm], ones);
+  } else {
+    const __m256i low4w = _mm256_set1_epi32(0x000F000F);
+    for (int p = 0; p < 4; ++p) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
+      const __m256i w0 = _mm256_and_si256(w, low4w), w1 = _mm256_and_si256(_mm256_srli_epi32(w, 8), low4w);
+      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(w, 4), low4w);
+      const __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(w, 12), low4w);
+      for (int mm = 0; mm < MR; ++mm) {
+        const int16_t* xr = x.q16 + (m0 + mm) * x.K + xo + 8 * p;
+        const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_set1_epi32(load_word(xr))),
+                                             _mm256_madd_epi16(w1, _mm256_set1_epi32(load_word(xr + 2))));
+        const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_set1_epi32(load_word(xr + 4))),
+                                             _mm256_madd_epi16(w3, _mm256_set1_epi32(load_word(xr + 6))));
+        iacc[mm] = _mm256_add_epi32(iacc[mm], _mm256_add_epi32(s01, s23));
+      }
+    }
+  }
+}
+
 // acc[mm] += the block's integer sums scaled by weight and activation scales (plus, for
 // the 4-bit kinds, their offset times the activations' block sum): rows 8h..8h+7 of
 // block b, for activation rows m0..m0+MR-1.
@@ -176,136 +287,48 @@ inline void add_block_avx2(const uint16_t* d, const uint16_t* aux, int64_t kind,
   }
 }
 
-template <int MR>
-void half_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
-               const QuantizedX& x, int64_t m0, int h, float* out /* [MR][8] */) {
-  __m256 acc[MR];
-  for (int mm = 0; mm < MR; ++mm) acc[mm] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xrow[MR];
-  for (int mm = 0; mm < MR; ++mm) xrow[mm] = x.q + (m0 + mm) * x.K;
+// Halves h0..h0+NH-1 of a tile in one pass over its blocks.  For one or two activation
+// rows (decode) both halves go in one pass: a pass per half streamed the tile from memory
+// in the first and from cache in the second, when no memory read was in flight; one pass
+// keeps the stream going (the 1.7B shape's Q4_0 linears: 57 -> 49 ms a token on a Zen 3,
+// alternated in one process).  More rows would need more than the 16 AVX2 registers, so
+// they take a pass per half.
+template <int MR, int XB, int NH>
+void pass_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind, const QuantizedX& x,
+               int64_t m0, int h0, float* out /* [MR][8 * NH] */) {
+  __m256 acc[NH][MR];
+  for (int h = 0; h < NH; ++h)
+    for (int mm = 0; mm < MR; ++mm) acc[h][mm] = _mm256_setzero_ps();
+  const int64_t bb = block_bytes(kind);
   for (int64_t b = 0; b < x.Kb; ++b) {
-    __m256i iacc[MR];
-    if (kind == Q8) {
-      for (int mm = 0; mm < MR; ++mm) iacc[mm] = _mm256_setzero_si256();
-      const uint8_t* c = codes + b * 512 + 32 * h;
-      for (int j = 0; j < 8; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * j), _MM_HINT_T0);
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j));
-        const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned bytes; the sign moves to x
-        for (int mm = 0; mm < MR; ++mm) {
-          int32_t xv;
-          std::memcpy(&xv, xrow[mm] + b * kBlock + 4 * j, 4);
-          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), w);
-          iacc[mm] = _mm256_add_epi32(iacc[mm], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-        }
-      }
-    } else {
-      __m256i sacc[MR];  // int16: 8 products of at most 2*15*127 each fit
-      for (int mm = 0; mm < MR; ++mm) sacc[mm] = _mm256_setzero_si256();
-      const uint8_t* c = codes + b * 256 + 32 * h;
-      for (int p = 0; p < 4; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * p), _MM_HINT_T0);
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
-        const __m256i lo = _mm256_and_si256(w, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-        for (int mm = 0; mm < MR; ++mm) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xrow[mm] + b * kBlock + 8 * p, 4);
-          std::memcpy(&xh, xrow[mm] + b * kBlock + 8 * p + 4, 4);
-          sacc[mm] = _mm256_add_epi16(sacc[mm], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-          sacc[mm] = _mm256_add_epi16(sacc[mm], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-        }
-      }
-      for (int mm = 0; mm < MR; ++mm) iacc[mm] = _mm256_madd_epi16(sacc[mm], ones);
-    }
-    add_block_avx2<MR>(d, aux, kind, x, m0, b, h, iacc, acc);
-  }
-  for (int mm = 0; mm < MR; ++mm) _mm256_storeu_ps(out + 8 * mm, acc[mm]);
-}
-
-// Both halves of a tile in one pass over its blocks, for one or two activation rows
-// (decode): a pass per half streamed the tile from memory in the first and from cache in
-// the second, when no memory read was in flight; one pass keeps the stream going (the
-// 1.7B shape's Q4_0 linears: 57 -> 49 ms a token on a Zen 3, alternated in one process).
-// More rows would need more than the 16 AVX2 registers, so they keep two passes.
-template <int MR>
-void full_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
-               const QuantizedX& x, int64_t m0, float* out /* [MR][16] */) {
-  __m256 acc[2][MR];
-  for (int mm = 0; mm < MR; ++mm) acc[0][mm] = acc[1][mm] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xrow[MR];
-  for (int mm = 0; mm < MR; ++mm) xrow[mm] = x.q + (m0 + mm) * x.K;
-  for (int64_t b = 0; b < x.Kb; ++b) {
-    __m256i iacc[2][MR];
-    if (kind == Q8) {
-      for (int mm = 0; mm < MR; ++mm) iacc[0][mm] = iacc[1][mm] = _mm256_setzero_si256();
-      const uint8_t* c = codes + b * 512;
-      for (int j = 0; j < 8; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * j), _MM_HINT_T0);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j + 32 * h));
-          const __m256i aw = _mm256_sign_epi8(w, w);
-          for (int mm = 0; mm < MR; ++mm) {
-            int32_t xv;
-            std::memcpy(&xv, xrow[mm] + b * kBlock + 4 * j, 4);
-            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), w);
-            iacc[h][mm] = _mm256_add_epi32(iacc[h][mm], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-          }
-        }
-      }
-    } else {
-      __m256i sacc[2][MR];
-      for (int mm = 0; mm < MR; ++mm) sacc[0][mm] = sacc[1][mm] = _mm256_setzero_si256();
-      const uint8_t* c = codes + b * 256;
-      for (int p = 0; p < 4; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64 * p), _MM_HINT_T0);
-        __m256i xl[MR], xh[MR];
-        for (int mm = 0; mm < MR; ++mm) {
-          int32_t l, hh;
-          std::memcpy(&l, xrow[mm] + b * kBlock + 8 * p, 4);
-          std::memcpy(&hh, xrow[mm] + b * kBlock + 8 * p + 4, 4);
-          xl[mm] = _mm256_set1_epi32(l);
-          xh[mm] = _mm256_set1_epi32(hh);
-        }
-        for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
-          const __m256i lo = _mm256_and_si256(w, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-          for (int mm = 0; mm < MR; ++mm) {
-            sacc[h][mm] = _mm256_add_epi16(sacc[h][mm], _mm256_maddubs_epi16(lo, xl[mm]));
-            sacc[h][mm] = _mm256_add_epi16(sacc[h][mm], _mm256_maddubs_epi16(hi, xh[mm]));
-          }
-        }
-      }
-      for (int mm = 0; mm < MR; ++mm)
-        for (int h = 0; h < 2; ++h) iacc[h][mm] = _mm256_madd_epi16(sacc[h][mm], ones);
-    }
+    for (int64_t l = 0; l < bb; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + b * bb + kPrefetch + l), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(d + b * kTile) + kPrefetch / 8, _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) add_block_avx2<MR>(d, aux, kind, x, m0, b, h, iacc[h], acc[h]);
+    for (int h = 0; h < NH; ++h) {
+      __m256i iacc[MR];
+      block_dot_avx2<MR, XB>(codes, kind, x, m0, b, h0 + h, iacc);
+      add_block_avx2<MR>(d, aux, kind, x, m0, b, h0 + h, iacc, acc[h]);
+    }
   }
   for (int mm = 0; mm < MR; ++mm)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + 16 * mm + 8 * h, acc[h][mm]);
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(out + 8 * NH * mm + 8 * h, acc[h][mm]);
 }
 
-template <int MR>
+template <int MR, int XB>
 void tile_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
                const QuantizedX& x, int64_t m0, int rows, float* y, int64_t ldy) {
+  float out[MR * 16];
   if constexpr (MR <= 2) {
-    float full[MR * 16];
-    full_avx2<MR>(codes, d, aux, kind, x, m0, full);
+    pass_avx2<MR, XB, 2>(codes, d, aux, kind, x, m0, 0, out);
     for (int mm = 0; mm < MR; ++mm)
-      for (int r = 0; r < rows; ++r) y[mm * ldy + r] = full[mm * 16 + r];
+      for (int r = 0; r < rows; ++r) y[mm * ldy + r] = out[mm * 16 + r];
     return;
   }
-  float out[2][MR * 8];
-  half_avx2<MR>(codes, d, aux, kind, x, m0, 0, out[0]);
-  if (rows > 8) half_avx2<MR>(codes, d, aux, kind, x, m0, 1, out[1]);
-  for (int mm = 0; mm < MR; ++mm)
-    for (int r = 0; r < rows; ++r) y[mm * ldy + r] = out[r / 8][mm * 8 + r % 8];
+  for (int h = 0; h < 2 && 8 * h < rows; ++h) {
+    pass_avx2<MR, XB, 1>(codes, d, aux, kind, x, m0, h, out);
+    for (int mm = 0; mm < MR; ++mm)
+      for (int r = 8 * h; r < std::min(rows, 8 * h + 8); ++r) y[mm * ldy + r] = out[mm * 8 + r - 8 * h];
+  }
 }
 constexpr int kMaxMR = 4;
 #define PAGEDSERVE_TILE tile_avx2
@@ -315,16 +338,17 @@ constexpr int kMaxMR = 4;
 #define PAGEDSERVE_QUANT_ISA "plain"
 #endif
 
+template <int XB>
 void run_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind, const QuantizedX& x,
               int64_t m0, int64_t mr, int rows, float* y, int64_t ldy) {
 #ifdef PAGEDSERVE_TILE
   while (mr > 0) {
     const int64_t n = std::min<int64_t>(mr, kMaxMR);
     switch (n) {
-      case 4: PAGEDSERVE_TILE<4>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
-      case 3: PAGEDSERVE_TILE<3>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
-      case 2: PAGEDSERVE_TILE<2>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
-      default: PAGEDSERVE_TILE<1>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
+      case 4: PAGEDSERVE_TILE<4, XB>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
+      case 3: PAGEDSERVE_TILE<3, XB>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
+      case 2: PAGEDSERVE_TILE<2, XB>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
+      default: PAGEDSERVE_TILE<1, XB>(codes, d, aux, kind, x, m0, rows, y, ldy); break;
     }
     m0 += n;
     mr -= n;
@@ -339,16 +363,20 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
 }
 
-// x [M, K] float32/bfloat16/float16 -> (int8 codes [M, K], scales [M, K/32], scale * code sum [M, K/32]).
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+// x [M, K] float32/bfloat16/float16 -> (codes [M, K]: int8, or int16 in pair order;
+// scales [M, K/32]; scale * code sum [M, K/32]).  Round to nearest, scale amax / (2^(bits-1) - 1).
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [M, K] with K a multiple of 32");
+  TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits);
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), Kb = K / kBlock;
-  auto q = torch::empty({M, K}, torch::kInt8);
+  auto q = torch::empty({M, K}, bits == 8 ? torch::kInt8 : torch::kInt16);
   auto d = torch::empty({M, Kb}, torch::kFloat32);
   auto ds = torch::empty({M, Kb}, torch::kFloat32);
   const float* src = xf.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
+  int8_t* q8 = bits == 8 ? q.data_ptr<int8_t>() : nullptr;
+  int16_t* q16 = bits == 16 ? q.data_ptr<int16_t>() : nullptr;
+  const float qmax = bits == 8 ? 127.f : 32767.f;
   float* dp = d.data_ptr<float>();
   float* dsp = ds.data_ptr<float>();
   at::parallel_for(0, M * Kb, 256, [&](int64_t begin, int64_t end) {
@@ -356,11 +384,12 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
       const float* v = src + i * kBlock;
       float amax = 0.f;
       for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float scale = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
       int32_t sum = 0;
       for (int k = 0; k < kBlock; ++k) {
         const int32_t c = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-        qp[i * kBlock + k] = static_cast<int8_t>(c);
+        if (q8) q8[i * kBlock + k] = static_cast<int8_t>(c);
+        else q16[i * kBlock + pair_pos(k)] = static_cast<int16_t>(c);
         sum += c;
       }
       dp[i] = scale;
@@ -370,10 +399,12 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   return {q, d, ds};
 }
 
-// out[:, col : col + N] = x . W^T for one packed weight (codes, d, aux as described above).
+// out[:, col : col + N] = x . W^T for one packed weight (codes, d, aux as described above);
+// the activations' bits are xq's: int8 or int16.
 void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor codes, torch::Tensor d,
            torch::Tensor aux, int64_t kind, int64_t N, torch::Tensor out, int64_t col) {
   for (auto* t : {&xq, &xd, &xds, &codes, &d}) check_cpu_contiguous(*t, "qgemm inputs");
+  TORCH_CHECK(xq.scalar_type() == torch::kInt8 || xq.scalar_type() == torch::kInt16, "xq must be int8 or int16");
   TORCH_CHECK(kind == Q4_SYM || kind == Q4_ASYM || kind == Q8, "unknown kind ", kind);
   TORCH_CHECK(kind == Q4_SYM || (aux.defined() && aux.is_contiguous()), "this kind needs its aux tensor");
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.stride(1) == 1, "out must be float32 with unit stride");
@@ -381,7 +412,10 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
   const int64_t tiles = (N + kTile - 1) / kTile;
   TORCH_CHECK(codes.numel() == tiles * Kb * block_bytes(kind), "codes do not match N=", N, ", K=", K);
   TORCH_CHECK(out.size(0) == M && col + N <= out.size(1), "out is too small");
-  const QuantizedX x{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>(), M, K, Kb};
+  const bool wide = xq.scalar_type() == torch::kInt16;
+  const QuantizedX x{wide ? nullptr : xq.data_ptr<int8_t>(), wide ? xq.data_ptr<int16_t>() : nullptr,
+                     xd.data_ptr<float>(), xds.data_ptr<float>(), M, K, Kb};
+  const auto tile = wide ? &run_tile<16> : &run_tile<8>;
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* ap = kind == Q4_SYM ? nullptr : static_cast<const uint16_t*>(aux.data_ptr());
@@ -395,12 +429,12 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
         const int rows = static_cast<int>(std::min<int64_t>(kTile, N - t * kTile));
         float* y = yp + m0 * ldy + t * kTile;
         if (rows == kTile) {
-          run_tile(cp + t * Kb * block_bytes(kind), dp + t * Kb * kTile, ap ? ap + t * Kb * kTile : nullptr, kind,
-                   x, m0, mr, rows, y, ldy);
+          tile(cp + t * Kb * block_bytes(kind), dp + t * Kb * kTile, ap ? ap + t * Kb * kTile : nullptr, kind,
+               x, m0, mr, rows, y, ldy);
         } else {  // the last, partial tile: through a buffer, so no store reaches past N
           float buf[kMChunk * kTile];
-          run_tile(cp + t * Kb * block_bytes(kind), dp + t * Kb * kTile, ap ? ap + t * Kb * kTile : nullptr, kind,
-                   x, m0, mr, kTile, buf, kTile);
+          tile(cp + t * Kb * block_bytes(kind), dp + t * Kb * kTile, ap ? ap + t * Kb * kTile : nullptr, kind,
+               x, m0, mr, kTile, buf, kTile);
           for (int64_t mm = 0; mm < mr; ++mm)
             for (int r = 0; r < rows; ++r) y[mm * ldy + r] = buf[mm * kTile + r];
         }
@@ -410,15 +444,16 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
 }
 
 // y [M, N] in x's dtype = x [M, Kx] . W^T, W made of row segments (a fused q|k|v whose
-// shards are of different kinds): the whole layer in one call, activations quantized once.
-// K >= Kx is the packed (block-padded) width; x's missing columns count as zeros.
+// shards are of different kinds): the whole layer in one call, activations quantized once
+// to `bits`.  K >= Kx is the packed (block-padded) width; x's missing columns count as zeros.
 torch::Tensor linear(const torch::Tensor& x, at::TensorList codes, at::TensorList d, at::TensorList aux,
-                     at::IntArrayRef kinds, at::IntArrayRef ns, at::IntArrayRef offsets, int64_t N, int64_t K) {
+                     at::IntArrayRef kinds, at::IntArrayRef ns, at::IntArrayRef offsets, int64_t N, int64_t K,
+                     int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= K, "x must be [M, <= K]");
   TORCH_CHECK(codes.size() == d.size() && d.size() == aux.size() && aux.size() == kinds.size() &&
               kinds.size() == ns.size() && ns.size() == offsets.size() && !codes.empty(), "segment lists differ");
   auto xk = x.size(1) == K ? x : torch::constant_pad_nd(x, {0, K - x.size(1)});
-  auto q = quantize_activations(xk);
+  auto q = quantize_activations(xk, bits);
   auto out = torch::empty({x.size(0), N}, torch::kFloat32);
   for (size_t i = 0; i < codes.size(); ++i)
     qgemm(q[0], q[1], q[2], codes[i], d[i], aux[i], kinds[i], ns[i], out, offsets[i]);
@@ -473,8 +508,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", [](const torch::Tensor& x, const std::vector<torch::Tensor>& codes,
                      const std::vector<torch::Tensor>& d, const std::vector<torch::Tensor>& aux,
                      const std::vector<int64_t>& kinds, const std::vector<int64_t>& ns,
-                     const std::vector<int64_t>& offsets, int64_t N, int64_t K) {
-    return linear(x, codes, d, aux, kinds, ns, offsets, N, K);
+                     const std::vector<int64_t>& offsets, int64_t N, int64_t K, int64_t bits) {
+    return linear(x, codes, d, aux, kinds, ns, offsets, N, K, bits);
   }, nogil);
   m.def("dequantize_rows", &dequantize_rows, nogil);
   m.def("isa", &isa);
@@ -487,6 +522,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #define PAGEDSERVE_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 PAGEDSERVE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("linear(Tensor x, Tensor[] codes, Tensor[] d, Tensor[] aux, int[] kinds, int[] ns, int[] offsets, "
-        "int N, int K) -> Tensor");
+        "int N, int K, int bits) -> Tensor");
 }
 PAGEDSERVE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("linear", &linear); }
