@@ -42,6 +42,7 @@ import httpx
 
 from pagedserve.benchmarks.llamacpp import LlamaServer, LocalServer, ensure_llama_server, rss_bytes
 from pagedserve.benchmarks.random_gguf import SMOLLM2_1_7B, ensure_random_gguf
+from pagedserve.config import QUANT_ACTIVATION_BITS
 from pagedserve.cpu_info import describe_cpu
 
 NEW_TOKENS = 128
@@ -226,29 +227,36 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     ps_dtype_bytes = 2 if bf16_support().native else 4
     kv_tokens = SLOTS * ctx
     ps_kv = kv_tokens * kv_bytes_per_token(gguf_path, ps_dtype_bytes)
-    ps_args = ["--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx), "--kv-cache-memory-bytes", str(ps_kv),
-               *args.pagedserve_args]
-    sides = []
+    small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes)  # (+ the null block, rounding)
+    sides = []  # (name, start for the run, start for the memory figure, KV bytes)
     binary = None if args.skip_llamacpp else ensure_llama_server()
     if binary is not None:
-        sides.append(("llama-server", lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=SLOTS,
-                                                          ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama.log"),
+        sides.append(("llama-server",
+                      lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=SLOTS, ctx_per_slot=ctx,
+                                          log_path=f"{logdir}/{name}-llama.log"),
+                      lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=1, ctx_per_slot=ctx,
+                                          log_path=f"{logdir}/{name}-llama-mem.log"),
                       kv_tokens * kv_bytes_per_token(gguf_path, 2)))
-    sides.append(("pagedserve", lambda: PagedServer(model_arg, ps_args, f"{logdir}/{name}-pagedserve.log"), ps_kv))
-    check_memory(gguf_path, ctx, [kv for _, _, kv in sides])
-    out = [Figures(side, kv_bytes=kv) for side, _, kv in sides]
-    measure([(fig, start) for fig, (_, start, _) in zip(out, sides, strict=True)], batches)
-    # Memory on its own start: one slot of --ctx-per-slot tokens (KV at most ~0.2 GB at the 1.7B
-    # shape), after one short request, so the figure is weights + runtime, not KV.
-    small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes)  # (+ the null block, rounding)
-    small = {"llama-server": lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=1,
-                                                 ctx_per_slot=ctx, log_path=f"{logdir}/{name}-llama-mem.log"),
-             "pagedserve": lambda: PagedServer(model_arg, ["--max-num-seqs", "1", "--max-model-len", str(ctx),
-                                                           "--kv-cache-memory-bytes", str(small_kv),
-                                                           *args.pagedserve_args],
-                                               f"{logdir}/{name}-pagedserve-mem.log")}
-    for fig in out:
-        with running(small[fig.side]) as server:
+    for bits in args.quant_activation_bits:  # one pagedserve side per activation width
+        side = "pagedserve" if bits == QUANT_ACTIVATION_BITS[0] else f"pagedserve, {bits}-bit activations"
+        extra = ["--quant-activation-bits", str(bits), *args.pagedserve_args]
+        sides.append((side,
+                      lambda extra=extra, tag=bits: PagedServer(
+                          model_arg, ["--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx),
+                                      "--kv-cache-memory-bytes", str(ps_kv), *extra],
+                          f"{logdir}/{name}-pagedserve-{tag}.log"),
+                      # memory on its own start: one slot of --ctx-per-slot tokens (KV at most ~0.2 GB at the
+                      # 1.7B shape), after one short request, so the figure is weights + runtime, not KV
+                      lambda extra=extra, tag=bits: PagedServer(
+                          model_arg, ["--max-num-seqs", "1", "--max-model-len", str(ctx),
+                                      "--kv-cache-memory-bytes", str(small_kv), *extra],
+                          f"{logdir}/{name}-pagedserve-{tag}-mem.log"),
+                      ps_kv))
+    check_memory(gguf_path, ctx, [kv for *_, kv in sides])
+    out = [Figures(side, kv_bytes=kv) for side, *_, kv in sides]
+    measure([(fig, start) for fig, (_, start, _, _) in zip(out, sides, strict=True)], batches)
+    for fig, (_, _, start_small, _) in zip(out, sides, strict=True):
+        with running(start_small) as server:
             asyncio.run(one_request(server.url))
             fig.rss_load = tree_rss(server.proc.pid)
         print(f"  {fig.side}: {fig}", flush=True)
@@ -294,14 +302,15 @@ def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float, ctx
     """The file's table, and the single-stream ceiling: the weights (the file's bytes, as
     both sides keep them) read once per token at the bandwidth measured just before."""
     size = os.path.getsize(gguf_path)
+    # a ratio column for every side against llama-server, when it ran
+    ratios = [f.side for f in figs[1:]] if figs[0].side == "llama-server" else []
     lines = [f"### {name}: {os.path.basename(gguf_path)} ({size / 2**20:.0f} MiB)", "",
-             "| | " + " | ".join(f.side for f in figs) + (" | pagedserve / llama-server |" if len(figs) == 2 else " |"),
-             "|---" * (len(figs) + 1 + (len(figs) == 2)) + "|"]
+             "| | " + " | ".join([f.side for f in figs] + [f"{r} / llama-server" for r in ratios]) + " |",
+             "|---" * (len(figs) + 1 + len(ratios)) + "|"]
 
-    def row(label: str, values: list[float], fmt: str, higher_better: bool = True) -> None:
+    def row(label: str, values: list[float], fmt: str) -> None:
         cells = [format(v, fmt) for v in values]
-        if len(values) == 2 and values[0] > 0:
-            cells.append(f"{values[1] / values[0]:.2f}x")
+        cells += [f"{v / values[0]:.2f}x" if values[0] > 0 else "-" for v in values[1:len(ratios) + 1]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     row("single-stream decode, tok/s", [f.decode_tok_s for f in figs], ".1f")
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="run the guidellm-shaped latency load on the default model instead of the file table")
     p.add_argument("--max-step-ms", type=float, nargs="*", default=[],
                    help="with --latency: also run pagedserve with each of these step-time targets")
+    p.add_argument("--quant-activation-bits", type=int, nargs="+", choices=QUANT_ACTIVATION_BITS,
+                   default=[QUANT_ACTIVATION_BITS[0]],
+                   help="a pagedserve side for each (e.g. 16 8: the default and llama.cpp's 8-bit scheme)")
     p.add_argument("--pagedserve-args", nargs=argparse.REMAINDER, default=[],
                    help="extra `pagedserve serve` flags (last on the command line)")
     args = p.parse_args(argv)

@@ -24,3 +24,17 @@ def test_a_run_that_would_not_fit_is_refused_with_a_ctx_that_does(tmp_path, monk
     with pytest.raises(SystemExit, match="cannot hold both sides") as e:
         compare_llamacpp.check_memory(str(gguf), 1024, [40 * GiB, 40 * GiB])
     assert "m.gguf" in str(e.value)
+
+
+def test_the_table_has_a_ratio_column_per_pagedserve_side(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 2**20)
+    figs = [compare_llamacpp.Figures("llama-server", decode_tok_s=20.0),
+            compare_llamacpp.Figures("pagedserve", decode_tok_s=25.0),
+            compare_llamacpp.Figures("pagedserve, 8-bit activations", decode_tok_s=30.0)]
+    table = compare_llamacpp.report("m", str(gguf), figs, 1e9, 640).splitlines()
+    assert table[2] == ("| | llama-server | pagedserve | pagedserve, 8-bit activations | pagedserve / llama-server "
+                        "| pagedserve, 8-bit activations / llama-server |")
+    assert table[4] == "| single-stream decode, tok/s | 20.0 | 25.0 | 30.0 | 1.25x | 1.50x |"
+    alone = compare_llamacpp.report("m", str(gguf), figs[1:], 1e9, 640).splitlines()
+    assert alone[2] == "| | pagedserve | pagedserve, 8-bit activations |"
