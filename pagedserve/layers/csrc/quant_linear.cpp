@@ -118,7 +118,7 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
   __m512 acc[MR], acc_off[MR];
   for (int mm = 0; mm < MR; ++mm) acc[mm] = acc_off[mm] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i low4w = _mm512_set1_epi32(0x000F000F);
+  const __m512i low4w = _mm512_set1_epi32(0x000F000F), high4w = _mm512_set1_epi32(0x00F000F0);
   for (int64_t b = 0; b < x.Kb; ++b) {
     __m512i ia[kChains][MR];
     for (int c = 0; c < kChains; ++c)
@@ -168,11 +168,11 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
             ia[0][mm] = _mm512_dpbusd_epi32(ia[0][mm], lo, _mm512_set1_epi32(load_word(xr)));
             ia[1][mm] = _mm512_dpbusd_epi32(ia[1][mm], hi, _mm512_set1_epi32(load_word(xr + 4)));
           }
-        } else {  // the low nibbles of bytes 0, 2 (k = 8p, 8p+2), of bytes 1, 3; then the high nibbles
-          const __m512i w0 = _mm512_and_si512(w, low4w);
-          const __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(w, 8), low4w);
-          const __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(w, 4), low4w);
-          const __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(w, 12), low4w);
+        } else {  // the low nibbles of bytes 0, 2 (k = 8p, 8p+2), of bytes 1, 3; then the high nibbles,
+                  // left in place (16 times the code: chains 2 and 3 are divided by 16 below, exactly)
+          const __m512i w8 = _mm512_srli_epi32(w, 8);
+          const __m512i w0 = _mm512_and_si512(w, low4w), w1 = _mm512_and_si512(w8, low4w);
+          const __m512i w2 = _mm512_and_si512(w, high4w), w3 = _mm512_and_si512(w8, high4w);
           for (int mm = 0; mm < MR; ++mm) {
             const int16_t* xr = x.q16 + (m0 + mm) * x.K + xo + 8 * p;
             ia[0][mm] = _mm512_dpwssd_epi32(ia[0][mm], w0, _mm512_set1_epi32(load_word(xr)));
@@ -189,8 +189,11 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
     if (kind == Q4_ASYM) ov = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile)));
     for (int mm = 0; mm < MR; ++mm) {
       const int64_t i = (m0 + mm) * x.Kb + b;
-      __m512i sum = ia[0][mm];
-      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, ia[c][mm]);
+      __m512i sum = _mm512_add_epi32(ia[0][mm], ia[1][mm]);
+      if constexpr (kChains == 4) {
+        const __m512i upper = _mm512_add_epi32(ia[2][mm], ia[3][mm]);
+        sum = _mm512_add_epi32(sum, kind == Q8 ? upper : _mm512_srai_epi32(upper, 4));
+      }
       acc[mm] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[i])), acc[mm]);
       if (kind != Q8) acc_off[mm] = _mm512_fmadd_ps(ov, _mm512_set1_ps(x.ds[i]), acc_off[mm]);
     }
@@ -251,19 +254,21 @@ inline void block_dot_avx2(const uint8_t* codes, int64_t kind, const QuantizedX&
     }
     for (int mm = 0; mm < MR; ++mm) iacc[mm] = _mm256_madd_epi16(sacc[mm], ones);
   } else {
-    const __m256i low4w = _mm256_set1_epi32(0x000F000F);
+    // as on AVX-512: the high nibbles stay in place (16 times the code), and their products'
+    // sums are divided by 16, exactly, before they join the rest
+    const __m256i low4w = _mm256_set1_epi32(0x000F000F), high4w = _mm256_set1_epi32(0x00F000F0);
     for (int p = 0; p < 4; ++p) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
-      const __m256i w0 = _mm256_and_si256(w, low4w), w1 = _mm256_and_si256(_mm256_srli_epi32(w, 8), low4w);
-      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(w, 4), low4w);
-      const __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(w, 12), low4w);
+      const __m256i w8 = _mm256_srli_epi32(w, 8);
+      const __m256i w0 = _mm256_and_si256(w, low4w), w1 = _mm256_and_si256(w8, low4w);
+      const __m256i w2 = _mm256_and_si256(w, high4w), w3 = _mm256_and_si256(w8, high4w);
       for (int mm = 0; mm < MR; ++mm) {
         const int16_t* xr = x.q16 + (m0 + mm) * x.K + xo + 8 * p;
         const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_set1_epi32(load_word(xr))),
                                              _mm256_madd_epi16(w1, _mm256_set1_epi32(load_word(xr + 2))));
         const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_set1_epi32(load_word(xr + 4))),
                                              _mm256_madd_epi16(w3, _mm256_set1_epi32(load_word(xr + 6))));
-        iacc[mm] = _mm256_add_epi32(iacc[mm], _mm256_add_epi32(s01, s23));
+        iacc[mm] = _mm256_add_epi32(iacc[mm], _mm256_add_epi32(s01, _mm256_srai_epi32(s23, 4)));
       }
     }
   }
