@@ -232,12 +232,12 @@ class SpeculativeConfig:
     (worker/rejection_sampler.py)."""
 
     method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
-    # Most drafts per request per step; 8 measured best on the edit-code workload (README).
+    # Most drafts per request per step; 8 measured best on the edit-code workload (docs/performance.md).
     num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # shortest one that still counts as a match
     # Draft only while at most this many requests run: verifying drafts costs compute,
-    # which a large batch no longer has to spare (the README gives the measurement).
+    # which a large batch no longer has to spare (docs/performance.md gives the measurement).
     disable_by_batch_size: int = 4
     model: str | None = None  # the draft model (method "draft_model"): whatever LLM(...) takes
 

@@ -5,7 +5,7 @@ bf16 instructions: elsewhere oneDNN emulates bf16 matmuls at about an eighth of 
 speed), and the instruction set the C++ decode kernel is built for.  Both honour the
 switches that cap torch itself, so that `ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2` makes an AVX-512 machine behave like an AVX2-only one
-throughout (how the README's AVX2 figures were taken).
+throughout (how the AVX2 figures in docs/performance.md were taken).
 """
 
 from __future__ import annotations

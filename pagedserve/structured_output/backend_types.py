@@ -6,7 +6,7 @@ set = token i allowed), so everything after the mask -- applying it to the logit
 the scheduler's matcher calls -- is the same whichever one runs.
 
 Why "auto" means llguidance here (measured on the 2-core development CPU, SmolLM2's
-49k vocabulary; README "Structured outputs"): xgrammar precomputes a token mask for
+49k vocabulary; docs/performance.md "Structured outputs"): xgrammar precomputes a token mask for
 every grammar state at compile time, which takes ~0.3-0.45 s for a small JSON schema
 with one bounded string (`maxLength: 24`) and 410 s for a 200-field schema of bounded
 strings; llguidance builds its parser lazily and computes masks on demand, 2 ms and

@@ -5,7 +5,7 @@ alone is nine), and on two CPU cores each costs more in dispatch and thread wake
 than in arithmetic.  Compiling fuses everything *between* the matmuls and attention
 into a few C++ loops; the matmuls (pre-packed oneDNN) and paged attention stay in
 their eager code behind custom ops (layers/opaque.py).  On SmolLM2-135M in bf16 that
-is ~15-20% more decode throughput (README, Performance).
+is ~15-20% more decode throughput (docs/performance.md).
 
 How, so that it compiles once and never again:
   * one graph for every step: the token count is marked *unbacked* on each call, so

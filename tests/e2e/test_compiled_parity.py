@@ -27,6 +27,10 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24):
 def test_compiled_matches_eager_and_compiles_once(arch, quantization, tiny_checkpoint, monkeypatch):
     model_dir, cfg = tiny_checkpoint(arch)
     prompts = shared_prefix_prompts(cfg.vocab_size)
+    # Quantized layers round activations to 16-bit codes per block: where the compiled and
+    # eager inputs differ in their last bit a code can flip, moving an output by up to
+    # 1/65534 of its block's largest activation (measured: logprobs 1.3e-4 apart).
+    tol = 1e-4 if quantization == "auto" else 5e-4
     eager = LLM(model_dir, dtype="float32", quantization=quantization, torch_compile=False,
                 max_num_batched_tokens=48)
     assert eager.llm_engine.model_executor.compiled is None
@@ -47,5 +51,6 @@ def test_compiled_matches_eager_and_compiles_once(arch, quantization, tiny_check
             for (wt, wl), (gt, gl) in zip(want, got, strict=True):
                 assert gt == wt
                 for a, b in zip(wl, gl, strict=True):
-                    assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+                    diff = max(abs(a[t] - b[t]) for t in a)
+                    assert a.keys() == b.keys() and diff < tol, diff
         del llm
