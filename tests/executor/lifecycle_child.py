@@ -3,11 +3,15 @@ then a second engine left for interpreter exit to shut down."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from pagedserve import LLM, SamplingParams
 
 if __name__ == "__main__":
+    # Ctrl-C raises KeyboardInterrupt even where the suite runs with SIGINT ignored (a
+    # background job, nohup), which the child would inherit and wait on forever.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     path = sys.argv[1]
     args = dict(dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
     prompts = [[i + 3] * 16 for i in range(8)]
