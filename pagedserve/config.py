@@ -50,8 +50,9 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
-        if self.quant_activation_bits not in QUANT_ACTIVATION_BITS or isinstance(self.quant_activation_bits, bool):
-            raise ValueError(f"quant_activation_bits must be 16 or 8, got {self.quant_activation_bits!r}")
+        if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
+            raise ValueError(f"quant_activation_bits must be one of {', '.join(map(str, QUANT_ACTIVATION_BITS))}, "
+                             f"got {self.quant_activation_bits!r}")
 
     def sampling_defaults(self) -> dict[str, Any]:
         """SamplingParams defaults from the generation config (vLLM's mapping), when

@@ -181,9 +181,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         lower id whatever the exact values say (SmolLM2 answering "What is the capital
         of France?" in bf16: 'L' and 'The' both 25.125, exactly 25.139 and 25.178).  A
         quantized head rounds the hidden state instead: to 8 bits (the opt-in) it moves
-        logits by about as much, to 16 bits by ~1e-4.  The same inputs dotted in float32 for the few tokens that can win
-        settle greedy choices and the top logprobs; the rest of the row keeps the fast
-        values.  Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
+        logits by about as much, to 16 bits by ~1e-4.  The same inputs dotted in float32
+        for the few tokens that can win settle greedy choices and the top logprobs; the
+        rest of the row keeps the fast values.  Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
         n = logits.shape[0]
         top = logits.topk(min(EXACT_TOP, logits.shape[1]), dim=-1).indices  # [N, k]
         w = rows(top.reshape(-1)).view(n, top.shape[1], -1).float()

@@ -47,7 +47,7 @@ def test_gguf_method_needs_a_gguf(tiny_checkpoint) -> None:
         build(path, "gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(model=path, quantization="fp4")
-    with pytest.raises(ValueError, match="quant_activation_bits must be 16 or 8"):
+    with pytest.raises(ValueError, match="quant_activation_bits must be one of 16, 8"):
         ModelConfig(model=path, quant_activation_bits=4)
 
 
