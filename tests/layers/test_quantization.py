@@ -5,6 +5,7 @@ quantized."""
 
 from __future__ import annotations
 
+import mmap
 import shutil
 
 import numpy as np
@@ -19,6 +20,7 @@ from pagedserve.layers.quantization import (
     QuantKind,
     dequantize_rows,
     from_gguf,
+    on_huge_pages,
     pack,
     quant_kernel,
     quantize,
@@ -224,6 +226,36 @@ def test_shards_of_one_kind_merge_into_one_call() -> None:
     ragged.store(0, parts[2])
     ragged.store(24, parts[1])
     assert [(o, w.n) for o, w in ragged.segments] == [(0, 24), (24, 16)]
+
+
+def huge_page_advised(ptr: int) -> bool:
+    """Whether the mapping holding address `ptr` was madvised for huge pages ("hg")."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    return False
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages on this OS")
+def test_merged_weights_stream_from_huge_pages() -> None:
+    """A complete layer's packed weight moves to 2 MB-aligned memory advised for huge pages
+    (a decode step streams it every token); its values, and the layer's output, stay."""
+    w = quantize(torch.randn(4096, 1024), "int4")  # 2 MB of codes
+    qw = QuantizedWeight(4096, 1024)
+    qw.store(0, w)
+    codes = qw.segments[0][1].codes
+    assert torch.equal(codes, pack(w).codes)
+    assert codes.data_ptr() % (2 << 20) == 0 and huge_page_advised(codes.data_ptr())
+    x = torch.randn(2, 1024)
+    assert torch.equal(qw.matmul(x), quantized_matmul(x, [(0, pack(w))], 4096))
+    small = torch.zeros(100)
+    assert on_huge_pages(small) is small  # under one huge page: left where it is
 
 
 def test_unpadded_activations_against_a_block_padded_weight() -> None:

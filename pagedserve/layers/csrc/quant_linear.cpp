@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -370,49 +371,90 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* what) {
 
 // x [M, K] float32/bfloat16/float16 -> (codes [M, K]: int8, or int16 in pair order;
 // scales [M, K/32]; scale * code sum [M, K/32]).  Round to nearest, scale amax / (2^(bits-1) - 1).
+// x is read in its own dtype (a decode step's ~100 layers would otherwise each pay for a
+// converted copy).
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [M, K] with K a multiple of 32");
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), Kb = K / kBlock;
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), Kb = K / kBlock;
   auto q = torch::empty({M, K}, bits == 8 ? torch::kInt8 : torch::kInt16);
   auto d = torch::empty({M, Kb}, torch::kFloat32);
   auto ds = torch::empty({M, Kb}, torch::kFloat32);
-  const float* src = xf.data_ptr<float>();
   int8_t* q8 = bits == 8 ? q.data_ptr<int8_t>() : nullptr;
   int16_t* q16 = bits == 16 ? q.data_ptr<int16_t>() : nullptr;
   const float qmax = bits == 8 ? 127.f : 32767.f;
   float* dp = d.data_ptr<float>();
   float* dsp = ds.data_ptr<float>();
-  at::parallel_for(0, M * Kb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* v = src + i * kBlock;
-      float amax = 0.f;
-      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float scale = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
-      int32_t sum = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        const int32_t c = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-        if (q8) q8[i * kBlock + k] = static_cast<int8_t>(c);
-        else q16[i * kBlock + pair_pos(k)] = static_cast<int16_t>(c);
-        sum += c;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quantize_activations", [&] {
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    at::parallel_for(0, M * Kb, 256, [&](int64_t begin, int64_t end) {
+      float v[kBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        float amax = 0.f;
+        for (int k = 0; k < kBlock; ++k) {
+          v[k] = static_cast<float>(src[i * kBlock + k]);
+          amax = std::max(amax, std::fabs(v[k]));
+        }
+        const float scale = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
+        int32_t sum = 0;
+        for (int k = 0; k < kBlock; ++k) {
+          const int32_t c = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+          if (q8) q8[i * kBlock + k] = static_cast<int8_t>(c);
+          else q16[i * kBlock + pair_pos(k)] = static_cast<int16_t>(c);
+          sum += c;
+        }
+        dp[i] = scale;
+        dsp[i] = scale * float(sum);
       }
-      dp[i] = scale;
-      dsp[i] = scale * float(sum);
-    }
+    });
   });
   return {q, d, ds};
 }
 
 // out[:, col : col + N] = x . W^T for one packed weight (codes, d, aux as described above);
-// the activations' bits are xq's: int8 or int16.
+// the activations' bits are xq's: int8 or int16.  out is float32, bfloat16 or float16: the
+// tiles sum in float32 and a 16-bit out is written through a tile's buffer, so the layer
+// needs no converted copy of its output.
+template <typename T>
+void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, const uint16_t* ap, int64_t kind,
+                int64_t N, T* yp, int64_t ldy, void (*tile)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t,
+                                                           const QuantizedX&, int64_t, int64_t, int, float*, int64_t)) {
+  const int64_t M = x.M, Kb = x.Kb;
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  constexpr int64_t kMChunk = 64;  // activation rows kept hot while a thread's tiles stream past
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
+      const int64_t mr = std::min(kMChunk, M - m0);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, N - t * kTile));
+        T* y = yp + m0 * ldy + t * kTile;
+        const uint8_t* c = cp + t * Kb * block_bytes(kind);
+        const uint16_t* dt = dp + t * Kb * kTile;
+        const uint16_t* at = ap ? ap + t * Kb * kTile : nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+          if (rows == kTile) {
+            tile(c, dt, at, kind, x, m0, mr, rows, y, ldy);
+            continue;
+          }
+        }
+        // a 16-bit out, or the last, partial tile (no store may reach past N): through a buffer
+        float buf[kMChunk * kTile];
+        tile(c, dt, at, kind, x, m0, mr, kTile, buf, kTile);
+        for (int64_t mm = 0; mm < mr; ++mm)
+          for (int r = 0; r < rows; ++r) y[mm * ldy + r] = static_cast<T>(buf[mm * kTile + r]);
+      }
+    }
+  });
+}
+
 void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor codes, torch::Tensor d,
            torch::Tensor aux, int64_t kind, int64_t N, torch::Tensor out, int64_t col) {
   for (auto* t : {&xq, &xd, &xds, &codes, &d}) check_cpu_contiguous(*t, "qgemm inputs");
   TORCH_CHECK(xq.scalar_type() == torch::kInt8 || xq.scalar_type() == torch::kInt16, "xq must be int8 or int16");
   TORCH_CHECK(kind == Q4_SYM || kind == Q4_ASYM || kind == Q8, "unknown kind ", kind);
   TORCH_CHECK(kind == Q4_SYM || (aux.defined() && aux.is_contiguous()), "this kind needs its aux tensor");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.stride(1) == 1, "out must be float32 with unit stride");
+  TORCH_CHECK(out.device().is_cpu() && out.stride(1) == 1, "out must be a CPU tensor with unit stride");
   const int64_t M = xq.size(0), K = xq.size(1), Kb = K / kBlock;
   const int64_t tiles = (N + kTile - 1) / kTile;
   TORCH_CHECK(codes.numel() == tiles * Kb * block_bytes(kind), "codes do not match N=", N, ", K=", K);
@@ -424,27 +466,8 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* ap = kind == Q4_SYM ? nullptr : static_cast<const uint16_t*>(aux.data_ptr());
-  float* yp = out.data_ptr<float>() + col;
-  const int64_t ldy = out.stride(0);
-  constexpr int64_t kMChunk = 64;  // activation rows kept hot while a thread's tiles stream past
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
-      const int64_t mr = std::min(kMChunk, M - m0);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTile, N - t * kTile));
-        float* y = yp + m0 * ldy + t * kTile;
-        if (rows == kTile) {
-          tile(cp + t * Kb * block_bytes(kind), dp + t * Kb * kTile, ap ? ap + t * Kb * kTile : nullptr, kind,
-               x, m0, mr, rows, y, ldy);
-        } else {  // the last, partial tile: through a buffer, so no store reaches past N
-          float buf[kMChunk * kTile];
-          tile(cp + t * Kb * block_bytes(kind), dp + t * Kb * kTile, ap ? ap + t * Kb * kTile : nullptr, kind,
-               x, m0, mr, kTile, buf, kTile);
-          for (int64_t mm = 0; mm < mr; ++mm)
-            for (int r = 0; r < rows; ++r) y[mm * ldy + r] = buf[mm * kTile + r];
-        }
-      }
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "qgemm", [&] {
+    qgemm_into<scalar_t>(x, cp, dp, ap, kind, N, out.data_ptr<scalar_t>() + col, out.stride(0), tile);
   });
 }
 
@@ -459,10 +482,10 @@ torch::Tensor linear(const torch::Tensor& x, at::TensorList codes, at::TensorLis
               kinds.size() == ns.size() && ns.size() == offsets.size() && !codes.empty(), "segment lists differ");
   auto xk = x.size(1) == K ? x : torch::constant_pad_nd(x, {0, K - x.size(1)});
   auto q = quantize_activations(xk, bits);
-  auto out = torch::empty({x.size(0), N}, torch::kFloat32);
+  auto out = torch::empty({x.size(0), N}, x.options());
   for (size_t i = 0; i < codes.size(); ++i)
     qgemm(q[0], q[1], q[2], codes[i], d[i], aux[i], kinds[i], ns[i], out, offsets[i]);
-  return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+  return out;
 }
 
 // Rows `ids` of the packed weight, dequantized: [len(ids), K] float32 (embedding lookups).
