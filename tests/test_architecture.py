@@ -1,6 +1,7 @@
 """The package's layering rules, checked on its source: no import cycles between modules,
-no `_`-prefixed name imported from another module, and `core/` free of torch (that
-last one runs in a subprocess in tests/core/test_kv_cache_utils.py)."""
+no `_`-prefixed name imported from another module nor reached as another module's
+object's attribute, the serving layers never importing `benchmarks/`, and `core/` free
+of torch (that last one runs in a subprocess in tests/core/test_kv_cache_utils.py)."""
 
 from __future__ import annotations
 
@@ -71,4 +72,61 @@ def test_no_private_names_cross_modules():
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedserve"):
                 offenders += [f"{mod}: from {node.module} import {a.name}" for a in node.names
                               if a.name.startswith("_") and not a.name.startswith("__")]
+    assert offenders == []
+
+
+# The packages a server runs: a benchmark is a client of them, never a part.
+SERVING = ("core", "engine", "worker", "executor", "attention", "layers", "models", "model_loader",
+           "structured_output", "distributed", "entrypoints")
+
+
+def test_serving_layers_never_import_benchmarks():
+    """At any depth (function-level imports included): the CLI reaches a benchmark only
+    by module path (importlib), when its subcommand runs."""
+    offenders = []
+    for mod, tree in _modules().items():
+        if mod.split(".")[1:2] and mod.split(".")[1] in SERVING:
+            for node in _imports(tree, module_level_only=False):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                offenders += [f"{mod}: {name}" for name in names if name.startswith("pagedserve.benchmarks")]
+    assert offenders == []
+
+
+# Private attributes of other libraries' objects that we read on purpose, with why.
+EXTERNAL_PRIVATE_ATTRIBUTES = {
+    "_version",  # torch.Tensor's in-place version counter: a cached repack of a weight stays valid while it holds
+}
+
+
+def test_no_private_attribute_reaches_across_modules():
+    """`obj._name` where obj is not self/cls, `_name` is not defined in the same module and
+    obj is not another library's module: a reach into another of our modules' internals
+    (say so in that module's public names instead)."""
+    offenders = []
+    for mod, tree in _modules().items():
+        external: set[str] = set()
+        defined: set[str] = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                external |= {(a.asname or a.name).split(".")[0] for a in n.names if not a.name.startswith("pagedserve")}
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and not (n.module or "").startswith("pagedserve"):
+                external |= {a.asname or a.name for a in n.names}
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                defined.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):  # class fields, module globals
+                defined.add(n.id)
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            root = n.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                continue
+            if (isinstance(root, ast.Name) and root.id in external) or n.attr in defined:
+                continue
+            if n.attr not in EXTERNAL_PRIVATE_ATTRIBUTES:
+                offenders.append(f"{mod}:{n.lineno}: {ast.unparse(n)}")
     assert offenders == []

@@ -7,7 +7,7 @@ reads every block where it lies, once for K and once for V, and keeps scores and
 accumulators in float32 registers.  On SmolLM2 shapes (32 sequences of 150 tokens,
 30 layers) the kernel itself takes about half the torch path's time, and the whole
 backend step, K/V store and planning included, about three quarters
-(`python -m pagedserve.attention.bench --backend cpu_paged` / `--backend torch_paged`).
+(`python -m pagedserve.benchmarks.bench_attention --backend cpu_paged` / `--backend torch_paged`).
 
 It is compiled for this machine's CPU (`cpu_extension.py`) the first time in a process
 that needs it (~30 s once per machine, then a cached load).  Without a C++

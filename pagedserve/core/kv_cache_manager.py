@@ -487,6 +487,61 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the pool and the
+        tables.  O(blocks); for tests (both scheduler state machines call it after every
+        rule) and for a server that is idle (mini-sglang's integrity check).
+          * the null block is block 0, is never free, held or cached;
+          * the free queue holds exactly the blocks nobody holds, and its count is true;
+          * a block's ref_cnt is the number of table entries naming it;
+          * a table is whole positions of every group; null entries only lead a
+            sliding-window group's table (released out-of-window blocks);
+          * the prefix cache maps each key to a block carrying that key, and a block
+            shared by several tables is the cached one of its key;
+          * radix nodes are blocks nobody writes into: free ones or cached ones;
+          * a swapped-out request holds no blocks."""
+        pool = self.block_pool
+
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"KV-cache invariant broken: {what}")
+
+        null = pool.null_block
+        require(null is pool.blocks[0] and null.is_null and null.block_hash is None, "block 0 is the null block")
+        free = pool.free_block_queue.get_all_free_blocks()
+        require(len(free) == pool.get_num_free_blocks(), f"free queue has {len(free)} blocks, counts "
+                f"{pool.get_num_free_blocks()}")
+        free_ids = {b.block_id for b in free}
+        require(len(free_ids) == len(free) and null.block_id not in free_ids, "free queue repeats a block or "
+                "holds the null block")
+        holders: dict[int, int] = {}
+        for req_id, blocks in self.req_to_blocks.items():
+            require(len(blocks) % self.num_groups == 0, f"{req_id}'s table is not whole positions")
+            require(req_id not in self.swapped, f"swapped-out {req_id} still holds blocks")
+            for g in range(self.num_groups):
+                table = blocks[g::self.num_groups]
+                nulls = sum(1 for b in table if b.is_null)
+                require(nulls == 0 or (self.group_windows[g] is not None and all(b.is_null for b in table[:nulls])),
+                        f"{req_id}'s group {g} has null blocks that are not released leading positions")
+            for b in blocks:
+                if not b.is_null:
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for b in pool.blocks[1:]:
+            require(b.ref_cnt == holders.get(b.block_id, 0), f"{b} is held by {holders.get(b.block_id, 0)} tables")
+            require((b.ref_cnt == 0) == (b.block_id in free_ids), f"{b} is {'' if b.block_id in free_ids else 'not '}"
+                    "in the free queue")
+            if b.ref_cnt > 1:
+                require(b.block_hash is not None and pool.get_cached_block(b.block_hash) is b,
+                        f"{b} is shared but is not the cached block of its key")
+        for key, b in pool.cached_block_hash_to_block.items():
+            require(b.block_hash == key and not b.is_null, f"{b} is cached under a key it does not carry")
+        if self.radix is not None:
+            for block_id, parent in self.radix.parent_of.items():
+                b = pool.blocks[block_id]
+                require(block_id in self.radix.children.get(parent, {}), f"radix node {block_id} is not its "
+                        "parent's child")
+                require(b.ref_cnt == 0 or b.block_hash is not None, f"radix node {b} is being written")
+
     def blocks_needed(self, num_tokens: int, max_step_tokens: int) -> int:
         """Most blocks a request of `num_tokens` KV slots holds at once (max_blocks_held)."""
         return max_blocks_held(num_tokens, self.block_size, self.group_windows, max_step_tokens)

@@ -41,7 +41,9 @@ from pagedserve.worker.cpu_malloc import release_freed_memory
 logger = logging.getLogger("pagedserve.async_llm")
 # After this long without work, the heap's free memory goes back to the kernel: steps keep
 # freed activations on the heap for speed (worker/cpu_malloc.py), which an idle server
-# need not hold; trimming only after a pause keeps it off a busy server's path.
+# need not hold; trimming only after a pause keeps it off a busy server's path.  The KV
+# cache's integrity check runs then too (a broken invariant would give wrong answers
+# quietly: the engine stops instead, with the invariant's name in the log).
 IDLE_TRIM_SECONDS = 2.0
 # How often a watched engine publishes a snapshot of its block pool and queues (the
 # dashboard): often enough to look live, rare enough to cost nothing measurable.
@@ -328,8 +330,9 @@ class AsyncLLM:
                     if self._watcher is not None:
                         timeout = min(timeout, SNAPSHOT_INTERVAL)
                     if not self._wake.wait(timeout=timeout):
-                        if worked:
+                        if worked:  # a pause after work: nothing runs, nothing is lost if this fails
                             release_freed_memory()
+                            self.engine.kv_cache_manager.check_invariants()
                             worked = False
                         self._emit_if_changed()
                     self._wake.clear()

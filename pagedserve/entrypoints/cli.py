@@ -26,6 +26,7 @@ from pagedserve.engine.arg_utils import EngineArgs, env_torch_compile
 _DELEGATED = {
     ("serve",): ("pagedserve.entrypoints.openai.api_server", "the OpenAI-compatible server"),
     ("bench", "serve"): ("pagedserve.benchmarks.serve", "the online serving benchmark"),
+    ("bench", "throughput"): ("pagedserve.benchmarks.throughput", "the offline throughput benchmark"),
 }
 
 
@@ -77,9 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pagedserve serve --help`)", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    from pagedserve.benchmarks import throughput
-
-    throughput.add_cli_args(bench_sub.add_parser("throughput", help="offline throughput (nano-vllm bench shape)"))
+    # (their modules are imported only when they run: see _DELEGATED)
+    bench_sub.add_parser("throughput", help="offline throughput (nano-vllm bench shape)", add_help=False)
     bench_sub.add_parser("serve", help="online benchmark against an OpenAI-compatible server", add_help=False)
     return parser
 
@@ -220,10 +220,6 @@ def main(argv: list[str] | None = None) -> None:
             cmd_generate(ns)
         elif ns.command == "chat":
             cmd_chat(ns)
-        elif ns.command == "bench" and ns.bench_command == "throughput":
-            from pagedserve.benchmarks import throughput
-
-            throughput.run(ns)
     except (ValueError, FileNotFoundError) as e:
         # Bad flags or input: the message names the problem; a traceback would only hide it.
         sys.exit(f"pagedserve {ns.command}: error: {e}")

@@ -187,3 +187,34 @@ def test_cache_salts_never_share_blocks():
     same.cache_salt = "tenant-1"
     _, hit = admit(kvm, same)
     assert hit == 8
+
+
+def test_check_invariants_names_each_kind_of_corruption():
+    """The product's own integrity check (the state machines run it after every rule):
+    silent on a true state, and each corruption it exists for is caught by name."""
+    def state():
+        kvm = KVCacheManager(12, 4, 64)
+        prompt = list(range(100, 110))
+        a, b = make_request("a", prompt), make_request("b", prompt + [7])
+        admit(kvm, a)
+        admit(kvm, b)
+        kvm.check_invariants()
+        return kvm
+
+    kvm = state()
+    kvm.req_to_blocks["a"][2].ref_cnt += 1  # a leaked reference
+    with pytest.raises(AssertionError, match="held by 1 tables"):
+        kvm.check_invariants()
+    kvm = state()
+    kvm.block_pool.free_block_queue.append(kvm.req_to_blocks["b"][2])  # a held block also free
+    with pytest.raises(AssertionError, match="free queue"):
+        kvm.check_invariants()
+    kvm = state()
+    shared = kvm.req_to_blocks["a"][0]
+    del kvm.block_pool.cached_block_hash_to_block[shared.block_hash]  # shared but no longer cached
+    with pytest.raises(AssertionError, match="shared but is not the cached block"):
+        kvm.check_invariants()
+    kvm = state()
+    kvm.req_to_blocks["a"][1] = kvm.block_pool.null_block  # a null in a full-attention table
+    with pytest.raises(AssertionError, match="null blocks"):
+        kvm.check_invariants()

@@ -135,13 +135,13 @@ class _SamplingFields(RequestBody):
 
     def api_params(self) -> dict[str, str]:
         """Engine-side names (SamplingParams fields, "prompt") this request spells differently."""
-        return {"structured_outputs": (self._structured_fields() or ["structured_outputs"])[0]}
+        return {"structured_outputs": (self.structured_fields() or ["structured_outputs"])[0]}
 
     def api_param(self, param: str | None) -> str | None:
         """The field of this request that an engine-side parameter name stands for."""
         return self.api_params().get(param, param) if param is not None else None
 
-    def _structured_fields(self) -> list[str]:
+    def structured_fields(self) -> list[str]:
         """The constraining fields this request sets (response_format "text" constrains nothing)."""
         return [f for f in self.STRUCTURED_FIELDS if getattr(self, f) is not None
                 and not (f == "response_format" and self.response_format.get("type", "text") == "text")]
@@ -169,7 +169,7 @@ class _SamplingFields(RequestBody):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint this request asks for, whichever field it used."""
-        used = self._structured_fields()
+        used = self.structured_fields()
         if len(used) > 1:
             raise InvalidRequestError(f"send one way of constraining the output, got {', '.join(used)}",
                                       param=used[1])
@@ -377,9 +377,9 @@ class ChatCompletionRequest(_SamplingFields):
                 raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
                                           param="continue_final_message")
         mode, _ = self.tool_mode()
-        if mode in ("required", "named") and self._structured_fields():
+        if mode in ("required", "named") and self.structured_fields():
             raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop "
-                                      f"{self._structured_fields()[0]}", param=self._structured_fields()[0])
+                                      f"{self.structured_fields()[0]}", param=self.structured_fields()[0])
 
 
 class TokenizeRequest(RequestBody):

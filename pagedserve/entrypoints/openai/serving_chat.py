@@ -178,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
             if req.parallel_tool_calls is False:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema)
-        if plan.mode == "auto" and not req._structured_fields():
+        if plan.mode == "auto" and not req.structured_fields():
             tag = plan.parser.structural_tag([t.function.model_dump() for t in req.tools],
                                              one_call=req.parallel_tool_calls is False)
             return StructuredOutputsParams(structural_tag=tag) if tag is not None else None

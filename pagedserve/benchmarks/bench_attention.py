@@ -6,7 +6,7 @@ softmax per layer.  The paged
 figure includes everything a real step pays: metadata built once, then per layer
 the K/V store by slot mapping, the gather and the attention.
 
-usage: python -m pagedserve.attention.bench [--backend cpu_paged] [--batch 32] [--ctx 150]
+usage: python -m pagedserve.benchmarks.bench_attention [--backend cpu_paged] [--batch 32] [--ctx 150]
          [--heads 9] [--kv-heads 3] [--head-dim 64] [--layers 30] [--block-size 16] [--dtype bfloat16]
          [--threads N] [--cpu-time] [--kernel-isa native|avx2|plain]
 
