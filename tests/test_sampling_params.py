@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
+from tests.hypothesis_budget import examples
 
 NUMERIC_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "max_tokens", "min_tokens", "logprobs")
@@ -19,7 +20,7 @@ HOSTILE = st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 10**30,
                            2**63, "1", "NaN", None, [], {}, True, b"x"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(field=st.sampled_from(NUMERIC_FIELDS), value=HOSTILE)
 def test_hostile_values_are_refused_cleanly_or_accepted_finite(field, value):
     try:

@@ -84,15 +84,15 @@ class CpuPagedBackend(TorchPagedBackend):
         is one kernel call that also stores the new K/V; at a small model's size the
         store's own tensor operations and this class's Python per layer were a tenth of
         a decode step.  Anything else takes the general path."""
-        md = attn_metadata
-        g, n = md.groups[0], md.common.num_actual_tokens
+        metadata = attn_metadata
+        g, n = metadata.groups[0], metadata.common.num_actual_tokens
         kernel = (self._kernel_for(query, k_cache)
-                  if md.identity and g.q_len == 1 and query.shape[0] == n and key.dtype == k_cache.dtype else None)
+                  if metadata.identity and g.q_len == 1 and query.shape[0] == n and key.dtype == k_cache.dtype else None)
         if kernel is None:
-            return super().forward(query, key, value, k_cache, v_cache, md)
-        self._zero_fresh_blocks(md, k_cache, v_cache)
+            return super().forward(query, key, value, k_cache, v_cache, metadata)
+        self._zero_fresh_blocks(metadata, k_cache, v_cache)
         return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,
-                      key, value, md.common.slot_mapping[:n])
+                      key, value, metadata.common.slot_mapping[:n])
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         ok = (is_cpu(query.device) and query.dtype in DTYPES and k_cache.dtype == query.dtype

@@ -230,27 +230,27 @@ class TorchPagedBackend(AttentionBackend):
                          kernel_table, s.int().to(dev) if decode else None, window or 0)
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
-        md = attn_metadata
-        num_tokens = md.common.num_actual_tokens
-        self._zero_fresh_blocks(md, k_cache, v_cache)
+        metadata = attn_metadata
+        num_tokens = metadata.common.num_actual_tokens
+        self._zero_fresh_blocks(metadata, k_cache, v_cache)
         store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
-                       md.common.slot_mapping[:num_tokens])
-        if md.identity and query.shape[0] == num_tokens:
-            return self._group_forward(md.groups[0], query, k_cache, v_cache, None)
+                       metadata.common.slot_mapping[:num_tokens])
+        if metadata.identity and query.shape[0] == num_tokens:
+            return self._group_forward(metadata.groups[0], query, k_cache, v_cache, None)
         # One scratch row past the real tokens takes the padded query rows' output.
         out = query.new_empty(max(query.shape[0], num_tokens + 1), self.num_heads, self.head_dim)
-        for g in md.groups:
+        for g in metadata.groups:
             self._group_forward(g, query, k_cache, v_cache, out)
         if query.shape[0] > num_tokens:
             out[num_tokens:].zero_()
         return out[: query.shape[0]]
 
     @staticmethod
-    def _zero_fresh_blocks(md: TorchPagedMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def _zero_fresh_blocks(metadata: TorchPagedMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Zero the blocks this step opens, before their first slot is written (see the module doc)."""
-        if md.fresh_blocks is not None:
-            k_cache.index_fill_(0, md.fresh_blocks, 0)
-            v_cache.index_fill_(0, md.fresh_blocks, 0)
+        if metadata.fresh_blocks is not None:
+            k_cache.index_fill_(0, metadata.fresh_blocks, 0)
+            v_cache.index_fill_(0, metadata.fresh_blocks, 0)
 
     def _group_forward(self, g: AttnGroup, query, k_cache, v_cache, out) -> torch.Tensor:
         """Attend one group; scatter into `out`, or with out=None return its [B*Q, H, D]."""

@@ -25,20 +25,20 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch_ref"
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: CommonAttentionMetadata):
-        md = attn_metadata
-        num_tokens = md.num_actual_tokens
-        store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
+        metadata = attn_metadata
+        num_tokens = metadata.num_actual_tokens
+        store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, metadata.slot_mapping[:num_tokens])
         out = torch.zeros_like(query)
         group = self.num_heads // self.num_kv_heads
         bs = self.block_size
-        for i in range(md.num_reqs):
-            q0, q1 = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-            n, ctx = q1 - q0, md.seq_lens_cpu[i]
+        for i in range(metadata.num_reqs):
+            q0, q1 = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+            n, ctx = q1 - q0, metadata.seq_lens_cpu[i]
             # Keys from the block holding the first query's window start (0 without a window).
-            w = md.sliding_window
+            w = metadata.sliding_window
             first = max(0, ctx - n - w + 1) // bs * bs if w is not None else 0
             nblocks = (ctx + bs - 1) // bs
-            blocks = md.block_table[i, first // bs:nblocks].long()
+            blocks = metadata.block_table[i, first // bs:nblocks].long()
             k = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
             v = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]

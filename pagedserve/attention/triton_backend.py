@@ -160,10 +160,10 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def build_capture_metadata(cls, common: CommonAttentionMetadata, num_kv_heads: int) -> TritonAttentionMetadata:
         """The host cannot re-plan the split-KV decode per replay: plan for the longest context."""
-        md = cls.build_metadata(common)
-        md.num_splits = plan_num_splits(common.num_reqs, num_kv_heads, common.max_seq_len,
+        metadata = cls.build_metadata(common)
+        metadata.num_splits = plan_num_splits(common.num_reqs, num_kv_heads, common.max_seq_len,
                                         num_sms(common.seq_lens.device))
-        return md
+        return metadata
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -205,16 +205,16 @@ class TritonAttentionBackend(AttentionBackend):
         if not get_kernels().interpreted and not is_cuda(query.device):
             raise ValueError(f"triton backend needs CUDA tensors, got {query.device}; to run the kernels in the "
                              "Triton interpreter (slow; for tests) set TRITON_INTERPRET=1 before triton is imported")
-        md = attn_metadata
-        if isinstance(md, CommonAttentionMetadata):
-            md = self.build_metadata(md)
-        elif not isinstance(md, TritonAttentionMetadata):
-            raise ValueError(f"triton backend got metadata of type {type(md).__name__}; "
+        metadata = attn_metadata
+        if isinstance(metadata, CommonAttentionMetadata):
+            metadata = self.build_metadata(metadata)
+        elif not isinstance(metadata, TritonAttentionMetadata):
+            raise ValueError(f"triton backend got metadata of type {type(metadata).__name__}; "
                              "build it with TritonAttentionBackend.build_metadata")
-        if id(self) not in md._checked:  # once per step and backend: every layer has the same shapes
+        if id(self) not in metadata._checked:  # once per step and backend: every layer has the same shapes
             self._check(query, key, value, k_cache, v_cache)
-            md._checked.add(id(self))
-        c = md.common
+            metadata._checked.add(id(self))
+        c = metadata.common
         num_tokens = c.num_actual_tokens
         if output is None:
             output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -226,10 +226,10 @@ class TritonAttentionBackend(AttentionBackend):
             return output
 
         self.store_kv(key, value, k_cache, v_cache, c.slot_mapping, num_tokens)
-        if md.num_decodes:
-            self.decode(query, k_cache, v_cache, md, output)
-        if md.extend_reqs:
-            self.extend(query, k_cache, v_cache, md, output)
+        if metadata.num_decodes:
+            self.decode(query, k_cache, v_cache, metadata, output)
+        if metadata.extend_reqs:
+            self.extend(query, k_cache, v_cache, metadata, output)
         return output
 
     # The three phases are public so the kernel benchmark can time each alone; they
@@ -244,35 +244,35 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_H=next_pow2(self.num_kv_heads, 1), BLOCK_D=next_pow2(self.head_dim),
         )
 
-    def decode(self, query, k_cache, v_cache, md: TritonAttentionMetadata, output) -> None:
-        kern, cfg, prec, common_args = self._launch(query, k_cache, md, output)
+    def decode(self, query, k_cache, v_cache, metadata: TritonAttentionMetadata, output) -> None:
+        kern, cfg, prec, common_args = self._launch(query, k_cache, metadata, output)
         h, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        splits = md.num_splits or plan_num_splits(md.num_decodes, hkv, md.max_decode_seq_len, num_sms(query.device))
+        splits = metadata.num_splits or plan_num_splits(metadata.num_decodes, hkv, metadata.max_decode_seq_len, num_sms(query.device))
         if splits > 1:
-            part_out, part_lse = md.split_scratch(h, splits, dim)
+            part_out, part_lse = metadata.split_scratch(h, splits, dim)
         else:
             part_out, part_lse = output, output  # unused by the kernel
         group = h // hkv
-        kern.decode_kernel[(md.num_decodes, hkv, splits)](
-            query, k_cache, v_cache, output, part_out, part_lse, *common_args[:3], md.decode_reqs, *common_args[3:],
+        kern.decode_kernel[(metadata.num_decodes, hkv, splits)](
+            query, k_cache, v_cache, output, part_out, part_lse, *common_args[:3], metadata.decode_reqs, *common_args[3:],
             NUM_HEADS=h, GROUP=group, HEAD_DIM=dim, CACHE_BLOCK=self.block_size,
             BLOCK_G=next_pow2(group), BLOCK_D=next_pow2(dim), BLOCK_N=cfg.decode_block_n, NUM_SPLITS=splits,
             UPCAST=kern.interpreted, DOT_PREC=prec, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
         )
         if splits > 1:
-            kern.decode_reduce_kernel[(md.num_decodes, h)](
-                part_out, part_lse, output, md.common.query_start_loc, md.decode_reqs,
+            kern.decode_reduce_kernel[(metadata.num_decodes, h)](
+                part_out, part_lse, output, metadata.common.query_start_loc, metadata.decode_reqs,
                 output.stride(0), output.stride(1),
                 NUM_HEADS=h, HEAD_DIM=dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits, 2),
                 BLOCK_D=next_pow2(dim), num_warps=4,
             )
 
-    def extend(self, query, k_cache, v_cache, md: TritonAttentionMetadata, output) -> None:
-        kern, cfg, prec, common_args = self._launch(query, k_cache, md, output)
+    def extend(self, query, k_cache, v_cache, metadata: TritonAttentionMetadata, output) -> None:
+        kern, cfg, prec, common_args = self._launch(query, k_cache, metadata, output)
         group = self.num_heads // self.num_kv_heads
         block_m = max(cfg.extend_block_m, next_pow2(group))
         block_q = block_m // group
-        tile_req, tile_q0, num_tiles = md.extend_tiles(block_q)
+        tile_req, tile_q0, num_tiles = metadata.extend_tiles(block_q)
         kern.extend_kernel[(num_tiles, self.num_kv_heads)](
             query, k_cache, v_cache, output, *common_args[:3], tile_req, tile_q0, *common_args[3:],
             GROUP=group, HEAD_DIM=self.head_dim, CACHE_BLOCK=self.block_size,
@@ -280,14 +280,14 @@ class TritonAttentionBackend(AttentionBackend):
             UPCAST=kern.interpreted, DOT_PREC=prec, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
         )
 
-    def _launch(self, query, k_cache, md: TritonAttentionMetadata, output):
+    def _launch(self, query, k_cache, metadata: TritonAttentionMetadata, output):
         """Arguments decode and extend share: block table, seq lens, query starts, then
         the strides, the softmax scale (base 2) and the sliding window (0: none)."""
         if self.config is None:
             self.config = default_config(k_cache.dtype, self.head_dim)
         # 3xTF32 keeps fp32 accuracy on tensor cores; other dtypes ignore the setting.
         prec = "tf32x3" if k_cache.dtype == torch.float32 else "tf32"
-        c, cs = md.common, k_cache.stride()
+        c, cs = metadata.common, k_cache.stride()
         args = (c.block_table, c.seq_lens, c.query_start_loc,
                 query.stride(0), query.stride(1), output.stride(0), output.stride(1),
                 c.block_table.stride(0), cs[0], cs[1], cs[2], self.scale * LOG2E, c.sliding_window or 0)

@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cont = [tuple(torch.randn(b, hkv, ctx, d, dtype=dt) for _ in range(2)) for _ in range(a.layers)]
 
     def paged_step():
-        md = cls.build_metadata(common)
+        metadata = cls.build_metadata(common)
         for kc, vc in caches:
-            impl.forward(q, k, v, kc, vc, md)
+            impl.forward(q, k, v, kc, vc, metadata)
 
     seq_lens = common.seq_lens
 

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from pagedserve.benchmarks import workloads as wl
-from pagedserve.benchmarks.soak import LaunchedServer
+from pagedserve.benchmarks.harness import PagedServe
 
 API_KEY = "bench-dashboard"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     if "page" in modes and not shutil.which(args.chromium):
         print(f"no Chromium at {args.chromium}: the 'page' mode is left out")
         modes.remove("page")
-    server = LaunchedServer([*shlex.split(args.launch), "--api-key", API_KEY, "--served-model-name", "bench"])
+    server = PagedServe([*shlex.split(args.launch), "--api-key", API_KEY, "--served-model-name", "bench"])
     try:
         run_burst(server.url, "bench")  # warm-up: kernels, allocator, caches
         results: dict[str, list[float]] = {m: [] for m in modes}

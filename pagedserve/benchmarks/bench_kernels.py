@@ -166,15 +166,15 @@ class Bench:
 
     def decode(self, b: int, ctx: int) -> None:
         q, k, v, kc, vc, common = self.batch([(ctx, 1)] * b)
-        md = self.tri.build_metadata(common)
+        metadata = self.tri.build_metadata(common)
         out = torch.empty_like(q)
         nbytes = self.kv_bytes(b * ctx) + self.qo_bytes(b)
         case = f"decode B={b} ctx={ctx}"
-        self.tri.forward(q, k, v, kc, vc, md, output=out)
+        self.tri.forward(q, k, v, kc, vc, metadata, output=out)
         err = self.check(out, q, k, v, kc, vc, common)
-        self.report(case, "triton decode", self.time_ms(lambda: self.tri.decode(q, kc, vc, md, out)), nbytes,
+        self.report(case, "triton decode", self.time_ms(lambda: self.tri.decode(q, kc, vc, metadata, out)), nbytes,
                     maxdiff=err)
-        self.report(case, "triton forward", self.time_ms(lambda: self.tri.forward(q, k, v, kc, vc, md, output=out)),
+        self.report(case, "triton forward", self.time_ms(lambda: self.tri.forward(q, k, v, kc, vc, metadata, output=out)),
                     nbytes + self.kv_bytes(b) * 2)
         self.report(case, "torch_ref", self.time_ms(lambda: self.ref.forward(q, k, v, kc, vc, common)), nbytes)
         qd = q.view(b, 1, self.a.heads, -1).transpose(1, 2)
@@ -182,27 +182,27 @@ class Bench:
                   for _ in range(2))
         self._sdpa(case, qd, kd, vd, nbytes, causal=None)
         if self.a.sweep:
-            self._sweep(case, nbytes, 0.0, lambda: self.tri.decode(q, kc, vc, md, out), decode=True, md=md)
+            self._sweep(case, nbytes, 0.0, lambda: self.tri.decode(q, kc, vc, metadata, out), decode=True, metadata=metadata)
 
     def extend(self, b: int, prefix: int, n: int) -> None:
         ctx = prefix + n
         q, k, v, kc, vc, common = self.batch([(ctx, n)] * b)
-        md = self.tri.build_metadata(common)
+        metadata = self.tri.build_metadata(common)
         out = torch.empty_like(q)
         a = self.a
         nbytes = self.kv_bytes(b * ctx) + self.qo_bytes(b * n)
         flops = 4 * a.heads * a.head_dim * b * (n * prefix + n * (n + 1) / 2)
         case = f"extend B={b} prefix={prefix} new={n}"
-        self.tri.forward(q, k, v, kc, vc, md, output=out)
+        self.tri.forward(q, k, v, kc, vc, metadata, output=out)
         err = self.check(out, q, k, v, kc, vc, common)
-        self.report(case, "triton extend", self.time_ms(lambda: self.tri.extend(q, kc, vc, md, out)), nbytes,
+        self.report(case, "triton extend", self.time_ms(lambda: self.tri.extend(q, kc, vc, metadata, out)), nbytes,
                     flops, maxdiff=err)
         self.report(case, "torch_ref", self.time_ms(lambda: self.ref.forward(q, k, v, kc, vc, common)), nbytes, flops)
         qd = q.view(b, n, a.heads, -1).transpose(1, 2)
         kd, vd = (torch.randn(b, a.kv_heads, ctx, a.head_dim, dtype=self.dtype, device=self.dev) for _ in range(2))
         self._sdpa(case, qd, kd, vd, nbytes, flops, causal=(n, ctx))
         if self.a.sweep:
-            self._sweep(case, nbytes, flops, lambda: self.tri.extend(q, kc, vc, md, out), decode=False, md=md)
+            self._sweep(case, nbytes, flops, lambda: self.tri.extend(q, kc, vc, metadata, out), decode=False, metadata=metadata)
 
     def mixed(self, decodes: list[tuple[int, int]], extends: list[tuple[int, int]]) -> None:
         specs = decodes + extends
@@ -213,11 +213,11 @@ class Bench:
         case = f"mixed {len(decodes)} decodes + {len(extends)} chunks"
         t0 = time.perf_counter()
         for _ in range(20):
-            md = self.tri.build_metadata(common)
+            metadata = self.tri.build_metadata(common)
         host_us = (time.perf_counter() - t0) / 20 * 1e6
-        self.tri.forward(q, k, v, kc, vc, md, output=out)
+        self.tri.forward(q, k, v, kc, vc, metadata, output=out)
         err = self.check(out, q, k, v, kc, vc, common)
-        self.report(case, "triton forward", self.time_ms(lambda: self.tri.forward(q, k, v, kc, vc, md, output=out)),
+        self.report(case, "triton forward", self.time_ms(lambda: self.tri.forward(q, k, v, kc, vc, metadata, output=out)),
                     nbytes, maxdiff=err, build_metadata_us=f"{host_us:.0f}")
         self.report(case, "torch_ref", self.time_ms(lambda: self.ref.forward(q, k, v, kc, vc, common)), nbytes)
 
@@ -249,7 +249,7 @@ class Bench:
             self.report(case, label, self.time_ms(fn), nbytes, flops)
             return
 
-    def _sweep(self, case, nbytes, flops, fn, decode: bool, md) -> None:
+    def _sweep(self, case, nbytes, flops, fn, decode: bool, metadata) -> None:
         """Retime one case over tile configs (and split counts for decode); print the best."""
         KC, default = self.KernelConfig, self.tri.config
         if decode:
@@ -268,9 +268,9 @@ class Bench:
         self.tri.config = default
         if decode:
             for splits in (1, 2, 4, 8, 16):
-                md.num_splits = splits
+                metadata.num_splits = splits
                 results.append((self.time_ms(fn), dict(num_splits=splits)))
-            md.num_splits = None
+            metadata.num_splits = None
         results.sort(key=lambda r: r[0])
         for ms, c in results[:3]:
             self.report(case, "sweep", ms, nbytes, flops, config=json.dumps(c).replace(" ", ""))

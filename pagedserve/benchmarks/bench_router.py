@@ -22,13 +22,12 @@ import argparse
 import asyncio
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import httpx
 
-from pagedserve.benchmarks.compare_llamacpp import PagedServer
+from pagedserve.benchmarks.harness import PagedServe, metric_samples
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import DEFAULT_MODEL
 
@@ -54,17 +53,10 @@ class RouterRun:
 
 def cache_counters(url: str, headers: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
     """{sample name: {engine label: value}} of the series this benchmark reads."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     wanted = {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "pagedserve:router_requests_total",
               "pagedserve:router_affinity_hits_total"}
-    text = httpx.get(url + "/metrics", timeout=10, headers=headers).text
-    out: dict[str, dict[str, float]] = {name: {} for name in wanted}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in wanted:
-                out[s.name][s.labels.get("engine", "0")] = s.value
-    return out
+    samples = metric_samples(httpx.get(url + "/metrics", timeout=10, headers=headers).text)
+    return {name: {labels.get("engine", "0"): value for labels, value in samples.get(name, [])} for name in wanted}
 
 
 async def _send_all(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
@@ -126,10 +118,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.prefix_len} tokens (+{args.suffix_len}), concurrency {args.concurrency}")
     print(f"{'policy':<14} {'hit rate':>9} {'affinity':>9} {'seconds':>8}  requests per replica")
     for policy in args.policies.split(","):
-        with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as log:
-            server = PagedServer(args.model, ["--data-parallel-size", str(args.data_parallel_size),
-                                              "--router-policy", policy, "--num-gpu-blocks-override",
-                                              str(args.num_blocks), "--disable-log-stats", *extra], log.name)
+        server = PagedServe([args.model, "--data-parallel-size", str(args.data_parallel_size), "--router-policy",
+                             policy, "--num-gpu-blocks-override", str(args.num_blocks), "--disable-log-stats", *extra])
         try:
             run = run_workload(server.url, args.model, prompts, args.max_tokens, args.concurrency)
         finally:

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +39,8 @@ from typing import Any
 
 import httpx
 
-from pagedserve.benchmarks.llamacpp import LlamaServer, LocalServer, ensure_llama_server, rss_bytes
+from pagedserve.benchmarks.harness import LocalServer, PagedServe, process_rss
+from pagedserve.benchmarks.llamacpp import LlamaServer, ensure_llama_server
 from pagedserve.benchmarks.random_gguf import SMOLLM2_1_7B, ensure_random_gguf
 from pagedserve.config import QUANT_ACTIVATION_BITS
 from pagedserve.cpu_info import describe_cpu
@@ -62,32 +62,11 @@ class Figures:
     kv_bytes: int = 0
 
 
-def tree_rss(pid: int) -> int:
-    """VmRSS of a process and all its descendants (pagedserve may run workers)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss_bytes(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return total
-
-
-class PagedServer(LocalServer):
-    """`pagedserve serve` in a subprocess on a loopback port."""
-
-    what = "pagedserve serve"
-    ready_timeout = 900.0
-
-    def __init__(self, model: str, args: list[str], log_path: str) -> None:
-        self.args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, *args, "--host", "127.0.0.1"]
-        super().__init__(log_path=log_path)
-
-    def command(self, port: int) -> list[str]:
-        return [*self.args, "--port", str(port)]
+def server_rss(server: LocalServer) -> int:
+    """The server's resident bytes: its process and its workers (pagedserve's tensor-parallel
+    ranks), not a passing compiler."""
+    sample = process_rss(server.proc.pid)
+    return sample.total if sample else 0
 
 
 async def completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
@@ -168,7 +147,7 @@ def measure(sides: list[tuple[Figures, Callable[[], LocalServer]]], batches: lis
             fig.load_s = time.perf_counter() - t0
         asyncio.run(run_phases(servers, batches))
         for fig, server in servers:
-            fig.rss_end = tree_rss(server.proc.pid)
+            fig.rss_end = server_rss(server)
     finally:
         for _, server in servers:
             server.stop()
@@ -241,15 +220,15 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
         side = "pagedserve" if bits == QUANT_ACTIVATION_BITS[0] else f"pagedserve, {bits}-bit activations"
         extra = ["--quant-activation-bits", str(bits), *args.pagedserve_args]
         sides.append((side,
-                      lambda extra=extra, tag=bits: PagedServer(
-                          model_arg, ["--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx),
-                                      "--kv-cache-memory-bytes", str(ps_kv), *extra],
+                      lambda extra=extra, tag=bits: PagedServe(
+                          [model_arg, "--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx),
+                           "--kv-cache-memory-bytes", str(ps_kv), *extra],
                           f"{logdir}/{name}-pagedserve-{tag}.log"),
                       # memory on its own start: one slot of --ctx-per-slot tokens (KV at most ~0.2 GB at the
                       # 1.7B shape), after one short request, so the figure is weights + runtime, not KV
-                      lambda extra=extra, tag=bits: PagedServer(
-                          model_arg, ["--max-num-seqs", "1", "--max-model-len", str(ctx),
-                                      "--kv-cache-memory-bytes", str(small_kv), *extra],
+                      lambda extra=extra, tag=bits: PagedServe(
+                          [model_arg, "--max-num-seqs", "1", "--max-model-len", str(ctx),
+                           "--kv-cache-memory-bytes", str(small_kv), *extra],
                           f"{logdir}/{name}-pagedserve-{tag}-mem.log"),
                       ps_kv))
     check_memory(gguf_path, ctx, [kv for *_, kv in sides])
@@ -258,7 +237,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     for fig, (_, _, start_small, _) in zip(out, sides, strict=True):
         with running(start_small) as server:
             asyncio.run(one_request(server.url))
-            fig.rss_load = tree_rss(server.proc.pid)
+            fig.rss_load = server_rss(server)
         print(f"  {fig.side}: {fig}", flush=True)
     return out
 
@@ -353,8 +332,8 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
     for ms in [None, *args.max_step_ms]:
         extra = [] if ms is None else ["--max-step-ms", str(ms)]
         name = "pagedserve" + ("" if ms is None else f" --max-step-ms {ms:g}")
-        sides.append((name, lambda extra=extra: PagedServer(
-            "smollm2-135m-instruct", ["--max-model-len", "512", *extra, *args.pagedserve_args],
+        sides.append((name, lambda extra=extra: PagedServe(
+            ["smollm2-135m-instruct", "--max-model-len", "512", *extra, *args.pagedserve_args],
             f"{logdir}/latency-pagedserve{'-'.join(extra)}.log")))
     lines = ["### guidellm-shaped load, default model: 16 in flight, 128 in / 64 out, 64 requests", "",
              "| | TTFT median, ms | ITL median, ms | decode-only ITL median, ms | ITL / decode-only | output tok/s |",

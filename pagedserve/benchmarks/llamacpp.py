@@ -15,16 +15,13 @@ import hashlib
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
+from pagedserve.benchmarks.harness import LocalServer
 from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
 from pagedserve.model_loader.sources import cache_dir
 
@@ -90,55 +87,6 @@ def _run(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"llama.cpp: {what} failed (exit {proc.returncode}):\n" + "\n".join(tail))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalServer:
-    """An HTTP server subprocess on a loopback port, ready once /health answers 200;
-    subclasses give `command(port)`, its command line.  Its output goes to `log_path`."""
-
-    what = "server"
-    ready_timeout = 300.0
-
-    def __init__(self, log_path: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.what} exited with {self.proc.returncode} (see {log_path})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.what} did not become ready in {self.ready_timeout:.0f} s (see {log_path})")
-
-    def command(self, port: int) -> list[str]:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def rss_bytes(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-
 class LlamaServer(LocalServer):
     """`llama-server -m GGUF` on a loopback port, `parallel` slots of `ctx_per_slot` tokens."""
 
@@ -154,18 +102,6 @@ class LlamaServer(LocalServer):
 
     def command(self, port: int) -> list[str]:
         return [*self.args, "--port", str(port)]
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (VmRSS), in bytes; 0 where /proc is not there."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 if __name__ == "__main__":

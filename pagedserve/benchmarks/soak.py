@@ -37,14 +37,13 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
-from pagedserve.benchmarks.llamacpp import LocalServer, rss_bytes
+from pagedserve.benchmarks.harness import PagedServe, RssSample, metric_samples, process_rss
 
 # vLLM's metric names, which pagedserve's /metrics uses (pagedserve/metrics.py).
 METRIC_RUNNING = "vllm:num_requests_running"
@@ -409,76 +408,13 @@ class StreamCheck:
 
 # --------------------------------------------------------------------------- server facts
 def gauges_from_metrics(text: str) -> ServerGauges:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    samples = metric_samples(text)
 
     def total(name: str) -> float | None:
         return sum(v for _, v in samples[name]) if name in samples else None
 
     aborts = sum(v for labels, v in samples.get(METRIC_SUCCESS, []) if labels.get("finished_reason") == "abort")
     return ServerGauges(total(METRIC_RUNNING), total(METRIC_WAITING), total(METRIC_KV_USAGE), aborts)
-
-
-@dataclass
-class RssSample:
-    """Resident bytes of the server: its own process, its children that run the same
-    executable (tensor-parallel workers: part of the server), and apart from those any other
-    descendant (a compiler a kernel build started, which comes and goes and is not the
-    server's memory; on a clean machine it can hold a gigabyte mid-build)."""
-
-    main: int
-    workers: int = 0
-    num_workers: int = 0
-    transient: int = 0
-    num_transient: int = 0
-
-    @property
-    def total(self) -> int:
-        """What the RSS condition compares: the server's own processes."""
-        return self.main + self.workers
-
-
-def process_rss(pid: int) -> RssSample | None:
-    """RSS of a process and all its descendants (from /proc); None if it is gone."""
-
-    def children(p: int) -> list[int]:
-        out: list[int] = []
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    out += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-        return out
-
-    def exe(p: int) -> str | None:
-        try:
-            return os.readlink(f"/proc/{p}/exe")
-        except OSError:
-            return None
-
-    main = rss_bytes(pid)
-    if not main:
-        return None
-    sample = RssSample(main)
-    server_exe = exe(pid)
-    todo = children(pid)
-    while todo:
-        c = todo.pop()
-        rss = rss_bytes(c)
-        if rss:
-            if server_exe is not None and exe(c) == server_exe:
-                sample.workers += rss
-                sample.num_workers += 1
-            else:
-                sample.transient += rss
-                sample.num_transient += 1
-            todo += children(c)
-    return sample
 
 
 @dataclass
@@ -520,25 +456,6 @@ def _log_size(path: str | None) -> int:
         return os.path.getsize(path) if path else 0
     except OSError:
         return 0
-
-
-class LaunchedServer(LocalServer):
-    """`pagedserve serve ARGS` started by the soak; its output goes to a log file (kept,
-    and named on failure), a temporary one unless given."""
-
-    what = "pagedserve serve"
-    ready_timeout = 600.0
-
-    def __init__(self, args: list[str], log_path: str | None = None) -> None:
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="pagedserve-soak-", suffix=".log")
-            os.close(fd)
-        self.args, self.log_path = args, log_path
-        super().__init__(log_path=log_path)
-
-    def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *self.args,
-                "--host", "127.0.0.1", "--port", str(port)]
 
 
 # --------------------------------------------------------------------------- the run
@@ -964,13 +881,13 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run a soak as the CLI flags say; print the report and return the summary."""
     args = make_parser().parse_args(argv)
-    server: LaunchedServer | None = None
+    server: PagedServe | None = None
     api_key, pid, base_url, server_log = args.api_key, args.pid, args.base_url, args.server_log
     if args.launch is not None:
         launch_args = shlex.split(args.launch)
         if api_key is None and "--api-key" in launch_args[:-1]:
             api_key = launch_args[launch_args.index("--api-key") + 1]
-        server = LaunchedServer(launch_args, args.server_log)
+        server = PagedServe(launch_args, args.server_log)
         base_url, pid, server_log = server.url, server.proc.pid, server.log_path
         log(f"soak: launched the server (pid {pid}, log {server.log_path})")
     cfg = SoakConfig(

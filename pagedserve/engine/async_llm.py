@@ -105,7 +105,7 @@ class _ReqStats:
 
 
 @dataclass
-class _Add:
+class _AddRequestCommand:
     request_id: str
     prompt: Any
     params: SamplingParams
@@ -252,7 +252,7 @@ class AsyncLLM:
         collector = OutputCollector()
         self._collectors[request_id] = collector
         future = self._loop.create_future()
-        self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), future))
+        self._send(_AddRequestCommand(request_id, prompt, sampling_params, priority, time.monotonic(), future))
         self._pending_adds += 1
         try:
             await future
@@ -355,7 +355,7 @@ class AsyncLLM:
             except queue.Empty:
                 return did_work
             did_work = True
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _AddRequestCommand):
                 self._add(cmd)
             elif cmd[0] == "watch":
                 self._watcher = cmd[1]
@@ -375,7 +375,7 @@ class AsyncLLM:
         self._next_snapshot = now + SNAPSHOT_INTERVAL
         self._call_soon(self._watcher, snapshot, time.perf_counter() - t0)
 
-    def _add(self, cmd: _Add) -> None:
+    def _add(self, cmd: _AddRequestCommand) -> None:
         if cmd.future.cancelled():
             return
         try:
@@ -462,7 +462,7 @@ class AsyncLLM:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, _Add) and not cmd.future.done():
+            if isinstance(cmd, _AddRequestCommand) and not cmd.future.done():
                 cmd.future.set_exception(_dead(error))
 
 

@@ -45,7 +45,7 @@ from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import cdiv, is_int, record_startup, startup_breakdown
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -555,7 +555,7 @@ class LLMEngine:
         return self.structured_output.backend_name
 
     def get_stats(self) -> EngineStats:
-        kvm, op, so = self.kv_cache_manager, self.output_processor, self.structured_output
+        kvm, op, structured = self.kv_cache_manager, self.output_processor, self.structured_output
         spec = self.scheduler.spec_stats
         tier = self.model_executor.kv_tier
         num_running, num_waiting = self.scheduler.get_request_counts()
@@ -568,8 +568,8 @@ class LLMEngine:
             kv_offload_invalid_blocks=tier.num_invalid if tier is not None else 0,
             num_prompt_tokens=op.num_prompt_tokens, num_generation_tokens=op.num_generation_tokens,
             num_structured_requests=self.scheduler.num_grammar_requests,
-            grammar_compiles=so.num_compiled, grammar_cache_hits=so.num_cache_hits,
-            grammar_compile_seconds=so.compile_seconds,
+            grammar_compiles=structured.num_compiled, grammar_cache_hits=structured.num_cache_hits,
+            grammar_compile_seconds=structured.compile_seconds,
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),

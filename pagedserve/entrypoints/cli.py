@@ -111,7 +111,7 @@ def _call_main(module: Any, prog: str, argv: list[str]) -> None:
         module.main()
 
 
-def _load(ns: argparse.Namespace):
+def _build_engine(ns: argparse.Namespace):
     """The engine for `generate` and `chat`.  These interactive commands do not compile
     the model unless asked (--torch-compile): torch.compile takes 10-25 s at start-up
     and gains 20-40% of decode speed (SmolLM2 Q4_1, Zen 4: 90 against 64-73 tok/s one
@@ -131,7 +131,7 @@ def _load(ns: argparse.Namespace):
 def cmd_generate(ns: argparse.Namespace) -> None:
     from pagedserve.entrypoints.llm import LLM
 
-    llm = LLM.from_engine(_load(ns))
+    llm = LLM.from_engine(_build_engine(ns))
     engine = llm.llm_engine
     use_chat = ns.chat
     if use_chat is None:
@@ -165,7 +165,7 @@ def _conversation(system: str | None, user: str) -> list[dict[str, str]]:
 def cmd_chat(ns: argparse.Namespace) -> None:
     from pagedserve.engine.output_processor import RequestOutputKind
 
-    engine = _load(ns)
+    engine = _build_engine(ns)
     params = _sampling_params(ns)
     base = [{"role": "system", "content": ns.system}] if ns.system else []
     history = list(base)

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.core.kv_tier import KVTier
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.runner_output import ModelRunnerOutput
 
 
 class PendingModelOutput(Protocol):

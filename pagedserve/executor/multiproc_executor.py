@@ -52,7 +52,7 @@ from pagedserve.distributed.shm_broadcast import ShmBroadcaster
 from pagedserve.executor.abstract import PendingModelOutput
 from pagedserve.executor.worker_proc import SHUTDOWN, TPWorker, WorkerArgs, worker_main
 from pagedserve.platforms import is_cpu, is_cuda
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve")
 T = TypeVar("T")

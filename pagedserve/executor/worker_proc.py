@@ -35,7 +35,7 @@ from pagedserve.distributed.parallel_state import (
 )
 from pagedserve.distributed.shm_broadcast import ReaderHandle, ShmReader
 from pagedserve.platforms import is_cuda
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.runner_output import ModelRunnerOutput
 
 SHUTDOWN = "shutdown"
 

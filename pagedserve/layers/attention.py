@@ -38,8 +38,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        md = get_forward_context().attn_metadata
-        if md is None or self.kv_cache is None:
+        metadata = get_forward_context().attn_metadata
+        if metadata is None or self.kv_cache is None:
             # Profiling / no cache yet: the whole batch as one causal sequence.
             mask = None
             if self.sliding_window is not None and t > self.sliding_window:
@@ -50,5 +50,5 @@ class Attention(nn.Module):
                 is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
             ).transpose(0, 1)
         else:
-            o = self.impl.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], md[self.kv_cache_group])
+            o = self.impl.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], metadata[self.kv_cache_group])
         return o.reshape(t, self.num_heads * self.head_dim)

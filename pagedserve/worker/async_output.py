@@ -15,8 +15,8 @@ import torch
 
 from pagedserve.core.sched_output import GrammarBitmask
 from pagedserve.platforms import is_cuda
-from pagedserve.worker.outputs import NO_TOKEN_LEFT, LogprobsEntry, ModelRunnerOutput, logprobs_entries
 from pagedserve.worker.rejection_sampler import DraftVerdict
+from pagedserve.worker.runner_output import NO_TOKEN_LEFT, LogprobsEntry, ModelRunnerOutput, logprobs_entries
 from pagedserve.worker.sampler import SamplerOutput
 
 _FIELDS = ("sampled_token_ids", "invalid", "no_token", "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")

@@ -53,18 +53,18 @@ class InputBatch:
         self._parked_generators: dict[str, torch.Generator] = {}
 
     # ----------------------------------------------------------- state updates
-    def update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+    def update_states(self, sched_out: SchedulerOutput) -> None:
+        for req_id in sched_out.finished_req_ids:
             self.remove_request(req_id)
             self._parked_generators.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
+        for req_id in sched_out.preempted_req_ids:
             gen = self.generators.get(self.req_id_to_row.get(req_id, -1))
             self.remove_request(req_id)
             if gen is not None:
                 self._parked_generators[req_id] = gen
-        for new in so.scheduled_new_reqs:
+        for new in sched_out.scheduled_new_reqs:
             self.add_request(new)
-        self.update_cached(so.scheduled_cached_reqs)
+        self.update_cached(sched_out.scheduled_cached_reqs)
 
     def add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.req_id_to_row:
@@ -163,35 +163,35 @@ class InputBatch:
         device)."""
         params = [self.params[r] for r in rows]
         greedy = [p.is_greedy for p in params]
-        md = SamplingMetadata(all_greedy=all(greedy), all_random=not any(greedy))
+        metadata = SamplingMetadata(all_greedy=all(greedy), all_random=not any(greedy))
 
         def col(values, dtype=torch.float32) -> torch.Tensor:
             return self.upload(torch.tensor(values, dtype=dtype))
 
-        if not md.all_greedy:
-            md.temperature = col([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
-            if not md.all_random:
-                md.greedy = col(greedy, torch.bool)
+        if not metadata.all_greedy:
+            metadata.temperature = col([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+            if not metadata.all_random:
+                metadata.greedy = col(greedy, torch.bool)
             vocab = self.vocab_size
             ks = [p.top_k if 0 < p.top_k < vocab and not g else vocab for p, g in zip(params, greedy, strict=True)]
             if any(k < vocab for k in ks):
-                md.top_k = col(ks, torch.long)
+                metadata.top_k = col(ks, torch.long)
             if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)):
-                md.top_p = col([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)])
+                metadata.top_p = col([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)])
             if any(p.min_p > 0 and not g for p, g in zip(params, greedy, strict=True)):
-                md.min_p = col([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
-            md.generators = {i: self.generators[r] for i, r in enumerate(rows) if r in self.generators}
-            if md.generators or not md.all_random:
-                unseeded = [i for i, g in enumerate(greedy) if not g and i not in md.generators]
-                md.unseeded_random_rows = col(unseeded, torch.long)
-        self._penalties(md, rows, params, pending)
-        self._min_tokens(md, rows, params, pending)
-        self._logit_edits(md, params)
+                metadata.min_p = col([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
+            metadata.generators = {i: self.generators[r] for i, r in enumerate(rows) if r in self.generators}
+            if metadata.generators or not metadata.all_random:
+                unseeded = [i for i, g in enumerate(greedy) if not g and i not in metadata.generators]
+                metadata.unseeded_random_rows = col(unseeded, torch.long)
+        self._penalties(metadata, rows, params, pending)
+        self._min_tokens(metadata, rows, params, pending)
+        self._logit_edits(metadata, params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(wanted) if wanted else None
-        return md
+        metadata.max_num_logprobs = max(wanted) if wanted else None
+        return metadata
 
-    def _penalties(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams],
+    def _penalties(self, metadata: SamplingMetadata, rows: list[int], params: list[SamplingParams],
                    pending: tuple[list[int], torch.Tensor] | None) -> None:
         rep = any(p.repetition_penalty != 1.0 for p in params)
         freq = any(p.frequency_penalty != 0.0 for p in params)
@@ -204,7 +204,7 @@ class InputBatch:
 
         start, end = self.num_prompt_tokens[rows], self.num_tokens[rows]
         if pending is None or not pending[0]:
-            md.output_token_ids = self._padded_tokens(rows, start, end)
+            metadata.output_token_ids = self._padded_tokens(rows, start, end)
         else:  # one more column for each pending token, filled in on the device
             idx, tokens = pending
             end = end.copy()
@@ -212,15 +212,15 @@ class InputBatch:
             ids = self._padded_tokens(rows, start, end, valid_end=self.num_tokens[rows])
             cols = end[idx] - 1 - start[idx]
             ids[self.upload(torch.tensor(idx)), self.upload(torch.from_numpy(cols))] = tokens
-            md.output_token_ids = ids
+            metadata.output_token_ids = ids
         if rep:
-            md.repetition_penalty = col("repetition_penalty")
-            md.prompt_token_ids = self._padded_tokens(rows, np.zeros(len(rows), np.int64),
+            metadata.repetition_penalty = col("repetition_penalty")
+            metadata.prompt_token_ids = self._padded_tokens(rows, np.zeros(len(rows), np.int64),
                                                       self.num_prompt_tokens[rows])
         if freq:
-            md.frequency_penalty = col("frequency_penalty")
+            metadata.frequency_penalty = col("frequency_penalty")
         if pres:
-            md.presence_penalty = col("presence_penalty")
+            metadata.presence_penalty = col("presence_penalty")
 
     def _padded_tokens(self, rows: list[int], start: np.ndarray, end: np.ndarray,
                        valid_end: np.ndarray | None = None) -> torch.Tensor:
@@ -234,7 +234,7 @@ class InputBatch:
         ids = np.where(valid, ids, self.vocab_size).astype(np.int64)
         return self.upload(torch.from_numpy(ids))
 
-    def _min_tokens(self, md: SamplingMetadata, rows: list[int], params: list[SamplingParams],
+    def _min_tokens(self, metadata: SamplingMetadata, rows: list[int], params: list[SamplingParams],
                     pending: tuple[list[int], torch.Tensor] | None) -> None:
         """Tokens to forbid this step, as (row, token) pairs: EOS and stop ids before
         min_tokens, and the last token of a bad word whose other tokens the output ends
@@ -261,21 +261,21 @@ class InputBatch:
                         ban_rows.append(i)
                         ban_tokens.append(seq[-1])
         if ban_rows:
-            md.banned_rows = self.upload(torch.tensor(ban_rows, dtype=torch.long))
-            md.banned_tokens = self.upload(torch.tensor(ban_tokens, dtype=torch.long))
+            metadata.banned_rows = self.upload(torch.tensor(ban_rows, dtype=torch.long))
+            metadata.banned_tokens = self.upload(torch.tensor(ban_tokens, dtype=torch.long))
 
-    def _logit_edits(self, md: SamplingMetadata, params: list[SamplingParams]) -> None:
+    def _logit_edits(self, metadata: SamplingMetadata, params: list[SamplingParams]) -> None:
         """logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token)
         pairs that stay, every other token of those rows forbidden."""
         bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
         if bias:
             r, t, b = zip(*bias, strict=True)
-            md.bias_rows = self.upload(torch.tensor(r, dtype=torch.long))
-            md.bias_tokens = self.upload(torch.tensor(t, dtype=torch.long))
-            md.bias_values = self.upload(torch.tensor(b, dtype=torch.float32))
+            metadata.bias_rows = self.upload(torch.tensor(r, dtype=torch.long))
+            metadata.bias_tokens = self.upload(torch.tensor(t, dtype=torch.long))
+            metadata.bias_values = self.upload(torch.tensor(b, dtype=torch.float32))
         allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids for t in p.allowed_token_ids]
         if allowed:
             r, t = zip(*allowed, strict=True)
-            md.allowed_rows = self.upload(torch.tensor(sorted(set(r)), dtype=torch.long))
-            md.allowed_pairs = (self.upload(torch.tensor(r, dtype=torch.long)),
+            metadata.allowed_rows = self.upload(torch.tensor(sorted(set(r)), dtype=torch.long))
+            metadata.allowed_pairs = (self.upload(torch.tensor(r, dtype=torch.long)),
                                 self.upload(torch.tensor(t, dtype=torch.long)))

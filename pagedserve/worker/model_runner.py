@@ -50,8 +50,8 @@ from pagedserve.worker.cuda_graph import (
     padded_size,
 )
 from pagedserve.worker.input_batch import InputBatch
-from pagedserve.worker.outputs import LogprobsEntry, ModelRunnerOutput, logprobs_entries
 from pagedserve.worker.rejection_sampler import DraftVerdict, verify_drafts
+from pagedserve.worker.runner_output import LogprobsEntry, ModelRunnerOutput, logprobs_entries
 from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve")
@@ -397,8 +397,8 @@ class ModelRunner:
         out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
                                      prompt_logprobs=prompt_logprobs)
         if draft_logits is not None:
-            md = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
-            verdicts = verify_drafts(self.sampler, draft_logits, md, [drafts[r] for r in spec_ids])
+            metadata = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
+            verdicts = verify_drafts(self.sampler, draft_logits, metadata, [drafts[r] for r in spec_ids])
             out.set_draft_verdicts(drafts, dict(zip(spec_ids, verdicts, strict=True)),
                                    self._draft_logprobs(spec_ids, drafts, verdicts, draft_logits))
 
@@ -542,14 +542,14 @@ class ModelRunner:
         self._dev["input_ids"].index_copy_(0, both[:p], tokens)
         return tokens
 
-    def _prepare_inputs(self, req_ids: list[str], so: SchedulerOutput, overlap: bool = False) -> StepInputs:
+    def _prepare_inputs(self, req_ids: list[str], sched_out: SchedulerOutput, overlap: bool = False) -> StepInputs:
         """Fill this step's host buffers (and start their copies to the device), in four
         named steps: which InputBatch rows run and how many tokens each (`_step_shape`),
         the per-token buffers (`_fill_token_buffers`), the block table
         (`_fill_block_table`), and the attention metadata plus the rows that sample.  A
         decode-only step that a CUDA graph covers is padded to the graph's batch size."""
         ib, bufs = self.input_batch, self._np
-        rows, num_new, computed = self._step_shape(req_ids, so)
+        rows, num_new, computed = self._step_shape(req_ids, sched_out)
         num_reqs, num_tokens = len(req_ids), int(num_new.sum())
         seq_lens = computed + num_new
         known = ib.num_tokens[rows]
@@ -559,8 +559,8 @@ class ModelRunner:
             prev = self._prev_index
             pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, num_reqs)
         total = known + pending
-        if so.scheduled_spec_decode_tokens:  # drafts sit in the token rows past the known tokens
-            spec = so.scheduled_spec_decode_tokens
+        if sched_out.scheduled_spec_decode_tokens:  # drafts sit in the token rows past the known tokens
+            spec = sched_out.scheduled_spec_decode_tokens
             total = total + np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, num_reqs)
         bad = (num_new <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * self.block_size)
         if bad.any():
@@ -592,7 +592,7 @@ class ModelRunner:
         return StepInputs(num_reqs, num_tokens, common, graph_size, qsl[1: num_reqs + 1][sample] - 1,
                           np.flatnonzero(sample).tolist(), pending)
 
-    def _step_shape(self, req_ids: list[str], so: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _step_shape(self, req_ids: list[str], sched_out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(InputBatch row, tokens scheduled, tokens already computed) per request, in
         step order; the step must fit the budgets the buffers were sized for."""
         ib, num_reqs = self.input_batch, len(req_ids)
@@ -600,7 +600,7 @@ class ModelRunner:
             rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int64, num_reqs)
         except KeyError as e:
             raise ValueError(f"scheduled request {e.args[0]!r} is unknown to the model runner") from None
-        num_new = np.fromiter(so.num_scheduled_tokens.values(), np.int64, num_reqs)
+        num_new = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, num_reqs)
         num_tokens = int(num_new.sum())
         if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_reqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds max_num_batched_tokens="

@@ -38,7 +38,7 @@ class DraftVerdict:
     invalid: bool = False
 
 
-def verify_drafts(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata,
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMetadata,
                   drafts: list[list[int]]) -> list[DraftVerdict]:
     """`logits`: [sum of len(d) for d in drafts, vocab], the rows that predict each draft,
     request by request; `md`: their sampling knobs (a request's row repeated per draft)."""
@@ -47,20 +47,20 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata,
     targets = torch.tensor(flat, dtype=torch.long, device=logits.device)
     best, argmax = logits.max(-1)
     invalid = ~torch.isfinite(best)
-    if md.all_greedy:
+    if metadata.all_greedy:
         accept, replacement = argmax == targets, argmax
     else:
-        probs = sampler.processed_probs(logits, md, invalid)
+        probs = sampler.processed_probs(logits, metadata, invalid)
         p_draft = probs.gather(1, targets[:, None]).squeeze(1)
-        accept = sampler.uniform(md, logits.device) < p_draft
+        accept = sampler.uniform(metadata, logits.device) < p_draft
         # p without the draft; a row whose whole mass was on the draft always accepts it,
         # but the draw below still needs a row with some mass.
         residual = probs.scatter(1, targets[:, None], 0.0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-        replacement = sampler.draw(residual, md)
-        if md.greedy is not None:
-            accept = torch.where(md.greedy, argmax == targets, accept)
-            replacement = torch.where(md.greedy, argmax, replacement)
+        replacement = sampler.draw(residual, metadata)
+        if metadata.greedy is not None:
+            accept = torch.where(metadata.greedy, argmax == targets, accept)
+            replacement = torch.where(metadata.greedy, argmax, replacement)
     accept_l, repl_l, invalid_l = accept.tolist(), replacement.tolist(), invalid.tolist()
     verdicts: list[DraftVerdict] = []
     row = 0

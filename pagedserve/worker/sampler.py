@@ -81,106 +81,106 @@ class Sampler:
         # that whole runs are reproducible.
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
-        logits = self.apply_penalties(logits, md)
-        self.apply_logit_edits(logits, md)
+        raw_logprobs = logits.log_softmax(-1) if metadata.max_num_logprobs is not None else None
+        logits = self.apply_penalties(logits, metadata)
+        self.apply_logit_edits(logits, metadata)
         best, argmax = logits.max(-1)
         invalid = ~torch.isfinite(best)  # NaN anywhere, +inf, or nothing left to sample
-        if md.all_greedy:
+        if metadata.all_greedy:
             sampled = argmax
         else:
-            sampled = self.sample_random(logits, md, invalid)
-            if md.greedy is not None:
-                sampled = torch.where(md.greedy, argmax, sampled)
+            sampled = self.sample_random(logits, metadata, invalid)
+            if metadata.greedy is not None:
+                sampled = torch.where(metadata.greedy, argmax, sampled)
         out = SamplerOutput(sampled.masked_fill(invalid, 0), invalid=invalid, no_token=best == float("-inf"))
         if raw_logprobs is not None:
-            self.gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
+            self.gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs, out)
         return out
 
     @staticmethod
-    def apply_logit_edits(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         """logit_bias, allowed_token_ids and forbidden tokens (min_tokens, bad words), in
         place; each is skipped when no row uses it."""
-        if md.bias_rows is not None:
-            logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
-        if md.allowed_rows is not None:
+        if metadata.bias_rows is not None:
+            logits.index_put_((metadata.bias_rows, metadata.bias_tokens), metadata.bias_values, accumulate=True)
+        if metadata.allowed_rows is not None:
             keep = torch.zeros_like(logits, dtype=torch.bool)
-            keep[md.allowed_pairs] = True
-            outside = ~keep[md.allowed_rows]
-            logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(outside, float("-inf"))
-        if md.banned_rows is not None:
-            logits[md.banned_rows, md.banned_tokens] = float("-inf")
+            keep[metadata.allowed_pairs] = True
+            outside = ~keep[metadata.allowed_rows]
+            logits[metadata.allowed_rows] = logits[metadata.allowed_rows].masked_fill(outside, float("-inf"))
+        if metadata.banned_rows is not None:
+            logits[metadata.banned_rows, metadata.banned_tokens] = float("-inf")
 
     @staticmethod
-    def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         n, vocab = logits.shape
-        if md.repetition_penalty is not None:
+        if metadata.repetition_penalty is not None:
             seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
-            for ids in (md.prompt_token_ids, md.output_token_ids):
+            for ids in (metadata.prompt_token_ids, metadata.output_token_ids):
                 if ids is not None:
                     seen.scatter_(1, ids, True)
             seen = seen[:, :vocab]
-            pen = md.repetition_penalty
+            pen = metadata.repetition_penalty
             penalised = torch.where(logits > 0, logits / pen, logits * pen)
             logits = torch.where(seen, penalised, logits)
-        if md.frequency_penalty is not None or md.presence_penalty is not None:
-            ids = md.output_token_ids
+        if metadata.frequency_penalty is not None or metadata.presence_penalty is not None:
+            ids = metadata.output_token_ids
             counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
             if ids is not None:
                 counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
             counts = counts[:, :vocab]
-            if md.frequency_penalty is not None:
-                logits = logits - md.frequency_penalty * counts
-            if md.presence_penalty is not None:
-                logits = logits - md.presence_penalty * (counts > 0).to(logits.dtype)
+            if metadata.frequency_penalty is not None:
+                logits = logits - metadata.frequency_penalty * counts
+            if metadata.presence_penalty is not None:
+                logits = logits - metadata.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
-    def sample_random(self, logits: torch.Tensor, md: SamplingMetadata,
+    def sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata,
                       invalid: torch.Tensor | None = None) -> torch.Tensor:
         """One categorical draw per row; `invalid` rows draw from a uniform stand-in
         (their token is discarded) so that the draw itself cannot fail."""
-        return self.draw(self.processed_probs(logits, md, invalid), md)
+        return self.draw(self.processed_probs(logits, metadata, invalid), metadata)
 
     @staticmethod
-    def processed_probs(logits: torch.Tensor, md: SamplingMetadata,
+    def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata,
                         invalid: torch.Tensor | None = None) -> torch.Tensor:
         """The distribution a random row samples from: temperature, min_p, top-k/top-p."""
-        logits = logits / md.temperature[:, None]
+        logits = logits / metadata.temperature[:, None]
         if invalid is not None:
             logits.masked_fill_(invalid[:, None], 0.0)
-        if md.min_p is not None:
+        if metadata.min_p is not None:
             probs = logits.softmax(-1)
-            threshold = probs.amax(-1, keepdim=True) * md.min_p[:, None]
+            threshold = probs.amax(-1, keepdim=True) * metadata.min_p[:, None]
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if md.top_p is not None:
-            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
-        elif md.top_k is not None:
-            logits = _apply_top_k(logits, md.top_k)
+        if metadata.top_p is not None:
+            logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        elif metadata.top_k is not None:
+            logits = _apply_top_k(logits, metadata.top_k)
         return logits.softmax(-1)
 
-    def draw(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """One token per row from `probs` (rows need not be normalised), seeded rows from
         their own generators."""
         # With replacement, multinomial draws one uniform and searches the cumulative
         # distribution: far cheaper on CPU than vocab-many exponentials (its
         # no-replacement path), and the same distribution.
         sampled = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        rows = md.unseeded_random_rows
+        rows = metadata.unseeded_random_rows
         if rows is None:
             sampled = torch.multinomial(probs, 1, True, generator=self.generator).squeeze(1)
         elif rows.numel():
             sampled[rows] = torch.multinomial(probs[rows], 1, True, generator=self.generator).squeeze(1)
-        for row, gen in md.generators.items():
+        for row, gen in metadata.generators.items():
             sampled[row] = torch.multinomial(probs[row], 1, True, generator=gen)[0]
         return sampled
 
-    def uniform(self, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    def uniform(self, metadata: SamplingMetadata, device: torch.device) -> torch.Tensor:
         """One uniform draw in [0, 1) per row, from the same generators `draw` uses."""
-        n = len(md.temperature) if md.temperature is not None else 0
+        n = len(metadata.temperature) if metadata.temperature is not None else 0
         u = torch.rand(n, generator=self.generator, device=device)
-        for row, gen in md.generators.items():
+        for row, gen in metadata.generators.items():
             u[row] = torch.rand(1, generator=gen, device=device)[0]
         return u
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.ngram_proposer import NgramProposer, SpecDecodingStats
+from tests.hypothesis_budget import examples
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -48,7 +49,7 @@ def test_a_byte_match_straddling_two_ids_is_not_a_match() -> None:
     assert p.propose(tokens, 2) == []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(tokens=st.lists(st.sampled_from([0, 1, 2, 256, 65536, 2**24, 2**31 - 1]), min_size=0, max_size=40),
        k=st.integers(1, 6), min_n=st.integers(1, 3), extra=st.integers(0, 3))
 def test_matches_the_reference(tokens: list[int], k: int, min_n: int, extra: int) -> None:

@@ -22,6 +22,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
+from tests.hypothesis_budget import examples
 
 VOCAB = 21
 
@@ -354,7 +355,7 @@ class AsyncSchedulerMachine(RuleBasedStateMachine):
 
 
 AsyncSchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=examples(150), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase

@@ -14,6 +14,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.snapshot import block_state
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
+from tests.hypothesis_budget import examples
 
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [11] * 12]
 VOCAB = 21  # small, so EOS (0) and stop ids come up by chance
@@ -289,7 +290,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=400,
+    max_examples=examples(400),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.worker.outputs import LogprobsEntry
+from pagedserve.worker.runner_output import LogprobsEntry
 
 
 @dataclass

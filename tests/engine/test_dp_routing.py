@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pagedserve.engine.data_parallel import ReplicaRefusal, routing_tokens
 from pagedserve.errors import InvalidRequestError
+from tests.hypothesis_budget import examples
 
 
 class _Tok:
@@ -32,7 +33,7 @@ json_like = st.recursive(st.none() | st.booleans() | st.integers() | st.floats()
                                                                                     max_size=4), max_leaves=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(prompt=json_like | st.dictionaries(st.sampled_from(["prompt", "prompt_token_ids", "cache_salt"]), json_like))
 def test_routing_never_fails_a_request(prompt):
     ids, salt = routing_tokens(prompt, _Tok())

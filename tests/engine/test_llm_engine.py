@@ -11,6 +11,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_runner import make_engine, run_to_completion
 from tests.engine.helpers import make_tokenizer
+from tests.hypothesis_budget import examples
 
 TEXT = "héllo wörld, 你好 the quick brown fox jumps over the lazy dog."
 
@@ -281,7 +282,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "prese
                    "repetition_penalty", "max_tokens", "min_tokens", "logprobs")
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(field=st.sampled_from(SAMPLING_FIELDS),
        value=st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 10**30, -(10**30), -1, 0, 2**63,
                               "1", None, [], True]))

@@ -12,7 +12,7 @@ from pagedserve.engine.output_processor import (
 )
 from pagedserve.outputs import RequestMetrics
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.outputs import LogprobsEntry
+from pagedserve.worker.runner_output import LogprobsEntry
 from tests.engine.helpers import make_tokenizer
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pagedserve.config import RouterConfig
 from pagedserve.engine.router import NoReplicaError, PrefixIndex, Router
+from tests.hypothesis_budget import examples
 
 BS = 4
 
@@ -105,7 +106,7 @@ def test_the_salt_separates_prefixes():
     assert r.block_hashes(None) == [] and r.block_hashes([1, 2]) == []  # no full block
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(policy=st.sampled_from(["round_robin", "least_loaded", "cache_aware"]),
        ops=st.lists(st.tuples(st.sampled_from(["send", "end", "report", "down", "up", "reset"]),
                               st.integers(0, 2), st.integers(0, 5)), max_size=60))

@@ -29,7 +29,7 @@ def fake_engine(monkeypatch):
                                    eos_token_id=tok.eos_token_id))
         return engines[-1]
 
-    monkeypatch.setattr(cli, "_load", load)
+    monkeypatch.setattr(cli, "_build_engine", load)
     return engines
 
 

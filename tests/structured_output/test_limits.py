@@ -14,6 +14,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.request_limits import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_RULES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from pagedserve.structured_output import COMPILE_THREAD_STACK_BYTES
 from pagedserve.structured_output.limits import check_spec
+from tests.hypothesis_budget import examples
 
 
 def ref_chain(n: int, through_properties: bool = False) -> str:
@@ -69,7 +70,7 @@ def test_grammar_rules_are_counted():
     refused("grammar", lark, "rules")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.recursive(st.none() | st.integers() | st.text(max_size=5),
                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
                         st.sampled_from(["$ref", "$defs", "items", "properties", "anyOf", "a", "type"]), kids,

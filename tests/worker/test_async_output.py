@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.runner_output import ModelRunnerOutput
 from pagedserve.worker.sampler import SamplerOutput
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

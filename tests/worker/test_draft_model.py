@@ -4,7 +4,7 @@ model to compute each round, its blocks, and eviction when its KV cache is full.
 from __future__ import annotations
 
 from pagedserve.worker.draft_model import DraftModelProposer
-from pagedserve.worker.outputs import ModelRunnerOutput
+from pagedserve.worker.runner_output import ModelRunnerOutput
 
 
 class ScriptedRunner:

@@ -24,6 +24,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -423,7 +424,7 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
   const int64_t M = x.M, Kb = x.Kb;
   const int64_t tiles = (N + kTile - 1) / kTile;
   constexpr int64_t kMChunk = 64;  // activation rows kept hot while a thread's tiles stream past
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  auto run = [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
       const int64_t mr = std::min(kMChunk, M - m0);
       for (int64_t t = t0; t < t1; ++t) {
@@ -445,6 +446,19 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
           for (int r = 0; r < rows; ++r) y[mm * ldy + r] = static_cast<T>(buf[mm * kTile + r]);
       }
     }
+  };
+  const int64_t threads = at::get_num_threads();
+  if (M > kMChunk || threads == 1) {  // a fixed half each: every thread keeps its tiles over all the row chunks
+    at::parallel_for(0, tiles, 1, run);
+    return;
+  }
+  // A few activation rows (decode): the tiles go out in small runs to whichever thread asks
+  // next, so a thread the OS has paused (on a machine whose cores the server's other
+  // threads share) leaves its work to the others instead of stalling the whole layer.
+  const int64_t grab = std::max<int64_t>(1, tiles / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(grab)) < tiles;) run(t0, std::min(t0 + grab, tiles));
   });
 }
 

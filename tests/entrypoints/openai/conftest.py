@@ -5,14 +5,12 @@ milliseconds).  One server for the whole session keeps the suite fast."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from pagedserve.benchmarks.harness import PagedServe, metric_samples
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}"
@@ -76,65 +74,28 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerProcess(PagedServe):
+    """`pagedserve serve` for a test: one OpenMP thread, this checkout on the path."""
 
-
-class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, timeout: float = 180,
                  module: str = "pagedserve.entrypoints.cli", env: dict[str, str] | None = None) -> None:
-        """`module`: what `python -m` runs (a test's launcher that injects a fault)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-        cmd = [sys.executable, "-m", module, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-        self._wait_ready(timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+        super().__init__(args, str(log_path), env=env, ready_timeout=timeout, module=module)
+        self.log_path = log_path
 
     def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()[-5000:]
+        return self.log_tail()
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """{(sample name, sorted labels without model_name and engine): value}, summed over
         engines (data-parallel replicas)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         text = httpx.get(self.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
-                out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+        out: dict[tuple[str, tuple], float] = {}
+        for name, samples in metric_samples(text).items():
+            for labels, value in samples:
+                key = (name, tuple(sorted((k, v) for k, v in labels.items() if k not in ("model_name", "engine"))))
+                out[key] = out.get(key, 0.0) + value
         return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 SERVER_FLAGS = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--dtype", "float32", "--tool-call-parser", "hermes",

@@ -16,6 +16,7 @@ import pytest
 from conftest import API_KEY, MODEL_NAME, ServerProcess
 
 from pagedserve.benchmarks.bench_router import run_workload, shared_prefix_workload
+from pagedserve.benchmarks.harness import metric_samples
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
 
@@ -124,11 +125,8 @@ def test_greedy_outputs_equal_one_engine_streamed_or_not(server, single):
 
 
 def _by_engine(server: ServerProcess) -> dict[tuple[str, str], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=10).text
-    return {(s.name, s.labels.get("engine", "")): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = metric_samples(httpx.get(server.url + "/metrics", headers=HEADERS, timeout=10).text)
+    return {(name, labels.get("engine", "")): value for name, rows in samples.items() for labels, value in rows}
 
 
 def _replica_pid(server: ServerProcess, index: int) -> int:

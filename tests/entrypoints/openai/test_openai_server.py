@@ -12,6 +12,8 @@ from conftest import API_KEY, MODEL_NAME
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_budget import examples
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 PROMPT = "the quick brown fox"
@@ -259,7 +261,7 @@ REQUEST_NUMBERS = ["temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "max_tokens", "min_tokens", "n", "priority", "stop_token_ids"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chat=st.booleans(), field=st.sampled_from(REQUEST_NUMBERS + ["logprobs", "top_logprobs",
                                                                     "max_completion_tokens", "best_of"]),
        value=HOSTILE, stream=st.booleans())

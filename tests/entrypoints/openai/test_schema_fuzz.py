@@ -29,6 +29,8 @@ from conftest import API_KEY, MODEL_NAME
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_budget import examples
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON_HEADERS = {**AUTH, "Content-Type": "application/json"}
 REQUEST_TIMEOUT = 30.0  # seconds for one whole answer, a stream read to its end included
@@ -37,7 +39,7 @@ ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatC
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 MAX_TOKENS, MAX_N = 4, 2  # a generation is forced this small unless the case targets the field
 SIZE_FIELDS = {"max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "n": MAX_N}
-FUZZ = settings(max_examples=100, deadline=None,
+FUZZ = settings(max_examples=examples(100), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 
@@ -434,7 +436,7 @@ def test_raw_bodies_are_4xx_not_5xx(client, route):
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=examples(40))
 @given(content=st.binary(max_size=64), content_type=st.sampled_from(
     ["application/json", "text/plain", "application/octet-stream", "application/json; charset=utf-16", ""]))
 def test_random_bytes_are_4xx_not_5xx(client, route, content, content_type):

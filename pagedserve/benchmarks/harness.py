@@ -1,0 +1,174 @@
+"""What the benchmarks share: a server subprocess on a loopback port, ready once /health
+answers (`pagedserve serve` itself, or any other server such as llama.cpp's), the
+resident memory of a server's process tree, and Prometheus text parsed into samples."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """An HTTP server subprocess on a loopback port, ready once /health answers 200;
+    subclasses give `command(port)`, its command line.  Its output goes to `log_path`."""
+
+    what = "server"
+    ready_timeout = 300.0
+
+    def __init__(self, log_path: str | None = None, env: dict[str, str] | None = None,
+                 ready_timeout: float | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        timeout = ready_timeout or self.ready_timeout
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode} ({log_path}):\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.what} did not become ready in {timeout:.0f} s ({log_path}):\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 5000) -> str:
+        """The end of the server's output so far ('' without a log file)."""
+        if not self.log_path:
+            return ""
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class PagedServe(LocalServer):
+    """`pagedserve serve ARGS` (ARGS: the model, then any flags).  Its output goes to
+    `log_path`, else to a temporary file that is kept (and named on failure).  `module`:
+    what `python -m` runs (tests start a launcher that injects a fault)."""
+
+    what = "pagedserve serve"
+    ready_timeout = 900.0  # a first start on a clean machine builds kernels and compiles
+
+    def __init__(self, args: list[str], log_path: str | None = None, *, env: dict[str, str] | None = None,
+                 ready_timeout: float | None = None, module: str = "pagedserve.entrypoints.cli") -> None:
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")
+            os.close(fd)
+        self.args, self.module = args, module
+        super().__init__(log_path=log_path, env=env, ready_timeout=ready_timeout)
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", self.module, "serve", *self.args, "--host", "127.0.0.1", "--port", str(port)]
+
+
+# --------------------------------------------------------------------------- memory
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (VmRSS), in bytes; 0 where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class RssSample:
+    """Resident bytes of a server: its own process, its children that run the same
+    executable (tensor-parallel workers: part of the server), and apart from those any other
+    descendant (a compiler a kernel build started, which comes and goes and is not the
+    server's memory; on a clean machine it can hold a gigabyte mid-build)."""
+
+    main: int
+    workers: int = 0
+    num_workers: int = 0
+    transient: int = 0
+    num_transient: int = 0
+
+    @property
+    def total(self) -> int:
+        """The server's own processes."""
+        return self.main + self.workers
+
+
+def process_rss(pid: int) -> RssSample | None:
+    """RSS of a process and all its descendants (from /proc); None if it is gone."""
+
+    def children(p: int) -> list[int]:
+        out: list[int] = []
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+        return out
+
+    def exe(p: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/{p}/exe")
+        except OSError:
+            return None
+
+    main = rss_bytes(pid)
+    if not main:
+        return None
+    sample = RssSample(main)
+    server_exe = exe(pid)
+    todo = children(pid)
+    while todo:
+        c = todo.pop()
+        rss = rss_bytes(c)
+        if rss:
+            if server_exe is not None and exe(c) == server_exe:
+                sample.workers += rss
+                sample.num_workers += 1
+            else:
+                sample.transient += rss
+                sample.num_transient += 1
+            todo += children(c)
+    return sample
+
+
+# --------------------------------------------------------------------------- metrics
+def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text (a /metrics page) as {sample name: [(labels, value), ...]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
