@@ -332,7 +332,7 @@ class AsyncLLM:
                     if not self._wake.wait(timeout=timeout):
                         if worked:  # a pause after work: nothing runs, nothing is lost if this fails
                             release_freed_memory()
-                            self.engine.kv_cache_manager.check_invariants()
+                            self.engine.check_invariants()
                             worked = False
                         self._emit_if_changed()
                     self._wake.clear()

@@ -542,6 +542,11 @@ class LLMEngine:
         """Where the model (and its KV cache) runs."""
         return self.model_executor.device
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the KV cache's bookkeeping is broken
+        (KVCacheManager.check_invariants); the server runs it when it pauses after work."""
+        self.kv_cache_manager.check_invariants()
+
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
                 or bool(self._inflight))

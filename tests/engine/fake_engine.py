@@ -56,6 +56,7 @@ class FakeStats:
 
 class FakeEngine:
     vocab_size = 256
+    invariant_checks = 0
     device = torch.device("cpu")
     structured_outputs_backend = "guidance"
 
@@ -108,6 +109,9 @@ class FakeEngine:
         for rid in ids:
             if self.reqs.pop(rid, None) is not None:
                 self.aborted.append(rid)
+
+    def check_invariants(self) -> None:
+        self.invariant_checks += 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)

@@ -221,3 +221,35 @@ def test_bad_words_are_tokenized_off_the_engine_thread_once():
     (seen,) = engine.params_seen
     assert seen.bad_words_token_ids == [[120, 121], [122, 122]]
     assert engine.bad_words_threads and not engine.bad_words_threads & engine.thread_ids
+
+
+def test_a_pause_after_work_checks_the_kv_cache_and_a_broken_one_stops_the_engine(monkeypatch):
+    """The integrity check runs once the engine has been idle a while after work, never
+    while requests run; a broken invariant kills the engine (wrong answers would be worse)
+    and the next request is told so."""
+    import pagedserve.engine.async_llm as async_llm
+
+    monkeypatch.setattr(async_llm, "IDLE_TRIM_SECONDS", 0.05)
+    engine = FakeEngine()
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        await collect(llm, "r1")
+        deadline = time.monotonic() + 10
+        while engine.invariant_checks == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert engine.invariant_checks == 1  # once per pause, not once per idle wake-up
+
+        def broken() -> None:
+            raise AssertionError("KV-cache invariant broken: test")
+
+        engine.check_invariants = broken
+        await collect(llm, "r2")
+        while not llm.errored and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert llm.errored
+        with pytest.raises(EngineDeadError):
+            await collect(llm, "r3")
+        llm.shutdown()
+
+    run(main())
