@@ -36,6 +36,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], dtype: torch.dtype = tor
     """Per prompt: HF's greedy tokens and, per step, {token: logprob} for its top-5."""
     from transformers import AutoModelForCausalLM
 
+    if "gguf_file" in load_kwargs:
+        model_dir = hf_weights_from_gguf(model_dir, load_kwargs.pop("gguf_file"))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load_kwargs).eval().to(device)
     results = []
     with torch.inference_mode():
@@ -52,6 +54,42 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], dtype: torch.dtype = tor
                 tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
             results.append((toks, tops))
     return results
+
+
+def hf_weights_from_gguf(model_dir: str, gguf_file: str) -> str:
+    """A directory of HF's own reading of `model_dir/gguf_file` (transformers' GGUF loader,
+    saved as it loaded it), made once per GGUF file and transformers version in the
+    persistent cache.  The reference stays HF's dequantization, independent of ours; what is
+    saved is the 20-40 s transformers spends parsing a GGUF's metadata (Gemma 3's 262k-token
+    vocabulary, twice) on every load."""
+    import os
+    import shutil
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.model_loader.sources import cache_dir
+
+    gguf = os.path.join(model_dir, gguf_file)
+    st = os.stat(gguf)
+    key = f"{gguf_file}-{st.st_size}-{int(st.st_mtime)}-transformers-{transformers.__version__}"
+    final = os.path.join(cache_dir(), "hf-reference", key)
+    if not os.path.isfile(os.path.join(final, "config.json")):
+        from safetensors.torch import save_model
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, gguf_file=gguf_file)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        os.makedirs(tmp)
+        # (save_pretrained refuses a GGUF-loaded model: the weights and the config, by hand)
+        save_model(model, os.path.join(tmp, "model.safetensors"))
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(tmp)
+        if os.path.exists(final):  # another process saved it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    return final
 
 
 def ours_greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:
