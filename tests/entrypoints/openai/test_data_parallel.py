@@ -138,7 +138,11 @@ def _replica_pid(server: ServerProcess, index: int) -> int:
 
 def test_a_replica_killed_mid_load_loses_no_request_and_comes_back(server, single):
     prompts = [f"request {i}: count the letters a b c" for i in range(64)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Long enough that replica 1 still holds requests when the kill lands: with 24 tokens it
+    # had sometimes finished them all by then (its stats reach /metrics 0.1 s late), so
+    # nothing needed a retry and the retry counter stayed put (1 run in 3 failed).
+    max_tokens = 96
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     want = [o.outputs[0].text for o in single.generate(prompts, params, use_tqdm=False)]
     victim = _replica_pid(server, 1)
     before = _by_engine(server)
@@ -147,7 +151,7 @@ def test_a_replica_killed_mid_load_loses_no_request_and_comes_back(server, singl
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
         async def one(p: str) -> str:
-            r = await client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=24, temperature=0.0,
+            r = await client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=max_tokens, temperature=0.0,
                                                 extra_body={"ignore_eos": True})
             return r.choices[0].text
 
@@ -174,6 +178,6 @@ def test_a_replica_killed_mid_load_loses_no_request_and_comes_back(server, singl
         time.sleep(0.5)
     assert _replica_pid(server, 1) != victim
     r = httpx.post(server.url + "/v1/completions", headers=HEADERS,
-                   json={"model": MODEL_NAME, "prompt": prompts[0], "max_tokens": 24, "temperature": 0.0,
+                   json={"model": MODEL_NAME, "prompt": prompts[0], "max_tokens": max_tokens, "temperature": 0.0,
                          "ignore_eos": True}, timeout=60)
     assert r.json()["choices"][0]["text"] == want[0]
