@@ -417,10 +417,12 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t bits) {
 // the activations' bits are xq's: int8 or int16.  out is float32, bfloat16 or float16: the
 // tiles sum in float32 and a 16-bit out is written through a tile's buffer, so the layer
 // needs no converted copy of its output.
+using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const QuantizedX&, int64_t,
+                       int64_t, int, float*, int64_t);  // run_tile<bits>
+
 template <typename T>
 void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, const uint16_t* ap, int64_t kind,
-                int64_t N, T* yp, int64_t ldy, void (*tile)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t,
-                                                           const QuantizedX&, int64_t, int64_t, int, float*, int64_t)) {
+                int64_t N, T* yp, int64_t ldy, TileFn tile) {
   const int64_t M = x.M, Kb = x.Kb;
   const int64_t tiles = (N + kTile - 1) / kTile;
   constexpr int64_t kMChunk = 64;  // activation rows kept hot while a thread's tiles stream past
@@ -448,7 +450,7 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
     }
   };
   const int64_t threads = at::get_num_threads();
-  if (M > kMChunk || threads == 1) {  // a fixed half each: every thread keeps its tiles over all the row chunks
+  if (M > kMChunk || threads == 1) {  // a fixed share each: every thread keeps its tiles over all the row chunks
     at::parallel_for(0, tiles, 1, run);
     return;
   }
@@ -476,7 +478,7 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
   const bool wide = xq.scalar_type() == torch::kInt16;
   const QuantizedX x{wide ? nullptr : xq.data_ptr<int8_t>(), wide ? xq.data_ptr<int16_t>() : nullptr,
                      xd.data_ptr<float>(), xds.data_ptr<float>(), M, K, Kb};
-  const auto tile = wide ? &run_tile<16> : &run_tile<8>;
+  const TileFn tile = wide ? &run_tile<16> : &run_tile<8>;
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* ap = kind == Q4_SYM ? nullptr : static_cast<const uint16_t*>(aux.data_ptr());
