@@ -3,7 +3,8 @@
 # every log under $OUT, so that a step that times out still leaves what ran before it.
 #
 #   OUT=/tmp/gpu bash tools/gpu_checks.sh                 # all steps
-#   OUT=/tmp/gpu bash tools/gpu_checks.sh tests bench     # some of: env tests bench kernels profile
+#   OUT=/tmp/gpu bash tools/gpu_checks.sh tests bench     # some of: env tests bench bench_unfused
+#                                                         #   kernels profile
 #
 # Limits (seconds) can be set with T_TESTS, T_BENCH, T_KERNELS, T_PROFILE.  Wheels of packages the
 # GPU machine lacks (gguf, fastapi, pydantic, ...) are installed from .whl/ when present
@@ -37,14 +38,15 @@ for s in $STEPS; do
     case $s in
     env)
         { nvidia-smi; "$PY" -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, \
-triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.log" 2>&1
+triton.__version__, transformers.__version__, torch.cuda.get_device_name()); a = torch.ones(4, 8, device='cuda', \
+dtype=torch.bfloat16); print('mm out_dtype float32:', torch.mm(a, a.t(), out_dtype=torch.float32).dtype)"; } >"$OUT/env.log" 2>&1
         head -n 20 "$OUT/env.log" ;;
     tests)
         # The GPU-only tests, the files whose tests run on CUDA when it is there (the engine's
         # device is "auto"), and the tiny models' HF parity in bf16 on CUDA; one pytest per
         # file, so that a CUDA error that poisons one process (a device-side assert is
         # sticky) cannot hide the other files' results.  TEST_FILES overrides the list.
-        files=${TEST_FILES:-"tests/attention/test_triton_backend.py tests/worker/test_cuda_graph.py \
+        files=${TEST_FILES:-"tests/layers/test_fused_kernels.py tests/attention/test_triton_backend.py tests/worker/test_cuda_graph.py \
 tests/worker/test_kv_sizing.py tests/worker/test_async_output.py tests/e2e/test_overlap_parity.py \
 tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16"}
         step tests "${T_TESTS:-240}" bash -c 'for f in $0; do echo "--- $f"; "$1" -m pytest -q -p no:cacheprovider \
@@ -54,6 +56,10 @@ tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16"}
         # W1 (nano-vllm's bench.py) and W2, CUDA graphs and overlap each on and off.
         step bench_gpu "${T_BENCH:-240}" "$PY" -m pagedserve.benchmarks.bench_gpu \
             --output-json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} ;;
+    bench_unfused)
+        # The same bench with the layers' torch ops instead of the fused Triton kernels.
+        PAGEDSERVE_FUSED_KERNELS=0 step bench_unfused "${T_BENCH_UNFUSED:-120}" "$PY" -m \
+            pagedserve.benchmarks.bench_gpu --output-json "$OUT/bench_unfused.json" ${UNFUSED_ARGS:-} ;;
     profile)
         # Where a steady decode step's time goes (host functions, kernels), default config.
         step profile "${T_PROFILE:-60}" "$PY" -m pagedserve.benchmarks.profile_steps --batch 256 --context 700 \

@@ -252,21 +252,26 @@ def language_interpreted() -> bool:
     return not isinstance(tl.sum, JITFunction)
 
 
-@functools.cache
-def get_kernels() -> SimpleNamespace:
-    """The kernels wrapped for the process's mode: compiled JIT functions, or interpreted
-    ones (which also accept CPU tensors)."""
+def wrap_for_mode(bodies: tuple, helpers: tuple = (), namespace: dict | None = None) -> SimpleNamespace:
+    """Kernel bodies (plain functions) wrapped for the process's mode: compiled JIT
+    functions, or interpreted ones (which also accept CPU tensors).  A compiled kernel
+    resolves the functions it calls through its module's globals (`namespace`), and they
+    must be JIT functions too; interpreted kernels call them as plain Python."""
     interpret = language_interpreted()
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction as wrap
     else:
         wrap = JITFunction
-        # A compiled kernel resolves the functions it calls through this module's globals,
-        # and they must be JIT functions too (interpreted kernels call them as plain Python).
-        for helper in _HELPERS:
-            if not isinstance(globals()[helper.__name__], JITFunction):
-                globals()[helper.__name__] = JITFunction(helper)
-    return SimpleNamespace(**{f.__name__: wrap(f) for f in _BODIES}, interpreted=interpret)
+        for helper in helpers:
+            if not isinstance(namespace[helper.__name__], JITFunction):
+                namespace[helper.__name__] = JITFunction(helper)
+    return SimpleNamespace(**{f.__name__: wrap(f) for f in bodies}, interpreted=interpret)
+
+
+@functools.cache
+def get_kernels() -> SimpleNamespace:
+    """This module's kernels wrapped for the process's mode (see wrap_for_mode)."""
+    return wrap_for_mode(_BODIES, _HELPERS, globals())
 
 
 def next_pow2(x: int, floor: int = 16) -> int:

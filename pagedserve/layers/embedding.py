@@ -131,6 +131,8 @@ EXACT_TOP = 8  # 16-bit logits recomputed in float32 per row (see ParallelLMHead
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> float32 logits over the full vocabulary."""
 
+    float32_gemm_works = True  # torch.mm(..., out_dtype=float32) on CUDA; cleared on its first failure
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, tied_to.weight if tied_to is not None else None)
@@ -160,6 +162,14 @@ class ParallelLMHead(VocabParallelEmbedding):
             if logits.shape[0]:
                 self._exact_top(hidden, logits, quantized.rows)
             return logits
+        if (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and self.tp_size == 1
+                and ParallelLMHead.float32_gemm_works):
+            # The GEMM accumulates in float32 and writes float32: no 16-bit rounding of
+            # the logits, so no tied top tokens to recompute (see _exact_top).
+            try:
+                return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch without mm's out_dtype (before 2.8)
+                ParallelLMHead.float32_gemm_works = False
         logits = self._linear(hidden, self.weight, None)
         if self.tp_size > 1:
             logits = gather_to_driver(logits, self.tp_rank, self.tp_size)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.layers import fused_ops
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dimension, in float32 (both norms' first half)."""
@@ -32,6 +34,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x).  With it: (norm(x + residual), x + residual)."""
+        if fused_ops.applies(x):
+            return fused_ops.kernels().rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.layers import fused_ops
+from pagedserve.layers.layernorm import RMSNorm
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -191,6 +194,28 @@ class RotaryEmbedding(nn.Module):
         if r != self.head_dim:
             out = torch.cat([out, x[..., r:]], dim=-1)
         return out
+
+    def rotate_qk(self, cos_sin: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, norms: tuple[RMSNorm, RMSNorm] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused q|k|v projection [T, (H + 2 KVH) * D] -> rotated q [T, H, D] and
+        k [T, KVH, D], each head first RMS-normalised by `norms` (q's, k's; Qwen3) if given.
+        One fused kernel on CUDA; on the CPU, q and k are rotated as one tensor when
+        there is no norm between the projection and the rotation."""
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        if fused_ops.applies(qkv):
+            weights = (norms[0].weight, norms[1].weight) if norms is not None else None
+            eps = norms[0].eps if norms is not None else 0.0
+            return fused_ops.kernels().norm_rope(qkv, *cos_sin, num_heads, num_kv_heads, self.head_dim,
+                                                 self.rotary_dim, weights, eps)
+        t = qkv.shape[0]
+        if norms is None:  # q|k are adjacent in the fused projection: rotate them as one tensor
+            qk = self.rotate(cos_sin, qkv[:, : q_size + kv_size], num_heads + num_kv_heads)
+            return qk[:, :num_heads], qk[:, num_heads:]
+        q, k = qkv[:, :q_size], qkv[:, q_size: q_size + kv_size]
+        q = norms[0](q.reshape(t, num_heads, self.head_dim)).view(t, q_size)
+        k = norms[1](k.reshape(t, num_kv_heads, self.head_dim)).view(t, kv_size)
+        return self.rotate(cos_sin, q, num_heads), self.rotate(cos_sin, k, num_kv_heads)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,18 +64,9 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         """`rope`: this step's per-token (cos, sin) from `RotaryEmbedding.cos_sin`."""
         qkv = self.qkv_proj(hidden)
-        t, h = qkv.shape[0], self.num_heads
-        if self.qk_norm:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(t, h, self.head_dim)).view(t, self.q_size)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
-            q = self.rotary_emb.rotate(rope, q, h)
-            k = self.rotary_emb.rotate(rope, k, self.num_kv_heads)
-        else:
-            # q|k are adjacent in the fused projection: rotate them as one tensor.
-            qk = self.rotary_emb.rotate(rope, qkv[:, : self.q_size + self.kv_size], h + self.num_kv_heads)
-            q, k = qk[:, :h], qk[:, h:]
-            v = qkv[:, self.q_size + self.kv_size:]
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = self.rotary_emb.rotate_qk(rope, qkv, self.num_heads, self.num_kv_heads, norms)
+        v = qkv[:, self.q_size + self.kv_size:]
         return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
 
 
