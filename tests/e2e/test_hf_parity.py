@@ -158,12 +158,22 @@ def test_tiny_models_match_hf(arch: str, tiny_checkpoint) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_models_match_hf_on_cuda_bf16(arch: str, tiny_checkpoint) -> None:
+def test_tiny_models_match_hf_on_cuda_bf16(arch: str, tiny_checkpoint, tmp_path) -> None:
     """On a GPU in bfloat16, both sides: HF on CUDA against the engine as it runs there by
     default (Triton kernels, CUDA graphs where the model allows, overlap scheduling) and
     eagerly.  bf16 rounding makes near-ties flip, so vLLM's rule alone applies (no bound
     on the logprobs), plus: most tokens agree before any divergence."""
     model_dir, hf_cfg = tiny_checkpoint(arch)
+    if arch == "qwen3_moe":
+        # Every expert chosen for every token.  This checkpoint's top-2 routing has
+        # choices whose probabilities are 2e-4 apart, which bf16 router logits (1/128
+        # resolution) flip on any difference in rounding order (the first H100 run with
+        # the fused norm kernels flipped one), and a flipped choice is another function,
+        # not a rounding difference.  Top-k selection is checked in float32 on the CPU.
+        from tests.e2e.conftest import make_tiny_checkpoint
+
+        model_dir = str(tmp_path / "qwen3_moe_all_experts")
+        hf_cfg = make_tiny_checkpoint(arch, model_dir, num_experts_per_tok=hf_cfg.num_experts)
     prompts = shared_prefix_prompts(hf_cfg.vocab_size)
     ref = hf_greedy(model_dir, prompts, dtype=torch.bfloat16, device="cuda")
     for eager in (False, True):

@@ -109,7 +109,9 @@ def test_norm_rope_matches_rotate_qk(dtype, qk_norm, head_dim, rotary_dim):
         with fused(True):
             got_q, got_k = rope.rotate_qk(cs, qkv, heads, kv_heads, norms)
     assert got_q.shape == (t, heads, head_dim) and got_k.shape == (t, kv_heads, head_dim)
-    tol = _close(dtype) if qk_norm else dict(atol=0, rtol=0)  # rotary alone rounds exactly as torch
+    # Interpreted, rotary alone rounds exactly as torch does; compiled, the GPU may fuse a
+    # product into the add (an FMA), one rounding fewer.
+    tol = dict(atol=0, rtol=0) if INTERPRETED and not qk_norm else _close(dtype)
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
 
@@ -134,7 +136,7 @@ def _silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 @runs_here
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3", "qwen3_moe", "mistral"])
 def test_model_forward_fused_matches_unfused(arch, tmp_path):
     """The models' own forward with the kernels in place of the torch ops: Qwen3's q/k
     norm, Llama 3's scaled rope, Phi-3's partial rotary."""
