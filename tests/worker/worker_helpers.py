@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.forward_context import set_forward_context
 from pagedserve.layers.attention import Attention
 
@@ -63,7 +63,12 @@ def toy_config(block_size: int = 16, max_model_len: int = 256, max_num_seqs: int
                max_num_batched_tokens: int = 512, kv_cache_memory_bytes: int | None = None,
                vocab: int = 97, eos: int = 1) -> EngineConfig:
     hf = SimpleNamespace(vocab_size=vocab, eos_token_id=eos)
+    # Not compiled: EngineArgs would read $PAGEDSERVE_TORCH_COMPILE (off in tests), but a
+    # config built here would compile each toy runner on the CPU (~5 s each, and far
+    # longer on the GPU machine: test_cuda_graph.py never got past its first planning
+    # test there, in two runs, most likely for this).
     return EngineConfig(
+        device_config=DeviceConfig(torch_compile=False),
         model_config=ModelConfig(model="toy", hf_config=hf, seed=0),
         cache_config=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
