@@ -4,10 +4,12 @@ Both kernels (attention/csrc/paged_decode.cpp, layers/csrc/quant_linear.cpp) com
 with torch.utils.cpp_extension for this machine's CPU (`-march=native`: AVX-512 where
 the CPU has it, AVX2/FMA where it has that, plain loops otherwise; capped like torch
 itself when ATEN_CPU_CAPABILITY says so).  The build directory's name carries a hash
-of the source, the CPU's flags, the torch version, the compiler flags and the build
-environment (torch's and Python's include paths, the compiler), so a cache shared across
-machines never runs code built for another CPU, and one shared by two virtual
-environments keeps a build for each instead of rebuilding over the other's.
+of the source, the CPU's flags, the torch and Python versions, the compiler flags and
+the compiler, so a cache shared across machines never runs code built for another CPU.
+A finished build is imported directly, without asking torch's builder: its ninja file
+names the include paths of the environment that built it, so through the builder a
+fresh virtual environment (CI's, each run) would rebuild every kernel (~30 s each),
+although the same torch and Python versions make the same module.
 
 Builders take an OS file lock (flock) on the build directory, not only torch's own
 "lock" file: torch's marker stays behind when a process dies mid-build (a CLI run that
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -59,14 +63,23 @@ def extension_build_dir(prefix: str, source: Path,
 
 
 def _build_environment() -> tuple[str, ...]:
-    """What else goes into torch's build command: the torch install's headers and the
-    Python include directory (each virtual environment has its own), and the compiler.
-    Two environments sharing the cache used to share a directory whose build command
-    each changed, so each rebuilt over the other's (80-110 s at every start)."""
+    """What else decides the module: the Python that imports it (its version and ABI)
+    and the compiler.  Not the environment's paths (see the module docstring)."""
     import sysconfig
 
-    return (os.path.dirname(os.path.abspath(torch.__file__)), sysconfig.get_paths()["include"],
-            os.environ.get("CXX", "c++"))
+    return (sys.version, sysconfig.get_config_var("SOABI") or "", os.environ.get("CXX", "c++"))
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The finished build in `build_dir`, imported; None when there is none yet."""
+    library = build_dir / f"{name}.so"
+    if not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_cpu_extension(prefix: str, source: Path, what: str,
@@ -84,8 +97,10 @@ def build_cpu_extension(prefix: str, source: Path, what: str,
             if stale.exists():
                 logger.warning("removing %s, left by a build that was interrupted", stale)
                 stale.unlink()
-            if not (build_dir / f"{name}.so").exists():
-                logger.info("building the %s for this machine (once, ~30 s)", what)
+            built = _import_built(name, build_dir)
+            if built is not None:
+                return built
+            logger.info("building the %s for this machine (once, ~30 s)", what)
             return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         finally:

@@ -24,17 +24,24 @@ def test_a_lock_marker_left_by_a_killed_build_does_not_block_the_next() -> None:
     assert not (build_dir / "lock").exists()
 
 
-def test_each_virtual_environment_gets_its_own_build_directory(monkeypatch) -> None:
-    """Two environments with the same torch version share the cache root, but torch writes
-    each one's include paths into the build command: one directory each, so neither
-    rebuilds over the other's."""
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_environments_with_the_same_torch_and_python_share_one_build(monkeypatch) -> None:
+    """A fresh virtual environment (CI's, every run) finds the build another one made:
+    same directory, imported without torch's builder, whose ninja file names the other
+    environment's include paths and would rebuild.  Another compiler gets its own."""
     import torch
+    from torch.utils import cpp_extension
 
-    source = SOURCE
-    here, again = extension_build_dir("k", source), extension_build_dir("k", source)
-    assert here == again  # stable within one environment
+    here = extension_build_dir("pagedserve_paged_decode", SOURCE)
+    build_cpu_extension("pagedserve_paged_decode", SOURCE, "CPU decode-attention kernel")  # built (or cached)
     monkeypatch.setattr(torch, "__file__", "/other/venv/lib/python3.11/site-packages/torch/__init__.py")
-    other = extension_build_dir("k", source)
-    assert other[0] != here[0] and other[1] != here[1] and other[2] == here[2]
+    assert extension_build_dir("pagedserve_paged_decode", SOURCE) == here
+
+    def no_builder(**kwargs):
+        raise AssertionError("a finished build went through torch's builder")
+
+    monkeypatch.setattr(cpp_extension, "load", no_builder)
+    module = build_cpu_extension("pagedserve_paged_decode", SOURCE, "CPU decode-attention kernel")
+    assert module.__name__ == here[0] and callable(module.paged_decode)
     monkeypatch.setenv("CXX", "clang++")
-    assert extension_build_dir("k", source)[0] not in (here[0], other[0])
+    assert extension_build_dir("pagedserve_paged_decode", SOURCE)[0] != here[0]

@@ -18,6 +18,7 @@ every open request with an error (graceful shutdown past its deadline).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import copy
 import logging
@@ -121,18 +122,79 @@ def check_front_door_limits(max_waiting_requests: int | None, request_timeout: f
             raise ValueError(f"{name} must be a positive number or None, got {value!r}")
 
 
-class AsyncLLM:
+class FrontDoor(abc.ABC):
+    """Admission and request lifetime, shared by the server's two engine clients:
+    AsyncLLM (one engine in this process) and DPAsyncLLM (data-parallel replicas).
+    Whether a request gets in (a dead engine, a closed door, `max_waiting_requests`, a
+    reused id) and the deadline its stream gets are decided here, once; how it reaches
+    an engine is the subclass's."""
+
+    def __init__(self, max_waiting_requests: int | None, request_timeout: float | None,
+                 on_dead: Callable[[BaseException], None] | None) -> None:
+        """`on_dead` is called on the event loop once the engine has failed for good
+        (after every open request got its error): a server exits so a supervisor
+        restarts it."""
+        check_front_door_limits(max_waiting_requests, request_timeout)
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout = request_timeout
+        self._on_dead = on_dead
+        self.dead_error: BaseException | None = None
+        self._closed: BaseException | None = None  # set by close_admission: new requests get this
+        self._collectors: dict[str, OutputCollector] = {}  # open requests (event loop only)
+
+    @property
+    @abc.abstractmethod
+    def num_waiting(self) -> int:
+        """Requests waiting for a slot, as the event loop sees them now."""
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_open_requests(self) -> int:
+        """Accepted requests whose stream has not ended yet."""
+        return len(self._collectors)
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Bind to the running event loop (idempotent)."""
+
+    @abc.abstractmethod
+    def forget(self, request_id: str, abort: bool) -> None:
+        """A stream is done with its request (finished, or closed early: abort it)."""
+
+    def close_admission(self, error: BaseException) -> None:
+        """From now on add_request raises `error` (shutdown: running requests go on)."""
+        self._closed = error
+
+    def _admit(self, request_id: str) -> None:
+        """Raise what a new request gets instead of admission, if anything."""
+        self.start()
+        if self.dead_error is not None:
+            raise _dead(self.dead_error) from self.dead_error
+        if self._closed is not None:
+            raise self._closed
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
+                                        "(max_waiting_requests); retry later.")
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _stream(self, request_id: str, collector: OutputCollector, final_only: bool) -> RequestStream:
+        """The accepted request's stream, with its deadline from now."""
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        return RequestStream(self, request_id, collector, deadline, final_only)
+
+
+class AsyncLLM(FrontDoor):
     def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (), log_stats: bool = True,
                  log_interval: float = 10.0, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None,
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
-        """`on_dead` is called on the event loop once the engine loop has failed (after
-        every open request got its error): a server exits so a supervisor restarts it."""
-        check_front_door_limits(max_waiting_requests, request_timeout)
+        super().__init__(max_waiting_requests, request_timeout, on_dead)
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
-        self.request_timeout = request_timeout
-        self._on_dead = on_dead
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.vocab_size
         self.max_prompt_chars: int = engine.max_prompt_chars  # longer prompt text is refused untokenized
@@ -145,9 +207,7 @@ class AsyncLLM:
         self.log_stats = LoggingStatLogger(log_interval, device=device) if log_stats else None
         if self.log_stats is not None:
             self.stat_loggers.append(self.log_stats)
-        self.dead_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._collectors: dict[str, OutputCollector] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -155,7 +215,6 @@ class AsyncLLM:
         self._req_stats: dict[str, _ReqStats] = {}  # engine thread only
         self._num_waiting = 0  # the scheduler's waiting queue after the last step (written by the engine thread)
         self._pending_adds = 0  # adds sent to the engine thread and not answered yet (event loop only)
-        self._closed: BaseException | None = None  # set by close_admission: new requests get this
         # The dashboard's snapshot listener (engine thread state, set through a command).
         self._watcher: Callable[[KVSnapshot, float], None] | None = None
         self._snapshot_full = True
@@ -172,28 +231,14 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
-    @property
     def serving(self) -> bool:
         """Can take requests now (the data-parallel client's answer can change back and forth)."""
         return self.dead_error is None
 
     @property
-    def num_open_requests(self) -> int:
-        """Accepted requests whose stream has not ended yet."""
-        return len(self._collectors)
-
-    @property
     def num_waiting(self) -> int:
-        """Requests waiting for a slot as the event loop sees them now: the scheduler's queue
-        after the last step, those added since, and adds not answered yet."""
+        """The scheduler's queue after the last step, those added since, and adds not answered yet."""
         return self._num_waiting + self._pending_adds
-
-    def close_admission(self, error: BaseException) -> None:
-        """From now on add_request raises `error` (shutdown: running requests go on)."""
-        self._closed = error
 
     def abort_all(self, error: BaseException) -> None:
         """End every open request with `error` (its stream raises it) and free its blocks."""
@@ -227,17 +272,7 @@ class AsyncLLM:
         bad request raises (ValueError / InvalidRequestError) before a server has sent
         anything.  The returned stream must be read to its end or closed; with
         `final_only` it yields the finished output alone (a non-streaming response)."""
-        self.start()
-        if self.dead_error is not None:
-            raise _dead(self.dead_error) from self.dead_error
-        if self._closed is not None:
-            raise self._closed
-        limit = self.max_waiting_requests
-        if limit is not None and self.num_waiting >= limit:
-            raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
-                                        "(max_waiting_requests); retry later.")
-        if request_id in self._collectors:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._admit(request_id)
         if sampling_params.structured_outputs is not None:
             # Compiled in the engine's grammar pool, awaited here: a bad schema is refused
             # before the engine sees the request, and the engine loop never waits for one.
@@ -263,8 +298,7 @@ class AsyncLLM:
             raise
         finally:
             self._pending_adds -= 1
-        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
-        return RequestStream(self, request_id, collector, deadline, final_only)
+        return self._stream(request_id, collector, final_only)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -530,7 +564,9 @@ class RequestStream:
 
 def _dead(error: BaseException) -> EngineDeadError:
     """What requests see of an engine failure: its kind only (the details, which may
-    name files, are in the server's log)."""
+    name files, are in the server's log); an EngineDeadError is already worded for them."""
+    if isinstance(error, EngineDeadError):
+        return error
     dead = EngineDeadError(f"The engine failed ({type(error).__name__}; details in the server log) and "
                            "cannot serve requests; the server is shutting down.")
     dead.__cause__ = error  # in-process callers still see what failed

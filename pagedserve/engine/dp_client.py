@@ -25,13 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.async_llm import (
-    EngineDeadError,
-    EngineOverloadedError,
-    OutputCollector,
-    RequestStream,
-    check_front_door_limits,
-)
+from pagedserve.engine.async_llm import EngineDeadError, FrontDoor, OutputCollector, RequestStream
 from pagedserve.engine.data_parallel import ReplicaRefusal, ReplicaReport, ReplicaSet, routing_tokens
 from pagedserve.engine.router import NoReplicaError, Router
 from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger, RouterMetrics
@@ -72,7 +66,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-class DPAsyncLLM:
+class DPAsyncLLM(FrontDoor):
     """The server's engine client over data-parallel replicas (see the module docstring)."""
 
     def __init__(self, replicas: ReplicaSet,
@@ -82,7 +76,7 @@ class DPAsyncLLM:
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
         """`prometheus[i]`: replica i's Prometheus logger (its `engine` label); `on_dead`:
         called once every replica has been down for REPLICA_DEAD_SECONDS."""
-        check_front_door_limits(max_waiting_requests, request_timeout)
+        super().__init__(max_waiting_requests, request_timeout, on_dead)
         self.replicas = replicas
         info = replicas.info
         n = replicas.num_replicas
@@ -91,8 +85,6 @@ class DPAsyncLLM:
         self.max_prompt_chars = info.max_prompt_chars
         self.sampling_defaults = info.sampling_defaults
         self.structured_outputs_backend = info.structured_outputs_backend
-        self.max_waiting_requests = max_waiting_requests
-        self.request_timeout = request_timeout
         self.router = Router(replicas.router_config, n, info.block_size, info.num_blocks)
         self.metrics = router_metrics
         if prometheus and len(prometheus) != n:
@@ -100,11 +92,7 @@ class DPAsyncLLM:
         self.prometheus = list(prometheus)
         self.log_stats = [LoggingStatLogger(log_interval, device=info.device, prefix=f"Engine {i:03d}: ")
                           for i in range(n)] if log_stats else []
-        self._on_dead = on_dead
-        self.dead_error: BaseException | None = None
-        self._collectors: dict[str, OutputCollector] = {}
         self._flights: dict[str, _Flight] = {}
-        self._closed: BaseException | None = None
         self._boot_ids: list[str | None] = [None] * n
         self._down_since: list[float | None] = [None] * n
         self._monitor: asyncio.Task | None = None
@@ -113,24 +101,18 @@ class DPAsyncLLM:
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
-    @property
     def serving(self) -> bool:
         return self.dead_error is None and any(self.router.up)
 
     @property
-    def num_open_requests(self) -> int:
-        return len(self._collectors)
+    def num_waiting(self) -> int:
+        """Every up replica's waiting requests (dispatched requests count as waiting at once)."""
+        return sum(load.waiting for load, up in zip(self.router.loads, self.router.up, strict=True) if up)
 
     def start(self) -> None:
         if self._monitor is None:
             self._loop = asyncio.get_running_loop()
             self._monitor = self._loop.create_task(self._watch_replicas())
-
-    def close_admission(self, error: BaseException) -> None:
-        self._closed = error
 
     def abort_all(self, error: BaseException) -> None:
         for request_id in list(self._collectors):
@@ -154,18 +136,7 @@ class DPAsyncLLM:
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
                           priority: int = 0, final_only: bool = False) -> RequestStream:
         """As AsyncLLM.add_request: returns once a replica has accepted the request."""
-        self.start()
-        if self.dead_error is not None:
-            raise EngineDeadError(str(self.dead_error))
-        if self._closed is not None:
-            raise self._closed
-        limit = self.max_waiting_requests
-        waiting = sum(load.waiting for load, up in zip(self.router.loads, self.router.up, strict=True) if up)
-        if limit is not None and waiting >= limit:  # dispatched requests count as waiting at once
-            raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
-                                        "(max_waiting_requests); retry later.")
-        if request_id in self._collectors:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._admit(request_id)
         ids, salt = routing_tokens(prompt, self.tokenizer)
         if ids is not None and isinstance(prompt, (str, dict)):  # the replica need not tokenize again
             prompt = {**prompt, "prompt_token_ids": ids} if isinstance(prompt, dict) else {
@@ -191,8 +162,7 @@ class DPAsyncLLM:
         flight.task = asyncio.get_running_loop().create_task(self._pump(request, flight, gen, collector))
         # Runs even when the task is cancelled before it starts: the load count never leaks.
         flight.task.add_done_callback(lambda task: self._end(request_id, flight, abort=task.cancelled()))
-        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
-        return RequestStream(self, request_id, collector, deadline, final_only)
+        return self._stream(request_id, collector, final_only)
 
     async def _dispatch(self, request: _Request, flight: _Flight, exclude: set[int]) -> Any:
         """Send the request to the router's choice and wait for its acceptance (a refusal

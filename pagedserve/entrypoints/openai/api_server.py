@@ -86,6 +86,21 @@ PREPARE_THREADS = 16
 
 
 @dataclass
+class Attachment:
+    """The engine client a loaded server serves through, with what the server shows of it."""
+
+    client: EngineClient
+    max_model_len: int
+    description: dict[str, Any]  # the dashboard's and /v1/models' description of the engine
+    watched: AsyncLLM | None  # the one engine whose block pool the dashboard shows (none for replicas)
+
+    @classmethod
+    def local(cls, client: AsyncLLM, max_model_len: int, description: dict[str, Any] | None = None) -> Attachment:
+        """An engine in this process, watched by the dashboard."""
+        return cls(client, max_model_len, description or {}, client)
+
+
+@dataclass
 class ServerState:
     """Everything the routes need; filled in once the engine has loaded."""
 
@@ -109,16 +124,17 @@ class ServerState:
     dashboard: DashboardHub | None = None
     prepare_pool: ThreadPoolExecutor | None = None  # rendering and tokenizing, off the event loop
 
-    def attach(self, engine: EngineClient, max_model_len: int, tool_parser: ToolParser | None = None,
-               engine_description: dict[str, Any] | None = None) -> None:
-        args = (engine, self.served_model_names, max_model_len)
-        self.max_model_len = max_model_len
+    def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None) -> None:
+        engine = attachment.client
+        args = (engine, self.served_model_names, attachment.max_model_len)
+        self.max_model_len = attachment.max_model_len
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(*args, tool_parser=tool_parser)
         if self.enable_dashboard:
-            assert isinstance(engine, AsyncLLM), "the dashboard watches one engine's block pool"
-            config = {"served_model_name": self.served_model_names[0], **(engine_description or {})}
-            self.dashboard = DashboardHub(engine, self.series or SeriesStatLogger(), config)
+            if attachment.watched is None:
+                raise ValueError("the dashboard watches one engine's block pool; this client has none")
+            config = {"served_model_name": self.served_model_names[0], **attachment.description}
+            self.dashboard = DashboardHub(attachment.watched, self.series or SeriesStatLogger(), config)
         self.engine = engine  # last: its presence means "ready"
 
     def is_public(self, path: str) -> bool:
@@ -458,24 +474,28 @@ def run_server(args: argparse.Namespace) -> None:
         assert runner is not None
         runner.bind_loop()
 
-        def attach(engine: LLMEngine | ReplicaSet) -> None:
-            front_door = {"log_stats": not args.disable_log_stats, "log_interval": args.log_stats_interval,
-                          "max_waiting_requests": args.max_waiting_requests, "request_timeout": args.request_timeout,
-                          "on_dead": lambda _: runner.exit_failed()}
-            client: EngineClient
-            if isinstance(engine, ReplicaSet):
-                n = engine.num_replicas
-                client = DPAsyncLLM(engine, prometheus=make_prometheus_loggers(state.registry, names[0], n),
-                                    router_metrics=RouterMetrics(state.registry, names[0], n), **front_door)
-                max_model_len = engine.info.max_model_len
-                description = {**engine.info.description, "data_parallel_size": n,
-                               "router_policy": engine.router_config.policy}
-            else:
-                stat_loggers: list[StatLogger] = [*make_prometheus_loggers(state.registry, names[0])]
-                if state.series is not None:
-                    stat_loggers.append(state.series)
-                client = AsyncLLM(engine, stat_loggers=stat_loggers, **front_door)
-                max_model_len, description = engine.config.scheduler_config.max_model_len, engine.describe()
+        front_door = {"log_stats": not args.disable_log_stats, "log_interval": args.log_stats_interval,
+                      "max_waiting_requests": args.max_waiting_requests, "request_timeout": args.request_timeout,
+                      "on_dead": lambda _: runner.exit_failed()}
+
+        def local_client(engine: LLMEngine) -> Attachment:
+            stat_loggers: list[StatLogger] = [*make_prometheus_loggers(state.registry, names[0])]
+            if state.series is not None:
+                stat_loggers.append(state.series)
+            client = AsyncLLM(engine, stat_loggers=stat_loggers, **front_door)
+            return Attachment.local(client, engine.config.scheduler_config.max_model_len, engine.describe())
+
+        def replicated_client(replicas: ReplicaSet) -> Attachment:
+            n = replicas.num_replicas
+            client = DPAsyncLLM(replicas, prometheus=make_prometheus_loggers(state.registry, names[0], n),
+                                router_metrics=RouterMetrics(state.registry, names[0], n), **front_door)
+            description = {**replicas.info.description, "data_parallel_size": n,
+                           "router_policy": replicas.router_config.policy}
+            return Attachment(client, replicas.info.max_model_len, description, None)
+
+        def attach(build: Callable[[], Attachment]) -> None:
+            attachment = build()
+            client = attachment.client
             client.start()
             if args.tool_call_parser:
                 parser = get_tool_parser(args.tool_call_parser)
@@ -483,12 +503,18 @@ def run_server(args: argparse.Namespace) -> None:
                 parser, why = default_tool_parser(client.tokenizer)
                 logger.info("tool calls (tool_choice 'auto'): the %s format, since %s; --tool-call-parser "
                             "chooses another", parser.name, why)
-            state.attach(client, max_model_len, parser, description)
+            state.attach(attachment, parser)
             logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
 
         def load() -> None:
+            build: Callable[[], Attachment]
             try:
-                engine = ReplicaSet(engine_args) if replicated else LLMEngine.from_engine_args(engine_args)
+                if replicated:
+                    replicas = ReplicaSet(engine_args)
+                    build = lambda: replicated_client(replicas)  # noqa: E731
+                else:
+                    engine = LLMEngine.from_engine_args(engine_args)
+                    build = lambda: local_client(engine)  # noqa: E731
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits
                 if isinstance(e, (ValueError, FileNotFoundError)):  # bad model/flags: the message says it
                     logger.error("failed to load the engine: %s", e)
@@ -498,7 +524,7 @@ def run_server(args: argparse.Namespace) -> None:
                 runner.server.should_exit = True
                 return
             if not state.draining:
-                loop.call_soon_threadsafe(attach, engine)
+                loop.call_soon_threadsafe(attach, build)
 
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
         yield

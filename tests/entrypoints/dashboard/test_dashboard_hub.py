@@ -14,7 +14,7 @@ import pagedserve.entrypoints.dashboard as dashboard
 from pagedserve.core.snapshot import block_state
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.dashboard import DashboardHub
-from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from pagedserve.metrics import SeriesStatLogger
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_engine import FakeEngine
@@ -140,7 +140,7 @@ def test_close_ends_every_page_stream_and_stops_the_watching():
 def _app(enable_dashboard: bool = True):
     state = ServerState(served_model_names=["fake"], api_key="secret", enable_dashboard=enable_dashboard)
     app = build_app(state)
-    state.attach(AsyncLLM(FakeEngine(), log_stats=False), max_model_len=64)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(), log_stats=False), 64))
     return app
 
 

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from tests.engine.fake_engine import FakeEngine
 
 
@@ -19,7 +19,7 @@ def make_app(engine: FakeEngine | None = None, api_key: str | None = None, ready
     if ready:
         engine = engine or FakeEngine()
         engine.max_model_len = 64
-        state.attach(AsyncLLM(engine, log_stats=False), max_model_len=64)
+        state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 64))
     return state, app
 
 
@@ -48,7 +48,7 @@ def test_health_503_while_loading_then_200():
     async def fn(c):
         r1 = await c.get("/health")
         r2 = await c.post("/v1/completions", json={"prompt": "x"})
-        state.attach(AsyncLLM(FakeEngine(), log_stats=False), max_model_len=64)
+        state.attach(Attachment.local(AsyncLLM(FakeEngine(), log_stats=False), 64))
         r3 = await c.get("/health")
         return r1, r2, r3
 

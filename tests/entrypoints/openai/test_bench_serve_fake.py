@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.benchmarks import serve as bench
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from tests.engine.fake_engine import FakeEngine
 
 
@@ -23,7 +23,7 @@ def fake_server():
     engine = FakeEngine(step_time=0.002)
     state = ServerState(served_model_names=["fake"])
     app = build_app(state)
-    state.attach(AsyncLLM(engine, log_stats=False), max_model_len=4096)
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 4096))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

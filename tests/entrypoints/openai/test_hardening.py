@@ -10,7 +10,7 @@ import time
 import httpx
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineShutdownError
-from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from tests.engine.fake_engine import FakeEngine
 from tests.entrypoints.openai.test_api_fake_engine import call, events
 
@@ -22,7 +22,7 @@ def make(engine: FakeEngine | None = None, **state_kwargs) -> tuple[ServerState,
     llm_kwargs = state_kwargs.pop("llm", {})
     state = ServerState(served_model_names=["fake"], api_key="k", **state_kwargs)
     app = build_app(state)
-    state.attach(AsyncLLM(engine or FakeEngine(), log_stats=False, **llm_kwargs), max_model_len=4096)
+    state.attach(Attachment.local(AsyncLLM(engine or FakeEngine(), log_stats=False, **llm_kwargs), 4096))
     return state, app
 
 

@@ -76,7 +76,10 @@ class Stream:
     def finish(self) -> None:
         self.thread.join(timeout=120)
         assert self.error is None, self.error
-        assert self.done and len(self.times) >= 100  # (a few tokens share an event while a character is split)
+        # Streamed, not one blob at the end.  Not one event per token: a consumer slower
+        # than the engine gets the tokens since its last read in one event (by design),
+        # which a loaded 2-core machine makes common (93 events for 200 tokens, once).
+        assert self.done and len(self.times) >= 20, len(self.times)
 
 
 def healthy(server, client) -> None:
