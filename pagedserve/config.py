@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.utils import is_int, is_number
+
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 QUANT_ACTIVATION_BITS = (16, 8)  # the first is the default
+
+
+# The model dtypes, and the other names each goes by (ModelConfig resolves them).
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
 
 
 @dataclass
@@ -47,6 +54,11 @@ class ModelConfig:
     generation_config_values: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
@@ -61,7 +73,7 @@ class ModelConfig:
             return {}
         values = self.generation_config_values
         out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-               if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
+               if is_number(values.get(k))}
         if isinstance(values.get("max_new_tokens"), int):
             out["max_tokens"] = values["max_new_tokens"]
         return out
@@ -96,12 +108,6 @@ PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHING_ALGOS = ("hash", "radix")
 
 
-def check_scheduling_policy(policy: object, name: str = "policy") -> None:
-    """The one check of a policy name (EngineArgs runs it early, as `name`; SchedulerConfig again)."""
-    if policy not in SCHEDULING_POLICIES:
-        raise ValueError(f"{name} must be 'fcfs' or 'priority', got {policy!r}")
-
-
 @dataclass
 class SchedulerConfig:
     """Token and sequence budgets for one engine step (vLLM v1 names)."""
@@ -128,15 +134,15 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
+        if not is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
-        check_scheduling_policy(self.policy)
-        if self.max_step_ms is not None and not (isinstance(self.max_step_ms, (int, float))
-                                                 and not isinstance(self.max_step_ms, bool) and self.max_step_ms > 0):
+        if self.policy not in SCHEDULING_POLICIES:  # (EngineArgs' scheduling_policy, vLLM's name)
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_step_ms is not None and not (is_number(self.max_step_ms) and self.max_step_ms > 0):
             raise ValueError(f"max_step_ms must be a positive number of milliseconds or None, got {self.max_step_ms!r}")
         if self.max_step_ms is not None and not self.enable_chunked_prefill:
             raise ValueError("max_step_ms needs chunked prefill (a step's time is bounded by chunking prompts)")
@@ -179,14 +185,13 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
-        if isinstance(self.cache_threshold, bool) or not isinstance(self.cache_threshold, (int, float)) or not (
+        if not is_number(self.cache_threshold) or not (
                 0.0 <= self.cache_threshold <= 1.0):
             raise ValueError(f"router_cache_threshold must be in [0, 1], got {self.cache_threshold!r}")
-        if isinstance(self.balance_abs_threshold, bool) or not isinstance(self.balance_abs_threshold, int) or (
+        if not is_int(self.balance_abs_threshold) or (
                 self.balance_abs_threshold < 0):
             raise ValueError(f"router_balance_abs_threshold must be an integer >= 0, got {self.balance_abs_threshold!r}")
-        if isinstance(self.balance_rel_threshold, bool) or not isinstance(
-                self.balance_rel_threshold, (int, float)) or self.balance_rel_threshold < 1.0:
+        if not is_number(self.balance_rel_threshold) or self.balance_rel_threshold < 1.0:
             raise ValueError(f"router_balance_rel_threshold must be a number >= 1, got {self.balance_rel_threshold!r}")
 
 
@@ -210,7 +215,7 @@ class StructuredOutputsConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
-            raise ValueError(f"structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
                              f"got {self.backend!r}")
 
 
@@ -256,7 +261,7 @@ class SpeculativeConfig:
                              "from the sequence itself (leave out model, or method)")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "

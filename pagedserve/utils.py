@@ -13,6 +13,11 @@ def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_number(x: object) -> bool:
+    """An int or a float that is not a bool (True is not 1 ms, nor a threshold of 1)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 # Seconds spent in each start-up phase of this process, in the order they ran: each phase
 # records itself where it happens (weights, kernel builds, KV allocation, compile), and
 # the engine logs the breakdown once it is ready.

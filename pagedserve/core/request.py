@@ -14,6 +14,7 @@ from array import array
 from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.utils import is_int, is_number
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,13 +88,13 @@ class Request:
         if min(packed) < 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative")
         prompt_token_ids = packed.tolist()
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not is_int(priority):
             raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.eos_token_id = eos_token_id
-        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)):
+        if arrival_time is not None and not is_number(arrival_time):
             raise ValueError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedserve.config import (
+    DTYPES,
     PREEMPTION_MODES,
     PREFIX_CACHING_ALGOS,
     QUANT_ACTIVATION_BITS,
@@ -33,14 +34,11 @@ from pagedserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
-    check_scheduling_policy,
 )
 from pagedserve.utils import is_int
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "float", "half")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 # Upper bound on default step budget; a larger max_model_len still works through chunked prefill.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -197,38 +195,27 @@ class EngineArgs:
             raise bad("model", "a non-empty string (registry name, directory or .gguf path)")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise bad("tokenizer", "a string or None")
-        if self.dtype not in DTYPES:
-            raise bad("dtype", f"one of {', '.join(DTYPES)}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_num_batched_tokens", "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise bad(name, "a positive integer or None")
-        for name in ("max_num_seqs", "tensor_parallel_size", "max_n", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size"):  # the checks below read them
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "a positive integer")
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise bad("block_size", "a positive power of two (e.g. 16 or 32)")
-        if not is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
-            raise bad("long_prefill_token_threshold", "an integer >= 0")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
         self._validate_kv_tier()
         self._validate_data_parallel()
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
-        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
-                                             or not isinstance(self.max_step_ms, (int, float)) or self.max_step_ms <= 0):
-            raise bad("max_step_ms", "a positive number of milliseconds or None")
         if not is_int(self.seed):
             raise bad("seed", "an integer")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise bad("max_logprobs", "an integer >= 0")
-        if self.structured_outputs_backend not in STRUCTURED_OUTPUT_BACKENDS:
-            raise bad("structured_outputs_backend", f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}")
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise bad("quantization", f"one of {', '.join(QUANTIZATION_METHODS)}")
         if self.generation_config not in ("auto", "vllm"):
             raise bad("generation_config", "'auto' or 'vllm'")
         if self.load_format not in LOAD_FORMATS:
@@ -251,17 +238,10 @@ class EngineArgs:
                              "(tensor_parallel_size > 1); n-gram speculation does ({\"method\": \"ngram\"})")
         if self.torch_compile and self.enforce_eager:
             raise ValueError("torch_compile=True contradicts enforce_eager=True (which never compiles)")
-        check_scheduling_policy(self.scheduling_policy, "scheduling_policy")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise bad("chat_template", "a template string or a file path")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise bad("attention_backend", "a backend name or None")
-        if (self.max_model_len is not None and self.max_num_batched_tokens is not None
-                and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is disabled"
-            )
 
     def _validate_kv_tier(self) -> None:
         if self.prefix_caching_algo not in PREFIX_CACHING_ALGOS:
@@ -342,7 +322,7 @@ class EngineArgs:
         False and get max_model_len or 2048."""
         chat_template = read_chat_template(self.chat_template)
         model_config = ModelConfig(
-            model=self.model, tokenizer=self.tokenizer, dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
             max_logprobs=self.max_logprobs, generation_config=self.generation_config,

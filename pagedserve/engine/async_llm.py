@@ -37,6 +37,7 @@ from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.utils import is_number
 from pagedserve.worker.cpu_malloc import release_freed_memory
 
 logger = logging.getLogger("pagedserve.async_llm")
@@ -118,7 +119,7 @@ class _AddRequestCommand:
 def check_front_door_limits(max_waiting_requests: int | None, request_timeout: float | None) -> None:
     """The admission limits' one check (a server runs it on its flags before loading)."""
     for name, value in (("max_waiting_requests", max_waiting_requests), ("request_timeout", request_timeout)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (not is_number(value) or value <= 0):
             raise ValueError(f"{name} must be a positive number or None, got {value!r}")
 
 

@@ -52,6 +52,7 @@ from pagedserve.distributed.shm_broadcast import ShmBroadcaster
 from pagedserve.executor.abstract import PendingModelOutput
 from pagedserve.executor.worker_proc import SHUTDOWN, TPWorker, WorkerArgs, worker_main
 from pagedserve.platforms import is_cpu, is_cuda
+from pagedserve.utils import is_int
 from pagedserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve")
@@ -88,7 +89,7 @@ def valid_tp_sizes(hf_config: Any, limit: int = 64) -> list[int]:
 def validate_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """Every reason the model cannot be split N ways, as a ValueError, before any process starts."""
     tp = config.parallel_config.tensor_parallel_size
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+    if not is_int(tp) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     hf = config.model_config.hf_config
     problem = tp_split_problem(hf, tp)

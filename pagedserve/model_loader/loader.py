@@ -123,8 +123,6 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     limit = derive_max_model_len(hf_config)
     if requested is None:
         return limit
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
     if requested > limit:
         window = getattr(hf_config, "sliding_window", None)
         why = (" (its sliding window; sliding-window attention is not implemented for this family)"

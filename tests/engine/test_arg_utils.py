@@ -168,3 +168,78 @@ def test_one_engine_refuses_replicas() -> None:
 
     with pytest.raises(ValueError, match="cannot hold 2 data-parallel replicas"):
         LLMEngine.from_engine_args(EngineArgs(data_parallel_size=2))
+
+
+# Where each engine argument is checked: one place each (the issue of one rule in one
+# place).  A field whose config class owns it is checked there, when the config tree is
+# built; EngineArgs checks only what it reads before that, or what has no config of its
+# own.  Each row: a bad value (with what else it needs) and the function that refuses it.
+_V = "EngineArgs._validate"
+WHERE_CHECKED = {
+    "model": ({"model": ""}, _V),
+    "tokenizer": ({"tokenizer": 3}, _V),
+    "dtype": ({"dtype": "float64"}, "ModelConfig.__post_init__"),
+    "device": ({"device": "tpu"}, _V),
+    "max_model_len": ({"max_model_len": 0}, "ModelConfig.__post_init__"),
+    "max_num_seqs": ({"max_num_seqs": -1}, "SchedulerConfig.__post_init__"),
+    "max_num_batched_tokens": ({"max_num_batched_tokens": 0}, _V),
+    "block_size": ({"block_size": 24}, _V),
+    "enable_prefix_caching": ({"enable_prefix_caching": "yes"}, _V),
+    "long_prefill_token_threshold": ({"long_prefill_token_threshold": -1}, "SchedulerConfig.__post_init__"),
+    "kv_cache_memory_bytes": ({"kv_cache_memory_bytes": "lots"}, "parse_bytes"),
+    "gpu_memory_utilization": ({"gpu_memory_utilization": 1.5}, _V),
+    "num_gpu_blocks_override": ({"num_gpu_blocks_override": 0}, _V),
+    "prefix_caching_algo": ({"prefix_caching_algo": "trie"}, "EngineArgs._validate_kv_tier"),
+    "kv_offload_dir": ({"kv_offload_dir": ""}, "EngineArgs._validate_kv_tier"),
+    "kv_offload_bytes": ({"kv_offload_bytes": "lots"}, "parse_bytes"),
+    "preemption_mode": ({"preemption_mode": "drop"}, "EngineArgs._validate_kv_tier"),
+    "seed": ({"seed": "x"}, _V),
+    "max_logprobs": ({"max_logprobs": -1}, _V),
+    "max_n": ({"max_n": 0}, "SchedulerConfig.__post_init__"),
+    "generation_config": ({"generation_config": "hf"}, _V),
+    "load_format": ({"load_format": "pickle"}, _V),
+    "enforce_eager": ({"enforce_eager": 1}, _V),
+    "tensor_parallel_size": ({"tensor_parallel_size": 0}, _V),
+    "data_parallel_size": ({"data_parallel_size": 0}, _V),
+    "ray_address": ({"data_parallel_size": 2, "ray_address": "nowhere"}, "EngineArgs._validate_data_parallel"),
+    "cpus_per_replica": ({"data_parallel_size": 2, "cpus_per_replica": 0}, "EngineArgs._validate_data_parallel"),
+    "router_policy": ({"data_parallel_size": 2, "router_policy": "random"}, "RouterConfig.__post_init__"),
+    "router_cache_threshold": ({"data_parallel_size": 2, "router_cache_threshold": 2.0},
+                               "RouterConfig.__post_init__"),
+    "router_balance_abs_threshold": ({"data_parallel_size": 2, "router_balance_abs_threshold": -1},
+                                     "RouterConfig.__post_init__"),
+    "router_balance_rel_threshold": ({"data_parallel_size": 2, "router_balance_rel_threshold": True},
+                                     "RouterConfig.__post_init__"),
+    "chat_template": ({"chat_template": 3}, _V),
+    "attention_backend": ({"attention_backend": 3}, _V),
+    "enable_chunked_prefill": ({"enable_chunked_prefill": "no"}, _V),
+    "scheduling_policy": ({"scheduling_policy": "lifo"}, "SchedulerConfig.__post_init__"),
+    "trust_remote_code": ({"trust_remote_code": "no"}, _V),
+    "async_scheduling": ({"async_scheduling": "on"}, _V),
+    "torch_compile": ({"torch_compile": "yes"}, _V),
+    "structured_outputs_backend": ({"structured_outputs_backend": "regex"}, "StructuredOutputsConfig.__post_init__"),
+    "quantization": ({"quantization": "fp4"}, "ModelConfig.__post_init__"),
+    "quant_activation_bits": ({"quant_activation_bits": 4}, "ModelConfig.__post_init__"),
+    "prepack_weights": ({"prepack_weights": "x"}, _V),
+    "max_step_ms": ({"max_step_ms": True}, "SchedulerConfig.__post_init__"),
+    "speculative_config": ({"speculative_config": {"method": "medusa"}}, "SpeculativeConfig.__post_init__"),
+}
+
+
+def test_every_engine_argument_is_listed_with_where_it_is_checked() -> None:
+    from dataclasses import fields
+
+    assert sorted(WHERE_CHECKED) == sorted(f.name for f in fields(EngineArgs))
+
+
+@pytest.mark.parametrize("name", sorted(WHERE_CHECKED))
+def test_each_engine_argument_is_refused_in_its_one_place(name: str) -> None:
+    """The refusal names the argument and comes from the function the table names."""
+    kwargs, owner = WHERE_CHECKED[name]
+    with pytest.raises(ValueError) as info:
+        EngineArgs(**kwargs).create_engine_config(load_hf_config=False)
+    assert name.removeprefix("router_") in str(info.value) or name in str(info.value), info.value
+    tb = info.value.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_qualname == owner, (name, tb.tb_frame.f_code.co_qualname)
