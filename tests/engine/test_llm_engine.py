@@ -350,3 +350,48 @@ def test_bad_words_are_tokenized_once_per_request_and_text_prompts_are_bounded(t
     finally:
         tok.encode = encode
     assert engine.max_prompt_chars <= 128 * max(len(t) for t in tok.get_vocab())
+
+
+# Where each request field is checked (the structure issue's one rule in one place): its
+# shape and range once, in SamplingParams.validate (run at construction, and again when
+# the engine takes the request, since a caller can change a field afterwards), and the
+# limits of this engine (its vocabulary, max_logprobs, max_n, a tokenizer) once, in
+# LLMEngine._check_request.  The HTTP layer's request models check only the JSON types
+# and the fields that exist there alone (stream_options, tool_choice, ...).  Each row: a
+# bad value and the function that refuses it.
+_SP, _ENG = "SamplingParams.validate", "LLMEngine._check_request"
+REQUEST_FIELD_CHECKS = {
+    "n": [(0, _SP), (5, _ENG)], "temperature": [(-1.0, _SP)], "top_p": [(0.0, _SP)], "top_k": [(-2, _SP)],
+    "min_p": [(2.0, _SP)], "seed": [(2**64, _SP)], "presence_penalty": [(3.0, _SP)],
+    "frequency_penalty": [(math.nan, _SP)], "repetition_penalty": [(0.0, _SP)], "stop": [([""], _SP)],
+    "stop_token_ids": [([-1], _SP), ([400], _ENG)], "include_stop_str_in_output": [(1, _SP)],
+    "ignore_eos": [("no", _SP)], "max_tokens": [(0, _SP)], "min_tokens": [(-1, _SP)],
+    "logprobs": [(-1, _SP), (6, _ENG)], "prompt_logprobs": [(-1, _SP), (6, _ENG)],
+    "skip_special_tokens": [(None, _SP)], "logit_bias": [({1: 101.0}, _SP), ({400: 1.0}, _ENG)],
+    "allowed_token_ids": [([], _SP), ([400], _ENG)], "bad_words": [([""], _SP), (["x"], _ENG)],
+    "structured_outputs": [("json", _SP)],
+    # Set by the front end from bad_words (tokenized off the engine thread), not sent by clients.
+    "bad_words_token_ids": [],
+}
+
+
+def test_every_request_field_is_listed_with_where_it_is_checked() -> None:
+    from dataclasses import fields
+
+    assert sorted(REQUEST_FIELD_CHECKS) == sorted(f.name for f in fields(SamplingParams))
+
+
+@pytest.mark.parametrize(("name", "value", "owner"), [
+    (name, value, owner) for name, rows in sorted(REQUEST_FIELD_CHECKS.items()) for value, owner in rows])
+def test_each_request_field_is_refused_in_its_one_place(name, value, owner) -> None:
+    engine = make_engine(max_n=4, max_logprobs=5)  # no tokenizer: bad_words need one
+    params = SamplingParams(max_tokens=4)
+    setattr(params, name, value)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("x", [1, 2], params)
+    assert info.value.param == name, info.value
+    tb = info.value.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_qualname == owner, (name, tb.tb_frame.f_code.co_qualname)
+    assert not engine.has_unfinished_requests()
