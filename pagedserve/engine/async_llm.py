@@ -173,7 +173,7 @@ class FrontDoor(abc.ABC):
         """Raise what a new request gets instead of admission, if anything."""
         self.start()
         if self.dead_error is not None:
-            raise _dead(self.dead_error) from self.dead_error
+            raise _dead(self.dead_error)
         if self._closed is not None:
             raise self._closed
         limit = self.max_waiting_requests
@@ -565,9 +565,10 @@ class RequestStream:
 
 def _dead(error: BaseException) -> EngineDeadError:
     """What requests see of an engine failure: its kind only (the details, which may
-    name files, are in the server's log); an EngineDeadError is already worded for them."""
+    name files, are in the server's log); an EngineDeadError is already worded for them
+    (a new one each time: one instance raised again and again would grow its traceback)."""
     if isinstance(error, EngineDeadError):
-        return error
+        return EngineDeadError(str(error))
     dead = EngineDeadError(f"The engine failed ({type(error).__name__}; details in the server log) and "
                            "cannot serve requests; the server is shutting down.")
     dead.__cause__ = error  # in-process callers still see what failed

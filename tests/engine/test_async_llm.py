@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, FrontDoor
 from pagedserve.metrics import make_prometheus_loggers
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_engine import FakeEngine
@@ -253,3 +253,48 @@ def test_a_pause_after_work_checks_the_kv_cache_and_a_broken_one_stops_the_engin
         llm.shutdown()
 
     run(main())
+
+
+class _Door(FrontDoor):
+    """The shared admission alone, as the data-parallel client uses it."""
+
+    def __init__(self, waiting: int = 0, **limits) -> None:
+        super().__init__(limits.get("max_waiting_requests"), limits.get("request_timeout"), None)
+        self.waiting = waiting
+
+    @property
+    def num_waiting(self) -> int:
+        return self.waiting
+
+    def start(self) -> None:
+        pass
+
+    def forget(self, request_id: str, abort: bool) -> None:
+        self._collectors.pop(request_id, None)
+
+
+def test_front_door_admission_is_the_same_for_every_client() -> None:
+    door = _Door(waiting=3, max_waiting_requests=3)
+    with pytest.raises(EngineOverloadedError, match="3 requests are already waiting"):
+        door._admit("a")
+    door.waiting = 0
+    door._admit("a")
+    door._collectors["a"] = object()
+    with pytest.raises(ValueError, match="already in use"):
+        door._admit("a")
+    door.close_admission(RuntimeError("shutting down"))
+    with pytest.raises(RuntimeError, match="shutting down"):
+        door._admit("b")
+    # A client-worded dead error (the replicas' own) reaches requests as it is worded, a
+    # new instance each time; any other failure is told by its kind only.
+    door.dead_error = EngineDeadError("every engine replica has been down for over 600 s")
+    errors = []
+    for _ in range(2):
+        with pytest.raises(EngineDeadError, match="every engine replica") as info:
+            door._admit("c")
+        errors.append(info.value)
+    assert errors[0] is not errors[1] and errors[0] is not door.dead_error
+    door.dead_error = OSError("/secret/path unreadable")
+    with pytest.raises(EngineDeadError, match=r"The engine failed \(OSError") as info:
+        door._admit("c")
+    assert "/secret" not in str(info.value) and info.value.__cause__ is door.dead_error
