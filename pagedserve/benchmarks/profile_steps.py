@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from pagedserve import LLMEngine, SamplingParams
+    from pagedserve.engine.output_processor import RequestOutputKind
     from pagedserve.platforms import is_cuda
 
     args = add_cli_args(argparse.ArgumentParser(
@@ -50,8 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_model_len - args.context)
     vocab = min(10000, engine.vocab_size)
     for i in range(args.batch):
+        # FINAL_ONLY, as LLM.generate (and so bench_gpu) adds them: no per-step output objects.
         engine.add_request(f"p{i}", {"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(args.context)]},
-                           params)
+                           params, output_kind=RequestOutputKind.FINAL_ONLY)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     for _ in range(5):
