@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, decoder_of
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.helpers import make_tokenizer
 
@@ -146,3 +146,35 @@ def test_several_tokens_at_once_stop_at_the_token_that_completes_the_stop_string
     assert detok.tokens_after_stop == 3
     assert detok.output_text == one.output_text
     assert detok.token_ids == one.token_ids
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2", "gemma3"])
+def test_the_direct_decoder_is_exactly_the_tokenizers_decode(which, tok, request) -> None:
+    """The fast path (the Rust tokenizer called directly) against tokenizer.decode, on
+    random ids (partial UTF-8 characters, special tokens) with and without skipping
+    special tokens; the real models' tokenizers take the fast path."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = tok if which == "tiny" else AutoTokenizer.from_pretrained(
+        request.getfixturevalue("smollm2_path" if which == "smollm2" else "gemma3_path"))
+    rng = random.Random(0)
+    specials = list(tokenizer.all_special_ids)
+    for skip in (False, True):
+        fast = decoder_of(tokenizer, skip)
+        for _ in range(300):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))]
+            if specials and rng.random() < 0.3:
+                ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+            assert fast(ids) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+    if which != "tiny":
+        assert decoder_of(tokenizer, False).__code__ is not decoder_of(object(), False).__code__
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it() -> None:
+    class Custom:
+        def decode(self, ids, skip_special_tokens=False):
+            return f"{len(ids)}:{skip_special_tokens}"
+
+    assert decoder_of(Custom(), True)([1, 2]) == "2:True"
