@@ -126,12 +126,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 EXACT_TOP = 8  # 16-bit logits recomputed in float32 per row (see ParallelLMHead._exact_top)
+# torch.mm(..., out_dtype=torch.float32) for 16-bit CUDA inputs came with torch 2.8.
+FLOAT32_OUT_GEMM = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> float32 logits over the full vocabulary."""
-
-    float32_gemm_works = True  # torch.mm(..., out_dtype=float32) on CUDA; cleared on its first failure
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tied_to: VocabParallelEmbedding | None = None) -> None:
@@ -162,14 +162,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             if logits.shape[0]:
                 self._exact_top(hidden, logits, quantized.rows)
             return logits
-        if (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and self.tp_size == 1
-                and ParallelLMHead.float32_gemm_works):
+        if (FLOAT32_OUT_GEMM and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+                and self.tp_size == 1):
             # The GEMM accumulates in float32 and writes float32: no 16-bit rounding of
             # the logits, so no tied top tokens to recompute (see _exact_top).
-            try:
-                return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
-            except (RuntimeError, TypeError):  # a torch without mm's out_dtype (before 2.8)
-                ParallelLMHead.float32_gemm_works = False
+            return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
         logits = self._linear(hidden, self.weight, None)
         if self.tp_size > 1:
             logits = gather_to_driver(logits, self.tp_rank, self.tp_size)

@@ -110,25 +110,29 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as [rows, width] with unit column stride (the kernels index columns directly)."""
+    rows = x.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """layernorm.RMSNorm.forward over [T, N] rows (the last dimension contiguous)."""
+    """layernorm.RMSNorm.forward over [T, N] rows."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
+    x2 = _rows(x, n)
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
-    block = triton.next_power_of_2(n)
-    if residual is None:
-        if x2.shape[0]:
-            get_kernels().rms_norm_kernel[(x2.shape[0],)](
-                x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
-                HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block))
-        return out.view(x.shape)
-    r2 = residual.reshape(-1, n)
-    new_residual = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
+    # Without a residual the kernel neither reads nor writes one: x and out stand in.
+    r2 = _rows(residual, n) if residual is not None else x2
+    new_residual = (torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
+                    if residual is not None else out)
     if x2.shape[0]:
+        block = triton.next_power_of_2(n)
         get_kernels().rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, new_residual, x2.stride(0), r2.stride(0), out.stride(0),
-            new_residual.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block))
+            x2, r2, weight, out, new_residual, x2.stride(0), r2.stride(0), out.stride(0), new_residual.stride(0),
+            n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block))
+    if residual is None:
+        return out.view(x.shape)
     return out.view(x.shape), new_residual.view(x.shape)
 
 
@@ -153,7 +157,7 @@ def norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """activation.SiluAndMul over [T, 2I] rows."""
     n = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * n)
+    x2 = _rows(x, 2 * n)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if x2.shape[0]:
