@@ -25,8 +25,13 @@ def test_ctrl_c_then_exit_leave_no_process(tp_checkpoint) -> None:
             lines.append(line)
             if line.startswith("STEPPING 2"):  # printed from inside the second generate()
                 break
+        if not lines or not lines[0].startswith("PIDS"):  # the child died before its engine was up
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+            raise AssertionError(f"child exited {proc.returncode}; stdout {lines + out.splitlines()}; "
+                                 f"stderr: {err[-4000:]}")
         pids = [int(x) for x in lines[0].split()[1:]]
-        assert lines[0].startswith("PIDS") and pids, lines
+        assert pids, lines
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         t0 = time.monotonic()
         for line in proc.stdout:
