@@ -89,6 +89,9 @@ class CacheConfig:
     # the fraction of available memory the KV cache may take (worker/kv_cache.py).
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.25
+    # On CPU, bytes in place of cpu_kv_cache_fraction of available memory (still capped at
+    # what max_num_seqs x max_model_len could use): $PAGEDSERVE_CPU_KV_CACHE_SPACE.
+    cpu_kv_cache_space: int | None = None
     num_blocks: int | None = None  # resolved at start-up
     # Each KV-cache group's sliding window (None: full attention), resolved at start-up
     # with num_blocks from the model's attention layers (worker/kv_cache.py).

@@ -14,6 +14,9 @@ import tests.hypothesis_budget  # noqa: F401 - registers and loads the hypothesi
 # tiny test model would cost the suite minutes.  Compiled-vs-eager parity has its own
 # tests (tests/worker/test_compiled_model.py).  Subprocess servers inherit this.
 os.environ.setdefault("PAGEDSERVE_TORCH_COMPILE", "0")
+# And their CPU KV caches take 1 GiB, not a quarter of the machine's memory: each engine
+# zeroes its whole cache at start-up (about a second for 5.6 GiB), and no test needs more.
+os.environ.setdefault("PAGEDSERVE_CPU_KV_CACHE_SPACE", "1GiB")
 
 
 @pytest.fixture(scope="session")

@@ -346,6 +346,7 @@ class EngineArgs:
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
+                cpu_kv_cache_space=env_cpu_kv_cache_space(),
                 num_blocks=self.num_gpu_blocks_override, kv_offload_dir=self.kv_offload_dir,
                 kv_offload_bytes=self.kv_offload_bytes, prefix_caching_algo=self.prefix_caching_algo,
             ),
@@ -445,6 +446,17 @@ def read_chat_template(value: str | None) -> str | None:
         with open(value, encoding="utf-8") as f:
             return f.read()
     raise ValueError(f"chat_template {value!r} is neither a Jinja template nor an existing file")
+
+
+def env_cpu_kv_cache_space() -> int | None:
+    """PAGEDSERVE_CPU_KV_CACHE_SPACE ("2GiB", vLLM's VLLM_CPU_KVCACHE_SPACE idea): the CPU KV
+    cache's budget when kv_cache_memory_bytes is unset, in place of a share of available
+    memory.  The test suite sets 1 GiB: every engine it builds would otherwise zero a
+    quarter of the machine's memory (5.6 GiB here, about a second each time)."""
+    import os
+
+    value = os.environ.get("PAGEDSERVE_CPU_KV_CACHE_SPACE", "").strip()
+    return parse_bytes(value, "PAGEDSERVE_CPU_KV_CACHE_SPACE") if value else None
 
 
 def env_torch_compile() -> bool | None:

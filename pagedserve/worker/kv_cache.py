@@ -139,7 +139,7 @@ def determine_num_blocks(
     that number, for the start-up log).
 
     An explicit `kv_cache_memory_bytes` is taken as given.  Otherwise, on CPU the cache
-    takes cpu_kv_cache_fraction of free memory; on CUDA gpu_kv_budget's share of
+    takes cpu_kv_cache_space bytes if set, else cpu_kv_cache_fraction of free memory; on CUDA gpu_kv_budget's share of
     gpu_memory_utilization x total memory, with `reserved_bytes` the profile run's peak
     activations.  Either is capped at what max_num_seqs requests of max_model_len
     tokens could ever use (with sliding-window groups, what they hold at most: see
@@ -179,13 +179,17 @@ def determine_num_blocks(
         if num_blocks == need:
             source = f"{need_text}, less than {source}"
     else:
-        fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
-        if not 0 < fraction <= 1:
-            raise ValueError(f"{name} must be in (0, 1], got {fraction}")
-        free = available_memory_bytes(device)
-        budget = int(free * fraction) - reserved_bytes
+        if cache_config.cpu_kv_cache_space is not None:
+            budget = cache_config.cpu_kv_cache_space - reserved_bytes
+            source = f"PAGEDSERVE_CPU_KV_CACHE_SPACE={cache_config.cpu_kv_cache_space / 2**30:.2f} GiB"
+        else:
+            fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
+            if not 0 < fraction <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {fraction}")
+            free = available_memory_bytes(device)
+            budget = int(free * fraction) - reserved_bytes
+            source = f"{name}={fraction} of {free / 2**30:.1f} GiB available memory"
         num_blocks = min(max(budget, 0) // block_bytes, need)
-        source = f"{name}={fraction} of {free / 2**30:.1f} GiB available memory"
         source = (f"{need_text}, less than {source}" if num_blocks == need
                   else f"{source}, less than the {need_text}")
         source += " (set kv_cache_memory_bytes to choose)"

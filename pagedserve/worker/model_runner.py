@@ -278,7 +278,9 @@ class ModelRunner:
         if is_cuda(self.device) and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
             reserved = self.profile_run()
         if host_ranks > 1 and is_cpu(self.device):
-            cache = dataclasses.replace(cache, cpu_kv_cache_fraction=cache.cpu_kv_cache_fraction / host_ranks)
+            space = cache.cpu_kv_cache_space
+            cache = dataclasses.replace(cache, cpu_kv_cache_fraction=cache.cpu_kv_cache_fraction / host_ranks,
+                                        cpu_kv_cache_space=None if space is None else space // host_ranks)
         return kv_cache.determine_num_blocks(cache, block_bytes, self.max_model_len, self.max_num_reqs,
                                              self.device, reserved, self.kv_layout.group_windows,
                                              self.max_num_batched_tokens)

@@ -34,6 +34,24 @@ def test_fraction_of_free_memory_capped_at_useful_size(monkeypatch):
     assert num_blocks == 9 and why.startswith("max_num_seqs=2 x max_model_len=64 could use")
 
 
+def test_cpu_kv_cache_space_replaces_the_fraction_and_is_still_capped(monkeypatch):
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 10**12)
+    monkeypatch.setenv("PAGEDSERVE_CPU_KV_CACHE_SPACE", "10KiB")
+    cache = EngineArgs().create_engine_config(load_hf_config=False).cache_config
+    assert cache.cpu_kv_cache_space == 10 * 1024
+    num_blocks, why = determine_num_blocks(cache, BLOCK_BYTES, 64, 1000, CPU)
+    assert num_blocks == 10 * 1024 // BLOCK_BYTES and why.startswith("PAGEDSERVE_CPU_KV_CACHE_SPACE=0.00 GiB")
+    num_blocks, why = determine_num_blocks(cache, BLOCK_BYTES, 16, 1, CPU)  # one block of need, plus null
+    assert num_blocks == 2 and why.startswith("max_num_seqs=1 x max_model_len=16 could use")
+    monkeypatch.setenv("PAGEDSERVE_CPU_KV_CACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_KV_CACHE_SPACE"):
+        EngineArgs().create_engine_config(load_hf_config=False)
+    monkeypatch.delenv("PAGEDSERVE_CPU_KV_CACHE_SPACE")
+    assert EngineArgs().create_engine_config(load_hf_config=False).cache_config.cpu_kv_cache_space is None
+
+
 def test_too_small_names_the_knobs(monkeypatch):
     cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=3_500)
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=3500 gives 2 usable blocks.*"
