@@ -38,7 +38,7 @@ def make_runner(backend: str, static_graphs: bool, window: int | None = None) ->
 def driver_outputs(runner: ModelRunner) -> dict:
     drv = Driver(runner, runner.config.cache_config.num_blocks, 512)
     for i, p in enumerate(PROMPTS):
-        drv.add(f"r{i}", p, SamplingParams(temperature=0, logprobs=2), max_tokens=4 + 3 * i)
+        drv.add(f"r{i}", p, SamplingParams(temperature=0, logprobs=2), max_tokens=3 + 2 * i)
     drv.run()
     lps = [o.logprobs for _, o in drv.outputs]
     return {k: v["out"] for k, v in drv.done.items()}, lps
@@ -47,7 +47,7 @@ def driver_outputs(runner: ModelRunner) -> dict:
 def engine_outputs(runner: ModelRunner, overlap: bool) -> dict:
     runner.config.scheduler_config.async_scheduling = overlap
     engine = LLMEngine(runner.config, runner)
-    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[5, 40])
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[5, 40])
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"e{i}", p, params)
     final = {}
@@ -62,8 +62,8 @@ def engine_outputs(runner: ModelRunner, overlap: bool) -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     eager_runner, graph_runner = make_runner("triton", False), make_runner("triton", True)
-    (eager, eager_lps), (graphed, graphed_lps) = driver_outputs(eager_runner), driver_outputs(graph_runner)
-    assert graphed == eager, (graphed, eager)
+    (full, eager_lps), (graphed, graphed_lps) = driver_outputs(eager_runner), driver_outputs(graph_runner)
+    assert graphed == full, (graphed, full)
     for a, b in zip(eager_lps, graphed_lps, strict=True):
         for rid in a:
             assert a[rid].topk_token_ids == b[rid].topk_token_ids
@@ -81,7 +81,6 @@ def main() -> None:
     assert graph_w.graph_runner.sliding_window == 6
     (eager, _), (graphed, _) = driver_outputs(eager_w), driver_outputs(graph_w)
     assert graphed == eager, (graphed, eager)
-    full, _ = driver_outputs(make_runner("triton", False))
     assert full != eager, "the window changed nothing: the check lost its point"
     print("ok", replays)
 
