@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics, /tokenize, /detokenize, /version, and the dashboard at / (see
+Anthropic's /v1/messages (and count_tokens), /health, /metrics, /tokenize, /detokenize, /version, and the dashboard at / (see
 entrypoints/dashboard).
 
 Implementation: the FastAPI app factory (`build_app`) and `run_server`.  The socket is
@@ -44,6 +44,8 @@ from pagedserve.engine.async_llm import (
     check_front_door_limits,
 )
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedserve.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedserve.entrypoints.dashboard import DashboardHub, add_dashboard_routes, is_public_path
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
@@ -180,33 +182,35 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app.add_middleware(APIKeyMiddleware, state=state)
     app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
 
-    async def _error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_openai_error(exc))
+    async def _error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_openai_error(exc), request.url.path)
 
     for exc_class in (OpenAIError, ValueError, EngineDeadError, OverloadedError, RequestTimeoutError,
                       EngineShutdownError, Exception):
         app.add_exception_handler(exc_class, _error)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        path = request.url.path
         errors = exc.errors()
         first = errors[0] if errors else {}
         raised = first.get("ctx", {}).get("error")
         if isinstance(raised, InvalidRequestError):  # a model validator's own refusal, with its param
-            return error_response(to_openai_error(raised))
+            return error_response(to_openai_error(raised), path)
         if first.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
             return error_response(OpenAIError(f"The request body is not valid JSON ({first.get('msg', 'invalid')} "
-                                              f"at character {first.get('loc', ('', '?'))[-1]})."))
+                                              f"at character {first.get('loc', ('', '?'))[-1]})."), path)
         # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the path.
         loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
         where = ".".join(loc) or "body"
         return error_response(OpenAIError(f"{where}: {first.get('msg', 'invalid request')}",
-                                          param=loc[0] if loc else None))
+                                          param=loc[0] if loc else None), path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(OpenAIError(str(exc.detail), status=exc.status_code,
-                                          type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+                                          type="invalid_request_error" if exc.status_code < 500 else "server_error"),
+                              request.url.path)
 
     if state.enable_dashboard:
         def hub() -> DashboardHub:
@@ -244,7 +248,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         state.chat.model_name(model_id)  # a 404 naming it when it is not served
         return _json(model_card(model_id))
 
-    async def generate(serving: OpenAIServing, body: Any, request: Request) -> Response:
+    async def generate(serving: OpenAIServing | AnthropicServingMessages, body: Any, request: Request) -> Response:
         """Both generation endpoints: validate and render off the event loop (templates and
         tokenizing a long prompt take seconds), let the engine accept the request (its
         refusals are 400s, before any byte is sent), then stream (SSE) or answer once.  A
@@ -284,6 +288,17 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.ready()
         return await generate(state.chat, body, request)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API, translated onto the chat handler (entrypoints/anthropic)."""
+        state.ready()
+        return await generate(AnthropicServingMessages(state.chat), body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        state.ready()
+        return {"input_tokens": await off_loop(AnthropicServingMessages(state.chat).count_tokens, body)}
 
     def tokenizing(body: TokenizeRequest | DetokenizeRequest) -> OpenAIServingChat:
         """The chat handler (it holds the tokenizer), once the model named is known."""

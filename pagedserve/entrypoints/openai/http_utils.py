@@ -15,11 +15,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
 
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=err.headers)
+def error_response(err: OpenAIError, path: str = "") -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on the routes of its API (`path`)."""
+    if path.startswith(ANTHROPIC_PATH_PREFIX):
+        body = anthropic_error_body(err.status, err.message)
+    else:
+        body = err.to_response().model_dump()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 class SSEResponse(StreamingResponse):
@@ -49,7 +55,7 @@ class SSEResponse(StreamingResponse):
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on every route but the state's public ones (`state.is_public`:
+    """API-key check (a bearer token, or Anthropic's x-api-key header) on every route but the state's public ones (`state.is_public`:
     /health, /metrics with `metrics_without_auth`, the dashboard page), as plain ASGI (BaseHTTPMiddleware would put every streamed
     chunk through an extra task and memory stream).  The comparison takes constant time
     and is of bytes: the header as sent against the key's UTF-8 (the server refuses a
@@ -61,12 +67,14 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         key = self.state.api_key
         if key and scope["type"] == "http" and not self.state.is_public(scope["path"]):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), key.encode()):
-                err = OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                  status=401, code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
+                token = headers.get(b"x-api-key", b"")
+            if not secrets.compare_digest(token.strip(), key.encode()):
+                err = OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                                  "'x-api-key: <key>').", status=401, code="invalid_api_key")
+                await error_response(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -131,7 +139,7 @@ class HostCheckMiddleware:
                 err = OpenAIError(f"The Host header {shown!r} does not name this server; start it with "
                                   "--allowed-hosts listing the names clients use (or '*').", status=400,
                                   code="invalid_host")
-                await error_response(err)(scope, receive, send)
+                await error_response(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -146,10 +154,10 @@ class BodyLimitMiddleware:
     def __init__(self, app: Any, max_bytes: int, read_timeout: float | None = None) -> None:
         self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
 
-    def _too_large(self) -> JSONResponse:
+    def _too_large(self, path: str) -> JSONResponse:
         return error_response(OpenAIError(
             f"The request body is larger than this server's limit of {self.max_bytes} bytes "
-            "(--max-request-bytes).", status=413, code="request_too_large"))
+            "(--max-request-bytes).", status=413, code="request_too_large"), path)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -158,10 +166,10 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():
-                await error_response(OpenAIError("Content-Length is not a number"))(scope, receive, send)
+                await error_response(OpenAIError("Content-Length is not a number"), scope["path"])(scope, receive, send)
                 return
             if int(length) > self.max_bytes:
-                await self._too_large()(scope, receive, send)
+                await self._too_large(scope["path"])(scope, receive, send)
                 return
         loop = asyncio.get_running_loop()
         deadline = None if self.read_timeout is None else loop.time() + self.read_timeout
@@ -174,14 +182,14 @@ class BodyLimitMiddleware:
             except TimeoutError:
                 await error_response(OpenAIError(
                     f"The request body did not arrive within {self.read_timeout:g} s (--http-read-timeout).",
-                    status=408, code="request_timeout"))(scope, receive, send)
+                    status=408, code="request_timeout"), scope["path"])(scope, receive, send)
                 return
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._too_large()(scope, receive, send)
+                await self._too_large(scope["path"])(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

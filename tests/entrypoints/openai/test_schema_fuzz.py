@@ -35,8 +35,10 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON_HEADERS = {**AUTH, "Content-Type": "application/json"}
 REQUEST_TIMEOUT = 30.0  # seconds for one whole answer, a stream read to its end included
 ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
-          "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
-GENERATING = ("/v1/completions", "/v1/chat/completions")
+          "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
+          "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest"}
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's error and stream shapes
 MAX_TOKENS, MAX_N = 4, 2  # a generation is forced this small unless the case targets the field
 SIZE_FIELDS = {"max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "n": MAX_N}
 FUZZ = settings(max_examples=examples(100), deadline=None,
@@ -47,6 +49,8 @@ MESSAGES = [{"role": "system", "content": "answer briefly."}, {"role": "user", "
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "the weather in a city",
+                  "input_schema": TOOL["function"]["parameters"]}
 # Realistic bodies that reach the deep paths (tools, structured outputs, logprobs, streams)
 # which a random schema instance rarely does; the mutations then break them in place.
 SEEDS: dict[str, list[dict]] = {
@@ -94,6 +98,25 @@ SEEDS: dict[str, list[dict]] = {
         {"messages": MESSAGES, "add_generation_prompt": False},
     ],
     "/detokenize": [{"model": MODEL_NAME, "tokens": [5, 6, 7]}, {"tokens": []}],
+    "/v1/messages": [
+        {"model": MODEL_NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "hello world"}]},
+        {"model": MODEL_NAME, "max_tokens": 4, "stream": True, "system": [{"type": "text", "text": "briefly."}],
+         "stop_sequences": ["x"], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "metadata": {"user_id": "u"},
+         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        {"model": MODEL_NAME, "max_tokens": 4, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name":
+         "get_weather"}, "stream": True, "messages": [{"role": "user", "content": "weather?"}]},
+        {"model": MODEL_NAME, "max_tokens": 3, "tools": [ANTHROPIC_TOOL], "tool_choice": {
+            "type": "any", "disable_parallel_tool_use": True}, "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                               "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny",
+                                          "is_error": False}]}]},
+    ],
+    "/v1/messages/count_tokens": [
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "system": "s",
+         "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "auto"}},
+    ],
 }
 
 # ------------------------------------------------------------------ JSON Schema -> strategy
@@ -293,7 +316,13 @@ def show(content: bytes | str, limit: int = 1500) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
-def assert_error_body(payload: Any, context: str) -> None:
+def assert_error_body(payload: Any, context: str, route: str = "") -> None:
+    if route in ANTHROPIC:
+        assert isinstance(payload, dict) and payload.get("type") == "error", f"not an Anthropic error body: {context}"
+        err = payload.get("error")
+        assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], context
+        assert isinstance(err.get("type"), str) and err["type"] != "api_error", context
+        return
     assert isinstance(payload, dict) and set(payload) >= {"error"}, f"not an OpenAI error body: {context}"
     err = payload["error"]
     assert isinstance(err, dict) and {"message", "type", "param", "code"} <= set(err), f"error fields: {context}"
@@ -318,7 +347,7 @@ def send(client: httpx.Client, route: str, content: bytes | str, headers: dict[s
                     assert time.monotonic() - start < REQUEST_TIMEOUT, f"stream still open after the timeout: {case}"
                     if line.startswith("data: "):
                         events.append(line[len("data: "):])
-                check_events(events, case)
+                check_events(events, case, route)
                 return
             body = r.read().decode("utf-8", "replace")
     except httpx.TimeoutException as e:
@@ -333,13 +362,21 @@ def send(client: httpx.Client, route: str, content: bytes | str, headers: dict[s
     except ValueError:
         pytest.fail(f"{status} with a body that is not JSON ({show(body)}) for {case}")
     if status >= 400:
-        assert_error_body(payload, f"{status} {show(body)} for {case}")
+        assert_error_body(payload, f"{status} {show(body)} for {case}", route)
     else:
         assert status == 200 and isinstance(payload, dict), f"{status} {show(body)} for {case}"
 
 
-def check_events(events: list[str], case: str) -> None:
-    """Every event is JSON (an in-band error one not a server_error) and the stream ends with [DONE]."""
+def check_events(events: list[str], case: str, route: str = "") -> None:
+    """Every event is JSON (an in-band error one not a server_error) and the stream ends with
+    [DONE] (Anthropic's: with message_stop or an error event)."""
+    if route in ANTHROPIC:
+        assert events, f"empty stream for {case}"
+        last = json.loads(events[-1])
+        assert last["type"] in ("message_stop", "error"), f"stream ended with {show(events[-1])} for {case}"
+        if last["type"] == "error":
+            assert_error_body(last, f"in-band {show(events[-1])} for {case}", route)
+        return
     assert events and events[-1] == "[DONE]", f"stream ended without [DONE] ({show(repr(events[-3:]))}) for {case}"
     for data in events:
         if data == "[DONE]":

@@ -1,0 +1,93 @@
+"""Anthropic's Messages API shapes (`POST /v1/messages`, `/v1/messages/count_tokens`),
+as the official `anthropic` client sends and reads them.  Requests are checked here
+for their shape only; serving_messages.py translates them into OpenAI chat requests,
+so every check on their content (sampling ranges, templates, tools, limits) is the
+chat path's, made once."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody
+
+# Where a request speaks Anthropic's API, errors come in Anthropic's shape.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+class AnthropicMessage(OpenAIBaseModel):
+    role: Literal["user", "assistant"]
+    # A string, or content blocks ({"type": "text" | "tool_use" | "tool_result", ...}):
+    # each block's fields are read, and refused by name, in serving_messages.py.
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(OpenAIBaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(RequestBody):
+    model: str | None = None
+    messages: list[AnthropicMessage]
+    max_tokens: int
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(RequestBody):
+    model: str | None = None
+    messages: list[AnthropicMessage]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+
+class MessagesResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: AnthropicUsage
+
+
+# HTTP status -> Anthropic's error type (docs.anthropic.com, "Errors").
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """{"type": "error", "error": {"type", "message"}}: the body of an error response
+    and the data of a stream's `error` event."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -1,0 +1,284 @@
+"""POST /v1/messages (Anthropic's Messages API) as a translation, not a second path: the
+request becomes an OpenAI chat request (system -> a system message, tool_use and
+tool_result blocks -> tool_calls and tool messages, tools and tool_choice -> function
+tools), which the chat handler prepares, starts and answers; its answer, or its
+stream of chunks, is translated back into Anthropic's message and event sequence
+(message_start, content_block_start/delta/stop per text or tool_use block,
+message_delta with the stop reason and usage, message_stop)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.engine.async_llm import RequestStream
+from pagedserve.entrypoints.anthropic.protocol import (
+    AnthropicMessage,
+    AnthropicUsage,
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesResponse,
+    anthropic_error_body,
+)
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+
+# Chat's names for the fields whose Anthropic names differ (errors name what the client sent).
+_PARAM_NAMES = {"stop": "stop_sequences"}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+@dataclass
+class PreparedMessages:
+    chat_request: ChatCompletionRequest
+    prepared: PreparedRequest
+
+
+def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
+    """The text of a string or of text blocks (a system prompt, a tool result)."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for i, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise OpenAIError(f"{where}[{i}]: only text blocks ({{'type': 'text', 'text': ...}}) are supported here",
+                              param=where.split("[")[0].split(".")[0])
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def _chat_messages(system: str | list[dict[str, Any]] | None,
+                   messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+    """Anthropic's conversation as OpenAI chat messages."""
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    for m, msg in enumerate(messages):
+        if isinstance(msg.content, str):
+            out.append({"role": msg.role, "content": msg.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for b, block in enumerate(msg.content):
+            where = f"messages[{m}].content[{b}]"
+            kind = block.get("type")
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and msg.role == "assistant":
+                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                        or not isinstance(block.get("input", {}), dict):
+                    raise OpenAIError(f"{where}: a tool_use block needs a string id and name and an object input",
+                                      param="messages")
+                calls.append({"id": block["id"], "type": "function", "function": {
+                    "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+            elif kind == "tool_result" and msg.role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise OpenAIError(f"{where}: a tool_result block needs its tool_use_id", param="messages")
+                result = _text_of(block.get("content", ""), f"{where}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+            else:
+                raise OpenAIError(f"{where}: {kind!r} blocks are not supported in {msg.role} messages (this server "
+                                  "reads text, tool_use in assistant turns and tool_result in user turns)",
+                                  param="messages")
+        if texts or calls or msg.role == "assistant":
+            message: dict[str, Any] = {"role": msg.role, "content": "\n".join(texts) if texts else None}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:
+    """The OpenAI chat request that asks for the same answer."""
+    if req.thinking is not None and req.thinking.get("type") != "disabled":
+        raise OpenAIError("extended thinking is not supported by this server", param="thinking")
+    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req.system, req.messages)}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.input_schema}} for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if choice.name is None:
+                raise OpenAIError('tool_choice {"type": "tool"} needs the tool\'s name', param="tool_choice")
+            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    if isinstance(req, MessagesRequest):
+        body.update(max_tokens=req.max_tokens, stream=stream)
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(req, name) is not None:
+                body[name] = getattr(req, name)
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+        if req.metadata and isinstance(req.metadata.get("user_id"), str):
+            body["user"] = req.metadata["user_id"]
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValueError as e:  # a tool's schema that is not one, a message chat refuses
+        raise OpenAIError(f"cannot translate the request: {e}", param="messages") from None
+
+
+def _input_of(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+class AnthropicServingMessages:
+    """The Messages endpoint over the chat handler (same engine, tools and limits)."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    def warn_unknown_fields(self, req: MessagesRequest) -> None:
+        self.chat.warn_unknown_fields(req)
+
+    @staticmethod
+    def _renamed(e: OpenAIError) -> OpenAIError:
+        if e.param in _PARAM_NAMES:
+            e.param = _PARAM_NAMES[e.param]
+        return e
+
+    def prepare(self, req: MessagesRequest) -> PreparedMessages:
+        chat_request = to_chat_request(req, stream=req.stream)
+        try:
+            return PreparedMessages(chat_request, self.chat.prepare(chat_request))
+        except OpenAIError as e:
+            raise self._renamed(e) from None
+
+    def count_tokens(self, req: CountTokensRequest) -> int:
+        """The prompt's length as the chat path renders it (tools included)."""
+        chat_request = to_chat_request(req)
+        try:
+            prepared = self.chat.prepare(chat_request)
+        except OpenAIError as e:
+            raise self._renamed(e) from None
+        return len(prepared.prompts[0].token_ids)
+
+    async def start(self, req: MessagesRequest, prep: PreparedMessages) -> tuple[str, list[RequestStream]]:
+        try:
+            _, streams = await self.chat.start(prep.chat_request, prep.prepared)
+        except OpenAIError as e:
+            raise self._renamed(e) from None
+        return random_id("msg"), streams
+
+    async def full(self, req: MessagesRequest, prep: PreparedMessages, message_id: str,
+                   streams: list[RequestStream]) -> MessagesResponse:
+        r: ChatCompletionResponse = await self.chat.full(prep.chat_request, prep.prepared, message_id, streams)
+        (choice,) = r.choices
+        content: list[dict[str, Any]] = []
+        if choice.message.content:
+            content.append({"type": "text", "text": choice.message.content})
+        for call in choice.message.tool_calls or []:
+            content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.function.name,
+                            "input": _input_of(call.function.arguments)})
+        reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
+        cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+        return MessagesResponse(id=message_id, model=r.model, content=content, stop_reason=reason,
+                                stop_sequence=sequence,
+                                usage=AnthropicUsage(input_tokens=r.usage.prompt_tokens - (cached or 0),
+                                                     output_tokens=r.usage.completion_tokens,
+                                                     cache_read_input_tokens=cached or 0))
+
+    async def stream(self, req: MessagesRequest, prep: PreparedMessages, message_id: str,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+        """The chat handler's chunks, read back and re-said as Anthropic's events."""
+        events = EventWriter(message_id, prep.prepared.model, len(prep.prepared.prompts[0].token_ids))
+        async for frame in self.chat.stream(prep.chat_request, prep.prepared, message_id, streams):
+            data = frame.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                continue
+            for event in events.on_chunk(json.loads(data)):
+                yield event
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_").removeprefix("call-")
+
+
+def _stop_reason(finish_reason: str | None, stop_reason: Any) -> tuple[str | None, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for the engine's finish."""
+    if finish_reason == "stop":
+        return ("stop_sequence", stop_reason) if isinstance(stop_reason, str) else ("end_turn", None)
+    return _STOP_REASONS.get(finish_reason, finish_reason), None
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+class EventWriter:
+    """Turns one choice's chat chunks into Anthropic's stream events: a content block
+    per run of text and per tool call, opened and closed around their deltas."""
+
+    def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
+        self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
+        self.started = False
+        self.index = -1
+        self.open: str | None = None  # "text" or "tool_use"
+        self.finish: tuple[str | None, str | None] | None = None
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def _open(self, block: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if not self.started:
+            self.started = True
+            out.append(_event("message_start", {"message": {
+                "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}))
+        if "error" in chunk:
+            err = chunk["error"]
+            status = {"server_error": 500, "timeout_error": 408}.get(err.get("type"), 400)
+            if err.get("code") in ("server_overloaded", "shutting_down", "engine_dead"):
+                status = 503
+            return out + [_event("error", {"error": anthropic_error_body(status, err.get("message", ""))["error"]})]
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self.open != "text":
+                    out += self._open({"type": "text", "text": ""})
+                out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "text_delta", "text": delta["content"]}}))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):  # a new call
+                    out += self._open({"type": "tool_use", "id": _tool_use_id(call["id"]),
+                                       "name": function.get("name", ""), "input": {}})
+                if function.get("arguments"):
+                    out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": function["arguments"]}}))
+            if choice.get("finish_reason") is not None:
+                self.finish = _stop_reason(choice["finish_reason"], choice.get("stop_reason"))
+                out += self._close()
+        usage = chunk.get("usage")
+        if usage is not None and self.finish is not None and not chunk.get("choices"):
+            reason, sequence = self.finish
+            out.append(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                "usage": {"output_tokens": usage["completion_tokens"]}}))
+            out.append(_event("message_stop", {}))
+        return out
+

@@ -1,0 +1,101 @@
+"""The translation of Anthropic's Messages requests into chat requests, and of the chat
+handler's stream back into Anthropic's events (no server: see
+tests/entrypoints/openai/test_anthropic_client.py for the real client)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.entrypoints.anthropic.protocol import MessagesRequest, anthropic_error_body
+from pagedserve.entrypoints.anthropic.serving_messages import EventWriter, to_chat_request
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+
+
+def request(**fields) -> MessagesRequest:
+    return MessagesRequest.model_validate({"model": "m", "max_tokens": 8, **fields})
+
+
+def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
+    req = request(system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}],
+                  stop_sequences=["END"], temperature=0.5, top_k=4, metadata={"user_id": "u1"},
+                  tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                  messages=[
+                      {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": [{"type": "text", "text": "calling"},
+                                                        {"type": "tool_use", "id": "toolu_1", "name": "f",
+                                                         "input": {"x": 1}}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                    "content": [{"type": "text", "text": "boom"}], "is_error": True},
+                                                   {"type": "text", "text": "and now?"}]}])
+    chat = to_chat_request(req, stream=True)
+    msgs = [m.model_dump(exclude_unset=True) for m in chat.messages]
+    assert msgs == [
+        {"role": "system", "content": "Be brief.\nUse tools."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "calling", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: boom"},
+        {"role": "user", "content": "and now?"}]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.tools[0].function.parameters == {"type": "object"} and chat.tools[0].function.description == "d"
+    assert (chat.stop, chat.temperature, chat.top_k, chat.user, chat.max_tokens) == (["END"], 0.5, 4, "u1", 8)
+    assert chat.stream and chat.stream_options.include_usage
+    named = to_chat_request(request(messages=[{"role": "user", "content": "x"}], tools=req.tools,
+                                    tool_choice={"type": "tool", "name": "f"}))
+    assert named.tool_choice == {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' blocks"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]}, "'tool_use'"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
+    ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "only text blocks"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 10}},
+     "thinking"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}],
+      "tool_choice": {"type": "tool"}}, "needs the tool's name"),
+])
+def test_what_cannot_be_translated_is_refused_by_name(fields, match) -> None:
+    with pytest.raises(OpenAIError, match=match):
+        to_chat_request(request(**fields))
+
+
+def _events(frames: list[str]) -> list[dict]:
+    return [json.loads(f.split("data: ", 1)[1]) for f in frames]
+
+
+def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
+    w = EventWriter("msg_1", "m", 7)
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Let me "}}]},
+        {"choices": [{"index": 0, "delta": {"content": "check."}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"x"'}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9}},
+    ]
+    events = _events([f for c in chunks for f in w.on_chunk(c)])
+    assert [e["type"] for e in events] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop"]
+    assert events[0]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
+    assert events[5]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events[6:8]) == '{"x": 1}'
+    assert [e["index"] for e in events[1:9]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert events[9]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[9]["usage"] == {"output_tokens": 9}
+
+
+def test_a_stream_error_is_an_error_event_in_anthropics_shape() -> None:
+    w = EventWriter("msg_1", "m", 3)
+    events = _events(w.on_chunk({"error": {"message": "busy", "type": "server_error", "code": "server_overloaded"}}))
+    assert [e["type"] for e in events] == ["message_start", "error"]
+    assert events[1]["error"] == {"type": "overloaded_error", "message": "busy"}
+    assert anthropic_error_body(404, "x") == {"type": "error", "error": {"type": "not_found_error", "message": "x"}}
+    assert anthropic_error_body(500, "x")["error"]["type"] == "api_error"

@@ -1,0 +1,115 @@
+"""Anthropic's Messages API through the official `anthropic` client against the real
+server (the session's tiny model): plain, streamed, a forced tool call and its
+tool_result sent back, count_tokens, and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+WEATHER = {"name": "get_weather", "description": "Current weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
+    r = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=ASK, temperature=0,
+                               system="Answer briefly.")
+    assert r.type == "message" and r.role == "assistant" and r.model == MODEL_NAME and r.id.startswith("msg")
+    assert [b.type for b in r.content] == ["text"] and r.stop_reason in ("max_tokens", "end_turn")
+    assert 1 <= r.usage.output_tokens <= 12
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+        model=MODEL_NAME, max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."}, *ASK])
+    assert r.content[0].text == chat.choices[0].message.content
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+
+    with client.messages.stream(model=MODEL_NAME, max_tokens=12, messages=ASK, temperature=0,
+                                system="Answer briefly.") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == r.content[0].text and final.stop_reason == r.stop_reason
+    assert final.usage.output_tokens == r.usage.output_tokens
+    raw = [k for k in kinds if k not in ("text",)]  # the SDK adds "text" helper events
+    assert raw[0] == "message_start" and raw[1] == "content_block_start" and raw[-2:] == ["message_delta", "message_stop"]
+    assert "content_block_stop" in raw
+
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=ASK, system="Answer briefly.")
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_stop_sequences_end_with_stop_sequence(client) -> None:
+    free = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, temperature=0)
+    text = free.content[0].text
+    stop = text.strip()[:2] if len(text.strip()) >= 2 else None
+    if stop is None:
+        pytest.fail(f"the tiny model answered {text!r}: nothing to stop on")
+    r = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, temperature=0, stop_sequences=[stop])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == stop
+    assert stop not in r.content[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_and_its_result_sent_back(client, stream: bool) -> None:
+    kwargs = dict(model=MODEL_NAME, max_tokens=48, temperature=0, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"},
+                  messages=[{"role": "user", "content": "Weather in Paris?"}])
+    if stream:
+        with client.messages.stream(**kwargs) as s:
+            kinds = [e.type for e in s]
+            r = s.get_final_message()
+        assert "content_block_start" in kinds and "input_json" in kinds  # the SDK's name for input_json_delta
+    else:
+        r = client.messages.create(**kwargs)
+    (block,) = [b for b in r.content if b.type == "tool_use"]
+    assert block.name == "get_weather" and isinstance(block.input.get("city"), str) and block.id.startswith("toolu_")
+    assert r.stop_reason in ("tool_use", "max_tokens")
+    follow = client.messages.create(model=MODEL_NAME, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
+        *kwargs["messages"], {"role": "assistant", "content": r.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny, 21 C"}]}],
+        tool_choice={"type": "none"})
+    assert follow.content and follow.content[0].type == "text"
+    # The tool result reached the prompt.
+    with_result = client.messages.count_tokens(model=MODEL_NAME, tools=[WEATHER], messages=[
+        *kwargs["messages"], {"role": "assistant", "content": r.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                      "content": "sunny, 21 C " * 20}]}])
+    assert with_result.input_tokens > follow.usage.input_tokens + follow.usage.cache_read_input_tokens + 20
+
+
+def test_errors_come_in_anthropics_shape(server, client) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL_NAME, max_tokens=8, temperature=5.0, messages=ASK)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(model=MODEL_NAME, max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        client.messages.create(model=MODEL_NAME, max_tokens=8, messages=ASK,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL_NAME, max_tokens=8, messages=ASK)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    # A body the schema refuses (max_tokens missing), and a prompt past the context.
+    r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": API_KEY},
+                   json={"model": MODEL_NAME, "messages": ASK})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="context length"):
+        client.messages.create(model=MODEL_NAME, max_tokens=10_000, messages=ASK)
+    # The OpenAI routes keep OpenAI's shape.
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": API_KEY},
+                   json={"model": MODEL_NAME, "messages": ASK, "temperature": 5.0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
