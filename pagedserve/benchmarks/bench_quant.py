@@ -8,7 +8,8 @@ so they stream from memory as a real model's layers do, at 1, 8, 32 and 512 acti
 rows.  Candidates: pagedserve's kernel (layers/csrc/quant_linear.cpp) with 4-bit and
 8-bit blocks of 32, each with 16-bit (the default) and 8-bit activations; torch's own weight-only CPU ops `_weight_int4pack_mm_for_cpu`
 (groups of 32) and `_weight_int8pack_mm` (per channel); and the 16-bit (or, where bf16 is
-emulated, 32-bit) dense matmul the model would otherwise run.  Prints ms per matmul and
+emulated, 32-bit) dense matmul the model would otherwise run; and float32 through the
+engine's linear (operands swapped at 2-4 rows) against plain F.linear.  Prints ms per matmul and
 the weight bytes per second that implies.  A benchmark: it prints figures, asserts nothing.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from pagedserve.config import QUANT_ACTIVATION_BITS
 from pagedserve.cpu_info import bf16_support, describe_cpu
+from pagedserve.layers.linear import PackedLinear
 from pagedserve.layers.quantization import pack, quant_kernel, quantize, quantized_matmul
 
 N, K, COPIES = 8192, 2048, 12
@@ -68,7 +70,7 @@ def torch_int8(ws: list[torch.Tensor]) -> Callable[[torch.Tensor], list[torch.Te
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 3, 8, 32, 512])
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if bf16_support().native else torch.float32
     print(f"CPU: {describe_cpu()}; threads {torch.get_num_threads()}; kernel {quant_kernel().isa()}; "
@@ -89,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     dense = [w.to(dtype) for w in ws]
     candidates[f"dense {str(dtype).removeprefix('torch.')} F.linear"] = (
         lambda x: [torch.nn.functional.linear(x, w) for w in dense], N * K * dense[0].element_size())
+    # float32 as the engine runs it (operands swapped for 2-4 rows: layers/linear.py), and as F.linear does.
+    linear = PackedLinear()
+    candidates["dense float32, the engine's linear"] = (
+        lambda x: [linear(x.float(), w, None) for w in ws], N * K * 4)
+    candidates["dense float32 F.linear"] = (lambda x: [torch.nn.functional.linear(x.float(), w) for w in ws], N * K * 4)
     print(f"{'':52}" + "".join(f"{'M=' + str(m):>22}" for m in args.rows))
     for name, (fn, nbytes) in candidates.items():
         cells = []

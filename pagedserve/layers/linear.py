@@ -68,6 +68,9 @@ class PackedLinear:
         self._key = self._packed = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (x.dtype is torch.float32 and weight.dtype is torch.float32 and is_cpu(x.device)
+                and x.numel() // max(x.shape[-1], 1) in SWAPPED_FLOAT32_ROWS):
+            return _swapped_float32(x, weight, bias)
         if not (PackedLinear.enabled and self.prepack and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
                 and is_cpu(x.device) and is_cpu(weight.device) and not torch.is_grad_enabled()):
             return F.linear(x, weight, bias)
@@ -80,6 +83,27 @@ class PackedLinear:
             PackedLinear.enabled = False
             self.invalidate()
             return F.linear(x, weight, bias)
+
+
+# Row counts for which a float32 CPU linear runs as (W x^T)^T (see _swapped_float32).
+SWAPPED_FLOAT32_ROWS = range(2, 5)
+
+
+def _swapped_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for 2-4 rows of float32 on CPU, computed as (W x^T)^T.
+
+    torch 2.13's CPU GEMM (MKL) takes a slow path for x W^T with a handful of rows:
+    1.2-7x slower than the same product with the operands swapped, which gave the same
+    values in every check (Zen 4, also under AVX2 emulation: SmolLM2's 49,152 x 576 head
+    at 3 rows 37 ms against 6, Gemma 3's 262,144 x 640 head 220 ms against 26, an
+    8,192 x 2,048 projection 12 against 4; `python -m pagedserve.benchmarks.bench_quant`
+    prints the last).  Every linear of a float32 decode step of 2-4 requests hits
+    it.  One row (a matrix-vector product) and more than 4 keep F.linear, which is as
+    fast or faster there."""
+    out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _divide(n: int, d: int, what: str) -> int:

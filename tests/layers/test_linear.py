@@ -38,9 +38,29 @@ def test_repacks_when_weights_are_loaded_again() -> None:
 
 
 def test_float32_and_grad_paths_are_plain_f_linear() -> None:
-    w, x = torch.randn(8, 4), torch.randn(3, 4)
+    w, x = torch.randn(8, 4), torch.randn(5, 4)  # (2-4 float32 rows swap the operands: below)
     lin = PackedLinear()
     with torch.no_grad():
         assert torch.equal(lin(x, w, None), F.linear(x, w)) and lin._packed is None
     wb, xb = w.bfloat16(), x.bfloat16()
     assert torch.equal(lin(xb, wb, None), F.linear(xb, wb)) and lin._packed is None  # grad mode on
+
+
+def test_float32_with_2_to_4_rows_swaps_the_operands_and_keeps_the_values(monkeypatch):
+    import pagedserve.layers.linear as linear_module
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
+    calls = []
+    real = linear_module._swapped_float32
+    monkeypatch.setattr(linear_module, "_swapped_float32", lambda *a: calls.append(a[0].shape) or real(*a))
+    lin = PackedLinear()
+    for shape in [(1, 96), (2, 96), (3, 96), (4, 96), (5, 96), (2, 2, 96), (1, 3, 96)]:
+        x = torch.randn(*shape, generator=g)
+        for bias in (None, b):
+            got = lin(x, w, bias)
+            assert got.shape == (*shape[:-1], 300) and got.is_contiguous()
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-6, atol=1e-5)
+    assert sorted({s[:-1] for s in calls}) == [(1, 3), (2,), (2, 2), (3,), (4,)]
+    lin(torch.randn(3, 96, dtype=torch.bfloat16), w.bfloat16(), None)  # other dtypes keep their own path
+    assert len(calls) == 10
