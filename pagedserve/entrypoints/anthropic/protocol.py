@@ -49,6 +49,10 @@ class MessagesRequest(RequestBody):
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # {"format": {"type": "json_schema", "schema": ...}} (structured outputs), "effort".
+    output_config: dict[str, Any] | None = None
+    # Anthropic's automatic prompt caching: what the prefix cache always does here.
+    cache_control: dict[str, Any] | None = None
 
 
 class CountTokensRequest(RequestBody):

@@ -122,10 +122,28 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
             body["stop"] = req.stop_sequences
         if req.metadata and isinstance(req.metadata.get("user_id"), str):
             body["user"] = req.metadata["user_id"]
+        if req.output_config:
+            body.update(_output_config(req.output_config))
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValueError as e:  # a tool's schema that is not one, a message chat refuses
         raise OpenAIError(f"cannot translate the request: {e}", param="messages") from None
+
+
+def _output_config(config: dict[str, Any]) -> dict[str, Any]:
+    """output_config's chat fields: its format as a json_schema response_format.  Its
+    effort is how long a reasoning model thinks: nothing to change for the models served
+    here (thinking itself is refused above), so it is accepted as a no-op."""
+    unknown = set(config) - {"format", "effort"}
+    if unknown:
+        raise OpenAIError(f"output_config.{sorted(unknown)[0]} is not supported", param="output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise OpenAIError('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                          param="output_config")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
 def _input_of(arguments: str) -> dict[str, Any]:

@@ -11,8 +11,10 @@ import pytest
 from conftest import API_KEY, MODEL_NAME
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                            "required": ["city"], "additionalProperties": False}}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+T0 = {"temperature": 0}  # (the anthropic 2.x client has no temperature argument; the API still takes it)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def client(server) -> anthropic.Anthropic:
 
 
 def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
-    r = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=ASK, temperature=0,
+    r = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=ASK, extra_body=T0,
                                system="Answer briefly.")
     assert r.type == "message" and r.role == "assistant" and r.model == MODEL_NAME and r.id.startswith("msg")
     assert [b.type for b in r.content] == ["text"] and r.stop_reason in ("max_tokens", "end_turn")
@@ -32,7 +34,7 @@ def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
     assert r.content[0].text == chat.choices[0].message.content
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
-    with client.messages.stream(model=MODEL_NAME, max_tokens=12, messages=ASK, temperature=0,
+    with client.messages.stream(model=MODEL_NAME, max_tokens=12, messages=ASK, extra_body=T0,
                                 system="Answer briefly.") as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
@@ -47,19 +49,18 @@ def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
 
 
 def test_stop_sequences_end_with_stop_sequence(client) -> None:
-    free = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, temperature=0)
+    free = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, extra_body=T0)
     text = free.content[0].text
-    stop = text.strip()[:2] if len(text.strip()) >= 2 else None
-    if stop is None:
-        pytest.fail(f"the tiny model answered {text!r}: nothing to stop on")
-    r = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, temperature=0, stop_sequences=[stop])
+    assert len(text) >= 6, f"the tiny model answered {text!r}: nothing to stop on"
+    stop = text[3:6]
+    r = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, extra_body=T0, stop_sequences=[stop])
     assert r.stop_reason == "stop_sequence" and r.stop_sequence == stop
-    assert stop not in r.content[0].text
+    assert "".join(b.text for b in r.content) == text[:text.index(stop)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_tool_call_and_its_result_sent_back(client, stream: bool) -> None:
-    kwargs = dict(model=MODEL_NAME, max_tokens=48, temperature=0, tools=[WEATHER],
+    kwargs = dict(model=MODEL_NAME, max_tokens=48, extra_body=T0, tools=[WEATHER],
                   tool_choice={"type": "tool", "name": "get_weather"},
                   messages=[{"role": "user", "content": "Weather in Paris?"}])
     if stream:
@@ -72,7 +73,7 @@ def test_a_forced_tool_call_and_its_result_sent_back(client, stream: bool) -> No
     (block,) = [b for b in r.content if b.type == "tool_use"]
     assert block.name == "get_weather" and isinstance(block.input.get("city"), str) and block.id.startswith("toolu_")
     assert r.stop_reason in ("tool_use", "max_tokens")
-    follow = client.messages.create(model=MODEL_NAME, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
+    follow = client.messages.create(model=MODEL_NAME, max_tokens=8, extra_body=T0, tools=[WEATHER], messages=[
         *kwargs["messages"], {"role": "assistant", "content": r.content},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny, 21 C"}]}],
         tool_choice={"type": "none"})
@@ -85,9 +86,25 @@ def test_a_forced_tool_call_and_its_result_sent_back(client, stream: bool) -> No
     assert with_result.input_tokens > follow.usage.input_tokens + follow.usage.cache_read_input_tokens + 20
 
 
+def test_output_config_format_constrains_the_answer_to_the_schema(client) -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 8}},
+              "required": ["capital"], "additionalProperties": False}
+    r = client.messages.create(model=MODEL_NAME, max_tokens=40, messages=ASK, extra_body=T0,
+                               output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"})
+    if r.stop_reason != "max_tokens":
+        assert set(json.loads(r.content[0].text)) == {"capital"}
+    else:
+        assert r.content[0].text.startswith('{"capital"') or r.content[0].text.startswith('{ "capital"')
+    with pytest.raises(anthropic.BadRequestError, match="output_config"):
+        client.messages.create(model=MODEL_NAME, max_tokens=4, messages=ASK,
+                               output_config={"format": {"type": "regex", "pattern": "a+"}})
+
+
 def test_errors_come_in_anthropics_shape(server, client) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model=MODEL_NAME, max_tokens=8, temperature=5.0, messages=ASK)
+        client.messages.create(model=MODEL_NAME, max_tokens=8, extra_body={"temperature": -1.0}, messages=ASK)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert "temperature" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="image"):
@@ -111,5 +128,5 @@ def test_errors_come_in_anthropics_shape(server, client) -> None:
         client.messages.create(model=MODEL_NAME, max_tokens=10_000, messages=ASK)
     # The OpenAI routes keep OpenAI's shape.
     r = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": API_KEY},
-                   json={"model": MODEL_NAME, "messages": ASK, "temperature": 5.0})
+                   json={"model": MODEL_NAME, "messages": ASK, "temperature": -1.0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
