@@ -46,6 +46,9 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     named = to_chat_request(request(messages=[{"role": "user", "content": "x"}], tools=req.tools,
                                     tool_choice={"type": "tool", "name": "f"}))
     assert named.tool_choice == {"type": "function", "function": {"name": "f"}}
+    fmt = to_chat_request(request(messages=[{"role": "user", "content": "x"}], output_config={
+        "format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "low"}))
+    assert fmt.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -57,6 +60,10 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
      "thinking"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}],
       "tool_choice": {"type": "tool"}}, "needs the tool's name"),
+    ({"messages": [{"role": "user", "content": "x"}], "output_config": {"verbosity": "low"}},
+     "output_config.verbosity"),
+    ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "regex"}}},
+     "json_schema"),
 ])
 def test_what_cannot_be_translated_is_refused_by_name(fields, match) -> None:
     with pytest.raises(OpenAIError, match=match):
