@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,15 @@ class FakeStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+class FakeGrammars:
+    """Grammar compilation as the fake sees it: done at once; its output follows no grammar."""
+
+    def compile(self, params: object) -> Future:
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
 class FakeEngine:
     vocab_size = 256
     invariant_checks = 0
@@ -64,6 +74,7 @@ class FakeEngine:
                  fail_after_steps: int | None = None, max_model_len: int = 4096,
                  spin_until: threading.Event | None = None, max_running: int | None = None) -> None:
         self.tokenizer = CharTokenizer()
+        self.structured_output = FakeGrammars()
         self.max_model_len = max_model_len
         self.max_prompt_chars = MAX_PROMPT_CHARS
         self.script = script

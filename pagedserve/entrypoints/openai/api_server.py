@@ -65,6 +65,11 @@ from pagedserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedserve.entrypoints.openai.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    get_reasoning_parser,
+)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
@@ -126,12 +131,13 @@ class ServerState:
     dashboard: DashboardHub | None = None
     prepare_pool: ThreadPoolExecutor | None = None  # rendering and tokenizing, off the event loop
 
-    def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None) -> None:
+    def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None,
+               reasoning_parser: ReasoningParser | None = None) -> None:
         engine = attachment.client
         args = (engine, self.served_model_names, attachment.max_model_len)
         self.max_model_len = attachment.max_model_len
         self.completion = OpenAIServingCompletion(*args)
-        self.chat = OpenAIServingChat(*args, tool_parser=tool_parser)
+        self.chat = OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         if self.enable_dashboard:
             if attachment.watched is None:
                 raise ValueError("the dashboard watches one engine's block pool; this client has none")
@@ -354,6 +360,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's names: "
                             "hermes for Qwen2.5/3, llama3_json for Llama 3.x)")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split a thinking model's <think>...</think> into reasoning_content (vLLM's names: "
+                            "qwen3 for Qwen3, deepseek_r1 for DeepSeek-R1 and its distills)")
     group.add_argument("--metrics-without-auth", action="store_true",
                        help="serve /metrics without the API key (for a Prometheus scraper); every other route "
                             "but /health needs it")
@@ -518,7 +527,7 @@ def run_server(args: argparse.Namespace) -> None:
                 parser, why = default_tool_parser(client.tokenizer)
                 logger.info("tool calls (tool_choice 'auto'): the %s format, since %s; --tool-call-parser "
                             "chooses another", parser.name, why)
-            state.attach(attachment, parser)
+            state.attach(attachment, parser, get_reasoning_parser(args.reasoning_parser))
             logger.info("engine ready: serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
 
         def load() -> None:

@@ -15,6 +15,7 @@ its arguments as they are generated).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ from pagedserve.entrypoints.openai.protocol import (
     TopLogprob,
     random_id,
 )
+from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -70,6 +72,16 @@ def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage
         first = messages[0].model_copy(update={"content": f"{messages[0].content}\n\n{text}"})
         return [first, *messages[1:]]
     return [ChatMessage(role="system", content=text), *messages]
+
+
+def split_reasoning(parser: ReasoningParser | None,
+                    c: CompletionOutput) -> tuple[str | None, CompletionOutput]:
+    """(the reasoning so far, the output with only its content as text); (None, c)
+    without a parser.  Tool calls are then read from the content alone."""
+    if parser is None:
+        return None, c
+    reasoning, content = parser.split(c.text, c.finish_reason is not None)
+    return reasoning, dataclasses.replace(c, text=content)
 
 
 @dataclass
@@ -109,9 +121,11 @@ class ToolStream:
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
-    def __init__(self, *args, tool_parser: ToolParser | None = None, **kwargs) -> None:
+    def __init__(self, *args, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self._warned_tools_block = False
 
     def render(self, req: ChatCompletionRequest | None, messages: list[ChatMessage],
@@ -164,7 +178,13 @@ class OpenAIServingChat(OpenAIServing):
             messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
             prompt = self.render(req, messages, req.add_generation_prompt, tools)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
-        return PreparedRequest(model, [prompt], params, plan)
+        # Under a grammar (structured outputs, a named or required tool call) the answer is
+        # all content from its first token: there is no room for a reasoning block to split.
+        # "auto" tools' structural tag leaves free text free, reasoning included.
+        constraint = params.structured_outputs
+        free = constraint is None or constraint.structural_tag is not None
+        reasoning = self.reasoning_parser if free else None
+        return PreparedRequest(model, [prompt], params, plan, reasoning)
 
     def _tool_constraint(self, req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputsParams | None:
         if plan.mode == "named":
@@ -203,7 +223,9 @@ class OpenAIServingChat(OpenAIServing):
         for c in final.outputs:
             if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                 raise err
+            reasoning, c = split_reasoning(prep.reasoning, c)
             message, reason = self.message(prep.tools, c)
+            message.reasoning_content = reasoning
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self.logprobs(c, 0, prep.params.logprobs),
                                       finish_reason=reason, stop_reason=c.stop_reason))
@@ -219,6 +241,7 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan = prep.tools
         choice_streams = [ChoiceStream() for _ in range(params.n)]
         tool_streams = [ToolStream() for _ in range(params.n)]
+        sent_reasoning = [0] * params.n
         final = None
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -235,6 +258,11 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err
+                    reasoning, c = split_reasoning(prep.reasoning, c)
+                    if reasoning is not None and len(reasoning) > sent_reasoning[c.index]:
+                        yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(
+                            reasoning_content=reasoning[sent_reasoning[c.index]:])))
+                        sent_reasoning[c.index] = len(reasoning)
                     if plan.mode != "none":
                         for piece in self._tool_deltas(plan, tool_streams[c.index], c):
                             yield chunk(piece)

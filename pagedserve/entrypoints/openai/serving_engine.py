@@ -39,6 +39,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
@@ -83,6 +84,7 @@ class PreparedRequest:
     prompts: list[TokenizedPrompt]
     params: SamplingParams
     tools: Any = None
+    reasoning: ReasoningParser | None = None  # chat: what splits its answer's reasoning off, if anything
 
 
 @dataclass
