@@ -3,7 +3,7 @@ request becomes an OpenAI chat request (system -> a system message, tool_use and
 tool_result blocks -> tool_calls and tool messages, tools and tool_choice -> function
 tools), which the chat handler prepares, starts and answers; its answer, or its
 stream of chunks, is translated back into Anthropic's message and event sequence
-(message_start, content_block_start/delta/stop per text or tool_use block,
+(message_start, content_block_start/delta/stop per thinking, text or tool_use block,
 message_delta with the stop reason and usage, message_stop)."""
 
 from __future__ import annotations
@@ -197,6 +197,8 @@ class AnthropicServingMessages:
         r: ChatCompletionResponse = await self.chat.full(prep.chat_request, prep.prepared, message_id, streams)
         (choice,) = r.choices
         content: list[dict[str, Any]] = []
+        if choice.message.reasoning_content:  # a --reasoning-parser split it off
+            content.append({"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""})
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
         for call in choice.message.tool_calls or []:
@@ -245,7 +247,7 @@ class EventWriter:
         self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
         self.started = False
         self.index = -1
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
         self.finish: tuple[str | None, str | None] | None = None
 
     def _close(self) -> list[str]:
@@ -276,6 +278,11 @@ class EventWriter:
             return out + [_event("error", {"error": anthropic_error_body(status, err.get("message", ""))["error"]})]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open != "thinking":
+                    out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}}))
             if delta.get("content"):
                 if self.open != "text":
                     out += self._open({"type": "text", "text": ""})

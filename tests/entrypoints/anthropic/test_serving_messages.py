@@ -78,6 +78,7 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
     w = EventWriter("msg_1", "m", 7)
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},
         {"choices": [{"index": 0, "delta": {"content": "Let me "}}]},
         {"choices": [{"index": 0, "delta": {"content": "check."}}]},
         {"choices": [{"index": 0, "delta": {"tool_calls": [
@@ -87,6 +88,10 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
         {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9}},
     ]
     events = _events([f for c in chunks for f in w.on_chunk(c)])
+    thinking, events = events[1:4], [events[0], *events[4:]]
+    assert [e["type"] for e in thinking] == ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert thinking[0]["content_block"]["type"] == "thinking" and thinking[1]["delta"] == {
+        "type": "thinking_delta", "thinking": "hmm"}
     assert [e["type"] for e in events] == [
         "message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
@@ -94,7 +99,7 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
     assert events[0]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
     assert events[5]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {}}
     assert "".join(e["delta"]["partial_json"] for e in events[6:8]) == '{"x": 1}'
-    assert [e["index"] for e in events[1:9]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [e["index"] for e in events[1:9]] == [1, 1, 1, 1, 2, 2, 2, 2]
     assert events[9]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[9]["usage"] == {"output_tokens": 9}
 
