@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
-Anthropic's /v1/messages (and count_tokens), /health, /metrics, /tokenize, /detokenize, /version, and the dashboard at / (see
+/v1/responses, Anthropic's /v1/messages (and count_tokens), /health, /metrics, /tokenize, /detokenize, /version, and the dashboard at / (see
 entrypoints/dashboard).
 
 Implementation: the FastAPI app factory (`build_app`) and `run_server`.  The socket is
@@ -63,6 +63,7 @@ from pagedserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from pagedserve.entrypoints.openai.reasoning_parsers import (
@@ -73,6 +74,7 @@ from pagedserve.entrypoints.openai.reasoning_parsers import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     ToolParser,
@@ -254,7 +256,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         state.chat.model_name(model_id)  # a 404 naming it when it is not served
         return _json(model_card(model_id))
 
-    async def generate(serving: OpenAIServing | AnthropicServingMessages, body: Any, request: Request) -> Response:
+    async def generate(serving: OpenAIServing | AnthropicServingMessages | OpenAIServingResponses, body: Any,
+                       request: Request) -> Response:
         """Both generation endpoints: validate and render off the event loop (templates and
         tokenizing a long prompt take seconds), let the engine accept the request (its
         refusals are 400s, before any byte is sent), then stream (SSE) or answer once.  A
@@ -283,6 +286,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
             return await serving.full(body, prep, request_id, streams)
 
         result = await cancel_on_disconnect(request, handle())
+        if isinstance(result, dict):  # (the Responses API's objects are plain dicts)
+            return JSONResponse(result)
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/completions")
@@ -294,6 +299,12 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.ready()
         return await generate(state.chat, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, translated onto the chat handler (serving_responses.py)."""
+        state.ready()
+        return await generate(OpenAIServingResponses(state.chat), body, request)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:

@@ -382,6 +382,33 @@ class ChatCompletionRequest(_SamplingFields):
                                       f"{self.structured_fields()[0]}", param=self.structured_fields()[0])
 
 
+class ResponsesRequest(RequestBody):
+    """POST /v1/responses (entrypoints/openai/serving_responses.py translates it)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # Refused when set (no response store, no background runs, no extra output):
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    # Accepted: reasoning.effort and truncation change nothing for the models served here.
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None

@@ -36,11 +36,13 @@ JSON_HEADERS = {**AUTH, "Content-Type": "application/json"}
 REQUEST_TIMEOUT = 30.0  # seconds for one whole answer, a stream read to its end included
 ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
-          "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest"}
-GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+          "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest",
+          "/v1/responses": "ResponsesRequest"}
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's error and stream shapes
 MAX_TOKENS, MAX_N = 4, 2  # a generation is forced this small unless the case targets the field
-SIZE_FIELDS = {"max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "n": MAX_N}
+SIZE_FIELDS = {"max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "n": MAX_N,
+               "max_output_tokens": MAX_TOKENS}
 FUZZ = settings(max_examples=examples(100), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
@@ -49,6 +51,7 @@ MESSAGES = [{"role": "system", "content": "answer briefly."}, {"role": "user", "
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
+RESPONSES_TOOL = {"type": "function", **TOOL["function"]}
 ANTHROPIC_TOOL = {"name": "get_weather", "description": "the weather in a city",
                   "input_schema": TOOL["function"]["parameters"]}
 # Realistic bodies that reach the deep paths (tools, structured outputs, logprobs, streams)
@@ -112,6 +115,22 @@ SEEDS: dict[str, list[dict]] = {
                                                "input": {"city": "Paris"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny",
                                           "is_error": False}]}]},
+    ],
+    "/v1/responses": [
+        {"model": MODEL_NAME, "input": "hello world", "max_output_tokens": 3},
+        {"model": MODEL_NAME, "instructions": "briefly.", "max_output_tokens": 4, "stream": True, "temperature": 0.5,
+         "top_p": 0.9, "user": "u", "metadata": {"k": "v"}, "truncation": "disabled", "reasoning": {"effort": "low"},
+         "input": [{"role": "developer", "content": "be kind"},
+                   {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
+        {"model": MODEL_NAME, "max_output_tokens": 4, "stream": True, "tools": [RESPONSES_TOOL],
+         "tool_choice": {"type": "function", "name": "get_weather"}, "input": "weather?"},
+        {"model": MODEL_NAME, "max_output_tokens": 3, "tools": [RESPONSES_TOOL], "tool_choice": "required",
+         "parallel_tool_calls": False, "input": [
+             {"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]},
+        {"model": MODEL_NAME, "max_output_tokens": 4, "input": "json:", "text": {"format": {
+            "type": "json_schema", "name": "s", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}},
     ],
     "/v1/messages/count_tokens": [
         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "system": "s",
@@ -272,13 +291,14 @@ def mutated(draw, body: Any, top_schema: dict) -> tuple[Any, set[str]]:
     return body, hit
 
 
-def keep_it_small(draw, body: Any, hit: set[str]) -> None:
+def keep_it_small(draw, body: Any, hit: set[str], schema: dict) -> None:
     """Force a short generation (max_tokens <= 4, n <= 2) unless the case is a hostile value
     of those very fields: then the server must refuse it or run it as asked."""
     if not isinstance(body, dict):
         return
     for field, limit in SIZE_FIELDS.items():
-        if field in hit or (field == "max_completion_tokens" and body.get(field) is None):
+        if (field in hit or field not in schema.get("properties", {})
+                or (field == "max_completion_tokens" and body.get(field) is None)):
             continue
         value = body.get(field)
         if not (type(value) is int and value <= limit):
@@ -299,7 +319,7 @@ def request_body(draw, route: str, schema: dict) -> tuple[bytes, Any]:
     if draw(st.integers(0, 2)):
         body, hit = draw(mutated(body, schema))
     if route in GENERATING:
-        keep_it_small(draw, body, hit)
+        keep_it_small(draw, body, hit, schema)
     text = DEEP.sub(lambda m: "[" * int(m[1]) + "]" * int(m[1]), json.dumps(body, ensure_ascii=not draw(st.booleans())))
     # Unescaped, a lone surrogate ("\ud800") becomes bytes that are not UTF-8: the server must refuse them.
     return text.encode("utf-8", "surrogatepass"), body
@@ -369,7 +389,14 @@ def send(client: httpx.Client, route: str, content: bytes | str, headers: dict[s
 
 def check_events(events: list[str], case: str, route: str = "") -> None:
     """Every event is JSON (an in-band error one not a server_error) and the stream ends with
-    [DONE] (Anthropic's: with message_stop or an error event)."""
+    [DONE] (Anthropic's: with message_stop or an error event; the Responses API's: with
+    response.completed or an error event)."""
+    if route == "/v1/responses":
+        assert events, f"empty stream for {case}"
+        last = json.loads(events[-1])
+        assert last["type"] in ("response.completed", "error"), f"stream ended with {show(events[-1])} for {case}"
+        assert last["type"] != "error" or (isinstance(last["message"], str) and last["message"]), case
+        return
     if route in ANTHROPIC:
         assert events, f"empty stream for {case}"
         last = json.loads(events[-1])

@@ -1,0 +1,354 @@
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it) as a translation onto
+the chat handler, like entrypoints/anthropic: `instructions` and `input` items
+(messages, function_call, function_call_output) become chat messages, function tools
+and `text.format` become chat tools and response_format; the chat answer, or its
+stream, comes back as output items (reasoning, message, function_call) and the typed
+event sequence (response.created ... response.completed).
+
+Responses are not stored: `store: true` and `previous_response_id` are refused by name
+(the client sends the whole conversation, as the Agents SDK does unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.async_llm import RequestStream
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ResponsesRequest,
+    random_id,
+)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+
+# Chat's names for fields whose Responses names differ.
+_PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+@dataclass
+class PreparedResponse:
+    chat_request: ChatCompletionRequest
+    prepared: PreparedRequest
+    request: ResponsesRequest
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(f"{where} must be a string or a list of text parts", param="input")
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise OpenAIError(f"{where}[{i}]: {kind!r} parts are not supported (text only)", param="input")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.instructions is not None:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise OpenAIError(f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise OpenAIError(f"{where}.role must be user, system, developer or assistant", param="input")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise OpenAIError(f"{where}: a function_call needs string call_id, name and arguments", param="input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise OpenAIError(f"{where}: a function_call_output needs its call_id", param="input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text_of(item.get("output", ""), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # an earlier answer's reasoning: not shown to the model again (as vLLM)
+        else:
+            raise OpenAIError(f"{where}: {kind!r} items are not supported (messages, function_call, "
+                              "function_call_output and reasoning are)", param="input")
+    return messages
+
+
+def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"],
+                                                       "strict": fmt.get("strict")}}
+    raise OpenAIError('text.format must be {"type": "text"}, {"type": "json_object"} or '
+                      '{"type": "json_schema", "name": ..., "schema": {...}}', param="text")
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that asks for the same answer."""
+    if req.store:
+        raise OpenAIError("store is not supported: responses are not kept on this server (send the whole "
+                          "conversation in input)", param="store")
+    if req.previous_response_id is not None:
+        raise OpenAIError("previous_response_id is not supported: responses are not kept on this server "
+                          "(send the whole conversation in input)", param="previous_response_id")
+    if req.background:
+        raise OpenAIError("background responses are not supported", param="background")
+    if req.include:
+        raise OpenAIError(f"include {req.include[0]!r} is not supported", param="include")
+    if req.top_logprobs:
+        raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
+                          param="top_logprobs")
+    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req), "stream": bool(req.stream)}
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise OpenAIError(f"tools[{i}]: only function tools are supported ({tool.get('type')!r} is not)",
+                              param="tools")
+        tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                            "strict") if tool.get(k) is not None}})
+    if tools:
+        body["tools"] = tools
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise OpenAIError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                              param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    for name, value in (("tool_choice", choice), ("parallel_tool_calls", req.parallel_tool_calls),
+                        ("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                        ("top_p", req.top_p), ("user", req.user), ("response_format", _text_format(req.text))):
+        if value is not None:
+            body[name] = value
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValueError as e:
+        raise OpenAIError(f"cannot translate the request: {e}", param="input") from None
+
+
+@dataclass
+class _Output:
+    """What one response holds so far: its output items and usage."""
+
+    reasoning: str = ""
+    text: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)  # call_id, name, arguments
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    ids: dict[str, str] = field(default_factory=dict)  # item kind -> its id
+
+    def item_id(self, kind: str) -> str:
+        if kind not in self.ids:
+            self.ids[kind] = random_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind.split(":")[0]])
+        return self.ids[kind]
+
+    def items(self, done: bool = True) -> list[dict[str, Any]]:
+        status = "completed" if done else "in_progress"
+        out: list[dict[str, Any]] = []
+        if self.reasoning:
+            out.append(self.reasoning_item(status))
+        if self.text:
+            out.append(self.message_item(status))
+        out += [self.call_item(i, status) for i in range(len(self.calls))]
+        return out
+
+    def reasoning_item(self, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.item_id("reasoning"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": self.reasoning}]}
+
+    def message_item(self, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": self.item_id("message"), "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
+
+    def call_item(self, i: int, status: str) -> dict[str, Any]:
+        c = self.calls[i]
+        return {"type": "function_call", "id": self.item_id(f"function_call:{i}"), "call_id": c["call_id"],
+                "name": c["name"], "arguments": c["arguments"], "status": status}
+
+
+class OpenAIServingResponses:
+    """The Responses endpoint over the chat handler (same engine, tools and limits)."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    def warn_unknown_fields(self, req: ResponsesRequest) -> None:
+        self.chat.warn_unknown_fields(req)
+
+    def prepare(self, req: ResponsesRequest) -> PreparedResponse:
+        chat_request = to_chat_request(req)
+        try:
+            return PreparedResponse(chat_request, self.chat.prepare(chat_request), req)
+        except OpenAIError as e:
+            e.param = _PARAM_NAMES.get(e.param, e.param)
+            raise
+
+    async def start(self, req: ResponsesRequest, prep: PreparedResponse) -> tuple[str, list[RequestStream]]:
+        try:
+            _, streams = await self.chat.start(prep.chat_request, prep.prepared)
+        except OpenAIError as e:
+            e.param = _PARAM_NAMES.get(e.param, e.param)
+            raise
+        return random_id("resp"), streams
+
+    def response(self, response_id: str, prep: PreparedResponse, created: float, out: _Output,
+                 done: bool = True) -> dict[str, Any]:
+        """The response object (OpenAI's `Response`) for what `out` holds."""
+        req = prep.request
+        incomplete = done and out.finish_reason == "length"
+        usage = None
+        if out.usage is not None:
+            cached = (out.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            usage = {"input_tokens": out.usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+                     "output_tokens": out.usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": out.usage["prompt_tokens"] + out.usage["completion_tokens"]}
+        return {
+            "id": response_id, "object": "response", "created_at": created, "model": prep.prepared.model,
+            "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "output": out.items() if done else [], "usage": usage,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata,
+            "previous_response_id": None, "store": False, "user": req.user, "truncation": "disabled",
+        }
+
+    async def full(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,
+                   streams: list[RequestStream]) -> dict[str, Any]:
+        created = time.time()
+        r: ChatCompletionResponse = await self.chat.full(prep.chat_request, prep.prepared, response_id, streams)
+        (choice,) = r.choices
+        out = _Output(reasoning=choice.message.reasoning_content or "", text=choice.message.content or "",
+                      calls=[{"call_id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                             for c in choice.message.tool_calls or []],
+                      finish_reason=choice.finish_reason, usage=r.usage.model_dump())
+        return self.response(response_id, prep, created, out)
+
+    async def stream(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+        """The chat handler's chunks, re-said as the Responses API's typed events."""
+        events = _EventWriter(self, response_id, prep)
+        yield events.emit("response.created", response=self.response(response_id, prep, events.created, events.out,
+                                                                      done=False))
+        yield events.emit("response.in_progress", response=self.response(response_id, prep, events.created,
+                                                                          events.out, done=False))
+        async for frame in self.chat.stream(prep.chat_request, prep.prepared, response_id, streams):
+            data = frame.removeprefix("data: ").strip()
+            if data != "[DONE]":
+                for event in events.on_chunk(json.loads(data)):
+                    yield event
+
+
+class _EventWriter:
+    """Turns one choice's chat chunks into output items opened, filled and closed in
+    order (reasoning, then the message's text, then each function call)."""
+
+    def __init__(self, serving: OpenAIServingResponses, response_id: str, prep: PreparedResponse) -> None:
+        self.serving, self.response_id, self.prep = serving, response_id, prep
+        self.created = time.time()
+        self.out = _Output()
+        self.sequence = 0
+        self.open: str | None = None  # "reasoning", "message" or "function_call"
+        self.index = -1  # the open item's output_index
+
+    def emit(self, kind: str, **data: Any) -> str:
+        event = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(event)}\n\n"
+
+    def _close(self) -> list[str]:
+        kind, self.open = self.open, None
+        if kind is None:
+            return []
+        if kind == "reasoning":
+            item = self.out.reasoning_item("completed")
+            return [self.emit("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
+                              content_index=0, text=self.out.reasoning),
+                    self.emit("response.output_item.done", output_index=self.index, item=item)]
+        if kind == "message":
+            item = self.out.message_item("completed")
+            part = item["content"][0]
+            return [self.emit("response.output_text.done", item_id=item["id"], output_index=self.index,
+                              content_index=0, text=self.out.text, logprobs=[]),
+                    self.emit("response.content_part.done", item_id=item["id"], output_index=self.index,
+                              content_index=0, part=part),
+                    self.emit("response.output_item.done", output_index=self.index, item=item)]
+        item = self.out.call_item(len(self.out.calls) - 1, "completed")
+        return [self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
+                          name=item["name"], arguments=item["arguments"]),
+                self.emit("response.output_item.done", output_index=self.index, item=item)]
+
+    def _open(self, kind: str, item: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.open, self.index = kind, self.index + 1
+        out.append(self.emit("response.output_item.added", output_index=self.index, item=item))
+        if kind == "message":
+            out.append(self.emit("response.content_part.added", item_id=item["id"], output_index=self.index,
+                                 content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                        "logprobs": []}))
+        return out
+
+    def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if "error" in chunk:
+            err = chunk["error"]
+            return [self.emit("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"))]
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open != "reasoning":
+                    out += self._open("reasoning", {**self.out.reasoning_item("in_progress"), "content": []})
+                self.out.reasoning += delta["reasoning_content"]
+                out.append(self.emit("response.reasoning_text.delta", item_id=self.out.item_id("reasoning"),
+                                     output_index=self.index, content_index=0, delta=delta["reasoning_content"]))
+            if delta.get("content"):
+                if self.open != "message":
+                    out += self._open("message", {**self.out.message_item("in_progress"), "content": []})
+                self.out.text += delta["content"]
+                out.append(self.emit("response.output_text.delta", item_id=self.out.item_id("message"),
+                                     output_index=self.index, content_index=0, delta=delta["content"], logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):  # a new call
+                    out += self._close()
+                    self.out.calls.append({"call_id": call["id"], "name": function.get("name", ""), "arguments": ""})
+                    out += self._open("function_call", self.out.call_item(len(self.out.calls) - 1, "in_progress"))
+                if function.get("arguments"):
+                    self.out.calls[-1]["arguments"] += function["arguments"]
+                    out.append(self.emit("response.function_call_arguments.delta",
+                                         item_id=self.out.item_id(f"function_call:{len(self.out.calls) - 1}"),
+                                         output_index=self.index, delta=function["arguments"]))
+            if choice.get("finish_reason") is not None:
+                self.out.finish_reason = choice["finish_reason"]
+                out += self._close()
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            self.out.usage = chunk["usage"]
+            final = self.serving.response(self.response_id, self.prep, self.created, self.out)
+            out.append(self.emit("response.completed", response=final))
+        return out

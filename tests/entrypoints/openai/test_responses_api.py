@@ -1,0 +1,91 @@
+"""OpenAI's Responses API through the official `openai` client against the real server
+(the session's tiny model): plain and streamed answers equal the chat API's, a function
+call and its output sent back, text.format json_schema, and refusals by name."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}}
+ASK = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_plain_and_streamed_answers_equal_the_chat_api(client) -> None:
+    r = client.responses.create(model=MODEL_NAME, input=ASK, instructions="Answer briefly.", max_output_tokens=12,
+                                temperature=0)
+    assert r.object == "response" and r.id.startswith("resp") and r.status in ("completed", "incomplete")
+    assert [item.type for item in r.output] == ["message"] and r.output_text
+    assert 1 <= r.usage.output_tokens <= 12 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ASK}])
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+
+    # A list of input items says the same.
+    items = client.responses.create(model=MODEL_NAME, instructions="Answer briefly.", max_output_tokens=12,
+                                    temperature=0, input=[{"role": "user", "content": [
+                                        {"type": "input_text", "text": ASK}]}])
+    assert items.output_text == r.output_text
+
+    with client.responses.stream(model=MODEL_NAME, input=ASK, instructions="Answer briefly.", max_output_tokens=12,
+                                 temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_call_and_its_output_sent_back(client, stream: bool) -> None:
+    kwargs = dict(model=MODEL_NAME, input=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=48, temperature=0)
+    if stream:
+        with client.responses.stream(**kwargs) as s:
+            kinds = [e.type for e in s]
+            r = s.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    else:
+        r = client.responses.create(**kwargs)
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    follow = client.responses.create(model=MODEL_NAME, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
+        *kwargs["input"], {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C " * 10}], tool_choice="none")
+    assert follow.output and follow.output[0].type == "message"
+    assert follow.usage.input_tokens > r.usage.input_tokens + 30  # the call and its output reached the prompt
+
+
+def test_text_format_json_schema_constrains_the_answer(client) -> None:
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 8}},
+              "required": ["capital"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL_NAME, input=ASK, max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert r.status == "completed", r
+    assert set(json.loads(r.output_text)) == {"capital"}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"), ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"text": {"format": {"type": "regex"}}}, "text"), ({"temperature": -1.0}, "temperature"),
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),
+])
+def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{"model": MODEL_NAME, "input": ASK, "max_output_tokens": 4, **fields})
+    assert e.value.body["param"] == param, e.value.body
