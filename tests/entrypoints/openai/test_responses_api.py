@@ -5,6 +5,7 @@ call and its output sent back, text.format json_schema, and refusals by name."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import openai
 import pytest
@@ -89,3 +90,27 @@ def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": MODEL_NAME, "input": ASK, "max_output_tokens": 4, **fields})
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server) -> None:
+    """The OpenAI Agents SDK's default model (Responses): the model must call the tool
+    (tool_choice "required", a tiny random model would not choose to), the SDK runs it
+    and, told to stop on the first tool, returns its result."""
+    agents = pytest.importorskip("agents", reason="openai-agents is not installed")
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:  # (a bounded answer for a random model)
+        """Current weather of a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    agent = agents.Agent(
+        name="weather", instructions="Use the tool.", tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+        model=agents.OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                             max_tokens=64))
+    agents.set_tracing_disabled(True)
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
+    assert len(seen) == 1 and result.final_output == f"sunny in {seen[0]}"
