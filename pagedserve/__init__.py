@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "BeamSearchParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",

@@ -49,3 +49,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: the prompt's and the generated tokens, as vLLM returns them."""
+
+    tokens: list[int]
+    text: str | None
+    cum_logprob: float
+    score: float  # cum_logprob / generated length ** length_penalty
+    finish_reason: str  # "stop" (an EOS token ended it) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -24,7 +24,7 @@ from pagedserve.request_limits import (
     MAX_STOP_STRINGS,
     MAX_TOKEN_ID_LIST,
 )
-from pagedserve.utils import is_int
+from pagedserve.utils import is_int, is_number
 
 _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed takes 64-bit values; n > 1 children add their index.
@@ -243,3 +243,31 @@ def _is_finite(x: object) -> bool:
     if isinstance(x, bool):
         return False
     return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))
+
+
+# Beam search asks the engine for each beam's 2 x beam_width most likely next tokens.
+MAX_BEAM_WIDTH = 10
+
+
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` (vLLM's fields): the `beam_width` best continuations of up to
+    `max_tokens` tokens by cumulative logprob, ranked by it over generated length **
+    `length_penalty` (HF transformers' score)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def validate(self, max_logprobs: int) -> None:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= min(MAX_BEAM_WIDTH, max_logprobs // 2):
+            raise InvalidRequestError(f"beam_width must be an integer in [1, {min(MAX_BEAM_WIDTH, max_logprobs // 2)}] "
+                                      f"(each beam asks for 2 x beam_width logprobs), got {self.beam_width!r}",
+                                      param="beam_width")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+                                      param="max_tokens")
+        if not is_number(self.length_penalty):
+            raise InvalidRequestError(f"length_penalty must be a number, got {self.length_penalty!r}",
+                                      param="length_penalty")

@@ -184,7 +184,7 @@ class LLMEngine:
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
-        stop_ids = [t for t in [self.eos_token_id, *self._extra_eos_ids] if t is not None]
+        stop_ids = self.stop_token_ids = [t for t in [self.eos_token_id, *self._extra_eos_ids] if t is not None]
         # Grammars for structured outputs (the grammar library loads on the first one).
         self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, stop_ids, sched.max_num_seqs,
                                                          config.structured_outputs_config.backend)

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
 from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
@@ -121,6 +121,40 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best continuations of each prompt (vLLM's API), as HF
+        transformers' `num_beams` search finds them: each step every live beam of every
+        prompt asks the engine, in one batch, for its 2 x beam_width most likely next
+        tokens (one-token requests whose prompts share their blocks through the prefix
+        cache); the beam_width best extensions by cumulative logprob live on, and an EOS
+        among them finishes its beam."""
+        engine = self.llm_engine
+        if engine is None:
+            raise ValueError("beam search runs on one engine (data_parallel_size=1)")
+        params.validate(engine.model_config.max_logprobs)
+        width = params.beam_width
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
+        prompt_list = _normalize_prompts(prompts)
+        first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False)
+        stops = set() if params.ignore_eos else set(engine.stop_token_ids)
+        searches = [_Beams(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
+        for n in range(params.max_tokens):
+            if n:
+                todo = [b for b in searches if b.live]
+                if not todo:
+                    break
+                outs = iter(self._run([{"prompt_token_ids": b.prompt + gen} for b in todo for gen, _ in b.live],
+                                      [step] * sum(len(b.live) for b in todo), use_tqdm=False))
+                for b in todo:
+                    b.tops = [next(outs).outputs[0].logprobs[0] for _ in b.live]
+            for b in searches:
+                b.extend(width, stops)
+        tokenizer = engine.tokenizer
+        return [BeamSearchOutput([
+            BeamSearchSequence(b.prompt + gen, tokenizer.decode(gen, skip_special_tokens=True) if tokenizer else None,
+                               cum, score, why) for score, gen, cum, why in b.best(width, params.length_penalty)])
+            for b in searches]
+
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
              priority: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.engine
@@ -197,3 +231,32 @@ def _normalize_params(params: Any, n: int) -> list[SamplingParams]:
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         return list(params)
     raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+class _Beams:
+    """One prompt's beam search: live beams (generated tokens, cumulative logprob), the
+    next-token logprobs of each, and beams an EOS finished."""
+
+    def __init__(self, prompt: list[int], tops: list[dict[int, Logprob]]) -> None:
+        self.prompt = prompt
+        self.live: list[tuple[list[int], float]] = [([], 0.0)]
+        self.tops = tops
+        self.finished: list[tuple[list[int], float]] = []
+
+    def extend(self, width: int, stops: set[int]) -> None:
+        if not self.live:
+            return
+        candidates = sorted(((cum + lp.logprob, gen + [tok]) for (gen, cum), top in zip(self.live, self.tops, strict=True)
+                             for tok, lp in top.items()), key=lambda c: -c[0])
+        self.live = []
+        for rank, (cum, gen) in enumerate(candidates):
+            if gen[-1] in stops:
+                if rank < width:  # (HF keeps an EOS only among the beam_width best)
+                    self.finished.append((gen, cum))
+            elif len(self.live) < width:
+                self.live.append((gen, cum))
+
+    def best(self, width: int, length_penalty: float) -> list[tuple[float, list[int], float, str]]:
+        beams = [(gen, cum, "stop") for gen, cum in self.finished] + [(gen, cum, "length") for gen, cum in self.live]
+        return sorted(((cum / len(gen) ** length_penalty, gen, cum, why) for gen, cum, why in beams),
+                      key=lambda b: -b[0])[:width]

@@ -1,0 +1,65 @@
+"""LLM.beam_search against HF transformers' num_beams search (greedy, no sampling) on a
+tiny model: the same beams, in the same order, with the same scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, BeamSearchParams, SamplingParams
+from pagedserve.errors import InvalidRequestError
+from tests.e2e.token_prompts import shared_prefix_prompts
+
+WIDTH, MAX_TOKENS = 3, 8
+
+
+def hf_beams(model_dir: str, prompt: list[int], width: int, max_tokens: int) -> list[tuple[list[int], float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as ignore_eos: beams run to max_tokens
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                             max_new_tokens=max_tokens, length_penalty=1.0, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    return [(seq[len(prompt):].tolist(), float(score)) for seq, score in zip(out.sequences, out.sequences_scores,
+                                                                             strict=True)]
+
+
+def test_beams_equal_hf_transformers(tiny_checkpoint) -> None:
+    model_dir, hf_cfg = tiny_checkpoint("llama")
+    prompts = shared_prefix_prompts(hf_cfg.vocab_size)[:3]
+    llm = LLM(model_dir, dtype="float32", seed=0)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_beams(model_dir, prompt, WIDTH, MAX_TOKENS)
+        got = [(seq.tokens[len(prompt):], seq.score) for seq in out.sequences]
+        assert [g for g, _ in got] == [r for r, _ in ref], (got, ref)
+        for (_, ours), (_, theirs) in zip(got, ref, strict=True):
+            assert ours == pytest.approx(theirs, abs=1e-4)
+        assert all(s.finish_reason == "length" and len(s.tokens) == len(prompt) + MAX_TOKENS for s in out.sequences)
+        assert all(s.score == pytest.approx(s.cum_logprob / MAX_TOKENS) for s in out.sequences)
+    # The beams' prompts came from the prefix cache: every step re-reads what the last one wrote.
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_hits > stats.prefix_cache_queries // 2, stats
+
+
+def test_an_eos_finishes_a_beam_and_bad_params_are_refused(tiny_checkpoint) -> None:
+    model_dir, hf_cfg = tiny_checkpoint("llama")
+    llm = LLM(model_dir, dtype="float32", seed=0)
+    prompt = shared_prefix_prompts(hf_cfg.vocab_size)[0]
+    greedy = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
+                          use_tqdm=False)[0].outputs[0].token_ids[0]
+    # The most likely first token made a stop token: the beam it starts ends at once with
+    # the best cumulative logprob of all, so with no length normalisation it ranks first.
+    llm.llm_engine.stop_token_ids.append(greedy)
+    out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                         length_penalty=0.0))[0].sequences
+    assert out[0].tokens == [*prompt, greedy] and out[0].finish_reason == "stop", out
+    assert out[1].finish_reason == "length" and greedy not in out[1].tokens[len(prompt):]
+    for bad, param in (({"beam_width": 0}, "beam_width"), ({"beam_width": 11}, "beam_width"),
+                       ({"max_tokens": 0}, "max_tokens"), ({"length_penalty": "x"}, "length_penalty")):
+        with pytest.raises(InvalidRequestError) as e:
+            llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(**{"beam_width": 2, "max_tokens": 2, **bad}))
+        assert e.value.param == param
