@@ -54,3 +54,8 @@ MAX_GRAMMAR_CHARS = 128 << 10  # grammars, regexes, choices
 MAX_SCHEMA_DEPTH = 128  # nesting of subschemas, counting each $ref followed
 MAX_SCHEMA_NODES = 100_000  # subschemas visited while measuring that depth
 MAX_GRAMMAR_RULES = 1000
+
+# The Responses API's store (--enable-responses-store): the oldest responses go first
+# once either bound is reached, so clients cannot grow the server's memory through it.
+RESPONSES_STORE_MAX_ENTRIES = 1000
+RESPONSES_STORE_MAX_BYTES = 64 << 20

@@ -74,7 +74,7 @@ from pagedserve.entrypoints.openai.reasoning_parsers import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
-from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     ToolParser,
@@ -132,6 +132,7 @@ class ServerState:
     series: SeriesStatLogger | None = None
     dashboard: DashboardHub | None = None
     prepare_pool: ThreadPoolExecutor | None = None  # rendering and tokenizing, off the event loop
+    responses_store: ResponseStore | None = None  # --enable-responses-store
 
     def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None,
                reasoning_parser: ReasoningParser | None = None) -> None:
@@ -304,7 +305,27 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, translated onto the chat handler (serving_responses.py)."""
         state.ready()
-        return await generate(OpenAIServingResponses(state.chat), body, request)
+        return await generate(OpenAIServingResponses(state.chat, state.responses_store), body, request)
+
+    def stored_response(response_id: str) -> dict:
+        state.ready()
+        if state.responses_store is None:
+            raise OpenAIError("responses are not kept on this server (start it with --enable-responses-store)",
+                              status=404, param="response_id")
+        found = state.responses_store.get(response_id)
+        if found is None:
+            raise OpenAIError(f"no stored response {response_id!r}", status=404, param="response_id")
+        return found[0]
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(stored_response(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> JSONResponse:
+        stored_response(response_id)
+        raise OpenAIError("only background responses can be cancelled, and this server runs none in the "
+                          "background: this one has finished", param="response_id")
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
@@ -374,6 +395,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a thinking model's <think>...</think> into reasoning_content (vLLM's names: "
                             "qwen3 for Qwen3, deepseek_r1 for DeepSeek-R1 and its distills)")
+    group.add_argument("--enable-responses-store", action="store_true",
+                       help="keep /v1/responses answers (at most 1,000 and 64 MiB, oldest out first) for "
+                            "GET /v1/responses/{id} and previous_response_id (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
     group.add_argument("--metrics-without-auth", action="store_true",
                        help="serve /metrics without the API key (for a Prometheus scraper); every other route "
                             "but /health needs it")
@@ -497,7 +521,8 @@ def run_server(args: argparse.Namespace) -> None:
     state = ServerState(served_model_names=names, api_key=api_key,
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
-                        enable_dashboard=not args.disable_dashboard and not replicated)
+                        enable_dashboard=not args.disable_dashboard and not replicated,
+                        responses_store=ResponseStore() if args.enable_responses_store else None)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     failed: list[BaseException] = []

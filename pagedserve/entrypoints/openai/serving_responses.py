@@ -5,14 +5,19 @@ and `text.format` become chat tools and response_format; the chat answer, or its
 stream, comes back as output items (reasoning, message, function_call) and the typed
 event sequence (response.created ... response.completed).
 
-Responses are not stored: `store: true` and `previous_response_id` are refused by name
-(the client sends the whole conversation, as the Agents SDK does unless told otherwise).
+Responses are kept only with `--enable-responses-store` (vLLM keeps its store behind
+VLLM_ENABLE_RESPONSES_API_STORE): then, unless a request says `store: false`, its
+response and conversation are kept in a store bounded in entries and bytes, for
+`GET /v1/responses/{id}` and for `previous_response_id`, which continues that
+conversation.  Without it, `store: true` and `previous_response_id` are refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.request_limits import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_ENTRIES
 
 # Chat's names for fields whose Responses names differ.
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
@@ -37,6 +43,37 @@ class PreparedResponse:
     chat_request: ChatCompletionRequest
     prepared: PreparedRequest
     request: ResponsesRequest
+    conversation: list[dict[str, Any]]  # the chat messages after the instructions, to store
+    store: bool = False
+
+
+class ResponseStore:
+    """Responses by id with the conversation that led to each (chat messages), oldest
+    dropped first past `max_entries` or `max_bytes` (of their JSON).  Thread-safe: the
+    handlers prepare requests off the event loop."""
+
+    def __init__(self, max_entries: int = RESPONSES_STORE_MAX_ENTRIES,
+                 max_bytes: int = RESPONSES_STORE_MAX_BYTES) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        if size > self.max_bytes:
+            return  # larger than the whole store: not kept (a later previous_response_id gets a 404)
+        with self._lock:
+            self._items[response["id"]] = (response, conversation, size)
+            self._bytes += size
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                _, (_, _, dropped) = self._items.popitem(last=False)
+                self._bytes -= dropped
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        with self._lock:
+            item = self._items.get(response_id)
+        return None if item is None else item[:2]
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -54,11 +91,10 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The input items as chat messages (the instructions are not among them)."""
     messages: list[dict[str, Any]] = []
-    if req.instructions is not None:
-        messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
+        return [{"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -106,14 +142,24 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                       '{"type": "json_schema", "name": ..., "schema": {...}}', param="text")
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that asks for the same answer."""
-    if req.store:
-        raise OpenAIError("store is not supported: responses are not kept on this server (send the whole "
-                          "conversation in input)", param="store")
+def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
+                    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+    """The chat request that asks for the same answer, and its conversation after the
+    instructions (a previous response's conversation first)."""
+    if store is None and req.store:
+        raise OpenAIError("store is not supported: responses are not kept on this server (start it with "
+                          "--enable-responses-store, or send the whole conversation in input)", param="store")
+    history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        raise OpenAIError("previous_response_id is not supported: responses are not kept on this server "
-                          "(send the whole conversation in input)", param="previous_response_id")
+        if store is None:
+            raise OpenAIError("previous_response_id is not supported: responses are not kept on this server "
+                              "(start it with --enable-responses-store, or send the whole conversation in input)",
+                              param="previous_response_id")
+        found = store.get(req.previous_response_id)
+        if found is None:
+            raise OpenAIError(f"no stored response {req.previous_response_id!r} (never stored, or dropped from the "
+                              "bounded store)", status=404, param="previous_response_id")
+        history = found[1]
     if req.background:
         raise OpenAIError("background responses are not supported", param="background")
     if req.include:
@@ -121,7 +167,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.top_logprobs:
         raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                           param="top_logprobs")
-    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req), "stream": bool(req.stream)}
+    conversation = [*history, *_chat_messages(req)]
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    body: dict[str, Any] = {"model": req.model, "messages": [*system, *conversation], "stream": bool(req.stream)}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     tools = []
@@ -145,7 +193,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         if value is not None:
             body[name] = value
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return ChatCompletionRequest.model_validate(body), conversation
     except ValueError as e:
         raise OpenAIError(f"cannot translate the request: {e}", param="input") from None
 
@@ -165,6 +213,15 @@ class _Output:
         if kind not in self.ids:
             self.ids[kind] = random_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind.split(":")[0]])
         return self.ids[kind]
+
+    def chat_message(self) -> dict[str, Any]:
+        """The answer as the assistant turn of a chat (its reasoning left out, as vLLM)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.calls:
+            message["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in self.calls]
+        return message
 
     def items(self, done: bool = True) -> list[dict[str, Any]]:
         status = "completed" if done else "in_progress"
@@ -193,16 +250,18 @@ class _Output:
 class OpenAIServingResponses:
     """The Responses endpoint over the chat handler (same engine, tools and limits)."""
 
-    def __init__(self, chat: OpenAIServingChat) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
+        self.store = store
 
     def warn_unknown_fields(self, req: ResponsesRequest) -> None:
         self.chat.warn_unknown_fields(req)
 
     def prepare(self, req: ResponsesRequest) -> PreparedResponse:
-        chat_request = to_chat_request(req)
+        chat_request, conversation = to_chat_request(req, self.store)
+        keep = self.store is not None and req.store is not False
         try:
-            return PreparedResponse(chat_request, self.chat.prepare(chat_request), req)
+            return PreparedResponse(chat_request, self.chat.prepare(chat_request), req, conversation, keep)
         except OpenAIError as e:
             e.param = _PARAM_NAMES.get(e.param, e.param)
             raise
@@ -236,8 +295,15 @@ class OpenAIServingResponses:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata,
-            "previous_response_id": None, "store": False, "user": req.user, "truncation": "disabled",
+            "previous_response_id": req.previous_response_id, "store": prep.store, "user": req.user,
+            "truncation": "disabled",
         }
+
+    def finished(self, prep: PreparedResponse, response: dict[str, Any], out: _Output) -> dict[str, Any]:
+        """Keep a finished response (when the store is on and the request allows it)."""
+        if prep.store and self.store is not None:
+            self.store.put(response, [*prep.conversation, out.chat_message()])
+        return response
 
     async def full(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,
                    streams: list[RequestStream]) -> dict[str, Any]:
@@ -248,7 +314,7 @@ class OpenAIServingResponses:
                       calls=[{"call_id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                              for c in choice.message.tool_calls or []],
                       finish_reason=choice.finish_reason, usage=r.usage.model_dump())
-        return self.response(response_id, prep, created, out)
+        return self.finished(prep, self.response(response_id, prep, created, out), out)
 
     async def stream(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -350,5 +416,5 @@ class _EventWriter:
         if chunk.get("usage") is not None and not chunk.get("choices"):
             self.out.usage = chunk["usage"]
             final = self.serving.response(self.response_id, self.prep, self.created, self.out)
-            out.append(self.emit("response.completed", response=final))
+            out.append(self.emit("response.completed", response=self.serving.finished(self.prep, final, self.out)))
         return out

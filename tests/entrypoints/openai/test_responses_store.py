@@ -1,0 +1,81 @@
+"""--enable-responses-store: GET /v1/responses/{id}, previous_response_id, store: false,
+and the store's bounds (in-process app over the scripted engine, the official client)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
+from pagedserve.entrypoints.openai.serving_responses import ResponseStore
+from tests.engine.fake_engine import FakeEngine
+
+
+def run_with_client(fn, store: ResponseStore | None):
+    state = ServerState(served_model_names=["fake"], responses_store=store)
+    app = build_app(state)
+    engine = FakeEngine(script="abcdefghij")
+    engine.max_model_len = 4096
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 4096))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+            return await fn(client)
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_stored_responses_are_retrieved_and_continued() -> None:
+    async def fn(client: openai.AsyncOpenAI):
+        first = await client.responses.create(model="fake", input="hello", instructions="be brief",
+                                              max_output_tokens=5)
+        got = await client.responses.retrieve(first.id)
+        assert got.id == first.id and got.output_text == first.output_text == "abcde" and got.store
+        follow = await client.responses.create(model="fake", input="and then?", previous_response_id=first.id,
+                                               max_output_tokens=3)
+        alone = await client.responses.create(model="fake", input="and then?", max_output_tokens=3, store=False)
+        # The continuation's prompt holds the first turn and its answer (the scripted engine's
+        # tokens are characters); its instructions are not carried over, as in OpenAI's API.
+        assert follow.usage.input_tokens >= alone.usage.input_tokens + len("<user>hello<assistant>abcde")
+        assert follow.previous_response_id == first.id
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(alone.id)  # store: false
+        streamed = await client.responses.create(model="fake", input="hi", max_output_tokens=2, stream=True)
+        events = [e async for e in streamed]
+        final = events[-1].response
+        assert (await client.responses.retrieve(final.id)).output_text == "ab"
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            await client.responses.create(model="fake", input="x", previous_response_id="resp_nope",
+                                          max_output_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="background"):
+            await client.responses.cancel(first.id)
+
+    run_with_client(fn, ResponseStore())
+
+
+def test_without_the_store_nothing_is_kept() -> None:
+    async def fn(client: openai.AsyncOpenAI):
+        r = await client.responses.create(model="fake", input="hello", max_output_tokens=2)
+        assert not r.store
+        with pytest.raises(openai.NotFoundError, match="--enable-responses-store"):
+            await client.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError, match="--enable-responses-store"):
+            await client.responses.create(model="fake", input="x", previous_response_id=r.id, max_output_tokens=1)
+
+    run_with_client(fn, None)
+
+
+def test_the_store_drops_the_oldest_past_its_bounds() -> None:
+    store = ResponseStore(max_entries=2, max_bytes=10_000)
+    for i in range(3):
+        store.put({"id": f"r{i}", "text": "x"}, [{"role": "user", "content": "y"}])
+    assert store.get("r0") is None and store.get("r1") is not None and store.get("r2") is not None
+    store.put({"id": "big", "text": "x" * 6_000}, [])
+    assert store.get("r1") is None and store.get("big") is not None  # bytes: the oldest went first
+    store.put({"id": "huge", "text": "x" * 20_000}, [])  # larger than the whole store: not kept
+    assert store.get("huge") is None and store.get("big") is not None
