@@ -454,7 +454,13 @@ def schemas(client) -> Schemas:
 
 def test_every_post_route_is_fuzzed(client, schemas):
     spec = client.get("/openapi.json", headers=AUTH).json()
-    assert {path for path, ops in spec["paths"].items() if "post" in ops} == set(ROUTES) == set(schemas)
+    with_body = {path for path, ops in spec["paths"].items() if "post" in ops and "requestBody" in ops["post"]}
+    assert with_body == set(ROUTES) == set(schemas)
+    bodiless = {path for path, ops in spec["paths"].items() if "post" in ops} - with_body
+    assert bodiless == {"/v1/responses/{response_id}/cancel"}
+    for response_id in ["", "x" * 10_000, "../../etc/passwd", "%00", "resp_" + "\u00e9" * 50]:
+        r = client.post(f"/v1/responses/{response_id}/cancel", headers=AUTH)
+        assert r.status_code in (404, 405) and r.headers["content-type"].startswith("application/json"), r.text
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
