@@ -41,6 +41,8 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
     """The text of a string or of text blocks (a system prompt, a tool result)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise OpenAIError(f"{where} must be a string or a list of text blocks", param=where.split("[")[0].split(".")[0])
     parts = []
     for i, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -216,11 +218,8 @@ class AnthropicServingMessages:
                      streams: list[RequestStream]) -> AsyncIterator[str]:
         """The chat handler's chunks, read back and re-said as Anthropic's events."""
         events = EventWriter(message_id, prep.prepared.model, len(prep.prepared.prompts[0].token_ids))
-        async for frame in self.chat.stream(prep.chat_request, prep.prepared, message_id, streams):
-            data = frame.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                continue
-            for event in events.on_chunk(json.loads(data)):
+        async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, message_id, streams):
+            for event in events.on_chunk(chunk):
                 yield event
 
 

@@ -225,7 +225,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise err
             reasoning, c = split_reasoning(prep.reasoning, c)
             message, reason = self.message(prep.tools, c)
-            message.reasoning_content = reasoning
+            message.reasoning_content = reasoning or None  # (none when the model did not think)
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self.logprobs(c, 0, prep.params.logprobs),
                                       finish_reason=reason, stop_reason=c.stop_reason))
@@ -283,6 +283,15 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - the stream already started: report in-band
             yield sse_error(e)
         yield "data: [DONE]\n\n"
+
+    async def chunks(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
+                     streams: list[RequestStream]) -> AsyncIterator[dict]:
+        """The stream's chunks as dicts (an in-band error as {"error": {...}}), for the APIs
+        that re-say a chat stream in their own events (Responses, Anthropic's Messages)."""
+        async for frame in self.stream(req, prep, request_id, streams):
+            data = frame.removeprefix("data: ").strip()
+            if data != "[DONE]":
+                yield json.loads(data)
 
     def _tool_deltas(self, plan: ToolPlan, ts: ToolStream, c: CompletionOutput) -> list[ChatStreamChoice]:
         """The chunks a tool-enabled choice owes after this output: plain text that can

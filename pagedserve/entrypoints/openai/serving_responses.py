@@ -131,6 +131,8 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise OpenAIError("text.format must be an object", param="text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -324,11 +326,9 @@ class OpenAIServingResponses:
                                                                       done=False))
         yield events.emit("response.in_progress", response=self.response(response_id, prep, events.created,
                                                                           events.out, done=False))
-        async for frame in self.chat.stream(prep.chat_request, prep.prepared, response_id, streams):
-            data = frame.removeprefix("data: ").strip()
-            if data != "[DONE]":
-                for event in events.on_chunk(json.loads(data)):
-                    yield event
+        async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, response_id, streams):
+            for event in events.on_chunk(chunk):
+                yield event
 
 
 class _EventWriter:

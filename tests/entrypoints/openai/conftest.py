@@ -30,8 +30,9 @@ API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 
 
-def make_tiny_model(path: Path) -> None:
-    import torch
+def train_tokenizer(corpus: list[str], vocab_size: int, added: list[str]):
+    """A byte-level BPE tokenizer trained on `corpus` (in milliseconds), ChatML's special
+    tokens, and `added` as plain (not special) tokens, as Qwen's vocabulary has them."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -43,12 +44,21 @@ def make_tiny_model(path: Path) -> None:
     # GPT-2's byte-to-unicode map: printable bytes stand for themselves, space and newline
     # are shifted past 255 ("Ġ", "Ċ").
     alphabet = [chr(b) for b in range(33, 127)] + [chr(256 + 32), chr(256 + 10)]
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=alphabet, limit_alphabet=len(alphabet))
-    backend.train_from_iterator(_CORPUS * 5, trainer)
+    backend.train_from_iterator(corpus * 5, trainer)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.add_tokens(["<tool_call>", "</tool_call>"])  # plain (not special) tokens, as in Qwen's vocabulary
+    tok.add_tokens(added)
+    return tok
+
+
+def make_tiny_model(path: Path) -> None:
+    import torch
+    import transformers
+
+    tok = train_tokenizer(_CORPUS, 384, ["<tool_call>", "</tool_call>"])
     tok.chat_template = CHAT_TEMPLATE
     cfg = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -51,6 +51,31 @@ def test_tools_with_tool_choice_omitted_work_on_the_default_model(smollm2_server
     assert legacy.usage.prompt_tokens == r.usage.prompt_tokens
 
 
+def test_the_responses_and_messages_apis_on_the_default_model(smollm2_server):
+    """OpenAI's Responses API and Anthropic's Messages API answer like the chat API on the
+    default model: the same greedy text, streamed or not, and a forced function call."""
+    import anthropic
+
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = "What is the capital of France?"
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": ask}], max_tokens=16,
+                                          temperature=0).choices[0].message.content
+    r = client.responses.create(model="smol", input=ask, max_output_tokens=16, temperature=0)
+    assert r.output_text == chat and "Paris" in chat
+    with client.responses.stream(model="smol", input=ask, max_output_tokens=16, temperature=0) as stream:
+        assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == chat
+    tool = {"type": "function", **WEATHER["function"]}
+    called = client.responses.create(model="smol", input="What is the weather in Paris right now?", tools=[tool],
+                                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=32,
+                                     temperature=0)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    messages = anthropic.Anthropic(base_url=smollm2_server.url, api_key="none", max_retries=0, timeout=120)
+    m = messages.messages.create(model="smol", max_tokens=16, messages=[{"role": "user", "content": ask}],
+                                 extra_body={"temperature": 0})
+    assert m.content[0].text == chat
+
+
 class _Vocab:
     def __init__(self, *tokens: str) -> None:
         self.tokens = {t: i for i, t in enumerate(tokens)}

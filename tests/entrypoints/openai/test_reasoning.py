@@ -113,3 +113,82 @@ def test_a_tool_call_after_the_reasoning_is_read_from_the_content() -> None:
     calls = [c for d in deltas for c in d.get("tool_calls") or []]
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert not "".join(d.get("content") or "" for d in deltas).strip()
+
+
+# ------------------------------------------------------------------ a real tiny Qwen3
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def make_chain_qwen3(path) -> None:
+    """A Qwen3 checkpoint that is a bigram machine: its layers add nothing (o_proj and
+    down_proj zero), each token's embedding is one-hot, and the LM head maps token t to
+    the logit of its successor, so greedy decoding follows a fixed chain:
+    "\\n" -> <think> -> hmm -> </think> -> Paris -> <|im_end|>.  The think tokens are
+    added, not special, as in Qwen3's own vocabulary (skip_special_tokens keeps them)."""
+    import torch
+    import transformers
+    from conftest import train_tokenizer
+
+    tok = train_tokenizer(["user assistant system: what is the capital of France?"], 200,
+                          ["<think>", "</think>", "hmm", "Paris"])
+    tok.chat_template = QWEN3_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ["<think>", "</think>", "hmm", "Paris", "<|im_end|>"]}
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    chain = {newline[0]: ids["<think>"], ids["<think>"]: ids["hmm"], ids["hmm"]: ids["</think>"],
+             ids["</think>"]: ids["Paris"], ids["Paris"]: ids["<|im_end|>"]}
+    vocab = len(tok)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=vocab + (-vocab) % 8, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, cfg.hidden_size))
+        head = torch.zeros(vocab, cfg.hidden_size)
+        for t in range(vocab):
+            head[chain.get(t, ids["<|im_end|>"]), t] = 1.0
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_path) -> None:
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    make_chain_qwen3(tmp_path)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=128,
+                                                   kv_cache_memory_bytes="8MiB"))
+    state = ServerState(served_model_names=["qwen3"])
+    app = build_app(state)
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 128), None, QWEN3)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "capital of France?"}], "max_tokens": 16,
+            "temperature": 0}
+
+    async def run(client):
+        full = (await client.post("/v1/chat/completions", json=body)).json()
+        streamed = (await client.post("/v1/chat/completions", json={**body, "stream": True})).text
+        plain = (await client.post("/v1/chat/completions", json={
+            **body, "chat_template_kwargs": {"enable_thinking": False}})).json()
+        return full, streamed, plain
+
+    try:
+        full, streamed, plain = call(app, run)
+    finally:
+        engine.shutdown()
+    message = full["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("hmm", "Paris"), full
+    assert full["choices"][0]["finish_reason"] == "stop"
+    deltas = [e["choices"][0]["delta"] for e in events(streamed)[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm"
+    assert "".join(d.get("content") or "" for d in deltas) == "Paris"
+    assert plain["choices"][0]["message"]["content"] == "Paris"  # the template closed an empty block
+    assert plain["choices"][0]["message"]["reasoning_content"] is None

@@ -83,7 +83,8 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools"), ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
-    ({"text": {"format": {"type": "regex"}}}, "text"), ({"temperature": -1.0}, "temperature"),
+    ({"text": {"format": {"type": "regex"}}}, "text"), ({"text": {"format": True}}, "text"),
+    ({"temperature": -1.0}, "temperature"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
 ])
 def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None:
