@@ -93,8 +93,8 @@ def _swapped_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x W^T (+ b) for 2-4 rows of float32 on CPU, computed as (W x^T)^T.
 
     torch 2.13's CPU GEMM (MKL) takes a slow path for x W^T with a handful of rows:
-    1.2-7x slower than the same product with the operands swapped, which gave the same
-    values in every check (Zen 4, also under AVX2 emulation: SmolLM2's 49,152 x 576 head
+    1.2-7x slower than the same product with the operands swapped, whose values agree to
+    float32 rounding (bitwise at the measured shapes; Zen 4, also under AVX2 emulation: SmolLM2's 49,152 x 576 head
     at 3 rows 37 ms against 6, Gemma 3's 262,144 x 640 head 220 ms against 26, an
     8,192 x 2,048 projection 12 against 4; `python -m pagedserve.benchmarks.bench_quant`
     prints the last).  Every linear of a float32 decode step of 2-4 requests hits

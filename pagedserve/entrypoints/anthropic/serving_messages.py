@@ -84,7 +84,7 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
             else:
-                raise OpenAIError(f"{where}: {kind!r} blocks are not supported in {msg.role} messages (this server "
+                raise OpenAIError(f"{where}: {repr(kind)[:100]} blocks are not supported in {msg.role} messages (this server "
                                   "reads text, tool_use in assistant turns and tool_result in user turns)",
                                   param="messages")
         if texts or calls or msg.role == "assistant":
@@ -138,7 +138,7 @@ def _output_config(config: dict[str, Any]) -> dict[str, Any]:
     here (thinking itself is refused above), so it is accepted as a no-op."""
     unknown = set(config) - {"format", "effort"}
     if unknown:
-        raise OpenAIError(f"output_config.{sorted(unknown)[0]} is not supported", param="output_config")
+        raise OpenAIError(f"output_config.{sorted(unknown)[0][:100]} is not supported", param="output_config")
     fmt = config.get("format")
     if fmt is None:
         return {}

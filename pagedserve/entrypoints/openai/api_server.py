@@ -1,6 +1,6 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
-/v1/responses, Anthropic's /v1/messages (and count_tokens), /health, /metrics, /tokenize, /detokenize, /version, and the dashboard at / (see
-entrypoints/dashboard).
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/models, Anthropic's /v1/messages (and count_tokens), /health, /metrics, /tokenize,
+/detokenize, /version, and the dashboard at / (see entrypoints/dashboard).
 
 Implementation: the FastAPI app factory (`build_app`) and `run_server`.  The socket is
 bound and /health answers 503 while the model loads in a background thread, so
@@ -259,7 +259,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
 
     async def generate(serving: OpenAIServing | AnthropicServingMessages | OpenAIServingResponses, body: Any,
                        request: Request) -> Response:
-        """Both generation endpoints: validate and render off the event loop (templates and
+        """Every generation endpoint: validate and render off the event loop (templates and
         tokenizing a long prompt take seconds), let the engine accept the request (its
         refusals are 400s, before any byte is sent), then stream (SSE) or answer once.  A
         client that leaves at any point cancels it all, which aborts every engine request
@@ -314,7 +314,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
                               status=404, param="response_id")
         found = state.responses_store.get(response_id)
         if found is None:
-            raise OpenAIError(f"no stored response {response_id!r}", status=404, param="response_id")
+            raise OpenAIError(f"no stored response {response_id[:100]!r}", status=404, param="response_id")
         return found[0]
 
     @app.get("/v1/responses/{response_id}")

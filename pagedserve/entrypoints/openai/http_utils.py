@@ -55,9 +55,10 @@ class SSEResponse(StreamingResponse):
 
 
 class APIKeyMiddleware:
-    """API-key check (a bearer token, or Anthropic's x-api-key header) on every route but the state's public ones (`state.is_public`:
-    /health, /metrics with `metrics_without_auth`, the dashboard page), as plain ASGI (BaseHTTPMiddleware would put every streamed
-    chunk through an extra task and memory stream).  The comparison takes constant time
+    """API-key check (a bearer token, or Anthropic's x-api-key header) on every route but
+    the state's public ones (`state.is_public`: /health, /metrics with
+    `metrics_without_auth`, the dashboard page), as plain ASGI (BaseHTTPMiddleware would
+    put every streamed chunk through an extra task and memory stream).  The comparison takes constant time
     and is of bytes: the header as sent against the key's UTF-8 (the server refuses a
     key with characters HTTP clients cannot send)."""
 

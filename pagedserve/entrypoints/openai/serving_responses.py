@@ -85,7 +85,7 @@ def _text_of(content: Any, where: str) -> str:
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise OpenAIError(f"{where}[{i}]: {kind!r} parts are not supported (text only)", param="input")
+            raise OpenAIError(f"{where}[{i}]: {repr(kind)[:100]} parts are not supported (text only)", param="input")
         parts.append(part["text"])
     return "\n".join(parts)
 
@@ -124,7 +124,7 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # an earlier answer's reasoning: not shown to the model again (as vLLM)
         else:
-            raise OpenAIError(f"{where}: {kind!r} items are not supported (messages, function_call, "
+            raise OpenAIError(f"{where}: {repr(kind)[:100]} items are not supported (messages, function_call, "
                               "function_call_output and reasoning are)", param="input")
     return messages
 
@@ -159,13 +159,13 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
                               param="previous_response_id")
         found = store.get(req.previous_response_id)
         if found is None:
-            raise OpenAIError(f"no stored response {req.previous_response_id!r} (never stored, or dropped from the "
+            raise OpenAIError(f"no stored response {req.previous_response_id[:100]!r} (never stored, or dropped from the "
                               "bounded store)", status=404, param="previous_response_id")
         history = found[1]
     if req.background:
         raise OpenAIError("background responses are not supported", param="background")
     if req.include:
-        raise OpenAIError(f"include {req.include[0]!r} is not supported", param="include")
+        raise OpenAIError(f"include {repr(req.include[0])[:100]} is not supported", param="include")
     if req.top_logprobs:
         raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                           param="top_logprobs")
@@ -177,7 +177,7 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
     tools = []
     for i, tool in enumerate(req.tools or []):
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise OpenAIError(f"tools[{i}]: only function tools are supported ({tool.get('type')!r} is not)",
+            raise OpenAIError(f"tools[{i}]: only function tools are supported ({repr(tool.get('type'))[:100]} is not)",
                               param="tools")
         tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
                                                                             "strict") if tool.get(k) is not None}})
