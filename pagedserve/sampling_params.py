@@ -45,6 +45,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: Any = None
+    # The constraint starts once this token has been generated (the end of a reasoning
+    # block, "</think>": set by the server's --reasoning-parser, as vLLM lets a model think
+    # before its structured answer); None: from the first token.
+    after_token: int | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -64,6 +68,8 @@ class StructuredOutputsParams:
                                       param="structured_outputs")
         if self.json_object not in (None, True, False):
             raise InvalidRequestError("structured_outputs.json_object must be true or false", param="structured_outputs")
+        if self.after_token is not None and (not is_int(self.after_token) or self.after_token < 0):
+            raise InvalidRequestError("structured_outputs.after_token must be a token id", param="structured_outputs")
         self.schema_text()  # a schema that cannot be serialised is refused here
 
     def schema_text(self) -> str | None:

@@ -68,10 +68,12 @@ class CompiledGrammar:
 class StructuredOutputRequest:
     """One request's grammar: compiled (or failing) in the background, then matched."""
 
-    def __init__(self, compiled: Future) -> None:
+    def __init__(self, compiled: Future, after_token: int | None = None) -> None:
         self._compiled = compiled
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
+        # Until `after_token` is generated (a reasoning block's end) nothing is constrained.
+        self.after_token = after_token
 
     def is_ready(self) -> bool:
         """Compiled (or failed: see `error`); never blocks."""
@@ -87,11 +89,19 @@ class StructuredOutputRequest:
         self.matcher = compiled.backend.new_matcher(compiled.grammar)
         return True
 
+    def constraining(self) -> bool:
+        """Whether the next token must follow the grammar."""
+        return self.matcher is not None and self.after_token is None and not self.matcher.is_terminated()
+
     def accept_token(self, token_id: int) -> bool:
+        if self.after_token is not None:  # still before the constraint: only watch for its start
+            if token_id == self.after_token:
+                self.after_token = None
+            return True
         return self.matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.after_token is None and self.matcher.is_terminated()
 
 
 def _large_stack_pool(workers: int) -> ThreadPoolExecutor:
@@ -202,7 +212,7 @@ class StructuredOutputManager:
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A fresh matcher state for one request (n > 1: one each) over the shared grammar."""
-        return StructuredOutputRequest(self.compile(params))
+        return StructuredOutputRequest(self.compile(params), params.after_token)
 
     # ------------------------------------------------------------------ per step
     def fill_bitmask(self, rows: dict[str, int],
@@ -219,8 +229,10 @@ class StructuredOutputManager:
         matched: list[tuple[GrammarMatcher, int]] = []
         for req_id, row in rows.items():
             grammar = grammars.get(req_id)
-            if grammar is None or grammar.matcher is None or grammar.matcher.is_terminated():
-                bitmask[row].fill_(-1)  # its token is dropped anyway (overlap: it ended a step late)
+            if grammar is None or not grammar.constraining():
+                # Ended (its token is dropped anyway; overlap: it ended a step late), or not
+                # constrained yet (reasoning before its structured answer).
+                bitmask[row].fill_(-1)
             else:
                 matched.append((grammar.matcher, row))
         if matched:

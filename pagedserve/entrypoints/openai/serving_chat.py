@@ -42,7 +42,7 @@ from pagedserve.entrypoints.openai.protocol import (
     TopLogprob,
     random_id,
 )
-from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedserve.entrypoints.openai.reasoning_parsers import END, ReasoningParser
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -59,7 +59,7 @@ from pagedserve.entrypoints.openai.streaming import ChoiceStream
 from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _MISSING = -9999.0
 logger = logging.getLogger("pagedserve.api_server")
@@ -178,13 +178,24 @@ class OpenAIServingChat(OpenAIServing):
             messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
             prompt = self.render(req, messages, req.add_generation_prompt, tools)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
-        # Under a grammar (structured outputs, a named or required tool call) the answer is
-        # all content from its first token: there is no room for a reasoning block to split.
-        # "auto" tools' structural tag leaves free text free, reasoning included.
-        constraint = params.structured_outputs
-        free = constraint is None or constraint.structural_tag is not None
-        reasoning = self.reasoning_parser if free else None
-        return PreparedRequest(model, [prompt], params, plan, reasoning)
+        return PreparedRequest(model, [prompt], params, plan, self._reasoning(prompt, params))
+
+    def _reasoning(self, prompt: TokenizedPrompt, params: SamplingParams) -> ReasoningParser | None:
+        """The reasoning parser that splits this answer, if any.  Under a grammar
+        (structured outputs, a named or required tool call) the model first thinks, as in
+        vLLM: the grammar starts after the block's end token, unless the prompt already
+        closed the block (Qwen3's enable_thinking false).  "auto" tools' structural tag
+        leaves free text free, reasoning included."""
+        parser, constraint = self.reasoning_parser, params.structured_outputs
+        if parser is None or constraint is None or constraint.structural_tag is not None:
+            return parser
+        if (prompt.text or "").rstrip().endswith(END):
+            return parser  # the block closed in the prompt: all content, constrained from the start
+        end = self.tokenizer.convert_tokens_to_ids(END) if self.tokenizer is not None else None
+        if not isinstance(end, int) or end == self.tokenizer.unk_token_id:
+            return None  # no single end token to start the grammar on: the answer is all content
+        constraint.after_token = end
+        return parser
 
     def _tool_constraint(self, req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputsParams | None:
         if plan.mode == "named":

@@ -134,7 +134,7 @@ def make_chain_qwen3(path) -> None:
     from conftest import train_tokenizer
 
     tok = train_tokenizer(["user assistant system: what is the capital of France?"], 200,
-                          ["<think>", "</think>", "hmm", "Paris"])
+                          ["<think>", "</think>", "hmm", "Paris", "Rome"])
     tok.chat_template = QWEN3_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in ["<think>", "</think>", "hmm", "Paris", "<|im_end|>"]}
     newline = tok.encode("\n", add_special_tokens=False)
@@ -161,6 +161,7 @@ def make_chain_qwen3(path) -> None:
 
 
 def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_path) -> None:
+    """Also under structured outputs: the grammar starts after the reasoning."""
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.llm_engine import LLMEngine
 
@@ -173,15 +174,19 @@ def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "capital of France?"}], "max_tokens": 16,
             "temperature": 0}
 
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    rome = {"structured_outputs": {"choice": ["Rome"]}}  # what the chain would not say
+
     async def run(client):
-        full = (await client.post("/v1/chat/completions", json=body)).json()
+        async def post(extra: dict) -> dict:
+            return (await client.post("/v1/chat/completions", json={**body, **extra})).json()
+
+        full = await post({})
         streamed = (await client.post("/v1/chat/completions", json={**body, "stream": True})).text
-        plain = (await client.post("/v1/chat/completions", json={
-            **body, "chat_template_kwargs": {"enable_thinking": False}})).json()
-        return full, streamed, plain
+        return full, streamed, await post(no_thinking), await post(rome), await post({**rome, **no_thinking})
 
     try:
-        full, streamed, plain = call(app, run)
+        full, streamed, plain, constrained, constrained_plain = call(app, run)
     finally:
         engine.shutdown()
     message = full["choices"][0]["message"]
@@ -192,3 +197,9 @@ def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_
     assert "".join(d.get("content") or "" for d in deltas) == "Paris"
     assert plain["choices"][0]["message"]["content"] == "Paris"  # the template closed an empty block
     assert plain["choices"][0]["message"]["reasoning_content"] is None
+    # Under a grammar the model still thinks first; the grammar takes over after </think>,
+    # or from the first token when the prompt closed the block.
+    message = constrained["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("hmm", "Rome"), constrained
+    message = constrained_plain["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (None, "Rome"), constrained_plain
