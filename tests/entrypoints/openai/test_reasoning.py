@@ -131,6 +131,7 @@ def make_chain_qwen3(path) -> None:
     added, not special, as in Qwen3's own vocabulary (skip_special_tokens keeps them)."""
     import torch
     import transformers
+
     from tests.entrypoints.openai.conftest import train_tokenizer
 
     tok = train_tokenizer(["user assistant system: what is the capital of France?"], 200,
