@@ -97,7 +97,7 @@ def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server) -> None:
     """The OpenAI Agents SDK's default model (Responses): the model must call the tool
     (tool_choice "required", a tiny random model would not choose to), the SDK runs it
     and, told to stop on the first tool, returns its result."""
-    agents = pytest.importorskip("agents", reason="openai-agents is not installed")
+    import agents  # (openai-agents: a dev dependency, like the openai client itself)
     seen: list[str] = []
 
     @agents.function_tool
