@@ -10,15 +10,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.pooling_params import POOLING_TYPES
 from pagedserve.utils import is_int, is_number
 
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 QUANT_ACTIVATION_BITS = (16, 8)  # the first is the default
+# What the engine serves (vLLM's --runner): generated text, or one vector or score per
+# prompt from its hidden states (embeddings, scoring, reranking).
+RUNNERS = ("generate", "pooling")
 
 
 # The model dtypes, and the other names each goes by (ModelConfig resolves them).
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling runner makes one output of a prompt (vLLM's --pooler-config fields).
+    `classifier_from_token`: two tokens (negative, positive) whose last-token logits
+    score a (query, document) pair, as vLLM serves Qwen3-Reranker; without it, scores
+    are the cosine similarity of the two texts' embeddings."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    classifier_from_token: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {self.pooling_type!r}")
+        self.pooling_type = self.pooling_type.upper()
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be true or false, got {self.normalize!r}")
+        tokens = self.classifier_from_token
+        if tokens is not None and (not isinstance(tokens, list) or len(tokens) != 2
+                                   or not all(isinstance(t, str) and t for t in tokens)):
+            raise ValueError("pooler_config.classifier_from_token must be two token strings (negative, positive), "
+                             f"e.g. [\"no\", \"yes\"], got {tokens!r}")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> PoolerConfig:
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+        known = {"pooling_type", "normalize", "classifier_from_token"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"pooler_config: unknown field(s) {', '.join(unknown)}; it takes {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 @dataclass
@@ -49,6 +88,8 @@ class ModelConfig:
     # Keep a second, oneDNN-packed copy of each 16-bit linear weight (faster matmuls on
     # CPU, twice the weight memory); False keeps one copy.
     prepack_weights: bool = True
+    runner: str = RUNNERS[0]
+    pooler_config: PoolerConfig | None = None  # the pooling runner's (default PoolerConfig())
     hf_config: Any = None  # transformers.PretrainedConfig once resolved
     # generation_config.json next to the weights, as read at load ({} when there is none).
     generation_config_values: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +103,12 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise ValueError("pooler_config configures the pooling runner: set runner='pooling' (--runner pooling)")
+        if self.runner == "pooling" and self.pooler_config is None:
+            self.pooler_config = PoolerConfig()
         if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ValueError(f"quant_activation_bits must be one of {', '.join(map(str, QUANT_ACTIVATION_BITS))}, "
                              f"got {self.quant_activation_bits!r}")

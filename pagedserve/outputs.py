@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -65,3 +66,65 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: an embedding, or a one-element score (float32, CPU)."""
+
+    data: Any  # torch.Tensor (this module imports no torch)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request (`LLM.encode`, the server's embedding and score routes) ends with."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt, as vLLM shapes it (`.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.num_cached_tokens)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result per (text_1, text_2) pair (`.outputs.score`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the scored prompt's (a reranker's pair) or the second text's (cosine)
+    outputs: ScoringOutput
+
+
+# What an engine step hands back per request.
+EngineOutput = RequestOutput | PoolingRequestOutput

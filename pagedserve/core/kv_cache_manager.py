@@ -162,8 +162,8 @@ class KVCacheManager:
         pass the result to allocate_slots in the same step, which counts the hit and
         loads the tier's blocks.
         """
-        if request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt token computed
+        if request.needs_every_prompt_state:
+            return [], 0
         # Without prefix caching the tier only gives a swapped-out request its own blocks back.
         use_tier = self.tier is not None and (self.enable_caching or request.request_id in self.swapped)
         if not self.enable_caching and not use_tier:

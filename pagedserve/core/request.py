@@ -13,6 +13,7 @@ import time
 from array import array
 from typing import Protocol
 
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import is_int, is_number
 
@@ -75,6 +76,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         grammar: GrammarState | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -101,6 +103,8 @@ class Request:
         self.cache_salt = cache_salt
         # Structured output: the grammar the sampled tokens must follow (None: free text).
         self.grammar = grammar
+        # A pooling request (pooling_params.py): its prompt is computed, nothing is sampled.
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -139,6 +143,13 @@ class Request:
         self.max_draft_tokens = 0
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
+
+    @property
+    def needs_every_prompt_state(self) -> bool:
+        """Every prompt position must be computed (a prefix-cache hit would skip some):
+        prompt logprobs score each one, and MEAN/CLS pooling read them."""
+        return self.sampling_params.prompt_logprobs is not None or (
+            self.pooling_params is not None and self.pooling_params.needs_every_state)
 
     @property
     def num_tokens(self) -> int:

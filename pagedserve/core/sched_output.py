@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.core.kv_tier import KVTransfers
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request: the runner pools, never samples
 
 
 @dataclass
@@ -92,3 +94,5 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (or stop string, set by the engine)
     num_cached_tokens: int = 0
+    # A finished pooling request's result (the runner's float32 tensor; core only carries it).
+    pooling_output: Any = None

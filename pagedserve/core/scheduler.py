@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -113,15 +114,16 @@ class Scheduler:
         if request.grammar is not None and not request.grammar.is_ready():
             request.status = _WAITING_FOR_FSM
         num_prompt = request.num_prompt_tokens
-        if num_prompt + 1 > self.max_model_len:
+        pooling = request.pooling_params is not None  # a prompt alone: nothing is generated
+        if num_prompt + (not pooling) > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, the prompt has "
-                f"{num_prompt} tokens, which leaves no room to generate one. Please reduce the length of the "
-                "prompt.", param="prompt")
-        max_len = self.max_model_len
-        if request.max_tokens is not None:
+                f"{num_prompt} tokens{'' if pooling else ', which leaves no room to generate one'}. Please reduce the "
+                "length of the prompt.", param="prompt")
+        max_len = num_prompt + 1 if pooling else self.max_model_len
+        if request.max_tokens is not None and not pooling:
             max_len = min(max_len, num_prompt + request.max_tokens)
-        # The last sampled token never needs a KV slot.
+        # The last sampled token never needs a KV slot (a pooling request's last prompt token does).
         kvm = self.kv_cache_manager
         if not kvm.can_ever_fit(max_len - 1, self.max_num_batched_tokens):
             raise InvalidRequestError(
@@ -326,6 +328,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kvm.get_block_ids(req_id),
                     num_computed_tokens=num_hit,
+                    pooling_params=request.pooling_params,
                 )
             )
             request.num_output_tokens_sent = len(outputs)
@@ -348,20 +351,28 @@ class Scheduler:
 
     # --------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
-                           invalid_req_ids: Mapping[str, str | None] | None = None) -> list[EngineCoreOutput]:
+                           invalid_req_ids: Mapping[str, str | None] | None = None,
+                           pooler_output: Mapping[str, Any] | None = None) -> list[EngineCoreOutput]:
         """Append each request's sampled tokens, apply the stop rules, release finished
         requests.  `invalid_req_ids`: requests the runner could not sample, each with
         the reason the client gets (None: the logits were not finite); they finish with
-        "error" and the rest go on."""
+        "error" and the rest go on.  `pooler_output`: pooling requests whose prompt this
+        step completed, with their result; they finish ("stop") with it."""
         invalid_req_ids = invalid_req_ids or {}
         self._begin_update(scheduler_output)
         outputs: list[EngineCoreOutput] = []
         append_output = outputs.append
         requests = self.requests
+        any_running_finished = False
+        for req_id, pooled in (pooler_output or {}).items():
+            request = requests.get(req_id)
+            if request is None or request.status is not _RUNNING:
+                continue  # aborted since
+            any_running_finished |= self._finish(request, _STOPPED)
+            append_output(EngineCoreOutput(req_id, [], True, "stop", None, request.num_cached_tokens, pooled))
         get_sampled = sampled_token_ids.get
         takes_sample = self._takes_sample
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
-        any_running_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
             token_ids = get_sampled(req_id)
             if not token_ids and req_id not in invalid_req_ids:

@@ -24,12 +24,14 @@ from pagedserve.config import (
     QUANT_ACTIVATION_BITS,
     QUANTIZATION_METHODS,
     ROUTER_POLICIES,
+    RUNNERS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     RouterConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -113,6 +115,12 @@ _HELP = {
                    "in chunks (default: off, the token budget alone)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
+    "runner": "generate (text: completions, chat, responses, messages) or pooling (one vector or score per "
+              "prompt: /v1/embeddings, /v1/score, /v1/rerank, LLM.embed and LLM.score)",
+    "pooler_config": "the pooling runner's pooler as a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}' "
+                     "(fields: pooling_type LAST, MEAN or CLS, default LAST; normalize, default true; "
+                     "classifier_from_token, e.g. [\"no\", \"yes\"]: score pairs with those two tokens' "
+                     "logits, as Qwen3-Reranker; without it scores are embedding cosine similarities)",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
                           "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; or "
@@ -170,6 +178,9 @@ class EngineArgs:
     # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a JSON string on the command line.
     speculative_config: dict[str, Any] | str | None = None
+    runner: str = RUNNERS[0]
+    # The pooling runner's PoolerConfig fields; a JSON string on the command line.
+    pooler_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -229,6 +240,7 @@ class EngineArgs:
         if self.torch_compile is not None and not isinstance(self.torch_compile, bool):
             raise bad("torch_compile", "True, False or None (on for CPU)")
         self._speculative = self._parse_speculative_config()
+        self._pooler = self._parse_pooler_config()
         if self._speculative is not None and self.async_scheduling:
             raise ValueError("speculative_config does not work with async_scheduling=True yet (a step's drafts "
                              "depend on the previous step's tokens); turn one of them off")
@@ -301,6 +313,26 @@ class EngineArgs:
                             router_cache_threshold=None, router_balance_abs_threshold=None,
                             router_balance_rel_threshold=None, kv_offload_dir=tier_dir)
 
+    def _parse_pooler_config(self) -> PoolerConfig | None:
+        """The JSON of --pooler-config as a PoolerConfig (ModelConfig checks it goes with
+        runner='pooling'), and what the pooling runner cannot be combined with: a pooling
+        request never decodes, so nothing can decode ahead of it."""
+        if self.runner == "pooling":
+            for name, given in (("speculative_config", self.speculative_config is not None),
+                                ("async_scheduling=True", self.async_scheduling is True),
+                                ("data_parallel_size > 1", self.data_parallel_size > 1)):
+                if given:
+                    raise ValueError(f"runner='pooling' does not work with {name} (yet)")
+        value = self.pooler_config
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"pooler_config must be a JSON object, got {self.pooler_config!r} ({e.msg})") from None
+        return PoolerConfig.from_dict(value)
+
     def _parse_speculative_config(self) -> SpeculativeConfig | None:
         value = self.speculative_config
         if value is None:
@@ -327,7 +359,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
             max_logprobs=self.max_logprobs, generation_config=self.generation_config,
             quantization=self.quantization, quant_activation_bits=self.quant_activation_bits,
-            prepack_weights=self.prepack_weights,
+            prepack_weights=self.prepack_weights, runner=self.runner, pooler_config=self._pooler,
         )
         if load_hf_config:
             from pagedserve.model_loader import load_model_config
@@ -394,7 +426,8 @@ class EngineArgs:
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
                            "quantization": QUANTIZATION_METHODS, "quant_activation_bits": QUANT_ACTIVATION_BITS,
                            "preemption_mode": PREEMPTION_MODES,
-                           "prefix_caching_algo": PREFIX_CACHING_ALGOS, "router_policy": ROUTER_POLICIES}.get(f.name)
+                           "prefix_caching_algo": PREFIX_CACHING_ALGOS, "router_policy": ROUTER_POLICIES,
+                           "runner": RUNNERS}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from pagedserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig, PoolerConfig
 from pagedserve.core.async_scheduler import AsyncScheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import Drafter
@@ -40,8 +40,9 @@ from pagedserve.engine.chat_utils import encode_chat, encode_text, prompt_char_l
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
-from pagedserve.outputs import RequestMetrics, RequestOutput
+from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedserve.platforms import is_cuda
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import cdiv, is_int, record_startup, startup_breakdown
@@ -173,8 +174,10 @@ class LLMEngine:
             cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap",
             cache.prefix_caching_algo == "radix",
             store_computed=cache.kv_offload_dir is not None or cache.kv_offload_bytes is not None)
+        sync_only = ("speculative_config" if config.speculative_config is not None
+                     else "runner='pooling'" if self.model_config.runner == "pooling" else None)
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
-            sched.async_scheduling, model_executor, config.speculative_config is not None)
+            sched.async_scheduling, model_executor, sync_only)
         if self.async_scheduling:
             self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager)
         else:
@@ -193,6 +196,8 @@ class LLMEngine:
         self._compiling: dict[str, Future] = {}
         self.busiest_snapshot: KVSnapshot | None = None  # see keep_busiest_snapshot
         self.busiest_usage = -1.0
+        # The pooling runner's scorer tokens (PoolerConfig.classifier_from_token), if any.
+        self.classifier_token_ids = classifier_token_ids(tokenizer, self.model_config.pooler_config)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -247,19 +252,30 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Validate and queue one request (n > 1: n scheduler sequences).  Raises
-        ValueError naming the problem; on error nothing has changed."""
+        """Validate and queue one request (n > 1: n scheduler sequences).  `params`: a
+        SamplingParams (generate runner) or a PoolingParams (pooling runner: the request
+        ends with one PoolingRequestOutput).  Raises ValueError naming the problem; on
+        error nothing has changed."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        pooling = self.model_config.runner == "pooling"
         if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            params = PoolingParams() if pooling else SamplingParams()
+        if isinstance(params, PoolingParams):
+            pooling_params: PoolingParams | None = self._resolve_pooling(params)
+            params = SamplingParams(max_tokens=1)  # the scheduler's bookkeeping; nothing is sampled
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams or a PoolingParams, got {type(params).__name__}")
+        elif pooling:
+            raise InvalidRequestError("this engine runs the pooling runner (runner='pooling'): it embeds and scores "
+                                      "prompts; generating text needs runner='generate'", param="model")
+        else:
+            pooling_params = None
         params.validate()  # values may have been changed after construction
         if not is_int(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
@@ -286,28 +302,54 @@ class LLMEngine:
             for cid, cparams in zip(child_ids, child_params, strict=True):
                 grammar = self.structured_output.request(params.structured_outputs) if compiled else None
                 self.scheduler.add_request(Request(cid, prompt_ids, cparams, self.eos_token_id, arrival, priority,
-                                                   cache_salt, grammar))
+                                                   cache_salt, grammar, pooling_params))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        parent = ParentRequest(request_id, prompt_text, prompt_ids, output_kind, RequestMetrics(arrival))
+        parent = ParentRequest(request_id, prompt_text, prompt_ids, output_kind, RequestMetrics(arrival),
+                               pooling=pooling_params is not None)
         self.output_processor.add_request(parent, child_ids, child_params)
         if compiled is not None and not compiled.done():
             self._compiling[request_id] = compiled
 
 
-    def run_batch(self, prompts: list[Any], params: list[SamplingParams], priority: list[int] | None = None,
-                  progress: BatchProgress | None = None) -> list[RequestOutput]:
+    def _resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """A pooling request's params checked against this engine and completed from its
+        PoolerConfig (a copy: the caller's object may be shared by many prompts)."""
+        pooler = self.model_config.pooler_config
+        if pooler is None:
+            raise InvalidRequestError("embedding and scoring need the pooling runner: start the engine with "
+                                      "runner='pooling' (`pagedserve serve MODEL --runner pooling`)", param="model")
+        params.validate()
+        hidden = getattr(self.model_config.hf_config, "hidden_size", None)
+        if params.dimensions is not None and hidden is not None and params.dimensions > hidden:
+            raise InvalidRequestError(f"dimensions must be at most the model's hidden size {hidden}, got "
+                                      f"{params.dimensions}", param="dimensions")
+        resolved = copy.copy(params)
+        resolved.pooling_type = params.pooling_type or pooler.pooling_type
+        if params.normalize is None:
+            resolved.normalize = pooler.normalize
+        if params.task == "classify":
+            resolved.classifier_token_ids = self.classifier_token_ids
+            if resolved.classifier_token_ids is None:
+                raise InvalidRequestError("task 'classify' needs classifier tokens: start the engine with "
+                                          "pooler_config {\"classifier_from_token\": [\"no\", \"yes\"]}",
+                                          param="task")
+        return resolved
+
+    def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
+                  priority: list[int] | None = None, progress: BatchProgress | None = None
+                  ) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """The offline batch loop (`LLM.generate`, and each data-parallel replica's share of
         one): compile every grammar first (an invalid one is a ValueError before any request
         runs), add every prompt as FINAL_ONLY (one RequestOutput per request instead of a
         cumulative copy every step), step until all are done, return them in input order."""
-        for compiled in [self.structured_output.compile(sp.structured_outputs)
-                         for sp in params if sp.structured_outputs is not None]:
+        for compiled in [self.structured_output.compile(sp.structured_outputs) for sp in params
+                         if isinstance(sp, SamplingParams) and sp.structured_outputs is not None]:
             compiled.result()
         ids: list[str] = []
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, EngineOutput] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = str(next(self._batch_ids))
@@ -450,7 +492,7 @@ class LLMEngine:
         return seqs
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One scheduling step; outputs for every request that progressed or finished.
 
         Synchronous: launch, wait, apply.  Overlap (async_scheduling): step N+1 is
@@ -492,7 +534,7 @@ class LLMEngine:
         grammars = {rid: requests[rid].grammar if rid in requests else None for rid in sched_out.structured_output_rows}
         return self.structured_output.fill_bitmask(sched_out.structured_output_rows, grammars)
 
-    def _fail_grammars(self) -> list[RequestOutput]:
+    def _fail_grammars(self) -> list[EngineOutput]:
         """Requests whose grammar failed to compile after they were added end with "error"
         (the message as their stop_reason); they never held a KV block."""
         failed: list[EngineCoreOutput] = []
@@ -509,20 +551,20 @@ class LLMEngine:
             failed += [EngineCoreOutput(cid, [], True, "error", str(error)) for cid in child_ids]
         return self.output_processor.process_outputs(failed, None, time.time())[0] if failed else []
 
-    def _apply_inflight(self, keep: int) -> list[RequestOutput]:
+    def _apply_inflight(self, keep: int) -> list[EngineOutput]:
         """Apply launched steps, oldest first, until `keep` are left in flight."""
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         while len(self._inflight) > keep:
             sched_out, pending = self._inflight.popleft()
             outputs += self._apply(sched_out, pending.get_output())
         return outputs
 
-    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
         """A step's results: tokens into the scheduler, text and stop strings out."""
         if runner_out.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
-                                                         runner_out.invalid_req_ids)
+                                                         runner_out.invalid_req_ids, runner_out.pooler_output)
         outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -639,19 +681,37 @@ class LLMEngine:
                            max_chars=self.max_prompt_chars, **kwargs)
 
 
-def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, speculative: bool = False) -> bool:
+def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, sync_only: str | None = None) -> bool:
     """None: on when the executor can launch a step without waiting for it and runs on
     CUDA (on CPU the step itself is the host's work: there is nothing to overlap), and
-    speculative decoding is off (drafts need the previous step's tokens on the host)."""
+    nothing needs synchronous steps (`sync_only` names what does: speculative decoding,
+    whose drafts need the previous step's tokens on the host, or the pooling runner)."""
     supported = executor.supports_async_scheduling
     if value is None:
-        return supported and is_cuda(executor.device) and not speculative
-    if value and speculative:
-        raise ValueError("speculative_config does not work with async_scheduling=True yet")
+        return supported and is_cuda(executor.device) and sync_only is None
+    if value and sync_only is not None:
+        raise ValueError(f"{sync_only} does not work with async_scheduling=True yet")
     if value and not supported:
         raise ValueError(f"async_scheduling=True needs a model executor that can launch steps asynchronously; "
                          f"{type(executor).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")
     return bool(value)
+
+
+def classifier_token_ids(tokenizer: Any, pooler: PoolerConfig | None) -> tuple[int, int] | None:
+    """The token ids of PoolerConfig.classifier_from_token (negative, positive): each must
+    be one token of the vocabulary, as the scorer reads one logit per token."""
+    if pooler is None or pooler.classifier_from_token is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("pooler_config.classifier_from_token needs a tokenizer; this model has none")
+    ids = []
+    for text in pooler.classifier_from_token:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        if len(tokens) != 1:
+            raise ValueError(f"pooler_config.classifier_from_token: {text!r} is {len(tokens)} tokens for this "
+                             "tokenizer; each must be exactly one")
+        ids.append(int(tokens[0]))
+    return ids[0], ids[1]
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> tuple[int | None, list[int]]:

@@ -17,7 +17,15 @@ from typing import Any
 
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -42,6 +50,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: Any = None  # a pooling request's result, once its prompt is computed
     # What previous DELTA outputs already handed out.
     sent_tokens: int = 0
     sent_text: int = 0
@@ -87,13 +96,20 @@ class ParentRequest:
     # With prompt_logprobs: one entry per prompt token (None for the first, which nothing
     # predicts), filled as prefill chunks compute them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooling: bool = False  # a pooling request: one PoolingRequestOutput, when it finishes
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
 
-    def make_output(self) -> RequestOutput | None:
+    def make_output(self) -> RequestOutput | PoolingRequestOutput | None:
         finished = self.finished
+        if self.pooling:
+            child = self.children[0]
+            if not finished or child.pooled is None:  # (aborted, or failed: no result to show)
+                return None
+            return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                        PoolingOutput(child.pooled), True, child.num_cached_tokens, self.metrics)
         if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind is RequestOutputKind.DELTA
@@ -146,7 +162,7 @@ class OutputProcessor:
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput], logprobs: dict[str, Any] | None = None,
         now: float | None = None,
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[EngineOutput], list[str]]:
         """Returns (outputs for the user, ids of sequences a stop string just finished)."""
         now = time.time() if now is None else now
         logprobs = logprobs or {}
@@ -158,6 +174,14 @@ class OutputProcessor:
                 continue
             parent, new_ids = state.parent, out.new_token_ids
             metrics = parent.metrics
+            if out.pooling_output is not None:  # a pooling request's prompt is computed: its one result
+                self.num_prompt_tokens += len(parent.prompt_token_ids)
+                state.num_cached_tokens = max(out.num_cached_tokens, 0)
+                state.pooled, state.finish_reason = out.pooling_output, "stop"
+                metrics.first_token_time = metrics.last_token_time = now
+                del self.states[out.request_id]
+                touched[parent.request_id] = parent
+                continue
             if new_ids:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now

@@ -12,7 +12,18 @@ from typing import Any, Protocol
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
 from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
+from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pairs
+from pagedserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -30,8 +41,9 @@ class BatchEngine(Protocol):
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]: ...
 
-    def run_batch(self, prompts: list[Any], params: list[SamplingParams], priority: list[int] | None = None,
-                  progress: BatchProgress | None = None) -> list[RequestOutput]: ...
+    def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
+                  priority: list[int] | None = None, progress: BatchProgress | None = None
+                  ) -> list[RequestOutput] | list[PoolingRequestOutput]: ...
 
     def shutdown(self) -> None: ...
 
@@ -155,8 +167,53 @@ class LLM:
                                cum, score, why) for score, gen, cum, why in b.best(width, params.length_penalty)])
             for b in searches]
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    # ------------------------------------------------------------------ pooling
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """With runner="pooling": one pooled result per prompt (vLLM's `encode`), each a
+        prefill through the same scheduler, block pool and prefix cache as generation."""
+        prompt_list = _normalize_prompts(prompts)
+        params = _normalize_params(pooling_params or PoolingParams(), len(prompt_list), PoolingParams)
+        return self._run(prompt_list, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """With runner="pooling": each prompt's embedding (`.outputs.embedding`), pooled as
+        the engine's pooler_config says (the last token's state, L2-normalised, unless
+        it says otherwise)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: str | list[int] | Sequence[str | list[int]], data_2: str | list[int] | Sequence[str | list[int]],
+              use_tqdm: bool = True, instruction: str | None = None) -> list[ScoringRequestOutput]:
+        """With runner="pooling": the relevance of each (data_1, data_2) pair (one data_1
+        against every data_2, or two lists pairwise).  With classifier tokens in the
+        pooler_config the pair is one reranker prompt (`instruction`: its task line) and
+        the score is P(positive token); otherwise the cosine of the two embeddings."""
+        engine = self.llm_engine
+        if engine is None:
+            raise ValueError("score runs on one engine (data_parallel_size=1)")
+        pairs = score_pairs(list(data_1) if isinstance(data_1, tuple) else data_1,
+                            list(data_2) if isinstance(data_2, tuple) else data_2, ("data_1", "data_2"))
+        if engine.classifier_token_ids is not None:
+            if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
+                raise ValueError("a reranker scores text: data_1 and data_2 must be strings")
+            outs = self.encode([reranker_prompt(a, b, instruction) for a, b in pairs],
+                               PoolingParams(task="classify"), use_tqdm)
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0])))
+                    for o in outs]
+        if instruction is not None:
+            raise ValueError("instruction is the reranker's (pooler_config classifier_from_token); embedding "
+                             "similarity takes none")
+        outs = self.encode([t for pair in pairs for t in pair], PoolingParams(task="embed"), use_tqdm)
+        return [ScoringRequestOutput(b.request_id, b.prompt_token_ids,
+                                     ScoringOutput(cosine(a.outputs.data, b.outputs.data)))
+                for a, b in zip(outs[::2], outs[1::2], strict=True)]
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> Any:
         engine = self.engine
         stats = self.llm_engine.get_stats if self.llm_engine is not None else None
         bar = _ProgressBar(stats, len(prompts)) if use_tqdm and prompts else None
@@ -218,19 +275,21 @@ def _normalize_prompts(prompts: Any) -> list[Prompt]:
     )
 
 
-def _normalize_params(params: Any, n: int) -> list[SamplingParams]:
+def _normalize_params(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:
+    """One params object for all n prompts, or one per prompt, each a `kind`."""
+    name = "sampling_params" if kind is SamplingParams else "pooling_params"
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
     if isinstance(params, (list, tuple)):
         if len(params) != n:
-            raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one, or one per prompt")
+            raise ValueError(f"got {len(params)} {name} for {n} prompts; pass one, or one per prompt")
         for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            if not isinstance(p, kind):
+                raise ValueError(f"{name}[{i}] must be a {kind.__name__}, got {type(p).__name__}")
         return list(params)
-    raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(params).__name__}")
 
 
 class _Beams:

@@ -29,9 +29,11 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, req_ids: list[str], sample_req_ids: list[str] | None = None,
                  logprobs_k: list[int | None] | None = None, sampled: SamplerOutput | None = None,
-                 prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] | None = None) -> None:
+                 prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] | None = None,
+                 pooler_output: dict[str, torch.Tensor] | None = None) -> None:
         self.req_ids = req_ids
         self.prompt_logprobs = prompt_logprobs or {}
+        self.pooler_output = pooler_output or {}
         self.sample_req_ids = sample_req_ids or []
         self.logprobs_k = logprobs_k or []
         self._host: dict[str, torch.Tensor] = {}
@@ -91,7 +93,8 @@ class AsyncModelRunnerOutput:
             raise RuntimeError("the step's grammar mask was never given (sample() before get_output())")
         if self._event is not None:
             self._event.synchronize()
-        out = self._output = ModelRunnerOutput(req_ids=self.req_ids, prompt_logprobs=self.prompt_logprobs)
+        out = self._output = ModelRunnerOutput(req_ids=self.req_ids, prompt_logprobs=self.prompt_logprobs,
+                                               pooler_output=self.pooler_output)
         if not self.sample_req_ids:
             return out
         h = self._host

@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.platforms import is_cuda
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
 from pagedserve.worker.sampler import SamplingMetadata
@@ -46,6 +47,9 @@ class InputBatch:
         self.req_id_to_row: dict[str, int] = {}
         self.params: dict[int, SamplingParams] = {}
         self.prompt_logprob_rows: set[int] = set()  # rows whose request wants prompt logprobs
+        # Pooling requests' rows: they never sample (is_pooling masks them out of a step's samples).
+        self.pooling_params: dict[int, PoolingParams] = {}
+        self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.generators: dict[int, torch.Generator] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
         # Generators of preempted seeded requests: a resumed request continues its
@@ -87,6 +91,9 @@ class InputBatch:
         self.params[row] = params
         if params.prompt_logprobs is not None:
             self.prompt_logprob_rows.add(row)
+        if new.pooling_params is not None:
+            self.pooling_params[row] = new.pooling_params
+            self.is_pooling[row] = True
         if params.seed is not None and not params.is_greedy:
             gen = self._parked_generators.pop(new.req_id, None)
             if gen is None:
@@ -128,6 +135,8 @@ class InputBatch:
             return
         self.params.pop(row, None)
         self.prompt_logprob_rows.discard(row)
+        if self.pooling_params.pop(row, None) is not None:
+            self.is_pooling[row] = False
         self.generators.pop(row, None)
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)

@@ -37,6 +37,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
+from pagedserve.layers.pooler import Pooler, pooled_outputs
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv, record_startup
 from pagedserve.worker import kv_cache, kv_offload
@@ -121,6 +122,7 @@ class ModelRunner:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(gen)
+        self.pooler = Pooler()  # pooling requests' partly folded prompts
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The KV tier beneath the block pool (worker/kv_offload.py), made with the cache.
         self.kv_tier: kv_offload.HostKVTier | kv_offload.DiskKVTier | None = None
@@ -352,6 +354,9 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
         ib = self.input_batch
         ib.update_states(scheduler_output)
+        if self.pooler.num_partial:
+            for req_id in scheduler_output.finished_req_ids:
+                self.pooler.forget(req_id)
         transfers = scheduler_output.kv_transfers
         if transfers is not None:
             self._transfer_before_step(transfers)
@@ -378,8 +383,10 @@ class ModelRunner:
         if overlap:
             self._prev_sampled, self._prev_index = None, {}
         prompt_logprobs = self._prompt_logprobs(req_ids, step, hidden) if ib.prompt_logprob_rows else {}
+        pooled = self._pool(req_ids, hidden) if ib.pooling_params else {}
         if not step.sample_rows:
-            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids, prompt_logprobs=prompt_logprobs))
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids, prompt_logprobs=prompt_logprobs,
+                                                                  pooler_output=pooled))
         k = len(step.logits_idx)
         if k == t:  # every token is a sampled decode: rows already in order
             logits = self.model.compute_logits(hidden[:t])
@@ -397,7 +404,7 @@ class ModelRunner:
         if pend_tokens is not None:  # every pending request samples, in the same order
             pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
         out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
-                                     prompt_logprobs=prompt_logprobs)
+                                     prompt_logprobs=prompt_logprobs, pooler_output=pooled)
         if draft_logits is not None:
             metadata = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
             verdicts = verify_drafts(self.sampler, draft_logits, metadata, [drafts[r] for r in spec_ids])
@@ -502,6 +509,23 @@ class ModelRunner:
                 out[req_id] = (start + 1, entries)
         return out
 
+    def _pool(self, req_ids: list[str], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fold this step's hidden states of each pooling request's prompt positions into
+        its pooled state (layers/pooler.py); the requests whose prompt this step completed
+        get their result."""
+        ib, qsl = self.input_batch, self._np["query_start_loc"]
+        done = {}
+        for i, req_id in enumerate(req_ids):
+            row = ib.req_id_to_row[req_id]
+            params = ib.pooling_params.get(row)
+            if params is None:
+                continue
+            state = self.pooler.fold(req_id, params, hidden[int(qsl[i]): int(qsl[i + 1])],
+                                     int(ib.num_computed_tokens[row]), int(ib.num_prompt_tokens[row]))
+            if state is not None:
+                done[req_id] = (params, state)
+        return pooled_outputs(self.model, done) if done else {}
+
     def _transfer_before_step(self, transfers: KVTransfers) -> None:
         """Copy out the blocks of requests preempted this step (the step may reuse
         them), copy radix partial hits within the pool (every source read before any
@@ -590,7 +614,8 @@ class ModelRunner:
                 query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, max_query_len=int(num_new.max()),
                 max_seq_len=int(seq_lens.max()), block_size=self.block_size, sliding_window=window,
             ) for g, window in enumerate(self.kv_layout.group_windows)]
-        sample = seq_lens == total  # every known (and pending) token computed: the next one is sampled
+        # Every known (and pending) token computed: the next one is sampled (pooling requests never sample).
+        sample = (seq_lens == total) & ~ib.is_pooling[rows]
         return StepInputs(num_reqs, num_tokens, common, graph_size, qsl[1: num_reqs + 1][sample] - 1,
                           np.flatnonzero(sample).tolist(), pending)
 

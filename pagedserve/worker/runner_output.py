@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -46,6 +47,9 @@ class ModelRunnerOutput:
     # Requests that asked for prompt logprobs: (index of the first prompt token covered,
     # one entry per prompt token from there) for the prompt positions this step computed.
     prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)
+    # Pooling requests whose prompt this step completed: their result (a float32 CPU tensor,
+    # layers/pooler.py); empty on tensor-parallel ranks > 0.
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
