@@ -34,8 +34,9 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import OverloadedError
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.platforms import is_cuda
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import is_number
 from pagedserve.worker.cpu_malloc import release_freed_memory
@@ -76,15 +77,15 @@ class OutputCollector:
     __slots__ = ("item", "ready")
 
     def __init__(self) -> None:
-        self.item: RequestOutput | BaseException | None = None
+        self.item: EngineOutput | BaseException | None = None
         self.ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: EngineOutput | BaseException) -> None:
         if not isinstance(self.item, BaseException):  # an error is final
             self.item = item
         self.ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> EngineOutput:
         await self.ready.wait()
         item, self.item = self.item, None
         self.ready.clear()
@@ -110,7 +111,7 @@ class _ReqStats:
 class _AddRequestCommand:
     request_id: str
     prompt: Any
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     arrival: float
     future: asyncio.Future = field(repr=False)
@@ -203,6 +204,10 @@ class AsyncLLM(FrontDoor):
         self.sampling_defaults: dict[str, Any] = engine.sampling_defaults()
         # The grammar library constraining structured outputs ("guidance" or "xgrammar").
         self.structured_outputs_backend: str = engine.structured_outputs_backend
+        # What it serves: "generate", or "pooling" (embeddings and scores), and the pooling
+        # runner's classifier tokens (scores from their logits instead of embeddings).
+        self.runner: str = engine.model_config.runner
+        self.classifier_token_ids: tuple[int, int] | None = engine.classifier_token_ids
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         device = "GPU" if is_cuda(engine.device) else engine.device.type.upper()
         self.log_stats = LoggingStatLogger(log_interval, device=device) if log_stats else None
@@ -267,23 +272,16 @@ class AsyncLLM(FrontDoor):
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ client API
-    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
                           priority: int = 0, final_only: bool = False) -> RequestStream:
         """Validate and queue one request; returns once the engine has accepted it, so a
         bad request raises (ValueError / InvalidRequestError) before a server has sent
         anything.  The returned stream must be read to its end or closed; with
-        `final_only` it yields the finished output alone (a non-streaming response)."""
+        `final_only` it yields the finished output alone (a non-streaming response).  A
+        PoolingParams request (pooling runner) yields one PoolingRequestOutput."""
         self._admit(request_id)
-        if sampling_params.structured_outputs is not None:
-            # Compiled in the engine's grammar pool, awaited here: a bad schema is refused
-            # before the engine sees the request, and the engine loop never waits for one.
-            await asyncio.wrap_future(self.engine.structured_output.compile(sampling_params.structured_outputs))
-        if sampling_params.bad_words and not sampling_params.bad_words_token_ids and self.tokenizer is not None:
-            # Tokenized here, in a worker thread, so the engine thread never spends a step's
-            # time on it (on a copy: the caller's params are never modified).
-            words = await asyncio.to_thread(self.engine.bad_words_token_ids, sampling_params.bad_words)
-            sampling_params = copy.copy(sampling_params)
-            sampling_params.bad_words_token_ids = words
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = await self._prepare(sampling_params)
         assert self._loop is not None
         collector = OutputCollector()
         self._collectors[request_id] = collector
@@ -300,6 +298,19 @@ class AsyncLLM(FrontDoor):
         finally:
             self._pending_adds -= 1
         return self._stream(request_id, collector, final_only)
+
+    async def _prepare(self, params: SamplingParams) -> SamplingParams:
+        """What a generation request needs before the engine thread sees it, done here so
+        that thread never waits: its grammar compiled (in the engine's grammar pool; a bad
+        schema is refused now) and its bad words tokenized (in a worker thread, on a copy:
+        the caller's params are never modified)."""
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.structured_output.compile(params.structured_outputs))
+        if params.bad_words and not params.bad_words_token_ids and self.tokenizer is not None:
+            words = await asyncio.to_thread(self.engine.bad_words_token_ids, params.bad_words)
+            params = copy.copy(params)
+            params.bad_words_token_ids = words
+        return params
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -424,21 +435,27 @@ class AsyncLLM(FrontDoor):
             self._call_soon(_set_exception, cmd.future, e)
             return
         self._req_stats[cmd.request_id] = _ReqStats(arrival=cmd.arrival)
-        self._num_waiting += cmd.params.n  # until the next step's count replaces it
+        # Until the next step's count replaces it (a pooling request is one sequence).
+        self._num_waiting += cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
         self._call_soon(_set_result, cmd.future, None)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
         # Cumulative outputs are fresh objects each step (the engine copies its lists), so
         # the event loop may read them while this thread moves on.
         self._record(outputs, time.monotonic())
         if outputs:
             self._call_soon(self._deliver, outputs)
 
-    def _record(self, outputs: list[RequestOutput], now: float) -> None:
+    def _record(self, outputs: list[EngineOutput], now: float) -> None:
         it = IterationStats()
         for out in outputs:
             rs = self._req_stats.get(out.request_id)
             if rs is None:
+                continue
+            if isinstance(out, PoolingRequestOutput):  # its prompt, and done
+                it.num_prompt_tokens += len(out.prompt_token_ids)
+                it.finished.append(("stop", now - rs.arrival))
+                del self._req_stats[out.request_id]
                 continue
             n = sum(len(c.token_ids) for c in out.outputs)
             if n > rs.num_tokens:
@@ -483,7 +500,7 @@ class AsyncLLM(FrontDoor):
             pass
 
     # ------------------------------------------------------------------ event loop side
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
             collector = self._collectors.get(out.request_id)
             if collector is not None:
@@ -529,7 +546,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if self._done:
             raise StopAsyncIteration
         try:
@@ -544,7 +561,7 @@ class RequestStream:
             self._owner.forget(self.request_id, abort=False)
         return out
 
-    async def _next(self) -> RequestOutput:
+    async def _next(self) -> EngineOutput:
         if self._deadline is None:
             return await self._collector.get()
         try:

@@ -85,6 +85,8 @@ class DPAsyncLLM(FrontDoor):
         self.max_prompt_chars = info.max_prompt_chars
         self.sampling_defaults = info.sampling_defaults
         self.structured_outputs_backend = info.structured_outputs_backend
+        self.runner = "generate"  # EngineArgs refuses the pooling runner with replicas
+        self.classifier_token_ids = None
         self.router = Router(replicas.router_config, n, info.block_size, info.num_blocks)
         self.metrics = router_metrics
         if prometheus and len(prometheus) != n:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from pagedserve.engine.async_llm import RequestStream
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -16,6 +17,8 @@ class EngineClient(Protocol):
     sampling_defaults: dict[str, Any]  # the model's generation-config defaults for unset request fields
     structured_outputs_backend: str  # the grammar library ("guidance" or "xgrammar")
     request_timeout: float | None
+    runner: str  # "generate", or "pooling" (embeddings and scores)
+    classifier_token_ids: tuple[int, int] | None  # the pooling runner's scorer tokens, if any
 
     @property
     def errored(self) -> bool:
@@ -30,7 +33,7 @@ class EngineClient(Protocol):
 
     def start(self) -> None: ...
 
-    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
                           priority: int = 0, final_only: bool = False) -> RequestStream: ...
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,

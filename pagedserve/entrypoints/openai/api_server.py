@@ -61,9 +61,12 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from pagedserve.entrypoints.openai.reasoning_parsers import (
@@ -74,6 +77,7 @@ from pagedserve.entrypoints.openai.reasoning_parsers import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
+from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -125,6 +129,8 @@ class ServerState:
     engine: EngineClient | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
+    embedding: OpenAIServingEmbedding | None = None
+    score: OpenAIServingScore | None = None
     max_model_len: int = 0
     registry: Any = None
     enable_dashboard: bool = True  # the live page at / (--disable-dashboard turns it off)
@@ -141,12 +147,25 @@ class ServerState:
         self.max_model_len = attachment.max_model_len
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        self.embedding = OpenAIServingEmbedding(*args)
+        self.score = OpenAIServingScore(*args)
         if self.enable_dashboard:
             if attachment.watched is None:
                 raise ValueError("the dashboard watches one engine's block pool; this client has none")
             config = {"served_model_name": self.served_model_names[0], **attachment.description}
             self.dashboard = DashboardHub(attachment.watched, self.series or SeriesStatLogger(), config)
         self.engine = engine  # last: its presence means "ready"
+
+    def ready_for(self, runner: str, route: str) -> EngineClient:
+        """ready(), and the route is one this server's runner serves (generation routes
+        on the generate runner; embeddings, scores and reranking on the pooling runner)."""
+        engine = self.ready()
+        if engine.runner != runner:
+            how = ("`pagedserve serve MODEL --runner pooling`" if runner == "pooling"
+                   else "`pagedserve serve MODEL` (the generate runner)")
+            raise OpenAIError(f"{route} is not served by this server, which runs the {engine.runner} runner; "
+                              f"start one with {how}", param="model", code="wrong_runner")
+        return engine
 
     def is_public(self, path: str) -> bool:
         """Routes served without the API key: /health, /metrics for a scraper when asked,
@@ -293,18 +312,18 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.ready()
+        state.ready_for("generate", "/v1/completions")
         return await generate(state.completion, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        state.ready()
+        state.ready_for("generate", "/v1/chat/completions")
         return await generate(state.chat, body, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, translated onto the chat handler (serving_responses.py)."""
-        state.ready()
+        state.ready_for("generate", "/v1/responses")
         return await generate(OpenAIServingResponses(state.chat, state.responses_store), body, request)
 
     def stored_response(response_id: str) -> dict:
@@ -330,13 +349,32 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API, translated onto the chat handler (entrypoints/anthropic)."""
-        state.ready()
+        state.ready_for("generate", "/v1/messages")
         return await generate(AnthropicServingMessages(state.chat), body, request)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
         state.ready()
         return {"input_tokens": await off_loop(AnthropicServingMessages(state.chat).count_tokens, body)}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        state.ready_for("pooling", "/v1/embeddings")
+        return await generate(state.embedding, body, request)
+
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        state.ready_for("pooling", request.url.path)
+        return await generate(state.score, body, request)
+
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        state.ready_for("pooling", request.url.path)
+        return await generate(state.score, body, request)
+
+    # vLLM's paths; the aliases stay out of the OpenAPI document (one entry per route).
+    for i, path in enumerate(("/v1/score", "/score")):
+        app.add_api_route(path, score, methods=["POST"], include_in_schema=i == 0)
+    for i, path in enumerate(("/v1/rerank", "/rerank", "/v2/rerank")):
+        app.add_api_route(path, rerank, methods=["POST"], include_in_schema=i == 0)
 
     def tokenizing(body: TokenizeRequest | DetokenizeRequest) -> OpenAIServingChat:
         """The chat handler (it holds the tokenizer), once the model named is known."""

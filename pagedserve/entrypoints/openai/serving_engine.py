@@ -42,6 +42,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
 from pagedserve.sampling_params import SamplingParams
 
@@ -78,11 +79,12 @@ def request_failed(finish_reason: str | None, reason: object = None) -> OpenAIEr
 @dataclass
 class PreparedRequest:
     """What a validated request becomes: the model name to answer with, its prompts
-    (several for /v1/completions), sampling params, and how to read tool calls (chat)."""
+    (several for /v1/completions and the pooling routes), sampling (or pooling) params,
+    and how to read tool calls (chat)."""
 
     model: str
     prompts: list[TokenizedPrompt]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     tools: Any = None
     reasoning: ReasoningParser | None = None  # chat: what splits its answer's reasoning off, if anything
 

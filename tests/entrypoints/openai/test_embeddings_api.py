@@ -1,0 +1,156 @@
+"""/v1/embeddings, /v1/score and /v1/rerank on `pagedserve serve MODEL --runner pooling`,
+with the default model, through the official `openai` client where it has the route.
+
+The embeddings are HF transformers' final hidden state of each text's last token,
+L2-normalised (float32, HF reading the same GGUF file): one batched request of eight
+texts of different lengths, cosine >= 0.999 each."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.entrypoints.openai.conftest import ServerProcess
+
+TEXTS = [
+    "Paris",
+    "The capital of France is Paris.",
+    "What is the tallest mountain in the world, and how high is it above sea level?",
+    "def add(a, b):\n    return a + b",
+    "Bananas are yellow when they are ripe and green before that.",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z " * 3,
+    "The mitochondria is the powerhouse of the cell.",
+    "Stock markets fell sharply on Tuesday after the central bank raised interest rates by half a point.",
+]
+
+
+@pytest.fixture(scope="module")
+def pooling_server(smollm2_path, tmp_path_factory):
+    proc = ServerProcess([smollm2_path, "--served-model-name", "smol", "--runner", "pooling", "--dtype", "float32",
+                          "--enforce-eager", "--max-model-len", "512"], tmp_path_factory.mktemp("log") / "server.log")
+    yield proc
+    proc.stop()
+
+
+def hf_pooled(smollm2_path: str, smollm2_gguf: str, texts: list[str], pooling: str) -> torch.Tensor:
+    """HF's final hidden states (after the model's last norm), pooled and L2-normalised."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.e2e.test_hf_parity import hf_weights_from_gguf
+
+    model = AutoModelForCausalLM.from_pretrained(hf_weights_from_gguf(smollm2_path, os.path.basename(smollm2_gguf)),
+                                                 dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    rows = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tok.encode(text)])
+            states = model.model(input_ids=ids).last_hidden_state[0]
+            rows.append(states[-1] if pooling == "LAST" else states.mean(0))
+    return torch.nn.functional.normalize(torch.stack(rows), dim=-1)
+
+
+def test_embeddings_equal_hf_last_token_states(pooling_server, smollm2_path, smollm2_gguf) -> None:
+    client = openai.OpenAI(base_url=pooling_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    got = client.embeddings.create(model="smol", input=TEXTS)  # the client asks for base64 and decodes it
+    assert [d.index for d in got.data] == list(range(len(TEXTS)))
+    ours = torch.tensor([d.embedding for d in got.data])
+    ref = hf_pooled(smollm2_path, smollm2_gguf, TEXTS, "LAST")
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    assert cos.min() >= 0.999, cos
+    assert torch.allclose(ours.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
+    assert got.usage.prompt_tokens == got.usage.total_tokens > len(TEXTS)
+
+    # float encoding, token-id input, and Matryoshka truncation (cut, then normalised again)
+    floats = client.embeddings.create(model="smol", input=TEXTS[1], encoding_format="float")
+    assert torch.allclose(torch.tensor(floats.data[0].embedding), ours[1], atol=1e-5)
+    ids = httpx.post(pooling_server.url + "/tokenize", json={"prompt": TEXTS[1]}).json()["tokens"]
+    by_ids = client.embeddings.create(model="smol", input=ids, encoding_format="float")
+    assert torch.allclose(torch.tensor(by_ids.data[0].embedding), ours[1], atol=1e-5)
+    cut = client.embeddings.create(model="smol", input=TEXTS[1], dimensions=64, encoding_format="float")
+    want = torch.nn.functional.normalize(ref[1, :64] * 1.0, dim=0)
+    assert len(cut.data[0].embedding) == 64
+    assert torch.nn.functional.cosine_similarity(torch.tensor(cut.data[0].embedding), want, dim=0) >= 0.999
+
+
+def test_repeated_prefixes_hit_the_prefix_cache(pooling_server) -> None:
+    prefix = "You are a retrieval system. Embed the following passage for search over a corpus of news. " * 3
+    texts = [prefix + tail for tail in ("Markets fell.", "Rain is coming.")]
+    url = pooling_server.url + "/v1/embeddings"
+    first = httpx.post(url, json={"input": texts[:1], "encoding_format": "float"}, timeout=60).json()
+    again = httpx.post(url, json={"input": texts, "encoding_format": "float"}, timeout=60).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * 32  # both reuse the shared blocks
+    a, b = np.array(first["data"][0]["embedding"]), np.array(again["data"][0]["embedding"])
+    assert float(a @ b) >= 0.9999  # a hit computes the same state as the first time
+    hits = sum(v for (name, _), v in pooling_server.metrics().items() if name == "vllm:prefix_cache_hits_total")
+    assert hits >= 64
+
+
+def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
+    url = pooling_server.url
+    docs = ["Paris is the capital of France.", "Bananas are yellow.", "France's capital city is Paris."]
+    score = httpx.post(url + "/v1/score", json={"model": "smol", "text_1": "What is the capital of France?",
+                                                 "text_2": docs}, timeout=60)
+    assert score.status_code == 200, score.text
+    body = score.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
+    scores = [d["score"] for d in body["data"]]
+    assert all(d["object"] == "score" and -1 <= d["score"] <= 1 for d in body["data"])
+    # the same pairs, from the embeddings route: the score is their cosine
+    emb = httpx.post(url + "/v1/embeddings", json={"input": ["What is the capital of France?", *docs],
+                                                    "encoding_format": "base64"}, timeout=60).json()["data"]
+    vecs = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in emb]
+    assert scores == pytest.approx([float(vecs[0] @ v) for v in vecs[1:]], abs=1e-5)
+    pairwise = httpx.post(url + "/score", json={"text_1": docs[:2], "text_2": docs[1:]}, timeout=60).json()
+    assert len(pairwise["data"]) == 2
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        rerank = httpx.post(url + path, json={"query": "What is the capital of France?", "documents": docs,
+                                              "top_n": 2}, timeout=60)
+        assert rerank.status_code == 200, rerank.text
+        results = rerank.json()["results"]
+        assert len(results) == 2
+        assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -scores[i])[:2]
+        assert results[0]["relevance_score"] == pytest.approx(max(scores), abs=1e-5)
+        assert results[0]["document"]["text"] == docs[results[0]["index"]]
+    assert "usage" in rerank.json()
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/embeddings", {"input": "x", "dimensions": 100000}, "dimensions"),
+    ("/v1/embeddings", {"input": "x", "dimensions": 0}, "dimensions"),
+    ("/v1/embeddings", {"input": []}, "input"),
+    ("/v1/embeddings", {"input": ""}, "input"),
+    ("/v1/embeddings", {"input": [1, 2, 10**9]}, "input"),
+    ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "x " * 2000}, "input"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "rank"}, "instruction"),
+    ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+])
+def test_bad_pooling_requests_are_refused_by_name(pooling_server, path, body, param) -> None:
+    r = httpx.post(pooling_server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert httpx.get(pooling_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_generation_server_refuses_the_pooling_routes(server) -> None:
+    from tests.entrypoints.openai.conftest import API_KEY
+
+    for path, body in (("/v1/embeddings", {"input": "x"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "--runner pooling" in r.json()["error"]["message"]
