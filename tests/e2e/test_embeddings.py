@@ -1,0 +1,77 @@
+"""The pooling runner offline (`LLM(..., runner="pooling")`): mean pooling on the default
+model against HF transformers with the prompt cut into chunks, and pooled results that do
+not depend on how the engine cut, cached or preempted the work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM
+from pagedserve.pooling_params import PoolingParams
+from tests.entrypoints.openai.test_embeddings_api import TEXTS, hf_pooled
+
+
+def test_mean_pooling_in_chunks_equals_hf_on_the_default_model(smollm2_path, smollm2_gguf) -> None:
+    llm = LLM(smollm2_path, runner="pooling", pooler_config={"pooling_type": "MEAN"}, dtype="float32",
+              max_model_len=512, max_num_batched_tokens=16)  # most texts span several steps
+    try:
+        outs = llm.embed(TEXTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    ours = torch.tensor([o.outputs.embedding for o in outs])
+    cos = torch.nn.functional.cosine_similarity(ours, hf_pooled(smollm2_path, smollm2_gguf, TEXTS, "MEAN"), dim=-1)
+    assert cos.min() >= 0.999, cos
+
+
+def _pooled(path: str, kind: str, prompts: list[list[int]], **engine) -> tuple[torch.Tensor, int]:
+    """The pooled results, and how many preemptions the engine made getting them."""
+    llm = LLM(path, runner="pooling", pooler_config={"pooling_type": kind}, dtype="float32", **engine)
+    try:
+        outs = llm.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        return torch.stack([o.outputs.data for o in outs]), llm.llm_engine.get_stats().num_preemptions
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
+def test_pooled_results_do_not_depend_on_chunking_caching_or_preemption(tiny_checkpoint, kind) -> None:
+    path, _ = tiny_checkpoint("llama")
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(1, 500, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 500, (n,), generator=g).tolist() for n in (3, 17, 60, 90, 120, 8)]
+    ref, _ = _pooled(path, kind, prompts, enable_prefix_caching=False)
+    # 12 blocks of 16 for six prompts of up to 160 tokens, prefilled side by side in
+    # 8-token pieces: requests run out of blocks mid-prompt and are preempted.
+    tight = {"num_gpu_blocks_override": 12, "max_num_batched_tokens": 32, "max_model_len": 160,
+             "long_prefill_token_threshold": 8}
+    variants = {
+        "prefix caching": ({}, False),
+        "chunks of 16": ({"max_num_batched_tokens": 16}, False),
+        "preempted (recompute)": (tight, True),
+        "preempted (swap)": ({**tight, "preemption_mode": "swap"}, True),
+    }
+    for name, (engine, preempts) in variants.items():
+        got, preemptions = _pooled(path, kind, prompts, **engine)
+        assert torch.allclose(got, ref, atol=1e-4), (name, (got - ref).abs().max())
+        assert (preemptions > 0) == preempts, (name, preemptions)
+
+
+def test_each_runner_refuses_the_others_requests(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("llama")
+    pooling = LLM(path, runner="pooling")
+    try:
+        with pytest.raises(ValueError, match="runner='generate'"):
+            pooling.generate([[1, 2, 3]], use_tqdm=False)
+        with pytest.raises(ValueError, match="classifier_from_token"):
+            pooling.encode([[1, 2, 3]], PoolingParams(task="classify"), use_tqdm=False)
+        with pytest.raises(ValueError, match="hidden size 64"):
+            pooling.embed([[1, 2, 3]], PoolingParams(dimensions=65), use_tqdm=False)
+    finally:
+        pooling.shutdown()
+    generating = LLM(path)
+    try:
+        with pytest.raises(ValueError, match="runner='pooling'"):
+            generating.embed([[1, 2, 3]], use_tqdm=False)
+    finally:
+        generating.shutdown()

@@ -1,0 +1,85 @@
+"""Scoring pairs: vLLM's pairing rules, and `LLM.score` both ways: a reranker's yes/no
+logits (Qwen3-Reranker's recipe) against HF transformers on a tiny random Qwen3, and
+embedding cosine similarity against the embeddings themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM
+from pagedserve.entrypoints.score_utils import reranker_prompt, score_pairs
+from pagedserve.errors import InvalidRequestError
+
+QUERY = "what is the capital of France?"
+DOCS = ["Paris is the capital of France.", "the quick brown fox", "Rome is the capital of Italy."]
+
+
+def test_pairing_follows_vllm() -> None:
+    assert score_pairs("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert score_pairs(["q", "r"], ["a", "b"]) == [("q", "a"), ("r", "b")]
+    assert score_pairs([1, 2], [[3], [4, 5]]) == [([1, 2], [3]), ([1, 2], [4, 5])]
+    assert score_pairs("q", "a") == [("q", "a")]
+    with pytest.raises(InvalidRequestError, match="give one text_1") as e:
+        score_pairs(["q", "r"], ["a", "b", "c"])
+    assert e.value.param == "text_2"
+    with pytest.raises(InvalidRequestError) as e:
+        score_pairs([], "a")
+    assert e.value.param == "text_1"
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker(tmp_path_factory) -> str:
+    """A random-weight Qwen3 whose vocabulary has "yes" and "no" as single tokens."""
+    import transformers
+
+    from tests.entrypoints.openai.conftest import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-reranker")
+    tok = train_tokenizer([reranker_prompt(QUERY, d) for d in DOCS], 300, ["yes", "no"])
+    cfg = transformers.Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_reranker_scores_equal_hf_yes_no_logits(tiny_reranker) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llm = LLM(tiny_reranker, runner="pooling", dtype="float32",
+              pooler_config={"classifier_from_token": ["no", "yes"]})
+    try:
+        ours = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+        custom = llm.score(QUERY, DOCS[0], use_tqdm=False, instruction="Find the city")[0].outputs.score
+    finally:
+        llm.shutdown()
+    tok = AutoTokenizer.from_pretrained(tiny_reranker)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_reranker, dtype=torch.float32).eval()
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+
+    def hf_score(prompt: str) -> float:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([tok.encode(prompt)])).logits[0, -1]
+        return float(torch.sigmoid(logits[yes] - logits[no]))
+
+    assert ours == pytest.approx([hf_score(reranker_prompt(QUERY, d)) for d in DOCS], abs=1e-4)
+    assert custom == pytest.approx(hf_score(reranker_prompt(QUERY, DOCS[0], "Find the city")), abs=1e-4)
+    assert len(set(ours)) == 3  # three different documents, three different scores
+
+
+def test_embedding_scores_are_cosines_of_the_embeddings(tiny_reranker) -> None:
+    llm = LLM(tiny_reranker, runner="pooling", dtype="float32")  # no classifier tokens: embeddings
+    try:
+        scores = [o.outputs.score for o in llm.score(QUERY, [*DOCS, QUERY], use_tqdm=False)]
+        vecs = [torch.tensor(o.outputs.embedding) for o in llm.embed([QUERY, *DOCS], use_tqdm=False)]
+        by_ids = llm.score([1, 2, 3, 4], [[1, 2, 3, 4]], use_tqdm=False)[0].outputs.score
+        with pytest.raises(ValueError, match="takes none"):
+            llm.score(QUERY, DOCS, use_tqdm=False, instruction="rank")
+    finally:
+        llm.shutdown()
+    assert scores[:3] == pytest.approx([float(vecs[0] @ v) for v in vecs[1:]], abs=1e-5)
+    assert scores[3] == pytest.approx(1.0, abs=1e-5) and by_ids == pytest.approx(1.0, abs=1e-5)  # the same text
