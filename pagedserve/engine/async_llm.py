@@ -206,7 +206,7 @@ class AsyncLLM(FrontDoor):
         self.structured_outputs_backend: str = engine.structured_outputs_backend
         # What it serves: "generate", or "pooling" (embeddings and scores), and the pooling
         # runner's classifier tokens (scores from their logits instead of embeddings).
-        self.runner: str = engine.model_config.runner
+        self.runner: str = engine.runner
         self.classifier_token_ids: tuple[int, int] | None = engine.classifier_token_ids
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         device = "GPU" if is_cuda(engine.device) else engine.device.type.upper()

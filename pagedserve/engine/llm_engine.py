@@ -263,7 +263,7 @@ class LLMEngine:
         error nothing has changed."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        pooling = self.model_config.runner == "pooling"
+        pooling = self.runner == "pooling"
         if params is None:
             params = PoolingParams() if pooling else SamplingParams()
         if isinstance(params, PoolingParams):
@@ -578,6 +578,11 @@ class LLMEngine:
     def sampling_defaults(self) -> dict[str, Any]:
         """SamplingParams fields the model's generation config sets (--generation-config auto)."""
         return self.model_config.sampling_defaults()
+
+    @property
+    def runner(self) -> str:
+        """What it serves: "generate" (text), or "pooling" (one vector or score per prompt)."""
+        return self.model_config.runner
 
     @property
     def device(self) -> torch.device:

@@ -69,6 +69,8 @@ class FakeEngine:
     invariant_checks = 0
     device = torch.device("cpu")
     structured_outputs_backend = "guidance"
+    runner = "generate"
+    classifier_token_ids = None
 
     def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
                  fail_after_steps: int | None = None, max_model_len: int = 4096,

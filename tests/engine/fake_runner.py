@@ -21,6 +21,7 @@ class FakeRunnerOutput:
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
     invalid_req_ids: dict[str, str | None] = field(default_factory=dict)
     prompt_logprobs: dict = field(default_factory=dict)
+    pooler_output: dict = field(default_factory=dict)
 
 
 class FakeRunner:

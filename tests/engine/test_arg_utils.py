@@ -223,6 +223,8 @@ WHERE_CHECKED = {
     "prepack_weights": ({"prepack_weights": "x"}, _V),
     "max_step_ms": ({"max_step_ms": True}, "SchedulerConfig.__post_init__"),
     "speculative_config": ({"speculative_config": {"method": "medusa"}}, "SpeculativeConfig.__post_init__"),
+    "runner": ({"runner": "embed"}, "ModelConfig.__post_init__"),
+    "pooler_config": ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "PoolerConfig.__post_init__"),
 }
 
 

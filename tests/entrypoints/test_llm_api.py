@@ -56,7 +56,7 @@ def test_bad_input_raises_and_leaves_engine_clean(llm) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([good, {"prompt_token_ids": [10**7]}, good], SamplingParams(), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         llm.generate([good] * 3, [SamplingParams()] * 2, use_tqdm=False)
     with pytest.raises(ValueError, match="prompts must be"):
         llm.generate(3.5, use_tqdm=False)
