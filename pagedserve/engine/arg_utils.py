@@ -323,27 +323,12 @@ class EngineArgs:
                                 ("data_parallel_size > 1", self.data_parallel_size > 1)):
                 if given:
                     raise ValueError(f"runner='pooling' does not work with {name} (yet)")
-        value = self.pooler_config
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config must be a JSON object, got {self.pooler_config!r} ({e.msg})") from None
-        return PoolerConfig.from_dict(value)
+        value = _json_argument(self.pooler_config, "pooler_config")
+        return None if value is None else PoolerConfig.from_dict(value)
 
     def _parse_speculative_config(self) -> SpeculativeConfig | None:
-        value = self.speculative_config
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r} "
-                                 f"({e.msg})") from None
-        return SpeculativeConfig.from_dict(value)
+        value = _json_argument(self.speculative_config, "speculative_config")
+        return None if value is None else SpeculativeConfig.from_dict(value)
 
     # ------------------------------------------------------------------ config
     def create_engine_config(self, load_hf_config: bool = True) -> EngineConfig:
@@ -451,6 +436,16 @@ _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_overri
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _json_argument(value: Any, name: str) -> Any:
+    """An argument given as a dict, or on the command line as JSON text (None stays None)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object, got {value!r} ({e.msg})") from None
 
 
 def parse_bytes(value: int | str, name: str = "size") -> int:

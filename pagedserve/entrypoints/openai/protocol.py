@@ -488,13 +488,18 @@ class EmbeddingData(OpenAIBaseModel):
     embedding: list[float] | str  # str: base64 of little-endian float32
 
 
-class EmbeddingResponse(OpenAIBaseModel):
+class _ListResponse(OpenAIBaseModel):
+    """vLLM's list answers of the pooling routes (the subclass adds `data`)."""
+
     id: str
     object: str = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: UsageInfo
+
+
+class EmbeddingResponse(_ListResponse):
+    data: list[EmbeddingData]
 
 
 class ScoreData(OpenAIBaseModel):
@@ -503,13 +508,8 @@ class ScoreData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreData]
-    usage: UsageInfo
 
 
 class RerankDocument(OpenAIBaseModel):

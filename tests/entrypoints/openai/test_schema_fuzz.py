@@ -37,7 +37,11 @@ REQUEST_TIMEOUT = 30.0  # seconds for one whole answer, a stream read to its end
 ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
           "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest",
-          "/v1/responses": "ResponsesRequest"}
+          "/v1/responses": "ResponsesRequest", "/v1/embeddings": "EmbeddingRequest", "/v1/score": "ScoreRequest",
+          "/v1/rerank": "RerankRequest"}
+# Fuzzed against a second server, the same model under --runner pooling (the first
+# refuses them by name before reading them).
+POOLING = ("/v1/embeddings", "/v1/score", "/v1/rerank")
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's error and stream shapes
 MAX_TOKENS, MAX_N = 4, 2  # a generation is forced this small unless the case targets the field
@@ -135,6 +139,19 @@ SEEDS: dict[str, list[dict]] = {
     "/v1/messages/count_tokens": [
         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "system": "s",
          "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "auto"}},
+    ],
+    "/v1/embeddings": [
+        {"model": MODEL_NAME, "input": ["hello world", "Paris is"], "encoding_format": "base64"},
+        {"model": MODEL_NAME, "input": [[5, 6, 7], [8]], "dimensions": 8, "normalize": False, "user": "u",
+         "truncate_prompt_tokens": 2, "priority": 0, "cache_salt": "salt", "encoding_format": "float"},
+    ],
+    "/v1/score": [
+        {"model": MODEL_NAME, "text_1": "hello", "text_2": ["hello world", "Paris is"]},
+        {"model": MODEL_NAME, "text_1": [[5, 6], [7]], "text_2": [[8], [9, 10]], "truncate_prompt_tokens": -1},
+    ],
+    "/v1/rerank": [
+        {"model": MODEL_NAME, "query": "capital?", "documents": ["Paris is", "the quick fox"], "top_n": 1,
+         "return_documents": False},
     ],
 }
 
@@ -417,7 +434,14 @@ def check_events(events: list[str], case: str, route: str = "") -> None:
             assert event["error"]["type"] != "server_error", f"in-band server error {show(data)} for {case}"
 
 
-def answers_normally(client: httpx.Client) -> None:
+def answers_normally(client: httpx.Client, pooling: bool = False) -> None:
+    if pooling:
+        r = client.post("/v1/embeddings", headers=JSON_HEADERS,
+                        content=json.dumps({"model": MODEL_NAME, "input": "hello world", "encoding_format": "float"}))
+        assert r.status_code == 200, r.text
+        (data,) = r.json()["data"]
+        assert abs(sum(x * x for x in data["embedding"]) - 1) < 1e-3
+        return
     r = client.post("/v1/completions", headers=JSON_HEADERS,
                     content=json.dumps({"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 2}))
     assert r.status_code == 200, r.text
@@ -430,6 +454,19 @@ def answers_normally(client: httpx.Client) -> None:
 def client(server):
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def pooling_client(tiny_model_dir, tmp_path_factory):
+    from tests.entrypoints.openai.conftest import SERVER_FLAGS, ServerProcess
+
+    proc = ServerProcess([str(tiny_model_dir), *SERVER_FLAGS, "--runner", "pooling"],
+                         tmp_path_factory.mktemp("log") / "pooling-server.log")
+    try:
+        with httpx.Client(base_url=proc.url, timeout=REQUEST_TIMEOUT) as c:
+            yield c
+    finally:
+        proc.stop()
 
 
 class Schemas(dict):
@@ -466,10 +503,12 @@ def test_every_post_route_is_fuzzed(client, schemas):
 @pytest.mark.parametrize("route", list(ROUTES))
 @FUZZ
 @given(data=st.data())
-def test_fuzzed_bodies_get_answers_not_5xx(client, schemas, route, data):
+def test_fuzzed_bodies_get_answers_not_5xx(client, schemas, route, data, request):
+    pooling = route in POOLING
+    target = request.getfixturevalue("pooling_client") if pooling else client
     content, _ = data.draw(request_body(route, schemas[route]), label="body")
-    send(client, route, content, JSON_HEADERS)
-    answers_normally(client)
+    send(target, route, content, JSON_HEADERS)
+    answers_normally(target, pooling)
 
 
 RAW_BODIES = [
