@@ -20,6 +20,10 @@ QUANT_ACTIVATION_BITS = (16, 8)  # the first is the default
 RUNNERS = ("generate", "pooling")
 
 
+# KV-cache storage dtypes (vLLM's names), and the other names each goes by.
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", *KV_CACHE_DTYPE_ALIASES)
+
 # The model dtypes, and the other names each goes by (ModelConfig resolves them).
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
@@ -151,6 +155,15 @@ class CacheConfig:
     # "hash": whole blocks by their chained hash; "radix": then, token by token, part of
     # the next block copied from a cached one (core/radix_index.py).
     prefix_caching_algo: str = "hash"
+    # What the KV cache stores (vLLM's --kv-cache-dtype): "auto" is the model's dtype;
+    # bfloat16/float16 halve float32's bytes and fp8 (e4m3; or e5m2) quarters them, the
+    # attention still computing in the model's dtype (attention/kv_dtype.py).
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        self.cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.cache_dtype, self.cache_dtype)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")

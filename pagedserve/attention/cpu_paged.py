@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.attention import kv_dtype
 from pagedserve.attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
 from pagedserve.cpu_extension import build_cpu_extension
 from pagedserve.platforms import is_cpu
@@ -87,14 +88,19 @@ class CpuPagedBackend(TorchPagedBackend):
         metadata = attn_metadata
         g, n = metadata.groups[0], metadata.common.num_actual_tokens
         kernel = (self._kernel_for(query, k_cache)
-                  if metadata.identity and g.q_len == 1 and query.shape[0] == n and key.dtype == k_cache.dtype else None)
+                  if metadata.identity and g.q_len == 1 and query.shape[0] == n else None)
         if kernel is None:
             return super().forward(query, key, value, k_cache, v_cache, metadata)
         self._zero_fresh_blocks(metadata, k_cache, v_cache)
+        key, value = kv_dtype.to_cache(key, k_cache.dtype), kv_dtype.to_cache(value, v_cache.dtype)
         return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,
                       key, value, metadata.common.slot_mapping[:n])
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        ok = (is_cpu(query.device) and query.dtype in DTYPES and k_cache.dtype == query.dtype
-              and query.stride(-1) == 1)
+        """The kernel reads a cache of q's dtype, of float8, or of 16 bits under float32 q
+        (the C++ side's supported_dtypes)."""
+        cache = k_cache.dtype
+        ok = (is_cpu(query.device) and query.dtype in DTYPES and query.stride(-1) == 1
+              and (cache == query.dtype or cache in kv_dtype.FP8_DTYPES
+                   or (query.dtype == torch.float32 and cache in DTYPES)))
         return self.decode_kernel if ok else None

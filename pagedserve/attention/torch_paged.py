@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.attention import kv_dtype
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
-from pagedserve.attention.torch_ref import store_kv_cache
 from pagedserve.config import MAX_SPECULATIVE_TOKENS
 from pagedserve.utils import cdiv
 
@@ -233,7 +233,7 @@ class TorchPagedBackend(AttentionBackend):
         metadata = attn_metadata
         num_tokens = metadata.common.num_actual_tokens
         self._zero_fresh_blocks(metadata, k_cache, v_cache)
-        store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
+        kv_dtype.store(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
                        metadata.common.slot_mapping[:num_tokens])
         if metadata.identity and query.shape[0] == num_tokens:
             return self._group_forward(metadata.groups[0], query, k_cache, v_cache, None)
@@ -249,8 +249,8 @@ class TorchPagedBackend(AttentionBackend):
     def _zero_fresh_blocks(metadata: TorchPagedMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Zero the blocks this step opens, before their first slot is written (see the module doc)."""
         if metadata.fresh_blocks is not None:
-            k_cache.index_fill_(0, metadata.fresh_blocks, 0)
-            v_cache.index_fill_(0, metadata.fresh_blocks, 0)
+            kv_dtype.zero_blocks(k_cache, metadata.fresh_blocks)
+            kv_dtype.zero_blocks(v_cache, metadata.fresh_blocks)
 
     def _group_forward(self, g: AttnGroup, query, k_cache, v_cache, out) -> torch.Tensor:
         """Attend one group; scatter into `out`, or with out=None return its [B*Q, H, D]."""
@@ -276,8 +276,8 @@ class TorchPagedBackend(AttentionBackend):
             dst = gathered[i].view(nblk, *cache.shape[1:])
             if cache.dtype == dtype:
                 torch.index_select(cache, 0, g.blocks, out=dst)
-            else:
-                dst.copy_(cache.index_select(0, g.blocks))
+            else:  # a narrower cache (kv_cache_dtype): converted as it is gathered
+                dst.copy_(kv_dtype.gather(cache, g.blocks))
         kv = kv.view(2, hkv, b * L, d)
         kv.copy_(gathered.view(2, b * L, hkv, d).transpose(1, 2))
         kbuf, vbuf = kv.unbind(0)

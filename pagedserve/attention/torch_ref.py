@@ -1,24 +1,17 @@
 """Pure-torch reference backend: the correctness yardstick for every other backend.
 
 Loops over requests, gathers each one's context from its blocks and does plain
-causal attention in float32 (within the sliding window, for a group that has one).  Simple on purpose; speed lives in other backends.
+causal attention in float32 (within the sliding window, for a group that has one), from
+whatever dtype the cache stores (attention/kv_dtype.py).  Simple on purpose; speed
+lives in other backends.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.attention import kv_dtype
 from pagedserve.attention.backend import AttentionBackend, CommonAttentionMetadata
-
-
-def store_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each new token's K/V at its flat slot (block_id * block_size + offset)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -27,7 +20,7 @@ class TorchReferenceBackend(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: CommonAttentionMetadata):
         metadata = attn_metadata
         num_tokens = metadata.num_actual_tokens
-        store_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, metadata.slot_mapping[:num_tokens])
+        kv_dtype.store(key[:num_tokens], value[:num_tokens], k_cache, v_cache, metadata.slot_mapping[:num_tokens])
         out = torch.zeros_like(query)
         group = self.num_heads // self.num_kv_heads
         bs = self.block_size
@@ -39,8 +32,8 @@ class TorchReferenceBackend(AttentionBackend):
             first = max(0, ctx - n - w + 1) // bs * bs if w is not None else 0
             nblocks = (ctx + bs - 1) // bs
             blocks = metadata.block_table[i, first // bs:nblocks].long()
-            k = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
-            v = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
+            k = kv_dtype.gather(k_cache, blocks).reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
+            v = kv_dtype.gather(v_cache, blocks).reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1)
             q = query[q0:q1].float().transpose(0, 1)  # [H, n, D]

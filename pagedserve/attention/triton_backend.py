@@ -154,7 +154,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    # None: default_config(cache dtype, head_dim) on first use; set it to tune or test.
+    # None: default_config(query dtype, head_dim) on first use; set it to tune or test.
     config: KernelConfig | None = None
 
     @classmethod
@@ -284,9 +284,9 @@ class TritonAttentionBackend(AttentionBackend):
         """Arguments decode and extend share: block table, seq lens, query starts, then
         the strides, the softmax scale (base 2) and the sliding window (0: none)."""
         if self.config is None:
-            self.config = default_config(k_cache.dtype, self.head_dim)
+            self.config = default_config(query.dtype, self.head_dim)
         # 3xTF32 keeps fp32 accuracy on tensor cores; other dtypes ignore the setting.
-        prec = "tf32x3" if k_cache.dtype == torch.float32 else "tf32"
+        prec = "tf32x3" if query.dtype == torch.float32 else "tf32"
         c, cs = metadata.common, k_cache.stride()
         args = (c.block_table, c.seq_lens, c.query_start_loc,
                 query.stride(0), query.stride(1), output.stride(0), output.stride(1),

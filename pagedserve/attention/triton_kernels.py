@@ -17,7 +17,8 @@ triton-lang/triton#11584): `tl.dot` on bfloat16 operands multiplies the raw uint
 bits, and elementwise bf16 arithmetic is wrong.  So every
 piece of arithmetic here is on fp32 values, and with UPCAST (set only when
 interpreting) the dot operands are widened to fp32 before `tl.dot`.  On the GPU the
-dots stay in the cache dtype and accumulate in fp32.
+dots take the query's dtype (a narrower cache, kv_cache_dtype, is converted on load) and
+accumulate in fp32.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def attend_tile(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:  # a narrower cache (kv_cache_dtype) is computed on in q's dtype (a no-op when they agree)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
     if MASKED:
         s = tl.where(visible, s, float("-inf"))

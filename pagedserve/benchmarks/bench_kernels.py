@@ -25,7 +25,8 @@ import time
 import torch
 
 from pagedserve.attention.backend import CommonAttentionMetadata
-from pagedserve.attention.torch_ref import TorchReferenceBackend, store_kv_cache
+from pagedserve.attention.kv_dtype import store as store_kv_cache
+from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.platforms import is_cuda
 from pagedserve.utils import cdiv
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedserve.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     PREFIX_CACHING_ALGOS,
     QUANT_ACTIVATION_BITS,
@@ -115,6 +116,9 @@ _HELP = {
                    "in chunks (default: off, the token budget alone)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
+    "kv_cache_dtype": "what the KV cache stores: auto (the model's dtype), bfloat16 or float16 (half of float32's "
+                      "bytes), fp8 / fp8_e4m3 or fp8_e5m2 (a quarter; a per-tensor scale of 1, as vLLM without "
+                      "calibrated scales); attention still computes in the model's dtype",
     "runner": "generate (text: completions, chat, responses, messages) or pooling (one vector or score per "
               "prompt: /v1/embeddings, /v1/score, /v1/rerank, LLM.embed and LLM.score)",
     "pooler_config": "the pooling runner's pooler as a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}' "
@@ -178,6 +182,7 @@ class EngineArgs:
     # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a JSON string on the command line.
     speculative_config: dict[str, Any] | str | None = None
+    kv_cache_dtype: str = "auto"
     runner: str = RUNNERS[0]
     # The pooling runner's PoolerConfig fields; a JSON string on the command line.
     pooler_config: dict[str, Any] | str | None = None
@@ -366,6 +371,7 @@ class EngineArgs:
                 cpu_kv_cache_space=env_cpu_kv_cache_space(),
                 num_blocks=self.num_gpu_blocks_override, kv_offload_dir=self.kv_offload_dir,
                 kv_offload_bytes=self.kv_offload_bytes, prefix_caching_algo=self.prefix_caching_algo,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
@@ -412,7 +418,7 @@ class EngineArgs:
                            "quantization": QUANTIZATION_METHODS, "quant_activation_bits": QUANT_ACTIVATION_BITS,
                            "preemption_mode": PREEMPTION_MODES,
                            "prefix_caching_algo": PREFIX_CACHING_ALGOS, "router_policy": ROUTER_POLICIES,
-                           "runner": RUNNERS}.get(f.name)
+                           "runner": RUNNERS, "kv_cache_dtype": KV_CACHE_DTYPES}.get(f.name)
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
         return parser
 

@@ -228,7 +228,8 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
 
 
 def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int, device: torch.device,
-                 why: str, layout: KVCacheLayout | None = None, max_step_tokens: int | None = None) -> None:
+                 why: str, layout: KVCacheLayout | None = None, max_step_tokens: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
     """Usable blocks (the null block left out); concurrency counts whole blocks per request."""
     usable = num_blocks - 1
     windows = layout.group_windows if layout is not None else (None,)
@@ -238,6 +239,7 @@ def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_byt
         kinds = ", ".join(f"{windows.count(w)} {'full-attention' if w is None else f'sliding-window ({w})'}"
                           for w in dict.fromkeys(windows))
         groups = f"; KV-cache groups of {layout.num_slots} layers: {kinds}"
-    logger.info("KV cache on %s: %.2f GiB = %d blocks of %d tokens (%d tokens; max concurrency at max_model_len: "
+    stored = f", {str(dtype).removeprefix('torch.')}, {block_bytes // block_size} bytes per token" if dtype else ""
+    logger.info("KV cache on %s: %.2f GiB = %d blocks of %d tokens (%d tokens%s; max concurrency at max_model_len: "
                 "%.2f%s), sized by %s", device, num_blocks * block_bytes / 2**30, usable, block_size,
-                usable * block_size, concurrency, groups, why)
+                usable * block_size, stored, concurrency, groups, why)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from pagedserve.attention import kv_dtype
 from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger("pagedserve")
@@ -82,14 +83,15 @@ def checksum(payload: bytes | memoryview) -> bytes:
 
 def kv_block_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """The distinct cache tensors in the order a payload lays them out (layers sharing
-    a tensor pair, in a hybrid layout, count once)."""
+    a tensor pair, in a hybrid layout, count once), as bytes where torch cannot move
+    their dtype (float8: kv_dtype.raw)."""
     seen: set[int] = set()
     out: list[torch.Tensor] = []
     for k, v in kv_caches:
         for t in (k, v):
             if id(t) not in seen:
                 seen.add(id(t))
-                out.append(t)
+                out.append(kv_dtype.raw(t))
     return out
 
 

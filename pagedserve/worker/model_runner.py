@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import CommonAttentionMetadata
+from pagedserve.attention.kv_dtype import kv_cache_torch_dtype
 from pagedserve.attention.selector import get_attn_backend
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_tier import KVTransfers
@@ -102,6 +103,8 @@ class ModelRunner:
             bound_onednn_caches()
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0] if floats else torch.get_default_dtype()
+        # What the KV cache stores (attention/kv_dtype.py): the model's dtype, or narrower.
+        self.kv_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         hf_config = config.model_config.hf_config
         self.vocab_size = vocab_size or getattr(hf_config, "vocab_size", None)
         if not self.vocab_size:
@@ -203,11 +206,11 @@ class ModelRunner:
         every attention layer, then capture the decode CUDA graphs where they apply;
         records and returns num_blocks (null block included)."""
         cache, layout = self.config.cache_config, self.kv_layout
-        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype, layout)
+        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.kv_dtype, layout)
         num_blocks, why = self.propose_num_blocks()
         t0 = time.perf_counter()
         self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
-                                                     self.dtype, self.device, layout)
+                                                     self.kv_dtype, self.device, layout)
         for layer, kv, group in zip(self.attn_layers, self.kv_caches, layout.layer_group, strict=True):
             layer.impl = self.attn_backend(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
                                            self.block_size)
@@ -223,7 +226,7 @@ class ModelRunner:
             logger.info("KV tier: %s (%s)%s", self.kv_tier.name, cache.kv_offload_dir or "no directory",
                         "" if self.kv_tier.enabled else ", off")
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why,
-                              layout, self.max_num_batched_tokens)
+                              layout, self.max_num_batched_tokens, self.kv_dtype)
         record_startup("KV cache", time.perf_counter() - t0)
         dc = self.config.device_config
         t0 = time.perf_counter()
@@ -261,7 +264,7 @@ class ModelRunner:
         shapes = [(tuple(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors]
         parts = [
             "pagedserve-kv/1", f"model={mc.model}", f"load_format={mc.load_format}", f"quantization={mc.quantization}",
-            f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}",
+            f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}", f"kv_dtype={self.kv_dtype}",
             f"block_size={self.block_size}", f"tp={self.config.parallel_config.tensor_parallel_size}",
             f"windows={self.kv_layout.group_windows}", f"tensors={shapes}",
             "hf_config=" + kv_offload.checksum(hf_text.encode()).hex(), f"weights={weights}",
@@ -275,7 +278,7 @@ class ModelRunner:
         `host_ranks`: processes sharing this host's memory (tensor-parallel CPU ranks),
         which split its share between them."""
         cache = self.config.cache_config
-        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype, self.kv_layout)
+        block_bytes = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.kv_dtype, self.kv_layout)
         reserved = 0
         if is_cuda(self.device) and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
             reserved = self.profile_run()

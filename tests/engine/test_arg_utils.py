@@ -224,6 +224,7 @@ WHERE_CHECKED = {
     "max_step_ms": ({"max_step_ms": True}, "SchedulerConfig.__post_init__"),
     "speculative_config": ({"speculative_config": {"method": "medusa"}}, "SpeculativeConfig.__post_init__"),
     "runner": ({"runner": "embed"}, "ModelConfig.__post_init__"),
+    "kv_cache_dtype": ({"kv_cache_dtype": "int4"}, "CacheConfig.__post_init__"),
     "pooler_config": ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "PoolerConfig.__post_init__"),
 }
 

@@ -34,6 +34,8 @@ inline float load(c10::BFloat16 x) {
   return f;
 }
 inline float load(c10::Half x) { return static_cast<float>(x); }
+inline float load(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float load(c10::Float8_e5m2 x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -44,6 +46,19 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// float8 (a KV cache's kv_cache_dtype) through float16 bit patterns: e5m2 is the top
+// byte of a float16; e4m3's 7 exponent-and-mantissa bits placed under a float16's sign
+// read as the value times 2^-8 (subnormals included), undone by one multiply.
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
 }
 
 // scores[g * L] = q[g] . k for the G query heads (q pre-scaled, float32).
@@ -187,6 +202,17 @@ inline __m256 load8(const c10::BFloat16* p) {
 }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// float8 as load16 above does it, 8 at a time.
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f));
 }
 
 inline float hsum8(__m256 v) {
@@ -380,7 +406,9 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
 }
 
-template <typename scalar_t, int64_t D>
+// scalar_t: q's and the output's dtype; cache_t: what the cache stores (the same, or
+// narrower: kv_cache_dtype), converted to float32 as it is loaded.
+template <typename scalar_t, typename cache_t, int64_t D>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale,
             int64_t window) {
@@ -392,10 +420,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t kc_sb = k_cache.stride(0), kc_ss = k_cache.stride(1), kc_sh = k_cache.stride(2);
   const int64_t vc_sb = v_cache.stride(0), vc_ss = v_cache.stride(1), vc_sh = v_cache.stride(2);
   const int64_t bt_s = block_table.stride(0);
-  const int64_t block_bytes = bs * kc_ss * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t block_bytes = bs * kc_ss * static_cast<int64_t>(sizeof(cache_t));
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = static_cast<const cache_t*>(k_cache.data_ptr());
+  const cache_t* vp = static_cast<const cache_t*>(v_cache.data_ptr());
   const int32_t* btp = block_table.data_ptr<int32_t>();
   const int32_t* slp = seq_lens.data_ptr<int32_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -430,19 +458,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t j = j0; j < nblk; ++j) {
           if (j + 1 < nblk) prefetch_block(kp + blocks[j + 1] * kc_sb, block_bytes);
           else prefetch_block(vp + blocks[j0] * vc_sb, block_bytes);
-          const scalar_t* kb = kp + blocks[j] * kc_sb;
+          const cache_t* kb = kp + blocks[j] * kc_sb;
           const int64_t n = std::min(bs, L - j * bs);
           if (blocked) {
             for (int64_t s0 = 0; s0 < n; s0 += kSlots)
               for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-                qk_block<scalar_t, D>(qf.data() + kvh * G * D, G, kb + s0 * kc_ss + kvh * kc_sh, kc_ss,
+                qk_block<cache_t, D>(qf.data() + kvh * G * D, G, kb + s0 * kc_ss + kvh * kc_sh, kc_ss,
                                       std::min<int64_t>(kSlots, n - s0), scores.data() + kvh * G * L + j * bs + s0,
                                       L, mx.data() + kvh * G);
             continue;
           }
           for (int64_t s = 0; s < n; ++s)
             for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-              qk_row<scalar_t, D>(qf.data() + kvh * G * D, G, kb + s * kc_ss + kvh * kc_sh,
+              qk_row<cache_t, D>(qf.data() + kvh * G * D, G, kb + s * kc_ss + kvh * kc_sh,
                                   scores.data() + kvh * G * L + j * bs + s, L, mx.data() + kvh * G);
         }
         for (int64_t h = 0; h < H; ++h) {
@@ -455,16 +483,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
         for (int64_t j = j0; j < nblk; ++j) {
           if (j + 1 < nblk) prefetch_block(vp + blocks[j + 1] * vc_sb, block_bytes);
-          const scalar_t* vb = vp + blocks[j] * vc_sb;
+          const cache_t* vb = vp + blocks[j] * vc_sb;
           const int64_t n = std::min(bs, L - j * bs);
           bool done = true;
           for (int64_t kvh = 0; kvh < Hkv && done; ++kvh)
-            done = pv_block_any<scalar_t, D>(G, scores.data() + kvh * G * L + j * bs, vb + kvh * vc_sh, vc_ss, n,
+            done = pv_block_any<cache_t, D>(G, scores.data() + kvh * G * L + j * bs, vb + kvh * vc_sh, vc_ss, n,
                                              acc.data() + kvh * G * D, L);
           if (done) continue;
           for (int64_t s = 0; s < n; ++s)
             for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-              pv_row<scalar_t, D>(scores.data() + kvh * G * L + j * bs + s, G, vb + s * vc_ss + kvh * vc_sh,
+              pv_row<cache_t, D>(scores.data() + kvh * G * L + j * bs + s, G, vb + s * vc_ss + kvh * vc_sh,
                                   acc.data() + kvh * G * D, L);
         }
       }
@@ -508,6 +536,14 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
+// The (q, cache) dtype pairs decode is instantiated for: q float32, bfloat16 or float16
+// over a cache of the same dtype or of float8; a float32 q also over a 16-bit cache.
+bool supported_dtypes(at::ScalarType qt, at::ScalarType ct) {
+  if (qt != at::kFloat && qt != at::kBFloat16 && qt != at::kHalf) return false;
+  if (ct == qt || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2) return true;
+  return qt == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf);
+}
+
 // q [B, H, D] (rows of D contiguous); caches [num_blocks, block_size, Hkv, D] (head_dim
 // contiguous); block_table [B, >= ceil(max seq_len / block_size)] int32; seq_lens [B]
 // int32 (0: the row's output is zero); window > 0: a sliding window of that many keys ending at
@@ -521,8 +557,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "paged_decode: head_dim must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "paged_decode: k_cache and v_cache dtypes differ");
+  TORCH_CHECK(supported_dtypes(q.scalar_type(), k_cache.scalar_type()), "paged_decode: q must be float32, bfloat16 "
+              "or float16 and the caches the same, float8 (e4m3fn, e5m2), or 16-bit under float32; got q ",
+              q.scalar_type(), ", caches ", k_cache.scalar_type());
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode: block_table and seq_lens must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "paged_decode: index layout");
@@ -550,22 +588,39 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode: head_dim must be 64 or 128");
   const bool d64 = q.size(2) == 64;
+  const auto cache = k_cache.scalar_type();
+  // q's dtype, then the cache's: the same, float8 under any, or 16-bit under float32.
+  bool done = false;
+#define PAGED_DECODE_CASE(QT, CT, CACHE_TYPE)                                                     \
+  if (!done && cache == CACHE_TYPE) {                                                           \
+    d64 ? decode<QT, CT, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)    \
+        : decode<QT, CT, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);  \
+    done = true;                                                                                \
+  }
+#define PAGED_DECODE_FP8(QT)                                                \
+  PAGED_DECODE_CASE(QT, c10::Float8_e4m3fn, at::kFloat8_e4m3fn)             \
+  PAGED_DECODE_CASE(QT, c10::Float8_e5m2, at::kFloat8_e5m2)
   switch (q.scalar_type()) {
     case at::kFloat:
-      d64 ? decode<float, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)
-          : decode<float, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+      PAGED_DECODE_CASE(float, float, at::kFloat)
+      PAGED_DECODE_CASE(float, c10::BFloat16, at::kBFloat16)
+      PAGED_DECODE_CASE(float, c10::Half, at::kHalf)
+      PAGED_DECODE_FP8(float)
       break;
     case at::kBFloat16:
-      d64 ? decode<c10::BFloat16, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)
-          : decode<c10::BFloat16, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+      PAGED_DECODE_CASE(c10::BFloat16, c10::BFloat16, at::kBFloat16)
+      PAGED_DECODE_FP8(c10::BFloat16)
       break;
     case at::kHalf:
-      d64 ? decode<c10::Half, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)
-          : decode<c10::Half, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+      PAGED_DECODE_CASE(c10::Half, c10::Half, at::kHalf)
+      PAGED_DECODE_FP8(c10::Half)
       break;
     default:
-      TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
+      break;
   }
+#undef PAGED_DECODE_FP8
+#undef PAGED_DECODE_CASE
+  TORCH_CHECK(done, "paged_decode: no instantiation for q ", q.scalar_type(), ", caches ", cache);
   return out;
 }
 

@@ -1,0 +1,94 @@
+"""A KV cache narrower than the compute dtype (kv_cache_dtype): every backend stores K/V
+converted to the cache's dtype and attends over exactly what was stored, so they agree
+with float32 math over the stored values; the C++ kernel converts float8 in registers
+(AVX-512 and AVX2 builds alike)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.attention import cpu_paged, kv_dtype
+from pagedserve.attention.cpu_paged import CpuPagedBackend, paged_decode
+from pagedserve.attention.torch_paged import TorchPagedBackend
+from pagedserve.attention.torch_ref import TorchReferenceBackend
+from tests.attention.test_cpu_paged import CPU_FLAGS, HAS_COMPILER, reference_decode
+from tests.attention.test_torch_paged import MIXED, make_case
+
+NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def test_storage_dtypes_by_name() -> None:
+    assert kv_dtype.kv_cache_torch_dtype("auto", torch.float32) == torch.float32
+    assert kv_dtype.kv_cache_torch_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert kv_dtype.kv_cache_torch_dtype("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
+    assert kv_dtype.kv_cache_torch_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+def test_e5m2_never_stores_infinity_and_e4m3_saturates(cache_dtype) -> None:
+    big = torch.tensor([1e6, -1e6, 3.0])
+    back = kv_dtype.to_cache(big, cache_dtype).float()
+    assert torch.isfinite(back).all()
+    assert back[2] == 3.0
+
+
+@pytest.mark.parametrize("backend", [TorchReferenceBackend, TorchPagedBackend, CpuPagedBackend])
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+def test_backends_attend_over_what_the_narrow_cache_stored(backend, cache_dtype) -> None:
+    """float32 queries over a narrow cache, prefills and decodes in one step: each backend
+    equals float32 attention over the stored (rounded) values, and stores exactly the
+    rounded new K/V."""
+    heads, kv_heads, dim, bs = 6, 2, 64, 16
+    q, k, v, kc32, vc32, common = make_case(MIXED, heads, kv_heads, dim, bs, torch.float32, seed=3)
+    kc, vc = kv_dtype.to_cache(kc32, cache_dtype), kv_dtype.to_cache(vc32, cache_dtype)
+    ref_k, ref_v = kc.float(), vc.float()
+    out_ref = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5, bs).forward(
+        q, kv_dtype.to_cache(k, cache_dtype).float(), kv_dtype.to_cache(v, cache_dtype).float(), ref_k, ref_v,
+        TorchReferenceBackend.build_metadata(common))
+    impl = backend(heads, kv_heads, dim, dim**-0.5, bs)
+    out = impl.forward(q, k, v, kc, vc, backend.build_metadata(common))
+    assert kc.dtype == cache_dtype
+    t = common.num_actual_tokens
+    slots = common.slot_mapping[:t]
+    stored = kv_dtype.raw(kc).view(-1, kv_heads, dim).index_select(0, slots)
+    assert torch.equal(stored, kv_dtype.raw(kv_dtype.to_cache(k[:t], cache_dtype)))
+    torch.testing.assert_close(out, out_ref, atol=2e-4, rtol=2e-4)
+
+
+def _check_narrow_kernel(kernel, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    num_blocks, b, bs, heads, kv_heads, dim = 64, 5, 16, 9, 3, 64
+    k_cache, v_cache = (torch.randn(num_blocks, bs, kv_heads, dim, generator=g).mul(4).to(cache_dtype)
+                        for _ in range(2))
+    block_table = torch.randperm(num_blocks, generator=g)[: b * 8].view(b, 8).int()
+    seq_lens = torch.tensor([1, 16, 17, 128, 77], dtype=torch.int32)
+    q = torch.randn(b, heads, dim, generator=g).to(q_dtype)
+    out = kernel(q, k_cache, v_cache, block_table, seq_lens, dim**-0.5)
+    ref = reference_decode(q, k_cache.float(), v_cache.float(), block_table, seq_lens, dim**-0.5)
+    tol = 1e-5 if q_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float32, torch.float8_e4m3fn),
+    (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2),
+], ids=str)
+def test_kernel_reads_narrow_caches_exactly(q_dtype, cache_dtype) -> None:
+    _check_narrow_kernel(paged_decode(), q_dtype, cache_dtype)
+
+
+@pytest.mark.skipif(not HAS_COMPILER or "avx2" not in CPU_FLAGS, reason="needs a C++ compiler and an AVX2 CPU")
+def test_avx2_build_reads_float8_exactly() -> None:
+    kernel = cpu_paged.build(("-mno-avx512f",))
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
+        _check_narrow_kernel(kernel, torch.float32, cache_dtype)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_kernel_refuses_dtype_pairs_it_has_no_code_for() -> None:
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="16-bit under float32"):
+        paged_decode()(torch.zeros(1, 4, 64, dtype=torch.bfloat16), cache, cache,
+                       torch.tensor([[1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 0.125)
