@@ -22,7 +22,7 @@ RUNNERS = ("generate", "pooling")
 
 # KV-cache storage dtypes (vLLM's names), and the other names each goes by.
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", *KV_CACHE_DTYPE_ALIASES)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", *KV_CACHE_DTYPE_ALIASES)
 
 # The model dtypes, and the other names each goes by (ModelConfig resolves them).
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -156,8 +156,9 @@ class CacheConfig:
     # the next block copied from a cached one (core/radix_index.py).
     prefix_caching_algo: str = "hash"
     # What the KV cache stores (vLLM's --kv-cache-dtype): "auto" is the model's dtype;
-    # bfloat16/float16 halve float32's bytes and fp8 (e4m3; or e5m2) quarters them, the
-    # attention still computing in the model's dtype (attention/kv_dtype.py).
+    # bfloat16/float16 halve float32's bytes, fp8 (e4m3; or e5m2) and int8 (a scale per
+    # token and head) quarter them, the attention still computing in the model's dtype
+    # (attention/kv_dtype.py).
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -97,10 +97,10 @@ class CpuPagedBackend(TorchPagedBackend):
                       key, value, metadata.common.slot_mapping[:n])
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The kernel reads a cache of q's dtype, of float8, or of 16 bits under float32 q
-        (the C++ side's supported_dtypes)."""
+        """The kernel reads a cache of q's dtype, of float8 or int8, or of 16 bits under
+        float32 q (the C++ side's supported_dtypes)."""
         cache = k_cache.dtype
         ok = (is_cpu(query.device) and query.dtype in DTYPES and query.stride(-1) == 1
-              and (cache == query.dtype or cache in kv_dtype.FP8_DTYPES
+              and (cache == query.dtype or cache in (*kv_dtype.FP8_DTYPES, torch.int8)
                    or (query.dtype == torch.float32 and cache in DTYPES)))
         return self.decode_kernel if ok else None

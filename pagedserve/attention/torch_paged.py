@@ -273,11 +273,11 @@ class TorchPagedBackend(AttentionBackend):
         gathered, kv = ws.view(2, 2, b * L, hkv * d).unbind(0)
         nblk = b * L // self.block_size
         for i, cache in enumerate((k_cache, v_cache)):
-            dst = gathered[i].view(nblk, *cache.shape[1:])
+            dst = gathered[i].view(nblk, self.block_size, hkv, d)
             if cache.dtype == dtype:
                 torch.index_select(cache, 0, g.blocks, out=dst)
             else:  # a narrower cache (kv_cache_dtype): converted as it is gathered
-                dst.copy_(kv_dtype.gather(cache, g.blocks))
+                dst.copy_(kv_dtype.gather(cache, g.blocks, dtype))
         kv = kv.view(2, hkv, b * L, d)
         kv.copy_(gathered.view(2, b * L, hkv, d).transpose(1, 2))
         kbuf, vbuf = kv.unbind(0)

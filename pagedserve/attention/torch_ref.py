@@ -32,8 +32,8 @@ class TorchReferenceBackend(AttentionBackend):
             first = max(0, ctx - n - w + 1) // bs * bs if w is not None else 0
             nblocks = (ctx + bs - 1) // bs
             blocks = metadata.block_table[i, first // bs:nblocks].long()
-            k = kv_dtype.gather(k_cache, blocks).reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
-            v = kv_dtype.gather(v_cache, blocks).reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first].float()
+            k = kv_dtype.gather(k_cache, blocks, torch.float32).reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first]
+            v = kv_dtype.gather(v_cache, blocks, torch.float32).reshape(-1, self.num_kv_heads, self.head_dim)[:ctx - first]
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1)
             q = query[q0:q1].float().transpose(0, 1)  # [H, n, D]

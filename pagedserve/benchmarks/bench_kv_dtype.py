@@ -31,7 +31,7 @@ CHATS = [
     "List three uses of copper.", "Why is the sky blue?", "Translate 'good morning' into Spanish.",
     "What is 17 times 23?", "Give me a tip for learning to cook.",
 ]
-NARROW = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+NARROW = ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 
 
 def greedy_logprobs(model: str, kv: str) -> list[tuple[list[int], list[dict[int, float]]]]:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_speed:
         model = args.models[0]
         print(f"decode speed, {args.in_flight} in flight, {args.context}-token contexts, {args.tokens} tokens each:")
-        for dtype, kvs in (("auto", ("auto", "fp8_e4m3", "fp8_e5m2")), ("float32", ("auto", *NARROW))):
+        for dtype, kvs in (("auto", ("auto", "int8", "fp8_e4m3")), ("float32", ("auto", "bfloat16", "int8", "fp8_e4m3"))):
             for kv in kvs:
                 rate = decode_speed(model, dtype, kv, args.in_flight, args.context, args.tokens)
                 print(f"  {model} compute {dtype:8} KV {kv:9} {rate:8.1f} tok/s", flush=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedserve.attention import kv_dtype
 from pagedserve.config import CacheConfig
 from pagedserve.core.kv_cache_manager import max_blocks_held
 from pagedserve.layers.attention import Attention
@@ -94,7 +95,8 @@ def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype
     elem = torch.empty((), dtype=dtype).element_size()
     if layout is not None:
         layers = slot_layers(layers, layout)
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
+    return sum(2 * block_size * layer.num_kv_heads * kv_dtype.row_width(layer.head_dim, dtype) * elem
+               for layer in layers)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -216,7 +218,7 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
         return [pairs[slot] for slot in layout.layer_slot]
     caches = []
     for layer in layers:
-        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (num_blocks, block_size, layer.num_kv_heads, kv_dtype.row_width(layer.head_dim, dtype))
         if is_cpu(device):
             k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         else:

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -36,6 +37,22 @@ inline float load(c10::BFloat16 x) {
 inline float load(c10::Half x) { return static_cast<float>(x); }
 inline float load(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 inline float load(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+inline float load(int8_t x) { return static_cast<float>(x); }
+
+// An int8 cache row (kv_cache_dtype int8) is D values and then its float16 scale; every
+// other cache dtype holds plain values (scale 1, and no code for it).
+template <typename cache_t>
+constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
+template <typename cache_t, int64_t D>
+inline float row_scale(const cache_t* row) {
+  if constexpr (kScaled<cache_t>) {
+    c10::Half h;
+    std::memcpy(&h, row + D, sizeof(h));
+    return static_cast<float>(h);
+  } else {
+    return 1.f;
+  }
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,6 +67,9 @@ inline __m512 load16(const c10::Half* p) {
 // float8 (a KV cache's kv_cache_dtype) through float16 bit patterns: e5m2 is the top
 // byte of a float16; e4m3's 7 exponent-and-mantissa bits placed under a float16's sign
 // read as the value times 2^-8 (subnormals included), undone by one multiply.
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const c10::Float8_e5m2* p) {
   const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
@@ -67,11 +87,12 @@ inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, 
   constexpr int64_t NV = D / 16;
   __m512 kv[NV];
   for (int64_t c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
+  const float sk = row_scale<scalar_t, D>(k);
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
     for (int64_t c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
-    const float dot = _mm512_reduce_add_ps(acc);
+    const float dot = _mm512_reduce_add_ps(acc) * sk;
     scores[g * L] = dot;
     mx[g] = std::max(mx[g], dot);
   }
@@ -111,8 +132,14 @@ inline void qk_block(const float* q, int64_t G, const scalar_t* k, int64_t k_str
   }
   const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 sk = _mm512_set1_ps(1.f);
+  if constexpr (kScaled<scalar_t>) {
+    float sc[16];
+    for (int64_t s = 0; s < 16; ++s) sc[s] = row_scale<scalar_t, D>(k + s * k_stride);
+    sk = _mm512_loadu_ps(sc);
+  }
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 r = _mm512_mask_blend_ps(valid, neg_inf, sum16(a[g]));
+    const __m512 r = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(sum16(a[g]), sk));
     _mm512_mask_storeu_ps(scores + g * L, valid, r);
     mx[g] = std::max(mx[g], _mm512_reduce_max_ps(r));
   }
@@ -130,8 +157,9 @@ inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_
   for (int64_t s = 0; s < n; ++s) {
     __m512 vv[NV];
     for (int64_t c = 0; c < NV; ++c) vv[c] = load16(v + s * v_stride + 16 * c);
+    const float sv = row_scale<scalar_t, D>(v + s * v_stride);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * L + s]);
+      const __m512 pg = _mm512_set1_ps(p[g * L + s] * sv);
       for (int64_t c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
     }
   }
@@ -184,8 +212,9 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
   constexpr int64_t NV = D / 16;
   __m512 vv[NV];
   for (int64_t c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+  const float sv = row_scale<scalar_t, D>(v);
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 pg = _mm512_set1_ps(p[g * L]);
+    const __m512 pg = _mm512_set1_ps(p[g * L] * sv);
     float* ag = acc + g * D;
     for (int64_t c = 0; c < NV; ++c)
       _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
@@ -204,6 +233,9 @@ inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 // float8 as load16 above does it, 8 at a time.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m256 load8(const c10::Float8_e5m2* p) {
   const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
@@ -252,7 +284,13 @@ inline void qk_block(const float* q, int64_t G, const scalar_t* k, int64_t k_str
       const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
       for (int64_t s = 0; s < 8; ++s) a[s] = _mm256_fmadd_ps(qv, load8(k + s * k_stride + 8 * c), a[s]);
     }
-    const __m256 r = _mm256_blendv_ps(neg_inf, sum8(a), _mm256_castsi256_ps(valid));
+    __m256 r = sum8(a);
+    if constexpr (kScaled<scalar_t>) {
+      float sc[8];
+      for (int64_t s = 0; s < 8; ++s) sc[s] = row_scale<scalar_t, D>(k + s * k_stride);
+      r = _mm256_mul_ps(r, _mm256_loadu_ps(sc));
+    }
+    r = _mm256_blendv_ps(neg_inf, r, _mm256_castsi256_ps(valid));
     _mm256_maskstore_ps(scores + g * L, valid, r);
     mx[g] = std::max(mx[g], hmax8(r));
   }
@@ -272,8 +310,9 @@ inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_
     for (int64_t s = 0; s < n; ++s) {
       __m256 vv[CW];
       for (int64_t j = 0; j < CW; ++j) vv[j] = load8(v + s * v_stride + 8 * (c0 + j));
+      const float sv = row_scale<scalar_t, D>(v + s * v_stride);
       for (int64_t g = 0; g < G; ++g) {
-        const __m256 pg = _mm256_set1_ps(p[g * L + s]);
+        const __m256 pg = _mm256_set1_ps(p[g * L + s] * sv);
         for (int64_t j = 0; j < CW; ++j) a[g][j] = _mm256_fmadd_ps(pg, vv[j], a[g][j]);
       }
     }
@@ -323,11 +362,12 @@ inline float exp_sum(float* s, int64_t L, float m) {
 template <typename scalar_t, int64_t D>
 inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, int64_t L, float* mx) {
   constexpr int64_t NV = D / 8;
+  const float sk = row_scale<scalar_t, D>(k);
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k));
     for (int64_t c = 1; c < NV; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(k + 8 * c), acc);
-    const float dot = hsum8(acc);
+    const float dot = hsum8(acc) * sk;
     scores[g * L] = dot;
     mx[g] = std::max(mx[g], dot);
   }
@@ -336,8 +376,9 @@ inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, 
 template <typename scalar_t, int64_t D>
 inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int64_t L) {
   constexpr int64_t NV = D / 8;
+  const float sv = row_scale<scalar_t, D>(v);
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 pg = _mm256_set1_ps(p[g * L]);
+    const __m256 pg = _mm256_set1_ps(p[g * L] * sv);
     float* ag = acc + g * D;
     for (int64_t c = 0; c < NV; ++c)
       _mm256_storeu_ps(ag + 8 * c, _mm256_fmadd_ps(pg, load8(v + 8 * c), _mm256_loadu_ps(ag + 8 * c)));
@@ -366,6 +407,7 @@ inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, 
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < D; ++i) dot += qg[i] * load(k[i]);
+    dot *= row_scale<scalar_t, D>(k);
     scores[g * L] = dot;
     mx[g] = std::max(mx[g], dot);
   }
@@ -374,7 +416,7 @@ inline void qk_row(const float* q, int64_t G, const scalar_t* k, float* scores, 
 template <typename scalar_t, int64_t D>
 inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int64_t L) {
   for (int64_t g = 0; g < G; ++g) {
-    const float pg = p[g * L];
+    const float pg = p[g * L] * row_scale<scalar_t, D>(v);
     float* ag = acc + g * D;
 #pragma omp simd
     for (int64_t i = 0; i < D; ++i) ag[i] += pg * load(v[i]);
@@ -537,10 +579,10 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 }
 
 // The (q, cache) dtype pairs decode is instantiated for: q float32, bfloat16 or float16
-// over a cache of the same dtype or of float8; a float32 q also over a 16-bit cache.
+// over a cache of the same dtype, of float8 or of int8; a float32 q also over a 16-bit cache.
 bool supported_dtypes(at::ScalarType qt, at::ScalarType ct) {
   if (qt != at::kFloat && qt != at::kBFloat16 && qt != at::kHalf) return false;
-  if (ct == qt || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2) return true;
+  if (ct == qt || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2 || ct == at::kChar) return true;
   return qt == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf);
 }
 
@@ -559,12 +601,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: head_dim must be contiguous");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "paged_decode: k_cache and v_cache dtypes differ");
   TORCH_CHECK(supported_dtypes(q.scalar_type(), k_cache.scalar_type()), "paged_decode: q must be float32, bfloat16 "
-              "or float16 and the caches the same, float8 (e4m3fn, e5m2), or 16-bit under float32; got q ",
+              "or float16 and the caches the same, float8 (e4m3fn, e5m2), int8, or 16-bit under float32; got q ",
               q.scalar_type(), ", caches ", k_cache.scalar_type());
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode: block_table and seq_lens must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "paged_decode: index layout");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "paged_decode: head shapes");
+  // An int8 cache's rows end in their float16 scale (2 bytes).
+  const int64_t row = k_cache.scalar_type() == at::kChar ? q.size(2) + 2 : q.size(2);
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && k_cache.size(3) == row, "paged_decode: head shapes");
   TORCH_CHECK(block_table.size(0) >= q.size(0) && seq_lens.size(0) >= q.size(0), "paged_decode: batch sizes");
   // Every block the kernel will read must exist: a bad table is an error, not a stray read.
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), width = block_table.size(1);
@@ -597,28 +641,29 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         : decode<QT, CT, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);  \
     done = true;                                                                                \
   }
-#define PAGED_DECODE_FP8(QT)                                                \
+#define PAGED_DECODE_8BIT(QT)                                                \
   PAGED_DECODE_CASE(QT, c10::Float8_e4m3fn, at::kFloat8_e4m3fn)             \
-  PAGED_DECODE_CASE(QT, c10::Float8_e5m2, at::kFloat8_e5m2)
+  PAGED_DECODE_CASE(QT, c10::Float8_e5m2, at::kFloat8_e5m2)                 \
+  PAGED_DECODE_CASE(QT, int8_t, at::kChar)
   switch (q.scalar_type()) {
     case at::kFloat:
       PAGED_DECODE_CASE(float, float, at::kFloat)
       PAGED_DECODE_CASE(float, c10::BFloat16, at::kBFloat16)
       PAGED_DECODE_CASE(float, c10::Half, at::kHalf)
-      PAGED_DECODE_FP8(float)
+      PAGED_DECODE_8BIT(float)
       break;
     case at::kBFloat16:
       PAGED_DECODE_CASE(c10::BFloat16, c10::BFloat16, at::kBFloat16)
-      PAGED_DECODE_FP8(c10::BFloat16)
+      PAGED_DECODE_8BIT(c10::BFloat16)
       break;
     case at::kHalf:
       PAGED_DECODE_CASE(c10::Half, c10::Half, at::kHalf)
-      PAGED_DECODE_FP8(c10::Half)
+      PAGED_DECODE_8BIT(c10::Half)
       break;
     default:
       break;
   }
-#undef PAGED_DECODE_FP8
+#undef PAGED_DECODE_8BIT
 #undef PAGED_DECODE_CASE
   TORCH_CHECK(done, "paged_decode: no instantiation for q ", q.scalar_type(), ", caches ", cache);
   return out;
