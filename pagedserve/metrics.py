@@ -122,6 +122,17 @@ class PrometheusFamilies:
                              buckets=_E2E_BUCKETS, **kw)
 
 
+def record_cache_config(registry: Any, model_name: str, description: dict[str, Any]) -> None:
+    """vLLM's `vllm:cache_config_info` (always 1; the configuration is in its labels):
+    block size, number of blocks, what the KV cache stores and its bytes per token."""
+    from prometheus_client import Gauge
+
+    names = ("block_size", "num_blocks", "kv_cache_dtype", "kv_bytes_per_token")
+    info = Gauge("vllm:cache_config_info", "The KV cache's configuration (in the labels).", registry=registry,
+                 labelnames=["model_name", *names])
+    info.labels(model_name=model_name, **{n: str(description.get(n, "")) for n in names}).set(1)
+
+
 def make_prometheus_loggers(registry: Any, model_name: str, num_engines: int = 1) -> list[PrometheusStatLogger]:
     """One logger per engine (data-parallel replica), sharing one set of families."""
     families = PrometheusFamilies(registry)

@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bash tools/gpu_checks.sh                 # all steps
 #   OUT=/tmp/gpu bash tools/gpu_checks.sh tests bench     # some of: env tests bench bench_unfused
-#                                                         #   kernels profile
+#                                                         #   kernels profile kv_dtype pooling
 #
 # Limits (seconds) can be set with T_TESTS, T_BENCH, T_KERNELS, T_PROFILE.  Wheels of packages the
 # GPU machine lacks (gguf, fastapi, pydantic, ...) are installed from .whl/ when present
@@ -64,6 +64,18 @@ tests/e2e/test_hf_parity.py::test_tiny_models_match_hf_on_cuda_bf16"}
         # Where a steady decode step's time goes (host functions, kernels), default config.
         step profile "${T_PROFILE:-60}" "$PY" -m pagedserve.benchmarks.profile_steps --batch 256 --context 700 \
             --steps 20 ;;
+    kv_dtype)
+        # W2 with CUDA graphs and overlap at each KV-cache dtype the Triton kernels read.
+        for kv in ${KV_DTYPES:-auto fp8_e4m3 fp8_e5m2}; do
+            step "bench_kv_$kv" "${T_BENCH_KV:-100}" "$PY" -m pagedserve.benchmarks.bench_gpu --configs graphs+overlap \
+                --workloads w2 --kv-cache-dtype "$kv" --output-json "$OUT/bench_kv_$kv.json"
+        done ;;
+    pooling)
+        # The pooling runner on CUDA (dummy Qwen3-0.6B weights): embeddings of a batch, finite and unit length.
+        step pooling 90 "$PY" -c "from pagedserve import LLM; import torch; llm = LLM('qwen3-0.6b', load_format='dummy', \
+runner='pooling', max_model_len=1024); e = torch.tensor([o.outputs.embedding for o in llm.embed([[i + 1] * (5 + 7 * i) \
+for i in range(64)], use_tqdm=False)]); print(e.shape, e.norm(dim=-1).min().item(), e.norm(dim=-1).max().item()); \
+assert torch.isfinite(e).all() and torch.allclose(e.norm(dim=-1), torch.ones(64), atol=1e-3)" ;;
     kernels)
         step bench_kernels "${T_KERNELS:-60}" "$PY" -m pagedserve.benchmarks.bench_kernels --rep-ms 25 \
             --json "$OUT/kernels.json" ;;

@@ -46,6 +46,8 @@ class AttentionBackend(ABC):
     # backend's forward launches only device work whose inputs are the metadata's
     # tensors (refilled in place), and makes no host decision from their contents.
     supports_cuda_graphs: ClassVar[bool] = False
+    # KV-cache storage dtypes (kv_cache_dtype) the backend cannot read: refused at start-up.
+    unsupported_kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int

@@ -153,6 +153,8 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    # int8 rows carry their scale inline (attention/kv_dtype.py): the kernels here do not read them.
+    unsupported_kv_dtypes = (torch.int8,)
 
     # None: default_config(query dtype, head_dim) on first use; set it to tune or test.
     config: KernelConfig | None = None

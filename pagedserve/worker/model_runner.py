@@ -115,6 +115,9 @@ class ModelRunner:
         self.max_num_reqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.attn_backend = get_attn_backend(config.device_config.attention_backend, self.device)
+        if self.kv_dtype in self.attn_backend.unsupported_kv_dtypes:
+            raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r}: the {self.attn_backend.name} "
+                             "attention backend cannot read it (the CPU backends read every kv_cache_dtype)")
         self.attn_layers = kv_cache.get_attention_layers(model)
         self.kv_layout = kv_cache.kv_cache_layout(self.attn_layers)
         self.num_kv_groups = len(self.kv_layout.group_windows)
@@ -551,7 +554,9 @@ class ModelRunner:
         return {"device": str(self.device), "attention_backend": self.attn_backend.name,
                 "torch_compile": "on" if self.compiled is not None else "off",
                 "cuda_graphs": "on" if self.graph_runner is not None else "off",
-                "tensor_parallel_size": str(self.tensor_parallel_size)}
+                "tensor_parallel_size": str(self.tensor_parallel_size),
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "kv_bytes_per_token": str(kv_cache.bytes_per_block(self.attn_layers, 1, self.kv_dtype, self.kv_layout))}
 
     def shutdown(self) -> None:
         """Finish the KV tier's queued writes; the model and its caches go with the object."""

@@ -196,6 +196,41 @@ def test_graph_padding_rows(num_splits):
     torch.testing.assert_close(vc2, vc, atol=0, rtol=0, equal_nan=True)
 
 
+def check_narrow_cache(cache_dtype: torch.dtype, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    """Queries in `dtype` over a narrower cache (kv_cache_dtype): the kernels read the stored
+    values as the reference does, and store the new K/V converted exactly as it does."""
+    from pagedserve.attention import kv_dtype
+
+    specs = [(37, 1), (100, 1), (70, 23), (17, 17), (160, 1)]
+    q, k, v, kc, vc, common = make_batch(specs, 4, 2, 32, 16, dtype, seed=5, device=device)
+    kc, vc = kv_dtype.to_cache(kc, cache_dtype), kv_dtype.to_cache(vc, cache_dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    expected = TorchReferenceBackend(4, 2, 32, 32**-0.5, 16).forward(q, k, v, kc, vc, common)
+    out = torch.full_like(q, float("nan"))
+    got = TritonAttentionBackend(4, 2, 32, 32**-0.5, 16).forward(q, k, v, kc2, vc2,
+                                                                   TritonAttentionBackend.build_metadata(common),
+                                                                   output=out)
+    torch.testing.assert_close(got.float(), expected.float(), **(TOL if device == "cpu" else GPU_TOL)[dtype])
+    assert torch.equal(kc2.view(torch.uint8), kc.view(torch.uint8))  # (bytes: the untouched slots are NaN)
+
+
+@interpreter
+def test_float32_queries_over_a_float16_cache():
+    """(bfloat16 and float8 caches run on the GPU, test_gpu_narrow_kv_caches: the interpreter
+    converts float32 to bfloat16 by truncation, and numpy has no float8.)"""
+    check_narrow_cache(torch.float16)
+
+
+def test_int8_kv_is_refused_by_name(tmp_path):
+    """int8 rows carry their scale inline; these kernels do not read them: refused at start-up."""
+    from pagedserve import LLM
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    make_tiny_checkpoint("llama", str(tmp_path))
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8': the triton attention backend cannot read it"):
+        LLM(str(tmp_path), attention_backend="triton", kv_cache_dtype="int8", device="cpu")
+
+
 @interpreter
 def test_odd_group_and_head_dim():
     # GQA group 3 and head_dim 24: exercises every row/column mask.
@@ -359,6 +394,14 @@ def test_importable_without_triton():
 
 
 # ---------------------------------------------------------------- compiled kernels (CUDA)
+
+
+@cuda
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2), (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn)], ids=str)
+def test_gpu_narrow_kv_caches(dtype, cache_dtype):
+    check_narrow_cache(cache_dtype, dtype, "cuda")
 
 
 @cuda

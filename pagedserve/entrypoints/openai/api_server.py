@@ -531,7 +531,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedserve.engine.data_parallel import ReplicaSet
     from pagedserve.engine.dp_client import DPAsyncLLM
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.metrics import RouterMetrics, StatLogger, make_prometheus_loggers
+    from pagedserve.metrics import RouterMetrics, StatLogger, make_prometheus_loggers, record_cache_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if args.model_tag is not None and getattr(args, "model", None) not in (None, args.model_tag):
@@ -581,7 +581,9 @@ def run_server(args: argparse.Namespace) -> None:
             if state.series is not None:
                 stat_loggers.append(state.series)
             client = AsyncLLM(engine, stat_loggers=stat_loggers, **front_door)
-            return Attachment.local(client, engine.config.scheduler_config.max_model_len, engine.describe())
+            description = engine.describe()
+            record_cache_config(state.registry, names[0], description)
+            return Attachment.local(client, engine.config.scheduler_config.max_model_len, description)
 
         def replicated_client(replicas: ReplicaSet) -> Attachment:
             n = replicas.num_replicas

@@ -95,6 +95,10 @@ def test_32_streams_8_disconnect(server):
     assert after[("vllm:kv_cache_usage_perc", ())] == 0
     assert delta(after, before, "vllm:request_success_total", finished_reason="length") == 24 + 32
     assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 8
+    (info,) = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
+    assert info["kv_cache_dtype"] == "float32" and info["block_size"] == "16"
+    # --kv-cache-memory-bytes 16MiB, in blocks of 16 tokens of kv_bytes_per_token each
+    assert int(info["num_blocks"]) == 16 * 2**20 // (16 * int(info["kv_bytes_per_token"]))
     # The server is healthy and serving afterwards.
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     assert client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text == refs[0]
