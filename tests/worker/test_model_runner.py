@@ -105,8 +105,8 @@ def test_kv_cache_log_and_binding(caplog):
         num_blocks = runner.initialize_kv_cache()
     # 2 layers x K,V x 16 slots x 2 kv heads x 16 dims x 4 bytes = 8 KiB a block.
     assert num_blocks == (1 << 20) // 8192
-    msg = (f"KV cache on cpu: 0.00 GiB = {num_blocks - 1} blocks of 16 tokens ({(num_blocks - 1) * 16} tokens; "
-           f"max concurrency at max_model_len:")
+    msg = (f"KV cache on cpu: 0.00 GiB = {num_blocks - 1} blocks of 16 tokens ({(num_blocks - 1) * 16} tokens, "
+           f"float32, 512 bytes per token; max concurrency at max_model_len:")
     assert any(msg in r.getMessage() for r in caplog.records)
     for layer, (k, v) in zip(runner.attn_layers, runner.kv_caches, strict=True):
         assert layer.kv_cache[0] is k and k.shape == (num_blocks, 16, 2, 16)
