@@ -204,12 +204,13 @@ class OpenAIServing:
         return OpenAIError(str(e), param=param)
 
     @staticmethod
-    def check_fanout(num_prompts: int, n: int) -> None:
-        """One request starts at most MAX_SEQUENCES_PER_REQUEST sequences (prompts x n)."""
+    def check_fanout(num_prompts: int, n: int, param: str = "prompt") -> None:
+        """One request starts at most MAX_SEQUENCES_PER_REQUEST sequences (prompts x n);
+        `param`: the field that holds the prompts."""
         if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
             raise OpenAIError(f"this request would start {num_prompts} prompts x n={n} = {num_prompts * n} "
                               f"sequences; at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request",
-                              param="prompt" if num_prompts > 1 else "n")
+                              param=param if num_prompts > 1 else "n")
 
     def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
         """OpenAI's rule: prompt + max_tokens must fit in the context (an unset max_tokens

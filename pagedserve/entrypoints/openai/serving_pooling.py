@@ -107,7 +107,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
             items = list(value)
         if not items or any(isinstance(t, list) and not t for t in items):
             raise OpenAIError("input must not be empty", param="input")
-        self.check_fanout(len(items), 1)  # before tokenizing any of them
+        self.check_fanout(len(items), 1, "input")  # before tokenizing any of them
         params = self.pooling_params(req, PoolingParams(dimensions=req.dimensions, normalize=req.normalize))
         return PreparedRequest(model, [self.prompt(t, req.truncate_prompt_tokens) for t in items], params)
 
@@ -138,7 +138,8 @@ class OpenAIServingScore(OpenAIServingPooling):
                 pairs = score_pairs(req.text_1, req.text_2)
             except InvalidRequestError as e:
                 raise self.invalid(req, e) from None
-        self.check_fanout(len(pairs), 2)  # at most two texts per pair
+        # Two texts a pair at most (a reranker's pair is one prompt), before tokenizing any of them.
+        self.check_fanout(2 * len(pairs), 1, "documents" if rerank else "text_2")
         truncate = req.truncate_prompt_tokens
         documents = list(req.documents) if rerank else []
         if self.engine.classifier_token_ids is not None:

@@ -136,6 +136,9 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "rank"}, "instruction"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/v1/embeddings", {"input": ["x"] * 1025}, "input"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"] * 513}, "documents"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b"] * 513}, "text_2"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
 ])
