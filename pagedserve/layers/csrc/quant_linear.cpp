@@ -19,7 +19,13 @@
 // Paths, chosen at compile time for the machine (-march=native, capped like torch):
 // AVX-512 VNNI (vpdpwssd / vpdpbusd), AVX2 (vpmaddwd / vpmaddubsw), plain loops.
 
-#include <torch/extension.h>
+// Only the headers used (torch/extension.h would pull in all of torch: a third of the build time).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -366,7 +372,7 @@ void run_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int6
 #endif
 }
 
-void check_cpu_contiguous(const torch::Tensor& t, const char* what) {
+void check_cpu_contiguous(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
 }
 
@@ -374,14 +380,14 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* what) {
 // scales [M, K/32]; scale * code sum [M, K/32]).  Round to nearest, scale amax / (2^(bits-1) - 1).
 // x is read in its own dtype (a decode step's ~100 layers would otherwise each pay for a
 // converted copy).
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t bits) {
+std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [M, K] with K a multiple of 32");
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits);
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), Kb = K / kBlock;
-  auto q = torch::empty({M, K}, bits == 8 ? torch::kInt8 : torch::kInt16);
-  auto d = torch::empty({M, Kb}, torch::kFloat32);
-  auto ds = torch::empty({M, Kb}, torch::kFloat32);
+  auto q = at::empty({M, K}, bits == 8 ? at::kChar : at::kShort);
+  auto d = at::empty({M, Kb}, at::kFloat);
+  auto ds = at::empty({M, Kb}, at::kFloat);
   int8_t* q8 = bits == 8 ? q.data_ptr<int8_t>() : nullptr;
   int16_t* q16 = bits == 16 ? q.data_ptr<int16_t>() : nullptr;
   const float qmax = bits == 8 ? 127.f : 32767.f;
@@ -464,10 +470,10 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
   });
 }
 
-void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor codes, torch::Tensor d,
-           torch::Tensor aux, int64_t kind, int64_t N, torch::Tensor out, int64_t col) {
+void qgemm(at::Tensor xq, at::Tensor xd, at::Tensor xds, at::Tensor codes, at::Tensor d,
+           at::Tensor aux, int64_t kind, int64_t N, at::Tensor out, int64_t col) {
   for (auto* t : {&xq, &xd, &xds, &codes, &d}) check_cpu_contiguous(*t, "qgemm inputs");
-  TORCH_CHECK(xq.scalar_type() == torch::kInt8 || xq.scalar_type() == torch::kInt16, "xq must be int8 or int16");
+  TORCH_CHECK(xq.scalar_type() == at::kChar || xq.scalar_type() == at::kShort, "xq must be int8 or int16");
   TORCH_CHECK(kind == Q4_SYM || kind == Q4_ASYM || kind == Q8, "unknown kind ", kind);
   TORCH_CHECK(kind == Q4_SYM || (aux.defined() && aux.is_contiguous()), "this kind needs its aux tensor");
   TORCH_CHECK(out.device().is_cpu() && out.stride(1) == 1, "out must be a CPU tensor with unit stride");
@@ -475,7 +481,7 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
   const int64_t tiles = (N + kTile - 1) / kTile;
   TORCH_CHECK(codes.numel() == tiles * Kb * block_bytes(kind), "codes do not match N=", N, ", K=", K);
   TORCH_CHECK(out.size(0) == M && col + N <= out.size(1), "out is too small");
-  const bool wide = xq.scalar_type() == torch::kInt16;
+  const bool wide = xq.scalar_type() == at::kShort;
   const QuantizedX x{wide ? nullptr : xq.data_ptr<int8_t>(), wide ? xq.data_ptr<int16_t>() : nullptr,
                      xd.data_ptr<float>(), xds.data_ptr<float>(), M, K, Kb};
   const TileFn tile = wide ? &run_tile<16> : &run_tile<8>;
@@ -490,27 +496,27 @@ void qgemm(torch::Tensor xq, torch::Tensor xd, torch::Tensor xds, torch::Tensor 
 // y [M, N] in x's dtype = x [M, Kx] . W^T, W made of row segments (a fused q|k|v whose
 // shards are of different kinds): the whole layer in one call, activations quantized once
 // to `bits`.  K >= Kx is the packed (block-padded) width; x's missing columns count as zeros.
-torch::Tensor linear(const torch::Tensor& x, at::TensorList codes, at::TensorList d, at::TensorList aux,
+at::Tensor linear(const at::Tensor& x, at::TensorList codes, at::TensorList d, at::TensorList aux,
                      at::IntArrayRef kinds, at::IntArrayRef ns, at::IntArrayRef offsets, int64_t N, int64_t K,
                      int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= K, "x must be [M, <= K]");
   TORCH_CHECK(codes.size() == d.size() && d.size() == aux.size() && aux.size() == kinds.size() &&
               kinds.size() == ns.size() && ns.size() == offsets.size() && !codes.empty(), "segment lists differ");
-  auto xk = x.size(1) == K ? x : torch::constant_pad_nd(x, {0, K - x.size(1)});
+  auto xk = x.size(1) == K ? x : at::constant_pad_nd(x, {0, K - x.size(1)});
   auto q = quantize_activations(xk, bits);
-  auto out = torch::empty({x.size(0), N}, x.options());
+  auto out = at::empty({x.size(0), N}, x.options());
   for (size_t i = 0; i < codes.size(); ++i)
     qgemm(q[0], q[1], q[2], codes[i], d[i], aux[i], kinds[i], ns[i], out, offsets[i]);
   return out;
 }
 
 // Rows `ids` of the packed weight, dequantized: [len(ids), K] float32 (embedding lookups).
-torch::Tensor dequantize_rows(torch::Tensor codes, torch::Tensor d, torch::Tensor aux, int64_t kind, int64_t K,
-                              torch::Tensor ids) {
+at::Tensor dequantize_rows(at::Tensor codes, at::Tensor d, at::Tensor aux, int64_t kind, int64_t K,
+                              at::Tensor ids) {
   check_cpu_contiguous(codes, "codes");
-  auto idx = ids.to(torch::kInt64).contiguous();
+  auto idx = ids.to(at::kLong).contiguous();
   const int64_t T = idx.numel(), Kb = K / kBlock;
-  auto out = torch::empty({T, K}, torch::kFloat32);
+  auto out = at::empty({T, K}, at::kFloat);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* ap = kind == Q4_SYM ? nullptr : static_cast<const uint16_t*>(aux.data_ptr());
@@ -549,8 +555,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("quantize_activations", &quantize_activations, nogil);
   m.def("qgemm", &qgemm, nogil);
-  m.def("linear", [](const torch::Tensor& x, const std::vector<torch::Tensor>& codes,
-                     const std::vector<torch::Tensor>& d, const std::vector<torch::Tensor>& aux,
+  m.def("linear", [](const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                     const std::vector<at::Tensor>& d, const std::vector<at::Tensor>& aux,
                      const std::vector<int64_t>& kinds, const std::vector<int64_t>& ns,
                      const std::vector<int64_t>& offsets, int64_t N, int64_t K, int64_t bits) {
     return linear(x, codes, d, aux, kinds, ns, offsets, N, K, bits);
