@@ -8,7 +8,7 @@ of the source, the CPU's flags, the torch and Python versions, the compiler flag
 the compiler, so a cache shared across machines never runs code built for another CPU.
 A finished build is imported directly, without asking torch's builder: its ninja file
 names the include paths of the environment that built it, so through the builder a
-fresh virtual environment (CI's, each run) would rebuild every kernel (~30 s each),
+fresh virtual environment (CI's, each run) would rebuild every kernel (~20 s each),
 although the same torch and Python versions make the same module.
 
 Builders take an OS file lock (flock) on the build directory, not only torch's own
@@ -100,7 +100,7 @@ def build_cpu_extension(prefix: str, source: Path, what: str,
             built = _import_built(name, build_dir)
             if built is not None:
                 return built
-            logger.info("building the %s for this machine (once, ~30 s)", what)
+            logger.info("building the %s for this machine (once, ~20 s)", what)
             return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         finally:

@@ -10,7 +10,7 @@ backend step, K/V store and planning included, about three quarters
 (`python -m pagedserve.benchmarks.bench_attention --backend cpu_paged` / `--backend torch_paged`).
 
 It is compiled for this machine's CPU (`cpu_extension.py`) the first time in a process
-that needs it (~30 s once per machine, then a cached load).  Without a C++
+that needs it (~25 s once per machine, then a cached load).  Without a C++
 compiler, or on any build error, the backend keeps the torch path for decodes too;
 the reason is logged once.  Prefill chunks always take the torch path (their matmuls
 are big enough for oneDNN to do well).  `attention_backend="torch_paged"` is the same

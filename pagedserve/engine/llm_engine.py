@@ -84,7 +84,7 @@ class EngineStats:
 
 
 def start_cpu_kernel_builds() -> None:
-    """Build (first run on a machine, ~30 s each) or load our two C++ CPU kernels in
+    """Build (first run on a machine, ~20 s each) or load our two C++ CPU kernels in
     background threads, so the compiler runs while the config, tokenizer and weights
     load; whoever needs a kernel first waits for its thread (the builders hold locks).
     Not daemons: a process that is done before a build is (a short `generate`) waits for
