@@ -1,6 +1,7 @@
-"""The pooling runner offline (`LLM(..., runner="pooling")`): mean pooling on the default
-model against HF transformers with the prompt cut into chunks, and pooled results that do
-not depend on how the engine cut, cached or preempted the work."""
+"""The pooling runner: mean pooling on the default model against HF transformers with the
+prompts cut into chunks (a server with --pooler-config), and offline
+(`LLM(..., runner="pooling")`) pooled results that do not depend on how the engine cut,
+cached or preempted the work."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ from pagedserve.pooling_params import PoolingParams
 from tests.entrypoints.openai.test_embeddings_api import TEXTS, hf_pooled
 
 
-def test_mean_pooling_in_chunks_equals_hf_on_the_default_model(smollm2_path, smollm2_gguf) -> None:
-    llm = LLM(smollm2_path, runner="pooling", pooler_config={"pooling_type": "MEAN"}, dtype="float32",
-              max_model_len=512, max_num_batched_tokens=16)  # most texts span several steps
+def test_mean_pooling_in_chunks_equals_hf_on_the_default_model(smollm2_path, smollm2_gguf, tmp_path) -> None:
+    """Through the server and the official client, the pooler set on the command line."""
+    import openai
+
+    from tests.entrypoints.openai.conftest import ServerProcess
+
+    server = ServerProcess([smollm2_path, "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}',
+                            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+                            "--max-num-batched-tokens", "16"],  # most texts span several steps
+                           tmp_path / "server.log")
     try:
-        outs = llm.embed(TEXTS, use_tqdm=False)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        ours = torch.tensor([d.embedding for d in client.embeddings.create(model=smollm2_path, input=TEXTS).data])
     finally:
-        llm.shutdown()
-    ours = torch.tensor([o.outputs.embedding for o in outs])
+        server.stop()
     cos = torch.nn.functional.cosine_similarity(ours, hf_pooled(smollm2_path, smollm2_gguf, TEXTS, "MEAN"), dim=-1)
     assert cos.min() >= 0.999, cos
 
