@@ -159,12 +159,19 @@ def new_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_keepalive_connections=0))
 
 
-def kv_bytes_per_token(gguf_path: str, dtype_bytes: int) -> int:
+def kv_bytes_per_token(gguf_path: str, dtype_bytes: int, row_bytes: Callable[[int], int] | None = None) -> int:
+    """K and V bytes of one token: `dtype_bytes` per value, or `row_bytes(head_dim)` per head's row."""
     from pagedserve.model_loader.gguf_utils import gguf_to_hf_config, open_gguf
 
     c = gguf_to_hf_config(open_gguf(gguf_path), gguf_path)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
+    row = row_bytes(head_dim) if row_bytes is not None else head_dim * dtype_bytes
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * row
+
+
+# --kv-cache-dtype int8 against llama.cpp's q8_0 KV (-ctk/-ctv q8_0): a row's bytes on each side
+# (pagedserve: the values and a float16 scale; q8_0: 34 bytes per 32 values).
+INT8_ROW_BYTES = {"pagedserve": lambda d: d + 2, "llama-server": lambda d: d // 32 * 34}
 
 
 @contextmanager
@@ -202,23 +209,27 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
 
     ctx = args.ctx_per_slot
     batches = [b for b in (8, 32) if b <= SLOTS]
-    # llama.cpp keeps its KV cache in f16; pagedserve in the model dtype (bf16, or fp32 without bf16)
+    # llama.cpp keeps its KV cache in f16; pagedserve in the model dtype (bf16, or fp32 without bf16);
+    # with --kv-cache-dtype int8, pagedserve int8 rows and llama.cpp q8_0.
     ps_dtype_bytes = 2 if bf16_support().native else 4
+    int8 = args.kv_cache_dtype == "int8"
     kv_tokens = SLOTS * ctx
-    ps_kv = kv_tokens * kv_bytes_per_token(gguf_path, ps_dtype_bytes)
-    small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes)  # (+ the null block, rounding)
+    ps_row = INT8_ROW_BYTES["pagedserve"] if int8 else None
+    ps_kv = kv_tokens * kv_bytes_per_token(gguf_path, ps_dtype_bytes, ps_row)
+    small_kv = (ctx + 32) * kv_bytes_per_token(gguf_path, ps_dtype_bytes, ps_row)  # (+ the null block, rounding)
+    llama_kv = ["-ctk", "q8_0", "-ctv", "q8_0"] if int8 else []
     sides = []  # (name, start for the run, start for the memory figure, KV bytes)
     binary = None if args.skip_llamacpp else ensure_llama_server()
     if binary is not None:
         sides.append(("llama-server",
                       lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=SLOTS, ctx_per_slot=ctx,
-                                          log_path=f"{logdir}/{name}-llama.log"),
+                                          log_path=f"{logdir}/{name}-llama.log", extra_args=llama_kv),
                       lambda: LlamaServer(binary, gguf_path, threads=args.threads, parallel=1, ctx_per_slot=ctx,
-                                          log_path=f"{logdir}/{name}-llama-mem.log"),
-                      kv_tokens * kv_bytes_per_token(gguf_path, 2)))
+                                          log_path=f"{logdir}/{name}-llama-mem.log", extra_args=llama_kv),
+                      kv_tokens * kv_bytes_per_token(gguf_path, 2, INT8_ROW_BYTES["llama-server"] if int8 else None)))
     for bits in args.quant_activation_bits:  # one pagedserve side per activation width
         side = "pagedserve" if bits == QUANT_ACTIVATION_BITS[0] else f"pagedserve, {bits}-bit activations"
-        extra = ["--quant-activation-bits", str(bits), *args.pagedserve_args]
+        extra = ["--quant-activation-bits", str(bits), "--kv-cache-dtype", args.kv_cache_dtype, *args.pagedserve_args]
         sides.append((side,
                       lambda extra=extra, tag=bits: PagedServe(
                           [model_arg, "--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx),
@@ -365,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quant-activation-bits", type=int, nargs="+", choices=QUANT_ACTIVATION_BITS,
                    default=[QUANT_ACTIVATION_BITS[0]],
                    help="a pagedserve side for each (e.g. 16 8: the default and llama.cpp's 8-bit scheme)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: pagedserve --kv-cache-dtype int8 against llama-server -ctk q8_0 -ctv q8_0 "
+                        "(auto: pagedserve's model dtype against llama.cpp's f16)")
     p.add_argument("--pagedserve-args", nargs=argparse.REMAINDER, default=[],
                    help="extra `pagedserve serve` flags (last on the command line)")
     args = p.parse_args(argv)

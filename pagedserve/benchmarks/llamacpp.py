@@ -93,10 +93,10 @@ class LlamaServer(LocalServer):
     what = "llama-server"
 
     def __init__(self, binary: Path, gguf: str, threads: int, parallel: int = 1, ctx_per_slot: int = 2048,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, extra_args: list[str] | None = None) -> None:
         self.args = [str(binary), "-m", gguf, "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
                      "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "--no-webui", "-b", "2048",
-                     "-ub", "512"]
+                     "-ub", "512", *(extra_args or [])]
         ld = str(binary.parent) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")
         super().__init__(log_path=log_path, env={**os.environ, "LD_LIBRARY_PATH": ld})
 
