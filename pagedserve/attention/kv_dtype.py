@@ -45,11 +45,6 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def head_dim_of(cache: torch.Tensor) -> int:
-    """The head_dim of the K/V rows a cache holds."""
-    return cache.shape[-1] - (INT8_SCALE_BYTES if cache.dtype == torch.int8 else 0)
-
-
 def raw(cache: torch.Tensor) -> torch.Tensor:
     """The cache as something torch can move on every device: its bytes for float8."""
     return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pagedserve.errors import InvalidRequestError
 
 # Qwen3-Reranker's instruction when the client gives none (its model card's default).
@@ -53,6 +55,4 @@ def _is_ids(value: Any) -> bool:
 
 def cosine(a: Any, b: Any) -> float:
     """Cosine similarity of two 1-D float tensors."""
-    import torch
-
     return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))

@@ -622,8 +622,9 @@ class ModelRunner:
                 query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, max_query_len=int(num_new.max()),
                 max_seq_len=int(seq_lens.max()), block_size=self.block_size, sliding_window=window,
             ) for g, window in enumerate(self.kv_layout.group_windows)]
-        # Every known (and pending) token computed: the next one is sampled (pooling requests never sample).
-        sample = (seq_lens == total) & ~ib.is_pooling[rows]
+        sample = seq_lens == total  # every known (and pending) token computed: the next one is sampled
+        if ib.pooling_params:  # (pooling requests never sample)
+            sample &= ~ib.is_pooling[rows]
         return StepInputs(num_reqs, num_tokens, common, graph_size, qsl[1: num_reqs + 1][sample] - 1,
                           np.flatnonzero(sample).tolist(), pending)
 

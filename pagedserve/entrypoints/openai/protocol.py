@@ -398,7 +398,8 @@ class ResponsesRequest(RequestBody):
     stream: bool = False
     user: str | None = None
     metadata: dict[str, str] | None = None
-    # Refused when set (no response store, no background runs, no extra output):
+    # store / previous_response_id need --enable-responses-store; background, include and
+    # top_logprobs are refused when set (no background runs, no extra output):
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None

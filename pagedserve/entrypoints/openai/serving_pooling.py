@@ -73,13 +73,6 @@ class OpenAIServingPooling(OpenAIServing):
                 prompt = TokenizedPrompt(None, prompt.token_ids[-truncate:])
         return prompt
 
-    def pooling_params(self, req: Any, params: PoolingParams) -> PoolingParams:
-        try:
-            params.validate()
-        except InvalidRequestError as e:
-            raise self.invalid(req, e) from None
-        return params
-
     @staticmethod
     async def collect(streams: list[RequestStream]) -> list[PoolingRequestOutput]:
         finals: list[Any] = [None] * len(streams)
@@ -108,7 +101,8 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         if not items or any(isinstance(t, list) and not t for t in items):
             raise OpenAIError("input must not be empty", param="input")
         self.check_fanout(len(items), 1, "input")  # before tokenizing any of them
-        params = self.pooling_params(req, PoolingParams(dimensions=req.dimensions, normalize=req.normalize))
+        # (checked by the engine when it accepts them: a bad field is a 400 naming it, before any output)
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         return PreparedRequest(model, [self.prompt(t, req.truncate_prompt_tokens) for t in items], params)
 
     async def full(self, req: EmbeddingRequest, prep: PreparedRequest, request_id: str,
@@ -146,7 +140,7 @@ class OpenAIServingScore(OpenAIServingPooling):
             if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
                 raise OpenAIError("a reranker scores text: send strings, not token ids", param="text_1")
             prompts = [self.prompt(reranker_prompt(a, b, req.instruction), truncate) for a, b in pairs]
-            return PreparedScores(model, prompts, self.pooling_params(req, PoolingParams(task="classify")),
+            return PreparedScores(model, prompts, PoolingParams(task="classify"),
                                   documents=documents)
         if req.instruction is not None:
             raise OpenAIError("instruction is a reranker's (a server started with pooler_config "
@@ -155,8 +149,7 @@ class OpenAIServingScore(OpenAIServingPooling):
         for text in (t for pair in pairs for t in pair):
             index.setdefault(_key(text), len(index))
         prompts = [self.prompt(list(t) if isinstance(t, tuple) else t, truncate) for t in index]
-        params = self.pooling_params(req, PoolingParams(task="embed"))
-        return PreparedScores(model, prompts, params, pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs],
+        return PreparedScores(model, prompts, PoolingParams(task="embed"), pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs],
                               documents=documents)
 
     async def full(self, req: ScoreRequest | RerankRequest, prep: PreparedScores, request_id: str,
