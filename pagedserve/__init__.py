@@ -22,6 +22,7 @@ _EXPORTS = {
     "Logprob": "pagedserve.outputs",
     "EngineArgs": "pagedserve.engine.arg_utils",
     "LLMEngine": "pagedserve.engine.llm_engine",
+    "LoRARequest": "pagedserve.lora.request",
 }
 
 __all__ = list(_EXPORTS)

@@ -349,6 +349,29 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora knobs; pagedserve/lora/).  `max_loras`:
+    adapters resident in the model at once, so at most that many distinct adapters run
+    in one step; `max_cpu_loras`: adapters kept loaded in host memory (an LRU; None:
+    max_loras); `max_lora_rank`: the largest rank an adapter may have."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if not is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -358,3 +381,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     router_config: RouterConfig = field(default_factory=RouterConfig)  # data parallelism only
+    lora_config: LoRAConfig | None = None  # None: no adapters (enable_lora=False)

@@ -25,8 +25,9 @@ from pagedserve.core.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
-        super().__init__(scheduler_config, kv_cache_manager)
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_loras: int = 0) -> None:
+        super().__init__(scheduler_config, kv_cache_manager, max_loras=max_loras)
         self._num_scheduled_steps = 0  # step ids handed out (the next one is this number)
         self._num_applied_steps = 0  # steps whose results were applied, in order
         # Finished requests whose blocks an in-flight step still uses, by id.

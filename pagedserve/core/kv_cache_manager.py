@@ -148,7 +148,7 @@ class KVCacheManager:
 
     def _hash_blocks(self, request: Request, num_full_blocks: int | None = None) -> list[int]:
         return extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks, request.cache_salt
+            request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks, request.hash_salt
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -201,7 +201,7 @@ class KVCacheManager:
 
     def _radix_parent(self, request: Request, position: int) -> object:
         """The radix tree's key of the prefix before block `position`."""
-        return request.block_hashes[position - 1] if position else ("root", request.cache_salt)
+        return request.block_hashes[position - 1] if position else ("root", request.hash_salt)
 
     def _radix_partial_hit(self, request: Request, position: int) -> int:
         """Tokens of block `position` a cached block (or a finished request's last one)
@@ -401,7 +401,7 @@ class KVCacheManager:
         partial = num_computed - num_full * bs
         if partial and num_full < len(blocks):
             tokens = request.all_token_ids[num_full * bs:num_computed]
-            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens, request.cache_salt)
+            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens, request.hash_salt)
             out.append((blocks[num_full].block_id, key))
             self.swapped[request.request_id] = (num_full, partial, key)
         else:

@@ -50,12 +50,13 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     num_full_blocks: int | None = None,
-    cache_salt: str | None = None,
+    cache_salt: object = None,
 ) -> list[BlockHash]:
     """Append hashes for the full blocks of `token_ids` not yet in `block_hashes`.
 
     Hashes already present are reused, so a request's blocks are hashed exactly
-    once over its lifetime.  Stops at `num_full_blocks` when given.  The salt goes
+    once over its lifetime.  Stops at `num_full_blocks` when given.  The salt (a
+    client's string, or a tuple with the request's LoRA adapter: core/request.py) goes
     into the first block only; the chain carries it to every later block.
     """
     total = len(token_ids) // block_size
@@ -82,7 +83,7 @@ def extend_block_hashes(
 
 
 def hash_request_tokens(
-    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+    token_ids: Sequence[int], block_size: int, cache_salt: object = None
 ) -> list[BlockHash]:
     """The full hash chain of a token sequence (the partial tail block is not hashed)."""
     return extend_block_hashes([], token_ids, block_size, cache_salt=cache_salt)

@@ -37,7 +37,7 @@ _MASK_128 = (1 << 128) - 1
 _PARTIAL_BIT = 1 << 255
 
 
-def partial_block_key(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
+def partial_block_key(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: object = None) -> BlockHash:
     """The tier key of a block holding only `token_ids` (fewer than block_size) after
     the prefix whose last full block hashed to `parent` (None: the first block, whose
     key carries the salt as full first blocks' hashes do): such a block can only be

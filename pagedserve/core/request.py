@@ -13,6 +13,7 @@ import time
 from array import array
 from typing import Protocol
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import is_int, is_number
@@ -77,6 +78,7 @@ class Request:
         cache_salt: str | None = None,
         grammar: GrammarState | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -101,6 +103,12 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # The adapter it runs with (None: the base model), and what keys its KV blocks
+        # besides the tokens: the client's salt, and the adapter (two adapters' KV for the
+        # same tokens differ).  A tuple for adapters, so no client salt string can equal it.
+        self.lora_request = lora_request
+        self.hash_salt: str | tuple[str | None, int] | None = (
+            cache_salt if lora_request is None else (cache_salt, lora_request.lora_int_id))
         # Structured output: the grammar the sampled tokens must follow (None: free text).
         self.grammar = grammar
         # A pooling request (pooling_params.py): its prompt is computed, nothing is sampled.

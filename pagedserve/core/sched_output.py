@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.core.kv_tier import KVTransfers
+from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: the runner pools, never samples
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

@@ -65,9 +65,11 @@ def _tokens_to_compute(request: Request) -> int:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative_config: SpeculativeConfig | None = None, drafter: Drafter | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None, drafter: Drafter | None = None,
+                 max_loras: int = 0) -> None:
         """`drafter`: a draft model's proposer (method "draft_model", built by the engine);
-        the n-gram one is built here."""
+        the n-gram one is built here.  `max_loras`: most distinct LoRA adapters among the
+        running requests (the slots the model holds; 0: no adapters)."""
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -79,6 +81,7 @@ class Scheduler:
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
         self.policy = scheduler_config.policy
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -284,19 +287,26 @@ class Scheduler:
         self, token_budget: int, num_scheduled_tokens: dict[str, int], new_reqs: list[NewRequestData]
     ) -> int:
         """Admit waiting requests in queue order; returns the budget left.  A request whose
-        grammar is still compiling is stepped over (and keeps its place), so a slow schema
-        holds up nothing but itself."""
+        grammar is still compiling, or whose LoRA adapter would be one more than the model
+        holds at once, is stepped over (and keeps its place), so a slow schema or a busy
+        adapter holds up nothing but itself."""
         kvm = self.kv_cache_manager
         waiting, running = self.waiting, self.running
         threshold = self.long_prefill_token_threshold
-        compiling: list[Request] = []
+        stepped_over: list[Request] = []
+        loras = {r.lora_request.lora_int_id for r in running if r.lora_request is not None} if self.max_loras else None
         while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek_request()
             if request.status is _WAITING_FOR_FSM:
                 if not request.grammar.is_ready() or request.grammar.error is not None:
-                    compiling.append(waiting.pop_request())  # (a failed one: the engine ends it)
+                    stepped_over.append(waiting.pop_request())  # (a failed one: the engine ends it)
                     continue
                 request.status = RequestStatus.WAITING
+            lora = request.lora_request
+            if loras is not None and lora is not None and lora.lora_int_id not in loras:
+                if len(loras) >= self.max_loras:
+                    stepped_over.append(waiting.pop_request())
+                    continue
             if request.num_output_placeholders:
                 break  # preempted while its last sample was in flight: resume once it lands
             computed_blocks, num_hit = kvm.get_computed_blocks(request)
@@ -311,6 +321,8 @@ class Scheduler:
             if new_blocks is None:
                 break  # head-of-line: later requests must not overtake it
             waiting.pop_request()
+            if loras is not None and lora is not None:
+                loras.add(lora.lora_int_id)
             if self.policy == "priority":
                 bisect.insort(running, request, key=_sched_key)
             else:
@@ -329,13 +341,14 @@ class Scheduler:
                     block_ids=kvm.get_block_ids(req_id),
                     num_computed_tokens=num_hit,
                     pooling_params=request.pooling_params,
+                    lora_request=request.lora_request,
                 )
             )
             request.num_output_tokens_sent = len(outputs)
             num_scheduled_tokens[req_id] = n
             token_budget -= n
             request.num_computed_tokens = num_hit + n
-        for request in reversed(compiling):
+        for request in reversed(stepped_over):
             waiting.prepend_request(request)
         return token_budget
 

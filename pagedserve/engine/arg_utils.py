@@ -30,6 +30,7 @@ from pagedserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -126,6 +127,12 @@ _HELP = {
                      "(fields: pooling_type LAST, MEAN or CLS, default LAST; normalize, default true; "
                      "classifier_from_token, e.g. [\"no\", \"yes\"]: score pairs with those two tokens' "
                      "logits, as Qwen3-Reranker; without it scores are embedding cosine similarities)",
+    "enable_lora": "serve LoRA adapters (PEFT directories) picked per request: LLM.generate(lora_request=...), "
+                   "the server's --lora-modules and the request's model field",
+    "max_loras": "LoRA adapters resident in the model at once (at most this many distinct adapters run in one step)",
+    "max_lora_rank": "the largest LoRA rank an adapter may have",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory, least recently used dropped first "
+                     "(default: max_loras)",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
                           "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; or "
@@ -187,6 +194,11 @@ class EngineArgs:
     runner: str = RUNNERS[0]
     # The pooling runner's PoolerConfig fields; a JSON string on the command line.
     pooler_config: dict[str, Any] | str | None = None
+    # Multi-LoRA serving (LoRAConfig): adapters picked per request.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -247,6 +259,7 @@ class EngineArgs:
             raise bad("torch_compile", "True, False or None (on for CPU)")
         self._speculative = self._parse_speculative_config()
         self._pooler = self._parse_pooler_config()
+        self._lora = self._lora_config()
         if self._speculative is not None and self.async_scheduling:
             raise ValueError("speculative_config does not work with async_scheduling=True yet (a step's drafts "
                              "depend on the previous step's tokens); turn one of them off")
@@ -332,6 +345,19 @@ class EngineArgs:
         value = _json_argument(self.pooler_config, "pooler_config")
         return None if value is None else PoolerConfig.from_dict(value)
 
+    def _lora_config(self) -> LoRAConfig | None:
+        """LoRAConfig when enable_lora, and what adapters cannot be combined with yet."""
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        if not self.enable_lora:
+            return None
+        for name, given in (("data_parallel_size > 1", self.data_parallel_size > 1),
+                            # a tier on disk outlives the adapters' ids, which key their blocks
+                            ("kv_offload_dir", self.kv_offload_dir is not None)):
+            if given:
+                raise ValueError(f"enable_lora does not work with {name} (yet)")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
+
     def _parse_speculative_config(self) -> SpeculativeConfig | None:
         value = _json_argument(self.speculative_config, "speculative_config")
         return None if value is None else SpeculativeConfig.from_dict(value)
@@ -391,6 +417,7 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
             speculative_config=self._speculative,
             router_config=self.router_config(),
+            lora_config=self._lora,
         )
 
     # ------------------------------------------------------------------ CLI
@@ -439,7 +466,7 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)
                 "structured_outputs_backend": ("--structured-outputs-config.backend", "--guided-decoding-backend")}
 _FLOAT_FIELDS = {"max_step_ms", "router_cache_threshold", "router_balance_rel_threshold"}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "cpus_per_replica",
-               "router_balance_abs_threshold"}
+               "router_balance_abs_threshold", "max_cpu_loras"}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -36,6 +36,7 @@ from pagedserve.engine.chat_utils import encode_chat
 from pagedserve.engine.llm_engine import BatchProgress
 from pagedserve.engine.router import Router
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import (
     IterationStats,
     SchedulerStats,
@@ -319,11 +320,15 @@ class ReplicaSet:
         return self.info.sampling_defaults
 
     def run_batch(self, prompts: list[Any], params: list[SamplingParams], priority: list[int] | None = None,
-                  progress: BatchProgress | None = None) -> list[RequestOutput]:
+                  progress: BatchProgress | None = None,
+                  lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """The offline batch: the router assigns each prompt a replica (counting what it has
         assigned as load), every replica runs its share at once, outputs come back in
         input order."""
         import ray
+
+        if lora_requests is not None and any(r is not None for r in lora_requests):
+            raise ValueError("LoRA adapters do not run on data-parallel replicas (yet): use data_parallel_size=1")
 
         router = Router(self.router_config, self.num_replicas, self.info.block_size, self.info.num_blocks)
         shares: list[list[int]] = [[] for _ in range(self.num_replicas)]

@@ -40,6 +40,7 @@ from pagedserve.engine.chat_utils import encode_chat, encode_text, prompt_char_l
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.pooling_params import PoolingParams
@@ -119,7 +120,7 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
             tensor_parallel_size=1, async_scheduling=False, enable_prefix_caching=False, max_model_len=max_len,
             max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * max_len, num_gpu_blocks_override=num_blocks,
             kv_cache_memory_bytes=None, max_step_ms=None, kv_offload_dir=None, kv_offload_bytes=None,
-            preemption_mode="recompute", prefix_caching_algo="hash").create_engine_config()
+            preemption_mode="recompute", prefix_caching_algo="hash", enable_lora=False).create_engine_config()
         draft_tokenizer = load_tokenizer(draft_config.model_config)
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from None
@@ -178,10 +179,13 @@ class LLMEngine:
                      else "runner='pooling'" if self.model_config.runner == "pooling" else None)
         sched.async_scheduling = self.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, model_executor, sync_only)
+        max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         if self.async_scheduling:
-            self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager)
+            self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager, max_loras)
         else:
-            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config, drafter)
+            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config, drafter, max_loras)
+        # LoRA adapters the executor has loaded and checked, by id.
+        self._loras: dict[int, LoRARequest] = {}
         # Async scheduling: launched steps whose results are not applied yet, oldest first
         # (at most one stays in flight between calls to step()).
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
@@ -256,11 +260,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue one request (n > 1: n scheduler sequences).  `params`: a
         SamplingParams (generate runner) or a PoolingParams (pooling runner: the request
-        ends with one PoolingRequestOutput).  Raises ValueError naming the problem; on
-        error nothing has changed."""
+        ends with one PoolingRequestOutput).  `lora_request`: the adapter it runs with
+        (loaded now if it is new).  Raises ValueError naming the problem; on error
+        nothing has changed."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         pooling = self.runner == "pooling"
@@ -281,6 +287,8 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
         prompt_text, prompt_ids, cache_salt = self._process_prompt(prompt)
         self._check_request(prompt_ids, params, priority)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         compiled = None
         if params.structured_outputs is not None:
             compiled = self.structured_output.claim(params.structured_outputs)
@@ -302,7 +310,7 @@ class LLMEngine:
             for cid, cparams in zip(child_ids, child_params, strict=True):
                 grammar = self.structured_output.request(params.structured_outputs) if compiled else None
                 self.scheduler.add_request(Request(cid, prompt_ids, cparams, self.eos_token_id, arrival, priority,
-                                                   cache_salt, grammar, pooling_params))
+                                                   cache_salt, grammar, pooling_params, lora_request))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
@@ -313,6 +321,36 @@ class LLMEngine:
         if compiled is not None and not compiled.done():
             self._compiling[request_id] = compiled
 
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter (a no-op when this one is loaded); False when it was
+        loaded already.  ValueError names what is wrong: LoRA not enabled, an id taken by
+        another adapter, or the adapter itself (its files, rank, targets, shapes)."""
+        if self.config.lora_config is None:
+            raise InvalidRequestError("LoRA adapters are not enabled: start the engine with enable_lora=True "
+                                      "(--enable-lora)", param="model")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self._loras.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return False
+        if known is not None:
+            raise InvalidRequestError(f"LoRA id {lora_request.lora_int_id} is adapter {known.lora_name!r} "
+                                      f"({known.lora_path}); unload it before reusing the id", param="model")
+        self.model_executor.add_lora(lora_request)
+        self._loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (requests already running with it finish with it)."""
+        if self._loras.pop(lora_id, None) is None:
+            return False
+        self.model_executor.remove_lora(lora_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self._loras.values())
 
     def _resolve_pooling(self, params: PoolingParams) -> PoolingParams:
         """A pooling request's params checked against this engine and completed from its
@@ -339,7 +377,8 @@ class LLMEngine:
         return resolved
 
     def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
-                  priority: list[int] | None = None, progress: BatchProgress | None = None
+                  priority: list[int] | None = None, progress: BatchProgress | None = None,
+                  lora_requests: list[LoRARequest | None] | None = None,
                   ) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """The offline batch loop (`LLM.generate`, and each data-parallel replica's share of
         one): compile every grammar first (an invalid one is a ValueError before any request
@@ -354,7 +393,8 @@ class LLMEngine:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = str(next(self._batch_ids))
                 self.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
-                                 output_kind=RequestOutputKind.FINAL_ONLY)
+                                 output_kind=RequestOutputKind.FINAL_ONLY,
+                                 lora_request=lora_requests[i] if lora_requests is not None else None)
                 ids.append(rid)
             pending = set(ids)
             while pending:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
 from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
 from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pairs
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -42,7 +43,8 @@ class BatchEngine(Protocol):
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]: ...
 
     def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
-                  priority: list[int] | None = None, progress: BatchProgress | None = None
+                  priority: list[int] | None = None, progress: BatchProgress | None = None,
+                  lora_requests: list[LoRARequest | None] | None = None,
                   ) -> list[RequestOutput] | list[PoolingRequestOutput]: ...
 
     def shutdown(self) -> None: ...
@@ -91,17 +93,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt_token_ids": [...]} /
         {"prompt": "..."} dicts, or a list of these.  sampling_params: one for all
         prompts or a list with one per prompt.  priority (one per prompt) matters only
-        with scheduling_policy="priority".  Outputs come back in input order."""
+        with scheduling_policy="priority".  lora_request (enable_lora=True): one adapter
+        for every prompt, or one per prompt (None: the base model).  Outputs come back
+        in input order."""
         prompt_list = _normalize_prompts(prompts)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run(prompt_list, _normalize_params(sampling_params, len(prompt_list)), use_tqdm, priority)
+        return self._run(prompt_list, _normalize_params(sampling_params, len(prompt_list)), use_tqdm, priority,
+                         lora_request)
 
     def chat(
         self,
@@ -113,6 +119,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the model's chat template (or `chat_template`: Jinja text, or a file
@@ -131,7 +138,7 @@ class LLM:
                    for conv in conversations]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm)
+        return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm, None, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `params.beam_width` best continuations of each prompt (vLLM's API), as HF
@@ -213,12 +220,14 @@ class LLM:
                 for a, b in zip(outs[::2], outs[1::2], strict=True)]
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
-             priority: Sequence[int] | None = None) -> Any:
+             priority: Sequence[int] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> Any:
         engine = self.engine
+        loras = _normalize_loras(lora_request, len(prompts))
         stats = self.llm_engine.get_stats if self.llm_engine is not None else None
         bar = _ProgressBar(stats, len(prompts)) if use_tqdm and prompts else None
         try:
-            return engine.run_batch(prompts, params, list(priority) if priority is not None else None, bar)
+            return engine.run_batch(prompts, params, list(priority) if priority is not None else None, bar, loras)
         finally:
             if bar is not None:
                 bar.close()
@@ -273,6 +282,22 @@ def _normalize_prompts(prompts: Any) -> list[Prompt]:
         "prompts must be a string, a list of token ids, a prompt dict, or a list of these; "
         f"got {type(prompts).__name__}"
     )
+
+
+def _normalize_loras(lora_request: Any, n: int) -> list[LoRARequest | None] | None:
+    """One adapter for all n prompts, or one (or None) per prompt; None: the base model for all."""
+    if lora_request is None:
+        return None
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"got {len(lora_request)} lora_request for {n} prompts; pass one, or one per prompt")
+        for i, r in enumerate(lora_request):
+            if r is not None and not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got {type(r).__name__}")
+        return list(lora_request)
+    raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
 
 
 def _normalize_params(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:

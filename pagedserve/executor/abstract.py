@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.core.kv_tier import KVTier
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
+from pagedserve.lora.request import LoRARequest
 from pagedserve.worker.runner_output import ModelRunnerOutput
 
 
@@ -44,6 +45,15 @@ class ModelExecutor(Protocol):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
         """Launch one step and return at once; the step may run one token past what the
         host knows, provided the previous step launched here sampled that token."""
+        ...
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check a LoRA adapter now, between steps (ValueError naming what is
+        wrong with it), so the step that first runs it reads no files."""
+        ...
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; False when it was not loaded."""
         ...
 
     def describe(self) -> dict[str, str]:

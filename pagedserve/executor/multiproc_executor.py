@@ -51,6 +51,8 @@ from pagedserve.distributed.parallel_state import (
 from pagedserve.distributed.shm_broadcast import ShmBroadcaster
 from pagedserve.executor.abstract import PendingModelOutput
 from pagedserve.executor.worker_proc import SHUTDOWN, TPWorker, WorkerArgs, worker_main
+from pagedserve.lora.peft import LoRAAdapterError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import is_int
 from pagedserve.worker.runner_output import ModelRunnerOutput
@@ -217,6 +219,14 @@ class MultiprocExecutor:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelOutput:
         raise NotImplementedError("tensor-parallel execution has no overlap scheduling")
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        errors = [e for e in self.collective_rpc("add_lora", lora_request) if e]
+        if errors:
+            raise LoRAAdapterError(errors[0])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any(self.collective_rpc("remove_lora", lora_id))
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Run TPWorker.`method`(*args) on every rank; results in rank order."""

@@ -34,6 +34,7 @@ from pagedserve.distributed.parallel_state import (
     tp_group_scope,
 )
 from pagedserve.distributed.shm_broadcast import ReaderHandle, ShmReader
+from pagedserve.lora.request import LoRARequest
 from pagedserve.platforms import is_cuda
 from pagedserve.worker.runner_output import ModelRunnerOutput
 
@@ -64,6 +65,18 @@ class TPWorker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self.runner.execute_model(scheduler_output)
         return out if self.group.is_driver else None
+
+    def add_lora(self, lora_request: LoRARequest) -> str | None:
+        """Load this rank's shard of an adapter; what is wrong with it comes back as the
+        answer (the request is refused), never as this rank's death."""
+        try:
+            self.runner.add_lora(lora_request)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.runner.remove_lora(lora_id)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torch import nn
 from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers import opaque
+from pagedserve.layers.lora import LinearLoRA
 from pagedserve.layers.quantization import (
     DEFAULT_ACTIVATION_BITS,
     BlockWeights,
@@ -138,6 +139,7 @@ class LinearBase(nn.Module):
         self.activation_bits = DEFAULT_ACTIVATION_BITS
         self.qweight: QuantizedWeight | None = None
         self._float_rows: list[tuple[int, int]] = []  # (offset, rows) loaded as float under "gguf"
+        self.lora: LinearLoRA | None = None  # set by the LoRA manager when adapters are enabled
 
     def enable_quantization(self, method: str, weight: torch.Tensor | None = None,
                             activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
@@ -172,11 +174,15 @@ class LinearBase(nn.Module):
     def linear_eager(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
             y = self.qweight.linear(x)
-            return y if bias is None else y + bias
-        return self._linear(x, weight, bias)
+            y = y if bias is None else y + bias
+        else:
+            y = self._linear(x, weight, bias)
+        # Adapters' products (per row group) join before a row-parallel layer's all-reduce:
+        # each rank adds its input slice's share, as for the base weight.
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.qweight is not None:  # a torch operator: a compiled graph calls it directly
+        if self.qweight is not None and self.lora is None:  # a torch operator: a compiled graph calls it directly
             return self.linear_eager(x, self.weight, bias)
         if opaque.tracing(self.opaque_index):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
@@ -195,6 +201,17 @@ class LinearBase(nn.Module):
             rows = rows.dequantize()
         param.data.narrow(0, offset, rows.shape[0]).copy_(rows)
         self._linear.invalidate()
+
+    def shard_rows(self, shard_id: object = None) -> tuple[int, int, int, int]:
+        """Where shard `shard_id` (None: the whole output) of a checkpoint's [out, in] tensor
+        goes on this rank: (row offset in this rank's output, rows, first row taken from
+        the checkpoint tensor, the tensor's rows).  The weight loaders and the LoRA
+        manager's B matrices both place rows by it."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        if self.tp_dim == 0:
+            return 0, self.out_features, self.tp_rank * self.out_features, self.out_features * self.tp_size
+        return 0, self.out_features, 0, self.out_features
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
@@ -239,14 +256,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.bias is not None:
             self.bias.shard_ids = list(range(len(output_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    def shard_rows(self, shard_id: object = None) -> tuple[int, int, int, int]:
+        if shard_id is None:
+            return super().shard_rows(None)
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"merged linear needs a shard index in [0, {len(self.output_sizes)}), got {shard_id!r}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _check_shape(f"shard {shard_id}", (self.output_sizes[shard_id],) + self.logical_shape(param)[1:],
-                     loaded_weight.shape)
-        self.store_rows(param, offset, loaded_weight.narrow(0, self.tp_rank * size, size))
+        return offset, size, self.tp_rank * size, self.output_sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            raise ValueError(f"merged linear needs a shard index in [0, {len(self.output_sizes)}), got None")
+        offset, size, start, total = self.shard_rows(shard_id)
+        _check_shape(f"shard {shard_id}", (total,) + self.logical_shape(param)[1:], loaded_weight.shape)
+        self.store_rows(param, offset, loaded_weight.narrow(0, start, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -273,7 +297,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         if self.bias is not None:
             self.bias.shard_ids = ["q", "k", "v"]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    def shard_rows(self, shard_id: object = None) -> tuple[int, int, int, int]:
+        if shard_id is None:
+            return super().shard_rows(None)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
@@ -284,8 +310,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             rank = self.tp_rank // max(1, self.tp_size // self.total_num_kv_heads)
         else:
             raise ValueError(f"QKV linear needs shard 'q', 'k' or 'v', got {shard_id!r}")
+        return offset, size, rank * size, total
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            raise ValueError("QKV linear needs shard 'q', 'k' or 'v', got None")
+        offset, size, start, total = self.shard_rows(shard_id)
         _check_shape(f"shard {shard_id}", (total,) + self.logical_shape(param)[1:], loaded_weight.shape)
-        self.store_rows(param, offset, loaded_weight.narrow(0, rank * size, size))
+        self.store_rows(param, offset, loaded_weight.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):

@@ -39,6 +39,8 @@ from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.layers.pooler import Pooler, pooled_outputs
+from pagedserve.lora.manager import LoRAModelManager
+from pagedserve.lora.request import LoRARequest
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv, record_startup
 from pagedserve.worker import kv_cache, kv_offload
@@ -129,6 +131,10 @@ class ModelRunner:
         gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(gen)
         self.pooler = Pooler()  # pooling requests' partly folded prompts
+        # Multi-LoRA (lora/manager.py): the adapters' slots, and each running request's slot.
+        self.lora_manager = (LoRAModelManager(model, config.lora_config, model.stacked_params, self.device, self.dtype)
+                             if config.lora_config is not None else None)
+        self._lora_slot: dict[str, int] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The KV tier beneath the block pool (worker/kv_offload.py), made with the cache.
         self.kv_tier: kv_offload.HostKVTier | kv_offload.DiskKVTier | None = None
@@ -239,6 +245,8 @@ class ModelRunner:
         eager = self.config.device_config.enforce_eager
         reason = graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
                                            self.num_kv_groups)
+        if reason is None and self.lora_manager is not None:
+            reason = "LoRA adapters (each step's rows per adapter are not captured)"
         if reason is None and eager:
             # Eager decode steps take the graphs' padded shapes (and split counts) without
             # capturing: a GEMM's rounding depends on its row count, so an unpadded batch
@@ -359,6 +367,8 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
         ib = self.input_batch
+        if self.lora_manager is not None:
+            self._update_lora_slots(scheduler_output)
         ib.update_states(scheduler_output)
         if self.pooler.num_partial:
             for req_id in scheduler_output.finished_req_ids:
@@ -376,6 +386,10 @@ class ModelRunner:
         self._next_host_set()
         step = self._prepare_inputs(req_ids, scheduler_output, overlap)
         t = step.num_tokens
+        if self.lora_manager is not None:
+            self.lora_manager.set_step((self._lora_slot.get(r, 0) for r in req_ids),
+                                       np.fromiter(scheduler_output.num_scheduled_tokens.values(), np.int64,
+                                                   len(req_ids)))
         pend_tokens = self._gather_pending(req_ids, step) if step.pending.any() else None
         if step.graph_size is not None:
             hidden = self.graph_runner.run(step.graph_size)
@@ -431,6 +445,30 @@ class ModelRunner:
         else:
             sample(scheduler_output.grammar_bitmask)
         return out
+
+    def _update_lora_slots(self, sched_out: SchedulerOutput) -> None:
+        """Requests leaving the batch give their adapter's slot back; new ones take theirs
+        (in that order, so a slot freed this step can be reused by it)."""
+        mgr = self.lora_manager
+        assert mgr is not None
+        for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids,
+                       *(new.req_id for new in sched_out.scheduled_new_reqs)):
+            slot = self._lora_slot.pop(req_id, None)
+            if slot is not None:
+                mgr.release(slot)
+        for new in sched_out.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self._lora_slot[new.req_id] = mgr.acquire(new.lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter now (between steps), so the step that first runs it
+        does not read files; ValueError names what is wrong with it."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters are not enabled (enable_lora=True, --enable-lora)")
+        self.lora_manager.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_id)
 
     def _draft_logits(self, req_ids: list[str], spec_ids: list[str], drafts: dict[str, list[int]],
                       hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,205 @@
+"""The worker's adapters: which the model can hold, which are resident, and each step's rows.
+
+`max_loras` slots (1..max_loras; slot 0 is the base model) hold adapters on the
+model's device; behind them an LRU of `max_cpu_loras` adapters checked and converted
+in host memory, so switching an adapter back in is a copy, not a file read.  An
+adapter is checked against the model's own layers when loaded (`add_lora`, which the
+engine calls between steps, never inside one): every module it targets must be a
+linear layer here, with the shapes the base model has, so an adapter of another base
+fails by name instead of computing something else.
+
+A request takes a slot when it joins the batch (`acquire`) and gives it back when it
+leaves (`release`); only an adapter no running request uses is evicted.  The
+scheduler runs at most max_loras distinct adapters in one step, so a slot is always
+free when a request needs one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.config import LoRAConfig
+from pagedserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from pagedserve.layers.lora import LinearLoRA, LoRABatch
+from pagedserve.lora.peft import LoRAAdapterError, PeftAdapter, read_peft_adapter
+from pagedserve.lora.request import LoRARequest
+
+StackedMapping = Sequence[tuple[str, str, object]]
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter checked against this model and laid out for this rank: per layer, the
+    stacked A [R, in] and block-diagonal, pre-scaled B [out, R] (host memory)."""
+
+    request: LoRARequest
+    layers: dict[LinearBase, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.layers.values())
+
+
+class LoRAModelManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, stacked_params: StackedMapping,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        """`stacked_params`: the model's (fused layer, checkpoint name, shard) triples, so a
+        PEFT target q_proj finds shard "q" of qkv_proj."""
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.batch = LoRABatch()
+        # PEFT module name -> (layer, shard of it; None: the whole layer)
+        self.targets: dict[str, tuple[LinearBase, object]] = {}
+        for name, module in model.named_modules():
+            if not isinstance(module, LinearBase):
+                continue
+            module.lora = LinearLoRA(self.batch)
+            prefix, _, leaf = name.rpartition(".")
+            self.targets[name] = (module, None)
+            for fused, checkpoint_name, shard in stacked_params:
+                if fused == leaf:
+                    self.targets[f"{prefix}.{checkpoint_name}" if prefix else checkpoint_name] = (module, shard)
+        self._loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # host LRU, oldest first
+        self._lock = threading.Lock()  # add_lora may run beside a step (server threads)
+        self.slot_ids: list[int | None] = [None] * (config.max_loras + 1)  # slot -> adapter id (slot 0: base)
+        self.slot_refs = [0] * (config.max_loras + 1)
+        self._slot_used = [0] * (config.max_loras + 1)  # last use, for LRU among free slots
+        self._clock = 0
+
+    # ------------------------------------------------------------------ loading
+    def add_lora(self, request: LoRARequest) -> LoadedAdapter:
+        """Read, check and convert the adapter into host memory (a no-op when it is there);
+        LoRAAdapterError (a ValueError) names what is wrong with it."""
+        with self._lock:
+            loaded = self._loaded.get(request.lora_int_id)
+            if loaded is not None:
+                if loaded.request.lora_path != request.lora_path:
+                    raise LoRAAdapterError(f"LoRA id {request.lora_int_id} is already adapter "
+                                           f"{loaded.request.lora_name!r} at another path")
+                self._loaded.move_to_end(request.lora_int_id)
+                return loaded
+        loaded = LoadedAdapter(request, self._layout(read_peft_adapter(request.lora_path, self.config.max_lora_rank),
+                                                     request))
+        with self._lock:
+            self._loaded[request.lora_int_id] = loaded
+            resident = {i for i in self.slot_ids if i is not None}
+            while len(self._loaded) > self.config.max_cpu_loras:
+                victim = next((i for i in self._loaded if i not in resident), None)
+                if victim is None:
+                    break
+                del self._loaded[victim]
+        return loaded
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (False if it was not loaded); one a running request uses stays
+        in its slot until that request leaves."""
+        with self._lock:
+            gone = self._loaded.pop(lora_id, None) is not None
+            for slot, sid in enumerate(self.slot_ids):
+                if sid == lora_id and self.slot_refs[slot] == 0:
+                    self._clear_slot(slot)
+            return gone
+
+    def list_loras(self) -> list[int]:
+        return list(self._loaded)
+
+    def _layout(self, adapter: PeftAdapter, request: LoRARequest) -> dict[LinearBase, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: the shards' A stacked, their B (times the scaling) placed at the
+        shard's rows of this rank's output, block-diagonally."""
+        parts: dict[LinearBase, list[tuple[object, torch.Tensor, torch.Tensor]]] = {}
+        for module_name, (a, b) in adapter.weights.items():
+            target = self.targets.get(module_name)
+            if target is None:
+                leaves = sorted({n.rpartition(".")[2] for n in self.targets})
+                raise LoRAAdapterError(f"adapter {request.lora_name!r} targets {module_name!r}, which is not a linear "
+                                       f"layer of this model (adaptable: {', '.join(leaves)})")
+            layer, shard = target
+            if shard is None and layer.tp_size > 1 and isinstance(layer, (QKVParallelLinear,
+                                                                          MergedColumnParallelLinear)):
+                raise LoRAAdapterError(f"adapter {request.lora_name!r} targets the fused {module_name!r}, which "
+                                       "pagedserve splits only at tensor_parallel_size 1")
+            in_total = layer.in_features * (layer.tp_size if layer.tp_dim == 1 else 1)
+            _, _, _, out_total = layer.shard_rows(shard)
+            if tuple(a.shape[1:]) != (in_total,) or b.shape[0] != out_total:
+                raise LoRAAdapterError(
+                    f"adapter {request.lora_name!r}: {module_name!r} has lora_A {tuple(a.shape)} and lora_B "
+                    f"{tuple(b.shape)}, but this model's layer takes [r, {in_total}] and [{out_total}, r] "
+                    "(an adapter of another base model?)")
+            parts.setdefault(layer, []).append((shard, a, b))
+        out = {}
+        for layer, shards in parts.items():
+            a_rows, b_blocks = [], torch.zeros(layer.out_features, sum(a.shape[0] for _, a, _ in shards),
+                                               dtype=torch.float32)
+            col = 0
+            for shard, a, b in shards:
+                if layer.tp_dim == 1:  # input split across ranks: this rank's columns of A
+                    a = a.narrow(1, layer.tp_rank * layer.in_features, layer.in_features)
+                offset, size, start, _ = layer.shard_rows(shard)
+                b_blocks[offset: offset + size, col: col + a.shape[0]] = b.float().narrow(0, start, size) * adapter.scaling
+                a_rows.append(a.float())
+                col += a.shape[0]
+            out[layer] = (torch.cat(a_rows).to(self.dtype).contiguous(), b_blocks.to(self.dtype).contiguous())
+        return out
+
+    # ------------------------------------------------------------------ slots
+    def acquire(self, request: LoRARequest) -> int:
+        """The slot holding `request`'s adapter, activating it (loading it first if needed)."""
+        loaded = self.add_lora(request)
+        with self._lock:
+            self._clock += 1
+            lora_id = request.lora_int_id
+            if lora_id in self.slot_ids:
+                slot = self.slot_ids.index(lora_id)
+            else:
+                free = [s for s in range(1, len(self.slot_ids)) if self.slot_refs[s] == 0]
+                if not free:
+                    raise RuntimeError(f"all {self.config.max_loras} LoRA slots are in use by running requests "
+                                       "(the scheduler admits at most max_loras adapters at once)")
+                slot = min(free, key=lambda s: (self.slot_ids[s] is not None, self._slot_used[s]))
+                self._clear_slot(slot)
+                for layer, (a, b) in loaded.layers.items():
+                    assert layer.lora is not None
+                    layer.lora.slots[slot] = (a.to(self.device), b.to(self.device))
+                self.slot_ids[slot] = lora_id
+            self.slot_refs[slot] += 1
+            self._slot_used[slot] = self._clock
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self.slot_refs[slot] -= 1
+
+    def _clear_slot(self, slot: int) -> None:
+        for layer, _ in self.targets.values():
+            assert layer.lora is not None
+            layer.lora.slots.pop(slot, None)
+        self.slot_ids[slot] = None
+
+    # ------------------------------------------------------------------ steps
+    def set_step(self, slots: Iterable[int], num_tokens: np.ndarray) -> None:
+        """This step's row groups: `slots[i]` for the `num_tokens[i]` rows of request i."""
+        per_req = np.fromiter(slots, np.int64, len(num_tokens))
+        groups: list = []
+        if per_req.any():
+            per_tok = np.repeat(per_req, num_tokens)
+            for slot in np.unique(per_req[per_req > 0]).tolist():
+                idx = np.flatnonzero(per_tok == slot)
+                if len(idx) == len(per_tok):
+                    groups.append((slot, None))
+                elif idx[-1] - idx[0] + 1 == len(idx):
+                    groups.append((slot, slice(int(idx[0]), int(idx[-1]) + 1)))
+                else:
+                    groups.append((slot, torch.from_numpy(idx).to(self.device)))
+        self.batch.groups = groups
+
+    def resident_bytes(self) -> int:
+        """Host memory of the loaded adapters."""
+        with self._lock:
+            return sum(a.nbytes for a in self._loaded.values())

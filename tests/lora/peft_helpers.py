@@ -1,0 +1,51 @@
+"""PEFT adapters with random nonzero weights, and HF + PEFT's greedy answers as the reference."""
+
+from __future__ import annotations
+
+import torch
+
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base_model, out_dir: str, seed: int, r: int = 8, targets: list[str] | None = None,
+                 alpha: float = 16, rslora: bool = False, scale: float = 1.0) -> str:
+    """Save a LoRA adapter of `base_model` (an HF model, left unchanged) with random A and
+    B (B nonzero, unlike a fresh adapter's) into `out_dir`."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or ATTN_MLP, use_rslora=rslora,
+                        lora_dropout=0.0)
+    model = get_peft_model(copy.deepcopy(base_model), config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_A" in name:
+            p.data = torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5
+        elif "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen) * scale / p.shape[1] ** 0.5
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_greedy(base_model, adapter_dir: str | None, prompts: list[list[int]], max_tokens: int,
+                top: int = 5) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Per prompt: greedy tokens and each step's top-`top` logprobs of the base model with
+    the adapter applied (None: the base alone)."""
+    import copy
+
+    from peft import PeftModel
+
+    model = base_model if adapter_dir is None else PeftModel.from_pretrained(copy.deepcopy(base_model), adapter_dir)
+    model.eval()
+    results = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            tops = []
+            for logits in out.logits:
+                v, i = torch.log_softmax(logits[0].float(), -1).topk(top)
+                tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
+            results.append((out.sequences[0, len(p):].tolist(), tops))
+    return results
