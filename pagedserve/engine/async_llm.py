@@ -33,6 +33,7 @@ from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import OverloadedError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.platforms import is_cuda
@@ -115,6 +116,7 @@ class _AddRequestCommand:
     priority: int
     arrival: float
     future: asyncio.Future = field(repr=False)
+    lora_request: LoRARequest | None = None
 
 
 def check_front_door_limits(max_waiting_requests: int | None, request_timeout: float | None) -> None:
@@ -273,7 +275,8 @@ class AsyncLLM(FrontDoor):
 
     # ------------------------------------------------------------------ client API
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
-                          priority: int = 0, final_only: bool = False) -> RequestStream:
+                          priority: int = 0, final_only: bool = False,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue one request; returns once the engine has accepted it, so a
         bad request raises (ValueError / InvalidRequestError) before a server has sent
         anything.  The returned stream must be read to its end or closed; with
@@ -286,7 +289,8 @@ class AsyncLLM(FrontDoor):
         collector = OutputCollector()
         self._collectors[request_id] = collector
         future = self._loop.create_future()
-        self._send(_AddRequestCommand(request_id, prompt, sampling_params, priority, time.monotonic(), future))
+        self._send(_AddRequestCommand(request_id, prompt, sampling_params, priority, time.monotonic(), future,
+                                      lora_request))
         self._pending_adds += 1
         try:
             await future
@@ -311,6 +315,14 @@ class AsyncLLM(FrontDoor):
             params = copy.copy(params)
             params.bad_words_token_ids = words
         return params
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter in a worker thread (the engine thread keeps stepping;
+        the executor serializes the load with the steps); ValueError names what is wrong."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -426,7 +438,7 @@ class AsyncLLM(FrontDoor):
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=time.time(),
-                                    priority=cmd.priority)
+                                    priority=cmd.priority, lora_request=cmd.lora_request)
         except (ValueError, TypeError) as e:  # InvalidRequestError (a ValueError) keeps its param
             self._call_soon(_set_exception, cmd.future, e if isinstance(e, ValueError) else ValueError(str(e)))
             return

@@ -28,8 +28,12 @@ from typing import Any
 from pagedserve.engine.async_llm import EngineDeadError, FrontDoor, OutputCollector, RequestStream
 from pagedserve.engine.data_parallel import ReplicaRefusal, ReplicaReport, ReplicaSet, routing_tokens
 from pagedserve.engine.router import NoReplicaError, Router
+from pagedserve.errors import InvalidRequestError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger, RouterMetrics
 from pagedserve.sampling_params import SamplingParams
+
+_NO_LORA = "LoRA adapters do not run on data-parallel replicas (yet): serve them with --data-parallel-size 1"
 
 logger = logging.getLogger("pagedserve.dp_client")
 
@@ -135,9 +139,18 @@ class DPAsyncLLM(FrontDoor):
         return self.replicas.encode_chat(messages, chat_template, add_generation_prompt, **kwargs)
 
     # ------------------------------------------------------------------ requests
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        raise InvalidRequestError(_NO_LORA, param="model")
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return False
+
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
-                          priority: int = 0, final_only: bool = False) -> RequestStream:
+                          priority: int = 0, final_only: bool = False,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """As AsyncLLM.add_request: returns once a replica has accepted the request."""
+        if lora_request is not None:
+            raise InvalidRequestError(_NO_LORA, param="model")
         self._admit(request_id)
         ids, salt = routing_tokens(prompt, self.tokenizer)
         if ids is not None and isinstance(prompt, (str, dict)):  # the replica need not tokenize again

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from pagedserve.engine.async_llm import RequestStream
+from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
@@ -34,7 +35,13 @@ class EngineClient(Protocol):
     def start(self) -> None: ...
 
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
-                          priority: int = 0, final_only: bool = False) -> RequestStream: ...
+                          priority: int = 0, final_only: bool = False,
+                          lora_request: LoRARequest | None = None) -> RequestStream: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check a LoRA adapter (False: it was loaded); ValueError names the problem."""
+
+    async def remove_lora(self, lora_id: int) -> bool: ...
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]: ...

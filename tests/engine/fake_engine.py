@@ -98,7 +98,9 @@ class FakeEngine:
         self.bad_words_threads.add(threading.get_ident())
         return [self.tokenizer.encode(w) for w in words]
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, lora_request=None):
+        if lora_request is not None:
+            raise ValueError("the fake engine has no LoRA adapters")
         self.thread_ids.add(threading.get_ident())
         self.params_seen.append(params)
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else (

@@ -190,10 +190,10 @@ def test_stat_loggers_see_tokens_and_finishes():
 
 def test_an_unexpected_error_adding_one_request_fails_it_alone():
     class Buggy(FakeEngine):
-        def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+        def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, lora_request=None):
             if prompt == "boom":
                 raise KeyError("a bug reached by this input")
-            return super().add_request(request_id, prompt, params, arrival_time, priority)
+            return super().add_request(request_id, prompt, params, arrival_time, priority, lora_request)
 
     async def main():
         llm = AsyncLLM(Buggy(), log_stats=False)

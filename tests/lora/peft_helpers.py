@@ -49,3 +49,33 @@ def peft_greedy(base_model, adapter_dir: str | None, prompts: list[list[int]], m
                 tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
             results.append((out.sequences[0, len(p):].tolist(), tops))
     return results
+
+
+def cached_peft_greedy(base_model, base_key: str, adapter: tuple[str, dict] | None, prompts: list[list[int]],
+                       max_tokens: int) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """peft_greedy for a real model, kept in the persistent cache (as hf_greedy keeps HF's
+    answers): keyed by the base (`base_key`: what its weights depend on), the adapter's
+    make_adapter arguments (adapter = (directory, kwargs); it is rebuilt from them, so
+    equal kwargs mean equal weights), the library versions, the CPU's vector capability
+    and the prompts."""
+    import hashlib
+    import json
+    import os
+
+    import peft
+    import transformers
+
+    from pagedserve.model_loader.sources import cache_dir
+
+    key = json.dumps([base_key, adapter[1] if adapter else None, transformers.__version__, peft.__version__,
+                      torch.__version__, torch.backends.cpu.get_cpu_capability(), prompts, max_tokens])
+    path = os.path.join(cache_dir(), "hf-reference", "peft-outputs", hashlib.sha256(key.encode()).hexdigest()[:24])
+    if os.path.isfile(path):
+        with open(path) as f:
+            return [(toks, [{int(t): lp for t, lp in step} for step in tops]) for toks, tops in json.load(f)]
+    results = peft_greedy(base_model, adapter[0] if adapter else None, prompts, max_tokens)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump([(toks, [list(step.items()) for step in tops]) for toks, tops in results], f)
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
+    return results

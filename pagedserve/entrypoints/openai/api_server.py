@@ -31,7 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -62,12 +62,14 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     RerankRequest,
     ResponsesRequest,
     ScoreRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedserve.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,
@@ -77,6 +79,7 @@ from pagedserve.entrypoints.openai.reasoning_parsers import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
+from pagedserve.entrypoints.openai.serving_models import LoRAAdapters, parse_lora_modules
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedserve.entrypoints.openai.tool_parsers import (
@@ -139,11 +142,17 @@ class ServerState:
     dashboard: DashboardHub | None = None
     prepare_pool: ThreadPoolExecutor | None = None  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
+    lora_adapters: LoRAAdapters | None = None  # --lora-modules and the runtime-loaded ones
+
+    def __post_init__(self) -> None:
+        if self.lora_adapters is None:
+            self.lora_adapters = LoRAAdapters(self.served_model_names, {}, allow_runtime_updating=False)
 
     def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None,
                reasoning_parser: ReasoningParser | None = None) -> None:
         engine = attachment.client
-        args = (engine, self.served_model_names, attachment.max_model_len)
+        assert self.lora_adapters is not None
+        args = (engine, self.served_model_names, attachment.max_model_len, self.lora_adapters.loras)
         self.max_model_len = attachment.max_model_len
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
@@ -262,12 +271,30 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=state.served_model_names[0], max_model_len=state.max_model_len)
+        base = state.served_model_names[0]
+        lora = state.lora_adapters.loras.get(name) if state.lora_adapters is not None else None
+        if lora is not None:  # (its path on the server's disk is not the client's business)
+            return ModelCard(id=name, root=name, parent=lora.base_model_name or base, max_model_len=state.max_model_len)
+        return ModelCard(id=name, root=base, max_model_len=state.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         state.ready()
-        return _json(ModelList(data=[model_card(name) for name in state.served_model_names]))
+        loras = list(state.lora_adapters.loras) if state.lora_adapters is not None else []
+        return _json(ModelList(data=[model_card(name) for name in [*state.served_model_names, *loras]]))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """Load a PEFT adapter from the server's disk (--allow-runtime-lora-updating)."""
+        engine = state.ready()
+        assert state.lora_adapters is not None
+        return PlainTextResponse(await state.lora_adapters.load(engine, body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        engine = state.ready()
+        assert state.lora_adapters is not None
+        return PlainTextResponse(await state.lora_adapters.unload(engine, body.lora_name))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
@@ -433,6 +460,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a thinking model's <think>...</think> into reasoning_content (vLLM's names: "
                             "qwen3 for Qwen3, deepseek_r1 for DeepSeek-R1 and its distills)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served by name, as name=path or a JSON object "
+                            "with name, path and base_model_name (needs --enable-lora)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; "
+                            "vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     group.add_argument("--enable-responses-store", action="store_true",
                        help="keep /v1/responses answers (at most 1,000 and 64 MiB, oldest out first) for "
                             "GET /v1/responses/{id} and previous_response_id (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
@@ -549,9 +582,12 @@ def run_server(args: argparse.Namespace) -> None:
             raise ValueError("the API key (--api-key or $PAGEDSERVE_API_KEY) must be printable ASCII without "
                              "surrounding spaces: HTTP clients send headers as ASCII, so no other key could match")
         check_front_door_limits(args.max_waiting_requests, args.request_timeout)
+        names = args.served_model_name or [engine_args.model]
+        if (args.lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating serve LoRA adapters: add --enable-lora")
+        loras = LoRAAdapters(names, parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    names = args.served_model_name or [engine_args.model]
     replicated = engine_args.data_parallel_size > 1
     if replicated and not args.disable_dashboard:
         logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "
@@ -560,7 +596,8 @@ def run_server(args: argparse.Namespace) -> None:
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
                         enable_dashboard=not args.disable_dashboard and not replicated,
-                        responses_store=ResponseStore() if args.enable_responses_store else None)
+                        responses_store=ResponseStore() if args.enable_responses_store else None,
+                        lora_adapters=loras)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     failed: list[BaseException] = []
@@ -614,6 +651,8 @@ def run_server(args: argparse.Namespace) -> None:
                     build = lambda: replicated_client(replicas)  # noqa: E731
                 else:
                     engine = LLMEngine.from_engine_args(engine_args)
+                    for lora in loras.loras.values():  # a bad adapter stops the start-up, by name
+                        engine.add_lora(lora)
                     build = lambda: local_client(engine)  # noqa: E731
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits
                 if isinstance(e, (ValueError, FileNotFoundError)):  # bad model/flags: the message says it

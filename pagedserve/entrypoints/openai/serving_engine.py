@@ -41,6 +41,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.errors import InvalidRequestError, OverloadedError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
@@ -140,10 +141,14 @@ class OpenAIServing:
 
     id_prefix = "cmpl"
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int) -> None:
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
+                 lora_modules: dict[str, LoRARequest] | None = None) -> None:
+        """`lora_modules`: the server's adapters by name (shared with the runtime load and
+        unload routes, which change it); a request's `model` picks one."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
+        self.lora_modules = lora_modules if lora_modules is not None else {}
         self.max_model_len = max_model_len
         self._warned_fields: set[str] = set()
 
@@ -166,9 +171,10 @@ class OpenAIServing:
                            "; no more will be logged" if full else "")
 
     def model_name(self, requested: str | None) -> str:
+        """The served model or LoRA adapter a request names (None: the first served name)."""
         if requested is None:
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and requested not in self.lora_modules:
             raise OpenAIError(f"The model `{requested}` does not exist.", status=404, param="model",
                               code="model_not_found")
         return requested
@@ -188,8 +194,9 @@ class OpenAIServing:
                 prompt = p.engine_prompt()
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
-                streams.append(await self.engine.add_request(rid, prompt, prep.params, req.priority,
-                                                             final_only=not req.stream))
+                streams.append(await self.engine.add_request(
+                    rid, prompt, prep.params, req.priority, final_only=not req.stream,
+                    lora_request=self.lora_modules.get(req.model) if req.model is not None else None))
         except BaseException as e:
             for s in streams:
                 s.close()

@@ -155,3 +155,14 @@ def test_prompt_only_context_error_and_default_max_tokens():
     # No max_tokens on chat: generate up to the end of the context.
     usage = fill.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+
+
+def test_runtime_lora_loading_is_off_unless_the_server_allows_it():
+    _, app = make_app()
+
+    async def fn(client):
+        return await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"})
+
+    r = call(app, fn)
+    assert r.status_code == 404
+    assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]

@@ -1,0 +1,108 @@
+"""The server's LoRA adapters: --lora-modules at start-up, loaded and unloaded at runtime.
+
+A client picks an adapter by the request's `model` field; it never names a file.  Only
+the operator does, on the command line or (with --allow-runtime-lora-updating, behind
+the API key) through /v1/load_lora_adapter, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.lora.request import LoRARequest
+
+# Adapters one server serves at most (names clients may use): each costs a dict entry
+# here and in the engine, and its files are read when first used.
+MAX_SERVED_LORAS = 1024
+MAX_LORA_NAME_CHARS = 256
+MAX_LORA_PATH_CHARS = 4096
+
+
+def parse_lora_modules(items: list[str] | None, served_names: list[str]) -> dict[str, LoRARequest]:
+    """`--lora-modules` values, vLLM's two forms: name=path, or a JSON object with name,
+    path and optionally base_model_name.  Ids are 1, 2, ... in order.  ValueError names a
+    malformed item, a duplicate name, or a name the base model is served under."""
+    loras: dict[str, LoRARequest] = {}
+    for item in items or []:
+        base = None
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {item!r}: not valid JSON ({e})") from None
+            if not isinstance(spec, dict) or not {"name", "path"} <= set(spec) or set(spec) - {
+                    "name", "path", "base_model_name"}:
+                raise ValueError(f"--lora-modules {item!r}: the JSON form takes name, path and optionally "
+                                 "base_model_name")
+            name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {item!r}: expected name=path or a JSON object")
+        check_new_name(name, served_names, loras)
+        loras[name] = LoRARequest(name, len(loras) + 1, path, base)
+    return loras
+
+
+def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRARequest]) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_LORA_NAME_CHARS:
+        raise ValueError(f"a LoRA adapter's name must be 1 to {MAX_LORA_NAME_CHARS} characters, got {name!r:.300}")
+    if name in served_names:
+        raise ValueError(f"LoRA adapter name {name!r} is the base model's served name")
+    if name in loras:
+        raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+    if len(loras) >= MAX_SERVED_LORAS:
+        raise ValueError(f"this server already serves {MAX_SERVED_LORAS} LoRA adapters; unload one first")
+
+
+class LoRAAdapters:
+    """The served adapters by name (the dict the serving classes read), and the runtime
+    load/unload that change it."""
+
+    def __init__(self, served_names: list[str], loras: dict[str, LoRARequest], allow_runtime_updating: bool) -> None:
+        self.served_names = served_names
+        self.loras = loras
+        self.allow_runtime_updating = allow_runtime_updating
+        self._next_id = max((r.lora_int_id for r in loras.values()), default=0) + 1
+        self._lock = threading.Lock()
+
+    def _check_allowed(self) -> None:
+        if not self.allow_runtime_updating:
+            raise OpenAIError("loading and unloading LoRA adapters at runtime is off; start the server with "
+                              "--allow-runtime-lora-updating", status=404, code="runtime_lora_updating_disabled")
+
+    async def load(self, engine: EngineClient, name: object, path: object) -> str:
+        self._check_allowed()
+        if not isinstance(path, str) or not path or len(path) > MAX_LORA_PATH_CHARS:
+            raise OpenAIError(f"lora_path must be a directory path of 1 to {MAX_LORA_PATH_CHARS} characters",
+                              param="lora_path")
+        with self._lock:
+            try:
+                check_new_name(name, self.served_names, self.loras)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="lora_name") from None
+            assert isinstance(name, str)
+            request = LoRARequest(name, self._next_id, path)
+            self._next_id += 1
+        try:
+            await engine.add_lora(request)
+        except ValueError as e:
+            raise OpenAIError(f"LoRA adapter {name!r} could not be loaded: {e}", param="lora_path") from None
+        with self._lock:
+            if name in self.loras:  # loaded twice at once: the first to finish keeps the name
+                raise OpenAIError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
+            self.loras[name] = request
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload(self, engine: EngineClient, name: object) -> str:
+        self._check_allowed()
+        with self._lock:
+            request = self.loras.pop(name, None) if isinstance(name, str) else None
+        if request is None:
+            raise OpenAIError(f"no LoRA adapter named {name!r:.300} is loaded", status=404, param="lora_name",
+                              code="model_not_found")
+        await engine.remove_lora(request.lora_int_id)
+        return f"Success: LoRA adapter '{name}' removed successfully."

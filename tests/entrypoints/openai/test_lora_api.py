@@ -1,0 +1,121 @@
+"""LoRA adapters through `pagedserve serve` with the official `openai` client: two adapters
+from --lora-modules and the base answered by name in one burst (each as HF + PEFT
+answers), /v1/models listing the adapters with their parent, an adapter loaded and
+unloaded at runtime, and bad adapters refused by name with the server going on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.entrypoints.openai.conftest import API_KEY, MODEL_NAME, SERVER_FLAGS, ServerProcess
+from tests.lora.peft_helpers import make_adapter, peft_greedy
+
+PROMPTS = [[5, 9, 33, 70, 2, 8], [60, 20, 30, 11]]
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """Three good adapters (two served from the start, one loaded at runtime), a rank-16
+    one, and each good one's HF + PEFT greedy tokens (the base's under None)."""
+    import transformers
+
+    d = tmp_path_factory.mktemp("adapters")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    good = {name: make_adapter(base, str(d / name), seed=i, scale=0.5) for i, name in enumerate(("a1", "a2", "a3"))}
+    big = make_adapter(base, str(d / "rank16"), seed=5, r=16)
+    refs = {name: [t for t, _ in peft_greedy(base, path, PROMPTS, TOKENS)] for name, path in
+            [(None, None), *good.items()]}
+    return good, big, refs
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_dir, adapters, tmp_path_factory):
+    good, _, _ = adapters
+    spec = json.dumps({"name": "a2", "path": good["a2"], "base_model_name": MODEL_NAME})
+    proc = ServerProcess([str(tiny_model_dir), *SERVER_FLAGS, "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+                          "8", "--lora-modules", f"a1={good['a1']}", spec, "--allow-runtime-lora-updating"],
+                         tmp_path_factory.mktemp("log") / "server.log")
+    yield proc
+    proc.stop()
+
+
+def texts(tokenizer, refs: list[list[int]]) -> list[str]:
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in refs]
+
+
+async def complete(client: openai.AsyncOpenAI, model: str, prompt: list[int]) -> str:
+    out = await client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+    assert out.model == model
+    return out.choices[0].text
+
+
+def complete_one(url: str, model: str, prompt: list[int]) -> str:
+    async def one() -> str:
+        return await complete(openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY), model, prompt)
+
+    return asyncio.run(one())
+
+
+def test_two_adapters_and_the_base_answer_by_name_in_one_burst(lora_server, adapters, tokenizer) -> None:
+    _, _, refs = adapters
+    models = [MODEL_NAME, "a1", "a2"] * 3
+
+    async def burst() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY)
+        return await asyncio.gather(*(complete(client, m, p) for m in models for p in PROMPTS))
+
+    got = asyncio.run(burst())
+    want = [text for m in models for text in texts(tokenizer, refs[None if m == MODEL_NAME else m])]
+    assert got == want
+    assert len(set(want[:6])) == 6, "the adapters must change the answers, or the test shows nothing"
+    listed = {m.id: m for m in openai.OpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY).models.list().data}
+    assert set(listed) == {MODEL_NAME, "a1", "a2"}
+    assert listed["a1"].parent == listed["a2"].parent == MODEL_NAME
+    assert getattr(listed[MODEL_NAME], "parent", None) is None
+
+
+def test_an_adapter_loaded_and_unloaded_at_runtime(lora_server, adapters, tokenizer) -> None:
+    good, _, refs = adapters
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = lora_server.url
+    body = {"lora_name": "a3", "lora_path": good["a3"]}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=30).status_code == 401  # the API key guards it
+    r = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert complete_one(url, "a3", PROMPTS[0]) == texts(tokenizer, refs["a3"])[0]
+    again = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=30)
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError, match="a3"):
+        complete_one(url, "a3", PROMPTS[0])
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=headers, timeout=30)
+    assert r.status_code == 404
+
+
+def test_bad_adapters_are_refused_by_name_and_nothing_else_changes(lora_server, adapters, tokenizer,
+                                                                   tmp_path) -> None:
+    _, big, refs = adapters
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = lora_server.url
+    (tmp_path / "adapter_model.bin").write_bytes(b"not a pickle we would ever load")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    cases = [({"lora_name": "big", "lora_path": big}, "rank r=16 is over the maximum 8"),
+             ({"lora_name": "gone", "lora_path": "/nonexistent/adapter"}, "is not a directory"),
+             ({"lora_name": "pickled", "lora_path": str(tmp_path)}, "adapter_model.bin is a pickle"),
+             ({"lora_name": MODEL_NAME, "lora_path": big}, "the base model's served name")]
+    for body, message in cases:
+        r = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        assert message in r.json()["error"]["message"]
+    assert complete_one(url, "a1", PROMPTS[1]) == texts(tokenizer, refs["a1"])[1]
+    names = {m.id for m in openai.OpenAI(base_url=url + "/v1", api_key=API_KEY).models.list().data}
+    assert names == {MODEL_NAME, "a1", "a2"}

@@ -1,0 +1,133 @@
+"""LoRA adapters against HF transformers + PEFT: greedy tokens and logprobs (vLLM's
+check_logprobs_close, logprobs within 0.05) of random adapters with nonzero B, alone and
+four adapters with the base model in one batch, on a tiny Llama and on the default model;
+and the prefix cache never sharing a block between adapters."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve import LLM, LoRARequest, SamplingParams
+from tests.e2e.test_hf_parity import check_logprobs_close, hf_weights_from_gguf
+from tests.engine.helpers import make_tiny_llama
+from tests.lora.peft_helpers import cached_peft_greedy, make_adapter, peft_greedy
+
+TOKENS = 16
+PROMPTS = [[1, 5, 9, 33, 70, 2, 8], [1, 100, 200, 300], [1, *[7] * 20, 8]]
+
+
+def ours(llm: LLM, prompts: list[list[int]], lora) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def mixed_batch(prompts, loras, refs):
+    """Every prompt under every adapter (None: the base), interleaved so that each step's
+    rows of one adapter are not contiguous; the reference in the same order."""
+    order = [(k, j) for k in range(len(prompts)) for j in range(len(loras))]
+    return ([prompts[k] for k, _ in order], [loras[j] for _, j in order], [refs[j][k] for k, j in order])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama, four adapters (one rsLoRA of rank 4 on q and v only) and HF + PEFT's answers."""
+    import transformers
+
+    d = str(tmp_path_factory.mktemp("tiny-llama-lora"))
+    make_tiny_llama(d)
+    base = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    dirs = [make_adapter(base, os.path.join(d, f"adapter{i}"), seed=i, scale=0.5) for i in range(3)]
+    dirs.append(make_adapter(base, os.path.join(d, "adapter3"), seed=3, r=4, targets=["q_proj", "v_proj"],
+                             rslora=True, scale=2.0))
+    refs = [peft_greedy(base, a, PROMPTS, TOKENS) for a in [None, *dirs]]
+    return d, [LoRARequest(f"adapter{i}", i + 1, a) for i, a in enumerate(dirs)], refs
+
+
+def test_tiny_llama_adapters_alone_and_mixed_match_hf_peft(tiny) -> None:
+    d, loras, refs = tiny
+    assert all(refs[0][k][0] != refs[j][k][0] for j in range(1, 5) for k in range(len(PROMPTS))), \
+        "every adapter must change the answers, or the test shows nothing"
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8)
+    for j, lora in enumerate(loras):
+        check_logprobs_close(refs[j + 1], ours(llm, PROMPTS, lora), f"adapter{j} alone")
+    prompts, mixed, ref = mixed_batch(PROMPTS, [None, *loras], refs)
+    agreed = check_logprobs_close(ref, ours(llm, prompts, mixed), "mixed batch")
+    assert agreed == [TOKENS] * len(prompts)
+
+
+def test_more_adapters_than_slots_compiled_and_chunked(tiny) -> None:
+    """Two slots for four adapters: the scheduler runs at most two at once and the slots
+    are reused; compiled, and with prompts prefilled in chunks of 8."""
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, torch_compile=True,
+              max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    prompts, mixed, ref = mixed_batch(PROMPTS, [None, *loras], refs)
+    assert check_logprobs_close(ref, ours(llm, prompts, mixed), "two slots") == [TOKENS] * len(prompts)
+
+
+def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny) -> None:
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+
+    def cached(lora) -> int:
+        return llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
+
+    assert cached(loras[0]) == 0
+    assert cached(loras[0]) >= 16  # the same adapter reuses its blocks
+    assert cached(loras[1]) == 0  # another adapter's KV for the same tokens differs
+    assert cached(None) == 0  # and so does the base model's
+    assert cached(None) >= 16
+    check_logprobs_close([refs[2][2]], ours(llm, PROMPTS[2:], loras[1]), "adapter1 after caching")
+
+
+def test_a_bad_adapter_is_refused_by_name_and_the_engine_goes_on(tiny, tmp_path) -> None:
+    import transformers
+
+    d, loras, refs = tiny
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+    wrong_base = make_adapter(other, str(tmp_path / "wrong"), seed=0, r=4)
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4)
+    with pytest.raises(ValueError, match=r"rank r=8 is over the maximum 4 \(--max-lora-rank\)"):
+        ours(llm, PROMPTS, loras[0])
+    with pytest.raises(ValueError, match="another base model"):
+        ours(llm, PROMPTS, LoRARequest("wrong", 9, wrong_base))
+    with pytest.raises(ValueError, match="is not a directory"):
+        ours(llm, PROMPTS, LoRARequest("missing", 10, str(tmp_path / "nowhere")))
+    check_logprobs_close(refs[4], ours(llm, PROMPTS, loras[3]), "after refusals")
+    check_logprobs_close(refs[0], ours(llm, PROMPTS, None), "base after refusals")
+
+
+def test_lora_requests_need_enable_lora(tiny) -> None:
+    d, loras, _ = tiny
+    llm = LLM(d, dtype="float32")
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        ours(llm, PROMPTS, loras[0])
+
+
+@pytest.mark.slow
+def test_default_model_adapters_match_hf_peft(smollm2_path, smollm2_gguf, tmp_path) -> None:
+    """SmolLM2 as the engine runs it by default (its Q4_1 blocks) against HF + PEFT on HF's
+    dequantization of the same file: one adapter alone, and four with the base in one batch."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = hf_weights_from_gguf(*os.path.split(smollm2_gguf))
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    kwargs = [{"seed": 10 + i, "r": 8, "scale": 0.3} for i in range(4)]
+    dirs = [make_adapter(base, str(tmp_path / f"smol{i}"), **kw) for i, kw in enumerate(kwargs)]
+    prompts = [[1, 4093, 314, 253, 3575, 30, 2118, 216], PROMPTS[1]]
+    refs = [cached_peft_greedy(base, os.path.basename(hf_dir), a, prompts, TOKENS)
+            for a in [None, *zip(dirs, kwargs, strict=True)]]
+    loras = [LoRARequest(f"smol{i}", i + 1, a) for i, a in enumerate(dirs)]
+    llm = LLM(smollm2_path, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8)
+    check_logprobs_close(refs[1], ours(llm, prompts, loras[0]), "smollm2 adapter alone")
+    batch, mixed, ref = mixed_batch(prompts, [None, *loras], refs)
+    check_logprobs_close(ref, ours(llm, batch, mixed), "smollm2 mixed batch")
