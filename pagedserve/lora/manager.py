@@ -57,10 +57,12 @@ class LoRAModelManager:
         self.batch = LoRABatch()
         # PEFT module name -> (layer, shard of it; None: the whole layer)
         self.targets: dict[str, tuple[LinearBase, object]] = {}
+        self._layer_loras: list[LinearLoRA] = []
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
             module.lora = LinearLoRA(self.batch)
+            self._layer_loras.append(module.lora)
             prefix, _, leaf = name.rpartition(".")
             self.targets[name] = (module, None)
             for fused, checkpoint_name, shard in stacked_params:
@@ -105,6 +107,7 @@ class LoRAModelManager:
             for slot, sid in enumerate(self.slot_ids):
                 if sid == lora_id and self.slot_refs[slot] == 0:
                     self._clear_slot(slot)
+                    self._repack()
             return gone
 
     def list_loras(self) -> list[int]:
@@ -168,6 +171,7 @@ class LoRAModelManager:
                     assert layer.lora is not None
                     layer.lora.slots[slot] = (a.to(self.device), b.to(self.device))
                 self.slot_ids[slot] = lora_id
+                self._repack()
             self.slot_refs[slot] += 1
             self._slot_used[slot] = self._clock
             return slot
@@ -177,29 +181,27 @@ class LoRAModelManager:
             self.slot_refs[slot] -= 1
 
     def _clear_slot(self, slot: int) -> None:
-        for layer, _ in self.targets.values():
-            assert layer.lora is not None
-            layer.lora.slots.pop(slot, None)
+        for lora in self._layer_loras:
+            lora.slots.pop(slot, None)
         self.slot_ids[slot] = None
+
+    def _repack(self) -> None:
+        for lora in self._layer_loras:
+            lora.pack()
 
     # ------------------------------------------------------------------ steps
     def set_step(self, slots: Iterable[int], num_tokens: np.ndarray) -> None:
-        """This step's row groups: `slots[i]` for the `num_tokens[i]` rows of request i."""
+        """This step's slot per row: `slots[i]` for the `num_tokens[i]` rows of request i."""
         per_req = np.fromiter(slots, np.int64, len(num_tokens))
-        groups: list = []
-        if per_req.any():
-            per_tok = np.repeat(per_req, num_tokens)
-            for slot in np.unique(per_req[per_req > 0]).tolist():
-                idx = np.flatnonzero(per_tok == slot)
-                if len(idx) == len(per_tok):
-                    groups.append((slot, None))
-                elif idx[-1] - idx[0] + 1 == len(idx):
-                    groups.append((slot, slice(int(idx[0]), int(idx[-1]) + 1)))
-                else:
-                    groups.append((slot, torch.from_numpy(idx).to(self.device)))
-        self.batch.groups = groups
+        self.batch.token_slots = (torch.from_numpy(np.repeat(per_req, num_tokens)).to(self.device)
+                                  if per_req.any() else None)
 
-    def resident_bytes(self) -> int:
-        """Host memory of the loaded adapters."""
+    def host_bytes(self) -> int:
+        """Host memory of the loaded adapters (the LRU behind the slots)."""
         with self._lock:
             return sum(a.nbytes for a in self._loaded.values())
+
+    def slot_bytes(self) -> int:
+        """Memory of the resident adapters as the layers hold them (packed, on the model's device)."""
+        with self._lock:
+            return sum(lora.nbytes() for lora in self._layer_loras)

@@ -38,6 +38,7 @@ def make_scheduler(
     preemption_mode: str = "recompute",
     radix: bool = False,
     store_computed: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_step_ms=max_step_ms,
@@ -56,7 +57,7 @@ def make_scheduler(
     if num_speculative_tokens:  # n-gram drafts at any batch size
         spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1,
                                  disable_by_batch_size=max_num_seqs)
-    return Scheduler(cfg, kvm, spec)
+    return Scheduler(cfg, kvm, spec, max_loras=max_loras)
 
 
 def make_request(

@@ -315,3 +315,40 @@ def test_speculative_drafts_are_scheduled_verified_and_rejected_slots_taken_back
             assert all(len(d) <= 3 for so in steps for d in so.scheduled_spec_decode_tokens.values())
             assert len(steps) < base_steps / 2  # several tokens per step
     assert outputs[3] == outputs[None]
+
+
+def test_at_most_max_loras_adapters_run_at_once_and_the_others_keep_their_place():
+    from pagedserve.lora.request import LoRARequest
+
+    sched = make_scheduler(max_loras=2)
+    loras = [LoRARequest(f"a{i}", i + 1, f"/adapters/{i}") for i in range(3)]
+    reqs = [make_request(i, 6, max_tokens=3) for i in range(6)]
+    for r, lora in zip(reqs, [loras[0], None, loras[1], loras[2], loras[0], None], strict=True):
+        r.lora_request = lora
+        sched.add_request(r)
+    so, _ = step(sched)
+    # a2 would be a third adapter: it waits, and the requests behind it still run.
+    assert list(so.num_scheduled_tokens) == ["0", "1", "2", "4", "5"]
+    assert [n.lora_request for n in so.scheduled_new_reqs] == [loras[0], None, loras[1], loras[0], None]
+    while sched.requests and "3" not in so.num_scheduled_tokens:
+        so, _ = step(sched)
+    assert "3" in so.num_scheduled_tokens  # once a0 or a1 has left
+    running = {r.lora_request.lora_int_id for r in sched.running if r.lora_request is not None}
+    assert len(running) <= 2
+
+
+def test_the_adapter_keys_the_block_hashes_and_no_client_salt_can_equal_it():
+    from pagedserve.core.request import Request
+    from pagedserve.lora.request import LoRARequest
+
+    lora = LoRARequest("a", 1, "/adapters/a")
+    plain, salted = Request("x", [1] * 8), Request("y", [1] * 8, cache_salt="s")
+    adapted = Request("z", [1] * 8, lora_request=lora)
+    both = Request("w", [1] * 8, cache_salt="s", lora_request=lora)
+    forged = Request("v", [1] * 8, cache_salt=repr((None, 1)))
+    salts = [r.hash_salt for r in (plain, salted, adapted, both, forged)]
+    assert salts[0] is None and salts[1] == "s" and salts[2] == (None, 1) and salts[3] == ("s", 1)
+    from pagedserve.core.kv_cache_utils import hash_request_tokens
+
+    chains = [tuple(hash_request_tokens([1] * 8, 4, salt)) for salt in salts]
+    assert len(set(chains)) == len(chains)
