@@ -70,6 +70,15 @@ def test_more_adapters_than_slots_compiled_and_chunked(tiny) -> None:
     assert check_logprobs_close(ref, ours(llm, prompts, mixed), "two slots") == [TOKENS] * len(prompts)
 
 
+def test_speculative_decoding_keeps_each_adapters_answers(tiny) -> None:
+    """n-gram drafts verified by the adapted model: greedy answers unchanged."""
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    prompts, mixed, ref = mixed_batch(PROMPTS, [None, *loras], refs)
+    assert check_logprobs_close(ref, ours(llm, prompts, mixed), "speculative") == [TOKENS] * len(prompts)
+
+
 def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny) -> None:
     d, loras, refs = tiny
     llm = LLM(d, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
@@ -131,3 +140,18 @@ def test_default_model_adapters_match_hf_peft(smollm2_path, smollm2_gguf, tmp_pa
     check_logprobs_close(refs[1], ours(llm, prompts, loras[0]), "smollm2 adapter alone")
     batch, mixed, ref = mixed_batch(prompts, [None, *loras], refs)
     check_logprobs_close(ref, ours(llm, batch, mixed), "smollm2 mixed batch")
+
+
+def test_tensor_parallel_adapters_match_hf_peft(tiny) -> None:
+    """Two ranks: A split by input on the row-parallel layers, B by output on the column-
+    parallel ones (q, k, v and gate, up each by its own shard), as the base weights are."""
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8, tensor_parallel_size=2)
+    try:
+        prompts, mixed, ref = mixed_batch(PROMPTS[:2], [None, *loras], [r[:2] for r in refs])
+        assert check_logprobs_close(ref, ours(llm, prompts, mixed), "tensor parallel") == [TOKENS] * len(prompts)
+        with pytest.raises(ValueError, match="is not a directory"):  # refused on every rank, the ranks go on
+            ours(llm, PROMPTS[:1], LoRARequest("missing", 9, "/nonexistent/adapter"))
+        check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], loras[0]), "tensor parallel after a refusal")
+    finally:
+        llm.shutdown()
