@@ -103,12 +103,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        # The adapter it runs with (None: the base model), and what keys its KV blocks
-        # besides the tokens: the client's salt, and the adapter (two adapters' KV for the
-        # same tokens differ).  A tuple for adapters, so no client salt string can equal it.
-        self.lora_request = lora_request
-        self.hash_salt: str | tuple[str | None, int] | None = (
-            cache_salt if lora_request is None else (cache_salt, lora_request.lora_int_id))
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         # Structured output: the grammar the sampled tokens must follow (None: free text).
         self.grammar = grammar
         # A pooling request (pooling_params.py): its prompt is computed, nothing is sampled.
@@ -151,6 +146,14 @@ class Request:
         self.max_draft_tokens = 0
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
+
+    @property
+    def hash_salt(self) -> str | tuple[str | None, int] | None:
+        """What keys this request's KV blocks besides its tokens: the client's salt, and the
+        LoRA adapter (two adapters' KV for the same tokens differ), as a tuple that no
+        client salt string can equal."""
+        lora = self.lora_request
+        return self.cache_salt if lora is None else (self.cache_salt, lora.lora_int_id)
 
     @property
     def needs_every_prompt_state(self) -> bool:

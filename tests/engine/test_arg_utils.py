@@ -226,6 +226,10 @@ WHERE_CHECKED = {
     "runner": ({"runner": "embed"}, "ModelConfig.__post_init__"),
     "kv_cache_dtype": ({"kv_cache_dtype": "int4"}, "CacheConfig.__post_init__"),
     "pooler_config": ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "PoolerConfig.__post_init__"),
+    "enable_lora": ({"enable_lora": "yes"}, "EngineArgs._lora_config"),
+    "max_loras": ({"enable_lora": True, "max_loras": 0}, "LoRAConfig.__post_init__"),
+    "max_lora_rank": ({"enable_lora": True, "max_lora_rank": 0}, "LoRAConfig.__post_init__"),
+    "max_cpu_loras": ({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1}, "LoRAConfig.__post_init__"),
 }
 
 
