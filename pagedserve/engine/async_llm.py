@@ -119,6 +119,14 @@ class _AddRequestCommand:
     lora_request: LoRARequest | None = None
 
 
+@dataclass
+class _CallCommand:
+    """Run `fn` on the engine thread between steps; its result or error completes `future`."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future = field(repr=False)
+
+
 def check_front_door_limits(max_waiting_requests: int | None, request_timeout: float | None) -> None:
     """The admission limits' one check (a server runs it on its flags before loading)."""
     for name, value in (("max_waiting_requests", max_waiting_requests), ("request_timeout", request_timeout)):
@@ -317,12 +325,18 @@ class AsyncLLM(FrontDoor):
         return params
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load and check an adapter in a worker thread (the engine thread keeps stepping;
-        the executor serializes the load with the steps); ValueError names what is wrong."""
-        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+        """Load and check an adapter on the engine thread, between two steps (it owns the
+        engine's adapters and the executor); ValueError names what is wrong."""
+        return await self._on_engine_thread(lambda: self.engine.add_lora(lora_request))
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
+        return await self._on_engine_thread(lambda: self.engine.remove_lora(lora_id))
+
+    async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._send(_CallCommand(fn, future))
+        return await future
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -415,6 +429,13 @@ class AsyncLLM(FrontDoor):
             did_work = True
             if isinstance(cmd, _AddRequestCommand):
                 self._add(cmd)
+            elif isinstance(cmd, _CallCommand):
+                try:
+                    result = cmd.fn()
+                except Exception as e:  # noqa: BLE001 - the caller's to handle
+                    self._call_soon(_set_exception, cmd.future, e)
+                else:
+                    self._call_soon(_set_result, cmd.future, result)
             elif cmd[0] == "watch":
                 self._watcher = cmd[1]
                 self.engine.watch_blocks(cmd[1] is not None)
@@ -526,7 +547,7 @@ class AsyncLLM(FrontDoor):
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, _AddRequestCommand) and not cmd.future.done():
+            if isinstance(cmd, (_AddRequestCommand, _CallCommand)) and not cmd.future.done():
                 cmd.future.set_exception(_dead(error))
 
 

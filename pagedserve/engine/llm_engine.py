@@ -20,7 +20,7 @@ import logging
 import numbers
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -184,8 +184,8 @@ class LLMEngine:
             self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager, max_loras)
         else:
             self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config, drafter, max_loras)
-        # LoRA adapters the executor has loaded and checked, by id.
-        self._loras: dict[int, LoRARequest] = {}
+        # LoRA adapters the executor has loaded and checked, by id, least recently used first.
+        self._loras: OrderedDict[int, LoRARequest] = OrderedDict()
         # Async scheduling: launched steps whose results are not applied yet, oldest first
         # (at most one stays in flight between calls to step()).
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
@@ -325,21 +325,34 @@ class LLMEngine:
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter (a no-op when this one is loaded); False when it was
-        loaded already.  ValueError names what is wrong: LoRA not enabled, an id taken by
-        another adapter, or the adapter itself (its files, rank, targets, shapes)."""
-        if self.config.lora_config is None:
+        loaded already.  Beyond max_cpu_loras, the least recently used adapters without
+        unfinished requests are unloaded to make room (one is read again when next named),
+        so a step never reads an adapter's files.  ValueError names what is wrong: LoRA
+        not enabled, an id taken by another adapter, or the adapter itself (its files,
+        rank, targets, shapes)."""
+        lora_config = self.config.lora_config
+        if lora_config is None:
             raise InvalidRequestError("LoRA adapters are not enabled: start the engine with enable_lora=True "
                                       "(--enable-lora)", param="model")
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        known = self._loras.get(lora_request.lora_int_id)
+        lora_id = lora_request.lora_int_id
+        known = self._loras.get(lora_id)
         if known == lora_request:
+            self._loras.move_to_end(lora_id)
             return False
         if known is not None:
-            raise InvalidRequestError(f"LoRA id {lora_request.lora_int_id} is adapter {known.lora_name!r} "
+            raise InvalidRequestError(f"LoRA id {lora_id} is adapter {known.lora_name!r} "
                                       f"({known.lora_path}); unload it before reusing the id", param="model")
+        if len(self._loras) >= lora_config.max_cpu_loras:
+            # Adapters with unfinished requests stay (their steps must not read files), so
+            # a batch naming more adapters than max_cpu_loras holds them all until it ends.
+            busy = {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+            idle = [i for i in self._loras if i not in busy]
+            for victim in idle[: len(self._loras) - lora_config.max_cpu_loras + 1]:
+                self.remove_lora(victim)
         self.model_executor.add_lora(lora_request)
-        self._loras[lora_request.lora_int_id] = lora_request
+        self._loras[lora_id] = lora_request
         return True
 
     def remove_lora(self, lora_id: int) -> bool:

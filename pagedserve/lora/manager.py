@@ -1,8 +1,9 @@
 """The worker's adapters: which the model can hold, which are resident, and each step's rows.
 
 `max_loras` slots (1..max_loras; slot 0 is the base model) hold adapters on the
-model's device; behind them an LRU of `max_cpu_loras` adapters checked and converted
-in host memory, so switching an adapter back in is a copy, not a file read.  An
+model's device; behind them the loaded adapters, checked and converted in host memory
+(the engine keeps max_cpu_loras loaded, unloading the least recently used idle ones), so
+switching an adapter back in is a copy, not a file read.  An
 adapter is checked against the model's own layers when loaded (`add_lora`, which the
 engine calls between steps, never inside one): every module it targets must be a
 linear layer here, with the shapes the base model has, so an adapter of another base
@@ -91,12 +92,6 @@ class LoRAModelManager:
                                                      request))
         with self._lock:
             self._loaded[request.lora_int_id] = loaded
-            resident = {i for i in self.slot_ids if i is not None}
-            while len(self._loaded) > self.config.max_cpu_loras:
-                victim = next((i for i in self._loaded if i not in resident), None)
-                if victim is None:
-                    break
-                del self._loaded[victim]
         return loaded
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -155,3 +155,14 @@ def test_tensor_parallel_adapters_match_hf_peft(tiny) -> None:
         check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], loras[0]), "tensor parallel after a refusal")
     finally:
         llm.shutdown()
+
+
+def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_unloaded_and_read_again(tiny) -> None:
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    for lora in loras:  # four adapters through two host slots
+        ours(llm, PROMPTS[:1], lora)
+        assert len(engine.list_loras()) <= 2
+    assert [r.lora_name for r in engine.list_loras()] == ["adapter2", "adapter3"]
+    check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], loras[0]), "adapter0 read again")
