@@ -59,7 +59,7 @@ def test_generate_show_blocks_prints_the_pool_at_its_busiest_and_at_the_end(fake
 def test_generate_applies_the_chat_template_by_default(fake_engine, monkeypatch) -> None:
     seen = []
 
-    def run(self, prompts, params, use_tqdm, priority=None):
+    def run(self, prompts, params, use_tqdm, priority=None, lora_request=None):
         seen.extend(prompts)
         return [SimpleNamespace(outputs=[SimpleNamespace(text="")]) for _ in prompts]
 

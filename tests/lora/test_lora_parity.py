@@ -166,3 +166,20 @@ def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_unloaded_and
         assert len(engine.list_loras()) <= 2
     assert [r.lora_name for r in engine.list_loras()] == ["adapter2", "adapter3"]
     check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], loras[0]), "adapter0 read again")
+
+
+def test_structured_outputs_hold_under_every_adapter(tiny) -> None:
+    """A grammar constrains what each adapter's logits may pick: every answer matches it,
+    and the adapters still answer differently from each other."""
+    import re
+
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    d, loras, _ = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-e ]{3,10}"))
+    prompts = [{"prompt_token_ids": PROMPTS[0]}] * 5
+    texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False, lora_request=[None, *loras])]
+    assert all(re.fullmatch(r"[a-e ]{3,10}", t) for t in texts), texts
+    assert len(set(texts)) > 1, texts

@@ -110,7 +110,10 @@ class ServerProcess(PagedServe):
 
 SERVER_FLAGS = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--dtype", "float32", "--tool-call-parser", "hermes",
                 "--max-model-len", "256", "--max-num-seqs", "64", "--kv-cache-memory-bytes", "16MiB",
-                "--enforce-eager", "--seed", "0", "--log-stats-interval", "2"]
+                "--enforce-eager", "--seed", "0", "--log-stats-interval", "2",
+                # Adapters enabled (none loaded): base requests must run as without them, and the
+                # runtime load route is there to be fuzzed.
+                "--enable-lora", "--allow-runtime-lora-updating"]
 
 
 @pytest.fixture(scope="session")

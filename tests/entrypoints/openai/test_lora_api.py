@@ -39,8 +39,8 @@ def adapters(tiny_model_dir, tmp_path_factory):
 def lora_server(tiny_model_dir, adapters, tmp_path_factory):
     good, _, _ = adapters
     spec = json.dumps({"name": "a2", "path": good["a2"], "base_model_name": MODEL_NAME})
-    proc = ServerProcess([str(tiny_model_dir), *SERVER_FLAGS, "--enable-lora", "--max-loras", "2", "--max-lora-rank",
-                          "8", "--lora-modules", f"a1={good['a1']}", spec, "--allow-runtime-lora-updating"],
+    proc = ServerProcess([str(tiny_model_dir), *SERVER_FLAGS, "--max-loras", "2", "--max-lora-rank",
+                          "8", "--lora-modules", f"a1={good['a1']}", spec],
                          tmp_path_factory.mktemp("log") / "server.log")
     yield proc
     proc.stop()

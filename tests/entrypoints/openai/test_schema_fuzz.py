@@ -38,7 +38,8 @@ ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatC
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
           "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest",
           "/v1/responses": "ResponsesRequest", "/v1/embeddings": "EmbeddingRequest", "/v1/score": "ScoreRequest",
-          "/v1/rerank": "RerankRequest"}
+          "/v1/rerank": "RerankRequest", "/v1/load_lora_adapter": "LoadLoRAAdapterRequest",
+          "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
 # Fuzzed against a second server, the same model under --runner pooling (the first
 # refuses them by name before reading them).
 POOLING = ("/v1/embeddings", "/v1/score", "/v1/rerank")
@@ -153,6 +154,10 @@ SEEDS: dict[str, list[dict]] = {
         {"model": MODEL_NAME, "query": "capital?", "documents": ["Paris is", "the quick fox"], "top_n": 1,
          "return_documents": False},
     ],
+    # The fuzzed server allows runtime LoRA updating: names and paths reach the adapter reader.
+    "/v1/load_lora_adapter": [{"lora_name": "adapter", "lora_path": "/nonexistent/adapter"},
+                              {"lora_name": "adapter", "lora_path": "/"}],
+    "/v1/unload_lora_adapter": [{"lora_name": "adapter"}, {"lora_name": "adapter", "lora_int_id": 1}],
 }
 
 # ------------------------------------------------------------------ JSON Schema -> strategy
