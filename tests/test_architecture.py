@@ -6,12 +6,15 @@ of torch (that last one runs in a subprocess in tests/core/test_kv_cache_utils.p
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pagedserve"
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
+    """Every module's syntax tree, parsed once for all the tests here (read-only)."""
     out = {}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
