@@ -286,35 +286,30 @@ def _normalize_prompts(prompts: Any) -> list[Prompt]:
 
 def _normalize_loras(lora_request: Any, n: int) -> list[LoRARequest | None] | None:
     """One adapter for all n prompts, or one (or None) per prompt; None: the base model for all."""
-    if lora_request is None:
-        return None
-    if isinstance(lora_request, LoRARequest):
-        return [lora_request] * n
-    if isinstance(lora_request, (list, tuple)):
-        if len(lora_request) != n:
-            raise ValueError(f"got {len(lora_request)} lora_request for {n} prompts; pass one, or one per prompt")
-        for i, r in enumerate(lora_request):
-            if r is not None and not isinstance(r, LoRARequest):
-                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got {type(r).__name__}")
-        return list(lora_request)
-    raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+    return None if lora_request is None else _per_prompt(lora_request, n, LoRARequest, "lora_request", optional=True)
 
 
 def _normalize_params(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:
     """One params object for all n prompts, or one per prompt, each a `kind`."""
-    name = "sampling_params" if kind is SamplingParams else "pooling_params"
     if params is None:
         return [kind()] * n
-    if isinstance(params, kind):
-        return [params] * n
-    if isinstance(params, (list, tuple)):
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} {name} for {n} prompts; pass one, or one per prompt")
-        for i, p in enumerate(params):
-            if not isinstance(p, kind):
-                raise ValueError(f"{name}[{i}] must be a {kind.__name__}, got {type(p).__name__}")
-        return list(params)
-    raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(params).__name__}")
+    return _per_prompt(params, n, kind, "sampling_params" if kind is SamplingParams else "pooling_params")
+
+
+def _per_prompt(value: Any, n: int, kind: type, name: str, optional: bool = False) -> list[Any]:
+    """`value` (a `kind`) for all n prompts, or a list of one per prompt (each a `kind`, or
+    None where `optional`)."""
+    if isinstance(value, kind):
+        return [value] * n
+    what = f"a {kind.__name__}" + (" or None" if optional else "")
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"got {len(value)} {name} for {n} prompts; pass one, or one per prompt")
+        for i, item in enumerate(value):
+            if not (isinstance(item, kind) or (optional and item is None)):
+                raise ValueError(f"{name}[{i}] must be {what}, got {type(item).__name__}")
+        return list(value)
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
 
 
 class _Beams:

@@ -120,6 +120,10 @@ def test_lora_requests_need_enable_lora(tiny) -> None:
     llm = LLM(d, dtype="float32")
     with pytest.raises(ValueError, match="enable_lora=True"):
         ours(llm, PROMPTS, loras[0])
+    with pytest.raises(ValueError, match="got 1 lora_request for 3 prompts"):
+        ours(llm, PROMPTS, [loras[0]])
+    with pytest.raises(ValueError, match=r"lora_request\[1\] must be a LoRARequest or None, got str"):
+        ours(llm, PROMPTS, [None, "adapter0", None])
 
 
 @pytest.mark.slow
