@@ -347,7 +347,7 @@ class LLMEngine:
         if len(self._loras) >= lora_config.max_cpu_loras:
             # Adapters with unfinished requests stay (their steps must not read files), so
             # a batch naming more adapters than max_cpu_loras holds them all until it ends.
-            busy = {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+            busy = self._busy_loras()
             idle = [i for i in self._loras if i not in busy]
             for victim in idle[: len(self._loras) - lora_config.max_cpu_loras + 1]:
                 self.remove_lora(victim)
@@ -356,11 +356,21 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forget an adapter (requests already running with it finish with it)."""
-        if self._loras.pop(lora_id, None) is None:
+        """Unload an adapter (False: it was not loaded).  One with unfinished requests stays
+        loaded until they end (their steps must not read files), first in line to go when
+        another needs the room."""
+        if lora_id not in self._loras:
             return False
+        if lora_id in self._busy_loras():
+            self._loras.move_to_end(lora_id, last=False)
+            return True
+        del self._loras[lora_id]
         self.model_executor.remove_lora(lora_id)
         return True
+
+    def _busy_loras(self) -> set[int]:
+        """Ids of the adapters unfinished requests run with."""
+        return {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self._loras.values())

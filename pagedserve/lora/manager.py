@@ -18,7 +18,6 @@ free when a request needs one.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +68,8 @@ class LoRAModelManager:
             for fused, checkpoint_name, shard in stacked_params:
                 if fused == leaf:
                     self.targets[f"{prefix}.{checkpoint_name}" if prefix else checkpoint_name] = (module, shard)
-        self._loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # host LRU, oldest first
+        # Loaded adapters by id (which ones: the engine decides, LLMEngine.add_lora).
+        self._loaded: dict[int, LoadedAdapter] = {}
         self._lock = threading.Lock()  # add_lora may run beside a step (server threads)
         self.slot_ids: list[int | None] = [None] * (config.max_loras + 1)  # slot -> adapter id (slot 0: base)
         self.slot_refs = [0] * (config.max_loras + 1)
@@ -86,7 +86,6 @@ class LoRAModelManager:
                 if loaded.request.lora_path != request.lora_path:
                     raise LoRAAdapterError(f"LoRA id {request.lora_int_id} is already adapter "
                                            f"{loaded.request.lora_name!r} at another path")
-                self._loaded.move_to_end(request.lora_int_id)
                 return loaded
         loaded = LoadedAdapter(request, self._layout(read_peft_adapter(request.lora_path, self.config.max_lora_rank),
                                                      request))
@@ -104,9 +103,6 @@ class LoRAModelManager:
                     self._clear_slot(slot)
                     self._repack()
             return gone
-
-    def list_loras(self) -> list[int]:
-        return list(self._loaded)
 
     def _layout(self, adapter: PeftAdapter, request: LoRARequest) -> dict[LinearBase, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: the shards' A stacked, their B (times the scaling) placed at the

@@ -187,3 +187,20 @@ def test_structured_outputs_hold_under_every_adapter(tiny) -> None:
     texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False, lora_request=[None, *loras])]
     assert all(re.fullmatch(r"[a-e ]{3,10}", t) for t in texts), texts
     assert len(set(texts)) > 1, texts
+
+
+def test_unloading_an_adapter_with_a_running_request_lets_it_finish(tiny) -> None:
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=loras[0])
+    engine.step()
+    assert engine.remove_lora(loras[0].lora_int_id)
+    assert engine.list_loras() == [loras[0]]  # kept while its request runs
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert list(outs[0].outputs[0].token_ids) == refs[1][0][0]
+    ours(llm, PROMPTS[:1], loras[1])  # idle now: it makes room for the next adapter
+    assert engine.list_loras() == [loras[1]]
