@@ -49,7 +49,7 @@ def _greedy(path: str, kv: str, prompts: list[list[int]], **engine) -> tuple[lis
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "int8"])
-def test_outputs_within_a_kv_dtype_do_not_depend_on_caching_chunking_or_preemption(tiny_checkpoint, kv) -> None:
+def test_outputs_within_a_kv_dtype_do_not_depend_on_caching_chunking_preemption_or_tp(tiny_checkpoint, kv) -> None:
     path, cfg = tiny_checkpoint("llama")
     prompts = shared_prefix_prompts(cfg.vocab_size)
     ref, _ = _greedy(path, kv, prompts, enable_prefix_caching=False)
@@ -60,6 +60,7 @@ def test_outputs_within_a_kv_dtype_do_not_depend_on_caching_chunking_or_preempti
         "chunks of 16": ({"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0}, False),
         "preempted (recompute)": (tight, True),
         "preempted (swap)": ({**tight, "preemption_mode": "swap"}, True),
+        "tensor parallel (2 ranks)": ({"tensor_parallel_size": 2}, False),
     }
     for name, (engine, preempts) in variants.items():
         tokens, preemptions = _greedy(path, kv, prompts, **engine)
