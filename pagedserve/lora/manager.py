@@ -17,9 +17,12 @@ free when a request needs one.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -32,6 +35,21 @@ from pagedserve.lora.peft import LoRAAdapterError, PeftAdapter, read_peft_adapte
 from pagedserve.lora.request import LoRARequest
 
 StackedMapping = Sequence[tuple[str, str, object]]
+logger = logging.getLogger("pagedserve")
+
+
+def lora_kernel() -> ModuleType | None:
+    """The CPU kernel of layers/csrc/lora.cpp (built once per machine, ~10 s; cached), or
+    None when it cannot be built (the layers then run the dense masked products)."""
+    from pagedserve.cpu_extension import build_cpu_extension
+
+    source = Path(__file__).resolve().parents[1] / "layers" / "csrc" / "lora.cpp"
+    try:
+        return build_cpu_extension("pagedserve_lora", source, "LoRA kernel")
+    except Exception as e:  # noqa: BLE001 - a machine without a compiler still serves adapters
+        logger.warning("the LoRA CPU kernel could not be built (%s: %s); adapters run as dense masked products",
+                       type(e).__name__, e)
+        return None
 
 
 @dataclass
@@ -54,14 +72,14 @@ class LoRAModelManager:
         PEFT target q_proj finds shard "q" of qkv_proj."""
         self.config = config
         self.device, self.dtype = device, dtype
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(lora_kernel() if device.type == "cpu" else None)
         # PEFT module name -> (layer, shard of it; None: the whole layer)
         self.targets: dict[str, tuple[LinearBase, object]] = {}
         self._layer_loras: list[LinearLoRA] = []
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
-            module.lora = LinearLoRA(self.batch)
+            module.lora = LinearLoRA(self.batch, config.max_loras + 1)
             self._layer_loras.append(module.lora)
             prefix, _, leaf = name.rpartition(".")
             self.targets[name] = (module, None)
