@@ -1,6 +1,7 @@
 """Building our C++ CPU kernels for this machine, once, into torch's extension cache.
 
-Both kernels (attention/csrc/paged_decode.cpp, layers/csrc/quant_linear.cpp) compile
+The kernels (attention/csrc/paged_decode.cpp, layers/csrc/quant_linear.cpp, and with
+LoRA enabled layers/csrc/lora.cpp) compile
 with torch.utils.cpp_extension for this machine's CPU (`-march=native`: AVX-512 where
 the CPU has it, AVX2/FMA where it has that, plain loops otherwise; capped like torch
 itself when ATEN_CPU_CAPABILITY says so).  The build directory's name carries a hash

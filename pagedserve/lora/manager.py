@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from pagedserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKV
 from pagedserve.layers.lora import LinearLoRA, LoRABatch
 from pagedserve.lora.peft import LoRAAdapterError, PeftAdapter, read_peft_adapter
 from pagedserve.lora.request import LoRARequest
+from pagedserve.utils import record_startup
 
 StackedMapping = Sequence[tuple[str, str, object]]
 logger = logging.getLogger("pagedserve")
@@ -44,8 +46,11 @@ def lora_kernel() -> ModuleType | None:
     from pagedserve.cpu_extension import build_cpu_extension
 
     source = Path(__file__).resolve().parents[1] / "layers" / "csrc" / "lora.cpp"
+    t0 = time.perf_counter()
     try:
-        return build_cpu_extension("pagedserve_lora", source, "LoRA kernel")
+        kernel = build_cpu_extension("pagedserve_lora", source, "LoRA kernel")
+        record_startup("LoRA kernel", time.perf_counter() - t0)
+        return kernel
     except Exception as e:  # noqa: BLE001 - a machine without a compiler still serves adapters
         logger.warning("the LoRA CPU kernel could not be built (%s: %s); adapters run as dense masked products",
                        type(e).__name__, e)
