@@ -93,6 +93,9 @@ class LoRAModelManager:
                     self.targets[f"{prefix}.{checkpoint_name}" if prefix else checkpoint_name] = (module, shard)
         # Loaded adapters by id (which ones: the engine decides, LLMEngine.add_lora).
         self._loaded: dict[int, LoadedAdapter] = {}
+        # The widest input or output of an adaptable layer (an adapter's tensors are no wider).
+        self._max_features = max((max(layer.in_features * layer.tp_size, layer.shard_rows(None)[3])
+                                  for layer, _ in self.targets.values()), default=0)
         self._lock = threading.Lock()  # add_lora may run beside a step (server threads)
         self.slot_ids: list[int | None] = [None] * (config.max_loras + 1)  # slot -> adapter id (slot 0: base)
         self.slot_refs = [0] * (config.max_loras + 1)
@@ -110,8 +113,8 @@ class LoRAModelManager:
                     raise LoRAAdapterError(f"LoRA id {request.lora_int_id} is already adapter "
                                            f"{loaded.request.lora_name!r} at another path")
                 return loaded
-        loaded = LoadedAdapter(request, self._layout(read_peft_adapter(request.lora_path, self.config.max_lora_rank),
-                                                     request))
+        adapter = read_peft_adapter(request.lora_path, self.config.max_lora_rank, self._max_features)
+        loaded = LoadedAdapter(request, self._layout(adapter, request))
         with self._lock:
             self._loaded[request.lora_int_id] = loaded
         return loaded

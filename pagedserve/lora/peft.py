@@ -87,8 +87,10 @@ def _rank_and_scaling(config: dict, max_rank: int) -> tuple[int, float]:
     return rank, float(alpha) / (math.sqrt(rank) if rslora else rank)
 
 
-def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
-    """The adapter in directory `path`; LoRAAdapterError naming what is wrong with it."""
+def read_peft_adapter(path: str, max_rank: int, max_features: int | None = None) -> PeftAdapter:
+    """The adapter in directory `path`; LoRAAdapterError naming what is wrong with it.
+    `max_features`: the widest input or output of any layer it may adapt, so that a
+    tensor too large for the model is refused from the file's header, before it is read."""
     if not os.path.isdir(path):
         raise LoRAAdapterError(f"LoRA adapter path {path!r} is not a directory")
     rank, scaling = _rank_and_scaling(_read_config(path), max_rank)
@@ -105,6 +107,11 @@ def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
         with safe_open(weights_path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 module, half = _split_key(key)
+                shape = tuple(f.get_slice(key).get_shape())
+                features = shape[1] if half == "lora_A" else shape[0] if shape else 0
+                if len(shape) != 2 or rank not in shape or (max_features is not None and features > max_features):
+                    raise LoRAAdapterError(f"adapter tensor {key!r} has shape {shape}, not a rank-{rank} LoRA "
+                                           "matrix of this model's size")
                 halves.setdefault(module, {})[half] = f.get_tensor(key)
     except (SafetensorError, OSError) as e:
         raise LoRAAdapterError(f"cannot read {weights_path!r}: {e}") from None

@@ -45,7 +45,9 @@ def test_options_that_change_the_math_are_refused_by_name(tmp_path, option, valu
     ({"peft_type": "IA3", "r": 4}, qv(), "peft_type 'IA3' is not a LoRA adapter"),
     ({"r": 0}, qv(), "rank r must be a positive integer"),
     ({"r": 4, "lora_alpha": "big"}, qv(), "lora_alpha must be a number"),
-    ({"r": 2}, qv(4), "do not have rank r=2"),
+    ({"r": 2}, qv(4), "not a rank-2 LoRA matrix"),
+    ({"r": 4}, {f"{PREFIX}.q_proj.lora_A.weight": torch.ones(8, 4), f"{PREFIX}.q_proj.lora_B.weight": torch.ones(8, 4)},
+     "do not have rank r=4"),
     ({"r": 4}, {"base_model.model.lm_head.lora_A.weight": torch.ones(4, 8),
                 "base_model.model.lm_head.lora_B.weight": torch.ones(8, 4)}, "embedding or LM head"),
     ({"r": 4}, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 8)}, "embedding or LM head"),
@@ -69,3 +71,11 @@ def test_missing_or_oversized_files(tmp_path) -> None:
     (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(LoRAAdapterError, match="cannot read"):
         read_peft_adapter(str(tmp_path), 16)
+
+
+def test_tensors_wider_than_the_model_are_refused_from_the_header(tmp_path) -> None:
+    path = write(tmp_path, {"r": 4}, {f"{PREFIX}.q_proj.lora_A.weight": torch.ones(4, 64),
+                                      f"{PREFIX}.q_proj.lora_B.weight": torch.ones(8, 4)})
+    with pytest.raises(LoRAAdapterError, match=r"shape \(4, 64\), not a rank-4 LoRA matrix of this model's size"):
+        read_peft_adapter(path, 16, max_features=32)
+    assert read_peft_adapter(path, 16, max_features=64).rank == 4

@@ -80,6 +80,8 @@ def test_two_adapters_and_the_base_answer_by_name_in_one_burst(lora_server, adap
     assert set(listed) == {MODEL_NAME, "a1", "a2"}
     assert listed["a1"].parent == listed["a2"].parent == MODEL_NAME
     assert getattr(listed[MODEL_NAME], "parent", None) is None
+    one = openai.OpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY).models.retrieve("a2")
+    assert one.id == "a2" and one.parent == MODEL_NAME and "/" not in (one.root or "")  # no server path shown
 
 
 def test_an_adapter_loaded_and_unloaded_at_runtime(lora_server, adapters, tokenizer) -> None:
