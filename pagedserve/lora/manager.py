@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,9 +34,9 @@ from pagedserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKV
 from pagedserve.layers.lora import LinearLoRA, LoRABatch
 from pagedserve.lora.peft import LoRAAdapterError, PeftAdapter, read_peft_adapter
 from pagedserve.lora.request import LoRARequest
+from pagedserve.models.utils import StackedMapping
 from pagedserve.utils import record_startup
 
-StackedMapping = Sequence[tuple[str, str, object]]
 logger = logging.getLogger("pagedserve")
 
 

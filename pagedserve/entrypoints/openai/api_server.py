@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -142,16 +142,11 @@ class ServerState:
     dashboard: DashboardHub | None = None
     prepare_pool: ThreadPoolExecutor | None = None  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
-    lora_adapters: LoRAAdapters | None = None  # --lora-modules and the runtime-loaded ones
-
-    def __post_init__(self) -> None:
-        if self.lora_adapters is None:
-            self.lora_adapters = LoRAAdapters(self.served_model_names, {}, allow_runtime_updating=False)
+    lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
 
     def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None,
                reasoning_parser: ReasoningParser | None = None) -> None:
         engine = attachment.client
-        assert self.lora_adapters is not None
         args = (engine, self.served_model_names, attachment.max_model_len, self.lora_adapters.loras)
         self.max_model_len = attachment.max_model_len
         self.completion = OpenAIServingCompletion(*args)
@@ -272,7 +267,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
 
     def model_card(name: str) -> ModelCard:
         base = state.served_model_names[0]
-        lora = state.lora_adapters.loras.get(name) if state.lora_adapters is not None else None
+        lora = state.lora_adapters.loras.get(name)
         if lora is not None:  # (its path on the server's disk is not the client's business)
             return ModelCard(id=name, root=name, parent=lora.base_model_name or base, max_model_len=state.max_model_len)
         return ModelCard(id=name, root=base, max_model_len=state.max_model_len)
@@ -280,20 +275,19 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         state.ready()
-        loras = list(state.lora_adapters.loras) if state.lora_adapters is not None else []
+        loras = list(state.lora_adapters.loras)
         return _json(ModelList(data=[model_card(name) for name in [*state.served_model_names, *loras]]))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """Load a PEFT adapter from the server's disk (--allow-runtime-lora-updating)."""
         engine = state.ready()
-        assert state.lora_adapters is not None
-        return PlainTextResponse(await state.lora_adapters.load(engine, body.lora_name, body.lora_path))
+        return PlainTextResponse(await state.lora_adapters.load(engine, state.served_model_names, body.lora_name,
+                                                                body.lora_path))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         engine = state.ready()
-        assert state.lora_adapters is not None
         return PlainTextResponse(await state.lora_adapters.unload(engine, body.lora_name))
 
     @app.get("/v1/models/{model_id:path}")
@@ -585,7 +579,7 @@ def run_server(args: argparse.Namespace) -> None:
         names = args.served_model_name or [engine_args.model]
         if (args.lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating serve LoRA adapters: add --enable-lora")
-        loras = LoRAAdapters(names, parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
+        loras = LoRAAdapters(parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     replicated = engine_args.data_parallel_size > 1

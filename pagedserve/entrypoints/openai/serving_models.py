@@ -62,11 +62,10 @@ class LoRAAdapters:
     """The served adapters by name (the dict the serving classes read), and the runtime
     load/unload that change it."""
 
-    def __init__(self, served_names: list[str], loras: dict[str, LoRARequest], allow_runtime_updating: bool) -> None:
-        self.served_names = served_names
-        self.loras = loras
+    def __init__(self, loras: dict[str, LoRARequest] | None = None, allow_runtime_updating: bool = False) -> None:
+        self.loras = loras if loras is not None else {}
         self.allow_runtime_updating = allow_runtime_updating
-        self._next_id = max((r.lora_int_id for r in loras.values()), default=0) + 1
+        self._next_id = max((r.lora_int_id for r in self.loras.values()), default=0) + 1
         self._lock = threading.Lock()
 
     def _check_allowed(self) -> None:
@@ -74,14 +73,14 @@ class LoRAAdapters:
             raise OpenAIError("loading and unloading LoRA adapters at runtime is off; start the server with "
                               "--allow-runtime-lora-updating", status=404, code="runtime_lora_updating_disabled")
 
-    async def load(self, engine: EngineClient, name: object, path: object) -> str:
+    async def load(self, engine: EngineClient, served_names: list[str], name: object, path: object) -> str:
         self._check_allowed()
         if not isinstance(path, str) or not path or len(path) > MAX_LORA_PATH_CHARS:
             raise OpenAIError(f"lora_path must be a directory path of 1 to {MAX_LORA_PATH_CHARS} characters",
                               param="lora_path")
         with self._lock:
             try:
-                check_new_name(name, self.served_names, self.loras)
+                check_new_name(name, served_names, self.loras)
             except ValueError as e:
                 raise OpenAIError(str(e), param="lora_name") from None
             assert isinstance(name, str)
