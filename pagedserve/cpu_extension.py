@@ -66,9 +66,13 @@ def extension_build_dir(prefix: str, source: Path,
 def _build_environment() -> tuple[str, ...]:
     """What else decides the module: the Python that imports it (its version and ABI)
     and the compiler.  Not the environment's paths (see the module docstring)."""
-    import sysconfig
+    import importlib.machinery
 
-    return (sys.version, sysconfig.get_config_var("SOABI") or "", os.environ.get("CXX", "c++"))
+    # The ABI from the import system's extension suffix, not sysconfig: its first read fills
+    # a shared dict, and a build started on a background thread while another thread read
+    # sysconfig saw it empty (a second name for the same build: a 20 s rebuild, and a
+    # compiled graph saved with the other name's operators did not load).
+    return (sys.version, importlib.machinery.EXTENSION_SUFFIXES[0], os.environ.get("CXX", "c++"))
 
 
 def _import_built(name: str, build_dir: Path) -> ModuleType | None:

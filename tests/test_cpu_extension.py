@@ -45,3 +45,16 @@ def test_environments_with_the_same_torch_and_python_share_one_build(monkeypatch
     assert module.__name__ == here[0] and callable(module.paged_decode)
     monkeypatch.setenv("CXX", "clang++")
     assert extension_build_dir("pagedserve_paged_decode", SOURCE)[0] != here[0]
+
+
+def test_the_build_name_does_not_read_sysconfig(monkeypatch) -> None:
+    """The kernels build on a background thread while the main thread imports; sysconfig's
+    first read fills a shared dict, and a build that read it half-filled got a second name
+    for the same build (a rebuild, and a saved compiled model calling operators by the
+    other name).  The name must not depend on what sysconfig answers."""
+    import sysconfig
+
+    name = extension_build_dir("pagedserve_paged_decode", SOURCE)[0]
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda *a, **k: None)
+    monkeypatch.setattr(sysconfig, "get_config_vars", lambda *a, **k: {})
+    assert extension_build_dir("pagedserve_paged_decode", SOURCE)[0] == name

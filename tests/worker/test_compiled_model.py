@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from pagedserve.engine.arg_utils import EngineArgs, env_torch_compile
-from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
+from pagedserve.forward_context import set_forward_context
+from pagedserve.worker import compiled_model
+from pagedserve.worker.compiled_model import CompiledModel, artifact_key, load_artifact, maybe_compile
 from tests.worker.worker_helpers import ToyModel
 
 CPU = torch.device("cpu")
@@ -88,7 +90,7 @@ def test_a_graph_cached_under_another_cpu_capability_is_not_reused(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PAGEDSERVE_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     outputs = []
     for extra in ({"ATEN_CPU_CAPABILITY": "avx2"}, {}):
@@ -97,3 +99,45 @@ def test_a_graph_cached_under_another_cpu_capability_is_not_reused(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         outputs.append(run.stdout.strip().splitlines()[-1])
     assert outputs[0] == outputs[1]
+
+
+def test_a_saved_compilation_is_loaded_by_the_next_model_with_its_own_weights(tmp_path, monkeypatch, caplog):
+    """The first compile saves the forward; a second model of the same shape (other
+    weights) loads it instead of tracing, and computes with its own weights; a changed
+    source or a torn file is a miss, never a failure."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    first = maybe_compile(ToyModel(layers=1), CPU, True, False, 1)
+    assert first is not None and first.guard_free and first.loaded_from is None
+    [saved] = (tmp_path / "compiled").iterdir()
+    model = ToyModel(layers=1, seed=1)
+    second = maybe_compile(model, CPU, True, False, 1)
+    assert second is not None and second.guard_free and second.loaded_from == str(saved)
+    ids = torch.arange(7)
+    with torch.inference_mode(), set_forward_context(None):
+        torch.testing.assert_close(second(ids, ids), model(ids, ids), rtol=1e-5, atol=1e-5)
+        # 1 token: the saved graph is dynamic in the token count, as the traced one is
+        torch.testing.assert_close(second(ids[:1], ids[:1]), model(ids[:1], ids[:1]), rtol=1e-5, atol=1e-5)
+
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        real = compiled_model._source_sums
+        monkeypatch.setattr(compiled_model, "_source_sums", lambda names: {n: "edited" for n in real(names)})
+        assert load_artifact(str(saved)) is None
+        assert "sources changed since" in caplog.text
+        monkeypatch.undo()
+        saved.write_bytes(saved.read_bytes()[:200])
+        assert load_artifact(str(saved)) is None
+        assert "could not load" in caplog.text
+
+
+def test_the_saved_compilation_key_covers_what_a_trace_bakes_in():
+    """Weights are the graph's inputs: not in the key.  Module attributes are constants in
+    the graph (a sliding window, a head count): in the key.  The KV cache a layer is bound
+    to after sizing never enters the graph: not in the key."""
+    base = artifact_key(ToyModel(layers=1))
+    assert artifact_key(ToyModel(layers=1, seed=3)) == base
+    assert artifact_key(ToyModel(layers=1, window=8)) != base
+    assert artifact_key(ToyModel(layers=1, heads=8, kv_heads=4, head_dim=8)) != base
+    assert artifact_key(ToyModel(layers=2)) != base
+    bound = ToyModel(layers=1)
+    bound.layers[0].attn.kv_cache = (torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))
+    assert artifact_key(bound) == base
