@@ -44,6 +44,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 import types
@@ -214,7 +215,8 @@ def _describe(value: Any, depth: int) -> Any:
         return ("submodule", _qualname(type(value)))  # described on its own
     if dataclasses.is_dataclass(value) or hasattr(value, "__dict__"):
         return (_qualname(type(value)), _describe(vars(value), depth - 1))
-    return (_qualname(type(value)), repr(value) if len(repr(value)) < 200 else "")
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))  # (an address would make every key new)
+    return (_qualname(type(value)), text if len(text) < 200 else "")
 
 
 def _source_sums(modules: list[str]) -> dict[str, str]:
