@@ -64,3 +64,30 @@ def test_smollm2_matches_hf_reading_the_gguf(smollm2_path: str, smollm2_gguf: st
     assert ref.abs().max() > 10  # a real model, not noise
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_loads_the_same(smollm2_gguf: str, tmp_path, monkeypatch) -> None:
+    """The GGUF's vocabulary is converted on the first start and read from the cache on
+    the next, with the same ids, decoding, special tokens and chat template."""
+    from pagedserve.model_loader import gguf_utils
+    from pagedserve.model_loader.tokenizer import gguf_tokenizer
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    first = gguf_tokenizer(smollm2_gguf)
+    [saved] = (tmp_path / "tokenizers").iterdir()
+
+    def no_conversion(path: str):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_tokenizer", no_conversion)
+    second = gguf_tokenizer(smollm2_gguf)
+    texts = ["What is the capital of France?", "  spaces\tand\nnewlines ", "naïve café 🚀", "<|im_start|>user"]
+    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    assert second.chat_template == first.chat_template  # (this file has none; the converted directory has one)
+    assert second.decode(first.encode(texts[2])) == first.decode(first.encode(texts[2]))
+    assert (second.eos_token_id, second.bos_token_id, len(second)) == (first.eos_token_id, first.bos_token_id, len(first))
+
+    (saved / "tokenizer.json").write_text("{not json")  # a damaged copy is converted again
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    assert gguf_tokenizer(smollm2_gguf).encode(texts[0]) == first.encode(texts[0])
