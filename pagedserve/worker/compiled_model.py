@@ -14,7 +14,6 @@ How, so that it compiles once and never again:
   * attention metadata never enters the graph (the attention op reads it from the
     forward context), so nothing guards on a step's batch layout;
   * it is compiled at start-up by a two-token warm-up, not inside the first request;
-    inductor caches the result on disk (~25 s the first time on 2 cores, ~5 s after);
   * later calls skip dynamo's guards: the model is compiled ahead of time
     (`aot_compile`) with every guard dropped, as vLLM does.  The guards (~7,000 on
     SmolLM2: every parameter, every quantized segment list) cost 2.3-2.9 ms a call on a
@@ -25,12 +24,12 @@ How, so that it compiles once and never again:
   * the compiled function is saved under the cache directory (`compiled/`) and the next
     start loads it (~2 s) instead of tracing again (~8 s warm, ~25 s cold).  The loaded
     function reuses inductor's compiled kernels from its own cache (TORCHINDUCTOR_CACHE_DIR,
-    /tmp/torchinductor_$USER by default); where that was cleared it recompiles them (~18 s).  With no
-    guards to say when a saved graph no longer fits, the file is found by a key of
-    everything the trace could have read (torch, the CPU's vector width, every module's
-    class, parameter shapes and plain attributes: config values are baked into the
-    graph as constants), it carries the checksums of the sources dynamo inlined, and it
-    must run the warm-up tokens; any miss compiles again.
+    /tmp/torchinductor_$USER by default); where that was cleared it recompiles them
+    (~18 s).  With no guards to say when a saved graph no longer fits, the file is found
+    by a key of everything the trace could have read (torch, the CPU's vector width,
+    every module's class, parameter shapes and plain attributes: config values are
+    baked into the graph as constants), it carries the checksums of the sources dynamo
+    inlined, and it must run the warm-up tokens; any miss compiles again.
 Anything that goes wrong while compiling leaves the engine on the eager model.
 """
 
