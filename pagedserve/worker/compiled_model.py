@@ -96,6 +96,7 @@ class CompiledModel:
         self._mark_unbacked = mark_unbacked
         self._direct: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.loaded_from: str | None = None  # the saved compilation this model runs, if it was loaded
+        self.artifact_path: str | None = None  # where its compilation is saved (guard-free only)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with set_forward_context(get_forward_context().attn_metadata, self.modules):
@@ -125,8 +126,8 @@ class CompiledModel:
     def _guard_free(self, ids: torch.Tensor, pos: torch.Tensor, want: torch.Tensor) -> Callable[..., torch.Tensor]:
         """The forward compiled without guards: loaded from the cache when a saved one
         fits this model, else compiled and saved."""
-        path = os.path.join(artifact_dir(), artifact_key(self.model) + ".bin")
-        fn = load_artifact(path)
+        path = self.artifact_path = os.path.join(artifact_dir(), artifact_key(self.model) + ".bin")
+        fn = load_artifact(path, type(self.model).forward.__globals__)
         if fn is not None and not _runs(fn, (self.model, ids, pos), want):
             logger.warning("torch.compile: the saved compilation %s does not run this model as it does; "
                            "compiling again", path)
@@ -245,9 +246,10 @@ def save_artifact(path: str, compiled: Any) -> None:
         logger.warning("torch.compile: could not save the compiled model to %s (%s: %s)", path, type(e).__name__, e)
 
 
-def load_artifact(path: str) -> Callable[..., torch.Tensor] | None:
+def load_artifact(path: str, f_globals: dict[str, Any] | None = None) -> Callable[..., torch.Tensor] | None:
     """The saved compiled forward at `path` if there is one and the sources it inlined are
-    unchanged, else None (a file that cannot be read is only a cache miss)."""
+    unchanged, else None (a file that cannot be read is only a cache miss).  `f_globals`:
+    the forward's module globals, which the compiled bytecode may name (`torch`)."""
     if not os.path.exists(path):
         return None
     try:
@@ -261,7 +263,7 @@ def load_artifact(path: str) -> Callable[..., torch.Tensor] | None:
         if _source_sums(list(header["sources"])) != header["sources"]:
             logger.info("torch.compile: sources changed since %s was saved; compiling again", path)
             return None
-        fn = torch.compiler.load_compiled_function(io.BytesIO(blob[at + 8 + size:]))
+        fn = torch.compiler.load_compiled_function(io.BytesIO(blob[at + 8 + size:]), f_globals=f_globals)
         fn.disable_guard_check()
         return fn
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: compile again and overwrite it

@@ -39,11 +39,17 @@ def test_compiled_matches_eager_and_compiles_once(arch, quantization, tiny_check
 
     # The default (no argument, no PAGEDSERVE_TORCH_COMPILE) compiles on CPU.
     monkeypatch.delenv("PAGEDSERVE_TORCH_COMPILE", raising=False)
-    for skip_guards in (False, True):
+    # Guarded, then guard-free, then guard-free again: the second guard-free engine loads the
+    # compilation the first saved (or one an earlier run saved) and must give the same.
+    for i, skip_guards in enumerate((False, True, True)):
         monkeypatch.setattr(CompiledModel, "skip_guards", skip_guards)
         llm = LLM(model_dir, dtype="float32", quantization=quantization, max_num_batched_tokens=48)  # chunked
         compiled = llm.llm_engine.model_executor.compiled
         assert compiled is not None and compiled.guard_free is skip_guards
+        if i == 0:
+            assert compiled.loaded_from is None  # the guarded path always traces
+        if i == 2:
+            assert compiled.loaded_from is not None, "the saved compilation did not load"
         graphs = counters["stats"]["unique_graphs"]
         got_batch, got_one = greedy(llm, prompts), greedy(llm, prompts[:1])  # the latter decodes 1 token/step
         assert counters["stats"]["unique_graphs"] == graphs, "a step shape recompiled the model"

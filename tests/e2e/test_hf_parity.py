@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.worker.compiled_model import load_artifact
 from tests.e2e.token_prompts import shared_prefix_prompts
 
 MAX_TOKENS = 32
@@ -263,6 +264,10 @@ def test_smollm2_matches_hf(smollm2_path, smollm2_gguf) -> None:
     del llm
     llm = LLM(smollm2_path, dtype="float32", torch_compile=True, max_num_seqs=32)
     check_logprobs_close(ref * 4, ours_greedy(llm, ids * 4), "smollm2-compiled-batch-32")
+    # What the next start does: load the saved compilation (this model's compiled bytecode
+    # names its module's globals, which the load must be given).
+    compiled = llm.llm_engine.model_executor.compiled
+    assert load_artifact(compiled.artifact_path, type(compiled.model).forward.__globals__) is not None
 
 
 def test_gemma3_270m_matches_hf(gemma3_path) -> None:
