@@ -23,8 +23,9 @@ def fake_engine(monkeypatch):
     ids = tok.encode(ANSWER) + [tok.eos_token_id]
     engines = []
 
-    def load(ns):
+    def load(ns, num_seqs):
         assert ns.model in (None, "m")  # engine flags reach EngineArgs
+        assert num_seqs == (len(ns.prompts) if ns.command == "generate" else 1)
         engines.append(make_engine(lambda i, p: ids[min(i, len(ids) - 1)], tokenizer=tok, vocab_size=len(tok),
                                    eos_token_id=tok.eos_token_id))
         return engines[-1]
@@ -69,6 +70,17 @@ def test_generate_applies_the_chat_template_by_default(fake_engine, monkeypatch)
     seen.clear()
     cli.main(["generate", "hi", "--no-chat"])
     assert seen == ["hi"]
+
+
+def test_generate_and_chat_size_the_engine_for_their_sequences(monkeypatch) -> None:
+    """One prompt needs one sequence's KV cache, not 256 sequences' (5.6 GiB written at
+    start-up); --max-num-seqs still decides where given."""
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(lambda cls, args: args))
+    for argv, num_seqs, want in ((["generate", "a", "b"], 2, 2), (["chat"], 1, 1),
+                                 (["generate", "a", "--max-num-seqs", "8"], 1, 8)):
+        assert cli._build_engine(cli.build_parser().parse_args(argv), num_seqs).max_num_seqs == want
 
 
 def test_bad_sampling_value_is_a_clean_error(fake_engine) -> None:
