@@ -159,6 +159,9 @@ ARTIFACT_MAGIC = b"pagedserve-compiled-1\n"
 # Attributes bound to a layer after the KV cache is sized: read by the attention layer's
 # eager code behind its opaque op, never by the graph; their shapes change with memory.
 RUNTIME_BOUND = frozenset({"kv_cache", "impl"})
+# Where a Hugging Face config was read from: no forward computes with it, and keying on it
+# made the same model at another path (a copy, a test's temporary directory) compile again.
+PROVENANCE = frozenset({"_name_or_path", "_commit_hash"})
 
 
 def _no_guards(guards: list[Any]) -> list[bool]:
@@ -204,7 +207,7 @@ def _describe(value: Any, depth: int) -> Any:
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, [_describe(v, depth - 1) for v in value])
     if isinstance(value, dict):
-        return ("dict", sorted((str(k), _describe(v, depth - 1)) for k, v in value.items()))
+        return ("dict", sorted((str(k), _describe(v, depth - 1)) for k, v in value.items() if k not in PROVENANCE))
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)):
         return _qualname(value)
     if type(value).__module__ == "torch._ops":  # an operator the graph calls by name (our kernels' are hashed)

@@ -132,7 +132,8 @@ def test_a_saved_compilation_is_loaded_by_the_next_model_with_its_own_weights(tm
 def test_the_saved_compilation_key_covers_what_a_trace_bakes_in():
     """Weights are the graph's inputs: not in the key.  Module attributes are constants in
     the graph (a sliding window, a head count): in the key.  The KV cache a layer is bound
-    to after sizing never enters the graph: not in the key."""
+    to after sizing never enters the graph: not in the key; nor does the path a Hugging
+    Face config was read from (a copy of a model loads the first one's compilation)."""
     base = artifact_key(ToyModel(layers=1))
     assert artifact_key(ToyModel(layers=1, seed=3)) == base
     assert artifact_key(ToyModel(layers=1, window=8)) != base
@@ -141,3 +142,13 @@ def test_the_saved_compilation_key_covers_what_a_trace_bakes_in():
     bound = ToyModel(layers=1)
     bound.layers[0].attn.kv_cache = (torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))
     assert artifact_key(bound) == base
+    from transformers import LlamaConfig
+
+    configured = []
+    for path in ("/models/a", "/elsewhere/b"):
+        model = ToyModel(layers=1)
+        model.config = LlamaConfig(num_hidden_layers=1, name_or_path=path)
+        configured.append(artifact_key(model))
+    assert configured[0] == configured[1] != base
+    model.config.rms_norm_eps = 1e-3  # a value the forward reads
+    assert artifact_key(model) != configured[0]
