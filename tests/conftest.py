@@ -10,6 +10,21 @@ import pytest
 
 import tests.hypothesis_budget  # noqa: F401 - registers and loads the hypothesis profiles
 
+CPUS = len(os.sched_getaffinity(0))  # the CPUs this process may run on
+
+# Under pytest-xdist (the README's `-n auto`) each worker gets its share of the CPUs, so
+# two workers' OpenMP teams do not fight over the same ones (a team that loses its core
+# stalls at every barrier).  Set before anything imports torch; subprocess servers inherit it.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, CPUS // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per CPU.  (xdist would ask psutil for physical cores: one on a
+    2-vCPU machine whose vCPUs share a core, the host's count in a smaller container.)"""
+    return CPUS
+
+
 # Engines in tests run eagerly unless a test asks for torch_compile=True: compiling each
 # tiny test model would cost the suite minutes.  Compiled-vs-eager parity has its own
 # tests (tests/worker/test_compiled_model.py).  Subprocess servers inherit this.

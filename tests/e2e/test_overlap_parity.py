@@ -97,7 +97,6 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_overlap_matches_sync(variant, tiny_checkpoint):
-    torch.set_num_threads(2)
     model_dir, cfg = tiny_checkpoint("qwen3")
     prompts = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)]
     sync = _make(model_dir, False, **VARIANTS[variant])
@@ -148,7 +147,6 @@ def _run_with_aborts(engine, prompts, params) -> dict:
 
 
 def test_aborts_mid_run(tiny_checkpoint):
-    torch.set_num_threads(2)
     model_dir, cfg = tiny_checkpoint("qwen3")
     prompts = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size, n=8, seed=1)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
