@@ -75,6 +75,35 @@ def test_kernel_matches_float32_math(dtype, heads, kv_heads, dim, bs):
     check_kernel(paged_decode(), dtype, heads, kv_heads, dim, bs)
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 32, 64), (16, 2, 128), (4, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_requests_than_threads_split_heads_and_change_nothing(heads, kv_heads, dim, dtype):
+    """With fewer requests than threads, each request's KV heads are split into ranges,
+    one task each (one user's decode step uses every thread): the output is the very same
+    bits as one thread's, with a sliding window too, and with 1, 2, 3 or 5 threads."""
+    g = torch.Generator().manual_seed(heads + dim)
+    k_cache, v_cache = (torch.randn(40, 16, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    block_table = torch.randperm(40, generator=g)[:16].view(2, 8).int()
+    seq_lens = torch.tensor([100, 37], dtype=torch.int32)
+    q = torch.randn(2, heads, dim, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        for batch in (1, 2):
+            for window in (0, 40):
+                args = (q[:batch], k_cache, v_cache, block_table[:batch], seq_lens[:batch], dim**-0.5, window)
+                torch.set_num_threads(1)
+                want = paged_decode()(*args)
+                if window == 0:
+                    ref = reference_decode(*args[:-1])
+                    torch.testing.assert_close(want.float(), ref, atol=1e-2, rtol=1e-2)
+                for threads in (2, 3, 5):
+                    torch.set_num_threads(threads)
+                    assert torch.equal(paged_decode()(*args), want), (batch, window, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 CPU_FLAGS = cpu_flags()
 
 

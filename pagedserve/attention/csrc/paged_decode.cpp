@@ -1,10 +1,10 @@
 // Paged decode attention for CPU: one query token per request, K/V read in place
 // from the paged cache through the block table (no gather copy), softmax in float32.
 //
-// One task per request (at::parallel_for: torch's own OpenMP pool).  A request's
-// blocks are streamed whole, every KV head of a slot being adjacent, with the next
-// block prefetched while this one is used: first the scores of all its query heads
-// (16 slots at a time, partial sums reduced by a transpose-add tree), then a
+// One task per request (at::parallel_for: torch's own OpenMP pool), or per range of its
+// KV heads when there are fewer requests than threads.  A task streams its heads' rows
+// of the request's blocks, the next block's prefetched while this one is used: first
+// the scores of its query heads (16 slots at a time, partial sums reduced by a transpose-add tree), then a
 // vectorised exp and sum per head, then the weighted sum of V with the accumulators in
 // registers across each block.  Compiled with -march=native, those loops are AVX-512
 // intrinsics (16 slots at a time) where the CPU has AVX-512, AVX2/FMA intrinsics (8
@@ -446,9 +446,11 @@ inline bool pv_block_any(int64_t G, const float* p, const scalar_t* v, int64_t v
   }
 }
 
-inline void prefetch_block(const void* p, int64_t bytes) {
+// One KV head's rows of a block: `n` rows of `bytes` each, `stride` bytes apart.
+inline void prefetch_rows(const void* p, int64_t n, int64_t stride, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + s * stride + off, 0, 0);
 }
 
 // scalar_t: q's and the output's dtype; cache_t: what the cache stores (the same, or
@@ -465,7 +467,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t kc_sb = k_cache.stride(0), kc_ss = k_cache.stride(1), kc_sh = k_cache.stride(2);
   const int64_t vc_sb = v_cache.stride(0), vc_ss = v_cache.stride(1), vc_sh = v_cache.stride(2);
   const int64_t bt_s = block_table.stride(0);
-  const int64_t block_bytes = bs * kc_ss * static_cast<int64_t>(sizeof(cache_t));
+  // One head's row (its D values and, for int8, the scale after them) and the distance
+  // between two slots' rows, in bytes.
+  constexpr int64_t kElt = sizeof(cache_t);
+  const int64_t k_row = kc_sh * kElt, k_slot = kc_ss * kElt, v_row = vc_sh * kElt, v_slot = vc_ss * kElt;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const cache_t* kp = static_cast<const cache_t*>(k_cache.data_ptr());
   const cache_t* vp = static_cast<const cache_t*>(v_cache.data_ptr());
@@ -477,16 +482,24 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // per KV head (the partial sums live in registers or on the stack).
   const bool blocked = kSlots > 0 && bs % kSlots == 0 && G <= 8;
 
-  // One task per request: its blocks are streamed whole (every KV head of a slot is
-  // adjacent), and the next block is prefetched while this one is computed on.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are (request, range of KV heads).  With at least as many requests as threads a
+  // task is a whole request, its blocks streamed whole (every KV head of a slot is
+  // adjacent).  With fewer (one user's decode step), each request's heads are split into
+  // contiguous ranges, one per thread it can have, so every thread works and each still
+  // streams contiguous runs of every slot (a head alone would read 128-byte rows 4 KB apart,
+  // which measured slower than one thread doing all 32 heads of a 1.7B model).
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::clamp<int64_t>((threads + B - 1) / B, 1, Hkv);
+  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores, mx(H), inv(H);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / parts, part = task % parts;
+      const int64_t h0 = Hkv * part / parts, h1 = Hkv * (part + 1) / parts, nh = h1 - h0;
       const int64_t L = slp[b];
       const int32_t* blocks = btp + b * bt_s;
       const int64_t nblk = (L + bs - 1) / bs;
-      for (int64_t h = 0; h < H; ++h) {
-        const scalar_t* src = qp + b * q_sb + h * q_sh;
+      for (int64_t h = 0; h < nh * G; ++h) {
+        const scalar_t* src = qp + b * q_sb + (h0 * G + h) * q_sh;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = load(src[i]) * fscale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -497,28 +510,30 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         // before `start` get probability 0.
         const int64_t start = window > 0 && L > window ? L - window : 0;
         const int64_t j0 = start / bs;
-        scores.resize(H * L);
+        const cache_t* kh = kp + h0 * kc_sh;  // this task's first head in slot 0 of block 0
+        const cache_t* vh = vp + h0 * vc_sh;
+        scores.resize(nh * G * L);
         std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-        prefetch_block(kp + blocks[j0] * kc_sb, block_bytes);
+        prefetch_rows(kh + blocks[j0] * kc_sb, bs, k_slot, nh * k_row);
         for (int64_t j = j0; j < nblk; ++j) {
-          if (j + 1 < nblk) prefetch_block(kp + blocks[j + 1] * kc_sb, block_bytes);
-          else prefetch_block(vp + blocks[j0] * vc_sb, block_bytes);
-          const cache_t* kb = kp + blocks[j] * kc_sb;
+          if (j + 1 < nblk) prefetch_rows(kh + blocks[j + 1] * kc_sb, bs, k_slot, nh * k_row);
+          else prefetch_rows(vh + blocks[j0] * vc_sb, bs, v_slot, nh * v_row);
+          const cache_t* kb = kh + blocks[j] * kc_sb;
           const int64_t n = std::min(bs, L - j * bs);
           if (blocked) {
             for (int64_t s0 = 0; s0 < n; s0 += kSlots)
-              for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-                qk_block<cache_t, D>(qf.data() + kvh * G * D, G, kb + s0 * kc_ss + kvh * kc_sh, kc_ss,
-                                      std::min<int64_t>(kSlots, n - s0), scores.data() + kvh * G * L + j * bs + s0,
-                                      L, mx.data() + kvh * G);
+              for (int64_t k = 0; k < nh; ++k)
+                qk_block<cache_t, D>(qf.data() + k * G * D, G, kb + s0 * kc_ss + k * kc_sh, kc_ss,
+                                      std::min<int64_t>(kSlots, n - s0), scores.data() + k * G * L + j * bs + s0,
+                                      L, mx.data() + k * G);
             continue;
           }
           for (int64_t s = 0; s < n; ++s)
-            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-              qk_row<cache_t, D>(qf.data() + kvh * G * D, G, kb + s * kc_ss + kvh * kc_sh,
-                                  scores.data() + kvh * G * L + j * bs + s, L, mx.data() + kvh * G);
+            for (int64_t k = 0; k < nh; ++k)
+              qk_row<cache_t, D>(qf.data() + k * G * D, G, kb + s * kc_ss + k * kc_sh,
+                                  scores.data() + k * G * L + j * bs + s, L, mx.data() + k * G);
         }
-        for (int64_t h = 0; h < H; ++h) {
+        for (int64_t h = 0; h < nh * G; ++h) {
           float* sh = scores.data() + h * L;
           if (start > j0 * bs) {  // the max over the visible keys only, then hide the rest
             mx[h] = *std::max_element(sh + start, sh + L);
@@ -527,22 +542,22 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           inv[h] = 1.f / exp_sum(sh + start, L - start, mx[h]);
         }
         for (int64_t j = j0; j < nblk; ++j) {
-          if (j + 1 < nblk) prefetch_block(vp + blocks[j + 1] * vc_sb, block_bytes);
-          const cache_t* vb = vp + blocks[j] * vc_sb;
+          if (j + 1 < nblk) prefetch_rows(vh + blocks[j + 1] * vc_sb, bs, v_slot, nh * v_row);
+          const cache_t* vb = vh + blocks[j] * vc_sb;
           const int64_t n = std::min(bs, L - j * bs);
           bool done = true;
-          for (int64_t kvh = 0; kvh < Hkv && done; ++kvh)
-            done = pv_block_any<cache_t, D>(G, scores.data() + kvh * G * L + j * bs, vb + kvh * vc_sh, vc_ss, n,
-                                             acc.data() + kvh * G * D, L);
+          for (int64_t k = 0; k < nh && done; ++k)
+            done = pv_block_any<cache_t, D>(G, scores.data() + k * G * L + j * bs, vb + k * vc_sh, vc_ss, n,
+                                             acc.data() + k * G * D, L);
           if (done) continue;
           for (int64_t s = 0; s < n; ++s)
-            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-              pv_row<cache_t, D>(scores.data() + kvh * G * L + j * bs + s, G, vb + s * vc_ss + kvh * vc_sh,
-                                  acc.data() + kvh * G * D, L);
+            for (int64_t k = 0; k < nh; ++k)
+              pv_row<cache_t, D>(scores.data() + k * G * L + j * bs + s, G, vb + s * vc_ss + k * vc_sh,
+                                  acc.data() + k * G * D, L);
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        scalar_t* dst = op + b * o_sb + h * o_sh;
+      for (int64_t h = 0; h < nh * G; ++h) {
+        scalar_t* dst = op + b * o_sb + (h0 * G + h) * o_sh;
         for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<scalar_t>(acc[h * D + i] * inv[h]);
       }
     }
