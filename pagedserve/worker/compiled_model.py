@@ -176,10 +176,11 @@ def artifact_dir() -> str:
 
 def artifact_key(model: nn.Module) -> str:
     """A digest of what a trace of `model.forward` can read as a constant: the software
-    (torch's and Python's versions, not where they are installed: a new virtual environment
-    of the same versions, as CI makes each run, loads what the last one saved; the sources
-    the trace inlined are checked on load), the vector width inductor generates for, and every module's class, tensors' shapes and
-    dtypes, and plain attributes (config values: eps, rope bases, head counts)."""
+    (torch's and Python's versions, not where they are installed: a new virtual
+    environment of the same versions, as CI makes each run, loads what the last one
+    saved; the sources the trace inlined are checked on load), the vector width inductor
+    generates for, and every module's class, tensors' shapes and dtypes, and plain
+    attributes (config values: eps, rope bases, head counts)."""
     from torch._inductor import config as inductor_config
 
     from pagedserve.layers import fused_ops

@@ -4,12 +4,12 @@
 // One task per request (at::parallel_for: torch's own OpenMP pool), or per range of its
 // KV heads when there are fewer requests than threads.  A task streams its heads' rows
 // of the request's blocks, the next block's prefetched while this one is used: first
-// the scores of its query heads (16 slots at a time, partial sums reduced by a transpose-add tree), then a
-// vectorised exp and sum per head, then the weighted sum of V with the accumulators in
-// registers across each block.  Compiled with -march=native, those loops are AVX-512
-// intrinsics (16 slots at a time) where the CPU has AVX-512, AVX2/FMA intrinsics (8
-// slots at a time) where it has AVX2 (most laptops, Zen 3 servers), and plain loops
-// the compiler vectorises elsewhere.
+// the scores of its query heads (16 slots at a time, partial sums reduced by a
+// transpose-add tree), then a vectorised exp and sum per head, then the weighted sum of
+// V with the accumulators in registers across each block.  Compiled with -march=native,
+// those loops are AVX-512 intrinsics (16 slots at a time) where the CPU has AVX-512,
+// AVX2/FMA intrinsics (8 slots at a time) where it has AVX2 (most laptops, Zen 3
+// servers), and plain loops the compiler vectorises elsewhere.
 // Only the headers used (torch/extension.h would pull in all of torch: a third of the build time).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
