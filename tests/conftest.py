@@ -19,6 +19,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     os.environ["OMP_NUM_THREADS"] = str(max(1, CPUS // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: no error where it is off (-p no:xdist)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker per CPU.  (xdist would ask psutil for physical cores: one on a
     2-vCPU machine whose vCPUs share a core, the host's count in a smaller container.)"""
