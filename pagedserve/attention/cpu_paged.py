@@ -30,7 +30,6 @@ import torch
 from pagedserve.attention import kv_dtype
 from pagedserve.attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
 from pagedserve.cpu_extension import build_cpu_extension
-from pagedserve.platforms import is_cpu
 from pagedserve.utils import record_startup
 
 logger = logging.getLogger("pagedserve")
@@ -79,6 +78,8 @@ class CpuPagedBackend(TorchPagedBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.decode_kernel = paged_decode() if head_dim in HEAD_DIMS else None
+        # (device, q dtype, cache dtype) -> the kernel or None: decided once, not in every layer's call
+        self._kernels: dict[tuple[str, torch.dtype, torch.dtype], Callable[..., torch.Tensor] | None] = {}
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         """An all-decode step (one group of one-token rows in batch order: the usual step)
@@ -86,22 +87,27 @@ class CpuPagedBackend(TorchPagedBackend):
         store's own tensor operations and this class's Python per layer were a tenth of
         a decode step.  Anything else takes the general path."""
         metadata = attn_metadata
-        g, n = metadata.groups[0], metadata.common.num_actual_tokens
+        g = metadata.groups[0]
         kernel = (self._kernel_for(query, k_cache)
-                  if metadata.identity and g.q_len == 1 and query.shape[0] == n else None)
+                  if metadata.identity and g.q_len == 1 and query.shape[0] == metadata.common.num_actual_tokens
+                  else None)
         if kernel is None:
             return super().forward(query, key, value, k_cache, v_cache, metadata)
-        self._zero_fresh_blocks(metadata, k_cache, v_cache)
+        if metadata.fresh_blocks is not None:
+            self._zero_fresh_blocks(metadata, k_cache, v_cache)
         if key.dtype != k_cache.dtype:  # (the usual step stores its own dtype: no call on the hot path)
             key, value = kv_dtype.to_cache(key, k_cache.dtype), kv_dtype.to_cache(value, v_cache.dtype)
         return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,
-                      key, value, metadata.common.slot_mapping[:n])
+                      key, value, metadata.slots)
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The kernel reads a cache of q's dtype, of float8 or int8, or of 16 bits under
         float32 q (the C++ side's supported_dtypes)."""
-        cache = k_cache.dtype
-        ok = (is_cpu(query.device) and query.dtype in DTYPES and query.stride(-1) == 1
-              and (cache == query.dtype or cache in (*kv_dtype.FP8_DTYPES, torch.int8)
-                   or (query.dtype == torch.float32 and cache in DTYPES)))
-        return self.decode_kernel if ok else None
+        key = (query.device.type, query.dtype, k_cache.dtype)
+        if key not in self._kernels:
+            device, q, cache = key
+            ok = (device == "cpu" and q in DTYPES
+                  and (cache == q or cache in (*kv_dtype.FP8_DTYPES, torch.int8)
+                       or (q == torch.float32 and cache in DTYPES)))
+            self._kernels[key] = self.decode_kernel if ok else None
+        return self._kernels[key] if query.stride(-1) == 1 else None

@@ -30,6 +30,7 @@ Why it is shaped like this (measured on 2 Zen 4 cores, SmolLM2 shapes, bf16):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,13 +70,30 @@ class AttnGroup:
     kv_len: int
     token_idx: torch.Tensor | None  # [B*Q] query rows to read (padding reads row 0); None: rows 0..B*Q-1
     out_idx: torch.Tensor | None  # [B*Q] output rows to write (padding writes the scratch row T)
-    blocks: torch.Tensor  # [B*L/block_size] block ids (0, the null block, past a request's context)
-    masked: torch.Tensor  # [B, Q, L] bool, True where a key is not visible
+    # The torch path's gather plan, built by the first layer that reads it: a step whose
+    # layers all take a decode kernel never pays for it (~20 small tensor ops a step).
+    plan: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     # Decode groups (Q == 1), for a kernel that walks the block table itself (cpu_paged):
-    block_table: torch.Tensor | None = None  # [B, blocks of the longest context] int32
+    block_table: torch.Tensor | None = None  # [B, >= blocks of the longest context] int32
     seq_lens: torch.Tensor | None = None  # [B] int32
     window: int = 0  # the sliding window (0: none)
     _bias: dict = field(default_factory=dict, repr=False)
+    _plan_made: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """[B*L/block_size] block ids (0, the null block, past a request's context)."""
+        return self._planned()[0]
+
+    @property
+    def masked(self) -> torch.Tensor:
+        """[B, Q, L] bool, True where a key is not visible."""
+        return self._planned()[1]
+
+    def _planned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._plan_made is None:
+            self._plan_made = self.plan()
+        return self._plan_made
 
     def heads_bias(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
         """Decode groups attended over all KV heads at once: [B, H, L*Hkv], -inf where the
@@ -112,6 +130,7 @@ class TorchPagedMetadata:
     common: CommonAttentionMetadata
     groups: list[AttnGroup]
     fresh_blocks: torch.Tensor | None  # blocks whose first slot is written this step: zeroed first
+    slots: torch.Tensor  # [T] the new tokens' cache slots (slot_mapping[:T])
     # One group holding every token in batch order, unpadded (the usual all-decode
     # step): its output is the layer's output, with no scatter.
     identity: bool = False
@@ -189,7 +208,7 @@ class TorchPagedBackend(AttentionBackend):
         t, bs = common.num_actual_tokens, common.block_size
         slots = common.slot_mapping[:t]
         fresh = slots[slots % bs == 0] // bs
-        return TorchPagedMetadata(common, groups, fresh if fresh.numel() else None, identity)
+        return TorchPagedMetadata(common, groups, fresh if fresh.numel() else None, slots, identity)
 
     @staticmethod
     def _build_group(common: CommonAttentionMetadata, items: list[Item]) -> AttnGroup:
@@ -197,44 +216,54 @@ class TorchPagedBackend(AttentionBackend):
         at the block holding its first query's window (earlier blocks may be stale or
         the null block, and are never gathered); the mask hides what falls outside."""
         dev, bs, window = common.block_table.device, common.block_size, common.sliding_window
-        q_len = max(it[0] for it in items)
-        n, s, starts, reqs = (torch.tensor(col, dtype=torch.long) for col in zip(*items, strict=True))
-        first_blk = (s - n - window + 1).clamp(min=0) // bs if window is not None else torch.zeros_like(s)
-        kv_len = cdiv(int((s - first_blk * bs).max()), bs) * bs
-        j = torch.arange(q_len)
-        valid_q = j[None, :] < n[:, None]  # [B, Q]
-        rows = starts[:, None] + j[None, :]
-        token_idx = torch.where(valid_q, rows, 0).view(-1)
-        out_idx = torch.where(valid_q, rows, common.num_actual_tokens).view(-1)
-        in_order = bool(valid_q.all()) and torch.equal(token_idx, torch.arange(len(token_idx)))
-        q_pos = (s - n)[:, None] + j[None, :]  # absolute position of each query row
-        k_pos = (first_blk * bs)[:, None] + torch.arange(kv_len)[None, :]  # [B, L] absolute
-        masked = k_pos[:, None, :] > q_pos[:, :, None]  # causal; also hides the padding
-        if window is not None:
-            masked |= k_pos[:, None, :] <= q_pos[:, :, None] - window
-        # Only a request's own context blocks: later columns may hold blocks allocated
-        # ahead and never written.  On the device, where the block table lives.
-        cols = first_blk[:, None] + torch.arange(kv_len // bs)[None, :]  # [B, L/bs]
-        own = cols < (s[:, None] + bs - 1) // bs
-        full = common.block_table.index_select(0, reqs.to(dev))
-        table = full.gather(1, cols.clamp(max=full.shape[1] - 1).to(dev))
-        blocks = torch.where(own.to(dev), table.long(), 0).view(-1)
-        decode = q_len == 1
-        if in_order:
-            token_idx = out_idx = None
-        else:
-            token_idx, out_idx = token_idx.to(dev), out_idx.to(dev)
+        b, q_len = len(items), max(it[0] for it in items)
+        first = [max(0, s - n - window + 1) // bs if window is not None else 0 for n, s, _, _ in items]
+        kv_len = cdiv(max(s - f * bs for (_, s, _, _), f in zip(items, first, strict=True)), bs) * bs
+
+        def plan() -> tuple[torch.Tensor, torch.Tensor]:
+            n, s, starts, reqs = (torch.tensor(col, dtype=torch.long) for col in zip(*items, strict=True))
+            first_blk = torch.tensor(first, dtype=torch.long)
+            j = torch.arange(q_len)
+            q_pos = (s - n)[:, None] + j[None, :]  # absolute position of each query row
+            k_pos = (first_blk * bs)[:, None] + torch.arange(kv_len)[None, :]  # [B, L] absolute
+            masked = k_pos[:, None, :] > q_pos[:, :, None]  # causal; also hides the padding
+            if window is not None:
+                masked |= k_pos[:, None, :] <= q_pos[:, :, None] - window
+            # Only a request's own context blocks: later columns may hold blocks allocated
+            # ahead and never written.  On the device, where the block table lives.
+            cols = first_blk[:, None] + torch.arange(kv_len // bs)[None, :]  # [B, L/bs]
+            own = cols < (s[:, None] + bs - 1) // bs
+            full = common.block_table.index_select(0, reqs.to(dev))
+            table = full.gather(1, cols.clamp(max=full.shape[1] - 1).to(dev))
+            return torch.where(own.to(dev), table.long(), 0).view(-1), masked.to(dev)
+
+        # Rows in batch order with no padding (every request q_len tokens, its rows next
+        # to each other from row 0): read and written in place.
+        token_idx = out_idx = None
+        if not all(n == q_len and start == i * q_len for i, (n, _, start, _) in enumerate(items)):
+            n_t, starts = torch.tensor([it[0] for it in items]), torch.tensor([it[2] for it in items])
+            j = torch.arange(q_len)
+            valid_q = j[None, :] < n_t[:, None]  # [B, Q]
+            rows = starts[:, None] + j[None, :]
+            token_idx = torch.where(valid_q, rows, 0).view(-1).to(dev)
+            out_idx = torch.where(valid_q, rows, common.num_actual_tokens).view(-1).to(dev)
+        if q_len > 1:
+            return AttnGroup(b, q_len, kv_len, token_idx, out_idx, plan)
         # A decode kernel walks the table itself from position 0 (and skips to the window).
-        kernel_table = full[:, : cdiv(int(s.max()), bs)].int() if decode else None
-        return AttnGroup(len(items), q_len, kv_len, token_idx, out_idx, blocks, masked.to(dev),
-                         kernel_table, s.int().to(dev) if decode else None, window or 0)
+        reqs = [it[3] for it in items]
+        if reqs == list(range(b)):  # the usual decode step: views, no copies
+            table, seq_lens = common.block_table[:b], common.seq_lens[:b]
+        else:
+            idx = torch.tensor(reqs, device=dev)
+            table = common.block_table.index_select(0, idx)
+            seq_lens = torch.tensor([it[1] for it in items], dtype=torch.int32, device=dev)
+        return AttnGroup(b, 1, kv_len, token_idx, out_idx, plan, table.int(), seq_lens.int(), window or 0)
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):
         metadata = attn_metadata
         num_tokens = metadata.common.num_actual_tokens
         self._zero_fresh_blocks(metadata, k_cache, v_cache)
-        kv_dtype.store(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
-                       metadata.common.slot_mapping[:num_tokens])
+        kv_dtype.store(key[:num_tokens], value[:num_tokens], k_cache, v_cache, metadata.slots)
         if metadata.identity and query.shape[0] == num_tokens:
             return self._group_forward(metadata.groups[0], query, k_cache, v_cache, None)
         # One scratch row past the real tokens takes the padded query rows' output.
