@@ -275,17 +275,24 @@ def quant_kernel(extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
         return _KERNEL
 
 
-def linear_op(kernel: ModuleType) -> Any:
-    """The kernel's layer forward as a torch operator (what a compiled graph calls)."""
-    return getattr(torch.ops, kernel.__name__).linear
+def linear_op(kernel: ModuleType, segments: int) -> Any:
+    """The kernel's layer forward as a torch operator (what a compiled graph calls): for a
+    weight of one segment the one that takes no lists."""
+    ops = getattr(torch.ops, kernel.__name__)
+    return ops.linear1 if segments == 1 else ops.linear
 
 
 def _register_fake(kernel: ModuleType) -> None:
-    """Output shapes for torch.compile's tracing of `linear_op(kernel)`."""
+    """Output shapes for torch.compile's tracing of `linear_op(kernel, ...)`."""
 
     @torch.library.register_fake(f"{kernel.__name__}::linear")
     def _(x: torch.Tensor, codes: list[torch.Tensor], d: list[torch.Tensor], aux: list[torch.Tensor],
           kinds: list[int], ns: list[int], offsets: list[int], n: int, k: int, bits: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(f"{kernel.__name__}::linear1")
+    def _(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, aux: torch.Tensor, kind: int, n: int, k: int,
+          bits: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
 
@@ -383,11 +390,15 @@ class QuantizedWeight:
         args = self._args
         if args is None:
             segs = [w for _, w in self.segments]
-            args = self._args = ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs],
-                                 [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
-                                 self.n, segs[0].k, self.activation_bits)
-        if self._op is None:
-            self._op = linear_op(quant_kernel())
+            if len(segs) == 1:
+                w = segs[0]
+                args = (w.codes, w.d, w.aux, int(w.kind), self.n, w.k, self.activation_bits)
+            else:
+                args = ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs],
+                        [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
+                        self.n, segs[0].k, self.activation_bits)
+            self._args = args
+            self._op = linear_op(quant_kernel(), len(segs))
         lead = x.shape[:-1]
         return self._op(x.reshape(-1, x.shape[-1]), *args).view(*lead, self.n)
 

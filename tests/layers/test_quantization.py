@@ -265,3 +265,21 @@ def test_unpadded_activations_against_a_block_padded_weight() -> None:
     x = torch.randn(3, 70)
     ref = reference(x, quantize(w, "int8"))
     assert (qw.linear(x).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_one_segment_layers_take_the_list_free_op(bits: int) -> None:
+    """A merged weight's forward calls `linear1` (no list arguments to convert on every
+    call); it computes what the segment-list op and the two-call path compute, bit for bit,
+    whether its activations fit the thread's reused scratch (decode) or not (a long prompt)."""
+    qw = QuantizedWeight(48, 1024, activation_bits=bits)
+    qw.store(0, quantize(torch.randn(48, 1024), "int4"))
+    kernel = quant_kernel()
+    for m in (1, 7, 1100, 3):  # 1100 x 1024 codes outgrow the scratch; the calls after reuse it
+        x = torch.randn(m, 1024).bfloat16()
+        y = qw.linear(x)
+        assert qw._op is getattr(torch.ops, kernel.__name__).linear1
+        w = qw.segments[0][1]
+        lists = getattr(torch.ops, kernel.__name__).linear(x, [w.codes], [w.d], [w.aux], [int(w.kind)], [48], [0],
+                                                           48, 1024, bits)
+        assert torch.equal(y, lists) and torch.equal(y, qw.matmul(x).to(torch.bfloat16))

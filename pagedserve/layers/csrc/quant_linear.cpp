@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -376,23 +377,13 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
 }
 
-// x [M, K] float32/bfloat16/float16 -> (codes [M, K]: int8, or int16 in pair order;
-// scales [M, K/32]; scale * code sum [M, K/32]).  Round to nearest, scale amax / (2^(bits-1) - 1).
-// x is read in its own dtype (a decode step's ~100 layers would otherwise each pay for a
-// converted copy).
-std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [M, K] with K a multiple of 32");
-  TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits);
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), Kb = K / kBlock;
-  auto q = at::empty({M, K}, bits == 8 ? at::kChar : at::kShort);
-  auto d = at::empty({M, Kb}, at::kFloat);
-  auto ds = at::empty({M, Kb}, at::kFloat);
-  int8_t* q8 = bits == 8 ? q.data_ptr<int8_t>() : nullptr;
-  int16_t* q16 = bits == 16 ? q.data_ptr<int16_t>() : nullptr;
-  const float qmax = bits == 8 ? 127.f : 32767.f;
-  float* dp = d.data_ptr<float>();
-  float* dsp = ds.data_ptr<float>();
+// x [M, K] float32/bfloat16/float16 -> codes [M, K] (int8, or int16 in pair order), scales
+// [M, K/32], scale * code sum [M, K/32], written to q8 or q16 (the other null), d, ds.
+// Round to nearest, scale amax / (2^(bits-1) - 1).  x is read in its own dtype (a decode
+// step's ~100 layers would otherwise each pay for a converted copy).
+void quantize_into(const at::Tensor& xc, int8_t* q8, int16_t* q16, float* dp, float* dsp) {
+  const int64_t M = xc.size(0), Kb = xc.size(1) / kBlock;
+  const float qmax = q8 ? 127.f : 32767.f;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quantize_activations", [&] {
     const scalar_t* src = xc.data_ptr<scalar_t>();
     at::parallel_for(0, M * Kb, 256, [&](int64_t begin, int64_t end) {
@@ -416,6 +407,23 @@ std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t bits) {
       }
     });
   });
+}
+
+void check_activations(const at::Tensor& x, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [M, K] with K a multiple of 32");
+  TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits);
+}
+
+// The same as tensors (codes, scales, scale * code sum): what qgemm takes from Python.
+std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t bits) {
+  check_activations(x, bits);
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), Kb = K / kBlock;
+  auto q = at::empty({M, K}, bits == 8 ? at::kChar : at::kShort);
+  auto d = at::empty({M, Kb}, at::kFloat);
+  auto ds = at::empty({M, Kb}, at::kFloat);
+  quantize_into(xc, bits == 8 ? q.data_ptr<int8_t>() : nullptr, bits == 16 ? q.data_ptr<int16_t>() : nullptr,
+                d.data_ptr<float>(), ds.data_ptr<float>());
   return {q, d, ds};
 }
 
@@ -470,21 +478,17 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
   });
 }
 
-void qgemm(at::Tensor xq, at::Tensor xd, at::Tensor xds, at::Tensor codes, at::Tensor d,
-           at::Tensor aux, int64_t kind, int64_t N, at::Tensor out, int64_t col) {
-  for (auto* t : {&xq, &xd, &xds, &codes, &d}) check_cpu_contiguous(*t, "qgemm inputs");
-  TORCH_CHECK(xq.scalar_type() == at::kChar || xq.scalar_type() == at::kShort, "xq must be int8 or int16");
+// out[:, col : col + N] = x . W^T for one packed weight (codes, d, aux).
+void qgemm_segment(const QuantizedX& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& aux,
+                   int64_t kind, int64_t N, at::Tensor& out, int64_t col) {
   TORCH_CHECK(kind == Q4_SYM || kind == Q4_ASYM || kind == Q8, "unknown kind ", kind);
+  check_cpu_contiguous(codes, "codes");
+  check_cpu_contiguous(d, "scales");
   TORCH_CHECK(kind == Q4_SYM || (aux.defined() && aux.is_contiguous()), "this kind needs its aux tensor");
-  TORCH_CHECK(out.device().is_cpu() && out.stride(1) == 1, "out must be a CPU tensor with unit stride");
-  const int64_t M = xq.size(0), K = xq.size(1), Kb = K / kBlock;
   const int64_t tiles = (N + kTile - 1) / kTile;
-  TORCH_CHECK(codes.numel() == tiles * Kb * block_bytes(kind), "codes do not match N=", N, ", K=", K);
-  TORCH_CHECK(out.size(0) == M && col + N <= out.size(1), "out is too small");
-  const bool wide = xq.scalar_type() == at::kShort;
-  const QuantizedX x{wide ? nullptr : xq.data_ptr<int8_t>(), wide ? xq.data_ptr<int16_t>() : nullptr,
-                     xd.data_ptr<float>(), xds.data_ptr<float>(), M, K, Kb};
-  const TileFn tile = wide ? &run_tile<16> : &run_tile<8>;
+  TORCH_CHECK(codes.numel() == tiles * x.Kb * block_bytes(kind), "codes do not match N=", N, ", K=", x.K);
+  TORCH_CHECK(out.size(0) == x.M && col + N <= out.size(1), "out is too small");
+  const TileFn tile = x.q16 ? &run_tile<16> : &run_tile<8>;
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* ap = kind == Q4_SYM ? nullptr : static_cast<const uint16_t*>(aux.data_ptr());
@@ -493,21 +497,61 @@ void qgemm(at::Tensor xq, at::Tensor xd, at::Tensor xds, at::Tensor codes, at::T
   });
 }
 
+void qgemm(at::Tensor xq, at::Tensor xd, at::Tensor xds, at::Tensor codes, at::Tensor d,
+           at::Tensor aux, int64_t kind, int64_t N, at::Tensor out, int64_t col) {
+  for (auto* t : {&xq, &xd, &xds}) check_cpu_contiguous(*t, "qgemm inputs");
+  TORCH_CHECK(xq.scalar_type() == at::kChar || xq.scalar_type() == at::kShort, "xq must be int8 or int16");
+  TORCH_CHECK(out.device().is_cpu() && out.stride(1) == 1, "out must be a CPU tensor with unit stride");
+  const bool wide = xq.scalar_type() == at::kShort;
+  const int64_t M = xq.size(0), K = xq.size(1);
+  const QuantizedX x{wide ? nullptr : xq.data_ptr<int8_t>(), wide ? xq.data_ptr<int16_t>() : nullptr,
+                     xd.data_ptr<float>(), xds.data_ptr<float>(), M, K, K / kBlock};
+  qgemm_segment(x, codes, d, aux, kind, N, out, col);
+}
+
+// The quantized activations of the layer forward being computed on this thread: a
+// grow-only scratch up to kScratchMax codes (a decode step's ~100 layer calls then
+// allocate nothing but their outputs), fresh buffers for longer prompts (not held after).
+constexpr int64_t kScratchMax = 1 << 20;
+struct Activations {
+  std::vector<int16_t> q;  // int8 codes use its first half
+  std::vector<float> d, ds;
+  QuantizedX quantize(const at::Tensor& xk, int64_t bits) {
+    const int64_t M = xk.size(0), K = xk.size(1), Kb = K / kBlock;
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    if (static_cast<int64_t>(d.size()) < M * Kb) d.resize(M * Kb), ds.resize(M * Kb);
+    int8_t* q8 = bits == 8 ? reinterpret_cast<int8_t*>(q.data()) : nullptr;
+    int16_t* q16 = bits == 16 ? q.data() : nullptr;
+    quantize_into(xk, q8, q16, d.data(), ds.data());
+    return {q8, q16, d.data(), ds.data(), M, K, Kb};
+  }
+};
+
 // y [M, N] in x's dtype = x [M, Kx] . W^T, W made of row segments (a fused q|k|v whose
 // shards are of different kinds): the whole layer in one call, activations quantized once
 // to `bits`.  K >= Kx is the packed (block-padded) width; x's missing columns count as zeros.
 at::Tensor linear(const at::Tensor& x, at::TensorList codes, at::TensorList d, at::TensorList aux,
-                     at::IntArrayRef kinds, at::IntArrayRef ns, at::IntArrayRef offsets, int64_t N, int64_t K,
-                     int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K, "x must be [M, <= K]");
+                  at::IntArrayRef kinds, at::IntArrayRef ns, at::IntArrayRef offsets, int64_t N, int64_t K,
+                  int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K && x.device().is_cpu(), "x must be a CPU tensor [M, <= K]");
   TORCH_CHECK(codes.size() == d.size() && d.size() == aux.size() && aux.size() == kinds.size() &&
               kinds.size() == ns.size() && ns.size() == offsets.size() && !codes.empty(), "segment lists differ");
-  auto xk = x.size(1) == K ? x : at::constant_pad_nd(x, {0, K - x.size(1)});
-  auto q = quantize_activations(xk, bits);
-  auto out = at::empty({x.size(0), N}, x.options());
-  for (size_t i = 0; i < codes.size(); ++i)
-    qgemm(q[0], q[1], q[2], codes[i], d[i], aux[i], kinds[i], ns[i], out, offsets[i]);
+  auto xk = (x.size(1) == K ? x : at::constant_pad_nd(x, {0, K - x.size(1)})).contiguous();
+  check_activations(xk, bits);
+  thread_local Activations scratch;
+  Activations fresh;
+  const QuantizedX xq = (xk.numel() <= kScratchMax ? scratch : fresh).quantize(xk, bits);
+  auto out = at::empty({xk.size(0), N}, x.options());
+  for (size_t i = 0; i < codes.size(); ++i) qgemm_segment(xq, codes[i], d[i], aux[i], kinds[i], ns[i], out, offsets[i]);
   return out;
+}
+
+// The layer forward of a weight of one segment (most layers, once a fused weight's shards
+// are merged): no lists, which cost a call from Python or a compiled graph more to convert
+// than the other arguments together.
+at::Tensor linear1(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& aux,
+                   int64_t kind, int64_t N, int64_t K, int64_t bits) {
+  return linear(x, {codes}, {d}, {aux}, {kind}, {N}, {0}, N, K, bits);
 }
 
 // Rows `ids` of the packed weight, dequantized: [len(ids), K] float32 (embedding lookups).
@@ -561,6 +605,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      const std::vector<int64_t>& offsets, int64_t N, int64_t K, int64_t bits) {
     return linear(x, codes, d, aux, kinds, ns, offsets, N, K, bits);
   }, nogil);
+  m.def("linear1", &linear1, nogil);
   m.def("dequantize_rows", &dequantize_rows, nogil);
   m.def("isa", &isa);
 }
@@ -573,5 +618,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 PAGEDSERVE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("linear(Tensor x, Tensor[] codes, Tensor[] d, Tensor[] aux, int[] kinds, int[] ns, int[] offsets, "
         "int N, int K, int bits) -> Tensor");
+  m.def("linear1(Tensor x, Tensor codes, Tensor d, Tensor aux, int kind, int N, int K, int bits) -> Tensor");
 }
-PAGEDSERVE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("linear", &linear); }
+PAGEDSERVE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear1", &linear1);
+}
