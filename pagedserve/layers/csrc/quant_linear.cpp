@@ -547,8 +547,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList codes, at::TensorList d, a
 }
 
 // The layer forward of a weight of one segment (most layers, once a fused weight's shards
-// are merged): no lists, which cost a call from Python or a compiled graph more to convert
-// than the other arguments together.
+// are merged): no list arguments, which a compiled graph's wrapper builds and the
+// dispatcher converts on every call.
 at::Tensor linear1(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& aux,
                    int64_t kind, int64_t N, int64_t K, int64_t bits) {
   return linear(x, {codes}, {d}, {aux}, {kind}, {N}, {0}, N, K, bits);
