@@ -93,8 +93,7 @@ class CpuPagedBackend(TorchPagedBackend):
                   else None)
         if kernel is None:
             return super().forward(query, key, value, k_cache, v_cache, metadata)
-        if metadata.fresh_blocks is not None:
-            self._zero_fresh_blocks(metadata, k_cache, v_cache)
+        self._zero_fresh_blocks(metadata, k_cache, v_cache)
         if key.dtype != k_cache.dtype:  # (the usual step stores its own dtype: no call on the hot path)
             key, value = kv_dtype.to_cache(key, k_cache.dtype), kv_dtype.to_cache(value, v_cache.dtype)
         return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,

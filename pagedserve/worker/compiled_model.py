@@ -165,7 +165,7 @@ RUNTIME_BOUND = frozenset({"kv_cache", "impl"})
 PROVENANCE = frozenset({"_name_or_path", "_commit_hash"})
 # Inductor's generated wrapper checks the size and stride of every graph input and op
 # output on every call: ~600 checks a step on SmolLM2-135M (every parameter is an input),
-# 2-7% of a one-request decode step on 2 Zen 4 cores (noisy runs taking turns).  The inputs are the runner's own
+# 2-7% of a one-request decode step on 2 Zen 4 cores (AVX-512 with native bf16; noisy runs taking turns).  The inputs are the runner's own
 # buffers and the model's parameters, and the opaque ops' outputs are made by our code,
 # so the checks never fire.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False}

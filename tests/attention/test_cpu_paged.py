@@ -104,6 +104,22 @@ def test_fewer_requests_than_threads_split_heads_and_change_nothing(heads, kv_he
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_a_decode_kernel_step_builds_no_gather_plan():
+    """The usual decode step's group is views of the step's block table and lengths, and
+    the torch path's gather plan waits for a layer that reads it (cpu_paged's kernel never does)."""
+    *tensors, common = make_case([(150 + i, 1) for i in range(4)], 8, 2, 64, 16, torch.bfloat16, seed=3)
+    md = CpuPagedBackend.build_metadata(common)
+    g = md.groups[0]
+    assert md.identity and g.block_table.data_ptr() == common.block_table.data_ptr()
+    assert g.seq_lens.data_ptr() == common.seq_lens.data_ptr()
+    q, k, v, k_cache, v_cache = tensors[:5]
+    backend = CpuPagedBackend(8, 2, 64, 0.125, 16)
+    backend.forward(q, k, v, k_cache, v_cache, md)
+    assert g._plan_made is None
+    assert g.blocks.shape == (4 * g.kv_len // 16,) and g.masked.shape == (4, 1, g.kv_len)  # built on first read
+
+
 CPU_FLAGS = cpu_flags()
 
 

@@ -167,23 +167,6 @@ def test_all_decode_step_takes_the_in_place_path():
     assert not TorchPagedBackend.build_metadata(mixed[-1]).identity
 
 
-def test_a_decode_kernel_step_builds_no_gather_plan():
-    """The usual decode step's group is views of the step's block table and lengths, and
-    the torch path's gather plan waits for a layer that reads it (cpu_paged's kernel never does)."""
-    *tensors, common = make_case([(150 + i, 1) for i in range(4)], 8, 2, 64, 16, torch.bfloat16, seed=3)
-    md = CpuPagedBackend.build_metadata(common)
-    g = md.groups[0]
-    assert md.identity and g.block_table.data_ptr() == common.block_table.data_ptr()
-    assert g.seq_lens.data_ptr() == common.seq_lens.data_ptr()
-    q, k, v, k_cache, v_cache = tensors[:5]
-    backend = CpuPagedBackend(8, 2, 64, 0.125, 16)
-    if backend.decode_kernel is None:
-        pytest.skip("the CPU decode kernel cannot be built here")
-    backend.forward(q, k, v, k_cache, v_cache, md)
-    assert g._plan_made is None
-    assert g.blocks.shape == (4 * g.kv_len // 16,) and g.masked.shape == (4, 1, g.kv_len)  # built on first read
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_few_new_tokens_attend_exactly_as_one_token_steps(dtype):
     """Speculative decoding verifies 1 + k tokens of a request in one step; each row must
