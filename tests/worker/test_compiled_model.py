@@ -152,3 +152,21 @@ def test_the_saved_compilation_key_covers_what_a_trace_bakes_in():
     assert configured[0] == configured[1] != base
     model.config.rms_norm_eps = 1e-3  # a value the forward reads
     assert artifact_key(model) != configured[0]
+
+
+def test_inductor_kernels_run_serially_up_to_two_threads_and_the_key_says_so():
+    """Up to SERIAL_KERNELS_MAX_THREADS threads the fused kernels are generated without an
+    OpenMP region; the thread count they were generated for is part of the saved
+    compilation's key, so a process with more threads compiles its own."""
+    from pagedserve.worker.compiled_model import SERIAL_KERNELS_MAX_THREADS, inductor_options
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(SERIAL_KERNELS_MAX_THREADS)
+        assert inductor_options()["cpp.threads"] == 1
+        serial = artifact_key(ToyModel(layers=1))
+        torch.set_num_threads(SERIAL_KERNELS_MAX_THREADS + 1)
+        assert "cpp.threads" not in inductor_options()
+        assert artifact_key(ToyModel(layers=1)) != serial
+    finally:
+        torch.set_num_threads(before)
