@@ -170,3 +170,27 @@ def test_inductor_kernels_run_serially_up_to_two_threads_and_the_key_says_so():
         assert artifact_key(ToyModel(layers=1)) != serial
     finally:
         torch.set_num_threads(before)
+
+
+def test_triton_is_hidden_while_a_cpu_model_compiles_and_importable_after(monkeypatch):
+    """torch._dynamo imports Triton only to note its version, which CPU compilations never
+    read: while a CPU model compiles `import triton` fails, afterwards it works again; a
+    process that already imported it keeps its module."""
+    import sys
+    import types
+
+    seen: list[object] = []
+
+    def probe(self, input_ids, positions):
+        seen.append(sys.modules.get("triton", "absent"))
+        return 0.0
+
+    monkeypatch.setattr(CompiledModel, "warm_up", probe)
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    assert maybe_compile(ToyModel(), CPU, True, False, 1) is not None
+    assert seen == [None]
+    assert "triton" not in sys.modules
+    imported = types.ModuleType("triton")
+    monkeypatch.setitem(sys.modules, "triton", imported)
+    assert maybe_compile(ToyModel(), CPU, True, False, 1) is not None
+    assert seen == [None, imported] and sys.modules["triton"] is imported
