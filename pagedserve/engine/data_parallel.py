@@ -31,6 +31,7 @@ from pagedserve.engine.async_llm import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
+    on_own_thread,
 )
 from pagedserve.engine.chat_utils import encode_chat
 from pagedserve.engine.llm_engine import BatchProgress
@@ -150,7 +151,9 @@ class EngineReplica:
         torch.set_num_threads(num_threads)
         self.index = index
         self.boot_id = uuid.uuid4().hex
-        self.engine = LLMEngine.from_engine_args(engine_args.for_replica(index))
+        # Built on a thread that ends (async_llm.on_own_thread): serving steps it on AsyncLLM's.
+        self.engine = on_own_thread(lambda: LLMEngine.from_engine_args(engine_args.for_replica(index)),
+                                    "pagedserve-build")
         self.stats = _StatsRecorder()
         self.llm: AsyncLLM | None = None
         self.received = 0

@@ -298,3 +298,30 @@ def test_front_door_admission_is_the_same_for_every_client() -> None:
     with pytest.raises(EngineDeadError, match=r"The engine failed \(OSError") as info:
         door._admit("c")
     assert "/secret" not in str(info.value) and info.value.__cause__ is door.dead_error
+
+
+def test_from_engine_args_builds_the_engine_on_a_thread_that_ends(monkeypatch):
+    """Loading runs OpenMP regions, and libgomp keeps a worker pool per thread that ran one
+    for as long as that thread lives: building on the caller's thread left two pools and
+    a decode step 40% slower on the engine thread.  The build thread has ended by the time
+    from_engine_args returns; its result and its exceptions come back to the caller."""
+    from pagedserve.engine import async_llm
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    built_on: list[threading.Thread] = []
+
+    def build(args):
+        built_on.append(threading.current_thread())
+        return FakeEngine(script="ab")
+
+    monkeypatch.setattr(async_llm.LLMEngine, "from_engine_args", staticmethod(build))
+    llm = AsyncLLM.from_engine_args(EngineArgs(), log_stats=False)
+    assert isinstance(llm.engine, FakeEngine)
+    assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
+
+    def fail(args):
+        raise ValueError("no such model")
+
+    monkeypatch.setattr(async_llm.LLMEngine, "from_engine_args", staticmethod(fail))
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLM.from_engine_args(EngineArgs(), log_stats=False)
