@@ -44,8 +44,6 @@ def extension_build_dir(prefix: str, source: Path,
     """(module name, build directory, compiler flags) of `source` built with `extra_cflags`
     (default: whatever keeps it within torch's own ISA; tests and benchmarks pass
     "-mno-avx512f" for the AVX2 path, or also "-mno-avx2 -mno-fma" for the plain loops)."""
-    from torch.utils import cpp_extension
-
     if extra_cflags is None:
         extra_cflags = kernel_isa_cflags()
     # Turning off an extension the CPU lacks changes nothing under -march=native: dropped,
@@ -59,8 +57,16 @@ def extension_build_dir(prefix: str, source: Path,
     name = f"{prefix}_{hashlib.sha1(key).hexdigest()[:12]}"
     # Our own directory under torch's extension root ($TORCH_EXTENSIONS_DIR or its default), so
     # whether a build is needed is known before starting one (for the log line).
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_build_root()
     return name, Path(root) / name, flags
+
+
+def default_build_root() -> str:
+    """torch.utils.cpp_extension.get_default_build_root(), without importing that module:
+    it imports setuptools (0.24 s of a `generate`'s start on Zen 4), which only a build needs."""
+    import torch._appdirs
+
+    return os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 def _build_environment() -> tuple[str, ...]:
@@ -91,8 +97,6 @@ def build_cpu_extension(prefix: str, source: Path, what: str,
                         extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
     """Compile (or load the cached build of) `source` as module `prefix_<hash>` (see
     extension_build_dir).  `what` names it in the one log line a fresh build prints."""
-    from torch.utils import cpp_extension
-
     name, build_dir, flags = extension_build_dir(prefix, source, extra_cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "pagedserve.lock", "a") as lock:
@@ -106,6 +110,8 @@ def build_cpu_extension(prefix: str, source: Path, what: str,
             if built is not None:
                 return built
             logger.info("building the %s for this machine (once, ~20 s)", what)
+            from torch.utils import cpp_extension
+
             return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         finally:

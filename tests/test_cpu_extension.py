@@ -58,3 +58,20 @@ def test_the_build_name_does_not_read_sysconfig(monkeypatch) -> None:
     monkeypatch.setattr(sysconfig, "get_config_var", lambda *a, **k: None)
     monkeypatch.setattr(sysconfig, "get_config_vars", lambda *a, **k: {})
     assert extension_build_dir("pagedserve_paged_decode", SOURCE)[0] == name
+
+
+def test_the_build_root_is_torchs_default_without_importing_its_builder(monkeypatch) -> None:
+    """Our build root is torch's extension root (builds made through its builder are
+    found), computed without importing torch.utils.cpp_extension, which pulls in setuptools."""
+    import sys
+
+    from torch.utils import cpp_extension
+
+    from pagedserve.cpu_extension import default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert default_build_root() == cpp_extension.get_default_build_root()
+    monkeypatch.delitem(sys.modules, "torch.utils.cpp_extension")
+    _, build_dir, _ = extension_build_dir("pagedserve_paged_decode", SOURCE)
+    assert str(build_dir.parent) == default_build_root()
+    assert "torch.utils.cpp_extension" not in sys.modules
