@@ -190,9 +190,6 @@ class InputBatch:
             if any(p.min_p > 0 and not g for p, g in zip(params, greedy, strict=True)):
                 metadata.min_p = col([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
             metadata.generators = {i: self.generators[r] for i, r in enumerate(rows) if r in self.generators}
-            if metadata.generators or not metadata.all_random:
-                unseeded = [i for i, g in enumerate(greedy) if not g and i not in metadata.generators]
-                metadata.unseeded_random_rows = col(unseeded, torch.long)
         self._penalties(metadata, rows, params, pending)
         self._min_tokens(metadata, rows, params, pending)
         self._logit_edits(metadata, params)

@@ -39,8 +39,6 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None  # [N] float32, 1.0 where disabled
     min_p: torch.Tensor | None = None  # [N] float32, 0.0 where disabled
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
-    # Random rows without a seed; None when that is every row.
-    unseeded_random_rows: torch.Tensor | None = None
     # Penalties (vLLM semantics: repetition over prompt + output, the others over output).
     presence_penalty: torch.Tensor | None = None  # [N, 1]
     frequency_penalty: torch.Tensor | None = None  # [N, 1]
@@ -161,27 +159,24 @@ class Sampler:
         return logits.softmax(-1)
 
     def draw(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """One token per row from `probs` (rows need not be normalised), seeded rows from
-        their own generators."""
-        # With replacement, multinomial draws one uniform and searches the cumulative
-        # distribution: far cheaper on CPU than vocab-many exponentials (its
-        # no-replacement path), and the same distribution.
-        sampled = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        rows = metadata.unseeded_random_rows
-        if rows is None:
-            sampled = torch.multinomial(probs, 1, True, generator=self.generator).squeeze(1)
-        elif rows.numel():
-            sampled[rows] = torch.multinomial(probs[rows], 1, True, generator=self.generator).squeeze(1)
-        for row, gen in metadata.generators.items():
-            sampled[row] = torch.multinomial(probs[row], 1, True, generator=gen)[0]
-        return sampled
+        """One token per row from `probs` (rows need not be normalised, but need some
+        mass), seeded rows from their own generators: one uniform per row, from the
+        generators `uniform` uses, through the row's cumulative distribution.
+
+        Not torch.multinomial: for one sample it draws vocab-many exponentials whatever
+        `replacement` says, 1.0 ms a row for SmolLM2's 49,152 tokens on Zen 4 (AVX-512
+        with native bf16): an eighth of a one-request decode step, and 32 ms a step at 32
+        sampled requests.  The distribution is the same; which token a given seed
+        draws is not what torch.multinomial drew."""
+        return _inverse_cdf(probs, self.uniform(metadata, probs.device))
 
     def uniform(self, metadata: SamplingMetadata, device: torch.device) -> torch.Tensor:
-        """One uniform draw in [0, 1) per row, from the same generators `draw` uses."""
+        """One uniform draw in [0, 1) per row (float64: a token's share of the mass is
+        resolved to 2^-53, not float32's 2^-24), seeded rows from their own generators."""
         n = len(metadata.temperature) if metadata.temperature is not None else 0
-        u = torch.rand(n, generator=self.generator, device=device)
+        u = torch.rand(n, generator=self.generator, device=device, dtype=torch.float64)
         for row, gen in metadata.generators.items():
-            u[row] = torch.rand(1, generator=gen, device=device)[0]
+            u[row] = torch.rand(1, generator=gen, device=device, dtype=torch.float64)[0]
         return u
 
     @staticmethod
@@ -191,6 +186,20 @@ class Sampler:
         out.sampled_ranks = (raw > token_lp).sum(-1) + 1
         if k > 0:
             out.topk_logprobs, out.topk_token_ids = raw.topk(min(k, raw.shape[1]), dim=-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row the first index whose cumulative mass exceeds u times the row's total:
+    index i with probability probs[i] / total, never one of mass 0.  (torch.cumsum sums a
+    float32 row in float64 and rounds each prefix once; a float64 row's cumsum took 14x
+    as long.)"""
+    cdf = probs.float().cumsum(-1).double()
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    empty = probs.gather(1, picked[:, None]).squeeze(1) <= 0  # u * total rounded up to the total
+    if bool(empty.any()):
+        picked[empty] = probs[empty].argmax(-1)
+    return picked
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

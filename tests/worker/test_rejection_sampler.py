@@ -73,7 +73,7 @@ def test_mixed_greedy_and_random_rows() -> None:
     logits = torch.randn(2, VOCAB)
     top = logits.argmax(-1).tolist()
     md = SamplingMetadata(all_greedy=False, all_random=False, temperature=torch.tensor([1.0, 1.0]),
-                          greedy=torch.tensor([True, False]), unseeded_random_rows=torch.tensor([1]))
+                          greedy=torch.tensor([True, False]))
     wrong = (top[0] + 1) % VOCAB
     verdicts = verify_drafts(Sampler(torch.Generator().manual_seed(0)), logits, md, [[wrong], [top[1]]])
     assert verdicts[0] == DraftVerdict(0, top[0])  # the greedy row: argmax, no chance involved

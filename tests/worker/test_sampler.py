@@ -195,3 +195,23 @@ def test_logit_bias_allowed_tokens_and_bad_words():
     ib, rows = batch_of([bad], outputs=[[7, 1]])
     md = ib.sampling_metadata(rows)
     assert md.banned_tokens.tolist() == [30]
+
+
+def test_draws_follow_the_distribution_and_never_a_token_of_no_mass():
+    """A draw is one uniform through the row's cumulative mass (not torch.multinomial,
+    which for one sample draws vocab-many exponentials): frequencies match the row's
+    probabilities, unnormalised rows are fine, and a token of mass 0 is never drawn, even
+    at the uniform's ends."""
+    from pagedserve.worker.sampler import SamplingMetadata, _inverse_cdf
+
+    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0]])  # total 4, unnormalised
+    n = 40_000
+    md = SamplingMetadata(all_greedy=False, all_random=True, temperature=torch.ones(n))
+    draws = Sampler(torch.Generator().manual_seed(0)).draw(probs.expand(n, -1), md)
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert freq.tolist() == pytest.approx([0.0, 0.5, 0.0, 0.25, 0.25, 0.0], abs=0.01)
+    ends = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5, 0.75 - 1e-12], dtype=torch.float64)
+    assert _inverse_cdf(probs.expand(4, -1), ends).tolist() == [1, 4, 3, 3]
+    # u * total rounded up to the total itself (odds 2^-53): past every token, whose last has no
+    # mass: the row's likeliest token instead
+    assert _inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64)).tolist() == [1]
