@@ -354,7 +354,9 @@ def _triton_hidden(device: torch.device) -> Iterator[None]:
     it for GPUs alone).  SmolLM2-135M's server, one slot, Zen 4 (AVX-512 with native
     bf16): 73 MB less resident and ~0.2 s less start-up.  A process that already imported
     it keeps it; once the compile is done Triton imports again for anyone who asks (the
-    version torch noted, (0, 0), serves GPU compilations only)."""
+    version torch noted, (0, 0), serves GPU compilations only).  Meanwhile another
+    thread's `import triton` would fail: start-up runs this before any request thread
+    could want it."""
     if not is_cpu(device) or "triton" in sys.modules:
         yield
         return

@@ -190,16 +190,14 @@ class Sampler:
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row the first index whose cumulative mass exceeds u times the row's total:
-    index i with probability probs[i] / total, never one of mass 0.  (torch.cumsum sums a
-    float32 row in float64 and rounds each prefix once; a float64 row's cumsum took 14x
-    as long.)"""
+    index i with probability probs[i] / total, never one of mass 0 (its prefix equals the
+    one before it).  The target stays below the total, which u * total can round up to.
+    No host sync (GPU steps stay asynchronous).  torch.cumsum sums a float32 row in
+    float64 and rounds each prefix once; a float64 row's cumsum took 14x as long."""
     cdf = probs.float().cumsum(-1).double()
-    target = u.unsqueeze(1) * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-    empty = probs.gather(1, picked[:, None]).squeeze(1) <= 0  # u * total rounded up to the total
-    if bool(empty.any()):
-        picked[empty] = probs[empty].argmax(-1)
-    return picked
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -212,6 +212,6 @@ def test_draws_follow_the_distribution_and_never_a_token_of_no_mass():
     assert freq.tolist() == pytest.approx([0.0, 0.5, 0.0, 0.25, 0.25, 0.0], abs=0.01)
     ends = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5, 0.75 - 1e-12], dtype=torch.float64)
     assert _inverse_cdf(probs.expand(4, -1), ends).tolist() == [1, 4, 3, 3]
-    # u * total rounded up to the total itself (odds 2^-53): past every token, whose last has no
-    # mass: the row's likeliest token instead
-    assert _inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64)).tolist() == [1]
+    # u * total rounded up to the total itself (odds 2^-53) would be past every token: the
+    # target stays below it, on the last token with mass (the row's last one has none)
+    assert _inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64)).tolist() == [4]
