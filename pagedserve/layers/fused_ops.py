@@ -12,7 +12,7 @@ False runs the torch ops on CUDA, as the reference the kernels are checked again
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib.machinery
 import os
 from types import ModuleType
 
@@ -24,7 +24,9 @@ OVERRIDE: bool | None = False if os.environ.get("PAGEDSERVE_FUSED_KERNELS") == "
 
 @functools.cache
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # On the path, not through sys.modules: a CPU compile hides Triton there for a while
+    # (worker/compiled_model.py), and this answer is kept for the process.
+    return importlib.machinery.PathFinder.find_spec("triton") is not None
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -194,3 +194,20 @@ def test_triton_is_hidden_while_a_cpu_model_compiles_and_importable_after(monkey
     monkeypatch.setitem(sys.modules, "triton", imported)
     assert maybe_compile(ToyModel(), CPU, True, False, 1) is not None
     assert seen == [None, imported] and sys.modules["triton"] is imported
+
+
+def test_whether_triton_is_installed_is_read_from_the_path_not_from_a_hidden_import(monkeypatch):
+    """fused_ops keeps its answer for the process: asked while a CPU compile hides Triton
+    (a test forcing the fused kernels on CPU tensors), it must still say what is installed."""
+    import sys
+
+    from pagedserve.layers import fused_ops
+
+    fused_ops._triton_installed.cache_clear()
+    try:
+        installed = fused_ops._triton_installed()
+        fused_ops._triton_installed.cache_clear()
+        monkeypatch.setitem(sys.modules, "triton", None)
+        assert fused_ops._triton_installed() == installed
+    finally:
+        fused_ops._triton_installed.cache_clear()
