@@ -7,10 +7,16 @@ order, and the first one rejected ends the run:
 
 * greedy: d_j is accepted while it is the argmax of p_(j-1), and the argmax replaces
   the first draft that is not: token for token what one-at-a-time decoding produces;
-* random: n-gram drafts are deterministic (a point mass q = 1 on d_j), so standard
-  speculative sampling (accept with probability min(1, p/q), on rejection draw from
-  the normalised max(0, p - q)) becomes: accept with probability p(d_j); on rejection
-  draw from p with d_j removed.  Every emitted token then has distribution p exactly.
+* random: drafts are deterministic (n-gram lookups and a draft model's greedy picks: a
+  point mass q = 1 on d_j), so standard speculative sampling (accept with probability
+  min(1, p/q), on rejection draw from the normalised max(0, p - q)) is the same as
+  drawing the position's token t_j from p_(j-1) as the ordinary sampler would and
+  accepting d_j when t_j == d_j (probability p(d_j)); the first t_j that differs
+  replaces the draft (distributed as p without d_j).  Every emitted token has
+  distribution p exactly, and because each position uses the sampler's own draw, a
+  seeded request emits the very tokens it would one token at a time: its generator is
+  wound back after the verdict so that it has given exactly one draw per emitted token
+  (the bonus or next token's draw is the ordinary sampler's, which follows).
 
 When every draft is accepted the request keeps the token the ordinary sampler drew
 from the last position (the "bonus" token), so a full hit yields k + 1 tokens.  Only
@@ -47,17 +53,13 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMeta
     targets = torch.tensor(flat, dtype=torch.long, device=logits.device)
     best, argmax = logits.max(-1)
     invalid = ~torch.isfinite(best)
+    before = {id(g): g.get_state() for g in metadata.generators.values()}  # seeded rows' generators
     if metadata.all_greedy:
         accept, replacement = argmax == targets, argmax
     else:
         probs = sampler.processed_probs(logits, metadata, invalid)
-        p_draft = probs.gather(1, targets[:, None]).squeeze(1)
-        accept = sampler.uniform(metadata, logits.device) < p_draft
-        # p without the draft; a row whose whole mass was on the draft always accepts it,
-        # but the draw below still needs a row with some mass.
-        residual = probs.scatter(1, targets[:, None], 0.0)
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-        replacement = sampler.draw(residual, metadata)
+        replacement = sampler.draw(probs, metadata)
+        accept = replacement == targets
         if metadata.greedy is not None:
             accept = torch.where(metadata.greedy, argmax == targets, accept)
             replacement = torch.where(metadata.greedy, argmax, replacement)
@@ -71,5 +73,17 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMeta
             a += 1
         bad = any(invalid_l[row: row + min(a + 1, k)])
         verdicts.append(DraftVerdict(a, repl_l[row + a] if a < k else None, bad))
+        gen = metadata.generators.get(row)
+        if gen is not None and a < k:
+            _rewind(gen, before[id(gen)], a)
         row += k
     return verdicts
+
+
+def _rewind(gen: torch.Generator, state: torch.Tensor, draws: int) -> None:
+    """Put `gen` back to `state` advanced by `draws` float64 uniforms (a run of draws
+    from a CPU generator is the same values as one at a time, so this is where one token
+    at a time would have left it before its next draw)."""
+    gen.set_state(state)
+    if draws:
+        torch.rand(draws, generator=gen, dtype=torch.float64, device=gen.device)

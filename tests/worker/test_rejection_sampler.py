@@ -77,3 +77,34 @@ def test_mixed_greedy_and_random_rows() -> None:
     wrong = (top[0] + 1) % VOCAB
     verdicts = verify_drafts(Sampler(torch.Generator().manual_seed(0)), logits, md, [[wrong], [top[1]]])
     assert verdicts[0] == DraftVerdict(0, top[0])  # the greedy row: argmax, no chance involved
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 4])
+def test_a_seeded_request_emits_what_it_would_one_token_at_a_time(accepted: int) -> None:
+    """Drafts verified for a seeded request emit the tokens its generator gives one token
+    at a time, and leave the generator where one token at a time would: after the
+    verdict and the ordinary sampler's draw for the last position, it has given one draw
+    per emitted token, so the tokens after this step match too."""
+    k, seed = 4, 99
+    torch.manual_seed(1)
+    logits = torch.randn(k + 1, VOCAB) * 0.3  # flat: a wrong draft is likely to be drawn against
+    one_md = _random_md(1, 1.0, None, None)
+    alone = torch.Generator().manual_seed(seed)
+    one_md.generators = {0: alone}
+    singly = [int(Sampler().draw(Sampler.processed_probs(logits[j:j + 1].clone(), one_md), one_md))
+              for j in range(k + 1)]
+    drafts = singly[:accepted] + [(t + 1) % VOCAB for t in singly[accepted:k]]
+    gen = torch.Generator().manual_seed(seed)
+    md = _random_md(k, 1.0, None, None)
+    md.generators = dict.fromkeys(range(k), gen)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    verdict = verify_drafts(sampler, logits[:k], md, [drafts])[0]
+    last_md = _random_md(1, 1.0, None, None)
+    last_md.generators = {0: gen}
+    bonus = int(sampler.draw(Sampler.processed_probs(logits[k:].clone(), last_md), last_md))
+    emitted = drafts[:verdict.num_accepted] + [bonus if verdict.replacement is None else verdict.replacement]
+    assert verdict.num_accepted == accepted
+    assert emitted == singly[:accepted + 1]
+    replay = torch.Generator().manual_seed(seed)
+    torch.rand(accepted + 1, generator=replay, dtype=torch.float64)
+    assert torch.equal(gen.get_state(), replay.get_state())
