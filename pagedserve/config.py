@@ -348,6 +348,24 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+# speculative_config="off" (--speculative-config off): no speculation, not even the default.
+SPECULATION_OFF = "off"
+
+
+def default_speculative_config(device_type: str, runner: str, async_scheduling: bool | None) -> SpeculativeConfig | None:
+    """What an unset speculative_config means: n-gram drafts (SpeculativeConfig's defaults)
+    on CPU for the generate runner, unless overlap scheduling was asked for (the two do
+    not combine).  Why on by default there: a CPU decode step of a few requests costs about
+    the same for 1 token as for 9, so drafts that are accepted are nearly free tokens, and
+    `disable_by_batch_size` stops drafting once the batch is big enough to use the compute.
+    Exact: greedy outputs are those of one token at a time, and sampled ones are too
+    (worker/rejection_sampler.py).  Measured side by side (docs/performance.md): faster on
+    edit-code and chat, the same on a 32-request burst.  On CUDA the default stays off
+    (overlap scheduling is on there, and the trade was not measured)."""
+    if device_type != "cpu" or runner != "generate" or async_scheduling:
+        return None
+    return SpeculativeConfig(method="ngram")
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's --enable-lora knobs; pagedserve/lora/).  `max_loras`:

@@ -26,6 +26,7 @@ from pagedserve.config import (
     QUANTIZATION_METHODS,
     ROUTER_POLICIES,
     RUNNERS,
+    SPECULATION_OFF,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     DeviceConfig,
@@ -38,6 +39,7 @@ from pagedserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    default_speculative_config,
 )
 from pagedserve.utils import is_int
 
@@ -136,7 +138,8 @@ _HELP = {
     "speculative_config": "speculative decoding as a JSON object, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
                           "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; or "
-                          "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}' for a draft model)",
+                          "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}' for a draft model); "
+                          "'off' for none.  Default: n-gram drafts on CPU (exact; off at large batches), none on CUDA",
 }
 
 
@@ -188,7 +191,8 @@ class EngineArgs:
     prepack_weights: bool = True
     max_step_ms: float | None = None
     # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a JSON string on the command line.
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a JSON string on the command line;
+    # "off" for none; None: config.default_speculative_config (n-gram on CPU).
     speculative_config: dict[str, Any] | str | None = None
     kv_cache_dtype: str = "auto"
     runner: str = RUNNERS[0]
@@ -337,7 +341,7 @@ class EngineArgs:
         runner='pooling'), and what the pooling runner cannot be combined with: a pooling
         request never decodes, so nothing can decode ahead of it."""
         if self.runner == "pooling":
-            for name, given in (("speculative_config", self.speculative_config is not None),
+            for name, given in (("speculative_config", self._speculative is not None),
                                 ("async_scheduling=True", self.async_scheduling is True),
                                 ("data_parallel_size > 1", self.data_parallel_size > 1)):
                 if given:
@@ -359,8 +363,21 @@ class EngineArgs:
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
 
     def _parse_speculative_config(self) -> SpeculativeConfig | None:
+        """The explicit speculative_config (None when unset or "off": the default is
+        decided with the device, in create_engine_config)."""
+        if self.speculative_config == SPECULATION_OFF:
+            return None
         value = _json_argument(self.speculative_config, "speculative_config")
         return None if value is None else SpeculativeConfig.from_dict(value)
+
+    def speculation(self) -> SpeculativeConfig | None:
+        """The speculative decoding this engine runs: the explicit config, none for "off",
+        else the default for the device and runner."""
+        if self.speculative_config is not None:
+            return self._speculative
+        from pagedserve.model_loader.loader import resolve_device
+
+        return default_speculative_config(resolve_device(self.device).type, self.runner, self.async_scheduling)
 
     # ------------------------------------------------------------------ config
     def create_engine_config(self, load_hf_config: bool = True) -> EngineConfig:
@@ -415,7 +432,7 @@ class EngineArgs:
                 torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
             ),
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
-            speculative_config=self._speculative,
+            speculative_config=self.speculation(),
             router_config=self.router_config(),
             lora_config=self._lora,
         )

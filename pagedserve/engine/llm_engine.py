@@ -220,6 +220,11 @@ class LLMEngine:
         mc = config.model_config
         device = resolve_device(config.device_config)
         record_startup("resolve", time.perf_counter() - t0)
+        if engine_args.speculative_config is None and config.speculative_config is not None:
+            logger.info("speculative decoding: %s drafts, up to %d a step while at most %d requests run (the CPU "
+                        "default: exact, outputs unchanged; --speculative-config off turns it off)",
+                        config.speculative_config.method, config.speculative_config.num_speculative_tokens,
+                        config.speculative_config.disable_by_batch_size)
         if config.parallel_config.tensor_parallel_size > 1:
             from pagedserve.executor.multiproc_executor import validate_tensor_parallel
 

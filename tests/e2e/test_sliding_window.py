@@ -23,15 +23,19 @@ def test_the_window_changes_hfs_outputs(arch: str, tmp_path) -> None:
     assert hf_greedy(str(tmp_path / "w"), prompts) != hf_greedy(str(tmp_path / "wide"), prompts)
 
 
-def test_long_decode_holds_the_window_only(tmp_path) -> None:
+@pytest.mark.parametrize("drafts", [0, 8])
+def test_long_decode_holds_the_window_only(tmp_path, drafts: int) -> None:
     """Gemma 3 shape, window 64, one request decoding to 1,024 tokens: once it decodes,
     every sliding group holds at most ceil(64 / 16) + 1 blocks at every step (the prompt's
     step writes all its 100 tokens' KV, 7 blocks; those before the window go at the next
-    step), the full group one per 16 tokens, and the KV usage figure is what they hold."""
+    step), the full group one per 16 tokens, and the KV usage figure is what they hold.
+    With n-gram drafts (the CPU default) a step also holds the slots of up to 8 drafts
+    past the window: ceil((64 + 8) / 16) + 1."""
     make_tiny_checkpoint("gemma3", str(tmp_path), sliding_window=64, max_position_embeddings=2048)
     bs, window, total = 16, 64, 1024
+    spec = {"method": "ngram", "num_speculative_tokens": drafts} if drafts else "off"
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=total + 8, block_size=bs,
-              max_num_batched_tokens=256)
+              max_num_batched_tokens=256, speculative_config=spec)
     engine = llm.llm_engine
     kvm = engine.kv_cache_manager
     windows = kvm.group_windows
@@ -39,11 +43,12 @@ def test_long_decode_holds_the_window_only(tmp_path) -> None:
     prompt = [int(t) for t in torch.randint(3, 500, (100,), generator=torch.Generator().manual_seed(0))]
     engine.add_request("long", {"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=total - len(prompt), ignore_eos=True, temperature=0))
-    cap = -(-window // bs) + 1
+    cap = -(-(window + drafts) // bs) + 1
     most = {g: 0 for g in range(len(windows))}
-    steps = 0
+    steps, generated = 0, 0
     while engine.has_unfinished_requests():
-        engine.step()
+        for out in engine.step():
+            generated = len(out.outputs[0].token_ids)
         steps += 1
         if "long" not in kvm.req_to_blocks or steps == 1:
             continue
@@ -54,7 +59,8 @@ def test_long_decode_holds_the_window_only(tmp_path) -> None:
         assert engine.get_stats().kv_cache_usage == pytest.approx(sum(held.values()) / (kvm.num_blocks - 1))
     sliding = [g for g, w in enumerate(windows) if w is not None]
     full = windows.index(None)
-    assert steps > 900
+    assert generated == total - len(prompt)
+    assert (engine.get_stats().spec_decode_num_accepted_tokens > 0) == bool(drafts)
     assert all(most[g] <= cap for g in sliding), (most, cap)
     assert most[full] >= (total - 1) // bs  # the global layer keeps the whole context
     assert engine.get_stats().kv_cache_usage == 0.0

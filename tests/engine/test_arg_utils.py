@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from pagedserve.config import SpeculativeConfig
 from pagedserve.engine.arg_utils import EngineArgs, parse_bytes
 
 
@@ -88,13 +89,31 @@ def test_speculative_config_from_the_command_line_and_from_a_dict() -> None:
     assert cfg.speculative_config.method == "ngram" and cfg.speculative_config.num_speculative_tokens == 3
     cfg = EngineArgs(speculative_config={"prompt_lookup_max": 5}).create_engine_config(load_hf_config=False)
     assert (cfg.speculative_config.prompt_lookup_max, cfg.speculative_config.num_speculative_tokens) == (5, 8)
-    assert EngineArgs().create_engine_config(load_hf_config=False).speculative_config is None
     with pytest.raises(ValueError, match="JSON object"):
         EngineArgs(speculative_config="ngram")
     with pytest.raises(ValueError, match="unknown field"):
         EngineArgs(speculative_config={"method": "ngram", "k": 3})
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(speculative_config={}, async_scheduling=True)
+
+
+def test_speculation_by_default_on_cpu_only_and_off_on_request() -> None:
+    """Unset: n-gram drafts with SpeculativeConfig's defaults on CPU for the generate
+    runner; none on CUDA, for the pooling runner, or beside async_scheduling=True (which it
+    does not combine with); "off" (--speculative-config off) turns the default off."""
+    def spec(**kw):
+        return EngineArgs(**kw).create_engine_config(load_hf_config=False).speculative_config
+
+    assert spec(device="cpu") == SpeculativeConfig(method="ngram")
+    assert spec(device="cpu", speculative_config="off") is None
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--device", "cpu", "--speculative-config", "off"])
+    assert EngineArgs.from_cli_args(ns).create_engine_config(load_hf_config=False).speculative_config is None
+    assert spec(device="cuda") is None
+    assert spec(device="cpu", async_scheduling=True) is None
+    assert spec(device="cpu", runner="pooling") is None
+    EngineArgs(runner="pooling", speculative_config="off")  # "off" is not a speculative config to refuse
+    with pytest.raises(ValueError, match="runner='pooling' does not work with speculative_config"):
+        EngineArgs(runner="pooling", speculative_config={})
 
 
 def test_kv_tier_flags_reach_the_config_tree() -> None:
