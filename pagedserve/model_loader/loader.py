@@ -35,6 +35,7 @@ from torch import nn
 from pagedserve.config import DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
+from pagedserve.model_loader.config_snapshot import cached_config
 from pagedserve.model_loader.sources import ModelSource, gguf_file_name, resolve_source
 from pagedserve.models.registry import (
     SLIDING_WINDOW_ARCHITECTURES,
@@ -132,21 +133,34 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
 
 
 def _read_hf_config(source: ModelSource, trust_remote_code: bool) -> Any:
-    from transformers import AutoConfig
-
+    """The model's config: transformers' (AutoConfig), or for the files every start reads
+    again (GGUF files, registered models' conversions) the snapshot of it an earlier start
+    saved (config_snapshot.py: no transformers config class imported)."""
     if source.path is None:  # a registered name with load_format="dummy"
+        from transformers import AutoConfig
+
         cfg = dict(source.registered.hf_config)
         return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     if os.path.isfile(source.path):
-        from pagedserve.model_loader.gguf_utils import gguf_to_hf_config, open_gguf
+        from pagedserve.model_loader import gguf_utils
 
-        return gguf_to_hf_config(open_gguf(source.path), source.path)
-    if not os.path.isfile(os.path.join(source.path, "config.json")):
+        return cached_config(source.path, lambda: gguf_utils.gguf_to_hf_config(gguf_utils.open_gguf(source.path),
+                                                                               source.path), gguf_utils.__file__)
+    config_json = os.path.join(source.path, "config.json")
+    if not os.path.isfile(config_json):
         raise FileNotFoundError(f"no config.json in model directory {source.path}")
+    if source.registered is not None:
+        return cached_config(config_json, lambda: _auto_config(source.path, False))
+    return _auto_config(source.path, trust_remote_code)
+
+
+def _auto_config(path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
     try:
-        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise ValueError(f"{source.path}/config.json: unreadable model config ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path}/config.json: unreadable model config ({type(e).__name__}: {e})") from None
 
 
 def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.device | str | None = None) -> Any:

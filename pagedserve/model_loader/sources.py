@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -115,6 +116,14 @@ def cache_dir() -> str:
         return os.path.abspath(os.path.expanduser(explicit))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pagedserve")
+
+
+def file_cache_key(path: str, *derived_by: str) -> str:
+    """The cache key of something derived from the file at `path`: the file's real path,
+    size and modification time, and `derived_by` (versions or checksums of what derived it)."""
+    st = os.stat(path)
+    return hashlib.sha256(repr((os.path.realpath(path), st.st_size, st.st_mtime_ns, *derived_by)).encode()
+                          ).hexdigest()[:24]
 
 
 def _is_gguf_file(path: str) -> bool:

@@ -6,14 +6,14 @@ or the GGUF's `tokenizer.chat_template`); `model_config.chat_template` overrides
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
 import os
 import shutil
 from typing import Any
 
 from pagedserve.config import ModelConfig
-from pagedserve.model_loader.sources import cache_dir, publish_cache_dir, resolve_source
+from pagedserve.model_loader.sources import cache_dir, file_cache_key, publish_cache_dir, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         source = resolve_source(name, "auto")
     if source.format == "gguf":
         tokenizer = gguf_tokenizer(source.path)
+    elif source.registered is not None:
+        tokenizer = saved_tokenizer(source.path)
     elif not _has_tokenizer_files(source.path):
         if explicit:
             raise ValueError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {source.path}")
@@ -71,6 +73,26 @@ def load_chat_prompts(model: str, conversations: list[list[dict[str, str]]]) -> 
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
 
 
+def saved_tokenizer(path: str) -> Any:
+    """A tokenizer directory pagedserve wrote (a registered model's conversion, a GGUF's
+    saved tokenizer).  The generic fast tokenizer is loaded by its class: AutoTokenizer
+    would first import the model's config class to look for a tokenizer class there,
+    ~1.1 s of start-up (model_loader/config_snapshot.py says why it costs that)."""
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        named = json.load(f).get("tokenizer_class")
+    if named in _GENERIC_FAST_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+# tokenizer_config.json's tokenizer_class of a plain fast tokenizer (transformers 5, 4).
+_GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def gguf_tokenizer(path: str) -> Any:
     """The GGUF's embedded tokenizer, converted by transformers once per file: building a
     BPE tokenizer from a GGUF's vocabulary and merges takes seconds (3.5 s for SmolLM2's
@@ -78,17 +100,13 @@ def gguf_tokenizer(path: str) -> Any:
     model's conversion is) and later starts load it from there.  The key is the file's
     path, size and modification time, and the transformers version that converted it."""
     import transformers
-    from transformers import AutoTokenizer
 
     from pagedserve.model_loader.gguf_utils import load_gguf_tokenizer
 
-    st = os.stat(path)
-    key = hashlib.sha256(repr((os.path.realpath(path), st.st_size, st.st_mtime_ns,
-                               transformers.__version__)).encode()).hexdigest()[:24]
-    saved = os.path.join(cache_dir(), "tokenizers", key)
+    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path, transformers.__version__))
     if os.path.isdir(saved):
         try:
-            return AutoTokenizer.from_pretrained(saved)
+            return saved_tokenizer(saved)
         except Exception as e:  # noqa: BLE001 - a damaged copy: convert again below
             logger.warning("cannot load the saved tokenizer %s (%s: %s); converting the GGUF's again",
                            saved, type(e).__name__, e)

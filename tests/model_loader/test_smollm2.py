@@ -17,11 +17,12 @@ def hf_model_from_gguf(gguf_path: str, our_config: Any, monkeypatch: pytest.Monk
     """HF's own GGUF reading (metadata, dequantization, Q/K un-permutation): the code path
     `from_pretrained(dir, gguf_file=...)` runs, called directly because that entry point
     also insists on `accelerate`, which this project does not depend on.  The HF module is
-    built from our config (HF needs a module to map names) after checking that HF reads
+    built from transformers' config of our values (HF needs a module to map names; ours
+    may be a saved snapshot, model_loader/config_snapshot.py) after checking that HF reads
     the same hyperparameters from the GGUF; parsing the metadata twice would double the
     slowest part of this test."""
     import gguf
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     # HF rebuilds gguf's name table once per submodule (~400 times, most of its load time): memoize it.
@@ -31,7 +32,12 @@ def hf_model_from_gguf(gguf_path: str, our_config: Any, monkeypatch: pytest.Monk
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(our_config, dtype=torch.float32).eval()
+        hf_config = AutoConfig.for_model(our_config.model_type, **{
+            k: getattr(our_config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                                                "tie_word_embeddings", "rope_parameters", "hidden_act")})
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)
     for key, value in parsed["config"].items():
         if key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

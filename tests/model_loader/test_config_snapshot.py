@@ -1,0 +1,90 @@
+"""model_loader/config_snapshot.py: a saved config reads back every attribute the
+transformers config had, and is rebuilt when its file or the code deriving it changes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from transformers import AutoConfig
+
+from pagedserve.config import ModelConfig
+from pagedserve.model_loader import load_model_config
+from pagedserve.model_loader.config_snapshot import ConfigSnapshot, cached_config, snapshot_values
+from tests.e2e.conftest import make_tiny_checkpoint
+from tests.model_loader.test_loader import write_gguf
+from tests.models.models_helpers import make_hf_model
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def assert_same_attributes(snap: ConfigSnapshot, real) -> None:
+    """Every public attribute of the real config: the same value and type on the snapshot,
+    or, where its value could not be saved, a LookupError rather than a quiet default."""
+    _, unsaved = snapshot_values(real)
+    for name in dir(real):
+        if name.startswith("_"):
+            continue
+        try:
+            want = getattr(real, name)
+        except Exception:  # noqa: BLE001 - not applicable to this config on the real one either
+            continue
+        if callable(want):
+            continue
+        if name in unsaved:
+            with pytest.raises(LookupError, match=name):
+                getattr(snap, name)
+            continue
+        got = getattr(snap, name)
+        if isinstance(got, ConfigSnapshot):
+            assert_same_attributes(got, want)
+        else:
+            assert type(got) is type(want) and got == want, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma3", "mistral"])
+def test_a_saved_config_reads_back_every_attribute(tmp_path, arch: str) -> None:
+    path = str(tmp_path / arch)
+    make_tiny_checkpoint(arch, path)
+    config_json = os.path.join(path, "config.json")
+    first = cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
+    assert not isinstance(first, ConfigSnapshot)  # the first start builds it with transformers
+    again = cached_config(config_json, lambda: pytest.fail("the saved config should be read"))
+    assert isinstance(again, ConfigSnapshot)
+    assert_same_attributes(again, AutoConfig.from_pretrained(path))
+    assert getattr(again, "no_such_field", "default") == "default"
+
+
+def test_a_gguf_file_is_read_by_its_saved_config_the_second_time(tmp_path) -> None:
+    hf = make_hf_model("llama")
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(hf, path, "llama")
+    first = load_model_config(ModelConfig(model=path, dtype="float32"), "cpu")
+    again = load_model_config(ModelConfig(model=path, dtype="float32"), "cpu")
+    assert isinstance(again, ConfigSnapshot) and not isinstance(first, ConfigSnapshot)
+    assert_same_attributes(again, first)
+
+
+def test_a_changed_file_or_a_torn_save_builds_it_again(tmp_path, caplog) -> None:
+    path = str(tmp_path / "m")
+    make_tiny_checkpoint("llama", path)
+    config_json = os.path.join(path, "config.json")
+    cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
+    with open(config_json) as f:
+        values = json.load(f)
+    values["rms_norm_eps"] = 1e-3
+    with open(config_json, "w") as f:
+        json.dump(values, f)
+    changed = cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
+    assert not isinstance(changed, ConfigSnapshot) and changed.rms_norm_eps == 1e-3
+    saved_dir = os.path.join(os.environ["PAGEDSERVE_CACHE_DIR"], "configs")
+    for name in os.listdir(saved_dir):
+        with open(os.path.join(saved_dir, name), "w") as f:
+            f.write("{torn")
+    rebuilt = cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
+    assert not isinstance(rebuilt, ConfigSnapshot) and "cannot read the saved model config" in caplog.text
+    assert cached_config(config_json, lambda: pytest.fail("saved again")).rms_norm_eps == 1e-3
