@@ -60,6 +60,32 @@ class Figures:
     rss_load: int = 0
     rss_end: int = 0
     kv_bytes: int = 0
+    drafts: tuple[int, int] | None = None  # (drafted, accepted) tokens over the run: speculation
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_counts(url: str) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens from a pagedserve server's /metrics, or None where the
+    server reports none (llama-server; pagedserve without speculation)."""
+    try:
+        return parse_spec_counts(httpx.get(url + "/metrics", timeout=30).text)
+    except httpx.HTTPError:
+        return None
+
+
+def parse_spec_counts(text: str) -> tuple[int, int] | None:
+    """SPEC_COUNTERS' values in Prometheus text (summed over labels), or None when no
+    token was drafted."""
+    values = dict.fromkeys(SPEC_COUNTERS, 0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{")[0].removesuffix("_total")
+        if name in values:
+            values[name] += int(float(value.split()[0]))
+    drafted, accepted = (values[c] for c in SPEC_COUNTERS)
+    return (drafted, accepted) if drafted else None
 
 
 def server_rss(server: LocalServer) -> int:
@@ -148,6 +174,7 @@ def measure(sides: list[tuple[Figures, Callable[[], LocalServer]]], batches: lis
         asyncio.run(run_phases(servers, batches))
         for fig, server in servers:
             fig.rss_end = server_rss(server)
+            fig.drafts = spec_counts(server.url)
     finally:
         for _, server in servers:
             server.stop()
@@ -316,6 +343,9 @@ def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float, ctx
               f"stream, reading the file's {size / 1e6:.0f} MB of weights per token, is bound at "
               f"{bandwidth / size:.1f} tok/s; single-stream decode reached "
               + ", ".join(f"{f.decode_tok_s * size / bandwidth:.0%} of that ({f.side})" for f in figs) + "."]
+    lines += [f"{f.side} drafted {f.drafts[0]} tokens over the run and accepted {f.drafts[1]} "
+              f"({f.drafts[1] / f.drafts[0]:.0%}): n-gram speculation, on by default on CPU (`--pagedserve-args "
+              "--speculative-config off` measures without it)." for f in figs if f.drafts]
     return "\n".join(lines)
 
 

@@ -38,3 +38,18 @@ def test_the_table_has_a_ratio_column_per_pagedserve_side(tmp_path):
     assert table[4] == "| single-stream decode, tok/s | 20.0 | 25.0 | 30.0 | 1.25x | 1.50x |"
     alone = compare_llamacpp.report("m", str(gguf), figs[1:], 1e9, 640).splitlines()
     assert alone[2] == "| | pagedserve | pagedserve, 8-bit activations |"
+
+
+def test_speculation_counts_come_from_metrics_and_reach_the_report(tmp_path):
+    text = ('# HELP vllm:spec_decode_num_draft_tokens_total x\n'
+            'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 400.0\n'
+            'vllm:spec_decode_num_draft_tokens_created{model_name="m"} 1.7e9\n'
+            'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 100.0\n')
+    assert compare_llamacpp.parse_spec_counts(text) == (400, 100)
+    assert compare_llamacpp.parse_spec_counts("vllm:num_preemptions_total 3.0\n") is None
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 2**20)
+    figs = [compare_llamacpp.Figures("llama-server", decode_tok_s=20.0),
+            compare_llamacpp.Figures("pagedserve", decode_tok_s=25.0, drafts=(400, 100))]
+    last = compare_llamacpp.report("m", str(gguf), figs, 1e9, 640).splitlines()[-1]
+    assert last.startswith("pagedserve drafted 400 tokens over the run and accepted 100 (25%)")
