@@ -97,3 +97,18 @@ def test_a_gguf_tokenizer_is_converted_once_and_loads_the_same(smollm2_gguf: str
     monkeypatch.undo()
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert gguf_tokenizer(smollm2_gguf).encode(texts[0]) == first.encode(texts[0])
+
+
+def test_a_saved_tokenizer_loads_by_its_class_as_autotokenizer_would(smollm2_path: str) -> None:
+    """The converted directory's tokenizer loaded without AutoTokenizer (which imports the
+    config class first) is the same tokenizer: class, ids, special tokens, template."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.model_loader.tokenizer import saved_tokenizer
+
+    ours, auto = saved_tokenizer(smollm2_path), AutoTokenizer.from_pretrained(smollm2_path)
+    texts = ["What is the capital of France?", "naïve café 🚀", "<|im_start|>user\nhi<|im_end|>"]
+    assert type(ours) is type(auto)
+    assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]
+    assert ours.special_tokens_map == auto.special_tokens_map and ours.chat_template == auto.chat_template
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
