@@ -366,6 +366,7 @@ def default_speculative_config(device_type: str, runner: str, async_scheduling: 
         return None
     return SpeculativeConfig(method="ngram")
 
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's --enable-lora knobs; pagedserve/lora/).  `max_loras`:

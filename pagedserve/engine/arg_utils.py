@@ -367,7 +367,10 @@ class EngineArgs:
         decided with the device, in create_engine_config)."""
         if self.speculative_config == SPECULATION_OFF:
             return None
-        value = _json_argument(self.speculative_config, "speculative_config")
+        try:
+            value = _json_argument(self.speculative_config, "speculative_config")
+        except ValueError as e:
+            raise ValueError(f"{e}; or '{SPECULATION_OFF}' for no speculative decoding") from None
         return None if value is None else SpeculativeConfig.from_dict(value)
 
     def speculation(self) -> SpeculativeConfig | None:
