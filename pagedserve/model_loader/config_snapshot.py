@@ -145,10 +145,13 @@ def _same(back: Any, original: Any) -> bool:
 
 
 def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | None = None) -> Any:
-    """The config of the model at `source_file`: a saved snapshot when there is one for
-    the file as it is now, else `build()` (transformers), saved for the next start when
-    every attribute reads back the same.  `derived_by`: the path of the module whose code
-    turns the file into the config beyond transformers' own (its source is part of the key)."""
+    """The config of the model at `source_file` as a snapshot: the one an earlier start
+    saved for the file as it is now, else `build()`'s (transformers), saved for the next
+    start.  Every start gets a snapshot, so the first runs what later ones run (the
+    compiled model's key, for one, records the config's class); only a config whose
+    attributes do not all read back the same is returned as transformers built it.
+    `derived_by`: the path of the module whose code turns the file into the config beyond
+    transformers' own (its source is part of the key)."""
     code = ""
     if derived_by is not None:
         with open(derived_by, "rb") as f:
@@ -166,8 +169,8 @@ def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | 
     config = build()
     values, unsaved = snapshot_values(config)
     saved = {"values": values, "unsaved": unsaved}
-    back = _snapshot(json.loads(json.dumps(saved)))
-    wrong = [k for k, v in back.values().items() if not _same(v, getattr(config, k))]
+    snapshot = _snapshot(json.loads(json.dumps(saved)))
+    wrong = [k for k, v in snapshot.values().items() if not _same(v, getattr(config, k))]
     if wrong:
         logger.info("model config of %s not saved for later starts (%s do not read back the same)",
                     source_file, ", ".join(wrong))
@@ -180,4 +183,4 @@ def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | 
         os.replace(tmp, path)
     except OSError as e:  # an unwritable cache costs the next start the import, nothing else
         logger.warning("cannot save the model config under %s (%s)", path, e)
-    return config
+    return snapshot

@@ -51,11 +51,17 @@ def test_a_saved_config_reads_back_every_attribute(tmp_path, arch: str) -> None:
     path = str(tmp_path / arch)
     make_tiny_checkpoint(arch, path)
     config_json = os.path.join(path, "config.json")
-    first = cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
-    assert not isinstance(first, ConfigSnapshot)  # the first start builds it with transformers
+    built: list[object] = []
+
+    def build():
+        built.append(AutoConfig.from_pretrained(path))
+        return built[-1]
+
+    first = cached_config(config_json, build)  # the first start builds it with transformers
     again = cached_config(config_json, lambda: pytest.fail("the saved config should be read"))
-    assert isinstance(again, ConfigSnapshot)
-    assert_same_attributes(again, AutoConfig.from_pretrained(path))
+    assert len(built) == 1 and isinstance(first, ConfigSnapshot) and isinstance(again, ConfigSnapshot)
+    assert_same_attributes(first, built[0])
+    assert_same_attributes(again, built[0])
     assert getattr(again, "no_such_field", "default") == "default"
 
 
@@ -63,10 +69,13 @@ def test_a_gguf_file_is_read_by_its_saved_config_the_second_time(tmp_path) -> No
     hf = make_hf_model("llama")
     path = str(tmp_path / "tiny.gguf")
     write_gguf(hf, path, "llama")
+    from pagedserve.model_loader.gguf_utils import gguf_to_hf_config, open_gguf
+
     first = load_model_config(ModelConfig(model=path, dtype="float32"), "cpu")
     again = load_model_config(ModelConfig(model=path, dtype="float32"), "cpu")
-    assert isinstance(again, ConfigSnapshot) and not isinstance(first, ConfigSnapshot)
-    assert_same_attributes(again, first)
+    assert isinstance(first, ConfigSnapshot) and isinstance(again, ConfigSnapshot)
+    assert os.listdir(os.path.join(os.environ["PAGEDSERVE_CACHE_DIR"], "configs"))  # saved by the first
+    assert_same_attributes(again, gguf_to_hf_config(open_gguf(path), path))
 
 
 def test_a_changed_file_or_a_torn_save_builds_it_again(tmp_path, caplog) -> None:
@@ -77,14 +86,22 @@ def test_a_changed_file_or_a_torn_save_builds_it_again(tmp_path, caplog) -> None
     with open(config_json) as f:
         values = json.load(f)
     values["rms_norm_eps"] = 1e-3
+    before = os.stat(config_json)
     with open(config_json, "w") as f:
         json.dump(values, f)
-    changed = cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
-    assert not isinstance(changed, ConfigSnapshot) and changed.rms_norm_eps == 1e-3
+    os.utime(config_json, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # whatever the clock's grain
+    rebuilt: list[str] = []
+
+    def build():
+        rebuilt.append(config_json)
+        return AutoConfig.from_pretrained(path)
+
+    assert cached_config(config_json, build).rms_norm_eps == 1e-3 and rebuilt
     saved_dir = os.path.join(os.environ["PAGEDSERVE_CACHE_DIR"], "configs")
     for name in os.listdir(saved_dir):
         with open(os.path.join(saved_dir, name), "w") as f:
             f.write("{torn")
-    rebuilt = cached_config(config_json, lambda: AutoConfig.from_pretrained(path))
-    assert not isinstance(rebuilt, ConfigSnapshot) and "cannot read the saved model config" in caplog.text
+    rebuilt.clear()
+    assert cached_config(config_json, build).rms_norm_eps == 1e-3 and rebuilt
+    assert "cannot read the saved model config" in caplog.text
     assert cached_config(config_json, lambda: pytest.fail("saved again")).rms_norm_eps == 1e-3
