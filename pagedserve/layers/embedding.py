@@ -155,28 +155,25 @@ class ParallelLMHead(VocabParallelEmbedding):
         quantized = self._quantized()
         if quantized is not None:
             logits = quantized.matmul(hidden)
-            if self.tp_size > 1:
-                logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
-                return None if logits is None else logits[:, : self.num_embeddings]
-            logits = logits[:, : self.num_embeddings]
-            if logits.shape[0]:
-                self._exact_top(hidden, logits, quantized.rows)
-            return logits
-        if (FLOAT32_OUT_GEMM and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+            mine = logits[:, : self.valid_rows]  # (a view: settled in place)
+            if mine.numel():
+                self._exact_top(hidden, mine, quantized.rows)
+        elif (FLOAT32_OUT_GEMM and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
                 and self.tp_size == 1):
             # The GEMM accumulates in float32 and writes float32: no 16-bit rounding of
             # the logits, so no tied top tokens to recompute (see _exact_top).
             return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
-        logits = self._linear(hidden, self.weight, None)
-        if self.tp_size > 1:
-            logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
-            if logits is None:
-                return None
-            return logits[:, : self.num_embeddings].float()
-        logits = logits.float()
-        if hidden.dtype in (torch.bfloat16, torch.float16) and logits.shape[0]:
-            self._exact_top(hidden, logits, lambda ids: self.weight.index_select(0, ids))
-        return logits
+        else:
+            logits = self._linear(hidden, self.weight, None).float()
+            mine = logits[:, : self.valid_rows]
+            if hidden.dtype in (torch.bfloat16, torch.float16) and mine.numel():
+                self._exact_top(hidden, mine, lambda ids: self.weight.index_select(0, ids))
+        if self.tp_size == 1:
+            return mine
+        # Each rank settled its own slice's top tokens (the vocabulary's top tokens are
+        # among them), so the gathered row resolves ties as one rank would.
+        logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
+        return None if logits is None else logits[:, : self.num_embeddings]
 
     def _exact_top(self, hidden: torch.Tensor, logits: torch.Tensor,
                    rows: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -213,3 +213,30 @@ def test_lm_head_rows_do_not_depend_on_how_many_rows_there_are() -> None:
         full = head.compute_logits(hidden)
         for m in (1, 2, 3, 5):
             assert torch.equal(head.compute_logits(hidden[:m]), full[:m]), m
+
+
+def test_tensor_parallel_lm_head_settles_16_bit_ties_like_one_rank(tp, monkeypatch) -> None:
+    """Two tokens whose bf16 logits tie (25.125) but whose exact ones differ (25.078 and
+    25.156), on different ranks: one rank recomputes its top tokens in float32 and picks
+    the larger; split over two ranks, each rank settles its own slice's top tokens before
+    the driver gathers them, so the choice is the same (it was the lower id, 3)."""
+    vocab, dim = 64, 16
+    weight = torch.full((vocab, dim), 0.01)
+    weight[3] = weight[40] = 1.5625
+    weight[3, 0], weight[40, 0] = 1.640625, 1.71875  # row sums 25.078125 and 25.15625
+    hidden = torch.ones(1, dim, dtype=torch.bfloat16)
+
+    def head(rank: int, size: int) -> embedding.ParallelLMHead:
+        tp(rank, size)
+        h = embedding.ParallelLMHead(vocab, dim)
+        h.weight.weight_loader(h.weight, weight)
+        return h.to(torch.bfloat16)
+
+    one = head(0, 1)
+    raw = one._linear(hidden, one.weight, None).float()
+    assert raw[0, 3] == raw[0, 40] == 25.125  # the tie this test is about
+    alone = head(0, 1).compute_logits(hidden)
+    monkeypatch.setattr(embedding, "gather_to_driver", lambda x, rank, size: x)  # each rank's slice
+    split = torch.cat([head(r, 2).compute_logits(hidden) for r in range(2)], dim=-1)
+    assert int(alone.argmax()) == int(split.argmax()) == 40
+    torch.testing.assert_close(split[0, [3, 40]], alone[0, [3, 40]])
