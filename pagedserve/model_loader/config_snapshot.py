@@ -8,7 +8,7 @@ a handful of numbers.  The model code only reads attributes of the config (it ca
 of its methods), so for the files start-up reads again and again (registered models'
 converted directories and GGUF files) the first start builds the config with transformers
 as before and saves every public attribute's value (properties and aliases included);
-later starts get a `ConfigSnapshot` holding the same values.  The key is the source
+every start, the first too, gets a `ConfigSnapshot` holding those values.  The key is the source
 file's identity, the transformers version and the source of the code that derived the
 config (`cached_config`), so a change to any of them builds it again.
 """
@@ -47,7 +47,7 @@ class ConfigSnapshot:
                               "delete the cache's configs/ directory after adding its type to _encode")
         raise AttributeError(name)
 
-    def values(self) -> dict[str, Any]:
+    def saved_attributes(self) -> dict[str, Any]:
         """The saved attributes by name."""
         return {k: v for k, v in self.__dict__.items() if k != _UNSAVED}
 
@@ -134,7 +134,7 @@ def _same(back: Any, original: Any) -> bool:
     """Whether a value read back from its saved form is the original: same types all the
     way down (a str enum saved as its string would not be)."""
     if isinstance(back, ConfigSnapshot):
-        return all(_same(v, getattr(original, k, None)) for k, v in back.values().items())
+        return all(_same(v, getattr(original, k, None)) for k, v in back.saved_attributes().items())
     if type(back) in (list, tuple):
         return (type(back) is type(original) and len(back) == len(original)
                 and all(_same(a, b) for a, b in zip(back, original, strict=True)))
@@ -170,7 +170,7 @@ def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | 
     values, unsaved = snapshot_values(config)
     saved = {"values": values, "unsaved": unsaved}
     snapshot = _snapshot(json.loads(json.dumps(saved)))
-    wrong = [k for k, v in snapshot.values().items() if not _same(v, getattr(config, k))]
+    wrong = [k for k, v in snapshot.saved_attributes().items() if not _same(v, getattr(config, k))]
     if wrong:
         logger.info("model config of %s not saved for later starts (%s do not read back the same)",
                     source_file, ", ".join(wrong))
