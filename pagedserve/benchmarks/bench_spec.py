@@ -97,9 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         best = {name: max(r) for name, r in rates.items()}
         drafted, accepted = spec_counts["spec"]
         same = sum(a == b for a, b in zip(outputs["off"], outputs["spec"], strict=True))
-        identical = f"{same}/{len(outputs['off'])}"
         row = {"off_tok_s": best["off"], "spec_tok_s": best["spec"], "ratio": best["spec"] / best["off"],
-               "drafted": drafted, "accepted": accepted, "identical_outputs": identical,
+               "drafted": drafted, "accepted": accepted, "identical_outputs": f"{same}/{len(outputs['off'])}",
                "output_tokens": sum(map(len, outputs["spec"]))}
         results["workloads"][label] = row
         rate = f"{100 * accepted / drafted:.0f}%" if drafted else "n/a"

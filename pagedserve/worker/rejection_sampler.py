@@ -75,15 +75,6 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMeta
         verdicts.append(DraftVerdict(a, repl_l[row + a] if a < k else None, bad))
         gen = metadata.generators.get(row)
         if gen is not None and a < k:
-            _rewind(gen, before[id(gen)], a)
+            sampler.rewind(gen, before[id(gen)], a)
         row += k
     return verdicts
-
-
-def _rewind(gen: torch.Generator, state: torch.Tensor, draws: int) -> None:
-    """Put `gen` back to `state` advanced by `draws` float64 uniforms (a run of draws
-    from a CPU generator is the same values as one at a time, so this is where one token
-    at a time would have left it before its next draw)."""
-    gen.set_state(state)
-    if draws:
-        torch.rand(draws, generator=gen, dtype=torch.float64, device=gen.device)

@@ -180,6 +180,15 @@ class Sampler:
         return u
 
     @staticmethod
+    def rewind(gen: torch.Generator, state: torch.Tensor, draws: int) -> None:
+        """Put a seeded row's generator back to `state` advanced by `draws` of `uniform`'s
+        draws (a run of them gives the same values as one at a time): where drawing one
+        token at a time would have left it."""
+        gen.set_state(state)
+        if draws:
+            torch.rand(draws, generator=gen, device=gen.device, dtype=torch.float64)
+
+    @staticmethod
     def gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
         token_lp = raw.gather(1, sampled[:, None])
         out.sampled_logprobs = token_lp.squeeze(1)
