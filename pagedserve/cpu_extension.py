@@ -27,12 +27,16 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from pagedserve.cpu_info import cpu_flags, kernel_isa_cflags
+from pagedserve.utils import record_startup
 
 logger = logging.getLogger("pagedserve")
 # Compiler flags that turn an instruction-set extension off, and the CPU flag of each.
@@ -116,3 +120,50 @@ def build_cpu_extension(prefix: str, source: Path, what: str,
                                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class CpuKernel:
+    """One of our C++ kernels in this process: built (or loaded) on first use, once, by
+    whichever thread asks first while the others wait; a failed build is remembered, not
+    retried.  `on_load` runs once on the loaded module (registering its operators' shapes
+    for tracing, say); `phase` names its time in the start-up breakdown."""
+
+    def __init__(self, prefix: str, source: Path, what: str, phase: str,
+                 on_load: Callable[[ModuleType], None] | None = None) -> None:
+        self.prefix, self.source, self.what, self.phase, self.on_load = prefix, source, what, phase, on_load
+        self._module: ModuleType | None = None
+        self._error: str | None = None
+        self._lock = threading.Lock()
+
+    def get(self, extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
+        """The module for this machine; `extra_cflags` builds another variant (tests and
+        benchmarks: the AVX2 and plain paths), not kept here.  Raises what the build raised."""
+        if self._module is not None and extra_cflags is None:  # the per-call path: nothing else to do
+            return self._module
+        if extra_cflags is not None:
+            return build_cpu_extension(self.prefix, self.source, self.what, extra_cflags)
+        with self._lock:
+            if self._error is not None:
+                raise RuntimeError(f"the {self.what} did not build in this process ({self._error})")
+            if self._module is None:
+                t0 = time.perf_counter()
+                try:
+                    module = build_cpu_extension(self.prefix, self.source, self.what)
+                except Exception as e:
+                    msg = str(e).strip().splitlines()
+                    self._error = f"{type(e).__name__}: {msg[-1] if msg else ''}"
+                    raise
+                if self.on_load is not None:
+                    self.on_load(module)
+                self._module = module
+                record_startup(self.phase, time.perf_counter() - t0)
+            return self._module
+
+    def error(self) -> str | None:
+        """None when the kernel builds (or is built) here, else why not (no compiler, ...)."""
+        if self._module is None:
+            try:
+                self.get()
+            except Exception:  # noqa: BLE001 - no compiler, headers, ...: the caller decides
+                pass
+        return self._error

@@ -85,17 +85,19 @@ class EngineStats:
 
 
 def start_cpu_kernel_builds() -> None:
-    """Build (first run on a machine, ~20 s each) or load our two C++ CPU kernels in
+    """Build (first run on a machine, ~20 s each) or load our three C++ CPU kernels in
     background threads, so the compiler runs while the config, tokenizer and weights
     load; whoever needs a kernel first waits for its thread (the builders hold locks).
     Not daemons: a process that is done before a build is (a short `generate`) waits for
     it at exit, so the next run finds the kernel built instead of starting again."""
     from pagedserve.attention.cpu_paged import paged_decode
+    from pagedserve.layers.cpu_fused import fused_kernel_error
     from pagedserve.layers.quantization import quant_kernel_error
 
     if torch.cuda.is_available():
         return
-    for name, target in (("attention", paged_decode), ("quantized linear", quant_kernel_error)):
+    for name, target in (("attention", paged_decode), ("quantized linear", quant_kernel_error),
+                         ("fused elementwise", fused_kernel_error)):
         threading.Thread(target=target, name=f"build {name} kernel").start()
 
 

@@ -13,8 +13,9 @@ class SiluAndMul(nn.Module):
     """[..., 2d] -> silu(x[..., :d]) * x[..., d:]; the gate half comes first."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.applies(x):
-            return fused_ops.kernels().silu_and_mul(x)
+        kernels = fused_ops.kernels_for(x)
+        if kernels is not None:
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

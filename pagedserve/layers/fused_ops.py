@@ -1,11 +1,18 @@
-"""Where the layers run fused Triton kernels (layers/triton_fused.py) instead of their torch ops.
+"""Which fused kernels run the layers' elementwise work on a tensor, if any.
 
-On CUDA tensors, when triton is installed: there the unfused elementwise ops are a
-fifth of a decode step.  Elsewhere the torch ops run (the CPU has its own compiled
-path), and triton is not even imported, since importing it fixes interpreted or
-compiled mode for the whole process.  `OVERRIDE` lets a test choose: True runs the
-kernels on CPU tensors too (under TRITON_INTERPRET=1), through the model code itself;
-False runs the torch ops on CUDA, as the reference the kernels are checked against
+The layers (RMSNorm, SiluAndMul, rotary's q/k) ask `kernels_for(x)` and call the
+module it names, or their own torch ops on None.  Both kernel sets have one interface
+(rms_norm, norm_rope, silu_and_mul) and round where the torch ops round:
+  * CUDA tensors, where triton is installed: layers/triton_fused.py.  There the unfused
+    elementwise ops are a fifth of a decode step.
+  * 16-bit CPU tensors: layers/cpu_fused.py (C++), unless a torch.compile trace is
+    running (inductor fuses the torch ops itself, and its graph must not change).  On a
+    small model the unfused ops' dispatch is most of an eager step.  float32 keeps the
+    torch ops, whose order of a row's sum of squares is HF's (bit-exact parity).
+Triton is not imported for CPU tensors: importing it fixes interpreted or compiled mode
+for the whole process.  `OVERRIDE` lets a test choose: True runs the Triton kernels on
+CPU tensors too (under TRITON_INTERPRET=1), through the model code itself; False runs
+the torch ops everywhere, as the reference the kernels are checked against
 (PAGEDSERVE_FUSED_KERNELS=0 sets it for a process, to measure what the kernels buy).
 """
 
@@ -18,8 +25,9 @@ from types import ModuleType
 
 import torch
 
-# None: the kernels on CUDA tensors only.
+# None: Triton on CUDA tensors, C++ on 16-bit CPU ones.
 OVERRIDE: bool | None = False if os.environ.get("PAGEDSERVE_FUSED_KERNELS") == "0" else None
+_CPU_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -29,15 +37,35 @@ def _triton_installed() -> bool:
     return importlib.machinery.PathFinder.find_spec("triton") is not None
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether the layer computing on `x` uses the fused kernels."""
-    wanted = x.is_cuda if OVERRIDE is None else OVERRIDE
-    return wanted and _triton_installed()
+def kernels_for(x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
+    """The kernel module for the layer computing on `x` (with `others`: its weights, the
+    residual, ...), or None for its torch ops.  The C++ kernels take one dtype for all
+    their tensors; anything mixed keeps the torch ops and their type promotion.  Called
+    ~200 times a decode step: the CPU case is tested first and cheaply."""
+    if OVERRIDE is None and x.is_cpu:
+        dtype = x.dtype
+        if dtype not in _CPU_DTYPES or torch.compiler.is_compiling():
+            return None
+        for t in others:
+            if t.dtype != dtype:
+                return None
+        return _cpu()
+    if OVERRIDE is False or not (OVERRIDE or x.is_cuda):
+        return None
+    return _triton() if _triton_installed() else None
 
 
 @functools.cache
-def kernels() -> ModuleType:
-    """layers.triton_fused, imported on first use."""
+def _triton() -> ModuleType:
     from pagedserve.layers import triton_fused
 
     return triton_fused
+
+
+@functools.cache
+def _cpu() -> ModuleType | None:
+    """layers.cpu_fused once its kernel is built, None where it cannot be (no compiler:
+    the torch ops run, as they always could)."""
+    from pagedserve.layers import cpu_fused
+
+    return cpu_fused if cpu_fused.fused_kernel_error() is None else None

@@ -34,8 +34,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x).  With it: (norm(x + residual), x + residual)."""
-        if fused_ops.applies(x):
-            return fused_ops.kernels().rms_norm(x, self.weight, self.eps, residual)
+        others = (self.weight,) if residual is None else (self.weight, residual)
+        kernels = fused_ops.kernels_for(x, *others)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -182,8 +182,9 @@ class LinearBase(nn.Module):
         return y if self.lora is None else self.lora.apply(x, y)
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.qweight is not None and self.lora is None:  # a torch operator: a compiled graph calls it directly
-            return self.linear_eager(x, self.weight, bias)
+        qweight = self.qweight
+        if qweight is not None and self.lora is None:  # a torch operator: a compiled graph calls it directly
+            return qweight.linear(x) if bias is None else qweight.linear(x) + bias
         if opaque.tracing(self.opaque_index):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
         return self.linear_eager(x, self.weight, bias)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import threading
-import time
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import QUANT_ACTIVATION_BITS
-from pagedserve.utils import record_startup
+from pagedserve.cpu_extension import CpuKernel
 
 logger = logging.getLogger("pagedserve")
 
@@ -250,29 +248,15 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockW
 # ----------------------------------------------------------------------------- the kernel
 
 
-_KERNEL: ModuleType | None = None
-_KERNEL_LOCK = threading.Lock()
-
-
 def quant_kernel(extra_cflags: tuple[str, ...] | None = None) -> ModuleType:
     """The compiled kernel for this machine (built once, cached; see cpu_extension.py).
     `extra_cflags` builds another variant (tests: the AVX2 and plain paths)."""
-    global _KERNEL
-    if _KERNEL is not None and extra_cflags is None:  # the per-call path: nothing else to do
-        return _KERNEL
-    from pagedserve.cpu_extension import build_cpu_extension
+    return _KERNEL.get(extra_cflags)
 
-    source = Path(__file__).parent / "csrc" / "quant_linear.cpp"
-    if extra_cflags is not None:
-        return build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel", extra_cflags)
-    with _KERNEL_LOCK:
-        if _KERNEL is None:
-            t0 = time.perf_counter()
-            kernel = build_cpu_extension("pagedserve_quant_linear", source, "quantized linear kernel")
-            _register_fake(kernel)
-            _KERNEL = kernel
-            record_startup("quantized kernel", time.perf_counter() - t0)
-        return _KERNEL
+
+def quant_kernel_error() -> str | None:
+    """None when the kernel builds (or is built) here, else why not (no compiler, ...)."""
+    return _KERNEL.error()
 
 
 def linear_op(kernel: ModuleType, segments: int) -> Any:
@@ -296,20 +280,8 @@ def _register_fake(kernel: ModuleType) -> None:
         return x.new_empty(x.shape[0], n)
 
 
-_KERNEL_ERROR: list[str] = []  # why the build failed, once it has (not retried in this process)
-
-
-def quant_kernel_error() -> str | None:
-    """None when the kernel builds (or is built) here, else why not (no compiler, ...)."""
-    if _KERNEL_ERROR:
-        return _KERNEL_ERROR[0]
-    try:
-        quant_kernel()
-    except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the caller decides
-        msg = str(e).strip().splitlines()
-        _KERNEL_ERROR.append(f"{type(e).__name__}: {msg[-1] if msg else ''}")
-        return _KERNEL_ERROR[0]
-    return None
+_KERNEL = CpuKernel("pagedserve_quant_linear", Path(__file__).parent / "csrc" / "quant_linear.cpp",
+                    "quantized linear kernel", "quantized kernel", on_load=_register_fake)
 
 
 def quantized_matmul(x: torch.Tensor, segments: list[tuple[int, PackedWeight]], n: int,
@@ -347,7 +319,8 @@ class QuantizedWeight:
         self.segments: list[tuple[int, PackedWeight]] = []
         self.source_types: set[str] = set()
         self._args: tuple | None = None  # the kernel's arguments, built on first use
-        self._op: Any = None
+        self._op: Any = None  # the kernel as a torch operator (what a compiled graph calls)
+        self._call: Any = None  # the same, through the kernel's Python binding
 
     def store(self, offset: int, w: BlockWeights) -> None:
         rows, cols = w.shape
@@ -398,9 +371,16 @@ class QuantizedWeight:
                         [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
                         self.n, segs[0].k, self.activation_bits)
             self._args = args
-            self._op = linear_op(quant_kernel(), len(segs))
+            kernel = quant_kernel()
+            self._op = linear_op(kernel, len(segs))
+            self._call = kernel.linear1 if len(segs) == 1 else kernel.linear
+        # Eagerly the kernel's own binding: the torch operator's dispatch costs ~5 us a
+        # call (Zen 4), as much as the whole matmul of a small decode step.
+        call = self._op if torch.compiler.is_compiling() else self._call
+        if x.dim() == 2:  # the model's rows: no reshaping
+            return call(x, *args)
         lead = x.shape[:-1]
-        return self._op(x.reshape(-1, x.shape[-1]), *args).view(*lead, self.n)
+        return call(x.reshape(-1, x.shape[-1]), *args).view(*lead, self.n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), k] (a single-segment weight: embeddings)."""

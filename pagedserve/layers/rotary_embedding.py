@@ -200,14 +200,16 @@ class RotaryEmbedding(nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused q|k|v projection [T, (H + 2 KVH) * D] -> rotated q [T, H, D] and
         k [T, KVH, D], each head first RMS-normalised by `norms` (q's, k's; Qwen3) if given.
-        One fused kernel on CUDA; on the CPU, q and k are rotated as one tensor when
-        there is no norm between the projection and the rotation."""
+        One fused kernel where fused_ops has one (CUDA, 16-bit CPU tensors); with the
+        torch ops, q and k are rotated as one tensor when there is no norm between the
+        projection and the rotation."""
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        if fused_ops.applies(qkv):
-            weights = (norms[0].weight, norms[1].weight) if norms is not None else None
+        weights = (norms[0].weight, norms[1].weight) if norms is not None else None
+        kernels = fused_ops.kernels_for(qkv, *cos_sin, *(weights or ()))
+        if kernels is not None:
             eps = norms[0].eps if norms is not None else 0.0
-            return fused_ops.kernels().norm_rope(qkv, *cos_sin, num_heads, num_kv_heads, self.head_dim,
-                                                 self.rotary_dim, weights, eps)
+            return kernels.norm_rope(qkv, *cos_sin, num_heads, num_kv_heads, self.head_dim, self.rotary_dim,
+                                     weights, eps)
         t = qkv.shape[0]
         if norms is None:  # q|k are adjacent in the fused projection: rotate them as one tensor
             qk = self.rotate(cos_sin, qkv[:, : q_size + kv_size], num_heads + num_kv_heads)

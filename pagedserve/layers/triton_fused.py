@@ -9,9 +9,9 @@ residual add + RMSNorm, q/k RMSNorm + rotary for every head of a token, and SiLU
 
 Each kernel rounds where the torch ops it replaces round (after the add, after the
 normalisation, after each product), so a kernel differs from them only in the order
-of a row's sum of squares.  The layers call these only where `fused_ops.applies` says
-so (CUDA tensors); the CPU keeps its torch ops, and tests run these bodies under the
-Triton interpreter against them.
+of a row's sum of squares.  The layers call these only where `fused_ops.kernels_for`
+says so (CUDA tensors; 16-bit CPU tensors have C++ twins in cpu_fused.py), and tests
+run these bodies under the Triton interpreter against the torch ops.
 """
 
 from __future__ import annotations

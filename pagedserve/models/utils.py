@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -75,3 +76,17 @@ def _checkpoint_name(param_name: str, shard: object, stacked: StackedMapping) ->
         if shard is not None and shard == shard_id and f".{fused}." in param_name:
             return param_name.replace(f".{fused}.", f".{original}.")
     return param_name
+
+
+@runtime_checkable
+class DirectBindable(Protocol):
+    """A layer that can run its eager forward as direct kernel calls (LlamaDecoderLayer)."""
+
+    def bind_direct(self) -> bool: ...
+
+
+def bind_direct_layers(model: nn.Module) -> int:
+    """Bind every layer of `model` that can run as direct kernel calls; how many did.
+    The caller's part: an eager CPU model whose layers will not change (no adapters,
+    no compile)."""
+    return sum(m.bind_direct() for m in model.modules() if isinstance(m, DirectBindable))

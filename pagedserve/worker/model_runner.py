@@ -41,6 +41,7 @@ from pagedserve.forward_context import set_forward_context
 from pagedserve.layers.pooler import Pooler, pooled_outputs
 from pagedserve.lora.manager import LoRAModelManager
 from pagedserve.lora.request import LoRARequest
+from pagedserve.models.utils import bind_direct_layers
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv, record_startup
 from pagedserve.worker import kv_cache, kv_offload
@@ -242,6 +243,8 @@ class ModelRunner:
         self.compiled = maybe_compile(self.model, self.device, dc.torch_compile, dc.enforce_eager,
                                       self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
+        if self.compiled is None and is_cpu(self.device) and self.lora_manager is None:
+            bind_direct_layers(self.model)
         eager = self.config.device_config.enforce_eager
         reason = graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
                                            self.num_kv_groups)

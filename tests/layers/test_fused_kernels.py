@@ -158,14 +158,14 @@ def test_model_forward_fused_matches_unfused(arch, tmp_path):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_fused_ops_apply_only_to_cuda_tensors_unless_overridden():
-    assert not fused_ops.applies(torch.zeros(2))
+def test_triton_kernels_apply_to_cuda_tensors_unless_overridden():
+    assert fused_ops.kernels_for(torch.zeros(2)) is None  # float32 CPU tensors keep the torch ops
     with fused(True):
-        assert fused_ops.applies(torch.zeros(2))
+        assert fused_ops.kernels_for(torch.zeros(2)) is triton_fused
     if torch.cuda.is_available():
-        assert fused_ops.applies(torch.zeros(2, device="cuda"))
+        assert fused_ops.kernels_for(torch.zeros(2, device="cuda")) is triton_fused
         with fused(False):
-            assert not fused_ops.applies(torch.zeros(2, device="cuda"))
+            assert fused_ops.kernels_for(torch.zeros(2, device="cuda")) is None
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter suite runs in this process")
