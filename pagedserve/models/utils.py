@@ -85,8 +85,9 @@ class DirectBindable(Protocol):
     def bind_direct(self) -> bool: ...
 
 
-def bind_direct_layers(model: nn.Module) -> int:
-    """Bind every layer of `model` that can run as direct kernel calls; how many did.
-    The caller's part: an eager CPU model whose layers will not change (no adapters,
-    no compile)."""
-    return sum(m.bind_direct() for m in model.modules() if isinstance(m, DirectBindable))
+def bind_direct_layers(model: nn.Module) -> tuple[int, int]:
+    """Bind every layer of `model` that can run as direct kernel calls: (how many did,
+    how many could have).  The caller's part: a CPU model whose layers will not change
+    (no adapters); a compile traces the layers' module path regardless."""
+    layers = [m for m in model.modules() if isinstance(m, DirectBindable)]
+    return sum(m.bind_direct() for m in layers), len(layers)

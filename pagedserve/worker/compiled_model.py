@@ -158,9 +158,10 @@ class CompiledModel:
 
 # --------------------------------------------------------------------------- saved compilations
 ARTIFACT_MAGIC = b"pagedserve-compiled-1\n"
-# Attributes bound to a layer after the KV cache is sized: read by the attention layer's
-# eager code behind its opaque op, never by the graph; their shapes change with memory.
-RUNTIME_BOUND = frozenset({"kv_cache", "impl"})
+# Attributes bound to a layer at run time, never read by the graph: the attention layer's
+# cache and backend (its eager code behind the opaque op reads them; their shapes change
+# with memory) and a decoder layer's direct calls (a trace takes its modules).
+RUNTIME_BOUND = frozenset({"kv_cache", "impl", "direct"})
 # Where a Hugging Face config was read from: no forward computes with it, and keying on it
 # made the same model at another path (a copy, a test's temporary directory) compile again.
 PROVENANCE = frozenset({"_name_or_path", "_commit_hash"})

@@ -240,11 +240,17 @@ class ModelRunner:
         record_startup("KV cache", time.perf_counter() - t0)
         dc = self.config.device_config
         t0 = time.perf_counter()
-        self.compiled = maybe_compile(self.model, self.device, dc.torch_compile, dc.enforce_eager,
+        compile_requested = dc.torch_compile
+        if is_cpu(self.device) and self.lora_manager is None:
+            bound, layers = bind_direct_layers(self.model)
+            if compile_requested is None and not dc.enforce_eager and bound == layers > 0:
+                logger.info("torch.compile: not by default: every decoder layer runs as direct calls to fused C++ "
+                            "kernels, as fast as the compiled graph without its start-up (torch_compile=True "
+                            "compiles anyway)")
+                compile_requested = False
+        self.compiled = maybe_compile(self.model, self.device, compile_requested, dc.enforce_eager,
                                       self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
-        if self.compiled is None and is_cpu(self.device) and self.lora_manager is None:
-            bind_direct_layers(self.model)
         eager = self.config.device_config.enforce_eager
         reason = graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
                                            self.num_kv_groups)
