@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import logging
 import os
 from types import ModuleType
 
@@ -68,4 +69,8 @@ def _cpu() -> ModuleType | None:
     the torch ops run, as they always could)."""
     from pagedserve.layers import cpu_fused
 
-    return cpu_fused if cpu_fused.fused_kernel_error() is None else None
+    error = cpu_fused.fused_kernel_error()
+    if error is not None:
+        logging.getLogger("pagedserve").warning("fused CPU kernels unavailable, the layers run their torch ops "
+                                                "(%s)", error)
+    return cpu_fused if error is None else None
