@@ -4,9 +4,9 @@
 //
 // Why: unfused, a layer runs some 35 small torch ops besides its matmuls and attention,
 // and on a small model each one's dispatch costs more than its arithmetic (SmolLM2-135M
-// decodes ~40% slower eagerly than compiled).  These give the eager model the fusion
-// torch.compile gives, without importing dynamo and inductor (2.3 s and ~180 MB of a
-// server's start).
+// decoded ~40% slower eagerly than compiled).  These give the eager model the fusion
+// torch.compile gives, without importing dynamo and inductor (with the layers' direct
+// calls, models/llama.py, a server starts without compiling: docs/architecture.md).
 //
 // Each kernel rounds to the tensor's dtype where the torch ops it replaces round (after
 // the add, after the normalisation, after each product), so it differs from them only
