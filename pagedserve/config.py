@@ -263,7 +263,8 @@ class RouterConfig:
 class DeviceConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False
-    # torch.compile the model (worker/compiled_model.py); None = on for CPU at tp 1 unless enforce_eager.
+    # torch.compile the model (worker/compiled_model.py); None = on for CPU at tp 1 unless enforce_eager,
+    # or unless every decoder layer runs as direct fused-kernel calls (ModelRunner.initialize_kv_cache).
     torch_compile: bool | None = None
     attention_backend: str | None = None  # None: best for the device
 

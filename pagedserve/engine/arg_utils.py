@@ -80,8 +80,9 @@ _HELP = {
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs",
     "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, "
-                     "unless --enforce-eager; the environment variable PAGEDSERVE_TORCH_COMPILE=0/1 "
-                     "sets the default)",
+                     "unless --enforce-eager or every decoder layer runs as direct calls to fused C++ "
+                     "kernels (16-bit quantized Llama-family models); the environment variable "
+                     "PAGEDSERVE_TORCH_COMPILE=0/1 sets the default)",
     "tensor_parallel_size": "number of processes (GPUs, or CPU ranks over gloo) to shard the model over",
     "data_parallel_size": "engine replicas, each a Ray actor with a whole engine (its own scheduler, KV cache and "
                           "tensor-parallel group), behind one router; 1 needs no Ray",
@@ -184,7 +185,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA
-    torch_compile: bool | None = None  # None: $PAGEDSERVE_TORCH_COMPILE, else on for CPU at tp 1
+    torch_compile: bool | None = None  # None: $PAGEDSERVE_TORCH_COMPILE, else the runner decides (CPU, tp 1)
     structured_outputs_backend: str = "auto"
     quantization: str = "auto"
     quant_activation_bits: int = QUANT_ACTIVATION_BITS[0]
@@ -260,7 +261,7 @@ class EngineArgs:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "True, False or None (on for CUDA)")
         if self.torch_compile is not None and not isinstance(self.torch_compile, bool):
-            raise bad("torch_compile", "True, False or None (on for CPU)")
+            raise bad("torch_compile", "True, False or None (the default)")
         self._speculative = self._parse_speculative_config()
         self._pooler = self._parse_pooler_config()
         self._lora = self._lora_config()
