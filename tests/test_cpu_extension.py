@@ -1,9 +1,11 @@
 """Building the C++ kernels survives a build that died half-way (the CI hang of a
-process that exited while its background build held torch's lock marker)."""
+process that exited while its background build held torch's lock marker); a process
+builds each kernel once and remembers a failed build."""
 
 from __future__ import annotations
 
 import shutil
+import types
 
 import pytest
 
@@ -75,3 +77,27 @@ def test_the_build_root_is_torchs_default_without_importing_its_builder(monkeypa
     _, build_dir, _ = extension_build_dir("pagedserve_paged_decode", SOURCE)
     assert str(build_dir.parent) == default_build_root()
     assert "torch.utils.cpp_extension" not in sys.modules
+
+
+def test_a_kernel_is_built_once_and_a_failed_build_is_not_retried(monkeypatch, tmp_path):
+    from pagedserve import cpu_extension
+
+    calls: list[str] = []
+    loaded: list[object] = []
+
+    def fake_build(prefix, source, what, extra_cflags=None):
+        calls.append(prefix)
+        if prefix == "broken":
+            raise RuntimeError("compile failed\nc++: not found")
+        return types.SimpleNamespace(name=prefix)
+
+    monkeypatch.setattr(cpu_extension, "build_cpu_extension", fake_build)
+    good = cpu_extension.CpuKernel("good", tmp_path / "k.cpp", "test kernel", "test phase", on_load=loaded.append)
+    assert good.error() is None and good.get() is good.get()
+    assert calls == ["good"] and len(loaded) == 1
+    broken = cpu_extension.CpuKernel("broken", tmp_path / "k.cpp", "broken kernel", "test phase")
+    assert broken.error() == "RuntimeError: c++: not found"
+    with pytest.raises(RuntimeError, match="did not build in this process .RuntimeError: c..: not found"):
+        broken.get()
+    assert broken.error() == "RuntimeError: c++: not found"
+    assert calls == ["good", "broken"]
