@@ -3,9 +3,6 @@ ops they replace, and the decoder layer's direct calls against its module path."
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -19,22 +16,13 @@ from pagedserve.model_loader.loader import get_model
 from pagedserve.models.llama import LlamaDecoderLayer
 from pagedserve.models.utils import bind_direct_layers
 from tests.e2e.conftest import make_tiny_checkpoint
+from tests.layers.fused_helpers import fused
 
 pytestmark = pytest.mark.skipif(cpu_fused.fused_kernel_error() is not None,
                                 reason=f"no C++ toolchain here: {cpu_fused.fused_kernel_error()}")
 DTYPES = [torch.bfloat16, torch.float16]
 # The plain AVX2 build (another vector width: other sums of squares, the same rounding).
 VARIANTS = [None, ("-mno-avx512f",)]
-
-
-@contextlib.contextmanager
-def torch_ops() -> Iterator[None]:
-    """The layers' torch ops forced for the block (the reference)."""
-    previous, fused_ops.OVERRIDE = fused_ops.OVERRIDE, False
-    try:
-        yield
-    finally:
-        fused_ops.OVERRIDE = previous
 
 
 def _one_rounding(dtype: torch.dtype) -> dict:
@@ -49,7 +37,7 @@ def test_kernels_apply_to_16_bit_cpu_tensors_of_one_dtype():
     assert fused_ops.kernels_for(torch.zeros(2, dtype=torch.float16)) is cpu_fused
     assert fused_ops.kernels_for(torch.zeros(2)) is None  # float32: the torch ops (HF's sums, bit for bit)
     assert fused_ops.kernels_for(bf, torch.zeros(2)) is None  # mixed: the torch ops' type promotion
-    with torch_ops():
+    with fused(False):
         assert fused_ops.kernels_for(bf) is None
 
 
@@ -81,7 +69,7 @@ def test_rms_norm_layer_takes_strided_and_3d_rows(dtype):
     norm.weight.data = torch.linspace(0.5, 1.5, 64).to(dtype)
     wide = torch.randn(2, 5, 80).to(dtype)
     x, res = wide[..., 8:72], torch.randn(2, 5, 64).to(dtype)
-    with torch_ops():
+    with fused(False):
         want, want_res = norm(x, res)
     got, got_res = norm(x, res)
     assert got.shape == (2, 5, 64) and got_res.shape == (2, 5, 64)
@@ -111,7 +99,7 @@ def test_norm_rope_matches_rotate_qk(variant, dtype, qk_norm, head_dim, rotary_d
     qkv = wide[:, 8: 8 + width]
     positions = torch.tensor([0, 1, 2, 5, 17, 18, 40, 63, 3])
     cs = rope.cos_sin(positions)
-    with torch_ops():
+    with fused(False):
         want_q, want_k = rope.rotate_qk(cs, qkv, heads, kv_heads, norms)
     weights = (norms[0].weight, norms[1].weight) if norms else (None, None)
     got_q, got_k = kernel.norm_rope(qkv, *cs, heads, kv_heads, head_dim, rotary_dim, *weights, 1e-6)
@@ -133,7 +121,7 @@ def test_silu_and_mul_matches_torch(variant, dtype, rows, inter):
     g = torch.Generator().manual_seed(inter)
     x = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
     x[0, :6] = torch.tensor([-100.0, 100.0, -87.5, 88.5, 0.0, -0.0]).to(dtype)  # past exp's clamps, and zeros
-    with torch_ops():
+    with fused(False):
         want = SiluAndMul()(x)
     got = kernel.silu_and_mul(x)
     torch.testing.assert_close(got, want, **_one_rounding(dtype))
@@ -178,7 +166,7 @@ def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, tmp_path)
         return
     assert bound == 2 and all(layer.direct is not None for layer in layers)
     assert torch.equal(_logits(model, ids), want)
-    with torch_ops():  # and both are one rounding step from the torch ops
+    with fused(False):  # and both are one rounding step from the torch ops
         reference = _logits(model, ids)
     assert torch.equal(want.argmax(-1), reference.argmax(-1))
 

@@ -9,11 +9,9 @@ and float16; on a GPU the same checks run compiled in bf16 as well.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,22 +30,13 @@ from pagedserve.layers.layernorm import RMSNorm, rms_normalize  # noqa: E402
 from pagedserve.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from pagedserve.model_loader.loader import get_model  # noqa: E402
 from tests.e2e.conftest import make_tiny_checkpoint  # noqa: E402
+from tests.layers.fused_helpers import fused  # noqa: E402
 
 INTERPRETED = language_interpreted()
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.float16] if INTERPRETED else [torch.float32, torch.float16, torch.bfloat16]
 runs_here = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
                                reason="triton is compiled in this process: test_interpreter_suite_in_fresh_process runs these")
-
-
-@contextlib.contextmanager
-def fused(on: bool) -> Iterator[None]:
-    """The layers' choice of kernels forced for the block (fused_ops.OVERRIDE)."""
-    previous, fused_ops.OVERRIDE = fused_ops.OVERRIDE, on
-    try:
-        yield
-    finally:
-        fused_ops.OVERRIDE = previous
 
 
 def _close(dtype: torch.dtype) -> dict:
