@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.cpu_extension import CpuKernel
+from pagedserve.layers.fused_ops import as_rows
 
 _KERNEL = CpuKernel("pagedserve_fused_cpu", Path(__file__).parent / "csrc" / "fused_cpu.cpp",
                     "fused elementwise kernels", "fused kernels")
@@ -30,20 +31,12 @@ def fused_kernel_error() -> str | None:
     return _KERNEL.error()
 
 
-def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [rows, width] with unit column stride (the kernels index columns directly)."""
-    if x.dim() == 2 and x.stride(1) == 1:  # the model's rows, as they mostly come
-        return x
-    rows = x.reshape(-1, width)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """layernorm.RMSNorm.forward over [..., N] rows."""
     n = x.shape[-1]
-    res = _rows(residual, n) if residual is not None else None
-    out, new_residual = _KERNEL.get().rms_norm(_rows(x, n), weight, eps, res)
+    res = as_rows(residual, n) if residual is not None else None
+    out, new_residual = _KERNEL.get().rms_norm(as_rows(x, n), weight, eps, res)
     if x.dim() != 2:
         out = out.view(x.shape)
         new_residual = new_residual.view(x.shape) if residual is not None else None
@@ -56,12 +49,12 @@ def norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
     """qkv [T, (H + 2 KVH) * D] (rows may be strided) -> rotated q [T, H, D] and k
     [T, KVH, D], each head first RMS-normalised with `norm_weights` (q's, k's) if given."""
     qw, kw = norm_weights if norm_weights is not None else (None, None)
-    return _KERNEL.get().norm_rope(_rows(qkv, qkv.shape[-1]), cos, sin, num_heads, num_kv_heads, head_dim,
+    return _KERNEL.get().norm_rope(as_rows(qkv, qkv.shape[-1]), cos, sin, num_heads, num_kv_heads, head_dim,
                                    rotary_dim, qw, kw, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """activation.SiluAndMul over [..., 2I] rows."""
     n = x.shape[-1] // 2
-    out = _KERNEL.get().silu_and_mul(_rows(x, 2 * n))
+    out = _KERNEL.get().silu_and_mul(as_rows(x, 2 * n))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.triton_kernels import wrap_for_mode
+from pagedserve.layers.fused_ops import as_rows
 
 
 def rms_norm_kernel(
@@ -110,20 +111,14 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [rows, width] with unit column stride (the kernels index columns directly)."""
-    rows = x.reshape(-1, width)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """layernorm.RMSNorm.forward over [T, N] rows."""
     n = x.shape[-1]
-    x2 = _rows(x, n)
+    x2 = as_rows(x, n)
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     # Without a residual the kernel neither reads nor writes one: x and out stand in.
-    r2 = _rows(residual, n) if residual is not None else x2
+    r2 = as_rows(residual, n) if residual is not None else x2
     new_residual = (torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
                     if residual is not None else out)
     if x2.shape[0]:
@@ -157,7 +152,7 @@ def norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """activation.SiluAndMul over [T, 2I] rows."""
     n = x.shape[-1] // 2
-    x2 = _rows(x, 2 * n)
+    x2 = as_rows(x, 2 * n)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if x2.shape[0]:
