@@ -111,8 +111,8 @@ class LlamaDecoderLayer(nn.Module):
         ones `forward` makes, in its order, so outputs are identical; it applies only
         where each submodule's choice is fixed: the fused kernels take the norms and
         rotary, every projection is a quantized weight of one rank without bias or
-        adapters, the MLP is SwiGLU.  Whoever changes any of that afterwards (LoRA, a
-        compile) must not bind.  Returns whether it bound."""
+        adapters, the MLP is SwiGLU.  A model that gains adapters later must not bind (a
+        compile's trace takes the module path regardless).  Returns whether it bound."""
         attn, mlp = self.self_attn, self.mlp
         if not (isinstance(mlp, LlamaMLP) and isinstance(mlp.act_fn, SiluAndMul)):
             return False
