@@ -337,6 +337,7 @@ def maybe_compile(model: nn.Module, device: torch.device, requested: bool | None
                   tensor_parallel_size: int, sample_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ) -> CompiledModel | None:
     """The compiled model when compiling applies (requested, or by default on CPU), else None.
+    (ModelRunner requests False where every decoder layer runs direct fused-kernel calls.)
     `sample_inputs`: the (input_ids, positions) buffers steps will slice (default: new ones).
 
     An explicit request that cannot be honoured is an error; a default one is skipped
