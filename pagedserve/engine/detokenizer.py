@@ -33,17 +33,25 @@ def decoder_of(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]
     For a fast (Rust) tokenizer whose class keeps transformers' own decode and does not
     clean up spaces, that decode is the Rust tokenizer's, plus ~6 us of Python argument
     handling per call; the detokenizer calls it twice per token per sequence (at batch
-    256, 5.4 ms of a step's host time).  Such tokenizers are called directly; any other
-    (a class with its own decode, space clean-up) goes through decode as before."""
+    256, 5.4 ms of a step's host time).  Such tokenizers, and tokenizer snapshots (the
+    same Rust tokenizer without transformers), are called directly; any other (a class
+    with its own decode, space clean-up) goes through decode as before."""
+    from pagedserve.model_loader.tokenizer_snapshot import SnapshotTokenizer
+
+    if isinstance(tokenizer, SnapshotTokenizer):
+        return _backend_decoder(tokenizer.backend_tokenizer, skip_special_tokens)
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     cls = type(tokenizer)
     if (isinstance(tokenizer, PreTrainedTokenizerFast) and not tokenizer.clean_up_tokenization_spaces
             and cls.decode is PreTrainedTokenizerBase.decode
             and cls._decode is PreTrainedTokenizerFast._decode):  # noqa: SLF001 - the method it replaces
-        backend = tokenizer.backend_tokenizer
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _backend_decoder(tokenizer.backend_tokenizer, skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _backend_decoder(backend: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:

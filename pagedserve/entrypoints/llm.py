@@ -14,6 +14,7 @@ from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_tem
 from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
 from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pairs
 from pagedserve.lora.request import LoRARequest
+from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
 from pagedserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -74,7 +75,8 @@ class LLM:
         return llm
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """transformers' tokenizer of the model (the engine may hold a snapshot of it)."""
+        return hf_tokenizer(self.engine.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate()` uses when given no SamplingParams: the model's generation-config

@@ -6,6 +6,7 @@ or the GGUF's `tokenizer.chat_template`); `model_config.chat_template` overrides
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 from pagedserve.config import ModelConfig
 from pagedserve.model_loader.sources import cache_dir, file_cache_key, publish_cache_dir, resolve_source
+from pagedserve.model_loader.tokenizer_snapshot import GENERIC_FAST_TOKENIZERS, cached_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +32,6 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     Dummy-weight runs without a tokenizer take token-id prompts only.  A chat template
     override (`model_config.chat_template`: the template, or a path to a file holding it) is applied here.
     """
-    from transformers import AutoTokenizer
-
     explicit = model_config.tokenizer is not None
     name = model_config.tokenizer if explicit else model_config.model
     fmt = "auto" if explicit or model_config.load_format == "dummy" else model_config.load_format
@@ -52,6 +52,8 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         logger.warning("no tokenizer files in %s: only token-id prompts will work", source.path)
         return None
     else:
+        from transformers import AutoTokenizer
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=model_config.trust_remote_code)
         except Exception as e:
@@ -75,22 +77,18 @@ def load_chat_prompts(model: str, conversations: list[list[dict[str, str]]]) -> 
 
 def saved_tokenizer(path: str) -> Any:
     """A tokenizer directory pagedserve wrote (a registered model's conversion, a GGUF's
-    saved tokenizer).  The generic fast tokenizer is loaded by its class: AutoTokenizer
-    would first import the model's config class to look for a tokenizer class there,
-    ~1.1 s of start-up (model_loader/config_snapshot.py says why it costs that)."""
+    saved tokenizer).  A plain fast tokenizer comes from its snapshot when an earlier start
+    saved one (tokenizer_snapshot.py: no transformers import), else by its class: never
+    through AutoTokenizer, which would first import the model's config class to look for
+    a tokenizer class there, ~1.1 s of start-up (model_loader/config_snapshot.py says why
+    it costs that)."""
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         named = json.load(f).get("tokenizer_class")
-    if named in _GENERIC_FAST_TOKENIZERS:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
+    if named in GENERIC_FAST_TOKENIZERS:
+        return cached_tokenizer(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-# tokenizer_config.json's tokenizer_class of a plain fast tokenizer (transformers 5, 4).
-_GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def gguf_tokenizer(path: str) -> Any:
@@ -99,11 +97,9 @@ def gguf_tokenizer(path: str) -> Any:
     49k tokens, Zen 4), so the conversion is saved under the cache (as a registered
     model's conversion is) and later starts load it from there.  The key is the file's
     path, size and modification time, and the transformers version that converted it."""
-    import transformers
-
     from pagedserve.model_loader.gguf_utils import load_gguf_tokenizer
 
-    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path, transformers.__version__))
+    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path, importlib.metadata.version("transformers")))
     if os.path.isdir(saved):
         try:
             return saved_tokenizer(saved)
@@ -116,4 +112,5 @@ def gguf_tokenizer(path: str) -> Any:
         publish_cache_dir(saved, tokenizer.save_pretrained)
     except OSError as e:  # an unwritable cache costs the next start the conversion, nothing else
         logger.warning("cannot save the converted tokenizer under %s (%s)", saved, e)
-    return tokenizer
+        return tokenizer
+    return saved_tokenizer(saved)  # what later starts load (a snapshot, where one fits)

@@ -64,7 +64,10 @@ def resolve_backend_name(name: str) -> str:
 def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
     """The backend `name` ("auto" resolved) over `tokenizer`; indexing the vocabulary
     takes a fraction of a second, so the manager does it on its first grammar."""
+    from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
+
     name = resolve_backend_name(name)
+    tokenizer = hf_tokenizer(tokenizer)  # both index transformers' own tokenizer object
     if name == "guidance":
         from pagedserve.structured_output.backend_guidance import GuidanceBackend
 

@@ -99,14 +99,34 @@ def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> N
         # against plain dequantize-then-matmul in float32 only the activations' rounding differs:
         # 16 bits keep the dequantized answer (errors ~2e-5 of the largest output), 8 bits do not (~6e-3)
         for bits, bound in ((16, 2e-4), (8, 0.03)):
-            y = quantized_matmul(x, [(0, pack(w))], n, kernel, bits=bits)
+            y = quantized_matmul(x, [(0, pack(w, kernel))], n, kernel, bits=bits)
             assert y.shape == (m, n) and y.dtype == torch.float32
             exact = reference(x, w, kernel, bits)
             scale = exact.abs().max().item()
             assert (y.double() - exact).abs().max().item() <= 1e-5 * scale, (build, kind, bits, m, n, k)
             assert (y - loose).abs().max().item() <= bound * loose.abs().max().item(), (build, kind, bits)
         rows = torch.tensor([0, n - 1, n // 2, n // 2])
-        assert torch.equal(dequantize_rows(pack(w), rows, kernel), w.dequantize()[rows])
+        assert torch.equal(dequantize_rows(pack(w, kernel), rows, kernel), w.dequantize()[rows])
+
+
+@pytest.mark.parametrize("kind", list(QuantKind))
+def test_pack_writes_the_layout_the_kernel_header_describes(kind: QuantKind) -> None:
+    """pack's codes against the layout spelled out index by index (quant_linear.cpp's
+    header), rows past N zero: 4-bit chunk p, byte 4r + i holds k = 8p + i (low nibble)
+    and 8p + 4 + i (high); 8-bit chunk j, byte 4r + i holds k = 4j + i."""
+    n, k = 21, 64  # a tile and a part: the padding rows too
+    w = blocks_of(kind, n, k, seed=7)
+    codes = w.codes.view(torch.uint8).tolist()
+    chunks, expected = (8 if kind == QuantKind.Q8 else 4), []
+    for t in range(-(-n // 16)):
+        for b in range(k // 32):
+            for j in range(chunks):
+                for r in range(16):
+                    row = t * 16 + r
+                    for i in range(4):
+                        c = codes[row][b * 32:] if row < n else [0] * 32
+                        expected.append(c[4 * j + i] if kind == QuantKind.Q8 else c[8 * j + i] | (c[8 * j + 4 + i] << 4))
+    assert pack(w).codes.tolist() == expected
 
 
 @pytest.mark.parametrize("bits", [16, 8])

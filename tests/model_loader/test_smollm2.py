@@ -60,7 +60,7 @@ def test_smollm2_matches_hf_reading_the_gguf(smollm2_path: str, smollm2_gguf: st
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=False)
-    ids = torch.tensor(tok(ids, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor(tok.encode(ids, add_special_tokens=False))
     model = get_model(mc, "cpu")
     with torch.no_grad(), set_forward_context(None):
         ours = model.compute_logits(model(ids, torch.arange(len(ids))))
@@ -99,16 +99,25 @@ def test_a_gguf_tokenizer_is_converted_once_and_loads_the_same(smollm2_gguf: str
     assert gguf_tokenizer(smollm2_gguf).encode(texts[0]) == first.encode(texts[0])
 
 
-def test_a_saved_tokenizer_loads_by_its_class_as_autotokenizer_would(smollm2_path: str) -> None:
-    """The converted directory's tokenizer loaded without AutoTokenizer (which imports the
-    config class first) is the same tokenizer: class, ids, special tokens, template."""
+def test_the_saved_tokenizer_is_autotokenizers_without_transformers(smollm2_path: str) -> None:
+    """The converted directory's tokenizer (a snapshot: model_loader/tokenizer_snapshot.py)
+    does what AutoTokenizer's does: ids, text, special tokens, the chat template rendered."""
     from transformers import AutoTokenizer
 
     from pagedserve.model_loader.tokenizer import saved_tokenizer
+    from pagedserve.model_loader.tokenizer_snapshot import SnapshotTokenizer, hf_tokenizer
 
     ours, auto = saved_tokenizer(smollm2_path), AutoTokenizer.from_pretrained(smollm2_path)
     texts = ["What is the capital of France?", "naïve café 🚀", "<|im_start|>user\nhi<|im_end|>"]
-    assert type(ours) is type(auto)
+    assert isinstance(ours, SnapshotTokenizer) and type(hf_tokenizer(ours)) is type(auto)
     assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]
+    assert [ours.decode(auto.encode(t)) for t in texts] == [auto.decode(auto.encode(t)) for t in texts]
     assert ours.special_tokens_map == auto.special_tokens_map and ours.chat_template == auto.chat_template
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    for prompt in (True, False):
+        assert (ours.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False)
+                == auto.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False))
+    assert (ours.apply_chat_template(chat[:3], continue_final_message=True, tokenize=False)
+            == auto.apply_chat_template(chat[:3], continue_final_message=True, tokenize=False))

@@ -591,6 +591,39 @@ at::Tensor dequantize_rows(at::Tensor codes, at::Tensor d, at::Tensor aux, int64
   return out;
 }
 
+// The tiled code layout (header comment) of [N, K] codes, one byte each (4-bit codes
+// 0..15, or int8), rows past N zero: layers/quantization.py `pack`.  One pass over the
+// codes, where the same in torch ops took strided copies of every byte a few times over.
+at::Tensor pack_codes(const at::Tensor& codes, int64_t kind) {
+  check_cpu_contiguous(codes, "codes");
+  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(1) % kBlock == 0,
+              "pack_codes: codes must be [N, K] bytes with K a multiple of 32");
+  const int64_t N = codes.size(0), K = codes.size(1), Kb = K / kBlock, tiles = (N + kTile - 1) / kTile;
+  const int64_t bytes = block_bytes(kind);
+  auto out = at::empty({tiles * Kb * bytes}, at::kByte);
+  const uint8_t* src = static_cast<const uint8_t*>(codes.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < Kb; ++b) {
+        uint8_t* o = dst + (t * Kb + b) * bytes;
+        for (int r = 0; r < kTile; ++r) {
+          const int64_t row = t * kTile + r;
+          const uint8_t* c = src + row * K + b * kBlock;
+          for (int j = 0; j < bytes / 64; ++j) {
+            for (int i = 0; i < 4; ++i) {
+              uint8_t v = 0;
+              if (row < N) v = kind == Q8 ? c[4 * j + i] : uint8_t(c[8 * j + i] | (c[8 * j + 4 + i] << 4));
+              o[j * 64 + 4 * r + i] = v;
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa() { return PAGEDSERVE_QUANT_ISA; }
 
 }  // namespace (everything internal: builds for several ISAs load into one process in tests)
@@ -607,6 +640,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, nogil);
   m.def("linear1", &linear1, nogil);
   m.def("dequantize_rows", &dequantize_rows, nogil);
+  m.def("pack_codes", &pack_codes, nogil);
   m.def("isa", &isa);
 }
 

@@ -1,0 +1,163 @@
+"""Chat templates rendered as transformers renders them, with jinja2 alone.
+
+Why not transformers' renderer: importing any part of transformers costs ~0.5 s of every
+start (its package scans every model's module for names, Zen 4), and a tokenizer
+snapshot (tokenizer_snapshot.py) needs nothing else from it.  The environment and the
+conversation's preparation follow `transformers.utils.chat_template_utils`
+(render_jinja_template, transformers 4.4x-5.x): Jinja's immutable sandbox with trimmed
+blocks, the loopcontrols extension and a `{% generation %}` block that renders its body,
+a `tojson` that neither escapes HTML nor ASCII, `raise_exception`, `strftime_now`, a
+`dict` and a `namespace` that refuse underscore names; messages with their None fields
+dropped and their reasoning under the names templates read; `continue_final_message` cut
+where the final message ends.  Tests render real templates both ways and compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+# Names a message's reasoning comes under; templates read the first, gpt-oss's `thinking`.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Appended to the final message's content to find where it ends in the rendered text.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def render_chat_template(template: str, messages: list[dict[str, Any]], *,
+                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
+                         continue_final_message: bool = False, **variables: Any) -> str:
+    """The prompt text of `messages` under `template`; `variables` (the tokenizer's special
+    tokens, then chat_template_kwargs) are visible to the template by name.  Errors are
+    jinja2's or ValueError, as with transformers."""
+    compiled = _compile(template)
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools must be JSON schemas (dicts)")
+    chat = [_with_reasoning_aliases({k: v for k, v in _plain(m).items() if v is not None}) for m in messages]
+    final = ""
+    if continue_final_message:
+        if not chat or not isinstance(chat[-1].get("content"), str):
+            raise ValueError('continue_final_message is set but the final message has no "content" to continue')
+        if "content" not in template:
+            raise ValueError('continue_final_message is set to "content" but this is not an accepted field '
+                             "in the chat_template")
+        final = chat[-1]["content"]
+        chat[-1]["content"] = final + _CONTINUE_TAG
+    text = compiled.render(messages=chat, tools=_plain(tools), documents=None,
+                           add_generation_prompt=add_generation_prompt, **_plain(variables))
+    if continue_final_message:
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise ValueError("continue_final_message is set but the final message does not appear in the chat "
+                             "after applying the chat template")
+        at = text.rindex(tag)
+        # A template that keeps spacing shows the whole tag; one that trims it loses the space.
+        text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+    return text
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _plain(value: Any) -> Any:
+    """A copy of `value` built from JSON types only, as transformers rebuilds what a
+    template sees: no object with methods beyond those types' reaches the sandbox (a str
+    subclass becomes a str, a dataclass or pydantic model a dict, anything else a
+    placeholder naming its type)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (str, int, float):  # (bool is an int subclass but only ever exactly bool)
+        if isinstance(value, base):
+            return getattr(base, f"__{base.__name__}__")(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    numpy = sys.modules.get("numpy")  # a numpy scalar exists only once numpy is imported
+    if numpy is not None and isinstance(value, numpy.generic):
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # a pydantic model
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    """The compiled template (cached: the default template is compiled once a process)."""
+    return _environment().from_string(template)
+
+
+@functools.cache
+def _environment() -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training
+        masks; rendering keeps the body as it is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    class TemplateDict:
+        """`dict(...)` for templates, without the class's attributes to climb through."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    def check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """Jinja's namespace, refusing underscore names (the way to CPython's internals)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature trick
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, dict=TemplateDict(), namespace=TemplateNamespace,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env

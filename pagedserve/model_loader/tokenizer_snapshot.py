@@ -1,0 +1,200 @@
+"""A fast tokenizer's state, saved once, served without importing transformers.
+
+Why: importing transformers costs ~0.5 s of every start and building its tokenizer
+~0.25 s more (SmolLM2, Zen 4), a fifth of `pagedserve generate`'s wall time, while what
+the engine asks of a tokenizer is the Rust `tokenizers.Tokenizer`'s work plus a few
+names (special tokens and their ids) and the chat template.  So for the tokenizer
+directories pagedserve itself wrote (a GGUF's conversion, a registered model's), the first
+start loads transformers' tokenizer as before and saves its backend exactly as that
+tokenizer left it (special tokens added, post-processor rebuilt), its special tokens and
+its template; later starts build a `SnapshotTokenizer` from that file.
+
+Only a plain fast tokenizer is saved (the generic class, no space clean-up on decode, no
+special-token splitting), and only after probe texts encode and decode the same both
+ways; anything else stays transformers'.  Callers that need transformers' own object
+(structured-output backends index it; `LLM.get_tokenizer()` returns it) call
+`hf_tokenizer`, which loads it from the directory on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pagedserve.model_loader.chat_template import render_chat_template
+from pagedserve.model_loader.sources import cache_dir, file_cache_key
+
+logger = logging.getLogger(__name__)
+
+# tokenizer_config.json's tokenizer_class of a plain fast tokenizer (transformers 5, 4).
+GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id")
+# Texts a snapshot must encode and decode as transformers does before it is saved (the
+# special tokens' own texts are added per tokenizer).
+_PROBES = ("What is the capital of France?", "  spaces\tand\nnewlines  ", "naïve café 🚀 東京",
+           "def f(x):\n    return x ** 2  # ok", "<unk> <s></s> [INST] <|endoftext|>", "")
+
+
+class SnapshotTokenizer:
+    """The part of a transformers fast tokenizer the engine uses, over the same Rust
+    tokenizer: `encode`, `decode`, `get_vocab`, `len`, `convert_tokens_to_ids`, the
+    special tokens (`special_tokens_map`, `eos_token_id` and the other ids) and
+    `apply_chat_template(..., tokenize=False)`.  `hf_tokenizer()` is transformers' own."""
+
+    clean_up_tokenization_spaces = False  # (only such tokenizers are saved)
+
+    def __init__(self, directory: str, saved: dict[str, Any], hf: Any = None) -> None:
+        """`saved`: what `snapshot_state` gave; `hf`: transformers' tokenizer, where the
+        caller has it already."""
+        from tokenizers import Tokenizer
+
+        self.directory = directory
+        self.backend_tokenizer = Tokenizer.from_str(saved["backend"])
+        self.backend_tokenizer.no_truncation()
+        self.backend_tokenizer.no_padding()
+        self.special_tokens_map: dict[str, str] = dict(saved["special_tokens_map"])
+        self.chat_template: str | None = saved["chat_template"]
+        ids = saved["ids"]
+        self.bos_token_id: int | None = ids["bos_token_id"]
+        self.eos_token_id: int | None = ids["eos_token_id"]
+        self.unk_token_id: int | None = ids["unk_token_id"]
+        self.pad_token_id: int | None = ids["pad_token_id"]
+        self.bos_token: str | None = self.special_tokens_map.get("bos_token")
+        self.eos_token: str | None = self.special_tokens_map.get("eos_token")
+        self._hf: Any = hf
+        self._hf_lock = threading.Lock()
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int] | int, *, skip_special_tokens: bool = False) -> str:
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        found = self.backend_tokenizer.token_to_id(token)
+        return self.unk_token_id if found is None else found
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            **kwargs: Any) -> str | list[int]:
+        """As transformers' for one conversation (its template variables are the special
+        tokens, then `kwargs`); `tokenize=True` gives the ids without adding special tokens."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
+            raise ValueError("this tokenizer has no chat template and none was given")
+        if not conversation:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+        text = render_chat_template(template, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    **{**self.special_tokens_map, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def hf_tokenizer(self) -> Any:
+        """transformers' tokenizer of the same directory (loaded on the first call; its
+        chat template is this one's, which a caller may have replaced)."""
+        with self._hf_lock:
+            if self._hf is None:
+                self._hf = _load_hf(self.directory)
+            self._hf.chat_template = self.chat_template
+            return self._hf
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """transformers' tokenizer behind `tokenizer` (itself unless it is a snapshot)."""
+    return tokenizer.hf_tokenizer() if isinstance(tokenizer, SnapshotTokenizer) else tokenizer
+
+
+def cached_tokenizer(directory: str) -> Any:
+    """The tokenizer a directory pagedserve wrote holds: a `SnapshotTokenizer` (the one an
+    earlier start saved for the directory as it is now, else one made from transformers'
+    tokenizer and saved for the next start), so that the first start runs what later ones
+    run; transformers' own where a snapshot would not behave the same."""
+    key = _snapshot_key(directory)
+    path = os.path.join(cache_dir(), "tokenizer-snapshots", f"{key}.json")
+    try:
+        with open(path) as f:
+            return SnapshotTokenizer(directory, json.load(f))
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file (tokenizers raises its own types): redo it
+        logger.warning("cannot read the saved tokenizer %s (%s: %s); loading the directory's again",
+                       path, type(e).__name__, e)
+    tokenizer = _load_hf(directory)
+    saved = snapshot_state(tokenizer)
+    if saved is None:
+        return tokenizer
+    snapshot = SnapshotTokenizer(directory, saved, hf=tokenizer)
+    differs = _differs(snapshot, tokenizer)
+    if differs:
+        logger.info("tokenizer of %s not saved for later starts (%s differs)", directory, differs)
+        return tokenizer
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(saved, f)
+        os.replace(tmp, path)
+    except OSError as e:  # an unwritable cache costs the next start transformers' import, nothing else
+        logger.warning("cannot save the tokenizer under %s (%s)", path, e)
+    return snapshot
+
+
+def _snapshot_key(directory: str) -> str:
+    """The directory's tokenizer files as they are now, transformers' version and this
+    module's code (a change to how snapshots are made makes new ones)."""
+    files = [os.path.join(directory, n) for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
+    with open(__file__, "rb") as f:
+        code = hashlib.sha256(f.read()).hexdigest()
+    return file_cache_key(files[0], importlib.metadata.version("transformers"), code,
+                          *(file_cache_key(p) for p in files[1:] if os.path.exists(p)))
+
+
+def _load_hf(directory: str) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(directory)
+
+
+def snapshot_state(tokenizer: Any) -> dict[str, Any] | None:
+    """What a SnapshotTokenizer needs of `tokenizer`, or None where it would not be the same."""
+    if (type(tokenizer).__name__ not in GENERIC_FAST_TOKENIZERS or tokenizer.clean_up_tokenization_spaces
+            or tokenizer.split_special_tokens
+            or not isinstance(tokenizer.chat_template, (str, type(None)))):
+        return None
+    specials = tokenizer.special_tokens_map
+    if not all(isinstance(v, str) for v in specials.values()):  # (lists of extra special tokens)
+        return None
+    return {"backend": tokenizer.backend_tokenizer.to_str(), "special_tokens_map": dict(specials),
+            "chat_template": tokenizer.chat_template, "ids": {n: getattr(tokenizer, n) for n in _SPECIAL_IDS}}
+
+
+def _differs(snapshot: SnapshotTokenizer, tokenizer: Any) -> str:
+    """The first thing the snapshot does otherwise than `tokenizer` on the probes ("" if none)."""
+    texts = [*_PROBES, " ".join(snapshot.special_tokens_map.values())]
+    checks: list[tuple[str, Callable[[Any], Any]]] = [
+        ("len", len), ("vocabulary", lambda t: t.get_vocab()),
+        *((f"encode {t!r}", lambda tok, t=t, a=a: tok.encode(t, add_special_tokens=a))
+          for t in texts for a in (True, False)),
+        *((f"decode {t!r}", lambda tok, t=t, s=s: tok.decode(tokenizer.encode(t), skip_special_tokens=s))
+          for t in texts for s in (True, False)),
+    ]
+    for what, check in checks:
+        if check(snapshot) != check(tokenizer):
+            return what
+    return ""

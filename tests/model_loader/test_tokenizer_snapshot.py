@@ -1,0 +1,151 @@
+"""Tokenizer snapshots: transformers' fast tokenizer saved once and served without it,
+doing what transformers' does (ids, text, special tokens, templates)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.model_loader import tokenizer_snapshot
+from pagedserve.model_loader.tokenizer_snapshot import (
+    SnapshotTokenizer,
+    cached_tokenizer,
+    hf_tokenizer,
+    snapshot_state,
+)
+from tests.engine.helpers import CHAT_TEMPLATE, make_tokenizer
+
+TEXTS = ["hello world", "Paris is the capital of France.", "naïve café 🚀", "<|im_start|>user\nhi<|im_end|>",
+         "  two  spaces\n\ttab", ""]
+
+
+@pytest.fixture
+def saved(tmp_path, monkeypatch) -> str:
+    """A tokenizer directory as pagedserve writes one, with the cache under tmp_path."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tok")
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def _snapshots(tmp_path) -> list[str]:
+    folder = tmp_path / "cache" / "tokenizer-snapshots"
+    return sorted(os.listdir(folder)) if folder.is_dir() else []
+
+
+def test_the_first_start_saves_a_snapshot_and_later_ones_load_it_alone(saved, tmp_path, monkeypatch) -> None:
+    first = cached_tokenizer(saved)
+    assert isinstance(first, SnapshotTokenizer) and len(_snapshots(tmp_path)) == 1
+
+    def no_transformers(directory: str):
+        raise AssertionError("loaded transformers' tokenizer")
+
+    monkeypatch.setattr(tokenizer_snapshot, "_load_hf", no_transformers)
+    second = cached_tokenizer(saved)
+    assert isinstance(second, SnapshotTokenizer)
+    assert [second.encode(t) for t in TEXTS] == [first.encode(t) for t in TEXTS]
+    assert second.chat_template == CHAT_TEMPLATE
+
+
+def test_a_snapshot_does_what_transformers_tokenizer_does(saved) -> None:
+    ours, hf = cached_tokenizer(saved), make_tokenizer()
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+        ids = hf.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert ours.get_vocab() == hf.get_vocab() and len(ours) == len(hf)
+    assert ours.special_tokens_map == hf.special_tokens_map
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id", "bos_token", "eos_token"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    for token in ("<|im_end|>", "hello", "not-a-token"):
+        assert ours.convert_tokens_to_ids(token) == hf.convert_tokens_to_ids(token)
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    for generation_prompt in (True, False):
+        assert (ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False)
+                == hf.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False))
+    assert (ours.apply_chat_template(conversation, tokenize=True)
+            == hf.apply_chat_template(conversation, tokenize=True, return_dict=False))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 399), max_size=24), skip=st.booleans())
+def test_any_ids_decode_as_transformers_decodes_them(ids: list[int], skip: bool) -> None:
+    ours, hf = _pair()
+    assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40))
+def test_any_text_encodes_as_transformers_encodes_it(text: str) -> None:
+    ours, hf = _pair()
+    assert ours.encode(text) == hf.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+
+
+@functools.cache
+def _pair() -> tuple[SnapshotTokenizer, object]:
+    """A snapshot and the tokenizer it was made of (no directory: nothing loads from it)."""
+    hf = make_tokenizer()
+    return SnapshotTokenizer("", snapshot_state(hf), hf=hf), hf
+
+
+def test_transformers_own_tokenizer_is_there_for_those_that_index_it(saved) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    ours = cached_tokenizer(saved)
+    ours.chat_template = "{{ messages[0]['content'] }}!"
+    hf = hf_tokenizer(ours)
+    assert isinstance(hf, PreTrainedTokenizerFast) and hf.get_vocab() == ours.get_vocab()
+    assert hf.chat_template == ours.chat_template  # a replaced template travels along
+    assert hf_tokenizer(hf) is hf and hf_tokenizer(None) is None
+
+
+def test_a_tokenizer_that_cleans_up_spaces_stays_transformers(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    make_tokenizer().save_pretrained(tmp_path / "tok")
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "clean_up_tokenization_spaces": True}))
+    assert not isinstance(cached_tokenizer(str(tmp_path / "tok")), SnapshotTokenizer)
+    assert _snapshots(tmp_path) == []
+
+
+def test_a_torn_snapshot_is_made_again(saved, tmp_path) -> None:
+    cached_tokenizer(saved)
+    [name] = _snapshots(tmp_path)
+    (tmp_path / "cache" / "tokenizer-snapshots" / name).write_text('{"backend": "{not json')
+    again = cached_tokenizer(saved)
+    assert isinstance(again, SnapshotTokenizer) and again.encode("hello world") == make_tokenizer().encode("hello world")
+    with open(tmp_path / "cache" / "tokenizer-snapshots" / name) as f:
+        assert json.load(f)["chat_template"] == CHAT_TEMPLATE
+
+
+def test_a_changed_directory_gets_a_new_snapshot(saved, tmp_path) -> None:
+    cached_tokenizer(saved)
+    config = os.path.join(saved, "tokenizer_config.json")
+    with open(config) as f:
+        values = json.load(f)
+    values["eos_token"] = "<|endoftext|>"
+    with open(config, "w") as f:
+        json.dump(values, f)
+    os.utime(config, ns=(1, 1))  # (a rewrite within the clock's resolution still changes the key)
+    assert cached_tokenizer(saved).eos_token == "<|endoftext|>" and len(_snapshots(tmp_path)) == 2
+
+
+def test_loading_a_snapshot_imports_no_transformers(saved, tmp_path) -> None:
+    cached_tokenizer(saved)
+    code = ("import sys\nfrom pagedserve.model_loader.tokenizer import saved_tokenizer\n"
+            f"tok = saved_tokenizer({saved!r})\n"
+            "print(type(tok).__name__, tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False,"
+            " add_generation_prompt=True).count('<|im_start|>'), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")}).stdout
+    assert out.split() == ["SnapshotTokenizer", "2", "False"]
