@@ -4,12 +4,13 @@ A function of the tokenizer and the default template only, so both an engine and
 front end that holds no engine (the data-parallel client, `engine/data_parallel.py`)
 render a conversation the same way: the server, `LLM.chat` and the CLI all come here.
 
-Two kinds of template, two places they run.  The default one (the server's
---chat-template, read from its file at start-up, else the model's) is trusted and
-rendered here, in-process, as transformers does.  A template a request brings is text
-(never a path: only the server's flag may name a file) written by whoever sent it, so
-it is rendered by `TemplateSandbox` in a child process bounded in time and memory: a
-Jinja bomb costs that process, and the request gets a 400 naming the limit.
+Two kinds of template, two places they run, one renderer (`chat_template.py`: what
+transformers does, with jinja2 alone).  The default one (the server's --chat-template,
+read from its file at start-up, else the model's) is trusted and rendered here,
+in-process.  A template a request brings is text (never a path: only the server's flag
+may name a file) written by whoever sent it, so it is rendered by `TemplateSandbox` in a
+child process bounded in time and memory: a Jinja bomb costs that process, and the
+request gets a 400 naming the limit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+from pagedserve.chat_template import render_chat_template
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
@@ -35,7 +37,7 @@ from pagedserve.request_limits import (
 
 logger = logging.getLogger("pagedserve")
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
-_WORKER_START_SECONDS = 30.0  # importing transformers' renderer: ~0.6 s warm, more on a cold disk
+_WORKER_START_SECONDS = 30.0  # importing jinja2 and the renderer: ~0.1 s warm, more on a cold disk
 
 
 class TemplateSandbox:
@@ -222,21 +224,22 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
                 "messages", "documents", "conversations"} & set(kwargs)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    # The template's variables: the special tokens (bos_token, ...), then the request's kwargs.
+    variables = {**{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, (str, list))}, **kwargs}
     if chat_template:  # ("" is no template: the default renders)
         if not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
             raise InvalidRequestError(f"chat_template must be Jinja template text of at most "
                                       f"{MAX_REQUEST_TEMPLATE_CHARS} characters", param="chat_template")
-        specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, (str, list))}
         return template_sandbox().render(chat_template, messages, tools, add_generation_prompt,
-                                         continue_final_message, {**specials, **kwargs}, max_chars)
+                                         continue_final_message, variables, max_chars)
     if not default_template:
         raise ValueError("this model has no chat template (a base model: it serves completions); give one with "
                          "`pagedserve serve --chat-template FILE`, the request field `chat_template` (Jinja text), "
                          "or offline `LLM(..., chat_template=FILE)`")
     try:
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=default_template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            tools=tools, continue_final_message=continue_final_message, **kwargs)
+        text = render_chat_template(default_template, messages, tools=tools,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, **variables)
     except Exception as e:  # jinja2 errors come in many types; the user needs the message
         raise ValueError(f"applying the chat template failed: {e}") from e
     check_prompt_chars(text, max_chars, "messages")

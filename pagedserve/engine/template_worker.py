@@ -1,5 +1,6 @@
 """The child process that renders chat templates requests bring (run as a script, not
-imported: it needs jinja2 and transformers' renderer, not pagedserve or torch).
+imported: it needs jinja2 and pagedserve's renderer, `pagedserve/chat_template.py`, not
+the engine or torch).
 
 Why a process: a template is a program.  Jinja's sandbox keeps it from reaching
 Python's internals, but not from multiplying a string to 16 GB or looping for hours;
@@ -25,16 +26,18 @@ def _address_space_now() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _render(req: dict, render_jinja_template) -> str:
-    rendered, _ = render_jinja_template(
-        conversations=[req["messages"]], tools=req.get("tools"), chat_template=req["template"],
-        continue_final_message=req.get("continue_final_message", False),
-        add_generation_prompt=req.get("add_generation_prompt", True), **req.get("kwargs", {}))
-    return rendered[0]
+def _render(req: dict, render_chat_template) -> str:
+    return render_chat_template(req["template"], req["messages"], tools=req.get("tools"),
+                                add_generation_prompt=req.get("add_generation_prompt", True),
+                                continue_final_message=req.get("continue_final_message", False),
+                                **req.get("kwargs", {}))
 
 
 def main() -> None:
-    from transformers.utils.chat_template_utils import render_jinja_template
+    # The package this file belongs to, whether installed or run from a checkout (-I
+    # leaves PYTHONPATH and the working directory out of the path).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from pagedserve.chat_template import render_chat_template
 
     budget = int(sys.argv[1])
     # The budget is on top of what the interpreter and its imports already map.
@@ -45,7 +48,7 @@ def main() -> None:
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            text = _render(req, render_jinja_template)
+            text = _render(req, render_chat_template)
             # Too long: the parent words the refusal (chat_utils.prompt_too_long).
             reply = {"limit": "size", "length": len(text)} if len(text) > req["max_chars"] else {"text": text}
         except MemoryError:

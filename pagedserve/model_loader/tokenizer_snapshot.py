@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pagedserve.model_loader.chat_template import render_chat_template
+from pagedserve.chat_template import render_chat_template
 from pagedserve.model_loader.sources import cache_dir, file_cache_key
 
 logger = logging.getLogger(__name__)

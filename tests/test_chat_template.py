@@ -8,7 +8,7 @@ import functools
 import jinja2
 import pytest
 
-from pagedserve.model_loader.chat_template import render_chat_template
+from pagedserve.chat_template import render_chat_template
 
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
