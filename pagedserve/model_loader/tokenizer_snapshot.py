@@ -105,6 +105,14 @@ class SnapshotTokenizer:
                                     **{**self.special_tokens_map, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle carries (a data-parallel replica sends its tokenizer to the front
+        end): not the lock, nor transformers' tokenizer, which the other side loads if asked."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hf", "_hf_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _hf=None, _hf_lock=threading.Lock())
+
     def hf_tokenizer(self) -> Any:
         """transformers' tokenizer of the same directory (loaded on the first call; its
         chat template is this one's, which a caller may have replaced)."""

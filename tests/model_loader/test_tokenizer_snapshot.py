@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -149,3 +150,12 @@ def test_loading_a_snapshot_imports_no_transformers(saved, tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")}).stdout
     assert out.split() == ["SnapshotTokenizer", "2", "False"]
+
+
+def test_a_snapshot_travels_by_pickle(saved) -> None:
+    """As a data-parallel replica sends it to the server's front end."""
+    ours = cached_tokenizer(saved)
+    ours.chat_template = "{{ messages | length }}"
+    back = pickle.loads(pickle.dumps(ours))
+    assert back.encode("hello world") == ours.encode("hello world") and back.chat_template == ours.chat_template
+    assert back.hf_tokenizer().get_vocab() == ours.get_vocab()
