@@ -1,15 +1,18 @@
-"""Chat templates rendered as transformers renders them, with jinja2 alone.
+"""Chat templates rendered as transformers renders them, with jinja2 alone: the one
+renderer of the server's default template (engine/chat_utils.py), of the templates
+requests bring (in the sandbox child, engine/template_worker.py) and of tokenizer
+snapshots (model_loader/tokenizer_snapshot.py).
 
-Why not transformers' renderer: importing any part of transformers costs ~0.5 s of every
-start (its package scans every model's module for names, Zen 4), and a tokenizer
-snapshot (tokenizer_snapshot.py) needs nothing else from it.  The environment and the
-conversation's preparation follow `transformers.utils.chat_template_utils`
-(render_jinja_template, transformers 4.4x-5.x): Jinja's immutable sandbox with trimmed
-blocks, the loopcontrols extension and a `{% generation %}` block that renders its body,
-a `tojson` that neither escapes HTML nor ASCII, `raise_exception`, `strftime_now`, a
-`dict` and a `namespace` that refuse underscore names; messages with their None fields
-dropped and their reasoning under the names templates read; `continue_final_message` cut
-where the final message ends.  Tests render real templates both ways and compare.
+Why not transformers' renderer: importing any part of transformers costs ~0.5 s (its
+package scans every model's module for names; Zen 4, AVX-512 with native bf16), and
+neither a snapshot's start nor the sandbox child needs anything else from it.  The
+environment and the conversation's preparation follow transformers' `apply_chat_template`
+(transformers 4.5x-5.x): Jinja's immutable sandbox with trimmed blocks, the loopcontrols
+extension and a `{% generation %}` block that renders its body, a `tojson` that escapes
+neither HTML nor non-ASCII, `raise_exception`, `strftime_now`, a `dict` and a
+`namespace` that refuse underscore names; messages without their None fields and with
+their reasoning under each name templates read; `continue_final_message` cut where the
+final message ends.  tests/test_chat_template.py renders both ways and compares.
 """
 
 from __future__ import annotations

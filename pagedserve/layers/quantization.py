@@ -190,7 +190,8 @@ def quantize(w: torch.Tensor, method: str) -> BlockWeights:
 
 def _nibbles_q4(qs: np.ndarray) -> np.ndarray:
     """[blocks, 16] bytes of Q4_0/Q4_1 -> [blocks, 32] codes (low nibbles are weights 0..15),
-    written in place (a third of the time of concatenating two temporaries)."""
+    written in place (a third of the time of concatenating two temporaries; Zen 4,
+    AVX-512 with native bf16)."""
     out = np.empty((qs.shape[0], 2 * qs.shape[1]), dtype=np.uint8)
     np.bitwise_and(qs, 0x0F, out=out[:, :16])
     np.right_shift(qs, 4, out=out[:, 16:])

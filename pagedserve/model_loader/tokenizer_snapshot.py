@@ -1,7 +1,7 @@
 """A fast tokenizer's state, saved once, served without importing transformers.
 
 Why: importing transformers costs ~0.5 s of every start and building its tokenizer
-~0.25 s more (SmolLM2, Zen 4), a fifth of `pagedserve generate`'s wall time, while what
+~0.25 s more (SmolLM2; Zen 4, AVX-512 with native bf16), a fifth of `pagedserve generate`'s wall time, while what
 the engine asks of a tokenizer is the Rust `tokenizers.Tokenizer`'s work plus a few
 names (special tokens and their ids) and the chat template.  So for the tokenizer
 directories pagedserve itself wrote (a GGUF's conversion, a registered model's), the first
