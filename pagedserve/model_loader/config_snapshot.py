@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.model_loader.sources import cache_dir, file_cache_key
+from pagedserve.model_loader.sources import cache_dir, file_cache_key, publish_cache_json
 
 logger = logging.getLogger(__name__)
 
@@ -175,12 +175,5 @@ def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | 
         logger.info("model config of %s not saved for later starts (%s do not read back the same)",
                     source_file, ", ".join(wrong))
         return config
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(saved, f)
-        os.replace(tmp, path)
-    except OSError as e:  # an unwritable cache costs the next start the import, nothing else
-        logger.warning("cannot save the model config under %s (%s)", path, e)
+    publish_cache_json(path, saved, "model config")
     return snapshot

@@ -272,6 +272,19 @@ def ensure_converted(entry: RegisteredModel) -> str:
     return final
 
 
+def publish_cache_json(path: str, value: Any, what: str) -> None:
+    """Write a JSON cache file whole or not at all (a temporary sibling replaces it).  An
+    unwritable cache costs the next start the work it saves, nothing else: a warning."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("cannot save the %s under %s (%s)", what, path, e)
+
+
 def publish_cache_dir(final: str, write: Callable[[str], None]) -> None:
     """Write a cache directory whole or not at all: `write` fills a temporary sibling, which
     then replaces `final` (and whatever was there), readable like any other cache file."""

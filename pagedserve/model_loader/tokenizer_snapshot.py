@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve.chat_template import render_chat_template
-from pagedserve.model_loader.sources import cache_dir, file_cache_key
+from pagedserve.model_loader.sources import cache_dir, file_cache_key, publish_cache_json
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +152,7 @@ def cached_tokenizer(directory: str) -> Any:
     if differs:
         logger.info("tokenizer of %s not saved for later starts (%s differs)", directory, differs)
         return tokenizer
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(saved, f)
-        os.replace(tmp, path)
-    except OSError as e:  # an unwritable cache costs the next start transformers' import, nothing else
-        logger.warning("cannot save the tokenizer under %s (%s)", path, e)
+    publish_cache_json(path, saved, "tokenizer")
     return snapshot
 
 
