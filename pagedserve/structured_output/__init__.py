@@ -142,6 +142,9 @@ class StructuredOutputManager:
         self._pool = _large_stack_pool(max_workers)
         self._lock = threading.Lock()
         self._backend: GrammarBackend | None = None  # made on the first compile (indexes the vocabulary)
+        # Making it may load transformers' tokenizer too (a snapshot's, ~1 s once): under a
+        # lock of its own, so the engine thread's bookkeeping under `_lock` never waits on it.
+        self._backend_lock = threading.Lock()
         # Least recently used first; bounded, since every client may send its own schema.
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._served: set[tuple[str, str]] = set()  # cached specs some request has used
@@ -185,7 +188,7 @@ class StructuredOutputManager:
         return future
 
     def _get_backend(self) -> GrammarBackend:
-        with self._lock:
+        with self._backend_lock:
             if self._backend is None:
                 self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
                                                self.stop_token_ids)
