@@ -77,9 +77,12 @@ def _plain(value: Any) -> Any:
     placeholder naming its type)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base in (str, int, float):  # (bool is an int subclass but only ever exactly bool)
-        if isinstance(value, base):
-            return getattr(base, f"__{base.__name__}__")(value)
+    if isinstance(value, str):  # subclasses (enums, numpy strings) lose their extra methods
+        return str.__str__(value)
+    if isinstance(value, int):  # (bool cannot be subclassed: it is exactly bool, above)
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):

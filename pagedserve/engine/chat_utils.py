@@ -37,7 +37,7 @@ from pagedserve.request_limits import (
 
 logger = logging.getLogger("pagedserve")
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
-_WORKER_START_SECONDS = 30.0  # jinja2 and the renderer: ~0.1 s warm (Zen 4, AVX-512, bf16)
+_WORKER_START_SECONDS = 30.0  # jinja2 and the renderer: ~0.1 s warm (Zen 4, AVX-512, native bf16)
 
 
 class TemplateSandbox:
