@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -31,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import OverloadedError
 from pagedserve.lora.request import LoRARequest
@@ -140,13 +140,9 @@ class _ReqStats:
 
 @dataclass
 class _AddRequestCommand:
-    request_id: str
-    prompt: Any
-    params: SamplingParams | PoolingParams
-    priority: int
+    request: EngineCoreRequest  # checked and prepared by the InputProcessor, off both threads
     arrival: float
     future: asyncio.Future = field(repr=False)
-    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -237,6 +233,7 @@ class AsyncLLM(FrontDoor):
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
         super().__init__(max_waiting_requests, request_timeout, on_dead)
         self.engine = engine
+        self.input_processor: InputProcessor = engine.input_processor
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.vocab_size
         self.max_prompt_chars: int = engine.max_prompt_chars  # longer prompt text is refused untokenized
@@ -322,14 +319,13 @@ class AsyncLLM(FrontDoor):
         `final_only` it yields the finished output alone (a non-streaming response).  A
         PoolingParams request (pooling runner) yields one PoolingRequestOutput."""
         self._admit(request_id)
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = await self._prepare(sampling_params)
+        request = await self._process(request_id, prompt, sampling_params, priority, lora_request)
+        self._admit(request_id)  # the door may have closed (or the id been taken) meanwhile
         assert self._loop is not None
         collector = OutputCollector()
         self._collectors[request_id] = collector
         future = self._loop.create_future()
-        self._send(_AddRequestCommand(request_id, prompt, sampling_params, priority, time.monotonic(), future,
-                                      lora_request))
+        self._send(_AddRequestCommand(request, time.monotonic(), future))
         self._pending_adds += 1
         try:
             await future
@@ -342,18 +338,17 @@ class AsyncLLM(FrontDoor):
             self._pending_adds -= 1
         return self._stream(request_id, collector, final_only)
 
-    async def _prepare(self, params: SamplingParams) -> SamplingParams:
-        """What a generation request needs before the engine thread sees it, done here so
-        that thread never waits: its grammar compiled (in the engine's grammar pool; a bad
-        schema is refused now) and its bad words tokenized (in a worker thread, on a copy:
-        the caller's params are never modified)."""
-        if params.structured_outputs is not None:
-            await asyncio.wrap_future(self.engine.structured_output.compile(params.structured_outputs))
-        if params.bad_words and not params.bad_words_token_ids and self.tokenizer is not None:
-            words = await asyncio.to_thread(self.engine.bad_words_token_ids, params.bad_words)
-            params = copy.copy(params)
-            params.bad_words_token_ids = words
-        return params
+    async def _process(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams,
+                       priority: int, lora_request: LoRARequest | None) -> EngineCoreRequest:
+        """The InputProcessor's work, in a worker thread so that neither the event loop nor
+        the engine thread waits on tokenizing or checking; a structured-output request's
+        grammar is compiled (in the grammar pool) before the engine thread sees it, so a
+        bad schema is refused now."""
+        request = await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, None,
+                                          priority, lora_request)
+        if request.grammar is not None:
+            await asyncio.wrap_future(request.grammar)
+        return request
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter on the engine thread, between two steps (it owns the
@@ -488,19 +483,18 @@ class AsyncLLM(FrontDoor):
     def _add(self, cmd: _AddRequestCommand) -> None:
         if cmd.future.cancelled():
             return
+        request = cmd.request
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=time.time(),
-                                    priority=cmd.priority, lora_request=cmd.lora_request)
+            self.engine.add_processed_request(request)
         except (ValueError, TypeError) as e:  # InvalidRequestError (a ValueError) keeps its param
             self._call_soon(_set_exception, cmd.future, e if isinstance(e, ValueError) else ValueError(str(e)))
             return
         except Exception as e:  # noqa: BLE001 - a bug reached by one request's input fails that request only
-            logger.exception("adding request %s failed", cmd.request_id)
+            logger.exception("adding request %s failed", request.request_id)
             self._call_soon(_set_exception, cmd.future, e)
             return
-        self._req_stats[cmd.request_id] = _ReqStats(arrival=cmd.arrival)
-        # Until the next step's count replaces it (a pooling request is one sequence).
-        self._num_waiting += cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
+        self._req_stats[request.request_id] = _ReqStats(arrival=cmd.arrival)
+        self._num_waiting += request.num_sequences  # until the next step's count replaces it
         self._call_soon(_set_result, cmd.future, None)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:

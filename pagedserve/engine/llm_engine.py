@@ -14,10 +14,8 @@ so the engine is idle with every block free.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
-import numbers
 import threading
 import time
 from collections import OrderedDict, deque
@@ -36,7 +34,7 @@ from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, Sched
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.chat_utils import encode_chat, encode_text, prompt_char_limit, render_chat
+from pagedserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
@@ -46,13 +44,10 @@ from pagedserve.platforms import is_cuda
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
-from pagedserve.utils import cdiv, is_int, record_startup, startup_breakdown
+from pagedserve.utils import cdiv, record_startup, startup_breakdown
 from pagedserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedserve.engine")
-
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
-
 
 @dataclass
 class EngineStats:
@@ -170,8 +165,6 @@ class LLMEngine:
         if not cache.num_blocks or cache.num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got num_blocks={cache.num_blocks}")
         self.max_model_len = sched.max_model_len
-        # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
-        self.max_prompt_chars = prompt_char_limit(tokenizer, sched.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
             cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap",
@@ -204,6 +197,10 @@ class LLMEngine:
         self.busiest_usage = -1.0
         # The pooling runner's scorer tokens (PoolerConfig.classifier_from_token), if any.
         self.classifier_token_ids = classifier_token_ids(tokenizer, self.model_config.pooler_config)
+        self.input_processor = InputProcessor(config, tokenizer, self.vocab_size, self._extra_eos_ids,
+                                              self.structured_output, self.classifier_token_ids)
+        # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
+        self.max_prompt_chars = self.input_processor.max_prompt_chars
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -269,65 +266,41 @@ class LLMEngine:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue one request (n > 1: n scheduler sequences).  `params`: a
-        SamplingParams (generate runner) or a PoolingParams (pooling runner: the request
-        ends with one PoolingRequestOutput).  `lora_request`: the adapter it runs with
-        (loaded now if it is new).  Raises ValueError naming the problem; on error
-        nothing has changed."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        pooling = self.runner == "pooling"
-        if params is None:
-            params = PoolingParams() if pooling else SamplingParams()
-        if isinstance(params, PoolingParams):
-            pooling_params: PoolingParams | None = self._resolve_pooling(params)
-            params = SamplingParams(max_tokens=1)  # the scheduler's bookkeeping; nothing is sampled
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams or a PoolingParams, got {type(params).__name__}")
-        elif pooling:
-            raise InvalidRequestError("this engine runs the pooling runner (runner='pooling'): it embeds and scores "
-                                      "prompts; generating text needs runner='generate'", param="model")
-        else:
-            pooling_params = None
-        params.validate()  # values may have been changed after construction
-        if not is_int(priority):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
-        prompt_text, prompt_ids, cache_salt = self._process_prompt(prompt)
-        self._check_request(prompt_ids, params, priority)
-        if lora_request is not None:
-            self.add_lora(lora_request)
-        compiled = None
-        if params.structured_outputs is not None:
-            compiled = self.structured_output.claim(params.structured_outputs)
-            if compiled.done() and compiled.exception() is not None:
-                raise compiled.exception()
+        """Check (InputProcessor) and queue one request (n > 1: n scheduler sequences).
+        `params`: a SamplingParams (generate runner) or a PoolingParams (pooling runner:
+        the request ends with one PoolingRequestOutput).  `lora_request`: the adapter it
+        runs with (loaded now if it is new).  Raises ValueError naming the problem; on
+        error nothing has changed."""
+        self.add_processed_request(
+            self.input_processor.process(request_id, prompt, params, arrival_time, priority, lora_request),
+            output_kind)
 
-        n = params.n
-        child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        for rid in {request_id, *child_ids}:
+    def add_processed_request(self, request: EngineCoreRequest,
+                              output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """Queue a request the InputProcessor has checked: its adapter loaded, its
+        sequences in the scheduler, its parent in the output processor."""
+        for rid in {request.request_id, *request.child_ids}:
             if rid in self.output_processor.parents or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
-        if params.bad_words and not params.bad_words_token_ids:  # once per request, not per sample
-            params = copy.copy(params)
-            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
-        child_params = [self._child_params(params, i) for i in range(n)]
-        arrival = time.time() if arrival_time is None else arrival_time
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
+        params = request.sampling_params
         added: list[str] = []
         try:
-            for cid, cparams in zip(child_ids, child_params, strict=True):
-                grammar = self.structured_output.request(params.structured_outputs) if compiled else None
-                self.scheduler.add_request(Request(cid, prompt_ids, cparams, self.eos_token_id, arrival, priority,
-                                                   cache_salt, grammar, pooling_params, lora_request))
+            for cid, cparams in zip(request.child_ids, request.child_params, strict=True):
+                grammar = self.structured_output.request(params.structured_outputs) if request.grammar else None
+                self.scheduler.add_request(Request(cid, request.prompt_token_ids, cparams, self.eos_token_id,
+                                                   request.arrival_time, request.priority, request.cache_salt,
+                                                   grammar, request.pooling_params, request.lora_request))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        parent = ParentRequest(request_id, prompt_text, prompt_ids, output_kind, RequestMetrics(arrival),
-                               pooling=pooling_params is not None)
-        self.output_processor.add_request(parent, child_ids, child_params)
-        if compiled is not None and not compiled.done():
-            self._compiling[request_id] = compiled
-
+        parent = ParentRequest(request.request_id, request.prompt, request.prompt_token_ids, output_kind,
+                               RequestMetrics(request.arrival_time), pooling=request.pooling_params is not None)
+        self.output_processor.add_request(parent, request.child_ids, request.child_params)
+        if request.grammar is not None and not request.grammar.done():
+            self._compiling[request.request_id] = request.grammar
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -337,12 +310,9 @@ class LLMEngine:
         so a step never reads an adapter's files.  ValueError names what is wrong: LoRA
         not enabled, an id taken by another adapter, or the adapter itself (its files,
         rank, targets, shapes)."""
+        self.input_processor.check_lora(lora_request)
         lora_config = self.config.lora_config
-        if lora_config is None:
-            raise InvalidRequestError("LoRA adapters are not enabled: start the engine with enable_lora=True "
-                                      "(--enable-lora)", param="model")
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        assert lora_config is not None  # check_lora refuses a request when LoRA is off
         lora_id = lora_request.lora_int_id
         known = self._loras.get(lora_id)
         if known == lora_request:
@@ -381,30 +351,6 @@ class LLMEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self._loras.values())
-
-    def _resolve_pooling(self, params: PoolingParams) -> PoolingParams:
-        """A pooling request's params checked against this engine and completed from its
-        PoolerConfig (a copy: the caller's object may be shared by many prompts)."""
-        pooler = self.model_config.pooler_config
-        if pooler is None:
-            raise InvalidRequestError("embedding and scoring need the pooling runner: start the engine with "
-                                      "runner='pooling' (`pagedserve serve MODEL --runner pooling`)", param="model")
-        params.validate()
-        hidden = getattr(self.model_config.hf_config, "hidden_size", None)
-        if params.dimensions is not None and hidden is not None and params.dimensions > hidden:
-            raise InvalidRequestError(f"dimensions must be at most the model's hidden size {hidden}, got "
-                                      f"{params.dimensions}", param="dimensions")
-        resolved = copy.copy(params)
-        resolved.pooling_type = params.pooling_type or pooler.pooling_type
-        if params.normalize is None:
-            resolved.normalize = pooler.normalize
-        if params.task == "classify":
-            resolved.classifier_token_ids = self.classifier_token_ids
-            if resolved.classifier_token_ids is None:
-                raise InvalidRequestError("task 'classify' needs classifier tokens: start the engine with "
-                                          "pooler_config {\"classifier_from_token\": [\"no\", \"yes\"]}",
-                                          param="task")
-        return resolved
 
     def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
                   priority: list[int] | None = None, progress: BatchProgress | None = None,
@@ -451,115 +397,6 @@ class LLMEngine:
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         if self._inflight and not self.scheduler.has_unfinished_requests():
             self._apply_inflight(keep=0)  # only finished requests' extra tokens are left
-
-    def _process_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
-        """(text, token ids, cache salt).  A dict prompt may carry vLLM's `cache_salt`: its
-        blocks then never share the prefix cache with another salt's (or no salt's)."""
-        text: str | None = None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - _PROMPT_KEYS
-            if unknown or not (set(prompt) & {"prompt", "prompt_token_ids"}):
-                raise InvalidRequestError(
-                    "a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids' (and 'cache_salt'), got "
-                    f"{sorted(prompt)}", param="prompt")
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}", param="prompt")
-            salt = prompt.get("cache_salt")
-            if salt is not None and (not isinstance(salt, str) or not salt):
-                raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
-            ids = prompt.get("prompt_token_ids")
-            return text, self._encode(text) if ids is None else self._check_token_ids(ids), salt
-        if isinstance(prompt, str):
-            return prompt, self._encode(prompt), None
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt), None
-        raise InvalidRequestError(
-            "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
-            f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
-
-    def _encode(self, text: str) -> list[int]:
-        if not text:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
-                "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
-        return encode_text(self.tokenizer, text, self.max_prompt_chars)
-
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)):
-            raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}", param="prompt")
-        ids = list(ids)
-        vocab = self.vocab_size
-        for pos, t in enumerate(ids):
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise InvalidRequestError(f"prompt_token_ids[{pos}] is {t!r}, not an integer", param="prompt")
-            if type(t) is not int:  # numpy integers: plain ints from here on
-                ids[pos] = t = int(t)
-            if not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    f"token id {t} at position {pos} of the prompt is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        return ids
-
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
-        """Every limit a request can break, each raised as InvalidRequestError naming the
-        field (the prompt's length against max_model_len and the KV cache is the
-        scheduler's to check: it owns those limits)."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        max_logprobs = self.model_config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise InvalidRequestError(f"{name} must be at most {max_logprobs} (max_logprobs), got {value}",
-                                          param=name)
-        max_n = self.config.scheduler_config.max_n
-        if params.n > max_n:
-            raise InvalidRequestError(f"n must be at most {max_n} (max_n), got {params.n}", param="n")
-        if params.stop_strings and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
-                                      param="stop")
-        for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("logit_bias", params.logit_bias or ())):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
-                                          f"(0..{self.vocab_size - 1})", param=name)
-        if (params.bad_words or params.structured_outputs is not None) and self.tokenizer is None:
-            field = "bad_words" if params.bad_words else "structured_outputs"
-            raise InvalidRequestError(f"{field} needs a tokenizer; this model has none", param=field)
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            # vLLM's wording, so clients written against vLLM recognise it.
-            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
-                                      param="priority")
-
-    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops.
-        The caller's object is never modified (it may be shared by many prompts)."""
-        extra = [] if params.ignore_eos else [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
-        if params.n == 1 and not extra:
-            return params
-        child = copy.copy(params)
-        child.n = 1
-        if params.seed is not None:
-            child.seed = params.seed + index
-        if extra:
-            child.stop_token_ids = list(params.stop_token_ids) + extra
-        return child
-
-    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word as the tokenizer writes it alone and after a space (vLLM's rule).  A
-        front end calls this off the engine thread and hands the result in the request's
-        params (`bad_words_token_ids`); add_request does it otherwise, once per request."""
-        seqs: list[list[int]] = []
-        for word in words:
-            for text in (word, " " + word.lstrip()):
-                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[EngineOutput]:
@@ -738,22 +575,15 @@ class LLMEngine:
 
     @property
     def chat_template(self) -> str | None:
-        """The template chat prompts use by default: --chat-template, else the tokenizer's."""
-        if self.tokenizer is None:
-            return None
-        return self.model_config.chat_template or getattr(self.tokenizer, "chat_template", None) or None
+        return self.input_processor.chat_template
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render one conversation to prompt text (chat_utils.render_chat says how)."""
-        return render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           max_chars=self.max_prompt_chars, **kwargs)
+        return self.input_processor.apply_chat_template(messages, chat_template, add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """Chat prompt as {'prompt', 'prompt_token_ids'} (chat_utils.encode_chat)."""
-        return encode_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           max_chars=self.max_prompt_chars, **kwargs)
+        return self.input_processor.encode_chat(messages, chat_template, add_generation_prompt, **kwargs)
 
 
 def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, sync_only: str | None = None) -> bool:

@@ -7,6 +7,7 @@ in a cycle, one per step, then finishes with "length" at max_tokens.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import Future
@@ -64,6 +65,40 @@ class FakeGrammars:
         return done
 
 
+@dataclass
+class FakeProcessedRequest:
+    """What the fake's InputProcessor hands the engine thread (the real one: EngineCoreRequest)."""
+
+    request_id: str
+    prompt: object
+    sampling_params: object
+    priority: int
+    lora_request: object
+    grammar: Future | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.sampling_params.n if isinstance(self.sampling_params, SamplingParams) else 1
+
+
+class FakeInputProcessor:
+    """Intake as the fake does it: bad words tokenized (where it runs is recorded), the
+    grammar compiled; every other check is the fake engine's own, on the engine thread."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def process(self, request_id, prompt, params, arrival_time=None, priority=0, lora_request=None):
+        grammar = None
+        if isinstance(params, SamplingParams):
+            if params.structured_outputs is not None:
+                grammar = self.engine.structured_output.compile(params.structured_outputs)
+            if params.bad_words and not params.bad_words_token_ids:
+                params = copy.copy(params)
+                params.bad_words_token_ids = self.engine.bad_words_token_ids(params.bad_words)
+        return FakeProcessedRequest(request_id, prompt, params, priority, lora_request, grammar)
+
+
 class FakeEngine:
     vocab_size = 256
     invariant_checks = 0
@@ -77,6 +112,7 @@ class FakeEngine:
                  spin_until: threading.Event | None = None, max_running: int | None = None) -> None:
         self.tokenizer = CharTokenizer()
         self.structured_output = FakeGrammars()
+        self.input_processor = FakeInputProcessor(self)
         self.max_model_len = max_model_len
         self.max_prompt_chars = MAX_PROMPT_CHARS
         self.script = script
@@ -97,6 +133,10 @@ class FakeEngine:
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         self.bad_words_threads.add(threading.get_ident())
         return [self.tokenizer.encode(w) for w in words]
+
+    def add_processed_request(self, request: FakeProcessedRequest) -> None:
+        self.add_request(request.request_id, request.prompt, request.sampling_params, priority=request.priority,
+                         lora_request=request.lora_request)
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, lora_request=None):
         if lora_request is not None:

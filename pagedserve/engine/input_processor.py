@@ -1,0 +1,315 @@
+"""InputProcessor: what a caller sent, turned into a checked request the engine core takes.
+
+vLLM v1's name and role.  Every check of a request that needs the model, the tokenizer
+or the engine's limits happens here, once, and raises `InvalidRequestError` (a
+`ValueError` whose `param` names the field) before the request reaches the scheduler:
+a bad request never disturbs the others, and the core never sees bad input.
+`SamplingParams` and `PoolingParams` check their own fields' types and ranges (their
+`validate`); the rules here are the ones that need this engine:
+
+- the prompt: a string, token ids or a prompt dict; ids inside the vocabulary; not
+  empty; text no longer than `max_model_len` tokens could hold (refused untokenized);
+- `logprobs`/`prompt_logprobs` against `max_logprobs`, `n` against `max_n`, stop /
+  allowed / logit-bias token ids against the vocabulary, fields that need a tokenizer,
+  a priority only under the priority policy;
+- per-request preparation: bad words tokenized, `n` fanned out into child parameters
+  (distinct seeds, the model's extra EOS ids as stops), pooling parameters completed from
+  the PoolerConfig, the grammar compiled (a future: a bad schema fails the request);
+- a LoRA request's type and whether LoRA is enabled (loading the adapter's weights is
+  the executor's, on the engine thread, between steps).
+
+What the prompt's length allows against `max_model_len` and the KV cache is the
+scheduler's to check (it owns those limits), and whether a request id is in use is the
+engine's (it owns the open requests).
+
+It holds no per-request state, so it runs on whatever thread the front end chooses: the
+server calls it in a worker thread (neither the event loop nor the engine thread waits
+on tokenizing), the offline engine in its caller's.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.chat_utils import encode_chat, encode_text, prompt_char_limit, render_chat
+from pagedserve.errors import InvalidRequestError
+from pagedserve.lora.request import LoRARequest
+from pagedserve.pooling_params import PoolingParams
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutputManager
+from pagedserve.utils import is_int
+
+# The keys a prompt dict may carry (vLLM's names).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the engine core takes it: every field checked, every per-request
+    preparation done.  `child_ids`/`child_params` are the scheduler's sequences (one, or
+    `n` for n > 1); `grammar` is the compiling grammar of a structured-output request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    sampling_params: SamplingParams
+    child_ids: list[str]
+    child_params: list[SamplingParams]
+    pooling_params: PoolingParams | None
+    arrival_time: float
+    priority: int
+    lora_request: LoRARequest | None
+    grammar: Future | None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.child_ids)
+
+
+class InputProcessor:
+    """Intake for one model: tokenizer, chat templates, limits, per-request preparation."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, extra_eos_token_ids: list[int],
+                 structured_output: StructuredOutputManager,
+                 classifier_token_ids: tuple[int, int] | None = None) -> None:
+        """`structured_output` is shared with the engine core: this side compiles grammars,
+        the core's matchers fill the step's bitmask."""
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.extra_eos_token_ids = list(extra_eos_token_ids)
+        self.structured_output = structured_output
+        self.classifier_token_ids = classifier_token_ids
+        # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
+        self.max_prompt_chars = prompt_char_limit(tokenizer, config.scheduler_config.max_model_len)
+
+    # ------------------------------------------------------------------ the request
+    def process(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams | None = None,
+                arrival_time: float | None = None, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> EngineCoreRequest:
+        """Check and prepare one request.  `params`: SamplingParams (generate runner) or
+        PoolingParams (pooling runner; the scheduler then runs one sequence that samples
+        nothing).  Raises ValueError naming the problem; the caller's objects are never
+        modified (one params object may serve many prompts)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        sampling, pooling = self._split_params(params)
+        sampling.validate()  # values may have been changed after construction
+        if not is_int(priority):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        text, prompt_ids, cache_salt = self.process_prompt(prompt)
+        self.check_request(prompt_ids, sampling, priority)
+        if lora_request is not None:
+            self.check_lora(lora_request)
+        grammar = None
+        if sampling.structured_outputs is not None:
+            grammar = self.structured_output.claim(sampling.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
+        if sampling.bad_words and not sampling.bad_words_token_ids:  # once per request, not per sample
+            sampling = copy.copy(sampling)
+            sampling.bad_words_token_ids = self.bad_words_token_ids(sampling.bad_words)
+        n = sampling.n
+        child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        return EngineCoreRequest(
+            request_id, text, prompt_ids, cache_salt, sampling, child_ids,
+            [self.child_params(sampling, i) for i in range(n)], pooling,
+            time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar)
+
+    def _split_params(self, params: SamplingParams | PoolingParams | None,
+                      ) -> tuple[SamplingParams, PoolingParams | None]:
+        """(what the scheduler runs, the pooling params if it is a pooling request)."""
+        is_pooling_runner = self.model_config.runner == "pooling"
+        if params is None:
+            params = PoolingParams() if is_pooling_runner else SamplingParams()
+        if isinstance(params, PoolingParams):
+            # The scheduler's bookkeeping: one token's step; nothing is sampled.
+            return SamplingParams(max_tokens=1), self.resolve_pooling(params)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams or a PoolingParams, got {type(params).__name__}")
+        if is_pooling_runner:
+            raise InvalidRequestError("this engine runs the pooling runner (runner='pooling'): it embeds and scores "
+                                      "prompts; generating text needs runner='generate'", param="model")
+        return params, None
+
+    def process_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache salt).  A dict prompt may carry vLLM's `cache_salt`: its
+        blocks then never share the prefix cache with another salt's (or no salt's)."""
+        if isinstance(prompt, dict):
+            return self._process_prompt_dict(prompt)
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt), None
+        if isinstance(prompt, (list, tuple)):
+            return None, self.check_token_ids(prompt), None
+        raise InvalidRequestError(
+            "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
+
+    def _process_prompt_dict(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], str | None]:
+        unknown = set(prompt) - PROMPT_KEYS
+        if unknown or not (set(prompt) & {"prompt", "prompt_token_ids"}):
+            raise InvalidRequestError(
+                "a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids' (and 'cache_salt'), got "
+                f"{sorted(prompt)}", param="prompt")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}", param="prompt")
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        ids = prompt.get("prompt_token_ids")
+        return text, self.encode(text) if ids is None else self.check_token_ids(ids), salt
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text to token ids (refused untokenized when it cannot fit)."""
+        if not text:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
+                "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
+        return encode_text(self.tokenizer, text, self.max_prompt_chars)
+
+    def check_token_ids(self, ids: Any) -> list[int]:
+        """A prompt's token ids as plain ints, each inside the vocabulary."""
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}",
+                                      param="prompt")
+        ids = list(ids)
+        vocab = self.vocab_size
+        for pos, t in enumerate(ids):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise InvalidRequestError(f"prompt_token_ids[{pos}] is {t!r}, not an integer", param="prompt")
+            if type(t) is not int:  # numpy integers: plain ints from here on
+                ids[pos] = t = int(t)
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t} at position {pos} of the prompt is outside the "
+                                          f"vocabulary (0..{vocab - 1})", param="prompt")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
+        """Every engine limit a request can break, each raised as InvalidRequestError
+        naming the field."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        max_logprobs = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise InvalidRequestError(f"{name} must be at most {max_logprobs} (max_logprobs), got {value}",
+                                          param=name)
+        sched = self.config.scheduler_config
+        if params.n > sched.max_n:
+            raise InvalidRequestError(f"n must be at most {sched.max_n} (max_n), got {params.n}", param="n")
+        self._check_vocabulary_ids(params)
+        self._check_tokenizer_fields(params)
+        if priority != 0 and sched.policy != "priority":
+            # vLLM's wording, so clients written against vLLM recognise it.
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                                      param="priority")
+
+    def _check_vocabulary_ids(self, params: SamplingParams) -> None:
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                          f"(0..{self.vocab_size - 1})", param=name)
+
+    def _check_tokenizer_fields(self, params: SamplingParams) -> None:
+        """Fields that read text need a tokenizer (a dummy model may have none)."""
+        if self.tokenizer is not None:
+            return
+        if params.stop_strings:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                                      param="stop")
+        for field, used in (("bad_words", params.bad_words),
+                            ("structured_outputs", params.structured_outputs is not None)):
+            if used:
+                raise InvalidRequestError(f"{field} needs a tokenizer; this model has none", param=field)
+
+    def check_lora(self, lora_request: Any) -> None:
+        """A LoRA request may run here: LoRA is enabled and it is a LoRARequest."""
+        if self.config.lora_config is None:
+            raise InvalidRequestError("LoRA adapters are not enabled: start the engine with enable_lora=True "
+                                      "(--enable-lora)", param="model")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+
+    # ------------------------------------------------------------------ per-request preparation
+    def child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """The scheduler's copy: n = 1, a distinct seed per sample, model EOS ids as stops.
+        The caller's object is never modified (it may be shared by many prompts)."""
+        extra = [] if params.ignore_eos else [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if params.n == 1 and not extra:
+            return params
+        child = copy.copy(params)
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        if extra:
+            child.stop_token_ids = list(params.stop_token_ids) + extra
+        return child
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as the tokenizer writes it alone and after a space (vLLM's rule)."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """A pooling request's params checked against this model and completed from its
+        PoolerConfig (a copy: the caller's object may be shared by many prompts)."""
+        pooler = self.model_config.pooler_config
+        if pooler is None:
+            raise InvalidRequestError("embedding and scoring need the pooling runner: start the engine with "
+                                      "runner='pooling' (`pagedserve serve MODEL --runner pooling`)", param="model")
+        params.validate()
+        hidden = getattr(self.model_config.hf_config, "hidden_size", None)
+        if params.dimensions is not None and hidden is not None and params.dimensions > hidden:
+            raise InvalidRequestError(f"dimensions must be at most the model's hidden size {hidden}, got "
+                                      f"{params.dimensions}", param="dimensions")
+        resolved = copy.copy(params)
+        resolved.pooling_type = params.pooling_type or pooler.pooling_type
+        if params.normalize is None:
+            resolved.normalize = pooler.normalize
+        if params.task == "classify":
+            resolved.classifier_token_ids = self.classifier_token_ids
+            if resolved.classifier_token_ids is None:
+                raise InvalidRequestError("task 'classify' needs classifier tokens: start the engine with "
+                                          "pooler_config {\"classifier_from_token\": [\"no\", \"yes\"]}",
+                                          param="task")
+        return resolved
+
+    # ------------------------------------------------------------------ chat
+    @property
+    def chat_template(self) -> str | None:
+        """The template chat prompts use by default: --chat-template, else the tokenizer's."""
+        if self.tokenizer is None:
+            return None
+        return self.model_config.chat_template or getattr(self.tokenizer, "chat_template", None) or None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render one conversation to prompt text (chat_utils.render_chat says how)."""
+        return render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
+                           max_chars=self.max_prompt_chars, **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """Chat prompt as {'prompt', 'prompt_token_ids'} (chat_utils.encode_chat)."""
+        return encode_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
+                           max_chars=self.max_prompt_chars, **kwargs)
