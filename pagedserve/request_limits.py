@@ -41,6 +41,14 @@ TEMPLATE_QUEUE_SECONDS = 2 * REQUEST_TEMPLATE_SECONDS
 # (no text longer than that can fit), and never more than this many characters.
 MAX_PROMPT_CHARS = 32 << 20
 
+# A JSON body's shape, measured on its raw bytes before anything parses it
+# (entrypoints/openai/json_body.py): json.loads and pydantic hold the event loop (and the
+# GIL) for as long as they take, ~1 s per 500,000 values on 2 cores.  Brackets, braces,
+# commas and colons outside strings (about one per value: 50,000 chat messages, or
+# 512 prompts of 500 token ids), and levels of nesting.
+MAX_JSON_STRUCTURE = 1 << 18
+MAX_JSON_DEPTH = 256
+
 # Unknown request fields are ignored with a warning, once per name, for this many names.
 MAX_WARNED_FIELD_NAMES = 256
 

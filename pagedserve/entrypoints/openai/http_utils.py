@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
+from pagedserve.entrypoints.openai.json_body import check_json_body
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.errors import InvalidRequestError
 
 
 def error_response(err: OpenAIError, path: str = "") -> JSONResponse:
@@ -150,7 +152,8 @@ class BodyLimitMiddleware:
     (a 413: by Content-Length at once, or for a chunked body as soon as the bytes read
     pass it, so a 50 MB body never sits in memory) and `read_timeout` seconds (a 408: a
     client trickling its body, slowloris, holds nothing for long).  The body is then
-    handed on whole, and the connection's later messages (disconnects) pass through."""
+    handed on whole, once its JSON shape is within bounds (json_body.py: a 400 before
+    anything parses it), and the connection's later messages (disconnects) pass through."""
 
     def __init__(self, app: Any, max_bytes: int, read_timeout: float | None = None) -> None:
         self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
@@ -194,7 +197,13 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        first: list[dict] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        try:
+            check_json_body(body)  # before FastAPI parses it on this loop
+        except InvalidRequestError as e:
+            await error_response(OpenAIError(str(e), param=e.param), scope["path"])(scope, receive, send)
+            return
+        first: list[dict] = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay() -> dict:
             return first.pop() if first else await receive()

@@ -1,0 +1,109 @@
+"""The shape of a JSON request body, bounded before anything parses it.
+
+Parsing and validating a body runs on the event loop (FastAPI's `json.loads`, then
+pydantic), and neither lets go of the GIL: a 14 MiB body of five million empty lists
+held the loop, and so `/health` and every stream, for seven seconds (three quarters of
+it a Python walk looking for lone surrogates).  Here the raw bytes are measured with
+regular expressions and `bytes.count`, which run in C over the whole body in tens of
+milliseconds, so an oversized shape is refused before one Python object is made:
+
+- structure: strings, and brackets, braces, commas and colons (about one per JSON
+  value), each at most MAX_JSON_STRUCTURE, which bounds the objects `json.loads` and
+  pydantic make;
+- nesting: at most MAX_JSON_DEPTH levels of arrays and objects;
+- lone UTF-16 surrogates (`"\\ud800"` alone) are not Unicode text: no tokenizer,
+  template or grammar can take them.  Valid pairs (how JSON encoders write emoji) are
+  removed from a copy, and only a body with a lone one left is parsed to name where.
+
+Text inside strings is taken out first, so brackets in a prompt (code, JSON pasted as
+text) never count.  A body that is not JSON at all passes through to FastAPI, which
+says so in its own words.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pagedserve.errors import InvalidRequestError
+from pagedserve.request_limits import MAX_JSON_DEPTH, MAX_JSON_STRUCTURE
+
+# A JSON string, taken whole (atomic runs: linear time on a body that is one long string).
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+# Escaped backslashes and valid surrogate pairs, left to right, so what remains of a
+# "\uD8xx".."\uDFxx" escape is a lone surrogate.
+_NOT_LONE = re.compile(rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_body(body: bytes) -> None:
+    """Raise InvalidRequestError (a 400 naming the bound) if the body's shape is past a
+    bound or it holds a lone surrogate; return at once for anything else."""
+    # Quotes not escaped, in pairs: never more than the strings there are (a string ending
+    # in an escaped backslash is missed), and cheap, so a body of a million short strings
+    # is refused before the regular expression below walks them one by one.
+    _check_count((body.count(b'"') - body.count(b'\\"')) // 2)
+    structure = _STRING.sub(b'""', body)
+    _check_count(sum(structure.count(c) for c in (b"[", b"{", b",", b":")))
+    _check_depth(structure)
+    if _SURROGATE_ESCAPE.search(_NOT_LONE.sub(b"", body)):
+        _raise_lone_surrogate(body)
+
+
+def _check_count(count: int) -> None:
+    if count > MAX_JSON_STRUCTURE:
+        raise InvalidRequestError(
+            f"the request body has at least {count} JSON values (counting strings, or brackets, braces, commas and "
+            f"colons); at most {MAX_JSON_STRUCTURE} are allowed", param=None)
+
+
+def _check_depth(structure: bytes) -> None:
+    """Peel innermost pairs away once per level: after MAX_JSON_DEPTH passes a body within
+    the bound has none left.  Each pass is linear in the brackets, which the structure
+    bound already limits."""
+    brackets = _NOT_BRACKET.sub(b"", structure)
+    for _ in range(MAX_JSON_DEPTH):
+        if not brackets:
+            return
+        peeled = _EMPTY_PAIR.sub(b"", brackets)
+        if peeled == brackets:
+            return  # unbalanced: not JSON, which the parser reports
+        brackets = peeled
+    if brackets and _EMPTY_PAIR.search(brackets):
+        raise InvalidRequestError(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                                  param=None)
+
+
+def _raise_lone_surrogate(body: bytes) -> None:
+    """Name the field holding a lone surrogate (the body is bounded in size and shape by
+    now, so parsing and walking it is cheap)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return  # not JSON: the parser's error says so
+    path = find_lone_surrogate(data)
+    if path is not None:
+        raise InvalidRequestError(f"{path or 'body'} contains a lone UTF-16 surrogate, which is not valid Unicode "
+                                  "text", param=path.split(".")[0] or None)
+
+
+def find_lone_surrogate(data: Any) -> str | None:
+    """The dotted path of the first string (value or key) holding a lone surrogate, "" for
+    the body itself, or None.  Iterative: bodies may nest deeper than the recursion limit."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path))
+                stack.append((v, f"{path}.{k}" if path else str(k)))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(value))
+    return None
