@@ -14,6 +14,8 @@ reads only written slots.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -209,10 +211,12 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) cache; with a layout, layers of one slot share a pair.
 
-    On CPU the cache is written through at once: an untouched allocation only becomes
-    resident as the block pool cycles through its blocks, so RSS would climb by the whole
-    cache over hours of traffic (a leak to anyone watching it) and a machine without the
-    memory would fail mid-serving instead of at start-up."""
+    On CPU the cache's pages are mapped on first touch (`lazy_zeros`), not written at
+    start: the cache is a ceiling (what max_num_seqs x max_model_len could use, capped by
+    the budget, as llama-server's -c), and a server becomes resident in what its traffic
+    has used.  A 94 MB model's default `serve` held several GB from its first second when
+    the cache was written through.  Resident memory then grows as the block pool cycles
+    through its blocks, up to the cache's size (the log line at start-up says it)."""
     if layout is not None:
         pairs = allocate_kv_caches(slot_layers(layers, layout), num_blocks, block_size, dtype, device)
         return [pairs[slot] for slot in layout.layer_slot]
@@ -220,13 +224,23 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, kv_dtype.row_width(layer.head_dim, dtype))
         if is_cpu(device):
-            k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+            k, v = (lazy_zeros(shape, dtype) for _ in range(2))
         else:
             k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
             k[NULL_BLOCK_ID].zero_()
             v[NULL_BLOCK_ID].zero_()
         caches.append((k, v))
     return caches
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous memory map: the kernel hands out zeroed pages
+    as they are first touched, so untouched blocks cost no resident memory (a heap
+    allocation would be written through: worker/cpu_malloc.py keeps large ones on the
+    heap, where calloc must clear what it reuses)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the map alive
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def log_kv_cache(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int, device: torch.device,

@@ -69,3 +69,24 @@ def test_too_small_names_the_knobs(monkeypatch):
 def test_available_memory_is_plausible():
     free = available_memory_bytes(CPU)
     assert 16 * 2**20 < free < 2**50
+
+
+def test_cpu_kv_cache_pages_are_mapped_on_first_touch_not_at_start() -> None:
+    """A default `serve` sizes the cache for max_num_seqs x max_model_len: the memory it
+    holds must be what traffic used, not the whole ceiling from the first second."""
+    import gc
+
+    from pagedserve.worker.kv_cache import lazy_zeros
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident()
+    cache = lazy_zeros((2048, 16, 8, 128), torch.bfloat16)  # 64 MiB
+    assert resident() - before < 8 << 20
+    cache[:64].fill_(1.0)  # 2 MiB of blocks written
+    assert resident() - before < 16 << 20
+    assert cache[64:].abs().max().item() == 0 and cache.is_contiguous() and cache.dtype == torch.bfloat16
+    del cache
+    gc.collect()
