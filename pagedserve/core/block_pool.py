@@ -9,7 +9,7 @@ removal from the middle: a cache hit pulls a block back out of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedserve.core.kv_cache_utils import BlockHash
@@ -17,6 +17,14 @@ from pagedserve.core.radix_index import RadixIndex
 
 # Block hashes are 128-bit; a KV-cache group's blocks are keyed above that range.
 _GROUP_SHIFT = 128
+
+
+def require_invariant(ok: bool, what: str) -> None:
+    """The one way a KV-cache integrity check fails (`check_invariants` of the pool, the
+    per-group managers, the coordinator and its collaborators), so every broken
+    invariant reads alike."""
+    if not ok:
+        raise AssertionError(f"KV-cache invariant broken: {what}")
 
 
 def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
@@ -205,13 +213,12 @@ class BlockPool:
         self.free_block_queue.append_n(released)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int, group: int = 0,
-                          num_groups: int = 1) -> None:
-        """Register the KV-cache group's blocks at positions [num_cached_blocks,
-        num_full_blocks) under their token hashes.  `blocks` is a request's table,
-        position-major over `num_groups` groups (position i of group g at
-        i * num_groups + g); each group's blocks are keyed apart (group_block_key),
-        since two groups hold different layers' KV for the same tokens.
+                          num_cached_blocks: int, num_full_blocks: int, group: int = 0) -> None:
+        """Register one KV-cache group's table, `blocks` (a request's block per
+        position in that group), at positions [num_cached_blocks, num_full_blocks)
+        under their token hashes.  Each group's blocks are keyed apart
+        (group_block_key), since two groups hold different layers' KV for the same
+        tokens.
 
         If an equal block is already cached (two requests computed the same prefix
         before either was cached), the first stays the canonical copy and the
@@ -221,7 +228,7 @@ class BlockPool:
             return
         cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i * num_groups + group]
+            block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 continue  # (null: a sliding-window group's block that left the window)
             key = group_block_key(block_hashes[i], group)
@@ -258,3 +265,31 @@ class BlockPool:
         if self.radix is not None:
             self.radix.clear()
         return True
+
+    def check_invariants(self, holders: Mapping[int, int]) -> None:
+        """The pool's part of KVCacheManager.check_invariants, given how many table
+        entries name each block (`holders`: block id -> count):
+          * the null block is block 0, is never free, held or cached;
+          * the free queue holds exactly the blocks nobody holds, and its count is true;
+          * a block's ref_cnt is the number of table entries naming it;
+          * the prefix cache maps each key to a block carrying that key, and a block
+            shared by several tables is the cached one of its key."""
+        null = self.null_block
+        require_invariant(null is self.blocks[0] and null.is_null and null.block_hash is None,
+                          "block 0 is the null block")
+        free = self.free_block_queue.get_all_free_blocks()
+        require_invariant(len(free) == self.get_num_free_blocks(), f"free queue has {len(free)} blocks, counts "
+                          f"{self.get_num_free_blocks()}")
+        free_ids = {b.block_id for b in free}
+        require_invariant(len(free_ids) == len(free) and null.block_id not in free_ids, "free queue repeats a "
+                          "block or holds the null block")
+        for b in self.blocks[1:]:
+            held = holders.get(b.block_id, 0)
+            require_invariant(b.ref_cnt == held, f"{b} is held by {held} tables")
+            require_invariant((b.ref_cnt == 0) == (b.block_id in free_ids),
+                              f"{b} is {'' if b.block_id in free_ids else 'not '}in the free queue")
+            if b.ref_cnt > 1:
+                require_invariant(b.block_hash is not None and self.get_cached_block(b.block_hash) is b,
+                                  f"{b} is shared but is not the cached block of its key")
+        for key, b in self.cached_block_hash_to_block.items():
+            require_invariant(b.block_hash == key and not b.is_null, f"{b} is cached under a key it does not carry")

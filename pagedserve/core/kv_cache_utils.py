@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -80,6 +80,25 @@ def extend_block_hashes(
         append(parent)
         offset += stride
     return block_hashes
+
+
+class HashedRequest(Protocol):
+    """What hashing needs of a request (core/request.py): its tokens, the chain hashed so
+    far (extended in place, so each block is hashed once over the request's life) and
+    the salt of its first block."""
+
+    all_token_ids: list[int]
+    block_hashes: list[BlockHash]
+
+    @property
+    def hash_salt(self) -> object: ...
+
+
+def hash_request_blocks(request: HashedRequest, block_size: int, num_full_blocks: int | None = None) -> list[BlockHash]:
+    """The request's chain of full-block hashes, extended to its full blocks (or the first
+    `num_full_blocks`); the KV-cache manager and its collaborators all key blocks by it."""
+    return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, num_full_blocks,
+                               request.hash_salt)
 
 
 def hash_request_tokens(

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
+from pagedserve.core.block_pool import KVCacheBlock
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import Drafter, NgramProposer, SpecDecodingStats
 from pagedserve.core.request import Request, RequestStatus
@@ -150,71 +151,16 @@ class Scheduler:
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        kvm = self.kv_cache_manager
-        allocate_slots = kvm.allocate_slots
         token_budget = self.max_num_batched_tokens
         if self.step_budget is not None:  # every running request, and a block of prefill progress
-            token_budget = self.step_budget.token_budget(len(self.running) + kvm.block_size)
+            token_budget = self.step_budget.token_budget(len(self.running) + self.kv_cache_manager.block_size)
         step_budget = token_budget
-        threshold = self.long_prefill_token_threshold
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
-        c_req_ids, c_new_tokens = cached.req_ids, cached.new_token_ids
-        c_new_blocks, c_computed = cached.new_block_ids, cached.num_computed_tokens
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
-        proposals = self._propose_drafts()
-
-        running = self.running
-        i = 0
-        while i < len(running) and token_budget > 0:
-            request = running[i]
-            num_computed = request.num_computed_tokens
-            n = _tokens_to_compute(request)
-            drafts = proposals.get(request.request_id) if n == 1 else None
-            if drafts:
-                n += len(drafts)
-            if 0 < threshold < n:
-                n = threshold
-            if n > token_budget:
-                n = token_budget
-            # max_num_tokens <= max_model_len; only binds under async scheduling, when
-            # the in-flight tokens already complete the request.
-            if n > request.max_num_tokens - 1 - num_computed:
-                n = request.max_num_tokens - 1 - num_computed
-            if n <= 0:
-                i += 1
-                continue
-            while True:
-                new_blocks = allocate_slots(request, n)
-                if new_blocks is not None:
-                    break
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break
-            req_id = request.request_id
-            if drafts and n > 1:  # the budgets may have cut some drafts
-                spec_tokens[req_id] = drafts[: n - 1]
-            num_scheduled_tokens[req_id] = n
-            token_budget -= n
-            c_req_ids.append(req_id)
-            outputs = request.output_token_ids
-            sent = request.num_output_tokens_sent
-            if len(outputs) > sent:
-                c_new_tokens.append(outputs[sent:])
-                request.num_output_tokens_sent = len(outputs)
-            else:
-                c_new_tokens.append([])
-            c_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
-            c_computed.append(num_computed)
-            request.num_computed_tokens = num_computed + n
-            i += 1
-
+        token_budget = self._schedule_running(token_budget, num_scheduled_tokens, cached, preempted, spec_tokens)
         # A step that had to preempt is out of memory: admitting more would only
         # preempt again next step.
         if not preempted:
@@ -236,6 +182,83 @@ class Scheduler:
         if num_scheduled_tokens:
             self._after_schedule(out)
         return out
+
+    def _schedule_running(self, token_budget: int, num_scheduled_tokens: dict[str, int], cached: CachedRequestData,
+                          preempted: set[str], spec_tokens: dict[str, list[int]]) -> int:
+        """Running requests first, in order, each the tokens it lacks (and its drafts)
+        within the budget; when the pool runs out of blocks, requests are preempted
+        from the back of `running` (into `preempted`).  Returns the budget left."""
+        proposals = self._propose_drafts()
+        running = self.running
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            n, drafts = self._running_tokens(request, proposals, token_budget)
+            if n <= 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, n, preempted)
+            if new_blocks is None:
+                break  # the request itself was preempted: it was the last one
+            req_id = request.request_id
+            if drafts and n > 1:  # the budgets may have cut some drafts
+                spec_tokens[req_id] = drafts[: n - 1]
+            num_scheduled_tokens[req_id] = n
+            token_budget -= n
+            self._add_cached_request(cached, request, new_blocks, n)
+            i += 1
+        return token_budget
+
+    def _running_tokens(self, request: Request, proposals: dict[str, list[int]],
+                        token_budget: int) -> tuple[int, list[int] | None]:
+        """Tokens a running request computes this step (its drafts included, if it
+        decodes one token and has some), and those drafts."""
+        n = _tokens_to_compute(request)
+        drafts = proposals.get(request.request_id) if n == 1 else None
+        if drafts:
+            n += len(drafts)
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        if n > token_budget:
+            n = token_budget
+        # max_num_tokens <= max_model_len; only binds under async scheduling, when
+        # the in-flight tokens already complete the request.
+        left = request.max_num_tokens - 1 - request.num_computed_tokens
+        if n > left:
+            n = left
+        return n, drafts
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: set[str]) -> list[KVCacheBlock] | None:
+        """KV slots for `n` more tokens of a running request, preempting the last running
+        request until they fit; None when that preempted the request itself."""
+        running = self.running
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, n)
+            if new_blocks is not None:
+                return new_blocks
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    @staticmethod
+    def _add_cached_request(cached: CachedRequestData, request: Request, new_blocks: list[KVCacheBlock],
+                            n: int) -> None:
+        """The runner holds the request already: it gets the deltas (output tokens it
+        has not seen, new block ids), and the request counts `n` more tokens computed."""
+        cached.req_ids.append(request.request_id)
+        outputs = request.output_token_ids
+        sent = request.num_output_tokens_sent
+        if len(outputs) > sent:
+            cached.new_token_ids.append(outputs[sent:])
+            request.num_output_tokens_sent = len(outputs)
+        else:
+            cached.new_token_ids.append([])
+        cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+        cached.num_computed_tokens.append(request.num_computed_tokens)
+        request.num_computed_tokens += n
 
     def _propose_drafts(self) -> dict[str, list[int]]:
         """Drafts for every running request that decodes one token this step and may
@@ -521,7 +544,7 @@ class Scheduler:
     def snapshot(self, full: bool) -> KVSnapshot:
         """The block pool and the queues for the dashboard (see core/snapshot.py)."""
         kvm = self.kv_cache_manager
-        return take_snapshot(kvm.block_pool, kvm.block_size, self.running, self.waiting, kvm.req_to_blocks, full)
+        return take_snapshot(kvm.block_pool, kvm.block_size, self.running, self.waiting, kvm.get_block_ids, full)
 
 
 def check_stop(request: Request, tok: int) -> RequestStatus | None:

@@ -11,7 +11,7 @@ blocks changed since the previous one); the queues are always listed whole, up t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol
@@ -73,9 +73,10 @@ class RequestQueue(Protocol):
 
 
 def take_snapshot(pool: BlockPool, block_size: int, running: RequestQueue, waiting: RequestQueue,
-                  block_ids_of: dict[str, list[KVCacheBlock]], full: bool) -> KVSnapshot:
+                  block_ids_of: Callable[[str], list[int]], full: bool) -> KVSnapshot:
     """`full`: every block (a new watcher's first picture); else those changed since the
-    previous snapshot.  `block_ids_of` is the KV manager's request -> blocks table."""
+    previous snapshot.  `block_ids_of` gives a request's block ids (the KV-cache
+    manager's get_block_ids: asked only for the listed requests)."""
     if full:  # leaves the pending changes to the next delta: it may repeat a block, never miss one
         blocks = [block_state(b) for b in pool.blocks]
     else:
@@ -84,7 +85,7 @@ def take_snapshot(pool: BlockPool, block_size: int, running: RequestQueue, waiti
     def rows(requests: Iterable[Request]) -> list[RequestRow]:
         return [RequestRow(r.request_id, _STATES.get(r.status, "finished"), r.num_prompt_tokens,
                            r.num_computed_tokens, r.num_output_tokens,
-                           [b.block_id for b in block_ids_of.get(r.request_id, ())])
+                           block_ids_of(r.request_id))
                 for r in islice(requests, MAX_LISTED_REQUESTS)]
 
     return KVSnapshot(full, pool.num_blocks, block_size, pool.null_block.block_id, blocks, rows(running),

@@ -215,6 +215,6 @@ def test_check_invariants_names_each_kind_of_corruption():
     with pytest.raises(AssertionError, match="shared but is not the cached block"):
         kvm.check_invariants()
     kvm = state()
-    kvm.req_to_blocks["a"][1] = kvm.block_pool.null_block  # a null in a full-attention table
+    kvm.coordinator.managers[0].req_to_blocks["a"][1] = kvm.block_pool.null_block  # a null in a full-attention table
     with pytest.raises(AssertionError, match="null blocks"):
         kvm.check_invariants()

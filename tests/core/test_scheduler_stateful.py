@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve.core.block_pool import group_block_key
-from pagedserve.core.kv_cache_manager import first_block_in_window, max_blocks_held
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.single_type_kv_cache_manager import first_block_in_window, max_blocks_held
 from pagedserve.core.snapshot import block_state
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv

@@ -9,7 +9,7 @@ from pagedserve.core.snapshot import KVSnapshot, block_state, render_block_pool,
 
 
 def _snapshot(pool: BlockPool, full: bool = True) -> KVSnapshot:
-    return take_snapshot(pool, 16, [], [], {}, full)
+    return take_snapshot(pool, 16, [], [], lambda request_id: [], full)
 
 
 def test_unwatched_pool_records_nothing():
