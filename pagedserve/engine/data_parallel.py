@@ -1,8 +1,10 @@
 """Data parallelism: N engine replicas on Ray behind one router.
 
-Each replica is a Ray actor (`EngineReplica`) holding a whole `LLMEngine`: its own
-scheduler, KV cache and, with tensor_parallel_size > 1, its own tensor-parallel worker
-processes.  Its resources are one placement-group bundle (CPUs, and the GPUs of its
+Each replica is a Ray actor (`EngineReplica`) holding an engine core: an `LLMEngine`
+(InputProcessor + EngineCore, with its own scheduler, KV cache and, with
+tensor_parallel_size > 1, its own tensor-parallel worker processes) stepped by an
+`InprocClient`'s engine thread.  A replica admits nothing: admission, limits and
+deadlines are the front end's `AsyncLLM`'s, once.  Its resources are one placement-group bundle (CPUs, and the GPUs of its
 ranks), so Ray keeps a replica's ranks on one node.  Ray restarts a replica whose process
 dies (`max_restarts=-1`); the restarted actor loads the model again.
 
@@ -10,7 +12,7 @@ dies (`max_restarts=-1`); the restarted actor loads the model again.
 what they need) and serves offline batches (`LLM(..., data_parallel_size=N)`): the
 router splits the prompts, each replica runs its share through `LLMEngine.run_batch`.
 
-`DPAsyncLLM` (`engine/dp_client.py`) is the server's engine client over them.
+`RayDPClient` (`engine/dp_client.py`) is the EngineCoreClient over them.
 """
 
 from __future__ import annotations
@@ -26,23 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineShutdownError,
-    on_own_thread,
-)
 from pagedserve.engine.chat_utils import encode_chat
+from pagedserve.engine.core_client import EngineDeadError, OutputCollector, on_own_thread
+from pagedserve.engine.inproc_client import InprocClient
 from pagedserve.engine.llm_engine import BatchProgress
 from pagedserve.engine.router import Router
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.request import LoRARequest
-from pagedserve.metrics import (
-    IterationStats,
-    SchedulerStats,
-)
-from pagedserve.outputs import RequestOutput
+from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
+from pagedserve.outputs import EngineOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.data_parallel")
@@ -75,7 +69,7 @@ class ReplicaRefusal:
     """A replica refused a request at admission; `error()` rebuilds the exception.
 
     kind: "invalid" (a ValueError: 400), "dead" (its engine died: the front end tries
-    another replica), "overloaded" or "shutdown" (503), or "error" (500)."""
+    another replica), or "error" (500)."""
 
     message: str
     param: str | None = None
@@ -85,15 +79,14 @@ class ReplicaRefusal:
     def of(cls, e: BaseException) -> ReplicaRefusal:
         if isinstance(e, ValueError):
             return cls(str(e), e.param if isinstance(e, InvalidRequestError) else None)
-        kinds = ((EngineDeadError, "dead"), (EngineOverloadedError, "overloaded"), (EngineShutdownError, "shutdown"))
-        kind = next((k for t, k in kinds if isinstance(e, t)), "error")
-        return cls(str(e) if kind != "error" else f"{type(e).__name__}: {e}", kind=kind)
+        if isinstance(e, EngineDeadError):
+            return cls(str(e), kind="dead")
+        return cls(f"{type(e).__name__}: {e}", kind="error")
 
     def error(self) -> BaseException:
         if self.kind == "invalid":
             return InvalidRequestError(self.message, param=self.param)
-        return {"dead": EngineDeadError, "overloaded": EngineOverloadedError,
-                "shutdown": EngineShutdownError}.get(self.kind, RuntimeError)(self.message)
+        return (EngineDeadError if self.kind == "dead" else RuntimeError)(self.message)
 
 
 @dataclass
@@ -136,11 +129,38 @@ class _StatsRecorder:
             return self._sched, it
 
 
-class EngineReplica:
-    """One data-parallel replica: a Ray actor (see `ReplicaSet`) holding a whole engine.
+class _ReplicaRequests:
+    """The ClientSink of a replica's InprocClient: its requests' collectors, on the actor's
+    event loop.  A dead engine loop kills the process, so Ray restarts the replica."""
 
-    Serving goes through an `AsyncLLM` made on the actor's event loop at the first call;
-    offline batches through `LLMEngine.run_batch` (a replica does one or the other)."""
+    def __init__(self, recorder: StatLogger) -> None:
+        self.stat_loggers: list[StatLogger] = [recorder]
+        self.log_stats: LoggingStatLogger | None = None  # the front end writes each replica's line
+        self.collectors: dict[str, OutputCollector] = {}
+
+    def deliver(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            collector = self.collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        collector = self.collectors.get(request_id)
+        if collector is not None:
+            collector.put(error)
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self.collectors
+
+    def engine_dead(self, error: BaseException) -> None:
+        os._exit(1)
+
+
+class EngineReplica:
+    """One data-parallel replica: a Ray actor (see `ReplicaSet`) holding an engine core.
+
+    Serving goes through an `InprocClient` started on the actor's event loop at the first
+    call; offline batches through `LLMEngine.run_batch` (a replica does one or the other)."""
 
     def __init__(self, engine_args: EngineArgs, index: int, num_threads: int) -> None:
         import torch
@@ -151,22 +171,21 @@ class EngineReplica:
         torch.set_num_threads(num_threads)
         self.index = index
         self.boot_id = uuid.uuid4().hex
-        # Built on a thread that ends (async_llm.on_own_thread): serving steps it on AsyncLLM's.
+        # Built on a thread that ends (core_client.on_own_thread): serving steps it on the client's.
         self.engine = on_own_thread(lambda: LLMEngine.from_engine_args(engine_args.for_replica(index)),
                                     "pagedserve-build")
         self.stats = _StatsRecorder()
-        self.llm: AsyncLLM | None = None
+        self.requests = _ReplicaRequests(self.stats)
+        self.client: InprocClient | None = None
         self.received = 0
         self._admitting: dict[str, bool] = {}  # request id -> aborted while being admitted
         self._batch_lock = asyncio.Lock()  # one offline batch at a time: the engine is not thread-safe
 
-    def _serving(self) -> AsyncLLM:
-        if self.llm is None:
-            # A dead engine loop kills the process, so Ray restarts the replica.
-            self.llm = AsyncLLM(self.engine, stat_loggers=[self.stats], log_stats=False,
-                                on_dead=lambda _: os._exit(1))
-            self.llm.start()
-        return self.llm
+    def _serving(self) -> InprocClient:
+        if self.client is None:
+            self.client = InprocClient(self.engine)
+            self.client.start(self.requests)
+        return self.client
 
     async def info(self) -> ReplicaInfo:
         engine = self.engine
@@ -184,36 +203,48 @@ class EngineReplica:
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams, priority: int,
                        final_only: bool) -> AsyncIterator[Any]:
         """Yields ACCEPTED or a ReplicaRefusal, then (if accepted) the outputs."""
-        llm = self._serving()
+        client = self._serving()
         self.received += 1
         self._admitting[request_id] = False
+        collector = OutputCollector()
         try:
-            stream = await llm.add_request(request_id, prompt, params, priority, final_only=final_only)
+            request = await client.prepare(request_id, prompt, params, priority, None)
+            self.requests.collectors[request_id] = collector
+            await client.add_request(request)
         except Exception as e:  # noqa: BLE001 - the refusal travels back as data
+            self.requests.collectors.pop(request_id, None)
             yield ReplicaRefusal.of(e)
             return
         finally:
             aborted = self._admitting.pop(request_id, False)
-        if aborted:  # the front end gave up while its grammar compiled
-            stream.close()
-            return
-        yield ACCEPTED
+        finished = False
         try:
-            async for out in stream:
-                yield out
+            if aborted:  # the front end gave up while its grammar compiled
+                return
+            yield ACCEPTED
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                if finished or not final_only:
+                    yield out
         finally:
-            stream.close()
+            self.requests.collectors.pop(request_id, None)
+            if not finished:  # (FIFO after the add; an id the engine no longer holds is ignored)
+                client.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._admitting:
             self._admitting[request_id] = True
-        if self.llm is not None:
-            await self.llm.abort(request_id)
+        collector = self.requests.collectors.pop(request_id, None)
+        if self.client is not None:
+            self.client.abort(request_id)
+        if collector is not None:
+            collector.put(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def poll(self) -> ReplicaReport:
-        llm = self._serving()  # the stats recorder is fed by the serving loop
+        client = self._serving()  # the stats recorder is fed by the serving loop
         sched, it = self.stats.take()
-        return ReplicaReport(self.boot_id, sched, it, self.received, llm.num_waiting)
+        return ReplicaReport(self.boot_id, sched, it, self.received, client.num_waiting)
 
     async def run_batch(self, prompts: list[Any], params: list[SamplingParams],
                         priority: list[int] | None) -> list[RequestOutput]:
@@ -221,8 +252,8 @@ class EngineReplica:
             return await asyncio.to_thread(self.engine.run_batch, prompts, params, priority)
 
     async def shutdown(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
+        if self.client is not None:
+            self.client.shutdown()
         else:
             self.engine.shutdown()
 

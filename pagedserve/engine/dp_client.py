@@ -1,8 +1,9 @@
-"""DPAsyncLLM: the OpenAI server's engine client over data-parallel replicas
-(`engine/data_parallel.py`).
+"""RayDPClient: an EngineCoreClient over data-parallel replicas on Ray
+(`engine/data_parallel.py`: each replica is an engine core in a Ray actor).
 
-It satisfies `engine/protocol.py`'s EngineClient, as AsyncLLM does.  It runs on the API
-server's event loop, with no thread of its own:
+`AsyncLLM` runs over it as over the in-process client, so admission, limits, deadlines,
+drain and abort exist once, in `AsyncLLM`.  It runs on the event loop, with no thread of
+its own:
 - each request goes to the replica `engine/router.py` picks; the replica's async
   generator first answers "accepted" or a refusal (so a bad request is a 400 before any
   byte is sent), then streams outputs (non-streaming requests: the final one only);
@@ -21,16 +22,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.async_llm import EngineDeadError, FrontDoor, OutputCollector, RequestStream
+from pagedserve.core.snapshot import KVSnapshot
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.core_client import ClientSink, EngineDeadError, EngineInfo
 from pagedserve.engine.data_parallel import ReplicaRefusal, ReplicaReport, ReplicaSet, routing_tokens
+from pagedserve.engine.llm_engine import BatchProgress, LLMEngine
 from pagedserve.engine.router import NoReplicaError, Router
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.request import LoRARequest
-from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger, RouterMetrics
+from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger, RouterMetrics, make_prometheus_loggers
+from pagedserve.outputs import RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 _NO_LORA = "LoRA adapters do not run on data-parallel replicas (yet): serve them with --data-parallel-size 1"
@@ -70,40 +76,45 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-class DPAsyncLLM(FrontDoor):
-    """The server's engine client over data-parallel replicas (see the module docstring)."""
+class RayDPClient:
+    """An EngineCoreClient over data-parallel replicas (see the module docstring)."""
 
-    def __init__(self, replicas: ReplicaSet,
-                 prometheus: Sequence[PrometheusStatLogger] = (), router_metrics: RouterMetrics | None = None,
-                 log_stats: bool = True, log_interval: float = 10.0, max_waiting_requests: int | None = None,
-                 request_timeout: float | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
-        """`prometheus[i]`: replica i's Prometheus logger (its `engine` label); `on_dead`:
-        called once every replica has been down for REPLICA_DEAD_SECONDS."""
-        super().__init__(max_waiting_requests, request_timeout, on_dead)
+    def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
+        self.num_replicas = n = replicas.num_replicas
         info = replicas.info
-        n = replicas.num_replicas
-        self.tokenizer = info.tokenizer
-        self.vocab_size = info.vocab_size
-        self.max_prompt_chars = info.max_prompt_chars
-        self.sampling_defaults = info.sampling_defaults
-        self.structured_outputs_backend = info.structured_outputs_backend
-        self.runner = "generate"  # EngineArgs refuses the pooling runner with replicas
-        self.classifier_token_ids = None
+        self.info = EngineInfo(info.tokenizer, info.vocab_size, info.max_prompt_chars, info.sampling_defaults,
+                               info.structured_outputs_backend, "generate",  # EngineArgs refuses pooling with replicas
+                               None, info.max_model_len, info.device)
+        self.dead_error: BaseException | None = None
+        self.local_engine: LLMEngine | None = None  # every engine is in a replica
         self.router = Router(replicas.router_config, n, info.block_size, info.num_blocks)
-        self.metrics = router_metrics
-        if prometheus and len(prometheus) != n:
-            raise ValueError(f"got {len(prometheus)} Prometheus loggers for {n} replicas")
-        self.prometheus = list(prometheus)
-        self.log_stats = [LoggingStatLogger(log_interval, device=info.device, prefix=f"Engine {i:03d}: ")
-                          for i in range(n)] if log_stats else []
+        self.metrics: RouterMetrics | None = None
+        self.prometheus: list[PrometheusStatLogger] = []
+        self.log_stats: list[LoggingStatLogger] = []
+        self._sink: ClientSink | None = None
         self._flights: dict[str, _Flight] = {}
         self._boot_ids: list[str | None] = [None] * n
         self._down_since: list[float | None] = [None] * n
         self._monitor: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> RayDPClient:
+        """Start the replicas (blocking until each has loaded its model)."""
+        return cls(ReplicaSet(engine_args))
+
+    def observe(self, registry: Any, model_name: str) -> None:
+        """Export to Prometheus: every replica's series under its `engine` label, and the
+        router's own."""
+        n = self.num_replicas
+        self.prometheus = make_prometheus_loggers(registry, model_name, n)
+        self.metrics = RouterMetrics(registry, model_name, n)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.replicas.info.description, "data_parallel_size": self.num_replicas,
+                "router_policy": self.replicas.router_config.policy}
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -115,15 +126,15 @@ class DPAsyncLLM(FrontDoor):
         """Every up replica's waiting requests (dispatched requests count as waiting at once)."""
         return sum(load.waiting for load, up in zip(self.router.loads, self.router.up, strict=True) if up)
 
-    def start(self) -> None:
+    def start(self, sink: ClientSink) -> None:
+        """Start the monitor; with the sink's log line on, one log line per replica."""
         if self._monitor is None:
+            self._sink = sink
+            if sink.log_stats is not None:
+                self.log_stats = [LoggingStatLogger(sink.log_stats.interval, device=self.info.device,
+                                                    prefix=f"Engine {i:03d}: ") for i in range(self.num_replicas)]
             self._loop = asyncio.get_running_loop()
             self._monitor = self._loop.create_task(self._watch_replicas())
-
-    def abort_all(self, error: BaseException) -> None:
-        for request_id in list(self._collectors):
-            self._collectors[request_id].put(error)
-            self.forget(request_id, abort=True)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -138,6 +149,15 @@ class DPAsyncLLM(FrontDoor):
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         return self.replicas.encode_chat(messages, chat_template, add_generation_prompt, **kwargs)
 
+    def watch(self, listener: Callable[[KVSnapshot, float], None] | None) -> None:
+        """Nothing to watch: the dashboard shows one engine's block pool (off with replicas)."""
+
+    def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
+                  priority: list[int] | None = None, progress: BatchProgress | None = None,
+                  lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """The offline batch, split over the replicas (ReplicaSet.run_batch)."""
+        return self.replicas.run_batch(prompts, params, priority, progress, lora_requests)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ requests
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         raise InvalidRequestError(_NO_LORA, param="model")
@@ -145,39 +165,38 @@ class DPAsyncLLM(FrontDoor):
     async def remove_lora(self, lora_id: int) -> bool:
         return False
 
-    async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams,
-                          priority: int = 0, final_only: bool = False,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
-        """As AsyncLLM.add_request: returns once a replica has accepted the request."""
+    async def prepare(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, priority: int,
+                      lora_request: LoRARequest | None) -> _Request:
+        """Route it: the prompt's token ids (tokenized once, here) and block hashes.  The
+        replica's InputProcessor checks it."""
         if lora_request is not None:
             raise InvalidRequestError(_NO_LORA, param="model")
-        self._admit(request_id)
-        ids, salt = routing_tokens(prompt, self.tokenizer)
+        ids, salt = routing_tokens(prompt, self.info.tokenizer)
         if ids is not None and isinstance(prompt, (str, dict)):  # the replica need not tokenize again
             prompt = {**prompt, "prompt_token_ids": ids} if isinstance(prompt, dict) else {
                 "prompt": prompt, "prompt_token_ids": ids}
-        request = _Request(request_id, (request_id, prompt, sampling_params, priority, final_only),
-                           self.router.block_hashes(ids, salt), len(ids or ()))
-        collector = OutputCollector()
-        self._collectors[request_id] = collector
+        return _Request(request_id, (request_id, prompt, params, priority),
+                        self.router.block_hashes(ids, salt), len(ids or ()))
+
+    async def add_request(self, request: _Request, final_only: bool = False) -> None:
+        """Returns once a replica has accepted the request (its refusal raises)."""
+        assert self._sink is not None
+        request_id = request.request_id
+        request.args = (*request.args[:4], final_only)
         flight = _Flight(replica=-1, attempts=0, counted=False)
         self._flights[request_id] = flight
         try:
             gen = await self._dispatch(request, flight, exclude=set())
         except BaseException:
-            self._collectors.pop(request_id, None)
             self._flights.pop(request_id, None)
             raise
-        if request_id not in self._collectors:  # closed (abort_all, a drain) while it was being accepted
+        if not self._sink.is_open(request_id):  # closed (abort_all, a drain) while it was being accepted
             self._end(request_id, flight, abort=True)
             self._flights.pop(request_id, None)
-            if isinstance(collector.item, BaseException):
-                raise collector.item
-            raise asyncio.CancelledError(f"request {request_id} aborted")
-        flight.task = asyncio.get_running_loop().create_task(self._pump(request, flight, gen, collector))
+            return  # its collector already holds what ended it
+        flight.task = asyncio.get_running_loop().create_task(self._pump(request, flight, gen))
         # Runs even when the task is cancelled before it starts: the load count never leaks.
         flight.task.add_done_callback(lambda task: self._end(request_id, flight, abort=task.cancelled()))
-        return self._stream(request_id, collector, final_only)
 
     async def _dispatch(self, request: _Request, flight: _Flight, exclude: set[int]) -> Any:
         """Send the request to the router's choice and wait for its acceptance (a refusal
@@ -225,26 +244,28 @@ class DPAsyncLLM(FrontDoor):
             if self.metrics is not None:
                 self.metrics.retries.inc()
 
-    async def _pump(self, request: _Request, flight: _Flight, gen: Any, collector: OutputCollector) -> None:
+    async def _pump(self, request: _Request, flight: _Flight, gen: Any) -> None:
         """Move a request's outputs from its replica to its collector.  On a replica
         failure it goes to another replica if nothing was delivered yet and it has not been
         moved before; every way out leaves a final output or an error in the collector."""
         import ray
 
+        assert self._sink is not None
+        sink, request_id = self._sink, request.request_id
         delivered = False
         try:
             while True:
                 try:
                     async for ref in gen:
                         out = await ref
-                        collector.put(out)
+                        sink.deliver([out])
                         delivered = True
                         if out.finished:
                             return
                     raise RuntimeError(f"replica {flight.replica} ended the request without a final output")
                 except ray.exceptions.RayTaskError as e:  # the replica's stream raised
                     if not isinstance(e.cause, EngineDeadError):
-                        collector.put(e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e)))
+                        sink.fail(request_id, e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e)))
                         return
                     failure: BaseException = e.cause
                 except ray.exceptions.RayError as e:  # the replica died or is unreachable
@@ -252,7 +273,7 @@ class DPAsyncLLM(FrontDoor):
                 failed = flight.replica
                 self._replica_failed(failed, failure)
                 if delivered or flight.attempts >= 1:
-                    collector.put(EngineDeadError(f"The engine replica serving this request (replica {failed}) "
+                    sink.fail(request_id, EngineDeadError(f"The engine replica serving this request (replica {failed}) "
                                                   "failed after it had started answering; retry the request."))
                     return
                 self._end(request.request_id, flight, abort=True)  # best effort: it may be alive yet
@@ -265,23 +286,16 @@ class DPAsyncLLM(FrontDoor):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request's error (a refusal, no replica left, a bug)
-            collector.put(e)
+            sink.fail(request_id, e)
 
-    async def abort(self, request_id: str) -> None:
-        collector = self._collectors.get(request_id)
-        self.forget(request_id, abort=True)
-        if collector is not None:
-            collector.put(asyncio.CancelledError(f"request {request_id} aborted"))
-
-    def forget(self, request_id: str, abort: bool) -> None:
-        """A stream is done with its request (finished, or closed early: abort it).  A
-        stream dropped unread may call this from another thread: it hops to the loop."""
+    def abort(self, request_id: str) -> None:
+        """Stop a request on its replica.  A stream dropped unread may call this from
+        another thread: it hops to the loop."""
         if self._loop is not None and _running_loop() is not self._loop:
-            self._loop.call_soon_threadsafe(self.forget, request_id, abort)
+            self._loop.call_soon_threadsafe(self.abort, request_id)
             return
-        self._collectors.pop(request_id, None)
         flight = self._flights.get(request_id)
-        if flight is None or not abort:
+        if flight is None:
             return
         # A pump is cancelled (its done callback aborts the request on its replica); a
         # request still being accepted is ended by add_request, which finds its collector gone.
@@ -371,7 +385,5 @@ class DPAsyncLLM(FrontDoor):
             self.dead_error = EngineDeadError(f"every engine replica has been down for over "
                                               f"{REPLICA_DEAD_SECONDS:g} s")
             logger.error("%s; the server gives up", self.dead_error)
-            for request_id in list(self._collectors):
-                self._collectors[request_id].put(self.dead_error)
-            if self._on_dead is not None:
-                self._on_dead(self.dead_error)
+            assert self._sink is not None
+            self._sink.engine_dead(self.dead_error)

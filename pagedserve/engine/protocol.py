@@ -1,5 +1,6 @@
-"""EngineClient: what the OpenAI server needs of an engine, whether one in this process
-(`AsyncLLM`) or data-parallel replicas on Ray behind a router (`DPAsyncLLM`)."""
+"""EngineClient: what the OpenAI layer needs of its front end, `AsyncLLM` (the one there
+is, over one engine in this process or data-parallel replicas alike); typed here so the
+route handlers and their tests depend on this surface alone, not on AsyncLLM's module."""
 
 from __future__ import annotations
 

@@ -1,17 +1,23 @@
 """The offline API: `LLM(model, **engine_args).generate(prompts, params)`.
 
-Prompts are normalised here and handed to `LLMEngine.run_batch` (the batch loop), or with
-data_parallel_size > 1 split over engine replicas on Ray (`engine/data_parallel.py`).
+Prompts are normalised here and handed to an `EngineCoreClient`'s `run_batch`: one
+engine in this process (`InprocClient`: `LLMEngine.run_batch`, the batch loop), or with
+data_parallel_size > 1 engine replicas on Ray that split every batch (`RayDPClient`).
+`make_engine_core_client` chooses, as it does for the server.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
-from pagedserve.engine.llm_engine import BatchProgress, EngineStats, LLMEngine
+from pagedserve.engine.async_llm import make_engine_core_client
+from pagedserve.engine.core import EngineStats
+from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.inproc_client import InprocClient
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pairs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
@@ -32,61 +38,38 @@ Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
-class BatchEngine(Protocol):
-    """What `LLM` drives: an `LLMEngine`, or data-parallel replicas (`ReplicaSet`)."""
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    def sampling_defaults(self) -> dict[str, Any]: ...
-
-    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]: ...
-
-    def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
-                  priority: list[int] | None = None, progress: BatchProgress | None = None,
-                  lora_requests: list[LoRARequest | None] | None = None,
-                  ) -> list[RequestOutput] | list[PoolingRequestOutput]: ...
-
-    def shutdown(self) -> None: ...
-
-
 class LLM:
-    """An engine plus the batch loop.  Keyword arguments are EngineArgs fields
+    """An engine client plus the batch API.  Keyword arguments are EngineArgs fields
     (dtype, max_model_len, enable_prefix_caching, kv_cache_memory_bytes, ...);
     data_parallel_size=N runs N engine replicas on Ray and splits each batch over them
-    (`llm_engine` is then None)."""
+    (`llm_engine`, the engine in this process, is then None)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs("LLM()", model=model, **engine_args)
-        self.llm_engine: LLMEngine | None = None
-        if args.data_parallel_size > 1:
-            from pagedserve.engine.data_parallel import ReplicaSet
-
-            self.engine: BatchEngine = ReplicaSet(args)
-        else:
-            self.engine = self.llm_engine = LLMEngine.from_engine_args(args)
+        self.client: EngineCoreClient = make_engine_core_client(args, own_thread=False)
+        self.llm_engine: LLMEngine | None = self.client.local_engine
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an already built engine (tests, custom runners)."""
         llm = cls.__new__(cls)
-        llm.engine = llm.llm_engine = engine
+        llm.client = InprocClient(engine)
+        llm.llm_engine = engine
         return llm
 
     def get_tokenizer(self) -> Any:
         """transformers' tokenizer of the model (the engine may hold a snapshot of it)."""
-        return hf_tokenizer(self.engine.tokenizer)
+        return hf_tokenizer(self.client.info.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate()` uses when given no SamplingParams: the model's generation-config
         defaults (--generation-config auto), else the built-in ones."""
-        return SamplingParams(**self.engine.sampling_defaults())
+        return SamplingParams(**self.client.info.sampling_defaults)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes and data-parallel replicas now (otherwise:
         when garbage collected or at exit)."""
-        self.engine.shutdown()
+        self.client.shutdown()
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -133,8 +116,8 @@ class LLM:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         chat_template = read_chat_template(chat_template)  # the caller's own process may name a file
-        engine = self.engine
-        prompts = [engine.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools,
+        client = self.client
+        prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools,
                                       chat_template_kwargs=chat_template_kwargs,
                                       continue_final_message=continue_final_message)
                    for conv in conversations]
@@ -224,12 +207,12 @@ class LLM:
     def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
              priority: Sequence[int] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> Any:
-        engine = self.engine
+        client = self.client
         loras = _normalize_loras(lora_request, len(prompts))
         stats = self.llm_engine.get_stats if self.llm_engine is not None else None
         bar = _ProgressBar(stats, len(prompts)) if use_tqdm and prompts else None
         try:
-            return engine.run_batch(prompts, params, list(priority) if priority is not None else None, bar, loras)
+            return client.run_batch(prompts, params, list(priority) if priority is not None else None, bar, loras)
         finally:
             if bar is not None:
                 bar.close()

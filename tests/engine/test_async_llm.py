@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, FrontDoor
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedserve.engine.core_client import EngineInfo
 from pagedserve.metrics import make_prometheus_loggers
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_engine import FakeEngine
@@ -128,7 +129,7 @@ def test_engine_failure_marks_dead_and_fails_inflight():
         with pytest.raises(EngineDeadError, match=r"failed \(RuntimeError") as info:
             await collect(llm, "doomed", max_tokens=100)
         assert "simulated device failure" in str(info.value.__cause__)
-        assert llm.errored and not llm.is_running
+        assert llm.errored and not llm.client.is_running
         with pytest.raises(EngineDeadError):
             await collect(llm, "later")
 
@@ -227,9 +228,9 @@ def test_a_pause_after_work_checks_the_kv_cache_and_a_broken_one_stops_the_engin
     """The integrity check runs once the engine has been idle a while after work, never
     while requests run; a broken invariant kills the engine (wrong answers would be worse)
     and the next request is told so."""
-    import pagedserve.engine.async_llm as async_llm
+    import pagedserve.engine.inproc_client as inproc_client
 
-    monkeypatch.setattr(async_llm, "IDLE_TRIM_SECONDS", 0.05)
+    monkeypatch.setattr(inproc_client, "IDLE_TRIM_SECONDS", 0.05)
     engine = FakeEngine()
 
     async def main():
@@ -255,29 +256,27 @@ def test_a_pause_after_work_checks_the_kv_cache_and_a_broken_one_stops_the_engin
     run(main())
 
 
-class _Door(FrontDoor):
-    """The shared admission alone, as the data-parallel client uses it."""
+class _Client:
+    """A client whose waiting count the test sets: AsyncLLM's admission alone, which is
+    the same over every client (in-process or data-parallel)."""
 
-    def __init__(self, waiting: int = 0, **limits) -> None:
-        super().__init__(limits.get("max_waiting_requests"), limits.get("request_timeout"), None)
-        self.waiting = waiting
+    def __init__(self) -> None:
+        self.info = EngineInfo(None, 256, 1000, {}, "guidance", "generate", None, 64, "CPU")
+        self.dead_error: BaseException | None = None
+        self.num_waiting = 0
+        self.serving = True
 
-    @property
-    def num_waiting(self) -> int:
-        return self.waiting
-
-    def start(self) -> None:
+    def start(self, sink) -> None:
         pass
-
-    def forget(self, request_id: str, abort: bool) -> None:
-        self._collectors.pop(request_id, None)
 
 
 def test_front_door_admission_is_the_same_for_every_client() -> None:
-    door = _Door(waiting=3, max_waiting_requests=3)
+    client = _Client()
+    client.num_waiting = 3
+    door = AsyncLLM(client=client, log_stats=False, max_waiting_requests=3)
     with pytest.raises(EngineOverloadedError, match="3 requests are already waiting"):
         door._admit("a")
-    door.waiting = 0
+    client.num_waiting = 0
     door._admit("a")
     door._collectors["a"] = object()
     with pytest.raises(ValueError, match="already in use"):
@@ -287,14 +286,14 @@ def test_front_door_admission_is_the_same_for_every_client() -> None:
         door._admit("b")
     # A client-worded dead error (the replicas' own) reaches requests as it is worded, a
     # new instance each time; any other failure is told by its kind only.
-    door.dead_error = EngineDeadError("every engine replica has been down for over 600 s")
+    client.dead_error = EngineDeadError("every engine replica has been down for over 600 s")
     errors = []
     for _ in range(2):
         with pytest.raises(EngineDeadError, match="every engine replica") as info:
             door._admit("c")
         errors.append(info.value)
     assert errors[0] is not errors[1] and errors[0] is not door.dead_error
-    door.dead_error = OSError("/secret/path unreadable")
+    client.dead_error = OSError("/secret/path unreadable")
     with pytest.raises(EngineDeadError, match=r"The engine failed \(OSError") as info:
         door._admit("c")
     assert "/secret" not in str(info.value) and info.value.__cause__ is door.dead_error
@@ -307,6 +306,7 @@ def test_from_engine_args_builds_the_engine_on_a_thread_that_ends(monkeypatch):
     from_engine_args returns; its result and its exceptions come back to the caller."""
     from pagedserve.engine import async_llm
     from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.inproc_client import InprocClient
 
     built_on: list[threading.Thread] = []
 
@@ -316,7 +316,7 @@ def test_from_engine_args_builds_the_engine_on_a_thread_that_ends(monkeypatch):
 
     monkeypatch.setattr(async_llm.LLMEngine, "from_engine_args", staticmethod(build))
     llm = AsyncLLM.from_engine_args(EngineArgs(), log_stats=False)
-    assert isinstance(llm.engine, FakeEngine)
+    assert isinstance(llm.client, InprocClient) and isinstance(llm.client.engine, FakeEngine)
     assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
 
     def fail(args):

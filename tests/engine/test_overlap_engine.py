@@ -11,7 +11,7 @@ import torch
 from fake_runner import make_engine
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.llm_engine import resolve_async_scheduling
+from pagedserve.engine.core import resolve_async_scheduling
 
 
 class _Executor:

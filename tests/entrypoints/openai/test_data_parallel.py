@@ -64,7 +64,7 @@ def test_offline_llm_splits_a_batch_over_replicas(tiny_model_dir, ray_address, s
     llm = LLM(str(tiny_model_dir), data_parallel_size=2, cpus_per_replica=1, router_policy="round_robin",
               kv_cache_memory_bytes="16MiB", **ENGINE_KW)
     try:
-        assert llm.llm_engine is None and llm.engine.num_replicas == 2
+        assert llm.llm_engine is None and llm.client.num_replicas == 2
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         chat = [{"role": "user", "content": "hello world"}]
