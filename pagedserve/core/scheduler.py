@@ -151,10 +151,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
-        if self.step_budget is not None:  # every running request, and a block of prefill progress
-            token_budget = self.step_budget.token_budget(len(self.running) + self.kv_cache_manager.block_size)
-        step_budget = token_budget
+        token_budget = step_budget = self._step_token_budget()
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
@@ -281,6 +278,16 @@ class Scheduler:
         return (request.max_draft_tokens > 0 and request.grammar is None
                 and len(request.output_token_ids) >= request.min_tokens
                 and request.sampling_params.allows_speculation)
+
+    def _step_token_budget(self) -> int:
+        """The step's token budget: max_num_batched_tokens, or under a step-time target
+        (max_step_ms) while some running request streams its output (its next token waits
+        for this step), what fits the target: every running request, and at least a block
+        of prefill progress.  With no stream to protect a prompt prefills at full speed."""
+        budget = self.step_budget
+        if budget is None or not any(r.num_output_tokens for r in self.running):
+            return self.max_num_batched_tokens
+        return budget.token_budget(len(self.running) + self.kv_cache_manager.block_size)
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         """A step's duration, for the time budget (max_step_ms)."""

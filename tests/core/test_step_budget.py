@@ -61,6 +61,22 @@ def test_scheduler_chunks_prefill_so_decodes_keep_their_step_time() -> None:
     assert so.total_num_scheduled_tokens == 28
 
 
+def test_with_no_stream_to_protect_a_prompt_prefills_at_the_full_token_budget() -> None:
+    """The time target protects running streams' next tokens; a prompt alone (or beside
+    other prompts) is nobody's wait, so it takes max_num_batched_tokens a step."""
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=64, max_model_len=256, num_blocks=128,
+                           max_step_ms=30)
+    for n in (16, 4, 40, 64):
+        sched.record_step_time(n, 0.002 + 0.001 * n)  # 28 tokens would fit 30 ms
+    sched.add_request(make_request("long", 200, max_tokens=4))
+    sched.add_request(make_request("other", 100, max_tokens=4))
+    so = sched.schedule()
+    assert so.total_num_scheduled_tokens == 64
+    sched.update_from_output(so, {})
+    so = sched.schedule()  # both still prefilling: no stream yet
+    assert so.total_num_scheduled_tokens == 64
+
+
 def test_config_checks() -> None:
     with pytest.raises(ValueError, match="max_step_ms must be a positive number"):
         SchedulerConfig(max_step_ms=0)
