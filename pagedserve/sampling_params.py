@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,81 +145,74 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise InvalidRequestError (a ValueError) naming the first field out of range."""
-
-        def bad(name: str, allowed: str) -> InvalidRequestError:
-            got = repr(getattr(self, name))
-            if len(got) > 200:  # a huge value is not echoed back whole
-                got = f"{got[:200]}... ({len(got)} characters)"
-            return InvalidRequestError(f"{name} must be {allowed}, got {got}", param=name)
-
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if not _is_finite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a finite number >= 0")
-        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
-        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise bad("top_k", "-1, 0 (disabled) or a positive integer")
-        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", "a number in [0, 1]")
-        if self.seed is not None and not (is_int(self.seed) and _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
-            raise bad("seed", "a 64-bit signed integer or None")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_finite(value) or not -2 <= value <= 2:
-                raise bad(name, "a number in [-2, 2]")
-        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a finite number > 0")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 or None")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        """Raise InvalidRequestError (a ValueError) naming the first field out of range.
+        The checks run in a fixed order (scalars, then lengths, logprobs, logit edits,
+        structured outputs, stops, flags), so the field named is always the same one."""
+        self._check_rules(_SCALAR_RULES)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
                 f"max_tokens={self.max_tokens}", param="min_tokens")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", "an integer >= 0 or None")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "an integer >= 0 or None")
+        self._check_rules(_LOGPROBS_RULES)
+        self._check_logit_edits()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise self._bad("structured_outputs", "a StructuredOutputsParams")
+            self.structured_outputs.validate()
+        self._check_stops()
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise self._bad(name, "True or False")
+
+    def _bad(self, name: str, allowed: str) -> InvalidRequestError:
+        """The error for field `name`: what it must be, and (shortened) what it is."""
+        got = repr(getattr(self, name))
+        if len(got) > 200:  # a huge value is not echoed back whole
+            got = f"{got[:200]}... ({len(got)} characters)"
+        return InvalidRequestError(f"{name} must be {allowed}, got {got}", param=name)
+
+    def _check_rules(self, rules: tuple[_FieldRule, ...]) -> None:
+        for rule in rules:
+            if not rule.ok(getattr(self, rule.name)):
+                raise self._bad(rule.name, rule.allowed)
+
+    def _check_logit_edits(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words: well formed and bounded in size
+        (each becomes per-step work in the sampler)."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     is_int(t) and t >= 0 and _is_finite(b) for t, b in self.logit_bias.items()):
-                raise bad("logit_bias", "a dict of non-negative token ids to finite numbers")
+                raise self._bad("logit_bias", "a dict of non-negative token ids to finite numbers")
             if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
-                raise bad("logit_bias", "biases in [-100, 100] (OpenAI's range)")
+                raise self._bad("logit_bias", "biases in [-100, 100] (OpenAI's range)")
             if len(self.logit_bias) > MAX_TOKEN_ID_LIST:
-                raise bad("logit_bias", f"a dict of at most {MAX_TOKEN_ID_LIST} entries")
+                raise self._bad("logit_bias", f"a dict of at most {MAX_TOKEN_ID_LIST} entries")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
-                raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
+                raise self._bad("allowed_token_ids", "a non-empty list of non-negative token ids")
             if len(ids) > MAX_ALLOWED_TOKEN_IDS or len(set(ids)) != len(ids):
-                raise bad("allowed_token_ids", f"a list of at most {MAX_ALLOWED_TOKEN_IDS} distinct token ids")
+                raise self._bad("allowed_token_ids", f"a list of at most {MAX_ALLOWED_TOKEN_IDS} distinct token ids")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip()
                                                                for w in self.bad_words):
-                raise bad("bad_words", "a list of non-empty strings")
+                raise self._bad("bad_words", "a list of non-empty strings")
             if len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
-                raise bad("bad_words", f"at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters "
-                                       "each")
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise bad("structured_outputs", "a StructuredOutputsParams")
-            self.structured_outputs.validate()
+                raise self._bad("bad_words", f"at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} "
+                                             "characters each")
+
+    def _check_stops(self) -> None:
+        """stop and stop_token_ids: checked after every step, so their count and length are bounded."""
         stops = self.stop_strings if isinstance(self.stop, (str, list, tuple, type(None))) else None
         if stops is None or not all(isinstance(s, str) and s for s in stops):
-            raise bad("stop", "a non-empty string or a list of non-empty strings")
+            raise self._bad("stop", "a non-empty string or a list of non-empty strings")
         if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each")
+            raise self._bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                                    "characters each")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative integers")
+            raise self._bad("stop_token_ids", "a list of non-negative integers")
         if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
-            raise bad("stop_token_ids", f"a list of at most {MAX_TOKEN_ID_LIST} entries")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "True or False")
+            raise self._bad("stop_token_ids", f"a list of at most {MAX_TOKEN_ID_LIST} entries")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -249,6 +243,40 @@ def _is_finite(x: object) -> bool:
     if isinstance(x, bool):
         return False
     return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))
+
+
+def _optional_count(x: object) -> bool:
+    return x is None or (is_int(x) and x >= 0)
+
+
+@dataclass(frozen=True)
+class _FieldRule:
+    """One scalar field's rule: `ok(value)`, and what the error says the field must be."""
+
+    name: str
+    ok: Callable[[Any], bool]
+    allowed: str
+
+
+# In the order they are checked: the first field out of range is the one named.
+_SCALAR_RULES = (
+    _FieldRule("n", lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+    _FieldRule("temperature", lambda v: _is_finite(v) and v >= 0, "a finite number >= 0"),
+    _FieldRule("top_p", lambda v: _is_finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    _FieldRule("top_k", lambda v: is_int(v) and (v >= 0 or v == -1), "-1, 0 (disabled) or a positive integer"),
+    _FieldRule("min_p", lambda v: _is_finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    _FieldRule("seed", lambda v: v is None or (is_int(v) and _SEED_RANGE[0] <= v <= _SEED_RANGE[1]),
+               "a 64-bit signed integer or None"),
+    _FieldRule("presence_penalty", lambda v: _is_finite(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    _FieldRule("frequency_penalty", lambda v: _is_finite(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    _FieldRule("repetition_penalty", lambda v: _is_finite(v) and v > 0, "a finite number > 0"),
+    _FieldRule("max_tokens", lambda v: v is None or (is_int(v) and v >= 1), "an integer >= 1 or None"),
+    _FieldRule("min_tokens", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+)
+_LOGPROBS_RULES = (
+    _FieldRule("logprobs", _optional_count, "an integer >= 0 or None"),
+    _FieldRule("prompt_logprobs", _optional_count, "an integer >= 0 or None"),
+)
 
 
 # Beam search asks the engine for each beam's 2 x beam_width most likely next tokens.

@@ -1,7 +1,8 @@
-"""The package's layering rules, checked on its source: no import cycles between modules,
-no `_`-prefixed name imported from another module nor reached as another module's
-object's attribute, the serving layers never importing `benchmarks/`, and `core/` free
-of torch (that last one runs in a subprocess in tests/core/test_kv_cache_utils.py)."""
+"""The package's layering rules, checked on its source: no import cycles between modules
+(through function-level imports too), no module over 600 lines, no `_`-prefixed name
+imported from another module nor reached as another module's object's attribute, the
+serving layers never importing `benchmarks/`, and `core/` free of torch (that last one
+runs in a subprocess in tests/core/test_kv_cache_utils.py)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,32 @@ def _imports(tree: ast.Module, module_level_only: bool) -> list[ast.ImportFrom |
     return found
 
 
-def test_no_import_cycles_between_modules():
+def _is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports only a type checker runs."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(node: ast.AST) -> list[ast.ImportFrom | ast.Import]:
+    """Every import that can run, at any depth (a function-level import runs when the
+    function does, and a cycle through it is still a cycle), but for those under `if
+    TYPE_CHECKING:` (its `else:` branch runs, and counts)."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [node]
+    children = node.orelse if _is_type_checking(node) else list(ast.iter_child_nodes(node))
+    return [imp for child in children for imp in _runtime_imports(child)]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (and the packages above them, which
+    importing runs first), from every import that can run."""
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, tree in mods.items():
-        for node in _imports(tree, module_level_only=True):
+        for node in _runtime_imports(tree):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names += [f"{node.module}.{a.name}" for a in node.names]
@@ -50,6 +72,15 @@ def test_no_import_cycles_between_modules():
                     target = ".".join(parts[:i])
                     if target in mods and target != mod and not mod.startswith(target + "."):
                         graph[mod].add(target)
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    """No module imports, at any depth, one that imports it back (directly or around a
+    longer circle): the layers stay a stack, each importable and testable above the
+    ones below it."""
+    mods = _modules()
+    graph = _import_graph()
     state: dict[str, int] = {}
     path: list[str] = []
 
@@ -84,15 +115,28 @@ SERVING = ("core", "engine", "worker", "executor", "attention", "layers", "model
 
 
 def test_serving_layers_never_import_benchmarks():
-    """At any depth (function-level imports included): the CLI reaches a benchmark only
-    by module path (importlib), when its subcommand runs."""
+    """At any depth (function-level imports included), nor by a module path in a string
+    (importlib): the CLI finds a benchmark through the `pagedserve.benchmarks`
+    entry-point group the benchmarks declare in pyproject.toml."""
     offenders = []
     for mod, tree in _modules().items():
         if mod.split(".")[1:2] and mod.split(".")[1] in SERVING:
             for node in _imports(tree, module_level_only=False):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 offenders += [f"{mod}: {name}" for name in names if name.startswith("pagedserve.benchmarks")]
+            offenders += [f"{mod}:{n.lineno}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                          and isinstance(n.value, str) and n.value.startswith("pagedserve.benchmarks.")]
     assert offenders == []
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_600_lines():
+    """A module longer than this holds more than one idea: split it where its seams are."""
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
 
 
 # Private attributes of other libraries' objects that we read on purpose, with why.

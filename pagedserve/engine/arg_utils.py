@@ -222,49 +222,68 @@ class EngineArgs:
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.model, str) or not self.model:
-            raise bad("model", "a non-empty string (registry name, directory or .gguf path)")
-        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
-            raise bad("tokenizer", "a string or None")
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
-        for name in ("max_num_batched_tokens", "num_gpu_blocks_override"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise bad(name, "a positive integer or None")
-        for name in ("tensor_parallel_size", "data_parallel_size"):  # the checks below read them
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise bad(name, "a positive integer")
-        if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise bad("block_size", "a positive power of two (e.g. 16 or 32)")
-        if self.kv_cache_memory_bytes is not None:
-            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        """Check every argument, in a fixed order (so the one named is always the same):
+        types and ranges first, then the KV tier and replicas, then the parsed JSON
+        arguments and the combinations that do not work together."""
+        self._validate_model_and_sizes()
         self._validate_kv_tier()
         self._validate_data_parallel()
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise bad("gpu_memory_utilization", "in (0, 1]")
-        if not is_int(self.seed):
-            raise bad("seed", "an integer")
-        if not is_int(self.max_logprobs) or self.max_logprobs < 0:
-            raise bad("max_logprobs", "an integer >= 0")
-        if self.generation_config not in ("auto", "vllm"):
-            raise bad("generation_config", "'auto' or 'vllm'")
-        if self.load_format not in LOAD_FORMATS:
-            raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
-        for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code",
-                     "prepack_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "True or False")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise bad("async_scheduling", "True, False or None (on for CUDA)")
-        if self.torch_compile is not None and not isinstance(self.torch_compile, bool):
-            raise bad("torch_compile", "True, False or None (the default)")
+        self._validate_scalars()
         self._speculative = self._parse_speculative_config()
         self._pooler = self._parse_pooler_config()
         self._lora = self._lora_config()
+        self._validate_combinations()
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise self._bad("chat_template", "a template string or a file path")
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise self._bad("attention_backend", "a backend name or None")
+
+    def _bad(self, name: str, allowed: str) -> ValueError:
+        return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    def _validate_model_and_sizes(self) -> None:
+        """What the model is, where it runs, and the sizes the later checks read."""
+        if not isinstance(self.model, str) or not self.model:
+            raise self._bad("model", "a non-empty string (registry name, directory or .gguf path)")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise self._bad("tokenizer", "a string or None")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise self._bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        for name in ("max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise self._bad(name, "a positive integer or None")
+        for name in ("tensor_parallel_size", "data_parallel_size"):  # the checks below read them
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise self._bad(name, "a positive integer")
+        if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise self._bad("block_size", "a positive power of two (e.g. 16 or 32)")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+
+    def _validate_scalars(self) -> None:
+        """Numbers, names and flags, each on its own."""
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise self._bad("gpu_memory_utilization", "in (0, 1]")
+        if not is_int(self.seed):
+            raise self._bad("seed", "an integer")
+        if not is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise self._bad("max_logprobs", "an integer >= 0")
+        if self.generation_config not in ("auto", "vllm"):
+            raise self._bad("generation_config", "'auto' or 'vllm'")
+        if self.load_format not in LOAD_FORMATS:
+            raise self._bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
+        for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code",
+                     "prepack_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise self._bad(name, "True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise self._bad("async_scheduling", "True, False or None (on for CUDA)")
+        if self.torch_compile is not None and not isinstance(self.torch_compile, bool):
+            raise self._bad("torch_compile", "True, False or None (the default)")
+
+    def _validate_combinations(self) -> None:
+        """Arguments valid alone that do not work together (yet)."""
         if self._speculative is not None and self.async_scheduling:
             raise ValueError("speculative_config does not work with async_scheduling=True yet (a step's drafts "
                              "depend on the previous step's tokens); turn one of them off")
@@ -274,10 +293,6 @@ class EngineArgs:
                              "(tensor_parallel_size > 1); n-gram speculation does ({\"method\": \"ngram\"})")
         if self.torch_compile and self.enforce_eager:
             raise ValueError("torch_compile=True contradicts enforce_eager=True (which never compiles)")
-        if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise bad("chat_template", "a template string or a file path")
-        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
-            raise bad("attention_backend", "a backend name or None")
 
     def _validate_kv_tier(self) -> None:
         if self.prefix_caching_algo not in PREFIX_CACHING_ALGOS:

@@ -172,53 +172,75 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None or state.finished:
                 continue
-            parent, new_ids = state.parent, out.new_token_ids
-            metrics = parent.metrics
+            touched[state.parent.request_id] = state.parent
             if out.pooling_output is not None:  # a pooling request's prompt is computed: its one result
-                self.num_prompt_tokens += len(parent.prompt_token_ids)
-                state.num_cached_tokens = max(out.num_cached_tokens, 0)
-                state.pooled, state.finish_reason = out.pooling_output, "stop"
-                metrics.first_token_time = metrics.last_token_time = now
-                del self.states[out.request_id]
-                touched[parent.request_id] = parent
+                self._finish_pooling(state, out, now)
                 continue
-            if new_ids:
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                if not state.output_token_ids:
-                    self.num_prompt_tokens += len(parent.prompt_token_ids)
-                    state.num_cached_tokens = max(out.num_cached_tokens, 0)
-                metrics.last_token_time = now
-                self.num_generation_tokens += len(new_ids)
-                state.output_token_ids.extend(new_ids)
-                if state.logprobs is not None and out.request_id in logprobs:
-                    self._append_logprobs(state, new_ids, logprobs[out.request_id])
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            # EOS / a stop token id ends the text before that token (vLLM's behaviour).
-            token_stop = finish_reason == "stop" and not isinstance(stop_reason, str)
-            stop_str = state.detokenizer.update(new_ids, skip_last=token_stop)
-            extra = state.detokenizer.tokens_after_stop
-            if stop_str is not None and extra:  # tokens that came after the stop string in one step
-                dropped = state.output_token_ids[-extra:]
-                del state.output_token_ids[-extra:]
-                self.num_generation_tokens -= extra
-                if state.logprobs:
-                    for tid, d in zip(dropped, state.logprobs[-extra:], strict=True):
-                        state.cumulative_logprob -= d[tid].logprob
-                    del state.logprobs[-extra:]
-            if stop_str is not None:
-                if not out.finished:
-                    stopped.append(out.request_id)
-                finish_reason, stop_reason = "stop", stop_str
-            elif out.finished:
-                state.detokenizer.finish()
-                if state.detokenizer.stop_reason is not None:  # matched in the flushed tail
-                    finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
-            if out.finished or stop_str is not None:
-                state.finish_reason, state.stop_reason = finish_reason or "stop", stop_reason
-                del self.states[out.request_id]
-            touched[parent.request_id] = parent
+            if out.new_token_ids:
+                self._append_tokens(state, out, logprobs, now)
+            stop_str = self._detokenize(state, out)
+            if stop_str is not None and not out.finished:
+                stopped.append(out.request_id)
+        return self._make_outputs(touched, now), stopped
 
+    def _finish_pooling(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
+        metrics = state.parent.metrics
+        self.num_prompt_tokens += len(state.parent.prompt_token_ids)
+        state.num_cached_tokens = max(out.num_cached_tokens, 0)
+        state.pooled, state.finish_reason = out.pooling_output, "stop"
+        metrics.first_token_time = metrics.last_token_time = now
+        del self.states[out.request_id]
+
+    def _append_tokens(self, state: RequestState, out: EngineCoreOutput, logprobs: dict[str, Any],
+                       now: float) -> None:
+        """A step's new tokens (and their logprobs) into the sequence, and into the counts
+        and times the metrics read (the prompt is counted with the first token)."""
+        metrics, new_ids = state.parent.metrics, out.new_token_ids
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if not state.output_token_ids:
+            self.num_prompt_tokens += len(state.parent.prompt_token_ids)
+            state.num_cached_tokens = max(out.num_cached_tokens, 0)
+        metrics.last_token_time = now
+        self.num_generation_tokens += len(new_ids)
+        state.output_token_ids.extend(new_ids)
+        if state.logprobs is not None and out.request_id in logprobs:
+            self._append_logprobs(state, new_ids, logprobs[out.request_id])
+
+    def _detokenize(self, state: RequestState, out: EngineCoreOutput) -> str | None:
+        """Detokenize the new tokens and check the stop strings; a sequence that finished
+        (here or in the engine) gets its finish and stop reasons and leaves `states`.
+        Returns the stop string this step matched, if any."""
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        # EOS / a stop token id ends the text before that token (vLLM's behaviour).
+        token_stop = finish_reason == "stop" and not isinstance(stop_reason, str)
+        stop_str = state.detokenizer.update(out.new_token_ids, skip_last=token_stop)
+        extra = state.detokenizer.tokens_after_stop
+        if stop_str is not None and extra:  # tokens that came after the stop string in one step
+            self._drop_last_tokens(state, extra)
+        if stop_str is not None:
+            finish_reason, stop_reason = "stop", stop_str
+        elif out.finished:
+            state.detokenizer.finish()
+            if state.detokenizer.stop_reason is not None:  # matched in the flushed tail
+                finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
+        if out.finished or stop_str is not None:
+            state.finish_reason, state.stop_reason = finish_reason or "stop", stop_reason
+            del self.states[out.request_id]
+        return stop_str
+
+    def _drop_last_tokens(self, state: RequestState, extra: int) -> None:
+        """Forget the last `extra` tokens (past a stop string): from the output, the
+        generation count and the logprobs."""
+        dropped = state.output_token_ids[-extra:]
+        del state.output_token_ids[-extra:]
+        self.num_generation_tokens -= extra
+        if state.logprobs:
+            for tid, d in zip(dropped, state.logprobs[-extra:], strict=True):
+                state.cumulative_logprob -= d[tid].logprob
+            del state.logprobs[-extra:]
+
+    def _make_outputs(self, touched: dict[str, ParentRequest], now: float) -> list[EngineOutput]:
         outputs = []
         for parent in touched.values():
             if parent.finished:
@@ -227,7 +249,7 @@ class OutputProcessor:
             ro = parent.make_output()
             if ro is not None:
                 outputs.append(ro)
-        return outputs, stopped
+        return outputs
 
     def add_prompt_logprobs(self, computed: dict[str, tuple[int, list[Any]]]) -> None:
         """Prompt logprobs a step computed (each child computes them; the first child's count)."""

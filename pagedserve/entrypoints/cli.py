@@ -7,28 +7,54 @@
 
 Every command takes the engine flags of EngineArgs (--model, --dtype,
 --max-model-len, --enable-prefix-caching/--no-enable-prefix-caching, ...).
-`serve` and `bench serve` hand their arguments to their own modules, imported
-only when used, so the offline commands never import the web stack.
+`serve` and `bench NAME` hand their arguments to their own modules, imported
+only when used, so the offline commands never import the web stack.  Benchmarks are
+found through the `pagedserve.benchmarks` entry-point group (pyproject.toml).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
-import inspect
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, Protocol
 
 from pagedserve.engine.arg_utils import EngineArgs, env_torch_compile
 
-# Subcommands implemented elsewhere: argv prefix -> (module, what it is).
+# Subcommands implemented elsewhere in the serving layers: argv prefix -> (module, what it is).
 _DELEGATED = {
     ("serve",): ("pagedserve.entrypoints.openai.api_server", "the OpenAI-compatible server"),
-    ("bench", "serve"): ("pagedserve.benchmarks.serve", "the online serving benchmark"),
-    ("bench", "throughput"): ("pagedserve.benchmarks.throughput", "the offline throughput benchmark"),
 }
+# `pagedserve bench NAME` runs the entry point NAME of this group (declared in
+# pyproject.toml).  A benchmark is a client of the engine, never a part of it: the CLI
+# finds benchmarks by the group they declare themselves in, never by their module names.
+BENCHMARK_GROUP = "pagedserve.benchmarks"
+
+
+class ServerModule(Protocol):
+    """What `serve` needs of the server's module (entrypoints/openai/api_server.py)."""
+
+    __doc__: str | None
+
+    def make_arg_parser(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser: ...
+
+    def run_server(self, args: argparse.Namespace) -> None: ...
+
+
+class BenchmarkMain(Protocol):
+    """A benchmark's entry point: its `main`, run with the arguments after its name."""
+
+    def __call__(self, argv: list[str]) -> object: ...
+
+
+def _benchmarks() -> dict[str, EntryPoint]:
+    """The installed benchmarks, by subcommand name (not imported: that is when one runs)."""
+    return {ep.name: ep for ep in entry_points(group=BENCHMARK_GROUP)}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
@@ -79,37 +105,42 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pagedserve serve --help`)", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    # (their modules are imported only when they run: see _DELEGATED)
-    bench_sub.add_parser("throughput", help="offline throughput (nano-vllm bench shape)", add_help=False)
-    bench_sub.add_parser("serve", help="online benchmark against an OpenAI-compatible server", add_help=False)
+    # (their modules are imported only when they run: see _delegate)
+    for name, ep in sorted(_benchmarks().items()):
+        bench_sub.add_parser(name, help=f"the {name} benchmark ({ep.module}; `pagedserve bench {name} --help`)",
+                             add_help=False)
     return parser
 
 
 def _delegate(argv: list[str]) -> bool:
+    """Run `serve` or `bench NAME` (their own modules parse their arguments); False for
+    the commands this module runs itself."""
     for prefix, (module_name, what) in _DELEGATED.items():
         if tuple(argv[: len(prefix)]) == prefix:
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError as e:
-                if e.name and module_name.startswith(e.name):
-                    sys.exit(f"pagedserve {' '.join(prefix)}: {what} is not available in this installation "
-                             f"(module {module_name} is missing)")
-                raise
-            _call_main(module, "pagedserve " + " ".join(prefix), argv[len(prefix):])
+            module: ServerModule = _import_or_exit(prefix, what, module_name,
+                                                   functools.partial(importlib.import_module, module_name))
+            parser = module.make_arg_parser(argparse.ArgumentParser(prog="pagedserve " + " ".join(prefix),
+                                                                    description=module.__doc__))
+            module.run_server(parser.parse_args(argv[len(prefix):]))
             return True
+    ep = _benchmarks().get(argv[1]) if argv[:1] == ["bench"] and len(argv) > 1 else None
+    if ep is not None:
+        main: BenchmarkMain = _import_or_exit(("bench", ep.name), f"the {ep.name} benchmark", ep.module, ep.load)
+        main(argv[2:])
+        return True
     return False
 
 
-def _call_main(module: Any, prog: str, argv: list[str]) -> None:
-    """Run a delegated command with our argv, whatever its entry point looks like."""
-    if hasattr(module, "make_arg_parser") and hasattr(module, "run_server"):
-        parser = module.make_arg_parser(argparse.ArgumentParser(prog=prog, description=module.__doc__))
-        module.run_server(parser.parse_args(argv))
-    elif inspect.signature(module.main).parameters:
-        module.main(argv)
-    else:
-        sys.argv = [prog, *argv]
-        module.main()
+def _import_or_exit(prefix: tuple[str, ...], what: str, module_name: str, load: Callable[[], Any]) -> Any:
+    """`load()`, or a one-line exit naming the command when its module is not installed
+    (a ModuleNotFoundError from inside it, a missing dependency, still raises)."""
+    try:
+        return load()
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            sys.exit(f"pagedserve {' '.join(prefix)}: {what} is not available in this installation "
+                     f"(module {module_name} is missing)")
+        raise
 
 
 def _build_engine(ns: argparse.Namespace, num_seqs: int):

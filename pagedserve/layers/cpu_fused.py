@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.cpu_extension import CpuKernel
-from pagedserve.layers.fused_ops import as_rows
+from pagedserve.layers.fused_rows import as_rows
 
 _KERNEL = CpuKernel("pagedserve_fused_cpu", Path(__file__).parent / "csrc" / "fused_cpu.cpp",
                     "fused elementwise kernels", "fused kernels")

@@ -75,10 +75,3 @@ def _cpu() -> ModuleType | None:
                                                 "(%s)", error)
     return cpu_fused if error is None else None
 
-
-def as_rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [rows, width] with unit column stride, as both kernel sets index columns."""
-    if x.dim() == 2 and x.stride(1) == 1:  # the model's rows, as they mostly come: no reshaping
-        return x
-    rows = x.reshape(-1, width)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.triton_kernels import wrap_for_mode
-from pagedserve.layers.fused_ops import as_rows
+from pagedserve.layers.fused_rows import as_rows
 
 
 def rms_norm_kernel(

@@ -3,11 +3,13 @@ tokens out.
 
 Per step it (1) applies the scheduler's deltas to the persistent InputBatch, (2)
 builds input_ids, positions, slot_mapping, the block table and the query/sequence
-offsets with a handful of numpy gathers into preallocated buffers, (3) lets the
-attention backend plan the step once (`build_metadata`), shared by every layer,
-(4) runs the model under `set_forward_context`, and (5) computes logits only at the
-last scheduled token of requests whose known tokens are all computed after this
-step (a prompt chunk mid-way gets no token), then samples them.
+offsets with a handful of numpy gathers into preallocated buffers
+(worker/step_buffers.py), (3) lets the attention backend plan the step once
+(`build_metadata`), shared by every layer, (4) runs the model under
+`set_forward_context`, and (5) computes logits only at the last scheduled token of
+requests whose known tokens are all computed after this step (a prompt chunk mid-way
+gets no token), then samples them.  Prompt logprobs, pooled results and the draft
+rows' logprobs come from the same hidden states (worker/step_outputs.py).
 
 On CUDA, decode-only steps replay a captured graph instead (worker/cuda_graph.py):
 the same buffers, padded to the graph's batch size.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,13 +39,13 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
-from pagedserve.layers.pooler import Pooler, pooled_outputs
+from pagedserve.layers.pooler import Pooler
 from pagedserve.lora.manager import LoRAModelManager
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.utils import bind_direct_layers
 from pagedserve.platforms import is_cpu, is_cuda
-from pagedserve.utils import cdiv, record_startup
-from pagedserve.worker import kv_cache, kv_offload
+from pagedserve.utils import record_startup
+from pagedserve.worker import kv_cache, kv_offload, step_outputs
 from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.compiled_model import CompiledModel, maybe_compile
 from pagedserve.worker.cpu_malloc import bound_onednn_caches, keep_freed_memory_on_heap, release_freed_memory
@@ -55,30 +56,16 @@ from pagedserve.worker.cuda_graph import (
     padded_size,
 )
 from pagedserve.worker.input_batch import InputBatch
-from pagedserve.worker.rejection_sampler import DraftVerdict, verify_drafts
-from pagedserve.worker.runner_output import LogprobsEntry, ModelRunnerOutput, logprobs_entries
-from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_grammar_bitmask
+from pagedserve.worker.rejection_sampler import verify_drafts
+from pagedserve.worker.runner_output import ModelRunnerOutput
+from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
+from pagedserve.worker.step_buffers import StepBuffers, StepInputs
 
 logger = logging.getLogger("pagedserve")
 
 # Prompt positions scored per compute_logits call for prompt_logprobs (a [rows, vocab]
 # float32 block each: 100 MB at a 49k vocabulary).
 PROMPT_LOGPROBS_ROWS = 512
-# Step buffers with a leading KV-cache-group dimension.
-_GROUPED_BUFFERS = ("slot_mapping", "block_table")
-
-
-@dataclass
-class StepInputs:
-    """What _prepare_inputs decided for one step (the tensors are in the buffers)."""
-
-    num_reqs: int
-    num_tokens: int
-    common: list[CommonAttentionMetadata] | None  # per KV-cache group; None when a CUDA graph replays
-    graph_size: int | None  # padded batch size of the graph to replay
-    logits_idx: np.ndarray  # flat token index of each sampled request's last token
-    sample_rows: list[int]  # indices into the step's requests that sample
-    pending: np.ndarray  # [num_reqs] bool: the last scheduled token is still on the device
 
 
 def _first_eos(eos) -> int | None:
@@ -146,7 +133,9 @@ class ModelRunner:
         # Async: the last launched step's sampled ids (device) and each request's index in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
-        self._alloc_buffers()
+        # Where each step's inputs are written, in place (and the CUDA graphs' static inputs).
+        self.buffers = StepBuffers(self.device, self.max_num_batched_tokens, self.max_num_reqs,
+                                   self.input_batch.max_blocks_per_req, self.num_kv_groups)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -156,59 +145,6 @@ class ModelRunner:
     @eos_token_id.setter
     def eos_token_id(self, value: int | list[int] | None) -> None:
         self.input_batch.eos_token_id = _first_eos(value)
-
-    def _alloc_buffers(self) -> None:
-        """Host buffers filled in place every step (two sets on CUDA, alternating); their
-        device twins on accelerators, which are also the CUDA graphs' static inputs."""
-        t, r, b = self.max_num_batched_tokens, self.max_num_reqs, self.input_batch.max_blocks_per_req
-        g = self.num_kv_groups
-        self._arange = np.arange(max(t, r, b) + 1, dtype=np.int64)
-
-        def host() -> dict[str, torch.Tensor]:
-            cpu = {
-                "input_ids": torch.zeros(t, dtype=torch.int64),
-                "positions": torch.zeros(t, dtype=torch.int64),
-                "slot_mapping": torch.zeros(g, t, dtype=torch.int64),  # per KV-cache group
-                "query_start_loc": torch.zeros(r + 1, dtype=torch.int32),
-                "seq_lens": torch.zeros(r, dtype=torch.int32),
-                "block_table": torch.zeros(g, r, b, dtype=torch.int32),  # per KV-cache group
-                "logits_idx": torch.zeros(r, dtype=torch.int64),
-                "pending": torch.zeros(2 * r, dtype=torch.int64),  # token indices, then source indices
-            }
-            return {k: v.pin_memory() for k, v in cpu.items()} if is_cuda(self.device) else cpu
-
-        self._host_sets = [host()] if not is_cuda(self.device) else [host(), host()]
-        self._np_sets = [{k: v.numpy() for k, v in h.items()} for h in self._host_sets]
-        self._host_turn = 0
-        self._use_host_set(0)
-        cpu = self._cpu
-        self._dev = cpu if is_cpu(self.device) else {k: v.to(self.device) for k, v in cpu.items()}
-
-    def _use_host_set(self, i: int) -> None:
-        self._cpu, self._np = self._host_sets[i], self._np_sets[i]
-
-    def _next_host_set(self) -> None:
-        """Step N+1 fills the other set: step N's non-blocking copies may still read this one."""
-        if len(self._host_sets) > 1:
-            self._host_turn ^= 1
-            self._use_host_set(self._host_turn)
-
-    def _to_device(self, name: str, n: int | tuple[int, int]) -> torch.Tensor:
-        """The first `n` rows (or [rows, columns]) of a buffer; of every KV-cache group's
-        for the grouped ones (slot_mapping, block_table)."""
-        grouped = name in _GROUPED_BUFFERS
-
-        def part(t: torch.Tensor) -> torch.Tensor:
-            if grouped:
-                return t[:, :n] if isinstance(n, int) else t[:, : n[0], : n[1]]
-            return t[:n] if isinstance(n, int) else t[: n[0], : n[1]]
-
-        src = part(self._cpu[name])
-        if is_cpu(self.device):
-            return src
-        dst = part(self._dev[name])
-        dst.copy_(src, non_blocking=True)
-        return dst
 
     # -------------------------------------------------------------- KV cache
     def initialize_kv_cache(self) -> int:
@@ -249,7 +185,7 @@ class ModelRunner:
                             "compiles anyway)")
                 compile_requested = False
         self.compiled = maybe_compile(self.model, self.device, compile_requested, dc.enforce_eager,
-                                      self.tensor_parallel_size, (self._dev["input_ids"], self._dev["positions"]))
+                                      self.tensor_parallel_size, (self.buffers.dev["input_ids"], self.buffers.dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
         eager = self.config.device_config.enforce_eager
         reason = graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
@@ -319,7 +255,7 @@ class ModelRunner:
             raise ValueError(f"decode graphs need an attention backend that supports CUDA graphs, not "
                              f"{self.attn_backend.name!r}")
         self.graph_runner = DecodeGraphRunner(
-            self.model, self.attn_backend, self._dev, capture_sizes(self.max_num_reqs, self.max_num_batched_tokens),
+            self.model, self.attn_backend, self.buffers.dev, capture_sizes(self.max_num_reqs, self.max_num_batched_tokens),
             self.block_size, self.max_model_len, self.attn_layers[0].num_kv_heads, use_graphs=use_graphs,
             sliding_window=self.kv_layout.group_windows[0])
         self.graph_runner.capture()
@@ -375,25 +311,40 @@ class ModelRunner:
     def _execute(self, scheduler_output: SchedulerOutput, overlap: bool) -> AsyncModelRunnerOutput:
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
-        ib = self.input_batch
-        if self.lora_manager is not None:
-            self._update_lora_slots(scheduler_output)
-        ib.update_states(scheduler_output)
-        if self.pooler.num_partial:
-            for req_id in scheduler_output.finished_req_ids:
-                self.pooler.forget(req_id)
-        transfers = scheduler_output.kv_transfers
-        if transfers is not None:
-            self._transfer_before_step(transfers)
+        self._apply_scheduler_output(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 or not scheduler_output.num_scheduled_tokens:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput.empty())
         drafts = scheduler_output.scheduled_spec_decode_tokens
         if drafts and overlap:
             raise ValueError("speculative decoding does not run under overlap (async) scheduling")
-        ib.write_draft_tokens(drafts)
+        self.input_batch.write_draft_tokens(drafts)
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        self._next_host_set()
+        self.buffers.next_set()
         step = self._prepare_inputs(req_ids, scheduler_output, overlap)
+        hidden, pend_tokens = self._forward(req_ids, step, scheduler_output)
+        transfers = scheduler_output.kv_transfers
+        if transfers is not None and transfers.saves:
+            self._copy_out(transfers.saves)  # this step computed them
+        if overlap:
+            self._prev_sampled, self._prev_index = None, {}
+        return self._step_output(scheduler_output, req_ids, step, hidden, pend_tokens, overlap)
+
+    def _apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
+        """Bring the persistent state up to this step: adapters' slots, the InputBatch's
+        rows, pooling requests that left, and the KV blocks moved before the step runs."""
+        if self.lora_manager is not None:
+            self._update_lora_slots(scheduler_output)
+        self.input_batch.update_states(scheduler_output)
+        if self.pooler.num_partial:
+            for req_id in scheduler_output.finished_req_ids:
+                self.pooler.forget(req_id)
+        if scheduler_output.kv_transfers is not None:
+            self._transfer_before_step(scheduler_output.kv_transfers)
+
+    def _forward(self, req_ids: list[str], step: StepInputs,
+                 scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states of the step's tokens, the pending tokens gathered on the device):
+        a captured graph's replay, or the (compiled) model under the step's metadata."""
         t = step.num_tokens
         if self.lora_manager is not None:
             self.lora_manager.set_step((self._lora_slot.get(r, 0) for r in req_ids),
@@ -401,30 +352,31 @@ class ModelRunner:
                                                    len(req_ids)))
         pend_tokens = self._gather_pending(req_ids, step) if step.pending.any() else None
         if step.graph_size is not None:
-            hidden = self.graph_runner.run(step.graph_size)
-        else:
-            attn_metadata = [self.attn_backend.build_metadata(c) for c in step.common]
-            forward = self.compiled or self.model
-            with set_forward_context(attn_metadata):
-                hidden = forward(self._dev["input_ids"][:t], self._dev["positions"][:t])
-        if transfers is not None and transfers.saves:
-            self._copy_out(transfers.saves)  # this step computed them
-        if overlap:
-            self._prev_sampled, self._prev_index = None, {}
-        prompt_logprobs = self._prompt_logprobs(req_ids, step, hidden) if ib.prompt_logprob_rows else {}
-        pooled = self._pool(req_ids, hidden) if ib.pooling_params else {}
+            return self.graph_runner.run(step.graph_size), pend_tokens
+        attn_metadata = [self.attn_backend.build_metadata(c) for c in step.common]
+        forward = self.compiled or self.model
+        dev = self.buffers.dev
+        with set_forward_context(attn_metadata):
+            return forward(dev["input_ids"][:t], dev["positions"][:t]), pend_tokens
+
+    def _step_output(self, scheduler_output: SchedulerOutput, req_ids: list[str], step: StepInputs,
+                     hidden: torch.Tensor, pend_tokens: torch.Tensor | None,
+                     overlap: bool) -> AsyncModelRunnerOutput:
+        """What the step returns: prompt logprobs and pooled results, then (on the rank
+        that samples) the draft verdicts and the sampled tokens, or a deferred sampling
+        while the grammar bitmask is on its way."""
+        ib, drafts = self.input_batch, scheduler_output.scheduled_spec_decode_tokens
+        qsl = self.buffers.np["query_start_loc"]
+        prompt_lps = (step_outputs.prompt_logprobs(self.model, ib, qsl, req_ids, hidden, PROMPT_LOGPROBS_ROWS)
+                      if ib.prompt_logprob_rows else {})
+        pooled = step_outputs.pool(self.pooler, self.model, ib, qsl, req_ids, hidden) if ib.pooling_params else {}
         if not step.sample_rows:
-            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids, prompt_logprobs=prompt_logprobs,
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids, prompt_logprobs=prompt_lps,
                                                                   pooler_output=pooled))
-        k = len(step.logits_idx)
-        if k == t:  # every token is a sampled decode: rows already in order
-            logits = self.model.compute_logits(hidden[:t])
-        else:
-            self._np["logits_idx"][:k] = step.logits_idx
-            logits = self.model.compute_logits(hidden.index_select(0, self._to_device("logits_idx", k)))
+        logits = self._sampled_logits(step, hidden)
         # Every rank computes the draft rows' logits too (a collective under tensor parallelism).
         spec_ids = [r for r in req_ids if r in drafts]
-        draft_logits = self._draft_logits(req_ids, spec_ids, drafts, hidden) if drafts else None
+        draft_logits = step_outputs.draft_logits(self.model, qsl, req_ids, spec_ids, drafts, hidden) if drafts else None
         if logits is None:  # a tensor-parallel rank > 0: its logits went to rank 0, which samples
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=req_ids))
         sample_ids = [req_ids[i] for i in step.sample_rows]
@@ -433,12 +385,30 @@ class ModelRunner:
         if pend_tokens is not None:  # every pending request samples, in the same order
             pending = (np.flatnonzero(step.pending[step.sample_rows]).tolist(), pend_tokens)
         out = AsyncModelRunnerOutput(req_ids, sample_ids, [ib.params[row].logprobs for row in rows],
-                                     prompt_logprobs=prompt_logprobs, pooler_output=pooled)
+                                     prompt_logprobs=prompt_lps, pooler_output=pooled)
         if draft_logits is not None:
             metadata = ib.sampling_metadata([ib.req_id_to_row[r] for r in spec_ids for _ in drafts[r]])
             verdicts = verify_drafts(self.sampler, draft_logits, metadata, [drafts[r] for r in spec_ids])
             out.set_draft_verdicts(drafts, dict(zip(spec_ids, verdicts, strict=True)),
-                                   self._draft_logprobs(spec_ids, drafts, verdicts, draft_logits))
+                                   step_outputs.draft_logprobs(ib, spec_ids, drafts, verdicts, draft_logits))
+        self._sample(out, logits, rows, sample_ids, pending, overlap, scheduler_output)
+        return out
+
+    def _sampled_logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits at the last token of each request that samples (None on tensor-parallel
+        ranks > 0)."""
+        k, t = len(step.logits_idx), step.num_tokens
+        if k == t:  # every token is a sampled decode: rows already in order
+            return self.model.compute_logits(hidden[:t])
+        self.buffers.np["logits_idx"][:k] = step.logits_idx
+        return self.model.compute_logits(hidden.index_select(0, self.buffers.to_device("logits_idx", k)))
+
+    def _sample(self, out: AsyncModelRunnerOutput, logits: torch.Tensor, rows: list[int], sample_ids: list[str],
+                pending: tuple[list[int], torch.Tensor] | None, overlap: bool,
+                scheduler_output: SchedulerOutput) -> None:
+        """Sample now, or (a grammar's bitmask still to come from the engine) hand `out`
+        the sampling to run once the mask is there."""
+        ib = self.input_batch
 
         def sample(grammar: GrammarBitmask | None) -> None:
             if grammar is not None:
@@ -453,7 +423,6 @@ class ModelRunner:
             out.defer_sampling(torch.inference_mode()(sample))  # the engine hands the mask over later
         else:
             sample(scheduler_output.grammar_bitmask)
-        return out
 
     def _update_lora_slots(self, sched_out: SchedulerOutput) -> None:
         """Requests leaving the batch give their adapter's slot back; new ones take theirs
@@ -478,106 +447,6 @@ class ModelRunner:
 
     def remove_lora(self, lora_id: int) -> bool:
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_id)
-
-    def _draft_logits(self, req_ids: list[str], spec_ids: list[str], drafts: dict[str, list[int]],
-                      hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits of the rows that predict each request's drafts (the k rows ahead of its
-        last query row, which the ordinary sampler takes), for `spec_ids` (the requests
-        with drafts, in step order); None on tensor-parallel ranks > 0."""
-        qsl = self._np["query_start_loc"]
-        ends = [int(qsl[i + 1]) - 1 for i, r in enumerate(req_ids) if r in drafts]
-        flat = np.concatenate([np.arange(end - len(drafts[r]), end) for end, r in zip(ends, spec_ids, strict=True)])
-        return self.model.compute_logits(hidden.index_select(0, torch.from_numpy(flat).to(hidden.device)))
-
-    def _draft_logprobs(self, spec_ids: list[str], drafts: dict[str, list[int]], verdicts: list[DraftVerdict],
-                        logits: torch.Tensor) -> dict[str, list[LogprobsEntry]]:
-        """Logprobs (raw model distribution, as for sampled tokens) of the tokens the draft
-        rows emitted: the accepted drafts and the replacement of the first rejected one."""
-        ib = self.input_batch
-        ks = [ib.params[ib.req_id_to_row[r]].logprobs for r in spec_ids]
-        if all(k is None for k in ks):
-            return {}
-        rows: list[int] = []
-        emitted: list[int] = []
-        counts: list[int] = []  # tokens each request's draft rows emitted
-        start = 0
-        for r, v in zip(spec_ids, verdicts, strict=True):
-            d = drafts[r]
-            counts.append(v.num_accepted + (v.replacement is not None))
-            rows += range(start, start + counts[-1])
-            emitted += d[: v.num_accepted] + ([v.replacement] if v.replacement is not None else [])
-            start += len(d)
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        raw = logits.index_select(0, index).float().log_softmax(-1)
-        lp = SamplerOutput(torch.tensor(emitted, dtype=torch.long, device=logits.device))
-        Sampler.gather_logprobs(raw, lp.sampled_token_ids, max(k or 0 for k in ks), lp)
-        row_ks = [k for k, n in zip(ks, counts, strict=True) for _ in range(n)]
-        entries = logprobs_entries(
-            emitted, lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist(),
-            lp.topk_token_ids.tolist() if lp.topk_token_ids is not None else None,
-            lp.topk_logprobs.tolist() if lp.topk_logprobs is not None else None, row_ks)
-        out: dict[str, list[LogprobsEntry]] = {}
-        i = 0
-        for r, k, n in zip(spec_ids, ks, counts, strict=True):
-            if k is not None:
-                out[r] = entries[i: i + n]
-            i += n
-        return out
-
-    def _prompt_logprobs(self, req_ids: list[str], step: StepInputs,
-                         hidden: torch.Tensor) -> dict[str, tuple[int, list[LogprobsEntry]]]:
-        """Logprobs of the prompt tokens this step's hidden states predict, for requests that
-        asked (`prompt_logprobs` top ones each): the state at prompt position p scores
-        prompt token p + 1.  Rows go through compute_logits PROMPT_LOGPROBS_ROWS at a time,
-        so a long prompt costs a bounded [rows, vocab] of float32 per pass (all of an
-        8k-token chunk's rows at once took 6 GB for a 49k vocabulary)."""
-        ib, qsl = self.input_batch, self._np["query_start_loc"]
-        out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
-        for i, req_id in enumerate(req_ids):
-            row = ib.req_id_to_row[req_id]
-            if row not in ib.prompt_logprob_rows:
-                continue
-            start = int(ib.num_computed_tokens[row])
-            end = min(start + int(qsl[i + 1] - qsl[i]), int(ib.num_prompt_tokens[row]) - 1)
-            entries: list[LogprobsEntry] = []
-            for c0 in range(0, end - start, PROMPT_LOGPROBS_ROWS):
-                count = min(PROMPT_LOGPROBS_ROWS, end - start - c0)
-                first = int(qsl[i]) + c0
-                index = torch.arange(first, first + count, device=hidden.device)
-                logits = self.model.compute_logits(hidden.index_select(0, index))
-                if logits is None:  # a tensor-parallel rank > 0 (it still took part in the collective)
-                    continue
-                lp = logits.float().log_softmax(-1)
-                del logits
-                pos = start + c0
-                targets = torch.from_numpy(ib.token_ids[row, pos + 1: pos + 1 + count].astype(np.int64))
-                target_lp = lp.gather(1, targets.to(lp.device)[:, None])
-                ranks = ((lp > target_lp).sum(-1) + 1).tolist()
-                k = ib.params[row].prompt_logprobs
-                top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-                entries += [LogprobsEntry(t, v, r, ids, vals) for t, v, r, ids, vals in zip(
-                    targets.tolist(), target_lp.squeeze(1).tolist(), ranks, top_ids.tolist(), top_lp.tolist(),
-                    strict=True)]
-            if entries:
-                out[req_id] = (start + 1, entries)
-        return out
-
-    def _pool(self, req_ids: list[str], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Fold this step's hidden states of each pooling request's prompt positions into
-        its pooled state (layers/pooler.py); the requests whose prompt this step completed
-        get their result."""
-        ib, qsl = self.input_batch, self._np["query_start_loc"]
-        done = {}
-        for i, req_id in enumerate(req_ids):
-            row = ib.req_id_to_row[req_id]
-            params = ib.pooling_params.get(row)
-            if params is None:
-                continue
-            state = self.pooler.fold(req_id, params, hidden[int(qsl[i]): int(qsl[i + 1])],
-                                     int(ib.num_computed_tokens[row]), int(ib.num_prompt_tokens[row]))
-            if state is not None:
-                done[req_id] = (params, state)
-        return pooled_outputs(self.model, done) if done else {}
 
     def _transfer_before_step(self, transfers: KVTransfers) -> None:
         """Copy out the blocks of requests preempted this step (the step may reuse
@@ -615,49 +484,37 @@ class ModelRunner:
         into its input_ids slot; returns those tokens, in request order."""
         idx = np.flatnonzero(step.pending)
         p = len(idx)
-        buf = self._np["pending"]
-        buf[:p] = self._np["query_start_loc"][idx + 1] - 1  # a pending token is its request's last
+        bufs = self.buffers
+        buf = bufs.np["pending"]
+        buf[:p] = bufs.np["query_start_loc"][idx + 1] - 1  # a pending token is its request's last
         buf[p:2 * p] = [self._prev_index[req_ids[i]] for i in idx]
-        both = self._to_device("pending", 2 * p)
+        both = bufs.to_device("pending", 2 * p)
         tokens = self._prev_sampled.index_select(0, both[p:])
-        self._dev["input_ids"].index_copy_(0, both[:p], tokens)
+        bufs.dev["input_ids"].index_copy_(0, both[:p], tokens)
         return tokens
 
     def _prepare_inputs(self, req_ids: list[str], sched_out: SchedulerOutput, overlap: bool = False) -> StepInputs:
         """Fill this step's host buffers (and start their copies to the device), in four
         named steps: which InputBatch rows run and how many tokens each (`_step_shape`),
-        the per-token buffers (`_fill_token_buffers`), the block table
-        (`_fill_block_table`), and the attention metadata plus the rows that sample.  A
-        decode-only step that a CUDA graph covers is padded to the graph's batch size."""
-        ib, bufs = self.input_batch, self._np
+        the per-token buffers (`StepBuffers.fill_tokens`), the block table
+        (`StepBuffers.fill_block_table`), and the attention metadata plus the rows that
+        sample.  A decode-only step that a CUDA graph covers is padded to the graph's
+        batch size."""
+        ib, bufs = self.input_batch, self.buffers
         rows, num_new, computed = self._step_shape(req_ids, sched_out)
         num_reqs, num_tokens = len(req_ids), int(num_new.sum())
         seq_lens = computed + num_new
-        known = ib.num_tokens[rows]
-        pending = np.zeros(num_reqs, dtype=bool)
-        if overlap and self._prev_index:
-            # One token past the host's: the previous step sampled it (async scheduling).
-            prev = self._prev_index
-            pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, num_reqs)
-        total = known + pending
-        if sched_out.scheduled_spec_decode_tokens:  # drafts sit in the token rows past the known tokens
-            spec = sched_out.scheduled_spec_decode_tokens
-            total = total + np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, num_reqs)
-        bad = (num_new <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * self.block_size)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(
-                f"request {req_ids[i]!r}: {num_new[i]} tokens scheduled after {computed[i]} computed, but it has "
-                f"{known[i]} tokens and {ib.num_blocks[rows][i]} blocks of {self.block_size}")
+        pending, total = self._step_targets(req_ids, rows, seq_lens, sched_out, overlap)
+        self._check_step(req_ids, rows, num_new, computed, seq_lens, total)
         graph_size = None
         if self.graph_runner is not None and num_tokens == num_reqs:  # decode-only
             graph_size = padded_size(self.graph_runner.sizes, num_reqs)
         # Rows filled and copied: padding rows up to the graph's batch size, if one replays.
         padded_tokens, padded_reqs = graph_size or num_tokens, graph_size or num_reqs
-        self._fill_token_buffers(rows, num_new, computed, seq_lens, padded_reqs)
-        max_blocks = self._fill_block_table(rows, int(seq_lens.max()))
-        qsl = bufs["query_start_loc"][: padded_reqs + 1]
-        dev = {name: self._to_device(name, m) for name, m in (
+        bufs.fill_tokens(ib, rows, num_new, computed, seq_lens, padded_reqs)
+        max_blocks = bufs.fill_block_table(ib, rows, int(seq_lens.max()))
+        qsl = bufs.np["query_start_loc"][: padded_reqs + 1]
+        dev = {name: bufs.to_device(name, m) for name, m in (
             ("input_ids", padded_tokens), ("positions", padded_tokens), ("slot_mapping", padded_tokens),
             ("query_start_loc", padded_reqs + 1), ("seq_lens", padded_reqs), ("block_table", (num_reqs, max_blocks)))}
         common = None
@@ -675,6 +532,34 @@ class ModelRunner:
         return StepInputs(num_reqs, num_tokens, common, graph_size, qsl[1: num_reqs + 1][sample] - 1,
                           np.flatnonzero(sample).tolist(), pending)
 
+    def _step_targets(self, req_ids: list[str], rows: np.ndarray, seq_lens: np.ndarray, sched_out: SchedulerOutput,
+                      overlap: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(which requests' last scheduled token is pending on the device, how many tokens
+        each request has in all: known, pending and drafted)."""
+        ib, num_reqs = self.input_batch, len(req_ids)
+        known = ib.num_tokens[rows]
+        pending = np.zeros(num_reqs, dtype=bool)
+        if overlap and self._prev_index:
+            # One token past the host's: the previous step sampled it (async scheduling).
+            prev = self._prev_index
+            pending = (seq_lens == known + 1) & np.fromiter((r in prev for r in req_ids), bool, num_reqs)
+        total = known + pending
+        if sched_out.scheduled_spec_decode_tokens:  # drafts sit in the token rows past the known tokens
+            spec = sched_out.scheduled_spec_decode_tokens
+            total = total + np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, num_reqs)
+        return pending, total
+
+    def _check_step(self, req_ids: list[str], rows: np.ndarray, num_new: np.ndarray, computed: np.ndarray,
+                    seq_lens: np.ndarray, total: np.ndarray) -> None:
+        """Every request gets tokens, no more than it has, and no more than its blocks hold."""
+        ib = self.input_batch
+        bad = (num_new <= 0) | (seq_lens > total) | (seq_lens > ib.num_blocks[rows] * self.block_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"request {req_ids[i]!r}: {num_new[i]} tokens scheduled after {computed[i]} computed, but it has "
+                f"{ib.num_tokens[rows][i]} tokens and {ib.num_blocks[rows][i]} blocks of {self.block_size}")
+
     def _step_shape(self, req_ids: list[str], sched_out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(InputBatch row, tokens scheduled, tokens already computed) per request, in
         step order; the step must fit the budgets the buffers were sized for."""
@@ -689,42 +574,3 @@ class ModelRunner:
             raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} / max_num_seqs={self.max_num_reqs}")
         return rows, num_new, ib.num_computed_tokens[rows]
-
-    def _fill_token_buffers(self, rows: np.ndarray, num_new: np.ndarray, computed: np.ndarray,
-                            seq_lens: np.ndarray, padded_reqs: int) -> None:
-        """query_start_loc, seq_lens, and per token: position, token id and KV slot
-        (block_id * block_size + offset), gathered from the rows with a few numpy ops.
-        Padding rows (a CUDA graph's batch beyond the real one) get one token each that
-        is stored nowhere (slot -1) and attends over nothing (seq_len 0)."""
-        ib, bufs, block_size = self.input_batch, self._np, self.block_size
-        num_reqs, num_tokens = len(rows), int(num_new.sum())
-        qsl = bufs["query_start_loc"][: padded_reqs + 1]
-        qsl[0] = 0
-        np.cumsum(num_new, out=qsl[1: num_reqs + 1])
-        bufs["seq_lens"][:num_reqs] = seq_lens
-        req_of_tok = np.repeat(self._arange[:num_reqs], num_new)
-        pos = bufs["positions"][:num_tokens]
-        np.subtract(self._arange[:num_tokens], qsl[:num_reqs][req_of_tok], out=pos)
-        pos += computed[req_of_tok]
-        row_of_tok = rows[req_of_tok]
-        bufs["input_ids"][:num_tokens] = ib.token_ids[row_of_tok, pos]  # a pending slot is overwritten on the device
-        bufs["slot_mapping"][:, :num_tokens] = (ib.block_table[:, row_of_tok, pos // block_size].astype(np.int64)
-                                                * block_size + pos % block_size)
-        if padded_reqs > num_reqs:
-            end = num_tokens + padded_reqs - num_reqs
-            qsl[num_reqs + 1:] = self._arange[num_tokens + 1: end + 1]
-            bufs["seq_lens"][num_reqs:padded_reqs] = 0
-            bufs["input_ids"][num_tokens:end] = 0
-            bufs["positions"][num_tokens:end] = 0
-            bufs["slot_mapping"][:, num_tokens:end] = -1
-
-    def _fill_block_table(self, rows: np.ndarray, max_seq_len: int) -> int:
-        """The rows' block tables (every KV-cache group's), as wide as the longest request
-        needs; returns that width."""
-        ib = self.input_batch
-        max_blocks = cdiv(max_seq_len, self.block_size)
-        table = ib.block_table[:, rows, :max_blocks]
-        # Entries past a request's own blocks may be stale from a row's previous owner: point them at block 0.
-        own = self._arange[:max_blocks][None, :] < ib.num_blocks[rows][:, None]
-        self._np["block_table"][:, : len(rows), :max_blocks] = np.where(own[None], table, 0)
-        return max_blocks

@@ -117,6 +117,24 @@ def test_missing_delegated_command_says_so(monkeypatch) -> None:
         cli.main(["serve", "--port", "1"])
 
 
+def test_bench_commands_come_from_their_entry_point_group() -> None:
+    """The benchmarks declare themselves (pyproject.toml); the CLI never names their modules."""
+    found = cli._benchmarks()
+    assert {"throughput", "serve"} <= set(found)
+    assert all(ep.module.startswith("pagedserve.benchmarks.") for ep in found.values())
+    for name in ("throughput", "serve"):  # listed in `pagedserve bench --help`
+        assert cli.build_parser().parse_args(["bench", name]).bench_command == name
+
+
+def test_missing_benchmark_says_so(monkeypatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    ep = EntryPoint(name="nothing", value="pagedserve.no_such_bench:main", group=cli.BENCHMARK_GROUP)
+    monkeypatch.setattr(cli, "_benchmarks", lambda: {"nothing": ep})
+    with pytest.raises(SystemExit, match="the nothing benchmark is not available"):
+        cli.main(["bench", "nothing", "--x"])
+
+
 @pytest.mark.skipif("avx2" not in cpu_flags(), reason="an x86 CPU with AVX2")
 def test_generate_on_an_avx2_only_cpu_runs_float32_and_says_why(tmp_path) -> None:
     """What a user of a CPU without AVX-512 sees (emulated here the way the README's AVX2

@@ -75,7 +75,7 @@ def test_decode_batch_is_padded_to_the_next_graph():
     step = _step(runner, reqs, {rid: 1 for rid in reqs})
     assert step.graph_size == 4 and step.common is None
     assert step.sample_rows == [0, 1, 2] and step.logits_idx.tolist() == [0, 1, 2]
-    buf = runner._np
+    buf = runner.buffers.np
     assert buf["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
     assert buf["seq_lens"][:4].tolist() == [3, 5, 7, 0]  # padding row: seq_len 0 ...
     assert buf["slot_mapping"][0, 3] == -1  # ... and stores nowhere
@@ -93,7 +93,7 @@ def test_ineligible_steps_run_eagerly():
     assert big.graph_size is None  # larger than the largest graph
     runner = _runner_with_fake_graphs([1, 2, 4])
     exact = _step(runner, {f"r{i}": [5] * 4 for i in range(4)}, {f"r{i}": 1 for i in range(4)})
-    assert exact.graph_size == 4 and np.all(runner._np["seq_lens"][:4] == 4)
+    assert exact.graph_size == 4 and np.all(runner.buffers.np["seq_lens"][:4] == 4)
 
 
 def test_no_graphs_on_cpu_and_only_with_a_graph_safe_backend():
