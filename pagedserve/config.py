@@ -192,7 +192,8 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
     # A target for one step's duration in milliseconds (core/step_budget.py): the token
     # budget shrinks to what the measured per-token cost fits in it, so decodes keep
-    # flowing while long prompts prefill in chunks.  None: the token budget alone.
+    # flowing while long prompts prefill in chunks.  None: the token budget alone (EngineArgs
+    # resolves an unset value with the device: default_max_step_ms).
     max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -366,6 +367,21 @@ def default_speculative_config(device_type: str, runner: str, async_scheduling: 
     if device_type != "cpu" or runner != "generate" or async_scheduling:
         return None
     return SpeculativeConfig(method="ngram")
+
+
+# The step-time target an unset max_step_ms means on CPU.  Every running stream waits for
+# the whole step, and on 2 CPU cores a step of max_num_batched_tokens prompt tokens takes
+# seconds: a cold 2,800-token prompt froze another client's stream for 10.6 s (Zen 3).  At
+# 250 ms a long prompt prefills in chunks beside the decodes, each of which then waits
+# about that long at most; a prompt with no stream beside it still takes the whole token
+# budget (core/scheduler.py).  On CUDA a step of the token budget is milliseconds.
+DEFAULT_CPU_MAX_STEP_MS = 250.0
+
+
+def default_max_step_ms(device_type: str, enable_chunked_prefill: bool) -> float | None:
+    """What an unset max_step_ms means: DEFAULT_CPU_MAX_STEP_MS on CPU (with chunked
+    prefill, which it works through), else none."""
+    return DEFAULT_CPU_MAX_STEP_MS if device_type == "cpu" and enable_chunked_prefill else None
 
 
 @dataclass

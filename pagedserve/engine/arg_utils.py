@@ -39,6 +39,7 @@ from pagedserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    default_max_step_ms,
     default_speculative_config,
 )
 from pagedserve.utils import is_int
@@ -117,7 +118,8 @@ _HELP = {
                        "matmuls, twice the memory of those weights; quantized layers never have one)",
     "max_step_ms": "target duration of one step in ms: the token budget shrinks to what the measured "
                    "per-token cost fits in it, so running streams keep decoding while long prompts prefill "
-                   "in chunks (default: off, the token budget alone)",
+                   "in chunks, while some request streams output; 0 turns it off (default: 250 on CPU, "
+                   "off on CUDA)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
                         "(default: on for CUDA, off on CPU)",
     "kv_cache_dtype": "what the KV cache stores: auto (the model's dtype), bfloat16 or float16 (half of float32's "
@@ -190,7 +192,7 @@ class EngineArgs:
     quantization: str = "auto"
     quant_activation_bits: int = QUANT_ACTIVATION_BITS[0]
     prepack_weights: bool = True
-    max_step_ms: float | None = None
+    max_step_ms: float | None = None  # None: config.default_max_step_ms for the device; 0: off
     # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a JSON string on the command line;
     # "off" for none; None: config.default_speculative_config (n-gram on CPU).
@@ -398,6 +400,15 @@ class EngineArgs:
 
         return default_speculative_config(resolve_device(self.device).type, self.runner, self.async_scheduling)
 
+    def step_time_target(self) -> float | None:
+        """The step-time target this engine runs: max_step_ms as given, none for 0, else
+        the default for the device (config.default_max_step_ms)."""
+        if self.max_step_ms is not None:
+            return self.max_step_ms or None
+        from pagedserve.model_loader.loader import resolve_device
+
+        return default_max_step_ms(resolve_device(self.device).type, self.enable_chunked_prefill)
+
     # ------------------------------------------------------------------ config
     def create_engine_config(self, load_hf_config: bool = True) -> EngineConfig:
         """Build the config tree.  With load_hf_config (the normal case) the model's
@@ -440,7 +451,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling, max_n=self.max_n, max_step_ms=self.max_step_ms,
+                async_scheduling=self.async_scheduling, max_n=self.max_n, max_step_ms=self.step_time_target(),
                 preemption_mode=self.preemption_mode,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,

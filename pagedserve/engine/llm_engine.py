@@ -72,7 +72,7 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
             model=spec.model, tokenizer=None, speculative_config=None, chat_template=None, quantization="auto",
             tensor_parallel_size=1, async_scheduling=False, enable_prefix_caching=False, max_model_len=max_len,
             max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * max_len, num_gpu_blocks_override=num_blocks,
-            kv_cache_memory_bytes=None, max_step_ms=None, kv_offload_dir=None, kv_offload_bytes=None,
+            kv_cache_memory_bytes=None, max_step_ms=0, kv_offload_dir=None, kv_offload_bytes=None,
             preemption_mode="recompute", prefix_caching_algo="hash", enable_lora=False).create_engine_config()
         draft_tokenizer = load_tokenizer(draft_config.model_config)
     except (ValueError, FileNotFoundError) as e:

@@ -271,3 +271,16 @@ def test_each_engine_argument_is_refused_in_its_one_place(name: str) -> None:
     while tb.tb_next is not None:
         tb = tb.tb_next
     assert tb.tb_frame.f_code.co_qualname == owner, (name, tb.tb_frame.f_code.co_qualname)
+
+
+def test_the_step_time_target_defaults_on_for_cpu_and_0_turns_it_off() -> None:
+    from pagedserve.config import DEFAULT_CPU_MAX_STEP_MS
+
+    def target(**kw):
+        return EngineArgs(model="dummy", device="cpu", **kw).create_engine_config(
+            load_hf_config=False).scheduler_config.max_step_ms
+
+    assert target() == DEFAULT_CPU_MAX_STEP_MS
+    assert target(max_step_ms=0) is None
+    assert target(max_step_ms=80.0) == 80.0
+    assert target(enable_chunked_prefill=False, max_num_batched_tokens=4096) is None  # it works through chunks
