@@ -13,6 +13,12 @@ below, which is what other devices run (and CPU when the kernel cannot be built)
 A_all^T for every row, masked per row to its own slot's columns (the base model's rows
 keep none), times Bt_all.  Both are two products per layer for any mix of adapters, in
 the model's dtype (the kernel accumulates in float).
+
+The mask selects (zeroes the other columns) rather than multiplies: a row's product
+with another adapter's A may overflow (float16) or be NaN, and inf * 0 is NaN, which
+the second product would add to that row; selected away, a non-finite value stays in
+the rows of the request whose adapter made it.  Bt_all is finite (lora/peft.py refuses
+an adapter whose scaled weights are not), so the sum over columns adds none.
 """
 
 from __future__ import annotations
@@ -74,6 +80,6 @@ class LinearLoRA:
             kernel.apply(x2.contiguous(), y2, a, bt, col_start, slots)
             return y
         xa = x2 @ a.t()
-        xa.mul_(col_slot == slots[:, None])
+        xa.masked_fill_(col_slot != slots[:, None], 0)  # select: NaN * 0 would be NaN
         y2.addmm_(xa, bt)
         return y

@@ -93,9 +93,10 @@ class LoRAModelManager:
                     self.targets[f"{prefix}.{checkpoint_name}" if prefix else checkpoint_name] = (module, shard)
         # Loaded adapters by id (which ones: the engine decides, LLMEngine.add_lora).
         self._loaded: dict[int, LoadedAdapter] = {}
-        # The widest input or output of an adaptable layer (an adapter's tensors are no wider).
-        self._max_features = max((max(layer.in_features * layer.tp_size, layer.shard_rows(None)[3])
-                                  for layer, _ in self.targets.values()), default=0)
+        # What each target's A and B must be: (in, out) features of the whole layer (of the
+        # shard, for a fused one), checked from the adapter file's header before it is read.
+        self._shapes = {name: (layer.in_features * (layer.tp_size if layer.tp_dim == 1 else 1),
+                               layer.shard_rows(shard)[3]) for name, (layer, shard) in self.targets.items()}
         self._lock = threading.Lock()  # add_lora may run beside a step (server threads)
         self.slot_ids: list[int | None] = [None] * (config.max_loras + 1)  # slot -> adapter id (slot 0: base)
         self.slot_refs = [0] * (config.max_loras + 1)
@@ -113,7 +114,7 @@ class LoRAModelManager:
                     raise LoRAAdapterError(f"LoRA id {request.lora_int_id} is already adapter "
                                            f"{loaded.request.lora_name!r} at another path")
                 return loaded
-        adapter = read_peft_adapter(request.lora_path, self.config.max_lora_rank, self._max_features)
+        adapter = read_peft_adapter(request.lora_path, self.config.max_lora_rank, self._shapes, self.dtype)
         loaded = LoadedAdapter(request, self._layout(adapter, request))
         with self._lock:
             self._loaded[request.lora_int_id] = loaded
@@ -135,23 +136,11 @@ class LoRAModelManager:
         shard's rows of this rank's output, block-diagonally."""
         parts: dict[LinearBase, list[tuple[object, torch.Tensor, torch.Tensor]]] = {}
         for module_name, (a, b) in adapter.weights.items():
-            target = self.targets.get(module_name)
-            if target is None:
-                leaves = sorted({n.rpartition(".")[2] for n in self.targets})
-                raise LoRAAdapterError(f"adapter {request.lora_name!r} targets {module_name!r}, which is not a linear "
-                                       f"layer of this model (adaptable: {', '.join(leaves)})")
-            layer, shard = target
+            layer, shard = self.targets[module_name]  # read_peft_adapter checked name and shapes
             if shard is None and layer.tp_size > 1 and isinstance(layer, (QKVParallelLinear,
                                                                           MergedColumnParallelLinear)):
-                raise LoRAAdapterError(f"adapter {request.lora_name!r} targets the fused {module_name!r}, which "
-                                       "pagedserve splits only at tensor_parallel_size 1")
-            in_total = layer.in_features * (layer.tp_size if layer.tp_dim == 1 else 1)
-            _, _, _, out_total = layer.shard_rows(shard)
-            if tuple(a.shape[1:]) != (in_total,) or b.shape[0] != out_total:
-                raise LoRAAdapterError(
-                    f"adapter {request.lora_name!r}: {module_name!r} has lora_A {tuple(a.shape)} and lora_B "
-                    f"{tuple(b.shape)}, but this model's layer takes [r, {in_total}] and [{out_total}, r] "
-                    "(an adapter of another base model?)")
+                raise LoRAAdapterError(f"adapter {request.lora_name!r} targets the fused {module_name!r} (this "
+                                       "model's name), which pagedserve splits only at tensor_parallel_size 1")
             parts.setdefault(layer, []).append((shard, a, b))
         out = {}
         for layer, shards in parts.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
@@ -58,33 +59,43 @@ def check_spec(kind: str, spec: str) -> None:
             raise _refuse(f"the {kind} nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError:
             return  # not JSON: the compiler says so
-        _check_schema_depth(doc)
+        _check_schema_depth(doc, tag=kind == "structural_tag")
     elif kind == "grammar":
         rules = sum(1 for line in _lines(spec) if _RULE_HEAD.match(line))
         if rules > MAX_GRAMMAR_RULES:
             raise _refuse(f"the grammar has {rules} rules, more than the {MAX_GRAMMAR_RULES} allowed")
 
 
-def _check_schema_depth(root: Any) -> None:
+def _check_schema_depth(root: Any, tag: bool = False) -> None:
     """Walk the schema as a compiler expands it: dicts and lists nested, and each $ref
-    followed as one more level.  A ref is resolved every way a compiler might resolve
-    it: as a JSON pointer against the document and against its nearest `$id` resource,
-    and as a `$anchor` or `$id` name (over-counting only makes the bound stricter).  A
-    ref back to a schema already on the path is recursion, which compilers expand
-    lazily, so the walk stops there.  The depth reached must stay within
-    MAX_SCHEMA_DEPTH; each (node, resource) is measured once, at most MAX_SCHEMA_NODES."""
+    followed as one more level.  The depth reached must stay within MAX_SCHEMA_DEPTH;
+    each (node, scope) is measured once, at most MAX_SCHEMA_NODES.
+
+    A ref is resolved every way a compiler might resolve it (over-counting only makes
+    the bound stricter; under-counting lets a chain through to the compiler): as a `$anchor`
+    or `$id` name, and as a JSON pointer against each base of its `_Scope`.  A ref back
+    to a schema already on the path is recursion, which compilers expand lazily, so the
+    walk stops there.  `tag`: the document is a structural tag, whose compiler takes each
+    schema it holds as a document of its own (`_tag_schemas`), measured from level 0."""
     names = _anchors(root)
-    height: dict[tuple[int, int], int] = {}
+    own_documents = _tag_schemas(root) if tag else set()
+    height: dict[tuple[int, ...], int] = {}
     on_path: set[int] = set()
 
     def too_deep() -> InvalidRequestError:
         return _refuse(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (counting each $ref followed)")
 
-    def walk(node: Any, level: int, resource: Any) -> int:
+    def walk(node: Any, level: int, scope: _Scope) -> int:
         """The height below `node`, found at `level`; raises past the bounds."""
         if level > MAX_SCHEMA_DEPTH:
             raise too_deep()
-        key = (id(node), id(resource))
+        refs: list[Any] = []
+        if isinstance(node, dict):
+            scope = scope.entering(node)
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                refs = _targets(ref, scope, names)
+        key = (id(node), *scope.key())
         if key in height:
             if level + height[key] > MAX_SCHEMA_DEPTH:
                 raise too_deep()
@@ -92,23 +103,82 @@ def _check_schema_depth(root: Any) -> None:
         if len(height) >= MAX_SCHEMA_NODES:
             raise _refuse(f"the schema has more than {MAX_SCHEMA_NODES} subschemas")
         on_path.add(id(node))
-        children = list(node) if isinstance(node, list) else list(node.values())
-        if isinstance(node, dict):
-            if "$id" in node:
-                resource = node
-            ref = node.get("$ref")
-            if isinstance(ref, str):
-                children += _targets(ref, root, resource, names)
         below = 0
-        for child in children:
-            if isinstance(child, (dict, list)) and id(child) not in on_path:
-                below = max(below, 1 + walk(child, level + 1, resource))
+        for child in (node if isinstance(node, list) else node.values()):
+            if not isinstance(child, (dict, list)) or id(child) in on_path:
+                continue
+            if id(child) in own_documents:  # compiled on its own: its depth starts again
+                walk(child, 0, _Scope(child, child, child))
+                below = max(below, 1)
+            else:
+                below = max(below, 1 + walk(child, level + 1, scope))
+        for target in refs:
+            if id(target) not in on_path:
+                below = max(below, 1 + walk(target, level + 1, scope))
         on_path.discard(id(node))
         height[key] = below
         return below
 
     if isinstance(root, (dict, list)):
-        walk(root, 0, root)
+        walk(root, 0, _Scope(root, root, root))
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What a "#..." pointer in a schema may be resolved against: the document the
+    compiler was given (JSON Schema's answer, and llguidance's), the nearest schema with
+    an `$id` (a resource of its own, for compilers that honour it), and the nearest
+    schema holding `$defs` or `definitions` (what its author wrote "#/$defs/..."
+    against: a tool's parameters embedded in a larger document, as tool_choice
+    "required" builds it, are resolved against the whole document by the compiler,
+    which then cannot find them; the walk must still see the chain, so that the answer
+    is the depth bound, not a missing pointer or a 36-second compile).  The document is
+    carried apart from the others, so a decoy `$defs` or `$id` on every link of a
+    chain cannot hide it."""
+
+    document: Any
+    resource: Any
+    definitions: Any
+
+    def entering(self, node: dict) -> _Scope:
+        resource = node if "$id" in node else self.resource
+        definitions = node if ("$defs" in node or "definitions" in node) else self.definitions
+        if resource is self.resource and definitions is self.definitions:
+            return self
+        return _Scope(self.document, resource, definitions)
+
+    def key(self) -> tuple[int, int, int]:
+        return id(self.document), id(self.resource), id(self.definitions)
+
+    def bases(self) -> list[Any]:
+        return list({id(b): b for b in (self.document, self.resource, self.definitions)}.values())
+
+
+def _tag_schemas(tag: Any) -> set[int]:
+    """Ids of the JSON schemas a structural tag holds, found only where its format puts
+    them (xgrammar's nested formats: a "json_schema" format's `json_schema`, through
+    `format`, `content`, `tags` and `elements`; vLLM's older form: each of
+    `structures`' `schema`), never inside a schema: a schema that merely looks like a
+    format must not restart the count of the schema it is part of."""
+    found: set[int] = set()
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        schema = node.get("json_schema")
+        if node.get("type") in ("json_schema", "qwen_xml_parameter") and isinstance(schema, (dict, list)):
+            found.add(id(schema))
+        for key in ("format", "content", "tags", "elements"):
+            stack.append(node.get(key))
+        structures = node.get("structures")
+        for structure in structures if isinstance(structures, list) else []:
+            if isinstance(structure, dict) and isinstance(structure.get("schema"), (dict, list)):
+                found.add(id(structure["schema"]))
+    return found
 
 
 def _anchors(root: Any) -> dict[str, Any]:
@@ -129,7 +199,7 @@ def _anchors(root: Any) -> dict[str, Any]:
     return names
 
 
-def _targets(ref: str, root: Any, resource: Any, names: dict[str, Any]) -> list[Any]:
+def _targets(ref: str, scope: _Scope, names: dict[str, Any]) -> list[Any]:
     found = []
     base, _, fragment = ref.partition("#")
     if ref in names:
@@ -137,8 +207,8 @@ def _targets(ref: str, root: Any, resource: Any, names: dict[str, Any]) -> list[
     if base and base in names:
         found.append(_pointer(names[base], fragment))
     if not base:
-        found += [_pointer(root, fragment), _pointer(resource, fragment)]
-    return [t for t in found if isinstance(t, (dict, list))]
+        found += [_pointer(b, fragment) for b in scope.bases()]
+    return list({id(t): t for t in found if isinstance(t, (dict, list))}.values())
 
 
 def _pointer(node: Any, fragment: str) -> Any:

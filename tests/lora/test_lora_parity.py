@@ -105,12 +105,22 @@ def test_a_bad_adapter_is_refused_by_name_and_the_engine_goes_on(tiny, tmp_path)
         num_key_value_heads=2))
     wrong_base = make_adapter(other, str(tmp_path / "wrong"), seed=0, r=4)
     llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4)
-    with pytest.raises(ValueError, match=r"rank r=8 is over the maximum 4 \(--max-lora-rank\)"):
+    with pytest.raises(ValueError, match=r"rank r is over the maximum 4 \(--max-lora-rank\)"):
         ours(llm, PROMPTS, loras[0])
     with pytest.raises(ValueError, match="another base model"):
         ours(llm, PROMPTS, LoRARequest("wrong", 9, wrong_base))
     with pytest.raises(ValueError, match="is not a directory"):
         ours(llm, PROMPTS, LoRARequest("missing", 10, str(tmp_path / "nowhere")))
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    poisoned = shutil.copytree(loras[3].lora_path, str(tmp_path / "nan"))  # then given a NaN, as a broken export has
+    weights = load_file(os.path.join(poisoned, "adapter_model.safetensors"))
+    next(w for k, w in weights.items() if "lora_A" in k)[0, 0] = float("nan")
+    save_file(weights, os.path.join(poisoned, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="not all finite"):  # refused at load, before any batch runs it
+        ours(llm, PROMPTS, LoRARequest("nan", 11, poisoned))
     check_logprobs_close(refs[4], ours(llm, PROMPTS, loras[3]), "after refusals")
     check_logprobs_close(refs[0], ours(llm, PROMPTS, None), "base after refusals")
 

@@ -53,6 +53,18 @@ def test_tool_call_structural_tags(backend, tool_tokens):
 
 
 @pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_a_tools_refs_point_into_its_own_parameters(backend):
+    """In a structural tag each tool's schema is a document of its own (what the depth
+    check in limits.py assumes): its "#/$defs/..." resolve inside it."""
+    tok = tokenizer(False)
+    city = {"$defs": {"city": {"enum": ["Paris", "Rome"]}}, "type": "object",
+            "properties": {"city": {"$ref": "#/$defs/city"}}, "required": ["city"]}
+    tag = S(structural_tag=HermesToolParser().structural_tag([{"name": "get_weather", "parameters": city}]))
+    assert accepts(tok, backend, tag, CALL)
+    assert not accepts(tok, backend, tag, CALL.replace("Rome", "Oslo"))
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 def test_json_objects_are_closed_unless_the_schema_opens_them(backend):
     tok = tokenizer(False)
     closed = S(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})

@@ -145,3 +145,62 @@ def test_checks_take_linear_time_on_blank_lines():
     check_spec("grammar", spec)
     assert not is_lark(spec) and is_lark(" \n" * 60_000 + "start: x\n")
     assert time.perf_counter() - t0 < 1.0
+
+
+def tool_tag(parameters: dict) -> str:
+    """tool_choice "auto"'s structural tag for one tool (what serving_chat sends)."""
+    from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser
+
+    return json.dumps(HermesToolParser().structural_tag([{"name": "f", "parameters": parameters}]))
+
+
+def required_schema(parameters: dict) -> str:
+    """tool_choice "required"'s schema for one tool: its parameters inside a larger document."""
+    call = {"type": "object", "required": ["name", "parameters"],
+            "properties": {"name": {"const": "f"}, "parameters": parameters}}
+    return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": [call]}})
+
+
+def test_tool_schemas_are_measured_against_the_document_their_refs_point_into():
+    """A tool's "#/$defs/..." point into its own parameters, not into the structural tag
+    or the "required" array around them: resolved against those, a 200-long chain was
+    not seen (auto: a 200 after 36 s of compiling; required: the compiler's "pointer
+    does not exist" instead of the bound)."""
+    chain, short = json.loads(ref_chain(200)), json.loads(ref_chain(20))
+    refused("structural_tag", tool_tag(chain), f"deeper than {MAX_SCHEMA_DEPTH}")
+    refused("json", required_schema(chain), f"deeper than {MAX_SCHEMA_DEPTH}")
+    legacy = {"triggers": ["<f>"], "structures": [{"begin": "<f>", "schema": chain, "end": "</f>"}]}
+    refused("structural_tag", json.dumps(legacy), "deeper")
+    check_spec("structural_tag", tool_tag(short))
+    check_spec("json", required_schema(short))
+    # Each schema of a tag is its own document: the tag's own levels do not count against it.
+    check_spec("structural_tag", tool_tag(json.loads(ref_chain(MAX_SCHEMA_DEPTH - 5))))
+
+
+def test_a_schema_that_looks_like_a_tag_format_does_not_restart_the_count():
+    """Only where the tag's format puts a schema does a new document start; inside a
+    schema, {"type": "json_schema", "json_schema": ...} is just more schema."""
+    schema: dict = {"type": "integer"}
+    for i in range(3 * MAX_SCHEMA_DEPTH // 2):
+        schema = {"type": "json_schema", "json_schema": schema} if i % 40 == 39 else {"items": schema}
+    refused("structural_tag", tool_tag(schema), "deeper")
+
+
+def test_a_deep_tool_schema_is_refused_within_two_seconds_by_the_compile_path():
+    import time
+
+    from pagedserve.sampling_params import StructuredOutputsParams
+    from pagedserve.structured_output import StructuredOutputManager
+    from tests.engine.helpers import make_tokenizer
+
+    tok = make_tokenizer()
+    mgr = StructuredOutputManager(tok, len(tok), [2], max_num_seqs=1, backend="guidance")
+    try:
+        mgr.compile(StructuredOutputsParams(json={"type": "integer"})).result()  # the backend, made once
+        t0 = time.perf_counter()
+        tag = json.loads(tool_tag(json.loads(ref_chain(200))))
+        with pytest.raises(InvalidRequestError, match="deeper"):
+            mgr.compile(StructuredOutputsParams(structural_tag=tag)).result()
+        assert time.perf_counter() - t0 < 2.0
+    finally:
+        mgr.shutdown()

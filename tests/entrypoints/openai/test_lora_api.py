@@ -110,7 +110,7 @@ def test_bad_adapters_are_refused_by_name_and_nothing_else_changes(lora_server, 
     url = lora_server.url
     (tmp_path / "adapter_model.bin").write_bytes(b"not a pickle we would ever load")
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
-    cases = [({"lora_name": "big", "lora_path": big}, "rank r=16 is over the maximum 8"),
+    cases = [({"lora_name": "big", "lora_path": big}, "rank r is over the maximum 8"),
              ({"lora_name": "gone", "lora_path": "/nonexistent/adapter"}, "is not a directory"),
              ({"lora_name": "pickled", "lora_path": str(tmp_path)}, "adapter_model.bin is a pickle"),
              ({"lora_name": MODEL_NAME, "lora_path": big}, "the base model's served name")]
