@@ -9,8 +9,8 @@ pool so a page that opens later starts from a full picture, and adds the per-sec
 points of `SeriesStatLogger`.  Nobody watching: the engine records nothing.
 
 The page itself and its static files are public (the page asks for the API key);
-the event stream, like every API route, needs the key.  The playground talks to
-/v1/chat/completions like any client.
+the event stream, like every API route, needs the key (router.py serves all three).
+The playground talks to /v1/chat/completions like any client.
 """
 
 from __future__ import annotations
@@ -19,13 +19,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict
-from importlib import resources
 from typing import Any
-
-from fastapi import FastAPI
-from fastapi.responses import Response
 
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.async_llm import AsyncLLM
@@ -39,8 +35,6 @@ EVENTS_PATH = "/dashboard/events"
 # Events queued for one page before it counts as stuck and is dropped (its browser
 # reconnects and starts again from a full picture): 16 s of snapshots.
 MAX_QUEUED_EVENTS = 64
-_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                  ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
 
 
 def is_public_path(path: str) -> bool:
@@ -144,34 +138,3 @@ class DashboardHub:
         """End every page's stream (the server is shutting down: open streams would hold it)."""
         for queue in list(self.subscribers):
             self._end(queue)
-
-
-def _static_file(name: str) -> Response:
-    """A file of static/ (no subfolders, so no path tricks), or a 404."""
-    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
-    if "/" in name or name.startswith(".") or suffix not in _CONTENT_TYPES:
-        return Response(status_code=404)
-    path = resources.files(__package__).joinpath("static", name)
-    if not path.is_file():
-        return Response(status_code=404)
-    return Response(path.read_bytes(), media_type=_CONTENT_TYPES[suffix], headers={"Cache-Control": "no-cache"})
-
-
-def add_dashboard_routes(app: FastAPI, hub_of: Callable[[], DashboardHub],
-                         sse_response: Callable[[AsyncIterator[str]], Response]) -> None:
-    """`hub_of()` gives the hub once the engine has loaded (raising a 503 before);
-    `sse_response` wraps an async iterator of SSE strings in a streaming response."""
-
-    async def page() -> Response:
-        return _static_file("index.html")
-
-    for path in PAGE_PATHS:
-        app.add_api_route(path, page, methods=["GET"], include_in_schema=False)
-
-    @app.get(STATIC_PREFIX + "{name}", include_in_schema=False)
-    async def static(name: str) -> Response:
-        return _static_file(name)
-
-    @app.get(EVENTS_PATH, include_in_schema=False)
-    async def events() -> Response:
-        return sse_response(hub_of().events())

@@ -11,7 +11,8 @@ milliseconds, so an oversized shape is refused before one Python object is made:
   value), each at most MAX_JSON_STRUCTURE, which bounds the objects `json.loads` and
   pydantic make;
 - nesting: at most MAX_JSON_DEPTH levels of arrays and objects;
-- lone UTF-16 surrogates (`"\\ud800"` alone) are not Unicode text: no tokenizer,
+- lone UTF-16 surrogates (`"\\ud800"` alone, or a surrogate's UTF-8-style bytes, which
+  Python's parser lets through) are not Unicode text: no tokenizer,
   template or grammar can take them.  Valid pairs (how JSON encoders write emoji) are
   removed from a copy, and only a body with a lone one left is parsed to name where.
 
@@ -37,6 +38,8 @@ _EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 # "\uD8xx".."\uDFxx" escape is a lone surrogate.
 _NOT_LONE = re.compile(rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A surrogate written as UTF-8 bytes (ED A0..BF xx): never valid UTF-8, paired or not.
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -50,7 +53,7 @@ def check_json_body(body: bytes) -> None:
     structure = _STRING.sub(b'""', body)
     _check_count(sum(structure.count(c) for c in (b"[", b"{", b",", b":")))
     _check_depth(structure)
-    if _SURROGATE_ESCAPE.search(_NOT_LONE.sub(b"", body)):
+    if _SURROGATE_BYTES.search(body) or _SURROGATE_ESCAPE.search(_NOT_LONE.sub(b"", body)):
         _raise_lone_surrogate(body)
 
 

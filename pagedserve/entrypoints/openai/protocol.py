@@ -6,11 +6,13 @@ the result (e.g. `user`), otherwise the request is refused with a 400 naming the
 (`check_unsupported`).  Each request converts itself to `SamplingParams`, which does
 the range validation; `api_param` maps an engine-side field name in an error back to
 the name this request used.
+
+The pooling routes' models are in protocol_pooling.py, the Responses API's body in
+protocol_responses.py.
 """
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -33,31 +35,10 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 class RequestBody(OpenAIBaseModel):
-    """A top-level request body.  JSON may spell lone UTF-16 surrogates ("\\ud800"), which
-    are not Unicode text: no tokenizer, template or grammar can take them, so a body
-    holding one anywhere is refused here, naming where, before any of them sees it."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        stack: list[tuple[Any, str]] = [(data, "")]
-        while stack:  # iterative: bodies may nest deeper than the recursion limit
-            value, path = stack.pop()
-            if isinstance(value, str):
-                if _SURROGATE.search(value):
-                    raise InvalidRequestError(f"{path or 'body'} contains a lone UTF-16 surrogate, which is not valid "
-                                              "Unicode text", param=path.split(".")[0] or None)
-            elif isinstance(value, dict):
-                for k, v in value.items():
-                    stack.append((k, path))
-                    stack.append((v, f"{path}.{k}" if path else str(k)))
-            elif isinstance(value, list):
-                stack.extend((v, f"{path}.{i}") for i, v in enumerate(value))
-        return data
+    """A top-level request body.  Its raw bytes were measured before parsing
+    (`json_body.check_json_body`, in the body middleware): bounded in shape, and free of
+    lone UTF-16 surrogates, which no tokenizer, template or grammar can take."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -382,34 +363,6 @@ class ChatCompletionRequest(_SamplingFields):
                                       f"{self.structured_fields()[0]}", param=self.structured_fields()[0])
 
 
-class ResponsesRequest(RequestBody):
-    """POST /v1/responses (entrypoints/openai/serving_responses.py translates it)."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    # store / previous_response_id need --enable-responses-store; background, include and
-    # top_logprobs are refused when set (no background runs, no extra output):
-    store: bool | None = None
-    previous_response_id: str | None = None
-    background: bool | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
-    # Accepted: reasoning.effort and truncation change nothing for the models served here.
-    reasoning: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-
-
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
@@ -423,54 +376,6 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
-class _PoolingFields(RequestBody):
-    """What the pooling routes (/v1/embeddings, /v1/score, /v1/rerank) share: they never
-    stream, and vLLM's extras."""
-
-    stream: ClassVar[bool] = False
-    model: str | None = None
-    user: str | None = None
-    # vLLM extras: keep only the last N tokens of each input (-1: the last max_model_len).
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-
-    # The field the engine's "prompt" is (None: several fields make prompts).
-    PROMPT_FIELD: ClassVar[str | None] = None
-
-    def api_param(self, param: str | None) -> str | None:
-        return self.PROMPT_FIELD if param == "prompt" else param
-
-
-class EmbeddingRequest(_PoolingFields):
-    """POST /v1/embeddings (OpenAI's shape; one input or a batch, text or token ids)."""
-
-    PROMPT_FIELD: ClassVar[str | None] = "input"
-
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    normalize: bool | None = None  # vLLM extra: None keeps the server's pooler_config
-
-
-class ScoreRequest(_PoolingFields):
-    """POST /v1/score (vLLM's shape): text_1 against each text_2, or two lists pairwise."""
-
-    text_1: str | list[str] | list[int] | list[list[int]]
-    text_2: str | list[str] | list[int] | list[list[int]]
-    instruction: str | None = None  # a reranker's task line (pagedserve extra)
-
-
-class RerankRequest(_PoolingFields):
-    """POST /v1/rerank (Jina's and Cohere's shape, as vLLM serves it)."""
-
-    query: str
-    documents: list[str]
-    top_n: int | None = None  # None or 0: every document
-    return_documents: bool = True
-    instruction: str | None = None  # a reranker's task line (pagedserve extra)
-
-
 # ------------------------------------------------------------------- response shapes
 class PromptTokensDetails(OpenAIBaseModel):
     cached_tokens: int = 0
@@ -481,53 +386,6 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class EmbeddingData(OpenAIBaseModel):
-    object: str = "embedding"
-    index: int
-    embedding: list[float] | str  # str: base64 of little-endian float32
-
-
-class _ListResponse(OpenAIBaseModel):
-    """vLLM's list answers of the pooling routes (the subclass adds `data`)."""
-
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    usage: UsageInfo
-
-
-class EmbeddingResponse(_ListResponse):
-    data: list[EmbeddingData]
-
-
-class ScoreData(OpenAIBaseModel):
-    object: str = "score"
-    index: int
-    score: float
-
-
-class ScoreResponse(_ListResponse):
-    data: list[ScoreData]
-
-
-class RerankDocument(OpenAIBaseModel):
-    text: str
-
-
-class RerankResult(OpenAIBaseModel):
-    index: int
-    relevance_score: float
-    document: RerankDocument | None = None
-
-
-class RerankResponse(OpenAIBaseModel):
-    id: str
-    model: str
-    usage: UsageInfo
-    results: list[RerankResult]
 
 
 class CompletionLogprobs(OpenAIBaseModel):

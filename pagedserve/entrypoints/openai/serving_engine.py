@@ -183,6 +183,13 @@ class OpenAIServing:
     def prepare(self, req: Any) -> PreparedRequest:
         raise NotImplementedError
 
+    async def full(self, req: Any, prep: PreparedRequest, request_id: str, streams: list[RequestStream]) -> Any:
+        raise NotImplementedError
+
+    def stream(self, req: Any, prep: PreparedRequest, request_id: str,
+               streams: list[RequestStream]) -> AsyncIterator[str]:
+        raise NotImplementedError  # (the pooling routes never stream)
+
     async def start(self, req: Any, prep: PreparedRequest) -> tuple[str, list[RequestStream]]:
         """Hand every prompt to the engine, which validates it; any refusal aborts the
         ones already accepted and becomes a 400 before the response starts."""

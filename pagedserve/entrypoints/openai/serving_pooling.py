@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.async_llm import RequestStream
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from pagedserve.entrypoints.openai.protocol_pooling import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
-    PromptTokensDetails,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -27,7 +27,6 @@ from pagedserve.entrypoints.openai.protocol import (
     ScoreData,
     ScoreRequest,
     ScoreResponse,
-    UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,

@@ -23,12 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.async_llm import RequestStream
-from pagedserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ResponsesRequest,
-    random_id,
-)
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
+from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
 from pagedserve.request_limits import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_ENTRIES
@@ -144,24 +140,28 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                       '{"type": "json_schema", "name": ..., "schema": {...}}', param="text")
 
 
-def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
-                    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
-    """The chat request that asks for the same answer, and its conversation after the
-    instructions (a previous response's conversation first)."""
+def _history(req: ResponsesRequest, store: ResponseStore | None) -> list[dict[str, Any]]:
+    """The conversation of the response `previous_response_id` names (empty without one);
+    `store` and `previous_response_id` both need the server's store, so both are refused
+    here when it has none."""
     if store is None and req.store:
         raise OpenAIError("store is not supported: responses are not kept on this server (start it with "
                           "--enable-responses-store, or send the whole conversation in input)", param="store")
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        if store is None:
-            raise OpenAIError("previous_response_id is not supported: responses are not kept on this server "
-                              "(start it with --enable-responses-store, or send the whole conversation in input)",
-                              param="previous_response_id")
-        found = store.get(req.previous_response_id)
-        if found is None:
-            raise OpenAIError(f"no stored response {req.previous_response_id[:100]!r} (never stored, or dropped from the "
-                              "bounded store)", status=404, param="previous_response_id")
-        history = found[1]
+    if req.previous_response_id is None:
+        return []
+    if store is None:
+        raise OpenAIError("previous_response_id is not supported: responses are not kept on this server "
+                          "(start it with --enable-responses-store, or send the whole conversation in input)",
+                          param="previous_response_id")
+    found = store.get(req.previous_response_id)
+    if found is None:
+        raise OpenAIError(f"no stored response {req.previous_response_id[:100]!r} (never stored, or dropped from the "
+                          "bounded store)", status=404, param="previous_response_id")
+    return found[1]
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    """Fields that would ask for output this server never makes: refused rather than ignored."""
     if req.background:
         raise OpenAIError("background responses are not supported", param="background")
     if req.include:
@@ -169,26 +169,45 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
     if req.top_logprobs:
         raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                           param="top_logprobs")
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Responses' flat function tools in chat's nested shape (only function tools exist here)."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise OpenAIError(f"tools[{i}]: only function tools are supported ({repr(tool.get('type'))[:100]} is not)",
+                              param="tools")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                          "strict") if tool.get(k) is not None}})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """A named function choice in chat's nested shape; the string modes are the same in both."""
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise OpenAIError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                          param="tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
+                    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+    """The chat request that asks for the same answer, and its conversation after the
+    instructions (a previous response's conversation first)."""
+    history = _history(req, store)
+    _refuse_unsupported(req)
     conversation = [*history, *_chat_messages(req)]
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body: dict[str, Any] = {"model": req.model, "messages": [*system, *conversation], "stream": bool(req.stream)}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
-    tools = []
-    for i, tool in enumerate(req.tools or []):
-        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise OpenAIError(f"tools[{i}]: only function tools are supported ({repr(tool.get('type'))[:100]} is not)",
-                              param="tools")
-        tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
-                                                                            "strict") if tool.get(k) is not None}})
+    tools = _chat_tools(req.tools)
     if tools:
         body["tools"] = tools
-    choice = req.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise OpenAIError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                              param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+    choice = _chat_tool_choice(req.tool_choice)
     for name, value in (("tool_choice", choice), ("parallel_tool_calls", req.parallel_tool_calls),
                         ("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("user", req.user), ("response_format", _text_format(req.text))):

@@ -1,0 +1,28 @@
+"""Anthropic's Messages API: POST /v1/messages (translated onto the chat handler by
+serving_messages.py) and /v1/messages/count_tokens.  Errors on these paths take
+Anthropic's shape (http_utils.error_response, by ANTHROPIC_PATH_PREFIX)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pagedserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedserve.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagedserve.entrypoints.openai.routers.generation import generate
+from pagedserve.entrypoints.openai.server_state import ServerStateDep
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request, state: ServerStateDep) -> Response:
+    """Anthropic's Messages API, translated onto the chat handler (entrypoints/anthropic)."""
+    state.ready_for("generate", "/v1/messages")
+    return await generate(state, AnthropicServingMessages(state.chat), body, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, state: ServerStateDep) -> dict:
+    state.ready()
+    return {"input_tokens": await state.prepare.run(AnthropicServingMessages(state.chat).count_tokens, body)}

@@ -1,0 +1,52 @@
+"""The dashboard's routes: the page at / and /dashboard and its static files (public:
+the page asks for the API key itself), and its event stream (behind the key, like
+every API route).  Built by a function rather than at import, because the hub comes
+from the server that includes the router, which this package does not import."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+
+from pagedserve.entrypoints.dashboard import EVENTS_PATH, PAGE_PATHS, STATIC_PREFIX, DashboardHub
+
+_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                  ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
+
+
+def _static_file(name: str) -> Response:
+    """A file of static/ (no subfolders, so no path tricks), or a 404."""
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    if "/" in name or name.startswith(".") or suffix not in _CONTENT_TYPES:
+        return Response(status_code=404)
+    path = resources.files(__package__).joinpath("static", name)
+    if not path.is_file():
+        return Response(status_code=404)
+    return Response(path.read_bytes(), media_type=_CONTENT_TYPES[suffix], headers={"Cache-Control": "no-cache"})
+
+
+def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],
+                     sse_response: Callable[[AsyncIterator[str]], Response]) -> APIRouter:
+    """`hub_of`: a FastAPI dependency giving the hub once the engine has loaded (raising
+    a 503 before); `sse_response` wraps an async iterator of SSE strings in a streaming
+    response."""
+    router = APIRouter()
+
+    async def page() -> Response:
+        return _static_file("index.html")
+
+    for path in PAGE_PATHS:
+        router.add_api_route(path, page, methods=["GET"], include_in_schema=False)
+
+    @router.get(STATIC_PREFIX + "{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        return _static_file(name)
+
+    @router.get(EVENTS_PATH, include_in_schema=False)
+    async def events(hub: DashboardHub = Depends(hub_of)) -> Response:
+        return sse_response(hub.events())
+
+    return router

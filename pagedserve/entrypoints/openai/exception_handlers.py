@@ -1,0 +1,57 @@
+"""Every error the app answers with, in the API's own error shape (OpenAI's, or
+Anthropic's on its paths): the routes' own OpenAIErrors and the engine's refusals,
+FastAPI's body validation (a 400 naming the field, where FastAPI would send a 422 in
+its own shape), and Starlette's 404s and 405s."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.engine.async_llm import EngineDeadError, EngineShutdownError, RequestTimeoutError
+from pagedserve.entrypoints.openai.http_utils import error_response
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, to_openai_error
+from pagedserve.errors import InvalidRequestError, OverloadedError
+
+# pydantic's union-member tags in an error's location ("str", "list[int]"): not fields.
+UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
+
+
+async def on_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(to_openai_error(exc), request.url.path)
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """The first error, as a 400 whose param is the field's top-level name."""
+    path = request.url.path
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    raised = first.get("ctx", {}).get("error")
+    if isinstance(raised, InvalidRequestError):  # a model validator's own refusal, with its param
+        return error_response(to_openai_error(raised), path)
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
+        return error_response(OpenAIError(f"The request body is not valid JSON ({first.get('msg', 'invalid')} "
+                                          f"at character {first.get('loc', ('', '?'))[-1]})."), path)
+    # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the path.
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not UNION_TAG.fullmatch(str(x))]
+    where = ".".join(loc) or "body"
+    return error_response(OpenAIError(f"{where}: {first.get('msg', 'invalid request')}",
+                                      param=loc[0] if loc else None), path)
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(OpenAIError(str(exc.detail), status=exc.status_code,
+                                      type="invalid_request_error" if exc.status_code < 500 else "server_error"),
+                          request.url.path)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    for exc_class in (OpenAIError, ValueError, EngineDeadError, OverloadedError, RequestTimeoutError,
+                      EngineShutdownError, Exception):
+        app.add_exception_handler(exc_class, on_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)

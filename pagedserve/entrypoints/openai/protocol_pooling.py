@@ -1,0 +1,110 @@
+"""Pydantic models of the pooling routes (POST /v1/embeddings, /v1/score, /v1/rerank):
+their request bodies and answers, kept apart from protocol.py's generation models
+because only a server started with `--runner pooling` serves them (serving_pooling.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody, UsageInfo
+
+
+# ------------------------------------------------------------------ request bodies
+class _PoolingFields(RequestBody):
+    """What the pooling routes (/v1/embeddings, /v1/score, /v1/rerank) share: they never
+    stream, and vLLM's extras."""
+
+    stream: ClassVar[bool] = False
+    model: str | None = None
+    user: str | None = None
+    # vLLM extras: keep only the last N tokens of each input (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    # The field the engine's "prompt" is (None: several fields make prompts).
+    PROMPT_FIELD: ClassVar[str | None] = None
+
+    def api_param(self, param: str | None) -> str | None:
+        return self.PROMPT_FIELD if param == "prompt" else param
+
+
+class EmbeddingRequest(_PoolingFields):
+    """POST /v1/embeddings (OpenAI's shape; one input or a batch, text or token ids)."""
+
+    PROMPT_FIELD: ClassVar[str | None] = "input"
+
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None  # vLLM extra: None keeps the server's pooler_config
+
+
+class ScoreRequest(_PoolingFields):
+    """POST /v1/score (vLLM's shape): text_1 against each text_2, or two lists pairwise."""
+
+    text_1: str | list[str] | list[int] | list[list[int]]
+    text_2: str | list[str] | list[int] | list[list[int]]
+    instruction: str | None = None  # a reranker's task line (pagedserve extra)
+
+
+class RerankRequest(_PoolingFields):
+    """POST /v1/rerank (Jina's and Cohere's shape, as vLLM serves it)."""
+
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # None or 0: every document
+    return_documents: bool = True
+    instruction: str | None = None  # a reranker's task line (pagedserve extra)
+
+
+# ------------------------------------------------------------------- response shapes
+class EmbeddingData(OpenAIBaseModel):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class _ListResponse(OpenAIBaseModel):
+    """vLLM's list answers of the pooling routes (the subclass adds `data`)."""
+
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: UsageInfo
+
+
+class EmbeddingResponse(_ListResponse):
+    data: list[EmbeddingData]
+
+
+class ScoreData(OpenAIBaseModel):
+    object: str = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(_ListResponse):
+    data: list[ScoreData]
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: UsageInfo
+    results: list[RerankResult]

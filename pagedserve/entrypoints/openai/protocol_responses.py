@@ -1,0 +1,38 @@
+"""The request body of OpenAI's Responses API (POST /v1/responses).  No handler reads
+it as it is: serving_responses.py translates it onto a ChatCompletionRequest, and its
+answers are plain dicts, so it stands apart from protocol.py's chat models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pagedserve.entrypoints.openai.protocol import RequestBody
+
+
+class ResponsesRequest(RequestBody):
+    """POST /v1/responses (entrypoints/openai/serving_responses.py translates it)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # store / previous_response_id need --enable-responses-store; background, include and
+    # top_logprobs are refused when set (no background runs, no extra output):
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    # Accepted: reasoning.effort and truncation change nothing for the models served here.
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None

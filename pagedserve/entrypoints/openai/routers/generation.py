@@ -1,0 +1,60 @@
+"""The one way a generation route answers: prepare the request off the event loop, let
+the engine accept it, then stream or answer once, all cancelled if the client leaves.
+Shared by the OpenAI routers, the pooling routes and Anthropic's /v1/messages."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from pagedserve.engine.async_llm import RequestStream
+from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disconnect
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedserve.entrypoints.openai.server_state import ServerState
+
+
+class ServingHandler(Protocol):
+    """One generation endpoint's handler (OpenAIServing's subclasses, and the Responses
+    and Anthropic translations onto the chat handler): what `generate` calls, in order."""
+
+    def warn_unknown_fields(self, req: Any) -> None: ...
+
+    def prepare(self, req: Any) -> Any: ...
+
+    async def start(self, req: Any, prep: Any) -> tuple[str, list[RequestStream]]: ...
+
+    def stream(self, req: Any, prep: Any, request_id: str, streams: list[RequestStream]) -> AsyncIterator[str]: ...
+
+    async def full(self, req: Any, prep: Any, request_id: str, streams: list[RequestStream]) -> Any: ...
+
+
+def json_response(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump())
+
+
+async def generate(state: ServerState, serving: ServingHandler, body: Any, request: Request) -> Response:
+    """Every generation endpoint: validate and render off the event loop (templates and
+    tokenizing a long prompt take seconds), let the engine accept the request (its
+    refusals are 400s, before any byte is sent), then stream (SSE) or answer once.  A
+    client that leaves at any point cancels it all, which aborts every engine request
+    it started (a 20,000-prompt fan-out included)."""
+    serving.warn_unknown_fields(body)
+
+    async def handle() -> Response | BaseModel | dict:
+        if isinstance(body, ChatCompletionRequest) and body.chat_template:
+            prep = await state.prepare.run_own_template(serving.prepare, body)  # the one sandbox's turn
+        else:
+            prep = await state.prepare.run(serving.prepare, body)
+        request_id, streams = await serving.start(body, prep)
+        if body.stream:
+            return SSEResponse(serving.stream(body, prep, request_id, streams))
+        return await serving.full(body, prep, request_id, streams)
+
+    result = await cancel_on_disconnect(request, handle())
+    if isinstance(result, dict):  # (the Responses API's objects are plain dicts)
+        return JSONResponse(result)
+    return result if isinstance(result, Response) else json_response(result)

@@ -1,0 +1,57 @@
+"""The server's own routes: /health (503 until the engine serves, for orchestrators),
+/version, /metrics (Prometheus), and the models it serves (OpenAI's list and retrieve,
+the base model's names and its LoRA adapters)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+import pagedserve
+from pagedserve.entrypoints.openai.protocol import ModelCard, ModelList
+from pagedserve.entrypoints.openai.routers.generation import json_response
+from pagedserve.entrypoints.openai.server_state import ServerState, ServerStateDep
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: ServerStateDep) -> Response:
+    state.ready()
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": pagedserve.__version__}
+
+
+@router.get("/metrics")
+async def metrics(state: ServerStateDep) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def model_card(state: ServerState, name: str) -> ModelCard:
+    """A served name's card; an adapter's names its base model as parent."""
+    base = state.served_model_names[0]
+    lora = state.lora_adapters.loras.get(name)
+    if lora is not None:  # (its path on the server's disk is not the client's business)
+        return ModelCard(id=name, root=name, parent=lora.base_model_name or base, max_model_len=state.max_model_len)
+    return ModelCard(id=name, root=base, max_model_len=state.max_model_len)
+
+
+@router.get("/v1/models")
+async def models(state: ServerStateDep) -> JSONResponse:
+    state.ready()
+    loras = list(state.lora_adapters.loras)
+    return json_response(ModelList(data=[model_card(state, name) for name in [*state.served_model_names, *loras]]))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, state: ServerStateDep) -> JSONResponse:
+    """OpenAI's retrieve (`client.models.retrieve`); ids may contain slashes (org/name)."""
+    state.ready()
+    state.chat.model_name(model_id)  # a 404 naming it when it is not served
+    return json_response(model_card(state, model_id))

@@ -1,0 +1,184 @@
+"""What the HTTP routes share: `ServerState` (the flags they obey, and the serving
+handlers once the engine has loaded), the threads that prepare requests off the event
+loop, and the FastAPI dependencies through which every router reaches them.
+
+One `ServerState` per app, set by `bind_state` and read by the `server_state`
+dependency: routers are plain module-level `APIRouter`s with no closure over the server
+they end up in, so each can be read, and tested, on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.entrypoints.dashboard import DashboardHub, is_public_path
+from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
+from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
+from pagedserve.entrypoints.openai.serving_responses import ResponseStore
+from pagedserve.entrypoints.openai.tool_parsers import ToolParser
+from pagedserve.errors import OverloadedError
+from pagedserve.metrics import SeriesStatLogger
+from pagedserve.request_limits import TEMPLATE_QUEUE_SECONDS
+
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt as token ids is ~1 MB of JSON
+DEFAULT_HTTP_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body
+# Threads that render and tokenize requests off the event loop (their own, so that a
+# queue of slow renders never holds the threads asyncio uses for anything else).
+PREPARE_THREADS = 16
+
+T = TypeVar("T")
+
+
+class PrepareThreads:
+    """Where requests are rendered and tokenized: templates and tokenizing a long prompt
+    take seconds, which on the event loop would stall every other request's stream.  A
+    request's own chat template renders in the one template sandbox, so those wait for
+    their turn here, holding no thread, and a queue of slow templates never starves the
+    others."""
+
+    def __init__(self, max_workers: int = PREPARE_THREADS) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedserve-prepare")
+        self.template_turn = asyncio.Semaphore(1)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def run_own_template(self, fn: Callable[..., T], *args: Any) -> T:
+        """`run`, once the template sandbox is free (an OverloadedError, a 503, after
+        TEMPLATE_QUEUE_SECONDS of waiting)."""
+        try:
+            await asyncio.wait_for(self.template_turn.acquire(), TEMPLATE_QUEUE_SECONDS)
+        except TimeoutError:
+            raise OverloadedError("requests' own chat templates are rendered one at a time and others "
+                                  "are waiting; retry shortly") from None
+        try:
+            return await self.run(fn, *args)
+        finally:
+            self.template_turn.release()
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Attachment:
+    """The engine client a loaded server serves through, with what the server shows of it."""
+
+    client: EngineClient
+    max_model_len: int
+    description: dict[str, Any]  # the dashboard's and /v1/models' description of the engine
+    watched: AsyncLLM | None  # the one engine whose block pool the dashboard shows (none for replicas)
+
+    @classmethod
+    def local(cls, client: AsyncLLM, max_model_len: int, description: dict[str, Any] | None = None) -> Attachment:
+        """An engine in this process, watched by the dashboard."""
+        return cls(client, max_model_len, description or {}, client)
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; filled in once the engine has loaded."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    metrics_without_auth: bool = False  # /metrics answers without the API key (for a scraper)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    http_read_timeout: float | None = DEFAULT_HTTP_READ_TIMEOUT  # the body's deadline (the headers': uvicorn's protocol)
+    # Host header values answered (DNS rebinding); None: any (in-process tests, or a server
+    # bound to every interface).
+    allowed_hosts: frozenset[str] | None = None
+    draining: bool = False  # shutting down: new requests get 503
+    engine: EngineClient | None = None
+    completion: OpenAIServingCompletion | None = None
+    chat: OpenAIServingChat | None = None
+    embedding: OpenAIServingEmbedding | None = None
+    score: OpenAIServingScore | None = None
+    max_model_len: int = 0
+    registry: Any = None
+    enable_dashboard: bool = True  # the live page at / (--disable-dashboard turns it off)
+    # The dashboard's per-second history: a stat logger the engine feeds from start-up.
+    series: SeriesStatLogger | None = None
+    dashboard: DashboardHub | None = None
+    prepare: PrepareThreads = field(default_factory=PrepareThreads)  # rendering and tokenizing, off the event loop
+    responses_store: ResponseStore | None = None  # --enable-responses-store
+    lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
+
+    def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None,
+               reasoning_parser: ReasoningParser | None = None) -> None:
+        engine = attachment.client
+        args = (engine, self.served_model_names, attachment.max_model_len, self.lora_adapters.loras)
+        self.max_model_len = attachment.max_model_len
+        self.completion = OpenAIServingCompletion(*args)
+        self.chat = OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        self.embedding = OpenAIServingEmbedding(*args)
+        self.score = OpenAIServingScore(*args)
+        if self.enable_dashboard:
+            if attachment.watched is None:
+                raise ValueError("the dashboard watches one engine's block pool; this client has none")
+            config = {"served_model_name": self.served_model_names[0], **attachment.description}
+            self.dashboard = DashboardHub(attachment.watched, self.series or SeriesStatLogger(), config)
+        self.engine = engine  # last: its presence means "ready"
+
+    def ready_for(self, runner: str, route: str) -> EngineClient:
+        """ready(), and the route is one this server's runner serves (generation routes
+        on the generate runner; embeddings, scores and reranking on the pooling runner)."""
+        engine = self.ready()
+        if engine.runner != runner:
+            how = ("`pagedserve serve MODEL --runner pooling`" if runner == "pooling"
+                   else "`pagedserve serve MODEL` (the generate runner)")
+            raise OpenAIError(f"{route} is not served by this server, which runs the {engine.runner} runner; "
+                              f"start one with {how}", param="model", code="wrong_runner")
+        return engine
+
+    def is_public(self, path: str) -> bool:
+        """Routes served without the API key: /health, /metrics for a scraper when asked,
+        and the dashboard page (which asks for the key itself)."""
+        return (path == "/health" or (path == "/metrics" and self.metrics_without_auth)
+                or (self.enable_dashboard and is_public_path(path)))
+
+    def ready(self) -> EngineClient:
+        if self.draining:
+            raise OpenAIError("The server is shutting down.", status=503, type="server_error", code="shutting_down")
+        if self.engine is None:
+            raise OpenAIError("The model is still loading.", status=503, type="server_error")
+        if self.engine.errored:
+            raise OpenAIError("The engine failed and the server is shutting down.", status=503,
+                              type="server_error", code="engine_dead")
+        if not self.engine.serving:
+            raise OpenAIError("No engine replica is serving right now (they restart on their own); retry shortly.",
+                              status=503, type="server_error", code="engine_dead")
+        return self.engine
+
+
+def bind_state(app: FastAPI, state: ServerState) -> None:
+    """Make `state` the one every route of `app` gets from `server_state`."""
+    app.state.server = state
+
+
+async def server_state(request: Request) -> ServerState:
+    """The dependency every route takes its ServerState from (async: FastAPI would run a
+    plain function on a worker thread, one hop per request for a field read)."""
+    state: ServerState = request.app.state.server
+    return state
+
+
+ServerStateDep = Annotated[ServerState, Depends(server_state)]
+
+
+async def dashboard_hub(state: ServerStateDep) -> DashboardHub:
+    """The dashboard's hub, once the engine has loaded (a 503 before, like every route)."""
+    state.ready()
+    assert state.dashboard is not None
+    return state.dashboard
