@@ -76,3 +76,11 @@ def test_any_small_valid_body_passes_unless_it_holds_a_lone_surrogate(value) -> 
     else:
         with pytest.raises(InvalidRequestError, match="lone UTF-16 surrogate"):
             check_json_body(body)
+
+
+def test_a_surrogate_written_as_bytes_is_refused() -> None:
+    """`\\xed\\xa0\\x80` is U+D800 as UTF-8 would spell it: invalid UTF-8 that Python's
+    JSON parser still turns into a lone surrogate."""
+    with pytest.raises(InvalidRequestError, match="^prompt contains a lone UTF-16 surrogate"):
+        check_json_body(b'{"prompt": "\xed\xa0\x80"}')
+    check_json_body('{"prompt": "\ud7ff \ue000"}'.encode())  # the code points either side are text
