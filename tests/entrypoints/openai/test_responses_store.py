@@ -79,3 +79,24 @@ def test_the_store_drops_the_oldest_past_its_bounds() -> None:
     assert store.get("r1") is None and store.get("big") is not None  # bytes: the oldest went first
     store.put({"id": "huge", "text": "x" * 20_000}, [])  # larger than the whole store: not kept
     assert store.get("huge") is None and store.get("big") is not None
+
+
+def test_the_store_counts_the_memory_it_holds() -> None:
+    """A response echoing a field of 200,000 empty lists is ~800 KB of JSON but ~11 MB as
+    Python objects: the store keeps the text, so its bound is the memory held."""
+    import gc
+    import tracemalloc
+
+    store = ResponseStore(max_entries=100, max_bytes=64 << 20)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5):
+            store.put({"id": f"r{i}", "text": {"format": [[] for _ in range(200_000)]}}, [])
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * store.num_bytes and store.num_bytes < 5 * 1_000_000, (held, store.num_bytes)
+    response, _ = store.get("r4")
+    assert len(response["text"]["format"]) == 200_000
