@@ -196,16 +196,18 @@ class StructuredOutputManager:
             return self._backend
 
     def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
-        backend = self._get_backend()
         t0 = time.perf_counter()
         kind, spec = key
         try:
-            check_spec(kind, spec)  # a spec past a bound never reaches the compiler
+            check_spec(kind, spec)  # a spec past a bound never reaches the compiler (nor waits for it to load)
+        except InvalidRequestError:
+            self._forget(key)
+            raise
+        backend = self._get_backend()
+        try:
             grammar = backend.compile(kind, spec)
         except Exception as e:  # noqa: BLE001 - grammar libraries raise what they like on a bad spec (a client's)
-            with self._lock:
-                self._cache.pop(key, None)  # a bad spec is not worth keeping
-                self._served.discard(key)
+            self._forget(key)
             if isinstance(e, InvalidRequestError):
                 raise
             raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
@@ -213,6 +215,12 @@ class StructuredOutputManager:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
         return CompiledGrammar(backend, grammar)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        """A bad spec is not worth keeping."""
+        with self._lock:
+            self._cache.pop(key, None)
+            self._served.discard(key)
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A fresh matcher state for one request (n > 1: one each) over the shared grammar."""

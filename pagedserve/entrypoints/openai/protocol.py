@@ -311,7 +311,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def api_params(self) -> dict[str, str]:
         legacy = {"tools": "functions", "tool_choice": "function_call"} if self.functions is not None else {}
-        return {**super().api_params(), **legacy, "prompt": "messages", "logprobs": "top_logprobs",
+        constraint = {}
+        if not self.structured_fields() and self.tools:  # the grammar is the tools' (tool_choice)
+            constraint = {"structured_outputs": legacy.get("tools", "tools")}
+        return {**super().api_params(), **constraint, **legacy, "prompt": "messages", "logprobs": "top_logprobs",
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
     def requested_max_tokens(self) -> int | None:

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import (
@@ -201,11 +202,15 @@ class OpenAIServingChat(OpenAIServing):
         if plan.mode == "named":
             return StructuredOutputsParams(json=plan.function.parameters or {"type": "object"})
         if plan.mode == "required":
+            defs: dict[str, Any] = {}
             calls = [{"type": "object", "required": ["name", "parameters"],
                       "properties": {"name": {"const": t.function.name},
-                                     "parameters": t.function.parameters or {"type": "object"}}}
-                     for t in req.tools]
+                                     "parameters": hoist_tool_schema(t.function.parameters or {"type": "object"},
+                                                                     f"tool{i}", defs)}}
+                     for i, t in enumerate(req.tools)]
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if defs:
+                schema["$defs"] = defs
             if req.parallel_tool_calls is False:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema)
@@ -351,3 +356,42 @@ class OpenAIServingChat(OpenAIServing):
                 token=s, logprob=_MISSING if token_lp is None else token_lp, bytes=list(s.encode()),
                 top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top]))
         return ChatLogprobs(content=content)
+
+
+def hoist_tool_schema(schema: Any, name: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameter schema placed inside the "required" mode's array schema: its
+    local references (`#`, `#/$defs/X`, `#/definitions/X`, any `#/...` pointer) meant its
+    own document, and would resolve against the array's.  Its definitions move to the
+    root's `$defs` under `name`'s prefix (and the schema itself as `name` when something
+    points at it), with every reference rewritten to match."""
+    refs: list[str] = []
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions") or node is not schema}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = _hoisted_ref(ref, name)
+            refs.append(ref)
+        return out
+
+    if not isinstance(schema, dict):
+        return schema
+    hoisted = rewrite(schema)
+    for key in ("$defs", "definitions"):
+        local = schema.get(key)
+        if isinstance(local, dict):
+            defs.update({f"{name}_{k}": rewrite(v) for k, v in local.items()})
+    if any(not r.startswith(("#/$defs/", "#/definitions/")) for r in refs):
+        defs[name] = hoisted  # something points into the schema itself
+    return hoisted
+
+
+def _hoisted_ref(ref: str, name: str) -> str:
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(prefix):
+            return f"#/$defs/{name}_{ref[len(prefix):]}"
+    return f"#/$defs/{name}{ref[1:]}"

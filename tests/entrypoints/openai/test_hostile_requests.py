@@ -310,3 +310,30 @@ def test_a_large_json_body_costs_the_event_loop_nothing_measurable(server, clien
     assert stream.longest_gap(t0) < 1.0
     stream.finish()
     healthy(server, client)
+
+
+# ------------------------------------------------------------ tool schemas' $defs
+def tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_long_defs_chain_in_a_tool_is_refused_by_the_depth_bound(server, client, choice):
+    """Each tool's `#/$defs/...` resolves against its own schema, however the tools are
+    put into one grammar: a 200-long chain meets the depth bound in every mode (it once
+    compiled for 36 s under "auto", and under "required" pointed at a missing root)."""
+    t0 = time.monotonic()
+    r = chat(client, tools=[tool(ref_chain(200))], tool_choice=choice, max_tokens=4)
+    refused(r, "tools", "deeper than", str(MAX_SCHEMA_DEPTH))
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_tool_with_defs_works_under_required(client):
+    params = {"type": "object", "required": ["n"], "$defs": {"num": {"type": "integer"}},
+              "properties": {"n": {"$ref": "#/$defs/num"}}}
+    r = chat(client, tools=[tool(params)], tool_choice="required", max_tokens=40)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "tool_calls":  # a random model may run out of tokens first
+        args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+        assert isinstance(args["n"], int)
