@@ -171,7 +171,7 @@ class RayDPClient:
         replica's InputProcessor checks it."""
         if lora_request is not None:
             raise InvalidRequestError(_NO_LORA, param="model")
-        ids, salt = routing_tokens(prompt, self.info.tokenizer)
+        ids, salt = await asyncio.to_thread(routing_tokens, prompt, self.info.tokenizer)  # off the event loop
         if ids is not None and isinstance(prompt, (str, dict)):  # the replica need not tokenize again
             prompt = {**prompt, "prompt_token_ids": ids} if isinstance(prompt, dict) else {
                 "prompt": prompt, "prompt_token_ids": ids}
