@@ -55,13 +55,20 @@ class EngineShutdownError(RuntimeError):
     """The server is shutting down: the request was not accepted, or it was aborted."""
 
 
+def engine_core_client_class(engine_args: EngineArgs) -> type[InprocClient] | type[RayDPClient]:
+    """Which client `engine_args` ask for: data-parallel replicas on Ray
+    (data_parallel_size > 1), else one engine in this process.  The one place that
+    chooses: the server asks it what the client can do (`WATCHES_BLOCK_POOL`) before
+    anything loads."""
+    return RayDPClient if engine_args.data_parallel_size > 1 else InprocClient
+
+
 def make_engine_core_client(engine_args: EngineArgs, own_thread: bool = True) -> EngineCoreClient:
     """The client `engine_args` ask for, its engines loaded: data-parallel replicas on Ray
     (data_parallel_size > 1), else one LLMEngine in this process, built on a thread of
     its own (see `on_own_thread`) for a server, whose engine thread steps it, or on the
-    caller's (`own_thread=False`: offline, where the caller steps it).  The one place
-    that chooses."""
-    if engine_args.data_parallel_size > 1:
+    caller's (`own_thread=False`: offline, where the caller steps it)."""
+    if engine_core_client_class(engine_args) is RayDPClient:
         return RayDPClient.from_engine_args(engine_args)
     if not own_thread:
         return InprocClient(LLMEngine.from_engine_args(engine_args))

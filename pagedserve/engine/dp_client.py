@@ -79,6 +79,9 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 class RayDPClient:
     """An EngineCoreClient over data-parallel replicas (see the module docstring)."""
 
+    # The dashboard draws one engine's block pool; replicas each have their own.
+    WATCHES_BLOCK_POOL = False
+
     def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
         self.num_replicas = n = replicas.num_replicas

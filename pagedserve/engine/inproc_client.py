@@ -147,6 +147,8 @@ class _WatchCommand:
 class InprocClient:
     """One engine in this process, stepped by the engine thread it owns (module docstring)."""
 
+    WATCHES_BLOCK_POOL = True  # `watch` sends snapshots of its one block pool (the dashboard)
+
     def __init__(self, engine: InprocEngine) -> None:
         self.engine = engine
         self.local_engine = engine if isinstance(engine, LLMEngine) else None

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI
 
 import pagedserve
-from pagedserve.engine.async_llm import AsyncLLM, EngineShutdownError, check_front_door_limits
+from pagedserve.engine.async_llm import (
+    AsyncLLM,
+    EngineShutdownError,
+    check_front_door_limits,
+    engine_core_client_class,
+)
 from pagedserve.entrypoints.anthropic.router import router as anthropic_router
 from pagedserve.entrypoints.dashboard.router import dashboard_router
 from pagedserve.entrypoints.openai.exception_handlers import add_exception_handlers
@@ -240,14 +245,14 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerSt
     if (args.lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating serve LoRA adapters: add --enable-lora")
     loras = LoRAAdapters(parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
-    replicated = engine_args.data_parallel_size > 1
-    if replicated and not args.disable_dashboard:
+    watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL
+    if not watchable and not args.disable_dashboard:
         logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "
                     "/metrics has every replica's series (label engine)")
     state = ServerState(served_model_names=names, api_key=api_key,
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
-                        enable_dashboard=not args.disable_dashboard and not replicated,
+                        enable_dashboard=not args.disable_dashboard and watchable,
                         responses_store=ResponseStore() if args.enable_responses_store else None,
                         lora_adapters=loras)
     if state.enable_dashboard:
