@@ -126,11 +126,15 @@ class CpuKernel:
     """One of our C++ kernels in this process: built (or loaded) on first use, once, by
     whichever thread asks first while the others wait; a failed build is remembered, not
     retried.  `on_load` runs once on the loaded module (registering its operators' shapes
-    for tracing, say); `phase` names its time in the start-up breakdown."""
+    for tracing, say); `phase` names its time in the start-up breakdown; `cflags` are
+    flags its source always builds with, after the ISA's (the fused kernels': no FMA
+    contraction, so float32 results round where torch's ops round; no trapping math, so
+    GCC vectorises their clamps)."""
 
     def __init__(self, prefix: str, source: Path, what: str, phase: str,
-                 on_load: Callable[[ModuleType], None] | None = None) -> None:
+                 on_load: Callable[[ModuleType], None] | None = None, cflags: tuple[str, ...] = ()) -> None:
         self.prefix, self.source, self.what, self.phase, self.on_load = prefix, source, what, phase, on_load
+        self.cflags = cflags
         self._module: ModuleType | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
@@ -141,14 +145,14 @@ class CpuKernel:
         if self._module is not None and extra_cflags is None:  # the per-call path: nothing else to do
             return self._module
         if extra_cflags is not None:
-            return build_cpu_extension(self.prefix, self.source, self.what, extra_cflags)
+            return build_cpu_extension(self.prefix, self.source, self.what, self._with_own_cflags(extra_cflags))
         with self._lock:
             if self._error is not None:
                 raise RuntimeError(f"the {self.what} did not build in this process ({self._error})")
             if self._module is None:
                 t0 = time.perf_counter()
                 try:
-                    module = build_cpu_extension(self.prefix, self.source, self.what)
+                    module = build_cpu_extension(self.prefix, self.source, self.what, self._with_own_cflags(None))
                 except Exception as e:
                     msg = str(e).strip().splitlines()
                     self._error = f"{type(e).__name__}: {msg[-1] if msg else ''}"
@@ -158,6 +162,12 @@ class CpuKernel:
                 self._module = module
                 record_startup(self.phase, time.perf_counter() - t0)
             return self._module
+
+    def _with_own_cflags(self, extra_cflags: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        """`extra_cflags` (None: the default ISA's) followed by this kernel's own flags."""
+        if not self.cflags:
+            return extra_cflags
+        return (kernel_isa_cflags() if extra_cflags is None else extra_cflags) + self.cflags
 
     def error(self) -> str | None:
         """None when the kernel builds (or is built) here, else why not (no compiler, ...)."""

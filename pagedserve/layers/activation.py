@@ -24,5 +24,8 @@ class GeluTanhAndMul(nn.Module):
     """[..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's gated MLP)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = fused_ops.gemma_kernels_for(x)
+        if kernels is not None:
+            return kernels.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

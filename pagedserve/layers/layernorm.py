@@ -49,8 +49,9 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), all in float32, then casts back (HF's
-    Gemma3RMSNorm order, so float32 outputs match it bit for bit).  No fused residual:
-    Gemma's layers norm each sub-block's output before adding it."""
+    Gemma3RMSNorm order, so float32 outputs match it bit for bit).  Gemma's layers norm
+    each sub-block's output before adding it to the residual stream, so the add this
+    fuses comes after the norm: forward(x, residual) is residual + norm(x)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -58,8 +59,14 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or with `residual`: residual + norm(x) (the norm rounded first, as two torch ops round)."""
+        others = (self.weight,) if residual is None else (self.weight, residual)
+        kernels = fused_ops.gemma_kernels_for(x, *others)
+        if kernels is not None:
+            return kernels.gemma_rms_norm(x, self.weight, self.eps, residual)
+        normed = (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return normed if residual is None else residual + normed
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

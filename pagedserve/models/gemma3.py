@@ -19,13 +19,14 @@ implements it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagedserve.layers import fused_ops
 from pagedserve.layers.activation import GeluTanhAndMul
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -33,7 +34,7 @@ from pagedserve.layers.layernorm import GemmaRMSNorm
 from pagedserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.rotary_embedding import RotaryEmbedding, get_rope
 from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
-from pagedserve.models.utils import load_named_weights
+from pagedserve.models.utils import direct_projections, load_named_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -85,13 +86,24 @@ class Gemma3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, sliding_window)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q, k = self.norm_rotate(rope, qkv)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), qkv[:, self.q_size + self.kv_size:]))
+
+    def norm_rotate(self, rope: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused q|k|v projection -> q [T, H, D] and k [T, KVH, D], each head normed
+        (Gemma's RMSNorm) and rotated: one fused kernel where there is one (CPU tensors)."""
+        weights = (self.q_norm.weight, self.k_norm.weight)
+        kernels = fused_ops.gemma_kernels_for(qkv, *rope, *weights)
+        if kernels is not None:
+            return kernels.norm_rope(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim,
+                                     self.rotary_emb.rotary_dim, weights, self.q_norm.eps, gemma=True)
+        t = qkv.shape[0]
+        q, k = qkv[:, :self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
-        q = self.rotary_emb.rotate(rope, q, self.num_heads)
-        k = self.rotary_emb.rotate(rope, k, self.num_kv_heads)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        return self.rotary_emb.rotate(rope, q, self.num_heads), self.rotary_emb.rotate(rope, k, self.num_kv_heads)
 
 
 def gemma3_mlp(config: Any) -> LlamaMLP:
@@ -113,12 +125,50 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
         self.mlp = gemma3_mlp(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
+        # The same layer as direct kernel calls (bind_direct), or None.
+        self.direct: Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+
+    def bind_direct(self) -> bool:
+        """Run this layer's eager forward as direct calls to its kernels, as
+        LlamaDecoderLayer.bind_direct does and where it does (fused kernels for every norm,
+        rotary and the gate; quantized projections of one rank without bias or adapters):
+        the calls `forward` makes, in its order, so outputs are identical, and a model
+        whose layers all bind starts without torch.compile (Gemma 3 270M, the second
+        shipped model).  Returns whether it bound."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = direct_projections(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if projections is None or not isinstance(mlp.act_fn, GeluTanhAndMul):
+            return False
+        norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm)
+        qk_weights = (attn.q_norm.weight, attn.k_norm.weight)
+        rotary = attn.rotary_emb
+        kernels = fused_ops.gemma_kernels_for(rotary.cos_sin_cache, *(n.weight for n in norms), *qk_weights)
+        if kernels is None:
+            return False
+        norm, norm_rope, gelu_and_mul = kernels.gemma_rms_norm, kernels.norm_rope, kernels.gelu_tanh_and_mul
+        (w_in, eps_in), (w_attn, eps_attn), (w_pre, eps_pre), (w_ff, eps_ff) = ((n.weight, n.eps) for n in norms)
+        qkv_proj, o_proj, gate_up_proj, down_proj = projections
+        attention = attn.attn.forward_eager
+        heads, kv_heads, head_dim, rotary_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim
+        qk_eps, v_start = attn.q_norm.eps, attn.q_size + attn.kv_size
+
+        def direct(rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+            qkv = qkv_proj(norm(hidden, w_in, eps_in))
+            q, k = norm_rope(qkv, *rope, heads, kv_heads, head_dim, rotary_dim, qk_weights, qk_eps, gemma=True)
+            attended = o_proj(attention(q.flatten(1), k.flatten(1), qkv[:, v_start:]))
+            hidden = norm(attended, w_attn, eps_attn, hidden)
+            return norm(down_proj(gelu_and_mul(gate_up_proj(norm(hidden, w_pre, eps_pre)))), w_ff, eps_ff, hidden)
+
+        self.direct = direct
+        return True
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-        attn = self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(hidden)))
-        hidden = hidden + attn
-        mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-        return hidden + mlp
+        """Each sub-block's output is normed, then added to the residual stream (the norms' fused add)."""
+        if self.direct is not None and not torch.compiler.is_compiling():
+            return self.direct(rope, hidden)
+        hidden = self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(hidden)), hidden)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)), hidden)
 
 
 class Gemma3Model(nn.Module):

@@ -27,7 +27,7 @@ from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.rotary_embedding import RotaryEmbedding, get_rope
-from pagedserve.models.utils import StackedMapping, load_named_weights
+from pagedserve.models.utils import StackedMapping, direct_projections, load_named_weights
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         submodules' calls in between: on a small model on the CPU those calls (module
         dispatch, each layer's checks of which path it takes) were ~15% of a decode step
         once the elementwise work was fused (SmolLM2-135M; Zen 4, AVX-512 with native
-        bf16).  The calls are the ones `forward` makes, in its order, so outputs are
+        bf16).  Any dtype the fused kernels take: float32 (the default on AVX2 CPUs) too.  The calls are the ones `forward` makes, in its order, so outputs are
         identical; it applies only where each submodule's choice is fixed: the fused kernels take the norms and
         rotary, every projection is a quantized weight of one rank without bias or
         adapters, the MLP is SwiGLU.  A model that gains adapters later must not bind (a
@@ -116,9 +116,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if not (isinstance(mlp, LlamaMLP) and isinstance(mlp.act_fn, SiluAndMul)):
             return False
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.qweight is None or lin.bias is not None or lin.lora is not None or lin.tp_size > 1
-               for lin in linears):
+        projections = direct_projections(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if projections is None:
             return False
         norm_weights = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else None
         norm_eps = attn.q_norm.eps if attn.qk_norm else 0.0
@@ -127,8 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         if kernels is None:
             return False
         rms_norm, norm_rope, silu_and_mul = kernels.rms_norm, kernels.norm_rope, kernels.silu_and_mul
-        qkv_proj, o_proj = attn.qkv_proj.qweight.linear, attn.o_proj.qweight.linear
-        gate_up_proj, down_proj = mlp.gate_up_proj.qweight.linear, mlp.down_proj.qweight.linear
+        qkv_proj, o_proj, gate_up_proj, down_proj = projections
         attention = attn.attn.forward_eager
         heads, kv_heads, head_dim, rotary_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim
         v_start = attn.q_size + attn.kv_size

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from pagedserve.layers.linear import default_weight_loader
+from pagedserve.layers.linear import LinearBase, default_weight_loader
 
 # (fused parameter name, checkpoint name, shard id)
 StackedMapping = list[tuple[str, str, object]]
@@ -80,9 +80,22 @@ def _checkpoint_name(param_name: str, shard: object, stacked: StackedMapping) ->
 
 @runtime_checkable
 class DirectBindable(Protocol):
-    """A layer that can run its eager forward as direct kernel calls (LlamaDecoderLayer)."""
+    """A layer that can run its eager forward as direct kernel calls (LlamaDecoderLayer,
+    Gemma3DecoderLayer)."""
 
     def bind_direct(self) -> bool: ...
+
+
+def direct_projections(*linears: LinearBase) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
+    """Each projection's quantized kernel call, for a layer's direct calls (bind_direct):
+    only where every one is a quantized weight of one rank without bias or adapters, the
+    projections whose module forward is exactly that call; else None."""
+    calls = []
+    for lin in linears:
+        if lin.qweight is None or lin.bias is not None or lin.lora is not None or lin.tp_size > 1:
+            return None
+        calls.append(lin.qweight.linear)
+    return calls
 
 
 def bind_direct_layers(model: nn.Module) -> tuple[int, int]:

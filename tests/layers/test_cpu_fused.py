@@ -1,5 +1,6 @@
-"""The fused C++ kernels for 16-bit CPU tensors (layers/cpu_fused.py) against the torch
-ops they replace, and the decoder layer's direct calls against its module path."""
+"""The fused C++ kernels for CPU tensors (layers/cpu_fused.py; float32, bfloat16 and
+float16) against the torch ops they replace, and the decoder layer's direct calls
+against its module path.  Gemma's kernels: test_cpu_fused_gemma.py."""
 
 from __future__ import annotations
 
@@ -16,26 +17,22 @@ from pagedserve.model_loader.loader import get_model
 from pagedserve.models.llama import LlamaDecoderLayer
 from pagedserve.models.utils import bind_direct_layers
 from tests.e2e.conftest import make_tiny_checkpoint
-from tests.layers.fused_helpers import fused
+from tests.layers.fused_helpers import fused, one_rounding
 
 pytestmark = pytest.mark.skipif(cpu_fused.fused_kernel_error() is not None,
                                 reason=f"no C++ toolchain here: {cpu_fused.fused_kernel_error()}")
-DTYPES = [torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The plain AVX2 build (another vector width: other sums of squares, the same rounding).
 VARIANTS = [None, ("-mno-avx512f",)]
 
 
-def _one_rounding(dtype: torch.dtype) -> dict:
-    """One rounding step of the dtype: the kernels sum a row's squares in another order."""
-    return {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
-
-
-def test_kernels_apply_to_16_bit_cpu_tensors_of_one_dtype():
+def test_kernels_apply_to_cpu_tensors_of_one_dtype():
     bf = torch.zeros(2, dtype=torch.bfloat16)
     assert fused_ops.kernels_for(bf) is cpu_fused
     assert fused_ops.kernels_for(bf, torch.zeros(2, dtype=torch.bfloat16)) is cpu_fused
     assert fused_ops.kernels_for(torch.zeros(2, dtype=torch.float16)) is cpu_fused
-    assert fused_ops.kernels_for(torch.zeros(2)) is None  # float32: the torch ops (HF's sums, bit for bit)
+    assert fused_ops.kernels_for(torch.zeros(2)) is cpu_fused  # float32: the AVX2 machines' default dtype
+    assert fused_ops.kernels_for(torch.zeros(2, dtype=torch.float64)) is None
     assert fused_ops.kernels_for(bf, torch.zeros(2)) is None  # mixed: the torch ops' type promotion
     with fused(False):
         assert fused_ops.kernels_for(bf) is None
@@ -56,11 +53,11 @@ def test_rms_norm_matches_torch(variant, dtype, rows, n):
     got, none = kernel.rms_norm(x, weight, 1e-6, None)
     got2, got_res = kernel.rms_norm(x, weight, 1e-6, res)
     assert none is None
-    torch.testing.assert_close(got, want, **_one_rounding(dtype))
-    torch.testing.assert_close(got2, want2, **_one_rounding(dtype))
+    torch.testing.assert_close(got, want, **one_rounding(dtype))
+    torch.testing.assert_close(got2, want2, **one_rounding(dtype))
     assert torch.equal(got_res, want_res)  # the add rounds once, as torch's does
-    # Most elements round to the same value: only a sum's last bits differ.
-    assert (got2 == want2).float().mean() > 0.95
+    if dtype != torch.float32:  # most 16-bit elements round to the same value: only a sum's last bits differ
+        assert (got2 == want2).float().mean() > 0.95
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,7 +71,7 @@ def test_rms_norm_layer_takes_strided_and_3d_rows(dtype):
     got, got_res = norm(x, res)
     assert got.shape == (2, 5, 64) and got_res.shape == (2, 5, 64)
     assert torch.equal(got_res, want_res)
-    torch.testing.assert_close(got, want, **_one_rounding(dtype))
+    torch.testing.assert_close(got, want, **one_rounding(dtype))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -104,8 +101,10 @@ def test_norm_rope_matches_rotate_qk(variant, dtype, qk_norm, head_dim, rotary_d
     weights = (norms[0].weight, norms[1].weight) if norms else (None, None)
     got_q, got_k = kernel.norm_rope(qkv, *cs, heads, kv_heads, head_dim, rotary_dim, *weights, 1e-6)
     assert got_q.shape == (t, heads, head_dim) and got_k.shape == (t, kv_heads, head_dim)
-    # Rotary alone rounds exactly where torch does (products of 16-bit values are exact in float32).
-    tol = _one_rounding(dtype) if qk_norm else dict(atol=0, rtol=0)
+    # Rotary alone rounds exactly where torch does (products of 16-bit values are exact in
+    # float32; in float32 each product rounds, then the sum: the kernels build without FMA
+    # contraction).
+    tol = one_rounding(dtype) if qk_norm else dict(atol=0, rtol=0)
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
     if variant is None:  # the layer calls the kernel
@@ -124,7 +123,7 @@ def test_silu_and_mul_matches_torch(variant, dtype, rows, inter):
     with fused(False):
         want = SiluAndMul()(x)
     got = kernel.silu_and_mul(x)
-    torch.testing.assert_close(got, want, **_one_rounding(dtype))
+    torch.testing.assert_close(got, want, **one_rounding(dtype))
     assert (got == want).float().mean() > 0.95  # exp differs from torch's in its last bits only
     if variant is None:
         assert torch.equal(SiluAndMul()(x), got)
@@ -133,8 +132,8 @@ def test_silu_and_mul_matches_torch(variant, dtype, rows, inter):
 def test_kernels_refuse_what_they_cannot_take():
     kernel = cpu_fused.fused_kernel()
     bf = torch.zeros(2, 8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        kernel.silu_and_mul(torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernel.silu_and_mul(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="weight must be"):
         kernel.rms_norm(bf, torch.zeros(4, dtype=torch.bfloat16), 1e-6, None)
     with pytest.raises(RuntimeError, match="unit column stride"):
@@ -149,13 +148,14 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, torch.arange(ids.shape[0])))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, tmp_path):
-    """Quantized bf16 decoders bind their layers' direct calls (Qwen3 with its q/k norm);
-    the logits are bit for bit those of the module path.  Qwen2's q/k/v bias keeps the
-    module path: nothing binds."""
+def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, dtype, tmp_path):
+    """Quantized decoders bind their layers' direct calls (Qwen3 with its q/k norm), in
+    bf16 and in float32 (the AVX2 default); the logits are bit for bit those of the
+    module path.  Qwen2's q/k/v bias keeps the module path: nothing binds."""
     make_tiny_checkpoint(arch, str(tmp_path))
-    model = get_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", quantization="int8"), "cpu")
+    model = get_model(ModelConfig(model=str(tmp_path), dtype=dtype, quantization="int8"), "cpu")
     ids = torch.arange(3, 40) * 7 % 500
     want = _logits(model, ids)
     layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
@@ -169,11 +169,14 @@ def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, tmp_path)
     with fused(False):  # and both are one rounding step from the torch ops
         reference = _logits(model, ids)
     assert torch.equal(want.argmax(-1), reference.argmax(-1))
+    if dtype == "float32":
+        torch.testing.assert_close(want, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_float32_and_unquantized_decoders_do_not_bind(tmp_path):
+def test_unquantized_and_float64_decoders_do_not_bind(tmp_path):
     make_tiny_checkpoint("llama", str(tmp_path))
-    float32 = get_model(ModelConfig(model=str(tmp_path), dtype="float32", quantization="int8"), "cpu")
-    assert bind_direct_layers(float32) == (0, 2)
     unquantized = get_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", quantization="none"), "cpu")
     assert bind_direct_layers(unquantized) == (0, 2)
+    quantized = get_model(ModelConfig(model=str(tmp_path), dtype="float32", quantization="int8"), "cpu")
+    quantized.double()  # no kernels for float64: the module path, unbound
+    assert bind_direct_layers(quantized) == (0, 2)

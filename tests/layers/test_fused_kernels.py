@@ -149,7 +149,8 @@ def test_model_forward_fused_matches_unfused(arch, tmp_path):
 
 
 def test_triton_kernels_apply_to_cuda_tensors_unless_overridden():
-    assert fused_ops.kernels_for(torch.zeros(2)) is None  # float32 CPU tensors keep the torch ops
+    # CPU tensors take the C++ kernels (layers/cpu_fused.py) or, float64, the torch ops
+    assert fused_ops.kernels_for(torch.zeros(2, dtype=torch.float64)) is None
     with fused(True):
         assert fused_ops.kernels_for(torch.zeros(2)) is triton_fused
     if torch.cuda.is_available():

@@ -213,11 +213,13 @@ def test_whether_triton_is_installed_is_read_from_the_path_not_from_a_hidden_imp
         fused_ops._triton_installed.cache_clear()
 
 
-def test_not_by_default_where_every_layer_runs_direct_fused_calls(tmp_path, monkeypatch, caplog):
-    """A quantized bf16 Llama's layers all bind direct calls to the fused C++ kernels, as
+@pytest.mark.parametrize("arch, dtype", [("llama", "bfloat16"), ("llama", "float32"), ("gemma3", "float32")])
+def test_not_by_default_where_every_layer_runs_direct_fused_calls(arch, dtype, tmp_path, monkeypatch, caplog):
+    """A quantized Llama's or Gemma 3's layers all bind direct calls to the fused C++
+    kernels, in bf16 and in float32 (the default where the CPU has no native bf16), as
     fast as a compiled graph: by default the runner does not compile it."""
     from pagedserve.layers import cpu_fused
-    from pagedserve.models.llama import LlamaDecoderLayer
+    from pagedserve.models.utils import DirectBindable
     from pagedserve.worker.model_runner import ModelRunner
     from tests.e2e.conftest import make_tiny_checkpoint
 
@@ -227,9 +229,9 @@ def test_not_by_default_where_every_layer_runs_direct_fused_calls(tmp_path, monk
     calls: list[object] = []
     monkeypatch.setattr("pagedserve.worker.model_runner.maybe_compile",
                         lambda model, device, requested, *args: calls.append(requested))
-    make_tiny_checkpoint("llama", str(tmp_path))
-    config = EngineArgs(model=str(tmp_path), dtype="bfloat16", quantization="int8", max_model_len=64,
-                        num_gpu_blocks_override=8, torch_compile=None).create_engine_config()
+    make_tiny_checkpoint(arch, str(tmp_path))
+    config = EngineArgs(model=str(tmp_path), dtype=dtype, quantization="int8", max_model_len=64,
+                        num_gpu_blocks_override=16, torch_compile=None).create_engine_config()
     from pagedserve.model_loader import get_model
 
     model = get_model(config.model_config, "cpu")
@@ -237,4 +239,5 @@ def test_not_by_default_where_every_layer_runs_direct_fused_calls(tmp_path, monk
         ModelRunner(config, model, CPU).initialize_kv_cache()
     assert calls == [False]
     assert "torch.compile: not by default" in caplog.text
-    assert all(layer.direct is not None for layer in model.modules() if isinstance(layer, LlamaDecoderLayer))
+    layers = [m for m in model.modules() if isinstance(m, DirectBindable)]
+    assert layers and all(layer.direct is not None for layer in layers)

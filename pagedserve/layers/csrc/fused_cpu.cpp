@@ -1,6 +1,10 @@
 // The decoder's elementwise work on CPUs, one call each: residual add + RMSNorm, q/k
 // RMSNorm + rotary, SiLU x up (layers/cpu_fused.py; the same three as the Triton
-// kernels in layers/triton_fused.py, with the same rounding).
+// kernels in layers/triton_fused.py, with the same rounding), and Gemma's: its RMSNorm
+// (a (1 + weight) scale in float32, with the residual add after it) and GELU-tanh x up.
+// float32, bfloat16 and float16 tensors: float32 is the default dtype on CPUs without
+// native bf16 (AVX2 machines), where these and the layers' direct calls let a model
+// start without torch.compile.
 //
 // Why: unfused, a layer runs some 35 small torch ops besides its matmuls and attention,
 // and on a small model each one's dispatch costs more than its arithmetic (SmolLM2-135M
@@ -10,9 +14,17 @@
 //
 // Each kernel rounds to the tensor's dtype where the torch ops it replaces round (after
 // the add, after the normalisation, after each product), so it differs from them only
-// in the order of a row's sum of squares and in the last bits of exp (SiLU).  Rows run
-// in parallel only when there are enough of them: a decode step's single row stays on
-// the calling thread (no OpenMP region to wake).
+// in the order of a row's sum of squares and in the last bits of exp (SiLU, GELU).  In
+// float32 rounding is a no-op, so what keeps a float32 product and sum apart is that
+// this file builds with -ffp-contract=off (cpu_fused.py): a*b + c*d contracted to one
+// FMA would round once where torch rounds twice (rotary would differ in its last bit).
+// FMAs appear only where we ask for them (madd: exp's polynomial).  It also builds with
+// -fno-trapping-math, without which GCC leaves a loop with exp's clamps unvectorised
+// (results are the same; only floating-point exception flags could differ).  The loops are
+// plain C++ with `omp simd`: -march=native turns them into AVX-512, AVX2/FMA or SSE code
+// at build time, whatever the machine has.  Rows run in parallel only when there are
+// enough of them: a decode step's single row stays on the calling thread (no OpenMP
+// region to wake).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -61,6 +73,15 @@ inline c10::BFloat16 from_f(float v) {
 template <typename T>
 inline float round_to(float v) { return to_f(from_f<T>(v)); }
 
+// a * b + c, one rounding where the CPU has FMA (the file builds without contraction).
+inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // exp(x) in plain arithmetic the compiler vectorises (libm's expf is a call per element):
 // 2^k * p(r) with x = k ln2 + r, |r| <= ln2/2, p a degree-6 polynomial (Cephes' expf
 // coefficients); within 2 ulp of expf, and the result is rounded to 16 bits anyway.
@@ -68,14 +89,14 @@ inline float vexp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   // k = round(x / ln2) by the 1.5 * 2^23 trick (std::floor keeps GCC from vectorising)
   const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  const float r = madd(k, 2.12194440e-4f, madd(k, -0.693359375f, x));
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  p = madd(p, r, 1.3981999507e-3f);
+  p = madd(p, r, 8.3334519073e-3f);
+  p = madd(p, r, 4.1665795894e-2f);
+  p = madd(p, r, 1.6666665459e-1f);
+  p = madd(p, r, 5.0000001201e-1f);
+  p = madd(p * r, r, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -90,6 +111,19 @@ float inv_rms(const T* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
+// One element of a normalised row (x / rms(x), in float32) scaled, before its last
+// rounding.  Llama's RMSNorm rounds x / rms(x) to the dtype and then scales by the
+// weight; Gemma's scales by (1 + weight) in float32 and rounds once (HF's orders).
+template <typename T, bool kGemma>
+inline float scale_norm(float normed, T w) {
+  if constexpr (kGemma) {
+    return normed * (1.0f + to_f(w));
+  } else {
+    return to_f(w) * round_to<T>(normed);
+  }
+}
+
+// Llama's: out = norm(x), or with r: out = norm(x + r) and rout = x + r.
 template <typename T>
 void rms_rows(const T* x, int64_t sx, const T* r, int64_t sr, const T* w, T* out, T* rout, int64_t rows,
               int64_t n, float eps) {
@@ -106,14 +140,54 @@ void rms_rows(const T* x, int64_t sx, const T* r, int64_t sr, const T* w, T* out
       }
       const float inv = inv_rms(xr, n, eps);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(xr[i]) * inv));
+      for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(scale_norm<T, false>(to_f(xr[i]) * inv, w[i]));
     }
   });
 }
 
+// Gemma's: out = norm(x), or with r: out = r + norm(x) (its norms follow a sub-block, and
+// the residual add follows the norm; the norm rounds to the dtype before the add).
+template <typename T>
+void gemma_rms_rows(const T* x, int64_t sx, const T* r, int64_t sr, const T* w, T* out, int64_t rows, int64_t n,
+                    float eps) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x + row * sx;
+      T* o = out + row * n;
+      const float inv = inv_rms(xr, n, eps);
+      if (r == nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(scale_norm<T, true>(to_f(xr[i]) * inv, w[i]));
+      } else {
+        const T* rr = r + row * sr;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i)
+          o[i] = from_f<T>(to_f(rr[i]) + round_to<T>(scale_norm<T, true>(to_f(xr[i]) * inv, w[i])));
+      }
+    }
+  });
+}
+
+// One head normalised into buf, rounded to T as the norm module's output is.
+template <typename T, bool kGemma>
+void norm_head(const T* src, const T* w, int64_t d, float eps, float* buf) {
+  const float inv = inv_rms(src, d, eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) buf[i] = round_to<T>(scale_norm<T, kGemma>(to_f(src[i]) * inv, w[i]));
+}
+
+// dst[i] = x[i] * c[i] + other[i] * s[i], each product rounded to T and then the sum
+// (RotaryEmbedding.rotate: `other` is the head's other half, `s` the signed sin).
+template <typename T>
+void rotate_half_into(T* dst, const float* x, const float* other, const T* c, const T* s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = from_f<T>(round_to<T>(x[i] * to_f(c[i])) + round_to<T>(other[i] * to_f(s[i])));
+}
+
 template <typename T>
 void norm_rope_rows(const T* qkv, int64_t stride, const T* cos, const T* sin, int64_t stride_c, const T* qw,
-                    const T* kw, T* q, T* k, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+                    const T* kw, bool gemma, T* q, T* k, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                     int64_t rot, float eps) {
   const int64_t all = heads + kv_heads, half = rot / 2;
   at::parallel_for(0, tokens * all, grain_rows(d), [&](int64_t begin, int64_t end) {
@@ -124,35 +198,49 @@ void norm_rope_rows(const T* qkv, int64_t stride, const T* cos, const T* sin, in
       const bool is_q = h < heads;
       T* dst = is_q ? q + (t * heads + h) * d : k + (t * kv_heads + h - heads) * d;
       const T* w = is_q ? qw : kw;
-      if (w != nullptr) {
-        const float inv = inv_rms(src, d, eps);
-        for (int64_t i = 0; i < d; ++i) buf[i] = round_to<T>(to_f(w[i]) * round_to<T>(to_f(src[i]) * inv));
-      } else {
+      if (w == nullptr) {
+#pragma omp simd
         for (int64_t i = 0; i < d; ++i) buf[i] = to_f(src[i]);
+      } else if (gemma) {
+        norm_head<T, true>(src, w, d, eps, buf);
+      } else {
+        norm_head<T, false>(src, w, d, eps, buf);
       }
       const T* c = cos + t * stride_c;
       const T* s = sin + t * stride_c;
-      for (int64_t i = 0; i < rot; ++i) {
-        const float swapped = buf[i < half ? i + half : i - half];
-        dst[i] = from_f<T>(round_to<T>(buf[i] * to_f(c[i])) + round_to<T>(swapped * to_f(s[i])));
-      }
+      rotate_half_into(dst, buf, buf + half, c, s, half);
+      rotate_half_into(dst + half, buf + half, buf, c + half, s + half, half);
+#pragma omp simd
       for (int64_t i = rot; i < d; ++i) dst[i] = from_f<T>(buf[i]);
     }
   });
 }
 
-template <typename T>
-void silu_mul_rows(const T* x, int64_t sx, T* out, int64_t rows, int64_t n) {
+// The gates: act(g) in float32, rounded to T (where the torch op rounds), times up.
+struct Silu {
+  static float apply(float g) { return g / (1.0f + vexp(-g)); }
+};
+// GELU's tanh approximation in torch's order, 0.5 g (1 + tanh(u)) with u = sqrt(2/pi)
+// (g + 0.044715 g^3), and tanh(u) = (e - 1) / (e + 1), e = exp(2u): one exp, and an
+// absolute error about half float32's spacing at 1, so 1 + tanh(u) mostly rounds as
+// torch's does (exp is clamped: e stays finite, and e - 1 is exact near e = 1).
+struct GeluTanh {
+  static float apply(float g) {
+    const float u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const float e = vexp(2.0f * u);
+    return 0.5f * g * (1.0f + (e - 1.0f) / (e + 1.0f));
+  }
+};
+
+template <typename T, typename Act>
+void gated_rows(const T* x, int64_t sx, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* g = x + row * sx;
       const T* u = g + n;
       T* o = out + row * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float gate = to_f(g[i]);
-        o[i] = from_f<T>(round_to<T>(gate / (1.0f + vexp(-gate))) * to_f(u[i]));
-      }
+      for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(round_to<T>(Act::apply(to_f(g[i]))) * to_f(u[i]));
     }
   });
 }
@@ -162,33 +250,40 @@ void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be [rows, width] with unit column stride");
 }
 
-#define DISPATCH_16BIT(dtype, ...)                                                        \
-  if ((dtype) == at::kBFloat16) {                                                         \
-    using scalar_t = c10::BFloat16;                                                       \
-    __VA_ARGS__();                                                                        \
-  } else if ((dtype) == at::kHalf) {                                                      \
-    using scalar_t = c10::Half;                                                           \
-    __VA_ARGS__();                                                                        \
-  } else {                                                                                \
-    TORCH_CHECK(false, "the fused CPU kernels take bfloat16 or float16, not ", (dtype)); \
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& residual) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [", x.size(1), "] of x's dtype");
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x's shape and dtype");
+  }
+}
+
+#define DISPATCH_FLOATS(dtype, ...)                                                                 \
+  if ((dtype) == at::kFloat) {                                                                      \
+    using scalar_t = float;                                                                         \
+    __VA_ARGS__();                                                                                  \
+  } else if ((dtype) == at::kBFloat16) {                                                            \
+    using scalar_t = c10::BFloat16;                                                                 \
+    __VA_ARGS__();                                                                                  \
+  } else if ((dtype) == at::kHalf) {                                                                \
+    using scalar_t = c10::Half;                                                                     \
+    __VA_ARGS__();                                                                                  \
+  } else {                                                                                          \
+    TORCH_CHECK(false, "the fused CPU kernels take float32, bfloat16 or float16, not ", (dtype)); \
   }
 
 // x [rows, n]; with residual: (norm(x + residual), x + residual), else (norm(x), undefined).
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                             const std::optional<at::Tensor>& residual) {
-  check_rows(x, "x");
+  check_norm_args(x, weight, residual);
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == x.scalar_type(),
-              "weight must be a contiguous [", n, "] of x's dtype");
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor new_residual;
-  if (residual.has_value()) {
-    check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                "residual must match x's shape and dtype");
-    new_residual = at::empty({rows, n}, x.options());
-  }
-  DISPATCH_16BIT(x.scalar_type(), [&] {
+  if (residual.has_value()) new_residual = at::empty({rows, n}, x.options());
+  DISPATCH_FLOATS(x.scalar_type(), [&] {
     const scalar_t* r = residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* ro = residual.has_value() ? new_residual.data_ptr<scalar_t>() : nullptr;
     rms_rows<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), r, residual.has_value() ? residual->stride(0) : 0,
@@ -198,11 +293,24 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {out, new_residual};
 }
 
-// qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D], k [T, KVH, D]; cos, sin [T, (1,) R] (signed sin).
-std::tuple<at::Tensor, at::Tensor> norm_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                             int64_t heads, int64_t kv_heads, int64_t d, int64_t rot,
-                                             const std::optional<at::Tensor>& q_weight,
-                                             const std::optional<at::Tensor>& k_weight, double eps) {
+// Gemma's norm of x [rows, n] (scale 1 + weight); with residual: residual + norm(x).
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                          const std::optional<at::Tensor>& residual) {
+  check_norm_args(x, weight, residual);
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  DISPATCH_FLOATS(x.scalar_type(), [&] {
+    const scalar_t* r = residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr;
+    gemma_rms_rows<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), r,
+                             residual.has_value() ? residual->stride(0) : 0, weight.const_data_ptr<scalar_t>(),
+                             out.data_ptr<scalar_t>(), rows, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+void check_rope_args(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                     int64_t kv_heads, int64_t d, int64_t rot, const std::optional<at::Tensor>& q_weight,
+                     const std::optional<at::Tensor>& k_weight) {
   check_rows(qkv, "qkv");
   const int64_t t = qkv.size(0);
   TORCH_CHECK(d <= 1024 && rot <= d && rot % 2 == 0, "head_dim ", d, " (at most 1024) and rotary_dim ", rot,
@@ -223,26 +331,37 @@ std::tuple<at::Tensor, at::Tensor> norm_rope(const at::Tensor& qkv, const at::Te
                     k_weight->scalar_type() == qkv.scalar_type(),
                 "norm weights must be contiguous [head_dim] of qkv's dtype");
   }
+}
+
+// qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D], k [T, KVH, D]; cos, sin [T, (1,) R] (signed sin).
+// With norm weights each head is first RMS-normalised, Gemma's way where `gemma` says so.
+std::tuple<at::Tensor, at::Tensor> norm_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                             int64_t heads, int64_t kv_heads, int64_t d, int64_t rot,
+                                             const std::optional<at::Tensor>& q_weight,
+                                             const std::optional<at::Tensor>& k_weight, double eps, bool gemma) {
+  check_rope_args(qkv, cos, sin, heads, kv_heads, d, rot, q_weight, k_weight);
+  const int64_t t = qkv.size(0);
   at::Tensor q = at::empty({t, heads, d}, qkv.options());
   at::Tensor k = at::empty({t, kv_heads, d}, qkv.options());
-  DISPATCH_16BIT(qkv.scalar_type(), [&] {
+  DISPATCH_FLOATS(qkv.scalar_type(), [&] {
     const scalar_t* qw = q_weight.has_value() ? q_weight->const_data_ptr<scalar_t>() : nullptr;
     const scalar_t* kw = k_weight.has_value() ? k_weight->const_data_ptr<scalar_t>() : nullptr;
     norm_rope_rows<scalar_t>(qkv.const_data_ptr<scalar_t>(), qkv.stride(0), cos.const_data_ptr<scalar_t>(),
-                             sin.const_data_ptr<scalar_t>(), cos.stride(0), qw, kw, q.data_ptr<scalar_t>(),
+                             sin.const_data_ptr<scalar_t>(), cos.stride(0), qw, kw, gemma, q.data_ptr<scalar_t>(),
                              k.data_ptr<scalar_t>(), t, heads, kv_heads, d, rot, static_cast<float>(eps));
   });
   return {q, k};
 }
 
-// x [rows, 2n] (gate | up) -> silu(gate) * up [rows, n].
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// x [rows, 2n] (gate | up) -> act(gate) * up [rows, n].
+template <typename Act>
+at::Tensor gated(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x's width must be even (gate | up)");
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, x.options());
-  DISPATCH_16BIT(x.scalar_type(), [&] {
-    silu_mul_rows<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, n);
+  DISPATCH_FLOATS(x.scalar_type(), [&] {
+    gated_rows<scalar_t, Act>(x.const_data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, n);
   });
   return out;
 }
@@ -250,8 +369,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  namespace py = pybind11;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("rms_norm", &rms_norm, nogil);
-  m.def("norm_rope", &norm_rope, nogil);
-  m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("gemma_rms_norm", &gemma_rms_norm, nogil);
+  m.def("norm_rope", &norm_rope, nogil, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
+        py::arg("kv_heads"), py::arg("head_dim"), py::arg("rotary_dim"), py::arg("q_weight"), py::arg("k_weight"),
+        py::arg("eps"), py::arg("gemma") = false);
+  m.def("silu_and_mul", &gated<Silu>, nogil);
+  m.def("gelu_tanh_and_mul", &gated<GeluTanh>, nogil);
 }
