@@ -35,6 +35,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
+    # With a predicted output (SamplingParams.prediction): its tokens the verification
+    # accepted and rejected so far (OpenAI's usage fields); None without one.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

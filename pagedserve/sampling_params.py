@@ -134,6 +134,11 @@ class SamplingParams:
     # the tokenizer makes of it, with and without a leading space (vLLM's semantics).
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # A predicted output (OpenAI's Predicted Outputs): the text (or token ids) the caller
+    # expects back, e.g. the file being edited; the engine drafts from it (speculative
+    # decoding, exact: the output is the one it would be without), so the text it
+    # repeats comes several tokens a step.
+    prediction: str | list[int] | None = None
     # Filled by the engine from bad_words (it needs the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
@@ -163,6 +168,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "True or False")
+        if self.prediction is not None:
+            self._check_prediction()
 
     def _bad(self, name: str, allowed: str) -> InvalidRequestError:
         """The error for field `name`: what it must be, and (shortened) what it is."""
@@ -214,6 +221,24 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
             raise self._bad("stop_token_ids", f"a list of at most {MAX_TOKEN_ID_LIST} entries")
 
+    def _check_prediction(self) -> None:
+        """A prediction is text or token ids, for one sequence (OpenAI refuses it with
+        n > 1), on params whose drafts can be verified exactly: it is refused by name,
+        never ignored, where it could not be used.  Its length is the engine's to bound
+        (the prompt's character limit, max_model_len ids)."""
+        pred = self.prediction
+        if not isinstance(pred, str) and not (isinstance(pred, list) and all(is_int(t) and t >= 0 for t in pred)):
+            raise self._bad("prediction", "a string, a list of non-negative token ids, or None")
+        if self.n != 1:
+            raise InvalidRequestError(f"prediction needs n = 1 (one predicted output per sequence), got n={self.n}",
+                                      param="prediction")
+        blocker = self._speculation_blocker()
+        if blocker is not None:
+            raise InvalidRequestError(
+                f"prediction cannot be combined with {blocker}: predicted tokens are verified exactly only when "
+                "each position samples from the distribution it would get one token at a time, which penalties, "
+                "logit edits and output constraints change per position", param="prediction")
+
     @property
     def stop_strings(self) -> list[str]:
         """`stop` as a list (derived, so a later change of `stop` is seen)."""
@@ -234,9 +259,20 @@ class SamplingParams:
         and grammars are applied to the sampled row only, so requests using them decode
         one token per step.  (min_tokens is checked per request by the scheduler:
         once reached, it no longer changes the distribution.)"""
-        return (self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
-                and not self.logit_bias and self.allowed_token_ids is None and not self.bad_words_token_ids
-                and not self.bad_words and self.structured_outputs is None)
+        return self._speculation_blocker() is None
+
+    def _speculation_blocker(self) -> str | None:
+        """The first field that rules out exact draft verification (allows_speculation), if any."""
+        for name, used in (("presence_penalty", self.presence_penalty != 0.0),
+                           ("frequency_penalty", self.frequency_penalty != 0.0),
+                           ("repetition_penalty", self.repetition_penalty != 1.0),
+                           ("logit_bias", bool(self.logit_bias)),
+                           ("allowed_token_ids", self.allowed_token_ids is not None),
+                           ("bad_words", bool(self.bad_words or self.bad_words_token_ids)),
+                           ("structured_outputs", self.structured_outputs is not None)):
+            if used:
+                return name
+        return None
 
 
 def _is_finite(x: object) -> bool:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.hypothesis_budget import examples
 
 NUMERIC_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -94,3 +94,23 @@ def test_lists_and_strings_are_bounded_and_huge_values_not_echoed():
             SamplingParams(**kwargs).validate()
         assert info.value.param == param
         assert len(str(info.value)) < 400  # the message names the limit without echoing a megabyte
+
+
+def test_a_prediction_is_refused_by_name_where_its_drafts_could_not_be_verified_exactly():
+    SamplingParams(prediction="def f():\n    return 1\n", temperature=0.7, seed=3, logprobs=2, min_tokens=2)
+    SamplingParams(prediction=[1, 2, 3])
+    assert SamplingParams().allows_speculation and SamplingParams(prediction="x").allows_speculation
+    for kwargs, names in (({"n": 2}, "n = 1"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                          ({"frequency_penalty": -0.5}, "frequency_penalty"),
+                          ({"repetition_penalty": 1.1}, "repetition_penalty"),
+                          ({"logit_bias": {5: 1.0}}, "logit_bias"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+                          ({"bad_words": ["no"]}, "bad_words"),
+                          ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs")):
+        assert not SamplingParams(**kwargs).allows_speculation or names == "n = 1"
+        with pytest.raises(InvalidRequestError, match=names) as info:
+            SamplingParams(prediction="x", **kwargs)
+        assert info.value.param == "prediction"
+    for bad in (5, {"type": "content"}, [1, "2"], [True], [-1]):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(prediction=bad)
+        assert info.value.param == "prediction"

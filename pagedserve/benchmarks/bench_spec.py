@@ -13,7 +13,13 @@ drafts) and one without, take turns on three workloads (benchmarks/workloads.py)
 - chat-burst: 32 requests at once: the batch is past `disable_by_batch_size`, so
   speculation stays off and must cost nothing;
 - sampled-chat: the single-stream chat at temperature 0.8, where text copies little and
-  most drafts are wrong: what speculation costs when it does not pay.
+  most drafts are wrong: what speculation costs when it does not pay;
+- predicted-edit: edit-code one at a time with the original snippet as each request's
+  predicted output (OpenAI's `prediction`), against the same requests without it, on
+  each engine: the one without speculation (where the prediction is the only draft
+  source, as on a server started with `--speculative-config off`) and the n-gram one
+  (the defaults).  It prints tok/s with and without, the prediction's accepted and
+  rejected tokens, and how many outputs were the same.
 
 Both engines get the same KV budget (SAME_KV_BUDGET unless --kv-cache-memory-bytes is given).
 
@@ -38,7 +44,8 @@ DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 8}
 SAME_KV_BUDGET = "1GiB"  # each engine's KV cache unless --kv-cache-memory-bytes says otherwise
 
 
-WORKLOADS = ("edit-code", "single-chat", "chat-burst", "sampled-chat")
+WORKLOADS = ("edit-code", "single-chat", "chat-burst", "sampled-chat", "predicted-edit")
+EDIT_REQUESTS = 8  # edit-code and predicted-edit: how many requests, one at a time
 SAMPLED_TEMPERATURE = 0.8  # sampled-chat: text that copies little (drafts are mostly wrong)
 
 
@@ -48,25 +55,62 @@ def _workloads(names: list[str]) -> list[tuple[str, Any, int | None]]:
 
     sampled = wl.chat_burst()
     sampled.temperature = SAMPLED_TEMPERATURE
-    every = {"edit-code": ("edit-code, one at a time", wl.edit_code(), 8),
+    every = {"edit-code": ("edit-code, one at a time", wl.edit_code(), EDIT_REQUESTS),
              "single-chat": ("single-stream chat (chat-burst, one at a time)", wl.chat_burst(), 8),
              "chat-burst": ("chat-burst, 32 at once", wl.chat_burst(), None),
              "sampled-chat": (f"single-stream chat sampled at temperature {SAMPLED_TEMPERATURE}", sampled, 8)}
-    return [every[n] for n in names]
+    return [every[n] for n in names if n in every]
 
 
-def _run(llm: Any, w: Any, one_at_a_time: int | None) -> tuple[float, list[list[int]], tuple[int, int]]:
+def _run(llm: Any, w: Any, one_at_a_time: int | None,
+         predict: bool = False) -> tuple[float, list[list[int]], tuple[int, int], tuple[int, int]]:
+    """(output tok/s, each output's tokens, (drafted, accepted) by the engine's metrics,
+    (accepted, rejected) prediction tokens); `predict`: with the workload's predictions."""
     engine = llm.llm_engine
     prompts, params = workload_requests(engine, w)
     # Seeded, so that sampled outputs can be compared too: speculation keeps each seeded draw.
     params = [dataclasses.replace(p, seed=i) if p.temperature > 0 else p for i, p in enumerate(params)]
+    if predict:
+        params = [dataclasses.replace(p, prediction=text) for p, text in zip(params, w.predictions, strict=True)]
     before = engine.get_stats()
     outs, elapsed = generate_timed(llm, prompts, params, one_at_a_time)
     after = engine.get_stats()
     spec = (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
             after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return sum(map(len, tokens)) / elapsed, tokens, spec
+    predicted = (sum(o.outputs[0].accepted_prediction_tokens or 0 for o in outs),
+                 sum(o.outputs[0].rejected_prediction_tokens or 0 for o in outs))
+    return sum(map(len, tokens)) / elapsed, tokens, spec, predicted
+
+
+def _prediction_rows(llms: dict[str, Any], method: str, repeat: int) -> dict[str, Any]:
+    """predicted-edit on each engine: the same requests with and without their prediction
+    (best of `repeat` rounds, the order alternating)."""
+    from pagedserve.benchmarks import workloads as wl
+
+    w = wl.predicted_edit()
+    rows = {}
+    for name, llm in llms.items():
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        outputs: dict[bool, list[list[int]]] = {}
+        for round_ in range(repeat):
+            for predict in ((False, True) if round_ % 2 == 0 else (True, False)):
+                llm.llm_engine.reset_prefix_cache()
+                rate, outputs[predict], _, counts = _run(llm, w, EDIT_REQUESTS, predict)
+                rates[predict].append(rate)
+                if predict:
+                    accepted, rejected = counts
+        without, with_ = max(rates[False]), max(rates[True])
+        same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
+        label = "speculation off" if name == "off" else f"{method} (the defaults)"
+        rows[label] = {"without_tok_s": without, "with_tok_s": with_, "ratio": with_ / without,
+                       "accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected,
+                       "identical_outputs": f"{same}/{len(outputs[False])}",
+                       "output_tokens": sum(map(len, outputs[True]))}
+        print(f"predicted-edit, {label}: without prediction {without:.1f} tok/s, with {with_:.1f} tok/s, ratio "
+              f"{with_ / without:.2f}x; prediction tokens accepted {accepted}, rejected {rejected}; identical "
+              f"outputs {same}/{len(outputs[False])}")
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for round_ in range(args.repeat):
             for name, llm in (llms.items() if round_ % 2 == 0 else reversed(llms.items())):
                 llm.llm_engine.reset_prefix_cache()
-                rate, tokens, counts = _run(llm, w, one)
+                rate, tokens, counts, _ = _run(llm, w, one)
                 rates.setdefault(name, []).append(rate)
                 outputs[name], spec_counts[name] = tokens, counts
         best = {name: max(r) for name, r in rates.items()}
@@ -104,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rate = f"{100 * accepted / drafted:.0f}%" if drafted else "n/a"
         print(f"{label}: off {best['off']:.1f} tok/s, {method} {best['spec']:.1f} tok/s, ratio {row['ratio']:.2f}x; "
               f"drafts {drafted}, accepted {accepted} ({rate}); identical outputs {row['identical_outputs']}")
+    if "predicted-edit" in args.workloads:
+        results["workloads"]["predicted-edit"] = _prediction_rows(llms, method, args.repeat)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

@@ -6,7 +6,9 @@ same, 256 tokens at most, EOS honoured; shared-prefix: 32 questions sharing a ~4
 system message, 64 new tokens; edit-code: 8 chat requests that each give a 200-400 token
 Python snippet and ask for it back with one small change (greedy, EOS honoured, 512 new
 tokens at most: the copying that speculative decoding turns into several tokens a
-step); random: nano-vllm's bench.py (see random_tokens).
+step); predicted-edit: edit-code with each original snippet as the request's predicted
+output (OpenAI's `prediction`, as an editor sends the file it edits); random:
+nano-vllm's bench.py (see random_tokens).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class Workload:
     max_tokens: list[int]
     ignore_eos: bool
     temperature: float = 0.0
+    predictions: list[str] | None = None  # each request's predicted output (SamplingParams.prediction)
 
 
 def chat_burst(max_tokens: int = 128, ignore_eos: bool = True) -> Workload:
@@ -131,6 +134,13 @@ def edit_code(max_tokens: int = 512) -> Workload:
                                           f"```\n\nPlease {change}. Reply with the complete updated code only."}]
              for cls, noun, fields, change in _EDIT_CODE_SPECS]
     return Workload("edit-code", convs, None, [max_tokens] * len(convs), False)
+
+
+def predicted_edit(max_tokens: int = 512) -> Workload:
+    w = edit_code(max_tokens)
+    w.name = "predicted-edit"
+    w.predictions = [_edit_code_snippet(cls, noun, fields) for cls, noun, fields, _ in _EDIT_CODE_SPECS]
+    return w
 
 
 def random_tokens(

@@ -13,6 +13,7 @@ import time
 from array import array
 from typing import Protocol
 
+from pagedserve.core.prediction_drafter import PredictionDrafter
 from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -79,6 +80,7 @@ class Request:
         grammar: GrammarState | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        prediction_token_ids: list[int] | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -144,6 +146,9 @@ class Request:
         # Speculative decoding: most drafts the proposer may give it next step (adapted to
         # how many were accepted; set by the scheduler when speculation is on).
         self.max_draft_tokens = 0
+        # A predicted output (OpenAI's `prediction`, tokenized): the request's own draft
+        # source, whatever the engine's speculative decoding (core/prediction_drafter.py).
+        self.prediction = PredictionDrafter(prediction_token_ids) if prediction_token_ids is not None else None
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
 

@@ -98,3 +98,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # A finished pooling request's result (the runner's float32 tensor; core only carries it).
     pooling_output: Any = None
+    # A request with a predicted output: (its drafts accepted, rejected) so far.
+    prediction_counts: tuple[int, int] | None = None

@@ -14,7 +14,10 @@ already scheduled this step are never victims.
 With speculative decoding (`speculative_config`), a decoding request may also get
 drafts (n-gram, core/ngram_proposer.py, or a draft model's): they are scheduled and
 given KV slots like any token, and `update_from_output` takes back the slots of the
-ones the runner rejected.
+ones the runner rejected.  A request with a predicted output (`Request.prediction`,
+core/prediction_drafter.py) asked for speculation itself: it drafts from its prediction
+whatever the engine's speculation setting or batch size, and by prompt lookup (n-gram,
+`prompt_lookup`) while its prediction has nothing to propose.
 
 The update path is one loop (`update_from_output`) with three hooks that
 `AsyncScheduler` (core/async_scheduler.py) overrides for overlap scheduling:
@@ -91,6 +94,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._next_seq = 0
         self.num_grammar_requests = 0  # unfinished requests with a grammar
+        self.num_prediction_requests = 0  # unfinished requests with a predicted output
         self.step_budget = (StepTimeBudget(scheduler_config.max_step_ms / 1000, self.max_num_batched_tokens)
                             if scheduler_config.max_step_ms else None)
         # Speculative decoding: drafts proposed here, at schedule time, for decoding requests
@@ -104,6 +108,9 @@ class Scheduler:
                                  "(the engine builds the draft model's)")
             drafter = NgramProposer(speculative_config)
         self.drafter = drafter
+        # Where a request with a prediction drafts when its prediction has nothing to propose.
+        self.prompt_lookup = NgramProposer(speculative_config if speculative_config is not None
+                                           and speculative_config.method == "ngram" else SpeculativeConfig())
         self.spec_stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * (speculative_config.num_speculative_tokens if speculative_config else 0))
 
@@ -137,13 +144,14 @@ class Scheduler:
                 f"KV cache holds ({kvm.num_blocks - 1} blocks of {kvm.block_size} tokens); "
                 "lower max_tokens or shorten the prompt", param="max_tokens")
         request.max_num_tokens = max_len
-        if self.drafter is not None:
-            request.max_draft_tokens = self.drafter.max_drafts
+        if self.drafter is not None or request.prediction is not None:
+            request.max_draft_tokens = (self.drafter if request.prediction is None else self.prompt_lookup).max_drafts
         request.sched_key = (request.priority, request.arrival_time, self._next_seq)
         self._next_seq += 1
         self._admit(request)
         self.requests[req_id] = request
         self.num_grammar_requests += request.grammar is not None
+        self.num_prediction_requests += request.prediction is not None
         self.waiting.add_request(request)
 
     def _admit(self, request: Request) -> None:
@@ -259,24 +267,36 @@ class Scheduler:
 
     def _propose_drafts(self) -> dict[str, list[int]]:
         """Drafts for every running request that decodes one token this step and may
-        speculate, asked of the drafter in one batch (a draft model runs them together);
-        none while more than `disable_by_batch_size` requests run."""
+        speculate: a request with a prediction its own (else prompt lookup's), at any
+        batch size; the others the drafter's (asked in one batch: a draft model runs them
+        together), none while more than `disable_by_batch_size` requests run."""
         drafter = self.drafter
-        if drafter is None:
-            return {}
-        if self.finished_req_ids:
+        if drafter is not None and self.finished_req_ids:
             drafter.forget(self.finished_req_ids)
-        if len(self.running) > self.speculative_config.disable_by_batch_size:
+        use_drafter = drafter is not None and len(self.running) <= self.speculative_config.disable_by_batch_size
+        if not use_drafter and not self.num_prediction_requests:
             return {}
-        wanted = [(r.request_id, r.all_token_ids, r.max_draft_tokens) for r in self.running
-                  if _tokens_to_compute(r) == 1 and self._may_speculate(r)]
-        return drafter.propose_batch(wanted) if wanted else {}
+        proposals: dict[str, list[int]] = {}
+        wanted = []
+        for r in self.running:
+            if _tokens_to_compute(r) != 1 or not self._may_speculate(r):
+                continue
+            if r.prediction is not None:
+                drafts = (r.prediction.propose(r.output_token_ids)
+                          or self.prompt_lookup.propose(r.all_token_ids, r.max_draft_tokens))
+                if drafts:
+                    proposals[r.request_id] = drafts
+            elif use_drafter:
+                wanted.append((r.request_id, r.all_token_ids, r.max_draft_tokens))
+        if wanted:
+            proposals.update(drafter.propose_batch(wanted))
+        return proposals
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:
-        """Drafts can be verified exactly for this request (see SamplingParams.allows_speculation)."""
-        return (request.max_draft_tokens > 0 and request.grammar is None
-                and len(request.output_token_ids) >= request.min_tokens
+        """Drafts can be verified exactly for this request (see SamplingParams.allows_speculation;
+        the InputProcessor refuses a prediction on a request that could not use it)."""
+        return (request.grammar is None and len(request.output_token_ids) >= request.min_tokens
                 and request.sampling_params.allows_speculation)
 
     def _step_token_budget(self) -> int:
@@ -441,11 +461,14 @@ class Scheduler:
                         token_ids = token_ids[: i + 1]
                         break
             if status is None:
-                append_output(EngineCoreOutput(req_id, token_ids, False, None, None, request.num_cached_tokens))
-                continue
-            any_running_finished |= self._finish(request, status)
-            append_output(EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
-                                           request.stop_reason, request.num_cached_tokens))
+                out = EngineCoreOutput(req_id, token_ids, False, None, None, request.num_cached_tokens)
+            else:
+                any_running_finished |= self._finish(request, status)
+                out = EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
+                                       request.stop_reason, request.num_cached_tokens)
+            if request.prediction is not None:
+                out.prediction_counts = request.prediction.counts
+            append_output(out)
         if any_running_finished:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
         self._end_update()
@@ -457,7 +480,13 @@ class Scheduler:
         computed: the rejected ones' KV slots are taken back, to be overwritten."""
         request.num_computed_tokens -= num_drafted - num_accepted
         self.spec_stats.observe(num_drafted, num_accepted)
-        request.max_draft_tokens = self.drafter.next_num_drafts(num_drafted, num_accepted)
+        prediction = request.prediction
+        if prediction is None:
+            request.max_draft_tokens = self.drafter.next_num_drafts(num_drafted, num_accepted)
+        elif prediction.proposed:
+            prediction.settle(num_drafted, num_accepted)
+        else:
+            request.max_draft_tokens = self.prompt_lookup.next_num_drafts(num_drafted, num_accepted)
 
     @staticmethod
     def _advance(request: Request, tok: int) -> RequestStatus | None:
@@ -498,6 +527,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self._free_blocks(request)
         self.num_grammar_requests -= request.grammar is not None
+        self.num_prediction_requests -= request.prediction is not None
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 

@@ -143,7 +143,8 @@ class EngineCore:
                 grammar = self.structured_output.request(params.structured_outputs) if request.grammar else None
                 self.scheduler.add_request(Request(cid, request.prompt_token_ids, cparams, self.eos_token_id,
                                                    request.arrival_time, request.priority, request.cache_salt,
-                                                   grammar, request.pooling_params, request.lora_request))
+                                                   grammar, request.pooling_params, request.lora_request,
+                                                   request.prediction_token_ids))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)

@@ -12,6 +12,9 @@ a bad request never disturbs the others, and the core never sees bad input.
 - `logprobs`/`prompt_logprobs` against `max_logprobs`, `n` against `max_n`, stop /
   allowed / logit-bias token ids against the vocabulary, fields that need a tokenizer,
   a priority only under the priority policy;
+- a predicted output (`prediction`): text within the prompt's character bound or ids
+  inside the vocabulary and max_model_len, tokenized here once; refused under overlap
+  scheduling, whose steps start before the tokens its drafts follow are known;
 - per-request preparation: bad words tokenized, `n` fanned out into child parameters
   (distinct seeds, the model's extra EOS ids as stops), pooling parameters completed from
   the PoolerConfig, the grammar compiled (a future: a bad schema fails the request);
@@ -53,7 +56,8 @@ PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 class EngineCoreRequest:
     """A request as the engine core takes it: every field checked, every per-request
     preparation done.  `child_ids`/`child_params` are the scheduler's sequences (one, or
-    `n` for n > 1); `grammar` is the compiling grammar of a structured-output request."""
+    `n` for n > 1); `grammar` is the compiling grammar of a structured-output request;
+    `prediction_token_ids` its predicted output's tokens, the request's own drafts."""
 
     request_id: str
     prompt: str | None
@@ -67,6 +71,7 @@ class EngineCoreRequest:
     priority: int
     lora_request: LoRARequest | None
     grammar: Future | None
+    prediction_token_ids: list[int] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -109,6 +114,7 @@ class InputProcessor:
         self.check_request(prompt_ids, sampling, priority)
         if lora_request is not None:
             self.check_lora(lora_request)
+        prediction_ids = self.prediction_token_ids(sampling.prediction)
         grammar = None
         if sampling.structured_outputs is not None:
             grammar = self.structured_output.claim(sampling.structured_outputs)
@@ -122,7 +128,7 @@ class InputProcessor:
         return EngineCoreRequest(
             request_id, text, prompt_ids, cache_salt, sampling, child_ids,
             [self.child_params(sampling, i) for i in range(n)], pooling,
-            time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar)
+            time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar, prediction_ids)
 
     def _split_params(self, params: SamplingParams | PoolingParams | None,
                       ) -> tuple[SamplingParams, PoolingParams | None]:
@@ -236,6 +242,36 @@ class InputProcessor:
                             ("structured_outputs", params.structured_outputs is not None)):
             if used:
                 raise InvalidRequestError(f"{field} needs a tokenizer; this model has none", param=field)
+
+    def prediction_token_ids(self, prediction: str | list[int] | None) -> list[int] | None:
+        """A predicted output's token ids (tokenized once, here): text no longer than a
+        prompt may be, ids inside the vocabulary and no more than max_model_len of them
+        (more could never be drafted).  Drafts need each step's tokens before the next
+        step is scheduled, so overlap scheduling cannot use one: refused there by name."""
+        if prediction is None:
+            return None
+        if self.config.scheduler_config.async_scheduling:
+            raise InvalidRequestError("prediction is not supported with overlap scheduling (async_scheduling): its "
+                                      "drafts follow each step's tokens, which a launched step does not know yet",
+                                      param="prediction")
+        if isinstance(prediction, list):
+            limit = self.config.scheduler_config.max_model_len
+            if len(prediction) > limit:
+                raise InvalidRequestError(f"prediction has {len(prediction)} token ids, more than max_model_len "
+                                          f"({limit})", param="prediction")
+            bad = [t for t in prediction if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prediction: token ids {bad[:5]} are outside the vocabulary "
+                                          f"(0..{self.vocab_size - 1})", param="prediction")
+            return list(prediction)
+        if self.tokenizer is None:
+            raise InvalidRequestError("prediction text needs a tokenizer; this model has none (send token ids)",
+                                      param="prediction")
+        if len(prediction) > self.max_prompt_chars:
+            raise InvalidRequestError(f"prediction is {len(prediction)} characters, more than the "
+                                      f"{self.max_prompt_chars} that max_model_len tokens of this model can spell",
+                                      param="prediction")
+        return list(self.tokenizer.encode(prediction, add_special_tokens=False))
 
     def check_lora(self, lora_request: Any) -> None:
         """A LoRA request may run here: LoRA is enabled and it is a LoRARequest."""

@@ -51,6 +51,8 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: Any = None  # a pooling request's result, once its prompt is computed
+    # A predicted output's drafts (accepted, rejected) so far; None without a prediction.
+    prediction_counts: tuple[int, int] | None = None
     # What previous DELTA outputs already handed out.
     sent_tokens: int = 0
     sent_text: int = 0
@@ -60,6 +62,8 @@ class RequestState:
         if self.params.logprobs is not None:
             self.logprobs = []
             self.cumulative_logprob = 0.0
+        if self.params.prediction is not None:
+            self.prediction_counts = (0, 0)
 
     @property
     def finished(self) -> bool:
@@ -77,9 +81,11 @@ class RequestState:
         else:
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
+        accepted, rejected = self.prediction_counts or (None, None)
         return CompletionOutput(
             index=self.index, text=text, token_ids=token_ids, cumulative_logprob=self.cumulative_logprob,
             logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected,
         )
 
 
@@ -178,6 +184,8 @@ class OutputProcessor:
                 continue
             if out.new_token_ids:
                 self._append_tokens(state, out, logprobs, now)
+            if out.prediction_counts is not None:
+                state.prediction_counts = out.prediction_counts
             stop_str = self._detokenize(state, out)
             if stop_str is not None and not out.finished:
                 stopped.append(out.request_id)

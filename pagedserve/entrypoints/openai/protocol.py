@@ -2,7 +2,8 @@
 
 Requests accept the OpenAI fields plus vLLM's sampling extras (top_k, min_p, ...);
 fields we do not act on are accepted and ignored only when ignoring them cannot change
-the result (e.g. `user`), otherwise the request is refused with a 400 naming the field
+the result (e.g. `user`, and the chat fields listed in docs/serving.md, "Accepted
+without effect"), otherwise the request is refused with a 400 naming the field
 (`check_unsupported`).  Each request converts itself to `SamplingParams`, which does
 the range validation; `api_param` maps an engine-side field name in an error back to
 the name this request used.
@@ -17,8 +18,16 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
+from pagedserve.entrypoints.openai.protocol_fields import check_chat_only_fields, prediction_text
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -99,6 +108,9 @@ class _SamplingFields(RequestBody):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}, the
+    # text expected back; the engine drafts from it (SamplingParams.prediction).
+    prediction: dict[str, Any] | None = None
 
     # Accepted by vLLM, not implemented here: refused when set (check_unsupported), since
     # ignoring any of them would change what the client gets.
@@ -219,6 +231,7 @@ class _SamplingFields(RequestBody):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=self.structured_outputs_params(),
+            prediction=prediction_text(self.prediction),
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -290,6 +303,16 @@ class ChatCompletionRequest(_SamplingFields):
     # equivalence), so the answer comes back as tool_calls.
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
+    # OpenAI fields accepted without effect (docs/serving.md says why for each; clients
+    # send some by default), checked against OpenAI's values and bounds:
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # false, or unset: nothing is stored; true is refused
+    # Refused unless they ask for nothing this server cannot do: text output only, no web search.
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _legacy_functions(self) -> ChatCompletionRequest:
@@ -360,10 +383,12 @@ class ChatCompletionRequest(_SamplingFields):
             if self.messages[-1].role != "assistant":
                 raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
                                           param="continue_final_message")
+        check_chat_only_fields(self.modalities, self.web_search_options, self.store, self.metadata)
         mode, _ = self.tool_mode()
         if mode in ("required", "named") and self.structured_fields():
             raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop "
                                       f"{self.structured_fields()[0]}", param=self.structured_fields()[0])
+
 
 
 class TokenizeRequest(RequestBody):
@@ -384,11 +409,27 @@ class PromptTokensDetails(OpenAIBaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    """What a predicted output did: its tokens the verification kept and threw away."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Only for a request with a prediction: every other usage keeps the shape it had.
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("completion_tokens_details", 0) is None:
+            del data["completion_tokens_details"]
+        return data
 
 
 class CompletionLogprobs(OpenAIBaseModel):

@@ -31,6 +31,7 @@ from pagedserve.engine.async_llm import (
 from pagedserve.engine.chat_utils import encode_text
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
+    CompletionTokensDetails,
     ErrorInfo,
     ErrorResponse,
     PromptLogprob,
@@ -279,11 +280,19 @@ def clamp_logprob(x: float) -> float:
 
 
 def make_usage(outputs: list[RequestOutput]) -> UsageInfo:
+    """Usage over a response's outputs; with a prediction, OpenAI's counts of its tokens
+    accepted and rejected.  completion_tokens counts the tokens generated only (OpenAI
+    also bills rejected prediction tokens as completion tokens; nothing is billed here)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    predicted = [c for o in outputs for c in o.outputs if c.accepted_prediction_tokens is not None]
+    details = CompletionTokensDetails(
+        accepted_prediction_tokens=sum(c.accepted_prediction_tokens for c in predicted),
+        rejected_prediction_tokens=sum(c.rejected_prediction_tokens or 0 for c in predicted)) if predicted else None
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=details)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

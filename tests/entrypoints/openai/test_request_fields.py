@@ -52,6 +52,14 @@ def differs(r, base, tok):
     assert r.status_code == 200 and text(r) != text(base)
 
 
+def predicted(r, base, tok):
+    """The same output as without the prediction, and the prediction's counts in usage
+    (tests/entrypoints/openai/test_prediction_api.py: predictions that are used)."""
+    same_as_greedy(r, base, tok)
+    details = r.json()["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= 0 and details["rejected_prediction_tokens"] >= 0, details
+
+
 def sse_events(r) -> list:
     return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
@@ -101,6 +109,7 @@ COMMON = {
     "allowed_token_ids": (None, None),
     "bad_words": (None, None),
     "cache_salt": ({"cache_salt": "tenant"}, same_as_greedy),
+    "prediction": ({"prediction": {"type": "content", "content": "hello world"}}, predicted),
 }
 CHAT_ONLY = {
     "messages": ({"messages": MESSAGES}, ok),
@@ -136,6 +145,15 @@ CHAT_ONLY = {
     "parallel_tool_calls": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
                              "max_tokens": 200},
                             lambda r, b, t: len(r.json()["choices"][0]["message"]["tool_calls"]) == 1 or pytest.fail()),
+    # Accepted without effect (docs/serving.md says why), or refused where they ask for
+    # what this server cannot do.
+    "reasoning_effort": ({"reasoning_effort": "low"}, same_as_greedy),
+    "verbosity": ({"verbosity": "high"}, same_as_greedy),
+    "service_tier": ({"service_tier": "auto"}, same_as_greedy),
+    "metadata": ({"metadata": {"ticket": "T-1"}}, same_as_greedy),
+    "store": ({"store": True}, refused("store")),
+    "modalities": ({"modalities": ["text", "audio"]}, refused("modalities")),
+    "web_search_options": ({"web_search_options": {}}, refused("web_search_options")),
 }
 COMPLETION_ONLY = {
     "prompt": ({"prompt": [5, 6, 7]}, ok),

@@ -1,0 +1,98 @@
+"""The predicted-output drafter (core/prediction_drafter.py): it follows the output
+through the prediction, loses the place at an edit and finds it again after, and
+every proposal is a contiguous slice of the prediction."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.config import MAX_SPECULATIVE_TOKENS
+from pagedserve.core.prediction_drafter import PredictionDrafter
+from tests.hypothesis_budget import examples
+
+PRED = list(range(100, 140))  # 40 distinct tokens
+
+
+def test_aligned_output_proposes_what_follows_and_advances() -> None:
+    d = PredictionDrafter(PRED)
+    assert d.propose([]) == PRED[:MAX_SPECULATIVE_TOKENS]
+    d.settle(MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+    out = PRED[:16]  # every draft accepted, plus the bonus token
+    assert d.propose(out) == PRED[16:31]
+    d.settle(15, 15)
+    assert d.propose(PRED[:32]) == PRED[32:40]  # the prediction's tail, shorter than the limit
+    assert d.propose(PRED) == []  # used up
+    assert d.counts == (30, 0)
+
+
+def test_a_miss_shrinks_the_next_drafts_and_a_full_hit_restores_them() -> None:
+    d = PredictionDrafter(PRED)
+    d.propose([])
+    d.settle(15, 3)
+    assert d.num_drafts == 4 and d.counts == (3, 12)
+    assert len(d.propose(PRED[:4])) == 4
+    d.settle(4, 4)
+    assert d.num_drafts == MAX_SPECULATIVE_TOKENS
+
+
+def test_an_inserted_line_loses_the_place_and_the_following_tokens_find_it() -> None:
+    d = PredictionDrafter(PRED)
+    out = PRED[:10] + [7, 8, 9]  # an insertion after the tenth token
+    assert d.propose(out) == [] or d.pos is not None  # lost (or found by chance nearby)
+    out += PRED[10:12]  # the original resumes: its last two tokens re-find the place
+    assert d.propose(out)[:3] == PRED[12:15]
+
+
+def test_a_renamed_token_is_skipped_by_the_next_one() -> None:
+    d = PredictionDrafter(PRED)
+    out = PRED[:5] + [999]  # PRED[5] renamed
+    assert d.propose(out) == []
+    out.append(PRED[6])  # the token after the rename: one token near the old place suffices
+    assert d.propose(out)[:2] == PRED[7:9]
+
+
+def test_a_deleted_run_is_found_further_on() -> None:
+    d = PredictionDrafter(PRED)
+    out = PRED[:5] + PRED[20:23]  # 15 tokens dropped
+    assert d.propose(out)[:2] == PRED[23:25]
+
+
+def test_a_repeated_phrase_prefers_the_occurrence_after_the_last_agreement() -> None:
+    pred = [1, 2, 3, 50, 51, 4, 5, 6, 50, 51, 7, 8]
+    d = PredictionDrafter(pred)
+    out = [1, 2, 3, 50, 51, 4, 5, 6, 99, 50, 51]  # an insertion before the second "50 51"
+    assert d.propose(out)[:2] == [7, 8]
+
+
+def test_text_that_never_meets_the_prediction_proposes_nothing() -> None:
+    d = PredictionDrafter(PRED)
+    assert d.propose([1, 2, 3, 4, 5]) == []
+    assert d.propose([1, 2, 3, 4, 5, 6, 7]) == []
+
+
+def test_ids_that_straddle_packed_bytes_never_match() -> None:
+    # 256, 0, 0 pack to bytes in which the ids 1, 0 appear one byte in: only whole ids count.
+    d = PredictionDrafter([256, 0, 0, 7, 1, 0, 3, 4, 5])
+    assert d.propose([42, 1, 0]) == [3, 4, 5]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(pred=st.lists(st.integers(0, 6), max_size=30), outputs=st.lists(st.integers(0, 6), max_size=40),
+       steps=st.lists(st.integers(1, 5), min_size=1, max_size=12),
+       verdicts=st.lists(st.integers(0, 15), min_size=12, max_size=12))
+def test_proposals_are_always_a_contiguous_slice_of_the_prediction(pred, outputs, steps, verdicts) -> None:
+    d = PredictionDrafter(pred)
+    seen = 0
+    for i, k in enumerate(steps):
+        seen = min(len(outputs), seen + k)
+        drafts = d.propose(outputs[:seen])
+        assert len(drafts) <= MAX_SPECULATIVE_TOKENS
+        if drafts:
+            assert any(pred[j:j + len(drafts)] == drafts for j in range(len(pred) - len(drafts) + 1))
+            # an aligned place: the drafts start where the prediction continues the output
+            assert d.pos is not None and pred[d.pos:d.pos + len(drafts)] == drafts
+            accepted = min(verdicts[i], len(drafts))
+            d.settle(len(drafts), accepted)
+    accepted, rejected = d.counts
+    assert accepted >= 0 and rejected >= 0
