@@ -45,6 +45,10 @@ class LLM:
     (`llm_engine`, the engine in this process, is then None)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        # No step-time target unless asked: it keeps a server's streams flowing beside long
+        # prompts, and an offline batch has no stream to keep (its schedule then depends
+        # on the token budget alone, not on measured step times).
+        engine_args.setdefault("max_step_ms", 0)
         args = EngineArgs.from_kwargs("LLM()", model=model, **engine_args)
         self.client: EngineCoreClient = make_engine_core_client(args, own_thread=False)
         self.llm_engine: LLMEngine | None = self.client.local_engine
