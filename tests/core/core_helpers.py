@@ -236,3 +236,13 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None, sample
         so = sched.schedule()
         outs.extend(sched.update_from_output(so, runner.execute(so, sample)))
     raise AssertionError("requests did not finish (livelock?)")
+
+
+def admit(kvm, req, num_new_tokens=None):
+    """What the scheduler does for a waiting request: look up its prefix, allocate the rest."""
+    blocks, hit = kvm.get_computed_blocks(req)
+    n = num_new_tokens if num_new_tokens is not None else req.num_tokens - hit
+    new = kvm.allocate_slots(req, n, hit, blocks)
+    if new is not None:
+        req.num_computed_tokens = hit + n
+    return new, hit

@@ -1,6 +1,6 @@
 """The coordinator over per-group managers, and the tier as its collaborator."""
 
-from core_helpers import FakeTier, make_request
+from core_helpers import FakeTier, admit, make_request
 
 from pagedserve.core.block_pool import group_block_key
 from pagedserve.core.kv_cache_coordinator import interleave
@@ -8,15 +8,6 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_cache_utils import hash_request_blocks
 from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.core.kv_tier_connector import SwappedTail, TierConnector
-
-
-def admit(kvm, req, num_new_tokens=None):
-    blocks, hit = kvm.get_computed_blocks(req)
-    n = num_new_tokens if num_new_tokens is not None else req.num_tokens - hit
-    new = kvm.allocate_slots(req, n, hit, blocks)
-    if new is not None:
-        req.num_computed_tokens = hit + n
-    return new, hit
 
 
 def test_interleave_is_position_major():

@@ -1,18 +1,8 @@
 import pytest
-from core_helpers import make_request
+from core_helpers import admit, make_request
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_cache_utils import hash_request_tokens
-
-
-def admit(kvm, req, num_new_tokens=None):
-    """What the scheduler does for a waiting request."""
-    blocks, hit = kvm.get_computed_blocks(req)
-    n = num_new_tokens if num_new_tokens is not None else req.num_tokens - hit
-    new = kvm.allocate_slots(req, n, hit, blocks)
-    if new is not None:
-        req.num_computed_tokens = hit + n
-    return new, hit
 
 
 def test_allocation_arithmetic_and_block_ids():
