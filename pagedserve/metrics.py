@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger("pagedserve.metrics")
+T = TypeVar("T")
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Bucket edges (seconds) close to vLLM's, wide enough for CPU runs.
@@ -122,20 +125,34 @@ class PrometheusFamilies:
                              buckets=_E2E_BUCKETS, **kw)
 
 
+# Metric families already registered, by registry and name: a server of several models
+# registers each family once and every model's engine binds its own labels.
+_REGISTERED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def registered_once(registry: Any, name: str, make: Callable[[], T]) -> T:
+    """`make()`'s metric (family) on `registry`, made the first time only."""
+    families = _REGISTERED.setdefault(registry, {})
+    if name not in families:
+        families[name] = make()
+    return families[name]
+
+
 def record_cache_config(registry: Any, model_name: str, description: dict[str, Any]) -> None:
     """vLLM's `vllm:cache_config_info` (always 1; the configuration is in its labels):
     block size, number of blocks, what the KV cache stores and its bytes per token."""
     from prometheus_client import Gauge
 
     names = ("block_size", "num_blocks", "kv_cache_dtype", "kv_bytes_per_token")
-    info = Gauge("vllm:cache_config_info", "The KV cache's configuration (in the labels).", registry=registry,
-                 labelnames=["model_name", *names])
+    info = registered_once(registry, "cache_config_info", lambda: Gauge(
+        "vllm:cache_config_info", "The KV cache's configuration (in the labels).", registry=registry,
+        labelnames=["model_name", *names]))
     info.labels(model_name=model_name, **{n: str(description.get(n, "")) for n in names}).set(1)
 
 
 def make_prometheus_loggers(registry: Any, model_name: str, num_engines: int = 1) -> list[PrometheusStatLogger]:
     """One logger per engine (data-parallel replica), sharing one set of families."""
-    families = PrometheusFamilies(registry)
+    families = registered_once(registry, "families", lambda: PrometheusFamilies(registry))
     return [PrometheusStatLogger(families, model_name, engine=i) for i in range(num_engines)]
 
 

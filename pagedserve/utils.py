@@ -33,3 +33,15 @@ def startup_breakdown() -> str:
     text = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in _STARTUP.items())
     _STARTUP.clear()
     return text
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (VmRSS), in bytes; 0 where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pagedserve.utils import rss_bytes
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -92,18 +94,6 @@ class PagedServe(LocalServer):
 
 
 # --------------------------------------------------------------------------- memory
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (VmRSS), in bytes; 0 where /proc is not there."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 @dataclass
 class RssSample:
     """Resident bytes of a server: its own process, its children that run the same

@@ -120,6 +120,7 @@ class AsyncLLM:
         # runner's classifier tokens (scores from their logits instead of embeddings).
         self.runner: str = info.runner
         self.classifier_token_ids: tuple[int, int] | None = info.classifier_token_ids
+        self.chat_template: str | None = info.chat_template  # None: a base model (no chat without one given)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.log_stats = LoggingStatLogger(log_interval, device=info.device) if log_stats else None
         if self.log_stats is not None:

@@ -121,6 +121,7 @@ class EngineInfo:
     classifier_token_ids: tuple[int, int] | None  # the pooling runner's scorer tokens, if any
     max_model_len: int
     device: str  # "CPU" or "GPU", for the log line
+    chat_template: str | None = None  # the model's own (None: a base model, which serves completions)
 
 
 class PreparedRequest(Protocol):

@@ -71,6 +71,7 @@ class InprocEngine(Protocol):
     runner: str
     classifier_token_ids: tuple[int, int] | None
     input_processor: InputProcessing
+    chat_template: str | None
 
     @property
     def device(self) -> Any: ...
@@ -155,7 +156,7 @@ class InprocClient:
         self.info = EngineInfo(
             engine.tokenizer, engine.vocab_size, engine.max_prompt_chars, engine.sampling_defaults(),
             engine.structured_outputs_backend, engine.runner, engine.classifier_token_ids, engine.max_model_len,
-            "GPU" if is_cuda(engine.device) else engine.device.type.upper())
+            "GPU" if is_cuda(engine.device) else engine.device.type.upper(), engine.chat_template)
         self.dead_error: BaseException | None = None
         self._sink: ClientSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

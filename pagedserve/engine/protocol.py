@@ -21,6 +21,7 @@ class EngineClient(Protocol):
     request_timeout: float | None
     runner: str  # "generate", or "pooling" (embeddings and scores)
     classifier_token_ids: tuple[int, int] | None  # the pooling runner's scorer tokens, if any
+    chat_template: str | None  # the model's own; None: a base model
 
     @property
     def errored(self) -> bool:

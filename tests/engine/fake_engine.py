@@ -115,6 +115,7 @@ class FakeEngine:
         self.input_processor = FakeInputProcessor(self)
         self.max_model_len = max_model_len
         self.max_prompt_chars = MAX_PROMPT_CHARS
+        self.chat_template: str | None = "(characters)"  # encode_chat below renders chats without it
         self.script = script
         self.step_time = step_time
         self.busy = busy  # burn the CPU in Python (holding the GIL) instead of sleeping

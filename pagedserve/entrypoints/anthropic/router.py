@@ -18,11 +18,14 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, state: ServerStateDep) -> Response:
     """Anthropic's Messages API, translated onto the chat handler (entrypoints/anthropic)."""
-    state.ready_for("generate", "/v1/messages")
-    return await generate(state, AnthropicServingMessages(state.chat), body, request)
+    return await generate(state, lambda model: AnthropicServingMessages(model.chat), body, request)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, state: ServerStateDep) -> dict:
-    state.ready()
-    return {"input_tokens": await state.prepare.run(AnthropicServingMessages(state.chat).count_tokens, body)}
+    lease = await state.lease(body.model)
+    try:
+        return {"input_tokens": await state.prepare.run(AnthropicServingMessages(lease.handlers.chat).count_tokens,
+                                                        body)}
+    finally:
+        lease.release()

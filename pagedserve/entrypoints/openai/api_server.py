@@ -38,6 +38,7 @@ from pagedserve.engine.async_llm import (
 )
 from pagedserve.entrypoints.anthropic.router import router as anthropic_router
 from pagedserve.entrypoints.dashboard.router import dashboard_router
+from pagedserve.entrypoints.ollama.router import router as ollama_router
 from pagedserve.entrypoints.openai.exception_handlers import add_exception_handlers
 from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
@@ -47,6 +48,8 @@ from pagedserve.entrypoints.openai.http_utils import (
     header_timeout_protocol,
     parse_allowed_hosts,
 )
+from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec, register_pool_metrics
+from pagedserve.entrypoints.openai.model_sources import add_model_pool_args, model_specs, pool_options
 from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
 from pagedserve.entrypoints.openai.routers.completions import router as completions_router
 from pagedserve.entrypoints.openai.routers.lora import router as lora_router
@@ -58,6 +61,7 @@ from pagedserve.entrypoints.openai.server_state import (
     DEFAULT_HTTP_READ_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     Attachment,
+    ModelHandlers,
     ServerState,
     bind_state,
     dashboard_hub,
@@ -82,7 +86,7 @@ logger = logging.getLogger("pagedserve.api_server")
 
 # The API's routers, in the order their routes are matched (after the dashboard's).
 API_ROUTERS: tuple[APIRouter, ...] = (server_router, lora_router, completions_router, responses_router,
-                                      anthropic_router, pooling_router, tokenization_router)
+                                      anthropic_router, pooling_router, tokenization_router, ollama_router)
 
 
 def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
@@ -109,8 +113,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `pagedserve serve`: the server's own, then every EngineArgs flag."""
     from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help=f"model to serve (same as --model; default: {DEFAULT_MODEL})")
+    parser.add_argument("model_tag", nargs="*", default=None, metavar="MODEL",
+                        help="model(s) to serve: registered names, HF directories, Hub ids in the local cache, "
+                             f"GGUF files; the first is the default (same as --model; default: {DEFAULT_MODEL})")
     group = parser.add_argument_group("server arguments")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -160,6 +165,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "so that a web page cannot reach the server by DNS rebinding")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live dashboard and chat playground at / and /dashboard")
+    add_model_pool_args(group)
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level; info logs every request (default: warning)")
@@ -200,17 +206,22 @@ class _DrainingServer:
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
 
     async def drain(self) -> None:
-        engine = self.state.engine
-        if engine is not None:
+        self.state.models.close()  # no more loads
+        engines = self.state.engines()
+        for engine in engines:
             engine.close_admission(EngineShutdownError("The server is shutting down and accepts no new requests."))
-            deadline = time.monotonic() + self.shutdown_timeout
-            while engine.num_open_requests and time.monotonic() < deadline and not engine.errored:
-                await asyncio.sleep(0.05)
-            if engine.num_open_requests:
-                logger.warning("aborting %d requests still running after the shutdown timeout",
-                               engine.num_open_requests)
+        deadline = time.monotonic() + self.shutdown_timeout
+
+        def still_open() -> int:
+            return sum(e.num_open_requests for e in engines)
+
+        while still_open() and time.monotonic() < deadline and not any(e.errored for e in engines):
+            await asyncio.sleep(0.05)
+        if still_open():
+            logger.warning("aborting %d requests still running after the shutdown timeout", still_open())
+            for engine in engines:
                 engine.abort_all(EngineShutdownError("The server shut down before this request finished."))
-                await asyncio.sleep(0.2)  # the streams write their error events
+            await asyncio.sleep(0.2)  # the streams write their error events
         if self.state.dashboard is not None:
             self.state.dashboard.close()  # open pages' streams would hold the shutdown
         self.server.should_exit = True
@@ -229,7 +240,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return api_key
 
 
-def _server_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerState:
+def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list[ModelSpec]) -> ServerState:
     """The server's flags, checked (a ValueError naming the flag), as the routes' state."""
     from pagedserve.engine.arg_utils import parse_bytes
 
@@ -241,14 +252,18 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs) -> ServerSt
     allowed_hosts = parse_allowed_hosts(args.allowed_hosts, args.host)
     api_key = _api_key(args)
     check_front_door_limits(args.max_waiting_requests, args.request_timeout)
-    names = args.served_model_name or [engine_args.model]
+    names = [specs[0].name, *specs[0].aliases]
     if (args.lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating serve LoRA adapters: add --enable-lora")
+    several = len(specs) > 1
+    if several and (engine_args.enable_lora or engine_args.data_parallel_size > 1):
+        raise ValueError("several models per server do not combine with --enable-lora or --data-parallel-size "
+                         "yet: serve one model with those")
     loras = LoRAAdapters(parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
-    watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL
+    watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL and not several
     if not watchable and not args.disable_dashboard:
-        logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "
-                    "/metrics has every replica's series (label engine)")
+        logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1 "
+                    "or several models; /metrics has every engine's series (labels model_name and engine)")
     state = ServerState(served_model_names=names, api_key=api_key,
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
@@ -265,37 +280,51 @@ def configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerState]:
     exits with its message (status 2's usage errors are argparse's own)."""
     from pagedserve.engine.arg_utils import EngineArgs
 
-    if args.model_tag is not None and getattr(args, "model", None) not in (None, args.model_tag):
-        raise SystemExit(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+    tags = args.model_tag or []
+    if tags and getattr(args, "model", None) not in (None, tags[0]):
+        raise SystemExit(f"error: MODEL {tags[0]!r} and --model {args.model!r} disagree")
     try:
-        engine_args = EngineArgs.from_cli_args(args, model=args.model_tag)
-        return engine_args, _server_state(args, engine_args)
+        engine_args = EngineArgs.from_cli_args(args, model=tags[0] if tags else None)
+        if not tags and args.models_dir:  # the directory's models alone
+            specs = model_specs([], args.models_dir, args.served_model_name)
+            engine_args = engine_args.replace(model=specs[0].source)
+        else:
+            specs = model_specs([engine_args.model, *tags[1:]], args.models_dir, args.served_model_name)
+        state = _server_state(args, engine_args, specs)
+        kv = engine_args.kv_cache_memory_bytes
+        state.models = ModelPool(specs, kv_cache_bytes=int(kv) if kv is not None else None,
+                                 **pool_options(args, len(specs), engine_args.device))
+        return engine_args, state
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
 
 
-def make_engine_client(engine_args: EngineArgs, state: ServerState,
-                       front_door: dict[str, Any]) -> Callable[[], Attachment]:
+def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: dict[str, Any],
+                       name: str | None = None) -> Callable[[], Attachment]:
     """The one place the server builds its engine client: AsyncLLM over the
     EngineCoreClient `engine_args` ask for (async_llm.make_engine_core_client: one engine
     in this process, or --data-parallel-size replicas on Ray).  Loads the model here, on
     the loading thread, which then ends (seconds to minutes: the socket answers 503
     meanwhile); the function returned wraps it in AsyncLLM on the event loop.
-    `front_door`: AsyncLLM's admission and logging options."""
+    `front_door`: AsyncLLM's admission and logging options.  `name`: the model's, when
+    not the first (which alone has LoRA adapters)."""
     from pagedserve.engine.async_llm import make_engine_core_client
     from pagedserve.metrics import StatLogger
 
-    name = state.served_model_names[0]
+    first = name is None or name == state.models.default_name
+    name = name or state.served_model_names[0]
     client = make_engine_core_client(engine_args, own_thread=False)
     engine = client.local_engine  # --lora-modules load into an engine in this process
-    for lora in state.lora_adapters.loras.values() if engine is not None else ():
+    for lora in state.lora_adapters.loras.values() if engine is not None and first else ():
         engine.add_lora(lora)  # a bad adapter stops the start-up, by name
 
     def build() -> Attachment:
         client.observe(state.registry, name)
         stat_loggers: list[StatLogger] = [state.series] if state.series is not None else []
         llm = AsyncLLM(stat_loggers=stat_loggers, client=client, **front_door)
-        return Attachment.local(llm, client.info.max_model_len, client.describe())
+        attachment = Attachment.local(llm, client.info.max_model_len, client.describe())
+        attachment.on_gpu = client.info.device == "GPU"
+        return attachment
 
     return build
 
@@ -320,6 +349,10 @@ class _EngineLoader:
         self.args, self.engine_args, self.state = args, engine_args, state
         self.runner: _DrainingServer | None = None  # set once the app (which this serves) has its server
         self.failed: list[BaseException] = []
+        self.front_door: dict[str, Any] = {}
+        self.first_load: asyncio.Future[None] | None = None  # several models: the first one's load
+        if len(state.models.models) > 1:  # the others load on demand (one model stays loaded, as ever)
+            state.models.set_loader(self.load_model, self.unload_model)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -331,11 +364,17 @@ class _EngineLoader:
         front_door = {"log_stats": not args.disable_log_stats, "log_interval": args.log_stats_interval,
                       "max_waiting_requests": args.max_waiting_requests, "request_timeout": args.request_timeout,
                       "on_dead": lambda _: runner.exit_failed()}
-        threading.Thread(target=self.load, args=(loop, runner, front_door), name="pagedserve-load",
-                         daemon=True).start()
+        self.front_door = front_door
+        if self.state.models.can_load:  # several models: the first loads through the pool, like the others
+            register_pool_metrics(self.state.registry, self.state.models)
+            self.first_load = asyncio.ensure_future(self.load_first(runner))
+        else:
+            threading.Thread(target=self.load, args=(loop, runner, front_door), name="pagedserve-load",
+                             daemon=True).start()
         yield
-        if self.state.engine is not None:
-            self.state.engine.shutdown()
+        self.state.models.close()
+        for engine in self.state.engines():
+            engine.shutdown()
         self.state.prepare.shutdown()
 
     def load(self, loop: asyncio.AbstractEventLoop, runner: _DrainingServer, front_door: dict[str, Any]) -> None:
@@ -352,14 +391,50 @@ class _EngineLoader:
         if not self.state.draining:
             loop.call_soon_threadsafe(self.attach, build)
 
+    async def load_first(self, runner: _DrainingServer) -> None:
+        """Several models: load the first (the default) at start-up, as one request
+        would, then serve; the others load on their first request."""
+        try:
+            (await self.state.models.lease(self.state.models.default_name)).release()
+        except Exception as e:  # noqa: BLE001 - reported, then the server exits
+            logger.error("failed to load the first model: %s", e)
+            self.failed.append(e)
+            runner.server.should_exit = True
+            return
+        self.state.started = True
+        self.state.models.start()
+        logger.info("ready: serving %s on http://%s:%d (%s loaded; the others load on first use)",
+                    ", ".join(self.state.models.names()), self.args.host, self.args.port,
+                    self.state.models.default_name)
+
     def attach(self, build: Callable[[], Attachment]) -> None:
         attachment = build()
         client = attachment.client
         client.start()
         parser = _tool_parser(self.args, client)
         self.state.attach(attachment, parser, get_reasoning_parser(self.args.reasoning_parser))
-        logger.info("engine ready: serving %s on http://%s:%d", ", ".join(self.state.served_model_names),
+        self.state.models.start()
+        logger.info("engine ready: serving %s on http://%s:%d", ", ".join(self.state.models.names()),
                     self.args.host, self.args.port)
+
+    async def load_model(self, spec: ModelSpec, kv_cache_bytes: int | None) -> ModelHandlers:
+        """A model of several, loaded on demand (ModelPool): its engine on a thread, then
+        its AsyncLLM and handlers here.  Its KV cache takes its share of the budget unless
+        --kv-cache-memory-bytes or PAGEDSERVE_CPU_KV_CACHE_SPACE say otherwise."""
+        from pagedserve.engine.arg_utils import env_cpu_kv_cache_space
+
+        engine_args = self.engine_args.replace(model=spec.source)
+        if kv_cache_bytes and engine_args.kv_cache_memory_bytes is None and env_cpu_kv_cache_space() is None:
+            engine_args = engine_args.replace(kv_cache_memory_bytes=kv_cache_bytes)
+        build = await asyncio.to_thread(make_engine_client, engine_args, self.state, self.front_door, spec.name)
+        attachment = build()
+        attachment.client.start()
+        return ModelHandlers.build(attachment, [spec.name, *spec.aliases], {}, _tool_parser(self.args, attachment.client),
+                                   get_reasoning_parser(self.args.reasoning_parser))
+
+    async def unload_model(self, handlers: ModelHandlers) -> None:
+        """Stop an idle model's engine (its thread joins; its memory is freed with it)."""
+        await asyncio.to_thread(handlers.engine.shutdown)
 
 
 def run_server(args: argparse.Namespace) -> None:

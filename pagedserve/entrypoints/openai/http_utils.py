@@ -16,15 +16,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
+from pagedserve.entrypoints.ollama.protocol import OLLAMA_PATH_PREFIX
 from pagedserve.entrypoints.openai.json_body import check_json_body
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from pagedserve.errors import InvalidRequestError
 
 
 def error_response(err: OpenAIError, path: str = "") -> JSONResponse:
-    """OpenAI's error shape; Anthropic's on the routes of its API (`path`)."""
+    """OpenAI's error shape; Anthropic's and Ollama's on the routes of their APIs (`path`)."""
     if path.startswith(ANTHROPIC_PATH_PREFIX):
         body = anthropic_error_body(err.status, err.message)
+    elif path.startswith(OLLAMA_PATH_PREFIX):
+        body = {"error": err.message}
     else:
         body = err.to_response().model_dump()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
@@ -35,8 +38,10 @@ class SSEResponse(StreamingResponse):
     sent (starlette's default only notices on the next write), so a disconnect aborts the
     request at once; the body iterator is always closed, which aborts it in the engine."""
 
+    media = "text/event-stream"
+
     def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream")
+        super().__init__(content, media_type=self.media)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -54,6 +59,12 @@ class SSEResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+
+
+class NDJSONResponse(SSEResponse):
+    """Newline-delimited JSON (Ollama's streams), with SSEResponse's disconnect watch."""
+
+    media = "application/x-ndjson"
 
 
 class APIKeyMiddleware:

@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard import DashboardHub, is_public_path
+from pagedserve.entrypoints.openai.model_pool import UNSET, Lease, ModelPool, ModelSpec
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -29,6 +30,7 @@ from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.serving_responses import ResponseStore
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
 from pagedserve.errors import OverloadedError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import SeriesStatLogger
 from pagedserve.request_limits import TEMPLATE_QUEUE_SECONDS
 
@@ -80,6 +82,7 @@ class Attachment:
     max_model_len: int
     description: dict[str, Any]  # the dashboard's and /v1/models' description of the engine
     watched: AsyncLLM | None  # the one engine whose block pool the dashboard shows (none for replicas)
+    on_gpu: bool = False  # its weights and KV cache are in GPU memory (Ollama's size_vram)
 
     @classmethod
     def local(cls, client: AsyncLLM, max_model_len: int, description: dict[str, Any] | None = None) -> Attachment:
@@ -88,10 +91,52 @@ class Attachment:
 
 
 @dataclass
-class ServerState:
-    """Everything the routes need; filled in once the engine has loaded."""
+class ModelHandlers:
+    """One loaded model's serving handlers, over its engine: what a request for that
+    model is answered by."""
 
-    served_model_names: list[str]
+    attachment: Attachment
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    embedding: OpenAIServingEmbedding
+    score: OpenAIServingScore
+
+    @property
+    def engine(self) -> EngineClient:
+        return self.attachment.client
+
+    @property
+    def max_model_len(self) -> int:
+        return self.attachment.max_model_len
+
+    @property
+    def engine_on_gpu(self) -> bool:
+        return self.attachment.on_gpu
+
+    @classmethod
+    def build(cls, attachment: Attachment, names: list[str], loras: dict[str, LoRARequest],
+              tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None) -> ModelHandlers:
+        args = (attachment.client, names, attachment.max_model_len, loras)
+        return cls(attachment, OpenAIServingCompletion(*args),
+                   OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser),
+                   OpenAIServingEmbedding(*args), OpenAIServingScore(*args))
+
+
+def check_serving(engine: EngineClient) -> None:
+    """A 503 naming why when `engine` cannot take requests now."""
+    if engine.errored:
+        raise OpenAIError("The engine failed and the server is shutting down.", status=503,
+                          type="server_error", code="engine_dead")
+    if not engine.serving:
+        raise OpenAIError("No engine replica is serving right now (they restart on their own); retry shortly.",
+                          status=503, type="server_error", code="engine_dead")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; its models' handlers come once they have loaded."""
+
+    served_model_names: list[str]  # the first (default) model's names
     api_key: str | None = None
     metrics_without_auth: bool = False  # /metrics answers without the API key (for a scraper)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -100,12 +145,7 @@ class ServerState:
     # bound to every interface).
     allowed_hosts: frozenset[str] | None = None
     draining: bool = False  # shutting down: new requests get 503
-    engine: EngineClient | None = None
-    completion: OpenAIServingCompletion | None = None
-    chat: OpenAIServingChat | None = None
-    embedding: OpenAIServingEmbedding | None = None
-    score: OpenAIServingScore | None = None
-    max_model_len: int = 0
+    started: bool = False  # the first model has loaded (until then every route but /health's 503 waits)
     registry: Any = None
     enable_dashboard: bool = True  # the live page at / (--disable-dashboard turns it off)
     # The dashboard's per-second history: a stat logger the engine feeds from start-up.
@@ -114,52 +154,95 @@ class ServerState:
     prepare: PrepareThreads = field(default_factory=PrepareThreads)  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
+    # Every servable model (model_pool.py); None: the one model served_model_names names.
+    models: ModelPool[ModelHandlers] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.models is None:
+            first, *aliases = self.served_model_names
+            self.models = ModelPool([ModelSpec(first, first, tuple(aliases))])
 
     def attach(self, attachment: Attachment, tool_parser: ToolParser | None = None,
                reasoning_parser: ReasoningParser | None = None) -> None:
-        engine = attachment.client
-        args = (engine, self.served_model_names, attachment.max_model_len, self.lora_adapters.loras)
-        self.max_model_len = attachment.max_model_len
-        self.completion = OpenAIServingCompletion(*args)
-        self.chat = OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-        self.embedding = OpenAIServingEmbedding(*args)
-        self.score = OpenAIServingScore(*args)
+        """The first model, loaded: the server starts answering."""
+        handlers = ModelHandlers.build(attachment, self.served_model_names, self.lora_adapters.loras,
+                                       tool_parser, reasoning_parser)
         if self.enable_dashboard:
             if attachment.watched is None:
                 raise ValueError("the dashboard watches one engine's block pool; this client has none")
             config = {"served_model_name": self.served_model_names[0], **attachment.description}
             self.dashboard = DashboardHub(attachment.watched, self.series or SeriesStatLogger(), config)
-        self.engine = engine  # last: its presence means "ready"
+        self.models.attach(self.models.default_name, handlers)
+        self.started = True  # last: it means "ready"
 
-    def ready_for(self, runner: str, route: str) -> EngineClient:
-        """ready(), and the route is one this server's runner serves (generation routes
-        on the generate runner; embeddings, scores and reranking on the pooling runner)."""
-        engine = self.ready()
-        if engine.runner != runner:
-            how = ("`pagedserve serve MODEL --runner pooling`" if runner == "pooling"
-                   else "`pagedserve serve MODEL` (the generate runner)")
-            raise OpenAIError(f"{route} is not served by this server, which runs the {engine.runner} runner; "
-                              f"start one with {how}", param="model", code="wrong_runner")
+    # The first model's handlers, while it is loaded (a one-model server's, always).
+    @property
+    def default(self) -> ModelHandlers | None:
+        return self.models.handlers(self.models.default_name)
+
+    @property
+    def engine(self) -> EngineClient | None:
+        return None if self.default is None else self.default.engine
+
+    def engines(self) -> list[EngineClient]:
+        """Every loaded model's engine."""
+        return [handlers.engine for _, handlers in self.models.loaded()]
+
+    def check_up(self) -> None:
+        """A 503 while the server cannot serve: shutting down, its first model still
+        loading, or an engine failed."""
+        if self.draining:
+            raise OpenAIError("The server is shutting down.", status=503, type="server_error", code="shutting_down")
+        if not self.started:
+            raise OpenAIError("The model is still loading.", status=503, type="server_error")
+        for engine in self.engines():
+            check_serving(engine)
+
+    def ready(self) -> EngineClient:
+        """check_up(), and the first model's engine (which a one-model server keeps loaded)."""
+        self.check_up()
+        engine = self.engine
+        if engine is None:
+            raise OpenAIError(f"model {self.models.default_name!r} is not loaded right now", status=503,
+                              type="server_error", code="model_loading")
         return engine
+
+    def model_for(self, requested: str | None) -> str:
+        """The pool's model a request's `model` names (a LoRA adapter's: the first model);
+        a 404 naming it otherwise."""
+        name = self.models.resolve(requested)
+        if name is None:
+            if requested in self.lora_adapters.loras:
+                return self.models.default_name
+            raise OpenAIError(f"The model `{requested}` does not exist.", status=404, param="model",
+                              code="model_not_found")
+        return name
+
+    async def lease(self, requested: str | None, runner: str | None = None, route: str = "",
+                    keep_alive: Any = UNSET) -> Lease[ModelHandlers]:
+        """The request's model, loaded and held until the lease is released; a 503 while
+        the server cannot serve, a 404 for a model it does not serve, and on a route of
+        the other runner a 400 naming the flag that serves it."""
+        self.check_up()
+        lease = await self.models.lease(self.model_for(requested), keep_alive)
+        try:
+            engine = lease.handlers.engine
+            check_serving(engine)
+            if runner is not None and engine.runner != runner:
+                how = ("`pagedserve serve MODEL --runner pooling`" if runner == "pooling"
+                       else "`pagedserve serve MODEL` (the generate runner)")
+                raise OpenAIError(f"{route} is not served by this model, which runs the {engine.runner} runner; "
+                                  f"start one with {how}", param="model", code="wrong_runner")
+        except BaseException:
+            lease.release()
+            raise
+        return lease
 
     def is_public(self, path: str) -> bool:
         """Routes served without the API key: /health, /metrics for a scraper when asked,
         and the dashboard page (which asks for the key itself)."""
         return (path == "/health" or (path == "/metrics" and self.metrics_without_auth)
                 or (self.enable_dashboard and is_public_path(path)))
-
-    def ready(self) -> EngineClient:
-        if self.draining:
-            raise OpenAIError("The server is shutting down.", status=503, type="server_error", code="shutting_down")
-        if self.engine is None:
-            raise OpenAIError("The model is still loading.", status=503, type="server_error")
-        if self.engine.errored:
-            raise OpenAIError("The engine failed and the server is shutting down.", status=503,
-                              type="server_error", code="engine_dead")
-        if not self.engine.serving:
-            raise OpenAIError("No engine replica is serving right now (they restart on their own); retry shortly.",
-                              status=503, type="server_error", code="engine_dead")
-        return self.engine
 
 
 def bind_state(app: FastAPI, state: ServerState) -> None:

@@ -56,7 +56,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
-from pagedserve.entrypoints.openai.streaming import ChoiceStream
+from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
 from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput
@@ -302,12 +302,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chunks(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[dict]:
-        """The stream's chunks as dicts (an in-band error as {"error": {...}}), for the APIs
-        that re-say a chat stream in their own events (Responses, Anthropic's Messages)."""
-        async for frame in self.stream(req, prep, request_id, streams):
-            data = frame.removeprefix("data: ").strip()
-            if data != "[DONE]":
-                yield json.loads(data)
+        """The stream's chunks as dicts (streaming.sse_dicts)."""
+        async for chunk in sse_dicts(self.stream(req, prep, request_id, streams)):
+            yield chunk
 
     def _tool_deltas(self, plan: ToolPlan, ts: ToolStream, c: CompletionOutput) -> list[ChatStreamChoice]:
         """The chunks a tool-enabled choice owes after this output: plain text that can

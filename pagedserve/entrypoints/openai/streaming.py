@@ -8,6 +8,8 @@ finish_reason goes only in its last chunk; nothing is sent for it afterwards.
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.outputs import CompletionOutput
@@ -35,3 +37,13 @@ class ChoiceStream:
         self.sent_tokens = tok_end
         self.done = finished
         return delta, tok_start, tok_end
+
+
+async def sse_dicts(frames: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """An SSE stream's chunks as dicts (an in-band error as {"error": {...}}), for the
+    APIs that re-say an OpenAI stream in their own events (Responses, Anthropic's
+    Messages, Ollama's NDJSON)."""
+    async for frame in frames:
+        data = frame.removeprefix("data: ").strip()
+        if data != "[DONE]":
+            yield json.loads(data)

@@ -54,7 +54,7 @@ def train_tokenizer(corpus: list[str], vocab_size: int, added: list[str]):
     return tok
 
 
-def make_tiny_model(path: Path) -> None:
+def make_tiny_model(path: Path, seed: int = 0) -> None:
     import torch
     import transformers
 
@@ -65,7 +65,7 @@ def make_tiny_model(path: Path) -> None:
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
     tok.save_pretrained(path)
 

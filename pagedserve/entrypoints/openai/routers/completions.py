@@ -15,11 +15,9 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerStateDep) -> Response:
-    state.ready_for("generate", "/v1/completions")
-    return await generate(state, state.completion, body, request)
+    return await generate(state, lambda model: model.completion, body, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerStateDep) -> Response:
-    state.ready_for("generate", "/v1/chat/completions")
-    return await generate(state, state.chat, body, request)
+    return await generate(state, lambda model: model.chat, body, request)

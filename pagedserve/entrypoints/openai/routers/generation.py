@@ -4,7 +4,7 @@ Shared by the OpenAI routers, the pooling routes and Anthropic's /v1/messages.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -13,8 +13,9 @@ from pydantic import BaseModel
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disconnect
+from pagedserve.entrypoints.openai.model_pool import UNSET, Lease
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedserve.entrypoints.openai.server_state import ServerState
+from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState
 
 
 class ServingHandler(Protocol):
@@ -36,25 +37,61 @@ def json_response(model: BaseModel) -> JSONResponse:
     return JSONResponse(model.model_dump())
 
 
-async def generate(state: ServerState, serving: ServingHandler, body: Any, request: Request) -> Response:
-    """Every generation endpoint: validate and render off the event loop (templates and
-    tokenizing a long prompt take seconds), let the engine accept the request (its
-    refusals are 400s, before any byte is sent), then stream (SSE) or answer once.  A
-    client that leaves at any point cancels it all, which aborts every engine request
-    it started (a 20,000-prompt fan-out included)."""
-    serving.warn_unknown_fields(body)
+class ReleasingStream:
+    """A response's stream that releases its model's lease when it ends or is closed
+    (the response classes always close their body iterator, started or not)."""
 
-    async def handle() -> Response | BaseModel | dict:
-        if isinstance(body, ChatCompletionRequest) and body.chat_template:
-            prep = await state.prepare.run_own_template(serving.prepare, body)  # the one sandbox's turn
-        else:
-            prep = await state.prepare.run(serving.prepare, body)
-        request_id, streams = await serving.start(body, prep)
-        if body.stream:
-            return SSEResponse(serving.stream(body, prep, request_id, streams))
-        return await serving.full(body, prep, request_id, streams)
+    def __init__(self, inner: AsyncIterator[str], lease: Lease[ModelHandlers]) -> None:
+        self.inner, self.lease = inner, lease
 
-    result = await cancel_on_disconnect(request, handle())
+    def __aiter__(self) -> ReleasingStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self.inner.__anext__()
+        except BaseException:
+            self.lease.release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            if isinstance(self.inner, AsyncGenerator):  # (a plain iterator has nothing to close)
+                await self.inner.aclose()
+        finally:
+            self.lease.release()
+
+
+async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: Any, request: Request,
+                   *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET,
+                   stream_class: Callable[[AsyncIterator[str]], Response] = SSEResponse) -> Response:
+    """Every generation endpoint: lease the model the body names (loading it if need
+    be), validate and render off the event loop (templates and tokenizing a long prompt
+    take seconds), let the engine accept the request (its refusals are 400s, before any
+    byte is sent), then stream (`stream_class`: SSE) or answer once.  A client that
+    leaves at any point cancels it all, which aborts every engine request it started (a
+    20,000-prompt fan-out included).  The model stays leased until the answer ends."""
+    lease = await state.lease(getattr(body, "model", None), runner, route or request.url.path, keep_alive)
+    streaming: list[ReleasingStream] = []
+    try:
+        serving = pick(lease.handlers)
+        serving.warn_unknown_fields(body)
+
+        async def handle() -> Response | BaseModel | dict:
+            if isinstance(body, ChatCompletionRequest) and body.chat_template:
+                prep = await state.prepare.run_own_template(serving.prepare, body)  # the one sandbox's turn
+            else:
+                prep = await state.prepare.run(serving.prepare, body)
+            request_id, streams = await serving.start(body, prep)
+            if body.stream:
+                streaming.append(ReleasingStream(serving.stream(body, prep, request_id, streams), lease))
+                return stream_class(streaming[0])
+            return await serving.full(body, prep, request_id, streams)
+
+        result = await cancel_on_disconnect(request, handle())
+    finally:
+        if not streaming:
+            lease.release()
     if isinstance(result, dict):  # (the Responses API's objects are plain dicts)
         return JSONResponse(result)
     return result if isinstance(result, Response) else json_response(result)

@@ -16,12 +16,18 @@ router = APIRouter()
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     """Load a PEFT adapter from the server's disk (--allow-runtime-lora-updating)."""
-    engine = state.ready()
-    return PlainTextResponse(await state.lora_adapters.load(engine, state.served_model_names, body.lora_name,
-                                                            body.lora_path))
+    lease = await state.lease(None)  # adapters belong to the first model
+    try:
+        return PlainTextResponse(await state.lora_adapters.load(lease.handlers.engine, state.models.names(),
+                                                                body.lora_name, body.lora_path))
+    finally:
+        lease.release()
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
-    engine = state.ready()
-    return PlainTextResponse(await state.lora_adapters.unload(engine, body.lora_name))
+    lease = await state.lease(None)
+    try:
+        return PlainTextResponse(await state.lora_adapters.unload(lease.handlers.engine, body.lora_name))
+    finally:
+        lease.release()

@@ -16,18 +16,15 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, state: ServerStateDep) -> Response:
-    state.ready_for("pooling", "/v1/embeddings")
-    return await generate(state, state.embedding, body, request)
+    return await generate(state, lambda model: model.embedding, body, request, runner="pooling")
 
 
 async def score(body: ScoreRequest, request: Request, state: ServerStateDep) -> Response:
-    state.ready_for("pooling", request.url.path)
-    return await generate(state, state.score, body, request)
+    return await generate(state, lambda model: model.score, body, request, runner="pooling")
 
 
 async def rerank(body: RerankRequest, request: Request, state: ServerStateDep) -> Response:
-    state.ready_for("pooling", request.url.path)
-    return await generate(state, state.score, body, request)
+    return await generate(state, lambda model: model.score, body, request, runner="pooling")
 
 
 # vLLM's paths; the aliases stay out of the OpenAPI document (one entry per route).

@@ -19,13 +19,13 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, state: ServerStateDep) -> Response:
     """OpenAI's Responses API, translated onto the chat handler (serving_responses.py)."""
-    state.ready_for("generate", "/v1/responses")
-    return await generate(state, OpenAIServingResponses(state.chat, state.responses_store), body, request)
+    return await generate(state, lambda model: OpenAIServingResponses(model.chat, state.responses_store), body,
+                          request)
 
 
 def stored_response(state: ServerState, response_id: str) -> dict:
     """A kept response, or a 404 that says why there is none (no store, or not in it)."""
-    state.ready()
+    state.check_up()
     if state.responses_store is None:
         raise OpenAIError("responses are not kept on this server (start it with --enable-responses-store)",
                           status=404, param="response_id")

@@ -17,7 +17,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: ServerStateDep) -> Response:
-    state.ready()
+    state.check_up()
     return Response(status_code=200)
 
 
@@ -34,24 +34,27 @@ async def metrics(state: ServerStateDep) -> Response:
 
 
 def model_card(state: ServerState, name: str) -> ModelCard:
-    """A served name's card; an adapter's names its base model as parent."""
-    base = state.served_model_names[0]
+    """A served name's card; an adapter's names its base model as parent.  A model's
+    max_model_len is known once it has loaded."""
+    base = state.model_for(name)
+    handlers = state.models.handlers(base)
+    max_model_len = None if handlers is None else handlers.max_model_len
     lora = state.lora_adapters.loras.get(name)
     if lora is not None:  # (its path on the server's disk is not the client's business)
-        return ModelCard(id=name, root=name, parent=lora.base_model_name or base, max_model_len=state.max_model_len)
-    return ModelCard(id=name, root=base, max_model_len=state.max_model_len)
+        return ModelCard(id=name, root=name, parent=lora.base_model_name or base, max_model_len=max_model_len)
+    return ModelCard(id=name, root=base, max_model_len=max_model_len)
 
 
 @router.get("/v1/models")
 async def models(state: ServerStateDep) -> JSONResponse:
-    state.ready()
-    loras = list(state.lora_adapters.loras)
-    return json_response(ModelList(data=[model_card(state, name) for name in [*state.served_model_names, *loras]]))
+    """Every servable model (loaded or not) and LoRA adapter."""
+    state.check_up()
+    names = [*state.models.names(), *state.lora_adapters.loras]
+    return json_response(ModelList(data=[model_card(state, name) for name in names]))
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, state: ServerStateDep) -> JSONResponse:
     """OpenAI's retrieve (`client.models.retrieve`); ids may contain slashes (org/name)."""
-    state.ready()
-    state.chat.model_name(model_id)  # a 404 naming it when it is not served
-    return json_response(model_card(state, model_id))
+    state.check_up()
+    return json_response(model_card(state, model_id))  # a 404 naming it when it is not served

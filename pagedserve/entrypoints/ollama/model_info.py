@@ -1,0 +1,143 @@
+"""What Ollama's /api/tags, /api/ps and /api/show say about a model, read from its files
+without loading it: format, family, parameter count, quantization, context length and
+chat template.  A model's files are the operator's; only these facts reach clients."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from pagedserve.model_loader.sources import MODEL_NAMES, cache_dir, hf_hub_snapshot
+
+MAX_HEADER_BYTES = 64 << 20  # a safetensors header larger than this is not read
+# A model whose files cannot be dated (not fetched yet, unreadable) shows the server's start.
+STARTED_AT = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    format: str  # "gguf" or "safetensors"
+    family: str
+    parameter_count: int
+    quantization: str
+    context_length: int
+    size: int  # bytes of weights on disk
+    modified_at: str
+    chat_template: str
+
+    def details(self) -> dict[str, Any]:
+        return {"parent_model": "", "format": self.format, "family": self.family, "families": [self.family],
+                "parameter_size": _human(self.parameter_count), "quantization_level": self.quantization}
+
+    def model_info(self) -> dict[str, Any]:
+        return {"general.architecture": self.family, "general.parameter_count": self.parameter_count,
+                f"{self.family}.context_length": self.context_length}
+
+
+def _human(n: int) -> str:
+    if n <= 0:
+        return "unknown"
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}".rstrip("0").rstrip(".") + unit
+    return str(n)
+
+
+def _safetensors_params(path: str) -> tuple[int, str]:
+    """(parameter count, the dtype most weights have) from a .safetensors header."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > MAX_HEADER_BYTES:
+            return 0, "unknown"
+        header = json.loads(f.read(size))
+    count, dtypes = 0, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        n = 1
+        for d in entry.get("shape", []):
+            n *= d
+        count += n
+        dtypes[entry.get("dtype", "?")] = dtypes.get(entry.get("dtype", "?"), 0) + n
+    return count, max(dtypes, key=dtypes.get) if dtypes else "unknown"
+
+
+def _gguf_facts(path: str) -> tuple[str, int, str, int]:
+    """(architecture, parameter count, file type, context length) of a GGUF file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(name: str) -> Any:
+        f = reader.fields.get(name)
+        return None if f is None else f.contents()
+
+    arch = str(field("general.architecture") or "unknown")
+    count = sum(int(t.n_elements) for t in reader.tensors)
+    from gguf import LlamaFileType
+
+    try:  # the file's declared type, as Ollama shows it ("Q4_K_M"); else its commonest tensor type
+        quant = LlamaFileType(int(field("general.file_type"))).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        kinds: dict[str, int] = {}
+        for t in reader.tensors:
+            kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + int(t.n_elements)
+        quant = max(kinds, key=kinds.get) if kinds else "unknown"
+    return arch, count, quant, int(field(f"{arch}.context_length") or 0)
+
+
+def _directory_facts(path: str) -> tuple[str, int, str, int, str, int]:
+    config: dict[str, Any] = {}
+    if os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    count, dtype, size = 0, "unknown", 0
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            c, dtype = _safetensors_params(os.path.join(path, name))
+            count += c
+            size += os.path.getsize(os.path.join(path, name))
+    template = ""
+    tok_config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tok_config):
+        with open(tok_config) as f:
+            value = json.load(f).get("chat_template")
+        template = value if isinstance(value, str) else ""
+    family = str(config.get("model_type") or "unknown")
+    return family, count, dtype, int(config.get("max_position_embeddings") or 0), template, size
+
+
+@functools.lru_cache(maxsize=256)
+def _facts(path: str, mtime_ns: int) -> ModelFacts:
+    modified = datetime.fromtimestamp(mtime_ns / 1e9, timezone.utc).isoformat().replace("+00:00", "Z")
+    if os.path.isfile(path):
+        arch, count, quant, ctx = _gguf_facts(path)
+        return ModelFacts("gguf", arch, count, quant, ctx, os.path.getsize(path), modified, "")
+    family, count, dtype, ctx, template, size = _directory_facts(path)
+    gguf = [f for f in os.listdir(path) if f.endswith(".gguf")]
+    quant = _gguf_facts(os.path.join(path, gguf[0]))[2] if gguf else dtype  # a registered model's original
+    return ModelFacts("gguf" if gguf else "safetensors", family, count, quant, ctx, size, modified, template)
+
+
+def model_details(source: str) -> ModelFacts:
+    """The facts of the model `source` names (registered name, directory or GGUF file);
+    a registered model not fetched yet shows its registered config alone."""
+    path = source
+    registered = MODEL_NAMES.get(source)
+    if registered is not None:
+        path = os.path.join(cache_dir(), "models", source)
+        if not os.path.isdir(path):
+            cfg = registered.hf_config
+            return ModelFacts("gguf", str(cfg.get("model_type", "unknown")), 0, "unknown",
+                              int(cfg.get("max_position_embeddings", 0)), 0, STARTED_AT, "")
+    try:
+        if not os.path.exists(path):
+            path = hf_hub_snapshot(source)  # a Hub id in the local cache
+        return _facts(path, os.stat(path).st_mtime_ns)
+    except (OSError, ValueError, KeyError):  # unreadable: nothing is known but the name
+        return ModelFacts("unknown", "unknown", 0, "unknown", 0, 0, STARTED_AT, "")

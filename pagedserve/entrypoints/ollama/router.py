@@ -1,0 +1,155 @@
+"""Ollama's native API on the server's port: /api/chat, /api/generate, /api/embed (and
+the older /api/embeddings), /api/tags, /api/ps, /api/show, /api/version.  Generation
+and embeddings are translations onto the OpenAI handlers (serving.py); the model list
+and details come from the server's model pool.  /api/pull, /api/push, /api/create,
+/api/copy and /api/delete answer with an error that says how models are added here.
+Errors take Ollama's shape, {"error": "..."} (http_utils.error_response)."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+import pagedserve
+from pagedserve.entrypoints.ollama.model_info import model_details
+from pagedserve.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from pagedserve.entrypoints.ollama.serving import OllamaEmbedding, OllamaServing, Timing, now_iso
+from pagedserve.entrypoints.openai.http_utils import NDJSONResponse
+from pagedserve.entrypoints.openai.model_pool import ServedModel
+from pagedserve.entrypoints.openai.routers.generation import generate
+from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState, ServerStateDep
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+
+router = APIRouter()
+
+NOT_HERE = ("this server does not download, create or change models: it serves the ones given on its command line "
+            "(`pagedserve serve MODEL [MODEL ...]`, registered names, HF directories, GGUF files) and in "
+            "--models-dir, loading each on first use")
+
+
+def _ollama(model: ModelHandlers, timing: Timing) -> OllamaServing:
+    return OllamaServing(model.chat, model.completion, timing)
+
+
+@router.post("/api/chat")
+async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep) -> Response:
+    timing = Timing()
+    if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
+        return await _load_only(state, body.model, body.keep_alive_seconds(), chat=True)
+    return await generate(state, lambda model: _ollama(model, timing), body, request,
+                          keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
+
+
+@router.post("/api/generate")
+async def generate_route(body: OllamaGenerateRequest, request: Request, state: ServerStateDep) -> Response:
+    timing = Timing()
+    if not body.prompt and not body.raw:
+        return await _load_only(state, body.model, body.keep_alive_seconds(), chat=False)
+    return await generate(state, lambda model: _ollama(model, timing), body, request,
+                          keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
+
+
+async def _load_only(state: ServerState, model: str, keep_alive: Any, chat: bool) -> JSONResponse:
+    """A request with nothing to generate: load the model, or unload it with keep_alive 0
+    (a model not loaded stays so)."""
+    unloading = keep_alive == 0
+    if unloading:
+        state.check_up()
+        await state.models.unload(state.model_for(model), asked=True)
+    else:
+        (await state.lease(model, "generate", "/api/chat" if chat else "/api/generate", keep_alive)).release()
+    body: dict[str, Any] = {"model": model, "created_at": now_iso(), "done": True,
+                            "done_reason": "unload" if unloading else "load"}
+    body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return JSONResponse(body)
+
+
+@router.post("/api/embed")
+async def embed(body: OllamaEmbedRequest, request: Request, state: ServerStateDep) -> Response:
+    timing = Timing()
+    return await generate(state, lambda model: OllamaEmbedding(model.embedding, timing), body, request,
+                          runner="pooling", keep_alive=body.keep_alive_seconds())
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: OllamaEmbeddingsRequest, request: Request, state: ServerStateDep) -> Response:
+    timing = Timing()
+    return await generate(state, lambda model: OllamaEmbedding(model.embedding, timing), body, request,
+                          runner="pooling", keep_alive=body.keep_alive_seconds())
+
+
+def _digest(model: ServedModel[Any]) -> str:
+    return hashlib.sha256(f"{model.spec.name}\0{model.spec.source}".encode()).hexdigest()
+
+
+def _listing(model: ServedModel[Any]) -> dict[str, Any]:
+    info = model_details(model.spec.source)
+    return {"name": model.spec.name, "model": model.spec.name, "modified_at": info.modified_at,
+            "size": info.size, "digest": _digest(model), "details": info.details()}
+
+
+@router.get("/api/tags")
+async def tags(state: ServerStateDep) -> dict:
+    """Every servable model, loaded or not."""
+    state.check_up()
+    return {"models": [_listing(m) for m in state.models.models.values()]}
+
+
+@router.get("/api/ps")
+async def ps(state: ServerStateDep) -> dict:
+    """The loaded models, their memory and when they unload."""
+    state.check_up()
+    out = []
+    for model, handlers in state.models.loaded():
+        ttl = state.models.expires_at_wall(model)
+        expires = (datetime.now(timezone.utc) + timedelta(days=3650)) if ttl is None else \
+            datetime.fromtimestamp(ttl, timezone.utc)
+        size = model.measured_bytes or model.reserved_bytes
+        out.append({**_listing(model), "size": size, "size_vram": size if handlers.engine_on_gpu else 0,
+                    "expires_at": expires.isoformat().replace("+00:00", "Z"),
+                    "context_length": handlers.max_model_len})
+    return {"models": out}
+
+
+@router.post("/api/show")
+async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
+    """A model's details, architecture facts and chat template (read from its files;
+    the model is not loaded for this)."""
+    state.check_up()
+    name = body.model_name()
+    resolved = state.models.resolve(name)
+    if resolved is None:
+        raise OpenAIError(f"model '{name[:200]}' not found", status=404, param="model")
+    model = state.models.models[resolved]
+    info = model_details(model.spec.source)
+    handlers = model.loaded
+    capabilities = ["embedding"] if handlers is not None and handlers.engine.runner == "pooling" else \
+        ["completion", "tools"]
+    return {"modelfile": f"# served by pagedserve\nFROM {model.spec.name}\n", "parameters": "",
+            "template": info.chat_template, "details": info.details(), "model_info": info.model_info(),
+            "capabilities": capabilities, "modified_at": info.modified_at}
+
+
+@router.get("/api/version")
+async def version() -> dict:
+    return {"version": pagedserve.__version__}
+
+
+async def not_here(request: Request) -> Response:
+    raise OpenAIError(f"{request.url.path} is not served: {NOT_HERE}", status=501, code="not_implemented")
+
+
+for path, methods in (("/api/pull", ["POST"]), ("/api/push", ["POST"]), ("/api/create", ["POST"]),
+                      ("/api/copy", ["POST"]), ("/api/delete", ["DELETE"]),
+                      ("/api/blobs/{digest}", ["HEAD", "POST"])):
+    router.add_api_route(path, not_here, methods=methods, include_in_schema=False)

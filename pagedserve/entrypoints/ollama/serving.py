@@ -1,0 +1,272 @@
+"""Ollama's /api/chat, /api/generate and /api/embed as translations, not second paths:
+each body becomes the OpenAI request that asks for the same answer (chat, completion
+for `raw` prompts, embeddings), which that handler prepares, starts and answers; the
+answer, or its stream of chunks, is re-said in Ollama's shape (NDJSON lines of
+`message` or `response` fragments, then one `done` line with the counts and the
+nanosecond timings Ollama reports)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from pagedserve.engine.async_llm import RequestStream
+from pagedserve.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaGenerating,
+)
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.entrypoints.openai.protocol_pooling import EmbeddingRequest
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
+from pagedserve.entrypoints.openai.streaming import sse_dicts
+
+_DONE_REASONS = {"tool_calls": "stop"}  # Ollama says "stop" when a turn ends in tool calls
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Timing:
+    """When a request arrived, got its model, and saw its first and last token (ns)."""
+
+    arrived: int = field(default_factory=time.perf_counter_ns)
+    loaded: int = 0
+    first_token: int = 0
+
+    def mark_loaded(self) -> None:
+        self.loaded = time.perf_counter_ns()
+
+    def summary(self, prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+        end = time.perf_counter_ns()
+        first = self.first_token or end
+        return {"total_duration": end - self.arrived, "load_duration": self.loaded - self.arrived,
+                "prompt_eval_count": prompt_tokens, "prompt_eval_duration": first - self.loaded,
+                "eval_count": output_tokens, "eval_duration": end - first}
+
+
+@dataclass
+class PreparedOllama:
+    openai_request: Any
+    prepared: PreparedRequest
+
+
+def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """OpenAI's tool calls (arguments as JSON text) in Ollama's shape (an object)."""
+    out = []
+    for call in calls or []:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = {}
+        out.append({"function": {"name": function.get("name", ""),
+                                 "arguments": arguments if isinstance(arguments, dict) else {"value": arguments}}})
+    return out
+
+
+def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama's messages as OpenAI's: tool calls' arguments as JSON text (with ids), a
+    tool result's `tool_name` as its name; images are refused until image input exists."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise OpenAIError(f"messages[{i}] must be an object", param="messages")
+        if m.get("images"):
+            raise OpenAIError(f"messages[{i}].images: the models served here read text only", param="messages")
+        message: dict[str, Any] = {"role": m.get("role"), "content": m.get("content") or ""}
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise OpenAIError(f"messages[{i}].tool_calls must be a list", param="messages")
+            message["tool_calls"] = [
+                {"id": f"call_{i}_{j}", "type": "function",
+                 "function": {"name": (c.get("function") or {}).get("name", ""),
+                              "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
+                for j, c in enumerate(calls) if isinstance(c, dict)]
+        if m.get("role") == "tool" and m.get("tool_name"):
+            message["name"] = m["tool_name"]
+        out.append(message)
+    return out
+
+
+def _openai_body(req: OllamaGenerating, **body: Any) -> dict[str, Any]:
+    req.refused_fields()
+    body.update(model=req.model, stream=req.stream, **req.sampling())
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def chat_request(req: OllamaChatRequest) -> ChatCompletionRequest:
+    body = _openai_body(req, messages=_chat_messages(req.messages))
+    if req.tools:
+        body["tools"] = req.tools
+    return _validated(ChatCompletionRequest, body)
+
+
+def generate_request(req: OllamaGenerateRequest, has_template: bool) -> ChatCompletionRequest | CompletionRequest:
+    """A raw prompt is a completion, as is any prompt to a base model (no chat template:
+    Ollama's template is then the prompt itself); any other is the model's chat
+    template around a user turn (and `system`)."""
+    for name in ("suffix", "template", "context"):
+        if getattr(req, name):
+            why = {"suffix": "fill-in-the-middle is not served", "context": "send the conversation to /api/chat "
+                   "instead of token context", "template": "Go templates are not rendered here; send the prompt "
+                   "already formatted with raw: true"}[name]
+            raise OpenAIError(f"{name}: {why}", param=name)
+    if req.images:
+        raise OpenAIError("images: the models served here read text only", param="images")
+    if req.raw or not has_template:
+        if req.system:
+            raise OpenAIError("system: " + ("a raw prompt" if req.raw else "this model") + " has no chat template "
+                              "to put it in", param="system")
+        return _validated(CompletionRequest, _openai_body(req, prompt=req.prompt or ""))
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
+        [{"role": "user", "content": req.prompt or ""}]
+    return _validated(ChatCompletionRequest, _openai_body(req, messages=messages))
+
+
+def _validated(cls: type[Any], body: dict[str, Any]) -> Any:
+    try:
+        return cls.model_validate(body)
+    except ValueError as e:
+        raise OpenAIError(f"cannot translate the request: {e}", param="options") from None
+
+
+class OllamaServing:
+    """/api/chat and /api/generate over the chat handler (and the completion handler for
+    raw prompts): same engine, tools, limits and structured outputs."""
+
+    def __init__(self, chat: OpenAIServingChat, completion: OpenAIServingCompletion, timing: Timing) -> None:
+        self.chat, self.completion, self.timing = chat, completion, timing
+        timing.mark_loaded()  # (made once the request's model is leased: loaded)
+
+    def warn_unknown_fields(self, req: OllamaGenerating) -> None:
+        self.chat.warn_unknown_fields(req)
+
+    def _handler(self, openai_request: Any) -> Any:
+        return self.completion if isinstance(openai_request, CompletionRequest) else self.chat
+
+    def prepare(self, req: OllamaChatRequest | OllamaGenerateRequest) -> PreparedOllama:
+        openai_request = chat_request(req) if isinstance(req, OllamaChatRequest) else \
+            generate_request(req, self.chat.engine.chat_template is not None)
+        prepared = self._handler(openai_request).prepare(openai_request)
+        num_ctx = req.num_ctx()
+        if num_ctx is not None:  # Ollama's context window: prompt and answer within it
+            prompt_len = len(prepared.prompts[0].token_ids)
+            if prompt_len >= num_ctx:
+                raise OpenAIError(f"the prompt is {prompt_len} tokens, options.num_ctx is {num_ctx}", param="options")
+            params = prepared.params
+            params.max_tokens = min(params.max_tokens or num_ctx, num_ctx - prompt_len)
+        return PreparedOllama(openai_request, prepared)
+
+    async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:
+        return await self._handler(prep.openai_request).start(prep.openai_request, prep.prepared)
+
+    def _done(self, req: Any, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+        return {"done": True, "done_reason": _DONE_REASONS.get(finish_reason or "stop", finish_reason or "stop"),
+                **self.timing.summary(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))}
+
+    def _piece(self, req: Any, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        head = {"model": req.model, "created_at": now_iso()}
+        if isinstance(req, OllamaChatRequest):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            return {**head, "message": message}
+        return {**head, "response": text}
+
+    async def full(self, req: Any, prep: PreparedOllama, request_id: str, streams: list[RequestStream]) -> dict:
+        handler = self._handler(prep.openai_request)
+        r = (await handler.full(prep.openai_request, prep.prepared, request_id, streams)).model_dump()
+        self.timing.first_token = self.timing.first_token or time.perf_counter_ns()
+        (choice,) = r["choices"]
+        if "message" in choice:
+            text = choice["message"].get("content") or ""
+            calls = _tool_calls(choice["message"].get("tool_calls"))
+        else:
+            text, calls = choice.get("text") or "", []
+        return {**self._piece(req, text, calls), **self._done(req, choice.get("finish_reason"), r["usage"])}
+
+    async def stream(self, req: Any, prep: PreparedOllama, request_id: str,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+        """NDJSON: a line per text fragment, tool calls once complete, then the done line
+        (an in-band error as {"error": ...}, which Ollama's clients raise)."""
+        handler = self._handler(prep.openai_request)
+        frames = handler.stream(prep.openai_request, prep.prepared, request_id, streams)
+        calls: dict[int, dict[str, Any]] = {}
+        finish: str | None = None
+        async for chunk in sse_dicts(frames):
+            if "error" in chunk:
+                yield json.dumps({"error": chunk["error"].get("message", "error")}) + "\n"
+                return
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta") or {}
+                text = delta.get("content") if "delta" in choice else choice.get("text")
+                for call in delta.get("tool_calls") or []:
+                    entry = calls.setdefault(call.get("index", 0), {"function": {"name": "", "arguments": ""}})
+                    function = call.get("function") or {}
+                    entry["function"]["name"] += function.get("name") or ""
+                    entry["function"]["arguments"] += function.get("arguments") or ""
+                if text:
+                    self.timing.first_token = self.timing.first_token or time.perf_counter_ns()
+                    yield json.dumps({**self._piece(req, text), "done": False}) + "\n"
+                finish = choice.get("finish_reason") or finish
+            usage = chunk.get("usage")
+            if usage is not None and not chunk.get("choices"):
+                last = self._piece(req, "", _tool_calls([calls[i] for i in sorted(calls)]))
+                yield json.dumps({**last, **self._done(req, finish, usage)}) + "\n"
+
+
+class OllamaEmbedding:
+    """/api/embed (and the older /api/embeddings) over the embeddings handler."""
+
+    def __init__(self, embedding: OpenAIServingEmbedding, timing: Timing) -> None:
+        self.embedding, self.timing = embedding, timing
+        timing.mark_loaded()
+
+    def warn_unknown_fields(self, req: Any) -> None:
+        self.embedding.warn_unknown_fields(req)
+
+    def prepare(self, req: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> PreparedOllama:
+        if req.options:
+            raise OpenAIError("options: embeddings take no sampling options", param="options")
+        body: dict[str, Any] = {"model": req.model}
+        if isinstance(req, OllamaEmbedRequest):
+            body["input"] = req.input
+            if req.truncate:
+                body["truncate_prompt_tokens"] = -1  # the last max_model_len tokens, as Ollama keeps the context's
+            if req.dimensions is not None:
+                body["dimensions"] = req.dimensions
+        else:
+            body["input"] = req.prompt
+        openai_request = _validated(EmbeddingRequest, body)
+        return PreparedOllama(openai_request, self.embedding.prepare(openai_request))
+
+    async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:
+        return await self.embedding.start(prep.openai_request, prep.prepared)
+
+    async def full(self, req: Any, prep: PreparedOllama, request_id: str, streams: list[RequestStream]) -> dict:
+        r = (await self.embedding.full(prep.openai_request, prep.prepared, request_id, streams)).model_dump()
+        vectors = [item["embedding"] for item in r["data"]]
+        if isinstance(req, OllamaEmbeddingsRequest):
+            return {"embedding": vectors[0]}
+        timing = self.timing.summary(r["usage"]["prompt_tokens"], 0)
+        return {"model": req.model, "embeddings": vectors, "total_duration": timing["total_duration"],
+                "load_duration": timing["load_duration"], "prompt_eval_count": r["usage"]["prompt_tokens"]}
+
+    def stream(self, req: Any, prep: PreparedOllama, request_id: str,
+               streams: list[RequestStream]) -> AsyncIterator[str]:
+        raise NotImplementedError  # (embeddings never stream)

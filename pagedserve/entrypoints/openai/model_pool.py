@@ -1,0 +1,447 @@
+"""Several models behind one server: which are servable, which are loaded, and when
+one is loaded or unloaded (Ollama's `keep_alive` and OLLAMA_MAX_LOADED_MODELS,
+llama-server's router mode).
+
+A second model is a second engine core behind the same front end: each loaded model
+has its own AsyncLLM (engine thread, KV cache, serving handlers).  The pool decides
+only their lifetimes:
+- a request leases its model (`ModelPool.lease`), loading it first when needed; a
+  model with a lease out is never unloaded, so requests already running on it finish;
+- loads are serialized (one lock), and concurrent first requests for one model wait on
+  the same load, which runs once;
+- a model loads only when it fits: at most `max_loaded` at once and, under a memory
+  budget, its reservation (weights and KV cache) beside the loaded ones'; idle models
+  are unloaded least recently used first to make room, and a request waits (bounded)
+  while every loaded model is busy;
+- once its last lease ends a model stays loaded for its keep-alive (the server's
+  default, or the last request's `keep_alive`): 0 unloads it at once, None keeps it.
+
+Requests never name files: a request can only pick one of the pool's `ModelSpec`s.
+A model that fails to load fails the requests that waited for it, with its name and
+the reason; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.utils import rss_bytes
+
+logger = logging.getLogger(__name__)
+
+H = TypeVar("H")  # what a loaded model is to the server (its serving handlers)
+
+DEFAULT_KEEP_ALIVE = 300.0  # Ollama's: 5 minutes after the last request
+# How long a request waits for its model to load, or for room to load it in.
+LOAD_WAIT_SECONDS = 600.0
+REAP_INTERVAL = 0.5  # seconds between checks for models past their keep-alive
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_KEEP_ALIVE_SECONDS = 10 * 365 * 86400.0  # longer is "forever" anyway
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # a request that did not say keep_alive
+
+
+def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
+    """Ollama's keep_alive forms as seconds: a number of seconds, or a Go duration
+    ("5m", "1h30m", "10s", "0"); negative means forever (None).  ValueError names `what`."""
+    seconds: float
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{what} must be a duration such as '5m' or a number of seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text.replace("+", ""):
+                raise ValueError(f"{what} must be a duration such as '5m', '1h' or '30s', or a number of seconds; "
+                                 f"got {value[:100]!r}") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    else:
+        raise ValueError(f"{what} must be a duration such as '5m' or a number of seconds, got {type(value).__name__}")
+    if seconds != seconds:  # NaN
+        raise ValueError(f"{what} must be a number, got NaN")
+    if seconds < 0 or seconds > MAX_KEEP_ALIVE_SECONDS:
+        return None
+    return seconds
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the server may load: the name clients use and what loads it.  `source`
+    (a registered name, directory or file) is the operator's, never shown to clients."""
+
+    name: str
+    source: str
+    aliases: tuple[str, ...] = ()  # further names for it (--served-model-name)
+
+
+def weights_bytes_on_disk(source: str) -> int:
+    """The size of a model's weight files (0 when not known without loading it): a
+    first estimate of its memory, before a load has measured it."""
+    from pagedserve.model_loader.sources import MODEL_NAMES, cache_dir
+
+    path = source
+    if source in MODEL_NAMES:
+        path = os.path.join(cache_dir(), "models", source)
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                   if f.endswith((".safetensors", ".bin", ".pt")))
+    return 0
+
+
+def return_memory_to_the_system() -> None:
+    """After an unload: collect the model's objects, then hand the heap's freed pages
+    back (glibc keeps them otherwise, and resident memory would not fall)."""
+    from pagedserve.worker.cpu_malloc import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
+
+
+class ServedModel(Generic[H]):
+    """One model of the pool and its state (event loop only)."""
+
+    def __init__(self, spec: ModelSpec, keep_alive: float | None) -> None:
+        self.spec = spec
+        self.loaded: H | None = None
+        self.loading: asyncio.Future[None] | None = None
+        self.leases = 0
+        self.keep_alive = keep_alive  # after the last lease; the last request's keep_alive sets it
+        self.last_used = 0.0
+        self.expires_at: float | None = None  # monotonic; None while leased or kept forever
+        self.reserved_bytes = 0  # what it counts against the memory budget while loaded
+        self.measured_bytes: int | None = None  # resident growth its last load measured
+        self.load_seconds = 0.0
+        self.pinned = False  # attached from outside (no loader): never unloaded
+
+
+@dataclass
+class PoolCounters:
+    """What /metrics shows of the pool (pagedserve:model_loads and the rest)."""
+
+    loads: int = 0
+    unloads: int = 0
+    load_failures: int = 0
+
+
+class Lease(Generic[H]):
+    """A request's hold on a loaded model: the model stays loaded until every lease on
+    it is released (release is idempotent)."""
+
+    def __init__(self, pool: ModelPool[H], model: ServedModel[H], handlers: H) -> None:
+        self.pool, self.model, self.handlers = pool, model, handlers
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.pool.release(self.model)
+
+
+class ModelPool(Generic[H]):
+    """The servable models by name, loading and unloading them as requests come.
+
+    `load(spec, kv_cache_bytes)` builds a model's handlers (its engine loaded and
+    started); `unload(handlers)` stops that engine.  Without them (a server built around
+    an engine made elsewhere, as tests do) every model is attached and pinned."""
+
+    def __init__(self, specs: list[ModelSpec], *, max_loaded: int = 1, memory_budget: int | None = None,
+                 keep_alive: float | None = None,
+                 load: Callable[[ModelSpec, int | None], Awaitable[H]] | None = None,
+                 unload: Callable[[H], Awaitable[None]] | None = None,
+                 estimate: Callable[[ModelSpec], int] = lambda spec: weights_bytes_on_disk(spec.source),
+                 kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`kv_cache_bytes`: each model's KV cache; None: sized within the budget (the
+        budget's share per loaded model, less the model's weights), or by the engine's
+        own rule when there is no budget."""
+        if not specs:
+            raise ValueError("a server needs at least one model")
+        if max_loaded < 1:
+            raise ValueError(f"--max-loaded-models must be >= 1, got {max_loaded}")
+        if memory_budget is not None and memory_budget <= 0:
+            raise ValueError(f"the models' memory budget must be positive, got {memory_budget}")
+        self.models: dict[str, ServedModel[H]] = {}
+        self._names: dict[str, str] = {}  # every name and alias -> the model's name
+        for spec in specs:
+            for name in (spec.name, *spec.aliases):
+                if name in self._names:
+                    raise ValueError(f"two models are served under the name {name!r}; rename one "
+                                     "(a file or folder's name is its model's name)")
+                self._names[name] = spec.name
+            self.models[spec.name] = ServedModel(spec, keep_alive)
+        self.default_name = specs[0].name
+        self.max_loaded = max_loaded
+        self.memory_budget = memory_budget
+        self.kv_cache_bytes = kv_cache_bytes
+        self._load, self._unload, self._estimate, self._clock = load, unload, estimate, clock
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._released = asyncio.Event()  # set when a lease ends (a waiting load may find room)
+        self._reaper: asyncio.Task[None] | None = None
+        self.closed = False
+        self.counters = PoolCounters()
+
+    # ------------------------------------------------------------------ lookup
+    def resolve(self, requested: str | None) -> str | None:
+        """The model a requested name (or alias) serves; None: not one of ours."""
+        if requested is None:
+            return self.default_name
+        return self._names.get(requested)
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def loaded(self) -> Iterator[tuple[ServedModel[H], H]]:
+        for model in list(self.models.values()):
+            if model.loaded is not None:
+                yield model, model.loaded
+
+    def expires_at_wall(self, model: ServedModel[H]) -> float | None:
+        """When `model` unloads if nothing uses it (a Unix time), None: not while it is kept."""
+        if model.expires_at is None:
+            return None if model.leases or model.keep_alive is None else time.time() + model.keep_alive
+        return time.time() + (model.expires_at - self._clock())
+
+    def handlers(self, name: str) -> H | None:
+        return self.models[name].loaded
+
+    def set_loader(self, load: Callable[[ModelSpec, int | None], Awaitable[H]],
+                   unload: Callable[[H], Awaitable[None]]) -> None:
+        """Load models on demand (a server of several models); before any is attached."""
+        self._load, self._unload = load, unload
+
+    @property
+    def can_load(self) -> bool:
+        return self._load is not None
+
+    def attach(self, name: str, handlers: H) -> None:
+        """A model loaded elsewhere (the server's start-up, or a test's engine).  Without a
+        loader it can never come back, so it is pinned."""
+        model = self.models[self._names[name]]
+        model.loaded = handlers
+        model.last_used = self._clock()
+        model.pinned = self._load is None
+        model.reserved_bytes = max(self._estimate(model.spec), 0)
+
+    # ------------------------------------------------------------------ leases
+    async def lease(self, name: str, keep_alive: Any = UNSET, wait: float = LOAD_WAIT_SECONDS) -> Lease[H]:
+        """Hold `name` loaded for a request, loading it first if needed (waiting at most
+        `wait` seconds).  `keep_alive`: the request's (seconds, None: forever)."""
+        model = self.models[self._names[name]]
+        if keep_alive is not UNSET:
+            if not self.can_load and keep_alive != model.keep_alive:
+                raise OpenAIError("keep_alive: this server cannot load models on demand, so it keeps its model "
+                                  "loaded", param="keep_alive")
+            model.keep_alive = keep_alive
+        model.leases += 1  # before any await: an unload decided meanwhile passes this model by
+        model.expires_at = None
+        try:
+            deadline = self._clock() + wait
+            while model.loaded is None:
+                if self.closed:
+                    raise OpenAIError("The server is shutting down.", status=503, type="server_error",
+                                      code="shutting_down")
+                if model.loading is None:
+                    model.loading = asyncio.ensure_future(self._load_one(model, deadline))
+                    model.loading.add_done_callback(_forget_loading(model))
+                try:  # (a load waiting for room gives up at the deadline itself, saying why)
+                    await asyncio.wait_for(asyncio.shield(model.loading), max(deadline - self._clock(), 0) + 1.0)
+                except TimeoutError:
+                    raise OpenAIError(f"model {model.spec.name!r} is still loading; retry shortly", status=503,
+                                      type="server_error", code="model_loading") from None
+            model.last_used = self._clock()
+            return Lease(self, model, model.loaded)
+        except BaseException:
+            self.release(model)
+            raise
+
+    def release(self, model: ServedModel[H]) -> None:
+        model.leases -= 1
+        model.last_used = self._clock()
+        if model.leases == 0 and model.loaded is not None and not model.pinned:
+            if model.keep_alive is None:
+                model.expires_at = None
+            else:
+                model.expires_at = model.last_used + model.keep_alive
+                if model.keep_alive == 0:
+                    asyncio.ensure_future(self.reap())
+        self._released.set()
+
+    # ------------------------------------------------------------------ loading
+    def reservation(self, model: ServedModel[H]) -> tuple[int, int | None]:
+        """(bytes the model counts against the budget, its KV cache's bytes to ask for).
+        Its weights are what its last load measured (resident growth), else their size
+        on disk; its KV cache is the budget's share per loaded model, less the weights:
+        the most the cache's lazily mapped pages may grow to."""
+        weights = model.measured_bytes if model.measured_bytes is not None else max(self._estimate(model.spec), 0)
+        kv = self.kv_cache_bytes
+        if kv is None and self.memory_budget is not None:
+            kv = max(self.memory_budget // self.max_loaded - weights, 0)
+        return weights + (kv or 0), kv
+
+    async def _load_one(self, model: ServedModel[H], deadline: float) -> None:
+        assert self._load is not None, "attached models are never unloaded"
+        async with self._lock:
+            if model.loaded is not None:
+                return
+            need, kv = self.reservation(model)
+            await self._make_room(model, need, deadline)
+            before = rss_bytes(os.getpid())
+            start = self._clock()
+            try:
+                handlers = await self._load(model.spec, kv)
+            except OpenAIError:
+                self.counters.load_failures += 1
+                raise
+            except Exception as e:  # noqa: BLE001 - any load failure is this model's, by name
+                self.counters.load_failures += 1
+                logger.exception("model %r failed to load", model.spec.name)
+                raise OpenAIError(f"model {model.spec.name!r} could not be loaded: {e}", status=500,
+                                  type="server_error", param="model", code="model_load_failed") from None
+            model.load_seconds = self._clock() - start
+            grown = rss_bytes(os.getpid()) - before
+            if grown > 0:
+                model.measured_bytes = grown
+            model.reserved_bytes = need
+            model.loaded = handlers
+            model.last_used = self._clock()
+            self.counters.loads += 1
+            logger.info("model %r loaded in %.1f s (%.0f MiB resident)", model.spec.name, model.load_seconds,
+                        max(grown, 0) / 2**20)
+
+    def _fits(self, need: int) -> bool:
+        loaded = [m for m, _ in self.loaded()]
+        if len(loaded) >= self.max_loaded:
+            return False
+        return self.memory_budget is None or sum(m.reserved_bytes for m in loaded) + need <= self.memory_budget
+
+    async def _make_room(self, model: ServedModel[H], need: int, deadline: float) -> None:
+        """Unload idle models, least recently used first, until `model` fits; wait while
+        the ones in the way are busy.  Called under the lock."""
+        if self.memory_budget is not None and need > self.memory_budget:
+            raise OpenAIError(f"model {model.spec.name!r} needs about {need / 2**30:.2f} GiB, more than the "
+                              f"models' memory budget ({self.memory_budget / 2**30:.2f} GiB, --max-models-memory)",
+                              status=500, type="server_error", param="model", code="model_too_large")
+        while not self._fits(need):
+            idle = sorted((m for m, _ in self.loaded() if m.leases == 0 and not m.pinned), key=lambda m: m.last_used)
+            if idle:
+                await self._unload_one(idle[0], "to make room for " + repr(model.spec.name))
+                continue
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), max(deadline - self._clock(), 0.001))
+            except TimeoutError:
+                raise OpenAIError(f"model {model.spec.name!r} cannot load while every loaded model is busy "
+                                  f"(--max-loaded-models {self.max_loaded}); retry shortly", status=503,
+                                  type="server_error", code="server_overloaded") from None
+
+    async def _unload_one(self, model: ServedModel[H], why: str) -> None:
+        handlers = model.loaded
+        assert handlers is not None and self._unload is not None
+        model.loaded = None
+        model.expires_at = None
+        model.reserved_bytes = 0
+        before = rss_bytes(os.getpid())
+        await self._unload(handlers)
+        del handlers
+        await asyncio.to_thread(return_memory_to_the_system)
+        self.counters.unloads += 1
+        logger.info("model %r unloaded (%s; resident memory %+.0f MiB)", model.spec.name, why,
+                    (rss_bytes(os.getpid()) - before) / 2**20)
+
+    async def unload(self, name: str, asked: bool = False) -> bool:
+        """Unload `name` now if no request holds it (False if held or not loaded); one
+        still held unloads as its last request ends.  `asked`: a client's keep_alive 0,
+        refused (a 400) where models cannot be loaded again."""
+        model = self.models[self._names[name]]
+        if model.pinned and asked:
+            raise OpenAIError("keep_alive: this server serves one model and keeps it loaded; serve several "
+                              "(`pagedserve serve MODEL MODEL ...` or --models-dir) to unload them on demand",
+                              param="keep_alive")
+        async with self._lock:
+            if model.loaded is None or model.pinned:
+                return False
+            if model.leases:
+                model.keep_alive = 0
+                return False
+            await self._unload_one(model, "asked")
+            return True
+
+    async def reap(self) -> None:
+        """Unload the idle models whose keep-alive has run out."""
+        now = self._clock()
+        for model in list(self.models.values()):
+            if model.expires_at is not None and model.expires_at <= now and model.leases == 0:
+                async with self._lock:
+                    if model.loaded is not None and model.leases == 0 and model.expires_at is not None \
+                            and model.expires_at <= self._clock():
+                        await self._unload_one(model, "keep_alive expired")
+
+    def start(self) -> None:
+        """Start checking keep-alives (on the running event loop; idempotent)."""
+        if self._reaper is None and self.can_load:
+            self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(REAP_INTERVAL)
+            try:
+                await self.reap()
+            except Exception:  # noqa: BLE001 - one failed unload must not stop the others' expiry
+                logger.exception("unloading an expired model failed")
+
+    def close(self) -> None:
+        """No more loads (shutdown)."""
+        self.closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+
+def _forget_loading(model: ServedModel[Any]) -> Callable[[asyncio.Future[None]], None]:
+    def done(future: asyncio.Future[None]) -> None:
+        model.loading = None
+        if not future.cancelled():
+            future.exception()  # retrieved: each waiter raised it already
+    return done
+
+
+def register_pool_metrics(registry: Any, pool: ModelPool[Any]) -> None:
+    """The pool on /metrics: loads, unloads and failed loads so far, and which models are
+    loaded (pagedserve:model_loaded, by model_name)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self) -> Iterator[Any]:
+            c = pool.counters
+            yield CounterMetricFamily("pagedserve:model_loads", "Models loaded on demand.", value=c.loads)
+            yield CounterMetricFamily("pagedserve:model_unloads", "Models unloaded (keep_alive, or for room).",
+                                      value=c.unloads)
+            yield CounterMetricFamily("pagedserve:model_load_failures", "Model loads that failed.",
+                                      value=c.load_failures)
+            loaded = GaugeMetricFamily("pagedserve:model_loaded", "1 while the model is loaded.",
+                                       labels=["model_name"])
+            for name, model in pool.models.items():
+                loaded.add_metric([name], 1.0 if model.loaded is not None else 0.0)
+            yield loaded
+
+    registry.register(Collector())

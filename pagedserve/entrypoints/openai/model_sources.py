@@ -1,0 +1,105 @@
+"""The models a server may serve, from its command line: `pagedserve serve MODEL
+[MODEL ...]` and `--models-dir DIR`, each named as clients will ask for it, with the
+flags that govern how many stay loaded (model_pool.py does the loading)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from pagedserve.entrypoints.openai.model_pool import DEFAULT_KEEP_ALIVE, ModelSpec, parse_keep_alive
+
+MAX_MODELS = 256  # servable models per server (a directory of thousands is a mistake)
+
+
+def add_model_pool_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--models-dir", default=None, metavar="DIR",
+                       help="serve every GGUF file and Hugging Face model directory in DIR too, each named by its "
+                            "file (without .gguf) or folder; loaded on first use")
+    group.add_argument("--max-loaded-models", type=int, default=1,
+                       help="models loaded at once when several are served; the least recently used idle one is "
+                            "unloaded to make room (Ollama: OLLAMA_MAX_LOADED_MODELS; default: 1)")
+    group.add_argument("--keep-alive", default=None, metavar="DURATION",
+                       help="how long a model stays loaded after its last request when several are served "
+                            "('5m', '30s', '1h'; 0 unloads at once; -1 keeps it; a request's keep_alive overrides "
+                            "it; default: 5m, and a server of one model keeps it loaded)")
+    group.add_argument("--max-models-memory", default=None, metavar="BYTES",
+                       help="memory the loaded models may take together, weights and KV caches (bytes, or with a "
+                            "unit: 12GiB); a model loads only when it fits, after idle ones are unloaded "
+                            "(default: 90%% of the memory available at start, when several models are served)")
+
+
+def model_name(source: str) -> str:
+    """The name clients use for a model given by `source`: a registered name or Hub id
+    as written, a file's name without .gguf, a directory's folder name."""
+    path = source.rstrip("/")
+    if os.path.isfile(path):
+        base = os.path.basename(path)
+        return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+    if os.path.isdir(path):
+        return os.path.basename(os.path.abspath(path))
+    return source
+
+
+def models_in_dir(directory: str) -> list[str]:
+    """Every GGUF file and HF model directory (one with config.json) directly in
+    `directory`, sorted by name."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--models-dir {directory!r} is not a directory")
+    found = []
+    for entry in sorted(os.listdir(directory)):
+        path = os.path.join(directory, entry)
+        if entry.startswith("."):
+            continue
+        if (os.path.isfile(path) and entry.lower().endswith(".gguf")) or \
+                os.path.isfile(os.path.join(path, "config.json")):
+            found.append(path)
+    if not found:
+        raise ValueError(f"--models-dir {directory!r} has no GGUF file and no model directory (one with config.json)")
+    return found
+
+
+def model_specs(sources: list[str], models_dir: str | None, served_names: list[str] | None) -> list[ModelSpec]:
+    """The servable models, the first being the default.  One MODEL keeps today's
+    naming (its argument, or --served-model-name); several are named by model_name."""
+    sources = list(sources) + (models_in_dir(models_dir) if models_dir else [])
+    if len(sources) > MAX_MODELS:
+        raise ValueError(f"{len(sources)} models is more than one server serves ({MAX_MODELS})")
+    if len(sources) == 1:
+        names = served_names or [sources[0]]
+        return [ModelSpec(names[0], sources[0], tuple(names[1:]))]
+    if served_names:
+        raise ValueError("--served-model-name names the one model served; with several, each is named by its "
+                         "argument, file or folder")
+    return [ModelSpec(model_name(s), s) for s in sources]
+
+
+def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict[str, Any]:
+    """ModelPool's keyword arguments from the flags (ValueError naming a bad one).  The
+    default memory budget is the host's, for models on the CPU; on a GPU each engine
+    sizes its cache by gpu_memory_utilization, one model at a time by default."""
+    from pagedserve.engine.arg_utils import parse_bytes
+    from pagedserve.worker.kv_cache import available_memory_bytes
+
+    if args.max_loaded_models < 1:
+        raise ValueError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
+    several = num_models > 1
+    if args.keep_alive is not None:
+        keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    else:
+        keep_alive = DEFAULT_KEEP_ALIVE if several else None
+    budget = None
+    if args.max_models_memory is not None:
+        budget = parse_bytes(args.max_models_memory, "--max-models-memory")
+        if budget <= 0:
+            raise ValueError("--max-models-memory must be positive")
+    elif several:
+        import torch
+
+        from pagedserve.model_loader.loader import resolve_device
+
+        if resolve_device(device).type != "cpu":
+            return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": None}
+        budget = int(available_memory_bytes(torch.device("cpu")) * 0.9)
+    return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": budget}

@@ -1,0 +1,132 @@
+"""Ollama's API in-process (httpx ASGI transport) with the official `ollama` client,
+over two fake models in a pool of one loaded model: listing, chat and generate
+(streamed or not), load on demand, keep_alive 0, refusals by name, and the OpenAI
+routes reaching either model on the same app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import ollama
+import openai
+import pytest
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
+from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec
+from pagedserve.entrypoints.openai.server_state import ModelHandlers
+from tests.engine.fake_engine import FakeEngine
+
+SCRIPTS = {"first": "hello", "second": "world"}
+
+
+def make_app(max_loaded: int = 1):
+    state = ServerState(served_model_names=["first"], enable_dashboard=False)
+    state.models = ModelPool([ModelSpec(name, name) for name in SCRIPTS], max_loaded=max_loaded, keep_alive=300.0,
+                             estimate=lambda spec: 0)
+    loads: list[str] = []
+
+    def attachment(name: str) -> Attachment:
+        engine = FakeEngine(script=SCRIPTS[name])
+        engine.max_model_len = 64
+        return Attachment.local(AsyncLLM(engine, log_stats=False), 64)
+
+    async def load(spec: ModelSpec, kv: int | None) -> ModelHandlers:
+        loads.append(spec.name)
+        return ModelHandlers.build(attachment(spec.name), [spec.name], {})
+
+    async def unload(handlers: ModelHandlers) -> None:
+        handlers.engine.shutdown()
+
+    state.models.set_loader(load, unload)
+    app = build_app(state)
+    state.attach(attachment("first"))
+    return state, app, loads
+
+
+def call(app, fn):
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        client = ollama.AsyncClient(host="http://test", transport=transport)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+            return await fn(client, oai)
+    return asyncio.run(main())
+
+
+def test_two_models_one_loaded_through_ollamas_client() -> None:
+    state, app, loads = make_app()
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        listed = [m.model for m in (await client.list()).models]
+        assert listed == ["first", "second"]
+        assert [m.model for m in (await client.ps()).models] == ["first"]
+        r = await client.chat("first", [{"role": "user", "content": "hi"}], options={"num_predict": 5})
+        assert r.message.content == "hello" and r.done and r.done_reason == "length" and r.eval_count == 5
+        assert r.prompt_eval_count > 0 and r.total_duration >= r.eval_duration >= 0
+        parts = [p async for p in await client.chat("second", [{"role": "user", "content": "hi"}],
+                                                    options={"num_predict": 5}, stream=True)]
+        assert "".join(p.message.content for p in parts) == "world" and parts[-1].done
+        assert [p.done for p in parts].count(True) == 1
+        assert [m.model for m in (await client.ps()).models] == ["second"]  # first made room
+        g = await client.generate("first", "hi", options={"num_predict": 3})
+        assert g.response == "hel"
+        unloaded = await client.generate("first", keep_alive=0)
+        assert unloaded.done_reason == "unload"
+        assert (await client.ps()).models == []
+        c = await oai.chat.completions.create(model="second", messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=2)
+        assert c.choices[0].message.content == "wo"
+        models = await oai.models.list()
+        assert [m.id for m in models.data] == ["first", "second"]
+        return True
+
+    assert call(app, fn)
+    assert loads == ["second", "first", "second"]
+
+
+def test_refusals_name_what_is_not_served() -> None:
+    _, app, _ = make_app()
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        errors = {}
+        for name, coro in {
+            "missing": client.chat("/etc/passwd", [{"role": "user", "content": "x"}]),
+            "pull": client.pull("llama3"),
+            "think": client.chat("first", [{"role": "user", "content": "x"}], think=True),
+            "suffix": client.generate("first", "x", suffix="y"),
+            "option": client.generate("first", "x", options={"mirostat": 2}),
+            "images": client.generate("first", "x", images=[b"\x89PNG"]),
+            "embed": client.embed("first", "x"),
+            "keep_alive": client.generate("first", "x", keep_alive="soon"),
+        }.items():
+            with pytest.raises(ollama.ResponseError) as e:
+                await coro
+            errors[name] = (e.value.status_code, e.value.error)
+        return errors
+
+    errors = call(app, fn)
+    assert errors["missing"][0] == 404 and "/etc/passwd" in errors["missing"][1]
+    assert errors["pull"][0] == 501 and "--models-dir" in errors["pull"][1]
+    assert errors["think"][0] == 400 and "think" in errors["think"][1]
+    assert errors["suffix"][0] == 400 and "suffix" in errors["suffix"][1]
+    assert errors["option"][0] == 400 and "mirostat" in errors["option"][1]
+    assert errors["images"][0] == 400 and "images" in errors["images"][1]
+    assert errors["embed"][0] == 400 and "pooling" in errors["embed"][1]
+    assert errors["keep_alive"][0] == 400 and "keep_alive" in errors["keep_alive"][1]
+
+
+def test_show_and_version() -> None:
+    _, app, _ = make_app()
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        shown = await client.show("second")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            version = (await http.get("/api/version")).json()
+        return shown, version
+
+    shown, version = call(app, fn)
+    assert shown.capabilities == ["completion", "tools"] and "general.architecture" in shown.modelinfo
+    assert version["version"]

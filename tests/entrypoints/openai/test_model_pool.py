@@ -1,0 +1,171 @@
+"""ModelPool's lifetimes with a fake loader: loads serialized and run once, least
+recently used idle models unloaded for room, busy ones waited for, keep_alive expiry
+and 0, a failed load naming its model, and the memory budget."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec, parse_keep_alive
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Loader:
+    """Records loads and unloads; a load takes `delay` seconds; `fail` names models whose load raises."""
+
+    def __init__(self, delay: float = 0.0, fail: frozenset[str] = frozenset()) -> None:
+        self.delay, self.fail = delay, fail
+        self.events: list[str] = []
+        self.kv: dict[str, int | None] = {}
+
+    async def load(self, spec: ModelSpec, kv: int | None) -> str:
+        self.events.append(f"load {spec.name}")
+        await asyncio.sleep(self.delay)
+        if spec.name in self.fail:
+            raise RuntimeError("weights are corrupt")
+        self.kv[spec.name] = kv
+        return f"handlers of {spec.name}"
+
+    async def unload(self, handlers: str) -> None:
+        self.events.append(f"unload {handlers.removeprefix('handlers of ')}")
+
+
+def make_pool(names: tuple[str, ...] = ("a", "b", "c"), loader: Loader | None = None, **kw) -> tuple[ModelPool, Loader]:
+    loader = loader or Loader()
+    pool = ModelPool([ModelSpec(n, f"/models/{n}.gguf") for n in names], estimate=lambda spec: 100, **kw)
+    pool.set_loader(loader.load, loader.unload)
+    return pool, loader
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_keep_alive_forms() -> None:
+    assert parse_keep_alive("5m") == 300 and parse_keep_alive("1h30m") == 5400 and parse_keep_alive("10s") == 10
+    assert parse_keep_alive(0) == 0 and parse_keep_alive("0") == 0 and parse_keep_alive(2.5) == 2.5
+    assert parse_keep_alive(-1) is None and parse_keep_alive("-1m") is None
+    for bad in ("soon", "5 minutes", True, None, [1], "1e999x"):
+        with pytest.raises(ValueError, match="keep_alive"):
+            parse_keep_alive(bad)
+
+
+@given(st.text(max_size=30))
+def test_keep_alive_text_never_crashes(text: str) -> None:
+    try:
+        value = parse_keep_alive(text)
+    except ValueError:
+        return
+    assert value is None or value >= 0
+
+
+def test_concurrent_first_requests_load_once() -> None:
+    async def main():
+        pool, loader = make_pool(loader=Loader(delay=0.05))
+        leases = await asyncio.gather(*(pool.lease("a") for _ in range(8)))
+        assert {lease.handlers for lease in leases} == {"handlers of a"}
+        for lease in leases:
+            lease.release()
+        return loader.events, pool.counters.loads
+
+    events, loads = run(main())
+    assert events == ["load a"] and loads == 1
+
+
+def test_one_loaded_at_a_time_least_recently_used_goes_first() -> None:
+    async def main():
+        pool, loader = make_pool(max_loaded=2, keep_alive=None)
+        for name in ("a", "b", "a", "c"):  # c needs room: b was used least recently
+            (await pool.lease(name)).release()
+        return loader.events, sorted(m.spec.name for m, _ in pool.loaded())
+
+    events, loaded = run(main())
+    assert events == ["load a", "load b", "unload b", "load c"] and loaded == ["a", "c"]
+
+
+def test_a_busy_model_is_not_unloaded_and_the_load_waits_for_it() -> None:
+    async def main():
+        pool, loader = make_pool(keep_alive=None)
+        held = await pool.lease("a")
+        waiting = asyncio.ensure_future(pool.lease("b"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and loader.events == ["load a"]  # a's request is still running
+        held.release()
+        (await waiting).release()
+        with pytest.raises(OpenAIError, match="busy") as e:  # and a bounded wait, else a 503
+            held = await pool.lease("b")
+            await pool.lease("a", wait=0.05)
+        assert e.value.status == 503
+        return loader.events
+
+    assert run(main()) == ["load a", "unload a", "load b"]
+
+
+def test_keep_alive_expiry_and_zero() -> None:
+    async def main():
+        clock = FakeClock()
+        pool, loader = make_pool(keep_alive=300.0, clock=clock)
+        (await pool.lease("a")).release()
+        clock.t += 299
+        await pool.reap()
+        assert pool.handlers("a") is not None
+        clock.t += 2
+        await pool.reap()
+        assert pool.handlers("a") is None
+        (await pool.lease("b", keep_alive=0)).release()  # a request's keep_alive 0: gone after it
+        await asyncio.sleep(0.01)
+        assert pool.handlers("b") is None
+        (await pool.lease("c", keep_alive=None)).release()  # -1: kept
+        clock.t += 10**6
+        await pool.reap()
+        assert pool.handlers("c") is not None
+        return loader.events
+
+    assert run(main()) == ["load a", "unload a", "load b", "unload b", "load c"]
+
+
+def test_a_failed_load_names_the_model_and_the_others_serve() -> None:
+    async def main():
+        pool, loader = make_pool(loader=Loader(fail=frozenset({"b"})))
+        with pytest.raises(OpenAIError) as e:
+            await pool.lease("b")
+        assert "'b'" in e.value.message and "weights are corrupt" in e.value.message and e.value.status == 500
+        lease = await pool.lease("a")
+        lease.release()
+        with pytest.raises(OpenAIError):  # tried again on the next request, not remembered as broken
+            await pool.lease("b")
+        return loader.events, pool.counters.load_failures
+
+    events, failures = run(main())
+    assert events == ["load b", "load a", "unload a", "load b"] and failures == 2
+
+
+def test_memory_budget_sizes_caches_and_refuses_a_model_that_cannot_fit() -> None:
+    async def main():
+        pool, loader = make_pool(max_loaded=2, memory_budget=1000)
+        (await pool.lease("a")).release()
+        assert loader.kv["a"] == 1000 // 2 - 100  # the budget's share per model, less its weights
+        small, _ = make_pool(memory_budget=50)
+        with pytest.raises(OpenAIError, match="more than the models' memory budget"):
+            await small.lease("a")
+
+    run(main())
+
+
+def test_names_and_aliases_are_unique() -> None:
+    with pytest.raises(ValueError, match="two models are served under the name 'a'"):
+        ModelPool([ModelSpec("a", "x"), ModelSpec("b", "y", ("a",))])
+    pool = ModelPool([ModelSpec("a", "x", ("alias",)), ModelSpec("b", "y")])
+    assert pool.resolve(None) == "a" and pool.resolve("alias") == "a" and pool.resolve("/etc/passwd") is None
