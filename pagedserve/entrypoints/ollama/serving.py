@@ -29,6 +29,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.streaming import sse_dicts
+from pagedserve.outputs import EngineOutput
 
 _DONE_REASONS = {"tool_calls": "stop"}  # Ollama says "stop" when a turn ends in tool calls
 
@@ -54,6 +55,31 @@ class Timing:
         return {"total_duration": end - self.arrived, "load_duration": self.loaded - self.arrived,
                 "prompt_eval_count": prompt_tokens, "prompt_eval_duration": first - self.loaded,
                 "eval_count": output_tokens, "eval_duration": end - first}
+
+
+class TimedStream:
+    """A request's stream that notes when its first token came (the engine's own time
+    of it), for Ollama's prompt and eval durations; iterated and closed as the stream."""
+
+    def __init__(self, inner: RequestStream, timing: Timing) -> None:
+        self.inner, self.timing = inner, timing
+
+    def __aiter__(self) -> TimedStream:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        out = await self.inner.__anext__()
+        first = out.metrics.first_token_time if out.metrics is not None else None
+        if not self.timing.first_token and first is not None:
+            self.timing.first_token = time.perf_counter_ns() - int(max(time.time() - first, 0) * 1e9)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def timed(streams: list[RequestStream], timing: Timing) -> list[RequestStream]:
+    return [TimedStream(s, timing) for s in streams]  # type: ignore[misc]  # (the stream's surface)
 
 
 @dataclass
@@ -173,7 +199,8 @@ class OllamaServing:
         return PreparedOllama(openai_request, prepared)
 
     async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:
-        return await self._handler(prep.openai_request).start(prep.openai_request, prep.prepared)
+        request_id, streams = await self._handler(prep.openai_request).start(prep.openai_request, prep.prepared)
+        return request_id, timed(streams, self.timing)
 
     def _done(self, req: Any, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
         return {"done": True, "done_reason": _DONE_REASONS.get(finish_reason or "stop", finish_reason or "stop"),
@@ -191,7 +218,6 @@ class OllamaServing:
     async def full(self, req: Any, prep: PreparedOllama, request_id: str, streams: list[RequestStream]) -> dict:
         handler = self._handler(prep.openai_request)
         r = (await handler.full(prep.openai_request, prep.prepared, request_id, streams)).model_dump()
-        self.timing.first_token = self.timing.first_token or time.perf_counter_ns()
         (choice,) = r["choices"]
         if "message" in choice:
             text = choice["message"].get("content") or ""
@@ -221,7 +247,6 @@ class OllamaServing:
                     entry["function"]["name"] += function.get("name") or ""
                     entry["function"]["arguments"] += function.get("arguments") or ""
                 if text:
-                    self.timing.first_token = self.timing.first_token or time.perf_counter_ns()
                     yield json.dumps({**self._piece(req, text), "done": False}) + "\n"
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage")
@@ -256,7 +281,8 @@ class OllamaEmbedding:
         return PreparedOllama(openai_request, self.embedding.prepare(openai_request))
 
     async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:
-        return await self.embedding.start(prep.openai_request, prep.prepared)
+        request_id, streams = await self.embedding.start(prep.openai_request, prep.prepared)
+        return request_id, timed(streams, self.timing)
 
     async def full(self, req: Any, prep: PreparedOllama, request_id: str, streams: list[RequestStream]) -> dict:
         r = (await self.embedding.full(prep.openai_request, prep.prepared, request_id, streams)).model_dump()

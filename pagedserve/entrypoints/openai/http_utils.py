@@ -219,7 +219,16 @@ class BodyLimitMiddleware:
         async def replay() -> dict:
             return first.pop() if first else await receive()
 
-        await self.app(scope, replay, send)
+        await self.app(json_on_ollama_paths(scope), replay, send)
+
+
+def json_on_ollama_paths(scope: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's bodies are JSON whatever Content-Type says (its documented `curl -d`
+    sends a form type): on its paths the body is read as JSON."""
+    if not scope["path"].startswith(OLLAMA_PATH_PREFIX):
+        return scope
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:

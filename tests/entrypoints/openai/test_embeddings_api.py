@@ -157,3 +157,21 @@ def test_a_generation_server_refuses_the_pooling_routes(server) -> None:
         r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
         assert r.status_code == 400, r.text
         assert "--runner pooling" in r.json()["error"]["message"]
+
+
+def test_ollamas_embed_routes_equal_the_openai_route(pooling_server) -> None:
+    """/api/embed and the older /api/embeddings through the official `ollama` client."""
+    import ollama
+
+    client = ollama.Client(host=pooling_server.url)
+    oai = openai.OpenAI(base_url=pooling_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    want = torch.tensor([d.embedding for d in oai.embeddings.create(model="smol", input=TEXTS[:3],
+                                                                    encoding_format="float").data])
+    got = client.embed("smol", TEXTS[:3])
+    assert torch.allclose(torch.tensor(got.embeddings), want, atol=1e-5)
+    assert got.prompt_eval_count > 3 and got.total_duration > 0
+    one = client.embeddings("smol", TEXTS[0])
+    assert torch.allclose(torch.tensor(one.embedding), want[0], atol=1e-5)
+    assert client.show("smol").capabilities == ["embedding"]
+    with pytest.raises(ollama.ResponseError, match="pooling runner"):
+        client.chat("smol", [{"role": "user", "content": "hi"}])
