@@ -39,11 +39,16 @@ ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatC
           "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest",
           "/v1/responses": "ResponsesRequest", "/v1/embeddings": "EmbeddingRequest", "/v1/score": "ScoreRequest",
           "/v1/rerank": "RerankRequest", "/v1/load_lora_adapter": "LoadLoRAAdapterRequest",
-          "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
+          "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest",
+          "/api/chat": "OllamaChatRequest", "/api/generate": "OllamaGenerateRequest",
+          "/api/embed": "OllamaEmbedRequest", "/api/embeddings": "OllamaEmbeddingsRequest",
+          "/api/show": "OllamaShowRequest"}
 # Fuzzed against a second server, the same model under --runner pooling (the first
 # refuses them by name before reading them).
-POOLING = ("/v1/embeddings", "/v1/score", "/v1/rerank")
-GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+POOLING = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/api/embed", "/api/embeddings")
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/api/chat",
+              "/api/generate")
+OLLAMA = ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show")  # {"error": "..."}, NDJSON
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's error and stream shapes
 MAX_TOKENS, MAX_N = 4, 2  # a generation is forced this small unless the case targets the field
 SIZE_FIELDS = {"max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "n": MAX_N,
@@ -154,6 +159,22 @@ SEEDS: dict[str, list[dict]] = {
         {"model": MODEL_NAME, "query": "capital?", "documents": ["Paris is", "the quick fox"], "top_n": 1,
          "return_documents": False},
     ],
+    "/api/chat": [
+        {"model": MODEL_NAME, "messages": MESSAGES, "options": {"num_predict": 3, "temperature": 0.5, "seed": 1}},
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "weather?"}], "tools": [TOOL],
+         "stream": False, "options": {"num_predict": 4}},
+        {"model": MODEL_NAME, "messages": MESSAGES, "format": {"type": "object", "properties": {"a": {
+            "type": "integer"}}}, "options": {"num_predict": 4, "num_ctx": 64, "stop": ["x"]}, "keep_alive": "5m"},
+    ],
+    "/api/generate": [
+        {"model": MODEL_NAME, "prompt": "the quick brown fox", "options": {"num_predict": 3}},
+        {"model": MODEL_NAME, "prompt": "json:", "raw": True, "format": "json", "stream": False,
+         "options": {"num_predict": 4, "top_k": 5, "repeat_penalty": 1.1}},
+        {"model": MODEL_NAME, "system": "briefly.", "prompt": "hello", "options": {"num_predict": 2, "num_gpu": 1}},
+    ],
+    "/api/embed": [{"model": MODEL_NAME, "input": ["hello world", "Paris is"], "truncate": True, "dimensions": 8}],
+    "/api/embeddings": [{"model": MODEL_NAME, "prompt": "hello world"}],
+    "/api/show": [{"model": MODEL_NAME}, {"name": MODEL_NAME, "verbose": True}],
     # The fuzzed server allows runtime LoRA updating: names and paths reach the adapter reader.
     "/v1/load_lora_adapter": [{"lora_name": "adapter", "lora_path": "/nonexistent/adapter"},
                               {"lora_name": "adapter", "lora_path": "/"}],
@@ -318,6 +339,13 @@ def keep_it_small(draw, body: Any, hit: set[str], schema: dict) -> None:
     of those very fields: then the server must refuse it or run it as asked."""
     if not isinstance(body, dict):
         return
+    if "options" in schema.get("properties", {}) and "options" not in hit:  # Ollama's: options.num_predict
+        options = body.get("options")
+        if not isinstance(options, dict):
+            options = body["options"] = {}
+        value = options.get("num_predict")
+        if not (type(value) is int and 0 <= value <= MAX_TOKENS):
+            options["num_predict"] = draw(st.integers(0, MAX_TOKENS))
     for field, limit in SIZE_FIELDS.items():
         if (field in hit or field not in schema.get("properties", {})
                 or (field == "max_completion_tokens" and body.get(field) is None)):
@@ -359,6 +387,10 @@ def show(content: bytes | str, limit: int = 1500) -> str:
 
 
 def assert_error_body(payload: Any, context: str, route: str = "") -> None:
+    if route in OLLAMA:
+        assert isinstance(payload, dict) and set(payload) == {"error"}, f"not an Ollama error body: {context}"
+        assert isinstance(payload["error"], str) and payload["error"], context
+        return
     if route in ANTHROPIC:
         assert isinstance(payload, dict) and payload.get("type") == "error", f"not an Anthropic error body: {context}"
         err = payload.get("error")
@@ -391,6 +423,13 @@ def send(client: httpx.Client, route: str, content: bytes | str, headers: dict[s
                         events.append(line[len("data: "):])
                 check_events(events, case, route)
                 return
+            if status == 200 and r.headers.get("content-type", "").startswith("application/x-ndjson"):
+                lines = []
+                for line in r.iter_lines():
+                    assert time.monotonic() - start < REQUEST_TIMEOUT, f"stream still open after the timeout: {case}"
+                    lines.append(line)
+                check_ndjson(lines, case, route)
+                return
             body = r.read().decode("utf-8", "replace")
     except httpx.TimeoutException as e:
         pytest.fail(f"no answer within {REQUEST_TIMEOUT:g} s ({type(e).__name__}): {case}")
@@ -407,6 +446,17 @@ def send(client: httpx.Client, route: str, content: bytes | str, headers: dict[s
         assert_error_body(payload, f"{status} {show(body)} for {case}", route)
     else:
         assert status == 200 and isinstance(payload, dict), f"{status} {show(body)} for {case}"
+
+
+def check_ndjson(lines: list[str], case: str, route: str) -> None:
+    """Ollama's stream: every line JSON, the last one done (or an in-band error)."""
+    objects = [json.loads(line) for line in lines if line.strip()]
+    assert objects, f"empty stream for {case}"
+    last = objects[-1]
+    if "error" in last:
+        assert_error_body(last, f"in-band {show(lines[-1])} for {case}", route)
+    else:
+        assert last.get("done") is True and all(o.get("done") is False for o in objects[:-1]), case
 
 
 def check_events(events: list[str], case: str, route: str = "") -> None:
