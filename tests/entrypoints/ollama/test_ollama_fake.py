@@ -130,3 +130,36 @@ def test_show_and_version() -> None:
     shown, version = call(app, fn)
     assert shown.capabilities == ["completion", "tools"] and "general.architecture" in shown.modelinfo
     assert version["version"]
+
+
+def test_tools_come_back_as_ollamas_tool_calls_streamed_or_not() -> None:
+    from pagedserve.entrypoints.openai.tool_parsers import get_tool_parser
+
+    call_text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    state = ServerState(served_model_names=["fake"], enable_dashboard=False)
+    app = build_app(state)
+    engine = FakeEngine(script=call_text)
+    engine.max_model_len = 2048  # (the tools' system block is long in characters, its tokens here)
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 2048), get_tool_parser("hermes"))
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                 "arguments": {"city": "Rome"}}}]},
+               {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+               {"role": "user", "content": "and Paris?"}]
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        whole = await client.chat("fake", history, tools=[tool], options={"num_predict": len(call_text)})
+        parts = [p async for p in await client.chat("fake", history, tools=[tool], stream=True,
+                                                    options={"num_predict": len(call_text)})]
+        return whole, parts
+
+    whole, parts = call(app, fn)
+    (tc,) = whole.message.tool_calls
+    assert tc.function.name == "get_weather" and tc.function.arguments == {"city": "Paris"}
+    streamed = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", {"city": "Paris"})]
+    assert parts[-1].done
+
