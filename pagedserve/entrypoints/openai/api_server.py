@@ -222,8 +222,8 @@ class _DrainingServer:
             for engine in engines:
                 engine.abort_all(EngineShutdownError("The server shut down before this request finished."))
             await asyncio.sleep(0.2)  # the streams write their error events
-        if self.state.dashboard is not None:
-            self.state.dashboard.close()  # open pages' streams would hold the shutdown
+        for hub in self.state.dashboards():
+            hub.close()  # open pages' streams would hold the shutdown
         self.server.should_exit = True
 
     def exit_failed(self) -> None:
@@ -260,10 +260,10 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
         raise ValueError("several models per server do not combine with --enable-lora or --data-parallel-size "
                          "yet: serve one model with those")
     loras = LoRAAdapters(parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
-    watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL and not several
+    watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL
     if not watchable and not args.disable_dashboard:
-        logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1 "
-                    "or several models; /metrics has every engine's series (labels model_name and engine)")
+        logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "
+                    "/metrics has every replica's series (label engine)")
     state = ServerState(served_model_names=names, api_key=api_key,
                         metrics_without_auth=args.metrics_without_auth, max_request_bytes=max_request_bytes,
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
@@ -300,14 +300,14 @@ def configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerState]:
 
 
 def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: dict[str, Any],
-                       name: str | None = None) -> Callable[[], Attachment]:
+                       name: str | None = None, series: SeriesStatLogger | None = None) -> Callable[[], Attachment]:
     """The one place the server builds its engine client: AsyncLLM over the
     EngineCoreClient `engine_args` ask for (async_llm.make_engine_core_client: one engine
     in this process, or --data-parallel-size replicas on Ray).  Loads the model here, on
     the loading thread, which then ends (seconds to minutes: the socket answers 503
     meanwhile); the function returned wraps it in AsyncLLM on the event loop.
     `front_door`: AsyncLLM's admission and logging options.  `name`: the model's, when
-    not the first (which alone has LoRA adapters)."""
+    not the first (which alone has LoRA adapters); `series`: its dashboard's history."""
     from pagedserve.engine.async_llm import make_engine_core_client
     from pagedserve.metrics import StatLogger
 
@@ -320,7 +320,7 @@ def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: 
 
     def build() -> Attachment:
         client.observe(state.registry, name)
-        stat_loggers: list[StatLogger] = [state.series] if state.series is not None else []
+        stat_loggers: list[StatLogger] = [series] if series is not None else []
         llm = AsyncLLM(stat_loggers=stat_loggers, client=client, **front_door)
         attachment = Attachment.local(llm, client.info.max_model_len, client.describe())
         attachment.on_gpu = client.info.device == "GPU"
@@ -352,7 +352,7 @@ class _EngineLoader:
         self.front_door: dict[str, Any] = {}
         self.first_load: asyncio.Future[None] | None = None  # several models: the first one's load
         if len(state.models.models) > 1:  # the others load on demand (one model stays loaded, as ever)
-            state.models.set_loader(self.load_model, self.unload_model)
+            state.models.set_loader(self.load_model, ModelHandlers.unload)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -379,7 +379,7 @@ class _EngineLoader:
 
     def load(self, loop: asyncio.AbstractEventLoop, runner: _DrainingServer, front_door: dict[str, Any]) -> None:
         try:
-            build = make_engine_client(self.engine_args, self.state, front_door)
+            build = make_engine_client(self.engine_args, self.state, front_door, series=self.state.series)
         except BaseException as e:  # noqa: BLE001 - reported, then the server exits
             if isinstance(e, (ValueError, FileNotFoundError)):  # bad model/flags: the message says it
                 logger.error("failed to load the engine: %s", e)
@@ -426,15 +426,16 @@ class _EngineLoader:
         engine_args = self.engine_args.replace(model=spec.source)
         if kv_cache_bytes and engine_args.kv_cache_memory_bytes is None and env_cpu_kv_cache_space() is None:
             engine_args = engine_args.replace(kv_cache_memory_bytes=kv_cache_bytes)
-        build = await asyncio.to_thread(make_engine_client, engine_args, self.state, self.front_door, spec.name)
+        series = self.state.new_series()
+        build = await asyncio.to_thread(make_engine_client, engine_args, self.state, self.front_door, spec.name,
+                                        series)
         attachment = build()
         attachment.client.start()
-        return ModelHandlers.build(attachment, [spec.name, *spec.aliases], {}, _tool_parser(self.args, attachment.client),
-                                   get_reasoning_parser(self.args.reasoning_parser))
-
-    async def unload_model(self, handlers: ModelHandlers) -> None:
-        """Stop an idle model's engine (its thread joins; its memory is freed with it)."""
-        await asyncio.to_thread(handlers.engine.shutdown)
+        handlers = ModelHandlers.build(attachment, [spec.name, *spec.aliases], {},
+                                       _tool_parser(self.args, attachment.client),
+                                       get_reasoning_parser(self.args.reasoning_parser))
+        handlers.dashboard = self.state.dashboard_for(attachment, spec.name, series)
+        return handlers
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -100,6 +100,7 @@ class ModelHandlers:
     chat: OpenAIServingChat
     embedding: OpenAIServingEmbedding
     score: OpenAIServingScore
+    dashboard: DashboardHub | None = None  # its page's live picture (each loaded model has its own)
 
     @property
     def engine(self) -> EngineClient:
@@ -112,6 +113,13 @@ class ModelHandlers:
     @property
     def engine_on_gpu(self) -> bool:
         return self.attachment.on_gpu
+
+    async def unload(self) -> None:
+        """End the model's dashboard pages (they reconnect to a loaded model), then stop
+        its engine on a thread (it joins the engine thread; the memory goes with it)."""
+        if self.dashboard is not None:
+            self.dashboard.close()
+        await asyncio.to_thread(self.engine.shutdown)
 
     @classmethod
     def build(cls, attachment: Attachment, names: list[str], loras: dict[str, LoRARequest],
@@ -148,9 +156,9 @@ class ServerState:
     started: bool = False  # the first model has loaded (until then every route but /health's 503 waits)
     registry: Any = None
     enable_dashboard: bool = True  # the live page at / (--disable-dashboard turns it off)
-    # The dashboard's per-second history: a stat logger the engine feeds from start-up.
+    # The first model's per-second history for the dashboard: a stat logger its engine
+    # feeds from start-up (with several models, each has its own: new_series()).
     series: SeriesStatLogger | None = None
-    dashboard: DashboardHub | None = None
     prepare: PrepareThreads = field(default_factory=PrepareThreads)  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
@@ -167,13 +175,25 @@ class ServerState:
         """The first model, loaded: the server starts answering."""
         handlers = ModelHandlers.build(attachment, self.served_model_names, self.lora_adapters.loras,
                                        tool_parser, reasoning_parser)
-        if self.enable_dashboard:
-            if attachment.watched is None:
-                raise ValueError("the dashboard watches one engine's block pool; this client has none")
-            config = {"served_model_name": self.served_model_names[0], **attachment.description}
-            self.dashboard = DashboardHub(attachment.watched, self.series or SeriesStatLogger(), config)
+        handlers.dashboard = self.dashboard_for(attachment, self.served_model_names[0], self.series)
         self.models.attach(self.models.default_name, handlers)
         self.started = True  # last: it means "ready"
+
+    def new_series(self) -> SeriesStatLogger | None:
+        """A model's per-second history for its dashboard (None: no dashboard)."""
+        return SeriesStatLogger() if self.enable_dashboard else None
+
+    def dashboard_for(self, attachment: Attachment, name: str, series: SeriesStatLogger | None) -> DashboardHub | None:
+        """The dashboard's hub over one model's engine (None: no dashboard)."""
+        if not self.enable_dashboard:
+            return None
+        if attachment.watched is None:
+            raise ValueError("the dashboard watches one engine's block pool; this client has none")
+        config = {"served_model_name": name, **attachment.description}
+        return DashboardHub(attachment.watched, series or SeriesStatLogger(), config)
+
+    def dashboards(self) -> list[DashboardHub]:
+        return [h.dashboard for _, h in self.models.loaded() if h.dashboard is not None]
 
     # The first model's handlers, while it is loaded (a one-model server's, always).
     @property
@@ -260,8 +280,18 @@ async def server_state(request: Request) -> ServerState:
 ServerStateDep = Annotated[ServerState, Depends(server_state)]
 
 
-async def dashboard_hub(state: ServerStateDep) -> DashboardHub:
-    """The dashboard's hub, once the engine has loaded (a 503 before, like every route)."""
-    state.ready()
-    assert state.dashboard is not None
-    return state.dashboard
+async def dashboard_hub(state: ServerStateDep, model: str | None = None) -> DashboardHub:
+    """The hub of the model the page names (`?model=`; else the first model, or with
+    several the most recently used loaded one), once loaded: watching never loads one."""
+    state.check_up()
+    if model is not None:
+        name = state.model_for(model)
+    else:
+        loaded = sorted(state.models.loaded(), key=lambda pair: -pair[0].last_used)
+        name = state.models.default_name if state.models.handlers(state.models.default_name) or not loaded \
+            else loaded[0][0].spec.name
+    handlers = state.models.handlers(name)
+    if handlers is None or handlers.dashboard is None:
+        raise OpenAIError(f"model {name!r} is not loaded: the dashboard shows a loaded model's KV cache (send it a "
+                          "request first)", status=503, type="server_error", code="model_loading")
+    return handlers.dashboard

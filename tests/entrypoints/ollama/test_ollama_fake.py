@@ -21,8 +21,8 @@ from tests.engine.fake_engine import FakeEngine
 SCRIPTS = {"first": "hello", "second": "world"}
 
 
-def make_app(max_loaded: int = 1):
-    state = ServerState(served_model_names=["first"], enable_dashboard=False)
+def make_app(max_loaded: int = 1, dashboard: bool = False):
+    state = ServerState(served_model_names=["first"], enable_dashboard=dashboard)
     state.models = ModelPool([ModelSpec(name, name) for name in SCRIPTS], max_loaded=max_loaded, keep_alive=300.0,
                              estimate=lambda spec: 0)
     loads: list[str] = []
@@ -34,12 +34,11 @@ def make_app(max_loaded: int = 1):
 
     async def load(spec: ModelSpec, kv: int | None) -> ModelHandlers:
         loads.append(spec.name)
-        return ModelHandlers.build(attachment(spec.name), [spec.name], {})
+        handlers = ModelHandlers.build(made := attachment(spec.name), [spec.name], {})
+        handlers.dashboard = state.dashboard_for(made, spec.name, state.new_series())
+        return handlers
 
-    async def unload(handlers: ModelHandlers) -> None:
-        handlers.engine.shutdown()
-
-    state.models.set_loader(load, unload)
+    state.models.set_loader(load, ModelHandlers.unload)
     app = build_app(state)
     state.attach(attachment("first"))
     return state, app, loads
@@ -163,3 +162,26 @@ def test_tools_come_back_as_ollamas_tool_calls_streamed_or_not() -> None:
     assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", {"city": "Paris"})]
     assert parts[-1].done
 
+
+
+def test_each_loaded_model_has_its_dashboard_and_watching_loads_none() -> None:
+    from pagedserve.entrypoints.openai.server_state import dashboard_hub
+    from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+
+    state, app, loads = make_app(dashboard=True)
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        first = await dashboard_hub(state)
+        assert first.config["served_model_name"] == "first"
+        with pytest.raises(OpenAIError, match="'second' is not loaded") as e:
+            await dashboard_hub(state, "second")
+        assert e.value.status == 503 and loads == []  # looking loads nothing
+        page: asyncio.Queue = asyncio.Queue()  # an open page's queue (the fake engine takes no snapshots)
+        first.subscribers.add(page)
+        await client.generate("second", "hi", options={"num_predict": 2})  # first makes room: its pages end
+        assert page.get_nowait() is None and not first.subscribers
+        second = await dashboard_hub(state)  # the most recently used loaded model's
+        assert second.config["served_model_name"] == "second" and second is await dashboard_hub(state, "second")
+        return True
+
+    assert call(app, fn)

@@ -249,6 +249,7 @@ function apply(ev) {
     for (const [id, ref, hash] of ev.blocks) { state.refs[id] = ref; state.hashes[id] = hash; count(id, 1); }
     state.series = ev.series;
     state.config = ev.config;
+    if (!pageModel && ev.config.served_model_name) modelName = ev.config.served_model_name;
     renderConfig(ev.config);
     $("pool-title").textContent = `${ev.num_blocks} blocks × ${ev.block_size} tokens`;
     layoutPool();
@@ -281,7 +282,8 @@ function apply(ev) {
 async function watch() {
   for (;;) {
     try {
-      const r = await fetch("/dashboard/events", { headers: authHeaders() });
+      const r = await fetch("/dashboard/events" + (pageModel ? "?model=" + encodeURIComponent(pageModel) : ""),
+                            { headers: authHeaders() });
       if (r.status === 401) { await needKey(); continue; }
       if (!r.ok) {
         setStatus(`server answered ${r.status}` + (r.status === 503 ? " (loading)" : ""), "error");
@@ -299,12 +301,26 @@ async function watch() {
 }
 
 // ---------------------------------------------------------------- playground
-let modelName = null;
+// A server of several models shows one model's pool per page: ?model=NAME picks it.
+const pageModel = new URLSearchParams(location.search).get("model");
+let modelName = pageModel;
 const conversation = [];
 async function loadModelName() {
   try {
     const r = await fetch("/v1/models", { headers: authHeaders() });
-    if (r.ok) modelName = (await r.json()).data[0].id;
+    if (!r.ok) return;
+    const ids = (await r.json()).data.filter(m => !m.parent).map(m => m.id);
+    modelName = pageModel || state.config.served_model_name || ids[0];
+    const list = $("models");
+    list.textContent = "";
+    if (ids.length < 2) return;
+    for (const id of ids) {  // the other models' pages
+      const a = document.createElement("a");
+      a.href = "?model=" + encodeURIComponent(id);
+      a.textContent = id;
+      if (id === modelName) a.className = "current";
+      list.append(" ", a);
+    }
   } catch (e) { /* shown when sending */ }
 }
 function samplingBody() {
