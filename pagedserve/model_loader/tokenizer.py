@@ -15,7 +15,11 @@ from typing import Any
 
 from pagedserve.config import ModelConfig
 from pagedserve.model_loader.sources import cache_dir, file_cache_key, publish_cache_dir, resolve_source
-from pagedserve.model_loader.tokenizer_snapshot import GENERIC_FAST_TOKENIZERS, cached_tokenizer
+from pagedserve.model_loader.tokenizer_snapshot import (
+    CHECKED_FAST_TOKENIZERS,
+    GENERIC_FAST_TOKENIZERS,
+    cached_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +88,8 @@ def saved_tokenizer(path: str) -> Any:
     it costs that)."""
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         named = json.load(f).get("tokenizer_class")
-    if named in GENERIC_FAST_TOKENIZERS:
-        return cached_tokenizer(path)
+    if named in GENERIC_FAST_TOKENIZERS or named in CHECKED_FAST_TOKENIZERS:
+        return cached_tokenizer(path, named)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -159,3 +159,21 @@ def test_a_snapshot_travels_by_pickle(saved) -> None:
     back = pickle.loads(pickle.dumps(ours))
     assert back.encode("hello world") == ours.encode("hello world") and back.chat_template == ours.chat_template
     assert back.hf_tokenizer().get_vocab() == ours.get_vocab()
+
+
+def test_gemmas_tokenizer_class_is_snapshotted_and_does_what_transformers_does(gemma3_path, tmp_path,
+                                                                               monkeypatch) -> None:
+    """GemmaTokenizer (a model-specific class) is snapshotted once checked against it."""
+    from pagedserve.model_loader.tokenizer import saved_tokenizer
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    ours = saved_tokenizer(gemma3_path)
+    hf = hf_tokenizer(ours)  # the one it was checked against (and what grammar backends index)
+    assert isinstance(ours, SnapshotTokenizer) and type(hf).__name__ == "GemmaTokenizer"
+    assert len(_snapshots(tmp_path)) == 1
+    for text in [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>", "日本語のテキスト"]:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+        ids = hf.encode(text)
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    assert len(ours) == len(hf) and ours.special_tokens_map == hf.special_tokens_map
