@@ -25,10 +25,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from pagedserve.request_limits import MAX_TEMPLATE_REPEAT
+
 # Names a message's reasoning comes under; templates read the first, gpt-oss's `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Appended to the final message's content to find where it ends in the rendered text.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
 
 
 def render_chat_template(template: str, messages: list[dict[str, Any]], *,
@@ -99,6 +102,14 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _repeats_too_much(left: Any, right: Any) -> bool:
+    """`left * right` would build a string or list past MAX_TEMPLATE_REPEAT."""
+    for seq, times in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_TEMPLATE_REPEAT:
+            return True
+    return False
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     """The compiled template (cached: the default template is compiled once a process)."""
@@ -161,8 +172,21 @@ def _environment() -> Any:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """Jinja's immutable sandbox, with `*` on strings and lists bounded before it runs:
+        `'a' * 200000000` would build 200 MB (seconds, then the memory limit) before any
+        other bound could see it."""
+
+        intercepted_binops = frozenset({"*"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*" and _repeats_too_much(left, right):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot repeat a string or list to more than {MAX_TEMPLATE_REPEAT} characters "
+                    "or items")
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, dict=TemplateDict(), namespace=TemplateNamespace,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))

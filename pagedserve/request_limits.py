@@ -67,3 +67,8 @@ MAX_GRAMMAR_RULES = 1000
 # once either bound is reached, so clients cannot grow the server's memory through it.
 RESPONSES_STORE_MAX_ENTRIES = 1000
 RESPONSES_STORE_MAX_BYTES = 64 << 20
+
+# The most characters (or items) one `*` in a chat template may build: far past any real
+# template's use, built in milliseconds; `'a' * 200000000` would take seconds and 200 MB
+# before the rendered-size or memory bound could see it.
+MAX_TEMPLATE_REPEAT = 1 << 24

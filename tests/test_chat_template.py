@@ -134,3 +134,13 @@ def test_the_sandbox_refuses_what_transformers_refuses(template: str) -> None:
         _theirs(template, conversation)
     with pytest.raises(jinja2.exceptions.SecurityError):
         render_chat_template(template, conversation)
+
+
+@pytest.mark.parametrize("template", ["{{ 'a' * 200000000 }}", "{{ 200000000 * 'ab' }}", "{{ [0] * 100000000 }}"])
+def test_repeating_past_the_bound_is_refused_before_it_builds(template: str) -> None:
+    """A `*` bomb is refused before the string or list exists (it would take seconds and
+    hundreds of MB first), whatever else the machine is doing; small repeats render."""
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(jinja2.exceptions.SecurityError, match="characters or items"):  # (unbounded, it renders)
+        render_chat_template(template, conversation)
+    assert render_chat_template("{{ '-' * 3 }}{{ [1, 2] * 2 }}", conversation) == "---[1, 2, 1, 2]"
