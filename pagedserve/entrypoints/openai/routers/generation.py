@@ -71,7 +71,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     byte is sent), then stream (`stream_class`: SSE) or answer once.  A client that
     leaves at any point cancels it all, which aborts every engine request it started (a
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
-    lease = await state.lease(getattr(body, "model", None), runner, route or request.url.path, keep_alive)
+    lease = await state.lease(body.model, runner, route or request.url.path, keep_alive)
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)
