@@ -103,8 +103,11 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int]:
             count += c
             size += os.path.getsize(os.path.join(path, name))
     template = ""
-    tok_config = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(tok_config):
+    tok_config, jinja = os.path.join(path, "tokenizer_config.json"), os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):  # (transformers 5 saves the template beside the config)
+        with open(jinja) as f:
+            template = f.read()
+    elif os.path.isfile(tok_config):
         with open(tok_config) as f:
             value = json.load(f).get("chat_template")
         template = value if isinstance(value, str) else ""

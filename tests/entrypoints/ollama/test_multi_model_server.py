@@ -144,5 +144,9 @@ def test_the_two_real_models_through_ollama_and_openai(tmp_path) -> None:
         assert rss_bytes(proc.proc.pid) < loaded - 300 * 2**20  # its weights went back to the system
         tags = httpx.get(proc.url + "/api/tags").json()["models"]
         assert {t["details"]["quantization_level"] for t in tags} == {"Q4_1", "Q4_K_M"}
+        shown = client.show("gemma3-270m")  # read from its files: not loaded for this
+        assert shown.modelinfo["gemma3_text.context_length"] == 32768 and shown.details.parameter_size == "268.1M"
+        assert "<|im_start|>" in client.show(smol).template
+        assert client.ps().models == [] and httpx.get(proc.url + "/api/version").json()["version"]
     finally:
         proc.stop()
