@@ -1,5 +1,5 @@
-"""Structured outputs on the default real model as it runs by default: 64 chats under a nested JSON schema, greedy
-and sampled, every answer valid; regex and choice outputs exact."""
+"""Structured outputs on the default real model as it runs by default: 16 chats (all in flight together) under a
+nested JSON schema, greedy and sampled, every answer valid; regex and choice outputs exact."""
 
 from __future__ import annotations
 
@@ -38,13 +38,14 @@ def llm(smollm2_path) -> LLM:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_64_chats_under_a_nested_schema_are_all_valid(llm, temperature) -> None:
+def test_16_chats_under_a_nested_schema_are_all_valid(llm, temperature) -> None:
+    # 16, two per topic, all in one batch (64 cost 90 s of the suite on two cores).
     conversations = [[{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON (variant {i})."}]
-                     for i in range(64)]
+                     for i in range(16)]
     params = SamplingParams(temperature=temperature, seed=7, max_tokens=200,
                             structured_outputs=StructuredOutputsParams(json=PERSON))
     outputs = llm.chat(conversations, params, use_tqdm=False)
-    assert len(outputs) == 64
+    assert len(outputs) == 16
     for out in outputs:
         c = out.outputs[0]
         assert c.finish_reason == "stop", (c.finish_reason, c.text)

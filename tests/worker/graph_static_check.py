@@ -38,7 +38,7 @@ def make_runner(backend: str, static_graphs: bool, window: int | None = None) ->
 def driver_outputs(runner: ModelRunner) -> dict:
     drv = Driver(runner, runner.config.cache_config.num_blocks, 512)
     for i, p in enumerate(PROMPTS):
-        drv.add(f"r{i}", p, SamplingParams(temperature=0, logprobs=2), max_tokens=3 + 2 * i)
+        drv.add(f"r{i}", p, SamplingParams(temperature=0, logprobs=2), max_tokens=2 + i)
     drv.run()
     lps = [o.logprobs for _, o in drv.outputs]
     return {k: v["out"] for k, v in drv.done.items()}, lps

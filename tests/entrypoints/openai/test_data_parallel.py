@@ -50,10 +50,16 @@ def dp_server(model_dir, ray_address: str, log_dir, *flags: str) -> ServerProces
                          log_dir / f"dp-server-{time.monotonic_ns()}.log", timeout=240)
 
 
+# Each replica's KV cache: 28 blocks of 16 tokens, small enough for the routing test's
+# shared prefixes to compete for it (the other tests only need room for their requests,
+# the killed-replica test's 64 a few at a time).
+CACHE_FLAGS = ("--num-gpu-blocks-override", "28", "--max-num-seqs", "64")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, ray_address, tmp_path_factory):
-    proc = dp_server(tiny_model_dir, ray_address, tmp_path_factory.mktemp("dp"), "--kv-cache-memory-bytes", "16MiB",
-                     "--max-num-seqs", "64")
+    """The default policy (cache_aware)."""
+    proc = dp_server(tiny_model_dir, ray_address, tmp_path_factory.mktemp("dp"), *CACHE_FLAGS)
     yield proc
     proc.stop()
 
@@ -74,24 +80,26 @@ def test_offline_llm_splits_a_batch_over_replicas(tiny_model_dir, ray_address, s
         llm.shutdown()
 
 
-def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(tiny_model_dir, ray_address, tmp_path_factory):
+def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(tiny_model_dir, ray_address, tmp_path_factory,
+                                                                  request):
     """4 system prompts of 160 tokens interleaved at random; each replica's KV cache holds
-    28 blocks of 16, room for two of them: sent where its prefix is, a request finds it."""
+    28 blocks of 16, room for two of them: sent where its prefix is, a request finds it.
+    Round robin gets a server of its own; cache_aware is the module's server (the
+    default policy, the same cache), started after that one stopped (Ray has 2 CPUs)."""
     prompts = shared_prefix_workload(4, 160, 16, 32, vocab=(10, 200), seed=0)
-    log_dir = tmp_path_factory.mktemp("dp-router")
-    rates = {}
-    for policy in ("round_robin", "cache_aware"):
-        proc = dp_server(tiny_model_dir, ray_address, log_dir, "--router-policy", policy,
-                         "--num-gpu-blocks-override", "28", "--max-num-seqs", "16")
-        try:
-            run = run_workload(proc.url, MODEL_NAME, prompts, max_tokens=4, headers=HEADERS)
-        finally:
-            proc.stop()
+    proc = dp_server(tiny_model_dir, ray_address, tmp_path_factory.mktemp("dp-router"), "--router-policy",
+                     "round_robin", *CACHE_FLAGS)
+    try:
+        rr = run_workload(proc.url, MODEL_NAME, prompts, max_tokens=4, headers=HEADERS)
+    finally:
+        proc.stop()
+    server = request.getfixturevalue("server")
+    ca = run_workload(server.url, MODEL_NAME, prompts, max_tokens=4, headers=HEADERS)
+    for run in (rr, ca):
         assert sum(run.requests.values()) == len(prompts)
-        rates[policy] = run.hit_rate
-        if policy == "cache_aware":
-            assert run.affinity_hits >= len(prompts) - 8
-    assert rates["cache_aware"] >= 1.5 * rates["round_robin"], rates
+    assert rr.affinity_hits == 0
+    assert ca.affinity_hits >= len(prompts) - 8
+    assert ca.hit_rate >= 1.5 * rr.hit_rate, (rr.hit_rate, ca.hit_rate)
 
 
 def test_greedy_outputs_equal_one_engine_streamed_or_not(server, single):
