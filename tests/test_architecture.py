@@ -177,3 +177,11 @@ def test_no_private_attribute_reaches_across_modules():
             if n.attr not in EXTERNAL_PRIVATE_ATTRIBUTES:
                 offenders.append(f"{mod}:{n.lineno}: {ast.unparse(n)}")
     assert offenders == []
+
+
+def test_the_suites_heavy_first_list_names_files_that_exist() -> None:
+    """tests/conftest.py orders these first; a renamed file would silently drop out."""
+    from tests.conftest import HEAVY_FIRST
+
+    root = Path(__file__).resolve().parents[1]
+    assert [p for p in HEAVY_FIRST if not (root / p).is_file()] == []
