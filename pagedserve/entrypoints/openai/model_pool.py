@@ -191,6 +191,7 @@ class ModelPool(Generic[H]):
                 self._names[name] = spec.name
             self.models[spec.name] = ServedModel(spec, keep_alive)
         self.default_name = specs[0].name
+        self.default_keep_alive = keep_alive
         self.max_loaded = max_loaded
         self.memory_budget = memory_budget
         self.kv_cache_bytes = kv_cache_bytes
@@ -248,11 +249,11 @@ class ModelPool(Generic[H]):
         """Hold `name` loaded for a request, loading it first if needed (waiting at most
         `wait` seconds).  `keep_alive`: the request's (seconds, None: forever)."""
         model = self.models[self._names[name]]
-        if keep_alive is not UNSET:
-            if not self.can_load and keep_alive != model.keep_alive:
-                raise OpenAIError("keep_alive: this server cannot load models on demand, so it keeps its model "
-                                  "loaded", param="keep_alive")
-            model.keep_alive = keep_alive
+        if keep_alive is not UNSET and not self.can_load and keep_alive != model.keep_alive:
+            raise OpenAIError("keep_alive: this server cannot load models on demand, so it keeps its model "
+                              "loaded", param="keep_alive")
+        if self.can_load:  # the request's keep_alive, else the server's (as Ollama: the last request decides)
+            model.keep_alive = self.default_keep_alive if keep_alive is UNSET else keep_alive
         model.leases += 1  # before any await: an unload decided meanwhile passes this model by
         model.expires_at = None
         try:

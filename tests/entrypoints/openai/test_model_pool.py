@@ -131,9 +131,13 @@ def test_keep_alive_expiry_and_zero() -> None:
         clock.t += 10**6
         await pool.reap()
         assert pool.handlers("c") is not None
+        (await pool.lease("c")).release()  # a request without keep_alive: the server's again
+        clock.t += 301
+        await pool.reap()
+        assert pool.handlers("c") is None
         return loader.events
 
-    assert run(main()) == ["load a", "unload a", "load b", "unload b", "load c"]
+    assert run(main()) == ["load a", "unload a", "load b", "unload b", "load c", "unload c"]
 
 
 def test_a_failed_load_names_the_model_and_the_others_serve() -> None:
