@@ -17,13 +17,10 @@ from pagedserve.model_loader.loader import get_model
 from pagedserve.models.llama import LlamaDecoderLayer
 from pagedserve.models.utils import bind_direct_layers
 from tests.e2e.conftest import make_tiny_checkpoint
-from tests.layers.fused_helpers import fused, one_rounding
+from tests.layers.fused_helpers import DTYPES, VARIANTS, fused, gated_input, one_rounding
 
 pytestmark = pytest.mark.skipif(cpu_fused.fused_kernel_error() is not None,
                                 reason=f"no C++ toolchain here: {cpu_fused.fused_kernel_error()}")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# The plain AVX2 build (another vector width: other sums of squares, the same rounding).
-VARIANTS = [None, ("-mno-avx512f",)]
 
 
 def test_kernels_apply_to_cpu_tensors_of_one_dtype():
@@ -117,9 +114,7 @@ def test_norm_rope_matches_rotate_qk(variant, dtype, qk_norm, head_dim, rotary_d
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 48)])
 def test_silu_and_mul_matches_torch(variant, dtype, rows, inter):
     kernel = cpu_fused.fused_kernel(variant)
-    g = torch.Generator().manual_seed(inter)
-    x = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
-    x[0, :6] = torch.tensor([-100.0, 100.0, -87.5, 88.5, 0.0, -0.0]).to(dtype)  # past exp's clamps, and zeros
+    x = gated_input(rows, inter, dtype, [-100.0, 100.0, -87.5, 88.5, 0.0, -0.0])  # past exp's clamps, and zeros
     with fused(False):
         want = SiluAndMul()(x)
     got = kernel.silu_and_mul(x)

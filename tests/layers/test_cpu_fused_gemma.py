@@ -19,12 +19,10 @@ from pagedserve.model_loader.loader import get_model
 from pagedserve.models.gemma3 import Gemma3DecoderLayer
 from pagedserve.models.utils import bind_direct_layers
 from tests.e2e.conftest import make_tiny_checkpoint
-from tests.layers.fused_helpers import fused, one_rounding
+from tests.layers.fused_helpers import DTYPES, VARIANTS, fused, gated_input, one_rounding
 
 pytestmark = pytest.mark.skipif(cpu_fused.fused_kernel_error() is not None,
                                 reason=f"no C++ toolchain here: {cpu_fused.fused_kernel_error()}")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-VARIANTS = [None, ("-mno-avx512f",)]
 
 
 def test_gemma_kernels_on_cpu_tensors_only():
@@ -92,9 +90,7 @@ def test_gemma_norm_rope_matches_norms_then_rotate(variant, dtype):
 @pytest.mark.parametrize("rows,inter", [(1, 2048), (5, 48)])
 def test_gelu_tanh_and_mul_matches_torch(variant, dtype, rows, inter):
     kernel = cpu_fused.fused_kernel(variant)
-    g = torch.Generator().manual_seed(inter)
-    x = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
-    x[0, :6] = torch.tensor([-100.0, 100.0, -60.0, 60.0, 0.0, -0.0]).to(dtype)  # past exp's clamps, and zeros
+    x = gated_input(rows, inter, dtype, [-100.0, 100.0, -60.0, 60.0, 0.0, -0.0])  # past exp's clamps, and zeros
     gate, up = x.chunk(2, dim=-1)
     want = F.gelu(gate, approximate="tanh") * up
     got = kernel.gelu_tanh_and_mul(x)

@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 import pagedserve
-from pagedserve.entrypoints.ollama.model_info import model_details
 from pagedserve.entrypoints.ollama.protocol import (
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
@@ -29,6 +28,7 @@ from pagedserve.entrypoints.openai.model_pool import ServedModel
 from pagedserve.entrypoints.openai.routers.generation import generate
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState, ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.model_loader.model_facts import model_details
 
 router = APIRouter()
 

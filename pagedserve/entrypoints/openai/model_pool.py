@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.model_loader.model_facts import model_details
 from pagedserve.utils import rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -92,22 +93,6 @@ class ModelSpec:
     name: str
     source: str
     aliases: tuple[str, ...] = ()  # further names for it (--served-model-name)
-
-
-def weights_bytes_on_disk(source: str) -> int:
-    """The size of a model's weight files (0 when not known without loading it): a
-    first estimate of its memory, before a load has measured it."""
-    from pagedserve.model_loader.sources import MODEL_NAMES, cache_dir
-
-    path = source
-    if source in MODEL_NAMES:
-        path = os.path.join(cache_dir(), "models", source)
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-                   if f.endswith((".safetensors", ".bin", ".pt")))
-    return 0
 
 
 def return_memory_to_the_system() -> None:
@@ -170,7 +155,7 @@ class ModelPool(Generic[H]):
                  keep_alive: float | None = None,
                  load: Callable[[ModelSpec, int | None], Awaitable[H]] | None = None,
                  unload: Callable[[H], Awaitable[None]] | None = None,
-                 estimate: Callable[[ModelSpec], int] = lambda spec: weights_bytes_on_disk(spec.source),
+                 estimate: Callable[[ModelSpec], int] = lambda spec: model_details(spec.source).size,
                  kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`kv_cache_bytes`: each model's KV cache; None: sized within the budget (the
         budget's share per loaded model, less the model's weights), or by the engine's

@@ -1,6 +1,8 @@
-"""What Ollama's /api/tags, /api/ps and /api/show say about a model, read from its files
-without loading it: format, family, parameter count, quantization, context length and
-chat template.  A model's files are the operator's; only these facts reach clients."""
+"""What a model is, read from its files without loading it: format, family, parameter
+count, quantization, context length, chat template and the weights' size on disk.  What
+Ollama's /api/tags, /api/ps and /api/show say of a model, and the server's first estimate
+of its memory before a load has measured it (entrypoints/openai/model_pool.py).  A
+model's files are the operator's; only these facts reach clients."""
 
 from __future__ import annotations
 
@@ -101,6 +103,7 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int]:
         if name.endswith(".safetensors"):
             c, dtype = _safetensors_params(os.path.join(path, name))
             count += c
+        if name.endswith((".safetensors", ".bin")):
             size += os.path.getsize(os.path.join(path, name))
     template = ""
     tok_config, jinja = os.path.join(path, "tokenizer_config.json"), os.path.join(path, "chat_template.jinja")
