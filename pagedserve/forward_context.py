@@ -17,22 +17,38 @@ from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class BidirectionalSpan:
+    """An image whose tokens attend to each other both ways (Gemma 3's prompts): this
+    step's query rows [q_start, q_end) belong to request `request_index` of the step and
+    lie in its span of positions [start, end), all of whose keys are in the cache once
+    this step's are written (the scheduler never splits such a span across chunks)."""
+
+    request_index: int
+    q_start: int
+    q_end: int
+    start: int
+    end: int
+
+
 @dataclass
 class ForwardContext:
     # The backend's metadata for this step, one per KV-cache group (a layer reads its
     # group's: worker/kv_cache.py); None in a profile run.
     attn_metadata: Sequence[Any] | None
     modules: Sequence[Any] = ()  # layers a compiled graph calls back into, by index
+    bidirectional: Sequence[BidirectionalSpan] = ()
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Sequence[Any] | None, modules: Sequence[Any] = ()) -> Iterator[None]:
+def set_forward_context(attn_metadata: Sequence[Any] | None, modules: Sequence[Any] = (),
+                        bidirectional: Sequence[BidirectionalSpan] = ()) -> Iterator[None]:
     global _CONTEXT
     prev = _CONTEXT
-    _CONTEXT = ForwardContext(attn_metadata, modules)
+    _CONTEXT = ForwardContext(attn_metadata, modules, bidirectional)
     try:
         yield
     finally:

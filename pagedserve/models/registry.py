@@ -35,8 +35,20 @@ _BY_MODEL_TYPE = {
 }
 
 
+# Vision-language families (image input: pagedserve/multimodal/), imported when used:
+# architecture -> "module:class".  The class is built from the checkpoint's whole config
+# (text_config, vision_config, ...); everything else reads its text config.
+MULTIMODAL_REGISTRY: dict[str, str] = {
+    "Idefics3ForConditionalGeneration": "pagedserve.models.idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "pagedserve.models.idefics3:Idefics3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "pagedserve.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "pagedserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "pagedserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+}
+
+
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
+    return sorted([*MODEL_REGISTRY, *MULTIMODAL_REGISTRY])
 
 
 # Config fields that change a model's math in families we do not implement them for:

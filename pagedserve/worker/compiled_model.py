@@ -100,7 +100,8 @@ class CompiledModel:
         self.artifact_path: str | None = None  # where its compilation is saved (guard-free only)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with set_forward_context(get_forward_context().attn_metadata, self.modules):
+        context = get_forward_context()
+        with set_forward_context(context.attn_metadata, self.modules, context.bidirectional):
             if self._direct is not None:
                 return self._direct(self.model, input_ids, positions)
             self._mark_unbacked(input_ids, 0)
