@@ -188,9 +188,18 @@ class Gemma3Model(nn.Module):
             else Gemma3DecoderLayer(config, self.rotary_global, None) for kind in types)
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings times sqrt(hidden_size), the scale rounded to the weights'
+        dtype first (HF's Gemma3TextScaledWordEmbedding).  A VLM puts its image rows into
+        this output unscaled, as HF's masked_scatter after the embedding does."""
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` (embed_input_ids' output, some rows replaced) stands in for the
+        embedding of `input_ids` when given."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         local, full = self.rotary_local.cos_sin(positions), self.rotary_global.cos_sin(positions)
         for layer in self.layers:
             hidden = layer(local if layer.is_sliding else full, hidden)
@@ -210,8 +219,12 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden)
