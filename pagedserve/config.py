@@ -94,7 +94,13 @@ class ModelConfig:
     prepack_weights: bool = True
     runner: str = RUNNERS[0]
     pooler_config: PoolerConfig | None = None  # the pooling runner's (default PoolerConfig())
-    hf_config: Any = None  # transformers.PretrainedConfig once resolved
+    hf_config: Any = None  # transformers.PretrainedConfig once resolved (a vision model's: its text config)
+    # A vision-language checkpoint's whole config (text_config, vision_config, ...), else None.
+    hf_mm_config: Any = None
+    # Image input (vLLM's names): most images one prompt may carry ({"image": N}), and the
+    # domains whose http(s) image URLs the server may fetch (None: data: URLs only).
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
+    allowed_media_domains: list[str] | None = None
     # generation_config.json next to the weights, as read at load ({} when there is none).
     generation_config_values: dict[str, Any] = field(default_factory=dict)
 
@@ -113,6 +119,14 @@ class ModelConfig:
             raise ValueError("pooler_config configures the pooling runner: set runner='pooling' (--runner pooling)")
         if self.runner == "pooling" and self.pooler_config is None:
             self.pooler_config = PoolerConfig()
+        if (not isinstance(self.limit_mm_per_prompt, dict) or set(self.limit_mm_per_prompt) - {"image"}
+                or not all(is_int(v) and v >= 0 for v in self.limit_mm_per_prompt.values())):
+            raise ValueError("limit_mm_per_prompt takes {\"image\": N} with N >= 0 (images are the one modality "
+                             f"here), got {self.limit_mm_per_prompt!r}")
+        if self.allowed_media_domains is not None and not (
+                isinstance(self.allowed_media_domains, list)
+                and all(isinstance(d, str) and d.strip(". ") for d in self.allowed_media_domains)):
+            raise ValueError(f"allowed_media_domains must be a list of domain names, got {self.allowed_media_domains!r}")
         if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ValueError(f"quant_activation_bits must be one of {', '.join(map(str, QUANT_ACTIVATION_BITS))}, "
                              f"got {self.quant_activation_bits!r}")
@@ -195,8 +209,23 @@ class SchedulerConfig:
     # flowing while long prompts prefill in chunks.  None: the token budget alone (EngineArgs
     # resolves an unset value with the device: default_max_step_ms).
     max_step_ms: float | None = None
+    # Image input (vLLM's names): never split an image's span across prefill chunks (the
+    # engine sets it for families whose image tokens attend both ways, Gemma 3); the
+    # room for vision-encoder outputs, in embedding rows (None: encoder_cache_rows's default).
+    disable_chunked_mm_input: bool = False
+    encoder_cache_size: int | None = None
+
+    @property
+    def encoder_cache_rows(self) -> int:
+        """The encoder cache's room in rows, which is also what one step may encode: the
+        set size, else max_num_batched_tokens but at least 8192 (a few large images: a
+        step's token budget can be smaller than one image's rows, which may still run
+        over several chunks)."""
+        return self.encoder_cache_size or max(self.max_num_batched_tokens, 8192)
 
     def __post_init__(self) -> None:
+        if self.encoder_cache_size is not None and (not is_int(self.encoder_cache_size) or self.encoder_cache_size < 1):
+            raise ValueError(f"encoder_cache_size must be a positive number of rows, got {self.encoder_cache_size!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:

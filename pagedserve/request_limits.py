@@ -72,3 +72,11 @@ RESPONSES_STORE_MAX_BYTES = 64 << 20
 # template's use, built in milliseconds; `'a' * 200000000` would take seconds and 200 MB
 # before the rendered-size or memory bound could see it.
 MAX_TEMPLATE_REPEAT = 1 << 24
+
+# Images (multimodal/image.py): encoded bytes of one image (a data: URL's payload or a
+# fetched body), its decoded pixels (checked from the header, before decoding: a
+# decompression bomb never allocates), and how long fetching one may take when
+# --allowed-media-domains lets the server fetch http(s) URLs.
+MAX_IMAGE_BYTES = 20 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096
+IMAGE_FETCH_SECONDS = 10.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of `b` hold `a` items."""
@@ -45,3 +47,24 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, name: str = "size") -> int:
+    """1073741824, "1GiB", "512M", "1.5G" -> bytes."""
+    if is_int(value):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be a byte count such as 2147483648, '2GiB' or '512M', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{name} must be an integer number of bytes or a string like '2GiB', got {value!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n

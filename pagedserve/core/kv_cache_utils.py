@@ -51,13 +51,16 @@ def extend_block_hashes(
     block_size: int,
     num_full_blocks: int | None = None,
     cache_salt: object = None,
+    image_spans: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
     """Append hashes for the full blocks of `token_ids` not yet in `block_hashes`.
 
     Hashes already present are reused, so a request's blocks are hashed exactly
     once over its lifetime.  Stops at `num_full_blocks` when given.  The salt (a
     client's string, or a tuple with the request's LoRA adapter: core/request.py) goes
-    into the first block only; the chain carries it to every later block.
+    into the first block only; the chain carries it to every later block.  A block that
+    holds positions of an image adds that image's identifier (vLLM's extra keys): the
+    placeholder tokens of two images of one size are equal, their KV is not.
     """
     total = len(token_ids) // block_size
     if num_full_blocks is not None and num_full_blocks < total:
@@ -76,10 +79,27 @@ def extend_block_hashes(
         data = (parent & _MASK_128).to_bytes(16, "little") + count + packed[offset : offset + stride]
         if j == 0 and cache_salt is not None:
             data += repr((cache_salt,)).encode()
+        if image_spans:
+            data += images_in(image_spans, j * block_size, (j + 1) * block_size)
         parent = _xxh3_128(data)
         append(parent)
         offset += stride
     return block_hashes
+
+
+class ImageSpan(Protocol):
+    """An image's positions in a prompt (multimodal/inputs.py's ImageFeature)."""
+
+    identifier: str
+    offset: int
+    length: int
+    num_embeds: int  # the encoder's rows for it
+
+
+def images_in(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """The identifiers of the images with positions in [start, end), as hash input."""
+    ids = [s.identifier for s in spans if s.offset < end and s.offset + s.length > start]
+    return repr(("images", *ids)).encode() if ids else b""
 
 
 class HashedRequest(Protocol):
@@ -89,6 +109,7 @@ class HashedRequest(Protocol):
 
     all_token_ids: list[int]
     block_hashes: list[BlockHash]
+    images: Sequence[ImageSpan]
 
     @property
     def hash_salt(self) -> object: ...
@@ -98,7 +119,7 @@ def hash_request_blocks(request: HashedRequest, block_size: int, num_full_blocks
     """The request's chain of full-block hashes, extended to its full blocks (or the first
     `num_full_blocks`); the KV-cache manager and its collaborators all key blocks by it."""
     return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, num_full_blocks,
-                               request.hash_salt)
+                               request.hash_salt, request.images)
 
 
 def hash_request_tokens(

@@ -37,14 +37,17 @@ _MASK_128 = (1 << 128) - 1
 _PARTIAL_BIT = 1 << 255
 
 
-def partial_block_key(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: object = None) -> BlockHash:
+def partial_block_key(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: object = None,
+                      images: bytes = b"") -> BlockHash:
     """The tier key of a block holding only `token_ids` (fewer than block_size) after
     the prefix whose last full block hashed to `parent` (None: the first block, whose
     key carries the salt as full first blocks' hashes do): such a block can only be
-    resumed into by a sequence with exactly these tokens there."""
+    resumed into by a sequence with exactly these tokens there.  `images`: the
+    identifiers of the images in it (kv_cache_utils.images_in), as a full block's hash has."""
     data = (0 if parent is None else parent & _MASK_128).to_bytes(16, "little")
     if parent is None and cache_salt is not None:
         data += repr((cache_salt,)).encode()
+    data += images
     data += b"partial" + len(token_ids).to_bytes(8, "little")
     data += b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids)
     return xxhash.xxh3_128_intdigest(data) | _PARTIAL_BIT

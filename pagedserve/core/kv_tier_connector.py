@@ -24,7 +24,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pagedserve.core.block_pool import KVCacheBlock, require_invariant
-from pagedserve.core.kv_cache_utils import BlockHash, hash_request_blocks
+from pagedserve.core.kv_cache_utils import BlockHash, hash_request_blocks, images_in
 from pagedserve.core.kv_tier import KVTier, KVTransfers, partial_block_key
 from pagedserve.core.request import Request
 
@@ -159,7 +159,8 @@ class TierConnector:
         partial = num_computed - num_full * bs
         if partial and num_full < len(blocks):
             tokens = request.all_token_ids[num_full * bs:num_computed]
-            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens, request.hash_salt)
+            key = partial_block_key(hashes[num_full - 1] if num_full else None, tokens, request.hash_salt,
+                                    images_in(request.images, num_full * bs, num_computed))
             out.append((blocks[num_full].block_id, key))
             self.swapped[request.request_id] = SwappedTail(num_full, partial, key)
         else:

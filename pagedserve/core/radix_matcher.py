@@ -53,7 +53,7 @@ class RadixMatcher:
         self._hits.pop(req_id, None)
         position, offset = divmod(num_computed_tokens, self.block_size)
         start = num_computed_tokens
-        limit = min(start + self.block_size, request.num_tokens - 1)
+        limit = min(start + self.block_size, request.num_tokens - 1, request.image_free_until(start))
         if offset or start >= limit:
             return 0
         src, n = self.index.longest_match(radix_parent(request, position), request.all_token_ids[start:limit])

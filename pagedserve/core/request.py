@@ -11,8 +11,10 @@ from __future__ import annotations
 import enum
 import time
 from array import array
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
+from pagedserve.core.kv_cache_utils import ImageSpan
 from pagedserve.core.prediction_drafter import PredictionDrafter
 from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
@@ -81,6 +83,8 @@ class Request:
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
         prediction_token_ids: list[int] | None = None,
+        images: Sequence[ImageSpan] = (),
+        mrope: Any = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -149,6 +153,15 @@ class Request:
         # A predicted output (OpenAI's `prediction`, tokenized): the request's own draft
         # source, whatever the engine's speculative decoding (core/prediction_drafter.py).
         self.prediction = PredictionDrafter(prediction_token_ids) if prediction_token_ids is not None else None
+        # The prompt's images (multimodal/inputs.py's ImageFeature, opaque here beyond their
+        # spans), in position order: their identifiers key the blocks that hold them, and
+        # the model runner takes them with the request.
+        self.images = tuple(images)
+        self.mrope = mrope  # an M-RoPE model's positions for it (the runner's; opaque here)
+        for image in self.images:
+            if image.offset < 0 or image.length < 1 or image.offset + image.length > len(prompt_token_ids):
+                raise ValueError(f"request {request_id!r}: an image span [{image.offset}, "
+                                 f"{image.offset + image.length}) lies outside the prompt")
         # Order under the priority policy; the scheduler fills in the tie-breaking sequence.
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
 
@@ -159,6 +172,15 @@ class Request:
         client salt string can equal."""
         lora = self.lora_request
         return self.cache_salt if lora is None else (self.cache_salt, lora.lora_int_id)
+
+    def image_free_until(self, start: int) -> int:
+        """The first position at or after `start` that belongs to an image (the number of
+        tokens when none does): token-matched prefix reuse (the radix tree's partial
+        blocks) must stop there, since equal placeholder tokens may hold different images."""
+        for image in self.images:
+            if image.offset + image.length > start:
+                return max(start, image.offset)
+        return self.num_tokens
 
     @property
     def needs_every_prompt_state(self) -> bool:
@@ -194,3 +216,15 @@ class Request:
             f"Request(id={self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, outputs={self.num_output_tokens})"
         )
+
+
+def check_stop(request: Request, tok: int) -> RequestStatus | None:
+    """Stop rules for the token just appended: EOS / stop token ids (held back until
+    min_tokens), then max_tokens / max_model_len."""
+    if tok in request.finish_token_ids and len(request.output_token_ids) >= request.min_tokens:
+        if tok != request.eos_for_stop:
+            request.stop_reason = tok
+        return RequestStatus.FINISHED_STOPPED
+    if len(request.all_token_ids) >= request.max_num_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

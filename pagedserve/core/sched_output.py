@@ -8,6 +8,7 @@ with tensor parallelism, into other processes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,10 @@ class NewRequestData:
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: the runner pools, never samples
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    # Its prompt's images (multimodal/inputs.py's ImageFeature: spans and the encoder's
+    # inputs) and, for M-RoPE models, its positions (Request.mrope); opaque here.
+    images: Sequence[Any] = ()
+    mrope: Any = None
 
 
 @dataclass
@@ -80,6 +85,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Block copies between the pool and the KV tier (core/kv_tier.py); None: none.
     kv_transfers: KVTransfers | None = None
+    # Encoder outputs (by image identifier) the runner drops before this step
+    # (core/encoder_cache_manager.py).
+    free_encoder_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

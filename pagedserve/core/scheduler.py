@@ -17,7 +17,9 @@ given KV slots like any token, and `update_from_output` takes back the slots of 
 ones the runner rejected.  A request with a predicted output (`Request.prediction`,
 core/prediction_drafter.py) asked for speculation itself: it drafts from its prediction
 whatever the engine's speculation setting or batch size, and by prompt lookup (n-gram,
-`prompt_lookup`) while its prediction has nothing to propose.
+`prompt_lookup`) while its prediction has nothing to propose.  A chunk that reaches a
+prompt's image needs its encoder output held (core/encoder_cache_manager.py decides, and
+cuts the chunk before an image that cannot run now).
 
 The update path is one loop (`update_from_output`) with three hooks that
 `AsyncScheduler` (core/async_scheduler.py) overrides for overlap scheduling:
@@ -33,23 +35,18 @@ from typing import Any
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.block_pool import KVCacheBlock
+from pagedserve.core.encoder_cache_manager import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import Drafter, NgramProposer, SpecDecodingStats
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Request, RequestStatus, check_stop
 from pagedserve.core.request_queue import create_request_queue
-from pagedserve.core.sched_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from pagedserve.core.sched_output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from pagedserve.core.snapshot import KVSnapshot, take_snapshot
 from pagedserve.core.step_budget import StepTimeBudget
 from pagedserve.errors import InvalidRequestError
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 GRAMMAR_REFUSED = ("the structured-output grammar refused a token its own mask allowed: the grammar library cannot "
                    "follow this constraint (simplify the regex, schema or grammar)")
@@ -111,6 +108,9 @@ class Scheduler:
         # Where a request with a prediction drafts when its prediction has nothing to propose.
         self.prompt_lookup = NgramProposer(speculative_config if speculative_config is not None
                                            and speculative_config.method == "ngram" else SpeculativeConfig())
+        # Image input: which encoder outputs the runner holds, and how chunks meet images.
+        self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_rows,
+                                                 scheduler_config.disable_chunked_mm_input)
         self.spec_stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * (speculative_config.num_speculative_tokens if speculative_config else 0))
 
@@ -160,6 +160,7 @@ class Scheduler:
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         token_budget = step_budget = self._step_token_budget()
+        self.encoder_cache.begin_step()
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
@@ -181,6 +182,7 @@ class Scheduler:
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=spec_tokens,
             kv_transfers=self.kv_cache_manager.take_transfers(),
+            free_encoder_ids=self.encoder_cache.take_freed(),
         )
         if self.num_grammar_requests and num_scheduled_tokens:
             out.structured_output_rows = self._structured_output_rows(num_scheduled_tokens)
@@ -232,7 +234,7 @@ class Scheduler:
         left = request.max_num_tokens - 1 - request.num_computed_tokens
         if n > left:
             n = left
-        return n, drafts
+        return (self.encoder_cache.fit(request, request.num_computed_tokens, n) if request.images else n), drafts
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: set[str]) -> list[KVCacheBlock] | None:
         """KV slots for `n` more tokens of a running request, preempting the last running
@@ -342,7 +344,6 @@ class Scheduler:
         adapter holds up nothing but itself."""
         kvm = self.kv_cache_manager
         waiting, running = self.waiting, self.running
-        threshold = self.long_prefill_token_threshold
         stepped_over: list[Request] = []
         loras = {r.lora_request.lora_int_id for r in running if r.lora_request is not None} if self.max_loras else None
         while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
@@ -360,13 +361,9 @@ class Scheduler:
             if request.num_output_placeholders:
                 break  # preempted while its last sample was in flight: resume once it lands
             computed_blocks, num_hit = kvm.get_computed_blocks(request)
-            n = request.num_tokens - num_hit
-            if 0 < threshold < n:
-                n = threshold
-            if n > token_budget:
-                if not self.enable_chunked_prefill:
-                    break  # the whole prompt must go in one step
-                n = token_budget
+            n = self._admission_tokens(request, num_hit, token_budget)
+            if n <= 0:
+                break  # head-of-line: later requests must not overtake it
             new_blocks = kvm.allocate_slots(request, n, num_hit, computed_blocks)
             if new_blocks is None:
                 break  # head-of-line: later requests must not overtake it
@@ -392,6 +389,8 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     pooling_params=request.pooling_params,
                     lora_request=request.lora_request,
+                    images=request.images,
+                    mrope=request.mrope,
                 )
             )
             request.num_output_tokens_sent = len(outputs)
@@ -402,10 +401,24 @@ class Scheduler:
             waiting.prepend_request(request)
         return token_budget
 
+    def _admission_tokens(self, request: Request, num_hit: int, token_budget: int) -> int:
+        """Tokens a waiting request computes in the step that admits it (0: it cannot run
+        this step: its whole prompt must go in one step without chunked prefill, or its
+        next image does not fit)."""
+        n, threshold = request.num_tokens - num_hit, self.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        if n > token_budget:
+            if not self.enable_chunked_prefill:
+                return 0
+            n = token_budget
+        return self.encoder_cache.fit(request, num_hit, n) if request.images else n
+
     def _preempt(self, request: Request) -> None:
         """Free the KV (swap mode: copied out to the tier first), keep the tokens, go
         back to the queue head; the resumption recomputes what the caches lack."""
         self.kv_cache_manager.preempt(request)
+        self.encoder_cache.release_request(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -526,6 +539,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._free_blocks(request)
+        self.encoder_cache.release_request(request)
         self.num_grammar_requests -= request.grammar is not None
         self.num_prediction_requests -= request.prediction is not None
         del self.requests[request.request_id]
@@ -572,6 +586,7 @@ class Scheduler:
         return len(self.running), len(self.waiting)
 
     def reset_prefix_cache(self) -> bool:
+        self.encoder_cache.reset()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def watch_blocks(self, enabled: bool) -> None:
@@ -583,14 +598,3 @@ class Scheduler:
         kvm = self.kv_cache_manager
         return take_snapshot(kvm.block_pool, kvm.block_size, self.running, self.waiting, kvm.get_block_ids, full)
 
-
-def check_stop(request: Request, tok: int) -> RequestStatus | None:
-    """Stop rules for the token just appended: EOS / stop token ids (held back until
-    min_tokens), then max_tokens / max_model_len."""
-    if tok in request.finish_token_ids and len(request.output_token_ids) >= request.min_tokens:
-        if tok != request.eos_for_stop:
-            request.stop_reason = tok
-        return _STOPPED
-    if len(request.all_token_ids) >= request.max_num_tokens:
-        return _LENGTH_CAPPED
-    return None

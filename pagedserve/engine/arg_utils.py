@@ -42,7 +42,7 @@ from pagedserve.config import (
     default_max_step_ms,
     default_speculative_config,
 )
-from pagedserve.utils import is_int
+from pagedserve.utils import is_int, parse_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -138,6 +138,13 @@ _HELP = {
     "max_lora_rank": "the largest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory, least recently used dropped first "
                      "(default: max_loras)",
+    "limit_mm_per_prompt": "most images one prompt may carry, as JSON '{\"image\": 4}' (default: 8)",
+    "allowed_media_domains": "comma-separated domains whose http(s) image URLs the server may fetch (never "
+                             "loopback or private addresses; default: none, images come as data: URLs)",
+    "disable_chunked_mm_input": "never split an image's tokens across prefill chunks (always on for models "
+                                "whose image tokens attend both ways, Gemma 3)",
+    "encoder_cache_size": "room for vision-encoder outputs, in embedding rows, also what one step may encode "
+                          "(default: max_num_batched_tokens, at least 8192)",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
                           "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; or "
@@ -206,6 +213,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Image input (vision-language models), vLLM's names (_HELP says what each does).
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    allowed_media_domains: list[str] | str | None = None
+    disable_chunked_mm_input: bool = False
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -234,6 +246,7 @@ class EngineArgs:
         self._speculative = self._parse_speculative_config()
         self._pooler = self._parse_pooler_config()
         self._lora = self._lora_config()
+        self._media = self._media_arguments()
         self._validate_combinations()
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise self._bad("chat_template", "a template string or a file path")
@@ -276,7 +289,7 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise self._bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
         for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code",
-                     "prepack_weights"):
+                     "prepack_weights", "disable_chunked_mm_input"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -367,6 +380,14 @@ class EngineArgs:
         value = _json_argument(self.pooler_config, "pooler_config")
         return None if value is None else PoolerConfig.from_dict(value)
 
+    def _media_arguments(self) -> tuple[dict[str, int], list[str] | None]:
+        """(limit_mm_per_prompt, allowed_media_domains) as ModelConfig takes (and checks) them."""
+        limit = _json_argument(self.limit_mm_per_prompt, "limit_mm_per_prompt")
+        domains = self.allowed_media_domains
+        if isinstance(domains, str):
+            domains = [d.strip() for d in domains.split(",") if d.strip()] or None
+        return ({"image": 8} if limit is None else limit), domains
+
     def _lora_config(self) -> LoRAConfig | None:
         """LoRAConfig when enable_lora, and what adapters cannot be combined with yet."""
         if not isinstance(self.enable_lora, bool):
@@ -424,6 +445,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs, generation_config=self.generation_config,
             quantization=self.quantization, quant_activation_bits=self.quant_activation_bits,
             prepack_weights=self.prepack_weights, runner=self.runner, pooler_config=self._pooler,
+            limit_mm_per_prompt=self._media[0], allowed_media_domains=self._media[1],
         )
         if load_hf_config:
             from pagedserve.model_loader import load_model_config
@@ -452,7 +474,8 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling, max_n=self.max_n, max_step_ms=self.step_time_target(),
-                preemption_mode=self.preemption_mode,
+                preemption_mode=self.preemption_mode, disable_chunked_mm_input=self.disable_chunked_mm_input,
+                encoder_cache_size=self.encoder_cache_size,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            data_parallel_size=self.data_parallel_size, ray_address=self.ray_address,
@@ -513,12 +536,7 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)
                 "structured_outputs_backend": ("--structured-outputs-config.backend", "--guided-decoding-backend")}
 _FLOAT_FIELDS = {"max_step_ms", "router_cache_threshold", "router_balance_rel_threshold"}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "cpus_per_replica",
-               "router_balance_abs_threshold", "max_cpu_loras"}
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
+               "router_balance_abs_threshold", "max_cpu_loras", "encoder_cache_size"}
 def _json_argument(value: Any, name: str) -> Any:
     """An argument given as a dict, or on the command line as JSON text (None stays None)."""
     if not isinstance(value, str):
@@ -527,22 +545,6 @@ def _json_argument(value: Any, name: str) -> Any:
         return json.loads(value)
     except json.JSONDecodeError as e:
         raise ValueError(f"{name} must be a JSON object, got {value!r} ({e.msg})") from None
-
-
-def parse_bytes(value: int | str, name: str = "size") -> int:
-    """1073741824, "1GiB", "512M", "1.5G" -> bytes."""
-    if is_int(value):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name} must be a byte count such as 2147483648, '2GiB' or '512M', got {value!r}")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise ValueError(f"{name} must be an integer number of bytes or a string like '2GiB', got {value!r}")
-    if n < 1:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return n
 
 
 def read_chat_template(value: str | None) -> str | None:

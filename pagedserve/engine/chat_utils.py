@@ -203,7 +203,8 @@ def encode_text(tokenizer: Any, text: str, max_chars: int, add_special_tokens: b
 def render_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],
                 chat_template: str | None = None, add_generation_prompt: bool = True, *,
                 tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                continue_final_message: bool = False, max_chars: int = MAX_PROMPT_CHARS) -> str:
+                continue_final_message: bool = False, max_chars: int = MAX_PROMPT_CHARS,
+                content_parts: bool = False) -> str:
     """Render one conversation to prompt text with `chat_template` (a request's own
     Jinja text: rendered in the sandbox), else `default_template` (--chat-template,
     else the tokenizer's).  `tools` (OpenAI's function definitions) and
@@ -218,7 +219,7 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
-    messages = [_normalise_message(m) for m in messages]
+    messages = [_normalise_message(m, content_parts) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
                 "messages", "documents", "conversations"} & set(kwargs)
@@ -256,22 +257,69 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
 
 
-def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
+# Content parts that carry an image: OpenAI's image_url, the Responses API's input_image,
+# and HF's/vLLM's offline {"type": "image", "image": ...}.
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Each image part replaced by {"type": "image"} (what vision models' chat templates
+    render as their placeholder), and the images' sources in order (a URL, or what an
+    offline caller put there: a PIL image, bytes)."""
+    sources: list[Any] = []
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in IMAGE_PART_TYPES:
+                parts.append(part)
+                continue
+            source = part.get(kind) if kind != "input_image" else part.get("image_url")
+            if isinstance(source, dict):
+                source = source.get("url")
+            if source is None and kind == "image":
+                source = part.get("url")
+            if source is None:
+                raise InvalidRequestError(f"an {kind} content part needs its image (e.g. "
+                                          "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}})",
+                                          param="messages")
+            sources.append(source)
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, sources
+
+
+def _normalise_message(message: dict[str, Any], content_parts: bool = False) -> dict[str, Any]:
     """The one place messages are normalised for chat templates: OpenAI-style content
     parts [{"type": "text", "text": ...}] become one string, joined with newlines as vLLM
     does; no content is "" (an assistant turn that only called tools); tool-call
-    arguments sent as JSON text become the objects that templates render."""
+    arguments sent as JSON text become the objects that templates render.  With
+    `content_parts` (vision models, whose templates iterate over parts, as SmolVLM's
+    does), every content becomes a list of text and image parts instead."""
     content = message.get("content")
     message = {**message}
+    if content_parts and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
     if content is None:
-        message["content"] = ""
+        message["content"] = [] if content_parts else ""
     elif isinstance(content, list):
         texts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") == "image" and len(part) == 1:
+                continue  # an image's place (take_images): the parts stay a list
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got {part!r}")
+                raise ValueError(f"only text and image content parts are supported, got {str(part)[:200]}")
             texts.append(part["text"])
-        message["content"] = "\n".join(texts)
+        if len(texts) == len(content) and not content_parts:
+            message["content"] = "\n".join(texts)
+        else:  # vision templates iterate over the parts: {"type": "image"} renders the placeholder
+            message["content"] = [{"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
+                                  for p in content]
     calls = message.get("tool_calls")
     if isinstance(calls, list):
         message["tool_calls"] = [_tool_call_for_template(c) for c in calls]

@@ -144,7 +144,8 @@ class EngineCore:
                 self.scheduler.add_request(Request(cid, request.prompt_token_ids, cparams, self.eos_token_id,
                                                    request.arrival_time, request.priority, request.cache_salt,
                                                    grammar, request.pooling_params, request.lora_request,
-                                                   request.prediction_token_ids))
+                                                   request.prediction_token_ids, request.images or (),
+                                                   request.mrope))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)

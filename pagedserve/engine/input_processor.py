@@ -19,7 +19,11 @@ a bad request never disturbs the others, and the core never sees bad input.
   (distinct seeds, the model's extra EOS ids as stops), pooling parameters completed from
   the PoolerConfig, the grammar compiled (a future: a bad schema fails the request);
 - a LoRA request's type and whether LoRA is enabled (loading the adapter's weights is
-  the executor's, on the engine thread, between steps).
+  the executor's, on the engine thread, between steps);
+- images (`multi_modal_data`, or image parts of chat messages): only for a vision model,
+  at most limit_mm_per_prompt, each loaded within the bounds of multimodal/image.py, then
+  the family's processor expands the prompt's placeholders (multimodal/<family>.py); an
+  image whose span could never run in one step when it may not be split is refused.
 
 What the prompt's length allows against `max_model_len` and the KV cache is the
 scheduler's to check (it owns those limits), and whether a request id is in use is the
@@ -40,16 +44,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.chat_utils import encode_chat, encode_text, prompt_char_limit, render_chat
+from pagedserve.engine.chat_utils import encode_text, prompt_char_limit, render_chat, take_images
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.request import LoRARequest
+from pagedserve.multimodal.image import MediaPolicy, load_image
+from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
 
-# The keys a prompt dict may carry (vLLM's names).
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+# The keys a prompt dict may carry (vLLM's names; "multi_modal" is a prompt whose images
+# this processor has already expanded, as encode_chat returns it).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data", "multi_modal"})
+
+
+@dataclass
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None
+    images: list[ImageFeature] | None = None
+    mrope: tuple[Any, int] | None = None  # (positions [3, len], delta) of an M-RoPE model
 
 
 @dataclass
@@ -72,6 +88,8 @@ class EngineCoreRequest:
     lora_request: LoRARequest | None
     grammar: Future | None
     prediction_token_ids: list[int] | None = None
+    images: list[ImageFeature] | None = None  # the prompt's images, spans in position order
+    mrope: tuple[Any, int] | None = None  # an M-RoPE model's (positions, delta)
 
     @property
     def num_sequences(self) -> int:
@@ -83,9 +101,11 @@ class InputProcessor:
 
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, extra_eos_token_ids: list[int],
                  structured_output: StructuredOutputManager,
-                 classifier_token_ids: tuple[int, int] | None = None) -> None:
+                 classifier_token_ids: tuple[int, int] | None = None,
+                 image_prompts: ImagePromptProcessor | None = None) -> None:
         """`structured_output` is shared with the engine core: this side compiles grammars,
-        the core's matchers fill the step's bitmask."""
+        the core's matchers fill the step's bitmask.  `image_prompts`: a vision model's
+        prompt processor (None: the model takes no images)."""
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
@@ -95,6 +115,10 @@ class InputProcessor:
         self.classifier_token_ids = classifier_token_ids
         # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
         self.max_prompt_chars = prompt_char_limit(tokenizer, config.scheduler_config.max_model_len)
+        self.image_prompts = image_prompts
+        domains = self.model_config.allowed_media_domains
+        self.media_policy = MediaPolicy(tuple(domains) if domains else None)
+        self.max_images = self.model_config.limit_mm_per_prompt.get("image", 0)
 
     # ------------------------------------------------------------------ the request
     def process(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams | None = None,
@@ -110,7 +134,8 @@ class InputProcessor:
         sampling.validate()  # values may have been changed after construction
         if not is_int(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
-        text, prompt_ids, cache_salt = self.process_prompt(prompt)
+        processed = self.process_prompt(prompt)
+        prompt_ids = processed.token_ids
         self.check_request(prompt_ids, sampling, priority)
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -126,9 +151,10 @@ class InputProcessor:
         n = sampling.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         return EngineCoreRequest(
-            request_id, text, prompt_ids, cache_salt, sampling, child_ids,
+            request_id, processed.text, prompt_ids, processed.cache_salt, sampling, child_ids,
             [self.child_params(sampling, i) for i in range(n)], pooling,
-            time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar, prediction_ids)
+            time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar, prediction_ids,
+            processed.images, processed.mrope)
 
     def _split_params(self, params: SamplingParams | PoolingParams | None,
                       ) -> tuple[SamplingParams, PoolingParams | None]:
@@ -146,33 +172,92 @@ class InputProcessor:
                                       "prompts; generating text needs runner='generate'", param="model")
         return params, None
 
-    def process_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
-        """(text, token ids, cache salt).  A dict prompt may carry vLLM's `cache_salt`: its
-        blocks then never share the prefix cache with another salt's (or no salt's)."""
+    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+        """Text, token ids, cache salt and images.  A dict prompt may carry vLLM's
+        `cache_salt` (its blocks then never share the prefix cache with another salt's, or
+        no salt's) and `multi_modal_data` ({"image": an image or a list of them})."""
         if isinstance(prompt, dict):
             return self._process_prompt_dict(prompt)
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt), None
+            return ProcessedPrompt(prompt, self.encode(prompt))
         if isinstance(prompt, (list, tuple)):
-            return None, self.check_token_ids(prompt), None
+            return ProcessedPrompt(None, self.check_token_ids(prompt))
         raise InvalidRequestError(
             "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
 
-    def _process_prompt_dict(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], str | None]:
+    def _process_prompt_dict(self, prompt: dict[str, Any]) -> ProcessedPrompt:
         unknown = set(prompt) - PROMPT_KEYS
         if unknown or not (set(prompt) & {"prompt", "prompt_token_ids"}):
             raise InvalidRequestError(
-                "a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids' (and 'cache_salt'), got "
-                f"{sorted(prompt)}", param="prompt")
+                "a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids' (and 'cache_salt', "
+                f"'multi_modal_data'), got {sorted(prompt)}", param="prompt")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}", param="prompt")
         salt = prompt.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        multi_modal = prompt.get("multi_modal")
+        if multi_modal is None and prompt.get("multi_modal_data") is not None:
+            if text is None:
+                raise InvalidRequestError("multi_modal_data needs the prompt as text (with the model's image "
+                                          "placeholder where each image goes), not only prompt_token_ids",
+                                          param="multi_modal_data")
+            multi_modal = self.expand_images(text, self.load_images(prompt["multi_modal_data"]), self.encode)
+        if multi_modal is not None:
+            if not isinstance(multi_modal, MultiModalPrompt):
+                raise InvalidRequestError("'multi_modal' is the engine's own expanded prompt (encode_chat's); "
+                                          "send images as multi_modal_data", param="prompt")
+            mrope = (None if multi_modal.mrope_positions is None
+                     else (multi_modal.mrope_positions, multi_modal.mrope_position_delta))
+            return ProcessedPrompt(text, self.check_token_ids(multi_modal.prompt_token_ids), salt,
+                                   multi_modal.images, mrope)
         ids = prompt.get("prompt_token_ids")
-        return text, self.encode(text) if ids is None else self.check_token_ids(ids), salt
+        return ProcessedPrompt(text, self.encode(text) if ids is None else self.check_token_ids(ids), salt)
+
+    # ------------------------------------------------------------------ images
+    def load_images(self, data: Any) -> list[Any]:
+        """multi_modal_data's images, each checked (multimodal/image.py), at most
+        limit_mm_per_prompt of them; refused by name for a model that takes none."""
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise InvalidRequestError(f"multi_modal_data takes {{'image': an image or a list of images}}, got {keys}",
+                                      param="multi_modal_data")
+        images = data.get("image")
+        return self.check_images(images if isinstance(images, (list, tuple)) else [images])
+
+    def check_images(self, sources: list[Any]) -> list[Any]:
+        """Images for one prompt (PIL images, bytes, URLs) loaded within the bounds."""
+        if self.image_prompts is None:
+            raise InvalidRequestError(f"this model ({self.model_config.model}) takes no images: it is a text "
+                                      "model; image input needs a vision-language model", param="messages")
+        if len(sources) > self.max_images:
+            raise InvalidRequestError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
+                                      "limit_mm_per_prompt allows (--limit-mm-per-prompt)", param="messages")
+        return [load_image(source, self.media_policy) for source in sources]
+
+    def expand_images(self, text: str, images: list[Any], encode: Any) -> MultiModalPrompt:
+        """The family's expansion of the prompt's placeholders (tokenized by `encode`),
+        then the checks that need its result: the image spans must run (an unsplittable
+        span within one step's tokens, each image's rows within the encoder cache)."""
+        try:
+            prompt = self.image_prompts.process(text, images, encode)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="messages") from None
+        sched = self.config.scheduler_config
+        room = sched.encoder_cache_rows
+        for image in prompt.images:
+            if sched.disable_chunked_mm_input and image.length > sched.max_num_batched_tokens:
+                raise InvalidRequestError(f"an image takes {image.length} prompt positions, more than one step's "
+                                          f"max_num_batched_tokens ({sched.max_num_batched_tokens}), and this model's "
+                                          "images cannot be split across steps", param="messages")
+            if image.num_embeds > room:
+                raise InvalidRequestError(f"an image takes {image.num_embeds} encoder rows, more than the encoder "
+                                          f"cache holds ({room}: encoder_cache_size)", param="messages")
+        return prompt
 
     def encode(self, text: str) -> list[int]:
         """Prompt text to token ids (refused untokenized when it cannot fit)."""
@@ -342,10 +427,23 @@ class InputProcessor:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render one conversation to prompt text (chat_utils.render_chat says how)."""
         return render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           max_chars=self.max_prompt_chars, **kwargs)
+                           max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """Chat prompt as {'prompt', 'prompt_token_ids'} (chat_utils.encode_chat)."""
-        return encode_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           max_chars=self.max_prompt_chars, **kwargs)
+        """Chat prompt as {'prompt', 'prompt_token_ids'} and, when the messages hold
+        images, 'multi_modal' (the expanded prompt: process() takes the dict as it is).
+        The template already holds any BOS text, so the tokenizer must not add special
+        tokens a second time."""
+        messages, sources = take_images(messages) if isinstance(messages, list) else (messages, [])
+        images = self.check_images(sources) if sources else []
+        text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
+                           max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
+        if not images:
+            return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+        prompt = self.expand_images(text, images, self.encode_chat_text)
+        return {"prompt": text, "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """A rendered chat's tokens: its template wrote any BOS already."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))

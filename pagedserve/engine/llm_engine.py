@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig, PoolerConfig
+from pagedserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ModelConfig, PoolerConfig
 from pagedserve.core.ngram_proposer import Drafter
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
@@ -27,6 +27,7 @@ from pagedserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedserve.engine.output_processor import RequestOutputKind
 from pagedserve.executor.abstract import ModelExecutor
 from pagedserve.lora.request import LoRARequest
+from pagedserve.multimodal.inputs import ImagePromptProcessor
 from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -102,6 +103,20 @@ class BatchProgress(Protocol):
     def tick(self) -> None: ...
 
 
+def image_prompt_processor(model_config: ModelConfig, tokenizer: Any) -> ImagePromptProcessor | None:
+    """A vision-language model's prompt processor (its HF image processor from the model
+    directory), or None for a text model (or one without a tokenizer: images need text)."""
+    if model_config.hf_mm_config is None or tokenizer is None:
+        return None
+    from pagedserve.model_loader.sources import resolve_source
+    from pagedserve.models.registry import resolve_architecture
+    from pagedserve.multimodal.registry import make_image_prompt_processor
+
+    path = resolve_source(model_config.model, model_config.load_format).path
+    return make_image_prompt_processor(resolve_architecture(model_config.hf_config), path,
+                                       model_config.hf_mm_config, tokenizer)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_executor: ModelExecutor, tokenizer: Any = None,
                  vocab_size: int | None = None, extra_eos_token_ids: list[int] | None = None,
@@ -133,7 +148,8 @@ class LLMEngine:
         # The pooling runner's scorer tokens (PoolerConfig.classifier_from_token), if any.
         self.classifier_token_ids = classifier_token_ids(tokenizer, self.model_config.pooler_config)
         self.input_processor = InputProcessor(config, tokenizer, self.vocab_size, self._extra_eos_ids,
-                                              self.structured_output, self.classifier_token_ids)
+                                              self.structured_output, self.classifier_token_ids,
+                                              image_prompt_processor(self.model_config, tokenizer))
         # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
         self.max_prompt_chars = self.input_processor.max_prompt_chars
 

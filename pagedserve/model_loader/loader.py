@@ -41,6 +41,7 @@ from pagedserve.models.registry import (
     SLIDING_WINDOW_ARCHITECTURES,
     check_supported_config,
     get_model_class,
+    multimodal_architecture,
     resolve_architecture,
 )
 from pagedserve.platforms import is_cuda
@@ -166,10 +167,17 @@ def _auto_config(path: str, trust_remote_code: bool) -> Any:
 def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.device | str | None = None) -> Any:
     """Resolve `model_config` in place (hf_config, max_model_len, dtype name) and return the HF config."""
     source = resolve_source(model_config.model, model_config.load_format)
-    hf_config = _read_hf_config(source, model_config.trust_remote_code)
+    hf_config = full_config = _read_hf_config(source, model_config.trust_remote_code)
+    vision = multimodal_architecture(full_config)
+    if vision is not None:
+        # Everything but the model class reads the decoder's config (vocabulary, layers,
+        # limits): it stands for the model, named by the checkpoint's architecture.
+        hf_config = full_config.get_text_config()
+        hf_config.architectures = [vision]
+        model_config.hf_mm_config = full_config
     resolve_architecture(hf_config)  # unsupported architectures fail here, before any weights are read
     check_supported_config(hf_config)  # and math-changing fields we do not implement
-    dtype, why = _resolve_dtype(model_config.dtype, hf_config, resolve_device(device))
+    dtype, why = _resolve_dtype(model_config.dtype, full_config, resolve_device(device))
     if model_config.dtype == "auto":
         logger.info("dtype auto -> %s: %s", _DTYPE_NAMES[dtype], why)
     model_config.max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
@@ -222,7 +230,7 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     model_config.quantization = method  # resolved, like dtype (resolving again gives the same)
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), target:
-        model = model_cls(hf_config)
+        model = model_cls(model_config.hf_mm_config or hf_config)
     layers = [m for m in model.modules() if isinstance(m, QuantizableLayer)]
     for layer in layers:
         layer.set_prepack(model_config.prepack_weights)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from torch import nn
@@ -69,11 +70,12 @@ _NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
 # Fields a family implements itself (its model reads them), exempt from the check below.
 _IMPLEMENTED_FIELDS: dict[str, tuple[str, ...]] = {
     "Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
+    "Gemma3ForConditionalGeneration": ("query_pre_attn_scalar", "final_logit_softcapping"),
 }
 
 # Families whose layers honour the config's sliding_window (KV-cache groups); for the
 # others a window caps max_model_len (model_loader/loader.py).
-SLIDING_WINDOW_ARCHITECTURES = ("Gemma3ForCausalLM", "MistralForCausalLM")
+SLIDING_WINDOW_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "MistralForCausalLM")
 
 
 def check_supported_config(hf_config: Any) -> None:
@@ -98,7 +100,7 @@ def resolve_architecture(hf_config: Any) -> str:
             return _BY_MODEL_TYPE[model_type]
         names = [f"<none; model_type={model_type!r}>"]
     for name in names:
-        if name in MODEL_REGISTRY:
+        if name in MODEL_REGISTRY or name in MULTIMODAL_REGISTRY:
             return name
     raise ValueError(
         f"unsupported model architecture {', '.join(map(str, names))}; "
@@ -106,6 +108,18 @@ def resolve_architecture(hf_config: Any) -> str:
     )
 
 
+def multimodal_architecture(hf_config: Any) -> str | None:
+    """The vision-language architecture a checkpoint's config names, or None."""
+    for name in getattr(hf_config, "architectures", None) or ():
+        if name in MULTIMODAL_REGISTRY:
+            return name
+    return None
+
+
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     check_supported_config(hf_config)
-    return MODEL_REGISTRY[resolve_architecture(hf_config)]
+    name = resolve_architecture(hf_config)
+    if name in MULTIMODAL_REGISTRY:
+        module, cls = MULTIMODAL_REGISTRY[name].split(":")
+        return getattr(importlib.import_module(module), cls)
+    return MODEL_REGISTRY[name]

@@ -11,10 +11,36 @@ image of the same size never does.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+
+
+def content_identifier(family: str, *tensors: torch.Tensor) -> str:
+    """An image's content hash: its pixels as the processor left them (so its resize and
+    normalisation settings are in it), with their shapes and dtypes, and the family."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(family.encode())
+    for tensor in tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(f":{tuple(tensor.shape)}:{tensor.dtype}:".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each maximal run of `token_id` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate([*ids, None]):
+        if t == token_id and start is None:
+            start = i
+        elif t != token_id and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
 
 
 @dataclass
@@ -64,6 +90,7 @@ class ImagePromptProcessor(Protocol):
         ...
 
 
+@runtime_checkable
 class SupportsImages(Protocol):
     """What the model runner needs of a vision-language model (models/<family>.py)."""
 

@@ -56,6 +56,7 @@ from pagedserve.worker.cuda_graph import (
     padded_size,
 )
 from pagedserve.worker.input_batch import InputBatch
+from pagedserve.worker.mm_inputs import image_inputs_for
 from pagedserve.worker.rejection_sampler import verify_drafts
 from pagedserve.worker.runner_output import ModelRunnerOutput
 from pagedserve.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
@@ -133,6 +134,8 @@ class ModelRunner:
         # Async: the last launched step's sampled ids (device) and each request's index in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
+        # A vision-language model's images (worker/mm_inputs.py); None for a text model.
+        self.images = image_inputs_for(model, self.device)
         # Where each step's inputs are written, in place (and the CUDA graphs' static inputs).
         self.buffers = StepBuffers(self.device, self.max_num_batched_tokens, self.max_num_reqs,
                                    self.input_batch.max_blocks_per_req, self.num_kv_groups)
@@ -177,6 +180,8 @@ class ModelRunner:
         dc = self.config.device_config
         t0 = time.perf_counter()
         compile_requested = dc.torch_compile
+        if self.images is not None:  # its steps take image embeddings: never compiled
+            compile_requested = False
         if is_cpu(self.device) and self.lora_manager is None:
             bound, layers = bind_direct_layers(self.model)
             if compile_requested is None and not dc.enforce_eager and bound == layers > 0:
@@ -192,6 +197,8 @@ class ModelRunner:
                                            self.num_kv_groups)
         if reason is None and self.lora_manager is not None:
             reason = "LoRA adapters (each step's rows per adapter are not captured)"
+        if reason is None and self.images is not None:
+            reason = "a vision-language model (its steps take image embeddings and positions)"
         if reason is None and eager:
             # Eager decode steps take the graphs' padded shapes (and split counts) without
             # capturing: a GEMM's rounding depends on its row count, so an unpadded batch
@@ -274,6 +281,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
+        if self.images is not None and self.images.uses_mrope:
+            pos = pos.unsqueeze(0).repeat(3, 1)
         with set_forward_context(None):
             hidden = self.model(ids, pos)
             r = min(n, self.max_num_reqs)
@@ -335,6 +344,8 @@ class ModelRunner:
         if self.lora_manager is not None:
             self._update_lora_slots(scheduler_output)
         self.input_batch.update_states(scheduler_output)
+        if self.images is not None:
+            self.images.update(scheduler_output)
         if self.pooler.num_partial:
             for req_id in scheduler_output.finished_req_ids:
                 self.pooler.forget(req_id)
@@ -356,8 +367,21 @@ class ModelRunner:
         attn_metadata = [self.attn_backend.build_metadata(c) for c in step.common]
         forward = self.compiled or self.model
         dev = self.buffers.dev
+        if self.images is not None:
+            return self._forward_images(req_ids, step, attn_metadata), pend_tokens
         with set_forward_context(attn_metadata):
             return forward(dev["input_ids"][:t], dev["positions"][:t]), pend_tokens
+
+    def _forward_images(self, req_ids: list[str], step: StepInputs, attn_metadata: list) -> torch.Tensor:
+        """A vision-language model's step: image rows in the embeddings, M-RoPE positions,
+        bidirectional image spans (worker/mm_inputs.py prepares them)."""
+        t, n, bufs = step.num_tokens, step.num_reqs, self.buffers
+        ids, positions = bufs.dev["input_ids"][:t], bufs.dev["positions"][:t]
+        inputs = self.images.prepare(req_ids, bufs.np["seq_lens"][:n], bufs.np["query_start_loc"][:n + 1], ids,
+                                     positions)
+        with set_forward_context(attn_metadata, bidirectional=inputs.spans):
+            return self.model(ids, positions if inputs.positions is None else inputs.positions,
+                              inputs_embeds=inputs.inputs_embeds)
 
     def _step_output(self, scheduler_output: SchedulerOutput, req_ids: list[str], step: StepInputs,
                      hidden: torch.Tensor, pend_tokens: torch.Tensor | None,

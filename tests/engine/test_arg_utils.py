@@ -5,7 +5,8 @@ import argparse
 import pytest
 
 from pagedserve.config import SpeculativeConfig
-from pagedserve.engine.arg_utils import EngineArgs, parse_bytes
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.utils import parse_bytes
 
 
 def test_defaults_and_config_tree() -> None:
@@ -251,6 +252,10 @@ WHERE_CHECKED = {
     "max_loras": ({"enable_lora": True, "max_loras": 0}, "LoRAConfig.__post_init__"),
     "max_lora_rank": ({"enable_lora": True, "max_lora_rank": 0}, "LoRAConfig.__post_init__"),
     "max_cpu_loras": ({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1}, "LoRAConfig.__post_init__"),
+    "limit_mm_per_prompt": ({"limit_mm_per_prompt": {"video": 1}}, "ModelConfig.__post_init__"),
+    "allowed_media_domains": ({"allowed_media_domains": [3]}, "ModelConfig.__post_init__"),
+    "disable_chunked_mm_input": ({"disable_chunked_mm_input": "yes"}, _SCALARS),
+    "encoder_cache_size": ({"encoder_cache_size": 0}, "SchedulerConfig.__post_init__"),
 }
 
 

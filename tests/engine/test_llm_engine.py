@@ -234,8 +234,11 @@ def test_chat_template(tok) -> None:
     assert engine.apply_chat_template(msgs, chat_template="{{ messages[0]['content'] }}!") == "hi!"
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
     assert engine.apply_chat_template(parts) == text.replace("hi", "h\ni")
-    with pytest.raises(ValueError, match="only text content parts"):
-        engine.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ValueError, match="only text and image content parts"):
+        engine.apply_chat_template([{"role": "user", "content": [{"type": "audio"}]}])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ValueError, match="takes no images"):  # a text model, before any image is read
+        engine.encode_chat([{"role": "user", "content": [image]}])
     enc = engine.encode_chat(msgs)
     assert enc["prompt"] == text and tok.decode(enc["prompt_token_ids"]) == text
     with pytest.raises(ValueError, match="messages"):

@@ -242,7 +242,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list[ModelSpec]) -> ServerState:
     """The server's flags, checked (a ValueError naming the flag), as the routes' state."""
-    from pagedserve.engine.arg_utils import parse_bytes
+    from pagedserve.utils import parse_bytes
 
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     if args.shutdown_timeout < 0:
