@@ -15,6 +15,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class ImageInputError(InvalidRequestError):
+    """A request's image is refused (a bound, its format, a model without image input):
+    the message names the problem on its own, never as a chat-template failure."""
+
+
 class OverloadedError(RuntimeError):
     """Too much is queued for a shared resource; retry after `retry_after` seconds."""
 

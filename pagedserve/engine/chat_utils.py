@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from pagedserve.chat_template import render_chat_template
-from pagedserve.errors import InvalidRequestError, OverloadedError
+from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
     MAX_REQUEST_TEMPLATE_CHARS,
@@ -285,7 +285,7 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
             if source is None and kind == "image":
                 source = part.get("url")
             if source is None:
-                raise InvalidRequestError(f"an {kind} content part needs its image (e.g. "
+                raise ImageInputError(f"an {kind} content part needs its image (e.g. "
                                           "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}})",
                                           param="messages")
             sources.append(source)

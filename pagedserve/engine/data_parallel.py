@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.chat_utils import encode_chat
+from pagedserve.engine.chat_utils import encode_chat, take_images
 from pagedserve.engine.core_client import EngineDeadError, OutputCollector, on_own_thread
 from pagedserve.engine.inproc_client import InprocClient
 from pagedserve.engine.llm_engine import BatchProgress
 from pagedserve.engine.router import Router
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import EngineOutput, RequestOutput
@@ -402,6 +402,9 @@ class ReplicaSet:
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
+        if isinstance(messages, list) and take_images(messages)[1]:
+            raise ImageInputError("images are not served with data-parallel replicas yet (--data-parallel-size > "
+                                  "1): run one replica for image input", param="messages")
         return encode_chat(self.info.tokenizer, self.info.chat_template, messages, chat_template,
                            add_generation_prompt, max_chars=self.info.max_prompt_chars, **kwargs)
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat_utils import encode_text, prompt_char_limit, render_chat, take_images
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.multimodal.image import MediaPolicy, load_image
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
@@ -201,7 +201,7 @@ class InputProcessor:
         multi_modal = prompt.get("multi_modal")
         if multi_modal is None and prompt.get("multi_modal_data") is not None:
             if text is None:
-                raise InvalidRequestError("multi_modal_data needs the prompt as text (with the model's image "
+                raise ImageInputError("multi_modal_data needs the prompt as text (with the model's image "
                                           "placeholder where each image goes), not only prompt_token_ids",
                                           param="multi_modal_data")
             multi_modal = self.expand_images(text, self.load_images(prompt["multi_modal_data"]), self.encode)
@@ -222,7 +222,7 @@ class InputProcessor:
         limit_mm_per_prompt of them; refused by name for a model that takes none."""
         if not isinstance(data, dict) or set(data) - {"image"}:
             keys = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise InvalidRequestError(f"multi_modal_data takes {{'image': an image or a list of images}}, got {keys}",
+            raise ImageInputError(f"multi_modal_data takes {{'image': an image or a list of images}}, got {keys}",
                                       param="multi_modal_data")
         images = data.get("image")
         return self.check_images(images if isinstance(images, (list, tuple)) else [images])
@@ -230,10 +230,10 @@ class InputProcessor:
     def check_images(self, sources: list[Any]) -> list[Any]:
         """Images for one prompt (PIL images, bytes, URLs) loaded within the bounds."""
         if self.image_prompts is None:
-            raise InvalidRequestError(f"this model ({self.model_config.model}) takes no images: it is a text "
+            raise ImageInputError(f"this model ({self.model_config.model}) takes no images: it is a text "
                                       "model; image input needs a vision-language model", param="messages")
         if len(sources) > self.max_images:
-            raise InvalidRequestError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
+            raise ImageInputError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
                                       "limit_mm_per_prompt allows (--limit-mm-per-prompt)", param="messages")
         return [load_image(source, self.media_policy) for source in sources]
 
@@ -246,16 +246,16 @@ class InputProcessor:
         except InvalidRequestError:
             raise
         except ValueError as e:
-            raise InvalidRequestError(str(e), param="messages") from None
+            raise ImageInputError(str(e), param="messages") from None
         sched = self.config.scheduler_config
         room = sched.encoder_cache_rows
         for image in prompt.images:
             if sched.disable_chunked_mm_input and image.length > sched.max_num_batched_tokens:
-                raise InvalidRequestError(f"an image takes {image.length} prompt positions, more than one step's "
+                raise ImageInputError(f"an image takes {image.length} prompt positions, more than one step's "
                                           f"max_num_batched_tokens ({sched.max_num_batched_tokens}), and this model's "
                                           "images cannot be split across steps", param="messages")
             if image.num_embeds > room:
-                raise InvalidRequestError(f"an image takes {image.num_embeds} encoder rows, more than the encoder "
+                raise ImageInputError(f"an image takes {image.num_embeds} encoder rows, more than the encoder "
                                           f"cache holds ({room}: encoder_cache_size)", param="messages")
         return prompt
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import ImageInputError
 from pagedserve.request_limits import IMAGE_FETCH_SECONDS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -40,8 +40,8 @@ class MediaPolicy:
     fetch_seconds: float = IMAGE_FETCH_SECONDS
 
 
-def _error(message: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(message, param=param)
+def _error(message: str, param: str) -> ImageInputError:
+    return ImageInputError(message, param=param)
 
 
 def load_image(source: Any, policy: MediaPolicy, param: str = "image") -> Any:

@@ -63,12 +63,16 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
             out.append({"role": msg.role, "content": msg.content})
             continue
         texts: list[str] = []
+        parts: list[dict[str, Any]] = []  # text and images, in order, if the message has an image
         calls: list[dict[str, Any]] = []
         for b, block in enumerate(msg.content):
             where = f"messages[{m}].content[{b}]"
             kind = block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and msg.role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
             elif kind == "tool_use" and msg.role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                         or not isinstance(block.get("input", {}), dict):
@@ -85,14 +89,30 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
             else:
                 raise OpenAIError(f"{where}: {repr(kind)[:100]} blocks are not supported in {msg.role} messages (this server "
-                                  "reads text, tool_use in assistant turns and tool_result in user turns)",
-                                  param="messages")
-        if texts or calls or msg.role == "assistant":
+                                  "reads text, image and tool_result in user turns, text and tool_use in assistant "
+                                  "turns)", param="messages")
+        if len(parts) > len(texts):  # images: the content stays parts
+            out.append({"role": msg.role, "content": parts})
+        elif texts or calls or msg.role == "assistant":
             message: dict[str, Any] = {"role": msg.role, "content": "\n".join(texts) if texts else None}
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
     return out
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as a URL the chat handler reads: base64 data becomes a data:
+    URL; a url source stays (fetched only from the server's allowed media domains)."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type")
+        if not isinstance(media, str) or not media.startswith("image/"):
+            raise OpenAIError(f"{where}: an image source needs an image/* media_type", param="messages")
+        return f"data:{media};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise OpenAIError(f"{where}: an image block needs a source of type base64 (media_type, data) or url",
+                      param="messages")
 
 
 def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:

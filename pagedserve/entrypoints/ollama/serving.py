@@ -102,16 +102,27 @@ def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return out
 
 
+def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content with Ollama's `images` (base64 strings, no data: prefix) as
+    image parts before its text, the order Ollama's templates use."""
+    if not images:
+        return text
+    if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
+        raise OpenAIError(f"{where}.images must be a list of base64 strings", param="images")
+    # The media type is only a label: the image's own bytes say what it is (multimodal/image.py).
+    return [*({"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b}"}} for b in images),
+            {"type": "text", "text": text}]
+
+
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ollama's messages as OpenAI's: tool calls' arguments as JSON text (with ids), a
-    tool result's `tool_name` as its name; images are refused until image input exists."""
+    tool result's `tool_name` as its name, images as image parts."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise OpenAIError(f"messages[{i}] must be an object", param="messages")
-        if m.get("images"):
-            raise OpenAIError(f"messages[{i}].images: the models served here read text only", param="messages")
-        message: dict[str, Any] = {"role": m.get("role"), "content": m.get("content") or ""}
+        message: dict[str, Any] = {"role": m.get("role"),
+                                   "content": _with_images(m.get("content") or "", m.get("images"), f"messages[{i}]")}
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
@@ -152,15 +163,16 @@ def generate_request(req: OllamaGenerateRequest, has_template: bool) -> ChatComp
                    "instead of token context", "template": "Go templates are not rendered here; send the prompt "
                    "already formatted with raw: true"}[name]
             raise OpenAIError(f"{name}: {why}", param=name)
-    if req.images:
-        raise OpenAIError("images: the models served here read text only", param="images")
     if req.raw or not has_template:
+        if req.images:
+            raise OpenAIError("images: " + ("a raw prompt" if req.raw else "this model") + " has no chat template "
+                              "to place images in", param="images")
         if req.system:
             raise OpenAIError("system: " + ("a raw prompt" if req.raw else "this model") + " has no chat template "
                               "to put it in", param="system")
         return _validated(CompletionRequest, _openai_body(req, prompt=req.prompt or ""))
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-        [{"role": "user", "content": req.prompt or ""}]
+        [{"role": "user", "content": _with_images(req.prompt or "", req.images, "request")}]
     return _validated(ChatCompletionRequest, _openai_body(req, messages=messages))
 
 

@@ -58,7 +58,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
 from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -141,10 +141,12 @@ class OpenAIServingChat(OpenAIServing):
         try:
             encoded = self.engine.encode_chat(conversation, req.chat_template if req else None,
                                               add_generation_prompt, tools=tools, **kwargs)
+        except ImageInputError as e:  # an image's own refusal, not the template's
+            raise OpenAIError(str(e), param=e.param or "messages") from e
         except ValueError as e:  # the field a bound names (chat_template, messages), else the messages
             param = e.param if isinstance(e, InvalidRequestError) and e.param else "messages"
             raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e
-        return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"])
+        return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"], encoded.get("multi_modal"))
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         mode, function = req.tool_mode()

@@ -95,9 +95,14 @@ class PreparedRequest:
 class TokenizedPrompt:
     text: str | None
     token_ids: list[int]
+    # A chat with images: the engine's expanded prompt (InputProcessor.encode_chat's).
+    multi_modal: Any = None
 
     def engine_prompt(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        if self.multi_modal is not None:
+            prompt["multi_modal"] = self.multi_modal
+        return prompt
 
 
 def sse(data: BaseModel | dict | str) -> str:

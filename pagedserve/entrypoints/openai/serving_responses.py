@@ -84,18 +84,30 @@ class ResponseStore:
         return None if item is None else (json.loads(item[0]), json.loads(item[1]))
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A content's text; with `images` (a message's content), input_image parts too:
+    then the chat content parts, text and image_url (a data: URL, or an http(s) one the
+    server may fetch), in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise OpenAIError(f"{where} must be a string or a list of text parts", param="input")
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise OpenAIError(f"{where}[{i}]: {repr(kind)[:100]} parts are not supported (text only)", param="input")
-        parts.append(part["text"])
-    return "\n".join(parts)
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if images and kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise OpenAIError(f"{where}[{i}]: an input_image needs its image_url (a data: URL; file_id is not "
+                                  "supported)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise OpenAIError(f"{where}[{i}]: {repr(kind)[:100]} parts are not supported (text"
+                              f"{' and input_image' if images else ''})", param="input")
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -113,7 +125,7 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(f"{where}.role must be user, system, developer or assistant", param="input")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), f"{where}.content")})
+                             "content": _text_of(item.get("content"), f"{where}.content", images=True)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise OpenAIError(f"{where}: a function_call needs string call_id, name and arguments", param="input")

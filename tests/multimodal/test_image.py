@@ -1,0 +1,92 @@
+"""Loading a client's image within the bounds (multimodal/image.py): every refusal is an
+ImageInputError naming the problem, before any pixel of a bomb is decoded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import pytest
+
+from pagedserve.errors import ImageInputError
+from pagedserve.multimodal.image import MediaPolicy, decode_image, load_image, read_url
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+def encoded(fmt: str, size: tuple[int, int] = (20, 10), frames: int = 1) -> bytes:
+    images = [PIL.new("RGB", size, (40 * i, 200, 10)) for i in range(frames)]
+    buf = io.BytesIO()
+    images[0].save(buf, format=fmt, save_all=frames > 1, append_images=images[1:])
+    return buf.getvalue()
+
+
+def noise_png() -> bytes:
+    import numpy as np
+
+    buf = io.BytesIO()
+    PIL.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels and whose data is a few bytes: a
+    decompression bomb's shape (the size is read before anything is decoded)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_each_format_loads_as_rgb(fmt: str) -> None:
+    image = load_image(data_url(encoded(fmt), f"image/{fmt.lower()}"), MediaPolicy())
+    assert image.mode == "RGB" and image.size == (20, 10)
+
+
+def test_an_animated_gif_gives_its_first_frame() -> None:
+    image = decode_image(encoded("GIF", frames=3), MediaPolicy())
+    assert image.size == (20, 10) and image.getpixel((0, 0))[0] == 0
+
+
+@pytest.mark.parametrize("source, match", [
+    (data_url(png_header_only(5000, 5000)), "5000x5000 = 25000000 pixels, more than the limit"),
+    (data_url(png_header_only(100_000, 100_000)), "more pixels than the limit"),
+    (data_url(b"not an image at all"), "not a PNG"),
+    (data_url(noise_png()[:400]), "corrupt"),
+    ("data:image/png;base64,@@@@", "base64 payload is invalid"),
+    ("data:text/plain;base64,aGVsbG8=", "image/\\* media type"),
+    ("data:image/png,rawtext", "must be base64"),
+    ("file:///etc/passwd", "must be data: URLs"),
+    ("/etc/passwd", "must be data: URLs"),
+    ("http://example.com/cat.png", "fetches no image URLs"),
+    (b"\x00" * 10, "not a PNG"),
+    (3, "must be a PIL image"),
+])
+def test_hostile_images_are_refused_by_name(source, match: str) -> None:
+    with pytest.raises(ImageInputError, match=match):
+        load_image(source, MediaPolicy())
+
+
+def test_byte_and_pixel_limits() -> None:
+    small = MediaPolicy(max_bytes=100, max_pixels=50)
+    with pytest.raises(ImageInputError, match="more than the limit of 100"):
+        read_url(data_url(b"x" * 1000), small)
+    with pytest.raises(ImageInputError, match="200 pixels, more than the limit of 50"):
+        load_image(PIL.new("RGB", (20, 10)), small)
+
+
+def test_fetching_is_limited_to_allowed_public_domains() -> None:
+    policy = MediaPolicy(allowed_domains=("example.com",))
+    with pytest.raises(ImageInputError, match="not among the allowed media domains"):
+        read_url("https://evil.org/x.png", policy)
+    local = MediaPolicy(allowed_domains=("localhost", "127.0.0.1"))
+    for url in ("http://localhost:8000/x.png", "http://127.0.0.1/x.png"):
+        with pytest.raises(ImageInputError, match="non-public address"):
+            read_url(url, local)

@@ -1,0 +1,109 @@
+"""Images through the engine on a tiny Idefics3 checkpoint: prefix-cache blocks keyed by
+the image, the encoder cache, preemption (recompute and swap), the radix tree, and the
+intake's refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.errors import ImageInputError
+from tests.models.idefics3_helpers import image, make_idefics3
+
+pytest.importorskip("PIL")
+
+# 20 text tokens or so before the image: the first block holds text only.
+PREFIX = "User: the quick brown fox jumps over the lazy dog. Look:"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("idefics3-engine")
+    make_idefics3(path)
+    return str(path)
+
+
+def prompt(img, text: str = "What is it?") -> dict:
+    return {"prompt": f"{PREFIX}<image>{text}<end_of_utterance>\nAssistant:", "multi_modal_data": {"image": img}}
+
+
+def run(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list:
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_the_same_image_reuses_blocks_and_its_encoder_output_a_different_one_does_not(model_dir) -> None:
+    llm = LLM(model=model_dir, dtype="float32", block_size=16, speculative_config="off", max_model_len=512)
+    first, again = run(llm, [prompt(image(64, 48, 1))]), run(llm, [prompt(image(64, 48, 1))])
+    other = run(llm, [prompt(image(64, 48, 2))])[0]
+    n = len(first[0].prompt_token_ids)
+    assert first[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == (n - 1) // 16 * 16  # every full block
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    image_offset = llm.llm_engine.input_processor.process_prompt(prompt(image(64, 48, 2))).images[0].offset
+    assert other.num_cached_tokens == image_offset // 16 * 16 > 0  # the text before the image only
+    fresh = LLM(model=model_dir, dtype="float32", block_size=16, speculative_config="off", max_model_len=512,
+                enable_prefix_caching=False)
+    assert other.outputs[0].token_ids == run(fresh, [prompt(image(64, 48, 2))])[0].outputs[0].token_ids
+    runner = llm.llm_engine.model_executor
+    assert runner.images.encoder_runs == 2  # the repeated image was not encoded again
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_answers(model_dir, mode: str) -> None:
+    """Eight image requests in a KV cache too small for them all: preempted requests come
+    back (recomputed, or swapped back in) with the answers an unhurried engine gives."""
+    prompts = [prompt(image(64, 48 + i, i), f"Q{i}?") for i in range(8)]
+    calm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=128)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # decodes that need new blocks
+    want = [o.outputs[0].token_ids for o in run(calm, prompts, long)]
+    tight = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=128, block_size=16,
+                num_gpu_blocks_override=20, preemption_mode=mode, max_num_batched_tokens=64,
+                enable_prefix_caching=False)
+    got = [o.outputs[0].token_ids for o in run(tight, prompts, long)]
+    assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    assert got == want
+
+
+def test_radix_matching_never_reuses_another_images_tokens(model_dir) -> None:
+    llm = LLM(model=model_dir, dtype="float32", block_size=16, speculative_config="off", max_model_len=512,
+              prefix_caching_algo="radix")
+    fresh = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512,
+                enable_prefix_caching=False)
+    for seed in (3, 4):
+        assert run(llm, [prompt(image(64, 48, seed))])[0].outputs[0].token_ids == \
+            run(fresh, [prompt(image(64, 48, seed))])[0].outputs[0].token_ids
+
+
+def test_chat_with_image_parts_matches_the_prompt_form(model_dir) -> None:
+    import base64
+    import io
+
+    llm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512)
+    img = image(40, 40, 9)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "What is it?"}]}], GREEDY, use_tqdm=False)
+    text = "<|im_start|>User:<image>What is it?<end_of_utterance>\nAssistant:"
+    direct = run(llm, [{"prompt": text, "multi_modal_data": {"image": img}}])
+    assert chat[0].prompt_token_ids == direct[0].prompt_token_ids
+    assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+
+
+def test_intake_refusals_name_the_problem(model_dir) -> None:
+    llm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512,
+              limit_mm_per_prompt={"image": 1})
+    ip = llm.llm_engine.input_processor
+    two = {"prompt": "<image><image>", "multi_modal_data": {"image": [image(8, 8, 1), image(8, 8, 2)]}}
+    for bad, match in [
+        (two, "more than the 1 limit_mm_per_prompt allows"),
+        ({"prompt": "no placeholder", "multi_modal_data": {"image": image(8, 8, 1)}}, "0 image placeholder"),
+        ({"prompt": "<image>", "multi_modal_data": {"video": []}}, "takes {'image'"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": image(8, 8, 1)}}, "needs the prompt as text"),
+    ]:
+        with pytest.raises(ImageInputError, match=match):
+            ip.process_prompt(bad)
+    # the engine goes on serving
+    assert run(llm, [prompt(image(16, 16, 1))])[0].outputs[0].token_ids
