@@ -72,6 +72,7 @@ class Attention(nn.Module):
         shows it plus every key of its image (HF's `or` mask for Gemma 3's image tokens),
         read back from the paged cache in float32 (this step's keys are already written).
         Rare and short (one image's tokens), so plain torch is enough here."""
+        metadata = getattr(metadata, "common", metadata)  # backends wrap CommonAttentionMetadata
         bs = metadata.block_size
         q_first = span.end - (span.q_end - span.q_start)  # the first query's position
         lo = 0 if self.sliding_window is None else max(0, min(span.start, q_first - self.sliding_window + 1))
