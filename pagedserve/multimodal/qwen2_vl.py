@@ -14,12 +14,11 @@ also build Qwen2-VL's video processor, which needs torchvision.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, ClassVar
 
 import torch
 
-from pagedserve.multimodal.inputs import ImageFeature, MultiModalPrompt
+from pagedserve.multimodal.inputs import ImageFeature, MultiModalPrompt, content_identifier
 
 
 def mrope_positions(length: int, images: list[tuple[int, tuple[int, int, int]]],
@@ -78,11 +77,10 @@ class Qwen2VLImagePrompts:
         out = self.image_processor(images=[image], return_tensors="pt")
         pixel_values = out["pixel_values"].contiguous()
         grid = out["image_grid_thw"].reshape(1, 3).to(torch.long)
-        digest = hashlib.blake2b(digest_size=32)
-        digest.update(pixel_values.numpy().tobytes())
-        digest.update(grid.numpy().tobytes())
+        # blake2b over the processed pixels (the resize and normalisation are in them) and the grid
+        identifier = content_identifier("qwen2_vl", pixel_values, grid)
         t, h, w = (int(x) for x in grid[0])
-        return {"pixel_values": pixel_values, "image_grid_thw": grid}, (t, h, w), digest.hexdigest()
+        return {"pixel_values": pixel_values, "image_grid_thw": grid}, (t, h, w), identifier
 
     def process(self, text: str, images: list[Any], encode: Any) -> MultiModalPrompt:
         count = text.count(self.placeholder)
