@@ -1,0 +1,111 @@
+"""Images through the real server with the official clients (tiny Idefics3 checkpoint):
+the answer equals the offline engine's, a repeated image reports cached tokens while a
+different image of the same size reuses only the text before it, and hostile images get
+a 400 naming the problem while the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.conftest import API_KEY, ServerProcess
+from tests.models.idefics3_helpers import image, make_idefics3
+from tests.multimodal.test_image import png_header_only
+
+pytest.importorskip("PIL")
+NAME = "tiny-vlm"
+QUESTION = "Describe the picture in the quick brown fox's words, please:"
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vlm")
+    make_idefics3(path)
+    proc = ServerProcess([str(path), "--served-model-name", NAME, "--api-key", API_KEY, "--dtype", "float32",
+                          "--max-model-len", "512", "--block-size", "16", "--speculative-config", "off",
+                          "--limit-mm-per-prompt", '{"image": 2}'], tmp_path_factory.mktemp("log") / "vlm.log")
+    yield path, proc
+    proc.stop()
+
+
+def test_answers_and_cached_tokens(vlm) -> None:
+    from pagedserve import LLM, SamplingParams
+
+    path, server = vlm
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    url = data_url(image(64, 48, 11))
+
+    def ask(u: str):
+        return client.chat.completions.create(model=NAME, messages=messages(u), max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True})
+
+    first, again, other = ask(url), ask(url), ask(data_url(image(64, 48, 12)))
+    assert again.choices[0].message.content == first.choices[0].message.content
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert 0 < other.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    offline = LLM(model=str(path), dtype="float32", max_model_len=512, speculative_config="off")
+    want = offline.chat(messages(url), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert first.choices[0].message.content == want[0].outputs[0].text
+
+
+def test_responses_and_anthropic_take_images(vlm) -> None:
+    _, server = vlm
+    url = data_url(image(32, 32, 13))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    r = client.responses.create(model=NAME, max_output_tokens=4, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": url}]}])
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 20  # (4 tokens may cut it)
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY)
+    b64 = url.split(",", 1)[1]
+    m = claude.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": QUESTION}]}])
+    assert m.usage.input_tokens > 20
+
+
+BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_000)).decode()
+
+
+@pytest.mark.parametrize("content, match", [
+    ([{"type": "image_url", "image_url": {"url": BOMB}}], "more pixels than the limit"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}], "not a PNG"),
+    ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], "data: URLs"),
+    ([{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}], "fetches no image URLs"),
+    ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, i))}} for i in range(3)],
+     "more than the 2 limit_mm_per_prompt"),
+    ([{"type": "image_url"}], "needs its image"),
+])
+def test_hostile_images_get_a_named_400_and_the_server_keeps_serving(vlm, content, match) -> None:
+    _, server = vlm
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    good: list[int] = []
+    worker = threading.Thread(target=lambda: good.append(httpx.post(
+        server.url + "/v1/chat/completions", headers=headers, timeout=60,
+        json={"model": NAME, "max_tokens": 8, "messages": messages(data_url(image(32, 32, 1)))}).status_code))
+    worker.start()
+    r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60,
+                   json={"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+    worker.join()
+    assert r.status_code == 400, r.text
+    assert match in r.json()["error"]["message"]
+    assert good == [200]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
