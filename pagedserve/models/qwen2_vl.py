@@ -392,16 +392,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T], positions [3, T] (M-RoPE streams; [T] for text alone) -> hidden [T, hidden].
-        LlamaModel's loop, taking `inputs_embeds` (image rows put in) when given."""
-        model = self.model
-        hidden = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = model.rotary_emb.cos_sin(positions)
-        residual = None
-        for layer in model.layers:
-            hidden, residual = layer(rope, hidden, residual)
-        hidden, _ = model.norm(hidden, residual)
-        return hidden
+        """input_ids [T], positions [3, T] (M-RoPE streams; [T] for text alone) -> hidden [T, hidden];
+        `inputs_embeds` (image rows put in) replaces the ids' embeddings when given.  The
+        decoder's rotary is MRotaryEmbedding, so LlamaModel's cos_sin gather takes [3, T]."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
