@@ -38,6 +38,9 @@ class ForwardContext:
     attn_metadata: Sequence[Any] | None
     modules: Sequence[Any] = ()  # layers a compiled graph calls back into, by index
     bidirectional: Sequence[BidirectionalSpan] = ()
+    # The step's CommonAttentionMetadata per KV-cache group, when `bidirectional` has spans
+    # (their keys are read back through its block table).
+    common: Sequence[Any] = ()
 
 
 _CONTEXT: ForwardContext | None = None
@@ -45,10 +48,10 @@ _CONTEXT: ForwardContext | None = None
 
 @contextmanager
 def set_forward_context(attn_metadata: Sequence[Any] | None, modules: Sequence[Any] = (),
-                        bidirectional: Sequence[BidirectionalSpan] = ()) -> Iterator[None]:
+                        bidirectional: Sequence[BidirectionalSpan] = (), common: Sequence[Any] = ()) -> Iterator[None]:
     global _CONTEXT
     prev = _CONTEXT
-    _CONTEXT = ForwardContext(attn_metadata, modules, bidirectional)
+    _CONTEXT = ForwardContext(attn_metadata, modules, bidirectional, common)
     try:
         yield
     finally:

@@ -103,6 +103,16 @@ class BatchProgress(Protocol):
     def tick(self) -> None: ...
 
 
+def whole_images(model_config: ModelConfig) -> bool:
+    """A vision model whose image tokens attend both ways (Gemma 3): an image's span must
+    be computed in one step (SchedulerConfig.disable_chunked_mm_input)."""
+    if model_config.hf_mm_config is None:
+        return False
+    from pagedserve.models.registry import get_model_class
+
+    return bool(get_model_class(model_config.hf_config).bidirectional_image_attention)
+
+
 def image_prompt_processor(model_config: ModelConfig, tokenizer: Any) -> ImagePromptProcessor | None:
     """A vision-language model's prompt processor (its HF image processor from the model
     directory), or None for a text model (or one without a tokenizer: images need text)."""
@@ -125,6 +135,8 @@ class LLMEngine:
         `drafter`: the draft model's proposer when speculative_config names one."""
         self.config = config
         self.model_config = config.model_config
+        if whole_images(config.model_config):  # before the scheduler and the intake read it
+            config.scheduler_config.disable_chunked_mm_input = True
         self.model_executor = model_executor
         self.tokenizer = tokenizer
         self._batch_ids = itertools.count()  # request ids of run_batch

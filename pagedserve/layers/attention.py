@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import kv_dtype
+from pagedserve.attention.backend import CommonAttentionMetadata
 from pagedserve.forward_context import BidirectionalSpan, get_forward_context
 from pagedserve.layers import opaque
 
@@ -57,7 +58,7 @@ class Attention(nn.Module):
             group_metadata = metadata[self.kv_cache_group]
             o = self.impl.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], group_metadata)
             for span in context.bidirectional:
-                o[span.q_start:span.q_end] = self._attend_span(q, span, group_metadata)
+                o[span.q_start:span.q_end] = self._attend_span(q, span, context.common[self.kv_cache_group])
         return o.reshape(t, self.num_heads * self.head_dim)
 
     def _visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -67,12 +68,12 @@ class Attention(nn.Module):
             mask = mask & (k_pos > q_pos - self.sliding_window)
         return mask
 
-    def _attend_span(self, q: torch.Tensor, span: BidirectionalSpan, metadata) -> torch.Tensor:
+    def _attend_span(self, q: torch.Tensor, span: BidirectionalSpan,
+                     metadata: CommonAttentionMetadata) -> torch.Tensor:
         """The rows of an image span's queries again, each seeing what causal attention
         shows it plus every key of its image (HF's `or` mask for Gemma 3's image tokens),
         read back from the paged cache in float32 (this step's keys are already written).
         Rare and short (one image's tokens), so plain torch is enough here."""
-        metadata = getattr(metadata, "common", metadata)  # backends wrap CommonAttentionMetadata
         bs = metadata.block_size
         q_first = span.end - (span.q_end - span.q_start)  # the first query's position
         lo = 0 if self.sliding_window is None else max(0, min(span.start, q_first - self.sliding_window + 1))

@@ -101,7 +101,7 @@ class CompiledModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         context = get_forward_context()
-        with set_forward_context(context.attn_metadata, self.modules, context.bidirectional):
+        with set_forward_context(context.attn_metadata, self.modules, context.bidirectional, context.common):
             if self._direct is not None:
                 return self._direct(self.model, input_ids, positions)
             self._mark_unbacked(input_ids, 0)

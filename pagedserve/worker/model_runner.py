@@ -379,7 +379,7 @@ class ModelRunner:
         ids, positions = bufs.dev["input_ids"][:t], bufs.dev["positions"][:t]
         inputs = self.images.prepare(req_ids, bufs.np["seq_lens"][:n], bufs.np["query_start_loc"][:n + 1], ids,
                                      positions)
-        with set_forward_context(attn_metadata, bidirectional=inputs.spans):
+        with set_forward_context(attn_metadata, bidirectional=inputs.spans, common=step.common):
             return self.model(ids, positions if inputs.positions is None else inputs.positions,
                               inputs_embeds=inputs.inputs_embeds)
 

@@ -257,15 +257,7 @@ def hf_generate(hf: torch.nn.Module, mm: Any) -> tuple[list[int], list[float]]:
 CHUNKED = dict(max_num_batched_tokens=50, enable_chunked_prefill=True)
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    {**CHUNKED, "disable_chunked_mm_input": True},
-    # The two-image prompt's second image starts 2 tokens before the first chunk's end:
-    # split there, its first queries cannot see its last keys (HF's mask lets them).  The
-    # engine is meant to turn disable_chunked_mm_input on for bidirectional families.
-    pytest.param(CHUNKED, marks=pytest.mark.xfail(strict=True, reason=(
-        "the engine does not yet set disable_chunked_mm_input for bidirectional_image_attention models")))],
-    ids=["whole-prompts", "chunked-prefill-50-whole-images", "chunked-prefill-50-engine-default"])
+@pytest.mark.parametrize("engine_kwargs", [{}, CHUNKED], ids=["whole-prompts", "chunked-prefill-50"])
 def test_greedy_generation_matches_hf(checkpoint: tuple[str, torch.nn.Module], prompts: Gemma3ImagePrompts,
                                       engine_kwargs: dict[str, Any]) -> None:
     """One image, the same text with another image, two images, one image twice and text
