@@ -12,22 +12,9 @@ text around them, is refused.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, ClassVar
 
-import torch
-
-from pagedserve.multimodal.inputs import ImageFeature, MultiModalPrompt
-
-
-def image_identifier(pixel_values: torch.Tensor) -> str:
-    """Content hash of one processed image: its pixels after the processor (so resize and
-    normalisation settings are in it) and their shape and dtype."""
-    tensor = pixel_values.detach().to("cpu").contiguous()
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"gemma3:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
+from pagedserve.multimodal.inputs import ImageFeature, MultiModalPrompt, content_identifier, token_runs
 
 
 class Gemma3ImagePrompts:
@@ -66,7 +53,7 @@ class Gemma3ImagePrompts:
             raise ValueError(f"the prompt has {count} image placeholder(s) {self.placeholder!r} but "
                              f"{len(images)} image(s) were given")
         ids = list(encode(self.expansion.join(text.split(self.placeholder))))
-        spans = _runs(ids, self.image_token_id)
+        spans = token_runs(ids, self.image_token_id)
         if len(spans) != len(images) or any(length != self.mm_tokens_per_image for _, length in spans):
             raise ValueError(f"the prompt's text holds the image token (id {self.image_token_id}) itself: "
                              f"expected {len(images)} run(s) of {self.mm_tokens_per_image}, found lengths "
@@ -76,19 +63,7 @@ class Gemma3ImagePrompts:
             pixels = self.image_processor.preprocess(list(images), return_tensors="pt")["pixel_values"]
             for (offset, length), one in zip(spans, pixels.split(1), strict=True):
                 features.append(ImageFeature(
-                    identifier=image_identifier(one), offset=offset, length=length,
+                    identifier=content_identifier("gemma3", one), offset=offset, length=length,
                     num_embeds=self.mm_tokens_per_image, embed_mask=None, data={"pixel_values": one}))
         return MultiModalPrompt(prompt_token_ids=ids, images=features)
 
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """(offset, length) of each maximal run of `token` in `ids`."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, t in enumerate([*ids, None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs

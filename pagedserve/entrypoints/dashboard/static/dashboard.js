@@ -329,15 +329,32 @@ function samplingBody() {
   if ($("seed").value !== "") body.seed = +$("seed").value;
   return body;
 }
-function messagesWith(userText) {
+function messagesWith(userContent) {
   const msgs = [];
   if ($("system").value.trim()) msgs.push({ role: "system", content: $("system").value.trim() });
-  return msgs.concat(conversation, [{ role: "user", content: userText }]);
+  return msgs.concat(conversation, [{ role: "user", content: userContent }]);
 }
-function addMessage(role, text) {
+// The attached image (a vision-language model's input) as a data: URL, or null.
+function attachedImage() {
+  const file = $("image").files[0];
+  if (!file) return Promise.resolve(null);
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error("cannot read the image file"));
+    reader.readAsDataURL(file);
+  });
+}
+function addMessage(role, text, imageUrl) {
   const div = document.createElement("div");
   div.className = "msg " + role;
   div.textContent = text;
+  if (imageUrl) {
+    const img = document.createElement("img");
+    img.src = imageUrl;
+    img.className = "thumb";
+    div.prepend(img);
+  }
   $("transcript").appendChild(div);
   $("transcript").scrollTop = $("transcript").scrollHeight;
   return div;
@@ -345,9 +362,10 @@ function addMessage(role, text) {
 async function errorText(r) {
   try { return (await r.json()).error.message; } catch (e) { return `HTTP ${r.status}`; }
 }
-async function send(text) {
-  const messages = messagesWith(text);
-  const userDiv = addMessage("user", text);
+async function send(text, imageUrl) {
+  const content = imageUrl ? [{ type: "image_url", image_url: { url: imageUrl } }, { type: "text", text }] : text;
+  const messages = messagesWith(content);
+  const userDiv = addMessage("user", text, imageUrl);
   const div = addMessage("assistant", "");
   div.dataset.chunks = "0";
   const t0 = performance.now();
@@ -359,7 +377,7 @@ async function send(text) {
       body: JSON.stringify(Object.assign(samplingBody(), { messages, stream: true,
         stream_options: { include_usage: true } })),
     });
-    if (r.status === 401) { userDiv.remove(); div.remove(); await needKey(); return send(text); }
+    if (r.status === 401) { userDiv.remove(); div.remove(); await needKey(); return send(text, imageUrl); }
     if (!r.ok) throw new Error(await errorText(r));
     for await (const data of sseData(r)) {
       if (data === "[DONE]") break;
@@ -386,7 +404,7 @@ async function send(text) {
       (n && ttft !== null && total > ttft ? ` · ${((n - 1) / (total - ttft)).toFixed(1)} tok/s` : "") +
       ` · finish ${finish}`;
     div.appendChild(meta);
-    conversation.push({ role: "user", content: text }, { role: "assistant", content: reply });
+    conversation.push({ role: "user", content }, { role: "assistant", content: reply });
   } catch (e) {
     div.className = "msg error";
     div.textContent = "Error: " + e.message;
@@ -417,7 +435,8 @@ $("chat-form").addEventListener("submit", (e) => {
   const text = $("message").value.trim();
   if (!text) return;
   $("message").value = "";
-  send(text);
+  attachedImage().then((url) => { $("image").value = ""; send(text, url); },
+    (err) => addMessage("error", "Error: " + err.message));
 });
 $("message").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("chat-form").requestSubmit(); }
