@@ -29,7 +29,7 @@ from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import default_weight_loader
 from pagedserve.layers.rotary_embedding import RotaryEmbedding, rope_config
-from pagedserve.models.llama import AttentionFlags, LlamaModel, head_dim_of
+from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM, LlamaModel, head_dim_of
 from pagedserve.models.utils import StackedMapping, load_named_weights
 
 # ----------------------------------------------------------------------------- text side
@@ -330,13 +330,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     uses_mrope: ClassVar[bool] = True
     bidirectional_image_attention: ClassVar[bool] = False
     windowed_vision: ClassVar[bool] = False
-    stacked_params: StackedMapping = [
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    ]
+    stacked_params: StackedMapping = LlamaForCausalLM.stacked_params
 
     def __init__(self, config: Any) -> None:
         super().__init__()

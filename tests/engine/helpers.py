@@ -18,17 +18,18 @@ _CORPUS = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
-def _backend():
+@functools.lru_cache(maxsize=4)
+def bpe_backend(specials: tuple[str, ...] = tuple(SPECIALS), corpus: tuple[str, ...] = tuple(_CORPUS)):
+    """A byte-level BPE of 400 tokens trained on `corpus`, with `specials` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=400, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tk.train_from_iterator(_CORPUS * 5, trainer)
+    tk.train_from_iterator(list(corpus) * 5, trainer)
     return tk
 
 
@@ -36,7 +37,7 @@ def make_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=_backend(), bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        tokenizer_object=bpe_backend(), bos_token="<|endoftext|>", eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
     )
     tok.chat_template = CHAT_TEMPLATE

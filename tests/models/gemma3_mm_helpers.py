@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.models.models_helpers import randomize
+
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
             "<end_of_image>", "<image_soft_token>"]
 _CORPUS = [
@@ -93,12 +95,7 @@ def make_hf_gemma3_mm(tok: Any, **text_overrides: Any) -> torch.nn.Module:
     config.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
+    randomize(model, is_scale=lambda name: "norm" in name and name.endswith("weight"))
     return model
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tests.models.models_helpers import randomize
+
 CHAT_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
@@ -29,17 +31,6 @@ def make_tokenizer() -> Any:
     tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def randomize(model: torch.nn.Module) -> None:
-    """Every parameter random and big enough to matter (norm scales near 1)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
 
 
 def make_idefics3(path: Path, family: str = "idefics3") -> torch.nn.Module:
@@ -61,6 +52,7 @@ def make_idefics3(path: Path, family: str = "idefics3") -> torch.nn.Module:
                         image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
     config.architectures = [model_cls.__name__]
     model = model_cls(config).eval()
+    torch.manual_seed(0)
     randomize(model)
     model.save_pretrained(path)
     tok.save_pretrained(path)

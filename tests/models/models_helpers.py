@@ -36,13 +36,20 @@ def make_hf_model(case: str, **overrides: Any) -> torch.nn.Module:
     config.architectures = [cls_name.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(model)
+    return model
+
+
+def randomize(model: torch.nn.Module, is_scale: Any = lambda name: "norm" in name,
+              std_of: Any = lambda name: None) -> None:
+    """Every parameter random and big enough to matter: norm scales (`is_scale`) near 1,
+    the rest normal with std 0.15 (vectors 0.05), or `std_of(name)` where it says."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if is_scale(name):
                 p.uniform_(0.5, 1.5)
             else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
-    return model
+                p.normal_(0.0, std_of(name) or (0.15 if p.dim() > 1 else 0.05))
 
 
 def our_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,13 @@ by transformers in-process, and the small pieces the tests share."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 import torch
+
+from tests.engine.helpers import bpe_backend
+from tests.models.models_helpers import randomize
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
@@ -30,24 +32,10 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 20
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
-@functools.lru_cache(maxsize=1)
-def _backend() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tk.train_from_iterator(_CORPUS * 5, trainer)
-    return tk
-
-
 def make_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=_backend(), bos_token="<|endoftext|>", eos_token="<|im_end|>",
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe_backend(tuple(SPECIALS), tuple(_CORPUS)), bos_token="<|endoftext|>", eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
     assert len(tok) <= VOCAB_SIZE
@@ -95,14 +83,8 @@ def make_hf_model(family: str, tok: Any) -> torch.nn.Module:
            else transformers.Qwen2_5_VLForConditionalGeneration)
     torch.manual_seed(0)
     model = cls(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.uniform_(0.5, 1.5)
-            elif "patch_embed" in name:
-                p.normal_(0.0, 0.03)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
+    randomize(model, is_scale=lambda name: "norm" in name or "ln_q" in name,
+              std_of=lambda name: 0.03 if "patch_embed" in name else None)
     return model
 
 
