@@ -451,6 +451,8 @@ class EngineArgs:
             from pagedserve.model_loader import load_model_config
 
             load_model_config(model_config, self.device)
+            if model_config.hf_mm_config is not None and self.tensor_parallel_size > 1:
+                raise ValueError("tensor_parallel_size > 1: vision-language models run on one process here")
         max_model_len = model_config.max_model_len or 2048
         model_config.max_model_len = max_model_len
         batched = self.max_num_batched_tokens
