@@ -67,7 +67,7 @@ def test_answers_and_cached_tokens(vlm) -> None:
     assert first.choices[0].message.content == want[0].outputs[0].text
 
 
-def test_responses_and_anthropic_take_images(vlm) -> None:
+def test_responses_anthropic_and_ollama_take_images(vlm) -> None:
     _, server = vlm
     url = data_url(image(32, 32, 13))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
@@ -80,6 +80,11 @@ def test_responses_and_anthropic_take_images(vlm) -> None:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
         {"type": "text", "text": QUESTION}]}])
     assert m.usage.input_tokens > 20
+    import ollama
+
+    local = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"})
+    o = local.chat(NAME, [{"role": "user", "content": QUESTION, "images": [b64]}], options={"num_predict": 2})
+    assert o.prompt_eval_count == m.usage.input_tokens  # the same prompt: image first, then the text
 
 
 BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_000)).decode()
@@ -109,3 +114,45 @@ def test_hostile_images_get_a_named_400_and_the_server_keeps_serving(vlm, conten
     assert match in r.json()["error"]["message"]
     assert good == [200]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_the_playground_sends_an_attached_image(vlm, tmp_path) -> None:
+    """In headless Chromium: the Image button's file goes with the message as an image_url
+    part (the reply's prompt counts the image's tokens) and shows in the transcript."""
+    import os
+    import shutil
+
+    chromium = os.environ.get("PAGEDSERVE_CHROMIUM", "/usr/bin/chromium")
+    if not shutil.which(chromium):
+        pytest.skip(f"no Chromium at {chromium} (apt install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    from pagedserve.benchmarks.bench_dashboard import CHROMIUM_ARGS, open_dashboard
+
+    _, server = vlm
+    picture = tmp_path / "picture.png"
+    image(40, 30, 21).save(picture)
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=chromium,
+                                                        headless=True, args=CHROMIUM_ARGS)
+        page = context.pages[0] if context.pages else context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        open_dashboard(page, server.url, API_KEY)
+        page.click("#tab-playground")
+        page.fill("#temperature", "0")
+        page.fill("#max_tokens", "4")
+        for attach in (True, False):
+            if attach:
+                page.set_input_files("#image", str(picture))
+            page.fill("#message", "What is it?")
+            page.click("#send")
+            page.wait_for_function("document.querySelectorAll('.msg.assistant[data-done=\"1\"]').length == "
+                                   f"{1 if attach else 2}", timeout=60_000)
+        replies = page.locator(".msg.assistant")
+        with_image, without = (int(replies.nth(i).inner_text().split(" prompt")[0].split()[-1]) for i in (0, 1))
+        assert page.locator(".msg.user img.thumb").count() == 1
+        assert page.evaluate("document.getElementById('image').value") == ""  # sent once, then cleared
+        context.close()
+    assert not errors, errors
+    assert with_image > 20 and without > with_image  # the second turn carries the first (and its image)
