@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import API_KEY, ServerProcess
+from tests.models import gemma3_mm_helpers, qwen2_vl_helpers
 from tests.models.idefics3_helpers import image, make_idefics3
 from tests.multimodal.test_image import png_header_only
 
@@ -36,12 +37,16 @@ def messages(url: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vlm")
-    make_idefics3(path)
-    proc = ServerProcess([str(path), "--served-model-name", NAME, "--api-key", API_KEY, "--dtype", "float32",
-                          "--max-model-len", "512", "--block-size", "16", "--speculative-config", "off",
-                          "--limit-mm-per-prompt", '{"image": 2}'], tmp_path_factory.mktemp("log") / "vlm.log")
-    yield path, proc
+    """One server of the three families' tiny checkpoints (--models-dir): `NAME` is Idefics3's."""
+    models = tmp_path_factory.mktemp("vlms")
+    make_idefics3(models / NAME)
+    gemma3_mm_helpers.save_checkpoint(str(models / "tiny-gemma3"))
+    qwen2_vl_helpers.save_checkpoint(str(models / "tiny-qwen2-vl"), "qwen2_vl")
+    proc = ServerProcess(["--models-dir", str(models), "--max-loaded-models", "3", "--api-key", API_KEY,
+                          "--dtype", "float32", "--max-model-len", "256", "--block-size", "16",
+                          "--speculative-config", "off", "--limit-mm-per-prompt", '{"image": 2}'],
+                         tmp_path_factory.mktemp("log") / "vlm.log")
+    yield models / NAME, proc
     proc.stop()
 
 
@@ -65,6 +70,25 @@ def test_answers_and_cached_tokens(vlm) -> None:
     offline = LLM(model=str(path), dtype="float32", max_model_len=512, speculative_config="off")
     want = offline.chat(messages(url), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert first.choices[0].message.content == want[0].outputs[0].text
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen2-vl"])
+def test_each_family_answers_as_offline(vlm, name: str) -> None:
+    """Gemma 3 and Qwen2-VL through the server with a data: URL answer as LLM.chat does
+    (which tests/models checks against HF greedy); Idefics3's is test_answers_and_cached_tokens."""
+    from pagedserve import LLM, SamplingParams
+
+    path, server = vlm
+    url = data_url(image(50, 40, 31))
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe the image."}]}]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    served = client.chat.completions.create(model=name, messages=chat, max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    offline = LLM(model=str(path.parent / name), dtype="float32", max_model_len=256, speculative_config="off")
+    want = offline.chat(chat, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert served.choices[0].message.content == want.outputs[0].text
+    assert served.usage.prompt_tokens == len(want.prompt_token_ids) > 10
 
 
 def test_responses_anthropic_and_ollama_take_images(vlm) -> None:
