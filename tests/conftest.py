@@ -36,6 +36,8 @@ HEAVY_FIRST = (
     "tests/e2e/test_kv_cache_dtype.py", "tests/attention/test_triton_backend.py", "tests/e2e/test_structured_smollm2.py",
     "tests/worker/test_cuda_graph.py", "tests/entrypoints/openai/test_kv_offload_restart.py",
     "tests/model_loader/test_smollm2.py", "tests/entrypoints/openai/test_hostile_requests.py",
+    "tests/entrypoints/openai/test_image_server.py", "tests/models/test_qwen2_vl.py", "tests/models/test_gemma3_mm.py",
+    "tests/multimodal/test_image_engine.py",
 )
 
 
