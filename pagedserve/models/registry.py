@@ -104,7 +104,7 @@ def resolve_architecture(hf_config: Any) -> str:
             return name
     raise ValueError(
         f"unsupported model architecture {', '.join(map(str, names))}; "
-        f"supported: {', '.join(supported_architectures())}"
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}; with images: {', '.join(sorted(MULTIMODAL_REGISTRY))}"
     )
 
 

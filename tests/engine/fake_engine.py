@@ -186,6 +186,11 @@ class FakeEngine:
         self.shut_down = True
 
     def encode_chat(self, messages, chat_template=None, add_generation_prompt=True, **kwargs) -> dict:
+        from pagedserve.engine.chat_utils import take_images
+        from pagedserve.errors import ImageInputError
+
+        if take_images(messages)[1]:  # as a text model's InputProcessor answers
+            raise ImageInputError("this model takes no images: it is a text model", param="messages")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 

@@ -52,7 +52,8 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' blocks"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document' blocks"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "needs a source of type base64"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]}, "'tool_use'"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 7}]}]},
