@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.worker.compiled_model import load_artifact
 from tests.e2e.token_prompts import shared_prefix_prompts
 
 MAX_TOKENS = 32
@@ -257,17 +256,13 @@ def test_smollm2_matches_hf(smollm2_path, smollm2_gguf) -> None:
     ref = hf_greedy(d, ids, gguf_file=f)
     check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-default")
     del llm
-    # Two engines cover the other settings (each engine costs seconds to build): chunks
-    # of 16 tokens in blocks of 32, and compiled with 32 requests in flight.
-    llm = LLM(smollm2_path, dtype="float32", **{**ENGINE_VARIANTS["chunked-16"], "block_size": 32})
-    check_logprobs_close(ref, ours_greedy(llm, ids), "smollm2-chunked-16-block-32")
-    del llm
-    llm = LLM(smollm2_path, dtype="float32", torch_compile=True, max_num_seqs=32)
-    check_logprobs_close(ref * 4, ours_greedy(llm, ids * 4), "smollm2-compiled-batch-32")
-    # What the next start does: load the saved compilation (this model's compiled bytecode
-    # names its module's globals, which the load must be given).
-    compiled = llm.llm_engine.model_executor.compiled
-    assert load_artifact(compiled.artifact_path, type(compiled.model).forward.__globals__) is not None
+    # One more engine covers the other settings (each costs seconds to build): chunks of 16
+    # tokens in blocks of 32, with 32 requests in flight.  (Compiled-vs-eager parity and the
+    # saved compilation are tests/worker/test_compiled_model.py's, on tiny models: compiling
+    # this one took ~50 s of the suite on a 2-core Zen 3.)
+    llm = LLM(smollm2_path, dtype="float32", max_num_seqs=32,
+              **{**ENGINE_VARIANTS["chunked-16"], "block_size": 32})
+    check_logprobs_close(ref * 4, ours_greedy(llm, ids * 4), "smollm2-chunked-16-block-32-batch-32")
 
 
 def test_gemma3_270m_matches_hf(gemma3_path) -> None:
