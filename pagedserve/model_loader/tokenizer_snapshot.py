@@ -88,6 +88,10 @@ class SnapshotTokenizer:
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def get_added_vocab(self) -> dict[str, int]:
+        """The added tokens (text -> id), as transformers' fast tokenizers give them."""
+        return {t.content: i for i, t in sorted(self.backend_tokenizer.get_added_tokens_decoder().items())}
+
     def convert_tokens_to_ids(self, token: str) -> int | None:
         found = self.backend_tokenizer.token_to_id(token)
         return self.unk_token_id if found is None else found

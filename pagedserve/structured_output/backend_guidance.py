@@ -10,12 +10,11 @@ schema and its end.  A trigger the tokenizer has as one added token (Qwen's
 
 from __future__ import annotations
 
+import copy
 import json
-from typing import Any
+from typing import Any, Protocol
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
@@ -23,6 +22,16 @@ from pagedserve.structured_output.limits import is_lark
 
 # Compact JSON with the separators json.dumps writes (what xgrammar emits too).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class RustBackedTokenizer(Protocol):
+    """What the backend reads of a tokenizer (transformers' fast ones, and
+    model_loader/tokenizer_snapshot.py's SnapshotTokenizer)."""
+
+    backend_tokenizer: Any  # tokenizers.Tokenizer
+    eos_token_id: int | None
+
+    def get_added_vocab(self) -> dict[str, int]: ...
 
 
 class GuidanceMatcher:
@@ -47,9 +56,15 @@ class GuidanceMatcher:
 class GuidanceBackend:
     name = "guidance"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=list(stop_token_ids) or None)
+    def __init__(self, tokenizer: RustBackedTokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        """`tokenizer`: transformers' fast tokenizer or our snapshot of one; its Rust
+        tokenizer's JSON is what llguidance indexes (as llguidance.hf.from_tokenizer does,
+        without importing transformers: a second of the first structured request)."""
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                 eos_token=list(stop_token_ids) or tokenizer.eos_token_id)
         self._stop_token_ids = frozenset(stop_token_ids)
         self._added = dict(tokenizer.get_added_vocab())  # text -> id of tokens it never splits
         self._executor = llguidance.LLExecutor()
@@ -81,11 +96,19 @@ class GuidanceBackend:
         return GuidanceMatcher(compiled.deep_copy(), self._stop_token_ids)
 
     def fill_bitmask(self, bitmask: torch.Tensor, rows: list[tuple[GuidanceMatcher, int]]) -> None:
+        """Each row's mask written by llguidance straight into the [rows, words] int32 CPU
+        tensor.  (Called as llguidance.torch does, without importing it: that module's
+        import compiles a helper with torch.compile, which imports torch._dynamo, 2.5 s
+        on a 2-core Zen 3, on the first structured request of every process.)"""
+        if not (bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.dim() == 2 and bitmask.is_contiguous()):
+            raise ValueError("the grammar bitmask must be a contiguous 2-D int32 CPU tensor")
+        row_bytes = bitmask.shape[1] * 4
         if len(rows) == 1:
             matcher, row = rows[0]
-            llguidance.torch.fill_next_token_bitmask(matcher.matcher, bitmask, row)
+            matcher.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
         elif rows:  # in parallel, outside the GIL
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.matcher, r) for m, r in rows], bitmask)
+            self._executor.unsafe_compute_mask_ptr([(m.matcher, r) for m, r in rows], bitmask.data_ptr(), row_bytes,
+                                                   bitmask.shape[0])
 
 
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",

@@ -67,11 +67,11 @@ def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: l
     from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
 
     name = resolve_backend_name(name)
-    tokenizer = hf_tokenizer(tokenizer)  # both index transformers' own tokenizer object
-    if name == "guidance":
+    if name == "guidance":  # reads the Rust tokenizer itself: transformers is not imported for it
         from pagedserve.structured_output.backend_guidance import GuidanceBackend
 
         return GuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+    tokenizer = hf_tokenizer(tokenizer)  # xgrammar indexes transformers' own tokenizer object
     from pagedserve.structured_output.backend_xgrammar import XgrammarBackend
 
     return XgrammarBackend(tokenizer, vocab_size, stop_token_ids)

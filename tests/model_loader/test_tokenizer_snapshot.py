@@ -64,6 +64,7 @@ def test_a_snapshot_does_what_transformers_tokenizer_does(saved) -> None:
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
     assert ours.get_vocab() == hf.get_vocab() and len(ours) == len(hf)
+    assert ours.get_added_vocab() == hf.get_added_vocab()  # what structural tags match whole
     assert ours.special_tokens_map == hf.special_tokens_map
     for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id", "bos_token", "eos_token"):
         assert getattr(ours, name) == getattr(hf, name), name
