@@ -24,6 +24,19 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def fresh(model_dir):
+    """The reference: no prefix caching, nothing shared between requests."""
+    return LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512,
+               enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def limited(model_dir):
+    return LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512,
+               limit_mm_per_prompt={"image": 1})
+
+
 def prompt(img, text: str = "What is it?") -> dict:
     return {"prompt": f"{PREFIX}<image>{text}<end_of_utterance>\nAssistant:", "multi_modal_data": {"image": img}}
 
@@ -32,7 +45,7 @@ def run(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list:
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_the_same_image_reuses_blocks_and_its_encoder_output_a_different_one_does_not(model_dir) -> None:
+def test_the_same_image_reuses_blocks_and_its_encoder_output_a_different_one_does_not(model_dir, fresh) -> None:
     llm = LLM(model=model_dir, dtype="float32", block_size=16, speculative_config="off", max_model_len=512)
     first, again = run(llm, [prompt(image(64, 48, 1))]), run(llm, [prompt(image(64, 48, 1))])
     other = run(llm, [prompt(image(64, 48, 2))])[0]
@@ -42,21 +55,18 @@ def test_the_same_image_reuses_blocks_and_its_encoder_output_a_different_one_doe
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     image_offset = llm.llm_engine.input_processor.process_prompt(prompt(image(64, 48, 2))).images[0].offset
     assert other.num_cached_tokens == image_offset // 16 * 16 > 0  # the text before the image only
-    fresh = LLM(model=model_dir, dtype="float32", block_size=16, speculative_config="off", max_model_len=512,
-                enable_prefix_caching=False)
     assert other.outputs[0].token_ids == run(fresh, [prompt(image(64, 48, 2))])[0].outputs[0].token_ids
     runner = llm.llm_engine.model_executor
     assert runner.images.encoder_runs == 2  # the repeated image was not encoded again
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_answers(model_dir, mode: str) -> None:
+def test_preemption_keeps_answers(model_dir, fresh, mode: str) -> None:
     """Eight image requests in a KV cache too small for them all: preempted requests come
     back (recomputed, or swapped back in) with the answers an unhurried engine gives."""
     prompts = [prompt(image(64, 48 + i, i), f"Q{i}?") for i in range(8)]
-    calm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=128)
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # decodes that need new blocks
-    want = [o.outputs[0].token_ids for o in run(calm, prompts, long)]
+    want = [o.outputs[0].token_ids for o in run(fresh, prompts, long)]
     tight = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=128, block_size=16,
                 num_gpu_blocks_override=20, preemption_mode=mode, max_num_batched_tokens=64,
                 enable_prefix_caching=False)
@@ -65,21 +75,19 @@ def test_preemption_keeps_answers(model_dir, mode: str) -> None:
     assert got == want
 
 
-def test_radix_matching_never_reuses_another_images_tokens(model_dir) -> None:
+def test_radix_matching_never_reuses_another_images_tokens(model_dir, fresh) -> None:
     llm = LLM(model=model_dir, dtype="float32", block_size=16, speculative_config="off", max_model_len=512,
               prefix_caching_algo="radix")
-    fresh = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512,
-                enable_prefix_caching=False)
     for seed in (3, 4):
         assert run(llm, [prompt(image(64, 48, seed))])[0].outputs[0].token_ids == \
             run(fresh, [prompt(image(64, 48, seed))])[0].outputs[0].token_ids
 
 
-def test_chat_with_image_parts_matches_the_prompt_form(model_dir) -> None:
+def test_chat_with_image_parts_matches_the_prompt_form(limited) -> None:
     import base64
     import io
 
-    llm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512)
+    llm = limited
     img = image(40, 40, 9)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -92,9 +100,8 @@ def test_chat_with_image_parts_matches_the_prompt_form(model_dir) -> None:
     assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
 
 
-def test_intake_refusals_name_the_problem(model_dir) -> None:
-    llm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512,
-              limit_mm_per_prompt={"image": 1})
+def test_intake_refusals_name_the_problem(limited) -> None:
+    llm = limited
     ip = llm.llm_engine.input_processor
     two = {"prompt": "<image><image>", "multi_modal_data": {"image": [image(8, 8, 1), image(8, 8, 2)]}}
     for bad, match in [
