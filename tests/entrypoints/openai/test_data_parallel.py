@@ -80,26 +80,20 @@ def test_offline_llm_splits_a_batch_over_replicas(tiny_model_dir, ray_address, s
         llm.shutdown()
 
 
-def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(tiny_model_dir, ray_address, tmp_path_factory,
-                                                                  request):
+def test_cache_aware_routing_keeps_shared_prefixes_cached(server) -> None:
     """4 system prompts of 160 tokens interleaved at random; each replica's KV cache holds
     28 blocks of 16, room for two of them: sent where its prefix is, a request finds it.
-    Round robin gets a server of its own; cache_aware is the module's server (the
-    default policy, the same cache), started after that one stopped (Ray has 2 CPUs)."""
+    All but the first few requests of each prefix follow it (affinity), and the prompts'
+    cached share comes close to the prefixes' share.  (That this beats round robin, which
+    thrashes each replica's cache with all four prefixes, is
+    `python -m pagedserve.benchmarks.bench_router`'s figure: a second two-replica server
+    here cost the suite a minute.)"""
     prompts = shared_prefix_workload(4, 160, 16, 32, vocab=(10, 200), seed=0)
-    proc = dp_server(tiny_model_dir, ray_address, tmp_path_factory.mktemp("dp-router"), "--router-policy",
-                     "round_robin", *CACHE_FLAGS)
-    try:
-        rr = run_workload(proc.url, MODEL_NAME, prompts, max_tokens=4, headers=HEADERS)
-    finally:
-        proc.stop()
-    server = request.getfixturevalue("server")
     ca = run_workload(server.url, MODEL_NAME, prompts, max_tokens=4, headers=HEADERS)
-    for run in (rr, ca):
-        assert sum(run.requests.values()) == len(prompts)
-    assert rr.affinity_hits == 0
+    print(f"cache_aware: hit rate {ca.hit_rate:.2f}, affinity hits {ca.affinity_hits}/{len(prompts)}")
+    assert sum(ca.requests.values()) == len(prompts)
     assert ca.affinity_hits >= len(prompts) - 8
-    assert ca.hit_rate >= 1.5 * rr.hit_rate, (rr.hit_rate, ca.hit_rate)
+    assert ca.hit_rate >= 0.6, ca.hit_rate
 
 
 def test_greedy_outputs_equal_one_engine_streamed_or_not(server, single):
