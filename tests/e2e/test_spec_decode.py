@@ -254,7 +254,7 @@ def test_sampled_distribution_unchanged_through_the_engine(tmp_path) -> None:
     once, so after the first sampled token t1 the draft is the token that followed t1 in
     the prompt) and with a draft model (the model itself, whose greedy draft after t1 is
     the target's most likely token).  Over 5,000 sequences each, the first and second
-X
+    tokens' distributions must match 5,000 without speculation (two-sample chi-square,
     p = 0.001), and so must how often the second token is the draft."""
     import random
 
