@@ -20,6 +20,7 @@ from pagedserve.model_loader.tokenizer_snapshot import (
     GENERIC_FAST_TOKENIZERS,
     cached_tokenizer,
 )
+from pagedserve.models.registry import names_vision_model
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,15 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         logger.warning("no tokenizer files in %s: only token-id prompts will work", source.path)
         return None
     else:
-        from transformers import AutoTokenizer
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=model_config.trust_remote_code)
+            if snapshot_candidate(source.path, model_config.trust_remote_code):
+                # As a registered model's: the next start reads the snapshot, without transformers.
+                tokenizer = saved_tokenizer(source.path)
+            else:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(source.path,
+                                                          trust_remote_code=model_config.trust_remote_code)
         except Exception as e:
             raise ValueError(f"{source.path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     if model_config.chat_template is not None:
@@ -79,9 +85,16 @@ def load_chat_prompts(model: str, conversations: list[list[dict[str, str]]]) -> 
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
 
 
+def snapshot_candidate(path: str, trust_remote_code: bool) -> bool:
+    """An HF directory whose tokenizer may come from a snapshot: a tokenizer_config.json,
+    no remote code, not a vision model (whose image processors read transformers' own)."""
+    return (not trust_remote_code and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+            and not names_vision_model(path))
+
+
 def saved_tokenizer(path: str) -> Any:
     """A tokenizer directory pagedserve wrote (a registered model's conversion, a GGUF's
-    saved tokenizer).  A plain fast tokenizer comes from its snapshot when an earlier start
+    saved tokenizer), or an HF directory that snapshot_candidate admits.  A plain fast tokenizer comes from its snapshot when an earlier start
     saved one (tokenizer_snapshot.py: no transformers import), else by its class: never
     through AutoTokenizer, which would first import the model's config class to look for
     a tokenizer class there, ~1.1 s of start-up (model_loader/config_snapshot.py says why

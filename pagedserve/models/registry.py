@@ -116,6 +116,21 @@ def multimodal_architecture(hf_config: Any) -> str | None:
     return None
 
 
+def names_vision_model(directory: str) -> bool:
+    """The model directory's config.json names a vision-language architecture (read as
+    JSON: no transformers import).  Such models keep transformers' own config and
+    tokenizer objects, which their image processors read."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            names = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False  # transformers reports what is wrong with it
+    return any(name in MULTIMODAL_REGISTRY for name in names if isinstance(name, str))
+
+
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     check_supported_config(hf_config)
     name = resolve_architecture(hf_config)

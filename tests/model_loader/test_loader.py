@@ -321,7 +321,7 @@ def test_tokenizer_from_dir_with_chat_template_override(tiny_checkpoint, tmp_pat
     assert load_tokenizer(ModelConfig(model=path)) is None  # no tokenizer files: token-id prompts only
     _save_tiny_tokenizer(path)
     tok = load_tokenizer(ModelConfig(model=path))
-    assert tok("hello world")["input_ids"] == [2, 3] and tok.eos_token_id == 1
+    assert tok.encode("hello world") == [2, 3] and tok.eos_token_id == 1
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     tok = load_tokenizer(ModelConfig(model=path, chat_template=str(template)))
