@@ -70,7 +70,8 @@ class ImageInputs:
         computed = seq_lens - num_new
         if self.uses_mrope:
             out.positions = self._mrope_positions(req_ids, computed, num_new, query_start, positions)
-        pieces: list[tuple[int, torch.Tensor]] = []  # (flat row, embedding rows) to write
+        pieces: list[tuple[int, torch.Tensor]] = []  # (first flat row, consecutive embedding rows)
+        scattered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat rows, embedding rows)
         for i, req_id in enumerate(req_ids):
             state = self.requests.get(req_id)
             if state is None or not state.images:
@@ -84,18 +85,20 @@ class ImageInputs:
                 first = int(query_start[i]) + lo - start
                 if image.embed_mask is None:
                     pieces.append((first, rows[lo - image.offset:hi - image.offset]))
-                else:
-                    mask = torch.tensor(image.embed_mask[lo - image.offset:hi - image.offset])
+                else:  # only the span's placeholder positions take rows, in order
+                    where = [j for j, takes in enumerate(image.embed_mask[lo - image.offset:hi - image.offset])
+                             if takes]
                     before = sum(image.embed_mask[:lo - image.offset])
-                    where = torch.nonzero(mask).flatten()
-                    for j, row in enumerate(where.tolist()):
-                        pieces.append((first + row, rows[before + j:before + j + 1]))
+                    scattered.append((torch.tensor(where, dtype=torch.long) + first,
+                                      rows[before:before + len(where)]))
                 if self.bidirectional:
                     out.spans.append(BidirectionalSpan(i, first, first + hi - lo, image.offset, image.end))
-        if pieces:
+        if pieces or scattered:
             embeds = self.model.embed_input_ids(input_ids)
             for row, values in pieces:
                 embeds[row:row + len(values)] = values.to(embeds.dtype)
+            for index, values in scattered:
+                embeds.index_copy_(0, index.to(embeds.device), values.to(embeds.dtype))
             out.inputs_embeds = embeds
         return out
 
