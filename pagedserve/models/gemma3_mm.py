@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.layernorm import GemmaRMSNorm
 from pagedserve.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.models.siglip import SiglipVisionModel, load_plain_weights
 
@@ -67,28 +68,14 @@ class Gemma3MultiModalProjector(nn.Module):
         self.kernel = self.patches_per_side // self.tokens_per_side
         self.eps = float(getattr(vision, "layer_norm_eps", 1e-6))
         self.mm_input_projection_weight = nn.Parameter(torch.zeros(int(vision.hidden_size), int(text.hidden_size)))
-        self.mm_soft_emb_norm = _GemmaNorm(int(vision.hidden_size), self.eps)
+        self.mm_soft_emb_norm = GemmaRMSNorm(int(vision.hidden_size), self.eps)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         b, _, hidden = patches.shape
         grid = patches.transpose(1, 2).reshape(b, hidden, self.patches_per_side, self.patches_per_side)
         pooled = F.avg_pool2d(grid, kernel_size=self.kernel, stride=self.kernel).flatten(2).transpose(1, 2)
-        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(patches)
-
-
-class _GemmaNorm(nn.Module):
-    """Gemma's RMSNorm as HF's Gemma3RMSNorm computes it: in float32, scaled by
-    (1 + weight), cast back.  Plain torch: it runs once per image on a few hundred rows."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        normed = self.mm_soft_emb_norm(pooled.reshape(-1, hidden)).reshape(pooled.shape)
+        return torch.matmul(normed, self.mm_input_projection_weight).type_as(patches)
 
 
 class Gemma3ForConditionalGeneration(nn.Module):

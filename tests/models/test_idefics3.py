@@ -8,8 +8,6 @@ import torch
 
 from tests.models.idefics3_helpers import image, make_idefics3, make_tokenizer
 
-pytest.importorskip("PIL")
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

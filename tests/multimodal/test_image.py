@@ -9,11 +9,10 @@ import struct
 import zlib
 
 import pytest
+from PIL import Image as PIL
 
 from pagedserve.errors import ImageInputError
 from pagedserve.multimodal.image import MediaPolicy, decode_image, load_image, read_url
-
-PIL = pytest.importorskip("PIL.Image")
 
 
 def encoded(fmt: str, size: tuple[int, int] = (20, 10), frames: int = 1) -> bytes:

@@ -10,8 +10,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.errors import ImageInputError
 from tests.models.idefics3_helpers import image, make_idefics3
 
-pytest.importorskip("PIL")
-
 # 20 text tokens or so before the image: the first block holds text only.
 PREFIX = "User: the quick brown fox jumps over the lazy dog. Look:"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

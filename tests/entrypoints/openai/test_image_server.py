@@ -19,7 +19,6 @@ from tests.models import gemma3_mm_helpers, qwen2_vl_helpers
 from tests.models.idefics3_helpers import image, make_idefics3
 from tests.multimodal.test_image import png_header_only
 
-pytest.importorskip("PIL")
 NAME = "tiny-vlm"
 QUESTION = "Describe the picture in the quick brown fox's words, please:"
 
