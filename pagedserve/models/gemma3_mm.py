@@ -25,7 +25,8 @@ from torch import nn
 
 from pagedserve.layers.layernorm import GemmaRMSNorm
 from pagedserve.models.gemma3 import Gemma3ForCausalLM
-from pagedserve.models.siglip import SiglipVisionModel, load_plain_weights
+from pagedserve.models.siglip import SiglipVisionModel
+from pagedserve.models.utils import load_plain_weights
 
 # Checkpoint prefixes -> our module prefixes: transformers 5 in memory (`model.*`), the
 # hub's older layout (`language_model.model.*`, `vision_tower.vision_model.*`), and what

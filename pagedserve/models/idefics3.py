@@ -21,6 +21,7 @@ from torch import nn
 
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.siglip import SiglipEncoder
+from pagedserve.models.utils import load_plain_weights
 
 # Checkpoint prefixes -> ours (transformers 5 and the hub's SmolVLM/Idefics3 share them).
 _TEXT, _VISION, _CONNECTOR = "model.text_model.", "model.vision_model.", "model.connector."
@@ -131,26 +132,22 @@ class Idefics3ForConditionalGeneration(nn.Module):
         return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF names: the decoder's through the Llama loader, the tower's and connector's by name."""
+        """HF names: the decoder's through the Llama loader, the tower's and the connector's
+        as plain copies (models/utils.load_plain_weights)."""
         text: list[tuple[str, torch.Tensor]] = []
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
+        vision: list[tuple[str, torch.Tensor]] = []
+        connector: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
             if name.startswith(_TEXT):
                 text.append(("model." + name[len(_TEXT):], tensor))
             elif name == "lm_head.weight":
                 text.append((name, tensor))
-            elif name.startswith((_VISION, _CONNECTOR)):
-                target = name[len("model."):].replace("connector.modality_projection.proj", "connector.proj")
-                param = own.get(target)
-                if param is None or param.shape != tensor.shape:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model "
-                                     f"(shape {tuple(tensor.shape)})")
-                param.data.copy_(tensor)
-                loaded.add(target)
+            elif name.startswith(_VISION):
+                vision.append((name[len(_VISION):], tensor))
+            elif name.startswith(_CONNECTOR):
+                connector.append((name[len(_CONNECTOR):].replace("modality_projection.proj", "proj"), tensor))
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        missing = sorted(n for n in own if n.startswith(("vision_model.", "connector.")) and n not in loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {', '.join(missing[:5])}")
-        return loaded | self.language_model.load_weights(text)
+        return (self.language_model.load_weights(text)
+                | {_VISION + n for n in load_plain_weights(self.vision_model, vision, prefix=_VISION)}
+                | {_CONNECTOR + n for n in load_plain_weights(self.connector, connector, prefix=_CONNECTOR)})

@@ -27,10 +27,9 @@ from torch import nn
 
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.linear import default_weight_loader
 from pagedserve.layers.rotary_embedding import RotaryEmbedding, rope_config
 from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM, LlamaModel, head_dim_of
-from pagedserve.models.utils import StackedMapping, load_named_weights
+from pagedserve.models.utils import StackedMapping, load_named_weights, load_plain_weights
 
 # ----------------------------------------------------------------------------- text side
 
@@ -412,10 +411,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         projections' loaders; the tower's are plain copies (its Qwen2.5-VL MLP has
         gate_proj/up_proj names that must not be fused).  ValueError names any missing or
         stray tensor of either."""
-        vision_params = dict(self.visual.named_parameters())
-        vision_done: set[str] = set()
-        stray: list[str] = []
-        used: set[str] = set()
+        vision: list[tuple[str, torch.Tensor]] = []
 
         def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for original, tensor in weights:
@@ -423,16 +419,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                 if "rotary_emb.inv_freq" in name or "rotary_pos_emb.inv_freq" in name:
                     continue
                 if name.startswith("visual."):
-                    param = vision_params.get(name[len("visual."):])
-                    if param is None:
-                        stray.append(original)
-                        continue
-                    try:
-                        default_weight_loader(param, tensor)
-                    except ValueError as e:
-                        raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
-                    vision_done.add(name[len("visual."):])
-                    used.add(original)
+                    vision.append((name[len("visual."):], tensor))
                     continue
                 yield name, tensor
 
@@ -440,16 +427,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         text_part.model = self.model
         text_part.lm_head = self.lm_head
         tied = self.tie_word_embeddings
-        used |= load_named_weights(text_part, text_weights(), self.stacked_params,
-                                   lambda name: tied and name == "lm_head.weight")
-        if stray:
-            raise ValueError(f"checkpoint has {len(stray)} vision tensor(s) this model does not use "
-                             f"(config and weights disagree?): {', '.join(sorted(stray)[:8])}")
-        missing = sorted(set(vision_params) - vision_done)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} vision tensor(s): "
-                             f"{', '.join('visual.' + m for m in missing[:8])}")
-        return used
+        used = load_named_weights(text_part, text_weights(), self.stacked_params,
+                                  lambda name: tied and name == "lm_head.weight")
+        return used | {"visual." + n for n in load_plain_weights(self.visual, vision, prefix="visual.")}
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

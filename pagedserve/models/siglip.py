@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.models.utils import load_plain_weights
+
 
 def siglip_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The encoder MLP's activation by its HF `hidden_act` name; anything else is refused
@@ -161,33 +163,3 @@ class SiglipVisionModel(nn.Module):
         """Tower-relative HF names (`embeddings.*`, `encoder.*`, `post_layernorm.*`) ->
         parameters; ValueError names a missing, stray or mis-shaped tensor."""
         return load_plain_weights(self, weights, skip=lambda name: name.startswith("head."))
-
-
-def load_plain_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       skip: Callable[[str], bool] = lambda name: False) -> set[str]:
-    """Copy (name, tensor) pairs into `module`'s parameters of the same names, checking
-    shapes and coverage (models/utils.load_named_weights is for the decoder's fused
-    parallel layers; these modules are plain)."""
-    params = dict(module.named_parameters())
-    used: set[str] = set()
-    unexpected: list[str] = []
-    for name, tensor in weights:
-        if skip(name):
-            continue
-        param = params.get(name)
-        if param is None:
-            unexpected.append(name)
-            continue
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
-        used.add(name)
-    if unexpected:
-        raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use "
-                         f"(config and weights disagree?): {', '.join(sorted(unexpected)[:8])}")
-    missing = sorted(set(params) - used)
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
-    return used

@@ -104,3 +104,34 @@ def bind_direct_layers(model: nn.Module) -> tuple[int, int]:
     (no adapters); a compile traces the layers' module path regardless."""
     layers = [m for m in model.modules() if isinstance(m, DirectBindable)]
     return sum(m.bind_direct() for m in layers), len(layers)
+
+
+def load_plain_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       skip: Callable[[str], bool] = lambda name: False, prefix: str = "") -> set[str]:
+    """Copy (name, tensor) pairs into `module`'s parameters of the same names, checking
+    shapes and coverage: load_named_weights is for the decoder's fused parallel layers,
+    this for plain modules (vision towers, projectors).  `prefix`: the module's place in
+    the checkpoint, for the messages."""
+    params = dict(module.named_parameters())
+    used: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {prefix + name!r}: shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        used.add(name)
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use "
+                         f"(config and weights disagree?): {', '.join(prefix + n for n in sorted(unexpected)[:8])}")
+    missing = sorted(set(params) - used)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(prefix + n for n in missing[:8])}")
+    return used
