@@ -440,7 +440,7 @@ class InputProcessor:
         text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
                            max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
         if not images:
-            return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+            return {"prompt": text, "prompt_token_ids": self.encode_chat_text(text)}
         prompt = self.expand_images(text, images, self.encode_chat_text)
         return {"prompt": text, "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}
 
