@@ -99,7 +99,7 @@ class GuidanceBackend:
         """Each row's mask written by llguidance straight into the [rows, words] int32 CPU
         tensor.  (Called as llguidance.torch does, without importing it: that module's
         import compiles a helper with torch.compile, which imports torch._dynamo, 2.5 s
-        on a 2-core Zen 3, on the first structured request of every process.)"""
+        on a 2-core Zen 3 (AVX2 only), on the first structured request of every process.)"""
         if not (bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.dim() == 2 and bitmask.is_contiguous()):
             raise ValueError("the grammar bitmask must be a contiguous 2-D int32 CPU tensor")
         row_bytes = bitmask.shape[1] * 4

@@ -263,7 +263,7 @@ def test_smollm2_matches_hf(smollm2_path, smollm2_gguf) -> None:
     # One more engine covers the other settings (each costs seconds to build): chunks of 16
     # tokens in blocks of 32, with every prompt twice in flight.  (Compiled-vs-eager parity and the
     # saved compilation are tests/worker/test_compiled_model.py's, on tiny models: compiling
-    # this one took ~50 s of the suite on a 2-core Zen 3.)
+    # this one took ~50 s of the suite on a 2-core Zen 3, AVX2 only.)
     llm = LLM(smollm2_path, dtype="float32", max_num_seqs=32,
               **{**ENGINE_VARIANTS["chunked-16"], "block_size": 32})
     check_logprobs_close(ref * 2, ours_greedy(llm, ids * 2), "smollm2-chunked-16-block-32-batched")
