@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import sys
@@ -70,6 +71,12 @@ def release_freed_memory() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def collect_and_release() -> None:
+    """Collect garbage (a model's reference cycles), then hand the heap's free pages back."""
+    gc.collect()
+    release_freed_memory()
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:

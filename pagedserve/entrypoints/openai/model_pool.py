@@ -24,7 +24,6 @@ the reason; the others keep serving.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ from typing import Any, Generic, TypeVar
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from pagedserve.model_loader.model_facts import model_details
 from pagedserve.utils import rss_bytes
+from pagedserve.worker.cpu_malloc import collect_and_release
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +93,6 @@ class ModelSpec:
     name: str
     source: str
     aliases: tuple[str, ...] = ()  # further names for it (--served-model-name)
-
-
-def return_memory_to_the_system() -> None:
-    """After an unload: collect the model's objects, then hand the heap's freed pages
-    back (glibc keeps them otherwise, and resident memory would not fall)."""
-    from pagedserve.worker.cpu_malloc import release_freed_memory
-
-    gc.collect()
-    release_freed_memory()
 
 
 class ServedModel(Generic[H]):
@@ -350,7 +341,7 @@ class ModelPool(Generic[H]):
         before = rss_bytes(os.getpid())
         await self._unload(handlers)
         del handlers
-        await asyncio.to_thread(return_memory_to_the_system)
+        await asyncio.to_thread(collect_and_release)  # (resident memory falls only with this)
         self.counters.unloads += 1
         logger.info("model %r unloaded (%s; resident memory %+.0f MiB)", model.spec.name, why,
                     (rss_bytes(os.getpid()) - before) / 2**20)
