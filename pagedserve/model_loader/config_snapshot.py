@@ -6,12 +6,11 @@ imports its validators, which import activations, kernel hubs, the weight-conver
 machinery and torch.distributed.tensor: ~1.1 s and ~30-60 MB of every start (Zen 4), for
 a handful of numbers.  The model code only reads attributes of the config (it calls none
 of its methods), so for the files start-up reads again and again (registered models'
-converted directories, GGUF files, and HF directories without remote code that are not
-vision models, whose image processors read transformers' own config) the first start
-builds the config with transformers
-as before and saves every public attribute's value (properties and aliases included);
-every start, the first too, gets a `ConfigSnapshot` holding those values.  The key is the source
-file's identity, the transformers version and the source of the code that derived the
+converted directories, GGUF files, and the HF directories that
+models/registry.snapshots_allowed admits) the first start builds the config with
+transformers as before and saves every public attribute's value (properties and aliases
+included); every start, the first too, gets a `ConfigSnapshot` holding those values.  The
+key is the source file's identity, the transformers version and the source of the code that derived the
 config (`cached_config`), so a change to any of them builds it again.
 """
 

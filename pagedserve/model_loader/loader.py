@@ -42,8 +42,8 @@ from pagedserve.models.registry import (
     check_supported_config,
     get_model_class,
     multimodal_architecture,
-    names_vision_model,
     resolve_architecture,
+    snapshots_allowed,
 )
 from pagedserve.platforms import is_cuda
 
@@ -151,13 +151,12 @@ def _read_hf_config(source: ModelSource, trust_remote_code: bool) -> Any:
     config_json = os.path.join(source.path, "config.json")
     if not os.path.isfile(config_json):
         raise FileNotFoundError(f"no config.json in model directory {source.path}")
-    if source.registered is not None or not (trust_remote_code or names_vision_model(source.path)):
+    if source.registered is not None or snapshots_allowed(source.path, trust_remote_code):
         # The next start of this directory reads the saved snapshot: no transformers import
         # (~3.6 s of a tiny model's 7.3 s `serve` start on a 2-core Zen 3, AVX2 only).  Vision models
         # keep transformers' composite config (its get_text_config, the image processors).
         return cached_config(config_json, lambda: _auto_config(source.path, False))
     return _auto_config(source.path, trust_remote_code)
-
 
 
 def _auto_config(path: str, trust_remote_code: bool) -> Any:

@@ -20,7 +20,7 @@ from pagedserve.model_loader.tokenizer_snapshot import (
     GENERIC_FAST_TOKENIZERS,
     cached_tokenizer,
 )
-from pagedserve.models.registry import names_vision_model
+from pagedserve.models.registry import snapshots_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +86,17 @@ def load_chat_prompts(model: str, conversations: list[list[dict[str, str]]]) -> 
 
 
 def snapshot_candidate(path: str, trust_remote_code: bool) -> bool:
-    """An HF directory whose tokenizer may come from a snapshot: a tokenizer_config.json,
-    no remote code, not a vision model (whose image processors read transformers' own)."""
-    return (not trust_remote_code and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
-            and not names_vision_model(path))
+    """An HF directory whose tokenizer may come from a snapshot: one with a
+    tokenizer_config.json that models/registry.snapshots_allowed admits."""
+    return os.path.isfile(os.path.join(path, "tokenizer_config.json")) and snapshots_allowed(path, trust_remote_code)
 
 
 def saved_tokenizer(path: str) -> Any:
     """A tokenizer directory pagedserve wrote (a registered model's conversion, a GGUF's
-    saved tokenizer), or an HF directory that snapshot_candidate admits.  A plain fast tokenizer comes from its snapshot when an earlier start
-    saved one (tokenizer_snapshot.py: no transformers import), else by its class: never
-    through AutoTokenizer, which would first import the model's config class to look for
+    saved tokenizer), or an HF directory that snapshot_candidate admits.  A plain fast
+    tokenizer comes from its snapshot when an earlier start saved one
+    (tokenizer_snapshot.py: no transformers import), else by its class: never through
+    AutoTokenizer, which would first import the model's config class to look for
     a tokenizer class there, ~1.1 s of start-up (model_loader/config_snapshot.py says why
     it costs that)."""
     with open(os.path.join(path, "tokenizer_config.json")) as f:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from typing import Any
 
 from torch import nn
@@ -120,15 +122,19 @@ def names_vision_model(directory: str) -> bool:
     """The model directory's config.json names a vision-language architecture (read as
     JSON: no transformers import).  Such models keep transformers' own config and
     tokenizer objects, which their image processors read."""
-    import json
-    import os
-
     try:
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
             names = json.load(f).get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return False  # transformers reports what is wrong with it
     return any(name in MULTIMODAL_REGISTRY for name in names if isinstance(name, str))
+
+
+def snapshots_allowed(directory: str, trust_remote_code: bool) -> bool:
+    """Whether start-up may read this HF directory's config and tokenizer as snapshots
+    (model_loader/config_snapshot.py, tokenizer_snapshot.py: no transformers objects):
+    not when its remote code defines them, nor for a vision model."""
+    return not trust_remote_code and not names_vision_model(directory)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
