@@ -64,9 +64,11 @@ from pagedserve.worker.step_buffers import StepBuffers, StepInputs
 
 logger = logging.getLogger("pagedserve")
 
-# Prompt positions scored per compute_logits call for prompt_logprobs (a [rows, vocab]
-# float32 block each: 100 MB at a 49k vocabulary).
-PROMPT_LOGPROBS_ROWS = 512
+# The [rows, vocab] float32 logits block prompt_logprobs scores per compute_logits call:
+# its rows follow from the vocabulary (85 positions at 49k, 16 at Gemma's 262k), so the
+# extra memory of a prompt's logprobs is this block and its log-softmax, whatever the
+# prompt's length (512 rows at a time added ~350 MiB at peak at a 49k vocabulary).
+PROMPT_LOGPROBS_BLOCK_BYTES = 16 << 20
 
 
 def _first_eos(eos) -> int | None:
@@ -391,7 +393,8 @@ class ModelRunner:
         while the grammar bitmask is on its way."""
         ib, drafts = self.input_batch, scheduler_output.scheduled_spec_decode_tokens
         qsl = self.buffers.np["query_start_loc"]
-        prompt_lps = (step_outputs.prompt_logprobs(self.model, ib, qsl, req_ids, hidden, PROMPT_LOGPROBS_ROWS)
+        rows_per_pass = max(1, PROMPT_LOGPROBS_BLOCK_BYTES // (4 * self.vocab_size))
+        prompt_lps = (step_outputs.prompt_logprobs(self.model, ib, qsl, req_ids, hidden, rows_per_pass)
                       if ib.prompt_logprob_rows else {})
         pooled = step_outputs.pool(self.pooler, self.model, ib, qsl, req_ids, hidden) if ib.pooling_params else {}
         if not step.sample_rows:

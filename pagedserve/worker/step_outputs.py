@@ -24,8 +24,8 @@ def prompt_logprobs(model: LogitsModel, ib: InputBatch, query_start_loc: np.ndar
     """Logprobs of the prompt tokens this step's hidden states predict, for requests that
     asked (`prompt_logprobs` top ones each): the state at prompt position p scores prompt
     token p + 1.  Rows go through compute_logits `rows_per_pass` at a time, so a long
-    prompt costs a bounded [rows, vocab] of float32 per pass (all of an 8k-token chunk's
-    rows at once took 6 GB for a 49k vocabulary)."""
+    prompt costs a bounded [rows, vocab] of float32 per pass, normalised in place (all of
+    an 8k-token chunk's rows at once took 6 GB for a 49k vocabulary)."""
     qsl = query_start_loc
     out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
     for i, req_id in enumerate(req_ids):
@@ -51,8 +51,9 @@ def _score_prompt_rows(model: LogitsModel, ib: InputBatch, row: int, hidden: tor
     logits = model.compute_logits(hidden.index_select(0, index))
     if logits is None:  # a tensor-parallel rank > 0 (it still took part in the collective)
         return []
-    lp = logits.float().log_softmax(-1)
+    lp = logits.float()  # compute_logits' own tensor (or a copy): normalised in place
     del logits
+    lp -= lp.logsumexp(-1, keepdim=True)
     targets = torch.from_numpy(ib.token_ids[row, pos + 1: pos + 1 + count].astype(np.int64))
     target_lp = lp.gather(1, targets.to(lp.device)[:, None])
     ranks = ((lp > target_lp).sum(-1) + 1).tolist()

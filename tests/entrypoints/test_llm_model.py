@@ -145,11 +145,12 @@ def test_prompt_logprobs_match_hf(tiny_dir, budget, rows, monkeypatch) -> None:
     """Every prompt token's logprob as HF computes it, also when the prompt is prefilled in
     chunks of 8 (and with the prompt already in the prefix cache: it must be recomputed),
     and when the runner scores the prompt 3 positions per logits pass (its memory bound)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedserve.worker import model_runner
 
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", rows)
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_BLOCK_BYTES", rows * 4 * AutoConfig.from_pretrained(
+        tiny_dir).vocab_size)
     kw = {"max_num_batched_tokens": budget, "long_prefill_token_threshold": 8} if budget else {}
     llm = LLM(tiny_dir, dtype="float32", max_model_len=128, **kw)
     prompt = [5, 17, 33, 2, 90, 41, 7, 7, 19, 250, 3, 64, 8, 11, 12, 13, 99, 2, 45]
