@@ -64,12 +64,6 @@ from pagedserve.worker.step_buffers import StepBuffers, StepInputs
 
 logger = logging.getLogger("pagedserve")
 
-# The [rows, vocab] float32 logits block prompt_logprobs scores per compute_logits call:
-# its rows follow from the vocabulary (85 positions at 49k, 16 at Gemma's 262k), so the
-# extra memory of a prompt's logprobs is this block and its log-softmax, whatever the
-# prompt's length (512 rows at a time added ~350 MiB at peak at a 49k vocabulary).
-PROMPT_LOGPROBS_BLOCK_BYTES = 16 << 20
-
 
 def _first_eos(eos) -> int | None:
     if isinstance(eos, (list, tuple)):
@@ -393,8 +387,7 @@ class ModelRunner:
         while the grammar bitmask is on its way."""
         ib, drafts = self.input_batch, scheduler_output.scheduled_spec_decode_tokens
         qsl = self.buffers.np["query_start_loc"]
-        rows_per_pass = max(1, PROMPT_LOGPROBS_BLOCK_BYTES // (4 * self.vocab_size))
-        prompt_lps = (step_outputs.prompt_logprobs(self.model, ib, qsl, req_ids, hidden, rows_per_pass)
+        prompt_lps = (step_outputs.prompt_logprobs(self.model, ib, qsl, req_ids, hidden, self.vocab_size)
                       if ib.prompt_logprob_rows else {})
         pooled = step_outputs.pool(self.pooler, self.model, ib, qsl, req_ids, hidden) if ib.pooling_params else {}
         if not step.sample_rows:

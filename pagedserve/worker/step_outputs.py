@@ -18,14 +18,21 @@ from pagedserve.worker.rejection_sampler import DraftVerdict
 from pagedserve.worker.runner_output import LogprobsEntry, logprobs_entries
 from pagedserve.worker.sampler import Sampler, SamplerOutput
 
+# The [rows, vocab] float32 logits block prompt_logprobs scores per compute_logits call:
+# its rows follow from the vocabulary (85 positions at 49k, 16 at Gemma's 262k), so the
+# extra memory of a prompt's logprobs is this block, normalised in place, whatever the
+# prompt's length (512 rows at a time added ~350 MiB at peak at a 49k vocabulary).
+PROMPT_LOGPROBS_BLOCK_BYTES = 16 << 20
+
 
 def prompt_logprobs(model: LogitsModel, ib: InputBatch, query_start_loc: np.ndarray, req_ids: list[str],
-                    hidden: torch.Tensor, rows_per_pass: int) -> dict[str, tuple[int, list[LogprobsEntry]]]:
+                    hidden: torch.Tensor, vocab_size: int) -> dict[str, tuple[int, list[LogprobsEntry]]]:
     """Logprobs of the prompt tokens this step's hidden states predict, for requests that
     asked (`prompt_logprobs` top ones each): the state at prompt position p scores prompt
-    token p + 1.  Rows go through compute_logits `rows_per_pass` at a time, so a long
-    prompt costs a bounded [rows, vocab] of float32 per pass, normalised in place (all of
-    an 8k-token chunk's rows at once took 6 GB for a 49k vocabulary)."""
+    token p + 1.  Rows go through compute_logits a PROMPT_LOGPROBS_BLOCK_BYTES block at a
+    time, so a long prompt costs a bounded [rows, vocab] of float32 per pass (all of an
+    8k-token chunk's rows at once took 6 GB for a 49k vocabulary)."""
+    rows_per_pass = max(1, PROMPT_LOGPROBS_BLOCK_BYTES // (4 * vocab_size))
     qsl = query_start_loc
     out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
     for i, req_id in enumerate(req_ids):

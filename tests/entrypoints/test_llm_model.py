@@ -147,9 +147,9 @@ def test_prompt_logprobs_match_hf(tiny_dir, budget, rows, monkeypatch) -> None:
     and when the runner scores the prompt 3 positions per logits pass (its memory bound)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedserve.worker import model_runner
+    from pagedserve.worker import step_outputs
 
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_BLOCK_BYTES", rows * 4 * AutoConfig.from_pretrained(
+    monkeypatch.setattr(step_outputs, "PROMPT_LOGPROBS_BLOCK_BYTES", rows * 4 * AutoConfig.from_pretrained(
         tiny_dir).vocab_size)
     kw = {"max_num_batched_tokens": budget, "long_prefill_token_threshold": 8} if budget else {}
     llm = LLM(tiny_dir, dtype="float32", max_model_len=128, **kw)
