@@ -116,6 +116,11 @@ class EngineCore:
         self.output_processor = OutputProcessor(tokenizer)  # beside the core: see the module docstring
         # LoRA adapters the executor has loaded and checked, by id, least recently used first.
         self._loras: OrderedDict[int, LoRARequest] = OrderedDict()
+        # Requests whose adapter has no room yet (max_cpu_loras loaded, each with unfinished
+        # requests), oldest first: their parent is in the output processor, their
+        # sequences join the scheduler when an adapter goes idle (see _admit_parked), so
+        # host memory holds at most max_cpu_loras adapters whatever the requests name.
+        self._parked: deque[EngineCoreRequest] = deque()
         # Async scheduling: launched steps whose results are not applied yet, oldest first
         # (at most one stays in flight between calls to step()).
         self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
@@ -134,6 +139,19 @@ class EngineCore:
         for rid in {request.request_id, *request.child_ids}:
             if rid in self.output_processor.parents or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        lora = request.lora_request
+        # Behind a parked request every adapter request waits its turn: otherwise requests
+        # on the busy adapters could keep them busy for ever.
+        if lora is not None and (self._parked or not self._has_room(lora)):
+            self._track(request, output_kind)
+            self._parked.append(request)
+            return
+        self._admit(request)
+        self._track(request, output_kind)
+
+    def _admit(self, request: EngineCoreRequest) -> None:
+        """The request's adapter loaded and its sequences in the scheduler; ValueError
+        (an adapter that does not load, a prompt the scheduler cannot fit) changes nothing."""
         if request.lora_request is not None:
             self.add_lora(request.lora_request)
         params = request.sampling_params
@@ -150,6 +168,9 @@ class EngineCore:
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
+
+    def _track(self, request: EngineCoreRequest, output_kind: RequestOutputKind) -> None:
+        """The request's parent in the output processor (and its grammar's compilation)."""
         parent = ParentRequest(request.request_id, request.prompt, request.prompt_token_ids, output_kind,
                                RequestMetrics(request.arrival_time), pooling=request.pooling_params is not None)
         self.output_processor.add_request(parent, request.child_ids, request.child_params)
@@ -160,6 +181,8 @@ class EngineCore:
         """Drop requests (unknown or finished ids are ignored); their blocks are freed now."""
         child_ids = self.output_processor.abort_requests(list(request_ids))
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        if self._parked:
+            self._parked = deque(r for r in self._parked if r.request_id in self.output_processor.parents)
         if self._inflight and not self.scheduler.has_unfinished_requests():
             self._apply_inflight(keep=0)  # only finished requests' extra tokens are left
 
@@ -168,7 +191,8 @@ class EngineCore:
         """Load an adapter the InputProcessor has checked (a no-op when this one is loaded);
         False when it was loaded already.  Beyond max_cpu_loras, the least recently used
         adapters without unfinished requests are unloaded to make room (one is read again
-        when next named), so a step never reads an adapter's files.  ValueError names what
+        when next named), so a step never reads an adapter's files and host memory holds
+        at most max_cpu_loras adapters (a request waits for room: see _parked).  ValueError names what
         is wrong: an id taken by another adapter, or the adapter itself (its files, rank,
         targets, shapes)."""
         lora_config = self.config.lora_config
@@ -182,14 +206,17 @@ class EngineCore:
             raise InvalidRequestError(f"LoRA id {lora_id} is adapter {known.lora_name!r} "
                                       f"({known.lora_path}); unload it before reusing the id", param="model")
         if len(self._loras) >= lora_config.max_cpu_loras:
-            # Adapters with unfinished requests stay (their steps must not read files), so
-            # a batch naming more adapters than max_cpu_loras holds them all until it ends.
+            # Adapters with unfinished requests stay (their steps must not read files).
             busy = self._busy_loras()
             idle = [i for i in self._loras if i not in busy]
             for victim in idle[: len(self._loras) - lora_config.max_cpu_loras + 1]:
                 self.remove_lora(victim)
         self.model_executor.add_lora(lora_request)
         self._loras[lora_id] = lora_request
+        if len(self._loras) > lora_config.max_cpu_loras:
+            # Loaded by name (not for a request) while every other adapter is busy: it
+            # was checked, and it is read again when a request names it.
+            self.remove_lora(lora_id)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -204,6 +231,29 @@ class EngineCore:
         del self._loras[lora_id]
         self.model_executor.remove_lora(lora_id)
         return True
+
+    def _has_room(self, lora_request: LoRARequest) -> bool:
+        """Whether the adapter is loaded or can be without passing max_cpu_loras (an idle
+        one makes room)."""
+        assert self.config.lora_config is not None
+        if lora_request.lora_int_id in self._loras or len(self._loras) < self.config.lora_config.max_cpu_loras:
+            return True
+        return bool(self._loras.keys() - self._busy_loras())
+
+    def _admit_parked(self) -> list[EngineOutput]:
+        """Parked requests join the scheduler, oldest first, while their adapters find
+        room; one that cannot be admitted (its adapter's files no longer load) ends with
+        "error", its message the reason."""
+        failed: list[EngineCoreOutput] = []
+        while self._parked and self._has_room(self._parked[0].lora_request):
+            request = self._parked.popleft()
+            if request.request_id not in self.output_processor.parents:  # its grammar failed meanwhile
+                continue
+            try:
+                self._admit(request)
+            except ValueError as e:
+                failed += [EngineCoreOutput(cid, [], True, "error", str(e)) for cid in request.child_ids]
+        return self.output_processor.process_outputs(failed, None, time.time())[0] if failed else []
 
     def _busy_loras(self) -> set[int]:
         """Ids of the adapters unfinished requests run with."""
@@ -221,6 +271,8 @@ class EngineCore:
         (the first step returns none); once no request is left the last in-flight
         step is applied at once, leaving the engine idle with every block free."""
         outputs = self._fail_grammars() if self._compiling else []
+        if self._parked:
+            outputs += self._admit_parked()
         sched_out = self.scheduler.schedule()
         total = sched_out.total_num_scheduled_tokens
         if self.busiest_snapshot is not None and self.kv_cache_manager.usage > self.busiest_usage:
@@ -318,6 +370,7 @@ class EngineCore:
         spec = self.scheduler.spec_stats
         tier = self.model_executor.kv_tier
         num_running, num_waiting = self.scheduler.get_request_counts()
+        num_waiting += sum(len(r.child_ids) for r in self._parked)
         return EngineStats(
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kvm.usage,
             prefix_cache_queries=kvm.prefix_cache_queries, prefix_cache_hits=kvm.prefix_cache_hits,

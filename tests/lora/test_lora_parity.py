@@ -182,6 +182,34 @@ def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_unloaded_and
     check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], loras[0]), "adapter0 read again")
 
 
+def test_requests_past_max_cpu_loras_wait_for_room_and_host_memory_holds_that_many(tiny, tmp_path) -> None:
+    """Four adapters named at once through one host slot: a request whose adapter has no
+    room waits (counted as waiting, its parent known) and joins when the adapter before it
+    goes idle, with the same answer; one whose adapter's files are gone by then ends with
+    "error", one aborted while it waits never runs.  Host memory never holds two."""
+    import shutil
+
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    gone = LoRARequest("gone", 9, shutil.copytree(loras[2].lora_path, str(tmp_path / "gone")))
+    for i, lora in enumerate([loras[0], loras[1], gone, loras[3], loras[1]]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=lora)
+    assert engine.list_loras() == [loras[0]]
+    assert engine.get_stats().num_waiting == 5 and engine.get_num_unfinished_requests() == 5
+    engine.abort_request("r4")
+    shutil.rmtree(tmp_path / "gone")
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+        assert len(engine.list_loras()) <= 1
+    assert sorted(done) == ["r0", "r1", "r2", "r3"]
+    assert [list(done[r].token_ids) for r in ("r0", "r1", "r3")] == [refs[1][0][0], refs[2][0][0], refs[4][0][0]]
+    assert done["r2"].finish_reason == "error" and done["r2"].token_ids == []
+    assert engine.get_stats().num_waiting == 0
+
+
 def test_structured_outputs_hold_under_every_adapter(tiny) -> None:
     """A grammar constrains what each adapter's logits may pick: every answer matches it,
     and the adapters still answer differently from each other."""
