@@ -1,0 +1,35 @@
+"""What Ollama's routes say of a model, read from its files without loading it
+(model_loader/model_facts.py), against gguf's own reader."""
+
+from __future__ import annotations
+
+import os
+
+from pagedserve.model_loader.model_facts import model_details
+
+
+def test_a_gguf_files_facts_are_what_ggufs_own_reader_reads(smollm2_gguf: str, smollm2_path: str) -> None:
+    from gguf import GGUFReader, LlamaFileType
+
+    reader = GGUFReader(smollm2_gguf)  # decodes every field: the slow reference
+    arch = reader.fields["general.architecture"].contents()
+    facts = model_details(smollm2_gguf)
+    assert facts.format == "gguf" and facts.family == arch == "llama"
+    assert facts.parameter_count == sum(int(t.n_elements) for t in reader.tensors) > 100_000_000
+    assert facts.quantization == LlamaFileType(reader.fields["general.file_type"].contents()).name.removeprefix(
+        "MOSTLY_") == "Q4_1"
+    assert facts.context_length == reader.fields[f"{arch}.context_length"].contents() == 8192
+    assert facts.size == os.path.getsize(smollm2_gguf)
+    # The converted directory: its own config and template, the GGUF's quantization.
+    converted = model_details(smollm2_path)
+    assert (converted.format, converted.family, converted.quantization, converted.context_length) == (
+        "gguf", "llama", "Q4_1", 8192)
+    assert "<|im_start|>" in converted.chat_template
+    assert converted.details()["parameter_size"] == "134.52M"
+
+
+def test_an_unreadable_model_shows_only_its_name(tmp_path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    facts = model_details(str(bad))
+    assert (facts.format, facts.family, facts.parameter_count) == ("unknown", "unknown", 0)
