@@ -12,7 +12,7 @@ from pagedserve.attention import cpu_paged, kv_dtype
 from pagedserve.attention.cpu_paged import CpuPagedBackend, paged_decode
 from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.attention.torch_ref import TorchReferenceBackend
-from tests.attention.test_cpu_paged import CPU_FLAGS, HAS_COMPILER, reference_decode
+from tests.attention.test_cpu_paged import CPU_FLAGS, HAS_COMPILER, PLAIN_TEST_BUILD, reference_decode
 from tests.attention.test_torch_paged import MIXED, make_case
 
 NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
@@ -104,7 +104,7 @@ def test_avx2_build_reads_float8_and_int8_exactly() -> None:
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 def test_plain_loop_build_reads_int8_exactly() -> None:
-    kernel = cpu_paged.build(("-mno-avx512f", "-mno-avx2", "-mno-fma"))
+    kernel = cpu_paged.build(PLAIN_TEST_BUILD)
     _check_narrow_kernel(kernel, torch.float32, torch.int8)
 
 
