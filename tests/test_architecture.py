@@ -185,3 +185,11 @@ def test_the_suites_heavy_first_list_names_files_that_exist() -> None:
 
     root = Path(__file__).resolve().parents[1]
     assert [p for p in HEAVY_FIRST if not (root / p).is_file()] == []
+
+
+def test_the_readme_and_the_performance_page_stay_short() -> None:
+    """The README is read first and whole (under 25,000 bytes); docs/performance.md holds the
+    current figures only, past runs living in git history (under 400 lines)."""
+    root = PACKAGE.parent
+    assert (root / "README.md").stat().st_size < 25_000
+    assert len((root / "docs" / "performance.md").read_text(encoding="utf-8").splitlines()) < 400
