@@ -192,9 +192,9 @@ class EngineCore:
         False when it was loaded already.  Beyond max_cpu_loras, the least recently used
         adapters without unfinished requests are unloaded to make room (one is read again
         when next named), so a step never reads an adapter's files and host memory holds
-        at most max_cpu_loras adapters (a request waits for room: see _parked).  ValueError names what
-        is wrong: an id taken by another adapter, or the adapter itself (its files, rank,
-        targets, shapes)."""
+        at most max_cpu_loras adapters (a request waits for room: see _parked).
+        ValueError names what is wrong: an id taken by another adapter, or the adapter
+        itself (its files, rank, targets, shapes)."""
         lora_config = self.config.lora_config
         assert lora_config is not None  # InputProcessor.check_lora refuses a request when LoRA is off
         lora_id = lora_request.lora_int_id
