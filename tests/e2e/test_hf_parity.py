@@ -108,9 +108,26 @@ def hf_weights_from_gguf(model_dir: str, gguf_file: str) -> str:
     key = f"{gguf_file}-{st.st_size}-{int(st.st_mtime)}-transformers-{transformers.__version__}"
     final = os.path.join(cache_dir(), "hf-reference", key)
     if not os.path.isfile(os.path.join(final, "config.json")):
+        import unittest.mock
+
+        import gguf
         from safetensors.torch import save_model
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, gguf_file=gguf_file)
+        # transformers parses the file with gguf's reader for the config, then again for the
+        # weights (15 s each for Gemma 3's 262k-token vocabulary on a Zen 3): the same reader
+        # serves both, so HF's reading is unchanged and done once.
+        readers: dict[str, gguf.GGUFReader] = {}
+        parse = gguf.GGUFReader
+
+        def read_once(path: str, *args, **kwargs) -> gguf.GGUFReader:
+            key = repr((os.fspath(path), args, sorted(kwargs.items())))
+            if key not in readers:
+                readers[key] = parse(path, *args, **kwargs)
+            return readers[key]
+
+        with unittest.mock.patch.object(gguf, "GGUFReader", read_once):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, gguf_file=gguf_file)
+        assert len(readers) == 1, "transformers read the GGUF through another reader"
         tmp = f"{final}.tmp-{os.getpid()}"
         os.makedirs(tmp)
         # (save_pretrained refuses a GGUF-loaded model: the weights and the config, by hand)
