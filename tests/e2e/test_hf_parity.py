@@ -95,11 +95,10 @@ def hf_weights_from_gguf(model_dir: str, gguf_file: str) -> str:
     persistent cache.  The reference stays HF's dequantization, independent of ours; what is
     saved is the 20-40 s transformers spends parsing a GGUF's metadata (Gemma 3's 262k-token
     vocabulary, twice) on every load."""
+    import fcntl
     import os
-    import shutil
 
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from pagedserve.model_loader.sources import cache_dir
 
@@ -107,39 +106,51 @@ def hf_weights_from_gguf(model_dir: str, gguf_file: str) -> str:
     st = os.stat(gguf)
     key = f"{gguf_file}-{st.st_size}-{int(st.st_mtime)}-transformers-{transformers.__version__}"
     final = os.path.join(cache_dir(), "hf-reference", key)
-    if not os.path.isfile(os.path.join(final, "config.json")):
-        import unittest.mock
-
-        import gguf
-        from safetensors.torch import save_model
-
-        # transformers parses the file with gguf's reader for the config, then again for the
-        # weights (15 s each for Gemma 3's 262k-token vocabulary on a Zen 3): the same reader
-        # serves both, so HF's reading is unchanged and done once.
-        readers: dict[str, gguf.GGUFReader] = {}
-        parse = gguf.GGUFReader
-
-        def read_once(path: str, *args, **kwargs) -> gguf.GGUFReader:
-            key = repr((os.fspath(path), args, sorted(kwargs.items())))
-            if key not in readers:
-                readers[key] = parse(path, *args, **kwargs)
-            return readers[key]
-
-        with unittest.mock.patch.object(gguf, "GGUFReader", read_once):
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, gguf_file=gguf_file)
-        assert len(readers) == 1, "transformers read the GGUF through another reader"
-        tmp = f"{final}.tmp-{os.getpid()}"
-        os.makedirs(tmp)
-        # (save_pretrained refuses a GGUF-loaded model: the weights and the config, by hand)
-        save_model(model, os.path.join(tmp, "model.safetensors"))
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.save_pretrained(tmp)
-        if os.path.exists(final):  # another process saved it meanwhile
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    # One reader per file across the suite's workers: the other waits for it, not reads it too.
+    with open(f"{final}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(final, "config.json")):
+            _save_hf_reading(gguf_file, model_dir, final)
     return final
+
+
+def _save_hf_reading(gguf_file: str, model_dir: str, final: str) -> None:
+    import os
+    import shutil
+    import unittest.mock
+
+    import gguf
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    # transformers parses the file with gguf's reader for the config, then again for the
+    # weights (15 s each for Gemma 3's 262k-token vocabulary on a Zen 3): the same reader
+    # serves both, so HF's reading is unchanged and done once.
+    readers: dict[str, gguf.GGUFReader] = {}
+    parse = gguf.GGUFReader
+
+    def read_once(path: str, *args, **kwargs) -> gguf.GGUFReader:
+        key = repr((os.fspath(path), args, sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    with unittest.mock.patch.object(gguf, "GGUFReader", read_once):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, gguf_file=gguf_file)
+    assert len(readers) == 1, "transformers read the GGUF through another reader"
+    tmp = f"{final}.tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    # (save_pretrained refuses a GGUF-loaded model: the weights and the config, by hand)
+    save_model(model, os.path.join(tmp, "model.safetensors"))
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    if os.path.exists(final):  # (a stale partial one: the lock keeps out live writers)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def ours_greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:

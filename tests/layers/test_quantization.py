@@ -26,6 +26,7 @@ from pagedserve.layers.quantization import (
     quantize,
     quantized_matmul,
 )
+from tests.attention.test_cpu_paged import PLAIN_TEST_BUILD
 
 pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
                                 reason="no C++ compiler on this machine")
@@ -83,8 +84,7 @@ def test_activations_round_to_nearest_per_block(bits: int) -> None:
     assert torch.allclose(xq[:, 40].float() * xd[:, 1], x[:, 40], atol=0.51 * xd[:, 1].max().item())
 
 
-# The plain loops at -O1: the same source checked in less compile time than -O3.
-BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-O1")}
+BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "plain": PLAIN_TEST_BUILD}
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+import os
 
 import pytest
 import torch
@@ -13,46 +12,15 @@ from pagedserve.forward_context import set_forward_context
 from pagedserve.model_loader import get_model, load_model_config, load_tokenizer
 
 
-def hf_model_from_gguf(gguf_path: str, our_config: Any, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
-    """HF's own GGUF reading (metadata, dequantization, Q/K un-permutation): the code path
-    `from_pretrained(dir, gguf_file=...)` runs, called directly because that entry point
-    also insists on `accelerate`, which this project does not depend on.  The HF module is
-    built from transformers' config of our values (HF needs a module to map names; ours
-    may be a saved snapshot, model_loader/config_snapshot.py) after checking that HF reads
-    the same hyperparameters from the GGUF; parsing the metadata twice would double the
-    slowest part of this test."""
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # HF rebuilds gguf's name table once per submodule (~400 times, most of its load time): memoize it.
-    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
-    try:  # random init of 135M parameters is wasted work here
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
-        hf_config = AutoConfig.for_model(our_config.model_type, **{
-            k: getattr(our_config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                                                "tie_word_embeddings", "rope_parameters", "hidden_act")})
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-    parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)
-    for key, value in parsed["config"].items():
-        if key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                   "tie_word_embeddings", "model_type"):
-            assert getattr(our_config, key) == value, key
-    assert parsed["config"]["rope_theta"] == our_config.rope_parameters["rope_theta"]
-    result = model.load_state_dict(parsed["tensors"], strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied to the embedding
-    model.tie_weights()
-    return model
-
-
 @pytest.mark.slow
-def test_smollm2_matches_hf_reading_the_gguf(smollm2_path: str, smollm2_gguf: str, monkeypatch) -> None:
+def test_smollm2_matches_hf_reading_the_gguf(smollm2_path: str, smollm2_gguf: str) -> None:
+    """Logits of one chat prompt against HF's own GGUF reading (metadata, dequantization,
+    Q/K un-permutation: tests/e2e/test_hf_parity.hf_weights_from_gguf, which the suite's
+    other SmolLM2 references share), whose hyperparameters must be ours."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.e2e.test_hf_parity import hf_weights_from_gguf
+
     mc = ModelConfig(model="smollm2-135m-instruct", dtype="float32", quantization="none")
     load_model_config(mc, "cpu")
     assert mc.max_model_len == 8192 and mc.hf_config.num_hidden_layers == 30
@@ -64,7 +32,12 @@ def test_smollm2_matches_hf_reading_the_gguf(smollm2_path: str, smollm2_gguf: st
     model = get_model(mc, "cpu")
     with torch.no_grad(), set_forward_context(None):
         ours = model.compute_logits(model(ids, torch.arange(len(ids))))
-    hf = hf_model_from_gguf(smollm2_gguf, mc.hf_config, monkeypatch)
+    hf = AutoModelForCausalLM.from_pretrained(hf_weights_from_gguf(*os.path.split(smollm2_gguf)),
+                                              dtype=torch.float32).eval()
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
+                "model_type", "rope_parameters"):
+        assert getattr(hf.config, key) == getattr(mc.hf_config, key), key
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     assert ref.abs().max() > 10  # a real model, not noise
