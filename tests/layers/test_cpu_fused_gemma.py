@@ -21,8 +21,7 @@ from pagedserve.models.utils import bind_direct_layers
 from tests.e2e.conftest import make_tiny_checkpoint
 from tests.layers.fused_helpers import DTYPES, VARIANTS, fused, gated_input, one_rounding
 
-pytestmark = pytest.mark.skipif(cpu_fused.fused_kernel_error() is not None,
-                                reason=f"no C++ toolchain here: {cpu_fused.fused_kernel_error()}")
+pytestmark = pytest.mark.usefixtures("fused_kernel")  # (tests/layers/conftest.py)
 
 
 def test_gemma_kernels_on_cpu_tensors_only():
