@@ -342,8 +342,14 @@ def iter_gguf_tensors(reader: GGUFFile, hf_config: Any, path: str,
 def gguf_tokenizer_class(model_type: str) -> Any:
     """The tokenizer class AutoTokenizer picks for a GGUF of this model type (with no
     tokenizer config beside it): transformers' registered class for the type, else its
-    generic `TokenizersBackend` (llama's case)."""
-    from transformers import TokenizersBackend
+    generic `TokenizersBackend` (llama's case).  transformers 4.x (no such backend, another
+    table): AutoTokenizer itself, which then reads the whole file first."""
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     name = TOKENIZER_MAPPING_NAMES.get(model_type)
