@@ -357,16 +357,17 @@ def gguf_tokenizer_class(model_type: str) -> Any:
     return found if found is not None else TokenizersBackend
 
 
-def load_gguf_tokenizer(path: str) -> Any:
+def load_gguf_tokenizer(path: str, reader: GGUFFile | None = None) -> Any:
     """The tokenizer and chat template embedded in the GGUF, converted by transformers.
 
     Not through AutoTokenizer: to pick the class it first rebuilds the model's config with
     gguf's GGUFReader, which decodes every vocabulary string (about 15 s for Gemma 3's 262k
     tokens, 5 s for SmolLM2's 49k, real Zen 3), only to learn the model type.  The type
     comes from our own header read instead; the conversion itself is transformers' own
-    (`tests/model_loader/test_gguf_tokenizer.py` checks the saved files are AutoTokenizer's)."""
+    (`tests/model_loader/test_gguf_tokenizer.py` checks the saved files are AutoTokenizer's).
+    `reader`: the file's, where the caller has read it already."""
     try:
-        arch = _field(open_gguf(path), "general.architecture")
+        arch = _field(reader or open_gguf(path), "general.architecture")
         model_type = GGUF_ARCHITECTURES[arch][0] if arch in GGUF_ARCHITECTURES else str(arch)
         return gguf_tokenizer_class(model_type).from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                                  gguf_file=os.path.basename(path))

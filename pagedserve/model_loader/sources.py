@@ -380,4 +380,4 @@ def convert_gguf_to_hf_dir(gguf_path: str, out_dir: str) -> None:
     del tensors
     hf_config.dtype = "float32"
     hf_config.save_pretrained(out_dir)
-    load_gguf_tokenizer(gguf_path).save_pretrained(out_dir)
+    load_gguf_tokenizer(gguf_path, reader).save_pretrained(out_dir)
