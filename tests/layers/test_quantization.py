@@ -110,6 +110,23 @@ def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> N
         assert torch.equal(dequantize_rows(pack(w, kernel), rows, kernel), w.dequantize()[rows])
 
 
+@pytest.mark.parametrize("build", ["avx2", "plain"])
+@pytest.mark.parametrize("kind", list(QuantKind))
+def test_a_rows_output_does_not_depend_on_its_batch(build: str, kind: QuantKind) -> None:
+    """Bit for bit, whatever path the batch's size takes (AVX2: one or two rows in one
+    pass, 3-15 in passes per half-tile, 16 and more through widened codes and panels, a
+    last partial panel; past 64 rows, chunks): a request's logits must not change with
+    who else is in its step."""
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    kernel = quant_kernel(BUILDS[build])
+    w = pack(blocks_of(kind, 40, 256, seed=7), kernel)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([quantized_matmul(x[i:i + 1], [(0, w)], 40, kernel) for i in range(70)])
+    for m in (2, 5, 16, 18, 70):
+        assert torch.equal(quantized_matmul(x[:m], [(0, w)], 40, kernel), alone[:m]), (build, kind, m)
+
+
 @pytest.mark.parametrize("kind", list(QuantKind))
 def test_pack_writes_the_layout_the_kernel_header_describes(kind: QuantKind) -> None:
     """pack's codes against the layout spelled out index by index (quant_linear.cpp's
