@@ -72,7 +72,14 @@ def _hf_generate(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, d
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load_kwargs).eval().to(device)
-    results: dict[int, tuple[list[int], list[dict]]] = {}
+    return greedy_tops(model, prompts, MAX_TOKENS, TOP, device)
+
+
+def greedy_tops(model, prompts: list[list[int]], max_tokens: int, top: int,
+                device: str = "cpu") -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Per prompt: `model`'s (HF's, or PEFT's over it) greedy tokens and each step's
+    top-`top` logprobs, prompts of similar length in one left-padded `generate`."""
+    results: dict[int, tuple[list[int], list[dict[int, float]]]] = {}
     with torch.inference_mode():
         for group in _length_groups(prompts):
             width = max(len(prompts[k]) for k in group)
@@ -80,13 +87,13 @@ def _hf_generate(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, d
             mask = torch.tensor([[0] * (width - len(prompts[k])) + [1] * len(prompts[k]) for k in group],
                                 device=device)
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             for row, k in enumerate(group):
                 tops = []
                 for logits in out.logits:
-                    v, i = torch.log_softmax(logits[row].float(), -1).topk(TOP)
+                    v, i = torch.log_softmax(logits[row].float(), -1).topk(top)
                     tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
                 results[k] = (out.sequences[row, width:].tolist(), tops)
     return [results[k] for k in range(len(prompts))]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.e2e.test_hf_parity import greedy_tops
+
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -37,18 +39,7 @@ def peft_greedy(base_model, adapter_dir: str | None, prompts: list[list[int]], m
     from peft import PeftModel
 
     model = base_model if adapter_dir is None else PeftModel.from_pretrained(copy.deepcopy(base_model), adapter_dir)
-    model.eval()
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-            tops = []
-            for logits in out.logits:
-                v, i = torch.log_softmax(logits[0].float(), -1).topk(top)
-                tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
-            results.append((out.sequences[0, len(p):].tolist(), tops))
-    return results
+    return greedy_tops(model.eval(), prompts, max_tokens, top)
 
 
 def cached_peft_greedy(base_model, base_key: str, adapter: tuple[str, dict] | None, prompts: list[list[int]],
