@@ -39,7 +39,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], dtype: torch.dtype = tor
     For a real model (a GGUF file) the answer is kept in the persistent cache, keyed by
     everything it depends on: HF's reading of that file (hf_weights_from_gguf's key), the
     transformers and torch versions, the CPU's vector capability, dtype, device, the
-    prompts and the step and top-k counts.  HF's generate costs 40 s for SmolLM2's eight
+    prompts and the step and top-k counts.  HF's generate costs 7-25 s for a real model's
     prompts on 2 cores, every run, for the same numbers; the check against ours still runs
     in full.  Delete ~/.cache/pagedserve/hf-reference to recompute."""
     if "gguf_file" not in load_kwargs:
