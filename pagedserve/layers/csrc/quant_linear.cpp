@@ -18,7 +18,7 @@
 //
 // Paths, chosen at compile time for the machine (-march=native, capped like torch):
 // AVX-512 VNNI (vpdpwssd / vpdpbusd), AVX2 (vpmaddwd / vpmaddubsw; for 16-bit activations
-// of 4 rows or more, codes widened once per tile and the activations in panels), plain loops.
+// of 16 rows or more, codes widened once per tile and the activations in panels), plain loops.
 
 // Only the headers used (torch/extension.h would pull in all of torch: a third of the build time).
 #include <ATen/Dispatch.h>
@@ -74,7 +74,7 @@ struct QuantizedX {
   int64_t M, K, Kb;
   // The same 16-bit activations as panels of kPanelRows rows (`pack_panels`), for the
   // AVX2 path of many rows; null where that path is not taken.
-  const int32_t* panel = nullptr;  // [groups][Kb][16 words][kPanelRows]: word v of a block is codes 2v, 2v+1
+  const int32_t* panel = nullptr;  // [groups][Kb][16 words][kPanelRows]: word v of a block = its codes 2v, 2v+1 (pair order)
   const float* panel_d = nullptr;   // [groups][Kb][kPanelRows], rows past M zero
   const float* panel_ds = nullptr;  // likewise
 };
@@ -363,8 +363,8 @@ void tile_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
 // weights and the broadcasts fit the 16 registers.  The integer sums equal tile_avx2's
 // (its high nibbles were 16 times the code, divided out exactly) and each block's scaling
 // is the same float operations in the same order, so the outputs are bit for bit its own.
-// Measured on a real Zen 3, one thread, the layers of a 1.7B model (Q4_0): 37.5 -> 44.8
-// GMAC/s at 64 rows, 39.4 -> 41.6 at 256, unchanged at 16 (the scaling after each block,
+// Measured on a real Zen 3, one thread, 1.7B-sized Q4_0 weights ([12288, 2048], [2048,
+// 6144]): 37.5 -> 44.8 GMAC/s at 64 rows, 39.4 -> 41.6 at 256, unchanged at 16 (the scaling after each block,
 // kept exact, is what is left: hand-scheduled multiply-adds alone reach ~55).
 constexpr int64_t kWideMinRows = 16;  // fewer rows: tile_avx2 (at 4 rows this path measured 20% slower)
 
