@@ -292,19 +292,20 @@ inline void block_dot_avx2(const uint8_t* codes, int64_t kind, const QuantizedX&
 
 // acc[mm] += the block's integer sums scaled by weight and activation scales (plus, for
 // the 4-bit kinds, their offset times the activations' block sum): rows 8h..8h+7 of
-// block b, for activation rows m0..m0+MR-1.
+// block b, for MR activation rows whose block scales are xd[mm * xs] and xds[mm * xs]
+// (rows of QuantizedX's d/ds, or a panel's).  Both AVX2 paths scale through here, so
+// their outputs are bit for bit the same.
 template <int MR>
-inline void add_block_avx2(const uint16_t* d, const uint16_t* aux, int64_t kind, const QuantizedX& x, int64_t m0,
-                           int64_t b, int h, const __m256i* iacc, __m256* acc) {
+inline void add_block_avx2(const uint16_t* d, const uint16_t* aux, int64_t kind, int64_t b, int h, const float* xd,
+                           const float* xds, int64_t xs, const __m256i* iacc, __m256* acc) {
   const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kTile + 8 * h)));
   __m256 ov = _mm256_setzero_ps();
   if (kind == Q4_SYM) ov = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
   if (kind == Q4_ASYM)
     ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux + b * kTile + 8 * h)));
   for (int mm = 0; mm < MR; ++mm) {
-    const int64_t i = (m0 + mm) * x.Kb + b;
-    acc[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[mm]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[i])), acc[mm]);
-    if (kind != Q8) acc[mm] = _mm256_fmadd_ps(ov, _mm256_set1_ps(x.ds[i]), acc[mm]);
+    acc[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[mm]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[mm * xs])), acc[mm]);
+    if (kind != Q8) acc[mm] = _mm256_fmadd_ps(ov, _mm256_set1_ps(xds[mm * xs]), acc[mm]);
   }
 }
 
@@ -328,7 +329,8 @@ void pass_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
     for (int h = 0; h < NH; ++h) {
       __m256i iacc[MR];
       block_dot_avx2<MR, XB>(codes, kind, x, m0, b, h0 + h, iacc);
-      add_block_avx2<MR>(d, aux, kind, x, m0, b, h0 + h, iacc, acc[h]);
+      const int64_t i = m0 * x.Kb + b;
+      add_block_avx2<MR>(d, aux, kind, b, h0 + h, x.d + i, x.ds + i, x.Kb, iacc, acc[h]);
     }
   }
   for (int mm = 0; mm < MR; ++mm)
@@ -361,8 +363,8 @@ void tile_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
 // (one base address, immediate offsets), and per block vector v (8 rows' pair of weights)
 // meets word v of the block for both halves of the tile at once: 8 accumulators, 2
 // weights and the broadcasts fit the 16 registers.  The integer sums equal tile_avx2's
-// (its high nibbles were 16 times the code, divided out exactly) and each block's scaling
-// is the same float operations in the same order, so the outputs are bit for bit its own.
+// (its high nibbles were 16 times the code, divided out exactly) and each block is scaled
+// by the same add_block_avx2, so the outputs are bit for bit its own.
 // Measured on a real Zen 3, one thread, 1.7B-sized Q4_0 weights ([12288, 2048], [2048,
 // 6144]): 37.5 -> 44.8 GMAC/s at 64 rows, 39.4 -> 41.6 at 256, unchanged at 16 (the scaling after each block,
 // kept exact, is what is left: hand-scheduled multiply-adds alone reach ~55).
@@ -415,19 +417,11 @@ void wide_panel_avx2(const __m256i* wu, const uint16_t* d, const uint16_t* aux, 
     }
     const float* xd = x.panel_d + (g * x.Kb + b) * R;
     const float* xds = x.panel_ds + (g * x.Kb + b) * R;
-    for (int h = 0; h < 2; ++h) {  // add_block_avx2's operations, the scales from the panel
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kTile + 8 * h)));
-      __m256 ov = _mm256_setzero_ps();
-      if (kind == Q4_SYM) ov = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
-      if (kind == Q4_ASYM)
-        ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux + b * kTile + 8 * h)));
-      const __m256i* iacc = h ? hi : lo;
-      for (int mm = 0; mm < R; ++mm) {
-        __m256 acc = _mm256_loadu_ps(out + 16 * mm + 8 * h);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[mm]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[mm])), acc);
-        if (kind != Q8) acc = _mm256_fmadd_ps(ov, _mm256_set1_ps(xds[mm]), acc);
-        _mm256_storeu_ps(out + 16 * mm + 8 * h, acc);
-      }
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[R];
+      for (int mm = 0; mm < R; ++mm) acc[mm] = _mm256_loadu_ps(out + 16 * mm + 8 * h);
+      add_block_avx2<R>(d, aux, kind, b, h, xd, xds, 1, h ? hi : lo, acc);
+      for (int mm = 0; mm < R; ++mm) _mm256_storeu_ps(out + 16 * mm + 8 * h, acc[mm]);
     }
   }
 }
