@@ -9,6 +9,8 @@ asks `get_tp_rank_size()` (pagedserve.distributed.parallel_state) once, when bui
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,6 +190,19 @@ class LinearBase(nn.Module):
         if opaque.tracing(self.opaque_index):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
         return self.linear_eager(x, self.weight, bias)
+
+    def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`forward` as one plain call, for a decoder layer's direct calls (bind_direct): the
+        projection `forward` makes, without the module's dispatch; None where forward does
+        more (adapters, a tensor-parallel all-reduce).  It reads the weight when called,
+        so later in-place writes (a pack's refresh) take effect."""
+        if self.lora is not None or self.tp_size > 1:
+            return None
+        qweight, weight, bias, packed = self.qweight, self.weight, self.bias, self._linear
+        if qweight is not None:
+            linear = qweight.linear
+            return linear if bias is None else lambda x: linear(x) + bias
+        return lambda x: packed(x, weight, bias)
 
     def store_rows(self, param: nn.Parameter, offset: int, rows: torch.Tensor | BlockWeights) -> None:
         """Rows [offset, offset + len(rows)) of `param` from (this rank's slice of) a checkpoint tensor."""

@@ -139,11 +139,15 @@ def _read_gguf(path: str) -> GGUFFile:
     align = int(metadata.get("general.alignment", 32))
     data_start = -(-pos // align) * align
     tensors = []
+    # Plain-ndarray views of the mapping (it stays alive through their base): numpy.memmap's
+    # subclass hooks on each slice were half of gguf's dequantization time (Gemma 3 270M's
+    # 268M weights: 3.8 s through memmaps, 1.8 s through plain views; Zen 3, AVX2 only).
+    whole = mm.view(np.ndarray)
     for name, dims, qtype, offset in infos:
         n = int(np.prod(dims)) if dims else 1
         block, nbytes = GGML_QUANT_SIZES[qtype]
         size = n // block * nbytes
-        raw = mm[data_start + offset: data_start + offset + size]
+        raw = whole[data_start + offset: data_start + offset + size]
         if len(raw) != size:
             raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
         if qtype.name in ("F32", "F16"):

@@ -87,15 +87,10 @@ class DirectBindable(Protocol):
 
 
 def direct_projections(*linears: LinearBase) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
-    """Each projection's quantized kernel call, for a layer's direct calls (bind_direct):
-    only where every one is a quantized weight of one rank without bias or adapters, the
-    projections whose module forward is exactly that call; else None."""
-    calls = []
-    for lin in linears:
-        if lin.qweight is None or lin.bias is not None or lin.lora is not None or lin.tp_size > 1:
-            return None
-        calls.append(lin.qweight.linear)
-    return calls
+    """Each projection's direct call (LinearBase.direct_call), for a layer's direct calls
+    (bind_direct); None unless every one has one (no adapters, one rank)."""
+    calls = [lin.direct_call() for lin in linears]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
 def bind_direct_layers(model: nn.Module) -> tuple[int, int]:

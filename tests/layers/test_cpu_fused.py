@@ -142,23 +142,20 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, torch.arange(ids.shape[0])))
 
 
+@pytest.mark.parametrize("quantization", ["int8", "none"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, dtype, tmp_path):
-    """Quantized decoders bind their layers' direct calls (Qwen3 with its q/k norm), in
-    bf16 and in float32 (the AVX2 default); the logits are bit for bit those of the
-    module path.  Qwen2's q/k/v bias keeps the module path: nothing binds."""
+def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, dtype, quantization, tmp_path):
+    """Decoders bind their layers' direct calls (Qwen3 with its q/k norm, Qwen2 with its
+    q/k/v bias), quantized or not, in bf16 and in float32 (the AVX2 default); the logits
+    are bit for bit those of the module path."""
     make_tiny_checkpoint(arch, str(tmp_path))
-    model = get_model(ModelConfig(model=str(tmp_path), dtype=dtype, quantization="int8"), "cpu")
+    model = get_model(ModelConfig(model=str(tmp_path), dtype=dtype, quantization=quantization), "cpu")
     ids = torch.arange(3, 40) * 7 % 500
     want = _logits(model, ids)
     layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-    bound, total = bind_direct_layers(model)
-    assert total == len(layers) == 2
-    if arch == "qwen2":
-        assert bound == 0 and all(layer.direct is None for layer in layers)
-        return
-    assert bound == 2 and all(layer.direct is not None for layer in layers)
+    assert bind_direct_layers(model) == (2, 2) == (len(layers), len(layers))
+    assert all(layer.direct is not None for layer in layers)
     assert torch.equal(_logits(model, ids), want)
     with fused(False):  # and both are one rounding step from the torch ops
         reference = _logits(model, ids)
@@ -167,10 +164,14 @@ def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, dtype, tm
         torch.testing.assert_close(want, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_unquantized_and_float64_decoders_do_not_bind(tmp_path):
+def test_float64_and_adapter_decoders_do_not_bind(tmp_path):
+    """No kernels for float64; a projection with adapters does more than its weight's
+    product: both keep the module path."""
     make_tiny_checkpoint("llama", str(tmp_path))
-    unquantized = get_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", quantization="none"), "cpu")
-    assert bind_direct_layers(unquantized) == (0, 2)
     quantized = get_model(ModelConfig(model=str(tmp_path), dtype="float32", quantization="int8"), "cpu")
-    quantized.double()  # no kernels for float64: the module path, unbound
+    quantized.double()
     assert bind_direct_layers(quantized) == (0, 2)
+    model = get_model(ModelConfig(model=str(tmp_path), dtype="float32", quantization="none"), "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, LlamaDecoderLayer))
+    layer.mlp.down_proj.lora = object()  # (any adapter state: direct_call declines)
+    assert bind_direct_layers(model) == (1, 2) and layer.direct is None
