@@ -332,7 +332,7 @@ def iter_gguf_tensors(reader: GGUFFile, hf_config: Any, path: str,
             raise ValueError(f"{path}: cannot dequantize {tensor.name!r} "
                              f"({tensor.tensor_type.name}): {type(e).__name__}: {e}") from None
         w = np.asarray(w, dtype=np.float32)
-        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors come back as read-only memmaps
+        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors come back as read-only views of the mapping
             w = np.array(w, dtype=np.float32)
         if permute and ".q_proj." in name:
             w = _unpermute_rows(w, hf_config.num_attention_heads)
