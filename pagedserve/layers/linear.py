@@ -194,15 +194,14 @@ class LinearBase(nn.Module):
     def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` as one plain call, for a decoder layer's direct calls (bind_direct): the
         projection `forward` makes, without the module's dispatch; None where forward does
-        more (adapters, a tensor-parallel all-reduce).  It reads the weight when called,
-        so later in-place writes (a pack's refresh) take effect."""
+        more (adapters, a tensor-parallel all-reduce).  The product is linear_eager's, the
+        one rule for it; a quantized weight without bias calls its kernel with no wrapper."""
         if self.lora is not None or self.tp_size > 1:
             return None
-        qweight, weight, bias, packed = self.qweight, self.weight, self.bias, self._linear
-        if qweight is not None:
-            linear = qweight.linear
-            return linear if bias is None else lambda x: linear(x) + bias
-        return lambda x: packed(x, weight, bias)
+        if self.qweight is not None and self.bias is None:
+            return self.qweight.linear
+        weight, bias, project = self.weight, self.bias, self.linear_eager
+        return lambda x: project(x, weight, bias)
 
     def store_rows(self, param: nn.Parameter, offset: int, rows: torch.Tensor | BlockWeights) -> None:
         """Rows [offset, offset + len(rows)) of `param` from (this rank's slice of) a checkpoint tensor."""
