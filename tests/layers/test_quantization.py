@@ -33,8 +33,9 @@ pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", 
 
 # (M activation rows, N weight rows, K): N not a multiple of the 16-row tile, K not a
 # multiple of the 64 bytes a vector reads, K not even a multiple of the 32-weight block
-# (quantize pads it), a single row, more rows than one pass of the kernel keeps (64).
-SHAPES = [(1, 37, 96), (3, 16, 32), (7, 50, 200), (65, 33, 64), (2, 300, 1024)]
+# (quantize pads it), a single row, more rows than one pass of the kernel keeps (64), and
+# enough rows for AVX2's widened path over more blocks (18) than it widens at a time (16).
+SHAPES = [(1, 37, 96), (3, 16, 32), (7, 50, 200), (65, 33, 64), (2, 300, 1024), (20, 24, 576)]
 
 
 def blocks_of(kind: QuantKind, n: int, k: int, seed: int) -> BlockWeights:
@@ -116,12 +117,13 @@ def test_a_rows_output_does_not_depend_on_its_batch(build: str, kind: QuantKind)
     """Bit for bit, whatever path the batch's size takes (AVX2: one or two rows in one
     pass, 3-15 in passes per half-tile, 16 and more through widened codes and panels, a
     last partial panel; past 64 rows, chunks): a request's logits must not change with
-    who else is in its step."""
+    who else is in its step.  K = 576: 18 blocks, more than the widened path takes at a
+    time."""
     if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU has no AVX2")
     kernel = quant_kernel(BUILDS[build])
-    w = pack(blocks_of(kind, 40, 256, seed=7), kernel)
-    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(8))
+    w = pack(blocks_of(kind, 40, 576, seed=7), kernel)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(8))
     alone = torch.cat([quantized_matmul(x[i:i + 1], [(0, w)], 40, kernel) for i in range(70)])
     for m in (2, 5, 16, 18, 70):
         assert torch.equal(quantized_matmul(x[:m], [(0, w)], 40, kernel), alone[:m]), (build, kind, m)
