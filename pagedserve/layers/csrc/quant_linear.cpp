@@ -360,7 +360,8 @@ void tile_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
 // bounds, not the weight stream.  Above, widening the 4-bit codes inside the loop cost
 // about as much as the multiply-adds, and each activation word's address was its own
 // register (spilled: two loads per broadcast).  Here a tile's codes are widened to int16
-// once per call (`unpack_block_avx2`), the activations come as panels of kPanelRows rows
+// once per row chunk, kWideBlocks blocks at a time (`unpack_block_avx2`; below), the
+// activations come as panels of kPanelRows rows
 // (one base address, immediate offsets), and per block vector v (8 rows' pair of weights)
 // meets word v of the block for both halves of the tile at once: 8 accumulators, 2
 // weights and the broadcasts fit the 16 registers.  The integer sums equal tile_avx2's
