@@ -89,8 +89,13 @@ class DirectBindable(Protocol):
 def direct_projections(*linears: LinearBase) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
     """Each projection's direct call (LinearBase.direct_call), for a layer's direct calls
     (bind_direct); None unless every one has one (no adapters, one rank)."""
-    calls = [lin.direct_call() for lin in linears]
-    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+    calls = []
+    for lin in linears:
+        call = lin.direct_call()
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 def bind_direct_layers(model: nn.Module) -> tuple[int, int]:
