@@ -38,6 +38,19 @@ class CommonAttentionMetadata:
     sliding_window: int | None = None
 
 
+@dataclass(frozen=True)
+class DecodeKernelStep:
+    """An all-decode step as one call of a backend's decode kernel per layer, for a C++
+    caller of that kernel (layers/decode_stack.py): the kernel's per-step arguments,
+    shared by every layer of the step's attention group."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    window: int  # 0: no sliding window
+    slots: torch.Tensor  # the new tokens' cache slots, where the kernel stores key/value first
+    fresh_blocks: torch.Tensor | None  # blocks this step opens: zeroed in each layer's caches first
+
+
 class AttentionBackend(ABC):
     """One instance per attention layer shape; stateless across steps."""
 
@@ -69,6 +82,18 @@ class AttentionBackend(ABC):
         with any contents (seq_lens up to max_seq_len): every host-side plan fixed for the
         longest context.  Only backends with supports_cuda_graphs implement it."""
         raise NotImplementedError(f"attention backend {cls.name!r} does not support CUDA graphs")
+
+    def decode_operator(self) -> str | None:
+        """The torch operator name of a decode kernel that takes a whole all-decode step
+        (see decode_kernel_step), or None where the backend has none (the default)."""
+        return None
+
+    def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
+                           attn_metadata: Any) -> DecodeKernelStep | None:
+        """This step as one call of decode_operator per layer, where it is one (an
+        all-decode step whose rows are `dtype`, the cache's dtype); else None: the caller
+        runs `forward`.  Default: None."""
+        return None
 
     @abstractmethod
     def forward(

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention import kv_dtype
+from pagedserve.attention.backend import DecodeKernelStep
 from pagedserve.attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
 from pagedserve.cpu_extension import build_cpu_extension
 from pagedserve.utils import record_startup
@@ -88,9 +89,7 @@ class CpuPagedBackend(TorchPagedBackend):
         a decode step.  Anything else takes the general path."""
         metadata = attn_metadata
         g = metadata.groups[0]
-        kernel = (self._kernel_for(query, k_cache)
-                  if metadata.identity and g.q_len == 1 and query.shape[0] == metadata.common.num_actual_tokens
-                  else None)
+        kernel = self._kernel_for(query, k_cache) if _whole_decode(metadata, query.shape[0]) else None
         if kernel is None:
             return super().forward(query, key, value, k_cache, v_cache, metadata)
         self._zero_fresh_blocks(metadata, k_cache, v_cache)
@@ -98,6 +97,19 @@ class CpuPagedBackend(TorchPagedBackend):
             key, value = kv_dtype.to_cache(key, k_cache.dtype), kv_dtype.to_cache(value, v_cache.dtype)
         return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,
                       key, value, metadata.slots)
+
+    def decode_operator(self) -> str | None:
+        return None if self.decode_kernel is None else f"{self.decode_kernel.__module__}::paged_decode"
+
+    def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
+                           attn_metadata: TorchPagedMetadata) -> DecodeKernelStep | None:
+        """The kernel's arguments when it takes the whole step as `forward` would, with
+        the step's key/value already in the cache's dtype (no conversion to make)."""
+        if (self.decode_kernel is None or k_cache.dtype != dtype or k_cache.device.type != "cpu"
+                or dtype not in DTYPES or not _whole_decode(attn_metadata, num_rows)):
+            return None
+        g = attn_metadata.groups[0]
+        return DecodeKernelStep(g.block_table, g.seq_lens, g.window, attn_metadata.slots, attn_metadata.fresh_blocks)
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The kernel reads a cache of q's dtype, of float8 or int8, or of 16 bits under
@@ -110,3 +122,9 @@ class CpuPagedBackend(TorchPagedBackend):
                        or (q == torch.float32 and cache in DTYPES)))
             self._kernels[key] = self.decode_kernel if ok else None
         return self._kernels[key] if query.stride(-1) == 1 else None
+
+
+def _whole_decode(metadata: TorchPagedMetadata, num_rows: int) -> bool:
+    """An all-decode step: one group of one-token rows in batch order, the usual step,
+    which the kernel takes whole (storing the new key/value too)."""
+    return metadata.identity and metadata.groups[0].q_len == 1 and num_rows == metadata.common.num_actual_tokens

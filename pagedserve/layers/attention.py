@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import kv_dtype
-from pagedserve.attention.backend import CommonAttentionMetadata
+from pagedserve.attention.backend import CommonAttentionMetadata, DecodeKernelStep
 from pagedserve.forward_context import BidirectionalSpan, get_forward_context
 from pagedserve.layers import opaque
 
@@ -34,6 +34,15 @@ class Attention(nn.Module):
         if opaque.tracing(self.opaque_index):
             return opaque.attention_op(q, k, v, self.opaque_index)
         return self.forward_eager(q, k, v)
+
+    def decode_kernel_step(self, num_rows: int, dtype: torch.dtype) -> DecodeKernelStep | None:
+        """This step as one call of the backend's decode kernel (AttentionBackend.
+        decode_kernel_step), where forward_eager would make exactly that call; else None."""
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        if metadata is None or self.kv_cache is None or context.bidirectional:
+            return None
+        return self.impl.decode_kernel_step(num_rows, dtype, self.kv_cache[0], metadata[self.kv_cache_group])
 
     def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.shape[0]

@@ -100,6 +100,12 @@ def _cpu_for(x: torch.Tensor, others: tuple[torch.Tensor, ...]) -> GemmaKernels 
     return _cpu()
 
 
+def is_cpu_set(kernels: FusedKernels | None) -> bool:
+    """Whether `kernels` (a kernels_for answer) is the C++ set, which C++ callers
+    (layers/decode_stack.py) can call in its place."""
+    return kernels is not None and kernels is _cpu()
+
+
 @functools.cache
 def _triton() -> FusedKernels:
     from pagedserve.layers import triton_fused

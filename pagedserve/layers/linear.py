@@ -191,6 +191,13 @@ class LinearBase(nn.Module):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
         return self.linear_eager(x, self.weight, bias)
 
+    def direct_quantized(self) -> QuantizedWeight | None:
+        """The quantized weight whose kernel call is all `forward` does (no bias, no
+        adapters, one rank), for a C++ caller of the kernel (layers/decode_stack.py); else None."""
+        if self.lora is not None or self.tp_size > 1 or self.bias is not None:
+            return None
+        return self.qweight
+
     def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` as one plain call, for a decoder layer's direct calls (bind_direct): the
         projection `forward` makes, without the module's dispatch; None where forward does

@@ -353,6 +353,14 @@ class QuantizedWeight:
                                          on_huge_pages(w.aux)))
                          for o, w in merged]
 
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int], list[int],
+                                   list[int], int, int, int]:
+        """The kernel's `linear` arguments after x: (codes, d, aux, kinds, ns, offsets per
+        segment, N, K, activation bits); `linear1` takes the one segment's without lists."""
+        segs = [w for _, w in self.segments]
+        return ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs], [int(w.kind) for w in segs],
+                [w.n for w in segs], [o for o, _ in self.segments], self.n, segs[0].k, self.activation_bits)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> float32 [..., n]."""
         return quantized_matmul(x, self.segments, self.n, bits=self.activation_bits)
@@ -362,18 +370,13 @@ class QuantizedWeight:
         (a decode step makes ~100 of these, so Python work per call shows)."""
         args = self._args
         if args is None:
-            segs = [w for _, w in self.segments]
-            if len(segs) == 1:
-                w = segs[0]
-                args = (w.codes, w.d, w.aux, int(w.kind), self.n, w.k, self.activation_bits)
-            else:
-                args = ([w.codes for w in segs], [w.d for w in segs], [w.aux for w in segs],
-                        [int(w.kind) for w in segs], [w.n for w in segs], [o for o, _ in self.segments],
-                        self.n, segs[0].k, self.activation_bits)
-            self._args = args
+            full = self.kernel_args()
+            codes, d, aux, kinds, _, _, n, k, bits = full
+            # one segment: the operator that takes no lists
+            args = self._args = (codes[0], d[0], aux[0], kinds[0], n, k, bits) if len(codes) == 1 else full
             kernel = quant_kernel()
-            self._op = linear_op(kernel, len(segs))
-            self._call = kernel.linear1 if len(segs) == 1 else kernel.linear
+            self._op = linear_op(kernel, len(codes))
+            self._call = kernel.linear1 if len(codes) == 1 else kernel.linear
         # Eagerly the kernel's own binding: the torch operator's dispatch costs ~5 us a
         # call (Zen 4, AVX-512 with native bf16), as much as a small decode step's matmul.
         call = self._op if torch.compiler.is_compiling() else self._call

@@ -23,6 +23,7 @@ from torch import nn
 from pagedserve.layers import fused_ops
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention
+from pagedserve.layers.decode_stack import DecodeStack, StackLayerSpec, build_decode_stack
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -102,6 +103,9 @@ class LlamaDecoderLayer(nn.Module):
         # The same layer as direct kernel calls (bind_direct), or None.
         self.direct: Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None],
                               tuple[torch.Tensor, torch.Tensor]] | None = None
+        # The same again for a C++ caller (layers/decode_stack.py), where bind_direct bound
+        # C++ kernels only; else None.
+        self.stack_spec: StackLayerSpec | None = None
 
     def bind_direct(self) -> bool:
         """Run this layer's eager forward as direct calls to its kernels, without the
@@ -144,6 +148,11 @@ class LlamaDecoderLayer(nn.Module):
             return down_proj(silu_and_mul(gate_up_proj(hidden))), residual
 
         self.direct = direct
+        weights = [p.direct_quantized() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        qkv_w, o_w, gate_up_w, down_w = weights
+        self.stack_spec = (StackLayerSpec((ln1.weight, ln1.eps), (ln2.weight, ln2.eps), qkv_w, o_w, gate_up_w, down_w,
+                                          norm_weights, norm_eps, attn.attn, rotary_dim)
+                           if fused_ops.is_cpu_set(kernels) and qkv_w and o_w and gate_up_w and down_w else None)
         return True
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
@@ -177,15 +186,30 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.decode_stack: DecodeStack | None = None  # bind_decode_stack
+
+    def bind_decode_stack(self) -> bool:
+        """Run all-decode steps' layers as one C++ call (layers/decode_stack.py), where every
+        layer bound direct calls to C++ kernels; other steps run the layers.  After
+        bind_direct, with the KV cache allocated.  Returns whether it bound."""
+        specs = [layer.stack_spec for layer in self.layers]
+        complete = [spec for spec in specs if spec is not None]
+        self.decode_stack = build_decode_stack(complete) if len(complete) == len(specs) else None
+        return self.decode_stack is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """`inputs_embeds`: the step's embeddings when some are not tokens' (image rows)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
         rope = self.rotary_emb.cos_sin(positions)  # gathered once, used by every layer
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
+        stacked = (self.decode_stack.run(hidden, rope)
+                   if self.decode_stack is not None and not torch.compiler.is_compiling() else None)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

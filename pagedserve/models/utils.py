@@ -98,6 +98,19 @@ def direct_projections(*linears: LinearBase) -> list[Callable[[torch.Tensor], to
     return calls
 
 
+@runtime_checkable
+class StackBindable(Protocol):
+    """A decoder whose all-decode steps can run its layers as one C++ call (LlamaModel)."""
+
+    def bind_decode_stack(self) -> bool: ...
+
+
+def bind_decode_stacks(model: nn.Module) -> int:
+    """Bind every decoder of `model` that can run its layers as one C++ call (after
+    bind_direct_layers, with the KV cache allocated); how many did."""
+    return sum(m.bind_decode_stack() for m in model.modules() if isinstance(m, StackBindable))
+
+
 def bind_direct_layers(model: nn.Module) -> tuple[int, int]:
     """Bind every layer of `model` that can run as direct kernel calls: (how many did,
     how many could have).  The caller's part: a CPU model whose layers will not change

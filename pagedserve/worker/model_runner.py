@@ -42,7 +42,7 @@ from pagedserve.forward_context import set_forward_context
 from pagedserve.layers.pooler import Pooler
 from pagedserve.lora.manager import LoRAModelManager
 from pagedserve.lora.request import LoRARequest
-from pagedserve.models.utils import bind_direct_layers
+from pagedserve.models.utils import bind_decode_stacks, bind_direct_layers
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import record_startup
 from pagedserve.worker import kv_cache, kv_offload, step_outputs
@@ -180,6 +180,8 @@ class ModelRunner:
             compile_requested = False
         if is_cpu(self.device) and self.lora_manager is None:
             bound, layers = bind_direct_layers(self.model)
+            if bind_decode_stacks(self.model):
+                logger.info("decode steps: the decoder layers run as one C++ call (layers/decode_stack.py)")
             if compile_requested is None and not dc.enforce_eager and bound == layers > 0:
                 logger.info("torch.compile: not by default: every decoder layer runs as direct calls to fused C++ "
                             "kernels, as fast as the compiled graph without its start-up (torch_compile=True "

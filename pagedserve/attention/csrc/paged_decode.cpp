@@ -15,6 +15,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -696,3 +697,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("key") = pybind11::none(), pybind11::arg("value") = pybind11::none(),
         pybind11::arg("slot_mapping") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
+
+// The same kernel as a torch operator, <this build's name>::paged_decode, for C++ callers
+// (fused_cpu.cpp's DecodeStack calls it through the dispatcher); the namespace is the
+// build's own, since builds for several ISAs can be loaded into one process.  It writes
+// the step's key/value into the caches.  (The indirection expands the name's macro
+// before TORCH_LIBRARY pastes it into its identifiers.)
+#define PAGEDSERVE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PAGEDSERVE_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+PAGEDSERVE_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor seq_lens, "
+        "float scale, int window, Tensor? key, Tensor? value, Tensor? slot_mapping) -> Tensor");
+}
+PAGEDSERVE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_decode", &paged_decode); }
