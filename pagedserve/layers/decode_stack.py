@@ -63,6 +63,8 @@ class DecodeStack:
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after the last layer, before the final norm; None when this
         step is not one the decode kernel takes whole (the caller runs the layers)."""
+        if hidden.dim() != 2 or hidden.stride(1) != 1:  # (the layers take any layout; the stack, rows)
+            return None
         step = self._attention.decode_kernel_step(hidden.shape[0], hidden.dtype)
         if step is None:
             return None
