@@ -616,10 +616,14 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
     at::parallel_for(0, tiles, 1, run);
     return;
   }
-  // A few activation rows (decode): the tiles go out in small runs to whichever thread asks
-  // next, so a thread the OS has paused (on a machine whose cores the server's other
-  // threads share) leaves its work to the others instead of stalling the whole layer.
-  const int64_t grab = std::max<int64_t>(1, tiles / (threads * 8));
+  // A few activation rows (decode): the tiles go out in runs, two per thread, to whichever
+  // thread asks next, so a thread the OS has paused (on a machine whose cores the server's
+  // other threads share) leaves half its work to the others instead of stalling the whole
+  // layer.  Runs that long keep each thread's weight stream sequential: with eight runs
+  // per thread the threads' reads interleaved and one row streamed SmolLM2-135M's 120
+  // projections at 32.6 GB/s against 38.9 (Zen 5, bf16; 22.5 against 27.7 under AVX2),
+  // 14.0 against 15.3 at 8 rows; the 1.7B shape's larger ones alike (38.0, 38.7).
+  const int64_t grab = std::max<int64_t>(1, tiles / (threads * 2));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t t0; (t0 = next.fetch_add(grab)) < tiles;) run(t0, std::min(t0 + grab, tiles));
