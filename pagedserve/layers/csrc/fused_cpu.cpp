@@ -421,8 +421,6 @@ class DecodeStack {
 
   void add_layer(StackLayer layer) { layers_.push_back(std::move(layer)); }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // hidden [T, hidden] (the embeddings: no residual yet) -> (hidden, residual) after the
   // last layer, before the final norm.  cos, sin: the step's rotary rows; block_table,
   // seq_lens, window, slots: the step's one attention group (every row a decode);
@@ -511,7 +509,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ln1"), py::arg("eps1"), py::arg("ln2"), py::arg("eps2"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("norm_eps"),
            py::arg("k_cache"), py::arg("v_cache"))
-      .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run, nogil, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
            py::arg("block_table"), py::arg("seq_lens"), py::arg("window"), py::arg("slots"),
            py::arg("fresh_blocks"));
