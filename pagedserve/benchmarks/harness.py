@@ -16,11 +16,37 @@ import httpx
 
 from pagedserve.utils import rss_bytes
 
+PORT_ATTEMPTS = 3  # servers started on a port another process took first, before giving up
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a TCP socket listening on `port` (Linux's /proc); None
+    where that cannot be read (another OS, or the process is gone)."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()  # sl, local address:port (hex), remote, state, ..., inode
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                        return True
+        return False
+    except OSError:
+        return None
 
 
 class LocalServer:
@@ -32,24 +58,42 @@ class LocalServer:
 
     def __init__(self, log_path: str | None = None, env: dict[str, str] | None = None,
                  ready_timeout: float | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         timeout = ready_timeout or self.ready_timeout
-        deadline = time.monotonic() + timeout
+        # A free port can be taken by another process before the server binds it (two
+        # servers started at once, by two test workers say): then /health answered from
+        # the other server, and requests went there.  Ready means this process listens;
+        # if it exited after another server answered on its port, it starts on another.
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+            self.proc = subprocess.Popen(self.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            if self._wait_ready(timeout) or attempt == PORT_ATTEMPTS - 1:
+                return
+            self._log.close()
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """True once /health answers 200 from this process; False when it exited after
+        another process answered on its port (the port was taken); raises otherwise."""
+        deadline, foreign = time.monotonic() + timeout, False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.what} exited with {self.proc.returncode} ({log_path}):\n{self.log_tail()}")
+                if foreign:
+                    return False
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode} ({self.log_path}):\n"
+                                   f"{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                    if listens_on(self.proc.pid, self.port) is not False:
+                        return True
+                    foreign = True
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"{self.what} did not become ready in {timeout:.0f} s ({log_path}):\n{self.log_tail()}")
+        raise RuntimeError(f"{self.what} did not become ready in {timeout:.0f} s ({self.log_path}):\n"
+                           f"{self.log_tail()}")
 
     def log_tail(self, chars: int = 5000) -> str:
         """The end of the server's output so far ('' without a log file)."""

@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 
+import httpx
+
+from pagedserve.benchmarks import harness
 from pagedserve.benchmarks.harness import metric_samples, process_rss
 
 
@@ -56,3 +59,51 @@ def test_metric_samples_keep_every_labelled_sample() -> None:
                                                         ({"engine": "1", "model_name": "m"}, 7.0)]
     assert samples["vllm:num_requests_running"] == [({"engine": "0"}, 2.0)]
     assert metric_samples("") == {}
+
+
+_TINY_SERVER = ("import http.server, sys\n"
+                "class H(http.server.BaseHTTPRequestHandler):\n"
+                "    def do_GET(self):\n"
+                "        self.send_response(200); self.end_headers(); self.wfile.write(b'mine')\n"
+                "    def log_message(self, *a): pass\n"
+                "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+
+class _TinyServer(harness.LocalServer):
+    what = "tiny server"
+    ready_timeout = 30.0
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-c", _TINY_SERVER, str(port)]
+
+
+def test_a_server_whose_port_another_process_took_starts_on_another(monkeypatch) -> None:
+    """Another server already answers /health on the first port drawn (two servers started
+    at once took the same free port, and a test's requests went to the other, which
+    refused its API key): ready means this process listens, so it starts on a new port."""
+    import http.server
+    import threading
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"foreign")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    foreign = http.server.HTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    taken = foreign.server_address[1]
+    ports = iter([taken, harness.free_port()])
+    monkeypatch.setattr(harness, "free_port", lambda: next(ports))
+    server = _TinyServer()
+    try:
+        assert server.port != taken and server.proc.poll() is None
+        assert harness.listens_on(server.proc.pid, server.port) is True
+        assert harness.listens_on(server.proc.pid, taken) is False
+        assert httpx.get(server.url + "/health", timeout=5).text == "mine"
+    finally:
+        server.stop()
+        foreign.shutdown()
