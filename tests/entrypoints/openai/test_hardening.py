@@ -229,14 +229,17 @@ def _uvicorn_server(app, read_timeout: float):
 
     from pagedserve.entrypoints.openai.http_utils import header_timeout_protocol
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           http=header_timeout_protocol(read_timeout)))
-    thread = threading.Thread(target=server.run, daemon=True)
+    # Bound here and handed over: a port drawn and released could be another server's by
+    # the time uvicorn binds it (another test worker's), and this would wait forever.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http=header_timeout_protocol(read_timeout)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 30
     while not server.started:
+        assert time.monotonic() < deadline, "the test server did not start"
         time.sleep(0.01)
     return server, thread, port
 
