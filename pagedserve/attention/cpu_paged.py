@@ -105,8 +105,8 @@ class CpuPagedBackend(TorchPagedBackend):
                            attn_metadata: TorchPagedMetadata) -> DecodeKernelStep | None:
         """The kernel's arguments when it takes the whole step as `forward` would, with
         the step's key/value already in the cache's dtype (no conversion to make)."""
-        if (self.decode_kernel is None or k_cache.dtype != dtype or k_cache.device.type != "cpu"
-                or dtype not in DTYPES or not _whole_decode(attn_metadata, num_rows)):
+        if (k_cache.dtype != dtype or self._kernel_for_dtypes(k_cache.device.type, dtype, dtype) is None
+                or not _whole_decode(attn_metadata, num_rows)):
             return None
         g = attn_metadata.groups[0]
         return DecodeKernelStep(g.block_table, g.seq_lens, g.window, attn_metadata.slots, attn_metadata.fresh_blocks)
@@ -114,14 +114,17 @@ class CpuPagedBackend(TorchPagedBackend):
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The kernel reads a cache of q's dtype, of float8 or int8, or of 16 bits under
         float32 q (the C++ side's supported_dtypes)."""
-        key = (query.device.type, query.dtype, k_cache.dtype)
+        kernel = self._kernel_for_dtypes(query.device.type, query.dtype, k_cache.dtype)
+        return kernel if query.stride(-1) == 1 else None
+
+    def _kernel_for_dtypes(self, device: str, q: torch.dtype, cache: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        key = (device, q, cache)
         if key not in self._kernels:
-            device, q, cache = key
             ok = (device == "cpu" and q in DTYPES
                   and (cache == q or cache in (*kv_dtype.FP8_DTYPES, torch.int8)
                        or (q == torch.float32 and cache in DTYPES)))
             self._kernels[key] = self.decode_kernel if ok else None
-        return self._kernels[key] if query.stride(-1) == 1 else None
+        return self._kernels[key]
 
 
 def _whole_decode(metadata: TorchPagedMetadata, num_rows: int) -> bool:

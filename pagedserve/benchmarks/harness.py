@@ -25,28 +25,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def listens_on(pid: int, port: int) -> bool | None:
-    """Whether process `pid` holds a TCP socket listening on `port` (Linux's /proc); None
-    where that cannot be read (another OS, or the process is gone)."""
+def listens_on(pid: int | None, port: int) -> bool | None:
+    """Whether process `pid` (None: any process) holds a TCP socket listening on `port`,
+    from Linux's /proc; None where that cannot be read (another OS, the process gone)."""
     try:
-        inodes = set()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
+        inodes = None if pid is None else _socket_inodes(pid)
+        found = False
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):  # (a kernel without IPv6 has no tcp6)
+                continue
+            found = True
             with open(table) as f:
                 next(f)
                 for line in f:
                     fields = line.split()  # sl, local address:port (hex), remote, state, ..., inode
-                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                    if (fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port
+                            and (inodes is None or fields[9] in inodes)):
                         return True
-        return False
+        return False if found else None
     except OSError:
         return None
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
 
 
 class LocalServer:
@@ -63,31 +73,33 @@ class LocalServer:
         # A free port can be taken by another process before the server binds it (two
         # servers started at once, by two test workers say): then /health answered from
         # the other server, and requests went there.  Ready means this process listens;
-        # if it exited after another server answered on its port, it starts on another.
+        # if it exits while another process listens on its port, it starts on another.
         for attempt in range(PORT_ATTEMPTS):
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
             self.proc = subprocess.Popen(self.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env)
-            if self._wait_ready(timeout) or attempt == PORT_ATTEMPTS - 1:
+            if self._wait_ready(timeout, last=attempt == PORT_ATTEMPTS - 1):
                 return
             self._log.close()
 
-    def _wait_ready(self, timeout: float) -> bool:
-        """True once /health answers 200 from this process; False when it exited after
-        another process answered on its port (the port was taken); raises otherwise."""
+    def _wait_ready(self, timeout: float, last: bool) -> bool:
+        """True once /health answers 200 from this process; False when it exited while
+        another process listened on its port (taken: try another, unless `last`); raises
+        otherwise."""
         deadline, foreign = time.monotonic() + timeout, False
         while time.monotonic() < deadline:
+            mine = listens_on(self.proc.pid, self.port)
+            foreign = foreign or (mine is False and listens_on(None, self.port) is True)
             if self.proc.poll() is not None:
-                if foreign:
+                if foreign and not last:
                     return False
-                raise RuntimeError(f"{self.what} exited with {self.proc.returncode} ({self.log_path}):\n"
+                taken = " (another process held its port)" if foreign else ""
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}{taken} ({self.log_path}):\n"
                                    f"{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    if listens_on(self.proc.pid, self.port) is not False:
-                        return True
-                    foreign = True
+                if mine is not False and httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)

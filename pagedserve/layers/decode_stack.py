@@ -11,11 +11,14 @@ whole (a prompt chunk, a cache of another dtype, images) runs the layers as befo
 
 It binds only where every layer's work is those kernels: quantized projections without
 bias or adapters, the fused C++ norms, rotary and SiLU, and the C++ decode-attention
-kernel over one KV-cache group.
+kernel over one KV-cache group.  It holds the weights' packed tensors and the KV caches
+it was built with: a model whose weights or caches are replaced must bind again (today
+both are set once, before binding).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,6 +28,8 @@ import torch
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.cpu_fused import fused_kernel
 from pagedserve.layers.quantization import QuantizedWeight, quant_kernel
+
+logger = logging.getLogger("pagedserve")
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,16 @@ def build_decode_stack(specs: Sequence[StackLayerSpec]) -> DecodeStack | None:
         codes, d, aux, kinds, ns, offsets, n, k, bits = w.kernel_args()
         return kernels.Projection(codes, d, aux, kinds, ns, offsets, n, k, bits)
 
-    native = kernels.DecodeStack(quant_kernel().__name__, operator, first.num_heads,
-                                 first.num_kv_heads, first.head_dim, specs[0].rotary_dim, first.scale)
-    for s in specs:
-        q_norm, k_norm = s.qk_norms if s.qk_norms is not None else (None, None)
-        k_cache, v_cache = s.attention.kv_cache
-        native.add_layer(s.ln1[0], s.ln1[1], s.ln2[0], s.ln2[1], projection(s.qkv), projection(s.o),
-                         projection(s.gate_up), projection(s.down), q_norm, k_norm, s.qk_norm_eps, k_cache, v_cache)
+    try:  # (the operators looked up by name and signature)
+        native = kernels.DecodeStack(quant_kernel().__name__, operator, first.num_heads,
+                                     first.num_kv_heads, first.head_dim, specs[0].rotary_dim, first.scale)
+        for s in specs:
+            q_norm, k_norm = s.qk_norms if s.qk_norms is not None else (None, None)
+            k_cache, v_cache = s.attention.kv_cache
+            native.add_layer(s.ln1[0], s.ln1[1], s.ln2[0], s.ln2[1], projection(s.qkv), projection(s.o),
+                             projection(s.gate_up), projection(s.down), q_norm, k_norm, s.qk_norm_eps, k_cache,
+                             v_cache)
+    except RuntimeError as e:  # the layers still run, one direct call at a time
+        logger.warning("decode steps run the layers one by one: the C++ stack could not bind (%s)", e)
+        return None
     return DecodeStack(native, first)

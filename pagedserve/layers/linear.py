@@ -191,22 +191,26 @@ class LinearBase(nn.Module):
             return opaque.linear_op(x, self.weight, bias, self.opaque_index)
         return self.linear_eager(x, self.weight, bias)
 
+    def _forward_is_one_product(self) -> bool:
+        """forward computes its weight's product and nothing more (no adapters, no
+        tensor-parallel all-reduce)."""
+        return self.lora is None and self.tp_size == 1
+
     def direct_quantized(self) -> QuantizedWeight | None:
-        """The quantized weight whose kernel call is all `forward` does (no bias, no
-        adapters, one rank), for a C++ caller of the kernel (layers/decode_stack.py); else None."""
-        if self.lora is not None or self.tp_size > 1 or self.bias is not None:
-            return None
-        return self.qweight
+        """The quantized weight whose kernel call is all `forward` does (no bias either),
+        for a C++ caller of the kernel (layers/decode_stack.py); else None."""
+        return self.qweight if self._forward_is_one_product() and self.bias is None else None
 
     def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` as one plain call, for a decoder layer's direct calls (bind_direct): the
         projection `forward` makes, without the module's dispatch; None where forward does
         more (adapters, a tensor-parallel all-reduce).  The product is linear_eager's, the
         one rule for it; a quantized weight without bias calls its kernel with no wrapper."""
-        if self.lora is not None or self.tp_size > 1:
+        if not self._forward_is_one_product():
             return None
-        if self.qweight is not None and self.bias is None:
-            return self.qweight.linear
+        quantized = self.direct_quantized()
+        if quantized is not None:
+            return quantized.linear
         weight, bias, project = self.weight, self.bias, self.linear_eager
         return lambda x: project(x, weight, bias)
 

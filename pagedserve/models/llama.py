@@ -120,7 +120,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if not (isinstance(mlp, LlamaMLP) and isinstance(mlp.act_fn, SiluAndMul)):
             return False
-        projections = direct_projections(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = direct_projections(*linears)
         if projections is None:
             return False
         norm_weights = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else None
@@ -148,8 +149,7 @@ class LlamaDecoderLayer(nn.Module):
             return down_proj(silu_and_mul(gate_up_proj(hidden))), residual
 
         self.direct = direct
-        weights = [p.direct_quantized() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        qkv_w, o_w, gate_up_w, down_w = weights
+        qkv_w, o_w, gate_up_w, down_w = (linear.direct_quantized() for linear in linears)
         self.stack_spec = (StackLayerSpec((ln1.weight, ln1.eps), (ln2.weight, ln2.eps), qkv_w, o_w, gate_up_w, down_w,
                                           norm_weights, norm_eps, attn.attn, rotary_dim)
                            if fused_ops.is_cpu_set(kernels) and qkv_w and o_w and gate_up_w and down_w else None)

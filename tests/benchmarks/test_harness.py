@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from pagedserve.benchmarks import harness
 from pagedserve.benchmarks.harness import metric_samples, process_rss
@@ -77,16 +78,18 @@ class _TinyServer(harness.LocalServer):
         return [sys.executable, "-c", _TINY_SERVER, str(port)]
 
 
-def test_a_server_whose_port_another_process_took_starts_on_another(monkeypatch) -> None:
-    """Another server already answers /health on the first port drawn (two servers started
-    at once took the same free port, and a test's requests went to the other, which
-    refused its API key): ready means this process listens, so it starts on a new port."""
+@pytest.mark.parametrize("status", [200, 503])
+def test_a_server_whose_port_another_process_took_starts_on_another(monkeypatch, status) -> None:
+    """Another server already listens on the first port drawn (two servers started at once
+    took the same free port, and a test's requests went to the other, which refused its
+    API key), ready (200) or still loading (503): ready means this process listens, so it
+    starts on a new port."""
     import http.server
     import threading
 
     class Foreign(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self.send_response(200)
+            self.send_response(status)
             self.end_headers()
             self.wfile.write(b"foreign")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.layers import decode_stack
+from pagedserve.layers import decode_stack, quantization
 from pagedserve.models.llama import LlamaModel
 from tests.e2e.conftest import make_tiny_checkpoint
 
@@ -40,15 +40,30 @@ def _generate(path: str, dtype: str, stack: bool, monkeypatch: pytest.MonkeyPatc
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], runs
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_the_stack_gives_the_layer_by_layer_outputs_exactly(arch, dtype, tmp_path, monkeypatch):
     """Llama, Qwen3 (q/k norms) and Mistral (a sliding window shorter than the requests),
-    in bf16 and in float32 (the AVX2 default): the stack runs the decode steps, and the
-    tokens and logprobs are exactly those of the layer-by-layer direct calls."""
+    in bf16, float32 (the AVX2 default) and float16: the stack runs the decode steps, and
+    the tokens and logprobs are exactly those of the layer-by-layer direct calls."""
     make_tiny_checkpoint(arch, str(tmp_path), **({"head_dim": 64} if arch == "llama" else {}))
     want, none = _generate(str(tmp_path), dtype, False, monkeypatch)
     got, runs = _generate(str(tmp_path), dtype, True, monkeypatch)
+    assert none == 0 and runs >= 40
+    assert got == want
+
+
+def test_weights_of_several_segments_take_the_list_call_exactly(tmp_path, monkeypatch):
+    """q|k|v and gate|up kept one segment per shard (as GGUF shards of different types
+    stay): the stack calls the kernel's list-taking `linear`, with the same outputs."""
+    monkeypatch.setattr(quantization.QuantizedWeight, "merge", lambda self: None)
+    make_tiny_checkpoint("llama", str(tmp_path), head_dim=64)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="int8", speculative_config="off", max_model_len=256)
+    model = next(m for m in llm.llm_engine.model_executor.model.modules() if isinstance(m, LlamaModel))
+    assert len(model.layers[0].self_attn.qkv_proj.qweight.segments) == 3 and model.decode_stack is not None
+    del llm, model
+    want, none = _generate(str(tmp_path), "float32", False, monkeypatch)
+    got, runs = _generate(str(tmp_path), "float32", True, monkeypatch)
     assert none == 0 and runs >= 40
     assert got == want
 
@@ -58,7 +73,7 @@ def test_models_the_stack_cannot_run_keep_their_layers(tmp_path):
     quantized projections: neither binds a stack (both still bind direct layer calls)."""
     make_tiny_checkpoint("qwen2", str(tmp_path / "qwen2"), head_dim=64)
     make_tiny_checkpoint("llama", str(tmp_path / "llama"), head_dim=64)
-    for path, quantization in ((tmp_path / "qwen2", "int8"), (tmp_path / "llama", "none")):
-        llm = LLM(str(path), dtype="float32", quantization=quantization, speculative_config="off", max_model_len=256)
+    for path, method in ((tmp_path / "qwen2", "int8"), (tmp_path / "llama", "none")):
+        llm = LLM(str(path), dtype="float32", quantization=method, speculative_config="off", max_model_len=256)
         model = next(m for m in llm.llm_engine.model_executor.model.modules() if isinstance(m, LlamaModel))
         assert model.decode_stack is None and all(layer.direct is not None for layer in model.layers)
