@@ -18,6 +18,11 @@ from tests.entrypoints.openai.conftest import API_KEY, MODEL_NAME, SERVER_FLAGS,
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
+# Steps of at least 10 ms: a stream of 200 tokens lasts 2 s or more, so it is still running
+# when the test signals and looks, however fast the machine.
+SLOW_STEPS = {"module": "tests.entrypoints.openai.faulty_server", "env": {"STEP_DELAY_S": "0.01"}}
+
+
 def start(tiny_model_dir, tmp_path, *extra: str, **kwargs) -> ServerProcess:
     return ServerProcess([str(tiny_model_dir), *SERVER_FLAGS, *extra], tmp_path / "server.log", **kwargs)
 
@@ -54,7 +59,7 @@ class Stream:
 
 
 def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model_dir, tmp_path):
-    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
+    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "60", **SLOW_STEPS)
     stream = Stream(srv.url, max_tokens=200)
     assert stream.started.wait(30)
     srv.proc.send_signal(signal.SIGTERM)
@@ -73,7 +78,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model
 
 
 def test_past_the_shutdown_timeout_open_streams_end_with_an_error_event(tiny_model_dir, tmp_path):
-    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "0")
+    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "0", **SLOW_STEPS)
     stream = Stream(srv.url, max_tokens=240)
     assert stream.started.wait(30)
     srv.proc.send_signal(signal.SIGTERM)
@@ -85,7 +90,7 @@ def test_past_the_shutdown_timeout_open_streams_end_with_an_error_event(tiny_mod
 
 
 def test_a_second_signal_exits_at_once(tiny_model_dir, tmp_path):
-    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
+    srv = start(tiny_model_dir, tmp_path, "--shutdown-timeout", "60", **SLOW_STEPS)
     stream = Stream(srv.url, max_tokens=240)
     assert stream.started.wait(30)
     srv.proc.send_signal(signal.SIGINT)
