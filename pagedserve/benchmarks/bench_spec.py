@@ -87,7 +87,7 @@ def _warm_up(llm: Any, names: list[str]) -> None:
     """Each selected workload's first request, untimed (predicted-edit's with and without
     its prediction): a round that is an engine's first at a workload's lengths ran slow
     (predicted-edit's first round without the prediction read 111.6 tok/s against 173.0 in
-    later rounds, Zen 5), and with --repeat 1 that round was the figure."""
+    later rounds; Zen 5, AVX-512 with native bf16), and with --repeat 1 that round was the figure."""
     from pagedserve.benchmarks import workloads as wl
 
     chosen = [w for _, w, _ in _workloads(names)] + ([wl.predicted_edit()] if "predicted-edit" in names else [])

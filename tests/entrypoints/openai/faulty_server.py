@@ -2,7 +2,7 @@
 engine step raises after $FAULT_AFTER_STEPS steps (a stand-in for a kernel or device
 failure), for the engine-failure test; and whose every step takes at least
 $STEP_DELAY_S seconds where set, so that a test's request is still running when it
-looks (the lifecycle tests: a tiny model's 200 tokens took ~0.3 s on a Zen 5, less than
+looks (the lifecycle tests: a tiny model's 200 tokens took ~0.3 s on a Zen 5 with AVX-512, less than
 the test's own steps)."""
 
 from __future__ import annotations
