@@ -34,8 +34,9 @@ pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", 
 # (M activation rows, N weight rows, K): N not a multiple of the 16-row tile, K not a
 # multiple of the 64 bytes a vector reads, K not even a multiple of the 32-weight block
 # (quantize pads it), a single row, more rows than one pass of the kernel keeps (64), and
-# enough rows for AVX2's widened path over more blocks (18) than it widens at a time (16).
-SHAPES = [(1, 37, 96), (3, 16, 32), (7, 50, 200), (65, 33, 64), (2, 300, 1024), (20, 24, 576)]
+# enough rows for AVX2's widened path over more blocks (18) than it widens at a time (16),
+# and enough tiles (9) for AVX-512's two-tile path when two threads share them.
+SHAPES = [(1, 37, 96), (3, 16, 32), (7, 50, 200), (65, 33, 64), (2, 300, 1024), (20, 24, 576), (12, 136, 160)]
 
 
 def blocks_of(kind: QuantKind, n: int, k: int, seed: int) -> BlockWeights:
@@ -111,22 +112,23 @@ def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> N
         assert torch.equal(dequantize_rows(pack(w, kernel), rows, kernel), w.dequantize()[rows])
 
 
-@pytest.mark.parametrize("build", ["avx2", "plain"])
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("kind", list(QuantKind))
 def test_a_rows_output_does_not_depend_on_its_batch(build: str, kind: QuantKind) -> None:
     """Bit for bit, whatever path the batch's size takes (AVX2: one or two rows in one
     pass, 3-15 in passes per half-tile, 16 and more through widened codes and panels, a
-    last partial panel; past 64 rows, chunks): a request's logits must not change with
-    who else is in its step.  K = 576: 18 blocks, more than the widened path takes at a
-    time."""
+    last partial panel; AVX-512: from 4 rows two tiles at a time, 6 rows a call; past 64
+    rows, chunks): a request's logits must not change with who else is in its step.
+    K = 576: 18 blocks, more than the widened path takes at a time; N = 136: runs of two
+    tiles or more even when two threads share the 9 tiles (the last one partial)."""
     if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU has no AVX2")
     kernel = quant_kernel(BUILDS[build])
-    w = pack(blocks_of(kind, 40, 576, seed=7), kernel)
+    w = pack(blocks_of(kind, 136, 576, seed=7), kernel)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(8))
-    alone = torch.cat([quantized_matmul(x[i:i + 1], [(0, w)], 40, kernel) for i in range(70)])
-    for m in (2, 5, 16, 18, 70):
-        assert torch.equal(quantized_matmul(x[:m], [(0, w)], 40, kernel), alone[:m]), (build, kind, m)
+    alone = torch.cat([quantized_matmul(x[i:i + 1], [(0, w)], 136, kernel) for i in range(70)])
+    for m in (2, 4, 5, 16, 18, 70):
+        assert torch.equal(quantized_matmul(x[:m], [(0, w)], 136, kernel), alone[:m]), (build, kind, m)
 
 
 @pytest.mark.parametrize("kind", list(QuantKind))
@@ -311,15 +313,17 @@ def test_unpadded_activations_against_a_block_padded_weight() -> None:
 def test_one_segment_layers_take_the_list_free_op(bits: int) -> None:
     """A merged weight's forward calls `linear1` (no list arguments to convert on every
     call); it computes what the segment-list op and the two-call path compute, bit for bit,
-    whether its activations fit the thread's reused scratch (decode) or not (a long prompt)."""
-    qw = QuantizedWeight(48, 1024, activation_bits=bits)
-    qw.store(0, quantize(torch.randn(48, 1024), "int4"))
+    whether its activations fit the thread's reused scratch (decode) or not (a long prompt).
+    136 rows: 9 tiles, so 16-bit outputs of two tiles at a time (AVX-512, 4 rows or more)
+    pass through their buffer too."""
+    qw = QuantizedWeight(136, 1024, activation_bits=bits)
+    qw.store(0, quantize(torch.randn(136, 1024), "int4"))
     kernel = quant_kernel()
     for m in (1, 7, 1100, 3):  # 1100 x 1024 codes outgrow the scratch; the calls after reuse it
         x = torch.randn(m, 1024).bfloat16()
         y = qw.linear(x)
         assert qw._op is getattr(torch.ops, kernel.__name__).linear1
         w = qw.segments[0][1]
-        lists = getattr(torch.ops, kernel.__name__).linear(x, [w.codes], [w.d], [w.aux], [int(w.kind)], [48], [0],
-                                                           48, 1024, bits)
+        lists = getattr(torch.ops, kernel.__name__).linear(x, [w.codes], [w.d], [w.aux], [int(w.kind)], [136], [0],
+                                                           136, 1024, bits)
         assert torch.equal(y, lists) and torch.equal(y, qw.matmul(x).to(torch.bfloat16))
