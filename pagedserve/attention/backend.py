@@ -48,7 +48,7 @@ class DecodeKernelStep:
     seq_lens: torch.Tensor
     window: int  # 0: no sliding window
     slots: torch.Tensor  # the new tokens' cache slots, where the kernel stores key/value first
-    fresh_blocks: torch.Tensor | None  # blocks this step opens: zeroed in each layer's caches first
+    fresh_blocks: torch.Tensor | None  # blocks this step opens and does not fill: zeroed in each layer's caches first
 
 
 class AttentionBackend(ABC):

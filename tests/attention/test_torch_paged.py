@@ -105,6 +105,21 @@ def test_matches_reference(backend, specs, heads, kv_heads, block_size, dtype):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
+def test_only_blocks_a_step_opens_and_leaves_part_empty_are_zeroed():
+    """A prompt's blocks that the step fills whole need no zeros (its last slot is written
+    too): zeroing them was ~1% of a prefill.  Those it opens and leaves part empty, and
+    no others, are zeroed first (test_matches_reference: no NaN reaches the output)."""
+    # 40 new tokens from position 0 (2 blocks full, 1 opened), 23 from 70 (64..79 begun
+    # before; 80..92 opened), a decode at 128 (opens a block), one at 150 (opens none).
+    *_, common = make_case([(40, 40), (93, 23), (129, 1), (151, 1)], 4, 2, 64, 16, torch.float32, seed=5)
+    slots = common.slot_mapping
+    fresh = TorchPagedBackend.build_metadata(common).fresh_blocks
+    opened = (32, 40 + 10, 40 + 23)  # the new tokens at positions 32, 80 and 128
+    assert all(int(slots[i]) % 16 == 0 for i in opened)
+    want = sorted(int(slots[i]) // 16 for i in opened)
+    assert sorted(fresh.tolist()) == want
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_rows_are_zero_and_ignored(backend):
     case = make_case([(20, 1), (9, 9)], 4, 2, 64, 16, torch.float32, seed=3, pad_tokens=5)
