@@ -17,8 +17,7 @@
 // A weight is   Q4_SYM: d*(u - 8)   Q4_ASYM: d*u + aux   Q8: d*s   (u unsigned, s signed).
 //
 // Paths, chosen at compile time for the machine (-march=native, capped like torch):
-// AVX-512 VNNI (vpdpwssd / vpdpbusd; for 16-bit activations of 4 rows or more, two tiles
-// at a time), AVX2 (vpmaddwd / vpmaddubsw; for 16-bit activations of 16
+// AVX-512 VNNI (vpdpwssd / vpdpbusd; from 4 activation rows, two tiles at a time), AVX2 (vpmaddwd / vpmaddubsw; for 16-bit activations of 16
 // rows or more, codes widened once per tile and the activations in panels), plain loops.
 
 // Only the headers used (torch/extension.h would pull in all of torch: a third of the build time).
@@ -223,32 +222,35 @@ constexpr int kMaxMR = 4;
 #define PAGEDSERVE_TILE tile_vnni
 
 // Two neighbouring tiles (32 rows of W; the second's codes, scales and offsets `ts` and
-// `tsd` further on) against MR activation rows, 16-bit activations: the batches and
-// prompts path.  There, tile_vnni issues one broadcast load per vpdpwssd, and those loads
+// `tsd` further on) against MR activation rows: the batches and prompts path.  There,
+// tile_vnni issues one broadcast load per vpdpwssd (or vpdpbusd), and those loads
 // bounded it with the per-block scaling (the 1.7B shape's Q4_0 linears at 310 GMAC/s on a
 // Zen 5, AVX-512 with native bf16, 2 threads; ~17% more with either taken away).  Here each
 // activation word meets both tiles' weights: half the broadcasts per multiply-add (345-367
-// GMAC/s from 32 rows, 285-293 at 8 against 265).  4-bit high nibbles are shifted down
+// GMAC/s from 32 rows, 285-293 at 8 against 265; 8-bit activations 430-506 -> 484-566,
+// 8-bit codes 1.4x).  For 16-bit activations 4-bit high nibbles are shifted down
 // once per chunk, so a row's integer sum is one chain per tile; it equals tile_vnni's
 // (whose high nibbles are 16 times the code, divided out exactly), and the float
 // operations on it are tile_vnni's, in its order: every output is bit for bit tile_vnni's.
 // kQ8: the weights are 8-bit codes (kind Q8), a template argument: as a run-time branch in
-// the chunk loop it cost the 4-bit kinds 10-25%.
-template <int MR, bool kQ8>
+// the chunk loop it cost the 4-bit kinds 10-25%.  XB: the activations' bits, as in tile_vnni
+// (8: vpdpbusd, 64 multiply-adds each, on unwidened codes).
+template <int MR, bool kQ8, int XB>
 void pair_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind, int64_t ts, int64_t tsd,
                const QuantizedX& x, int64_t m0, float* y, int64_t ldy) {
   __m512 acc[2][MR], acc_off[2][MR];
   for (int t = 0; t < 2; ++t)
     for (int mm = 0; mm < MR; ++mm) acc[t][mm] = acc_off[t][mm] = _mm512_setzero_ps();
-  const __m512i low4w = _mm512_set1_epi32(0x000F000F);
+  const __m512i low4w = _mm512_set1_epi32(0x000F000F), low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < x.Kb; ++b) {
     __m512i ia[2][MR];
     for (int t = 0; t < 2; ++t)
       for (int mm = 0; mm < MR; ++mm) ia[t][mm] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
-      // Per tile, the codes of k = 8p + {0, 2}, {1, 3}, {4, 6}, {5, 7} (pair order): 4-bit
-      // codes from one 64-byte chunk, 8-bit ones sign-extended from two (bytes 0 and 2 of a
-      // lane, then 1 and 3).
+      // Per tile, the codes of k = 8p..8p+7.  16-bit activations: k = 8p + {0, 2}, {1, 3},
+      // {4, 6}, {5, 7} (pair order), 4-bit codes from one 64-byte chunk, 8-bit ones
+      // sign-extended from two (bytes 0 and 2 of a lane, then 1 and 3).  8-bit activations:
+      // k = 8p + 0..3, then 4..7 (low and high nibbles of one chunk, or two chunks as they are).
       __m512i w[2][4];
       for (int t = 0; t < 2; ++t) {
         if constexpr (kQ8) {
@@ -256,31 +258,61 @@ void pair_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
           _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64), _MM_HINT_T0);
           const __m512i v0 = _mm512_loadu_si512(c), v1 = _mm512_loadu_si512(c + 64);
-          w[t][0] = _mm512_srai_epi16(_mm512_slli_epi16(v0, 8), 8);
-          w[t][1] = _mm512_srai_epi16(v0, 8);
-          w[t][2] = _mm512_srai_epi16(_mm512_slli_epi16(v1, 8), 8);
-          w[t][3] = _mm512_srai_epi16(v1, 8);
+          if constexpr (XB == 8) {
+            w[t][0] = v0;
+            w[t][1] = v1;
+          } else {
+            w[t][0] = _mm512_srai_epi16(_mm512_slli_epi16(v0, 8), 8);
+            w[t][1] = _mm512_srai_epi16(v0, 8);
+            w[t][2] = _mm512_srai_epi16(_mm512_slli_epi16(v1, 8), 8);
+            w[t][3] = _mm512_srai_epi16(v1, 8);
+          }
         } else {
           const uint8_t* c = codes + t * ts + b * 256 + 64 * p;
           _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch), _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512(c);
-          const __m512i v8 = _mm512_srli_epi32(v, 8);
-          w[t][0] = _mm512_and_si512(v, low4w);
-          w[t][1] = _mm512_and_si512(v8, low4w);
-          w[t][2] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low4w);
-          w[t][3] = _mm512_and_si512(_mm512_srli_epi32(v8, 4), low4w);
+          if constexpr (XB == 8) {
+            w[t][0] = _mm512_and_si512(v, low4);
+            w[t][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          } else {
+            const __m512i v8 = _mm512_srli_epi32(v, 8);
+            w[t][0] = _mm512_and_si512(v, low4w);
+            w[t][1] = _mm512_and_si512(v8, low4w);
+            w[t][2] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low4w);
+            w[t][3] = _mm512_and_si512(_mm512_srli_epi32(v8, 4), low4w);
+          }
         }
       }
       for (int mm = 0; mm < MR; ++mm) {
-        const int16_t* xr = x.q16 + (m0 + mm) * x.K + b * kBlock + 8 * p;
-        for (int j = 0; j < 4; ++j) {
-          const __m512i xb = _mm512_set1_epi32(load_word(xr + 2 * j));
-          ia[0][mm] = _mm512_dpwssd_epi32(ia[0][mm], w[0][j], xb);
-          ia[1][mm] = _mm512_dpwssd_epi32(ia[1][mm], w[1][j], xb);
+        if constexpr (XB == 8) {
+          const int8_t* xr = x.q8 + (m0 + mm) * x.K + b * kBlock + 8 * p;
+          for (int j = 0; j < 2; ++j) {
+            if constexpr (kQ8) {  // x + 128 as unsigned bytes times the signed codes; 128 * sum(codes) is taken off below
+              const __m512i xb = _mm512_set1_epi32(load_word(xr + 4 * j) ^ int32_t(0x80808080));
+              ia[0][mm] = _mm512_dpbusd_epi32(ia[0][mm], xb, w[0][j]);
+              ia[1][mm] = _mm512_dpbusd_epi32(ia[1][mm], xb, w[1][j]);
+            } else {
+              const __m512i xb = _mm512_set1_epi32(load_word(xr + 4 * j));
+              ia[0][mm] = _mm512_dpbusd_epi32(ia[0][mm], w[0][j], xb);
+              ia[1][mm] = _mm512_dpbusd_epi32(ia[1][mm], w[1][j], xb);
+            }
+          }
+        } else {
+          const int16_t* xr = x.q16 + (m0 + mm) * x.K + b * kBlock + 8 * p;
+          for (int j = 0; j < 4; ++j) {
+            const __m512i xb = _mm512_set1_epi32(load_word(xr + 2 * j));
+            ia[0][mm] = _mm512_dpwssd_epi32(ia[0][mm], w[0][j], xb);
+            ia[1][mm] = _mm512_dpwssd_epi32(ia[1][mm], w[1][j], xb);
+          }
         }
       }
     }
     for (int t = 0; t < 2; ++t) {
+      if constexpr (kQ8 && XB == 8) {
+        const __m512i wsum = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + t * tsd + b * kTile))), 7);
+        for (int mm = 0; mm < MR; ++mm) ia[t][mm] = _mm512_sub_epi32(ia[t][mm], wsum);
+      }
       const uint16_t* dt = d + t * tsd + b * kTile;
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt)));
       const __m512 ov = kind == Q4_SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))
@@ -600,8 +632,8 @@ void run_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int6
 #endif
 }
 
-// Rows m0..m0+mr-1 of two full neighbouring tiles, 16-bit activations, where this build
-// has a two-tile path (kPairs); `ts`, `tsd`: the second tile's offset in codes and scales.
+// Rows m0..m0+mr-1 of two full neighbouring tiles where this build has a two-tile path
+// (kPairs); `ts`, `tsd`: the second tile's offset in codes and scales.
 constexpr int64_t kPairMinRows = 4;  // fewer rows (decode) stream one tile at a time
 // Activation rows per pair_vnni call: more than its registers hold (the compiler keeps some
 // accumulators in L1), yet faster than 4 (the 1.7B shape at 32 and 512 rows: 352 -> 360-367
@@ -610,20 +642,20 @@ constexpr int64_t kPairMinRows = 4;  // fewer rows (decode) stream one tile at a
 constexpr int64_t kPairMR = 6, kPairMaxMR = 8;
 #ifdef PAGEDSERVE_PAIR
 constexpr bool kPairs = true;
-template <bool kQ8>
+template <bool kQ8, int XB>
 void run_pair_of(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind, int64_t ts, int64_t tsd,
                  const QuantizedX& x, int64_t m0, int64_t mr, float* y, int64_t ldy) {
   while (mr > 0) {
     const int64_t n = mr <= kPairMaxMR ? mr : std::min<int64_t>(mr, kPairMR);
     switch (n) {
-      case 8: PAGEDSERVE_PAIR<8, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 7: PAGEDSERVE_PAIR<7, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 6: PAGEDSERVE_PAIR<6, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 5: PAGEDSERVE_PAIR<5, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 4: PAGEDSERVE_PAIR<4, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 3: PAGEDSERVE_PAIR<3, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 2: PAGEDSERVE_PAIR<2, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      default: PAGEDSERVE_PAIR<1, kQ8>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 8: PAGEDSERVE_PAIR<8, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 7: PAGEDSERVE_PAIR<7, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 6: PAGEDSERVE_PAIR<6, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 5: PAGEDSERVE_PAIR<5, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 4: PAGEDSERVE_PAIR<4, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 3: PAGEDSERVE_PAIR<3, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      case 2: PAGEDSERVE_PAIR<2, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
+      default: PAGEDSERVE_PAIR<1, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
     }
     m0 += n;
     mr -= n;
@@ -632,7 +664,8 @@ void run_pair_of(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, i
 }
 void run_pair(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind, int64_t ts, int64_t tsd,
               const QuantizedX& x, int64_t m0, int64_t mr, float* y, int64_t ldy) {
-  (kind == Q8 ? run_pair_of<true> : run_pair_of<false>)(codes, d, aux, kind, ts, tsd, x, m0, mr, y, ldy);
+  (x.q16 ? (kind == Q8 ? run_pair_of<true, 16> : run_pair_of<false, 16>)
+          : (kind == Q8 ? run_pair_of<true, 8> : run_pair_of<false, 8>))(codes, d, aux, kind, ts, tsd, x, m0, mr, y, ldy);
 }
 #else
 constexpr bool kPairs = false;
@@ -706,7 +739,7 @@ void qgemm_into(const QuantizedX& x, const uint8_t* cp, const uint16_t* dp, cons
                 int64_t N, T* yp, int64_t ldy, TileFn tile) {
   const int64_t M = x.M, Kb = x.Kb;
   const int64_t tiles = (N + kTile - 1) / kTile;
-  const bool pairs = kPairs && x.q16 != nullptr && M >= kPairMinRows;
+  const bool pairs = kPairs && M >= kPairMinRows;
   auto run = [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
       const int64_t mr = std::min(kMChunk, M - m0);
