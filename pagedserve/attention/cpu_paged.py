@@ -93,7 +93,7 @@ class CpuPagedBackend(TorchPagedBackend):
         if kernel is None:
             return super().forward(query, key, value, k_cache, v_cache, metadata)
         self._zero_fresh_blocks(metadata, k_cache, v_cache)
-        if key.dtype != k_cache.dtype:  # (the usual step stores its own dtype: no call on the hot path)
+        if not _kernel_stores(key.dtype, k_cache.dtype):  # (fp8, int8: converted here)
             key, value = kv_dtype.to_cache(key, k_cache.dtype), kv_dtype.to_cache(value, v_cache.dtype)
         return kernel(query, k_cache, v_cache, g.block_table, g.seq_lens, self.scale, g.window,
                       key, value, metadata.slots)
@@ -103,9 +103,11 @@ class CpuPagedBackend(TorchPagedBackend):
 
     def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
                            attn_metadata: TorchPagedMetadata) -> DecodeKernelStep | None:
-        """The kernel's arguments when it takes the whole step as `forward` would, with
-        the step's key/value already in the cache's dtype (no conversion to make)."""
-        if (k_cache.dtype != dtype or self._kernel_for_dtypes(k_cache.device.type, dtype, dtype) is None
+        """The kernel's arguments when it takes the whole step as `forward` would, and
+        stores the step's key/value itself (rows of `dtype`: the cache's, or float32 over
+        a 16-bit cache)."""
+        if (not _kernel_stores(dtype, k_cache.dtype)
+                or self._kernel_for_dtypes(k_cache.device.type, dtype, k_cache.dtype) is None
                 or not _whole_decode(attn_metadata, num_rows)):
             return None
         g = attn_metadata.groups[0]
@@ -125,6 +127,12 @@ class CpuPagedBackend(TorchPagedBackend):
                        or (q == torch.float32 and cache in DTYPES)))
             self._kernels[key] = self.decode_kernel if ok else None
         return self._kernels[key]
+
+
+def _kernel_stores(rows: torch.dtype, cache: torch.dtype) -> bool:
+    """Whether the kernel stores new key/value rows of `rows` into a cache of `cache` itself:
+    the same dtype, or float32 into 16 bits (converted as kv_dtype.to_cache converts)."""
+    return rows == cache or (rows == torch.float32 and cache in (torch.bfloat16, torch.float16))
 
 
 def _whole_decode(metadata: TorchPagedMetadata, num_rows: int) -> bool:

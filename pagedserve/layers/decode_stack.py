@@ -7,7 +7,9 @@ bind_direct), the Python between those calls was what was left: ~40 us a layer,
 what one stream waits for.  The stack makes the same calls in the same order from C++
 (the quantized projections and the attention kernel through torch's dispatcher), so its
 outputs are bitwise the direct path's; any step the attention kernel does not take
-whole (a prompt chunk, a cache of another dtype, images) runs the layers as before.
+whole (a prompt chunk, an 8-bit cache, images) runs the layers as before.  A 16-bit cache
+under float32 compute (`--kv-cache-dtype float16` where float32 is the default) is the
+kernel's to fill: it converts each new row as the layer's own store does.
 
 It binds only where every layer's work is those kernels: quantized projections without
 bias or adapters, the fused C++ norms, rotary and SiLU, and the C++ decode-attention

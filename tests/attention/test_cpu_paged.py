@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from pagedserve.attention import cpu_paged
+from pagedserve.attention import cpu_paged, kv_dtype
 from pagedserve.attention.cpu_paged import CpuPagedBackend, paged_decode
 from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.attention.torch_ref import TorchReferenceBackend
@@ -218,6 +218,30 @@ def test_all_decode_step_is_one_kernel_call_that_stores_kv():
     ref, ref_k, ref_v = run_backend(TorchPagedBackend, case, 6, 2, 64, 16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(kc.nan_to_num(7.0), ref_k.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_the_kernel_stores_float32_rows_into_a_16_bit_cache_as_the_layer_does(cache_dtype):
+    """Float32 K/V into a 16-bit cache (`--kv-cache-dtype` under float32 compute): the
+    kernel's store converts as kv_dtype.store does, bit for bit (rounding to nearest even,
+    float16 clamped to its range: 1e6 and -inf become +-65504; NaN stays a NaN, whose bits
+    torch's vectorised cast may set otherwise), so the decode stack and the layer path fill
+    the same cache."""
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(3, 2, 64, generator=g) * 300, torch.randn(3, 2, 64, generator=g)
+    key[0, 0, :3] = torch.tensor([1e6, -float("inf"), float("nan")])
+    value[1, 1, 5] = 65519.0  # (rounds past float16's largest finite value unless clamped)
+    slots = torch.tensor([18, 35, 49])
+    caches = [torch.zeros(4, 16, 2, 64, dtype=cache_dtype) for _ in range(4)]
+    kv_dtype.store(key, value, caches[0], caches[1], slots)
+    q, table = torch.randn(3, 4, 64, generator=g), torch.tensor([[1], [2], [3]], dtype=torch.int32)
+    paged_decode()(q, caches[2], caches[3], table, torch.tensor([3, 4, 2], dtype=torch.int32), 0.125, 0,
+                   key, value, slots)
+    assert caches[2][1, 2, 0, 2].isnan() and caches[0][1, 2, 0, 2].isnan()
+    caches[0][1, 2, 0, 2] = caches[2][1, 2, 0, 2] = 0
+    assert torch.equal(caches[2].view(torch.int16), caches[0].view(torch.int16))
+    assert torch.equal(caches[3].view(torch.int16), caches[1].view(torch.int16))
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")

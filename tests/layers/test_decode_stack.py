@@ -17,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("fused_kernel")  # (tests/layers/conftest.p
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 for i in range(n)]} for j, n in enumerate((5, 20, 37))]
 
 
-def _generate(path: str, dtype: str, stack: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
+def _generate(path: str, dtype: str, stack: bool, monkeypatch: pytest.MonkeyPatch,
+              kv_cache_dtype: str = "auto") -> tuple[list, int]:
     """(each request's tokens and logprobs, how many steps the stack ran)."""
     runs = 0
     run = decode_stack.DecodeStack.run
@@ -32,7 +33,8 @@ def _generate(path: str, dtype: str, stack: bool, monkeypatch: pytest.MonkeyPatc
         m.setattr(decode_stack.DecodeStack, "run", counted)
         if not stack:
             m.setattr(LlamaModel, "bind_decode_stack", lambda self: False)
-        llm = LLM(path, dtype=dtype, quantization="int8", speculative_config="off", max_model_len=256)
+        llm = LLM(path, dtype=dtype, quantization="int8", speculative_config="off", max_model_len=256,
+                  kv_cache_dtype=kv_cache_dtype)
         greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3)
         sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False) + llm.generate(PROMPTS[:1], sampled, use_tqdm=False)
@@ -49,6 +51,19 @@ def test_the_stack_gives_the_layer_by_layer_outputs_exactly(arch, dtype, tmp_pat
     make_tiny_checkpoint(arch, str(tmp_path), **({"head_dim": 64} if arch == "llama" else {}))
     want, none = _generate(str(tmp_path), dtype, False, monkeypatch)
     got, runs = _generate(str(tmp_path), dtype, True, monkeypatch)
+    assert none == 0 and runs >= 40
+    assert got == want
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_16_bit_cache_under_float32_compute_takes_the_stack_exactly(arch, kv_cache_dtype, tmp_path, monkeypatch):
+    """`--kv-cache-dtype float16` (or bfloat16) where float32 is the compute dtype (AVX2's
+    default): the decode kernel stores the new rows itself, so the stack runs the decode
+    steps, with the layer-by-layer path's tokens and logprobs."""
+    make_tiny_checkpoint(arch, str(tmp_path), **({"head_dim": 64} if arch == "llama" else {}))
+    want, none = _generate(str(tmp_path), "float32", False, monkeypatch, kv_cache_dtype)
+    got, runs = _generate(str(tmp_path), "float32", True, monkeypatch, kv_cache_dtype)
     assert none == 0 and runs >= 40
     assert got == want
 

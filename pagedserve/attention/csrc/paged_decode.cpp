@@ -565,17 +565,34 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-// Writes each new token's K/V row ([T, Hkv, D], head_dim contiguous, the caches' dtype)
-// at its flat slot (block id * block_size + offset) of the caches.  In the decode step
-// this is the store the attention layer does first; done here it saves two tensor
-// operations a layer, which at a 135M model's size are a few percent of the step.
+// Row `d` values of float32 as a 16-bit cache stores them, as kv_dtype.to_cache converts
+// them: rounded to nearest even, float16 first clamped to its finite range.
+template <typename cache_t>
+void convert_row(const float* from, cache_t* to, int64_t d) {
+  constexpr float kHalfMax = 65504.f;
+  for (int64_t i = 0; i < d; ++i) {
+    if constexpr (std::is_same_v<cache_t, c10::Half>)
+      to[i] = c10::Half(std::isnan(from[i]) ? from[i] : std::min(std::max(from[i], -kHalfMax), kHalfMax));
+    else
+      to[i] = cache_t(from[i]);
+  }
+}
+
+// Writes each new token's K/V row ([T, Hkv, D], head_dim contiguous; the caches' dtype, or
+// float32 into a 16-bit cache, converted as the layer's own store converts) at its flat
+// slot (block id * block_size + offset) of the caches.  In the decode step this is the
+// store the attention layer does first; done here it saves two tensor operations a layer,
+// which at a 135M model's size are a few percent of the step.
 void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots, const at::Tensor& k_cache,
               const at::Tensor& v_cache) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == k_cache.size(2) &&
                   key.size(2) == k_cache.size(3),
               "paged_decode: key/value must be [tokens, kv_heads, head_dim] of the cache's heads");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
-              "paged_decode: key/value must have the cache's dtype");
+  const at::ScalarType ct = k_cache.scalar_type();
+  const bool convert = key.scalar_type() == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf);
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == ct &&
+                  (key.scalar_type() == ct || convert),
+              "paged_decode: key/value must have the cache's dtype (or float32 over a 16-bit cache)");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "paged_decode: key/value head_dim must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == key.size(0) &&
                   slots.is_contiguous(),
@@ -584,15 +601,23 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < key.size(0); ++t)  // all checked before any is written
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "paged_decode: slot ", sp[t], " out of range [0, ", num_slots, ")");
-  const int64_t elem = key.element_size();
+  const int64_t elem = key.element_size(), celem = k_cache.element_size();
   for (int64_t t = 0; t < key.size(0); ++t) {
     const int64_t slot = sp[t];
     const int64_t blk = slot / bs, off = slot % bs;
     for (const auto& [src, dst] : {std::pair<const at::Tensor*, const at::Tensor*>{&key, &k_cache}, {&value, &v_cache}}) {
       const char* from = static_cast<const char*>(src->data_ptr()) + t * src->stride(0) * elem;
-      char* to = static_cast<char*>(dst->data_ptr()) + (blk * dst->stride(0) + off * dst->stride(1)) * elem;
-      for (int64_t h = 0; h < hkv; ++h)
-        std::memcpy(to + h * dst->stride(2) * elem, from + h * src->stride(1) * elem, d * elem);
+      char* to = static_cast<char*>(dst->data_ptr()) + (blk * dst->stride(0) + off * dst->stride(1)) * celem;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const char* f = from + h * src->stride(1) * elem;
+        char* o = to + h * dst->stride(2) * celem;
+        if (!convert)
+          std::memcpy(o, f, d * elem);
+        else if (ct == at::kHalf)
+          convert_row(reinterpret_cast<const float*>(f), reinterpret_cast<c10::Half*>(o), d);
+        else
+          convert_row(reinterpret_cast<const float*>(f), reinterpret_cast<c10::BFloat16*>(o), d);
+      }
     }
   }
 }
