@@ -117,8 +117,8 @@ def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> N
 def test_a_rows_output_does_not_depend_on_its_batch(build: str, kind: QuantKind) -> None:
     """Bit for bit, whatever path the batch's size takes (AVX2: one or two rows in one
     pass, 3-15 in passes per half-tile, 16 and more through widened codes and panels, a
-    last partial panel; AVX-512: from 4 rows two tiles at a time, up to 8 rows a call, else
-    6; past 64 rows, chunks): a request's logits must not change with who else is in its step.
+    last partial panel; AVX-512: from 4 rows two tiles at a time, 6 rows a call; past 64
+    rows, chunks): a request's logits must not change with who else is in its step.
     K = 576: 18 blocks, more than the widened path takes at a time; N = 136: runs of two
     tiles or more even when two threads share the 9 tiles (the last one partial)."""
     if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():

@@ -637,19 +637,18 @@ void run_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int6
 constexpr int64_t kPairMinRows = 4;  // fewer rows (decode) stream one tile at a time
 // Activation rows per pair_vnni call: more than its registers hold (the compiler keeps some
 // accumulators in L1), yet faster than 4 (the 1.7B shape at 32 and 512 rows: 352 -> 360-367
-// GMAC/s; 8 rows per call: 340-344; Zen 5, 2 threads, taking turns in one process); but up
-// to 8 rows in one call (8 rows: 293 GMAC/s as 6 + 2, 307 as one call).
-constexpr int64_t kPairMR = 6, kPairMaxMR = 8;
+// GMAC/s; 8 rows per call: 340-344; Zen 5, 2 threads, taking turns in one process).  A batch
+// of 8 as one call of 8 was 5% faster at the 1.7B shape's Q4_0 but 9% slower at SmolLM2-135M's
+// Q4_1 (whose offsets need a third set of accumulators): 6 + 2.
+constexpr int64_t kPairMR = 6;
 #ifdef PAGEDSERVE_PAIR
 constexpr bool kPairs = true;
 template <bool kQ8, int XB>
 void run_pair_of(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind, int64_t ts, int64_t tsd,
                  const QuantizedX& x, int64_t m0, int64_t mr, float* y, int64_t ldy) {
   while (mr > 0) {
-    const int64_t n = mr <= kPairMaxMR ? mr : std::min<int64_t>(mr, kPairMR);
+    const int64_t n = std::min<int64_t>(mr, kPairMR);
     switch (n) {
-      case 8: PAGEDSERVE_PAIR<8, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
-      case 7: PAGEDSERVE_PAIR<7, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
       case 6: PAGEDSERVE_PAIR<6, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
       case 5: PAGEDSERVE_PAIR<5, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
       case 4: PAGEDSERVE_PAIR<4, kQ8, XB>(codes, d, aux, kind, ts, tsd, x, m0, y, ldy); break;
