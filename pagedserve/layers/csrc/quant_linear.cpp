@@ -634,7 +634,9 @@ void run_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int6
 
 // Rows m0..m0+mr-1 of two full neighbouring tiles where this build has a two-tile path
 // (kPairs); `ts`, `tsd`: the second tile's offset in codes and scales.
-constexpr int64_t kPairMinRows = 4;  // fewer rows (decode) stream one tile at a time
+// Fewer rows (decode) stream one tile at a time: two tiles at 2 or 3 rows were 0-19% slower
+// (the 1.7B shape's Q4_0 and SmolLM2-135M's Q4_1; Zen 5, 2 threads).
+constexpr int64_t kPairMinRows = 4;
 // Activation rows per pair_vnni call: more than its registers hold (the compiler keeps some
 // accumulators in L1), yet faster than 4 (the 1.7B shape at 32 and 512 rows: 352 -> 360-367
 // GMAC/s; 8 rows per call: 340-344; Zen 5, 2 threads, taking turns in one process).  A batch
