@@ -126,6 +126,32 @@ inline int32_t load_word(const void* p) {
 // XB: the activations' bits.  8: one vpdpbusd per 64 multiply-adds.  16: one vpdpwssd per
 // 32, the weights widened in registers: a 32-bit lane (one row) holds two of the row's
 // weights as int16, met by a broadcast word of two activations in pair order.
+// Block b's weight scales for a tile's 16 rows: dv, and the offsets ov (Q4_SYM: -8 dv;
+// Q4_ASYM: the stored offsets; Q8: none).  Both AVX-512 paths scale each block through
+// these helpers, so their outputs are bit for bit the same.
+struct BlockScales {
+  __m512 dv, ov;
+};
+inline BlockScales block_scales_vnni(const uint16_t* d, const uint16_t* aux, int64_t kind, int64_t b) {
+  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kTile)));
+  if (kind == Q4_SYM) return {dv, _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))};
+  if (kind == Q4_ASYM) return {dv, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile)))};
+  return {dv, _mm512_setzero_ps()};
+}
+// acc += one activation row's integer sums of block b times the weight and activation
+// scales (xd); with `offsets` (the 4-bit kinds), acc_off += the offsets times xds (the
+// activation scale times its codes' sum).
+inline void add_block_vnni(__m512i sum, const BlockScales& s, bool offsets, float xd, float xds, __m512& acc,
+                           __m512& acc_off) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s.dv, _mm512_set1_ps(xd)), acc);
+  if (offsets) acc_off = _mm512_fmadd_ps(s.ov, _mm512_set1_ps(xds), acc_off);
+}
+// 8-bit activations against Q8 codes multiply x + 128: 128 times each row's code sum of
+// block b (aux) comes off the integer sums.
+inline __m512i q8_bias_vnni(const uint16_t* aux, int64_t b) {
+  return _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile))), 7);
+}
+
 template <int MR, int XB>
 void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int64_t kind,
                const QuantizedX& x, int64_t m0, int rows, float* y, int64_t ldy) {
@@ -168,8 +194,7 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
         }
       }
       if constexpr (XB == 8) {
-        const __m512i wsum = _mm512_slli_epi32(
-            _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile))), 7);
+        const __m512i wsum = q8_bias_vnni(aux, b);
         for (int mm = 0; mm < MR; ++mm) ia[0][mm] = _mm512_sub_epi32(ia[0][mm], wsum);
       }
     } else {
@@ -200,10 +225,7 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
         }
       }
     }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kTile)));
-    __m512 ov = _mm512_setzero_ps();
-    if (kind == Q4_SYM) ov = _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
-    if (kind == Q4_ASYM) ov = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + b * kTile)));
+    const BlockScales scales = block_scales_vnni(d, aux, kind, b);
     for (int mm = 0; mm < MR; ++mm) {
       const int64_t i = (m0 + mm) * x.Kb + b;
       __m512i sum = _mm512_add_epi32(ia[0][mm], ia[1][mm]);
@@ -211,8 +233,7 @@ void tile_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
         const __m512i upper = _mm512_add_epi32(ia[2][mm], ia[3][mm]);
         sum = _mm512_add_epi32(sum, kind == Q8 ? upper : _mm512_srai_epi32(upper, 4));
       }
-      acc[mm] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[i])), acc[mm]);
-      if (kind != Q8) acc_off[mm] = _mm512_fmadd_ps(ov, _mm512_set1_ps(x.ds[i]), acc_off[mm]);
+      add_block_vnni(sum, scales, kind != Q8, x.d[i], x.ds[i], acc[mm], acc_off[mm]);
     }
   }
   const __mmask16 mask = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
@@ -308,21 +329,15 @@ void pair_vnni(const uint8_t* codes, const uint16_t* d, const uint16_t* aux, int
       }
     }
     for (int t = 0; t < 2; ++t) {
+      const uint16_t* at = aux == nullptr ? nullptr : aux + t * tsd;
       if constexpr (kQ8 && XB == 8) {
-        const __m512i wsum = _mm512_slli_epi32(
-            _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + t * tsd + b * kTile))), 7);
+        const __m512i wsum = q8_bias_vnni(at, b);
         for (int mm = 0; mm < MR; ++mm) ia[t][mm] = _mm512_sub_epi32(ia[t][mm], wsum);
       }
-      const uint16_t* dt = d + t * tsd + b * kTile;
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt)));
-      const __m512 ov = kind == Q4_SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))
-                        : kind == Q4_ASYM
-                            ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aux + t * tsd + b * kTile)))
-                            : _mm512_setzero_ps();
+      const BlockScales scales = block_scales_vnni(d + t * tsd, at, kind, b);
       for (int mm = 0; mm < MR; ++mm) {
         const int64_t i = (m0 + mm) * x.Kb + b;
-        acc[t][mm] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t][mm]), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[i])), acc[t][mm]);
-        if constexpr (!kQ8) acc_off[t][mm] = _mm512_fmadd_ps(ov, _mm512_set1_ps(x.ds[i]), acc_off[t][mm]);
+        add_block_vnni(ia[t][mm], scales, !kQ8, x.d[i], x.ds[i], acc[t][mm], acc_off[t][mm]);
       }
     }
   }
