@@ -36,7 +36,7 @@ from pagedserve.utils import record_startup
 logger = logging.getLogger("pagedserve")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-HEAD_DIMS = (64, 128)  # the head sizes the kernel is instantiated for
+HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is instantiated for (256: Gemma 3)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()

@@ -2,6 +2,7 @@
 
     python -m pagedserve.benchmarks.compare_llamacpp            # 1.7B-shape Q4_0 and Q8_0, and the default model
     python -m pagedserve.benchmarks.compare_llamacpp --files Q4_0 default
+    python -m pagedserve.benchmarks.compare_llamacpp --files gemma3     # the second shipped model
     python -m pagedserve.benchmarks.compare_llamacpp --latency --max-step-ms 100    # the latency load
 
 For each file both servers are started one after the other with the same threads, the
@@ -349,7 +350,9 @@ def report(name: str, gguf_path: str, figs: list[Figures], bandwidth: float, ctx
     return "\n".join(lines)
 
 
-FILES = ("Q4_0", "Q8_0", "default")
+# (the shipped models' own files, by `--files` name: the default one and the second one)
+SHIPPED = {"default": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+FILES = ("Q4_0", "Q8_0", *SHIPPED)
 LATENCY_LOAD = ["--num-prompts", "64", "--max-concurrency", "16", "--random-input-len", "128",
                 "--random-output-len", "64"]
 
@@ -395,7 +398,8 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", nargs="+", choices=FILES, default=list(FILES),
-                   help="Q4_0 / Q8_0: random weights in SmolLM2-1.7B's shape; default: the default model's Q4_1 file")
+                   help="Q4_0 / Q8_0: random weights in SmolLM2-1.7B's shape; default: the default model's Q4_1 "
+                        "file; gemma3: Gemma 3 270M's Q4_K_M file")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads (-t, -tb)")
     p.add_argument("--ctx-per-slot", type=int, default=1024, help="KV-cache tokens per slot (32 slots)")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure pagedserve only")
@@ -430,14 +434,14 @@ def main(argv: list[str] | None = None) -> None:
         print(run_latency(args, logdir))
         return
     for name in args.files:
-        if name == "default":
-            path, model_arg = resolve_gguf_path("smollm2-135m-instruct"), "smollm2-135m-instruct"
+        if name in SHIPPED:
+            path, model_arg = resolve_gguf_path(SHIPPED[name]), SHIPPED[name]
         else:
             path = model_arg = ensure_random_gguf(name, SMOLLM2_1_7B)
         print(f"{name}: {path}", flush=True)
         bandwidth = read_bandwidth(args.threads)
         print(f"  memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
-        reports.append(report(name if name == "default" else f"{SMOLLM2_1_7B.name} {name}", path,
+        reports.append(report(name if name in SHIPPED else f"{SMOLLM2_1_7B.name} {name}", path,
                               run_file(name, path, model_arg, args, logdir), bandwidth, args.ctx_per_slot))
     print()
     print("\n\n".join(reports))

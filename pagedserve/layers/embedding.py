@@ -22,6 +22,7 @@ from pagedserve.layers.quantization import (
     QuantizedWeight,
     as_block_weights,
 )
+from pagedserve.layers.vocab_reduce import row_topk_indices
 from pagedserve.utils import cdiv
 
 
@@ -189,7 +190,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         for the few tokens that can win settle greedy choices and the top logprobs; the
         rest of the row keeps the fast values.  Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
         n = logits.shape[0]
-        top = logits.topk(min(EXACT_TOP, logits.shape[1]), dim=-1).indices  # [N, k]
+        top = row_topk_indices(logits, EXACT_TOP)  # [N, k]
         w = rows(top.reshape(-1)).view(n, top.shape[1], -1).float()
         # Multiply and sum, not bmm: a row's result must not depend on how many rows there
         # are (MKL's batched product rounds one row differently from several), or greedy

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.layers.vocab_reduce import row_max
 from pagedserve.worker.sampler import Sampler, SamplingMetadata
 
 
@@ -51,7 +52,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMeta
     logits = logits.float()
     flat = [t for d in drafts for t in d]
     targets = torch.tensor(flat, dtype=torch.long, device=logits.device)
-    best, argmax = logits.max(-1)
+    best, argmax = row_max(logits)
     invalid = ~torch.isfinite(best)
     before = {id(g): g.get_state() for g in metadata.generators.values()}  # seeded rows' generators
     if metadata.all_greedy:

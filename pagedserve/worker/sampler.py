@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.core.sched_output import GrammarBitmask
+from pagedserve.layers.vocab_reduce import row_max
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if metadata.max_num_logprobs is not None else None
         logits = self.apply_penalties(logits, metadata)
         self.apply_logit_edits(logits, metadata)
-        best, argmax = logits.max(-1)
+        best, argmax = row_max(logits)
         invalid = ~torch.isfinite(best)  # NaN anywhere, +inf, or nothing left to sample
         if metadata.all_greedy:
             sampled = argmax

@@ -68,8 +68,10 @@ def check_kernel(kernel, dtype, heads, kv_heads, dim, bs) -> None:
 
 
 # (9, 3, 64): SmolLM2; G = 16 and block size 8 take the row-by-row loops instead of the
-# 16-slot blocks and register accumulators.
-HEAD_CONFIGS = [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 1, 64), (16, 1, 64)]
+# 16-slot blocks and register accumulators; (4, 1, 256): Gemma 3 270M, and heads of 256
+# with G = 2 and 8 (each G takes its own share of the 256 values per pass).
+HEAD_CONFIGS = [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 1, 64), (16, 1, 64), (4, 1, 256), (8, 4, 256),
+                (16, 2, 256)]
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
@@ -81,7 +83,7 @@ def test_kernel_matches_float32_math(dtype, heads, kv_heads, dim, bs):
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 32, 64), (16, 2, 128), (4, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 32, 64), (16, 2, 128), (4, 1, 64), (8, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fewer_requests_than_threads_split_heads_and_change_nothing(heads, kv_heads, dim, dtype):
     """With fewer requests than threads, each request's KV heads are split into ranges,
@@ -143,7 +145,7 @@ def test_avx2_build_matches_float32_math(dtype):
 def test_plain_loop_build_matches_float32_math():
     """The plain loops of a CPU with neither (built here with both disabled)."""
     kernel = cpu_paged.build(PLAIN_TEST_BUILD)
-    for heads, kv_heads, dim in HEAD_CONFIGS[:3]:
+    for heads, kv_heads, dim in [*HEAD_CONFIGS[:3], HEAD_CONFIGS[5]]:
         check_kernel(kernel, torch.bfloat16, heads, kv_heads, dim, 16)
 
 

@@ -152,23 +152,29 @@ constexpr int64_t kSlots = 16;  // slots per qk_block
 
 // acc[g] += sum over the n slots s of p[g * L + s] * v[s] for the G query heads, the
 // accumulators held in registers across the block (G is a template argument for that).
+// Heads of 256 (Gemma 3) take CW of their 16 vectors per pass over the block, so that
+// G * CW accumulators and CW loads fit the 32 registers; 64- and 128-wide heads take
+// all of theirs in one pass, as tuned.  A lane's sum runs in the same order either way.
 template <typename scalar_t, int64_t D, int64_t G>
 inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_t n, float* acc, int64_t L) {
   constexpr int64_t NV = D / 16;
-  __m512 a[G][NV];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
-  for (int64_t s = 0; s < n; ++s) {
-    __m512 vv[NV];
-    for (int64_t c = 0; c < NV; ++c) vv[c] = load16(v + s * v_stride + 16 * c);
-    const float sv = row_scale<scalar_t, D>(v + s * v_stride);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * L + s] * sv);
-      for (int64_t c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
+  constexpr int64_t CW = D <= 128 ? NV : (G <= 2 ? 8 : (G <= 4 ? 4 : 2));
+  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
+    __m512 a[G][CW];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < CW; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * (c0 + j));
+    for (int64_t s = 0; s < n; ++s) {
+      __m512 vv[CW];
+      for (int64_t j = 0; j < CW; ++j) vv[j] = load16(v + s * v_stride + 16 * (c0 + j));
+      const float sv = row_scale<scalar_t, D>(v + s * v_stride);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * L + s] * sv);
+        for (int64_t j = 0; j < CW; ++j) a[g][j] = _mm512_fmadd_ps(pg, vv[j], a[g][j]);
+      }
     }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < CW; ++j) _mm512_storeu_ps(acc + g * D + 16 * (c0 + j), a[g][j]);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
 }
 
 
@@ -565,6 +571,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+// decode for a runtime head size (64, 128 or 256: checked by the caller).
+template <typename scalar_t, typename cache_t>
+void decode_any_d(int64_t head_dim, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                  int64_t window) {
+  if (head_dim == 64) decode<scalar_t, cache_t, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+  else if (head_dim == 128) decode<scalar_t, cache_t, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+  else decode<scalar_t, cache_t, 256>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+}
+
 // Row `d` values of float32 as a 16-bit cache stores them, as kv_dtype.to_cache converts
 // them: rounded to nearest even, float16 first clamped to its finite range.
 template <typename cache_t>
@@ -674,16 +690,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: key, value and slot_mapping come together");
   if (key.has_value()) store_kv(*key, *value, *slot_mapping, k_cache, v_cache);
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode: head_dim must be 64 or 128");
-  const bool d64 = q.size(2) == 64;
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "paged_decode: head_dim must be 64, 128 or 256");
   const auto cache = k_cache.scalar_type();
   // q's dtype, then the cache's: the same, float8 under any, or 16-bit under float32.
   bool done = false;
-#define PAGED_DECODE_CASE(QT, CT, CACHE_TYPE)                                                     \
-  if (!done && cache == CACHE_TYPE) {                                                           \
-    d64 ? decode<QT, CT, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window)    \
-        : decode<QT, CT, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);  \
-    done = true;                                                                                \
+#define PAGED_DECODE_CASE(QT, CT, CACHE_TYPE)                                              \
+  if (!done && cache == CACHE_TYPE) {                                                    \
+    decode_any_d<QT, CT>(head_dim, q, k_cache, v_cache, block_table, seq_lens, out, scale, window); \
+    done = true;                                                                         \
   }
 #define PAGED_DECODE_8BIT(QT)                                                \
   PAGED_DECODE_CASE(QT, c10::Float8_e4m3fn, at::kFloat8_e4m3fn)             \
