@@ -33,6 +33,7 @@ from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import cdiv, record_startup, startup_breakdown
+from pagedserve.worker.cpu_threads import release_openmp_threads
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -216,7 +217,9 @@ class LLMEngine:
             record_startup("draft model", time.perf_counter() - t1)
         logger.info("loaded %s (%s, %s, max_model_len %d) in %.1f s (%s)", mc.model, mc.dtype, device,
                     mc.max_model_len, time.perf_counter() - t0, startup_breakdown())
-        return cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos, drafter=drafter)
+        engine = cls(config, runner, tokenizer, extra_eos_token_ids=extra_eos, drafter=drafter)
+        release_openmp_threads()  # the thread that steps it may be another (worker/cpu_threads.py)
+        return engine
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -296,6 +299,7 @@ class LLMEngine:
         finally:
             # A bad prompt in the middle, or Ctrl-C: leave the engine clean for the next call.
             self.abort_request(ids)
+            release_openmp_threads()  # the next batch may come from another thread (worker/cpu_threads.py)
         return [results[rid] for rid in ids]
 
     def abort_request(self, request_ids: str | list[str]) -> None:
