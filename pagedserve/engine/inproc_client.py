@@ -39,6 +39,7 @@ from pagedserve.platforms import is_cuda
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.cpu_malloc import release_freed_memory
+from pagedserve.worker.cpu_threads import release_openmp_threads
 
 logger = logging.getLogger("pagedserve.async_llm")
 # After this long without work, the heap's free memory goes back to the kernel: steps keep
@@ -340,6 +341,9 @@ class InprocClient:
             if worked:  # a pause after work: nothing runs, nothing is lost if this fails
                 release_freed_memory()
                 self.engine.check_invariants()
+                # An idle engine's OpenMP workers would slow a busy one's (another model
+                # behind the same server): worker/cpu_threads.py.
+                release_openmp_threads()
                 worked = False
             self._emit_if_changed()
         self._wake.clear()

@@ -256,6 +256,32 @@ def test_a_pause_after_work_checks_the_kv_cache_and_a_broken_one_stops_the_engin
     run(main())
 
 
+def test_a_pause_after_work_hands_the_engine_threads_openmp_workers_back(monkeypatch):
+    """Once idle a while after work, the engine thread frees its OpenMP workers: an idle
+    engine's pool would keep another model's busy one from spinning (worker/cpu_threads.py)."""
+    import threading
+
+    import pagedserve.engine.inproc_client as inproc_client
+
+    monkeypatch.setattr(inproc_client, "IDLE_TRIM_SECONDS", 0.05)
+    released: list[str] = []
+    monkeypatch.setattr(inproc_client, "release_openmp_threads",
+                        lambda: released.append(threading.current_thread().name) or True)
+    engine = FakeEngine()
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        await collect(llm, "r1")
+        deadline = time.monotonic() + 10
+        while not released and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # (idle wake-ups without work in between release nothing more)
+        llm.shutdown()
+
+    run(main())
+    assert released == ["pagedserve-engine"]
+
+
 class _Client:
     """A client whose waiting count the test sets: AsyncLLM's admission alone, which is
     the same over every client (in-process or data-parallel)."""
