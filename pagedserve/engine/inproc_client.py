@@ -313,6 +313,7 @@ class InprocClient:
         worked = False  # stepped since the heap was last trimmed
         while not self._stop:
             did_work = self._drain_commands()
+            worked = worked or did_work  # (a command's work, an adapter's load, is work too)
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 worked = True

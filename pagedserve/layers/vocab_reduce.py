@@ -54,17 +54,23 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         values, indices = x.max(-1)
         return values, indices
     best, block = _block_maxima(x).max(-1)  # the first block holding the row's maximum
-    values, columns = _gather_blocks(x, block.unsqueeze(-1))
+    values, columns = _gather_blocks(x, block.unsqueeze(-1))  # (a short block's padding comes after it)
     return best, columns.gather(1, values.max(-1).indices.unsqueeze(-1)).squeeze(1)
 
 
 def row_topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """[N, k] indices of each row's k largest values (as `x.topk(k).indices`, in no
-    particular order; NaN counts as largest, as in topk)."""
+    """[N, k] distinct indices of each row's k largest values (as `x.topk(k).indices`, in
+    no particular order; NaN counts as largest, as in topk)."""
     k = min(k, x.shape[1])
     if not _wide_cpu_rows(x):
         return x.topk(k, dim=-1).indices
-    maxima = _block_maxima(x)
+    n, width = x.shape
+    whole = width // BLOCK * BLOCK
+    maxima = x[:, :whole].unflatten(1, (-1, BLOCK)).amax(-1)
     blocks = maxima.topk(min(k, maxima.shape[1]), dim=-1).indices
-    values, columns = _gather_blocks(x, blocks)
-    return columns.gather(1, values.topk(k, dim=-1).indices)
+    # The k whole blocks with the largest maxima, and a short last block's columns always:
+    # every column once, so no index can come back twice.
+    columns = (blocks.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(1)
+    if whole < width:
+        columns = torch.cat([columns, torch.arange(whole, width, device=x.device).expand(n, -1)], dim=1)
+    return columns.gather(1, x.gather(1, columns).topk(k, dim=-1).indices)

@@ -70,9 +70,10 @@ def test_backends_attend_over_what_the_narrow_cache_stored(backend, cache_dtype)
     torch.testing.assert_close(out, out_ref, atol=2e-4, rtol=2e-4)
 
 
-def _check_narrow_kernel(kernel, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+def _check_narrow_kernel(kernel, q_dtype: torch.dtype, cache_dtype: torch.dtype,
+                         heads: int = 9, kv_heads: int = 3, dim: int = 64) -> None:
     g = torch.Generator().manual_seed(7)
-    num_blocks, b, bs, heads, kv_heads, dim = 64, 5, 16, 9, 3, 64
+    num_blocks, b, bs = 64, 5, 16
     k_cache, v_cache = (kv_dtype.to_cache(torch.randn(num_blocks, bs, kv_heads, dim, generator=g).mul(4), cache_dtype)
                         for _ in range(2))
     block_table = torch.randperm(num_blocks, generator=g)[: b * 8].view(b, 8).int()
@@ -93,6 +94,7 @@ def _check_narrow_kernel(kernel, q_dtype: torch.dtype, cache_dtype: torch.dtype)
 ], ids=str)
 def test_kernel_reads_narrow_caches_exactly(q_dtype, cache_dtype) -> None:
     _check_narrow_kernel(paged_decode(), q_dtype, cache_dtype)
+    _check_narrow_kernel(paged_decode(), q_dtype, cache_dtype, 4, 1, 256)  # Gemma 3's heads
 
 
 @pytest.mark.skipif(not HAS_COMPILER or "avx2" not in CPU_FLAGS, reason="needs a C++ compiler and an AVX2 CPU")
@@ -100,6 +102,7 @@ def test_avx2_build_reads_float8_and_int8_exactly() -> None:
     kernel = cpu_paged.build(("-mno-avx512f",))
     for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.int8):
         _check_narrow_kernel(kernel, torch.float32, cache_dtype)
+        _check_narrow_kernel(kernel, torch.float32, cache_dtype, 4, 1, 256)
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")

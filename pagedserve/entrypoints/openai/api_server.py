@@ -310,6 +310,7 @@ def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: 
     not the first (which alone has LoRA adapters); `series`: its dashboard's history."""
     from pagedserve.engine.async_llm import make_engine_core_client
     from pagedserve.metrics import StatLogger
+    from pagedserve.worker.cpu_threads import release_openmp_threads
 
     first = name is None or name == state.models.default_name
     name = name or state.served_model_names[0]
@@ -317,6 +318,7 @@ def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: 
     engine = client.local_engine  # --lora-modules load into an engine in this process
     for lora in state.lora_adapters.loras.values() if engine is not None and first else ():
         engine.add_lora(lora)  # a bad adapter stops the start-up, by name
+    release_openmp_threads()  # (this thread may live on: worker/cpu_threads.py)
 
     def build() -> Attachment:
         client.observe(state.registry, name)
