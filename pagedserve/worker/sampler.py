@@ -226,19 +226,44 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+# Top-p's first guess at how many of a row's most likely tokens can hold its nucleus; a row
+# whose top TOP_P_CANDIDATES hold too little mass looks at 8x as many, up to the whole row.
+TOP_P_CANDIDATES = 1024
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """Sort once; drop tokens outside top-k, then the tail whose total mass is below
-    1 - top_p (the most likely token always stays)."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    """Drop tokens outside top-k, then the least likely tokens whose total mass is at most
+    1 - top_p (the most likely token always stays): HF's rule, which sorts the whole
+    row ascending and drops where the running sum is <= 1 - top_p.
+
+    Only the most likely tokens can stay, so only they are sorted: a token stays when the
+    mass of the tokens above it is below total - (1 - top_p), and every token outside the
+    candidates is dropped once the candidates' mass reaches that.  A full sort of
+    262,144 logits took 18 ms a row (Gemma 3's vocabulary, 2 threads on a Zen 5; 3.1 ms
+    for SmolLM2's 49,152), longer than the model's step.  The running sums are float64
+    (a kept set can differ from the float32 full sort's only where a sum lies within
+    rounding of the threshold)."""
     if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop = cum <= (1 - top_p)[:, None]
-    drop[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        logits = _apply_top_k(logits, top_k)  # (the same kept set as masking the sorted row)
+    probs = logits.softmax(-1)
+    vocab = probs.shape[1]
+    bound = probs.double().sum(-1, keepdim=True) - (1 - top_p.double()[:, None])
+    # top_p 1 drops nothing (the sorted rule drops only tokens of probability 0, which a
+    # float64 running sum cannot tell from those below its resolution).
+    bound = bound.masked_fill(top_p[:, None] >= 1, float("inf"))
+    # (after top-k only about max(top_k) tokens have any mass: its ties may add a few)
+    width = min(vocab, TOP_P_CANDIDATES if top_k is None else max(1, min(TOP_P_CANDIDATES, int(top_k.max()))))
+    while True:
+        values, order = probs.topk(width, dim=-1)  # descending
+        mass = values.double().cumsum(-1)
+        if width == vocab or bool((mass[:, -1:] >= bound).all()):
+            break
+        width = min(vocab, width * 8)
+    above = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)  # the mass before each candidate
+    keep = above < bound
+    keep[:, 0] = True
+    kept = logits.gather(1, order).masked_fill_(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:
