@@ -243,6 +243,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     for SmolLM2's 49,152), longer than the model's step.  The running sums are float64
     (a kept set can differ from the float32 full sort's only where a sum lies within
     rounding of the threshold)."""
+    if logits.is_cuda:  # (a GPU sorts fast, and the candidates' loop would wait on the device)
+        return _top_k_top_p_sorted(logits, top_k, top_p)
     if top_k is not None:
         logits = _apply_top_k(logits, top_k)  # (the same kept set as masking the sorted row)
     probs = logits.softmax(-1)
@@ -264,6 +266,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     keep[:, 0] = True
     kept = logits.gather(1, order).masked_fill_(~keep, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """_apply_top_k_top_p's rule as HF writes it: the whole row sorted ascending, top-k's
+    k-th largest as the floor, then the prefix whose running sum is <= 1 - top_p dropped."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    drop = sorted_logits.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
+    drop[:, -1] = False
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:

@@ -219,18 +219,6 @@ def test_draws_follow_the_distribution_and_never_a_token_of_no_mass():
     assert _inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64)).tolist() == [4]
 
 
-def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """HF's rule as HF writes it (the whole row sorted ascending): the reference."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    drop = sorted_logits.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
-    drop[:, -1] = False
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-
-
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 4), width=st.sampled_from([5, 50, 3000, 20000]),
        scale=st.sampled_from([0.3, 1.0, 4.0, 15.0, 40.0]),
@@ -238,13 +226,13 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
 def test_top_p_keeps_what_the_sorted_rule_keeps(seed, n, width, scale, top_p, with_k):
     """Candidates only, however flat the row (a flat one needs more than the first guess
     of TOP_P_CANDIDATES) or sharp (a tail below float64's resolution; top_p 1): the same
-    tokens as sorting the whole row, each row with its own top_p."""
-    from pagedserve.worker.sampler import _apply_top_k_top_p
+    tokens as sorting the whole row (the CUDA path, HF's rule), each row with its own top_p."""
+    from pagedserve.worker.sampler import _apply_top_k_top_p, _top_k_top_p_sorted
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, width, generator=g) * scale
     top_p_t = torch.tensor([top_p, 0.5, 1.0, 0.95][:n])
     top_k = torch.randint(1, width + 5, (n,), generator=g) if with_k else None
-    got, want = _apply_top_k_top_p(logits, top_k, top_p_t), _sorted_top_k_top_p(logits, top_k, top_p_t)
+    got, want = _apply_top_k_top_p(logits, top_k, top_p_t), _top_k_top_p_sorted(logits, top_k, top_p_t)
     torch.testing.assert_close(got.softmax(-1), want.softmax(-1), rtol=1e-5, atol=1e-7)
     assert torch.equal(got.isfinite() & (got.softmax(-1) > 0), want.isfinite() & (want.softmax(-1) > 0))
