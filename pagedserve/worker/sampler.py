@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.core.sched_output import GrammarBitmask
-from pagedserve.layers.vocab_reduce import row_max
+from pagedserve.layers.vocab_reduce import row_max, row_topk_indices
 
 
 @dataclass
@@ -194,8 +194,10 @@ class Sampler:
         token_lp = raw.gather(1, sampled[:, None])
         out.sampled_logprobs = token_lp.squeeze(1)
         out.sampled_ranks = (raw > token_lp).sum(-1) + 1
-        if k > 0:
-            out.topk_logprobs, out.topk_token_ids = raw.topk(min(k, raw.shape[1]), dim=-1)
+        if k > 0:  # (the k largest found by block maxima, then ordered: layers/vocab_reduce.py)
+            ids = row_topk_indices(raw, k)
+            out.topk_logprobs, order = raw.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+            out.topk_token_ids = ids.gather(1, order)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -236,3 +236,17 @@ def test_top_p_keeps_what_the_sorted_rule_keeps(seed, n, width, scale, top_p, wi
     got, want = _apply_top_k_top_p(logits, top_k, top_p_t), _top_k_top_p_sorted(logits, top_k, top_p_t)
     torch.testing.assert_close(got.softmax(-1), want.softmax(-1), rtol=1e-5, atol=1e-7)
     assert torch.equal(got.isfinite() & (got.softmax(-1) > 0), want.isfinite() & (want.softmax(-1) > 0))
+
+
+def test_top_logprobs_of_a_wide_vocabulary_are_torchs_topk():
+    """Over a vocabulary wide enough for the block path (layers/vocab_reduce.py), the top-k
+    logprobs are topk's values, largest first, each beside its own token."""
+    from pagedserve.worker.sampler import SamplerOutput
+
+    raw = torch.randn(3, 70000, generator=torch.Generator().manual_seed(5)).log_softmax(-1)
+    raw[1, 1000:1010] = raw[1].max() + 1  # ten tied largest: any five of them
+    out = SamplerOutput(torch.zeros(3, dtype=torch.long))
+    Sampler.gather_logprobs(raw, torch.tensor([0, 1, 2]), 5, out)
+    assert torch.equal(out.topk_logprobs, raw.topk(5).values)
+    assert torch.equal(raw.gather(1, out.topk_token_ids), out.topk_logprobs)
+    assert set(out.topk_token_ids[1].tolist()) < set(range(1000, 1010))
