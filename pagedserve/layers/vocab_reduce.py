@@ -6,9 +6,9 @@ Why not torch's own: on CPU `x.max(-1)` (with indices) and `x.topk(k)` walk a ro
 thread, a scalar element at a time: for Gemma 3's 262,144-token vocabulary they took
 0.17 and 0.37 ms of a 9 ms single-stream step (Zen 5), `x.amax(-1)` (values only,
 vectorised and threaded) 0.01 ms.  So both first take each 256-wide block's maximum
-with amax, then look inside the few blocks that can hold the answer: the first block
-whose maximum is the row's, or the k whole blocks with the largest maxima and a short
-last block's columns (an element of the top k lies in a block whose maximum is at least
+with amax, then look inside the few blocks that can hold the answer, and a short last
+block's columns always: the first whole block whose maximum is theirs, or the k with the
+largest maxima (an element of the top k lies in a block whose maximum is at least
 that element, and at most k - 1 other blocks can have a larger one).  The results are torch's: the same maximum and first
 index, and the same top-k values (which of several equal values at the k-th place is
 chosen may differ).  Narrow rows and other devices keep torch's ops.  On 2 threads
@@ -28,23 +28,21 @@ def _wide_cpu_rows(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dim() == 2 and x.shape[1] >= MIN_WIDTH and x.stride(1) == 1
 
 
-def _block_maxima(x: torch.Tensor) -> torch.Tensor:
-    """[N, ceil(V / BLOCK)]: each block's maximum (NaN where a block holds one); the last
-    block may be shorter."""
-    whole = x.shape[1] // BLOCK * BLOCK
-    maxima = x[:, :whole].unflatten(1, (-1, BLOCK)).amax(-1)
-    if whole < x.shape[1]:
-        maxima = torch.cat([maxima, x[:, whole:].amax(-1, keepdim=True)], dim=1)
-    return maxima
+def _whole_block_maxima(x: torch.Tensor) -> torch.Tensor:
+    """[N, V // BLOCK]: each whole block's maximum (NaN where a block holds one)."""
+    return x[:, : x.shape[1] // BLOCK * BLOCK].unflatten(1, (-1, BLOCK)).amax(-1)
 
 
-def _gather_blocks(x: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, column indices) [N, len(blocks) * BLOCK] of the given blocks of each row;
-    the columns past the row's end (in a short last block) hold -inf at the last column."""
+def _candidate_columns(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[N, len(blocks) * BLOCK + the tail]: the columns of each row's given whole blocks,
+    then those of the short block at the row's end, if any (always a candidate: no
+    padding to mask, and no column twice)."""
+    n, width = x.shape
     columns = (blocks.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(1)
-    past = columns >= x.shape[1]
-    columns = columns.clamp_(max=x.shape[1] - 1)
-    return x.gather(1, columns).masked_fill_(past, float("-inf")), columns
+    whole = width // BLOCK * BLOCK
+    if whole < width:
+        columns = torch.cat([columns, torch.arange(whole, width, device=x.device).expand(n, -1)], dim=1)
+    return columns
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +51,10 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not _wide_cpu_rows(x):
         values, indices = x.max(-1)
         return values, indices
-    best, block = _block_maxima(x).max(-1)  # the first block holding the row's maximum
-    values, columns = _gather_blocks(x, block.unsqueeze(-1))  # (a short block's padding comes after it)
-    return best, columns.gather(1, values.max(-1).indices.unsqueeze(-1)).squeeze(1)
+    first = _whole_block_maxima(x).max(-1).indices  # the first whole block holding their maximum
+    columns = _candidate_columns(x, first.unsqueeze(-1))  # (in column order: the first index wins)
+    best, at = x.gather(1, columns).max(-1)
+    return best, columns.gather(1, at.unsqueeze(-1)).squeeze(1)
 
 
 def row_topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -64,13 +63,6 @@ def row_topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, x.shape[1])
     if not _wide_cpu_rows(x):
         return x.topk(k, dim=-1).indices
-    n, width = x.shape
-    whole = width // BLOCK * BLOCK
-    maxima = x[:, :whole].unflatten(1, (-1, BLOCK)).amax(-1)
-    blocks = maxima.topk(min(k, maxima.shape[1]), dim=-1).indices
-    # The k whole blocks with the largest maxima, and a short last block's columns always:
-    # every column once, so no index can come back twice.
-    columns = (blocks.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(1)
-    if whole < width:
-        columns = torch.cat([columns, torch.arange(whole, width, device=x.device).expand(n, -1)], dim=1)
+    maxima = _whole_block_maxima(x)
+    columns = _candidate_columns(x, maxima.topk(min(k, maxima.shape[1]), dim=-1).indices)
     return columns.gather(1, x.gather(1, columns).topk(k, dim=-1).indices)
