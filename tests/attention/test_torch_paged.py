@@ -182,6 +182,37 @@ def test_all_decode_step_takes_the_in_place_path():
     assert not TorchPagedBackend.build_metadata(mixed[-1]).identity
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_float32_prefill_takes_the_fused_kernel_causal_only_from_position_0(monkeypatch, window):
+    """Float32 prefill groups go to SDPA: plain causal for a lone prompt with no earlier
+    context and no window, the group's mask for the others (a later chunk, a prefix, a
+    padded group, a window); bf16 groups keep the matmuls.  Both match the reference."""
+    calls = []
+    real = torch_paged.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append("causal" if kwargs.get("is_causal") else "mask")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", spy)
+    specs, heads, kv_heads, dim, bs = [(200, 200), (90, 40), (33, 20)], 6, 2, 64, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        calls.clear()
+        case = windowed_case(specs, window, heads, kv_heads, dim, bs, dtype) if window else \
+            make_case(specs, heads, kv_heads, dim, bs, dtype, seed=4)
+        groups = TorchPagedBackend.build_metadata(case[-1]).groups
+        assert [g.causal_from_zero for g in groups] == [g.num_reqs == 1 and g.q_len == 200 and not window
+                                                        for g in groups]
+        ref, _, _ = run_backend(TorchReferenceBackend, case, heads, kv_heads, dim, bs)
+        out, _, _ = run_backend(TorchPagedBackend, case, heads, kv_heads, dim, bs)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+        if dtype == torch.bfloat16:
+            assert calls == []
+        else:
+            assert sorted(calls) == sorted("causal" if g.causal_from_zero else "mask" for g in groups)
+            assert ("causal" in calls) is (window is None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_few_new_tokens_attend_exactly_as_one_token_steps(dtype):
     """Speculative decoding verifies 1 + k tokens of a request in one step; each row must
