@@ -90,6 +90,33 @@ BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "plain": PLAIN_TEST_BUILD}
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
+def test_16_bit_codes_are_the_float32_arithmetic_exactly(build: str) -> None:
+    """Every build's 16-bit codes (the vector paths and the plain loop) are exactly
+    round-half-even(x * (32767 / amax)) in float32, from float32, bf16 and fp16 input;
+    the scales and scale * code sums likewise (ties, zero blocks and every magnitude)."""
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    kernel = quant_kernel(BUILDS[build])
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 256, generator=g) * torch.logspace(-4, 4, 8).repeat_interleave(32)  # fp16's range
+    x[3, 32:64] = 0.0  # a zero block
+    x[6, :32] = torch.tensor([0.5, -0.5, 1.5, -2.5] * 8)  # exact ties in float32: amax 32767 scales by 1
+    x[6, 0] = 32767.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xt = x.to(dtype)
+        xq, xd, xds = activations(xt, 16, kernel)
+        blocks = xt.float().view(37, -1, QK)
+        amax = blocks.abs().amax(-1)
+        inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.tensor(0.0))
+        want = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int16)
+        assert torch.equal(xq.view(37, -1, QK), want), dtype
+        assert torch.equal(xd, amax / 32767.0), dtype
+        assert torch.equal(xds, xd * want.sum(-1).float()), dtype
+        if dtype == torch.float32:  # halves to even: 0.5 -> 0, -0.5 -> 0, 1.5 -> 2, -2.5 -> -2
+            assert xq[6, 1:4].tolist() == [0, 2, -2]
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("kind", list(QuantKind))
 def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> None:
     if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():

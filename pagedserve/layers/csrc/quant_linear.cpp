@@ -693,6 +693,60 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// 8 activations as float32 (a bf16 widens by a shift, a half through F16C: both exact).
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// One block of 32 activations to 16-bit codes in pair order, its scale and scale * code
+// sum: the scalar loop's arithmetic (the same amax, a float32 product rounded to nearest
+// even by the conversion, as nearbyint does), 8 lanes at a time.  The scalar loop took
+// ~2.6 ns a value (nearbyint and the pair-order stores do not vectorise): 12% of a
+// 512-token prompt of SmolLM2-135M (Zen 5).
+template <typename T>
+inline void quantize_block16(const T* src, int16_t* q, float* d, float* ds) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = load8(src + 8 * j);
+    m = _mm256_max_ps(_mm256_and_ps(v[j], abs_mask), m);  // a NaN lane keeps m, as std::max does
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i pair_order = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
+  __m256i sum = _mm256_setzero_si256();
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) {
+    c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
+    sum = _mm256_add_epi32(sum, c[j]);
+    c[j] = _mm256_permutevar8x32_epi32(c[j], pair_order);
+  }
+  for (int j = 0; j < 2; ++j) {  // packs interleaves 128-bit lanes; the permute puts them back
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * j], c[2 * j + 1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * j), p);
+  }
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  *d = scale;
+  *ds = scale * float(_mm_cvtsi128_si32(s));
+}
+#endif
+
 // x [M, K] float32/bfloat16/float16 -> codes [M, K] (int8, or int16 in pair order), scales
 // [M, K/32], scale * code sum [M, K/32], written to q8 or q16 (the other null), d, ds.
 // Round to nearest, scale amax / (2^(bits-1) - 1).  x is read in its own dtype (a decode
@@ -703,6 +757,14 @@ void quantize_into(const at::Tensor& xc, int8_t* q8, int16_t* q16, float* dp, fl
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quantize_activations", [&] {
     const scalar_t* src = xc.data_ptr<scalar_t>();
     at::parallel_for(0, M * Kb, 256, [&](int64_t begin, int64_t end) {
+#if defined(__AVX2__) && defined(__F16C__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (q16) {
+          for (int64_t i = begin; i < end; ++i) quantize_block16(src + i * kBlock, q16 + i * kBlock, dp + i, dsp + i);
+          return;
+        }
+      }
+#endif
       float v[kBlock];
       for (int64_t i = begin; i < end; ++i) {
         float amax = 0.f;
