@@ -102,12 +102,14 @@ class AttnGroup:
             self._plan_made = self.plan()
         return self._plan_made
 
-    @property
-    def visible(self) -> torch.Tensor:
-        """[B, 1, Q, L] bool, True where a key is visible (SDPA's boolean mask)."""
-        if "visible" not in self._bias:
-            self._bias["visible"] = self.masked.logical_not().unsqueeze(1)
-        return self._bias["visible"]
+    def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, Q, L] additive mask (-inf where a key is hidden) for SDPA, built by the
+        first layer: a boolean one SDPA would turn into this anew in every layer."""
+        key = ("sdpa", dtype)
+        if key not in self._bias:
+            m = torch.zeros(self.masked.shape, dtype=dtype, device=self.masked.device)
+            self._bias[key] = m.masked_fill_(self.masked, float("-inf")).unsqueeze(1)
+        return self._bias[key]
 
     def heads_bias(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
         """Decode groups attended over all KV heads at once: [B, H, L*Hkv], -inf where the
@@ -351,7 +353,9 @@ class TorchPagedBackend(AttentionBackend):
         over a score matrix that outgrows the caches, and this kernel took 124 instead of
         179 ms of a 512-token prompt's 622 (SmolLM2-135M, 30 layers; Zen 5 under AVX2
         emulation; 108 instead of 169 ms with AVX-512).  In bf16 the matmuls (native bf16
-        dot products) win: 64 ms against this kernel's 133 (Zen 5)."""
+        dot products) win: 64 ms against this kernel's 133 (Zen 5).  Measured with torch
+        2.13, whose CPU flash kernel takes GQA and a float mask (a torch too old for it
+        falls back to SDPA's math path: the same results, slower)."""
         b, q, L, hkv, d = g.num_reqs, g.q_len, g.kv_len, self.num_kv_heads, self.head_dim
         ws = _WORKSPACE.get(2 * b * L * hkv * d, qg.dtype, qg.device)
         kv = ws.view(2, b * L // self.block_size, self.block_size, hkv, d)
@@ -365,7 +369,8 @@ class TorchPagedBackend(AttentionBackend):
         if g.causal_from_zero:
             o = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(query, k, v, attn_mask=g.visible, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(query, k, v, attn_mask=g.sdpa_mask(qg.dtype), scale=self.scale,
+                                               enable_gqa=True)
         return o.transpose(1, 2).reshape(b * q, self.num_heads, d)
 
     def _decode_all_heads(self, g: AttnGroup, qg: torch.Tensor, k_cache, v_cache) -> torch.Tensor:

@@ -195,14 +195,18 @@ def test_float32_prefill_takes_the_fused_kernel_causal_only_from_position_0(monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", spy)
+    # 200 * 200 cells over the area: the 200-token prompt goes in query chunks of 60, each its own group
+    monkeypatch.setattr(torch_paged, "GROUP_MAX_AREA", 60 * 200)
     specs, heads, kv_heads, dim, bs = [(200, 200), (90, 40), (33, 20)], 6, 2, 64, 16
     for dtype in (torch.float32, torch.bfloat16):
         calls.clear()
         case = windowed_case(specs, window, heads, kv_heads, dim, bs, dtype) if window else \
             make_case(specs, heads, kv_heads, dim, bs, dtype, seed=4)
         groups = TorchPagedBackend.build_metadata(case[-1]).groups
-        assert [g.causal_from_zero for g in groups] == [g.num_reqs == 1 and g.q_len == 200 and not window
-                                                        for g in groups]
+        # only the prompt's first chunk starts at position 0
+        assert sum(g.causal_from_zero for g in groups) == (0 if window else 1)
+        assert all(g.num_reqs == 1 and g.q_len == 60 and g.kv_len == 64 for g in groups if g.causal_from_zero)
+        assert sum(g.num_reqs == 1 and g.q_len == 60 for g in groups) >= 3  # the chunks after it: masked
         ref, _, _ = run_backend(TorchReferenceBackend, case, heads, kv_heads, dim, bs)
         out, _, _ = run_backend(TorchPagedBackend, case, heads, kv_heads, dim, bs)
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
