@@ -12,8 +12,8 @@ backend step, K/V store and planning included, about three quarters
 It is compiled for this machine's CPU (`cpu_extension.py`) the first time in a process
 that needs it (~25 s once per machine, then a cached load).  Without a C++
 compiler, or on any build error, the backend keeps the torch path for decodes too;
-the reason is logged once.  Prefill chunks always take the torch path (their matmuls
-are big enough for oneDNN to do well).  `attention_backend="torch_paged"` is the same
+the reason is logged once.  Prefill chunks always take the torch path (big enough
+for oneDNN's batched matmuls in 16 bits, for SDPA's fused kernel in float32).  `attention_backend="torch_paged"` is the same
 backend without the kernel.
 """
 
