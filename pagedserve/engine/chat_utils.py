@@ -170,14 +170,13 @@ def template_sandbox() -> TemplateSandbox:
         return _SANDBOX
 
 
-def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int:
+def prompt_char_limit(longest_token_chars: int | None, max_model_len: int) -> int:
     """The most characters a prompt of max_model_len tokens can have: the vocabulary's
-    longest token (its stored form is at least as long as the text it decodes to) times
-    max_model_len, capped at MAX_PROMPT_CHARS."""
-    if tokenizer is None:
+    longest token (its stored form is at least as long as the text it decodes to; None:
+    no tokenizer) times max_model_len, capped at MAX_PROMPT_CHARS."""
+    if longest_token_chars is None:
         return MAX_PROMPT_CHARS
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return min(MAX_PROMPT_CHARS, max(1, longest) * max_model_len)
+    return min(MAX_PROMPT_CHARS, max(1, longest_token_chars) * max_model_len)
 
 
 def prompt_too_long(length: int, max_chars: int, param: str) -> InvalidRequestError:

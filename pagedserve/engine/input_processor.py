@@ -47,6 +47,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.chat_utils import encode_text, prompt_char_limit, render_chat, take_images
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
+from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import MediaPolicy, load_image
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
@@ -114,7 +115,8 @@ class InputProcessor:
         self.structured_output = structured_output
         self.classifier_token_ids = classifier_token_ids
         # Longer prompt text cannot fit in max_model_len tokens: refused before tokenizing.
-        self.max_prompt_chars = prompt_char_limit(tokenizer, config.scheduler_config.max_model_len)
+        self.max_prompt_chars = prompt_char_limit(None if tokenizer is None else longest_token_chars(tokenizer),
+                                                  config.scheduler_config.max_model_len)
         self.image_prompts = image_prompts
         domains = self.model_config.allowed_media_domains
         self.media_policy = MediaPolicy(tuple(domains) if domains else None)

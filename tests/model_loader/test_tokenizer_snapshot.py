@@ -19,6 +19,7 @@ from pagedserve.model_loader.tokenizer_snapshot import (
     SnapshotTokenizer,
     cached_tokenizer,
     hf_tokenizer,
+    longest_token_chars,
     snapshot_state,
 )
 from tests.engine.helpers import CHAT_TEMPLATE, make_tokenizer
@@ -64,6 +65,9 @@ def test_a_snapshot_does_what_transformers_tokenizer_does(saved) -> None:
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
     assert ours.get_vocab() == hf.get_vocab() and len(ours) == len(hf)
+    # counted when saved, so that a start need not build the vocabulary's dict
+    assert longest_token_chars(ours) == longest_token_chars(hf) == max(map(len, hf.get_vocab()))
+    assert longest_token_chars(cached_tokenizer(saved)) == ours.longest_token_chars  # loaded back
     assert ours.get_added_vocab() == hf.get_added_vocab()  # what structural tags match whole
     assert ours.special_tokens_map == hf.special_tokens_map
     for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id", "bos_token", "eos_token"):
