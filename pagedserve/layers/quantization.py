@@ -5,8 +5,9 @@ one C++ kernel (layers/csrc/quant_linear.cpp; why our own: docs/cpu_quantization
   Q4_SYM   w = d * (u - 8),  u in 0..15   GGUF Q4_0; `--quantization int4`
   Q4_ASYM  w = d * u + m,    u in 0..15   GGUF Q4_1; Q4_K (d = super-scale x sub-scale, m = -dmin x sub-min,
                                           each rounded to fp16: the one lossy step, measured in the docs)
-  Q8       w = d * s,        s in -128..127  GGUF Q8_0; `--quantization int8`; every other GGUF
-                                          quantized type (Q5_0, Q5_K, Q6_K, ...) dequantized and requantized
+  Q8       w = d * s,        s in -128..127  GGUF Q8_0; Q5_0 (s = its 5-bit code - 16); `--quantization
+                                          int8`; every other GGUF quantized type (Q5_1, Q5_K, Q6_K, ...)
+                                          dequantized and requantized
 `BlockWeights` is the plain form (codes [N, K], per-block scales [N, K/32]) that
 loaders produce and that tensor parallelism narrows (rows anywhere, columns at block
 boundaries only); `pack` turns it into the tiled layout the kernel streams
@@ -220,6 +221,17 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockW
         codes = _nibbles_q4(b[..., 4:].reshape(-1, 16)).reshape(n, k)
         return BlockWeights(QuantKind.Q4_ASYM, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m),
                             type_name)
+    if type_name == "Q5_0":
+        # d, 32 high bits (weight i's in bit i), then Q4_0's nibbles: w = d * (u - 16), u in
+        # 0..31, so s = u - 16 fits Q8's codes and d is the file's: exact, where requantizing
+        # the dequantized block lost up to 1/16 of d a weight (Gemma 3's Q4_K_M keeps 81
+        # tensors so)
+        b = raw.reshape(n, k // QK, 22)
+        d = b[..., :2].copy().view(np.float16)[..., 0]
+        high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # [n, blocks, 32]: weight i's bit
+        codes = _nibbles_q4(b[..., 6:].reshape(-1, 16)).reshape(n, k // QK, QK)
+        codes = (codes | (high << 4)).view(np.int8) - np.int8(16)
+        return BlockWeights(QuantKind.Q8, torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(d), None, type_name)
     if type_name == "Q8_0":
         b = raw.reshape(n, k // QK, 34)
         d = b[..., :2].copy().view(np.float16)[..., 0]

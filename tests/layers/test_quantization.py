@@ -219,7 +219,7 @@ def test_quantize_is_round_to_nearest_per_block() -> None:
         assert (b.dequantize()[:, 70:] == 0).all()
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 def test_gguf_blocks_are_kept_exactly(type_name: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
