@@ -355,7 +355,7 @@ class TorchPagedBackend(AttentionBackend):
         emulation; 108 instead of 169 ms with AVX-512).  In bf16 the matmuls (native bf16
         dot products) win: 64 ms against this kernel's 133 (Zen 5).  Measured with torch
         2.13, whose CPU flash kernel takes GQA and a float mask (a torch too old for it
-        falls back to SDPA's math path: the same results, slower)."""
+        falls back to SDPA's math path: correct, slower)."""
         b, q, L, hkv, d = g.num_reqs, g.q_len, g.kv_len, self.num_kv_heads, self.head_dim
         ws = _WORKSPACE.get(2 * b * L * hkv * d, qg.dtype, qg.device)
         kv = ws.view(2, b * L // self.block_size, self.block_size, hkv, d)
