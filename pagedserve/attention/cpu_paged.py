@@ -13,8 +13,8 @@ It is compiled for this machine's CPU (`cpu_extension.py`) the first time in a p
 that needs it (~25 s once per machine, then a cached load).  Without a C++
 compiler, or on any build error, the backend keeps the torch path for decodes too;
 the reason is logged once.  Prefill chunks always take the torch path (big enough
-for oneDNN's batched matmuls in 16 bits, for SDPA's fused kernel in float32).  `attention_backend="torch_paged"` is the same
-backend without the kernel.
+for oneDNN's batched matmuls in 16 bits, for SDPA's fused kernel in float32).
+`attention_backend="torch_paged"` is the same backend without the kernel.
 """
 
 from __future__ import annotations

@@ -172,6 +172,17 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
+def _gather_blocks(g: AttnGroup, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    """The group's blocks of K and V into out[0] and out[1] ([blocks, block_size, Hkv, D]
+    each, in out's dtype): whole-block copies, a narrower cache (kv_cache_dtype)
+    converted as it is gathered."""
+    for dst, cache in zip(out.unbind(0), (k_cache, v_cache), strict=True):
+        if cache.dtype == out.dtype:
+            torch.index_select(cache, 0, g.blocks, out=dst)
+        else:
+            dst.copy_(kv_dtype.gather(cache, g.blocks, out.dtype))
+
+
 def plan_groups(items: list[Item]) -> list[list[Item]]:
     """Split work items into groups whose padding is worth its cost.
 
@@ -321,13 +332,7 @@ class TorchPagedBackend(AttentionBackend):
         qg = qg.permute(2, 0, 1, 3, 4).reshape(hkv * b, q * grp, d)
         ws = _WORKSPACE.get(4 * hkv * b * L * d, dtype, query.device)
         gathered, kv = ws.view(2, 2, b * L, hkv * d).unbind(0)
-        nblk = b * L // self.block_size
-        for i, cache in enumerate((k_cache, v_cache)):
-            dst = gathered[i].view(nblk, self.block_size, hkv, d)
-            if cache.dtype == dtype:
-                torch.index_select(cache, 0, g.blocks, out=dst)
-            else:  # a narrower cache (kv_cache_dtype): converted as it is gathered
-                dst.copy_(kv_dtype.gather(cache, g.blocks, dtype))
+        _gather_blocks(g, k_cache, v_cache, gathered.view(2, -1, self.block_size, hkv, d))
         kv = kv.view(2, hkv, b * L, d)
         kv.copy_(gathered.view(2, b * L, hkv, d).transpose(1, 2))
         kbuf, vbuf = kv.unbind(0)
@@ -359,11 +364,7 @@ class TorchPagedBackend(AttentionBackend):
         b, q, L, hkv, d = g.num_reqs, g.q_len, g.kv_len, self.num_kv_heads, self.head_dim
         ws = _WORKSPACE.get(2 * b * L * hkv * d, qg.dtype, qg.device)
         kv = ws.view(2, b * L // self.block_size, self.block_size, hkv, d)
-        for i, cache in enumerate((k_cache, v_cache)):
-            if cache.dtype == qg.dtype:
-                torch.index_select(cache, 0, g.blocks, out=kv[i])
-            else:  # a narrower cache (kv_cache_dtype): converted as it is gathered
-                kv[i].copy_(kv_dtype.gather(cache, g.blocks, qg.dtype))
+        _gather_blocks(g, k_cache, v_cache, kv)
         k, v = kv.view(2, b, L, hkv, d).transpose(2, 3).unbind(0)  # [B, Hkv, L, D] views
         query = qg.view(b, q, self.num_heads, d).transpose(1, 2)  # [B, H, Q, D]
         if g.causal_from_zero:
@@ -382,8 +383,7 @@ class TorchPagedBackend(AttentionBackend):
         b, L, hkv, d = g.num_reqs, g.kv_len, self.num_kv_heads, self.head_dim
         ws = _WORKSPACE.get(2 * b * L * hkv * d, qg.dtype, qg.device)
         kv = ws.view(2, b * L // self.block_size, self.block_size, hkv, d)
-        torch.index_select(k_cache, 0, g.blocks, out=kv[0])
-        torch.index_select(v_cache, 0, g.blocks, out=kv[1])
+        _gather_blocks(g, k_cache, v_cache, kv)
         k, v = kv.view(2, b, L * hkv, d).unbind(0)
         bias = g.heads_bias(self.num_heads, hkv, qg.dtype)
         scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=self.scale)
