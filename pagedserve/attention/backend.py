@@ -36,6 +36,10 @@ class CommonAttentionMetadata:
     # The KV-cache group's sliding window: a query at position p sees keys (p - W, p].
     # Blocks before a request's window may be stale or the null block: never read them.
     sliding_window: int | None = None
+    # Query rows at positions below this are attended as one-token decode rows, each
+    # computed as a decode step computes that token (AttentionBackend.exact_rows_context);
+    # 0: only a backend's own short-chunk rule applies.
+    exact_rows_context: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,14 @@ class AttentionBackend(ABC):
         with any contents (seq_lens up to max_seq_len): every host-side plan fixed for the
         longest context.  Only backends with supports_cuda_graphs implement it."""
         raise NotImplementedError(f"attention backend {cls.name!r} does not support CUDA graphs")
+
+    def exact_rows_context(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+        """How far into a sequence (positions below the returned count) every query row,
+        whatever chunk, batch or prefix-cache hit it arrives in, is computed exactly as a
+        one-token decode step computes it, so that those tokens' outputs do not depend on
+        how the work was cut.  For queries of `dtype` over a cache of `cache_dtype`; the
+        runner takes the smallest over its layers.  Default: 0 (no such promise)."""
+        return 0
 
     def decode_operator(self) -> str | None:
         """The torch operator name of a decode kernel that takes a whole all-decode step

@@ -12,9 +12,22 @@ backend step, K/V store and planning included, about three quarters
 It is compiled for this machine's CPU (`cpu_extension.py`) the first time in a process
 that needs it (~25 s once per machine, then a cached load).  Without a C++
 compiler, or on any build error, the backend keeps the torch path for decodes too;
-the reason is logged once.  Prefill chunks always take the torch path (big enough
-for oneDNN's batched matmuls in 16 bits, for SDPA's fused kernel in float32).
-`attention_backend="torch_paged"` is the same backend without the kernel.
+the reason is logged once.  `attention_backend="torch_paged"` is the same backend
+without the kernel.
+
+Prompt tokens too, up to EXACT_ROWS_MAX_CONTEXT positions into a sequence: each row of a
+prefill chunk through the kernel, as a one-token decode step would compute that token.
+The blocked paths (oneDNN's batched matmuls in 16 bits, SDPA's fused kernel in float32)
+round differently from the kernel, and in bf16 that difference flipped answers: the same
+chat sent twice at temperature 0 began with another token the second time (its prompt
+then a prefix-cache hit, its last token recomputed as a decode row), 5 of 9 chats
+differed somewhere in 96 tokens, and so did 3 of 9 under 64-token prefill chunks
+(SmolLM2-135M, Zen 5, bf16).  Per row the kernel costs no more than those paths at
+these lengths (a 512-token prompt's attention 53 against 62 ms, 1,024 tokens 194 against
+212, bf16; float32 under AVX2 emulation, the whole 512-token prompt 529 against 564 ms),
+but it reads a row's whole context per row, and at 2,048 it took 744 against 551 ms:
+rows past the horizon take the blocked paths (and are exact across settings only as far
+as those paths' rounding allows).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from pagedserve.utils import record_startup
 logger = logging.getLogger("pagedserve")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+EXACT_ROWS_MAX_CONTEXT = 2048  # positions whose prompt rows take the kernel (see the module doc)
 HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is instantiated for (256: Gemma 3)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -100,6 +114,11 @@ class CpuPagedBackend(TorchPagedBackend):
 
     def decode_operator(self) -> str | None:
         return None if self.decode_kernel is None else f"{self.decode_kernel.__module__}::paged_decode"
+
+    def exact_rows_context(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+        """EXACT_ROWS_MAX_CONTEXT where the kernel reads these operands (else the rows would
+        take the torch decode path, padded to the longest context: slower, for nothing)."""
+        return EXACT_ROWS_MAX_CONTEXT if self._kernel_for_dtypes("cpu", dtype, cache_dtype) is not None else 0
 
     def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
                            attn_metadata: TorchPagedMetadata) -> DecodeKernelStep | None:

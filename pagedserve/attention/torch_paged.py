@@ -213,23 +213,30 @@ class TorchPagedBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchPagedMetadata:
-        qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
-        items: list[Item] = []
+        qsl, seq_lens, exact = common.query_start_loc_cpu, common.seq_lens_cpu, common.exact_rows_context
+        items: list[Item] = []  # prefill chunks
+        rows: list[Item] = []  # one-token decode rows
         for i in range(common.num_reqs):
             n, s = qsl[i + 1] - qsl[i], seq_lens[i]
             if n <= 0:
                 continue
             if n > s:
                 raise ValueError(f"attention metadata: request {i} has {n} new tokens but seq_len {s}")
-            if n <= DECODE_ROWS_MAX_TOKENS:
-                items += [(1, s - n + j + 1, qsl[i] + j, i) for j in range(n)]
+            first = s - n  # the first new token's position
+            # Short chunks, and every row below the exact horizon, as decode rows.
+            m = n if n <= DECODE_ROWS_MAX_TOKENS else min(n, max(0, exact - first))
+            rows += [(1, first + j + 1, qsl[i] + j, i) for j in range(m)]
+            if m == n:
                 continue
-            chunk = n if n * s <= GROUP_MAX_AREA else max(1, GROUP_MAX_AREA // s)
-            for c0 in range(0, n, chunk):
+            chunk = n - m if (n - m) * s <= GROUP_MAX_AREA else max(1, GROUP_MAX_AREA // s)
+            for c0 in range(m, n, chunk):
                 c1 = min(n, c0 + chunk)
-                items.append((c1 - c0, s - n + c1, qsl[i] + c0, i))
+                items.append((c1 - c0, first + c1, qsl[i] + c0, i))
+        # With an exact horizon the decode kernel serves every layer: all decode rows are one
+        # call however long their contexts (padding is the torch path's cost, not its).
+        planned = (plan_groups(items) + [rows]) if exact and rows else plan_groups(items + rows)
         # Within a group, batch order: an all-decode step then reads and writes rows in place.
-        groups = [cls._build_group(common, sorted(g, key=lambda it: it[2])) for g in plan_groups(items)]
+        groups = [cls._build_group(common, sorted(g, key=lambda it: it[2])) for g in planned]
         g0 = groups[0] if len(groups) == 1 else None
         identity = g0 is not None and g0.token_idx is None and g0.num_reqs * g0.q_len == common.num_actual_tokens
         t, bs = common.num_actual_tokens, common.block_size

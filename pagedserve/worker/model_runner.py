@@ -121,6 +121,7 @@ class ModelRunner:
                              if config.lora_config is not None else None)
         self._lora_slot: dict[str, int] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.exact_rows_context = 0  # set with the KV cache (initialize_kv_cache)
         # The KV tier beneath the block pool (worker/kv_offload.py), made with the cache.
         self.kv_tier: kv_offload.HostKVTier | kv_offload.DiskKVTier | None = None
         self._kv_tensors: list[torch.Tensor] = []
@@ -163,6 +164,10 @@ class ModelRunner:
             layer.kv_cache_group = group
         cache.num_blocks = num_blocks
         cache.group_windows = layout.group_windows
+        # How far into a sequence every layer computes prompt rows as decode steps do
+        # (AttentionBackend.exact_rows_context): told to the backend in each step's metadata.
+        self.exact_rows_context = min((layer.impl.exact_rows_context(self.dtype, self.kv_dtype)
+                                       for layer in self.attn_layers), default=0)
         self._kv_tensors = kv_offload.kv_block_tensors(self.kv_caches)
         swap = self.config.scheduler_config.preemption_mode == "swap"
         self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes, swap,
@@ -547,6 +552,7 @@ class ModelRunner:
                 seq_lens=dev["seq_lens"], block_table=dev["block_table"][g], slot_mapping=dev["slot_mapping"][g],
                 query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, max_query_len=int(num_new.max()),
                 max_seq_len=int(seq_lens.max()), block_size=self.block_size, sliding_window=window,
+                exact_rows_context=self.exact_rows_context,
             ) for g, window in enumerate(self.kv_layout.group_windows)]
         sample = seq_lens == total  # every known (and pending) token computed: the next one is sampled
         if ib.pooling_params:  # (pooling requests never sample)

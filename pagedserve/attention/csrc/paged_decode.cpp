@@ -495,11 +495,17 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // contiguous ranges, one per thread it can have, so every thread works and each still
   // streams contiguous runs of every slot (a head alone would read 128-byte rows 4 KB apart,
   // which measured slower than one thread doing all 32 heads of a 1.7B model).
+  // Tasks are dealt to the threads in turn, not in contiguous runs: the rows of one
+  // prompt (cpu_paged's exact rows) grow in context row by row, and contiguous halves
+  // left one thread three times the other's work (a 2,048-token prompt's attention).
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::clamp<int64_t>((threads + B - 1) / B, 1, Hkv);
-  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = B * parts, dealt = std::min(threads, tasks), per = (tasks + dealt - 1) / dealt;
+  at::parallel_for(0, dealt * per, per, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores, mx(H), inv(H);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t task = i % per * dealt + i / per;  // thread c's run of `per`: tasks c, c + dealt, ...
+      if (task >= tasks) continue;
       const int64_t b = task / parts, part = task % parts;
       const int64_t h0 = Hkv * part / parts, h1 = Hkv * (part + 1) / parts, nh = h1 - h0;
       const int64_t L = slp[b];

@@ -1,0 +1,54 @@
+"""In 16 bits, a token's answer must not depend on how its prompt's work was cut: one
+prefill, chunks, a prefix-cache hit whose last token is recomputed alone, one request at
+a time or several.  Before prompt rows took the decode kernel (attention/cpu_paged.py,
+EXACT_ROWS_MAX_CONTEXT) the blocked prefill path rounded differently from it, and bf16
+answers changed with those settings: the default model's reply to the same chat, sent
+twice at temperature 0, began with another token the second time."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.attention import cpu_paged
+from tests.e2e.token_prompts import shared_prefix_prompts
+
+VARIANTS = {
+    "default": {},
+    "chunks of 24": {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 0},
+    "one request at a time": {"max_num_seqs": 1},
+    "no prefix caching": {"enable_prefix_caching": False},
+}
+
+
+def _run(path: str, prompts: list[list[int]], **engine) -> list[list[tuple[int, float]]]:
+    """Each prompt's greedy tokens with their logprobs, run twice on one engine (the
+    second time every prompt is a prefix-cache hit, where the engine caches)."""
+    llm = LLM(path, dtype="bfloat16", seed=0, **engine)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+        runs = []
+        for _ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            runs += [[(t, d[t].logprob) for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                     for o in outs]
+        return runs
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(cpu_paged.paged_decode() is None, reason="needs the C++ decode kernel (a compiler)")
+def test_bf16_answers_do_not_depend_on_chunking_prefix_caching_or_batching(tmp_path) -> None:
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    # Heads of 64 (a size the kernel takes) and a narrow init: near-ties, which any
+    # difference in rounding flips (with the blocked prefill path, EXACT_ROWS_MAX_CONTEXT
+    # 0, 8 to 15 of the 16 answers differed under every variant but the default).
+    path = str(tmp_path)
+    cfg = make_tiny_checkpoint("llama", path, head_dim=64, initializer_range=0.02)
+    # Prompts of 20-100 tokens: past the 16 new tokens that were always decode rows.
+    prompts = [(p * 4)[:100] for p in shared_prefix_prompts(cfg.vocab_size)]
+    assert min(map(len, prompts)) > 16
+    ref = _run(path, prompts)
+    for name, engine in VARIANTS.items():
+        assert _run(path, prompts, **engine) == ref, name
