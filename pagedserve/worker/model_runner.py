@@ -112,16 +112,14 @@ class ModelRunner:
             eos_token_id = getattr(hf_config, "eos_token_id", None)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size, self.vocab_size,
                                       self.device, _first_eos(eos_token_id), self.num_kv_groups)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(config.model_config.seed)
-        self.sampler = Sampler(gen)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model_config.seed))
         self.pooler = Pooler()  # pooling requests' partly folded prompts
         # Multi-LoRA (lora/manager.py): the adapters' slots, and each running request's slot.
         self.lora_manager = (LoRAModelManager(model, config.lora_config, model.stacked_params, self.device, self.dtype)
                              if config.lora_config is not None else None)
         self._lora_slot: dict[str, int] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.exact_rows_context = 0  # set with the KV cache (initialize_kv_cache)
+        self.exact_rows_context = 0  # every layer's AttentionBackend.exact_rows_context (set with the KV cache)
         # The KV tier beneath the block pool (worker/kv_offload.py), made with the cache.
         self.kv_tier: kv_offload.HostKVTier | kv_offload.DiskKVTier | None = None
         self._kv_tensors: list[torch.Tensor] = []
@@ -164,8 +162,6 @@ class ModelRunner:
             layer.kv_cache_group = group
         cache.num_blocks = num_blocks
         cache.group_windows = layout.group_windows
-        # How far into a sequence every layer computes prompt rows as decode steps do
-        # (AttentionBackend.exact_rows_context): told to the backend in each step's metadata.
         self.exact_rows_context = min((layer.impl.exact_rows_context(self.dtype, self.kv_dtype)
                                        for layer in self.attn_layers), default=0)
         self._kv_tensors = kv_offload.kv_block_tensors(self.kv_caches)
@@ -188,9 +184,8 @@ class ModelRunner:
             if bind_decode_stacks(self.model):
                 logger.info("decode steps: the decoder layers run as one C++ call (layers/decode_stack.py)")
             if compile_requested is None and not dc.enforce_eager and bound == layers > 0:
-                logger.info("torch.compile: not by default: every decoder layer runs as direct calls to fused C++ "
-                            "kernels, as fast as the compiled graph without its start-up (torch_compile=True "
-                            "compiles anyway)")
+                logger.info("torch.compile: not by default: every decoder layer calls fused C++ kernels directly, "
+                            "as fast as the compiled graph with no compile (torch_compile=True compiles anyway)")
                 compile_requested = False
         self.compiled = maybe_compile(self.model, self.device, compile_requested, dc.enforce_eager,
                                       self.tensor_parallel_size, (self.buffers.dev["input_ids"], self.buffers.dev["positions"]))
