@@ -87,12 +87,13 @@ class AttentionBackend(ABC):
         longest context.  Only backends with supports_cuda_graphs implement it."""
         raise NotImplementedError(f"attention backend {cls.name!r} does not support CUDA graphs")
 
-    def exact_rows_context(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    def exact_rows_context(self, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
         """How far into a sequence (positions below the returned count) every query row,
         whatever chunk, batch or prefix-cache hit it arrives in, is computed exactly as a
         one-token decode step computes it, so that those tokens' outputs do not depend on
-        how the work was cut.  For queries of `dtype` over a cache of `cache_dtype`; the
-        runner takes the smallest over its layers.  Default: 0 (no such promise)."""
+        how the work was cut.  For queries of `dtype` on `device` over a cache of
+        `cache_dtype`; the runner takes the smallest over its layers.  Default: 0 (no such
+        promise)."""
         return 0
 
     def decode_operator(self) -> str | None:

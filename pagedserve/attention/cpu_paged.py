@@ -115,10 +115,11 @@ class CpuPagedBackend(TorchPagedBackend):
     def decode_operator(self) -> str | None:
         return None if self.decode_kernel is None else f"{self.decode_kernel.__module__}::paged_decode"
 
-    def exact_rows_context(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    def exact_rows_context(self, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
         """EXACT_ROWS_MAX_CONTEXT where the kernel reads these operands (else the rows would
-        take the torch decode path, padded to the longest context: slower, for nothing)."""
-        return EXACT_ROWS_MAX_CONTEXT if self._kernel_for_dtypes("cpu", dtype, cache_dtype) is not None else 0
+        take the torch decode path, all in one group padded to the longest context)."""
+        kernel = self._kernel_for_dtypes(torch.device(device).type, dtype, cache_dtype)
+        return EXACT_ROWS_MAX_CONTEXT if kernel is not None else 0
 
     def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
                            attn_metadata: TorchPagedMetadata) -> DecodeKernelStep | None:

@@ -287,13 +287,13 @@ class TorchPagedBackend(AttentionBackend):
             causal = b == 1 and window is None and items[0][0] == items[0][1]  # n == s: from position 0
             return AttnGroup(b, q_len, kv_len, token_idx, out_idx, plan, causal_from_zero=causal)
         # A decode kernel walks the table itself from position 0 (and skips to the window).
-        reqs = [it[3] for it in items]
-        if reqs == list(range(b)):  # the usual decode step: views, no copies
+        reqs, lens = [it[3] for it in items], [it[1] for it in items]
+        if reqs == list(range(b)) and lens == common.seq_lens_cpu[:b]:  # the usual decode step: views, no copies
             table, seq_lens = common.block_table[:b], common.seq_lens[:b]
-        else:
+        else:  # rows of one request's new tokens too, each over its own context
             idx = torch.tensor(reqs, device=dev)
-            table = common.block_table.index_select(0, idx)
-            seq_lens = torch.tensor([it[1] for it in items], dtype=torch.int32, device=dev)
+            table = common.block_table[:, :cdiv(max(lens), bs)].index_select(0, idx)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         return AttnGroup(b, 1, kv_len, token_idx, out_idx, plan, table.int(), seq_lens.int(), window or 0)
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata: TorchPagedMetadata):

@@ -162,7 +162,7 @@ class ModelRunner:
             layer.kv_cache_group = group
         cache.num_blocks = num_blocks
         cache.group_windows = layout.group_windows
-        self.exact_rows_context = min((layer.impl.exact_rows_context(self.dtype, self.kv_dtype)
+        self.exact_rows_context = min((layer.impl.exact_rows_context(self.device, self.dtype, self.kv_dtype)
                                        for layer in self.attn_layers), default=0)
         self._kv_tensors = kv_offload.kv_block_tensors(self.kv_caches)
         swap = self.config.scheduler_config.preemption_mode == "swap"

@@ -260,35 +260,56 @@ def test_kernel_refuses_a_bad_slot_before_writing_any():
         paged_decode()(q, k_cache, v_cache, table, lens, 0.125, 0, key.double(), key.double(), torch.tensor([18, 35]))
 
 
+EXACT_CASES = {  # (specs, sliding window): with an exact horizon of 48 positions
+    "prompt from 0, beside decodes": ([(150, 1), (97, 97), (40, 3)], None),
+    "one exact row, then a chunk": ([(40, 1), (147, 100)], None),  # its first new token at 47
+    "a prefix hit past the horizon": ([(40, 1), (120, 60)], None),
+    "windowed": ([(40, 1), (147, 100), (97, 97)], 32),
+}
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_rows_below_the_exact_horizon_attend_as_one_token_steps(dtype):
-    """With an exact horizon of 48 positions, a 97-token prompt's rows at positions 0..47
-    come out bit for bit as one-token steps at those positions compute them (the decode
-    kernel, row by row); rows from 48 on take the blocked path, within rounding of them."""
+@pytest.mark.parametrize("name", list(EXACT_CASES))
+def test_prompt_rows_below_the_exact_horizon_attend_as_one_token_steps(name, dtype):
+    """With an exact horizon of 48 positions, every prompt row at a position below 48
+    comes out bit for bit as a one-token step at that position computes it (the decode
+    kernel, row by row); every row, those past the horizon too, matches the reference."""
     import dataclasses
 
+    from tests.attention.test_torch_paged import TOL, windowed_case
+
     heads, kv_heads, dim, bs, horizon = 6, 2, 64, 16, 48
-    q, k, v, kc, vc, common = make_case([(150, 1), (97, 97), (40, 3)], heads, kv_heads, dim, bs, dtype, seed=13)
+    specs, window = EXACT_CASES[name]
+    if window is None:
+        case = make_case(specs, heads, kv_heads, dim, bs, dtype, seed=13)
+    else:
+        case = windowed_case(specs, window, heads, kv_heads, dim, bs, dtype, seed=13)
+    q, k, v, kc, vc, common = case
+    ref, kc, vc = run_backend(TorchReferenceBackend, case, heads, kv_heads, dim, bs)
     common = dataclasses.replace(common, exact_rows_context=horizon)
-    metadata = CpuPagedBackend.build_metadata(common)
-    assert sorted((g.q_len, g.num_reqs) for g in metadata.groups) == [(1, 1 + horizon + 3), (97 - horizon, 1)]
-    out = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5, bs).forward(q, k, v, kc.clone(), vc.clone(), metadata)
-    ref, kc, vc = run_backend(TorchPagedBackend, (q, k, v, kc, vc, common), heads, kv_heads, dim, bs)
-    row0 = 1  # the prompt's first query row
-    for p in range(97):
-        if p >= horizon:
-            torch.testing.assert_close(out[row0 + p], ref[row0 + p], atol=2e-2, rtol=2e-2)
-            continue
-        one = dataclasses.replace(
-            common, num_reqs=1, num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-            seq_lens=torch.tensor([p + 1], dtype=torch.int32), block_table=common.block_table[1:2],
-            slot_mapping=common.slot_mapping[row0 + p: row0 + p + 1], query_start_loc_cpu=[0, 1],
-            seq_lens_cpu=[p + 1], max_query_len=1, max_seq_len=p + 1, exact_rows_context=0)
-        r = slice(row0 + p, row0 + p + 1)
-        single = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5, bs).forward(
-            q[r], k[r], v[r], kc.clone(), vc.clone(), CpuPagedBackend.build_metadata(one))
-        assert torch.equal(single[0], out[row0 + p]), p
+    out = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5, bs).forward(
+        q, k, v, case[3].clone(), case[4].clone(), CpuPagedBackend.build_metadata(common))
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    exact_rows = 0
+    for i, (s, n) in enumerate(specs):
+        row0 = common.query_start_loc_cpu[i]
+        for j in range(n):
+            p = s - n + j
+            if n <= 1 or p >= horizon:
+                continue
+            exact_rows += 1
+            one = dataclasses.replace(
+                common, num_reqs=1, num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                seq_lens=torch.tensor([p + 1], dtype=torch.int32), block_table=common.block_table[i:i + 1],
+                slot_mapping=common.slot_mapping[row0 + j: row0 + j + 1], query_start_loc_cpu=[0, 1],
+                seq_lens_cpu=[p + 1], max_query_len=1, max_seq_len=p + 1, exact_rows_context=0)
+            r = slice(row0 + j, row0 + j + 1)
+            single = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5, bs).forward(
+                q[r], k[r], v[r], kc.clone(), vc.clone(), CpuPagedBackend.build_metadata(one))
+            assert torch.equal(single[0], out[row0 + j]), (i, p)
+    assert exact_rows == {"prompt from 0, beside decodes": 48 + 3, "one exact row, then a chunk": 1,
+                          "a prefix hit past the horizon": 0, "windowed": 1 + 48}[name]
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
@@ -298,7 +319,9 @@ def test_the_exact_horizon_is_offered_only_where_the_kernel_reads_the_operands()
     backend = CpuPagedBackend(6, 2, 64, 0.125, 16)
     for q, cache in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.float16),
                      (torch.bfloat16, torch.int8)):
-        assert backend.exact_rows_context(q, cache) == cpu_paged.EXACT_ROWS_MAX_CONTEXT > 0, (q, cache)
-    assert backend.exact_rows_context(torch.bfloat16, torch.float16) == 0
-    assert CpuPagedBackend(6, 2, 96, 0.125, 16).exact_rows_context(torch.float32, torch.float32) == 0  # no kernel for 96
-    assert TorchPagedBackend(6, 2, 64, 0.125, 16).exact_rows_context(torch.float32, torch.float32) == 0
+        assert backend.exact_rows_context(torch.device("cpu"), q, cache) == cpu_paged.EXACT_ROWS_MAX_CONTEXT > 0
+    cpu = torch.device("cpu")
+    assert backend.exact_rows_context(cpu, torch.bfloat16, torch.float16) == 0
+    assert backend.exact_rows_context(torch.device("cuda"), torch.bfloat16, torch.bfloat16) == 0  # (selected there by name)
+    assert CpuPagedBackend(6, 2, 96, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0  # no 96 kernel
+    assert TorchPagedBackend(6, 2, 64, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0

@@ -467,6 +467,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale,
             int64_t window) {
   const int64_t B = q.size(0), H = q.size(1);
+  if (B == 0) return;  // (no rows: nothing to attend, and no thread count to divide by)
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = H / Hkv;
   const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
