@@ -508,11 +508,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   first[0] = 0;
   if (parts == 1 && B > threads) {
     constexpr int64_t kTaskCost = 32;  // a task's fixed work, in keys (its query, softmax and output)
-    const int32_t* lens = seq_lens.data_ptr<int32_t>();
     int64_t total = 0, sum = 0;
-    for (int64_t b = 0; b < B; ++b) total += std::max<int32_t>(lens[b], 0) + kTaskCost;
+    for (int64_t b = 0; b < B; ++b) total += std::max<int32_t>(slp[b], 0) + kTaskCost;
     for (int64_t b = 0, t = 1; b < B && t < threads; ++b) {
-      sum += std::max<int32_t>(lens[b], 0) + kTaskCost;
+      sum += std::max<int32_t>(slp[b], 0) + kTaskCost;
       while (t < threads && sum * threads >= total * t) first[t++] = b + 1;
     }
   } else {
