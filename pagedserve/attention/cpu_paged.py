@@ -118,7 +118,7 @@ class CpuPagedBackend(TorchPagedBackend):
     def exact_rows_context(self, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
         """EXACT_ROWS_MAX_CONTEXT where the kernel reads these operands (else the rows would
         take the torch decode path, all in one group padded to the longest context)."""
-        kernel = self._kernel_for_dtypes(torch.device(device).type, dtype, cache_dtype)
+        kernel = self._kernel_for_dtypes(device.type, dtype, cache_dtype)
         return EXACT_ROWS_MAX_CONTEXT if kernel is not None else 0
 
     def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
