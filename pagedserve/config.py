@@ -297,6 +297,11 @@ class DeviceConfig:
     # or unless every decoder layer runs as direct fused-kernel calls (ModelRunner.initialize_kv_cache).
     torch_compile: bool | None = None
     attention_backend: str | None = None  # None: best for the device
+    # Every prompt row attended as a one-token decode step computes it, where the backend
+    # can (AttentionBackend.exact_rows_context): answers then do not depend on chunking,
+    # batching or prefix-cache hits.  False: prompt rows take the blocked paths (faster on
+    # long prompts in bf16; attention/cpu_paged.py says how much).
+    exact_prompt_attention: bool = True
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")

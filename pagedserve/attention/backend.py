@@ -42,6 +42,10 @@ class CommonAttentionMetadata:
     exact_rows_context: int = 0
 
 
+# AttentionBackend.exact_rows_context's "all of them": past any sequence's length.
+EVERY_POSITION = 1 << 62
+
+
 @dataclass(frozen=True)
 class DecodeKernelStep:
     """An all-decode step as one call of a backend's decode kernel per layer, for a C++
@@ -92,8 +96,8 @@ class AttentionBackend(ABC):
         whatever chunk, batch or prefix-cache hit it arrives in, is computed exactly as a
         one-token decode step computes it, so that those tokens' outputs do not depend on
         how the work was cut.  For queries of `dtype` on `device` over a cache of
-        `cache_dtype`; the runner takes the smallest over its layers.  Default: 0 (no such
-        promise)."""
+        `cache_dtype`; the runner takes the smallest over its layers (0 under
+        `exact_prompt_attention=False`).  Default: 0 (no such promise); EVERY_POSITION: all."""
         return 0
 
     def decode_operator(self) -> str | None:

@@ -15,19 +15,21 @@ compiler, or on any build error, the backend keeps the torch path for decodes to
 the reason is logged once.  `attention_backend="torch_paged"` is the same backend
 without the kernel.
 
-Prompt tokens too, up to EXACT_ROWS_MAX_CONTEXT positions into a sequence: each row of a
-prefill chunk through the kernel, as a one-token decode step would compute that token.
-The blocked paths (oneDNN's batched matmuls in 16 bits, SDPA's fused kernel in float32)
+Prompt tokens too: each row of a prefill chunk goes through the kernel, as a one-token
+decode step would compute that token (`exact_prompt_attention`, on by default).  The
+blocked paths (oneDNN's batched matmuls in 16 bits, SDPA's fused kernel in float32)
 round differently from the kernel, and in bf16 that difference flipped answers: the same
 chat sent twice at temperature 0 began with another token the second time (its prompt
 then a prefix-cache hit, its last token recomputed as a decode row), 5 of 9 chats
 differed somewhere in 96 tokens, and so did 3 of 9 under 64-token prefill chunks
-(SmolLM2-135M, Zen 5, bf16).  Per row the kernel costs no more than those paths at
-these lengths (a 512-token prompt's attention 53 against 62 ms, 1,024 tokens 194 against
-212, bf16; float32 under AVX2 emulation, the whole 512-token prompt 529 against 564 ms),
-but it reads a row's whole context per row, and at 2,048 it took 744 against 551 ms:
-rows past the horizon take the blocked paths (and are exact across settings only as far
-as those paths' rounding allows).
+(SmolLM2-135M, Zen 5, bf16).  Rows were first exact only below 2,048 positions; past
+them a prefix-cache hit still changed 2 of 4 chats of ~2,660 tokens, one from its first
+token.  The kernel reads a row's whole context per row, so long prompts pay for it:
+TTFT against the blocked paths (Zen 5, bf16, 2026-11-30) +10% at 2,048 tokens, +16% at
+3,000, +32% at 4,096, +4% at 6,000 and +3% at 8,000 (where the blocked paths' groups get
+small); float32 under AVX2 emulation +4% at 4,096 and +2% at 8,000.  At 512 tokens the
+kernel is the faster (attention 53 against 62 ms in bf16).
+`--no-exact-prompt-attention` takes the blocked paths.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention import kv_dtype
-from pagedserve.attention.backend import DecodeKernelStep
+from pagedserve.attention.backend import EVERY_POSITION, DecodeKernelStep
 from pagedserve.attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
 from pagedserve.cpu_extension import build_cpu_extension
 from pagedserve.utils import record_startup
@@ -49,7 +51,6 @@ from pagedserve.utils import record_startup
 logger = logging.getLogger("pagedserve")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-EXACT_ROWS_MAX_CONTEXT = 2048  # positions whose prompt rows take the kernel (see the module doc)
 HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is instantiated for (256: Gemma 3)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -116,10 +117,10 @@ class CpuPagedBackend(TorchPagedBackend):
         return None if self.decode_kernel is None else f"{self.decode_kernel.__module__}::paged_decode"
 
     def exact_rows_context(self, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
-        """EXACT_ROWS_MAX_CONTEXT where the kernel reads these operands (else the rows would
-        take the torch decode path, all in one group padded to the longest context)."""
+        """Every position where the kernel reads these operands (else the rows would take
+        the torch decode path, all in one group padded to the longest context)."""
         kernel = self._kernel_for_dtypes(device.type, dtype, cache_dtype)
-        return EXACT_ROWS_MAX_CONTEXT if kernel is not None else 0
+        return EVERY_POSITION if kernel is not None else 0
 
     def decode_kernel_step(self, num_rows: int, dtype: torch.dtype, k_cache: torch.Tensor,
                            attn_metadata: TorchPagedMetadata) -> DecodeKernelStep | None:

@@ -103,6 +103,10 @@ _HELP = {
     "router_balance_rel_threshold": "cache_aware: the relative half of the imbalance test above (default: 1.5)",
     "chat_template": "Jinja chat template, or a path to a file holding one",
     "attention_backend": "attention implementation (default: the best for the device)",
+    "exact_prompt_attention": "attend every prompt token as a one-token decode step would (CPU decode kernel), "
+                              "so answers do not depend on chunking, batching or prefix-cache hits; "
+                              "--no-exact-prompt-attention: the blocked prefill paths, up to ~25% faster "
+                              "on 4k-token bf16 prompts, whose rounding can change answers",
     "enable_chunked_prefill": "split long prompts over several steps",
     "scheduling_policy": "fcfs or priority",
     "trust_remote_code": "allow custom code from the model directory",
@@ -190,6 +194,7 @@ class EngineArgs:
     router_balance_rel_threshold: float | None = None
     chat_template: str | None = None
     attention_backend: str | None = None
+    exact_prompt_attention: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
@@ -289,7 +294,7 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise self._bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
         for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code",
-                     "prepack_weights", "disable_chunked_mm_input"):
+                     "prepack_weights", "disable_chunked_mm_input", "exact_prompt_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -484,6 +489,7 @@ class EngineArgs:
                                            cpus_per_replica=self.cpus_per_replica),
             device_config=DeviceConfig(
                 device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
+                exact_prompt_attention=self.exact_prompt_attention,
                 torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
             ),
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),

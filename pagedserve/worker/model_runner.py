@@ -162,8 +162,9 @@ class ModelRunner:
             layer.kv_cache_group = group
         cache.num_blocks = num_blocks
         cache.group_windows = layout.group_windows
+        exact = self.config.device_config.exact_prompt_attention  # (else no layer offers it: 0)
         self.exact_rows_context = min((layer.impl.exact_rows_context(self.device, self.dtype, self.kv_dtype)
-                                       for layer in self.attn_layers), default=0)
+                                       for layer in self.attn_layers if exact), default=0)
         self._kv_tensors = kv_offload.kv_block_tensors(self.kv_caches)
         swap = self.config.scheduler_config.preemption_mode == "swap"
         self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes, swap,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve.attention import cpu_paged, kv_dtype
+from pagedserve.attention.backend import EVERY_POSITION
 from pagedserve.attention.cpu_paged import CpuPagedBackend, paged_decode
 from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.attention.torch_ref import TorchReferenceBackend
@@ -319,7 +320,7 @@ def test_the_exact_horizon_is_offered_only_where_the_kernel_reads_the_operands()
     backend = CpuPagedBackend(6, 2, 64, 0.125, 16)
     for q, cache in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.float16),
                      (torch.bfloat16, torch.int8)):
-        assert backend.exact_rows_context(torch.device("cpu"), q, cache) == cpu_paged.EXACT_ROWS_MAX_CONTEXT > 0
+        assert backend.exact_rows_context(torch.device("cpu"), q, cache) == EVERY_POSITION
     cpu = torch.device("cpu")
     assert backend.exact_rows_context(cpu, torch.bfloat16, torch.float16) == 0
     assert backend.exact_rows_context(torch.device("cuda"), torch.bfloat16, torch.bfloat16) == 0  # (selected there by name)

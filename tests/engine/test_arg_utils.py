@@ -234,6 +234,7 @@ WHERE_CHECKED = {
                                      "RouterConfig.__post_init__"),
     "chat_template": ({"chat_template": 3}, _V),
     "attention_backend": ({"attention_backend": 3}, _V),
+    "exact_prompt_attention": ({"exact_prompt_attention": "yes"}, _SCALARS),
     "enable_chunked_prefill": ({"enable_chunked_prefill": "no"}, _SCALARS),
     "scheduling_policy": ({"scheduling_policy": "lifo"}, "SchedulerConfig.__post_init__"),
     "trust_remote_code": ({"trust_remote_code": "no"}, _SCALARS),
