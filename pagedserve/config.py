@@ -299,8 +299,8 @@ class DeviceConfig:
     attention_backend: str | None = None  # None: best for the device
     # Every prompt row attended as a one-token decode step computes it, where the backend
     # can (AttentionBackend.exact_rows_context): answers then do not depend on chunking,
-    # batching or prefix-cache hits.  False: prompt rows take the blocked paths (faster on
-    # long prompts in bf16; attention/cpu_paged.py says how much).
+    # batching or prefix-cache hits.  False: prompt rows take the blocked paths (an A/B
+    # switch; attention/cpu_paged.py measured them slower).
     exact_prompt_attention: bool = True
 
 

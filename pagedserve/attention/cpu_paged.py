@@ -24,12 +24,13 @@ then a prefix-cache hit, its last token recomputed as a decode row), 5 of 9 chat
 differed somewhere in 96 tokens, and so did 3 of 9 under 64-token prefill chunks
 (SmolLM2-135M, Zen 5, bf16).  Rows were first exact only below 2,048 positions; past
 them a prefix-cache hit still changed 2 of 4 chats of ~2,660 tokens, one from its first
-token.  The kernel reads a row's whole context per row, so long prompts pay for it:
-TTFT against the blocked paths (Zen 5, bf16, 2026-11-30) +10% at 2,048 tokens, +16% at
-3,000, +32% at 4,096, +4% at 6,000 and +3% at 8,000 (where the blocked paths' groups get
-small); float32 under AVX2 emulation +4% at 4,096 and +2% at 8,000.  At 512 tokens the
-kernel is the faster (attention 53 against 62 ms in bf16).
-`--no-exact-prompt-attention` takes the blocked paths.
+token.  The kernel reads a row's context once per row; it takes a prompt's rows in tiles
+of 4 that read each block once, and in bf16 scores them with the CPU's bf16 dot product,
+so exact rows are also the faster: one prompt's TTFT against the blocked paths (Zen 5,
+bf16, 2026-11-30) 221 against 253 ms at 512 tokens, 1.22 against 1.29 s at 2,048, 3.45
+against 3.69 s at 4,096, 10.2 against 14.9 s at 8,000; float32 under AVX2 emulation 561
+against 605 ms at 512, 8.21 against 8.64 s at 4,096.  `--no-exact-prompt-attention`
+takes the blocked paths.
 """
 
 from __future__ import annotations

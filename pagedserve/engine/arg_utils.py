@@ -105,8 +105,8 @@ _HELP = {
     "attention_backend": "attention implementation (default: the best for the device)",
     "exact_prompt_attention": "attend every prompt token as a one-token decode step would (CPU decode kernel), "
                               "so answers do not depend on chunking, batching or prefix-cache hits; "
-                              "--no-exact-prompt-attention: the blocked prefill paths, up to ~25% faster "
-                              "on 4k-token bf16 prompts, whose rounding can change answers",
+                              "--no-exact-prompt-attention: the blocked prefill paths (SDPA, oneDNN), whose "
+                              "rounding can change answers (slower on the CPUs measured: docs/performance.md)",
     "enable_chunked_prefill": "split long prompts over several steps",
     "scheduling_policy": "fcfs or priority",
     "trust_remote_code": "allow custom code from the model directory",

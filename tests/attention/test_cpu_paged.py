@@ -142,6 +142,52 @@ def test_avx2_build_matches_float32_math(dtype):
             check_kernel(kernel, dtype, heads, kv_heads, dim, bs)
 
 
+def _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, seed):
+    """13 rows of one prompt (positions 40..52, one block table) between two other
+    requests' decode rows: the kernel's arguments."""
+    g = torch.Generator().manual_seed(seed)
+    nb, heads = 12, kv_heads * group
+    width = dim + 2 if cache_dtype == torch.int8 else dim
+    if cache_dtype == torch.int8:  # codes, then each row's float16 scale
+        kc, vc = (torch.randint(-100, 100, (nb, bs, kv_heads, width), generator=g, dtype=torch.int8) for _ in "kv")
+        scale = torch.full((nb, bs, kv_heads, 1), 0.01, dtype=torch.float16).view(torch.int8)
+        kc[..., dim:], vc[..., dim:] = scale, scale
+    else:
+        kc, vc = ((torch.randn(nb, bs, kv_heads, dim, generator=g) * 0.7).to(cache_dtype) for _ in "kv")
+    own = torch.randperm(nb, generator=g)[:6].int()
+    lens = [70, *range(41, 54), 90]
+    table = torch.stack([torch.randperm(nb, generator=g)[:6].int(), *[own] * 13, torch.randperm(nb, generator=g)[:6].int()])
+    q = torch.randn(len(lens), heads, dim, generator=g).to(q_dtype)
+    return q, kc, vc, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.bfloat16), (torch.bfloat16, torch.int8),
+                                                 (torch.float16, torch.float8_e4m3fn)])
+def test_rows_of_one_prompt_attended_together_are_each_row_alone(isa, q_dtype, cache_dtype):
+    """Consecutive rows of one prompt over one block table (the exact prompt rows) are
+    attended as tiles that read each block once: every row bit for bit what the kernel
+    gives that row alone, and close to float32 math; under a sliding window too (rows
+    whose window starts past position 0 are not tiled)."""
+    if isa == "avx2" and "avx2" not in CPU_FLAGS:
+        pytest.skip("needs an AVX2 CPU")
+    kernel = paged_decode() if isa == "native" else cpu_paged.build(("-mno-avx512f",))
+    for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (256, 1, 8), (64, 2, 1)):
+        for bs in (16, 32):
+            q, kc, vc, table, lens = _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, dim + bs)
+            for window in (0, 45):
+                out = kernel(q, kc, vc, table, lens, dim**-0.5, window)
+                for b in range(len(lens)):
+                    alone = kernel(q[b:b + 1], kc, vc, table[b:b + 1], lens[b:b + 1], dim**-0.5, window)
+                    assert torch.equal(alone[0], out[b]), (dim, group, bs, window, b)
+            if cache_dtype in (torch.float32, torch.bfloat16):
+                want = reference_decode(q.float(), kc.float(), vc.float(), table, lens, dim**-0.5)
+                torch.testing.assert_close(kernel(q, kc, vc, table, lens, dim**-0.5).float(), want,
+                                           atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 def test_plain_loop_build_matches_float32_math():
     """The plain loops of a CPU with neither (built here with both disabled)."""

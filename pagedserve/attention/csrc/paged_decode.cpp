@@ -2,14 +2,17 @@
 // from the paged cache through the block table (no gather copy), softmax in float32.
 //
 // One task per request (at::parallel_for: torch's own OpenMP pool), or per range of its
-// KV heads when there are fewer requests than threads.  A task streams its heads' rows
+// KV heads when there are fewer requests than threads, or per tile of up to 4 rows of one
+// prompt (cpu_paged's exact prompt rows: decode_tile).  A task streams its heads' rows
 // of the request's blocks, the next block's prefetched while this one is used: first
 // the scores of its query heads (16 slots at a time, partial sums reduced by a
-// transpose-add tree), then a vectorised exp and sum per head, then the weighted sum of
-// V with the accumulators in registers across each block.  Compiled with -march=native,
-// those loops are AVX-512 intrinsics (16 slots at a time) where the CPU has AVX-512,
-// AVX2/FMA intrinsics (8 slots at a time) where it has AVX2 (most laptops, Zen 3
-// servers), and plain loops the compiler vectorises elsewhere.
+// transpose-add tree; bf16 over a bf16 cache with AVX512_BF16: the bf16 dot product over
+// the block's K turned into columns, qk_bf16), then a vectorised exp and sum per head,
+// then the weighted sum of V with the accumulators in registers across each block.
+// Compiled with -march=native, those loops are AVX-512 intrinsics (16 slots at a time)
+// where the CPU has AVX-512, AVX2/FMA intrinsics (8 slots at a time) where it has AVX2
+// (most laptops, Zen 3 servers), and plain loops the compiler vectorises elsewhere.
+// A row's output never depends on what else the call holds.
 // Only the headers used (torch/extension.h would pull in all of torch: a third of the build time).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -57,6 +60,16 @@ inline float row_scale(const cache_t* row) {
     return 1.f;
   }
 }
+
+// Rows of one prompt that decode_tile attends together (see there).
+constexpr int64_t kTileRows = 4;
+
+// Whether this build has the bf16 dot product (qk_bf16 below).
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -149,6 +162,101 @@ inline void qk_block(const float* q, int64_t G, const scalar_t* k, int64_t k_str
   }
 }
 constexpr int64_t kSlots = 16;  // slots per qk_block
+
+#if defined(__AVX512BF16__)
+// bf16 queries over a bf16 cache (the AVX-512 default) with the CPU's bf16 dot product,
+// `vdpbf16ps`: one instruction multiplies 16 slots' pairs of dims by a query's pair and
+// adds both exact products into float32 lanes.  For that the block's K rows are turned
+// into columns: Kp[i] holds dims 2i, 2i+1 of the 16 slots, built by 16x16 transposes of
+// 32-bit words.  Each slot's score is then a lane, with no horizontal sums (qk_block's
+// 45-operation tree per 16 slots and head), and the transpose is shared by the G heads:
+// a 2,048-token prompt's scores took ~3x fewer instructions.  Every row's score is the
+// same operations whatever else runs: four partial sums over the pairs (i mod 4, in
+// order), added as (0 + 1) + (2 + 3), times the scale.
+// In place: r[i] lane j <- r[j] lane i, for 16 vectors of 16 32-bit words.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int k = 0; k < 16; k += 2) {
+    t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+    t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 16; k += 4) {  // r[k + m], 128-bit lane l: column 4l + m of rows k..k+3
+    r[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+    r[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+    r[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+    r[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // 4x4 transposes of 128-bit lanes
+    const __m512i x0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), x1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+    t[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    t[8 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int k = 0; k < 16; ++k) r[k] = t[k];
+}
+
+// kt[i] (i < D / 2) <- dims 2i, 2i+1 of slots k, k + k_stride, ... (16 of them).
+template <int64_t D>
+inline void k_columns(const c10::BFloat16* k, int64_t k_stride, __m512i* kt) {
+  for (int64_t h = 0; h < D / 32; ++h) {
+    __m512i* r = kt + 16 * h;
+    for (int64_t s = 0; s < 16; ++s) r[s] = _mm512_loadu_si512(k + s * k_stride + 32 * h);
+    transpose16(r);
+  }
+}
+
+// One query's 32-bit word i: its dims 2i and 2i + 1.
+inline int32_t pair_at(const c10::BFloat16* q, int64_t i) {
+  int32_t w;
+  std::memcpy(&w, q + 2 * i, sizeof(w));
+  return w;
+}
+
+// Scores of the 16 slots in kt for NS query heads q[0..NS-1] (bf16 rows), into
+// scores[s] (the first n slots real, the rest -inf and not stored), mx[s] their maxima.
+template <int64_t D, int NS>
+inline void qk_bf16_heads(const __m512i* kt, const c10::BFloat16* const* q, int64_t n, float* const* scores,
+                          float* const* mx, float scale) {
+  __m512 acc[NS][4];
+  for (int s = 0; s < NS; ++s)
+    for (int j = 0; j < 4; ++j) acc[s][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 2; i += 4) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh kv = (__m512bh)kt[i + j];
+#pragma GCC unroll 4
+      for (int s = 0; s < NS; ++s)
+        acc[s][j] = _mm512_dpbf16_ps(acc[s][j], kv, (__m512bh)_mm512_set1_epi32(pair_at(q[s], i + j)));
+    }
+  }
+  const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int s = 0; s < NS; ++s) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[s][0], acc[s][1]), _mm512_add_ps(acc[s][2], acc[s][3]));
+    const __m512 v = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+    _mm512_mask_storeu_ps(scores[s], valid, v);
+    *mx[s] = std::max(*mx[s], _mm512_reduce_max_ps(v));
+  }
+}
+
+// qk_bf16_heads for any number of heads, four at a time (16 accumulators and the K
+// column fit the 32 registers).
+template <int64_t D>
+inline void qk_bf16(const __m512i* kt, const c10::BFloat16* const* q, int64_t nq, int64_t n, float* const* scores,
+                    float* const* mx, float scale) {
+  int64_t s = 0;
+  for (; s + 4 <= nq; s += 4) qk_bf16_heads<D, 4>(kt, q + s, n, scores + s, mx + s, scale);
+  switch (nq - s) {
+    case 3: qk_bf16_heads<D, 3>(kt, q + s, n, scores + s, mx + s, scale); break;
+    case 2: qk_bf16_heads<D, 2>(kt, q + s, n, scores + s, mx + s, scale); break;
+    case 1: qk_bf16_heads<D, 1>(kt, q + s, n, scores + s, mx + s, scale); break;
+    default: break;
+  }
+}
+#endif
 
 // acc[g] += sum over the n slots s of p[g * L + s] * v[s] for the G query heads, the
 // accumulators held in registers across the block (G is a template argument for that).
@@ -453,11 +561,111 @@ inline bool pv_block_any(int64_t G, const float* p, const scalar_t* v, int64_t v
   }
 }
 
+// Whether decode's scores take the bf16 dot product (bf16 queries over a bf16 cache, on a
+// CPU with AVX512_BF16); elsewhere qk_block in float32.
+template <typename scalar_t, typename cache_t>
+constexpr bool kBf16Pair = kBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+
 // One KV head's rows of a block: `n` rows of `bytes` each, `stride` bytes apart.
 inline void prefetch_rows(const void* p, int64_t n, int64_t stride, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t s = 0; s < n; ++s)
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + s * stride + off, 0, 0);
+}
+
+// What decode_tile needs of decode's operands: shapes, strides (elements; k_slot ..
+// v_row in bytes, as decode's), the block size and the scale.
+struct TileArgs {
+  int64_t H, Hkv, q_sb, q_sh, o_sb, o_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh, k_slot, k_row, v_slot, v_row, bs;
+  float scale;
+};
+// A thread's workspace for its tiles, [row][head][...], kept across them.
+struct TileBuffers {
+  std::vector<float> q, acc, scores, mx, inv;
+};
+
+// Rows r = 0..R-1 of one prompt (R <= kTileRows), row r over the first L[r] keys of the
+// same blocks (`blocks`: the longest row's table; the others' agree on their blocks), no
+// sliding window in reach: decode's blocked path for each row, each K block's columns
+// (qk_bf16) built and the blocks prefetched once for the tile.  Each row's scores,
+// softmax and weighted sum are the operations decode does for that row alone, in its
+// order, so each row's output is bit for bit its own decode step's (the point: answers
+// that do not depend on how a prompt was cut into chunks or how much of it a prefix-cache
+// hit skipped).
+template <typename scalar_t, typename cache_t, int64_t D>
+void decode_tile(const TileArgs& a, const scalar_t* qp, const cache_t* kp, const cache_t* vp, const int32_t* blocks,
+                 const int32_t* L, int64_t R, scalar_t* op, TileBuffers& tb) {
+  const int64_t H = a.H, Hkv = a.Hkv, G = H / Hkv, bs = a.bs;
+  int64_t Lmax = 0;
+  for (int64_t r = 0; r < R; ++r) Lmax = std::max<int64_t>(Lmax, L[r]);
+  tb.q.resize(R * H * D);
+  tb.acc.assign(R * H * D, 0.f);
+  tb.scores.resize(R * H * Lmax);  // row r, head h: scores from (r * H + h) * Lmax
+  tb.mx.assign(R * H, -std::numeric_limits<float>::infinity());
+  tb.inv.resize(R * H);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      const scalar_t* src = qp + r * a.q_sb + h * a.q_sh;
+      for (int64_t i = 0; i < D; ++i) tb.q[(r * H + h) * D + i] = load(src[i]) * a.scale;
+    }
+  const int64_t nblk = (Lmax + bs - 1) / bs;
+  prefetch_rows(kp + blocks[0] * a.kc_sb, bs, a.k_slot, Hkv * a.k_row);
+  for (int64_t j = 0; j < nblk; ++j) {
+    if (j + 1 < nblk) prefetch_rows(kp + blocks[j + 1] * a.kc_sb, bs, a.k_slot, Hkv * a.k_row);
+    else prefetch_rows(vp + blocks[0] * a.vc_sb, bs, a.v_slot, Hkv * a.v_row);
+    const cache_t* kb = kp + blocks[j] * a.kc_sb;
+    const int64_t nj = std::min(bs, Lmax - j * bs);
+    for (int64_t s0 = 0; s0 < nj; s0 += kSlots)
+      for (int64_t k = 0; k < Hkv; ++k) {
+        const cache_t* ks = kb + s0 * a.kc_ss + k * a.kc_sh;
+#if defined(__AVX512BF16__)
+        __m512i kt[D / 2];
+        if constexpr (kBf16Pair<scalar_t, cache_t>) k_columns<D>(ks, a.kc_ss, kt);
+#endif
+        for (int64_t r = 0; r < R; ++r) {
+          // decode's loop for this row: slots s0.. of block j, where its context reaches them
+          const int64_t n = std::min<int64_t>(kSlots, std::min<int64_t>(bs, L[r] - j * bs) - s0);
+          if (n <= 0) continue;
+          float* sr = tb.scores.data() + (r * H + k * G) * Lmax + j * bs + s0;
+          float* mr = tb.mx.data() + r * H + k * G;
+#if defined(__AVX512BF16__)
+          if constexpr (kBf16Pair<scalar_t, cache_t>) {
+            const c10::BFloat16* qh[8];
+            float* sh[8];
+            float* mh[8];
+            for (int64_t g = 0; g < G; ++g) {
+              qh[g] = qp + r * a.q_sb + (k * G + g) * a.q_sh;
+              sh[g] = sr + g * Lmax;
+              mh[g] = mr + g;
+            }
+            qk_bf16<D>(kt, qh, G, n, sh, mh, a.scale);
+            continue;
+          }
+#endif
+          qk_block<cache_t, D>(tb.q.data() + (r * H + k * G) * D, G, ks, a.kc_ss, n, sr, Lmax, mr);
+        }
+      }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h)
+      tb.inv[r * H + h] = 1.f / exp_sum(tb.scores.data() + (r * H + h) * Lmax, L[r], tb.mx[r * H + h]);
+  for (int64_t j = 0; j < nblk; ++j) {
+    if (j + 1 < nblk) prefetch_rows(vp + blocks[j + 1] * a.vc_sb, bs, a.v_slot, Hkv * a.v_row);
+    const cache_t* vb = vp + blocks[j] * a.vc_sb;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t n = std::min(bs, L[r] - j * bs);
+      if (n <= 0) continue;
+      for (int64_t k = 0; k < Hkv; ++k)
+        pv_block_any<cache_t, D>(G, tb.scores.data() + (r * H + k * G) * Lmax + j * bs, vb + k * a.vc_sh, a.vc_ss, n,
+                                 tb.acc.data() + (r * H + k * G) * D, Lmax);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      scalar_t* dst = op + r * a.o_sb + h * a.o_sh;
+      const float* src = tb.acc.data() + (r * H + h) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<scalar_t>(src[i] * tb.inv[r * H + h]);
+    }
 }
 
 // scalar_t: q's and the output's dtype; cache_t: what the cache stores (the same, or
@@ -504,24 +712,46 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // instead (Zen 5, AVX-512 with native bf16, 2 threads).
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t parts = std::clamp<int64_t>((threads + B - 1) / B, 1, Hkv);
-  const int64_t tasks = B * parts;
+  // Tiles: runs of up to kTileRows rows over the same blocks at consecutive lengths (the
+  // rows of one prompt: cpu_paged's exact rows), attended together by decode_tile; any
+  // other row is a tile of its own.  A task is a tile or, with fewer rows than threads,
+  // one row's range of KV heads.
+  std::vector<int64_t> tile{0};  // tile i: rows tile[i] .. tile[i + 1] - 1
+  for (int64_t b = 1; b < B; ++b) {
+    const int64_t prev = slp[b - 1];
+    const bool joins = blocked && parts == 1 && b - tile.back() < kTileRows && prev > 0 && slp[b] == prev + 1 &&
+                       (window == 0 || slp[b] <= window) &&
+                       std::memcmp(btp + (b - 1) * bt_s, btp + b * bt_s, sizeof(int32_t) * ((prev + bs - 1) / bs)) == 0;
+    if (!joins) tile.push_back(b);
+  }
+  tile.push_back(B);
+  const int64_t num_tiles = static_cast<int64_t>(tile.size()) - 1;
+  const int64_t tasks = num_tiles * parts;
   std::vector<int64_t> first(threads + 1, tasks);  // thread t's run: tasks first[t] .. first[t + 1] - 1
   first[0] = 0;
-  if (parts == 1 && B > threads) {
-    constexpr int64_t kTaskCost = 32;  // a task's fixed work, in keys (its query, softmax and output)
+  if (parts == 1 && num_tiles > threads) {
+    constexpr int64_t kTaskCost = 32;  // a row's fixed work, in keys (its query, softmax and output)
     int64_t total = 0, sum = 0;
     for (int64_t b = 0; b < B; ++b) total += std::max<int32_t>(slp[b], 0) + kTaskCost;
-    for (int64_t b = 0, t = 1; b < B && t < threads; ++b) {
-      sum += std::max<int32_t>(slp[b], 0) + kTaskCost;
-      while (t < threads && sum * threads >= total * t) first[t++] = b + 1;
+    for (int64_t ti = 0, t = 1; ti < num_tiles && t < threads; ++ti) {
+      for (int64_t b = tile[ti]; b < tile[ti + 1]; ++b) sum += std::max<int32_t>(slp[b], 0) + kTaskCost;
+      while (t < threads && sum * threads >= total * t) first[t++] = ti + 1;
     }
   } else {
     for (int64_t t = 1; t < threads; ++t) first[t] = tasks * t / threads;
   }
+  const TileArgs ta{H, Hkv, q_sb, q_sh, o_sb, o_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh, k_slot, k_row,
+                    v_slot, v_row, bs, fscale};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores, mx(H), inv(H);
+    TileBuffers tb;
     for (int64_t task = first[begin]; task < first[end]; ++task) {
-      const int64_t b = task / parts, part = task % parts;
+      const int64_t ti = task / parts, part = task % parts, b = tile[ti];
+      if (tile[ti + 1] - b > 1) {
+        decode_tile<scalar_t, cache_t, D>(ta, qp + b * q_sb, kp, vp, btp + (tile[ti + 1] - 1) * bt_s, slp + b,
+                                          tile[ti + 1] - b, op + b * o_sb, tb);
+        continue;
+      }
       const int64_t h0 = Hkv * part / parts, h1 = Hkv * (part + 1) / parts, nh = h1 - h0;
       const int64_t L = slp[b];
       const int32_t* blocks = btp + b * bt_s;
@@ -550,10 +780,27 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const int64_t n = std::min(bs, L - j * bs);
           if (blocked) {
             for (int64_t s0 = 0; s0 < n; s0 += kSlots)
-              for (int64_t k = 0; k < nh; ++k)
+              for (int64_t k = 0; k < nh; ++k) {
+#if defined(__AVX512BF16__)
+                if constexpr (kBf16Pair<scalar_t, cache_t>) {
+                  __m512i kt[D / 2];
+                  k_columns<D>(kb + s0 * kc_ss + k * kc_sh, kc_ss, kt);
+                  const c10::BFloat16* qh[8];
+                  float* sh[8];
+                  float* mh[8];
+                  for (int64_t g = 0; g < G; ++g) {
+                    qh[g] = qp + b * q_sb + ((h0 + k) * G + g) * q_sh;
+                    sh[g] = scores.data() + (k * G + g) * L + j * bs + s0;
+                    mh[g] = mx.data() + k * G + g;
+                  }
+                  qk_bf16<D>(kt, qh, G, std::min<int64_t>(kSlots, n - s0), sh, mh, fscale);
+                  continue;
+                }
+#endif
                 qk_block<cache_t, D>(qf.data() + k * G * D, G, kb + s0 * kc_ss + k * kc_sh, kc_ss,
                                       std::min<int64_t>(kSlots, n - s0), scores.data() + k * G * L + j * bs + s0,
                                       L, mx.data() + k * G);
+              }
             continue;
           }
           for (int64_t s = 0; s < n; ++s)
