@@ -174,18 +174,24 @@ def test_rows_of_one_prompt_attended_together_are_each_row_alone(isa, q_dtype, c
     if isa == "avx2" and "avx2" not in CPU_FLAGS:
         pytest.skip("needs an AVX2 CPU")
     kernel = paged_decode() if isa == "native" else cpu_paged.build(("-mno-avx512f",))
-    for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (256, 1, 8), (64, 2, 1)):
-        for bs in (16, 32):
-            q, kc, vc, table, lens = _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, dim + bs)
-            for window in (0, 45):
-                out = kernel(q, kc, vc, table, lens, dim**-0.5, window)
-                for b in range(len(lens)):
-                    alone = kernel(q[b:b + 1], kc, vc, table[b:b + 1], lens[b:b + 1], dim**-0.5, window)
-                    assert torch.equal(alone[0], out[b]), (dim, group, bs, window, b)
-            if cache_dtype in (torch.float32, torch.bfloat16):
-                want = reference_decode(q.float(), kc.float(), vc.float(), table, lens, dim**-0.5)
-                torch.testing.assert_close(kernel(q, kc, vc, table, lens, dim**-0.5).float(), want,
-                                           atol=2e-2, rtol=2e-2)
+    before = torch.get_num_threads()
+    try:
+        # (2 or 3 threads: tiles of 4 rows; more threads would shorten them, so each gets one)
+        for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (256, 1, 8), (64, 2, 1)):
+            for bs in (16, 32):
+                q, kc, vc, table, lens = _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, dim + bs)
+                for window, threads in ((0, 2), (45, 2), (0, 3)):
+                    torch.set_num_threads(threads)
+                    out = kernel(q, kc, vc, table, lens, dim**-0.5, window)
+                    for b in range(len(lens)):
+                        alone = kernel(q[b:b + 1], kc, vc, table[b:b + 1], lens[b:b + 1], dim**-0.5, window)
+                        assert torch.equal(alone[0], out[b]), (dim, group, bs, window, threads, b)
+                if cache_dtype in (torch.float32, torch.bfloat16):
+                    want = reference_decode(q.float(), kc.float(), vc.float(), table, lens, dim**-0.5)
+                    torch.testing.assert_close(kernel(q, kc, vc, table, lens, dim**-0.5).float(), want,
+                                               atol=2e-2, rtol=2e-2)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")

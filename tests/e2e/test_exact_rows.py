@@ -60,6 +60,3 @@ def test_bf16_answers_do_not_depend_on_chunking_prefix_caching_or_batching(tmp_p
     ref = _run(path, prompts)
     for name, engine in VARIANTS.items():
         assert _run(path, prompts, **engine) == ref, name
-    # The blocked paths, where asked for: the reason they are not the default.
-    assert _run(path, prompts, exact_prompt_attention=False) != _run(
-        path, prompts, exact_prompt_attention=False, **VARIANTS["chunks of 24"])

@@ -151,3 +151,19 @@ def test_preempted_seeded_request_continues_its_stream():
     plain = run(None)
     assert len(set(plain)) > 2
     assert run(4) == plain
+
+
+def test_exact_prompt_attention_sets_the_runners_horizon():
+    """exact_prompt_attention (the default) offers every position to the CPU kernel's
+    exact rows; off, none (the blocked prefill paths)."""
+    from pagedserve.attention import cpu_paged
+    from pagedserve.attention.backend import EVERY_POSITION
+
+    if cpu_paged.paged_decode() is None:
+        pytest.skip("needs the C++ decode kernel (no C++ compiler on this machine)")
+    for exact, want in ((True, EVERY_POSITION), (False, 0)):
+        config = toy_config()
+        config.device_config.exact_prompt_attention = exact
+        runner = ModelRunner(config, ToyModel(head_dim=64).eval())  # (64: a head size the kernel takes)
+        runner.initialize_kv_cache()
+        assert runner.exact_rows_context == want

@@ -61,8 +61,11 @@ inline float row_scale(const cache_t* row) {
   }
 }
 
-// Rows of one prompt that decode_tile attends together (see there).
+// Rows of one prompt that decode_tile attends together (see there), and the most scores
+// (floats: rows x heads x keys) a tile may hold: 16 MiB a thread, e.g. 4 rows of 32 heads
+// at 32k keys; longer contexts go a row at a time (the same result).
 constexpr int64_t kTileRows = 4;
+constexpr int64_t kTileScores = int64_t{1} << 22;
 
 // Whether this build has the bf16 dot product (qk_bf16 below).
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -166,7 +169,7 @@ constexpr int64_t kSlots = 16;  // slots per qk_block
 #if defined(__AVX512BF16__)
 // bf16 queries over a bf16 cache (the AVX-512 default) with the CPU's bf16 dot product,
 // `vdpbf16ps`: one instruction multiplies 16 slots' pairs of dims by a query's pair and
-// adds both exact products into float32 lanes.  For that the block's K rows are turned
+// adds both (exact) products into float32 lanes, rounding after each add, denormals as 0.  For that the block's K rows are turned
 // into columns: Kp[i] holds dims 2i, 2i+1 of the 16 slots, built by 16x16 transposes of
 // 32-bit words.  Each slot's score is then a lane, with no horizontal sums (qk_block's
 // 45-operation tree per 16 slots and head), and the transpose is shared by the G heads
@@ -617,7 +620,7 @@ void decode_tile(const TileArgs& a, const scalar_t* qp, const cache_t* kp, const
   tb.scores.resize(R * H * Lmax);  // row r, head h: scores from (r * H + h) * Lmax
   tb.mx.assign(R * H, -std::numeric_limits<float>::infinity());
   tb.inv.resize(R * H);
-  for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = 0; r < R && !kBf16Pair<scalar_t, cache_t>; ++r)  // (qk_bf16 reads q as it is)
     for (int64_t h = 0; h < H; ++h) {
       const scalar_t* src = qp + r * a.q_sb + h * a.q_sh;
       for (int64_t i = 0; i < D; ++i) tb.q[(r * H + h) * D + i] = load(src[i]) * a.scale;
@@ -633,7 +636,7 @@ void decode_tile(const TileArgs& a, const scalar_t* qp, const cache_t* kp, const
       for (int64_t k = 0; k < Hkv; ++k) {
         const cache_t* ks = kb + s0 * a.kc_ss + k * a.kc_sh;
 #if defined(__AVX512BF16__)
-        __m512i kt[D / 2];
+        __m512i kt[kBf16Pair<scalar_t, cache_t> ? D / 2 : 1];
         if constexpr (kBf16Pair<scalar_t, cache_t>) k_columns<D>(ks, a.kc_ss, kt);
 #endif
         for (int64_t r = 0; r < R; ++r) {
@@ -669,9 +672,13 @@ void decode_tile(const TileArgs& a, const scalar_t* qp, const cache_t* kp, const
     for (int64_t r = 0; r < R; ++r) {
       const int64_t n = std::min(bs, L[r] - j * bs);
       if (n <= 0) continue;
-      for (int64_t k = 0; k < Hkv; ++k)
-        pv_block_any<cache_t, D>(G, tb.scores.data() + (r * H + k * G) * Lmax + j * bs, vb + k * a.vc_sh, a.vc_ss, n,
-                                 tb.acc.data() + (r * H + k * G) * D, Lmax);
+      for (int64_t k = 0; k < Hkv; ++k) {
+        const float* p = tb.scores.data() + (r * H + k * G) * Lmax + j * bs;
+        float* acc = tb.acc.data() + (r * H + k * G) * D;
+        if (pv_block_any<cache_t, D>(G, p, vb + k * a.vc_sh, a.vc_ss, n, acc, Lmax)) continue;
+        for (int64_t s = 0; s < n; ++s)  // (decode's row path; tiles are formed only where the above applies)
+          pv_row<cache_t, D>(p + s, G, vb + s * a.vc_ss + k * a.vc_sh, acc, Lmax);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r)
@@ -712,7 +719,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // per KV head (the partial sums live in registers or on the stack).
   const bool blocked = kSlots > 0 && bs % kSlots == 0 && G <= 8;
 
-  // Tasks are (request, range of KV heads).  With at least as many requests as threads a
+  // Tasks are (request, range of KV heads), or tiles (below).  With at least as many requests as threads a
   // task is a whole request, its blocks streamed whole (every KV head of a slot is
   // adjacent).  With fewer (one user's decode step), each request's heads are split into
   // contiguous ranges, one per thread it can have, so every thread works and each still
@@ -730,11 +737,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // rows of one prompt: cpu_paged's exact rows), attended together by decode_tile; any
   // other row is a tile of its own.  A task is a tile or, with fewer rows than threads,
   // one row's range of KV heads.
+  // Tiles no longer than keeps every thread a tile, and none whose scores (a row's H * L
+  // floats each) would pass kTileScores.
+  const int64_t tile_rows = std::clamp<int64_t>(B / threads, 1, kTileRows);
   std::vector<int64_t> tile{0};  // tile i: rows tile[i] .. tile[i + 1] - 1
   for (int64_t b = 1; b < B; ++b) {
     const int64_t prev = slp[b - 1];
-    const bool joins = kTiled<scalar_t, cache_t> && blocked && parts == 1 && b - tile.back() < kTileRows &&
+    const bool joins = kTiled<scalar_t, cache_t> && blocked && parts == 1 && b - tile.back() < tile_rows &&
                        prev > 0 && slp[b] == prev + 1 && (window == 0 || slp[b] <= window) &&
+                       (b - tile.back() + 1) * H * slp[b] <= kTileScores &&
                        std::memcmp(btp + (b - 1) * bt_s, btp + b * bt_s, sizeof(int32_t) * ((prev + bs - 1) / bs)) == 0;
     if (!joins) tile.push_back(b);
   }
