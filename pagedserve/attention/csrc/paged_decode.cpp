@@ -292,6 +292,51 @@ inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_
 }
 
 
+// The weighted sum of V for NS (row, head) sets of a tile over one block's n slots:
+// acc[i] += sum over slots t of p[i][t] * v[t].  Each slot's V vectors are loaded and
+// widened once for all the sets (pv_block widens them once per row); each lane's sum is
+// pv_block's, the same multiply-adds in slot order, so every set's result is bit for bit
+// what pv_block gives it.  Four of a head's vectors at a time: NS * 4 accumulators and 4
+// vectors of V fit the 32 registers for NS <= 6.
+template <typename scalar_t, int64_t D, int NS>
+inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, int64_t n, float* const* acc) {
+  constexpr int64_t NV = D / 16;
+  constexpr int64_t CW = NV < 4 ? NV : 4;
+  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
+    __m512 a[NS][CW];
+    for (int i = 0; i < NS; ++i)
+      for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm512_loadu_ps(acc[i] + 16 * (c0 + j));
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[CW];
+      for (int64_t j = 0; j < CW; ++j) vv[j] = load16(v + t * v_stride + 16 * (c0 + j));
+      const float sv = row_scale<scalar_t, D>(v + t * v_stride);
+      for (int i = 0; i < NS; ++i) {
+        const __m512 pg = _mm512_set1_ps(p[i][t] * sv);
+        for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm512_fmadd_ps(pg, vv[j], a[i][j]);
+      }
+    }
+    for (int i = 0; i < NS; ++i)
+      for (int64_t j = 0; j < CW; ++j) _mm512_storeu_ps(acc[i] + 16 * (c0 + j), a[i][j]);
+  }
+}
+
+// pv_sets for any number of sets, six at a time.
+template <typename scalar_t, int64_t D>
+__attribute__((noinline)) void pv_sets_any(const float* const* p, int64_t ns, const scalar_t* v, int64_t v_stride,
+                                           int64_t n, float* const* acc) {
+  int64_t i = 0;
+  for (; i + 6 <= ns; i += 6) pv_sets<scalar_t, D, 6>(p + i, v, v_stride, n, acc + i);
+  switch (ns - i) {
+    case 5: pv_sets<scalar_t, D, 5>(p + i, v, v_stride, n, acc + i); break;
+    case 4: pv_sets<scalar_t, D, 4>(p + i, v, v_stride, n, acc + i); break;
+    case 3: pv_sets<scalar_t, D, 3>(p + i, v, v_stride, n, acc + i); break;
+    case 2: pv_sets<scalar_t, D, 2>(p + i, v, v_stride, n, acc + i); break;
+    case 1: pv_sets<scalar_t, D, 1>(p + i, v, v_stride, n, acc + i); break;
+    default: break;
+  }
+}
+constexpr bool kPvSets = true;
+
 // exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by a
 // degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n by scalef.
 // libm's scalar expf would be most of the kernel's time.
@@ -548,6 +593,12 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
 }
 #endif
 
+#if !defined(__AVX512F__)
+constexpr bool kPvSets = false;  // (AVX2: each row's pv_block; its 16 registers hold one row's sums)
+template <typename scalar_t, int64_t D>
+void pv_sets_any(const float* const*, int64_t, const scalar_t*, int64_t, int64_t, float* const*) {}
+#endif
+
 // pv_block for a runtime G (every ISA above); false when there is no blocked path or no
 // instantiation for G (the caller then goes row by row).
 // (Called, not inlined: decode and decode_tile both call it, and inlined twice it cost
@@ -669,6 +720,32 @@ void decode_tile(const TileArgs& a, const scalar_t* qp, const cache_t* kp, const
   for (int64_t j = 0; j < nblk; ++j) {
     if (j + 1 < nblk) prefetch_rows(vp + blocks[j + 1] * a.vc_sb, bs, a.v_slot, Hkv * a.v_row);
     const cache_t* vb = vp + blocks[j] * a.vc_sb;
+    if constexpr (kPvSets) {
+      // Every (row, head) set over the slots all the tile's rows reach in this block, then
+      // each row's own further slots (its sums carry on from where they stopped).
+      int64_t common = bs;
+      for (int64_t r = 0; r < R; ++r) common = std::min(common, std::max<int64_t>(0, L[r] - j * bs));
+      for (int64_t k = 0; k < Hkv; ++k) {
+        const float* ps[kTileRows * 8];
+        float* as[kTileRows * 8];
+        int64_t ns = 0;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t g = 0; g < G; ++g, ++ns) {
+            ps[ns] = tb.scores.data() + (r * H + k * G + g) * Lmax + j * bs;
+            as[ns] = tb.acc.data() + (r * H + k * G + g) * D;
+          }
+        const cache_t* vk = vb + k * a.vc_sh;
+        if (common > 0) pv_sets_any<cache_t, D>(ps, ns, vk, a.vc_ss, common, as);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t n = std::min(bs, L[r] - j * bs);
+          if (n <= common) continue;
+          const float* pr[8];
+          for (int64_t g = 0; g < G; ++g) pr[g] = ps[r * G + g] + common;
+          pv_sets_any<cache_t, D>(pr, G, vk + common * a.vc_ss, a.vc_ss, n - common, as + r * G);
+        }
+      }
+      continue;
+    }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t n = std::min(bs, L[r] - j * bs);
       if (n <= 0) continue;
