@@ -320,22 +320,7 @@ inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, 
   }
 }
 
-// pv_sets for any number of sets, six at a time.
-template <typename scalar_t, int64_t D>
-__attribute__((noinline)) void pv_sets_any(const float* const* p, int64_t ns, const scalar_t* v, int64_t v_stride,
-                                           int64_t n, float* const* acc) {
-  int64_t i = 0;
-  for (; i + 6 <= ns; i += 6) pv_sets<scalar_t, D, 6>(p + i, v, v_stride, n, acc + i);
-  switch (ns - i) {
-    case 5: pv_sets<scalar_t, D, 5>(p + i, v, v_stride, n, acc + i); break;
-    case 4: pv_sets<scalar_t, D, 4>(p + i, v, v_stride, n, acc + i); break;
-    case 3: pv_sets<scalar_t, D, 3>(p + i, v, v_stride, n, acc + i); break;
-    case 2: pv_sets<scalar_t, D, 2>(p + i, v, v_stride, n, acc + i); break;
-    case 1: pv_sets<scalar_t, D, 1>(p + i, v, v_stride, n, acc + i); break;
-    default: break;
-  }
-}
-constexpr bool kPvSets = true;
+#define PAGEDSERVE_PV_SETS 1
 
 // exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by a
 // degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n by scalef.
@@ -553,6 +538,32 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
       _mm256_storeu_ps(ag + 8 * c, _mm256_fmadd_ps(pg, load8(v + 8 * c), _mm256_loadu_ps(ag + 8 * c)));
   }
 }
+
+// pv_sets as on AVX-512 (see there), 8 lanes a vector: 2 of a head's vectors at a time, so
+// that NS * 2 accumulators, 2 vectors of V and the broadcast fit AVX2's 16 registers
+// (NS <= 6).  Each lane's sum is pv_block's, in its order.
+template <typename scalar_t, int64_t D, int NS>
+inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, int64_t n, float* const* acc) {
+  constexpr int64_t NV = D / 8;
+  constexpr int64_t CW = 2;
+  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
+    __m256 a[NS][CW];
+    for (int i = 0; i < NS; ++i)
+      for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm256_loadu_ps(acc[i] + 8 * (c0 + j));
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 vv[CW];
+      for (int64_t j = 0; j < CW; ++j) vv[j] = load8(v + t * v_stride + 8 * (c0 + j));
+      const float sv = row_scale<scalar_t, D>(v + t * v_stride);
+      for (int i = 0; i < NS; ++i) {
+        const __m256 pg = _mm256_set1_ps(p[i][t] * sv);
+        for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm256_fmadd_ps(pg, vv[j], a[i][j]);
+      }
+    }
+    for (int i = 0; i < NS; ++i)
+      for (int64_t j = 0; j < CW; ++j) _mm256_storeu_ps(acc[i] + 8 * (c0 + j), a[i][j]);
+  }
+}
+#define PAGEDSERVE_PV_SETS 1
 #else
 constexpr int64_t kSlots = 0;  // no blocked path: row by row
 template <typename scalar_t, int64_t D, int64_t G>
@@ -593,11 +604,29 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
 }
 #endif
 
-#if !defined(__AVX512F__)
-constexpr bool kPvSets = false;  // (AVX2: each row's pv_block; its 16 registers hold one row's sums)
-template <typename scalar_t, int64_t D>
-void pv_sets_any(const float* const*, int64_t, const scalar_t*, int64_t, int64_t, float* const*) {}
+#if defined(PAGEDSERVE_PV_SETS)
+constexpr bool kPvSets = true;
+#else
+constexpr bool kPvSets = false;  // (the plain loops: no blocked path, so no tiles)
+template <typename scalar_t, int64_t D, int NS>
+void pv_sets(const float* const*, const scalar_t*, int64_t, int64_t, float* const*) {}
 #endif
+
+// pv_sets for any number of sets, six at a time.
+template <typename scalar_t, int64_t D>
+__attribute__((noinline)) void pv_sets_any(const float* const* p, int64_t ns, const scalar_t* v, int64_t v_stride,
+                                           int64_t n, float* const* acc) {
+  int64_t i = 0;
+  for (; i + 6 <= ns; i += 6) pv_sets<scalar_t, D, 6>(p + i, v, v_stride, n, acc + i);
+  switch (ns - i) {
+    case 5: pv_sets<scalar_t, D, 5>(p + i, v, v_stride, n, acc + i); break;
+    case 4: pv_sets<scalar_t, D, 4>(p + i, v, v_stride, n, acc + i); break;
+    case 3: pv_sets<scalar_t, D, 3>(p + i, v, v_stride, n, acc + i); break;
+    case 2: pv_sets<scalar_t, D, 2>(p + i, v, v_stride, n, acc + i); break;
+    case 1: pv_sets<scalar_t, D, 1>(p + i, v, v_stride, n, acc + i); break;
+    default: break;
+  }
+}
 
 // pv_block for a runtime G (every ISA above); false when there is no blocked path or no
 // instantiation for G (the caller then goes row by row).
