@@ -683,8 +683,8 @@ struct TileBuffers {
 
 // Rows r = 0..R-1 of one prompt (R <= kTileRows), row r over the first L[r] keys of the
 // same blocks (`blocks`: the longest row's table; the others' agree on their blocks), no
-// sliding window in reach: decode's blocked path for each row, each K block's columns
-// (qk_bf16) built and the blocks prefetched once for the tile.  Each row's scores,
+// sliding window in reach: decode's blocked path for each row, with each block prefetched,
+// its K columns built (qk_bf16) and its V widened (pv_sets) once for the tile.  Each row's scores,
 // softmax and weighted sum are the operations decode does for that row alone, in its
 // order, so each row's output is bit for bit its own decode step's (the point: answers
 // that do not depend on how a prompt was cut into chunks or how much of it a prefix-cache
