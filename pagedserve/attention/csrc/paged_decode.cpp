@@ -169,8 +169,8 @@ constexpr int64_t kSlots = 16;  // slots per qk_block
 #if defined(__AVX512BF16__)
 // bf16 queries over a bf16 cache (the AVX-512 default) with the CPU's bf16 dot product,
 // `vdpbf16ps`: one instruction multiplies 16 slots' pairs of dims by a query's pair and
-// adds both (exact) products into float32 lanes, rounding after each add, denormals as 0.  For that the block's K rows are turned
-// into columns: Kp[i] holds dims 2i, 2i+1 of the 16 slots, built by 16x16 transposes of
+// adds both (exact) products into float32 lanes, rounding after each add, denormals as 0.
+// For that the block's K rows are turned into columns: Kp[i] holds dims 2i, 2i+1 of the 16 slots, built by 16x16 transposes of
 // 32-bit words.  Each slot's score is then a lane, with no horizontal sums (qk_block's
 // 45-operation tree per 16 slots and head), and the transpose is shared by the G heads
 // (and by a tile's rows).  With tiles, a 2,048-token prompt's attention in one layer
@@ -248,17 +248,26 @@ inline void qk_bf16_heads(const __m512i* kt, const c10::BFloat16* const* q, int6
   }
 }
 
-// qk_bf16_heads for any number of heads, four at a time (16 accumulators and the K
-// column fit the 32 registers).
+// Scores of the 16 slots in kt for one KV head's G query heads (bf16 rows q + g * q_stride),
+// into scores + g * L (the first n slots), maxima mx[g]: qk_block's contract, four heads
+// at a time (16 accumulators and the K column fit the 32 registers).
 template <int64_t D>
-inline void qk_bf16(const __m512i* kt, const c10::BFloat16* const* q, int64_t nq, int64_t n, float* const* scores,
-                    float* const* mx, float scale) {
+inline void qk_bf16(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, int64_t G, int64_t n,
+                    float* scores, int64_t L, float* mx, float scale) {
+  const c10::BFloat16* qh[8];
+  float* sh[8];
+  float* mh[8];
+  for (int64_t g = 0; g < G; ++g) {
+    qh[g] = q + g * q_stride;
+    sh[g] = scores + g * L;
+    mh[g] = mx + g;
+  }
   int64_t s = 0;
-  for (; s + 4 <= nq; s += 4) qk_bf16_heads<D, 4>(kt, q + s, n, scores + s, mx + s, scale);
-  switch (nq - s) {
-    case 3: qk_bf16_heads<D, 3>(kt, q + s, n, scores + s, mx + s, scale); break;
-    case 2: qk_bf16_heads<D, 2>(kt, q + s, n, scores + s, mx + s, scale); break;
-    case 1: qk_bf16_heads<D, 1>(kt, q + s, n, scores + s, mx + s, scale); break;
+  for (; s + 4 <= G; s += 4) qk_bf16_heads<D, 4>(kt, qh + s, n, sh + s, mh + s, scale);
+  switch (G - s) {
+    case 3: qk_bf16_heads<D, 3>(kt, qh + s, n, sh + s, mh + s, scale); break;
+    case 2: qk_bf16_heads<D, 2>(kt, qh + s, n, sh + s, mh + s, scale); break;
+    case 1: qk_bf16_heads<D, 1>(kt, qh + s, n, sh + s, mh + s, scale); break;
     default: break;
   }
 }
@@ -727,15 +736,7 @@ void decode_tile(const TileArgs& a, const scalar_t* qp, const cache_t* kp, const
           float* mr = tb.mx.data() + r * H + k * G;
 #if defined(__AVX512BF16__)
           if constexpr (kBf16Pair<scalar_t, cache_t>) {
-            const c10::BFloat16* qh[8];
-            float* sh[8];
-            float* mh[8];
-            for (int64_t g = 0; g < G; ++g) {
-              qh[g] = qp + r * a.q_sb + (k * G + g) * a.q_sh;
-              sh[g] = sr + g * Lmax;
-              mh[g] = mr + g;
-            }
-            qk_bf16<D>(kt, qh, G, n, sh, mh, a.scale);
+            qk_bf16<D>(kt, qp + r * a.q_sb + k * G * a.q_sh, a.q_sh, G, n, sr, Lmax, mr, a.scale);
             continue;
           }
 #endif
@@ -918,15 +919,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                 if constexpr (kBf16Pair<scalar_t, cache_t>) {
                   __m512i kt[D / 2];
                   k_columns<D>(kb + s0 * kc_ss + k * kc_sh, kc_ss, kt);
-                  const c10::BFloat16* qh[8];
-                  float* sh[8];
-                  float* mh[8];
-                  for (int64_t g = 0; g < G; ++g) {
-                    qh[g] = qp + b * q_sb + ((h0 + k) * G + g) * q_sh;
-                    sh[g] = scores.data() + (k * G + g) * L + j * bs + s0;
-                    mh[g] = mx.data() + k * G + g;
-                  }
-                  qk_bf16<D>(kt, qh, G, std::min<int64_t>(kSlots, n - s0), sh, mh, fscale);
+                  qk_bf16<D>(kt, qp + b * q_sb + (h0 + k) * G * q_sh, q_sh, G, std::min<int64_t>(kSlots, n - s0),
+                             scores.data() + k * G * L + j * bs + s0, L, mx.data() + k * G, fscale);
                   continue;
                 }
 #endif
