@@ -3,6 +3,7 @@ the area's own conftest."""
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -61,6 +62,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """HEAVY_FIRST's files first, in its order; the rest keep theirs (a stable sort)."""
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection made (torch, transformers, hypothesis, every test module: ~1M
+    objects a worker) lives until the process ends, so it leaves the garbage collector's
+    sight (`gc.freeze`): a full collection then walks only what the tests made.  Before,
+    42-44 full collections took 17-20 s of each worker's run (Zen 5, gc.callbacks).
+    `pagedserve`'s CLI freezes its heap the same way at exit."""
+    gc.freeze()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_what_a_file_leaves() -> Iterator[None]:
+    """After each file (its module fixtures, such as servers, torn down: this fixture is
+    set up first, so torn down last), its garbage is collected and what survives (lazy
+    imports, caches) is frozen like collection's objects, so no later collection walks it."""
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 # Engines in tests run eagerly unless a test asks for torch_compile=True: compiling each
