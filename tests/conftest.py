@@ -44,6 +44,7 @@ HEAVY_FIRST = (
     "tests/e2e/test_structured_smollm2.py", "tests/benchmarks/test_soak.py",
     "tests/entrypoints/openai/test_kv_offload_restart.py", "tests/layers/test_cpu_fused.py",
     "tests/layers/test_quantization.py", "tests/worker/test_cuda_graph.py",
+    "tests/worker/test_compiled_model.py",  # (21 s on AVX-512 CPUs, which compile an AVX2 graph too)
     "tests/entrypoints/dashboard/test_dashboard_browser.py", "tests/entrypoints/openai/test_default_model_tools.py",
     "tests/layers/test_fused_kernels.py", "tests/executor/test_lifecycle.py",
     "tests/entrypoints/openai/test_image_server.py", "tests/entrypoints/openai/test_hostile_requests.py",

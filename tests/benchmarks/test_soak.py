@@ -76,7 +76,7 @@ def test_short_soak(soak_server: ServerProcess, tmp_path: Path) -> None:
         "--base-url", soak_server.url, "--pid", str(soak_server.proc.pid), "--api-key", API_KEY,
         "--server-log", str(soak_server.log_path), "--num-requests", "250", "--duration", "25",
         "--concurrency", "8", "--warmup-requests", "100", "--max-tokens", "1:12", "--seed", "1",
-        "--request-timeout", "60", "--progress-interval", "0", "--json", str(out),
+        "--request-timeout", "60", "--settle", "1", "--progress-interval", "0", "--json", str(out),
     ])
     assert summary["model"] == MODEL_NAME
     assert not summary["failed_conditions"], (summary["failed_conditions"], summary["failures"], soak_server.log())
