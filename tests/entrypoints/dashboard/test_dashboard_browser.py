@@ -91,10 +91,9 @@ def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_stream
     assert total > 2 and _in_use(page) == 0
 
     # While a batch runs (32 requests of 120 tokens: ~1 s, several 250 ms snapshots), one
-    # snapshot shows in-use cells and running rows together.  A page that falls behind is
-    # sent the newest snapshot, not each one; on a loaded machine (a cold CI run, the
-    # other worker compiling) the batch ended unseen once, so an unseen batch is fired
-    # again, a few times at most.
+    # snapshot shows in-use cells and running rows together.  On a loaded machine (a cold
+    # CI run under AVX2 emulation, the other worker compiling) a batch once ended without
+    # the wait seeing that state, so a batch ended unseen is fired again, four at most.
     live = ("+document.getElementById('count-used').textContent > 0"
             " && document.querySelectorAll('#running tr').length > 0")
     for _ in range(4):
