@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.model_loader.sources import cache_dir, file_cache_key, publish_cache_json
+from pagedserve.model_loader.sources import cache_dir, content_cache_key, file_cache_key, publish_cache_json
 
 logger = logging.getLogger(__name__)
 
@@ -145,23 +145,35 @@ def _same(back: Any, original: Any) -> bool:
     return type(back) is type(original) and (back == original or (back != back and original != original))
 
 
-def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | None = None) -> Any:
+def cached_config(source_file: str, build: Callable[[], Any], derived_by: str | None = None,
+                  directory: str | None = None) -> Any:
     """The config of the model at `source_file` as a snapshot: the one an earlier start
     saved for the file as it is now, else `build()`'s (transformers), saved for the next
     start.  Every start gets a snapshot, so the first runs what later ones run (the
     compiled model's key, for one, records the config's class); only a config whose
     attributes do not all read back the same is returned as transformers built it.
     `derived_by`: the path of the module whose code turns the file into the config beyond
-    transformers' own (its source is part of the key)."""
+    transformers' own (its source is part of the key).
+
+    `directory`: `source_file` is that HF directory's config.json, from which transformers
+    derives the config alone: the snapshot is then keyed by the file's bytes, not its
+    path, so a copied or moved model directory (and each test's fresh one, which cost a
+    server 1.4 s of transformers import here) reads it, and the cache does not grow by a
+    file per path; its `name_or_path` is `directory`'s, as transformers would set it.  A
+    GGUF file, large, is keyed by path, size and modification time."""
     code = ""
     if derived_by is not None:
         with open(derived_by, "rb") as f:
             code = hashlib.sha256(f.read()).hexdigest()
-    key = file_cache_key(source_file, importlib.metadata.version("transformers"), code)
+    keyed = content_cache_key if directory is not None else file_cache_key
+    key = keyed(source_file, importlib.metadata.version("transformers"), code)
     path = os.path.join(cache_dir(), "configs", f"{key}.json")
     try:
         with open(path) as f:
-            return _snapshot(json.load(f))
+            snapshot = _snapshot(json.load(f))
+        if directory is not None and "name_or_path" in snapshot.__dict__:
+            snapshot.__dict__["name_or_path"] = directory  # (the copy it was saved from may be elsewhere)
+        return snapshot
     except FileNotFoundError:
         pass
     except (OSError, ValueError, TypeError) as e:  # a torn or foreign file: build it again

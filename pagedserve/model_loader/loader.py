@@ -155,7 +155,7 @@ def _read_hf_config(source: ModelSource, trust_remote_code: bool) -> Any:
         # The next start of this directory reads the saved snapshot: no transformers import
         # (~3.6 s of a tiny model's 7.3 s `serve` start on a 2-core Zen 3, AVX2 only).  Vision models
         # keep transformers' composite config (its get_text_config, the image processors).
-        return cached_config(config_json, lambda: _auto_config(source.path, False))
+        return cached_config(config_json, lambda: _auto_config(source.path, False), directory=source.path)
     return _auto_config(source.path, trust_remote_code)
 
 

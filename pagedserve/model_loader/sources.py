@@ -126,6 +126,15 @@ def file_cache_key(path: str, *derived_by: str) -> str:
                           ).hexdigest()[:24]
 
 
+def content_cache_key(path: str, *derived_by: str) -> str:
+    """The cache key of something derived from the bytes of the (small) file at `path`
+    alone: those bytes and `derived_by`, not where the file lives, so a copy elsewhere
+    shares it."""
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(repr((digest, *derived_by)).encode()).hexdigest()[:24]
+
+
 def _is_gguf_file(path: str) -> bool:
     if path.lower().endswith(".gguf"):
         return True

@@ -165,7 +165,8 @@ ARTIFACT_MAGIC = b"pagedserve-compiled-1\n"
 RUNTIME_BOUND = frozenset({"kv_cache", "impl", "direct"})
 # Where a Hugging Face config was read from: no forward computes with it, and keying on it
 # made the same model at another path (a copy, a test's temporary directory) compile again.
-PROVENANCE = frozenset({"_name_or_path", "_commit_hash"})
+# (`name_or_path` is the name a config snapshot saves it under: config_snapshot.py.)
+PROVENANCE = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
 # Inductor's generated wrapper checks the size and stride of every graph input and op
 # output on every call: ~600 checks a step on SmolLM2-135M (every parameter is an input),
 # 2-7% of a one-request decode step on 2 Zen 4 cores (AVX-512 with native bf16; noisy runs taking turns).  The inputs are the runner's own

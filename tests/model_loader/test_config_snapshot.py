@@ -105,3 +105,36 @@ def test_a_changed_file_or_a_torn_save_builds_it_again(tmp_path, caplog) -> None
     assert cached_config(config_json, build).rms_norm_eps == 1e-3 and rebuilt
     assert "cannot read the saved model config" in caplog.text
     assert cached_config(config_json, lambda: pytest.fail("saved again")).rms_norm_eps == 1e-3
+
+
+def test_a_copied_directory_reads_the_saved_config_under_its_own_name(tmp_path, monkeypatch) -> None:
+    """A directory's config.json is keyed by its bytes: a copy elsewhere (a moved model,
+    each test's fresh directory) reads the snapshot without building a transformers config
+    and names its own directory; one changed byte builds it again."""
+    import shutil
+
+    from pagedserve.model_loader import loader
+
+    first_dir, copy_dir = str(tmp_path / "a"), str(tmp_path / "b")
+    make_tiny_checkpoint("llama", first_dir)
+    shutil.copytree(first_dir, copy_dir)
+    first = load_model_config(ModelConfig(model=first_dir, dtype="float32"), "cpu")
+    real_auto_config = loader._auto_config
+    monkeypatch.setattr(loader, "_auto_config", lambda *a: pytest.fail("the copy should read the saved config"))
+    copy = load_model_config(ModelConfig(model=copy_dir, dtype="float32"), "cpu")
+    assert isinstance(copy, ConfigSnapshot)
+    assert (first.name_or_path, copy.name_or_path) == (first_dir, copy_dir)
+    assert_same_attributes(copy, AutoConfig.from_pretrained(copy_dir))
+    saved_dir = os.path.join(os.environ["PAGEDSERVE_CACHE_DIR"], "configs")
+    assert len(os.listdir(saved_dir)) == 1
+
+    config_json = os.path.join(copy_dir, "config.json")
+    with open(config_json) as f:
+        values = json.load(f)
+    values["rms_norm_eps"] = 1e-3
+    with open(config_json, "w") as f:
+        json.dump(values, f)
+    built: list[str] = []
+    monkeypatch.setattr(loader, "_auto_config", lambda *a: built.append(a[0]) or real_auto_config(*a))
+    assert load_model_config(ModelConfig(model=copy_dir, dtype="float32"), "cpu").rms_norm_eps == 1e-3
+    assert built == [copy_dir] and len(os.listdir(saved_dir)) == 2

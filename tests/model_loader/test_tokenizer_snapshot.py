@@ -146,6 +146,27 @@ def test_a_changed_directory_gets_a_new_snapshot(saved, tmp_path) -> None:
     assert cached_tokenizer(saved).eos_token == "<|endoftext|>" and len(_snapshots(tmp_path)) == 2
 
 
+def test_a_copied_directory_reads_the_snapshot_and_each_file_read_is_in_its_key(saved, tmp_path, monkeypatch) -> None:
+    """Keyed by the files' bytes, not the directory's path: a copy loads without
+    transformers; a file the load reads, added to the copy only, makes its own snapshot."""
+    import shutil
+
+    first = cached_tokenizer(saved)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(saved, copy)
+    real_load_hf = tokenizer_snapshot._load_hf
+    monkeypatch.setattr(tokenizer_snapshot, "_load_hf", lambda *a: pytest.fail("the copy should read the snapshot"))
+    again = cached_tokenizer(copy)
+    assert isinstance(again, SnapshotTokenizer) and len(_snapshots(tmp_path)) == 1
+    assert [again.encode(t) for t in TEXTS] == [first.encode(t) for t in TEXTS]
+    with open(os.path.join(copy, "config.json"), "w") as f:  # (names the class where tokenizer_config.json does not)
+        json.dump({"model_type": "llama"}, f)
+    loaded: list[str] = []
+    monkeypatch.setattr(tokenizer_snapshot, "_load_hf", lambda d, *a: loaded.append(d) or real_load_hf(d, *a))
+    assert isinstance(cached_tokenizer(copy), SnapshotTokenizer)
+    assert loaded == [copy] and len(_snapshots(tmp_path)) == 2
+
+
 def test_loading_a_snapshot_imports_no_transformers(saved, tmp_path) -> None:
     cached_tokenizer(saved)
     code = ("import sys\nfrom pagedserve.model_loader.tokenizer import saved_tokenizer\n"

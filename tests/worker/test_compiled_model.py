@@ -152,6 +152,14 @@ def test_the_saved_compilation_key_covers_what_a_trace_bakes_in():
     assert configured[0] == configured[1] != base
     model.config.rms_norm_eps = 1e-3  # a value the forward reads
     assert artifact_key(model) != configured[0]
+    from pagedserve.model_loader.config_snapshot import ConfigSnapshot
+
+    snapped = []
+    for path in ("/models/a", "/elsewhere/b"):  # a saved config keeps the path as name_or_path
+        model = ToyModel(layers=1)
+        model.config = ConfigSnapshot({"name_or_path": path, "num_hidden_layers": 1})
+        snapped.append(artifact_key(model))
+    assert snapped[0] == snapped[1] != base
 
 
 def test_inductor_kernels_run_serially_up_to_two_threads_and_the_key_says_so():
