@@ -4,11 +4,14 @@ tool_result sent back, count_tokens, and errors in Anthropic's shape."""
 
 from __future__ import annotations
 
-import anthropic
 import httpx
 import openai
 import pytest
 from conftest import API_KEY, MODEL_NAME
+
+from tests.lazy_module import LazyModule
+
+anthropic = LazyModule("anthropic")
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},

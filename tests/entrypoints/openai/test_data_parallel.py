@@ -6,6 +6,7 @@ tiny Llama, one thread each.  Outputs are compared with one engine in this proce
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import time
@@ -19,8 +20,10 @@ from pagedserve.benchmarks.bench_router import run_workload, shared_prefix_workl
 from pagedserve.benchmarks.harness import metric_samples
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
+from tests.lazy_module import LazyModule
 
-ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+ray = LazyModule("ray")
 
 ENGINE_KW = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "seed": 0}
 SERVER_FLAGS = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--dtype", "float32", "--max-model-len",

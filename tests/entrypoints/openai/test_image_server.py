@@ -9,15 +9,17 @@ import base64
 import io
 import threading
 
-import anthropic
 import httpx
 import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import API_KEY, ServerProcess
+from tests.lazy_module import LazyModule
 from tests.models import gemma3_mm_helpers, qwen2_vl_helpers
 from tests.models.idefics3_helpers import image, make_idefics3
 from tests.multimodal.test_image import png_header_only
+
+anthropic = LazyModule("anthropic")
 
 NAME = "tiny-vlm"
 QUESTION = "Describe the picture in the quick brown fox's words, please:"
