@@ -301,34 +301,19 @@ inline void pv_block(const float* p, const scalar_t* v, int64_t v_stride, int64_
 }
 
 
-// The weighted sum of V for NS (row, head) sets of a tile over one block's n slots:
-// acc[i] += sum over slots t of p[i][t] * v[t].  Each slot's V vectors are loaded and
-// widened once for all the sets (pv_block widens them once per row); each lane's sum is
-// pv_block's, the same multiply-adds in slot order, so every set's result is bit for bit
-// what pv_block gives it.  Four of a head's vectors at a time: NS * 4 accumulators and 4
-// vectors of V fit the 32 registers for NS <= 6.
-template <typename scalar_t, int64_t D, int NS>
-inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, int64_t n, float* const* acc) {
-  constexpr int64_t NV = D / 16;
-  constexpr int64_t CW = NV < 4 ? NV : 4;
-  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
-    __m512 a[NS][CW];
-    for (int i = 0; i < NS; ++i)
-      for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm512_loadu_ps(acc[i] + 16 * (c0 + j));
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 vv[CW];
-      for (int64_t j = 0; j < CW; ++j) vv[j] = load16(v + t * v_stride + 16 * (c0 + j));
-      const float sv = row_scale<scalar_t, D>(v + t * v_stride);
-      for (int i = 0; i < NS; ++i) {
-        const __m512 pg = _mm512_set1_ps(p[i][t] * sv);
-        for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm512_fmadd_ps(pg, vv[j], a[i][j]);
-      }
-    }
-    for (int i = 0; i < NS; ++i)
-      for (int64_t j = 0; j < CW; ++j) _mm512_storeu_ps(acc[i] + 16 * (c0 + j), a[i][j]);
-  }
-}
-
+// pv_sets' vector operations here (pv_sets is below the ISA blocks): 16 lanes, four of a
+// head's vectors at a time, so that NS * 4 accumulators and 4 vectors of V fit the 32
+// registers for NS <= 6.
+struct PvLanes {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16, kChunk = 4;
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V widen(const T* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
 #define PAGEDSERVE_PV_SETS 1
 
 // exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by a
@@ -548,30 +533,18 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
   }
 }
 
-// pv_sets as on AVX-512 (see there), 8 lanes a vector: 2 of a head's vectors at a time, so
-// that NS * 2 accumulators, 2 vectors of V and the broadcast fit AVX2's 16 registers
-// (NS <= 6).  Each lane's sum is pv_block's, in its order.
-template <typename scalar_t, int64_t D, int NS>
-inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, int64_t n, float* const* acc) {
-  constexpr int64_t NV = D / 8;
-  constexpr int64_t CW = 2;
-  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
-    __m256 a[NS][CW];
-    for (int i = 0; i < NS; ++i)
-      for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm256_loadu_ps(acc[i] + 8 * (c0 + j));
-    for (int64_t t = 0; t < n; ++t) {
-      __m256 vv[CW];
-      for (int64_t j = 0; j < CW; ++j) vv[j] = load8(v + t * v_stride + 8 * (c0 + j));
-      const float sv = row_scale<scalar_t, D>(v + t * v_stride);
-      for (int i = 0; i < NS; ++i) {
-        const __m256 pg = _mm256_set1_ps(p[i][t] * sv);
-        for (int64_t j = 0; j < CW; ++j) a[i][j] = _mm256_fmadd_ps(pg, vv[j], a[i][j]);
-      }
-    }
-    for (int i = 0; i < NS; ++i)
-      for (int64_t j = 0; j < CW; ++j) _mm256_storeu_ps(acc[i] + 8 * (c0 + j), a[i][j]);
-  }
-}
+// pv_sets' vector operations here: 8 lanes, two of a head's vectors at a time, so that
+// NS * 2 accumulators, 2 vectors of V and the broadcast fit AVX2's 16 registers (NS <= 6).
+struct PvLanes {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8, kChunk = 2;
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V widen(const T* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
 #define PAGEDSERVE_PV_SETS 1
 #else
 constexpr int64_t kSlots = 0;  // no blocked path: row by row
@@ -615,6 +588,34 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
 
 #if defined(PAGEDSERVE_PV_SETS)
 constexpr bool kPvSets = true;
+
+// The weighted sum of V for NS (row, head) sets of a tile over one block's n slots:
+// acc[i] += sum over slots t of p[i][t] * v[t].  Each slot's V vectors are loaded and
+// widened once for all the sets (pv_block widens them once per row); each lane's sum is
+// pv_block's, the same multiply-adds in slot order, so every set's result is bit for bit
+// what pv_block gives it.  PvLanes::kChunk of a head's vectors at a time (see there).
+template <typename scalar_t, int64_t D, int NS>
+inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, int64_t n, float* const* acc) {
+  using L = PvLanes;
+  constexpr int64_t NV = D / L::kWidth;
+  constexpr int64_t CW = NV < L::kChunk ? NV : L::kChunk;
+  for (int64_t c0 = 0; c0 < NV; c0 += CW) {
+    L::V a[NS][CW];
+    for (int i = 0; i < NS; ++i)
+      for (int64_t j = 0; j < CW; ++j) a[i][j] = L::loadu(acc[i] + L::kWidth * (c0 + j));
+    for (int64_t t = 0; t < n; ++t) {
+      L::V vv[CW];
+      for (int64_t j = 0; j < CW; ++j) vv[j] = L::widen(v + t * v_stride + L::kWidth * (c0 + j));
+      const float sv = row_scale<scalar_t, D>(v + t * v_stride);
+      for (int i = 0; i < NS; ++i) {
+        const L::V pg = L::set1(p[i][t] * sv);
+        for (int64_t j = 0; j < CW; ++j) a[i][j] = L::fmadd(pg, vv[j], a[i][j]);
+      }
+    }
+    for (int i = 0; i < NS; ++i)
+      for (int64_t j = 0; j < CW; ++j) L::storeu(acc[i] + L::kWidth * (c0 + j), a[i][j]);
+  }
+}
 #else
 constexpr bool kPvSets = false;  // (the plain loops: no blocked path, so no tiles)
 template <typename scalar_t, int64_t D, int NS>
