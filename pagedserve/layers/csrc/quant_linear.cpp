@@ -600,7 +600,17 @@ void wide_tile_avx2(const uint8_t* codes, const uint16_t* d, const uint16_t* aux
   const int64_t groups = (mr + kPanelRows - 1) / kPanelRows;
   for (int64_t b0 = 0; b0 < x.Kb; b0 += kWideBlocks) {
     const int64_t b1 = std::min(x.Kb, b0 + kWideBlocks);
-    for (int64_t b = b0; b < b1; ++b) unpack_block_avx2(codes, kind, b, wu + 32 * (b - b0));
+    // the codes of the next run of blocks (the next tile's after the last run; a prefetch
+    // past the end is harmless) come in while this run's panels pass: they are read once,
+    // from memory, and the hardware prefetcher alone left the loads here stalled.
+    // SmolLM2-135M's linears, AVX2 emulation on a Zen 5, 2 threads, taking turns:
+    // 140.1 -> 153.9 GMAC/s at 32 rows, 153.6 -> 161.9 at 64, 161.8 -> 165.3 at 512
+    const int64_t bb = block_bytes(kind);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t l = 0; l < bb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kWideBlocks) * bb + l), _MM_HINT_T0);
+      unpack_block_avx2(codes, kind, b, wu + 32 * (b - b0));
+    }
     for (int64_t g = 0; g < groups; ++g)
       wide_panel_avx2(wu, d, aux, kind, x, m0 / kPanelRows + g, b0, b1, out + g * kPanelRows * 16);
   }
