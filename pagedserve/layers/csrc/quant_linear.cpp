@@ -531,8 +531,9 @@ inline void unpack_block_avx2(const uint8_t* codes, int64_t kind, int64_t b, __m
 // register copy per multiply-add (the eight accumulators moved back into place every
 // pass: 8 vmovdqa per 8 vpmaddwd) and each weight vector loaded again by each of its
 // four multiplies; here each is loaded once, and every sum is added in place.  Integer
-// sums of the same products: bit for bit the intrinsics' result.  SmolLM2-135M's linears, AVX2 emulation on a Zen 5, 2 threads, taking turns
-// in one process: 120.0 -> 142.5 GMAC/s at 32 rows, 132.5 -> 160.6 at 512.
+// sums of the same products: bit for bit the intrinsics' result.  SmolLM2-135M's
+// linears, AVX2 emulation on a Zen 5, 2 threads, taking turns in one process:
+// 117.5 -> 139.5 GMAC/s at 32 rows, 131.5 -> 160.2 at 512.
 static_assert(kPanelRows == 4, "wide_block_sums is written for panels of 4 rows");
 #define PAGEDSERVE_PANEL_ROW(mm, off)                \
   "vpbroadcastd " #off "(%[x]), %[xv]\n"             \
