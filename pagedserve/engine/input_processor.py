@@ -332,8 +332,8 @@ class InputProcessor:
 
     def prediction_token_ids(self, prediction: str | list[int] | None) -> list[int] | None:
         """A predicted output's token ids (tokenized once, here): text no longer than a
-        prompt may be, ids inside the vocabulary and no more than max_model_len of them
-        (more could never be drafted).  Drafts need each step's tokens before the next
+        prompt may be, ids inside the vocabulary, and no more than max_model_len tokens
+        either way (more could never be drafted).  Drafts need each step's tokens before the next
         step is scheduled, so overlap scheduling cannot use one: refused there by name."""
         if prediction is None:
             return None
@@ -341,8 +341,8 @@ class InputProcessor:
             raise InvalidRequestError("prediction is not supported with overlap scheduling (async_scheduling): its "
                                       "drafts follow each step's tokens, which a launched step does not know yet",
                                       param="prediction")
+        limit = self.config.scheduler_config.max_model_len
         if isinstance(prediction, list):
-            limit = self.config.scheduler_config.max_model_len
             if len(prediction) > limit:
                 raise InvalidRequestError(f"prediction has {len(prediction)} token ids, more than max_model_len "
                                           f"({limit})", param="prediction")
@@ -358,7 +358,11 @@ class InputProcessor:
             raise InvalidRequestError(f"prediction is {len(prediction)} characters, more than the "
                                       f"{self.max_prompt_chars} that max_model_len tokens of this model can spell",
                                       param="prediction")
-        return list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        ids = list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        if len(ids) > limit:  # (the character bound assumes a few characters a token; emoji are 2 tokens each)
+            raise InvalidRequestError(f"prediction is {len(ids)} tokens, more than max_model_len ({limit})",
+                                      param="prediction")
+        return ids
 
     def check_lora(self, lora_request: Any) -> None:
         """A LoRA request may run here: LoRA is enabled and it is a LoRARequest."""

@@ -66,6 +66,9 @@ def test_prediction_gives_the_same_output_with_its_counts_in_usage(client) -> No
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
      "tool_choice": "required"},
     {"prediction": {"type": "content", "content": "x" * 300_000}},
+    # Within the character bound (max_model_len 256 times the longest token), but more
+    # tokens than max_model_len: a character a token.
+    {"prediction": {"type": "content", "content": "~^" * 300}},
     {"prediction": {"type": "text", "content": "x"}},
     {"prediction": {"type": "content", "content": [{"type": "image_url"}]}},
 ])
