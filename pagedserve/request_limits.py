@@ -80,3 +80,14 @@ MAX_TEMPLATE_REPEAT = 1 << 24
 MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGE_PIXELS = 4096 * 4096
 IMAGE_FETCH_SECONDS = 10.0
+# A JPEG's scans (SOS segments): a progressive file has about ten, and each scan is a pass
+# over every pixel, so a 1 MB file of 100,000 empty scans took 84 s to decode (a
+# decompression bomb in time that the pixel bound does not see).
+MAX_JPEG_SCANS = 100
+# Decoded pixels all requests may hold at once, from decoding through the processor:
+# one prompt's worth of the largest images.  Each pixel costs ~10-50 bytes until the
+# processor is done (the decoded file, its RGB copy, the processor's arrays), so 16
+# prompts of 8 such images decoding at once held 11.5 GB; past this bound a prompt waits
+# (at most IMAGE_QUEUE_SECONDS, then a 503).
+MAX_DECODING_PIXELS = 8 * MAX_IMAGE_PIXELS
+IMAGE_QUEUE_SECONDS = 30.0

@@ -48,12 +48,13 @@ from pagedserve.engine.chat_utils import encode_text, prompt_char_limit, render_
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
-from pagedserve.multimodal.image import MediaPolicy, load_image
+from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
+from pagedserve.worker.cpu_malloc import release_freed_memory
 
 # The keys a prompt dict may carry (vLLM's names; "multi_modal" is a prompt whose images
 # this processor has already expanded, as encode_chat returns it).
@@ -206,7 +207,7 @@ class InputProcessor:
                 raise ImageInputError("multi_modal_data needs the prompt as text (with the model's image "
                                           "placeholder where each image goes), not only prompt_token_ids",
                                           param="multi_modal_data")
-            multi_modal = self.expand_images(text, self.load_images(prompt["multi_modal_data"]), self.encode)
+            multi_modal = self.expand_images(text, self.image_sources(prompt["multi_modal_data"]), self.encode)
         if multi_modal is not None:
             if not isinstance(multi_modal, MultiModalPrompt):
                 raise InvalidRequestError("'multi_modal' is the engine's own expanded prompt (encode_chat's); "
@@ -219,36 +220,51 @@ class InputProcessor:
         return ProcessedPrompt(text, self.encode(text) if ids is None else self.check_token_ids(ids), salt)
 
     # ------------------------------------------------------------------ images
-    def load_images(self, data: Any) -> list[Any]:
-        """multi_modal_data's images, each checked (multimodal/image.py), at most
-        limit_mm_per_prompt of them; refused by name for a model that takes none."""
+    def image_sources(self, data: Any) -> list[Any]:
+        """multi_modal_data's images (an image or a list of them)."""
         if not isinstance(data, dict) or set(data) - {"image"}:
             keys = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ImageInputError(f"multi_modal_data takes {{'image': an image or a list of images}}, got {keys}",
                                       param="multi_modal_data")
         images = data.get("image")
-        return self.check_images(images if isinstance(images, (list, tuple)) else [images])
+        return list(images) if isinstance(images, (list, tuple)) else [images]
 
-    def check_images(self, sources: list[Any]) -> list[Any]:
-        """Images for one prompt (PIL images, bytes, URLs) loaded within the bounds."""
+    def check_image_count(self, sources: list[Any]) -> None:
+        """A prompt's images: refused by name for a model that takes none, or past
+        limit_mm_per_prompt."""
         if self.image_prompts is None:
             raise ImageInputError(f"this model ({self.model_config.model}) takes no images: it is a text "
                                       "model; image input needs a vision-language model", param="messages")
         if len(sources) > self.max_images:
             raise ImageInputError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
                                       "limit_mm_per_prompt allows (--limit-mm-per-prompt)", param="messages")
-        return [load_image(source, self.media_policy) for source in sources]
 
-    def expand_images(self, text: str, images: list[Any], encode: Any) -> MultiModalPrompt:
-        """The family's expansion of the prompt's placeholders (tokenized by `encode`),
-        then the checks that need its result: the image spans must run (an unsplittable
-        span within one step's tokens, each image's rows within the encoder cache)."""
+    def expand_images(self, text: str, sources: list[Any], encode: Any) -> MultiModalPrompt:
+        """The prompt's images (PIL images, bytes, URLs), at most limit_mm_per_prompt of
+        them, each opened and checked (multimodal/image.py), then decoded once the
+        process's pixel budget has room for them all, and the family's expansion of the
+        prompt's placeholders (tokenized by `encode`); then the checks that need its
+        result: the image spans must run (an unsplittable span within one step's tokens,
+        each image's rows within the encoder cache)."""
+        self.check_image_count(sources)
+        assert self.image_prompts is not None
+        opened = [open_image(source, self.media_policy) for source in sources]
         try:
-            prompt = self.image_prompts.process(text, images, encode)
+            with DECODING.hold(sum(image.width * image.height for image in opened)):
+                images = [decode(image) for image in opened]
+                del opened
+                prompt = self.image_prompts.process(text, images, encode)
+                del images
         except InvalidRequestError:
             raise
         except ValueError as e:
             raise ImageInputError(str(e), param="messages") from None
+        finally:
+            # The decoded images' memory back to the kernel: this thread's malloc arena
+            # keeps what is freed up to the raised trim threshold (worker/cpu_malloc.py),
+            # and each prepare thread of a server has its own (3.5 GB held at rest after
+            # 16 prompts of 8 large images).
+            release_freed_memory()
         sched = self.config.scheduler_config
         room = sched.encoder_cache_rows
         for image in prompt.images:
@@ -442,12 +458,13 @@ class InputProcessor:
         The template already holds any BOS text, so the tokenizer must not add special
         tokens a second time."""
         messages, sources = take_images(messages) if isinstance(messages, list) else (messages, [])
-        images = self.check_images(sources) if sources else []
+        if sources:  # (before rendering: a text model's template may fail on the image parts)
+            self.check_image_count(sources)
         text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
                            max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
-        if not images:
+        if not sources:
             return {"prompt": text, "prompt_token_ids": self.encode_chat_text(text)}
-        prompt = self.expand_images(text, images, self.encode_chat_text)
+        prompt = self.expand_images(text, sources, self.encode_chat_text)
         return {"prompt": text, "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}
 
     def encode_chat_text(self, text: str) -> list[int]:

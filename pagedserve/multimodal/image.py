@@ -2,13 +2,18 @@
 
 Every source is hostile until bounded (limits in request_limits.py): a `data:` URL or a
 fetched body may hold at most MAX_IMAGE_BYTES; the header's size must be at most
-MAX_IMAGE_PIXELS before any pixel is decoded, so a decompression bomb costs nothing;
-only PNG, JPEG, WebP and GIF (first frame) are opened, whatever the bytes claim; a
-corrupt file fails here, naming the problem, never in the model.  `http(s)` URLs are
-fetched only from the domains the server names (--allowed-media-domains), never from
-loopback, private or link-local addresses, within MAX_IMAGE_BYTES and
-IMAGE_FETCH_SECONDS; every other scheme (`file:` included) is refused: no request field
-ever names a server file.
+MAX_IMAGE_PIXELS before any pixel is decoded, so a decompression bomb costs nothing,
+and a JPEG at most MAX_JPEG_SCANS scans (each one a pass over every pixel); only PNG,
+JPEG, WebP and GIF (first frame) are opened, whatever the bytes claim; a corrupt file
+fails here, naming the problem, never in the model.  `http(s)` URLs are fetched only
+from the domains the server names (--allowed-media-domains), never from loopback,
+private or link-local addresses, within MAX_IMAGE_BYTES and IMAGE_FETCH_SECONDS; every
+other scheme (`file:` included) is refused: no request field ever names a server file.
+
+Opening (`open_image`: the bytes and the header) and decoding (`decode`) are two steps,
+so that a prompt's images can wait, headers read, for room in the process's
+`DECODING` budget of pixels before any of them is decoded (the engine's
+InputProcessor holds it until the processor is done with them).
 """
 
 from __future__ import annotations
@@ -18,14 +23,23 @@ import binascii
 import io
 import ipaddress
 import socket
+import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.errors import ImageInputError
-from pagedserve.request_limits import IMAGE_FETCH_SECONDS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from pagedserve.errors import ImageInputError, OverloadedError
+from pagedserve.request_limits import (
+    IMAGE_FETCH_SECONDS,
+    IMAGE_QUEUE_SECONDS,
+    MAX_DECODING_PIXELS,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_JPEG_SCANS,
+)
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
@@ -44,17 +58,54 @@ def _error(message: str, param: str) -> ImageInputError:
     return ImageInputError(message, param=param)
 
 
+class PixelBudget:
+    """Pixels decoded and not yet let go of, across all requests of the process: a
+    prompt holds its images' header-declared pixels from before decoding until its
+    processor is done, and waits while others hold too many (MAX_DECODING_PIXELS)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, pixels: int, timeout: float = IMAGE_QUEUE_SECONDS) -> Iterator[None]:
+        """Hold `pixels` (at most the whole budget: a prompt bigger than it runs alone)
+        for the block; OverloadedError after `timeout` seconds of waiting for them."""
+        pixels = min(pixels, self.limit)
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.held + pixels <= self.limit, timeout):
+                raise OverloadedError("other requests' images are being decoded (a bound on the pixels held at "
+                                      "once); retry shortly")
+            self.held += pixels
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.held -= pixels
+                self._changed.notify_all()
+
+
+DECODING = PixelBudget(MAX_DECODING_PIXELS)
+
+
 def load_image(source: Any, policy: MediaPolicy, param: str = "image") -> Any:
     """A checked RGB PIL image from a PIL image, encoded bytes, or a `data:`/`http(s)` URL."""
+    return decode(open_image(source, policy, param), param)
+
+
+def open_image(source: Any, policy: MediaPolicy, param: str = "image") -> Any:
+    """`source`'s image with its header read and checked, its pixels not decoded yet:
+    its size is `width * height`."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
         check_pixels(source.width, source.height, policy, param)
-        return source.convert("RGB") if source.mode != "RGB" else source
+        return source
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return decode_image(bytes(source), policy, param)
+        return _open_encoded(bytes(source), policy, param)
     if isinstance(source, str):
-        return decode_image(read_url(source, policy, param), policy, param)
+        return _open_encoded(read_url(source, policy, param), policy, param)
     raise _error(f"an image must be a PIL image, encoded bytes or a URL, got {type(source).__name__}", param)
 
 
@@ -68,6 +119,10 @@ def check_pixels(width: int, height: int, policy: MediaPolicy, param: str) -> No
 
 def decode_image(data: bytes, policy: MediaPolicy, param: str = "image") -> Any:
     """Encoded bytes -> RGB PIL image: size checked from the header, then decoded."""
+    return decode(_open_encoded(data, policy, param), param)
+
+
+def _open_encoded(data: bytes, policy: MediaPolicy, param: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > policy.max_bytes:
@@ -81,10 +136,23 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str = "image") -> Any:
     except Exception as e:  # a header PIL cannot parse
         raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
     check_pixels(image.width, image.height, policy, param)  # before any pixel is decoded
+    if image.format == "JPEG":
+        # A scan starts at an SOS marker (FF DA), which entropy-coded data never holds (an
+        # FF there is followed by 00 or a restart marker); counted in metadata too, if a
+        # thumbnail's: an overcount only, and the bound is far past real files.
+        scans = data.count(b"\xff\xda")
+        if scans > MAX_JPEG_SCANS:
+            raise _error(f"the JPEG has {scans} scans, more than the limit of {MAX_JPEG_SCANS} (each one a pass "
+                         "over every pixel; a progressive JPEG has about ten)", param)
+    return image
+
+
+def decode(image: Any, param: str = "image") -> Any:
+    """An opened image's first frame decoded, as RGB (no copy where it is RGB already)."""
     try:
         image.seek(0)  # an animated GIF or WebP: its first frame
         image.load()
-        return image.convert("RGB")
+        return image.convert("RGB") if image.mode != "RGB" else image
     except Exception as e:  # truncated or corrupt pixel data
         raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
 

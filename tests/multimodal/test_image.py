@@ -89,3 +89,57 @@ def test_fetching_is_limited_to_allowed_public_domains() -> None:
     for url in ("http://localhost:8000/x.png", "http://127.0.0.1/x.png"):
         with pytest.raises(ImageInputError, match="non-public address"):
             read_url(url, local)
+
+
+def scan_bomb(extra_scans: int) -> bytes:
+    """A small progressive JPEG with its first scan's header repeated `extra_scans` times
+    before the end: each repeat is one more pass over every pixel for the decoder."""
+    buf = io.BytesIO()
+    PIL.new("L", (64, 64), 90).save(buf, format="JPEG", progressive=True)
+    data = buf.getvalue()
+    sos = data.index(b"\xff\xda")
+    header = data[sos: sos + 2 + int.from_bytes(data[sos + 2: sos + 4], "big")]
+    return data[:-2] + header * extra_scans + data[-2:]
+
+
+def test_a_jpeg_of_many_scans_is_refused_before_decoding() -> None:
+    """A 1 MB file of 100,000 empty scans took 84 s to decode at 4096x4096: the pixel
+    bound does not see it, the scan bound does (and a real progressive JPEG passes)."""
+    from pagedserve.request_limits import MAX_JPEG_SCANS
+
+    buf = io.BytesIO()
+    PIL.new("RGB", (64, 64), (1, 2, 3)).save(buf, format="JPEG", progressive=True)
+    assert decode_image(buf.getvalue(), MediaPolicy()).size == (64, 64)
+    with pytest.raises(ImageInputError, match=f"scans, more than the limit of {MAX_JPEG_SCANS}"):
+        decode_image(scan_bomb(MAX_JPEG_SCANS + 10), MediaPolicy())
+
+
+def test_the_pixel_budget_makes_prompts_wait_and_gives_up_with_a_503() -> None:
+    """Pixels held from decoding to the processor's end are bounded across requests: a
+    prompt waits for room, gets OverloadedError if none comes in time, and one bigger
+    than the whole budget still runs (alone)."""
+    import threading
+    import time
+
+    from pagedserve.errors import OverloadedError
+    from pagedserve.multimodal.image import PixelBudget
+
+    budget = PixelBudget(100)
+    events: list[tuple[str, int]] = []
+
+    def second() -> None:
+        with budget.hold(30):
+            events.append(("second", budget.held))
+
+    with budget.hold(80):
+        with pytest.raises(OverloadedError, match="retry shortly"), budget.hold(30, timeout=0.05):
+            pass
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.1)
+        events.append(("first", budget.held))
+    waiter.join(5)
+    assert events == [("first", 80), ("second", 30)] and budget.held == 0
+    with budget.hold(10**9, timeout=0.05):  # more than the whole budget: runs alone
+        assert budget.held == 100
+    assert budget.held == 0

@@ -112,3 +112,34 @@ def test_intake_refusals_name_the_problem(limited) -> None:
             ip.process_prompt(bad)
     # the engine goes on serving
     assert run(llm, [prompt(image(16, 16, 1))])[0].outputs[0].token_ids
+
+
+def test_a_prompts_images_are_decoded_and_processed_within_the_pixel_budget(limited, monkeypatch) -> None:
+    """Intake holds the prompt's header-declared pixels in the process's budget from
+    before decoding until the processor is done (multimodal/image.py's DECODING): so
+    many prompts of large images cannot all hold their pixels at once."""
+    import base64
+    import io
+
+    from pagedserve.engine import input_processor
+    from pagedserve.multimodal.image import PixelBudget
+
+    seen: list[tuple[str, int]] = []
+
+    class Recording(PixelBudget):
+        def hold(self, pixels: int, timeout: float = 1.0):
+            seen.append(("hold", pixels))
+            return super().hold(pixels, timeout)
+
+    budget = Recording(10**6)
+    monkeypatch.setattr(input_processor, "DECODING", budget)
+    process = limited.llm_engine.input_processor.image_prompts.process
+    monkeypatch.setattr(limited.llm_engine.input_processor.image_prompts, "process",
+                        lambda *a: seen.append(("process", budget.held)) or process(*a))
+    buf = io.BytesIO()
+    image(40, 30, 3).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    out = limited.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                    {"type": "text", "text": "What is it?"}]}], GREEDY,
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids and seen == [("hold", 1200), ("process", 1200)] and budget.held == 0
