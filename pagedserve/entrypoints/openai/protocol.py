@@ -27,9 +27,18 @@ from pydantic import (
     model_validator,
 )
 
-from pagedserve.entrypoints.openai.protocol_fields import check_chat_only_fields, prediction_text
+from pagedserve.entrypoints.openai.protocol_fields import (
+    check_chat_only_fields,
+    check_hint_fields,
+    prediction_text,
+    refuse_unsupported_fields,
+)
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+# OpenAI's values of reasoning effort and verbosity (chat's fields, Responses' reasoning.effort and text.verbosity).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+Verbosity = Literal["low", "medium", "high"]
 
 
 def random_id(prefix: str) -> str:
@@ -68,7 +77,23 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(RequestBody):
+class OpenAIRequestBody(RequestBody):
+    """A generation request of OpenAI's API (completions, chat, Responses): OpenAI's
+    caching, safety and tier hints, accepted without effect (checked in
+    check_openai_fields, with the fields refused by name)."""
+
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+
+    def check_openai_fields(self) -> None:
+        refuse_unsupported_fields(self.model_extra)
+        check_hint_fields(self.prompt_cache_key, self.safety_identifier, self.prompt_cache_options)
+
+
+class _SamplingFields(OpenAIRequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -142,6 +167,7 @@ class _SamplingFields(RequestBody):
     def check_unsupported(self, structured_outputs_backend: str) -> None:
         """Refuse fields that would silently change the output if ignored
         (`structured_outputs_backend`: the server's grammar library)."""
+        self.check_openai_fields()
         for name in self.REFUSED_FIELDS:
             if getattr(self, name) not in (None, []):  # an empty list is a no-op
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
@@ -305,9 +331,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     # OpenAI fields accepted without effect (docs/serving.md says why for each; clients
     # send some by default), checked against OpenAI's values and bounds:
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Verbosity | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None  # false, or unset: nothing is stored; true is refused
     # Refused unless they ask for nothing this server cannot do: text output only, no web search.
@@ -567,20 +592,6 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
-
-
-class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    """vLLM's POST /v1/load_lora_adapter body."""
-
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoRAAdapterRequest(OpenAIBaseModel):
-    """vLLM's POST /v1/unload_lora_adapter body (the adapter is found by name)."""
-
-    lora_name: str
-    lora_int_id: int | None = None
 
 
 class ModelList(OpenAIBaseModel):

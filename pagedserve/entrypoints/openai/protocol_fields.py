@@ -1,6 +1,8 @@
-"""OpenAI request fields whose rules are OpenAI's own, for protocol.py's request models:
-the Predicted Outputs object, and the chat fields this server accepts only where they
-ask for nothing it cannot do (docs/serving.md, "Accepted without effect")."""
+"""OpenAI request fields whose rules are OpenAI's own, for protocol.py's request models
+and the Responses API's: the Predicted Outputs object, the fields this server accepts
+only where they ask for nothing it cannot do, the hints it accepts without effect
+(docs/serving.md, "Accepted without effect"), and the OpenAI fields it has nothing
+behind, refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +14,45 @@ from pagedserve.errors import InvalidRequestError
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+# OpenAI's bound on safety_identifier; the same for prompt_cache_key, which has none stated.
+MAX_HINT_CHARS = 128
+
+# OpenAI fields (chat completions, Responses) that ask for something this server has
+# nothing behind.  They are not modelled, so they arrive among a body's extra fields;
+# any of them set (not null) is refused by name rather than ignored.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "audio": "this server outputs text only (no audio)",
+    "image": "this server outputs text only (no images)",
+    "moderation": "this server runs no moderation model",
+    "conversation": "this server keeps no conversations: send the conversation in input (or previous_response_id, "
+                    "with --enable-responses-store)",
+    "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
+    "context_management": "this server does not compact a conversation's context",
+    "background_options": "background responses are not supported",
+    "access_programs": "this server has no access programs",
+}
+
+
+def refuse_unsupported_fields(extra: dict[str, Any] | None) -> None:
+    """A body's extra (unmodelled) fields: those OpenAI defines for what this server never
+    does are refused by name (the others are logged as unknown, serving_engine.py)."""
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if (extra or {}).get(name) is not None:
+            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+
+
+def check_hint_fields(prompt_cache_key: str | None, safety_identifier: str | None,
+                      prompt_cache_options: dict[str, Any] | None) -> None:
+    """OpenAI's caching and safety hints, accepted without effect, held to their shape:
+    strings of at most MAX_HINT_CHARS; prompt_cache_options' mode and ttl."""
+    for name, value in (("prompt_cache_key", prompt_cache_key), ("safety_identifier", safety_identifier)):
+        if value is not None and len(value) > MAX_HINT_CHARS:
+            raise InvalidRequestError(f"{name} is {len(value)} characters, more than {MAX_HINT_CHARS}", param=name)
+    options = prompt_cache_options or {}
+    if (set(options) - {"mode", "ttl"} or options.get("mode") not in (None, "implicit", "explicit")
+            or not isinstance(options.get("ttl", ""), str) or len(options.get("ttl", "")) > 16):
+        raise InvalidRequestError('prompt_cache_options takes {"mode": "implicit" or "explicit", "ttl": "30m"}',
+                                  param="prompt_cache_options")
 
 
 def prediction_text(prediction: dict[str, Any] | None) -> str | None:

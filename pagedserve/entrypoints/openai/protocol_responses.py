@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pagedserve.entrypoints.openai.protocol import RequestBody
+from pagedserve.entrypoints.openai.protocol import OpenAIRequestBody
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesRequest(OpenAIRequestBody):
     """POST /v1/responses (entrypoints/openai/serving_responses.py translates it)."""
 
     model: str | None = None
@@ -33,6 +33,10 @@ class ResponsesRequest(RequestBody):
     background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
-    # Accepted: reasoning.effort and truncation change nothing for the models served here.
+    # Accepted without effect (docs/serving.md says why; serving_responses.py checks their
+    # shapes): reasoning's effort and summary, truncation, text.verbosity, stream_options'
+    # include_obfuscation, and max_tool_calls (a bound on built-in tools: there are none).
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    stream_options: dict[str, Any] | None = None
+    max_tool_calls: int | None = None

@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise self.invalid(req, e) from None
         prompts = self._prompts(req.prompt, params.n)
         for p in prompts:
-            self.check_length(len(p.token_ids), req.max_tokens)
+            self.check_length(len(p.token_ids), req.max_tokens, "prompt")
         return PreparedRequest(model, prompts, params)
 
     def _prompts(self, prompt: str | list, n: int) -> list[TokenizedPrompt]:

@@ -232,15 +232,18 @@ class OpenAIServing:
                               f"sequences; at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request",
                               param=param if num_prompts > 1 else "n")
 
-    def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str = "messages") -> None:
         """OpenAI's rule: prompt + max_tokens must fit in the context (an unset max_tokens
-        means "the rest of it"; a prompt that alone leaves no room is the engine's to refuse)."""
+        means "the rest of it"; a prompt that alone leaves no room is the engine's to refuse).
+        The message is vLLM's, word for word; its `param` names max_tokens only where a
+        smaller one would fit, else the prompt's field (`prompt_param`)."""
         limit = self.max_model_len
         if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt + max_tokens > limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion.", param="max_tokens")
+                "completion). Please reduce the length of the messages or completion.",
+                param="max_tokens" if num_prompt < limit else prompt_param)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

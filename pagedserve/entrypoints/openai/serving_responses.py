@@ -21,13 +21,22 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
+
+from pydantic import ValidationError
 
 from pagedserve.engine.async_llm import RequestStream
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ReasoningEffort,
+    Verbosity,
+    random_id,
+)
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.errors import InvalidRequestError
 from pagedserve.request_limits import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_ENTRIES
 
 # Chat's names for fields whose Responses names differ.
@@ -150,18 +159,31 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format")
+    """`text` ({"format": ..., "verbosity": ...}) as chat's response_format; verbosity is
+    accepted without effect, as chat's."""
+    text = text or {}
+    if set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None, *get_args(Verbosity)):
+        raise OpenAIError('text takes "format" and "verbosity" ("low", "medium" or "high")', param="text")
+    fmt = text.get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise OpenAIError("text.format must be an object", param="text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
-    if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+    if (fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)
+            and isinstance(fmt.get("name", ""), str) and isinstance(fmt.get("strict", False), (bool, type(None)))
+            and isinstance(fmt.get("description", ""), str)):
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
-    raise OpenAIError('text.format must be {"type": "text"}, {"type": "json_object"} or '
-                      '{"type": "json_schema", "name": ..., "schema": {...}}', param="text")
+    raise OpenAIError('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                      '"name": NAME, "schema": {...}, "strict": true or false}', param="text")
+
+
+# Responses' `reasoning` object, accepted without effect (docs/serving.md): its keys (and
+# generate_summary, summary's older spelling) and OpenAI's values for each.
+_REASONING = {"effort": get_args(ReasoningEffort),
+              "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise", "detailed")}
 
 
 def _history(req: ResponsesRequest, store: ResponseStore | None) -> list[dict[str, Any]]:
@@ -185,7 +207,23 @@ def _history(req: ResponsesRequest, store: ResponseStore | None) -> list[dict[st
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    """Fields that would ask for output this server never makes: refused rather than ignored."""
+    """Fields that would ask for output this server never makes: refused rather than
+    ignored; those accepted without effect held to OpenAI's shapes."""
+    try:
+        req.check_openai_fields()
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param=e.param) from None
+    for key, value in (req.reasoning or {}).items():
+        if key not in _REASONING:
+            raise OpenAIError(f"reasoning takes {', '.join(_REASONING)}, not {key[:40]!r}", param="reasoning")
+        if value is not None and value not in _REASONING[key]:
+            raise OpenAIError(f"reasoning.{key} must be one of {', '.join(_REASONING[key])}, not {repr(value)[:40]}",
+                              param="reasoning")
+    if req.stream_options is not None and (not req.stream or set(req.stream_options) - {"include_obfuscation"}):
+        raise OpenAIError('stream_options ({"include_obfuscation": true or false}) can only be set when stream is '
+                          "true", param="stream_options")
+    if req.max_tool_calls is not None and req.max_tool_calls < 0:
+        raise OpenAIError("max_tool_calls must be at least 0", param="max_tool_calls")
     if req.background:
         raise OpenAIError("background responses are not supported", param="background")
     if req.include:
@@ -239,8 +277,17 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
             body[name] = value
     try:
         return ChatCompletionRequest.model_validate(body), conversation
-    except ValueError as e:
-        raise OpenAIError(f"cannot translate the request: {e}", param="input") from None
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        raised = first.get("ctx", {}).get("error")
+        name = raised.param if isinstance(raised, InvalidRequestError) else (first.get("loc") or ("input",))[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise OpenAIError(f"cannot translate the request: {raised or f'{where}: ' + first.get('msg', '')}",
+                          param=_FROM_CHAT.get(str(name), str(name))) from None
+
+
+# A chat field's name in the Responses request it was translated from (to_chat_request).
+_FROM_CHAT = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text", "None": "input"}
 
 
 @dataclass

@@ -194,6 +194,10 @@ def test_errors_then_success(server, client):
         f"This model's maximum context length is 256 tokens. However, you requested {n_prompt + 300} tokens "
         f"({n_prompt} in the messages, 300 in the completion). Please reduce the length of the messages or "
         "completion.")
+    assert e.value.body["param"] == "max_tokens"  # a smaller max_tokens would fit
+    with pytest.raises(openai.BadRequestError) as e:  # the prompt alone fills the context: it is named
+        complete(client, prompt=PROMPT * (300 // n_prompt + 2), max_tokens=1)
+    assert e.value.body["param"] == "prompt"
     assert complete(client, max_tokens=2).usage.completion_tokens >= 1
     # 401: wrong key.
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:

@@ -84,12 +84,16 @@ def test_openai_fields_are_accepted_or_refused_never_only_logged(server) -> None
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     base = chat(client).choices[0].message.content
     got = chat(client, reasoning_effort="low", verbosity="low", service_tier="auto", store=False,
-               metadata={"ticket": "T-1"}, modalities=["text"])
+               metadata={"ticket": "T-1"}, modalities=["text"], prompt_cache_key="k-1", prompt_cache_retention="24h",
+               safety_identifier="user-1")
     assert got.choices[0].message.content == base
     warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
     assert not any(name in line for line in warned for name in ("reasoning_effort", "verbosity", "service_tier",
-                                                                 "metadata", "modalities", "'store'"))
+                                                                 "metadata", "modalities", "'store'", "prompt_cache",
+                                                                 "safety_identifier"))
     for kwargs, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"store": True}, "store"),
+                          ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                          ({"safety_identifier": "u" * 200}, "safety_identifier"),
                           ({"web_search_options": {}}, "web_search_options"),
                           ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
                           ({"reasoning_effort": "extreme"}, "reasoning_effort")):

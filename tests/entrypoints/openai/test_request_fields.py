@@ -110,6 +110,12 @@ COMMON = {
     "bad_words": (None, None),
     "cache_salt": ({"cache_salt": "tenant"}, same_as_greedy),
     "prediction": ({"prediction": {"type": "content", "content": "hello world"}}, predicted),
+    # OpenAI's caching, safety and tier hints: accepted without effect (docs/serving.md).
+    "prompt_cache_key": ({"prompt_cache_key": "k-1"}, same_as_greedy),
+    "prompt_cache_retention": ({"prompt_cache_retention": "24h"}, same_as_greedy),
+    "prompt_cache_options": ({"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}, same_as_greedy),
+    "safety_identifier": ({"safety_identifier": "user-1"}, same_as_greedy),
+    "service_tier": ({"service_tier": "auto"}, same_as_greedy),
 }
 CHAT_ONLY = {
     "messages": ({"messages": MESSAGES}, ok),
@@ -149,7 +155,6 @@ CHAT_ONLY = {
     # what this server cannot do.
     "reasoning_effort": ({"reasoning_effort": "low"}, same_as_greedy),
     "verbosity": ({"verbosity": "high"}, same_as_greedy),
-    "service_tier": ({"service_tier": "auto"}, same_as_greedy),
     "metadata": ({"metadata": {"ticket": "T-1"}}, same_as_greedy),
     "store": ({"store": True}, refused("store")),
     "modalities": ({"modalities": ["text", "audio"]}, refused("modalities")),

@@ -86,11 +86,36 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"text": {"format": {"type": "regex"}}}, "text"), ({"text": {"format": True}}, "text"),
     ({"temperature": -1.0}, "temperature"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    # OpenAI's fields for what this server has nothing behind, and hints out of OpenAI's shapes
+    ({"conversation": "conv_1"}, "conversation"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"context_management": [{"type": "compaction"}]}, "context_management"),
+    ({"reasoning": {"effort": "bogus"}}, "reasoning"), ({"reasoning": {"depth": "low"}}, "reasoning"),
+    ({"text": {"verbosity": "loud"}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "yes"}}}, "text"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"safety_identifier": "u" * 200}, "safety_identifier"),
+    # a translation error names the Responses field, not chat's
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools"),
 ])
 def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": MODEL_NAME, "input": ASK, "max_output_tokens": 4, **fields})
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_hints_are_accepted_without_effect_and_never_only_logged(client, server) -> None:
+    """OpenAI's caching, safety and tier hints, reasoning's effort and summary, text's
+    verbosity and max_tool_calls (a bound on built-in tools, of which there are none):
+    the same answer as without them, and none logged as an unknown field."""
+    ask = {"model": MODEL_NAME, "input": ASK, "max_output_tokens": 6, "temperature": 0}
+    base = client.responses.create(**ask).output_text
+    got = client.responses.create(**ask, prompt_cache_key="k-1", prompt_cache_retention="24h", service_tier="flex",
+                                  safety_identifier="user-1", reasoning={"effort": "low", "summary": "auto"},
+                                  text={"verbosity": "low"}, max_tool_calls=2)
+    assert got.output_text == base
+    warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
+    assert not any(name in line for line in warned for name in ("prompt_cache", "safety_identifier", "max_tool_calls",
+                                                                 "service_tier"))
 
 
 def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server) -> None:

@@ -7,10 +7,24 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
-from pagedserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
 
 router = APIRouter()
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body (the adapter is found by name)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 @router.post("/v1/load_lora_adapter")
