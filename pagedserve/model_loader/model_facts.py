@@ -32,6 +32,7 @@ class ModelFacts:
     size: int  # bytes of weights on disk
     modified_at: str
     chat_template: str
+    vision: bool = False  # a vision-language checkpoint (its config has a vision_config): takes images
 
     def details(self) -> dict[str, Any]:
         return {"parent_model": "", "format": self.format, "family": self.family, "families": [self.family],
@@ -90,7 +91,7 @@ def _gguf_facts(path: str) -> tuple[str, int, str, int]:
     return arch, count, quant, int(meta.get(f"{arch}.context_length") or 0)
 
 
-def _directory_facts(path: str) -> tuple[str, int, str, int, str, int]:
+def _directory_facts(path: str) -> tuple[str, int, str, int, str, int, bool]:
     config: dict[str, Any] = {}
     if os.path.isfile(os.path.join(path, "config.json")):
         with open(os.path.join(path, "config.json")) as f:
@@ -112,7 +113,8 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int]:
             value = json.load(f).get("chat_template")
         template = value if isinstance(value, str) else ""
     family = str(config.get("model_type") or "unknown")
-    return family, count, dtype, int(config.get("max_position_embeddings") or 0), template, size
+    return family, count, dtype, int(config.get("max_position_embeddings") or 0), template, size, \
+        "vision_config" in config
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,10 +123,10 @@ def _facts(path: str, mtime_ns: int) -> ModelFacts:
     if os.path.isfile(path):
         arch, count, quant, ctx = _gguf_facts(path)
         return ModelFacts("gguf", arch, count, quant, ctx, os.path.getsize(path), modified, "")
-    family, count, dtype, ctx, template, size = _directory_facts(path)
+    family, count, dtype, ctx, template, size, vision = _directory_facts(path)
     gguf = [f for f in os.listdir(path) if f.endswith(".gguf")]
     quant = _gguf_facts(os.path.join(path, gguf[0]))[2] if gguf else dtype  # a registered model's original
-    return ModelFacts("gguf" if gguf else "safetensors", family, count, quant, ctx, size, modified, template)
+    return ModelFacts("gguf" if gguf else "safetensors", family, count, quant, ctx, size, modified, template, vision)
 
 
 def model_details(source: str) -> ModelFacts:

@@ -33,3 +33,14 @@ def test_an_unreadable_model_shows_only_its_name(tmp_path) -> None:
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     facts = model_details(str(bad))
     assert (facts.format, facts.family, facts.parameter_count) == ("unknown", "unknown", 0)
+
+
+def test_a_vision_language_checkpoint_says_so(tmp_path) -> None:
+    """(Ollama's /api/show lists "vision" among its capabilities.)"""
+    import json
+
+    for name, config in (("vlm", {"model_type": "idefics3", "vision_config": {"hidden_size": 8}}),
+                         ("text", {"model_type": "llama"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert model_details(str(tmp_path / "vlm")).vision and not model_details(str(tmp_path / "text")).vision

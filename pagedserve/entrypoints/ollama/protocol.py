@@ -85,7 +85,10 @@ class OllamaGenerating(OllamaModel):
             elif name == "num_predict":
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise OpenAIError("options.num_predict must be an integer", param="options")
-                if value >= 0:  # -1: until the end; -2: until the context is full (both: no limit here)
+                if value == 0:  # (a request for nothing: named here, not as the max_tokens it maps to)
+                    raise OpenAIError("options.num_predict must be at least 1, or negative for no limit",
+                                      param="options")
+                if value > 0:  # -1: until the end; -2: until the context is full (both: no limit here)
                     body["max_tokens"] = value
             elif name in NEUTRAL_OPTIONS:
                 if name in ("num_keep", "penalize_newline", "repeat_last_n"):

@@ -134,7 +134,7 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     info = model_details(model.spec.source)
     handlers = model.loaded
     capabilities = ["embedding"] if handlers is not None and handlers.engine.runner == "pooling" else \
-        ["completion", "tools"]
+        ["completion", "tools", *(["vision"] if info.vision else [])]
     return {"modelfile": f"# served by pagedserve\nFROM {model.spec.name}\n", "parameters": "",
             "template": info.chat_template, "details": info.details(), "model_info": info.model_info(),
             "capabilities": capabilities, "modified_at": info.modified_at}

@@ -45,7 +45,7 @@ DEFAULT_KEEP_ALIVE = 300.0  # Ollama's: 5 minutes after the last request
 # How long a request waits for its model to load, or for room to load it in.
 LOAD_WAIT_SECONDS = 600.0
 REAP_INTERVAL = 0.5  # seconds between checks for models past their keep-alive
-_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")  # Go's: one sign, before the whole
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_KEEP_ALIVE_SECONDS = 10 * 365 * 86400.0  # longer is "forever" anyway
 
@@ -71,11 +71,12 @@ def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
         try:
             seconds = float(text)
         except ValueError:
-            parts = _DURATION.findall(text)
-            if not parts or "".join(n + u for n, u in parts) != text.replace("+", ""):
+            sign, body = (-1.0, text[1:]) if text[:1] == "-" else (1.0, text.removeprefix("+"))
+            parts = _DURATION.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
                 raise ValueError(f"{what} must be a duration such as '5m', '1h' or '30s', or a number of seconds; "
                                  f"got {value[:100]!r}") from None
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+            seconds = sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
     else:
         raise ValueError(f"{what} must be a duration such as '5m' or a number of seconds, got {type(value).__name__}")
     if seconds != seconds:  # NaN

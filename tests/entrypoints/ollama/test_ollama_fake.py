@@ -99,6 +99,7 @@ def test_refusals_name_what_is_not_served() -> None:
             "images": client.generate("first", "x", images=[b"\x89PNG"]),
             "embed": client.embed("first", "x"),
             "keep_alive": client.generate("first", "x", keep_alive="soon"),
+            "num_predict": client.generate("first", "x", options={"num_predict": 0}),
         }.items():
             with pytest.raises(ollama.ResponseError) as e:
                 await coro
@@ -114,6 +115,7 @@ def test_refusals_name_what_is_not_served() -> None:
     assert errors["images"][0] == 400 and "images" in errors["images"][1]
     assert errors["embed"][0] == 400 and "pooling" in errors["embed"][1]
     assert errors["keep_alive"][0] == 400 and "keep_alive" in errors["keep_alive"][1]
+    assert errors["num_predict"][0] == 400 and "num_predict" in errors["num_predict"][1]
 
 
 def test_show_and_version() -> None:

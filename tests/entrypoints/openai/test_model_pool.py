@@ -56,8 +56,9 @@ def run(coro):
 def test_keep_alive_forms() -> None:
     assert parse_keep_alive("5m") == 300 and parse_keep_alive("1h30m") == 5400 and parse_keep_alive("10s") == 10
     assert parse_keep_alive(0) == 0 and parse_keep_alive("0") == 0 and parse_keep_alive(2.5) == 2.5
-    assert parse_keep_alive(-1) is None and parse_keep_alive("-1m") is None
-    for bad in ("soon", "5 minutes", True, None, [1], "1e999x"):
+    assert parse_keep_alive(-1) is None and parse_keep_alive("-1m") is None and parse_keep_alive("-1h5m") is None
+    assert parse_keep_alive("+1m30s") == 90
+    for bad in ("soon", "5 minutes", True, None, [1], "1e999x", "1h-5m", "1h+5m", "--5m"):  # (Go: one leading sign)
         with pytest.raises(ValueError, match="keep_alive"):
             parse_keep_alive(bad)
 
