@@ -88,6 +88,10 @@ MAX_JPEG_SCANS = 100
 # one prompt's worth of the largest images.  Each pixel costs ~10-50 bytes until the
 # processor is done (the decoded file, its RGB copy, the processor's arrays), so 16
 # prompts of 8 such images decoding at once held 11.5 GB; past this bound a prompt waits
-# (at most IMAGE_QUEUE_SECONDS, then a 503).
+# its turn (first come, first served; at most IMAGE_QUEUE_SECONDS, then a 503).  A
+# waiting prompt holds one of the server's prepare threads, so at most
+# MAX_WAITING_IMAGE_PROMPTS wait (past that: a 503 at once): the other threads stay free
+# for every other request's rendering and tokenizing.
 MAX_DECODING_PIXELS = 8 * MAX_IMAGE_PIXELS
-IMAGE_QUEUE_SECONDS = 30.0
+IMAGE_QUEUE_SECONDS = 10.0
+MAX_WAITING_IMAGE_PROMPTS = 4

@@ -38,7 +38,7 @@ from pagedserve.outputs import EngineOutput, PoolingRequestOutput
 from pagedserve.platforms import is_cuda
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.cpu_malloc import release_freed_memory
+from pagedserve.worker.cpu_malloc import release_freed_memory, take_freed_memory_note
 from pagedserve.worker.cpu_threads import release_openmp_threads
 
 logger = logging.getLogger("pagedserve.async_llm")
@@ -330,7 +330,8 @@ class InprocClient:
 
     def _idle(self, worked: bool, log_stats: LoggingStatLogger | None) -> bool:
         """Wait for a command; after a pause following work, trim the heap and check the
-        KV cache.  Returns whether work is still untrimmed."""
+        KV cache (trim it too after memory freed outside the steps).  Returns whether
+        work is still untrimmed."""
         timeout = IDLE_STATS_SECONDS
         if log_stats is not None:
             timeout = min(timeout, log_stats.interval)
@@ -339,8 +340,11 @@ class InprocClient:
         if self._watcher is not None:
             timeout = min(timeout, SNAPSHOT_INTERVAL)
         if not self._wake.wait(timeout=timeout):
-            if worked:  # a pause after work: nothing runs, nothing is lost if this fails
+            # A pause after work, or after intake freed memory (a prompt's decoded images,
+            # cpu_malloc.note_freed_memory): nothing runs, nothing is lost if this fails.
+            if take_freed_memory_note() or worked:
                 release_freed_memory()
+            if worked:
                 self.engine.check_invariants()
                 # An idle engine's OpenMP workers would slow a busy one's (another model
                 # behind the same server): worker/cpu_threads.py.

@@ -54,7 +54,7 @@ from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
-from pagedserve.worker.cpu_malloc import release_freed_memory
+from pagedserve.worker.cpu_malloc import note_freed_memory
 
 # The keys a prompt dict may carry (vLLM's names; "multi_modal" is a prompt whose images
 # this processor has already expanded, as encode_chat returns it).
@@ -207,7 +207,8 @@ class InputProcessor:
                 raise ImageInputError("multi_modal_data needs the prompt as text (with the model's image "
                                           "placeholder where each image goes), not only prompt_token_ids",
                                           param="multi_modal_data")
-            multi_modal = self.expand_images(text, self.image_sources(prompt["multi_modal_data"]), self.encode)
+            multi_modal = self.expand_images(text, self.image_sources(prompt["multi_modal_data"]), self.encode,
+                                             "multi_modal_data")
         if multi_modal is not None:
             if not isinstance(multi_modal, MultiModalPrompt):
                 raise InvalidRequestError("'multi_modal' is the engine's own expanded prompt (encode_chat's); "
@@ -239,19 +240,20 @@ class InputProcessor:
             raise ImageInputError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
                                       "limit_mm_per_prompt allows (--limit-mm-per-prompt)", param="messages")
 
-    def expand_images(self, text: str, sources: list[Any], encode: Any) -> MultiModalPrompt:
+    def expand_images(self, text: str, sources: list[Any], encode: Any, param: str = "messages") -> MultiModalPrompt:
         """The prompt's images (PIL images, bytes, URLs), at most limit_mm_per_prompt of
         them, each opened and checked (multimodal/image.py), then decoded once the
         process's pixel budget has room for them all, and the family's expansion of the
         prompt's placeholders (tokenized by `encode`); then the checks that need its
         result: the image spans must run (an unsplittable span within one step's tokens,
-        each image's rows within the encoder cache)."""
+        each image's rows within the encoder cache).  Errors name `param`, the field
+        that held the images."""
         self.check_image_count(sources)
         assert self.image_prompts is not None
-        opened = [open_image(source, self.media_policy) for source in sources]
+        opened = [open_image(source, self.media_policy, param) for source in sources]
         try:
             with DECODING.hold(sum(image.width * image.height for image in opened)):
-                images = [decode(image) for image in opened]
+                images = [decode(image, param) for image in opened]
                 del opened
                 prompt = self.image_prompts.process(text, images, encode)
                 del images
@@ -260,11 +262,12 @@ class InputProcessor:
         except ValueError as e:
             raise ImageInputError(str(e), param="messages") from None
         finally:
-            # The decoded images' memory back to the kernel: this thread's malloc arena
-            # keeps what is freed up to the raised trim threshold (worker/cpu_malloc.py),
-            # and each prepare thread of a server has its own (3.5 GB held at rest after
-            # 16 prompts of 8 large images).
-            release_freed_memory()
+            # The decoded images' memory goes back to the kernel at the engine's next idle
+            # pause: this thread's malloc arena keeps what is freed up to the raised trim
+            # threshold (worker/cpu_malloc.py), and each prepare thread has its own (3.5 GB
+            # held at rest after 16 prompts of 8 large images).  Not here: malloc_trim
+            # trims every arena, the engine thread's too, mid-load.
+            note_freed_memory()
         sched = self.config.scheduler_config
         room = sched.encoder_cache_rows
         for image in prompt.images:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedserve.model_loader.gguf_utils import open_gguf
 from pagedserve.model_loader.sources import MODEL_NAMES, cache_dir, hf_hub_snapshot
+from pagedserve.models.registry import names_vision_model
 
 MAX_HEADER_BYTES = 64 << 20  # a safetensors header larger than this is not read
 # A model whose files cannot be dated (not fetched yet, unreadable) shows the server's start.
@@ -32,7 +33,7 @@ class ModelFacts:
     size: int  # bytes of weights on disk
     modified_at: str
     chat_template: str
-    vision: bool = False  # a vision-language checkpoint (its config has a vision_config): takes images
+    vision: bool = False  # a vision-language checkpoint (the engine's rule: models/registry.names_vision_model)
 
     def details(self) -> dict[str, Any]:
         return {"parent_model": "", "format": self.format, "family": self.family, "families": [self.family],
@@ -114,7 +115,7 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int, bool]:
         template = value if isinstance(value, str) else ""
     family = str(config.get("model_type") or "unknown")
     return family, count, dtype, int(config.get("max_position_embeddings") or 0), template, size, \
-        "vision_config" in config
+        names_vision_model(path)
 
 
 @functools.lru_cache(maxsize=256)

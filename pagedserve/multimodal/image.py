@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from pagedserve.request_limits import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_JPEG_SCANS,
+    MAX_WAITING_IMAGE_PROMPTS,
 )
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -61,22 +63,38 @@ def _error(message: str, param: str) -> ImageInputError:
 class PixelBudget:
     """Pixels decoded and not yet let go of, across all requests of the process: a
     prompt holds its images' header-declared pixels from before decoding until its
-    processor is done, and waits while others hold too many (MAX_DECODING_PIXELS)."""
+    processor is done.  Prompts that find too many held wait in turn (first come, first
+    served: a large one is not starved by a stream of small ones), at most `max_waiting`
+    of them, each for at most `timeout` seconds; past either, OverloadedError (a 503)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_waiting: int = MAX_WAITING_IMAGE_PROMPTS) -> None:
         self.limit = limit
+        self.max_waiting = max_waiting
         self.held = 0
+        self._waiting: deque[object] = deque()  # tickets, in arrival order
         self._changed = threading.Condition()
 
     @contextmanager
     def hold(self, pixels: int, timeout: float = IMAGE_QUEUE_SECONDS) -> Iterator[None]:
         """Hold `pixels` (at most the whole budget: a prompt bigger than it runs alone)
-        for the block; OverloadedError after `timeout` seconds of waiting for them."""
+        for the block."""
         pixels = min(pixels, self.limit)
+        busy = OverloadedError("other requests' images are being decoded (a bound on the pixels held at once); "
+                               "retry shortly")
         with self._changed:
-            if not self._changed.wait_for(lambda: self.held + pixels <= self.limit, timeout):
-                raise OverloadedError("other requests' images are being decoded (a bound on the pixels held at "
-                                      "once); retry shortly")
+            if self._waiting or self.held + pixels > self.limit:
+                if len(self._waiting) >= self.max_waiting:
+                    raise busy
+                ticket = object()
+                self._waiting.append(ticket)
+                try:
+                    turn = self._changed.wait_for(
+                        lambda: self._waiting[0] is ticket and self.held + pixels <= self.limit, timeout)
+                finally:
+                    self._waiting.remove(ticket)
+                    self._changed.notify_all()  # (the next in line may fit now)
+                if not turn:
+                    raise busy
             self.held += pixels
         try:
             yield
@@ -123,7 +141,7 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str = "image") -> Any:
 
 
 def _open_encoded(data: bytes, policy: MediaPolicy, param: str) -> Any:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
     if len(data) > policy.max_bytes:
         raise _error(f"the image is {len(data)} bytes, more than the limit of {policy.max_bytes}", param)
@@ -136,21 +154,26 @@ def _open_encoded(data: bytes, policy: MediaPolicy, param: str) -> Any:
     except Exception as e:  # a header PIL cannot parse
         raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
     check_pixels(image.width, image.height, policy, param)  # before any pixel is decoded
-    if image.format == "JPEG":
+    if isinstance(image, JpegImagePlugin.JpegImageFile):  # (an MPO too: PIL opens a JPEG with an MPF header so)
         # A scan starts at an SOS marker (FF DA), which entropy-coded data never holds (an
         # FF there is followed by 00 or a restart marker); counted in metadata too, if a
-        # thumbnail's: an overcount only, and the bound is far past real files.
+        # thumbnail's, and in every picture of an MPO: an overcount only, and the bound is
+        # far past real files.
         scans = data.count(b"\xff\xda")
         if scans > MAX_JPEG_SCANS:
             raise _error(f"the JPEG has {scans} scans, more than the limit of {MAX_JPEG_SCANS} (each one a pass "
                          "over every pixel; a progressive JPEG has about ten)", param)
+    try:
+        image.seek(0)  # an animated GIF or WebP: its first frame
+    except Exception as e:  # a frame table PIL cannot follow
+        raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
     return image
 
 
 def decode(image: Any, param: str = "image") -> Any:
-    """An opened image's first frame decoded, as RGB (no copy where it is RGB already)."""
+    """An opened image decoded (a PIL image of the caller's: its current frame), as RGB
+    (no copy where it is RGB already)."""
     try:
-        image.seek(0)  # an animated GIF or WebP: its first frame
         image.load()
         return image.convert("RGB") if image.mode != "RGB" else image
     except Exception as e:  # truncated or corrupt pixel data

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 
 logger = logging.getLogger("pagedserve")
 
@@ -60,17 +61,36 @@ def keep_freed_memory_on_heap() -> bool:
 
 
 def release_freed_memory() -> None:
-    """Hand the heap's free memory back to the kernel (glibc's malloc_trim).  Loading a
-    quantized model frees as much as it keeps (unpacked codes, numpy scratch) in pieces
-    that glibc keeps: SmolLM2-1.7B's Q4_0 blocks (918 MB) left 1.72 GB resident before
-    this, 1.2 GB after.  Called once the weights are in, before the thresholds above
-    are raised."""
+    """Hand the heap's free memory back to the kernel (glibc's malloc_trim, every arena).
+    Loading a quantized model frees as much as it keeps (unpacked codes, numpy scratch)
+    in pieces that glibc keeps: SmolLM2-1.7B's Q4_0 blocks (918 MB) left 1.72 GB
+    resident before this, 1.2 GB after.  Called once the weights are in, before the
+    thresholds above are raised, and by an idle engine (engine/inproc_client.py): never
+    between steps, whose freed activations it would hand back only to fault in again."""
     if not sys.platform.startswith("linux"):
         return
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def note_freed_memory() -> None:
+    """Memory was freed outside the engine's steps (a prompt's decoded images, on an
+    intake thread: its malloc arena keeps up to the raised trim threshold, and each
+    thread has its own): the engine's next idle pause hands it back
+    (`take_freed_memory_note`)."""
+    _FREED_ELSEWHERE.set()
+
+
+def take_freed_memory_note() -> bool:
+    """Whether memory was noted freed since the last call (and forget it)."""
+    noted = _FREED_ELSEWHERE.is_set()
+    _FREED_ELSEWHERE.clear()
+    return noted
+
+
+_FREED_ELSEWHERE = threading.Event()
 
 
 def collect_and_release() -> None:

@@ -282,6 +282,38 @@ def test_a_pause_after_work_hands_the_engine_threads_openmp_workers_back(monkeyp
     assert released == ["pagedserve-engine"]
 
 
+def test_memory_freed_at_intake_goes_back_at_the_idle_engines_next_pause(monkeypatch):
+    """A prompt's decoded images are freed on an intake thread (cpu_malloc.note_freed_memory):
+    the idle engine trims the heap at its next wake-up, once, and nothing trims without
+    such a note or work."""
+    import threading
+
+    import pagedserve.engine.inproc_client as inproc_client
+    from pagedserve.worker import cpu_malloc
+
+    trims: list[threading.Thread] = []  # (engines other tests left running trim too: counted apart)
+    monkeypatch.setattr(inproc_client, "release_freed_memory", lambda: trims.append(threading.current_thread()))
+    monkeypatch.setattr(inproc_client, "IDLE_STATS_SECONDS", 0.05)
+    cpu_malloc.take_freed_memory_note()  # (a note left by an earlier test's images)
+    before = set(threading.enumerate())
+
+    async def main():
+        llm = AsyncLLM(FakeEngine(), log_stats=False)
+        mine = [t for t in threading.enumerate() if t not in before]
+        await asyncio.sleep(0.3)
+        assert not [t for t in trims if t in mine]  # idle, nothing freed: nothing to hand back
+        cpu_malloc.note_freed_memory()
+        deadline = time.monotonic() + 10
+        while not trims and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        llm.shutdown()
+        return mine
+
+    mine = run(main())
+    assert len(trims) == 1 and (trims[0] in mine or trims[0].name == "pagedserve-engine")
+
+
 class _Client:
     """A client whose waiting count the test sets: AsyncLLM's admission alone, which is
     the same over every client (in-process or data-parallel)."""

@@ -39,8 +39,8 @@ def test_a_vision_language_checkpoint_says_so(tmp_path) -> None:
     """(Ollama's /api/show lists "vision" among its capabilities.)"""
     import json
 
-    for name, config in (("vlm", {"model_type": "idefics3", "vision_config": {"hidden_size": 8}}),
-                         ("text", {"model_type": "llama"})):
+    for name, config in (("vlm", {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"]}),
+                         ("text", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     assert model_details(str(tmp_path / "vlm")).vision and not model_details(str(tmp_path / "text")).vision

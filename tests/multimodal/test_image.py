@@ -112,34 +112,63 @@ def test_a_jpeg_of_many_scans_is_refused_before_decoding() -> None:
     assert decode_image(buf.getvalue(), MediaPolicy()).size == (64, 64)
     with pytest.raises(ImageInputError, match=f"scans, more than the limit of {MAX_JPEG_SCANS}"):
         decode_image(scan_bomb(MAX_JPEG_SCANS + 10), MediaPolicy())
+    # A multi-picture file (as phones save): PIL opens a JPEG with an MPF header as an
+    # MPO, and the bound holds the same.
+    buf = io.BytesIO()
+    PIL.new("L", (64, 64), 90).save(buf, "MPO", save_all=True, append_images=[PIL.new("L", (8, 8), 7)],
+                                    progressive=True)
+    mpo = buf.getvalue()
+    end, sos = mpo.index(b"\xff\xd9"), mpo.index(b"\xff\xda")
+    header = mpo[sos: sos + 2 + int.from_bytes(mpo[sos + 2: sos + 4], "big")]
+    bomb = mpo[:end] + header * (MAX_JPEG_SCANS + 10) + mpo[end:]
+    assert PIL.open(io.BytesIO(bomb)).format == "MPO"
+    with pytest.raises(ImageInputError, match="scans, more than the limit"):
+        decode_image(bomb, MediaPolicy())
 
 
-def test_the_pixel_budget_makes_prompts_wait_and_gives_up_with_a_503() -> None:
+def test_a_callers_pil_image_is_used_as_it_stands() -> None:
+    """Offline, an animated image the caller positioned keeps its frame (encoded images
+    give their first)."""
+    gif = PIL.open(io.BytesIO(encoded("GIF", frames=3)))
+    gif.seek(2)
+    assert load_image(gif, MediaPolicy()).getpixel((0, 0))[0] == 80 and gif.tell() == 2
+
+
+def test_the_pixel_budget_makes_prompts_wait_in_turn_and_gives_up_with_a_503() -> None:
     """Pixels held from decoding to the processor's end are bounded across requests: a
-    prompt waits for room, gets OverloadedError if none comes in time, and one bigger
-    than the whole budget still runs (alone)."""
+    prompt waits for room in arrival order (a small one that would fit does not pass a
+    large one waiting), gets OverloadedError when none comes in time or when too many
+    already wait (each waiter holds a prepare thread), and one bigger than the whole
+    budget still runs (alone)."""
     import threading
     import time
 
     from pagedserve.errors import OverloadedError
     from pagedserve.multimodal.image import PixelBudget
 
-    budget = PixelBudget(100)
+    budget = PixelBudget(100, max_waiting=2)
     events: list[tuple[str, int]] = []
 
-    def second() -> None:
-        with budget.hold(30):
-            events.append(("second", budget.held))
+    def prompt(name: str, pixels: int) -> threading.Thread:
+        def run() -> None:
+            with budget.hold(pixels, timeout=5):
+                events.append((name, budget.held))
+                time.sleep(0.05)
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(0.1)  # (queued before the next one arrives)
+        return thread
 
-    with budget.hold(80):
-        with pytest.raises(OverloadedError, match="retry shortly"), budget.hold(30, timeout=0.05):
+    with budget.hold(60):
+        with pytest.raises(OverloadedError, match="retry shortly"), budget.hold(50, timeout=0.05):
             pass
-        waiter = threading.Thread(target=second)
-        waiter.start()
-        time.sleep(0.1)
-        events.append(("first", budget.held))
-    waiter.join(5)
-    assert events == [("first", 80), ("second", 30)] and budget.held == 0
+        waiters = [prompt("large", 50), prompt("small", 30)]  # small would fit now: it waits its turn
+        with pytest.raises(OverloadedError, match="retry shortly"), budget.hold(1, timeout=5):
+            pass  # a third waiter: refused at once
+        events.append(("first done", budget.held))
+    for thread in waiters:
+        thread.join(5)
+    assert events == [("first done", 60), ("large", 50), ("small", 80)] and budget.held == 0
     with budget.hold(10**9, timeout=0.05):  # more than the whole budget: runs alone
         assert budget.held == 100
     assert budget.held == 0

@@ -133,6 +133,8 @@ def test_a_prompts_images_are_decoded_and_processed_within_the_pixel_budget(limi
 
     budget = Recording(10**6)
     monkeypatch.setattr(input_processor, "DECODING", budget)
+    decode = input_processor.decode
+    monkeypatch.setattr(input_processor, "decode", lambda *a: seen.append(("decode", budget.held)) or decode(*a))
     process = limited.llm_engine.input_processor.image_prompts.process
     monkeypatch.setattr(limited.llm_engine.input_processor.image_prompts, "process",
                         lambda *a: seen.append(("process", budget.held)) or process(*a))
@@ -142,4 +144,5 @@ def test_a_prompts_images_are_decoded_and_processed_within_the_pixel_budget(limi
     out = limited.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                     {"type": "text", "text": "What is it?"}]}], GREEDY,
                        use_tqdm=False)
-    assert out[0].outputs[0].token_ids and seen == [("hold", 1200), ("process", 1200)] and budget.held == 0
+    assert out[0].outputs[0].token_ids and budget.held == 0
+    assert seen == [("hold", 1200), ("decode", 1200), ("process", 1200)]  # decoded and processed while held

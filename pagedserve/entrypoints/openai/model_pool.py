@@ -45,7 +45,10 @@ DEFAULT_KEEP_ALIVE = 300.0  # Ollama's: 5 minutes after the last request
 # How long a request waits for its model to load, or for room to load it in.
 LOAD_WAIT_SECONDS = 600.0
 REAP_INTERVAL = 0.5  # seconds between checks for models past their keep-alive
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")  # Go's: one sign, before the whole
+# Go's time.ParseDuration: one optional sign before the whole, then numbers (ASCII digits,
+# "5", "1.5", ".5", "5.") each with its unit; a plain number is Ollama's seconds.
+_DURATION = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_KEEP_ALIVE_SECONDS = 10 * 365 * 86400.0  # longer is "forever" anyway
 
@@ -68,9 +71,9 @@ def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
         seconds = float(value)
     elif isinstance(value, str):
         text = value.strip()
-        try:
+        if _NUMBER.fullmatch(text):
             seconds = float(text)
-        except ValueError:
+        else:
             sign, body = (-1.0, text[1:]) if text[:1] == "-" else (1.0, text.removeprefix("+"))
             parts = _DURATION.findall(body)
             if not parts or "".join(n + u for n, u in parts) != body:

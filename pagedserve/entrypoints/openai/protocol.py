@@ -37,7 +37,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI's values of reasoning effort and verbosity (chat's fields, Responses' reasoning.effort and text.verbosity).
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Verbosity = Literal["low", "medium", "high"]
 
 
@@ -86,9 +86,10 @@ class OpenAIRequestBody(RequestBody):
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
 
     def check_openai_fields(self) -> None:
+        """OpenAI's fields for what this server lacks refused by name; the hints' shapes."""
         refuse_unsupported_fields(self.model_extra)
         check_hint_fields(self.prompt_cache_key, self.safety_identifier, self.prompt_cache_options)
 

@@ -22,14 +22,12 @@ MAX_HINT_CHARS = 128
 # any of them set (not null) is refused by name rather than ignored.
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "audio": "this server outputs text only (no audio)",
-    "image": "this server outputs text only (no images)",
     "moderation": "this server runs no moderation model",
     "conversation": "this server keeps no conversations: send the conversation in input (or previous_response_id, "
                     "with --enable-responses-store)",
     "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
     "context_management": "this server does not compact a conversation's context",
     "background_options": "background responses are not supported",
-    "access_programs": "this server has no access programs",
 }
 
 
@@ -41,18 +39,40 @@ def refuse_unsupported_fields(extra: dict[str, Any] | None) -> None:
             raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
 
 
+# OpenAI's object-valued hints, accepted without effect (docs/serving.md): each key's
+# values (`str`: any string of at most MAX_HINT_CHARS; `bool`: true or false), and the
+# (key, value) pairs refused by name, as asking for what this server does not do.
+HintKeys = dict[str, tuple[Any, ...] | type]
+PROMPT_CACHE_OPTIONS: HintKeys = {"mode": ("implicit", "explicit"), "ttl": ("30m", "12h"), "prewarm": bool,
+                                  "comparison_response_id": str}
+PROMPT_CACHE_REFUSED = {("prewarm", True): "prewarming a cache without an answer is not supported"}
+
+
+def check_object_hint(name: str, value: dict[str, Any] | None, keys: HintKeys,
+                      refused: dict[tuple[str, Any], str] | None = None) -> None:
+    """`value` (an object-valued hint) holds only `keys`, each with one of its values."""
+    for key, v in (value or {}).items():
+        if key not in keys:
+            raise InvalidRequestError(f"{name} takes {', '.join(keys)}, not {key[:40]!r}", param=name)
+        if isinstance(v, (str, bool)) and (key, v) in (refused or {}):
+            raise InvalidRequestError(f"{name}.{key} {v!r} is not supported: {(refused or {})[(key, v)]}",
+                                      param=name)
+        allowed = keys[key]
+        if v is None or (isinstance(v, str) and len(v) <= MAX_HINT_CHARS if allowed is str
+                         else isinstance(v, bool) if allowed is bool else v in allowed):
+            continue
+        shown = "a string" if allowed is str else "true or false" if allowed is bool else ", ".join(map(str, allowed))
+        raise InvalidRequestError(f"{name}.{key} must be {shown}, not {repr(v)[:40]}", param=name)
+
+
 def check_hint_fields(prompt_cache_key: str | None, safety_identifier: str | None,
                       prompt_cache_options: dict[str, Any] | None) -> None:
     """OpenAI's caching and safety hints, accepted without effect, held to their shape:
-    strings of at most MAX_HINT_CHARS; prompt_cache_options' mode and ttl."""
+    strings of at most MAX_HINT_CHARS; prompt_cache_options' keys and values."""
     for name, value in (("prompt_cache_key", prompt_cache_key), ("safety_identifier", safety_identifier)):
         if value is not None and len(value) > MAX_HINT_CHARS:
             raise InvalidRequestError(f"{name} is {len(value)} characters, more than {MAX_HINT_CHARS}", param=name)
-    options = prompt_cache_options or {}
-    if (set(options) - {"mode", "ttl"} or options.get("mode") not in (None, "implicit", "explicit")
-            or not isinstance(options.get("ttl", ""), str) or len(options.get("ttl", "")) > 16):
-        raise InvalidRequestError('prompt_cache_options takes {"mode": "implicit" or "explicit", "ttl": "30m"}',
-                                  param="prompt_cache_options")
+    check_object_hint("prompt_cache_options", prompt_cache_options, PROMPT_CACHE_OPTIONS, PROMPT_CACHE_REFUSED)
 
 
 def prediction_text(prediction: dict[str, Any] | None) -> str | None:

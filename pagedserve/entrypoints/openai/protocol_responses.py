@@ -34,9 +34,12 @@ class ResponsesRequest(OpenAIRequestBody):
     include: list[str] | None = None
     top_logprobs: int | None = None
     # Accepted without effect (docs/serving.md says why; serving_responses.py checks their
-    # shapes): reasoning's effort and summary, truncation, text.verbosity, stream_options'
-    # include_obfuscation, and max_tool_calls (a bound on built-in tools: there are none).
+    # shapes): reasoning's keys, truncation, text.verbosity, stream_options'
+    # include_obfuscation, max_tool_calls (a bound on built-in tools: there are none),
+    # image.context_compression other than "enabled" and access_programs' "standard".
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     stream_options: dict[str, Any] | None = None
     max_tool_calls: int | None = None
+    image: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None

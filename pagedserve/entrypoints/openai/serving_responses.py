@@ -33,6 +33,7 @@ from pagedserve.entrypoints.openai.protocol import (
     Verbosity,
     random_id,
 )
+from pagedserve.entrypoints.openai.protocol_fields import HintKeys, check_object_hint
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
@@ -162,8 +163,11 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text` ({"format": ..., "verbosity": ...}) as chat's response_format; verbosity is
     accepted without effect, as chat's."""
     text = text or {}
-    if set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None, *get_args(Verbosity)):
-        raise OpenAIError('text takes "format" and "verbosity" ("low", "medium" or "high")', param="text")
+    try:
+        check_object_hint("text", {k: v for k, v in text.items() if k != "format"},  # (format: below)
+                          {"format": (), "verbosity": get_args(Verbosity)})
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param="text") from None
     fmt = text.get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise OpenAIError("text.format must be an object", param="text")
@@ -180,10 +184,21 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                       '"name": NAME, "schema": {...}, "strict": true or false}', param="text")
 
 
-# Responses' `reasoning` object, accepted without effect (docs/serving.md): its keys (and
-# generate_summary, summary's older spelling) and OpenAI's values for each.
-_REASONING = {"effort": get_args(ReasoningEffort),
-              "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise", "detailed")}
+# Responses' object-valued hints, accepted without effect (docs/serving.md), and the
+# values of theirs refused as asking for what this server does not do.
+_HINTS: dict[str, HintKeys] = {
+    "reasoning": {"effort": get_args(ReasoningEffort), "summary": ("auto", "concise", "detailed"),
+                  "generate_summary": ("auto", "concise", "detailed"),
+                  "context": ("auto", "current_turn", "all_turns"), "mode": str},
+    "stream_options": {"include_obfuscation": bool},
+    "image": {"context_compression": ("auto", "enabled", "disabled")},
+    "access_programs": {"cyber": ("standard", "daybreak_blue", "daybreak_red")},
+}
+_REFUSED_HINTS: dict[tuple[str, Any], str] = {
+    ("context_compression", "enabled"): "images in the context are never compressed here",
+    ("cyber", "daybreak_blue"): "this server has no access programs",
+    ("cyber", "daybreak_red"): "this server has no access programs",
+}
 
 
 def _history(req: ResponsesRequest, store: ResponseStore | None) -> list[dict[str, Any]]:
@@ -211,17 +226,12 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     ignored; those accepted without effect held to OpenAI's shapes."""
     try:
         req.check_openai_fields()
+        for name, keys in _HINTS.items():
+            check_object_hint(name, getattr(req, name), keys, _REFUSED_HINTS)
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param) from None
-    for key, value in (req.reasoning or {}).items():
-        if key not in _REASONING:
-            raise OpenAIError(f"reasoning takes {', '.join(_REASONING)}, not {key[:40]!r}", param="reasoning")
-        if value is not None and value not in _REASONING[key]:
-            raise OpenAIError(f"reasoning.{key} must be one of {', '.join(_REASONING[key])}, not {repr(value)[:40]}",
-                              param="reasoning")
-    if req.stream_options is not None and (not req.stream or set(req.stream_options) - {"include_obfuscation"}):
-        raise OpenAIError('stream_options ({"include_obfuscation": true or false}) can only be set when stream is '
-                          "true", param="stream_options")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
     if req.max_tool_calls is not None and req.max_tool_calls < 0:
         raise OpenAIError("max_tool_calls must be at least 0", param="max_tool_calls")
     if req.background:
@@ -280,14 +290,10 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
     except ValidationError as e:
         first = e.errors()[0] if e.errors() else {}
         raised = first.get("ctx", {}).get("error")
-        name = raised.param if isinstance(raised, InvalidRequestError) else (first.get("loc") or ("input",))[0]
+        name = raised.param if isinstance(raised, InvalidRequestError) else (first.get("loc") or (None,))[0]
         where = ".".join(str(x) for x in first.get("loc", ()))
         raise OpenAIError(f"cannot translate the request: {raised or f'{where}: ' + first.get('msg', '')}",
-                          param=_FROM_CHAT.get(str(name), str(name))) from None
-
-
-# A chat field's name in the Responses request it was translated from (to_chat_request).
-_FROM_CHAT = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text", "None": "input"}
+                          param=_PARAM_NAMES.get(str(name), str(name)) if name else "input") from None
 
 
 @dataclass

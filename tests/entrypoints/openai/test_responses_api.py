@@ -94,6 +94,10 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "yes"}}}, "text"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"safety_identifier": "u" * 200}, "safety_identifier"),
+    ({"image": {"context_compression": "enabled"}}, "image"), ({"access_programs": {"cyber": "daybreak_red"}},
+                                                              "access_programs"),
+    ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options"),
+    ({"stream": True, "stream_options": {"include_obfuscation": "yes"}}, "stream_options"),
     # a translation error names the Responses field, not chat's
     ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools"),
 ])
@@ -109,13 +113,15 @@ def test_hints_are_accepted_without_effect_and_never_only_logged(client, server)
     the same answer as without them, and none logged as an unknown field."""
     ask = {"model": MODEL_NAME, "input": ASK, "max_output_tokens": 6, "temperature": 0}
     base = client.responses.create(**ask).output_text
-    got = client.responses.create(**ask, prompt_cache_key="k-1", prompt_cache_retention="24h", service_tier="flex",
-                                  safety_identifier="user-1", reasoning={"effort": "low", "summary": "auto"},
-                                  text={"verbosity": "low"}, max_tool_calls=2)
+    got = client.responses.create(**ask, prompt_cache_key="k-1", prompt_cache_retention="24h", service_tier="ultrafast",
+                                  safety_identifier="user-1", max_tool_calls=2, text={"verbosity": "low"},
+                                  reasoning={"effort": "max", "summary": "auto", "context": "auto", "mode": "standard"},
+                                  prompt_cache_options={"mode": "implicit", "ttl": "12h", "prewarm": False},
+                                  image={"context_compression": "auto"}, access_programs={"cyber": "standard"})
     assert got.output_text == base
     warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
     assert not any(name in line for line in warned for name in ("prompt_cache", "safety_identifier", "max_tool_calls",
-                                                                 "service_tier"))
+                                                                 "service_tier", "image", "access_programs"))
 
 
 def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server) -> None:
