@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.errors import OverloadedError
 from pagedserve.metrics import SeriesStatLogger
 
 logger = logging.getLogger("pagedserve.dashboard")
@@ -35,6 +36,9 @@ EVENTS_PATH = "/dashboard/events"
 # Events queued for one page before it counts as stuck and is dropped (its browser
 # reconnects and starts again from a full picture): 16 s of snapshots.
 MAX_QUEUED_EVENTS = 64
+# Pages one hub streams to at once; more get a 503 (each holds a connection and a queue,
+# and every snapshot is put on each page's queue on the event loop).
+MAX_PAGES = 32
 
 
 def is_public_path(path: str) -> bool:
@@ -58,6 +62,10 @@ class DashboardHub:
         # first page opened until the last one closed (None otherwise).
         self.blocks: list[list[Any]] | None = None
         self.latest: KVSnapshot | None = None
+        # The full picture as an event, built once per snapshot however many pages open
+        # (a large pool's is ~230 KB of JSON: 300 pages opening at once, each building its
+        # own on the event loop, stalled /health for 1.9 s).
+        self._full: str | None = None
         self._series_t: float | None = None  # newest series point already sent
         # Seconds the server has spent on the dashboard's data (the engine thread taking
         # snapshots, the event loop turning them into events): sent with every event, so
@@ -65,7 +73,8 @@ class DashboardHub:
         self.cost_seconds = 0.0
 
     async def events(self) -> AsyncIterator[str]:
-        """One page's stream: a full picture, then deltas, until it disconnects."""
+        """One page's stream: a full picture, then deltas, until it disconnects (the
+        route calls check_room first)."""
         queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=MAX_QUEUED_EVENTS)
         first = not self.subscribers
         self.subscribers.add(queue)
@@ -83,12 +92,19 @@ class DashboardHub:
             self.subscribers.discard(queue)
             if not self.subscribers:
                 self.engine.watch(None)
-                self.blocks = self.latest = None
+                self.blocks = self.latest = self._full = None
+
+    def check_room(self) -> None:
+        """OverloadedError (a 503, before the stream starts) past MAX_PAGES open pages."""
+        if len(self.subscribers) >= MAX_PAGES:
+            raise OverloadedError(f"{MAX_PAGES} dashboard pages are open; close one, or retry later")
 
     def _full_event(self) -> str:
         assert self.blocks is not None and self.latest is not None
-        blocks = [[i, ref, digest] for i, (ref, digest) in enumerate(self.blocks)]
-        return _sse(self._payload("full", self.latest, blocks, self.series.points_since(None)))
+        if self._full is None:
+            blocks = [[i, ref, digest] for i, (ref, digest) in enumerate(self.blocks)]
+            self._full = _sse(self._payload("full", self.latest, blocks, self.series.points_since(None)))
+        return self._full
 
     def _payload(self, kind: str, snap: KVSnapshot, blocks: list[Any], series: list[dict[str, Any]]) -> dict:
         return {
@@ -107,6 +123,7 @@ class DashboardHub:
         series = self.series.points_since(self._series_t)
         if series:
             self._series_t = series[-1]["t"]
+        self._full = None  # (the picture moves on with every snapshot)
         if snap.full:
             self.blocks = [[ref, digest] for _, ref, digest in snap.blocks]
             self.latest = snap

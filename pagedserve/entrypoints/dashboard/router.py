@@ -47,6 +47,7 @@ def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],
 
     @router.get(EVENTS_PATH, include_in_schema=False)
     async def events(hub: DashboardHub = Depends(hub_of)) -> Response:
+        hub.check_room()
         return sse_response(hub.events())
 
     return router

@@ -119,6 +119,36 @@ def test_a_page_that_stops_reading_is_dropped_and_the_others_go_on(monkeypatch):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_pages_opening_together_share_one_full_picture_and_past_the_cap_get_a_503(monkeypatch):
+    """A full picture is built once per snapshot however many pages open (JSON of every
+    block, on the event loop: 300 pages each building their own stalled /health for
+    1.9 s), and past MAX_PAGES the route refuses before any stream starts."""
+    from pagedserve.errors import OverloadedError
+
+    monkeypatch.setattr(dashboard, "MAX_PAGES", 3)
+    built: list[int] = []
+    payload = DashboardHub._payload
+    monkeypatch.setattr(DashboardHub, "_payload", lambda self, kind, *a: built.append(kind) or payload(self, kind, *a))
+
+    async def main():
+        llm = AsyncLLM(_slow_engine(), log_stats=False)
+        hub = DashboardHub(llm, SeriesStatLogger(), {})
+        first = hub.events()
+        await asyncio.wait_for(anext(first), 5)
+        hub.check_room()
+        late = [hub.events(), hub.events()]
+        pictures = [await anext(page) for page in late]  # (queued at once: no loop turn between them)
+        assert pictures[0] is pictures[1] and built.count("full") <= 2  # (the first, and at most one rebuilt)
+        with pytest.raises(OverloadedError, match="3 dashboard pages are open"):
+            hub.check_room()
+        for page in [first, *late]:
+            await page.aclose()
+        hub.check_room()
+        llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_close_ends_every_page_stream_and_stops_the_watching():
     async def main():
         engine = _slow_engine()
