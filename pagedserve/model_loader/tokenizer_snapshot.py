@@ -47,7 +47,7 @@ _PROBES = ("What is the capital of France?", "  spaces\tand\nnewlines  ", "naïv
 
 class SnapshotTokenizer:
     """The part of a transformers fast tokenizer the engine uses, over the same Rust
-    tokenizer: `encode`, `decode`, `get_vocab`, `len`, `convert_tokens_to_ids`, the
+    tokenizer: `encode`, `decode`, `get_vocab`, `len`, `convert_tokens_to_ids` and back, the
     special tokens (`special_tokens_map`, `eos_token_id` and the other ids) and
     `apply_chat_template(..., tokenize=False)`.  `hf_tokenizer()` is transformers' own."""
 
@@ -98,6 +98,10 @@ class SnapshotTokenizer:
     def convert_tokens_to_ids(self, token: str) -> int | None:
         found = self.backend_tokenizer.token_to_id(token)
         return self.unk_token_id if found is None else found
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Each id's vocabulary string (byte-level BPE's "Ġthe", not decoded text)."""
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             chat_template: str | None = None, add_generation_prompt: bool = False,

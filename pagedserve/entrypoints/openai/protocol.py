@@ -134,6 +134,7 @@ class _SamplingFields(OpenAIRequestBody):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}, the
     # text expected back; the engine drafts from it (SamplingParams.prediction).
     prediction: dict[str, Any] | None = None
@@ -415,19 +416,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop "
                                       f"{self.structured_fields()[0]}", param=self.structured_fields()[0])
 
-
-
-class TokenizeRequest(RequestBody):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(RequestBody):
-    model: str | None = None
-    tokens: list[int]
 
 
 # ------------------------------------------------------------------- response shapes

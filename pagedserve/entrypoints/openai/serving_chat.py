@@ -180,6 +180,7 @@ class OpenAIServingChat(OpenAIServing):
                             plan.parser.name)
             messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
             prompt = self.render(req, messages, req.add_generation_prompt, tools)
+        prompt = self.truncated(prompt, req.truncate_prompt_tokens)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
         return PreparedRequest(model, [prompt], params, plan, self._reasoning(prompt, params))
 

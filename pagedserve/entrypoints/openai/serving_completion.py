@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = req.to_sampling_params(self.engine.sampling_defaults)
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
-        prompts = self._prompts(req.prompt, params.n)
+        prompts = [self.truncated(p, req.truncate_prompt_tokens) for p in self._prompts(req.prompt, params.n)]
         for p in prompts:
             self.check_length(len(p.token_ids), req.max_tokens, "prompt")
         return PreparedRequest(model, prompts, params)

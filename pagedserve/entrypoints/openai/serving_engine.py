@@ -245,6 +245,23 @@ class OpenAIServing:
                 "completion). Please reduce the length of the messages or completion.",
                 param="max_tokens" if num_prompt < limit else prompt_param)
 
+    def truncated(self, prompt: TokenizedPrompt, truncate: int | None) -> TokenizedPrompt:
+        """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens; -1:
+        the last max_model_len); a cut prompt keeps no text (echo decodes its ids)."""
+        if truncate is None:
+            return prompt
+        if truncate == -1:
+            truncate = self.max_model_len
+        if truncate < 1:
+            raise OpenAIError(f"truncate_prompt_tokens must be a positive integer or -1, got {truncate}",
+                              param="truncate_prompt_tokens")
+        if len(prompt.token_ids) <= truncate:
+            return prompt
+        if prompt.multi_modal is not None:
+            raise OpenAIError("truncate_prompt_tokens cannot cut a prompt with images (their spans would be cut)",
+                              param="truncate_prompt_tokens")
+        return TokenizedPrompt(None, prompt.token_ids[-truncate:])
+
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")

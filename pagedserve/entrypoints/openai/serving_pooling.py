@@ -59,18 +59,8 @@ class OpenAIServingPooling(OpenAIServing):
         if isinstance(item, str):
             if not item:
                 raise OpenAIError("inputs must not be empty strings", param="input")
-            prompt = TokenizedPrompt(item, self.tokenize(item))
-        else:
-            prompt = TokenizedPrompt(None, list(item))
-        if truncate is not None:
-            if truncate == -1:
-                truncate = self.max_model_len
-            if truncate < 1:
-                raise OpenAIError(f"truncate_prompt_tokens must be a positive integer or -1, got {truncate}",
-                                  param="truncate_prompt_tokens")
-            if len(prompt.token_ids) > truncate:
-                prompt = TokenizedPrompt(None, prompt.token_ids[-truncate:])
-        return prompt
+            return self.truncated(TokenizedPrompt(item, self.tokenize(item)), truncate)
+        return self.truncated(TokenizedPrompt(None, list(item)), truncate)
 
     @staticmethod
     async def collect(streams: list[RequestStream]) -> list[PoolingRequestOutput]:

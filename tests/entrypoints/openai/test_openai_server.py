@@ -348,3 +348,10 @@ def test_continuous_usage_stats(client):
                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counted == sorted(counted) and counted[-1] == 3
+
+
+def test_tokenize_gives_token_strings_when_asked(server, tokenizer):
+    """vLLM's return_token_strs: each id's vocabulary string, as transformers' tokenizer gives it."""
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}, headers=AUTH).json()
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()

@@ -27,8 +27,9 @@ def client(request, server, server_off) -> openai.OpenAI:
 
 
 def chat(client: openai.OpenAI, **kw):
+    extra_body = {"ignore_eos": True, **kw.pop("extra_body", {})}
     return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=40,
-                                          extra_body={"ignore_eos": True}, **kw)
+                                          extra_body=extra_body, **kw)
 
 
 def test_prediction_gives_the_same_output_with_its_counts_in_usage(client) -> None:
@@ -93,6 +94,7 @@ def test_openai_fields_are_accepted_or_refused_never_only_logged(server) -> None
                                                                  "safety_identifier"))
     for kwargs, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"store": True}, "store"),
                           ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                          ({"extra_body": {"echo": True}}, "echo"),
                           ({"safety_identifier": "u" * 200}, "safety_identifier"),
                           ({"web_search_options": {}}, "web_search_options"),
                           ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),

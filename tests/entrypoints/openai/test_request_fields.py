@@ -109,6 +109,8 @@ COMMON = {
     "allowed_token_ids": (None, None),
     "bad_words": (None, None),
     "cache_salt": ({"cache_salt": "tenant"}, same_as_greedy),
+    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 3},
+                               lambda r, b, t: r.json()["usage"]["prompt_tokens"] == 3 or pytest.fail()),
     "prediction": ({"prediction": {"type": "content", "content": "hello world"}}, predicted),
     # OpenAI's caching, safety and tier hints: accepted without effect (docs/serving.md).
     "prompt_cache_key": ({"prompt_cache_key": "k-1"}, same_as_greedy),

@@ -6,11 +6,25 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from pagedserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.entrypoints.openai.protocol import ChatMessage, RequestBody
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
 router = APIRouter()
+
+
+class TokenizeRequest(RequestBody):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary string too ("token_strs")
+
+
+class DetokenizeRequest(RequestBody):
+    model: str | None = None
+    tokens: list[int]
 
 
 @router.post("/tokenize")
@@ -20,11 +34,15 @@ async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
     lease = await state.lease(body.model)  # the chat handler holds the model's tokenizer
     try:
         chat = lease.handlers.chat
+        chat.warn_unknown_fields(body)
         if body.messages is not None:
             ids = (await state.prepare.run(chat.render, None, body.messages, body.add_generation_prompt)).token_ids
         else:
             ids = await state.prepare.run(chat.tokenize, body.prompt, body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": lease.handlers.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": lease.handlers.max_model_len, "tokens": ids}
+        if body.return_token_strs and chat.tokenizer is not None:
+            out["token_strs"] = chat.tokenizer.convert_ids_to_tokens(ids)
+        return out
     finally:
         lease.release()
 
@@ -34,6 +52,7 @@ async def detokenize(body: DetokenizeRequest, state: ServerStateDep) -> dict:
     lease = await state.lease(body.model)
     try:
         chat, max_model_len = lease.handlers.chat, lease.handlers.max_model_len
+        chat.warn_unknown_fields(body)
         if len(body.tokens) > max_model_len:
             raise OpenAIError(f"{len(body.tokens)} tokens is more than max_model_len ({max_model_len})",
                               param="tokens")
