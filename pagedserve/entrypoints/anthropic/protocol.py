@@ -53,6 +53,13 @@ class MessagesRequest(RequestBody):
     output_config: dict[str, Any] | None = None
     # Anthropic's automatic prompt caching: what the prefix cache always does here.
     cache_control: dict[str, Any] | None = None
+    # Accepted without effect (docs/serving.md): one service tier, one speed, one region,
+    # and attribution only; held to Anthropic's values (serving_messages.check_fields).
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
 
 class CountTokensRequest(RequestBody):

@@ -25,7 +25,8 @@ async def messages(body: MessagesRequest, request: Request, state: ServerStateDe
 async def count_tokens(body: CountTokensRequest, state: ServerStateDep) -> dict:
     lease = await state.lease(body.model)
     try:
-        return {"input_tokens": await state.prepare.run(AnthropicServingMessages(lease.handlers.chat).count_tokens,
-                                                        body)}
+        serving = AnthropicServingMessages(lease.handlers.chat)
+        serving.warn_unknown_fields(body)
+        return {"input_tokens": await state.prepare.run(serving.count_tokens, body)}
     finally:
         lease.release()

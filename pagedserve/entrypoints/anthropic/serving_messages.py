@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.async_llm import RequestStream
@@ -23,8 +23,10 @@ from pagedserve.entrypoints.anthropic.protocol import (
     anthropic_error_body,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
+from pagedserve.entrypoints.openai.protocol_fields import MAX_HINT_CHARS, check_object_hint
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.errors import InvalidRequestError
 
 # Chat's names for the fields whose Anthropic names differ (errors name what the client sent).
 _PARAM_NAMES = {"stop": "stop_sequences"}
@@ -58,47 +60,68 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
     out: list[dict[str, Any]] = []
     if system is not None:
         out.append({"role": "system", "content": _text_of(system, "system")})
+    tool_use_ids: set[str] = set()  # the calls made so far: a tool_result answers one of them
     for m, msg in enumerate(messages):
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             continue
-        texts: list[str] = []
-        parts: list[dict[str, Any]] = []  # text and images, in order, if the message has an image
-        calls: list[dict[str, Any]] = []
+        if not msg.content:
+            raise OpenAIError(f"messages[{m}].content is an empty list (send a string or content blocks)",
+                              param="messages")
+        turn = _Turn()
         for b, block in enumerate(msg.content):
-            where = f"messages[{m}].content[{b}]"
-            kind = block.get("type")
-            if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
-                parts.append({"type": "text", "text": block["text"]})
-            elif kind == "image" and msg.role == "user":
-                parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
-            elif kind == "tool_use" and msg.role == "assistant":
-                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                        or not isinstance(block.get("input", {}), dict):
-                    raise OpenAIError(f"{where}: a tool_use block needs a string id and name and an object input",
-                                      param="messages")
-                calls.append({"id": block["id"], "type": "function", "function": {
-                    "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
-            elif kind == "tool_result" and msg.role == "user":
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise OpenAIError(f"{where}: a tool_result block needs its tool_use_id", param="messages")
-                result = _text_of(block.get("content", ""), f"{where}.content")
-                if block.get("is_error"):
-                    result = f"Error: {result}"
-                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
-            else:
-                raise OpenAIError(f"{where}: {repr(kind)[:100]} blocks are not supported in {msg.role} messages (this server "
-                                  "reads text, image and tool_result in user turns, text and tool_use in assistant "
-                                  "turns)", param="messages")
-        if len(parts) > len(texts):  # images: the content stays parts
-            out.append({"role": msg.role, "content": parts})
-        elif texts or calls or msg.role == "assistant":
-            message: dict[str, Any] = {"role": msg.role, "content": "\n".join(texts) if texts else None}
-            if calls:
-                message["tool_calls"] = calls
+            turn.add(block, msg.role, f"messages[{m}].content[{b}]", tool_use_ids, out)
+        if len(turn.parts) > len(turn.texts):  # images: the content stays parts
+            out.append({"role": msg.role, "content": turn.parts})
+        elif turn.texts or turn.calls or msg.role == "assistant":
+            message: dict[str, Any] = {"role": msg.role, "content": "\n".join(turn.texts) if turn.texts else None}
+            if turn.calls:
+                message["tool_calls"] = turn.calls
             out.append(message)
     return out
+
+
+@dataclass
+class _Turn:
+    """One Anthropic message's blocks, gathered as chat's: its texts, its parts (text and
+    images, in order, for a message with an image) and its tool calls."""
+
+    texts: list[str] = field(default_factory=list)
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, block: dict[str, Any], role: str, where: str, tool_use_ids: set[str],
+            out: list[dict[str, Any]]) -> None:
+        """One block; a tool_result becomes its own tool message in `out` at once."""
+        kind = block.get("type")
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise OpenAIError(f"{where}: a text block's text must be a string", param="messages")
+            self.texts.append(block["text"])
+            self.parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            self.parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                    or not isinstance(block.get("input", {}), dict):
+                raise OpenAIError(f"{where}: a tool_use block needs a string id and name and an object input",
+                                  param="messages")
+            tool_use_ids.add(block["id"])
+            self.calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise OpenAIError(f"{where}: a tool_result block needs its tool_use_id", param="messages")
+            if block["tool_use_id"] not in tool_use_ids:
+                raise OpenAIError(f"{where}: tool_use_id {block['tool_use_id'][:100]!r} answers no earlier "
+                                  "tool_use block", param="messages")
+            result = _text_of(block.get("content", ""), f"{where}.content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": f"Error: {result}" if block.get("is_error") else result})
+        else:
+            raise OpenAIError(f"{where}: {repr(kind)[:100]} blocks are not supported in {role} messages (this server "
+                              "reads text, image and tool_result in user turns, text and tool_use in assistant "
+                              "turns)", param="messages")
 
 
 def _image_url(source: Any, where: str) -> str:
@@ -115,8 +138,41 @@ def _image_url(source: Any, where: str) -> str:
                       param="messages")
 
 
+# Anthropic's fields for what this server has nothing behind: refused by name (they are
+# not modelled, so they arrive among a body's extra fields), never ignored.
+UNSUPPORTED_FIELDS = {
+    "mcp_servers": "this server connects to no MCP servers",
+    "container": "this server runs no code-execution containers",
+    "context_management": "this server does not edit a conversation's context",
+    "diagnostics": "this server reports no prompt-cache diagnostics",
+}
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
+    """Fields this server has nothing behind refused by name; those accepted without
+    effect held to Anthropic's values."""
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if (req.model_extra or {}).get(name) is not None:
+            raise OpenAIError(f"{name} is not supported: {why}", param=name)
+    if not isinstance(req, MessagesRequest):
+        return
+    try:
+        check_object_hint("metadata", req.metadata, {"user_id": str})
+        check_object_hint("cache_control", req.cache_control, {"type": ("ephemeral",), "ttl": ("5m", "1h")})
+        check_object_hint("output_config", {k: v for k, v in (req.output_config or {}).items() if k != "format"},
+                          {"format": (), "effort": _EFFORTS})  # (its format: _output_config)
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param=e.param) from None
+    for name, value in (("inference_geo", req.inference_geo), ("user_profile_id", req.user_profile_id),
+                        ("workspace_id", req.workspace_id)):
+        if value is not None and len(value) > MAX_HINT_CHARS:
+            raise OpenAIError(f"{name} is {len(value)} characters, more than {MAX_HINT_CHARS}", param=name)
+
+
 def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:
     """The OpenAI chat request that asks for the same answer."""
+    check_fields(req)
     if req.thinking is not None and req.thinking.get("type") != "disabled":
         raise OpenAIError("extended thinking is not supported by this server", param="thinking")
     body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req.system, req.messages)}
@@ -142,7 +198,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
                 body[name] = getattr(req, name)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-        if req.metadata and isinstance(req.metadata.get("user_id"), str):
+        if req.metadata and req.metadata.get("user_id") is not None:
             body["user"] = req.metadata["user_id"]
         if req.output_config:
             body.update(_output_config(req.output_config))
@@ -182,7 +238,7 @@ class AnthropicServingMessages:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
 
-    def warn_unknown_fields(self, req: MessagesRequest) -> None:
+    def warn_unknown_fields(self, req: MessagesRequest | CountTokensRequest) -> None:
         self.chat.warn_unknown_fields(req)
 
     @staticmethod

@@ -47,7 +47,9 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
                                     tool_choice={"type": "tool", "name": "f"}))
     assert named.tool_choice == {"type": "function", "function": {"name": "f"}}
     fmt = to_chat_request(request(messages=[{"role": "user", "content": "x"}], output_config={
-        "format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "low"}))
+        "format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "max"},
+        service_tier="standard_only", speed="fast", cache_control={"type": "ephemeral", "ttl": "1h"},
+        inference_geo="us", workspace_id="wrkspc_1"))  # (hints accepted without effect)
     assert fmt.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}
 
 
@@ -56,15 +58,32 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "needs a source of type base64"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]}, "'tool_use'"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 7}]}]},
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 7}]}]},
      "a string or a list of text blocks"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]},
+     "answers no earlier tool_use block"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "a text block's text must be a string"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []},
+                   {"role": "user", "content": "y"}]}, r"messages\[1\].content is an empty list"),
+    ({"messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"type": "url", "url": "http://x"}]},
+     "mcp_servers is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "container": "c1"}, "container is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "context_management": {"edits": []}},
+     "context_management is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"user_id": 5}}, "metadata.user_id must be a string"),
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"foo": "bar"}}, "metadata takes user_id"),
+    ({"messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "ultra"}},
+     "output_config.effort must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "cache_control": {"type": "whatever"}}, "cache_control.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "inference_geo": "x" * 200}, "inference_geo is 200 characters"),
     ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "only text blocks"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 10}},
      "thinking"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}],
       "tool_choice": {"type": "tool"}}, "needs the tool's name"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"verbosity": "low"}},
-     "output_config.verbosity"),
+     "output_config takes format, effort"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "regex"}}},
      "json_schema"),
 ])
