@@ -42,6 +42,9 @@ class EmbeddingRequest(_PoolingFields):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None  # vLLM extra: None keeps the server's pooler_config
+    add_special_tokens: bool = True  # vLLM extra: text inputs tokenized with the model's BOS/EOS
+    # vLLM extra: the dtype of base64 embeddings; float32 only here (another is refused by name)
+    embed_dtype: Literal["float32"] = "float32"
 
 
 class ScoreRequest(_PoolingFields):

@@ -53,13 +53,13 @@ class PreparedScores(PreparedRequest):
 class OpenAIServingPooling(OpenAIServing):
     """What the pooling routes share: inputs to prompts, and collecting the results."""
 
-    def prompt(self, item: str | list[int], truncate: int | None) -> TokenizedPrompt:
+    def prompt(self, item: str | list[int], truncate: int | None, add_special_tokens: bool = True) -> TokenizedPrompt:
         """One input as a prompt, its tokens cut to the last `truncate` (vLLM's
         truncate_prompt_tokens; -1: the last max_model_len)."""
         if isinstance(item, str):
             if not item:
                 raise OpenAIError("inputs must not be empty strings", param="input")
-            return self.truncated(TokenizedPrompt(item, self.tokenize(item)), truncate)
+            return self.truncated(TokenizedPrompt(item, self.tokenize(item, add_special_tokens)), truncate)
         return self.truncated(TokenizedPrompt(None, list(item)), truncate)
 
     @staticmethod
@@ -92,7 +92,8 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         self.check_fanout(len(items), 1, "input")  # before tokenizing any of them
         # (checked by the engine when it accepts them: a bad field is a 400 naming it, before any output)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
-        return PreparedRequest(model, [self.prompt(t, req.truncate_prompt_tokens) for t in items], params)
+        return PreparedRequest(model, [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens)
+                                       for t in items], params)
 
     async def full(self, req: EmbeddingRequest, prep: PreparedRequest, request_id: str,
                    streams: list[RequestStream]) -> EmbeddingResponse:

@@ -94,6 +94,22 @@ def test_repeated_prefixes_hit_the_prefix_cache(pooling_server) -> None:
     assert hits >= 64
 
 
+def test_add_special_tokens_reaches_the_tokenizer(monkeypatch) -> None:
+    """vLLM's add_special_tokens on /v1/embeddings is what tokenizes a text input (SmolLM2
+    adds no special tokens, so this is checked at the handler, not through its model)."""
+    from pagedserve.entrypoints.openai.protocol_pooling import EmbeddingRequest
+    from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
+
+    asked: list[bool] = []
+    handler = OpenAIServingEmbedding.__new__(OpenAIServingEmbedding)
+    monkeypatch.setattr(handler, "tokenize", lambda text, special=True: asked.append(special) or [1, 2], raising=False)
+    monkeypatch.setattr(handler, "model_name", lambda name: "m", raising=False)
+    monkeypatch.setattr(handler, "max_model_len", 64, raising=False)
+    for flag in (False, True):
+        handler.prepare(EmbeddingRequest.model_validate({"input": "Paris", "add_special_tokens": flag}))
+    assert asked == [False, True]
+
+
 def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     url = pooling_server.url
     docs = ["Paris is the capital of France.", "Bananas are yellow.", "France's capital city is Paris."]
@@ -131,6 +147,7 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/embeddings", {"input": ""}, "input"),
     ("/v1/embeddings", {"input": [1, 2, 10**9]}, "input"),
     ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "x", "embed_dtype": "float16"}, "embed_dtype"),
     ("/v1/embeddings", {"input": "x " * 2000}, "input"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "rank"}, "instruction"),
