@@ -269,7 +269,10 @@ class SamplingParams:
                            ("logit_bias", bool(self.logit_bias)),
                            ("allowed_token_ids", self.allowed_token_ids is not None),
                            ("bad_words", bool(self.bad_words or self.bad_words_token_ids)),
-                           ("structured_outputs", self.structured_outputs is not None)):
+                           # (named for every way a server request asks for one)
+                           ("structured outputs (response_format, guided_*, or tool calls under a grammar: "
+                            "tool_choice required, a named tool, or auto with a tool parser's format)",
+                            self.structured_outputs is not None)):
             if used:
                 return name
         return None

@@ -182,15 +182,18 @@ class AsyncLLM:
     # ------------------------------------------------------------------ client API
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
                           priority: int = 0, final_only: bool = False,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None, admitted: bool = False) -> RequestStream:
         """Validate and queue one request; returns once an engine has accepted it, so a
         bad request raises (ValueError / InvalidRequestError) before a server has sent
         anything.  The returned stream must be read to its end or closed; with
         `final_only` it yields the finished output alone (a non-streaming response).  A
-        PoolingParams request (pooling runner) yields one PoolingRequestOutput."""
-        self._admit(request_id)
+        PoolingParams request (pooling runner) yields one PoolingRequestOutput.
+        `admitted`: a later prompt of one client request whose first was let in, so
+        `max_waiting_requests` does not count the request's own prompts against it (a
+        fan-out is let in or refused as a whole)."""
+        self._admit(request_id, admitted)
         request = await self.client.prepare(request_id, prompt, sampling_params, priority, lora_request)
-        self._admit(request_id)  # the door may have closed (or the id been taken) meanwhile
+        self._admit(request_id, admitted)  # the door may have closed (or the id been taken) meanwhile
         collector = OutputCollector()
         self._collectors[request_id] = collector
         try:
@@ -201,7 +204,7 @@ class AsyncLLM:
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         return RequestStream(self, request_id, collector, deadline, final_only)
 
-    def _admit(self, request_id: str) -> None:
+    def _admit(self, request_id: str, admitted: bool = False) -> None:
         """Raise what a new request gets instead of admission, if anything."""
         self.start()
         if self.client.dead_error is not None:
@@ -209,7 +212,7 @@ class AsyncLLM:
         if self._closed is not None:
             raise self._closed
         limit = self.max_waiting_requests
-        if limit is not None and self.client.num_waiting >= limit:
+        if limit is not None and not admitted and self.client.num_waiting >= limit:
             raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
                                         "(max_waiting_requests); retry later.")
         if request_id in self._collectors:

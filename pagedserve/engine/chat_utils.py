@@ -331,6 +331,6 @@ def _tool_call_for_template(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # (a client's text nested past the parser's depth: kept as text)
         return call
     return {**call, "function": {**function, "arguments": arguments}}

@@ -314,6 +314,8 @@ class InprocClient:
         while not self._stop:
             did_work = self._drain_commands()
             worked = worked or did_work  # (a command's work, an adapter's load, is work too)
+            if did_work:  # adds and aborts move the queue: its count, not the adds' running sum
+                self._num_waiting = self.engine.get_stats().num_waiting
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 worked = True

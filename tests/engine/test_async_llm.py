@@ -314,6 +314,31 @@ def test_memory_freed_at_intake_goes_back_at_the_idle_engines_next_pause(monkeyp
     assert len(trims) == 1 and (trims[0] in mine or trims[0].name == "pagedserve-engine")
 
 
+def test_the_waiting_bound_counts_the_queue_after_aborts_and_lets_a_fan_out_in_whole():
+    """max_waiting_requests counts the scheduler's queue: waiting requests aborted while
+    nothing steps leave it (a stale count had refused every later request with a 503,
+    /health still 200), and a request of several prompts is let in or refused whole, its
+    own prompts never counted against it."""
+    engine = FakeEngine(max_running=0, step_time=0.01)  # every request waits: nothing is generated
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False, max_waiting_requests=2)
+        params = SamplingParams(max_tokens=3)
+        fan_out = [await llm.add_request(f"f{i}", "hi", params, admitted=i > 0) for i in range(3)]  # past the bound
+        with pytest.raises(EngineOverloadedError, match="2 requests are already waiting"):
+            await llm.add_request("late", "hi", params)
+        for stream in fan_out:
+            stream.close()  # aborted: the engine is empty and steps no more
+        deadline = time.monotonic() + 10
+        while llm.client.num_waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert llm.client.num_waiting == 0
+        (await llm.add_request("after", "hi", params)).close()  # let in again
+        llm.shutdown()
+
+    run(main())
+
+
 class _Client:
     """A client whose waiting count the test sets: AsyncLLM's admission alone, which is
     the same over every client (in-process or data-parallel)."""

@@ -227,7 +227,7 @@ def _output_config(config: dict[str, Any]) -> dict[str, Any]:
 def _input_of(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {"value": value}
 

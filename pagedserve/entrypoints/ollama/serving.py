@@ -95,7 +95,7 @@ def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         function = call.get("function") or {}
         try:
             arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             arguments = {}
         out.append({"function": {"name": function.get("name", ""),
                                  "arguments": arguments if isinstance(arguments, dict) else {"value": arguments}}})

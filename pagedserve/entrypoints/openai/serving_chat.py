@@ -100,7 +100,7 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return (text, []) if finished else (None, [])
             return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
                           if isinstance(c, dict) and isinstance(c.get("name"), str)]

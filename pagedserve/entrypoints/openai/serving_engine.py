@@ -198,7 +198,8 @@ class OpenAIServing:
 
     async def start(self, req: Any, prep: PreparedRequest) -> tuple[str, list[RequestStream]]:
         """Hand every prompt to the engine, which validates it; any refusal aborts the
-        ones already accepted and becomes a 400 before the response starts."""
+        ones already accepted and becomes a 400 before the response starts.  The
+        request is admitted as a whole: its first prompt meets max_waiting_requests."""
         request_id = random_id(self.id_prefix)
         streams: list[RequestStream] = []
         try:
@@ -209,7 +210,8 @@ class OpenAIServing:
                     prompt["cache_salt"] = req.cache_salt
                 streams.append(await self.engine.add_request(
                     rid, prompt, prep.params, req.priority, final_only=not req.stream,
-                    lora_request=self.lora_modules.get(req.model) if req.model is not None else None))
+                    lora_request=self.lora_modules.get(req.model) if req.model is not None else None,
+                    admitted=i > 0))
         except BaseException as e:
             for s in streams:
                 s.close()

@@ -47,7 +47,7 @@ class HermesToolParser:
         for body in self._CALL.findall(text):
             try:
                 call = _call_from(json.loads(body), "arguments")
-            except ValueError:
+            except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
                 call = None
             if call is not None:
                 calls.append(call)
@@ -96,7 +96,7 @@ class Llama3JsonToolParser:
         for part in body.split(";"):
             try:
                 call = _call_from(json.loads(part), "parameters")
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             if call is None:
                 return text, []

@@ -337,3 +337,23 @@ def test_a_tool_with_defs_works_under_required(client):
     if choice["finish_reason"] == "tool_calls":  # a random model may run out of tokens first
         args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
         assert isinstance(args["n"], int)
+
+
+def test_tool_call_arguments_nested_past_the_parsers_depth_are_kept_as_text(server, client):
+    """A past tool call's `arguments` is JSON text the body's nesting bound never sees
+    inside: 5,000 brackets deep, json.loads raised RecursionError (a 500).  The text now
+    reaches the template as it is, on chat and on Responses."""
+    deep = "[" * 5000 + "]" * 5000
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = chat(client, messages=messages, max_tokens=2)
+    assert r.status_code in (200, 400), r.text  # (a 400 only for the prompt's length, naming it)
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] in ("messages", "max_tokens"), r.text
+    r = client.post("/v1/responses", json={"model": MODEL_NAME, "max_output_tokens": 2, "input": [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})
+    assert r.status_code in (200, 400), r.text
+    assert "RecursionError" not in server.log()
