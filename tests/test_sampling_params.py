@@ -105,7 +105,7 @@ def test_a_prediction_is_refused_by_name_where_its_drafts_could_not_be_verified_
                           ({"repetition_penalty": 1.1}, "repetition_penalty"),
                           ({"logit_bias": {5: 1.0}}, "logit_bias"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
                           ({"bad_words": ["no"]}, "bad_words"),
-                          ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs")):
+                          ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured outputs")):
         assert not SamplingParams(**kwargs).allows_speculation or names == "n = 1"
         with pytest.raises(InvalidRequestError, match=names) as info:
             SamplingParams(prediction="x", **kwargs)
