@@ -65,7 +65,7 @@ class TemplateSandbox:
                "max_chars": max_chars}
         try:
             line = json.dumps(req) + "\n"
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:  # (arguments parsed for the template, nested deep)
             raise InvalidRequestError(f"the conversation cannot be given to a request's chat_template: {e}",
                                       param="chat_template") from None
         if not self._lock.acquire(timeout=TEMPLATE_QUEUE_SECONDS):

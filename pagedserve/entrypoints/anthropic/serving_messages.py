@@ -65,9 +65,9 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             continue
-        if not msg.content:
+        if not msg.content and not (msg.role == "assistant" and m == len(messages) - 1):
             raise OpenAIError(f"messages[{m}].content is an empty list (send a string or content blocks)",
-                              param="messages")
+                              param="messages")  # (a final assistant turn may be empty: nothing prefilled)
         turn = _Turn()
         for b, block in enumerate(msg.content):
             turn.add(block, msg.role, f"messages[{m}].content[{b}]", tool_use_ids, out)
@@ -147,6 +147,7 @@ UNSUPPORTED_FIELDS = {
     "diagnostics": "this server reports no prompt-cache diagnostics",
 }
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
+MAX_USER_ID_CHARS = 256  # Anthropic's bound on metadata.user_id
 
 
 def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
@@ -158,12 +159,16 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
     if not isinstance(req, MessagesRequest):
         return
     try:
-        check_object_hint("metadata", req.metadata, {"user_id": str})
         check_object_hint("cache_control", req.cache_control, {"type": ("ephemeral",), "ttl": ("5m", "1h")})
         check_object_hint("output_config", {k: v for k, v in (req.output_config or {}).items() if k != "format"},
                           {"format": (), "effort": _EFFORTS})  # (its format: _output_config)
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param) from None
+    meta = req.metadata or {}
+    if set(meta) - {"user_id"} or not isinstance(meta.get("user_id", ""), (str, type(None))) \
+            or len(meta.get("user_id") or "") > MAX_USER_ID_CHARS:
+        raise OpenAIError(f"metadata takes user_id alone, a string of at most {MAX_USER_ID_CHARS} characters",
+                          param="metadata")
     for name, value in (("inference_geo", req.inference_geo), ("user_profile_id", req.user_profile_id),
                         ("workspace_id", req.workspace_id)):
         if value is not None and len(value) > MAX_HINT_CHARS:
@@ -211,10 +216,8 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
 def _output_config(config: dict[str, Any]) -> dict[str, Any]:
     """output_config's chat fields: its format as a json_schema response_format.  Its
     effort is how long a reasoning model thinks: nothing to change for the models served
-    here (thinking itself is refused above), so it is accepted as a no-op."""
-    unknown = set(config) - {"format", "effort"}
-    if unknown:
-        raise OpenAIError(f"output_config.{sorted(unknown)[0][:100]} is not supported", param="output_config")
+    here (thinking itself is refused above), so it is accepted as a no-op (its keys and
+    effort's values: check_fields)."""
     fmt = config.get("format")
     if fmt is None:
         return {}

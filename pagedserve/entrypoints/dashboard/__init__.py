@@ -74,7 +74,11 @@ class DashboardHub:
 
     async def events(self) -> AsyncIterator[str]:
         """One page's stream: a full picture, then deltas, until it disconnects (the
-        route calls check_room first)."""
+        route calls check_room first; pages that passed it together past MAX_PAGES get
+        an error event and the end of their stream, here, where they would be counted)."""
+        if len(self.subscribers) >= MAX_PAGES:
+            yield _sse({"type": "error", "message": f"{MAX_PAGES} dashboard pages are open"})
+            return
         queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=MAX_QUEUED_EVENTS)
         first = not self.subscribers
         self.subscribers.add(queue)

@@ -18,7 +18,7 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_HINT_CHARS = 128
 
 # OpenAI fields (chat completions, Responses) that ask for something this server has
-# nothing behind (and vLLM's chat `echo`).  They are not modelled, so they arrive among a body's extra fields;
+# nothing behind.  They are not modelled, so they arrive among a body's extra fields;
 # any of them set (not null) is refused by name rather than ignored.
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "audio": "this server outputs text only (no audio)",
@@ -28,7 +28,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
     "context_management": "this server does not compact a conversation's context",
     "background_options": "background responses are not supported",
-    "echo": "vLLM's chat echo is not supported here (/v1/completions has echo)",
 }
 
 

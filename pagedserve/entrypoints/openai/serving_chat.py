@@ -180,9 +180,10 @@ class OpenAIServingChat(OpenAIServing):
                             plan.parser.name)
             messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
             prompt = self.render(req, messages, req.add_generation_prompt, tools)
+        reasoning = self._reasoning(prompt, params)  # (from the whole prompt: a cut one keeps no text)
         prompt = self.truncated(prompt, req.truncate_prompt_tokens)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
-        return PreparedRequest(model, [prompt], params, plan, self._reasoning(prompt, params))
+        return PreparedRequest(model, [prompt], params, plan, reasoning)
 
     def _reasoning(self, prompt: TokenizedPrompt, params: SamplingParams) -> ReasoningParser | None:
         """The reasoning parser that splits this answer, if any.  Under a grammar

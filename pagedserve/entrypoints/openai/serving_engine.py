@@ -254,9 +254,9 @@ class OpenAIServing:
             return prompt
         if truncate == -1:
             truncate = self.max_model_len
-        if truncate < 1:
-            raise OpenAIError(f"truncate_prompt_tokens must be a positive integer or -1, got {truncate}",
-                              param="truncate_prompt_tokens")
+        if not 1 <= truncate <= self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or within 1..max_model_len "
+                              f"({self.max_model_len}), got {truncate}", param="truncate_prompt_tokens")
         if len(prompt.token_ids) <= truncate:
             return prompt
         if prompt.multi_modal is not None:

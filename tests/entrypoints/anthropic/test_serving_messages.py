@@ -49,7 +49,10 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     fmt = to_chat_request(request(messages=[{"role": "user", "content": "x"}], output_config={
         "format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "max"},
         service_tier="standard_only", speed="fast", cache_control={"type": "ephemeral", "ttl": "1h"},
-        inference_geo="us", workspace_id="wrkspc_1"))  # (hints accepted without effect)
+        inference_geo="us", workspace_id="wrkspc_1", metadata={"user_id": "u" * 256}))  # (hints without effect)
+    # A final assistant turn may be empty (nothing prefilled), as Anthropic allows.
+    assert to_chat_request(request(messages=[{"role": "user", "content": "x"},
+                                             {"role": "assistant", "content": []}])).messages[-1].role == "assistant"
     assert fmt.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}
 
 
@@ -71,8 +74,9 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "container": "c1"}, "container is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "context_management": {"edits": []}},
      "context_management is not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"user_id": 5}}, "metadata.user_id must be a string"),
-    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"foo": "bar"}}, "metadata takes user_id"),
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"user_id": 5}}, "metadata takes user_id alone"),
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"foo": "bar"}}, "metadata takes user_id alone"),
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": {"user_id": "u" * 257}}, "at most 256"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "ultra"}},
      "output_config.effort must be"),
     ({"messages": [{"role": "user", "content": "x"}], "cache_control": {"type": "whatever"}}, "cache_control.type"),

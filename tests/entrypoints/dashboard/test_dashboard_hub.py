@@ -141,6 +141,10 @@ def test_pages_opening_together_share_one_full_picture_and_past_the_cap_get_a_50
         assert pictures[0] is pictures[1] and built.count("full") <= 2  # (the first, and at most one rebuilt)
         with pytest.raises(OverloadedError, match="3 dashboard pages are open"):
             hub.check_room()
+        # A page that passed check_room with others at once, past the cap: an error event, then the end.
+        extra = hub.events()
+        assert _event(await anext(extra))["type"] == "error" and [e async for e in extra] == []
+        assert len(hub.subscribers) == 3
         for page in [first, *late]:
             await page.aclose()
         hub.check_room()

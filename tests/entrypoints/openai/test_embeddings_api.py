@@ -148,6 +148,7 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/embeddings", {"input": [1, 2, 10**9]}, "input"),
     ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/embeddings", {"input": "x", "embed_dtype": "float16"}, "embed_dtype"),
+    ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
     ("/v1/embeddings", {"input": "x " * 2000}, "input"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "rank"}, "instruction"),

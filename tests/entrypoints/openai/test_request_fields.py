@@ -161,6 +161,7 @@ CHAT_ONLY = {
     "store": ({"store": True}, refused("store")),
     "modalities": ({"modalities": ["text", "audio"]}, refused("modalities")),
     "web_search_options": ({"web_search_options": {}}, refused("web_search_options")),
+    "echo": ({"echo": True}, refused("echo")),  # (vLLM's chat echo; completions' is below)
 }
 COMPLETION_ONLY = {
     "prompt": ({"prompt": [5, 6, 7]}, ok),
