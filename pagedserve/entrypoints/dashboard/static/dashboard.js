@@ -240,6 +240,7 @@ function drawCharts() {
 
 // ---------------------------------------------------------------- the event stream
 function apply(ev) {
+  if (ev.type === "error") { setStatus(ev.message, "error"); return; }  // (too many pages open: the stream ends)
   state.events += 1;
   if (ev.type === "full") {
     state.fullEvents += 1;
