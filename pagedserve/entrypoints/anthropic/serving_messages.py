@@ -23,7 +23,11 @@ from pagedserve.entrypoints.anthropic.protocol import (
     anthropic_error_body,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
-from pagedserve.entrypoints.openai.protocol_fields import MAX_HINT_CHARS, check_object_hint
+from pagedserve.entrypoints.openai.protocol_fields import (
+    check_hint_strings,
+    check_object_hint,
+    refuse_unsupported_fields,
+)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
 from pagedserve.errors import InvalidRequestError
@@ -153,15 +157,15 @@ MAX_USER_ID_CHARS = 256  # Anthropic's bound on metadata.user_id
 def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
     """Fields this server has nothing behind refused by name; those accepted without
     effect held to Anthropic's values."""
-    for name, why in UNSUPPORTED_FIELDS.items():
-        if (req.model_extra or {}).get(name) is not None:
-            raise OpenAIError(f"{name} is not supported: {why}", param=name)
-    if not isinstance(req, MessagesRequest):
-        return
     try:
+        refuse_unsupported_fields(req.model_extra, UNSUPPORTED_FIELDS)
+        if not isinstance(req, MessagesRequest):
+            return
         check_object_hint("cache_control", req.cache_control, {"type": ("ephemeral",), "ttl": ("5m", "1h")})
         check_object_hint("output_config", {k: v for k, v in (req.output_config or {}).items() if k != "format"},
                           {"format": (), "effort": _EFFORTS})  # (its format: _output_config)
+        check_hint_strings(("inference_geo", req.inference_geo), ("user_profile_id", req.user_profile_id),
+                           ("workspace_id", req.workspace_id))
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param) from None
     meta = req.metadata or {}
@@ -169,10 +173,6 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
             or len(meta.get("user_id") or "") > MAX_USER_ID_CHARS:
         raise OpenAIError(f"metadata takes user_id alone, a string of at most {MAX_USER_ID_CHARS} characters",
                           param="metadata")
-    for name, value in (("inference_geo", req.inference_geo), ("user_profile_id", req.user_profile_id),
-                        ("workspace_id", req.workspace_id)):
-        if value is not None and len(value) > MAX_HINT_CHARS:
-            raise OpenAIError(f"{name} is {len(value)} characters, more than {MAX_HINT_CHARS}", param=name)
 
 
 def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:

@@ -31,10 +31,11 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
-def refuse_unsupported_fields(extra: dict[str, Any] | None) -> None:
-    """A body's extra (unmodelled) fields: those OpenAI defines for what this server never
-    does are refused by name (the others are logged as unknown, serving_engine.py)."""
-    for name, why in UNSUPPORTED_FIELDS.items():
+def refuse_unsupported_fields(extra: dict[str, Any] | None, unsupported: dict[str, str] = UNSUPPORTED_FIELDS) -> None:
+    """A body's extra (unmodelled) fields: those the API defines for what this server never
+    does (`unsupported`: name -> why; OpenAI's by default) are refused by name (the others
+    are logged as unknown, serving_engine.py)."""
+    for name, why in unsupported.items():
         if (extra or {}).get(name) is not None:
             raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
 
@@ -65,13 +66,18 @@ def check_object_hint(name: str, value: dict[str, Any] | None, keys: HintKeys,
         raise InvalidRequestError(f"{name}.{key} must be {shown}, not {repr(v)[:40]}", param=name)
 
 
+def check_hint_strings(*named: tuple[str, str | None]) -> None:
+    """String-valued hints, accepted without effect: each (name, value) at most MAX_HINT_CHARS."""
+    for name, value in named:
+        if value is not None and len(value) > MAX_HINT_CHARS:
+            raise InvalidRequestError(f"{name} is {len(value)} characters, more than {MAX_HINT_CHARS}", param=name)
+
+
 def check_hint_fields(prompt_cache_key: str | None, safety_identifier: str | None,
                       prompt_cache_options: dict[str, Any] | None) -> None:
     """OpenAI's caching and safety hints, accepted without effect, held to their shape:
     strings of at most MAX_HINT_CHARS; prompt_cache_options' keys and values."""
-    for name, value in (("prompt_cache_key", prompt_cache_key), ("safety_identifier", safety_identifier)):
-        if value is not None and len(value) > MAX_HINT_CHARS:
-            raise InvalidRequestError(f"{name} is {len(value)} characters, more than {MAX_HINT_CHARS}", param=name)
+    check_hint_strings(("prompt_cache_key", prompt_cache_key), ("safety_identifier", safety_identifier))
     check_object_hint("prompt_cache_options", prompt_cache_options, PROMPT_CACHE_OPTIONS, PROMPT_CACHE_REFUSED)
 
 
