@@ -322,7 +322,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False  # vLLM's chat echo: refused when true (check_unsupported); completions have echo
+    echo: bool = False  # vLLM's: the final assistant message put before the answer (serving_chat.echo_text)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionTool] | None = None
@@ -412,9 +412,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
                                           param="continue_final_message")
         check_chat_only_fields(self.modalities, self.web_search_options, self.store, self.metadata)
-        if self.echo:
-            raise InvalidRequestError("echo is not supported on chat (vLLM's: the last message put before the "
-                                      "answer); /v1/completions has echo", param="echo")
         mode, _ = self.tool_mode()
         if mode in ("required", "named") and self.structured_fields():
             raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop "

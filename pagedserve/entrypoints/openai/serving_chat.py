@@ -75,6 +75,19 @@ def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage
     return [ChatMessage(role="system", content=text), *messages]
 
 
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the final message's text when it is the assistant's (the turn
+    the answer continues, as with continue_final_message), put before the answer; nothing
+    otherwise.  Text parts are joined by newlines, as vLLM joins them."""
+    last = req.messages[-1] if req.echo and req.messages else None
+    if last is None or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part["text"] for part in last.content
+                     if part.get("type") == "text" and isinstance(part.get("text"), str))
+
+
 def split_reasoning(parser: ReasoningParser | None,
                     c: CompletionOutput) -> tuple[str | None, CompletionOutput]:
     """(the reasoning so far, the output with only its content as text); (None, c)
@@ -239,12 +252,13 @@ class OpenAIServingChat(OpenAIServing):
         async for _, out in merge_streams(streams):
             final = out
         assert final is not None and final.finished
-        choices = []
+        choices, echo = [], echo_text(req)
         for c in final.outputs:
             if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                 raise err
             reasoning, c = split_reasoning(prep.reasoning, c)
             message, reason = self.message(prep.tools, c)
+            message.content = echo + (message.content or "") if echo else message.content
             message.reasoning_content = reasoning or None  # (none when the model did not think)
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self.logprobs(c, 0, prep.params.logprobs),
@@ -273,6 +287,9 @@ class OpenAIServingChat(OpenAIServing):
             # The role goes first, before any token exists, as OpenAI does.
             for i in range(params.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            if echo := echo_text(req):  # vLLM's chat echo: the final assistant message first
+                for i in range(params.n):
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, out in merge_streams(streams):
                 final = out
                 for c in out.outputs:

@@ -178,6 +178,30 @@ def test_prompt_forms_and_echo(client, tokenizer):
     assert echo.choices[0].text == PROMPT + by_text.choices[0].text
 
 
+def test_chat_echo_puts_the_final_assistant_turn_first(client):
+    """vLLM's chat `echo`: a final assistant turn (continued) comes before the answer, whole
+    and streamed, for every choice; a final user turn has nothing to echo; text parts join
+    with newlines."""
+    def chat(messages, **kw):
+        return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=5,
+                                              temperature=0, **kw)
+
+    turn = [*MESSAGES, {"role": "assistant", "content": "Well,"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = chat(turn, extra_body=cont).choices[0].message.content
+    echoed = chat(turn, n=2, extra_body={**cont, "echo": True})
+    assert [c.message.content for c in echoed.choices] == ["Well," + plain] * 2
+    pieces: dict[int, str] = {}
+    for ch in chat(turn, n=2, stream=True, extra_body={**cont, "echo": True}):
+        for c in ch.choices:
+            pieces[c.index] = pieces.get(c.index, "") + (c.delta.content or "")
+    assert pieces == {0: "Well," + plain, 1: "Well," + plain}
+    assert chat(MESSAGES, extra_body={"echo": True}).choices[0].message.content == \
+        chat(MESSAGES).choices[0].message.content
+    parts = [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]}]
+    assert chat(parts, extra_body={**cont, "echo": True}).choices[0].message.content.startswith("A\nB")
+
+
 def test_errors_then_success(server, client):
     # 400: validation (our own and pydantic's), context length in vLLM's words.
     with pytest.raises(openai.BadRequestError) as e:

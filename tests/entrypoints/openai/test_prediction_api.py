@@ -94,7 +94,6 @@ def test_openai_fields_are_accepted_or_refused_never_only_logged(server) -> None
                                                                  "safety_identifier"))
     for kwargs, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"store": True}, "store"),
                           ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-                          ({"extra_body": {"echo": True}}, "echo"),
                           ({"safety_identifier": "u" * 200}, "safety_identifier"),
                           ({"web_search_options": {}}, "web_search_options"),
                           ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),

@@ -14,6 +14,8 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello world"}]
+CONTINUED = {"messages": [*MESSAGES, {"role": "assistant", "content": "The answer"}],
+             "continue_final_message": True, "add_generation_prompt": False}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}]
 
@@ -161,7 +163,9 @@ CHAT_ONLY = {
     "store": ({"store": True}, refused("store")),
     "modalities": ({"modalities": ["text", "audio"]}, refused("modalities")),
     "web_search_options": ({"web_search_options": {}}, refused("web_search_options")),
-    "echo": ({"echo": True}, refused("echo")),  # (vLLM's chat echo; completions' is below)
+    # vLLM's chat echo: the final assistant turn before the answer (completions' is below).
+    "echo": ({"echo": True, **CONTINUED}, lambda r, b, t: text(r) == "The answer" + text(post(
+        SERVER[0], True, **CONTINUED)) or pytest.fail()),
 }
 COMPLETION_ONLY = {
     "prompt": ({"prompt": [5, 6, 7]}, ok),
