@@ -194,6 +194,45 @@ def test_rows_of_one_prompt_attended_together_are_each_row_alone(isa, q_dtype, c
         torch.set_num_threads(before)
 
 
+def _relaid(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, bs: int, seed: int):
+    """The same keys and values as (kc, vc, table) in blocks of `bs` slots, scattered in
+    another order, with NaN in every slot no row owns: (k_cache, v_cache, block_table)."""
+    old_bs, max_len = kc.shape[1], int(lens.max())
+    nblk = -(-max_len // bs)
+    order = (torch.randperm(len(lens) * nblk, generator=torch.Generator().manual_seed(seed)) + 1).int()
+    new_table = order.view(len(lens), nblk)
+    k2 = torch.full((len(lens) * nblk + 1, bs, *kc.shape[2:]), float("nan"), dtype=kc.dtype)
+    v2 = k2.clone()
+    for b, n in enumerate(lens.tolist()):
+        for p in range(n):
+            src = (int(table[b, p // old_bs]), p % old_bs)
+            k2[new_table[b, p // bs], p % bs] = kc[src]
+            v2[new_table[b, p // bs], p % bs] = vc[src]
+    return k2, v2, new_table
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
+def test_the_block_size_changes_no_output_bit(isa, q_dtype, cache_dtype):
+    """The same keys and values in blocks of 1 to 64 slots give every row (decode rows and
+    a prompt's tiled rows, under a sliding window too) bit for bit the same output: a block
+    smaller than the kernel's group of slots once took the row-by-row path, whose bf16
+    scores round differently, so `--block-size 8` changed greedy answers on AVX-512."""
+    if isa == "avx2" and "avx2" not in CPU_FLAGS:
+        pytest.skip("needs an AVX2 CPU")
+    kernel = paged_decode() if isa == "native" else cpu_paged.build(("-mno-avx512f",))
+    for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (64, 1, 12)):
+        q, kc, vc, table, lens = _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, 16, dim)
+        for window in (0, 45):
+            want = kernel(q, kc, vc, table, lens, dim**-0.5, window)
+            for bs in (1, 2, 4, 8, 32, 64):
+                k2, v2, t2 = _relaid(kc, vc, table, lens, bs, bs)
+                got = kernel(q, k2, v2, t2, lens, dim**-0.5, window)
+                assert torch.equal(got, want), (dim, group, window, bs, (got.float() - want.float()).abs().max())
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 def test_plain_loop_build_matches_float32_math():
     """The plain loops of a CPU with neither (built here with both disabled)."""
