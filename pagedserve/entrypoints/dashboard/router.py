@@ -39,7 +39,8 @@ def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],
         return _static_file("index.html")
 
     for path in PAGE_PATHS:
-        router.add_api_route(path, page, methods=["GET"], include_in_schema=False)
+        # (HEAD too: Ollama's clients check that a server is up with HEAD /)
+        router.add_api_route(path, page, methods=["GET", "HEAD"], include_in_schema=False)
 
     @router.get(STATIC_PREFIX + "{name}", include_in_schema=False)
     async def static(name: str) -> Response:

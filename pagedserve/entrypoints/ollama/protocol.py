@@ -31,7 +31,28 @@ HARDWARE_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_v
 # Sampling options of Ollama's that change nothing at the value given here (their
 # neutral value, or with no repeat penalty to shape): any other value is refused.
 NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {"typical_p": (1, 1.0), "tfs_z": (1, 1.0), "mirostat": (0,),
-                                               "num_keep": (), "penalize_newline": (), "repeat_last_n": ()}
+                                               "num_keep": (), "penalize_newline": (), "repeat_last_n": (),
+                                               "mirostat_tau": (), "mirostat_eta": ()}
+# Options that only shape another one (checked against it below): any value, no effect alone.
+_SHAPING_OPTIONS = frozenset({"num_keep", "penalize_newline", "repeat_last_n", "mirostat_tau", "mirostat_eta"})
+KNOWN_OPTIONS = frozenset(SAMPLING_OPTIONS) | HARDWARE_OPTIONS | frozenset(NEUTRAL_OPTIONS) | {"num_ctx",
+                                                                                               "num_predict"}
+# Ollama's own seed for "a random one" (its default).
+RANDOM_SEED = -1
+
+
+def whole_number(name: str, value: Any) -> int:
+    """An integer option's value: Go's decoder (Ollama's) takes 4096.0 as 4096 too."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OpenAIError(f"options.{name} must be an integer", param="options")
+    return value
+
+
+def without_latest(name: str) -> str:
+    """Ollama's `NAME:latest` is `NAME` (the tag clients add when none is given)."""
+    return name[: -len(":latest")] if name.endswith(":latest") and len(name) > len(":latest") else name
 
 
 class OllamaModel(RequestBody):
@@ -40,6 +61,18 @@ class OllamaModel(RequestBody):
     model_config = ConfigDict(extra="allow", strict=False)  # Ollama's clients send 0.7 and 1 alike
     model: str = Field(min_length=1, max_length=1024)
     keep_alive: float | int | str | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _untagged(cls, value: str) -> str:
+        return without_latest(value)
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # (a bool is an int to Python, not to Ollama's Go decoder)
+            raise ValueError("keep_alive must be a duration such as \"5m\" or a number of seconds, not a boolean")
+        return value
 
     def keep_alive_seconds(self) -> Any:
         """The request's keep_alive in seconds (None: forever), or UNSET."""
@@ -51,13 +84,10 @@ class OllamaModel(RequestBody):
             raise OpenAIError(str(e), param="keep_alive") from None
 
 
-class OllamaGenerating(OllamaModel):
-    stream: bool = True
+class OllamaWithOptions(OllamaModel):
+    """A body with Ollama's `options`: at most 64, each one Ollama defines."""
+
     options: dict[str, Any] | None = None
-    format: str | dict[str, Any] | None = None
-    think: bool | str | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
 
     @field_validator("options")
     @classmethod
@@ -65,6 +95,20 @@ class OllamaGenerating(OllamaModel):
         if value is not None and len(value) > 64:
             raise ValueError("options has more than 64 entries")
         return value
+
+    def check_options(self) -> None:
+        """Every option set (not null) is one Ollama defines."""
+        for name, value in (self.options or {}).items():
+            if value is not None and name not in KNOWN_OPTIONS:
+                raise OpenAIError(f"options.{name[:100]} is not an option this server knows", param="options")
+
+
+class OllamaGenerating(OllamaWithOptions):
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def refused_fields(self) -> None:
         """Ollama fields this server does not honour, refused by name."""
@@ -75,29 +119,23 @@ class OllamaGenerating(OllamaModel):
                               "/v1/chat/completions for them", param="logprobs")
 
     def sampling(self) -> dict[str, Any]:
-        """The OpenAI request fields `options` and `format` set."""
+        """The OpenAI request fields `options` and `format` set (`num_predict` and
+        `num_ctx` apply once the prompt's length is known: OllamaServing.prepare)."""
+        self.check_options()
         body: dict[str, Any] = {}
         for name, value in (self.options or {}).items():
-            if value is None or name in HARDWARE_OPTIONS or name == "num_ctx":
+            if value is None or name in HARDWARE_OPTIONS or name in ("num_ctx", "num_predict"):
                 continue
+            if name == "seed" and value == RANDOM_SEED:
+                continue  # Ollama's -1: a random seed, as with none
             if name in SAMPLING_OPTIONS:
-                body[SAMPLING_OPTIONS[name]] = value
-            elif name == "num_predict":
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise OpenAIError("options.num_predict must be an integer", param="options")
-                if value == 0:  # (a request for nothing: named here, not as the max_tokens it maps to)
-                    raise OpenAIError("options.num_predict must be at least 1, or negative for no limit",
-                                      param="options")
-                if value > 0:  # -1: until the end; -2: until the context is full (both: no limit here)
-                    body["max_tokens"] = value
+                body[SAMPLING_OPTIONS[name]] = whole_number(name, value) if name in ("seed", "top_k") else value
             elif name in NEUTRAL_OPTIONS:
-                if name in ("num_keep", "penalize_newline", "repeat_last_n"):
-                    continue  # shape only a repeat penalty; checked below
+                if name in _SHAPING_OPTIONS:
+                    continue  # shape only a repeat penalty (checked below) or mirostat (off here)
                 if value not in NEUTRAL_OPTIONS[name]:
                     raise OpenAIError(f"options.{name}={value!r:.50} is not supported here (only its neutral "
                                       f"value, {NEUTRAL_OPTIONS[name][0]})", param="options")
-            else:
-                raise OpenAIError(f"options.{name[:100]} is not an option this server knows", param="options")
         if body.get("repetition_penalty") not in (None, 1, 1.0) and any(
                 (self.options or {}).get(k) is not None for k in ("repeat_last_n", "penalize_newline", "num_keep")):
             raise OpenAIError("options.repeat_last_n, penalize_newline and num_keep are not supported: the repeat "
@@ -108,9 +146,20 @@ class OllamaGenerating(OllamaModel):
 
     def num_ctx(self) -> int | None:
         value = (self.options or {}).get("num_ctx")
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and whole_number("num_ctx", value) < 1:
             raise OpenAIError("options.num_ctx must be a positive integer", param="options")
-        return value
+        return None if value is None else int(value)
+
+    def num_predict(self) -> int | None:
+        """Tokens to generate at most (None: until the end or the context is full, Ollama's
+        -1 and -2); more than the context holds stops where it is full, as Ollama does."""
+        value = (self.options or {}).get("num_predict")
+        if value is None:
+            return None
+        value = whole_number("num_predict", value)
+        if value == 0:  # (a request for nothing: named here, not as the max_tokens it maps to)
+            raise OpenAIError("options.num_predict must be at least 1, or negative for no limit", param="options")
+        return value if value > 0 else None
 
     def response_format(self) -> dict[str, Any]:
         if self.format in (None, ""):
@@ -138,20 +187,27 @@ class OllamaGenerateRequest(OllamaGenerating):
     images: list[Any] | None = None
 
 
-class OllamaEmbedRequest(OllamaModel):
+class OllamaEmbedRequest(OllamaWithOptions):
+    """`options` are Ollama's (checked) and change nothing here: embeddings do not sample."""
+
     stream: ClassVar[bool] = False
     input: str | list[str] = ""
     truncate: bool = True
-    options: dict[str, Any] | None = None
     dimensions: int | None = None
 
+    def empty(self) -> bool:
+        """Nothing to embed: Ollama loads the model and answers no embeddings."""
+        return self.input in ("", [])
 
-class OllamaEmbeddingsRequest(OllamaModel):
+
+class OllamaEmbeddingsRequest(OllamaWithOptions):
     """The older /api/embeddings: one prompt, one embedding."""
 
     stream: ClassVar[bool] = False
     prompt: str = ""
-    options: dict[str, Any] | None = None
+
+    def empty(self) -> bool:
+        return self.prompt == ""
 
 
 class OllamaShowRequest(BaseModel):
@@ -164,7 +220,7 @@ class OllamaShowRequest(BaseModel):
         name = self.model or self.name
         if not name:
             raise OpenAIError("model is required", param="model")
-        return name
+        return without_latest(name)
 
 
 def ollama_error_body(message: str) -> dict[str, str]:

@@ -76,14 +76,22 @@ async def _load_only(state: ServerState, model: str, keep_alive: Any, chat: bool
 
 @router.post("/api/embed")
 async def embed(body: OllamaEmbedRequest, request: Request, state: ServerStateDep) -> Response:
-    timing = Timing()
-    return await generate(state, lambda model: OllamaEmbedding(model.embedding, timing), body, request,
-                          runner="pooling", keep_alive=body.keep_alive_seconds())
+    return await _embed(body, request, state, {"model": body.model, "embeddings": []})
 
 
 @router.post("/api/embeddings")
 async def embeddings(body: OllamaEmbeddingsRequest, request: Request, state: ServerStateDep) -> Response:
+    return await _embed(body, request, state, {"embedding": []})
+
+
+async def _embed(body: OllamaEmbedRequest | OllamaEmbeddingsRequest, request: Request, state: ServerState,
+                 nothing: dict[str, Any]) -> Response:
+    """Embeddings; an empty input only loads the model (Ollama's preload) and answers `nothing`."""
     timing = Timing()
+    body.check_options()
+    if body.empty():
+        (await state.lease(body.model, "pooling", request.url.path, body.keep_alive_seconds())).release()
+        return JSONResponse(nothing)
     return await generate(state, lambda model: OllamaEmbedding(model.embedding, timing), body, request,
                           runner="pooling", keep_alive=body.keep_alive_seconds())
 
@@ -98,7 +106,7 @@ def _listing(model: ServedModel[Any]) -> dict[str, Any]:
             "size": info.size, "digest": _digest(model), "details": info.details()}
 
 
-@router.get("/api/tags")
+@router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(state: ServerStateDep) -> dict:
     """Every servable model, loaded or not."""
     state.check_up()
@@ -133,14 +141,16 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     model = state.models.models[resolved]
     info = model_details(model.spec.source)
     handlers = model.loaded
+    # (tools and vision need a chat template to place them in: a base model only completes)
+    chat = bool(info.chat_template)
     capabilities = ["embedding"] if handlers is not None and handlers.engine.runner == "pooling" else \
-        ["completion", "tools", *(["vision"] if info.vision else [])]
+        ["completion", *(["tools"] if chat else []), *(["vision"] if info.vision and chat else [])]
     return {"modelfile": f"# served by pagedserve\nFROM {model.spec.name}\n", "parameters": "",
             "template": info.chat_template, "details": info.details(), "model_info": info.model_info(),
             "capabilities": capabilities, "modified_at": info.modified_at}
 
 
-@router.get("/api/version")
+@router.api_route("/api/version", methods=["GET", "HEAD"])
 async def version() -> dict:
     return {"version": pagedserve.__version__}
 

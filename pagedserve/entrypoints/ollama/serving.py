@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.ollama.protocol import (
+    SAMPLING_OPTIONS,
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
@@ -114,6 +117,19 @@ def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any
             {"type": "text", "text": text}]
 
 
+def _openai_tool_call(call: Any, where: str, call_id: str) -> dict[str, Any]:
+    """One of an assistant turn's tool calls, Ollama's shape ({"function": {"name": ...,
+    "arguments": {...}}}) as OpenAI's (arguments as JSON text); any other shape is named."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise OpenAIError(f'{where} must be {{"function": {{"name": NAME, "arguments": {{...}}}}}}', param="messages")
+    arguments = function.get("arguments")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise OpenAIError(f"{where}.function.arguments must be an object", param="messages")
+    return {"id": call_id, "type": "function",
+            "function": {"name": function["name"], "arguments": json.dumps(arguments or {})}}
+
+
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ollama's messages as OpenAI's: tool calls' arguments as JSON text (with ids), a
     tool result's `tool_name` as its name, images as image parts."""
@@ -127,11 +143,8 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if calls:
             if not isinstance(calls, list):
                 raise OpenAIError(f"messages[{i}].tool_calls must be a list", param="messages")
-            message["tool_calls"] = [
-                {"id": f"call_{i}_{j}", "type": "function",
-                 "function": {"name": (c.get("function") or {}).get("name", ""),
-                              "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
-                for j, c in enumerate(calls) if isinstance(c, dict)]
+            message["tool_calls"] = [_openai_tool_call(c, f"messages[{i}].tool_calls[{j}]", f"call_{i}_{j}")
+                                     for j, c in enumerate(calls)]
         if m.get("role") == "tool" and m.get("tool_name"):
             message["name"] = m["tool_name"]
         out.append(message)
@@ -170,15 +183,29 @@ def generate_request(req: OllamaGenerateRequest, has_template: bool) -> ChatComp
         if req.system:
             raise OpenAIError("system: " + ("a raw prompt" if req.raw else "this model") + " has no chat template "
                               "to put it in", param="system")
-        return _validated(CompletionRequest, _openai_body(req, prompt=req.prompt or ""))
+        # (max_tokens unset: Ollama's default runs to the end, not the legacy endpoint's 16)
+        return _validated(CompletionRequest, _openai_body(req, prompt=req.prompt or "", max_tokens=None))
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
         [{"role": "user", "content": _with_images(req.prompt or "", req.images, "request")}]
     return _validated(ChatCompletionRequest, _openai_body(req, messages=messages))
 
 
+# The OpenAI field each Ollama option or field became, back to the name the client sent.
+_OLLAMA_NAMES = {**{openai: f"options.{name}" for name, openai in SAMPLING_OPTIONS.items()},
+                 "max_tokens": "options.num_predict", "response_format": "format"}
+
+
 def _validated(cls: type[Any], body: dict[str, Any]) -> Any:
+    """The translated body as the OpenAI request model; a field it refuses is named as
+    the client sent it (`options.temperature`, `messages.0.role`), not pydantic's dump."""
     try:
         return cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        name = _OLLAMA_NAMES.get(loc[0], ".".join(loc)) if loc else "request"
+        param = name.split(".")[0] if not name.startswith("options.") else "options"
+        raise OpenAIError(f"{name}: {first['msg']}", param=param) from None
     except ValueError as e:
         raise OpenAIError(f"cannot translate the request: {e}", param="options") from None
 
@@ -198,16 +225,23 @@ class OllamaServing:
         return self.completion if isinstance(openai_request, CompletionRequest) else self.chat
 
     def prepare(self, req: OllamaChatRequest | OllamaGenerateRequest) -> PreparedOllama:
+        has_template = self.chat.engine.chat_template is not None
+        if isinstance(req, OllamaChatRequest) and not has_template:
+            raise OpenAIError(f"model '{req.model[:200]}' has no chat template to put messages in: /api/generate "
+                              "completes its prompt as is", param="messages")
         openai_request = chat_request(req) if isinstance(req, OllamaChatRequest) else \
-            generate_request(req, self.chat.engine.chat_template is not None)
-        prepared = self._handler(openai_request).prepare(openai_request)
-        num_ctx = req.num_ctx()
-        if num_ctx is not None:  # Ollama's context window: prompt and answer within it
-            prompt_len = len(prepared.prompts[0].token_ids)
-            if prompt_len >= num_ctx:
-                raise OpenAIError(f"the prompt is {prompt_len} tokens, options.num_ctx is {num_ctx}", param="options")
-            params = prepared.params
-            params.max_tokens = min(params.max_tokens or num_ctx, num_ctx - prompt_len)
+            generate_request(req, has_template)
+        handler = self._handler(openai_request)
+        prepared = handler.prepare(openai_request)
+        # The answer's room: the model's context (or Ollama's num_ctx window) after the
+        # prompt; num_predict past it stops where the context is full, as Ollama's does.
+        prompt_len, num_ctx = len(prepared.prompts[0].token_ids), req.num_ctx()
+        if num_ctx is not None and prompt_len >= num_ctx:
+            raise OpenAIError(f"the prompt is {prompt_len} tokens, options.num_ctx is {num_ctx}", param="options")
+        room = min(num_ctx or handler.max_model_len, handler.max_model_len) - prompt_len
+        params, num_predict = prepared.params, req.num_predict()
+        if room >= 1:  # (a prompt that alone fills the context is the engine's to refuse)
+            params.max_tokens = min(params.max_tokens or room, room, num_predict or room)
         return PreparedOllama(openai_request, prepared)
 
     async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:
@@ -278,8 +312,7 @@ class OllamaEmbedding:
         self.embedding.warn_unknown_fields(req)
 
     def prepare(self, req: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> PreparedOllama:
-        if req.options:
-            raise OpenAIError("options: embeddings take no sampling options", param="options")
+        req.check_options()
         body: dict[str, Any] = {"model": req.model}
         if isinstance(req, OllamaEmbedRequest):
             body["input"] = req.input

@@ -129,7 +129,8 @@ def test_show_and_version() -> None:
         return shown, version
 
     shown, version = call(app, fn)
-    assert shown.capabilities == ["completion", "tools"] and "general.architecture" in shown.modelinfo
+    # (tools need a chat template to place them in: this model has none, a base model)
+    assert not shown.template and shown.capabilities == ["completion"] and "general.architecture" in shown.modelinfo
     assert version["version"]
 
 
@@ -187,3 +188,53 @@ def test_each_loaded_model_has_its_dashboard_and_watching_loads_none() -> None:
         return True
 
     assert call(app, fn)
+
+
+def test_ollamas_own_conventions() -> None:
+    """What Ollama's clients send as a matter of course: `NAME:latest`, num_predict past
+    the context (stops where it is full), seed -1 (random), whole-number floats for
+    integer options, mirostat's tau and eta at their defaults, options on embeddings
+    (LangChain sends every option, most null), HEAD to see that the server is up."""
+    from pagedserve.entrypoints.ollama.protocol import OllamaEmbedRequest, OllamaGenerateRequest
+
+    _, app, _ = make_app(dashboard=True)
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        g = await client.generate("first:latest", "hi", options={
+            "num_predict": 100000, "seed": -1, "num_ctx": 48.0, "mirostat_tau": 5.0, "mirostat_eta": 0.1})
+        assert g.done and g.response.startswith("hello") and g.eval_count + g.prompt_eval_count <= 48
+        shown = await client.show("first:latest")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            heads = [(await http.head(path)).status_code for path in ("/", "/api/version", "/api/tags")]
+            bad = {}
+            for name, body in {
+                "tool_call_string": {"messages": [{"role": "assistant", "content": "", "tool_calls": [
+                    {"function": "get_weather"}]}, {"role": "user", "content": "x"}]},
+                "tool_call_number": {"messages": [{"role": "assistant", "content": "", "tool_calls": [1]}]},
+                "arguments_list": {"messages": [{"role": "assistant", "content": "", "tool_calls": [
+                    {"function": {"name": "f", "arguments": [1]}}]}]},
+                "keep_alive_bool": {"messages": [{"role": "user", "content": "x"}], "keep_alive": True},
+                "temperature_word": {"messages": [{"role": "user", "content": "x"}], "options": {"temperature": "hot"}},
+            }.items():
+                r = await http.post("/api/chat", json={"model": "first", "stream": False, **body})
+                bad[name] = (r.status_code, r.json()["error"])
+            healthy = (await http.post("/api/chat", json={"model": "first", "stream": False, "messages": [
+                {"role": "user", "content": "x"}]})).status_code
+        return shown, heads, bad, healthy
+
+    shown, heads, bad, healthy = call(app, fn)
+    assert shown.details is not None and heads == [200, 200, 200] and healthy == 200
+    assert all(status == 400 for status, _ in bad.values()), bad
+    assert "messages[0].tool_calls[0]" in bad["tool_call_string"][1] and "tool_calls[0]" in bad["tool_call_number"][1]
+    assert "arguments must be an object" in bad["arguments_list"][1]
+    assert "keep_alive" in bad["keep_alive_bool"][1]
+    assert bad["temperature_word"][1].startswith("options.temperature:") and "pydantic" not in bad["temperature_word"][1]
+    # Ollama's -1 is a random seed, as with none; 7.0 is 7; an option Ollama does not define is named.
+    sampling = OllamaGenerateRequest(model="m", prompt="x", options={"seed": -1, "top_k": 3.0}).sampling()
+    assert "seed" not in sampling and sampling["top_k"] == 3
+    assert OllamaGenerateRequest(model="m", prompt="x", options={"seed": 7.0}).sampling()["seed"] == 7
+    OllamaEmbedRequest(model="m", input="x", options={"num_ctx": None, "temperature": 0.8, "num_thread": 2}).check_options()
+    with pytest.raises(Exception, match="options.bogus"):
+        OllamaEmbedRequest(model="m", input="x", options={"bogus": 1}).check_options()
+    assert OllamaEmbedRequest(model="m:latest", input=[]).empty() and OllamaEmbedRequest(model="m").model == "m"
