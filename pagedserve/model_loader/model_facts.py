@@ -126,7 +126,10 @@ def _facts(path: str, mtime_ns: int) -> ModelFacts:
         return ModelFacts("gguf", arch, count, quant, ctx, os.path.getsize(path), modified, "")
     family, count, dtype, ctx, template, size, vision = _directory_facts(path)
     gguf = [f for f in os.listdir(path) if f.endswith(".gguf")]
-    quant = _gguf_facts(os.path.join(path, gguf[0]))[2] if gguf else dtype  # a registered model's original
+    if gguf:  # a registered model's original: its type and size, as the format says (not the conversion's)
+        quant, size = _gguf_facts(os.path.join(path, gguf[0]))[2], os.path.getsize(os.path.join(path, gguf[0]))
+    else:
+        quant = dtype
     return ModelFacts("gguf" if gguf else "safetensors", family, count, quant, ctx, size, modified, template, vision)
 
 

@@ -26,6 +26,9 @@ def test_a_gguf_files_facts_are_what_ggufs_own_reader_reads(smollm2_gguf: str, s
         "gguf", "llama", "Q4_1", 8192)
     assert "<|im_start|>" in converted.chat_template
     assert converted.details()["parameter_size"] == "134.52M"
+    # Its size is the GGUF file's, the format and quantization it names (not the conversion's bytes).
+    [original] = [f for f in os.listdir(smollm2_path) if f.endswith(".gguf")]
+    assert converted.size == os.path.getsize(os.path.join(smollm2_path, original)) < 120_000_000
 
 
 def test_an_unreadable_model_shows_only_its_name(tmp_path) -> None:
