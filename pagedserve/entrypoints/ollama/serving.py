@@ -160,7 +160,14 @@ def _openai_body(req: OllamaGenerating, **body: Any) -> dict[str, Any]:
 
 
 def chat_request(req: OllamaChatRequest) -> ChatCompletionRequest:
-    body = _openai_body(req, messages=_chat_messages(req.messages))
+    """A final assistant turn with text (and no tool calls) is continued, as Ollama does:
+    the answer picks up where that text ends (continue_final_message)."""
+    messages = _chat_messages(req.messages)
+    body = _openai_body(req, messages=messages)
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and isinstance(last["content"], str) and \
+            "tool_calls" not in last:
+        body.update(continue_final_message=True, add_generation_prompt=False)
     if req.tools:
         body["tools"] = req.tools
     return _validated(ChatCompletionRequest, body)

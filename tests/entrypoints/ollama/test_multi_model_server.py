@@ -74,6 +74,12 @@ def test_interleaved_models_answer_as_each_alone(server, models_dir) -> None:
         b = client.chat(name, CHAT, options={"temperature": 0, "num_predict": 8})
         assert a.choices[0].message.content == b.message.content == expected[name], name
         assert [m.model for m in client.ps().models] == [name]
+    # A final assistant turn is continued, as Ollama does (OpenAI's continue_final_message).
+    turn = [*CHAT, {"role": "assistant", "content": "Well"}]
+    a = oai.chat.completions.create(model="alpha", messages=turn, max_tokens=8, temperature=0,
+                                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    b = client.chat("alpha", turn, options={"temperature": 0, "num_predict": 8})
+    assert a.choices[0].message.content == b.message.content != expected["alpha"]
 
 
 def test_concurrent_first_requests_load_once_and_keep_alive_expires(server) -> None:
