@@ -150,6 +150,13 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
             "capabilities": capabilities, "modified_at": info.modified_at}
 
 
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def up() -> Response:
+    """Ollama's clients check a server with HEAD / (Ollama answers "Ollama is running").
+    The dashboard's page takes / first where it is on (its router is included before)."""
+    return Response("pagedserve is running", media_type="text/plain")
+
+
 @router.api_route("/api/version", methods=["GET", "HEAD"])
 async def version() -> dict:
     return {"version": pagedserve.__version__}

@@ -207,6 +207,7 @@ def test_only_the_shipped_static_files_are_served(path):
 
 def test_disable_dashboard_removes_the_page_and_its_stream():
     page, root, events = _get(_app(enable_dashboard=False), "/dashboard", "/", "/dashboard/events", key="secret")
-    assert page.status_code == root.status_code == events.status_code == 404
+    assert page.status_code == events.status_code == 404
+    assert root.status_code == 200 and root.text == "pagedserve is running"  # (Ollama's check, not the page)
     (page,) = _get(_app(enable_dashboard=False), "/dashboard")  # and it is no longer public
     assert page.status_code == 401

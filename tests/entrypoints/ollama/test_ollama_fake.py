@@ -225,6 +225,14 @@ def test_ollamas_own_conventions() -> None:
 
     shown, heads, bad, healthy = call(app, fn)
     assert shown.details is not None and heads == [200, 200, 200] and healthy == 200
+
+    async def without_dashboard(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        transport = httpx.ASGITransport(app=bare)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return (await http.head("/")).status_code, (await http.get("/")).text
+
+    _, bare, _ = make_app(dashboard=False)
+    assert call(bare, without_dashboard) == (200, "pagedserve is running")
     assert all(status == 400 for status, _ in bad.values()), bad
     assert "messages[0].tool_calls[0]" in bad["tool_call_string"][1] and "tool_calls[0]" in bad["tool_call_number"][1]
     assert "arguments must be an object" in bad["arguments_list"][1]
