@@ -23,6 +23,8 @@ _EXPORTS = {
     "EngineArgs": "pagedserve.engine.arg_utils",
     "LLMEngine": "pagedserve.engine.llm_engine",
     "LoRARequest": "pagedserve.lora.request",
+    "TextPrompt": "pagedserve.inputs",
+    "TokensPrompt": "pagedserve.inputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -28,6 +28,7 @@ from pagedserve.request_limits import (
 from pagedserve.utils import is_int, is_number
 
 _GREEDY_EPS = 1e-5
+RANDOM_SEED = -1  # a seed that asks for none
 # torch.Generator.manual_seed takes 64-bit values; n > 1 children add their index.
 _SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -143,10 +144,17 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        """vLLM's normal forms: `stop` and `stop_token_ids` as lists (a lone stop string in
+        one, so `for s in params.stop` goes over strings), and seed -1 as no seed (a
+        random one: what -1 means to vLLM, llama.cpp and Ollama)."""
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.stop is None or isinstance(self.stop, (str, tuple)):
+            self.stop = self.stop_strings
+        if self.seed == RANDOM_SEED and is_int(self.seed):
+            self.seed = None
         self.validate()
 
     def validate(self) -> None:

@@ -114,3 +114,12 @@ def test_a_prediction_is_refused_by_name_where_its_drafts_could_not_be_verified_
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(prediction=bad)
         assert info.value.param == "prediction"
+
+
+def test_vllms_normal_forms_stop_as_a_list_and_seed_minus_one_as_none():
+    """A lone stop string is a one-string list (`for s in params.stop` goes over strings,
+    not characters), no stop an empty list, and seed -1 no seed (random), as vLLM has them."""
+    assert SamplingParams(stop="###").stop == ["###"] and SamplingParams().stop == []
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"] and SamplingParams(stop=["x"]).stop == ["x"]
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(seed=0).seed == 0

@@ -42,6 +42,7 @@ from pagedserve.config import (
     default_max_step_ms,
     default_speculative_config,
 )
+from pagedserve.engine.arg_spellings import vllm_spellings
 from pagedserve.utils import is_int, parse_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -229,7 +230,9 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
-        """Like EngineArgs(**kwargs), but an unknown name gets a TypeError listing the valid ones."""
+        """Like EngineArgs(**kwargs), but an unknown name gets a TypeError listing the valid
+        ones, and vLLM's spellings of a setting are taken (`vllm_spellings`)."""
+        kwargs = vllm_spellings(kwargs)
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - valid)
         if unknown:

@@ -65,6 +65,11 @@ class LLM:
         """transformers' tokenizer of the model (the engine may hold a snapshot of it)."""
         return hf_tokenizer(self.client.info.tokenizer)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block no request holds (vLLM's LLM.reset_prefix_cache);
+        False where there is no engine in this process (data-parallel replicas)."""
+        return self.llm_engine.reset_prefix_cache() if self.llm_engine is not None else False
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate()` uses when given no SamplingParams: the model's generation-config
         defaults (--generation-config auto), else the built-in ones."""

@@ -185,3 +185,24 @@ def test_generation_config_gives_the_defaults(tiny_dir, tmp_path) -> None:
     plain = LLM(str(model), dtype="float32", max_model_len=128, generation_config="vllm")
     d = plain.get_default_sampling_params()
     assert (d.temperature, d.top_k, d.top_p) == (1.0, 0, 1.0)
+
+
+def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
+    """What scripts written for vLLM pass: `task` (its runner), `seed=None` (a random
+    engine seed) and `quantization=None` ("auto"); TokensPrompt / TextPrompt dicts;
+    LLM.reset_prefix_cache."""
+    from pagedserve import TextPrompt, TokensPrompt
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    assert EngineArgs.from_kwargs(task="embed").runner == "pooling"
+    assert EngineArgs.from_kwargs(task="generate", quantization=None).quantization == "auto"
+    assert isinstance(EngineArgs.from_kwargs(seed=None).seed, int)
+    with pytest.raises(ValueError, match="task must be one of"):
+        EngineArgs.from_kwargs(task="transcription")
+    with pytest.raises(ValueError, match="runner='generate' was given"):
+        EngineArgs.from_kwargs(task="embed", runner="generate")
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    a, b = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt="hello")], sp, use_tqdm=False)
+    assert a.prompt_token_ids == [5, 6, 7] and b.prompt == "hello"
+    llm.generate([{"prompt_token_ids": list(range(20, 60))}], sp, use_tqdm=False)
+    assert llm.reset_prefix_cache() is True

@@ -37,8 +37,6 @@ NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {"typical_p": (1, 1.0), "tfs_z": (
 _SHAPING_OPTIONS = frozenset({"num_keep", "penalize_newline", "repeat_last_n", "mirostat_tau", "mirostat_eta"})
 KNOWN_OPTIONS = frozenset(SAMPLING_OPTIONS) | HARDWARE_OPTIONS | frozenset(NEUTRAL_OPTIONS) | {"num_ctx",
                                                                                                "num_predict"}
-# Ollama's own seed for "a random one" (its default).
-RANDOM_SEED = -1
 
 
 def whole_number(name: str, value: Any) -> int:
@@ -126,8 +124,6 @@ class OllamaGenerating(OllamaWithOptions):
         for name, value in (self.options or {}).items():
             if value is None or name in HARDWARE_OPTIONS or name in ("num_ctx", "num_predict"):
                 continue
-            if name == "seed" and value == RANDOM_SEED:
-                continue  # Ollama's -1: a random seed, as with none
             if name in SAMPLING_OPTIONS:
                 body[SAMPLING_OPTIONS[name]] = whole_number(name, value) if name in ("seed", "top_k") else value
             elif name in NEUTRAL_OPTIONS:

@@ -239,8 +239,10 @@ def test_ollamas_own_conventions() -> None:
     assert "keep_alive" in bad["keep_alive_bool"][1]
     assert bad["temperature_word"][1].startswith("options.temperature:") and "pydantic" not in bad["temperature_word"][1]
     # Ollama's -1 is a random seed, as with none; 7.0 is 7; an option Ollama does not define is named.
+    from pagedserve import SamplingParams
+
     sampling = OllamaGenerateRequest(model="m", prompt="x", options={"seed": -1, "top_k": 3.0}).sampling()
-    assert "seed" not in sampling and sampling["top_k"] == 3
+    assert SamplingParams(seed=sampling["seed"]).seed is None and sampling["top_k"] == 3
     assert OllamaGenerateRequest(model="m", prompt="x", options={"seed": 7.0}).sampling()["seed"] == 7
     OllamaEmbedRequest(model="m", input="x", options={"num_ctx": None, "temperature": 0.8, "num_thread": 2}).check_options()
     with pytest.raises(Exception, match="options.bogus"):
