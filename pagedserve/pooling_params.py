@@ -36,6 +36,7 @@ class PoolingParams:
     normalize: bool | None = None  # None: the engine's PoolerConfig.normalize
     pooling_type: str | None = None  # None: the engine's PoolerConfig.pooling_type
     classifier_token_ids: tuple[int, int] | None = None  # (negative, positive): set by the engine
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last N tokens (-1: the last max_model_len)
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
@@ -51,6 +52,10 @@ class PoolingParams:
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
                                       f"got {self.pooling_type!r:.100}", param="pooling_type")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not is_int(t) or not (t >= 1 or t == -1)):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1, a positive integer or None, got {t!r:.100}",
+                                      param="truncate_prompt_tokens")
         if self.task == "classify" and self.dimensions is not None:
             raise InvalidRequestError("dimensions applies to embeddings, not to task 'classify'", param="dimensions")
 

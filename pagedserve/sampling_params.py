@@ -140,6 +140,9 @@ class SamplingParams:
     # decoding, exact: the output is the one it would be without), so the text it
     # repeats comes several tokens a step.
     prediction: str | list[int] | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len); the
+    # engine cuts it (InputProcessor, one rule with the server's field of that name).
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from bad_words (it needs the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
@@ -319,6 +322,8 @@ _SCALAR_RULES = (
     _FieldRule("repetition_penalty", lambda v: _is_finite(v) and v > 0, "a finite number > 0"),
     _FieldRule("max_tokens", lambda v: v is None or (is_int(v) and v >= 1), "an integer >= 1 or None"),
     _FieldRule("min_tokens", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    _FieldRule("truncate_prompt_tokens", lambda v: v is None or (is_int(v) and (v >= 1 or v == -1)),
+               "-1, a positive integer or None"),
 )
 _LOGPROBS_RULES = (
     _FieldRule("logprobs", _optional_count, "an integer >= 0 or None"),

@@ -37,6 +37,7 @@ on tokenizing), the offline engine in its caller's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import numbers
 import time
 from concurrent.futures import Future
@@ -138,7 +139,11 @@ class InputProcessor:
         if not is_int(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
         processed = self.process_prompt(prompt)
-        prompt_ids = processed.token_ids
+        truncate = (pooling or sampling).truncate_prompt_tokens
+        prompt_ids = self.truncate_prompt(processed.token_ids, truncate, self.config.scheduler_config.max_model_len,
+                                     processed.images is not None)
+        if prompt_ids is not processed.token_ids:  # a cut prompt keeps no text (its ids are what ran)
+            processed = dataclasses.replace(processed, text=None, token_ids=prompt_ids)
         self.check_request(prompt_ids, sampling, priority)
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -158,6 +163,26 @@ class InputProcessor:
             [self.child_params(sampling, i) for i in range(n)], pooling,
             time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar, prediction_ids,
             processed.images, processed.mrope)
+
+    @staticmethod
+    def truncate_prompt(token_ids: list[int], truncate: int | None, max_model_len: int, has_images: bool) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `truncate` tokens (-1: the last
+        max_model_len; None: all of it).  Refused past max_model_len, and where it would cut
+        a prompt with images (their spans would be cut).  The one rule: the offline params'
+        field and the server's request field both come here."""
+        if truncate is None:
+            return token_ids
+        if truncate == -1:
+            truncate = max_model_len
+        if not is_int(truncate) or not 1 <= truncate <= max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or within 1..max_model_len ({max_model_len}), "
+                                      f"got {truncate!r:.100}", param="truncate_prompt_tokens")
+        if len(token_ids) <= truncate:
+            return token_ids
+        if has_images:
+            raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images (their spans would be cut)",
+                                      param="truncate_prompt_tokens")
+        return token_ids[-truncate:]
 
     def _split_params(self, params: SamplingParams | PoolingParams | None,
                       ) -> tuple[SamplingParams, PoolingParams | None]:

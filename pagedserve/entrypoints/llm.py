@@ -8,6 +8,7 @@ data_parallel_size > 1 engine replicas on Ray that split every batch (`RayDPClie
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -171,20 +172,23 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Prompt | Sequence[Prompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """With runner="pooling": one pooled result per prompt (vLLM's `encode`), each a
-        prefill through the same scheduler, block pool and prefix cache as generation."""
+        prefill through the same scheduler, block pool and prefix cache as generation.
+        `truncate_prompt_tokens` (vLLM's): each prompt's last N tokens (-1: max_model_len)."""
         prompt_list = _normalize_prompts(prompts)
         params = _normalize_params(pooling_params or PoolingParams(), len(prompt_list), PoolingParams)
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self._run(prompt_list, params, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """With runner="pooling": each prompt's embedding (`.outputs.embedding`), pooled as
         the engine's pooler_config says (the last token's state, L2-normalised, unless
         it says otherwise)."""
-        outs = self.encode(prompts, pooling_params, use_tqdm)
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def score(self, data_1: str | list[int] | Sequence[str | list[int]], data_2: str | list[int] | Sequence[str | list[int]],

@@ -75,6 +75,10 @@ def test_each_runner_refuses_the_others_requests(tiny_checkpoint) -> None:
             pooling.encode([[1, 2, 3]], PoolingParams(task="classify"), use_tqdm=False)
         with pytest.raises(ValueError, match="hidden size 64"):
             pooling.embed([[1, 2, 3]], PoolingParams(dimensions=65), use_tqdm=False)
+        # vLLM's truncate_prompt_tokens: the embedding of the prompt's last tokens
+        [cut] = pooling.embed([list(range(5, 40))], use_tqdm=False, truncate_prompt_tokens=6)
+        [alone] = pooling.embed([list(range(34, 40))], use_tqdm=False)
+        assert cut.prompt_token_ids == list(range(34, 40)) and cut.outputs.embedding == alone.outputs.embedding
     finally:
         pooling.shutdown()
     generating = LLM(path)

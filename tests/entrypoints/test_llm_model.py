@@ -206,3 +206,17 @@ def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
     assert a.prompt_token_ids == [5, 6, 7] and b.prompt == "hello"
     llm.generate([{"prompt_token_ids": list(range(20, 60))}], sp, use_tqdm=False)
     assert llm.reset_prefix_cache() is True
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
+    """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last N tokens run (the
+    answer is the one that prompt alone gets); -1 is max_model_len; past it, refused."""
+    prompt = list(range(20, 90))
+    greedy = {"max_tokens": 4, "temperature": 0}
+    [cut] = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=8, **greedy), use_tqdm=False)
+    [alone] = llm.generate([prompt[-8:]], SamplingParams(**greedy), use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-8:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    [whole] = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)
+    assert whole.prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or within 1..max_model_len"):
+        llm.generate([prompt], SamplingParams(truncate_prompt_tokens=10_000, **greedy), use_tqdm=False)

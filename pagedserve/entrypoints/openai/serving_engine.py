@@ -29,6 +29,7 @@ from pagedserve.engine.async_llm import (
     RequestTimeoutError,
 )
 from pagedserve.engine.chat_utils import encode_text
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
     CompletionTokensDetails,
@@ -248,21 +249,11 @@ class OpenAIServing:
                 param="max_tokens" if num_prompt < limit else prompt_param)
 
     def truncated(self, prompt: TokenizedPrompt, truncate: int | None) -> TokenizedPrompt:
-        """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens; -1:
-        the last max_model_len); a cut prompt keeps no text (echo decodes its ids)."""
-        if truncate is None:
-            return prompt
-        if truncate == -1:
-            truncate = self.max_model_len
-        if not 1 <= truncate <= self.max_model_len:
-            raise OpenAIError(f"truncate_prompt_tokens must be -1 or within 1..max_model_len "
-                              f"({self.max_model_len}), got {truncate}", param="truncate_prompt_tokens")
-        if len(prompt.token_ids) <= truncate:
-            return prompt
-        if prompt.multi_modal is not None:
-            raise OpenAIError("truncate_prompt_tokens cannot cut a prompt with images (their spans would be cut)",
-                              param="truncate_prompt_tokens")
-        return TokenizedPrompt(None, prompt.token_ids[-truncate:])
+        """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens, the
+        engine's one rule: InputProcessor.truncate_prompt); a cut prompt keeps no text
+        (echo decodes its ids)."""
+        ids = InputProcessor.truncate_prompt(prompt.token_ids, truncate, self.max_model_len, prompt.multi_modal is not None)
+        return prompt if ids is prompt.token_ids else TokenizedPrompt(None, ids)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
