@@ -54,6 +54,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
+    lora_request: Any = None  # vLLM's: the LoRARequest it ran with (None: the base model)
 
 
 @dataclass

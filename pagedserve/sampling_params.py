@@ -10,10 +10,11 @@ finite: a NaN temperature once reached the sampler and stopped the whole engine.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
@@ -106,6 +107,9 @@ class StructuredOutputsParams:
         return ("json_object", "")
 
 
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -145,11 +149,19 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Filled by the engine from bad_words (it needs the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    # vLLM's older name of structured_outputs (a GuidedDecodingParams), taken at construction.
+    guided_decoding: InitVar[StructuredOutputsParams | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: StructuredOutputsParams | None = None) -> None:
         """vLLM's normal forms: `stop` and `stop_token_ids` as lists (a lone stop string in
-        one, so `for s in params.stop` goes over strings), and seed -1 as no seed (a
-        random one: what -1 means to vLLM, llama.cpp and Ollama)."""
+        one, so `for s in params.stop` goes over strings), seed -1 as no seed (a random
+        one: what -1 means to vLLM, llama.cpp and Ollama), and `guided_decoding` as
+        `structured_outputs`."""
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("set structured_outputs or guided_decoding (its older name), not both",
+                                          param="guided_decoding")
+            self.structured_outputs = guided_decoding
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
@@ -249,6 +261,10 @@ class SamplingParams:
                 f"prediction cannot be combined with {blocker}: predicted tokens are verified exactly only when "
                 "each position samples from the distribution it would get one token at a time, which penalties, "
                 "logit edits and output constraints change per position", param="prediction")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `clone`): the copy's lists and constraint are its own."""
+        return copy.deepcopy(self)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -123,3 +123,16 @@ def test_vllms_normal_forms_stop_as_a_list_and_seed_minus_one_as_none():
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"] and SamplingParams(stop=["x"]).stop == ["x"]
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     assert SamplingParams(seed=0).seed == 0
+
+
+def test_vllms_older_guided_decoding_and_clone():
+    from pagedserve.sampling_params import GuidedDecodingParams
+
+    p = SamplingParams(guided_decoding=GuidedDecodingParams(regex="[ab]+"), stop="x")
+    assert p.structured_outputs == StructuredOutputsParams(regex="[ab]+")
+    with pytest.raises(InvalidRequestError, match="not both") as info:
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"),
+                       structured_outputs=StructuredOutputsParams(regex="b"))
+    assert info.value.param == "guided_decoding"
+    c = p.clone()
+    assert c == p and c.stop is not p.stop and c.structured_outputs is not p.structured_outputs

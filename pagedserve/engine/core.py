@@ -172,7 +172,8 @@ class EngineCore:
     def _track(self, request: EngineCoreRequest, output_kind: RequestOutputKind) -> None:
         """The request's parent in the output processor (and its grammar's compilation)."""
         parent = ParentRequest(request.request_id, request.prompt, request.prompt_token_ids, output_kind,
-                               RequestMetrics(request.arrival_time), pooling=request.pooling_params is not None)
+                               RequestMetrics(request.arrival_time), pooling=request.pooling_params is not None,
+                               lora_request=request.lora_request)
         self.output_processor.add_request(parent, request.child_ids, request.child_params)
         if request.grammar is not None and not request.grammar.done():
             self._compiling[request.request_id] = request.grammar

@@ -103,6 +103,7 @@ class ParentRequest:
     # predicts), filled as prefill chunks compute them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pooling: bool = False  # a pooling request: one PoolingRequestOutput, when it finishes
+    lora_request: Any = None  # the adapter it ran with (a LoRARequest; None: the base model)
 
     @property
     def finished(self) -> bool:
@@ -124,6 +125,7 @@ class ParentRequest:
             outputs=[c.completion(delta) for c in self.children], finished=finished,
             num_cached_tokens=max(c.num_cached_tokens for c in self.children), metrics=self.metrics,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            lora_request=self.lora_request,
         )
 
 

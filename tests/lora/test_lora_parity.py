@@ -222,7 +222,9 @@ def test_structured_outputs_hold_under_every_adapter(tiny) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12,
                             structured_outputs=StructuredOutputsParams(regex=r"[a-e ]{3,10}"))
     prompts = [{"prompt_token_ids": PROMPTS[0]}] * 5
-    texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False, lora_request=[None, *loras])]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[None, *loras])
+    texts = [o.outputs[0].text for o in outs]
+    assert [o.lora_request for o in outs] == [None, *loras]  # (vLLM's RequestOutput field)
     assert all(re.fullmatch(r"[a-e ]{3,10}", t) for t in texts), texts
     assert len(set(texts)) > 1, texts
 
