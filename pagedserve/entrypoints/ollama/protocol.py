@@ -28,13 +28,14 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 # Loading and hardware hints: the server's flags decide these (accepted, no effect).
 HARDWARE_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                               "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread"})
-# Sampling options of Ollama's that change nothing at the value given here (their
-# neutral value, or with no repeat penalty to shape): any other value is refused.
+# Options that only shape the repeat penalty (refused beside one: sampling()).
+REPEAT_SHAPING = ("repeat_last_n", "penalize_newline", "num_keep")
+# Sampling options of Ollama's that change nothing at the value given here: their
+# neutral value, any other refused; () for those that only shape another option (a
+# repeat penalty, or mirostat, which is off here): any value, no effect alone.
 NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {"typical_p": (1, 1.0), "tfs_z": (1, 1.0), "mirostat": (0,),
-                                               "num_keep": (), "penalize_newline": (), "repeat_last_n": (),
+                                               **dict.fromkeys(REPEAT_SHAPING, ()),
                                                "mirostat_tau": (), "mirostat_eta": ()}
-# Options that only shape another one (checked against it below): any value, no effect alone.
-_SHAPING_OPTIONS = frozenset({"num_keep", "penalize_newline", "repeat_last_n", "mirostat_tau", "mirostat_eta"})
 KNOWN_OPTIONS = frozenset(SAMPLING_OPTIONS) | HARDWARE_OPTIONS | frozenset(NEUTRAL_OPTIONS) | {"num_ctx",
                                                                                                "num_predict"}
 
@@ -126,14 +127,12 @@ class OllamaGenerating(OllamaWithOptions):
                 continue
             if name in SAMPLING_OPTIONS:
                 body[SAMPLING_OPTIONS[name]] = whole_number(name, value) if name in ("seed", "top_k") else value
-            elif name in NEUTRAL_OPTIONS:
-                if name in _SHAPING_OPTIONS:
-                    continue  # shape only a repeat penalty (checked below) or mirostat (off here)
+            elif NEUTRAL_OPTIONS.get(name):
                 if value not in NEUTRAL_OPTIONS[name]:
                     raise OpenAIError(f"options.{name}={value!r:.50} is not supported here (only its neutral "
                                       f"value, {NEUTRAL_OPTIONS[name][0]})", param="options")
         if body.get("repetition_penalty") not in (None, 1, 1.0) and any(
-                (self.options or {}).get(k) is not None for k in ("repeat_last_n", "penalize_newline", "num_keep")):
+                (self.options or {}).get(k) is not None for k in REPEAT_SHAPING):
             raise OpenAIError("options.repeat_last_n, penalize_newline and num_keep are not supported: the repeat "
                               "penalty here covers the whole context, as vLLM's repetition_penalty does",
                               param="options")

@@ -319,7 +319,7 @@ class OllamaEmbedding:
         self.embedding.warn_unknown_fields(req)
 
     def prepare(self, req: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> PreparedOllama:
-        req.check_options()
+        """(`options` were checked by the route, before an empty input's shortcut.)"""
         body: dict[str, Any] = {"model": req.model}
         if isinstance(req, OllamaEmbedRequest):
             body["input"] = req.input
