@@ -281,7 +281,7 @@ class OllamaServing:
 
     async def stream(self, req: Any, prep: PreparedOllama, request_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[str]:
-        """NDJSON: a line per text fragment, tool calls once complete, then the done line
+        """NDJSON: a line per text fragment, a line of tool calls once they are complete, then the done line
         (an in-band error as {"error": ...}, which Ollama's clients raise)."""
         handler = self._handler(prep.openai_request)
         frames = handler.stream(prep.openai_request, prep.prepared, request_id, streams)
@@ -304,8 +304,10 @@ class OllamaServing:
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage")
             if usage is not None and not chunk.get("choices"):
-                last = self._piece(req, "", _tool_calls([calls[i] for i in sorted(calls)]))
-                yield json.dumps({**last, **self._done(req, finish, usage)}) + "\n"
+                if calls:  # a line of their own before the done line, where Ollama sends them
+                    piece = self._piece(req, "", _tool_calls([calls[i] for i in sorted(calls)]))
+                    yield json.dumps({**piece, "done": False}) + "\n"
+                yield json.dumps({**self._piece(req, ""), **self._done(req, finish, usage)}) + "\n"
 
 
 class OllamaEmbedding:

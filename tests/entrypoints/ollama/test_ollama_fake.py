@@ -163,7 +163,9 @@ def test_tools_come_back_as_ollamas_tool_calls_streamed_or_not() -> None:
     assert tc.function.name == "get_weather" and tc.function.arguments == {"city": "Paris"}
     streamed = [c for p in parts for c in p.message.tool_calls or []]
     assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", {"city": "Paris"})]
-    assert parts[-1].done
+    # As Ollama streams them: on a line of their own before the done line
+    assert parts[-2].message.tool_calls and not parts[-2].done
+    assert parts[-1].done and not parts[-1].message.tool_calls and parts[-1].message.content == ""
 
 
 
