@@ -203,10 +203,12 @@ class LinearBase(nn.Module):
 
     def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` as one plain call, for a decoder layer's direct calls (bind_direct): the
-        projection `forward` makes, without the module's dispatch; None where forward does
-        more (adapters, a tensor-parallel all-reduce).  The product is linear_eager's, the
-        one rule for it; a quantized weight without bias calls its kernel with no wrapper."""
-        if not self._forward_is_one_product():
+        projection `forward` makes, without the module's dispatch; None under tensor
+        parallelism (forward all-reduces).  The product is linear_eager's, the one rule for
+        it, adapters' products included (so that enabling LoRA leaves the base model's rows
+        computed as without it); a quantized weight without bias or adapters calls its
+        kernel with no wrapper."""
+        if self.tp_size != 1:
             return None
         quantized = self.direct_quantized()
         if quantized is not None:

@@ -131,7 +131,7 @@ class Gemma3DecoderLayer(nn.Module):
     def bind_direct(self) -> bool:
         """Run this layer's eager forward as direct calls to its kernels, as
         LlamaDecoderLayer.bind_direct does and where it does (fused kernels for every norm,
-        rotary and the gate; projections of one rank without adapters):
+        rotary and the gate; projections of one rank, adapters' products included):
         the calls `forward` makes, in its order, so outputs are identical, and a model
         whose layers all bind starts without torch.compile (Gemma 3 270M, the second
         shipped model).  Returns whether it bound."""

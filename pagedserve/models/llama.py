@@ -114,8 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         once the elementwise work was fused (SmolLM2-135M; Zen 4, AVX-512 with native
         bf16).  Any dtype the fused kernels take: float32 (the default on AVX2 CPUs) too.  The calls are the ones `forward` makes, in its order, so outputs are
         identical; it applies only where each submodule's choice is fixed: the fused kernels take the norms and
-        rotary, every projection is of one rank without adapters (LinearBase.direct_call),
-        the MLP is SwiGLU.  A model that gains adapters later must not bind (a
+        rotary, every projection is of one rank (LinearBase.direct_call: adapters' products
+        included), the MLP is SwiGLU.  A model that gains adapters later must not bind (a
         compile's trace takes the module path regardless).  Returns whether it bound."""
         attn, mlp = self.self_attn, self.mlp
         if not (isinstance(mlp, LlamaMLP) and isinstance(mlp.act_fn, SiluAndMul)):

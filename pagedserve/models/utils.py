@@ -88,7 +88,7 @@ class DirectBindable(Protocol):
 
 def direct_projections(*linears: LinearBase) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
     """Each projection's direct call (LinearBase.direct_call), for a layer's direct calls
-    (bind_direct); None unless every one has one (no adapters, one rank)."""
+    (bind_direct); None unless every one has one (one rank)."""
     calls = []
     for lin in linears:
         call = lin.direct_call()
@@ -114,7 +114,8 @@ def bind_decode_stacks(model: nn.Module) -> int:
 def bind_direct_layers(model: nn.Module) -> tuple[int, int]:
     """Bind every layer of `model` that can run as direct kernel calls: (how many did,
     how many could have).  The caller's part: a CPU model whose layers will not change
-    (no adapters); a compile traces the layers' module path regardless."""
+    (adapters are attached before, at load); a compile traces the layers' module path
+    regardless."""
     layers = [m for m in model.modules() if isinstance(m, DirectBindable)]
     return sum(m.bind_direct() for m in layers), len(layers)
 

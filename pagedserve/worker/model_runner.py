@@ -180,7 +180,7 @@ class ModelRunner:
         compile_requested = dc.torch_compile
         if self.images is not None:  # its steps take image embeddings: never compiled
             compile_requested = False
-        if is_cpu(self.device) and self.lora_manager is None:
+        if is_cpu(self.device):  # (with LoRA too: the adapters' products are in each projection's direct call)
             bound, layers = bind_direct_layers(self.model)
             if bind_decode_stacks(self.model):
                 logger.info("decode steps: the decoder layers run as one C++ call (layers/decode_stack.py)")

@@ -164,14 +164,15 @@ def test_direct_layer_calls_give_the_module_paths_logits_exactly(arch, dtype, qu
         torch.testing.assert_close(want, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_float64_and_adapter_decoders_do_not_bind(tmp_path):
-    """No kernels for float64; a projection with adapters does more than its weight's
-    product: both keep the module path."""
+def test_float64_and_tensor_parallel_decoders_do_not_bind(tmp_path):
+    """No kernels for float64; a tensor-parallel projection all-reduces after its product:
+    both keep the module path.  (Adapters bind, their products in each projection's call:
+    tests/lora/test_lora_parity.py holds the base model's answers bit for bit.)"""
     make_tiny_checkpoint("llama", str(tmp_path))
     quantized = get_model(ModelConfig(model=str(tmp_path), dtype="float32", quantization="int8"), "cpu")
     quantized.double()
     assert bind_direct_layers(quantized) == (0, 2)
     model = get_model(ModelConfig(model=str(tmp_path), dtype="float32", quantization="none"), "cpu")
     layer = next(m for m in model.modules() if isinstance(m, LlamaDecoderLayer))
-    layer.mlp.down_proj.lora = object()  # (any adapter state: direct_call declines)
+    layer.mlp.down_proj.tp_size = 2  # (a rank's shard: direct_call declines)
     assert bind_direct_layers(model) == (1, 2) and layer.direct is None

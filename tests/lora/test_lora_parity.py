@@ -60,6 +60,21 @@ def test_tiny_llama_adapters_alone_and_mixed_match_hf_peft(tiny) -> None:
     assert agreed == [TOKENS] * len(prompts)
 
 
+def test_enabling_lora_leaves_the_base_models_answers_bit_for_bit(tiny, monkeypatch) -> None:
+    """Settings invariance: with LoRA enabled, base-model requests (alone, and in a batch
+    beside adapters' rows) get exactly what an engine without LoRA answers, in the CPU's
+    default dtype (bf16 where the CPU has it): the same direct layer calls, no compile (a
+    compiled graph rounds 16-bit activations differently, which changed greedy answers)."""
+    d, loras, _ = tiny
+    monkeypatch.delenv("PAGEDSERVE_TORCH_COMPILE")  # the engine's own default, not the suite's "0"
+    base = ours(LLM(d), PROMPTS, None)
+    llm = LLM(d, enable_lora=True, max_loras=4, max_lora_rank=8)
+    assert ours(llm, PROMPTS, None) == base
+    prompts, mixed, _ = mixed_batch(PROMPTS, [None, *loras], [[None] * len(PROMPTS)] * 5)
+    outs = ours(llm, prompts, mixed)
+    assert [o for o, lora in zip(outs, mixed, strict=True) if lora is None] == base
+
+
 def test_more_adapters_than_slots_compiled_and_chunked(tiny) -> None:
     """Two slots for four adapters: the scheduler runs at most two at once and the slots
     are reused; compiled, and with prompts prefilled in chunks of 8."""
