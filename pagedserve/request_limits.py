@@ -79,6 +79,13 @@ MAX_TEMPLATE_REPEAT = 1 << 24
 # --allowed-media-domains lets the server fetch http(s) URLs.
 MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGE_PIXELS = 4096 * 4096
+# Either side of an image: a 16,777,216 x 1 PNG is within the pixel bound in 2 KB, and HF's
+# Idefics3/SmolVLM processors then spent 2.3 s holding the GIL on resizing it (every
+# stream of the process stalled, once per image); 16,384 px stays far past real photos
+# and panoramas.
+MAX_IMAGE_SIDE = 16384
+# Fetching a prompt's http(s) images (--allowed-media-domains), all of them together:
+# name lookups, connections and bodies.
 IMAGE_FETCH_SECONDS = 10.0
 # A JPEG's scans (SOS segments): a progressive file has about ten, and each scan is a pass
 # over every pixel, so a 1 MB file of 100,000 empty scans took 84 s to decode (a

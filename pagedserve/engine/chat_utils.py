@@ -257,8 +257,12 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
 
 
 # Content parts that carry an image: OpenAI's image_url, the Responses API's input_image,
-# and HF's/vLLM's offline {"type": "image", "image": ...}.
-IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+# and HF's/vLLM's offline {"type": "image", "image": ...} and vLLM's {"type": "image_pil",
+# "image_pil": ...}.
+IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
+# OpenAI's image_url.detail values (a resolution hint for its own models: accepted without
+# effect here, where the checkpoint's processor decides the resolution).
+IMAGE_DETAILS = ("auto", "low", "high")
 
 
 def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -275,10 +279,17 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_embeds":
+                raise ImageInputError("image_embeds content parts are not supported: send the image itself "
+                                      "(the server runs the model's own vision tower)", param="messages")
             if kind not in IMAGE_PART_TYPES:
                 parts.append(part)
                 continue
             source = part.get(kind) if kind != "input_image" else part.get("image_url")
+            detail = source.get("detail") if isinstance(source, dict) else part.get("detail")
+            if detail is not None and detail not in IMAGE_DETAILS:
+                raise ImageInputError(f"an image's detail must be one of {', '.join(IMAGE_DETAILS)}, got "
+                                      f"{str(detail)[:50]!r}", param="messages")
             if isinstance(source, dict):
                 source = source.get("url")
             if source is None and kind == "image":

@@ -139,6 +139,8 @@ class InputProcessor:
         if not is_int(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
         processed = self.process_prompt(prompt)
+        if not processed.images:
+            self.check_no_image_tokens(processed.token_ids)
         truncate = (pooling or sampling).truncate_prompt_tokens
         prompt_ids = self.truncate_prompt(processed.token_ids, truncate, self.config.scheduler_config.max_model_len,
                                      processed.images is not None)
@@ -275,7 +277,14 @@ class InputProcessor:
         that held the images."""
         self.check_image_count(sources)
         assert self.image_prompts is not None
-        opened = [open_image(source, self.media_policy, param) for source in sources]
+        deadline = self.media_policy.fetch_deadline()  # (one for all of the prompt's URLs)
+        opened = [open_image(source, self.media_policy, param, deadline) for source in sources]
+        for image in opened:  # (an image that can never fit costs no decoding)
+            try:
+                rows = self.image_prompts.embeds_for_size(image.width, image.height)
+            except ValueError as e:
+                raise ImageInputError(f"the image is {image.width}x{image.height} pixels: {e}", param=param) from None
+            self.check_encoder_rows(rows)
         try:
             with DECODING.hold(sum(image.width * image.height for image in opened)):
                 images = [decode(image, param) for image in opened]
@@ -294,16 +303,29 @@ class InputProcessor:
             # trims every arena, the engine thread's too, mid-load.
             note_freed_memory()
         sched = self.config.scheduler_config
-        room = sched.encoder_cache_rows
         for image in prompt.images:
             if sched.disable_chunked_mm_input and image.length > sched.max_num_batched_tokens:
                 raise ImageInputError(f"an image takes {image.length} prompt positions, more than one step's "
                                           f"max_num_batched_tokens ({sched.max_num_batched_tokens}), and this model's "
                                           "images cannot be split across steps", param="messages")
-            if image.num_embeds > room:
-                raise ImageInputError(f"an image takes {image.num_embeds} encoder rows, more than the encoder "
-                                          f"cache holds ({room}: encoder_cache_size)", param="messages")
+            self.check_encoder_rows(image.num_embeds)
         return prompt
+
+    def check_encoder_rows(self, rows: int) -> None:
+        """An image's encoder rows must fit in the encoder cache (all of them run at once)."""
+        room = self.config.scheduler_config.encoder_cache_rows
+        if rows > room:
+            raise ImageInputError(f"an image takes {rows} encoder rows, more than the encoder cache holds ({room}: "
+                                  "encoder_cache_size)", param="messages")
+
+    def check_no_image_tokens(self, token_ids: list[int]) -> None:
+        """A prompt without images must not hold the token that takes an image's rows (the
+        model would read a placeholder's embedding as an image): refused as a prompt with
+        images is where its count is wrong."""
+        if self.image_prompts is not None and self.image_prompts.image_token_id in token_ids:
+            raise ImageInputError(f"the prompt holds the image token (id {self.image_prompts.image_token_id}, "
+                                  f"{self.image_prompts.placeholder!r}'s expansion) but has no image: image tokens "
+                                  "come only from images", param="prompt")
 
     def encode(self, text: str) -> list[int]:
         """Prompt text to token ids (refused untokenized when it cannot fit)."""

@@ -47,6 +47,9 @@ class Gemma3ImagePrompts:
         eoi = tokenizer.convert_ids_to_tokens(int(eoi_id)) if eoi_id is not None else "<end_of_image>"
         self.expansion = f"\n\n{boi}{image_token * self.mm_tokens_per_image}{eoi}\n\n"
 
+    def embeds_for_size(self, width: int, height: int) -> int:
+        return self.mm_tokens_per_image  # (every image is resized to the tower's fixed size)
+
     def process(self, text: str, images: list[Any], encode: Any) -> MultiModalPrompt:
         count = text.count(self.placeholder)
         if count != len(images):

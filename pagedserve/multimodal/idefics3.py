@@ -44,6 +44,12 @@ class Idefics3ImagePrompts:
                              f"{self.placeholder!r}")
         self.family = hf_mm_config.model_type
 
+    def embeds_for_size(self, width: int, height: int) -> int:
+        # (HF's own count of tiles for a size: rows x cols + the global view, or the global
+        # view alone)
+        tiles = int(self.image_processor.get_number_of_image_patches(height, width)[0])
+        return max(tiles, 1) * self.image_seq_len
+
     def expansion(self, rows: int, cols: int) -> str:
         tile = self.placeholder * self.image_seq_len
         text = ""

@@ -2,13 +2,16 @@
 
 Every source is hostile until bounded (limits in request_limits.py): a `data:` URL or a
 fetched body may hold at most MAX_IMAGE_BYTES; the header's size must be at most
-MAX_IMAGE_PIXELS before any pixel is decoded, so a decompression bomb costs nothing,
+MAX_IMAGE_PIXELS, and MAX_IMAGE_SIDE either way, before any pixel is decoded, so a
+decompression bomb costs nothing,
 and a JPEG at most MAX_JPEG_SCANS scans (each one a pass over every pixel); only PNG,
 JPEG, WebP and GIF (first frame) are opened, whatever the bytes claim; a corrupt file
 fails here, naming the problem, never in the model.  `http(s)` URLs are fetched only
 from the domains the server names (--allowed-media-domains), never from loopback,
-private or link-local addresses, within MAX_IMAGE_BYTES and IMAGE_FETCH_SECONDS; every
-other scheme (`file:` included) is refused: no request field ever names a server file.
+private or link-local addresses (the host is resolved once and the connection goes to
+the address checked: a second lookup cannot answer otherwise), within MAX_IMAGE_BYTES
+each and IMAGE_FETCH_SECONDS for all of a prompt's images; every other scheme (`file:`
+included) is refused: no request field ever names a server file.
 
 Opening (`open_image`: the bytes and the header) and decoding (`decode`) are two steps,
 so that a prompt's images can wait, headers read, for room in the process's
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import io
 import ipaddress
 import socket
@@ -39,6 +43,7 @@ from pagedserve.request_limits import (
     MAX_DECODING_PIXELS,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
     MAX_JPEG_SCANS,
     MAX_WAITING_IMAGE_PROMPTS,
 )
@@ -53,7 +58,12 @@ class MediaPolicy:
     allowed_domains: tuple[str, ...] | None = None
     max_bytes: int = MAX_IMAGE_BYTES
     max_pixels: int = MAX_IMAGE_PIXELS
-    fetch_seconds: float = IMAGE_FETCH_SECONDS
+    max_side: int = MAX_IMAGE_SIDE
+    fetch_seconds: float = IMAGE_FETCH_SECONDS  # for all of one prompt's images
+
+    def fetch_deadline(self) -> float:
+        """The time.monotonic() by which a prompt's images must have been fetched."""
+        return time.monotonic() + self.fetch_seconds
 
 
 def _error(message: str, param: str) -> ImageInputError:
@@ -112,9 +122,10 @@ def load_image(source: Any, policy: MediaPolicy, param: str = "image") -> Any:
     return decode(open_image(source, policy, param), param)
 
 
-def open_image(source: Any, policy: MediaPolicy, param: str = "image") -> Any:
+def open_image(source: Any, policy: MediaPolicy, param: str = "image", deadline: float | None = None) -> Any:
     """`source`'s image with its header read and checked, its pixels not decoded yet:
-    its size is `width * height`."""
+    its size is `width * height`.  `deadline`: the time.monotonic() by which a URL's
+    fetch must be done (one for all of a prompt's images; None: the policy's time from now)."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -123,7 +134,7 @@ def open_image(source: Any, policy: MediaPolicy, param: str = "image") -> Any:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _open_encoded(bytes(source), policy, param)
     if isinstance(source, str):
-        return _open_encoded(read_url(source, policy, param), policy, param)
+        return _open_encoded(read_url(source, policy, param, deadline), policy, param)
     raise _error(f"an image must be a PIL image, encoded bytes or a URL, got {type(source).__name__}", param)
 
 
@@ -133,6 +144,9 @@ def check_pixels(width: int, height: int, policy: MediaPolicy, param: str) -> No
     if width * height > policy.max_pixels:
         raise _error(f"the image is {width}x{height} = {width * height} pixels, more than the limit of "
                      f"{policy.max_pixels}", param)
+    if max(width, height) > policy.max_side:
+        raise _error(f"the image is {width}x{height} pixels, a side longer than the limit of {policy.max_side}",
+                     param)
 
 
 def decode_image(data: bytes, policy: MediaPolicy, param: str = "image") -> Any:
@@ -175,18 +189,25 @@ def decode(image: Any, param: str = "image") -> Any:
     (no copy where it is RGB already)."""
     try:
         image.load()
-        return image.convert("RGB") if image.mode != "RGB" else image
     except Exception as e:  # truncated or corrupt pixel data
         raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
+    if image.mode == "RGB":
+        return image
+    try:
+        return image.convert("RGB")
+    except Exception as e:  # a caller's PIL image in a mode PIL converts no further ("La", ...)
+        raise _error(f"an image in PIL mode {image.mode!r} cannot be converted to RGB ({type(e).__name__}: {e})",
+                     param) from None
 
 
-def read_url(url: str, policy: MediaPolicy, param: str = "image_url") -> bytes:
-    """The bytes an image URL names: a base64 `data:` URL, or an allowed `http(s)` one."""
+def read_url(url: str, policy: MediaPolicy, param: str = "image_url", deadline: float | None = None) -> bytes:
+    """The bytes an image URL names: a base64 `data:` URL, or an allowed `http(s)` one
+    (fetched by `deadline`, a time.monotonic(); None: the policy's time from now)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         return _read_data_url(url, policy, param)
     if scheme in ("http", "https"):
-        return _fetch(url, policy, param)
+        return _fetch(url, policy, param, policy.fetch_deadline() if deadline is None else deadline)
     shown = url[:40] + ("..." if len(url) > 40 else "")
     raise _error(f"image URLs must be data: URLs (or http(s) ones where the server allows their domain), got "
                  f"{shown!r}", param)
@@ -205,7 +226,7 @@ def _read_data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     try:
         return base64.b64decode(payload.strip(), validate=True)
     except (binascii.Error, ValueError):
-        raise _error("the data: URL's base64 payload is invalid", param) from None
+        raise _error("the image's base64 data is invalid", param) from None
 
 
 def _host_allowed(host: str, domains: Sequence[str]) -> bool:
@@ -213,46 +234,105 @@ def _host_allowed(host: str, domains: Sequence[str]) -> bool:
     return any(host == d or host.endswith("." + d) for d in (d.lower().lstrip(".") for d in domains))
 
 
-def _public_addresses(host: str, port: int, param: str) -> None:
-    """Every address the host resolves to is a public one (no loopback, private,
-    link-local, reserved or multicast address: the server's own network stays closed)."""
+# Name lookups of image URLs' hosts: getaddrinfo cannot be interrupted, so it runs here
+# and a fetch waits for it at most until its deadline (a hung lookup holds one of these
+# threads, never a request's).
+_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="image-dns")
+
+
+def _public_address(host: str, port: int, param: str, deadline: float) -> str:
+    """The address to connect to: the host resolved once, by `deadline`, and every address
+    it has a public one (no loopback, private, link-local, reserved or multicast address:
+    the server's own network stays closed)."""
+    lookup = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
+        infos = lookup.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise _error(f"resolving the image URL's host {host!r} took too long", param) from None
+    except (OSError, UnicodeError) as e:
         raise _error(f"cannot resolve the image URL's host {host!r} ({e})", param) from None
     for info in infos:
         address = ipaddress.ip_address(info[4][0])
         if not address.is_global or address.is_multicast:
             raise _error(f"the image URL's host {host!r} resolves to a non-public address", param)
+    if not infos:
+        raise _error(f"the image URL's host {host!r} has no address", param)
+    return str(infos[0][4][0])
 
 
-def _fetch(url: str, policy: MediaPolicy, param: str) -> bytes:
+def _split_url(url: str, param: str) -> urllib.parse.SplitResult:
+    """An http(s) image URL's parts, refused where it is malformed or names credentials."""
+    shown = url[:100]
+    if any(ord(c) <= 32 or ord(c) == 127 for c in url):
+        raise _error(f"the image URL {shown!r} holds whitespace or a control character", param)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # (raises for a port out of range)
+    except ValueError as e:
+        raise _error(f"the image URL {shown!r} is malformed ({e})", param) from None
+    if not parts.hostname:
+        raise _error(f"the image URL {shown!r} names no host", param)
+    if parts.username is not None or parts.password is not None:
+        raise _error("image URLs with credentials (user@host) are not fetched", param)
+    return parts
+
+
+def _fetch(url: str, policy: MediaPolicy, param: str, deadline: float) -> bytes:
+    """GET the URL from the address its host was checked at (the Host header and TLS
+    name stay the host's), by `deadline`: the connection and the headers within the time
+    left, the body's reads cut off when it passes (the socket is shut down under them)."""
     import httpx
 
     domains = policy.allowed_domains
     if not domains:
         raise _error("this server fetches no image URLs: send the image as a data: URL (the server's "
                      "--allowed-media-domains lets it fetch from named domains)", param)
-    parsed = urllib.parse.urlsplit(url)
-    host = parsed.hostname or ""
+    parts = _split_url(url, param)
+    host = parts.hostname or ""
     if not _host_allowed(host, domains):
         raise _error(f"the image URL's host {host!r} is not among the allowed media domains", param)
-    _public_addresses(host, parsed.port or (443 if parsed.scheme == "https" else 80), param)
-    deadline = time.monotonic() + policy.fetch_seconds
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    address = _public_address(host, port, param, deadline)
+    pinned = urllib.parse.urlunsplit((parts.scheme, f"[{address}]:{port}" if ":" in address else f"{address}:{port}",
+                                      parts.path or "/", parts.query, ""))
+    headers = {"Host": parts.netloc}
+    extensions = {"sni_hostname": host} if parts.scheme.lower() == "https" else {}
     chunks: list[bytes] = []
     size = 0
+    late = _error(f"fetching the image URLs took more than {policy.fetch_seconds:g} s", param)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise late
     try:
-        with httpx.Client(timeout=policy.fetch_seconds, follow_redirects=False) as client, \
-                client.stream("GET", url) as response:
+        with httpx.Client(timeout=left, follow_redirects=False, trust_env=False) as client, \
+                client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
             if response.status_code != 200:
                 raise _error(f"fetching the image URL gave HTTP {response.status_code}", param)
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > policy.max_bytes:
-                    raise _error(f"the image is more than the limit of {policy.max_bytes} bytes", param)
-                if time.monotonic() > deadline:
-                    raise _error(f"fetching the image took more than {policy.fetch_seconds:g} s", param)
-                chunks.append(chunk)
-    except httpx.HTTPError as e:
+            cutoff = threading.Timer(max(0.0, deadline - time.monotonic()), _shut_down,
+                                     (response.extensions.get("network_stream"),))
+            cutoff.start()
+            try:
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > policy.max_bytes:
+                        raise _error(f"the image is more than the limit of {policy.max_bytes} bytes", param)
+                    if time.monotonic() > deadline:
+                        raise late
+                    chunks.append(chunk)
+            finally:
+                cutoff.cancel()
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as e:
+        if time.monotonic() > deadline:
+            raise late from None
         raise _error(f"fetching the image URL failed ({type(e).__name__})", param) from None
     return b"".join(chunks)
+
+
+def _shut_down(stream: Any) -> None:
+    """Cut a response's connection (its deadline passed): a read blocked on it returns."""
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

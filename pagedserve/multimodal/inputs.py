@@ -81,6 +81,15 @@ class ImagePromptProcessor(Protocol):
 
     # The text a prompt puts where each image goes; chat templates render image parts as it.
     placeholder: ClassVar[str]
+    # The token whose positions take an image's encoder rows: only an image's expansion
+    # may hold it (a client's text or token ids holding it are refused).
+    image_token_id: int
+
+    def embeds_for_size(self, width: int, height: int) -> int:
+        """The encoder rows an image of this size takes, from its header's size alone (so
+        that an image that can never fit is refused before it is decoded); ValueError for
+        a size the family refuses."""
+        ...
 
     def process(self, text: str, images: list[Any], encode: Any) -> MultiModalPrompt:
         """Expand each `placeholder` in `text` for the matching PIL image (in order) as the

@@ -72,6 +72,11 @@ class Qwen2VLImagePrompts:
             raise ValueError(f"{model_dir}: the tokenizer's {self.placeholder} is id {token_id} but the config's "
                              f"image_token_id is {self.image_token_id}")
 
+    def embeds_for_size(self, width: int, height: int) -> int:
+        # (HF's own count for a size, which vLLM uses the same way; ValueError past an
+        # aspect ratio of 200)
+        return int(self.image_processor.get_number_of_image_patches(height, width)) // self.merge_size**2
+
     def _image(self, image: Any) -> tuple[dict[str, torch.Tensor], tuple[int, int, int], str]:
         """One image's processor outputs, its grid and its content hash."""
         out = self.image_processor(images=[image], return_tensors="pt")

@@ -94,6 +94,12 @@ def test_identifier_is_a_content_hash(prompts: Gemma3ImagePrompts) -> None:
     assert a[0].identifier == a[1].identifier != b[0].identifier
 
 
+def test_the_rows_counted_from_a_size_are_the_rows_processing_gives(prompts: Gemma3ImagePrompts) -> None:
+    for w, h in [(20, 30), (900, 600)]:
+        got = prompts.process(ONE_IMAGE, [random_image(0, (w, h))], encode).images[0].num_embeds
+        assert prompts.embeds_for_size(w, h) == got
+
+
 def test_placeholder_count_mismatch_is_refused(prompts: Gemma3ImagePrompts) -> None:
     with pytest.raises(ValueError, match=r"2 image placeholder\(s\).*1 image\(s\)"):
         prompts.process(TWO_IMAGES, [random_image(0)], encode)

@@ -36,6 +36,19 @@ def test_prompt_expansion_matches_hf_processor(checkpoint):
         ours.process(text, images[:1], tok.encode)
 
 
+def test_the_rows_counted_from_a_size_are_the_rows_processing_gives(checkpoint):
+    """embeds_for_size (intake's check before decoding) agrees with the processed image:
+    one tile, and rows x cols tiles with the global view."""
+    from pagedserve.multimodal.idefics3 import Idefics3ImagePrompts
+
+    path, hf = checkpoint
+    tok = make_tokenizer()
+    ours = Idefics3ImagePrompts(str(path), hf.config, tok)
+    for w, h in [(20, 30), (64, 48), (300, 90), (90, 300), (1000, 700)]:
+        got = ours.process("<image>", [image(w, h, 1)], lambda t: tok.encode(t, add_special_tokens=False))
+        assert ours.embeds_for_size(w, h) == got.images[0].num_embeds, (w, h)
+
+
 def test_image_features_match_hf(checkpoint):
     from pagedserve.models.idefics3 import Idefics3ForConditionalGeneration
     from pagedserve.multimodal.idefics3 import Idefics3ImagePrompts

@@ -128,6 +128,18 @@ def test_placeholder_count_must_match_images(checkpoints, tok) -> None:
         prompts.process(prompt_text(tok, 0), images(1), tok.encode)
 
 
+def test_the_rows_counted_from_a_size_are_the_rows_processing_gives(checkpoints, tok) -> None:
+    """embeds_for_size (intake's check before decoding) agrees with the processed image,
+    and a size past Qwen's aspect ratio of 200 is refused by it."""
+    path, hf = checkpoints["qwen2_vl"]
+    prompts = Qwen2VLImagePrompts(path, hf.config, tok)
+    for w, h in [(20, 30), (56, 56), (600, 900), (900, 600), (1000, 13), (57, 29)]:
+        got = prompts.process(prompt_text(tok, 1), [random_image(h, w, 1)], tok.encode).images[0].num_embeds
+        assert prompts.embeds_for_size(w, h) == got, (w, h)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        prompts.embeds_for_size(16000, 1)
+
+
 def test_identifier_is_a_content_hash(checkpoints, tok) -> None:
     path, hf = checkpoints["qwen2_vl"]
     prompts = Qwen2VLImagePrompts(path, hf.config, tok)

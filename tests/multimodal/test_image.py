@@ -59,7 +59,9 @@ def test_an_animated_gif_gives_its_first_frame() -> None:
     (data_url(png_header_only(100_000, 100_000)), "more pixels than the limit"),
     (data_url(b"not an image at all"), "not a PNG"),
     (data_url(noise_png()[:400]), "corrupt"),
-    ("data:image/png;base64,@@@@", "base64 payload is invalid"),
+    ("data:image/png;base64,@@@@", "base64 data is invalid"),
+    (data_url(png_header_only(16385, 1)), "16385x1 pixels, a side longer than the limit of 16384"),
+    (PIL.new("La", (4, 4)), "mode 'La' cannot be converted to RGB"),
     ("data:text/plain;base64,aGVsbG8=", "image/\\* media type"),
     ("data:image/png,rawtext", "must be base64"),
     ("file:///etc/passwd", "must be data: URLs"),
@@ -89,6 +91,118 @@ def test_fetching_is_limited_to_allowed_public_domains() -> None:
     for url in ("http://localhost:8000/x.png", "http://127.0.0.1/x.png"):
         with pytest.raises(ImageInputError, match="non-public address"):
             read_url(url, local)
+
+
+@pytest.mark.parametrize("url, match", [
+    ("http://example.com\n@evil.org/x.png", "whitespace or a control character"),
+    ("http://example.com:99999/x.png", "malformed"),
+    ("http://[::1/x.png", "malformed"),
+    ("http://user:pw@example.com/x.png", "credentials"),
+    ("http:///x.png", "names no host"),
+])
+def test_malformed_image_urls_are_refused_by_name(url: str, match: str) -> None:
+    with pytest.raises(ImageInputError, match=match):
+        read_url(url, MediaPolicy(allowed_domains=("example.com",)))
+
+
+class _Server:
+    """A local HTTP server answering every GET with `body` in `pieces`, `gap` s apart;
+    `hits` counts the requests it saw."""
+
+    def __init__(self, body: bytes, pieces: int = 1, gap: float = 0.0) -> None:
+        import http.server
+        import threading
+        import time
+
+        outer = self
+        self.hits = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                outer.hits += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                step = max(1, len(body) // pieces)
+                try:
+                    for i in range(0, len(body), step):
+                        self.wfile.write(body[i: i + step])
+                        self.wfile.flush()
+                        time.sleep(gap)
+                except OSError:
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_fetch_connects_to_the_address_it_checked(monkeypatch) -> None:
+    """DNS rebinding: the host resolves once, to a public address, and the connection goes
+    there; a second lookup answering loopback is never made, so the local server behind it
+    is never reached."""
+    import ipaddress
+    import socket
+
+    server = _Server(encoded("PNG"))
+    lookups: list[str] = []
+    real_lookup, real_address = socket.getaddrinfo, ipaddress.ip_address
+
+    def rebinding(host, port, *args, **kwargs):
+        if host != "pub.example.com":
+            return real_lookup(host, port, *args, **kwargs)
+        lookups.append(host)
+        address = "192.0.2.1" if len(lookups) == 1 else "127.0.0.1"  # public, then loopback
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    class Public(ipaddress.IPv4Address):
+        is_global = True
+
+    def ip_address(value):  # TEST-NET-1 (192.0.2.0/24, for documentation) taken as public here
+        return Public(value) if str(value).startswith("192.0.2.") else real_address(value)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    monkeypatch.setattr(ipaddress, "ip_address", ip_address)
+    try:
+        with pytest.raises(ImageInputError, match="fetching the image URL"):
+            read_url(f"http://pub.example.com:{server.port}/x.png",
+                     MediaPolicy(allowed_domains=("example.com",), fetch_seconds=1.0))
+    finally:
+        server.close()
+    assert lookups == ["pub.example.com"] and server.hits == 0
+
+
+def test_a_trickling_image_url_is_cut_off_at_the_prompts_deadline(monkeypatch) -> None:
+    """One deadline for all of a prompt's fetches, enforced while a read waits: a server
+    sending a piece every 0.9 s is cut off when it passes, not a read later."""
+    import time
+
+    from pagedserve.multimodal import image as image_module
+
+    server = _Server(encoded("PNG"), pieces=20, gap=0.9)  # (each read within a 1 s read timeout)
+    monkeypatch.setattr(image_module, "_public_address", lambda *args: "127.0.0.1")
+    policy = MediaPolicy(allowed_domains=("example.com",), fetch_seconds=1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ImageInputError, match="took more than 1 s"):
+            read_url(f"http://img.example.com:{server.port}/x.png", policy, deadline=start + 1.0)
+        assert time.monotonic() - start < 1.4
+        fast = _Server(encoded("PNG"))
+        try:
+            monkeypatch.setattr(image_module, "_public_address", lambda *args: "127.0.0.1")
+            assert read_url(f"http://img.example.com:{fast.port}/x.png", policy) == encoded("PNG")
+            assert fast.hits == 1
+        finally:
+            fast.close()
+    finally:
+        server.close()
 
 
 def scan_bomb(extra_scans: int) -> bytes:

@@ -98,6 +98,21 @@ def test_chat_with_image_parts_matches_the_prompt_form(limited) -> None:
     assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
 
 
+def test_chat_takes_vllms_image_pil_parts_and_refuses_embeds_and_unknown_details(limited) -> None:
+    img, question = image(40, 40, 9), {"type": "text", "text": "What is it?"}
+
+    def chat(part: dict) -> list[int]:
+        out = limited.chat([{"role": "user", "content": [part, question]}], GREEDY, use_tqdm=False)
+        return out[0].outputs[0].token_ids
+
+    assert chat({"type": "image_pil", "image_pil": img}) == chat({"type": "image", "image": img})
+    for part, match in [({"type": "image_embeds", "image_embeds": [[0.0]]}, "image_embeds content parts"),
+                        ({"type": "image_url", "image_url": {"url": "data:,", "detail": {"x": 1}}},
+                         "detail must be one of auto, low, high")]:
+        with pytest.raises(ImageInputError, match=match):
+            chat(part)
+
+
 def test_intake_refusals_name_the_problem(limited) -> None:
     llm = limited
     ip = llm.llm_engine.input_processor
@@ -110,8 +125,31 @@ def test_intake_refusals_name_the_problem(limited) -> None:
     ]:
         with pytest.raises(ImageInputError, match=match):
             ip.process_prompt(bad)
+    # The token that takes an image's rows, in a prompt without images (text or ids): refused
+    # as a wrong count is where there are images.
+    image_id = ip.image_prompts.image_token_id
+    for bad in ["User: <image> what is it?", {"prompt_token_ids": [1, image_id, 2]}]:
+        with pytest.raises(ImageInputError, match=f"holds the image token \\(id {image_id}"):
+            ip.process("r", bad, GREEDY)
     # the engine goes on serving
     assert run(llm, [prompt(image(16, 16, 1))])[0].outputs[0].token_ids
+
+
+def test_an_image_that_can_never_fit_is_refused_before_it_is_decoded(model_dir, monkeypatch) -> None:
+    """Its encoder rows are counted from the header's size: nothing is decoded (a PNG of
+    headers only would be "corrupt" if it were)."""
+    from pagedserve.engine import input_processor
+    from tests.multimodal.test_image import data_url, png_header_only
+
+    # (this tiny checkpoint resizes every image to 2 x 2 tiles and a global view: 20 rows)
+    llm = LLM(model=model_dir, dtype="float32", speculative_config="off", max_model_len=512, encoder_cache_size=16)
+    decoded: list[object] = []
+    decode = input_processor.decode
+    monkeypatch.setattr(input_processor, "decode", lambda *a: decoded.append(a) or decode(*a))
+    with pytest.raises(ImageInputError, match="takes 20 encoder rows, more than the encoder cache holds \\(16"):
+        run(llm, [prompt(data_url(png_header_only(3000, 2000)))])
+    assert decoded == []
+    assert run(llm, ["User: what is it?"])[0].outputs[0].token_ids  # (the engine goes on)
 
 
 def test_a_prompts_images_are_decoded_and_processed_within_the_pixel_budget(limited, monkeypatch) -> None:

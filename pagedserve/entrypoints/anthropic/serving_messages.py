@@ -128,13 +128,18 @@ class _Turn:
                               "turns)", param="messages")
 
 
+# The image media types Anthropic's API takes (and the formats multimodal/image.py opens).
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
 def _image_url(source: Any, where: str) -> str:
     """An image block's source as a URL the chat handler reads: base64 data becomes a data:
     URL; a url source stays (fetched only from the server's allowed media domains)."""
     if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
         media = source.get("media_type")
-        if not isinstance(media, str) or not media.startswith("image/"):
-            raise OpenAIError(f"{where}: an image source needs an image/* media_type", param="messages")
+        if media not in IMAGE_MEDIA_TYPES:
+            raise OpenAIError(f"{where}: an image source's media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
+                              f"got {str(media)[:50]!r}", param="messages")
         return f"data:{media};base64,{source['data']}"
     if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
         return source["url"]

@@ -112,6 +112,10 @@ def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any
         return text
     if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
         raise OpenAIError(f"{where}.images must be a list of base64 strings", param="images")
+    for j, b in enumerate(images):
+        if b.startswith(("data:", "http:", "https:", "file:", "/")):
+            raise OpenAIError(f"{where}.images[{j}] must be the image file's bytes in base64 (no data: URL, "
+                              "URL or path)", param="images")
     # The media type is only a label: the image's own bytes say what it is (multimodal/image.py).
     return [*({"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b}"}} for b in images),
             {"type": "text", "text": text}]

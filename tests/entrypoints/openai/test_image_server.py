@@ -110,6 +110,14 @@ def test_responses_anthropic_and_ollama_take_images(vlm) -> None:
     local = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"})
     o = local.chat(NAME, [{"role": "user", "content": QUESTION, "images": [b64]}], options={"num_predict": 2})
     assert o.prompt_eval_count == m.usage.input_tokens  # the same prompt: image first, then the text
+    # Each route's own shape of a wrong image names it: Ollama's base64 (not a data: URL),
+    # Anthropic's four media types.
+    r = httpx.post(server.url + "/api/chat", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                   json={"model": NAME, "messages": [{"role": "user", "content": QUESTION, "images": [url]}]})
+    assert r.status_code == 400 and "images[0] must be the image file's bytes in base64" in r.json()["error"], r.text
+    with pytest.raises(anthropic.BadRequestError, match="media_type must be one of image/jpeg"):
+        claude.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/svg+xml", "data": b64}}]}])
 
 
 BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_000)).decode()
@@ -123,6 +131,8 @@ BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_00
     ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, i))}} for i in range(3)],
      "more than the 2 limit_mm_per_prompt"),
     ([{"type": "image_url"}], "needs its image"),
+    ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, 1))}}, {"type": "text", "text": "<image>"}],
+     "placeholder"),
 ])
 def test_hostile_images_get_a_named_400_and_the_server_keeps_serving(vlm, content, match) -> None:
     _, server = vlm
