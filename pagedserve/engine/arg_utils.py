@@ -81,10 +81,10 @@ _HELP = {
     "generation_config": "auto: sampling defaults from the model's generation_config.json; vllm: built-in defaults",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs",
-    "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, "
-                     "unless --enforce-eager or every decoder layer runs as direct calls to fused C++ "
-                     "kernels (16-bit quantized Llama-family models); the environment variable "
-                     "PAGEDSERVE_TORCH_COMPILE=0/1 sets the default)",
+    "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, unless "
+                     "--enforce-eager or every decoder layer runs as direct calls to fused C++ kernels: Llama-family "
+                     "and Gemma 3 models, LoRA or not; in 16-bit dtypes a compiled graph may break near-ties "
+                     "differently; PAGEDSERVE_TORCH_COMPILE=0/1 sets the default)",
     "tensor_parallel_size": "number of processes (GPUs, or CPU ranks over gloo) to shard the model over",
     "data_parallel_size": "engine replicas, each a Ray actor with a whole engine (its own scheduler, KV cache and "
                           "tensor-parallel group), behind one router; 1 needs no Ray",
