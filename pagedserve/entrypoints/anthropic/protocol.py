@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody
 
@@ -42,7 +42,7 @@ class MessagesRequest(RequestBody):
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # (Anthropic's range)
     top_p: float | None = None
     top_k: int | None = None
     tools: list[AnthropicTool] | None = None

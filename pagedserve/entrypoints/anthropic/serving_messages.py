@@ -16,6 +16,7 @@ from typing import Any
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.anthropic.protocol import (
     AnthropicMessage,
+    AnthropicToolChoice,
     AnthropicUsage,
     CountTokensRequest,
     MessagesRequest,
@@ -185,24 +186,16 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
     check_fields(req)
     if req.thinking is not None and req.thinking.get("type") != "disabled":
         raise OpenAIError("extended thinking is not supported by this server", param="thinking")
-    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req.system, req.messages)}
+    body: dict[str, Any] = {"model": req.model, **_prefilled(_chat_messages(req.system, req.messages))}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]
-    choice = req.tool_choice
-    if choice is not None:
-        if choice.type == "tool":
-            if choice.name is None:
-                raise OpenAIError('tool_choice {"type": "tool"} needs the tool\'s name', param="tool_choice")
-            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-        else:
-            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        if choice.disable_parallel_tool_use:
-            body["parallel_tool_calls"] = False
+    if req.tool_choice is not None:
+        body.update(_tool_choice(req.tool_choice))
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=stream)
-        if stream:
-            body["stream_options"] = {"include_usage": True}
+        if stream:  # (usage on every chunk: message_start says the prompt's cached tokens)
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
@@ -216,6 +209,32 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
         return ChatCompletionRequest.model_validate(body)
     except ValueError as e:  # a tool's schema that is not one, a message chat refuses
         raise OpenAIError(f"cannot translate the request: {e}", param="messages") from None
+
+
+def _prefilled(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat body's messages, continuing a final assistant turn as Anthropic does: the
+    answer picks up where its text ends and holds only what follows (an empty one
+    prefills nothing)."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant" or last.get("tool_calls"):
+        return {"messages": messages}
+    if not last.get("content"):
+        return {"messages": messages[:-1]}
+    return {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+
+
+def _tool_choice(choice: AnthropicToolChoice) -> dict[str, Any]:
+    """Anthropic's tool_choice as chat's tool_choice (and parallel_tool_calls)."""
+    out: dict[str, Any] = {}
+    if choice.type == "tool":
+        if choice.name is None:
+            raise OpenAIError('tool_choice {"type": "tool"} needs the tool\'s name', param="tool_choice")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.disable_parallel_tool_use:
+        out["parallel_tool_calls"] = False
+    return out
 
 
 def _output_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -291,12 +310,8 @@ class AnthropicServingMessages:
             content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.function.name,
                             "input": _input_of(call.function.arguments)})
         reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
-        cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
         return MessagesResponse(id=message_id, model=r.model, content=content, stop_reason=reason,
-                                stop_sequence=sequence,
-                                usage=AnthropicUsage(input_tokens=r.usage.prompt_tokens - (cached or 0),
-                                                     output_tokens=r.usage.completion_tokens,
-                                                     cache_read_input_tokens=cached or 0))
+                                stop_sequence=sequence, usage=AnthropicUsage(**anthropic_usage(r.usage.model_dump())))
 
     async def stream(self, req: MessagesRequest, prep: PreparedMessages, message_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -305,6 +320,14 @@ class AnthropicServingMessages:
         async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, message_id, streams):
             for event in events.on_chunk(chunk):
                 yield event
+
+
+def anthropic_usage(usage: dict[str, Any]) -> dict[str, int]:
+    """Anthropic's usage from a chat usage dict: input_tokens leaves out the prompt's
+    tokens read from the (prefix) cache, which cache_read_input_tokens counts."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached}
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -324,7 +347,10 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 class EventWriter:
     """Turns one choice's chat chunks into Anthropic's stream events: a content block
-    per run of text and per tool call, opened and closed around their deltas."""
+    per run of text and per tool call, opened and closed around their deltas.
+    message_start waits for the first chunk that carries usage (the first token's), so
+    that its usage splits the prompt into input and cache-read tokens as the final
+    message_delta's does."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
         self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
@@ -347,12 +373,16 @@ class EventWriter:
 
     def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
         out: list[str] = []
+        usage = chunk.get("usage")
         if not self.started:
+            if usage is None and "error" not in chunk:
+                return out  # (the role's chunk, before any token: nothing to say yet)
             self.started = True
+            start = ({**anthropic_usage(usage), "output_tokens": 0} if usage is not None
+                     else {"input_tokens": self.input_tokens, "output_tokens": 0, "cache_read_input_tokens": 0})
             out.append(_event("message_start", {"message": {
                 "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}))
+                "stop_reason": None, "stop_sequence": None, "usage": start}}))
         if "error" in chunk:
             err = chunk["error"]
             status = {"server_error": 500, "timeout_error": 408}.get(err.get("type"), 400)
@@ -382,11 +412,10 @@ class EventWriter:
             if choice.get("finish_reason") is not None:
                 self.finish = _stop_reason(choice["finish_reason"], choice.get("stop_reason"))
                 out += self._close()
-        usage = chunk.get("usage")
         if usage is not None and self.finish is not None and not chunk.get("choices"):
             reason, sequence = self.finish
             out.append(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                "usage": {"output_tokens": usage["completion_tokens"]}}))
+                                                "usage": anthropic_usage(usage)}))
             out.append(_event("message_stop", {}))
         return out
 

@@ -42,7 +42,7 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
     assert chat.tools[0].function.parameters == {"type": "object"} and chat.tools[0].function.description == "d"
     assert (chat.stop, chat.temperature, chat.top_k, chat.user, chat.max_tokens) == (["END"], 0.5, 4, "u1", 8)
-    assert chat.stream and chat.stream_options.include_usage
+    assert chat.stream and chat.stream_options.include_usage and chat.stream_options.continuous_usage_stats
     named = to_chat_request(request(messages=[{"role": "user", "content": "x"}], tools=req.tools,
                                     tool_choice={"type": "tool", "name": "f"}))
     assert named.tool_choice == {"type": "function", "function": {"name": "f"}}
@@ -50,9 +50,13 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
         "format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "max"},
         service_tier="standard_only", speed="fast", cache_control={"type": "ephemeral", "ttl": "1h"},
         inference_geo="us", workspace_id="wrkspc_1", metadata={"user_id": "u" * 256}))  # (hints without effect)
-    # A final assistant turn may be empty (nothing prefilled), as Anthropic allows.
-    assert to_chat_request(request(messages=[{"role": "user", "content": "x"},
-                                             {"role": "assistant", "content": []}])).messages[-1].role == "assistant"
+    # A final assistant turn may be empty (nothing prefilled, the generation prompt), as
+    # Anthropic allows; one with text is continued (a prefill).
+    empty = to_chat_request(request(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]))
+    assert empty.messages[-1].role == "user" and not empty.continue_final_message
+    prefill = to_chat_request(request(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}]))
+    assert prefill.messages[-1].role == "assistant" and prefill.continue_final_message
+    assert not prefill.add_generation_prompt
     assert fmt.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}
 
 
@@ -102,16 +106,19 @@ def _events(frames: list[str]) -> list[dict]:
 
 def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
     w = EventWriter("msg_1", "m", 7)
+    usage = {"prompt_tokens": 7, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}
     chunks = [
-        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-        {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},
-        {"choices": [{"index": 0, "delta": {"content": "Let me "}}]},
-        {"choices": [{"index": 0, "delta": {"content": "check."}}]},
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},  # (no usage yet: held)
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}], "usage": usage},
+        {"choices": [{"index": 0, "delta": {"content": "Let me "}}], "usage": usage},
+        {"choices": [{"index": 0, "delta": {"content": "check."}}], "usage": usage},
         {"choices": [{"index": 0, "delta": {"tool_calls": [
-            {"index": 0, "id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"x"'}}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
-        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9}},
+            {"index": 0, "id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"x"'}}]}}],
+         "usage": usage},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}],
+         "usage": usage},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": usage},
+        {"choices": [], "usage": {**usage, "completion_tokens": 9}},
     ]
     events = _events([f for c in chunks for f in w.on_chunk(c)])
     thinking, events = events[1:4], [events[0], *events[4:]]
@@ -122,12 +129,12 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
         "message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "message_delta", "message_stop"]
-    assert events[0]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
+    assert events[0]["message"]["usage"] == {"input_tokens": 3, "output_tokens": 0, "cache_read_input_tokens": 4}
     assert events[5]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {}}
     assert "".join(e["delta"]["partial_json"] for e in events[6:8]) == '{"x": 1}'
     assert [e["index"] for e in events[1:9]] == [1, 1, 1, 1, 2, 2, 2, 2]
     assert events[9]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert events[9]["usage"] == {"output_tokens": 9}
+    assert events[9]["usage"] == {"input_tokens": 3, "output_tokens": 9, "cache_read_input_tokens": 4}
 
 
 def test_a_stream_error_is_an_error_event_in_anthropics_shape() -> None:

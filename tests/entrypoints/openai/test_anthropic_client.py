@@ -42,13 +42,30 @@ def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.content[0].text == r.content[0].text and final.stop_reason == r.stop_reason
-    assert final.usage.output_tokens == r.usage.output_tokens
+    # The same usage streamed: the prompt (cached now) split into input and cache reads
+    assert (final.usage.output_tokens, final.usage.input_tokens + final.usage.cache_read_input_tokens) == \
+        (r.usage.output_tokens, chat.usage.prompt_tokens)
+    assert final.usage.cache_read_input_tokens > 0
     raw = [k for k in kinds if k not in ("text",)]  # the SDK adds "text" helper events
     assert raw[0] == "message_start" and raw[1] == "content_block_start" and raw[-2:] == ["message_delta", "message_stop"]
     assert "content_block_stop" in raw
 
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=ASK, system="Answer briefly.")
     assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_final_assistant_turn_is_continued(server, client) -> None:
+    """Anthropic's prefill: the answer picks up where the final assistant text ends, and
+    holds only what follows (as chat's continue_final_message gives it)."""
+    prefill = "The capital of France is"
+    r = client.messages.create(model=MODEL_NAME, max_tokens=8, extra_body=T0,
+                               messages=[*ASK, {"role": "assistant", "content": prefill}])
+    chat = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60, json={"model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
+                                        "messages": [*ASK, {"role": "assistant", "content": prefill}],
+                                        "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert r.content[0].text == chat["choices"][0]["message"]["content"]
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
 
 
 def test_stop_sequences_end_with_stop_sequence(client) -> None:
