@@ -64,24 +64,27 @@ class ResponseStore:
     def __init__(self, max_entries: int = RESPONSES_STORE_MAX_ENTRIES,
                  max_bytes: int = RESPONSES_STORE_MAX_BYTES) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, str, str, int]] = OrderedDict()  # 3 JSON texts, bytes
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        response_text, conversation_text = json.dumps(response), json.dumps(conversation)
-        size = sys.getsizeof(response_text) + sys.getsizeof(conversation_text)
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            input_items: list[dict[str, Any]] | None = None) -> None:
+        """Keep `response` with the conversation that led to it (chat messages) and the
+        request's input items (what GET .../input_items lists)."""
+        texts = (json.dumps(response), json.dumps(conversation), json.dumps(input_items or []))
+        size = sum(sys.getsizeof(t) for t in texts)
         if size > self.max_bytes:
             return  # larger than the whole store: not kept (a later previous_response_id gets a 404)
         with self._lock:
             old = self._items.pop(response["id"], None)
             if old is not None:
-                self._bytes -= old[2]
-            self._items[response["id"]] = (response_text, conversation_text, size)
+                self._bytes -= old[-1]
+            self._items[response["id"]] = (*texts, size)
             self._bytes += size
             while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-                _, (_, _, dropped) = self._items.popitem(last=False)
-                self._bytes -= dropped
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= dropped[-1]
 
     @property
     def num_bytes(self) -> int:
@@ -89,9 +92,33 @@ class ResponseStore:
         return self._bytes
 
     def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(the response, its conversation), or None."""
         with self._lock:
             item = self._items.get(response_id)
         return None if item is None else (json.loads(item[0]), json.loads(item[1]))
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
+        with self._lock:
+            item = self._items.get(response_id)
+        return None if item is None else json.loads(item[2])
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            item = self._items.pop(response_id, None)
+            if item is not None:
+                self._bytes -= item[-1]
+        return item is not None
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as OpenAI lists it back: items with ids (a string input is one
+    user message of input_text)."""
+    items = ([{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}]}]
+             if isinstance(req.input, str) else [dict(item) for item in req.input])
+    for item in items:
+        if "id" not in item:
+            item["id"] = random_id("msg" if item.get("type", "message") == "message" else "item")
+    return items
 
 
 def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
@@ -321,8 +348,12 @@ class _Output:
                                      for c in self.calls]
         return message
 
+    def done_status(self) -> str:
+        """A finished item's status: "incomplete" where max_output_tokens cut the answer."""
+        return "incomplete" if self.finish_reason == "length" else "completed"
+
     def items(self, done: bool = True) -> list[dict[str, Any]]:
-        status = "completed" if done else "in_progress"
+        status = self.done_status() if done else "in_progress"
         out: list[dict[str, Any]] = []
         if self.reasoning:
             out.append(self.reasoning_item(status))
@@ -383,9 +414,10 @@ class OpenAIServingResponses:
             usage = {"input_tokens": out.usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
                      "output_tokens": out.usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": out.usage["prompt_tokens"] + out.usage["completion_tokens"]}
+        status = ("incomplete" if incomplete else "completed") if done else "in_progress"
         return {
             "id": response_id, "object": "response", "created_at": created, "model": prep.prepared.model,
-            "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
+            "status": status, "completed_at": time.time() if status == "completed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": out.items() if done else [], "usage": usage,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -400,7 +432,7 @@ class OpenAIServingResponses:
     def finished(self, prep: PreparedResponse, response: dict[str, Any], out: _Output) -> dict[str, Any]:
         """Keep a finished response (when the store is on and the request allows it)."""
         if prep.store and self.store is not None:
-            self.store.put(response, [*prep.conversation, out.chat_message()])
+            self.store.put(response, [*prep.conversation, out.chat_message()], input_items(prep.request))
         return response
 
     async def full(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,
@@ -448,20 +480,21 @@ class _EventWriter:
         kind, self.open = self.open, None
         if kind is None:
             return []
+        status = self.out.done_status() if self.out.finish_reason is not None else "completed"
         if kind == "reasoning":
-            item = self.out.reasoning_item("completed")
+            item = self.out.reasoning_item(status)
             return [self.emit("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
                               content_index=0, text=self.out.reasoning),
                     self.emit("response.output_item.done", output_index=self.index, item=item)]
         if kind == "message":
-            item = self.out.message_item("completed")
+            item = self.out.message_item(status)
             part = item["content"][0]
             return [self.emit("response.output_text.done", item_id=item["id"], output_index=self.index,
                               content_index=0, text=self.out.text, logprobs=[]),
                     self.emit("response.content_part.done", item_id=item["id"], output_index=self.index,
                               content_index=0, part=part),
                     self.emit("response.output_item.done", output_index=self.index, item=item)]
-        item = self.out.call_item(len(self.out.calls) - 1, "completed")
+        item = self.out.call_item(len(self.out.calls) - 1, status)
         return [self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
                           name=item["name"], arguments=item["arguments"]),
                 self.emit("response.output_item.done", output_index=self.index, item=item)]
@@ -478,9 +511,13 @@ class _EventWriter:
 
     def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
         out: list[str] = []
-        if "error" in chunk:
+        if "error" in chunk:  # the error, then the response failed with it (where the SDK looks)
             err = chunk["error"]
-            return [self.emit("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"))]
+            failed = self.serving.response(self.response_id, self.prep, self.created, self.out)
+            failed.update(status="failed", output=[], error={"code": err.get("code") or "server_error",
+                                                             "message": err.get("message", "")})
+            return [self.emit("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param")),
+                    self.emit("response.failed", response=failed)]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
@@ -511,6 +548,7 @@ class _EventWriter:
                 out += self._close()
         if chunk.get("usage") is not None and not chunk.get("choices"):
             self.out.usage = chunk["usage"]
-            final = self.serving.response(self.response_id, self.prep, self.created, self.out)
-            out.append(self.emit("response.completed", response=self.serving.finished(self.prep, final, self.out)))
+            final = self.serving.finished(self.prep, self.serving.response(self.response_id, self.prep, self.created,
+                                                                           self.out), self.out)
+            out.append(self.emit(f"response.{final['status']}", response=final))  # completed or incomplete
         return out

@@ -119,6 +119,25 @@ def test_request_timeout_aborts_and_frees_both_ways():
     assert len(engine.aborted) == 2 and not engine.reqs  # both timed-out requests left the engine
 
 
+def test_a_responses_stream_that_times_out_ends_with_response_failed():
+    """The Responses API's shape of a mid-stream error: an `error` event, then
+    `response.failed` carrying the response with status "failed" and its error."""
+    import json
+
+    state, app = make(FakeEngine(step_time=0.02), llm={"request_timeout": 0.3})
+
+    async def fn(c):
+        return await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1000, "stream": True},
+                            headers=KEY)
+
+    r = call(app, fn)
+    data = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [d["type"] for d in data[-2:]] == ["error", "response.failed"]
+    failed = data[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+
+
 def test_abort_all_ends_open_streams_with_an_error_event_and_admission_closes():
     engine = FakeEngine(step_time=0.02)
     state, app = make(engine)

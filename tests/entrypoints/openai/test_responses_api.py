@@ -42,11 +42,25 @@ def test_plain_and_streamed_answers_equal_the_chat_api(client) -> None:
 
     with client.responses.stream(model=MODEL_NAME, input=ASK, instructions="Answer briefly.", max_output_tokens=12,
                                  temperature=0) as stream:
-        kinds = [event.type for event in stream]
-        final = stream.get_final_response()
+        streamed = list(stream)
+    kinds, final = [event.type for event in streamed], streamed[-1].response
     assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    # The last event names how it ended: response.completed, or response.incomplete when
+    # max_output_tokens cut it (the SDK's get_final_response() wants the former only)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
     assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
+
+    cut = client.responses.create(model=MODEL_NAME, input="Write a long story.", max_output_tokens=3, temperature=0)
+    assert (cut.status, cut.incomplete_details.reason, cut.output[0].status) == \
+        ("incomplete", "max_output_tokens", "incomplete")
+    assert cut.completed_at is None
+    assert r.status != "completed" or r.completed_at >= r.created_at
+    with client.responses.stream(model=MODEL_NAME, input="Write a long story.", max_output_tokens=3,
+                                 temperature=0) as stream:
+        streamed = list(stream)
+    assert streamed[-1].type == "response.incomplete" and streamed[-1].response.output[0].status == "incomplete"
+    done = [e.item.status for e in streamed if e.type == "response.output_item.done"]
+    assert done == ["incomplete"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

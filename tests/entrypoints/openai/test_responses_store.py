@@ -54,6 +54,25 @@ def test_stored_responses_are_retrieved_and_continued() -> None:
                                           max_output_tokens=1)
         with pytest.raises(openai.BadRequestError, match="background"):
             await client.responses.cancel(first.id)
+        # The input items, as OpenAI lists them back (newest first by default)
+        items = await client.responses.input_items.list(first.id)
+        assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "hello")]
+        listed = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+                  {"role": "user", "content": "three"}]
+        many = await client.responses.create(model="fake", input=listed, max_output_tokens=1)
+        page = await client.responses.input_items.list(many.id, order="asc", limit=2)
+        assert [i.content[0].text if not isinstance(i.content, str) else i.content for i in page.data] == \
+            ["one", "two"] and page.has_more
+        rest = await client.responses.input_items.list(many.id, order="asc", after=page.last_id)
+        assert len(rest.data) == 1 and not rest.has_more
+        # A stored response is returned whole: asking for it streamed is refused by name
+        with pytest.raises(openai.BadRequestError, match="stream=true"):
+            [e async for e in await client.responses.retrieve(first.id, stream=True)]
+        await client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.delete(first.id)
 
     run_with_client(fn, ResponseStore())
 

@@ -1,10 +1,13 @@
 """OpenAI's Responses API: POST /v1/responses (translated onto the chat handler by
-serving_responses.py), and, with --enable-responses-store, GET /v1/responses/{id} and
-its cancel (which can only say that a finished response cannot be cancelled)."""
+serving_responses.py), and, with --enable-responses-store, GET and DELETE
+/v1/responses/{id}, its input items, and its cancel (which can only say that a finished
+response cannot be cancelled)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -36,8 +39,43 @@ def stored_response(state: ServerState, response_id: str) -> dict:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, state: ServerStateDep) -> JSONResponse:
+async def get_response(response_id: str, request: Request, state: ServerStateDep) -> JSONResponse:
+    query = request.query_params
+    if query.get("stream", "false").lower() != "false":
+        raise OpenAIError("stream=true is not supported here: a stored response is returned whole (it finished "
+                          "before it was stored)", param="stream")
+    refused = sorted(set(query) - {"stream"})
+    if refused:
+        raise OpenAIError(f"unsupported query parameter(s) {', '.join(refused)[:200]} (this server keeps no extra "
+                          "output to include, and returns a stored response whole)", param=refused[0][:100])
     return JSONResponse(stored_response(state, response_id))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, state: ServerStateDep) -> JSONResponse:
+    stored_response(state, response_id)
+    assert state.responses_store is not None
+    state.responses_store.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, state: ServerStateDep, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None) -> JSONResponse:
+    """A stored response's input items, OpenAI's list page (`after`: the id the page starts after)."""
+    stored_response(state, response_id)
+    assert state.responses_store is not None
+    items = state.responses_store.input_items(response_id) or []
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise OpenAIError(f"no input item {after[:100]!r} in this response", status=404, param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 @router.post("/v1/responses/{response_id}/cancel")
