@@ -229,9 +229,11 @@ class ModelPool(Generic[H]):
         """Hold `name` loaded for a request, loading it first if needed (waiting at most
         `wait` seconds).  `keep_alive`: the request's (seconds, None: forever)."""
         model = self.models[self._names[name]]
-        if keep_alive is not UNSET and not self.can_load and keep_alive != model.keep_alive:
-            raise OpenAIError("keep_alive: this server cannot load models on demand, so it keeps its model "
-                              "loaded", param="keep_alive")
+        # A server that cannot load models keeps its own loaded for good: every keep_alive
+        # but an unload (0) is met by that (Ollama's keep_alive is how long at least).
+        if keep_alive is not UNSET and not self.can_load and keep_alive is not None and keep_alive <= 0:
+            raise OpenAIError("keep_alive 0 (unload after the request): this server cannot load models on demand, "
+                              "so it keeps its model loaded", param="keep_alive")
         if self.can_load:  # the request's keep_alive, else the server's (as Ollama: the last request decides)
             model.keep_alive = self.default_keep_alive if keep_alive is UNSET else keep_alive
         model.leases += 1  # before any await: an unload decided meanwhile passes this model by

@@ -175,3 +175,21 @@ def test_names_and_aliases_are_unique() -> None:
         ModelPool([ModelSpec("a", "x"), ModelSpec("b", "y", ("a",))])
     pool = ModelPool([ModelSpec("a", "x", ("alias",)), ModelSpec("b", "y")])
     assert pool.resolve(None) == "a" and pool.resolve("alias") == "a" and pool.resolve("/etc/passwd") is None
+
+
+def test_a_pool_that_cannot_load_keeps_its_model_whatever_keep_alive_asks_but_an_unload() -> None:
+    """A one-model server (no loader): Ollama's default "5m" and any other keep_alive is met
+    (the model stays loaded for good); only 0, an unload it could never undo, is refused."""
+    pool = ModelPool([ModelSpec("only", "/models/only.gguf")], estimate=lambda spec: 100)
+    pool.attach("only", "handlers of only")
+
+    async def main() -> None:
+        for keep_alive in (300.0, 0.5, None):
+            lease = await pool.lease("only", keep_alive)
+            assert lease.handlers == "handlers of only"
+            lease.release()
+        with pytest.raises(OpenAIError, match="keep_alive 0"):
+            await pool.lease("only", 0)
+
+    run(main())
+    assert pool.models["only"].loaded == "handlers of only"
