@@ -310,7 +310,10 @@ def _normalise_message(message: dict[str, Any], content_parts: bool = False) -> 
     does; no content is "" (an assistant turn that only called tools); tool-call
     arguments sent as JSON text become the objects that templates render.  With
     `content_parts` (vision models, whose templates iterate over parts, as SmolVLM's
-    does), every content becomes a list of text and image parts instead."""
+    does), every content becomes a list of text and image parts instead.  OpenAI's
+    deprecated functions turns become tools': an assistant's `function_call` a tool call,
+    a `function` message (its result) a `tool` message."""
+    message = _from_legacy_functions(message)
     content = message.get("content")
     message = {**message}
     if content_parts and isinstance(content, str):
@@ -333,6 +336,18 @@ def _normalise_message(message: dict[str, Any], content_parts: bool = False) -> 
     calls = message.get("tool_calls")
     if isinstance(calls, list):
         message["tool_calls"] = [_tool_call_for_template(c) for c in calls]
+    return message
+
+
+def _from_legacy_functions(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's `function_call` as its one tool call, and a `function` role
+    message as the `tool` result answering it (by the function's name)."""
+    call = message.get("function_call")
+    if message.get("role") == "assistant" and isinstance(call, dict) and not message.get("tool_calls"):
+        rest = {k: v for k, v in message.items() if k != "function_call"}
+        return {**rest, "tool_calls": [{"id": f"call_{call.get('name')}", "type": "function", "function": call}]}
+    if message.get("role") == "function":
+        return {**message, "role": "tool", "tool_call_id": f"call_{message.get('name')}"}
     return message
 
 

@@ -328,8 +328,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's deprecated spelling of tools / tool_choice: mapped onto them (its documented
-    # equivalence), so the answer comes back as tool_calls.
+    # OpenAI's deprecated spelling of tools / tool_choice: mapped onto them (one call at
+    # most), and the answer comes back in its shape (message.function_call, finish_reason
+    # "function_call"; serving_chat.legacy_function_call).
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     # OpenAI fields accepted without effect (docs/serving.md says why for each; clients
@@ -351,6 +352,7 @@ class ChatCompletionRequest(_SamplingFields):
                                       param="functions")
         if self.functions:
             self.tools = [ChatCompletionTool(function=f) for f in self.functions]
+            self.parallel_tool_calls = False
         call = self.function_call
         if isinstance(call, dict):
             if not isinstance(call.get("name"), str):
@@ -518,6 +520,7 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: str | None = None
     reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    function_call: FunctionCall | None = None  # (the deprecated functions' answer)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -555,6 +558,7 @@ class DeltaMessage(OpenAIBaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

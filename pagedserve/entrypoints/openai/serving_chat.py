@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import (
@@ -64,6 +64,8 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _MISSING = -9999.0
 logger = logging.getLogger("pagedserve.api_server")
+
+C = TypeVar("C", ChatChoice, ChatStreamChoice)
 
 
 def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
@@ -260,9 +262,9 @@ class OpenAIServingChat(OpenAIServing):
             message, reason = self.message(prep.tools, c)
             message.content = echo + (message.content or "") if echo else message.content
             message.reasoning_content = reasoning or None  # (none when the model did not think)
-            choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=self.logprobs(c, 0, prep.params.logprobs),
-                                      finish_reason=reason, stop_reason=c.stop_reason))
+            choice = ChatChoice(index=c.index, message=message, logprobs=self.logprobs(c, 0, prep.params.logprobs),
+                                finish_reason=reason, stop_reason=c.stop_reason)
+            choices.append(legacy_function_call(choice) if req.functions is not None else choice)
         return ChatCompletionResponse(id=request_id, model=prep.model, choices=choices, usage=make_usage([final]),
                                       prompt_logprobs=prompt_logprobs_of(final))
 
@@ -279,6 +281,8 @@ class OpenAIServingChat(OpenAIServing):
         final = None
 
         def chunk(choice: ChatStreamChoice) -> str:
+            if req.functions is not None:
+                choice = legacy_function_call(choice)
             usage = make_usage([final]) if continuous_usage and final is not None else None
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                            usage=usage))
@@ -374,6 +378,22 @@ class OpenAIServingChat(OpenAIServing):
                 token=s, logprob=_MISSING if token_lp is None else token_lp, bytes=list(s.encode()),
                 top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top]))
         return ChatLogprobs(content=content)
+
+
+def legacy_function_call(choice: C) -> C:
+    """A choice in the shape of OpenAI's deprecated functions API: the call (one at most:
+    ChatCompletionRequest asks for one) as message.function_call, or the delta's
+    function_call, and finish_reason "function_call"."""
+    if isinstance(choice, ChatChoice):
+        if choice.message.tool_calls:
+            choice.message.function_call = choice.message.tool_calls[0].function
+            choice.message.tool_calls = []
+    elif choice.delta.tool_calls:
+        choice.delta.function_call = choice.delta.tool_calls[0].function
+        choice.delta.tool_calls = None
+    if choice.finish_reason == "tool_calls":
+        choice.finish_reason = "function_call"
+    return choice
 
 
 def hoist_tool_schema(schema: Any, name: str, defs: dict[str, Any]) -> Any:

@@ -137,11 +137,33 @@ def test_forced_and_required_tool_calls(client):
 
 
 def test_legacy_functions_are_tools(client):
-    """OpenAI's deprecated functions/function_call: the same request as tools/tool_choice."""
+    """OpenAI's deprecated functions/function_call: the same request as tools/tool_choice,
+    answered in its own shape (message.function_call, finish_reason "function_call",
+    streamed as delta.function_call), and its conversation turns (an assistant's
+    function_call, a `function` message) taken as tool turns."""
     r = chat(client, functions=[CLOCK["function"]], function_call={"name": "get_time"}, temperature=0.7, seed=5)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
-    jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
+    call = r.choices[0].message.function_call
+    assert not r.choices[0].message.tool_calls
+    assert call.name == "get_time" and r.choices[0].finish_reason == "function_call"
+    jsonschema.validate(json.loads(call.arguments), CLOCK["function"]["parameters"])
+    as_tools = chat(client, tools=[CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                    temperature=0.7, seed=5)
+    assert as_tools.choices[0].message.tool_calls[0].function.arguments == call.arguments
+    chunks = list(chat(client, functions=[CLOCK["function"]], function_call={"name": "get_time"}, temperature=0.7,
+                       seed=5, stream=True))
+    deltas = [ch.choices[0].delta.function_call for ch in chunks if ch.choices and ch.choices[0].delta.function_call]
+    assert deltas[0].name == "get_time" and "".join(d.arguments or "" for d in deltas) == call.arguments
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    follow = client.chat.completions.create(model=MODEL_NAME, max_tokens=4, functions=[CLOCK["function"]], messages=[
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_time", "arguments": call.arguments}},
+        {"role": "function", "name": "get_time", "content": "12:00"}])
+    tool_turns = client.chat.completions.create(model=MODEL_NAME, max_tokens=4, tools=[CLOCK], messages=[
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_get_time", "type": "function", "function": {
+            "name": "get_time", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": "call_get_time", "name": "get_time", "content": "12:00"}])
+    assert follow.usage.prompt_tokens == tool_turns.usage.prompt_tokens  # the same rendered prompt
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, functions=[CLOCK["function"]], tools=[WEATHER])
     assert info.value.body["param"] == "functions"
