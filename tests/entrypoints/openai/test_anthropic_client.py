@@ -68,6 +68,20 @@ def test_a_final_assistant_turn_is_continued(server, client) -> None:
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_models_list_and_retrieve_in_anthropics_shape(client) -> None:
+    """/v1/models serves both APIs: Anthropic's client gets its ModelInfo fields."""
+    import datetime
+
+    page = client.models.list()
+    assert [m.id for m in page.data] == [MODEL_NAME] and page.has_more is False
+    assert page.first_id == page.last_id == MODEL_NAME
+    one = client.models.retrieve(MODEL_NAME)
+    assert one.type == "model" and one.display_name == MODEL_NAME
+    assert isinstance(one.created_at, datetime.datetime) and one.created_at.tzinfo is not None
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
 def test_stop_sequences_end_with_stop_sequence(client) -> None:
     free = client.messages.create(model=MODEL_NAME, max_tokens=16, messages=ASK, extra_body=T0)
     text = free.content[0].text

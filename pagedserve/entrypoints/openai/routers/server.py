@@ -4,12 +4,13 @@ the base model's names and its LoRA adapters)."""
 
 from __future__ import annotations
 
+import datetime
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 import pagedserve
 from pagedserve.entrypoints.openai.protocol import ModelCard, ModelList
-from pagedserve.entrypoints.openai.routers.generation import json_response
 from pagedserve.entrypoints.openai.server_state import ServerState, ServerStateDep
 
 router = APIRouter()
@@ -45,16 +46,28 @@ def model_card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, root=base, max_model_len=max_model_len)
 
 
+def both_apis(card: ModelCard) -> dict:
+    """A model as OpenAI's and Anthropic's clients both read it (the path is the same):
+    OpenAI's card plus Anthropic's type, display_name and RFC 3339 created_at."""
+    created = datetime.datetime.fromtimestamp(card.created, datetime.timezone.utc)
+    return {**card.model_dump(), "type": "model", "display_name": card.id,
+            "created_at": created.isoformat().replace("+00:00", "Z")}
+
+
 @router.get("/v1/models")
 async def models(state: ServerStateDep) -> JSONResponse:
-    """Every servable model (loaded or not) and LoRA adapter."""
+    """Every servable model (loaded or not) and LoRA adapter; the list in both APIs'
+    shapes (Anthropic's pages: has_more, first_id, last_id)."""
     state.check_up()
     names = [*state.models.names(), *state.lora_adapters.loras]
-    return json_response(ModelList(data=[model_card(state, name) for name in names]))
+    data = [both_apis(model_card(state, name)) for name in names]
+    return JSONResponse({**ModelList().model_dump(exclude={"data"}), "data": data, "has_more": False,
+                         "first_id": names[0] if names else None, "last_id": names[-1] if names else None})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, state: ServerStateDep) -> JSONResponse:
-    """OpenAI's retrieve (`client.models.retrieve`); ids may contain slashes (org/name)."""
+    """OpenAI's retrieve (`client.models.retrieve`) and Anthropic's; ids may contain
+    slashes (org/name)."""
     state.check_up()
-    return json_response(model_card(state, model_id))  # a 404 naming it when it is not served
+    return JSONResponse(both_apis(model_card(state, model_id)))  # a 404 naming it when it is not served
