@@ -163,6 +163,24 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e
         return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"], encoded.get("multi_modal"))
 
+    def rendered(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> TokenizedPrompt:
+        """`req`'s prompt as the chat handler runs it (its tools shown unless tool_choice
+        is "none"); also what /tokenize counts."""
+        plan = self.tool_plan(req) if plan is None else plan
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
+        prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
+        if plan.mode == "auto" and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
+            # The template does not render tools: tell the model about them in the parser's
+            # own format, in the system message, as vLLM's tool-aware templates would.
+            if not self._warned_tools_block:
+                self._warned_tools_block = True
+                logger.info("the chat template does not render tools: tool_choice 'auto' adds them to the system "
+                            "message in the %s format (a --chat-template that renders tools takes precedence)",
+                            plan.parser.name)
+            messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
+            prompt = self.render(req, messages, req.add_generation_prompt, tools)
+        return prompt
+
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         mode, function = req.tool_mode()
         if mode == "auto" and self.tool_parser is None:
@@ -183,18 +201,7 @@ class OpenAIServingChat(OpenAIServing):
                 params.validate()
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
-        prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
-        if plan.mode == "auto" and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
-            # The template does not render tools: tell the model about them in the parser's
-            # own format, in the system message, as vLLM's tool-aware templates would.
-            if not self._warned_tools_block:
-                self._warned_tools_block = True
-                logger.info("the chat template does not render tools: tool_choice 'auto' adds them to the system "
-                            "message in the %s format (a --chat-template that renders tools takes precedence)",
-                            plan.parser.name)
-            messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
-            prompt = self.render(req, messages, req.add_generation_prompt, tools)
+        prompt = self.rendered(req, plan)
         reasoning = self._reasoning(prompt, params)  # (from the whole prompt: a cut one keeps no text)
         prompt = self.truncated(prompt, req.truncate_prompt_tokens)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())

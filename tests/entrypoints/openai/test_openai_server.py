@@ -241,6 +241,15 @@ def test_tokenize_detokenize(server, tokenizer):
     assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
     d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()
     assert d["prompt"] == tokenizer.decode(r["tokens"])
+    # Messages with tools count the prompt chat would run (the tools shown to the model)
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    counted = [httpx.post(server.url + "/tokenize", json={"messages": messages, **extra}, headers=AUTH).json()["count"]
+               for extra in ({}, {"tools": [tool]}, {"tools": [tool], "tool_choice": "none"})]
+    ran = [httpx.post(server.url + CHAT_URL, headers=AUTH, timeout=60, json={
+        "model": MODEL_NAME, "messages": messages, "max_tokens": 1, **extra}).json()["usage"]["prompt_tokens"]
+        for extra in ({}, {"tools": [tool]}, {"tools": [tool], "tool_choice": "none"})]
+    assert counted == ran and counted[1] > counted[0] == counted[2]
 
 
 def test_async_client_concurrent(server):

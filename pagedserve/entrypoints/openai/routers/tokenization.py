@@ -4,9 +4,11 @@ sends it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 
-from pagedserve.entrypoints.openai.protocol import ChatMessage, RequestBody
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, RequestBody
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
@@ -18,8 +20,25 @@ class TokenizeRequest(RequestBody):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False  # vLLM's: each token's vocabulary string too ("token_strs")
+    # With messages, chat's rendering fields: the prompt counted is the one chat would run.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request whose prompt these messages make (its checks included)."""
+        fields = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+                  "tool_choice")
+        body = {"messages": [m.model_dump(exclude_unset=True) for m in self.messages or []],
+                **{f: getattr(self, f) for f in fields if f in self.model_fields_set}}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValueError as e:
+            raise OpenAIError(f"cannot read the chat fields: {e}", param="messages") from None
 
 
 class DetokenizeRequest(RequestBody):
@@ -36,7 +55,7 @@ async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
         chat = lease.handlers.chat
         chat.warn_unknown_fields(body)
         if body.messages is not None:
-            ids = (await state.prepare.run(chat.render, None, body.messages, body.add_generation_prompt)).token_ids
+            ids = (await state.prepare.run(chat.rendered, body.chat_request())).token_ids
         else:
             ids = await state.prepare.run(chat.tokenize, body.prompt, body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": lease.handlers.max_model_len, "tokens": ids}
