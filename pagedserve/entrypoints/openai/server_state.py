@@ -246,7 +246,7 @@ class ServerState:
         if name is None:
             if requested in self.lora_adapters.loras:
                 return self.models.default_name
-            raise OpenAIError(f"The model `{requested}` does not exist.", status=404, param="model",
+            raise OpenAIError(f"The model `{requested[:200]}` does not exist.", status=404, param="model",
                               code="model_not_found")
         return name
 

@@ -182,7 +182,7 @@ class OpenAIServing:
         if requested is None:
             return self.served_model_names[0]
         if requested not in self.served_model_names and requested not in self.lora_modules:
-            raise OpenAIError(f"The model `{requested}` does not exist.", status=404, param="model",
+            raise OpenAIError(f"The model `{requested[:200]}` does not exist.", status=404, param="model",
                               code="model_not_found")
         return requested
 

@@ -58,6 +58,7 @@ def test_keep_alive_forms() -> None:
     assert parse_keep_alive(0) == 0 and parse_keep_alive("0") == 0 and parse_keep_alive(2.5) == 2.5
     assert parse_keep_alive(-1) is None and parse_keep_alive("-1m") is None and parse_keep_alive("-1h5m") is None
     assert parse_keep_alive("+1m30s") == 90 and parse_keep_alive(".5m") == 30 and parse_keep_alive("5.m") == 300
+    assert parse_keep_alive(10**400) is None and parse_keep_alive(-(10**400)) is None  # (past float's range)
     for bad in ("soon", "5 minutes", True, None, [1], "1e999x", "1h-5m", "1h+5m", "--5m",  # (Go: one leading sign)
                 "\N{ARABIC-INDIC DIGIT ONE}m", "\N{ARABIC-INDIC DIGIT ONE}", "1_000", "inf", "nan", "1e3"):
         with pytest.raises(ValueError, match="keep_alive"):

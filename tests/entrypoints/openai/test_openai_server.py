@@ -388,3 +388,9 @@ def test_tokenize_gives_token_strings_when_asked(server, tokenizer):
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}, headers=AUTH).json()
     assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
     assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
+
+
+def test_an_unknown_models_name_is_cut_short_in_the_404(server):
+    r = httpx.post(server.url + CHAT_URL, headers=AUTH, timeout=60,
+                   json={"model": "x" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and len(r.content) < 1000 and "does not exist" in r.json()["error"]["message"]
