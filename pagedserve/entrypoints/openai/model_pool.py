@@ -69,7 +69,7 @@ def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
     if isinstance(value, bool) or value is None:
         raise ValueError(f"{what} must be a duration such as '5m' or a number of seconds, got {value!r}")
     if isinstance(value, int) and abs(value) > 1 << 62:  # (past float's range too: forever either way)
-        seconds = math.copysign(math.inf, value)
+        seconds = math.inf if value > 0 else -math.inf
     elif isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str):
