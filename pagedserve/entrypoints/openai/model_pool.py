@@ -46,6 +46,9 @@ DEFAULT_KEEP_ALIVE = 300.0  # Ollama's: 5 minutes after the last request
 # How long a request waits for its model to load, or for room to load it in.
 LOAD_WAIT_SECONDS = 600.0
 REAP_INTERVAL = 0.5  # seconds between checks for models past their keep-alive
+# A model whose load failed answers its requests with that failure for this long, without
+# trying again (each try could first unload an idle model to make room for it).
+FAILED_LOAD_SECONDS = 30.0
 # Go's time.ParseDuration: one optional sign before the whole, then numbers (ASCII digits,
 # "5", "1.5", ".5", "5.") each with its unit; a plain number is Ollama's seconds.
 _DURATION = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
@@ -117,6 +120,7 @@ class ServedModel(Generic[H]):
         self.measured_bytes: int | None = None  # resident growth its last load measured
         self.load_seconds = 0.0
         self.pinned = False  # attached from outside (no loader): never unloaded
+        self.failure: tuple[float, OpenAIError] | None = None  # (when, what) of its last failed load
 
 
 @dataclass
@@ -154,10 +158,12 @@ class ModelPool(Generic[H]):
                  load: Callable[[ModelSpec, int | None], Awaitable[H]] | None = None,
                  unload: Callable[[H], Awaitable[None]] | None = None,
                  estimate: Callable[[ModelSpec], int] = lambda spec: model_details(spec.source).size,
-                 kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_waiting: int | None = None) -> None:
         """`kv_cache_bytes`: each model's KV cache; None: sized within the budget (the
         budget's share per loaded model, less the model's weights), or by the engine's
-        own rule when there is no budget."""
+        own rule when there is no budget.  `max_waiting`: requests that may wait for a
+        model to load (--max-waiting-requests; past it a 503 at once)."""
         if not specs:
             raise ValueError("a server needs at least one model")
         if max_loaded < 1:
@@ -181,6 +187,12 @@ class ModelPool(Generic[H]):
         self._load, self._unload, self._estimate, self._clock = load, unload, estimate, clock
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._released = asyncio.Event()  # set when a lease ends (a waiting load may find room)
+        # A load waiting for a loaded model to go idle: new requests for loaded models wait
+        # behind it (first come, first served), else a busy model would starve the others.
+        self._room_waiters = 0
+        self._room_turn = asyncio.Event()  # set when such a load stops waiting
+        self.max_waiting = max_waiting
+        self._waiting_for_load = 0
         self._reaper: asyncio.Task[None] | None = None
         self.closed = False
         self.counters = PoolCounters()
@@ -237,12 +249,42 @@ class ModelPool(Generic[H]):
         if keep_alive is not UNSET and not self.can_load and keep_alive is not None and keep_alive <= 0:
             raise OpenAIError("keep_alive 0 (unload after the request): this server cannot load models on demand, "
                               "so it keeps its model loaded", param="keep_alive")
+        deadline = self._clock() + wait
+        await self._wait_turn(model, deadline)
         if self.can_load:  # the request's keep_alive, else the server's (as Ollama: the last request decides)
             model.keep_alive = self.default_keep_alive if keep_alive is UNSET else keep_alive
         model.leases += 1  # before any await: an unload decided meanwhile passes this model by
         model.expires_at = None
         try:
-            deadline = self._clock() + wait
+            if model.loaded is None:
+                await self._wait_for_load(model, deadline)
+            model.last_used = self._clock()
+            assert model.loaded is not None
+            return Lease(self, model, model.loaded)
+        except BaseException:
+            self.release(model)
+            raise
+
+    async def _wait_turn(self, model: ServedModel[H], deadline: float) -> None:
+        """A loaded model's new request waits while another model's load waits for room."""
+        while self._room_waiters and model.loaded is not None and not model.pinned:
+            self._room_turn.clear()
+            try:
+                await asyncio.wait_for(self._room_turn.wait(), max(deadline - self._clock(), 0.001))
+            except TimeoutError:
+                raise OpenAIError(f"model {model.spec.name!r} is busy while another model waits to load; retry "
+                                  "shortly", status=503, type="server_error", code="server_overloaded") from None
+
+    async def _wait_for_load(self, model: ServedModel[H], deadline: float) -> None:
+        """Load `model` (or wait for its load), within the waiting bound and the deadline."""
+        if model.failure is not None and self._clock() - model.failure[0] < FAILED_LOAD_SECONDS:
+            raise model.failure[1]  # (the same answer, no new try: it failed moments ago)
+        if self.max_waiting is not None and self._waiting_for_load >= self.max_waiting:
+            raise OpenAIError(f"{self._waiting_for_load} requests already wait for a model to load "
+                              "(--max-waiting-requests); retry shortly", status=503, type="server_error",
+                              code="server_overloaded")
+        self._waiting_for_load += 1
+        try:
             while model.loaded is None:
                 if self.closed:
                     raise OpenAIError("The server is shutting down.", status=503, type="server_error",
@@ -255,11 +297,8 @@ class ModelPool(Generic[H]):
                 except TimeoutError:
                     raise OpenAIError(f"model {model.spec.name!r} is still loading; retry shortly", status=503,
                                       type="server_error", code="model_loading") from None
-            model.last_used = self._clock()
-            return Lease(self, model, model.loaded)
-        except BaseException:
-            self.release(model)
-            raise
+        finally:
+            self._waiting_for_load -= 1
 
     def release(self, model: ServedModel[H]) -> None:
         model.leases -= 1
@@ -290,7 +329,10 @@ class ModelPool(Generic[H]):
         async with self._lock:
             if model.loaded is not None:
                 return
-            need, kv = self.reservation(model)
+            try:  # (its files' facts are read off the event loop: a hostile file is slow to read)
+                need, kv = await asyncio.to_thread(self.reservation, model)
+            except Exception as e:  # noqa: BLE001 - unreadable facts are this model's failure
+                raise self._failed(model, e) from None
             await self._make_room(model, need, deadline)
             before = rss_bytes(os.getpid())
             start = self._clock()
@@ -300,10 +342,8 @@ class ModelPool(Generic[H]):
                 self.counters.load_failures += 1
                 raise
             except Exception as e:  # noqa: BLE001 - any load failure is this model's, by name
-                self.counters.load_failures += 1
-                logger.exception("model %r failed to load", model.spec.name)
-                raise OpenAIError(f"model {model.spec.name!r} could not be loaded: {e}", status=500,
-                                  type="server_error", param="model", code="model_load_failed") from None
+                raise self._failed(model, e) from None
+            model.failure = None
             model.load_seconds = self._clock() - start
             grown = rss_bytes(os.getpid()) - before
             if grown > 0:
@@ -314,6 +354,17 @@ class ModelPool(Generic[H]):
             self.counters.loads += 1
             logger.info("model %r loaded in %.1f s (%.0f MiB resident)", model.spec.name, model.load_seconds,
                         max(grown, 0) / 2**20)
+
+    def _failed(self, model: ServedModel[H], e: Exception) -> OpenAIError:
+        """A failed load's answer, remembered for FAILED_LOAD_SECONDS; its details (the
+        server's paths, the loader's internals) go to the log only."""
+        self.counters.load_failures += 1
+        logger.error("model %r failed to load (%s: %s)", model.spec.name, type(e).__name__, e,
+                     exc_info=(type(e), e, e.__traceback__))
+        error = OpenAIError(f"model {model.spec.name!r} could not be loaded ({type(e).__name__}; details in the "
+                            "server log)", status=500, type="server_error", param="model", code="model_load_failed")
+        model.failure = (self._clock(), error)
+        return error
 
     def _fits(self, need: int) -> bool:
         loaded = [m for m, _ in self.loaded()]
@@ -334,12 +385,16 @@ class ModelPool(Generic[H]):
                 await self._unload_one(idle[0], "to make room for " + repr(model.spec.name))
                 continue
             self._released.clear()
+            self._room_waiters += 1
             try:
                 await asyncio.wait_for(self._released.wait(), max(deadline - self._clock(), 0.001))
             except TimeoutError:
                 raise OpenAIError(f"model {model.spec.name!r} cannot load while every loaded model is busy "
                                   f"(--max-loaded-models {self.max_loaded}); retry shortly", status=503,
                                   type="server_error", code="server_overloaded") from None
+            finally:
+                self._room_waiters -= 1
+                self._room_turn.set()
 
     async def _unload_one(self, model: ServedModel[H], why: str) -> None:
         handlers = model.loaded

@@ -100,6 +100,8 @@ def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict
         from pagedserve.model_loader.loader import resolve_device
 
         if resolve_device(device).type != "cpu":
-            return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": None}
+            return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": None,
+                    "max_waiting": args.max_waiting_requests}
         budget = int(available_memory_bytes(torch.device("cpu")) * 0.9)
-    return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": budget}
+    return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": budget,
+            "max_waiting": args.max_waiting_requests}

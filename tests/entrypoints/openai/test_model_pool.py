@@ -144,19 +144,67 @@ def test_keep_alive_expiry_and_zero() -> None:
 
 
 def test_a_failed_load_names_the_model_and_the_others_serve() -> None:
+    """The failure names the model and its exception's type (its details, which may hold
+    the server's paths, go to the log); for FAILED_LOAD_SECONDS it is the answer without
+    a new try (which would first unload an idle model to make room), then tried again."""
+    from pagedserve.entrypoints.openai.model_pool import FAILED_LOAD_SECONDS
+
+    clock = FakeClock()
+
     async def main():
-        pool, loader = make_pool(loader=Loader(fail=frozenset({"b"})))
+        pool, loader = make_pool(loader=Loader(fail=frozenset({"b"})), clock=clock)
         with pytest.raises(OpenAIError) as e:
             await pool.lease("b")
-        assert "'b'" in e.value.message and "weights are corrupt" in e.value.message and e.value.status == 500
+        assert "'b'" in e.value.message and "RuntimeError" in e.value.message and e.value.status == 500
+        assert "weights are corrupt" not in e.value.message
         lease = await pool.lease("a")
         lease.release()
-        with pytest.raises(OpenAIError):  # tried again on the next request, not remembered as broken
+        with pytest.raises(OpenAIError, match="could not be loaded"):  # remembered: "a" stays loaded
+            await pool.lease("b")
+        assert pool.models["a"].loaded is not None
+        clock.t += FAILED_LOAD_SECONDS + 1
+        with pytest.raises(OpenAIError):  # tried again once that time has passed
             await pool.lease("b")
         return loader.events, pool.counters.load_failures
 
     events, failures = run(main())
     assert events == ["load b", "load a", "unload a", "load b"] and failures == 2
+
+
+def test_a_busy_model_does_not_starve_a_load_waiting_for_room() -> None:
+    """Requests for a loaded, busy model that arrive while another model waits for room
+    wait their turn behind that load (first come, first served)."""
+    async def main():
+        pool, loader = make_pool()
+        busy = await pool.lease("a")
+        b = asyncio.ensure_future(pool.lease("b"))  # waits for "a" to go idle
+        await asyncio.sleep(0.05)
+        later_a = asyncio.ensure_future(pool.lease("a"))  # arrives after: must not keep "a" busy
+        await asyncio.sleep(0.05)
+        assert not later_a.done()
+        busy.release()
+        lease_b = await asyncio.wait_for(b, 5)
+        assert not later_a.done()  # "a" was unloaded for "b"; it loads again once "b" is idle
+        lease_b.release()
+        (await asyncio.wait_for(later_a, 5)).release()
+        return loader.events
+
+    assert run(main()) == ["load a", "unload a", "load b", "unload b", "load a"]
+
+
+def test_requests_waiting_for_a_load_are_bounded() -> None:
+    async def main():
+        pool, _ = make_pool(loader=Loader(delay=0.2), max_waiting=2)
+        waiting = [asyncio.ensure_future(pool.lease("a")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(OpenAIError, match="already wait for a model to load") as e:
+            await pool.lease("a")
+        assert e.value.status == 503
+        for lease in await asyncio.gather(*waiting):
+            lease.release()
+        (await pool.lease("a")).release()  # loaded now: no waiting, no bound
+
+    run(main())
 
 
 def test_memory_budget_sizes_caches_and_refuses_a_model_that_cannot_fit() -> None:
