@@ -85,59 +85,82 @@ class GGUFFile:
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+# The most strings one metadata array may hold (16x Gemma 3's 262,144-token vocabulary):
+# each is skipped by a Python step, and a crafted header's count (2^62, over zeros in a
+# sparse file) kept a server's event loop busy for 22 s reading it.
+MAX_GGUF_ARRAY_STRINGS = 1 << 22
+
+
+class _Cursor:
+    """A read position in a GGUF's bytes; every length the header claims is checked
+    against what is left of the file (ValueError), before anything is skipped or read."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        import struct
+
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def room(self, n: int, what: str) -> int:
+        if n > len(self.buf) - self.pos:
+            raise ValueError(f"{what} of {n} bytes runs past the end of the file")
+        return n
+
+    def string(self) -> str:
+        n = self.room(self.take("<Q"), "a string")
+        self.pos += n
+        return bytes(self.buf[self.pos - n: self.pos]).decode("utf-8", errors="replace")
+
+    def skip_array(self, key: str) -> int:
+        """Past an array's values (only their count is kept)."""
+        import struct
+
+        etype, count = self.take("<I"), self.take("<Q")
+        if etype != _STRING:
+            self.pos += self.room(count * struct.calcsize(_SCALARS[etype]), f"{key!r}'s {count} values")
+            return count
+        if count > MAX_GGUF_ARRAY_STRINGS:
+            raise ValueError(f"{key!r} holds {count} strings, more than {MAX_GGUF_ARRAY_STRINGS}")
+        self.room(count * 8, f"{key!r}'s {count} strings")
+        for _ in range(count):
+            n = self.take("<Q")  # (not `pos += take(...)`: take moves pos itself)
+            self.pos += self.room(n, "a string")
+        return count
 
 
 def _read_gguf(path: str) -> GGUFFile:
-    import struct
-
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mm)
-    pos = 0
-
-    def take(fmt: str) -> Any:
-        nonlocal pos
-        value = struct.unpack_from(fmt, buf, pos)[0]
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        pos += n
-        return bytes(buf[pos - n: pos]).decode("utf-8", errors="replace")
-
-    if bytes(buf[:4]) != b"GGUF":
+    cur = _Cursor(memoryview(mm))
+    if bytes(cur.buf[:4]) != b"GGUF":
         raise ValueError("bad magic")
-    pos = 4
-    version = take("<I")
+    cur.pos = 4
+    version = cur.take("<I")
     if version < 2:
         raise ValueError(f"GGUF version {version} is not supported")
-    n_tensors, n_kv = take("<Q"), take("<Q")
+    n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+    cur.room(n_tensors * 24 + n_kv * 12, f"{n_tensors} tensors' and {n_kv} keys' headers")  # (their least sizes)
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
-        key, vtype = string(), take("<I")
+        key, vtype = cur.string(), cur.take("<I")
         if vtype == _ARRAY:
-            etype, count = take("<I"), take("<Q")
-            if etype == _STRING:
-                for _ in range(count):
-                    n = take("<Q")  # (not `pos += take(...)`: take moves pos itself)
-                    pos += n
-            else:
-                pos += count * struct.calcsize(_SCALARS[etype])
-            metadata[key] = count  # arrays: only their length is needed here
+            metadata[key] = cur.skip_array(key)  # arrays: only their length is needed here
         elif vtype == _STRING:
-            metadata[key] = string()
+            metadata[key] = cur.string()
         else:
-            metadata[key] = take(_SCALARS[vtype])
+            metadata[key] = cur.take(_SCALARS[vtype])
     infos = []
     for _ in range(n_tensors):
-        name, n_dims = string(), take("<I")
-        dims = tuple(take("<Q") for _ in range(n_dims))
-        infos.append((name, dims, GGMLQuantizationType(take("<I")), take("<Q")))
+        name, n_dims = cur.string(), cur.take("<I")
+        dims = tuple(cur.take("<Q") for _ in range(n_dims))
+        infos.append((name, dims, GGMLQuantizationType(cur.take("<I")), cur.take("<Q")))
     align = int(metadata.get("general.alignment", 32))
-    data_start = -(-pos // align) * align
+    data_start = -(-cur.pos // align) * align
     tensors = []
     # Plain-ndarray views of the mapping (it stays alive through their base): numpy.memmap's
     # subclass hooks on each slice were half of gguf's dequantization time (Gemma 3 270M's

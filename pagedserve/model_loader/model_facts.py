@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pagedserve.models.registry import names_vision_model
 
 MAX_HEADER_BYTES = 64 << 20  # a safetensors header larger than this is not read
 # A model whose files cannot be dated (not fetched yet, unreadable) shows the server's start.
+logger = logging.getLogger(__name__)
 STARTED_AT = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
@@ -118,8 +120,22 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int, bool]:
         names_vision_model(path)
 
 
+UNKNOWN = ModelFacts("unknown", "unknown", 0, "unknown", 0, 0, STARTED_AT, "")
+
+
 @functools.lru_cache(maxsize=256)
 def _facts(path: str, mtime_ns: int) -> ModelFacts:
+    """A model's facts, or UNKNOWN where its files cannot be read as a model's (any
+    error: the files are an operator's, possibly broken); cached either way, so that a
+    hostile file is read once."""
+    try:
+        return _read_facts(path, mtime_ns)
+    except Exception as e:  # noqa: BLE001 - a broken file's facts are unknown, whatever broke
+        logger.warning("cannot read the model facts of %s (%s: %s)", path, type(e).__name__, str(e)[:200])
+        return UNKNOWN
+
+
+def _read_facts(path: str, mtime_ns: int) -> ModelFacts:
     modified = datetime.fromtimestamp(mtime_ns / 1e9, timezone.utc).isoformat().replace("+00:00", "Z")
     if os.path.isfile(path):
         arch, count, quant, ctx = _gguf_facts(path)
@@ -149,4 +165,4 @@ def model_details(source: str) -> ModelFacts:
             path = hf_hub_snapshot(source)  # a Hub id in the local cache
         return _facts(path, os.stat(path).st_mtime_ns)
     except (OSError, ValueError, KeyError):  # unreadable: nothing is known but the name
-        return ModelFacts("unknown", "unknown", 0, "unknown", 0, 0, STARTED_AT, "")
+        return UNKNOWN

@@ -47,3 +47,43 @@ def test_a_vision_language_checkpoint_says_so(tmp_path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     assert model_details(str(tmp_path / "vlm")).vision and not model_details(str(tmp_path / "text")).vision
+
+
+def crafted_gguf(count: int, kind: int = 8) -> bytes:
+    """A GGUF header with one metadata array of `count` values of `kind` (8: strings), and
+    no data behind it: what a crafted file claims."""
+    import struct
+
+    key = b"tokenizer.ggml.tokens"
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IIQ", 9, kind, count))
+
+
+def test_hostile_model_files_show_unknown_facts_quickly_and_once(tmp_path, monkeypatch) -> None:
+    """A header's lengths are checked against the file before anything is skipped (a
+    2^62-string array over a sparse 1 GiB file kept an event loop 22 s); a config of the
+    wrong shapes is unknown facts, not an exception; each file is read once."""
+    import json
+    import time
+
+    from pagedserve.model_loader import model_facts
+
+    sparse = tmp_path / "sparse.gguf"
+    with open(sparse, "wb") as f:
+        f.write(crafted_gguf(2**62))
+        f.truncate(1 << 30)
+    (tmp_path / "values.gguf").write_bytes(crafted_gguf(2**40, kind=4) + b"\0" * 64)
+    for name, config in (("archs", {"architectures": 5}), ("ctx", {"max_position_embeddings": [1]}), ("list", [])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "config.json").write_text("[" * 100_000)
+    start = time.perf_counter()
+    for name in ("sparse.gguf", "values.gguf", "archs", "ctx", "list", "deep"):
+        facts = model_details(str(tmp_path / name))
+        assert (facts.format, facts.parameter_count) == ("unknown", 0), name
+    assert time.perf_counter() - start < 2.0
+    reads: list[str] = []
+    monkeypatch.setattr(model_facts, "_read_facts", lambda path, mtime: reads.append(path))
+    model_details(str(sparse))
+    assert reads == []  # (a failure is cached as a success is)

@@ -7,6 +7,7 @@ Errors take Ollama's shape, {"error": "..."} (http_utils.error_response)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -109,8 +110,8 @@ def _listing(model: ServedModel[Any]) -> dict[str, Any]:
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(state: ServerStateDep) -> dict:
     """Every servable model, loaded or not."""
-    state.check_up()
-    return {"models": [_listing(m) for m in state.models.models.values()]}
+    state.check_up()  # (the files' facts are read off the event loop: a broken file is slow to read)
+    return {"models": await asyncio.to_thread(lambda: [_listing(m) for m in state.models.models.values()])}
 
 
 @router.get("/api/ps")
@@ -119,11 +120,12 @@ async def ps(state: ServerStateDep) -> dict:
     state.check_up()
     out = []
     for model, handlers in state.models.loaded():
+        listing = await asyncio.to_thread(_listing, model)
         ttl = state.models.expires_at_wall(model)
         expires = (datetime.now(timezone.utc) + timedelta(days=3650)) if ttl is None else \
             datetime.fromtimestamp(ttl, timezone.utc)
         size = model.measured_bytes or model.reserved_bytes
-        out.append({**_listing(model), "size": size, "size_vram": size if handlers.engine_on_gpu else 0,
+        out.append({**listing, "size": size, "size_vram": size if handlers.engine_on_gpu else 0,
                     "expires_at": expires.isoformat().replace("+00:00", "Z"),
                     "context_length": handlers.max_model_len})
     return {"models": out}
@@ -139,7 +141,7 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     if resolved is None:
         raise OpenAIError(f"model '{name[:200]}' not found", status=404, param="model")
     model = state.models.models[resolved]
-    info = model_details(model.spec.source)
+    info = await asyncio.to_thread(model_details, model.spec.source)
     handlers = model.loaded
     # (tools and vision need a chat template to place them in: a base model only completes)
     chat = bool(info.chat_template)
