@@ -11,7 +11,10 @@ folded into the table.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -130,12 +133,30 @@ def inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return freq
 
 
+# The most positions the model being built will run (its max_model_len and drafts past
+# it), set by the loader around a model's construction: a table of cos/sin per position
+# costs ~0.65 KB each, and a config's max_position_embeddings of 2^23 took 5.6 GB.
+_POSITIONS_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("positions_limit", default=None)
+
+
+@contextlib.contextmanager
+def positions_limit(limit: int) -> Iterator[None]:
+    """Rotary tables built in the block hold at most `limit` positions."""
+    token = _POSITIONS_LIMIT.set(limit)
+    try:
+        yield
+    finally:
+        _POSITIONS_LIMIT.reset(token)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict | None = None, freq_factors: list[float] | None = None) -> None:
         """`freq_factors`: one divisor per rotary frequency, as Llama 3.1 GGUF files carry
         their scaling (llama.cpp's rope_freqs); not together with a scaling type."""
         super().__init__()
+        limit = _POSITIONS_LIMIT.get()
+        max_position = max_position if limit is None else min(max_position, limit)
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
         self.head_dim = head_dim

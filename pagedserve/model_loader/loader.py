@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import DeviceConfig, ModelConfig
+from pagedserve.config import MAX_SPECULATIVE_TOKENS, DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
+from pagedserve.layers.rotary_embedding import positions_limit
 from pagedserve.model_loader.config_snapshot import cached_config
 from pagedserve.model_loader.sources import ModelSource, gguf_file_name, resolve_source
 from pagedserve.models.registry import (
@@ -233,7 +234,13 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     method, gguf_file = resolve_quantization(model_config.quantization, source, target)
     model_config.quantization = method  # resolved, like dtype (resolving again gives the same)
     model_cls = get_model_class(hf_config)
-    with _default_dtype(dtype), target:
+    if source.format == "safetensors":  # (before building anything: a directory without weights fails at once)
+        from pagedserve.model_loader.weight_utils import safetensors_files
+
+        safetensors_files(source.path)
+    # (positions past max_model_len never run: no rotary table holds them)
+    limit = model_config.max_model_len + MAX_SPECULATIVE_TOKENS + 1 if model_config.max_model_len else None
+    with _default_dtype(dtype), target, positions_limit(limit) if limit else contextlib.nullcontext():
         model = model_cls(model_config.hf_mm_config or hf_config)
     layers = [m for m in model.modules() if isinstance(m, QuantizableLayer)]
     for layer in layers:

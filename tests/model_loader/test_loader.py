@@ -69,6 +69,29 @@ def test_unknown_architecture_is_named(tmp_path) -> None:
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
 
 
+def test_rotary_tables_hold_max_model_len_and_a_model_without_weights_fails_before_it_is_built(tmp_path) -> None:
+    """A config's max_position_embeddings of 2^23 built a 5.6 GB rotary table before the
+    load found no weights: the weights are looked for first, and a table holds only the
+    positions max_model_len can run (and drafts past it)."""
+    import time
+
+    from transformers import LlamaConfig
+
+    from pagedserve.config import MAX_SPECULATIVE_TOKENS
+    from pagedserve.layers.rotary_embedding import RotaryEmbedding
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, max_position_embeddings=1 << 23,
+                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weight files"):
+        get_model(ModelConfig(model=str(tmp_path), load_format="auto"), "cpu")
+    assert time.perf_counter() - start < 5
+    model = get_model(ModelConfig(model=str(tmp_path), load_format="dummy", max_model_len=256), "cpu")
+    (rope,) = {m for m in model.modules() if isinstance(m, RotaryEmbedding)}
+    assert rope.cos_sin_cache.shape[0] == 256 + MAX_SPECULATIVE_TOKENS + 1
+
+
 @pytest.mark.parametrize(("field", "value"), [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
                                               ("logit_scale", 0.0625), ("embedding_multiplier", 12.0)])
 def test_math_changing_config_fields_we_do_not_implement_are_refused(tmp_path, field: str, value: float) -> None:
