@@ -260,6 +260,9 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
         raise ValueError("several models per server do not combine with --enable-lora or --data-parallel-size "
                          "yet: serve one model with those")
     loras = LoRAAdapters(parse_lora_modules(args.lora_modules, names), args.allow_runtime_lora_updating)
+    if args.allow_runtime_lora_updating and api_key is None:
+        logger.warning("--allow-runtime-lora-updating without an API key: any client may have the server read "
+                       "adapter directories from its disk (set --api-key)")
     watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL
     if not watchable and not args.disable_dashboard:
         logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "

@@ -50,7 +50,10 @@ def parse_lora_modules(items: list[str] | None, served_names: list[str]) -> dict
 def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRARequest]) -> None:
     if not isinstance(name, str) or not name or len(name) > MAX_LORA_NAME_CHARS:
         raise ValueError(f"a LoRA adapter's name must be 1 to {MAX_LORA_NAME_CHARS} characters, got {name!r:.300}")
-    if name in served_names:
+    if not name.isprintable() or name != name.strip():
+        raise ValueError(f"a LoRA adapter's name may not hold control characters or surrounding spaces, got {name!r}")
+    # (Ollama's routes read NAME:latest as NAME: an adapter so named would be the base model there)
+    if name in served_names or name.removesuffix(":latest") in served_names:
         raise ValueError(f"LoRA adapter name {name!r} is the base model's served name")
     if name in loras:
         raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
