@@ -283,6 +283,9 @@ class CompletionRequest(_SamplingFields):
     def _num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_max_tokens(self) -> int | None:  # echo with 0: the prompt alone (one step runs, unshown)
+        return 1 if self.echo and self.max_tokens == 0 else self.max_tokens
+
     def check_unsupported(self, structured_outputs_backend: str) -> None:
         super().check_unsupported(structured_outputs_backend)
         if self.suffix:

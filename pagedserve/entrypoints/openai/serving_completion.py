@@ -5,6 +5,7 @@ Choice index = prompt_index * n + completion_index, as in OpenAI and vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,15 @@ from pagedserve.entrypoints.openai.serving_engine import (
 from pagedserve.entrypoints.openai.streaming import ChoiceStream
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
+
+
+def prompt_only(out: RequestOutput) -> RequestOutput:
+    """An echo with max_tokens 0 (OpenAI's legacy way to score a prompt): the one token
+    its step generated is not shown, used or counted; it ends as "length"."""
+    outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   cumulative_logprob=None, finish_reason="length", stop_reason=None)
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -72,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, params = prep.prompts, prep.params
         finals: list[RequestOutput | None] = [None] * len(prompts)
         async for i, out in merge_streams(streams):
-            finals[i] = out
+            finals[i] = prompt_only(out) if req.max_tokens == 0 else out
         choices = []
         for i, out in enumerate(finals):
             assert out is not None and out.finished
@@ -100,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
-                finals[i] = out
+                finals[i] = out = prompt_only(out) if req.max_tokens == 0 else out
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err

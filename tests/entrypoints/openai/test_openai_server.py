@@ -364,6 +364,16 @@ def test_echo_with_logprobs_and_prompt_logprobs(client, tokenizer):
     plain = complete(client, max_tokens=2, extra_body={"prompt_logprobs": 1})
     plp = plain.choices[0].model_extra["prompt_logprobs"]
     assert len(plp) == n_prompt and plp[0] is None and all(len(step) >= 1 for step in plp[1:])
+    # OpenAI's legacy way to score a prompt: echo with max_tokens 0, the prompt alone
+    scored = complete(client, max_tokens=0, echo=True, logprobs=2)
+    assert scored.choices[0].text == PROMPT and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n_prompt], abs=1e-4)
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (n_prompt, 0)
+    chunks = list(complete(client, max_tokens=0, echo=True, logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        complete(client, max_tokens=0)  # (without echo there is nothing to answer)
 
 
 def test_cache_salt_separates_prefix_caches(client):
