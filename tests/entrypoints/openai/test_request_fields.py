@@ -148,10 +148,10 @@ CHAT_ONLY = {
                     lambda r, b, t: json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"][
                         "arguments"])["x"] in (1, 2) or pytest.fail()),
     "functions": ({"functions": [TOOLS[0]["function"]], "function_call": {"name": "f"}, "max_tokens": 50},
-                  lambda r, b, t: r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+                  lambda r, b, t: r.json()["choices"][0]["message"]["function_call"]["name"] == "f"
                   or pytest.fail()),
     "function_call": ({"functions": [TOOLS[0]["function"]], "function_call": "none"},
-                      lambda r, b, t: not r.json()["choices"][0]["message"].get("tool_calls") or pytest.fail()),
+                      lambda r, b, t: not r.json()["choices"][0]["message"].get("function_call") or pytest.fail()),
     "parallel_tool_calls": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
                              "max_tokens": 200},
                             lambda r, b, t: len(r.json()["choices"][0]["message"]["tool_calls"]) == 1 or pytest.fail()),

@@ -462,12 +462,15 @@ def check_ndjson(lines: list[str], case: str, route: str) -> None:
 def check_events(events: list[str], case: str, route: str = "") -> None:
     """Every event is JSON (an in-band error one not a server_error) and the stream ends with
     [DONE] (Anthropic's: with message_stop or an error event; the Responses API's: with
-    response.completed or an error event)."""
+    response.completed or .incomplete, or an error event and response.failed)."""
     if route == "/v1/responses":
         assert events, f"empty stream for {case}"
         last = json.loads(events[-1])
-        assert last["type"] in ("response.completed", "error"), f"stream ended with {show(events[-1])} for {case}"
-        assert last["type"] != "error" or (isinstance(last["message"], str) and last["message"]), case
+        ends = ("response.completed", "response.incomplete", "response.failed")
+        assert last["type"] in ends, f"stream ended with {show(events[-1])} for {case}"
+        if last["type"] == "response.failed":
+            error = json.loads(events[-2])
+            assert error["type"] == "error" and isinstance(error["message"], str) and error["message"], case
         return
     if route in ANTHROPIC:
         assert events, f"empty stream for {case}"
