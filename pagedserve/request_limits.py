@@ -25,6 +25,8 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 200
 # Sequences one request may start: prompts (a completions request's list) x n.
 MAX_SEQUENCES_PER_REQUEST = 1024
+# Inputs one embeddings request may hold (OpenAI's bound; each is one pooled prompt).
+MAX_EMBEDDING_INPUTS = 2048
 
 # A request's own chat template (the server's --chat-template and the model's are
 # trusted): template text only, never a path, rendered in a sandboxed child process

@@ -83,3 +83,27 @@ def test_embedding_scores_are_cosines_of_the_embeddings(tiny_reranker) -> None:
         llm.shutdown()
     assert scores[:3] == pytest.approx([float(vecs[0] @ v) for v in vecs[1:]], abs=1e-5)
     assert scores[3] == pytest.approx(1.0, abs=1e-5) and by_ids == pytest.approx(1.0, abs=1e-5)  # the same text
+
+
+def test_the_reranker_route_counts_pairs_and_refuses_truncation(tiny_reranker, tmp_path) -> None:
+    """Through the server: each pair is one prompt (600 documents are 600, within the bound
+    of 1,024), and truncate_prompt_tokens, which keeps a prompt's last tokens, would cut
+    the query and instruction away: refused by name."""
+    import json
+
+    import httpx
+
+    from tests.entrypoints.openai.conftest import ServerProcess
+
+    proc = ServerProcess([tiny_reranker, "--runner", "pooling", "--dtype", "float32", "--pooler-config",
+                          json.dumps({"classifier_from_token": ["no", "yes"]})], tmp_path / "server.log")
+    try:
+        r = httpx.post(proc.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS, "truncate_prompt_tokens": 8},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        r = httpx.post(proc.url + "/v1/rerank", json={"query": QUERY, "documents": [DOCS[0]] * 600}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["results"]) == 600, r.text
+        r = httpx.post(proc.url + "/v1/rerank", json={"query": QUERY, "documents": [DOCS[0]] * 1025}, timeout=60)
+        assert r.status_code == 400 and "1025 prompts" in r.json()["error"]["message"]
+    finally:
+        proc.stop()

@@ -333,8 +333,8 @@ class OllamaEmbedding:
                 body["truncate_prompt_tokens"] = -1  # the last max_model_len tokens, as Ollama keeps the context's
             if req.dimensions is not None:
                 body["dimensions"] = req.dimensions
-        else:
-            body["input"] = req.prompt
+        else:  # the older route's vectors are not normalised (Ollama's own; /api/embed's are)
+            body.update(input=req.prompt, normalize=False)
         openai_request = _validated(EmbeddingRequest, body)
         return PreparedOllama(openai_request, self.embedding.prepare(openai_request))
 

@@ -227,12 +227,12 @@ class OpenAIServing:
         return OpenAIError(str(e), param=param)
 
     @staticmethod
-    def check_fanout(num_prompts: int, n: int, param: str = "prompt") -> None:
-        """One request starts at most MAX_SEQUENCES_PER_REQUEST sequences (prompts x n);
-        `param`: the field that holds the prompts."""
-        if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+    def check_fanout(num_prompts: int, n: int, param: str = "prompt", limit: int = MAX_SEQUENCES_PER_REQUEST) -> None:
+        """One request starts at most `limit` sequences (prompts x n); `param`: the field
+        that holds the prompts."""
+        if num_prompts * n > limit:
             raise OpenAIError(f"this request would start {num_prompts} prompts x n={n} = {num_prompts * n} "
-                              f"sequences; at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request",
+                              f"sequences; at most {limit} are allowed per request",
                               param=param if num_prompts > 1 else "n")
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str = "messages") -> None:

@@ -39,6 +39,7 @@ from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pa
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.request_limits import MAX_EMBEDDING_INPUTS
 
 
 @dataclass
@@ -89,7 +90,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
             items = list(value)
         if not items or any(isinstance(t, list) and not t for t in items):
             raise OpenAIError("input must not be empty", param="input")
-        self.check_fanout(len(items), 1, "input")  # before tokenizing any of them
+        self.check_fanout(len(items), 1, "input", MAX_EMBEDDING_INPUTS)  # before tokenizing any of them
         # (checked by the engine when it accepts them: a bad field is a 400 naming it, before any output)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         return PreparedRequest(model, [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens)
@@ -122,14 +123,19 @@ class OpenAIServingScore(OpenAIServingPooling):
                 pairs = score_pairs(req.text_1, req.text_2)
             except InvalidRequestError as e:
                 raise self.invalid(req, e) from None
-        # Two texts a pair at most (a reranker's pair is one prompt), before tokenizing any of them.
-        self.check_fanout(2 * len(pairs), 1, "documents" if rerank else "text_2")
+        # The prompts it would start, counted before tokenizing any of them: a reranker's
+        # pair is one; for embedding similarity, each distinct text once.
+        field = "documents" if rerank else "text_2"
         truncate = req.truncate_prompt_tokens
         documents = list(req.documents) if rerank else []
         if self.engine.classifier_token_ids is not None:
+            self.check_fanout(len(pairs), 1, field)
             if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
                 raise OpenAIError("a reranker scores text: send strings, not token ids", param="text_1")
-            prompts = [self.prompt(reranker_prompt(a, b, req.instruction), truncate) for a, b in pairs]
+            if truncate is not None:  # (it keeps a prompt's last tokens: the document, not the query)
+                raise OpenAIError("truncate_prompt_tokens would cut a reranker's prompt from its start (its instruction "
+                                  "and query); send shorter documents", param="truncate_prompt_tokens")
+            prompts = [self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs]
             return PreparedScores(model, prompts, PoolingParams(task="classify"),
                                   documents=documents)
         if req.instruction is not None:
@@ -138,6 +144,7 @@ class OpenAIServingScore(OpenAIServingPooling):
         index: dict[Any, int] = {}
         for text in (t for pair in pairs for t in pair):
             index.setdefault(_key(text), len(index))
+        self.check_fanout(len(index), 1, field)
         prompts = [self.prompt(list(t) if isinstance(t, tuple) else t, truncate) for t in index]
         return PreparedScores(model, prompts, PoolingParams(task="embed"), pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs],
                               documents=documents)

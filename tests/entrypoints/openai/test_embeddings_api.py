@@ -138,6 +138,9 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
         assert results[0]["relevance_score"] == pytest.approx(max(scores), abs=1e-5)
         assert results[0]["document"]["text"] == docs[results[0]["index"]]
     assert "usage" in rerank.json()
+    # The bound counts the prompts it would start: each distinct text once
+    same = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": [docs[1]] * 600}, timeout=60)
+    assert same.status_code == 200 and len(same.json()["results"]) == 600
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -154,9 +157,9 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "rank"}, "instruction"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
-    ("/v1/embeddings", {"input": ["x"] * 1025}, "input"),
-    ("/v1/rerank", {"query": "a", "documents": ["b"] * 513}, "documents"),
-    ("/v1/score", {"text_1": "a", "text_2": ["b"] * 513}, "text_2"),
+    ("/v1/embeddings", {"input": ["x"] * 2049}, "input"),  # (OpenAI's bound: 2,048 inputs)
+    ("/v1/rerank", {"query": "a", "documents": [f"b{i}" for i in range(1024)]}, "documents"),  # 1,025 texts
+    ("/v1/score", {"text_1": "a", "text_2": [f"b{i}" for i in range(1024)]}, "text_2"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
 ])
@@ -188,8 +191,8 @@ def test_ollamas_embed_routes_equal_the_openai_route(pooling_server) -> None:
     got = client.embed("smol", TEXTS[:3])
     assert torch.allclose(torch.tensor(got.embeddings), want, atol=1e-5)
     assert got.prompt_eval_count > 3 and got.total_duration > 0
-    one = client.embeddings("smol", TEXTS[0])
-    assert torch.allclose(torch.tensor(one.embedding), want[0], atol=1e-5)
+    one = torch.tensor(client.embeddings("smol", TEXTS[0]).embedding)  # (Ollama's older route: not normalised)
+    assert torch.allclose(one / one.norm(), want[0], atol=1e-5) and abs(one.norm().item() - 1) > 1e-3
     assert client.show("smol").capabilities == ["embedding"]
     with pytest.raises(ollama.ResponseError, match="pooling runner"):
         client.chat("smol", [{"role": "user", "content": "hi"}])
