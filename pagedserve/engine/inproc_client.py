@@ -216,8 +216,8 @@ class InprocClient:
         bad schema is refused now."""
         request = await asyncio.to_thread(self.engine.input_processor.process, request_id, prompt, params, None,
                                           priority, lora_request)
-        if request.grammar is not None:
-            await asyncio.wrap_future(request.grammar)
+        if request.grammar is not None:  # (shielded: a client that leaves cancels its wait, never the
+            await asyncio.shield(asyncio.wrap_future(request.grammar))  # compile other requests share)
         return request
 
     async def add_request(self, request: EngineCoreRequest, final_only: bool = False) -> None:

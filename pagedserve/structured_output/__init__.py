@@ -167,7 +167,7 @@ class StructuredOutputManager:
         key = params.key
         with self._lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not future.cancelled():  # (a cancelled one is compiled again)
                 self._cache.move_to_end(key)
                 return future
             future = self._cache[key] = self._pool.submit(self._compile, key)

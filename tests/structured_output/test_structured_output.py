@@ -167,3 +167,44 @@ def test_the_scheduler_steps_over_a_request_whose_grammar_is_compiling():
     out = sched.schedule()
     # free decodes (row 0 of the sampled rows), slow's prompt completes and samples (row 1).
     assert list(out.num_scheduled_tokens) == ["free", "slow"] and out.structured_output_rows == {"slow": 1}
+
+
+def test_a_client_that_leaves_never_cancels_the_compile_others_share(tiny_dir, monkeypatch):
+    """A request waiting for its grammar is cancelled when its client hangs up; the
+    compile is cached and shared by spec, so the wait is shielded (a cancelled compile
+    had answered every later request with that schema with an empty 499), and a cached
+    compile that was cancelled anyway is compiled again."""
+    import asyncio
+    import threading
+
+    from pagedserve.engine.inproc_client import InprocClient
+
+    llm = LLM(tiny_dir, dtype="float32", speculative_config="off")
+    mgr = llm.llm_engine.input_processor.structured_output
+    gate, real = threading.Event(), mgr._compile
+    monkeypatch.setattr(mgr, "_compile", lambda key: (gate.wait(30), real(key))[1])
+    params = SamplingParams(max_tokens=4, structured_outputs=S(regex="[ab]+"))
+    client = InprocClient(llm.llm_engine)
+
+    async def main():
+        blockers = [mgr.compile(S(regex=r)) for r in ("x+", "y+")]  # every compile thread busy: it queues
+        leaving = asyncio.ensure_future(client.prepare("leaves", [1, 5, 9], params, 0, None))
+        await asyncio.sleep(0.2)  # waiting on the (blocked) compile
+        leaving.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        assert all(b.result() is not None for b in blockers)
+        return await asyncio.wait_for(client.prepare("stays", [1, 5, 9], params, 0, None), 30)
+
+    request = asyncio.run(main())
+    assert not request.grammar.cancelled() and request.grammar.result() is not None
+    # A cached compile cancelled some other way (still queued): compiled again
+    one = StructuredOutputManager(make_tokenizer(), 400, [2], max_num_seqs=4, max_workers=1)
+    hold = threading.Event()
+    monkeypatch.setattr(one, "_compile", lambda key, real=one._compile: (hold.wait(30), real(key))[1])
+    busy, queued = one.compile(S(regex="b+")), one.compile(S(regex="a+"))
+    assert queued.cancel()
+    hold.set()
+    again = one.compile(S(regex="a+"))
+    assert again is not queued and again.result() is not None and busy.result() is not None
+    one.shutdown()
