@@ -57,6 +57,13 @@ _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m":
 MAX_KEEP_ALIVE_SECONDS = 10 * 365 * 86400.0  # longer is "forever" anyway
 
 
+def _load_failed(model: ServedModel[Any], kind: str) -> OpenAIError:
+    """A failed load's answer: the model and the exception's type (its message, which may
+    hold the server's paths, is the log's)."""
+    return OpenAIError(f"model {model.spec.name!r} could not be loaded ({kind}; details in the server log)",
+                       status=500, type="server_error", param="model", code="model_load_failed")
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "UNSET"
@@ -120,7 +127,7 @@ class ServedModel(Generic[H]):
         self.measured_bytes: int | None = None  # resident growth its last load measured
         self.load_seconds = 0.0
         self.pinned = False  # attached from outside (no loader): never unloaded
-        self.failure: tuple[float, OpenAIError] | None = None  # (when, what) of its last failed load
+        self.failure: tuple[float, str] | None = None  # (when, exception type) of its last failed load
 
 
 @dataclass
@@ -278,7 +285,7 @@ class ModelPool(Generic[H]):
     async def _wait_for_load(self, model: ServedModel[H], deadline: float) -> None:
         """Load `model` (or wait for its load), within the waiting bound and the deadline."""
         if model.failure is not None and self._clock() - model.failure[0] < FAILED_LOAD_SECONDS:
-            raise model.failure[1]  # (the same answer, no new try: it failed moments ago)
+            raise _load_failed(model, model.failure[1])  # (the same answer, no new try: it failed moments ago)
         if self.max_waiting is not None and self._waiting_for_load >= self.max_waiting:
             raise OpenAIError(f"{self._waiting_for_load} requests already wait for a model to load "
                               "(--max-waiting-requests); retry shortly", status=503, type="server_error",
@@ -361,10 +368,8 @@ class ModelPool(Generic[H]):
         self.counters.load_failures += 1
         logger.error("model %r failed to load (%s: %s)", model.spec.name, type(e).__name__, e,
                      exc_info=(type(e), e, e.__traceback__))
-        error = OpenAIError(f"model {model.spec.name!r} could not be loaded ({type(e).__name__}; details in the "
-                            "server log)", status=500, type="server_error", param="model", code="model_load_failed")
-        model.failure = (self._clock(), error)
-        return error
+        model.failure = (self._clock(), type(e).__name__)
+        return _load_failed(model, type(e).__name__)
 
     def _fits(self, need: int) -> bool:
         loaded = [m for m, _ in self.loaded()]
