@@ -216,8 +216,10 @@ class InprocClient:
         bad schema is refused now."""
         request = await asyncio.to_thread(self.engine.input_processor.process, request_id, prompt, params, None,
                                           priority, lora_request)
-        if request.grammar is not None:  # (shielded: a client that leaves cancels its wait, never the
-            await asyncio.shield(asyncio.wrap_future(request.grammar))  # compile other requests share)
+        if request.grammar is not None:
+            # Shielded: a client that leaves cancels its own wait, never the compile that
+            # every request with this spec shares (StructuredOutputManager caches it).
+            await asyncio.shield(asyncio.wrap_future(request.grammar))
         return request
 
     async def add_request(self, request: EngineCoreRequest, final_only: bool = False) -> None:

@@ -284,7 +284,8 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
     def requested_max_tokens(self) -> int | None:  # echo with 0: the prompt alone (one step runs, unshown)
-        return 1 if self.echo and self.max_tokens == 0 else self.max_tokens
+        return 1 if self.prompt_only else self.max_tokens
+    prompt_only = property(lambda self: self.echo and self.max_tokens == 0)  # (OpenAI's legacy prompt scoring)
 
     def check_unsupported(self, structured_outputs_backend: str) -> None:
         super().check_unsupported(structured_outputs_backend)

@@ -82,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, params = prep.prompts, prep.params
         finals: list[RequestOutput | None] = [None] * len(prompts)
         async for i, out in merge_streams(streams):
-            finals[i] = prompt_only(out) if req.max_tokens == 0 else out
+            finals[i] = prompt_only(out) if req.prompt_only else out
         choices = []
         for i, out in enumerate(finals):
             assert out is not None and out.finished
@@ -110,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
-                finals[i] = out = prompt_only(out) if req.max_tokens == 0 else out
+                finals[i] = out = prompt_only(out) if req.prompt_only else out
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err

@@ -480,7 +480,7 @@ class _EventWriter:
         kind, self.open = self.open, None
         if kind is None:
             return []
-        status = self.out.done_status() if self.out.finish_reason is not None else "completed"
+        status = self.out.done_status()  # (an item closed before the end is completed)
         if kind == "reasoning":
             item = self.out.reasoning_item(status)
             return [self.emit("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
