@@ -154,8 +154,8 @@ class PagedServe(LocalServer):
 class RssSample:
     """Resident bytes of a server: its own process, its children that run the same
     executable (tensor-parallel workers: part of the server), and apart from those any other
-    descendant (a compiler a kernel build started, which comes and goes and is not the
-    server's memory; on a clean machine it can hold a gigabyte mid-build)."""
+    descendant (a compiler a kernel build started, or a fork not yet running its program,
+    which come and go and are not the server's memory; a compiler can hold a gigabyte)."""
 
     main: int
     workers: int = 0
@@ -182,9 +182,13 @@ def process_rss(pid: int) -> RssSample | None:
             pass
         return out
 
-    def exe(p: int) -> str | None:
+    def program(p: int) -> tuple[str, bytes] | None:
+        """(executable, command line): a worker runs the server's executable with its own
+        command line; a child with both the server's is a fork on its way to run something
+        else (a subprocess starting), sharing the server's pages, not a second copy."""
         try:
-            return os.readlink(f"/proc/{p}/exe")
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return os.readlink(f"/proc/{p}/exe"), f.read()
         except OSError:
             return None
 
@@ -192,13 +196,14 @@ def process_rss(pid: int) -> RssSample | None:
     if not main:
         return None
     sample = RssSample(main)
-    server_exe = exe(pid)
+    server = program(pid)
     todo = children(pid)
     while todo:
         c = todo.pop()
         rss = rss_bytes(c)
         if rss:
-            if server_exe is not None and exe(c) == server_exe:
+            child = program(c)
+            if server is not None and child is not None and child[0] == server[0] and child[1] != server[1]:
                 sample.workers += rss
                 sample.num_workers += 1
             else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import os
@@ -42,6 +43,14 @@ ONEDNN_CACHE_CAPACITY = 32
 _ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """glibc, looked up once: `find_library` runs `ldconfig -p` in a child process on every
+    call, and an idle engine trims the heap at every pause (a fork of the whole server,
+    briefly counted as a second copy of it by anything reading its children's RSS)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def keep_freed_memory_on_heap() -> bool:
     """Raise glibc's mmap and trim thresholds once per process; False where not glibc."""
     global _done
@@ -50,7 +59,7 @@ def keep_freed_memory_on_heap() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) == 1
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
         return False
@@ -70,7 +79,7 @@ def release_freed_memory() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 

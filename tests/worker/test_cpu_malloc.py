@@ -14,6 +14,23 @@ import torch
 from pagedserve.worker import cpu_malloc
 
 
+def test_trimming_the_heap_starts_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle engine trims at every pause: looking glibc up each time forked the server
+    (`ldconfig -p`), a copy of it that a soak's RSS reading counted once as a worker."""
+    cpu_malloc.release_freed_memory()  # the first lookup may run ldconfig
+    started: list[object] = []
+
+    def popen(*args: object, **kwargs: object) -> None:
+        started.append(args)
+        raise OSError("no processes here")
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    for _ in range(3):
+        cpu_malloc.release_freed_memory()
+    assert cpu_malloc.keep_freed_memory_on_heap() in (True, False)
+    assert started == []
+
+
 def test_bound_onednn_caches_sets_both_unless_the_user_did(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
