@@ -17,15 +17,20 @@ _CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; 
                   ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
 
 
+_STATIC = resources.files(__package__).joinpath("static")
+# The files there, listed once: a request's name is looked up in this set and never
+# reaches the file system (a 300-character name raised ENAMETOOLONG: a 500).
+_STATIC_NAMES = frozenset(f.name for f in _STATIC.iterdir()
+                          if f.is_file() and "." in f.name and "." + f.name.rsplit(".", 1)[-1] in _CONTENT_TYPES)
+
+
 def _static_file(name: str) -> Response:
-    """A file of static/ (no subfolders, so no path tricks), or a 404."""
-    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
-    if "/" in name or name.startswith(".") or suffix not in _CONTENT_TYPES:
+    """A file of static/, or a 404."""
+    if name not in _STATIC_NAMES:
         return Response(status_code=404)
-    path = resources.files(__package__).joinpath("static", name)
-    if not path.is_file():
-        return Response(status_code=404)
-    return Response(path.read_bytes(), media_type=_CONTENT_TYPES[suffix], headers={"Cache-Control": "no-cache"})
+    suffix = "." + name.rsplit(".", 1)[-1]
+    return Response(_STATIC.joinpath(name).read_bytes(), media_type=_CONTENT_TYPES[suffix],
+                    headers={"Cache-Control": "no-cache"})
 
 
 def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],

@@ -199,6 +199,7 @@ def test_the_page_is_public_and_its_event_stream_needs_the_key():
 
 
 @pytest.mark.parametrize("path", ["/dashboard/static/missing.js", "/dashboard/static/..%2Fmetrics",
+                                  "/dashboard/static/" + "x" * 300 + ".js",  # ENAMETOOLONG was a 500
                                   "/dashboard/static/.hidden.js", "/dashboard/static/__init__.py"])
 def test_only_the_shipped_static_files_are_served(path):
     (r,) = _get(_app(), path)
