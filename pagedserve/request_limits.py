@@ -27,6 +27,10 @@ MAX_BAD_WORD_CHARS = 200
 MAX_SEQUENCES_PER_REQUEST = 1024
 # Inputs one embeddings request may hold (OpenAI's bound; each is one pooled prompt).
 MAX_EMBEDDING_INPUTS = 2048
+# Tokens summed over one pooling request's prompts (embeddings, score, rerank; OpenAI's
+# bound for embeddings): 2,048 inputs of max_model_len tokens each were hours of engine
+# time, and every request behind them waited.
+MAX_POOLING_REQUEST_TOKENS = 300_000
 
 # A request's own chat template (the server's --chat-template and the model's are
 # trusted): template text only, never a path, rendered in a sandboxed child process

@@ -39,7 +39,7 @@ from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pa
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.request_limits import MAX_EMBEDDING_INPUTS
+from pagedserve.request_limits import MAX_EMBEDDING_INPUTS, MAX_POOLING_REQUEST_TOKENS
 
 
 @dataclass
@@ -62,6 +62,15 @@ class OpenAIServingPooling(OpenAIServing):
                 raise OpenAIError("inputs must not be empty strings", param="input")
             return self.truncated(TokenizedPrompt(item, self.tokenize(item, add_special_tokens)), truncate)
         return self.truncated(TokenizedPrompt(None, list(item)), truncate)
+
+    @staticmethod
+    def check_total_tokens(prompts: list[TokenizedPrompt], param: str) -> list[TokenizedPrompt]:
+        """`prompts`, when their tokens (after truncation) sum to at most MAX_POOLING_REQUEST_TOKENS."""
+        total = sum(len(p.token_ids) for p in prompts)
+        if total > MAX_POOLING_REQUEST_TOKENS:
+            raise OpenAIError(f"this request's prompts hold {total} tokens in all; at most "
+                              f"{MAX_POOLING_REQUEST_TOKENS} are allowed per request", param=param)
+        return prompts
 
     @staticmethod
     async def collect(streams: list[RequestStream]) -> list[PoolingRequestOutput]:
@@ -93,8 +102,8 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         self.check_fanout(len(items), 1, "input", MAX_EMBEDDING_INPUTS)  # before tokenizing any of them
         # (checked by the engine when it accepts them: a bad field is a 400 naming it, before any output)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
-        return PreparedRequest(model, [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens)
-                                       for t in items], params)
+        prompts = [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items]
+        return PreparedRequest(model, self.check_total_tokens(prompts, "input"), params)
 
     async def full(self, req: EmbeddingRequest, prep: PreparedRequest, request_id: str,
                    streams: list[RequestStream]) -> EmbeddingResponse:
@@ -136,7 +145,7 @@ class OpenAIServingScore(OpenAIServingPooling):
                 raise OpenAIError("truncate_prompt_tokens would cut a reranker's prompt from its start (its instruction "
                                   "and query); send shorter documents", param="truncate_prompt_tokens")
             prompts = [self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs]
-            return PreparedScores(model, prompts, PoolingParams(task="classify"),
+            return PreparedScores(model, self.check_total_tokens(prompts, field), PoolingParams(task="classify"),
                                   documents=documents)
         if req.instruction is not None:
             raise OpenAIError("instruction is a reranker's (a server started with pooler_config "
@@ -146,7 +155,7 @@ class OpenAIServingScore(OpenAIServingPooling):
             index.setdefault(_key(text), len(index))
         self.check_fanout(len(index), 1, field)
         prompts = [self.prompt(list(t) if isinstance(t, tuple) else t, truncate) for t in index]
-        return PreparedScores(model, prompts, PoolingParams(task="embed"), pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs],
+        return PreparedScores(model, self.check_total_tokens(prompts, field), PoolingParams(task="embed"), pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs],
                               documents=documents)
 
     async def full(self, req: ScoreRequest | RerankRequest, prep: PreparedScores, request_id: str,

@@ -160,6 +160,9 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/embeddings", {"input": ["x"] * 2049}, "input"),  # (OpenAI's bound: 2,048 inputs)
     ("/v1/rerank", {"query": "a", "documents": [f"b{i}" for i in range(1024)]}, "documents"),  # 1,025 texts
     ("/v1/score", {"text_1": "a", "text_2": [f"b{i}" for i in range(1024)]}, "text_2"),
+    # Tokens summed over the prompts: 300,000 at most (1,600 x ~201 here; each fits alone)
+    ("/v1/embeddings", {"input": ["x " * 200] * 1600}, "input"),
+    ("/v1/rerank", {"query": "a", "documents": [f"{i} " + "x " * 300 for i in range(1000)]}, "documents"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
 ])
