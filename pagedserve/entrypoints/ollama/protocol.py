@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedserve.entrypoints.openai.model_pool import UNSET, parse_keep_alive
+from pagedserve.entrypoints.openai.model_pool import UNSET, parse_keep_alive, without_latest
 from pagedserve.entrypoints.openai.protocol import RequestBody
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
@@ -47,11 +47,6 @@ def whole_number(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise OpenAIError(f"options.{name} must be an integer", param="options")
     return value
-
-
-def without_latest(name: str) -> str:
-    """Ollama's `NAME:latest` is `NAME` (the tag clients add when none is given)."""
-    return name[: -len(":latest")] if name.endswith(":latest") and len(name) > len(":latest") else name
 
 
 class OllamaModel(RequestBody):

@@ -102,6 +102,15 @@ def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
     return seconds
 
 
+LATEST_TAG = ":latest"
+
+
+def without_latest(name: str) -> str:
+    """Ollama's `NAME:latest` is `NAME` (the tag clients add when none is given), so no
+    served name ends with it: one would be unreachable on Ollama's routes, or another's."""
+    return name[: -len(LATEST_TAG)] if name.endswith(LATEST_TAG) and len(name) > len(LATEST_TAG) else name
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model the server may load: the name clients use and what loads it.  `source`

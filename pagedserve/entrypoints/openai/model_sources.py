@@ -8,7 +8,12 @@ import argparse
 import os
 from typing import Any
 
-from pagedserve.entrypoints.openai.model_pool import DEFAULT_KEEP_ALIVE, ModelSpec, parse_keep_alive
+from pagedserve.entrypoints.openai.model_pool import (
+    DEFAULT_KEEP_ALIVE,
+    ModelSpec,
+    parse_keep_alive,
+    without_latest,
+)
 
 MAX_MODELS = 256  # servable models per server (a directory of thousands is a mistake)
 
@@ -32,14 +37,15 @@ def add_model_pool_args(group: argparse._ArgumentGroup) -> None:
 
 def model_name(source: str) -> str:
     """The name clients use for a model given by `source`: a registered name or Hub id
-    as written, a file's name without .gguf, a directory's folder name."""
+    as written, a file's name without .gguf, a directory's folder name; without a
+    `:latest` tag (a folder `NAME:latest` is served as NAME, as Ollama reads it)."""
     path = source.rstrip("/")
     if os.path.isfile(path):
         base = os.path.basename(path)
-        return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+        return without_latest(base[: -len(".gguf")] if base.lower().endswith(".gguf") else base)
     if os.path.isdir(path):
-        return os.path.basename(os.path.abspath(path))
-    return source
+        return without_latest(os.path.basename(os.path.abspath(path)))
+    return without_latest(source)
 
 
 def models_in_dir(directory: str) -> list[str]:
@@ -72,7 +78,7 @@ def model_specs(sources: list[str], models_dir: str | None, served_names: list[s
     if served_names:
         raise ValueError("--served-model-name names the one model served; with several, each is named by its "
                          "argument, file or folder")
-    return [ModelSpec(model_name(s), s) for s in sources]
+    return [ModelSpec(model_name(s), s) for s in sources]  # (ModelPool refuses two of one name)
 
 
 def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import json
 import threading
 
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.entrypoints.openai.model_pool import LATEST_TAG, without_latest
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from pagedserve.lora.request import LoRARequest
 
@@ -52,8 +53,10 @@ def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRAR
         raise ValueError(f"a LoRA adapter's name must be 1 to {MAX_LORA_NAME_CHARS} characters, got {name!r:.300}")
     if not name.isprintable() or name != name.strip():
         raise ValueError(f"a LoRA adapter's name may not hold control characters or surrounding spaces, got {name!r}")
-    # (Ollama's routes read NAME:latest as NAME: an adapter so named would be the base model there)
-    if name in served_names or name.removesuffix(":latest") in served_names:
+    if without_latest(name) != name:
+        raise ValueError(f"LoRA adapter name {name!r}: Ollama's routes read NAME{LATEST_TAG} as NAME, so no served "
+                         f"name ends with {LATEST_TAG}; name it {without_latest(name)!r}")
+    if name in served_names:
         raise ValueError(f"LoRA adapter name {name!r} is the base model's served name")
     if name in loras:
         raise ValueError(f"a LoRA adapter named {name!r} is already loaded")

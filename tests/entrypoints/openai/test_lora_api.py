@@ -114,7 +114,9 @@ def test_bad_adapters_are_refused_by_name_and_nothing_else_changes(lora_server, 
              ({"lora_name": "gone", "lora_path": "/nonexistent/adapter"}, "is not a directory"),
              ({"lora_name": "pickled", "lora_path": str(tmp_path)}, "adapter_model.bin is a pickle"),
              ({"lora_name": MODEL_NAME, "lora_path": big}, "the base model's served name"),
-             ({"lora_name": MODEL_NAME + ":latest", "lora_path": big}, "the base model's served name"),
+             ({"lora_name": MODEL_NAME + ":latest", "lora_path": big}, "Ollama's routes read NAME:latest as NAME"),
+             # beside adapter a1, its Ollama reading would be a1 (Ollama's routes answered as a1)
+             ({"lora_name": "a1:latest", "lora_path": big}, "name it 'a1'"),
              ({"lora_name": "a\nb", "lora_path": big}, "control characters")]
     for body, message in cases:
         r = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=30)

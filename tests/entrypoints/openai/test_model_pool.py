@@ -226,6 +226,23 @@ def test_names_and_aliases_are_unique() -> None:
     assert pool.resolve(None) == "a" and pool.resolve("alias") == "a" and pool.resolve("/etc/passwd") is None
 
 
+def test_a_models_dir_entry_tagged_latest_is_served_by_its_name_without_the_tag(tmp_path) -> None:
+    """Ollama's routes read NAME:latest as NAME: a folder "weird:latest" was listed by
+    /api/tags and /v1/models but answered 404 on every Ollama route."""
+    from pagedserve.entrypoints.openai.model_sources import model_specs
+
+    for name in ("weird:latest", "plain"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert [s.name for s in model_specs(["smollm2-135m-instruct"], str(tmp_path), None)] == [
+        "smollm2-135m-instruct", "m", "plain", "weird"]
+    (tmp_path / "weird").mkdir()
+    (tmp_path / "weird" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="under the name 'weird'"):
+        ModelPool(model_specs([], str(tmp_path), None))
+
+
 def test_a_pool_that_cannot_load_keeps_its_model_whatever_keep_alive_asks_but_an_unload() -> None:
     """A one-model server (no loader): Ollama's default "5m" and any other keep_alive is met
     (the model stays loaded for good); only 0, an unload it could never undo, is refused."""
