@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from pagedserve.entrypoints.openai.model_pool import UNSET, parse_keep_alive, without_latest
 from pagedserve.entrypoints.openai.protocol import RequestBody
@@ -38,6 +38,26 @@ NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {"typical_p": (1, 1.0), "tfs_z": (
                                                "mirostat_tau": (), "mirostat_eta": ()}
 KNOWN_OPTIONS = frozenset(SAMPLING_OPTIONS) | HARDWARE_OPTIONS | frozenset(NEUTRAL_OPTIONS) | {"num_ctx",
                                                                                                "num_predict"}
+# Each option's type in Ollama's Go struct, which refuses a value of another type on every
+# route (embeddings too); the rest are numbers (float32 there; an integer is one too).
+INTEGER_OPTIONS = frozenset({"top_k", "seed", "num_ctx", "num_predict", "num_batch", "num_gpu", "main_gpu",
+                             "num_thread", "repeat_last_n", "num_keep", "mirostat"})
+BOOLEAN_OPTIONS = frozenset({"numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap", "use_mlock",
+                             "embedding_only", "penalize_newline"})
+
+
+def option_type_error(name: str, value: Any) -> str | None:
+    """Why `value` cannot be option `name`'s, or None."""
+    if name in BOOLEAN_OPTIONS:
+        return None if isinstance(value, bool) else "must be true or false"
+    if name == "stop":  # (a list in Ollama's struct; one string is taken too, as OpenAI's stop)
+        return None if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)) \
+            else "must be a list of strings"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "must be a number"
+    if name in INTEGER_OPTIONS and isinstance(value, float) and not value.is_integer():
+        return "must be an integer"
+    return None
 
 
 def whole_number(name: str, value: Any) -> int:
@@ -91,17 +111,21 @@ class OllamaWithOptions(OllamaModel):
         return value
 
     def check_options(self) -> None:
-        """Every option set (not null) is one Ollama defines."""
+        """Every option set (not null) is one Ollama defines, of its type."""
         for name, value in (self.options or {}).items():
-            if value is not None and name not in KNOWN_OPTIONS:
+            if value is None:
+                continue
+            if name not in KNOWN_OPTIONS:
                 raise OpenAIError(f"options.{name[:100]} is not an option this server knows", param="options")
+            if (why := option_type_error(name, value)) is not None:
+                raise OpenAIError(f"options.{name}: {why}, got {value!r:.50}", param="options")
 
 
 class OllamaGenerating(OllamaWithOptions):
-    stream: bool = True
+    stream: StrictBool = True  # (Go's decoder takes true or false only; pydantic's lax bool took "yes")
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = None
 
     def refused_fields(self) -> None:
@@ -173,7 +197,7 @@ class OllamaGenerateRequest(OllamaGenerating):
     system: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    raw: bool | None = None
+    raw: StrictBool | None = None
     images: list[Any] | None = None
 
 
@@ -182,7 +206,7 @@ class OllamaEmbedRequest(OllamaWithOptions):
 
     stream: ClassVar[bool] = False
     input: str | list[str] = ""
-    truncate: bool = True
+    truncate: StrictBool = True
     dimensions: int | None = None
 
     def empty(self) -> bool:
@@ -204,7 +228,7 @@ class OllamaShowRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = Field(default=None, max_length=1024)
     name: str | None = Field(default=None, max_length=1024)  # the older field
-    verbose: bool | None = None
+    verbose: StrictBool | None = None
 
     def model_name(self) -> str:
         name = self.model or self.name

@@ -218,6 +218,7 @@ def test_ollamas_own_conventions() -> None:
                     {"function": {"name": "f", "arguments": [1]}}]}]},
                 "keep_alive_bool": {"messages": [{"role": "user", "content": "x"}], "keep_alive": True},
                 "temperature_word": {"messages": [{"role": "user", "content": "x"}], "options": {"temperature": "hot"}},
+                "stream_word": {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},  # (was true)
             }.items():
                 r = await http.post("/api/chat", json={"model": "first", "stream": False, **body})
                 bad[name] = (r.status_code, r.json()["error"])
@@ -238,7 +239,7 @@ def test_ollamas_own_conventions() -> None:
     assert all(status == 400 for status, _ in bad.values()), bad
     assert "messages[0].tool_calls[0]" in bad["tool_call_string"][1] and "tool_calls[0]" in bad["tool_call_number"][1]
     assert "arguments must be an object" in bad["arguments_list"][1]
-    assert "keep_alive" in bad["keep_alive_bool"][1]
+    assert "keep_alive" in bad["keep_alive_bool"][1] and "stream" in bad["stream_word"][1]
     assert bad["temperature_word"][1].startswith("options.temperature:") and "pydantic" not in bad["temperature_word"][1]
     # Ollama's -1 is a random seed, as with none; 7.0 is 7; an option Ollama does not define is named.
     from pagedserve import SamplingParams
@@ -249,4 +250,12 @@ def test_ollamas_own_conventions() -> None:
     OllamaEmbedRequest(model="m", input="x", options={"num_ctx": None, "temperature": 0.8, "num_thread": 2}).check_options()
     with pytest.raises(Exception, match="options.bogus"):
         OllamaEmbedRequest(model="m", input="x", options={"bogus": 1}).check_options()
+    # Of Ollama's types on every route, embeddings too (temperature "x" and num_gpu "x" were taken there)
+    for options, why in (({"temperature": "x"}, "a number"), ({"num_gpu": "x"}, "a number"),
+                         ({"num_thread": 2.5}, "an integer"), ({"use_mmap": 1}, "true or false"),
+                         ({"stop": [1]}, "a list of strings"), ({"seed": True}, "a number")):
+        with pytest.raises(Exception, match=f"options.{next(iter(options))}: must be {why}"):
+            OllamaEmbedRequest(model="m", input="x", options=options).check_options()
+    OllamaEmbedRequest(model="m", input="x", options={"stop": "\n", "use_mmap": False, "num_gpu": 99.0,
+                                                      "top_p": 1}).check_options()
     assert OllamaEmbedRequest(model="m:latest", input=[]).empty() and OllamaEmbedRequest(model="m").model == "m"
