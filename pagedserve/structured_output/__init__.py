@@ -211,10 +211,26 @@ class StructuredOutputManager:
             if isinstance(e, InvalidRequestError):
                 raise
             raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
+        if kind == "json" and not self._admits_a_token(backend, grammar):
+            self._forget(key)
+            raise InvalidRequestError("invalid JSON schema: it admits no value (a $ref that only refers to itself?); "
+                                      "the output would be empty", param="structured_outputs")
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
         return CompiledGrammar(backend, grammar)
+
+    def _admits_a_token(self, backend: GrammarBackend, grammar: Any) -> bool:
+        """Whether the grammar's start allows a token other than a stop token: a schema
+        whose $ref cycle holds nothing else compiles, and its output was an empty text
+        (no JSON value) that finished as "stop"."""
+        mask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        backend.fill_bitmask(mask, [(backend.new_matcher(grammar), 0)])
+        words = mask[0].numpy().view("uint32").copy()
+        for token in self.stop_token_ids:
+            if 0 <= token < self.vocab_size:
+                words[token // 32] &= ~(1 << (token % 32)) & 0xFFFFFFFF
+        return bool(words.any())
 
     def _forget(self, key: tuple[str, str]) -> None:
         """A bad spec is not worth keeping."""

@@ -86,3 +86,20 @@ def test_closing_objects_walks_subschemas_only():
     assert out["properties"]["items"]["items"]["additionalProperties"] is False
     assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the input is left alone
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"anyOf": [{"$ref": "#"}]},
+                                    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}])
+def test_a_schema_that_admits_no_value_is_refused(backend, schema) -> None:
+    """Its grammar compiled, and the output was an empty text (no JSON value), finished as "stop"."""
+    import json
+
+    from pagedserve.errors import InvalidRequestError
+
+    tok = tokenizer(False)
+    mgr = StructuredOutputManager(tok, len(tok), [EOS], max_num_seqs=1, backend=backend)
+    with pytest.raises(InvalidRequestError, match=r"admits no value|Circular \$ref"):  # (xgrammar: its own words)
+        mgr.compile(S(json=json.dumps(schema))).result()
+    mgr.compile(S(json=json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}}))).result()
+    mgr.shutdown()
