@@ -48,7 +48,9 @@ def parse_lora_modules(items: list[str] | None, served_names: list[str]) -> dict
     return loras
 
 
-def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRARequest]) -> None:
+def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRARequest],
+                   replace: bool = False) -> None:
+    """`name` may be given to a new adapter (`replace`: or to one replacing its namesake)."""
     if not isinstance(name, str) or not name or len(name) > MAX_LORA_NAME_CHARS:
         raise ValueError(f"a LoRA adapter's name must be 1 to {MAX_LORA_NAME_CHARS} characters, got {name!r:.300}")
     if not name.isprintable() or name != name.strip():
@@ -59,7 +61,9 @@ def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRAR
     if name in served_names:
         raise ValueError(f"LoRA adapter name {name!r} is the base model's served name")
     if name in loras:
-        raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        if replace:
+            return
+        raise ValueError(f"a LoRA adapter named {name!r} is already loaded (load_inplace: true replaces it)")
     if len(loras) >= MAX_SERVED_LORAS:
         raise ValueError(f"this server already serves {MAX_SERVED_LORAS} LoRA adapters; unload one first")
 
@@ -79,14 +83,16 @@ class LoRAAdapters:
             raise OpenAIError("loading and unloading LoRA adapters at runtime is off; start the server with "
                               "--allow-runtime-lora-updating", status=404, code="runtime_lora_updating_disabled")
 
-    async def load(self, engine: EngineClient, served_names: list[str], name: object, path: object) -> str:
+    async def load(self, engine: EngineClient, served_names: list[str], name: object, path: object,
+                   replace: bool = False) -> str:
+        """Load the adapter at `path` as `name` (`replace`: in place of one so named)."""
         self._check_allowed()
         if not isinstance(path, str) or not path or len(path) > MAX_LORA_PATH_CHARS:
             raise OpenAIError(f"lora_path must be a directory path of 1 to {MAX_LORA_PATH_CHARS} characters",
                               param="lora_path")
         with self._lock:
             try:
-                check_new_name(name, served_names, self.loras)
+                check_new_name(name, served_names, self.loras, replace)
             except ValueError as e:
                 raise OpenAIError(str(e), param="lora_name") from None
             assert isinstance(name, str)
@@ -97,9 +103,12 @@ class LoRAAdapters:
         except ValueError as e:
             raise OpenAIError(f"LoRA adapter {name!r} could not be loaded: {e}", param="lora_path") from None
         with self._lock:
-            if name in self.loras:  # loaded twice at once: the first to finish keeps the name
+            old = self.loras.get(name)
+            if old is not None and not replace:  # loaded twice at once: the first to finish keeps the name
                 raise OpenAIError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
             self.loras[name] = request
+        if old is not None:
+            await engine.remove_lora(old.lora_int_id)  # (requests running with it finish with it)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, engine: EngineClient, name: object) -> str:

@@ -95,6 +95,15 @@ def test_an_adapter_loaded_and_unloaded_at_runtime(lora_server, adapters, tokeni
     assert complete_one(url, "a3", PROMPTS[0]) == texts(tokenizer, refs["a3"])[0]
     again = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=30)
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    # vLLM's load_inplace replaces it (a1's weights now answer as a3); a base_model_name
+    # that is not the model adapters belong to is refused by name (it was ignored)
+    other = {"base_model_name": "zzz", **body}
+    r = httpx.post(url + "/v1/load_lora_adapter", json=other, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "base_model_name"
+    inplace = {"lora_name": "a3", "lora_path": good["a1"], "load_inplace": True, "base_model_name": MODEL_NAME}
+    r = httpx.post(url + "/v1/load_lora_adapter", json=inplace, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert complete_one(url, "a3", PROMPTS[0]) == texts(tokenizer, refs["a1"])[0]
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError, match="a3"):

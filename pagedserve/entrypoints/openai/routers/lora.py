@@ -9,15 +9,20 @@ from fastapi.responses import PlainTextResponse
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
 router = APIRouter()
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    """vLLM's POST /v1/load_lora_adapter body."""
+    """vLLM's POST /v1/load_lora_adapter body; `load_inplace` replaces an adapter of that
+    name (requests running with the old one finish with it); `base_model_name`, when
+    given, must be the model adapters belong to here: the first one served."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+    base_model_name: str | None = None
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
@@ -30,10 +35,14 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     """Load a PEFT adapter from the server's disk (--allow-runtime-lora-updating)."""
+    names = state.models.names()
+    if body.base_model_name is not None and body.base_model_name != names[0]:
+        raise OpenAIError(f"base_model_name {body.base_model_name!r:.300}: adapters here belong to the first model "
+                          f"served, {names[0]!r}", param="base_model_name")
     lease = await state.lease(None)  # adapters belong to the first model
     try:
-        return PlainTextResponse(await state.lora_adapters.load(lease.handlers.engine, state.models.names(),
-                                                                body.lora_name, body.lora_path))
+        return PlainTextResponse(await state.lora_adapters.load(lease.handlers.engine, names, body.lora_name,
+                                                                body.lora_path, replace=body.load_inplace))
     finally:
         lease.release()
 
