@@ -211,6 +211,8 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         try:
             check_json_body(body)  # before FastAPI parses it on this loop
+            scope = json_on_ollama_paths(scope)
+            check_json_content_type(scope, body)
         except InvalidRequestError as e:
             await error_response(OpenAIError(str(e), param=e.param), scope["path"])(scope, receive, send)
             return
@@ -219,7 +221,16 @@ class BodyLimitMiddleware:
         async def replay() -> dict:
             return first.pop() if first else await receive()
 
-        await self.app(json_on_ollama_paths(scope), replay, send)
+        await self.app(scope, replay, send)
+
+
+def check_json_content_type(scope: dict[str, Any], body: bytes) -> None:
+    """A body sent as another type (curl's -d sends a form) is named as such, rather than
+    left to FastAPI, whose error was "body: Input should be a valid dictionary"."""
+    content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+    if body and content_type and "json" not in content_type.lower():
+        raise InvalidRequestError(f"the request body must be JSON, sent with Content-Type: application/json (it was "
+                                  f"sent as {content_type[:100]!r})")
 
 
 def json_on_ollama_paths(scope: dict[str, Any]) -> dict[str, Any]:

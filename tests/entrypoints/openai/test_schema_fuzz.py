@@ -602,6 +602,17 @@ def test_raw_bodies_are_4xx_not_5xx(client, route):
     answers_normally(client)
 
 
+def test_a_body_sent_as_a_form_is_named_as_such(client):
+    """curl's -d sends a form type: the 400 says so (it said "body: Input should be a valid
+    dictionary"); Ollama's routes read their bodies as JSON whatever the type."""
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 1}',
+                    headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    r = client.post("/api/generate", content=b'{"model": "tiny-llama", "prompt": "x", "stream": false, '
+                    b'"options": {"num_predict": 1}}', headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 @settings(FUZZ, max_examples=examples(40))
 @given(content=st.binary(max_size=64), content_type=st.sampled_from(
