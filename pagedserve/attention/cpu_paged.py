@@ -31,9 +31,10 @@ bf16, 2026-11-30) 221 against 253 ms at 512 tokens, 1.22 against 1.29 s at 2,048
 against 3.69 s at 4,096, 10.2 against 14.9 s at 8,000; float32 under AVX2 emulation 484
 against 537 ms at 512, 8.21 against 8.64 s at 4,096; the 1.7B shape (32 KV heads of one
 query each) at 2,048 tokens level with them (bf16 11.2 against 11.24 s, AVX2 emulation 27.7
-against 27.8).  Not everywhere: on an Intel Xeon (float32, 26 GB/s) the tiles re-read the
-context from memory and the exact rows take twice as long at 4,096 tokens (12.7 against
-6.5 s).  `--no-exact-prompt-attention` takes the blocked paths.
+against 27.8).  Not everywhere: on an Intel Xeon (float32, 26 GB/s) each tile re-reads the
+context from memory; with tiles of 16 rows (4 before) the exact rows take 9.0 against the
+blocked paths' 6.5 s at 4,096 tokens (12.7 with 4).  `--no-exact-prompt-attention` takes
+the blocked paths.
 """
 
 from __future__ import annotations
