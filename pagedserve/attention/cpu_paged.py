@@ -25,7 +25,7 @@ differed somewhere in 96 tokens, and so did 3 of 9 under 64-token prefill chunks
 (SmolLM2-135M, Zen 5, bf16).  Rows were first exact only below 2,048 positions; past
 them a prefix-cache hit still changed 2 of 4 chats of ~2,660 tokens, one from its first
 token.  The kernel reads a row's context once per row; it takes a prompt's rows in tiles
-of 4 that read each block once, and in bf16 scores them with the CPU's bf16 dot product,
+(of 4 when measured here, 16 now) that read each block once, and in bf16 scores them with the CPU's bf16 dot product,
 so exact rows are also the faster: one prompt's TTFT against the blocked paths (Zen 5,
 bf16, 2026-11-30) 221 against 253 ms at 512 tokens, 1.22 against 1.29 s at 2,048, 3.45
 against 3.69 s at 4,096, 10.2 against 14.9 s at 8,000; float32 under AVX2 emulation 484

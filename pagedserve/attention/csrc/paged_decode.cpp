@@ -2,7 +2,7 @@
 // from the paged cache through the block table (no gather copy), softmax in float32.
 //
 // One task per request (at::parallel_for: torch's own OpenMP pool), or per range of its
-// KV heads when there are fewer requests than threads, or per tile of up to 4 rows of one
+// KV heads when there are fewer requests than threads, or per tile of up to 16 rows of one
 // prompt (cpu_paged's exact prompt rows: decode_tile).  A task streams its heads' rows
 // of the request's blocks, the next block's prefetched while this one is used: first
 // the scores of its query heads (16 slots at a time, partial sums reduced by a
