@@ -272,7 +272,7 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
                         enable_dashboard=not args.disable_dashboard and watchable,
                         responses_store=ResponseStore() if args.enable_responses_store else None,
-                        lora_adapters=loras)
+                        lora_adapters=loras, runner=engine_args.runner)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     return state

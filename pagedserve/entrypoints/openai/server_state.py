@@ -152,6 +152,15 @@ def check_serving(engine: EngineClient) -> None:
                           status=503, type="server_error", code="engine_dead")
 
 
+def check_runner(served: str, wanted: str, route: str) -> None:
+    """A 400 naming the flag that serves `route` where the model runs the other runner."""
+    if served != wanted:
+        how = ("`pagedserve serve MODEL --runner pooling`" if wanted == "pooling"
+               else "`pagedserve serve MODEL` (the generate runner)")
+        raise OpenAIError(f"{route} is not served by this model, which runs the {served} runner; "
+                          f"start one with {how}", param="model", code="wrong_runner")
+
+
 @dataclass
 class ServerState:
     """Everything the routes need; its models' handlers come once they have loaded."""
@@ -174,6 +183,9 @@ class ServerState:
     prepare: PrepareThreads = field(default_factory=PrepareThreads)  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
+    # The runner every model of the pool loads with (--runner): a route of the other runner
+    # is refused before its model loads.  None: known only once loaded (in-process tests).
+    runner: str | None = None
     # Every servable model (model_pool.py); None: the one model served_model_names names.
     models: ModelPool[ModelHandlers] = None  # type: ignore[assignment]
 
@@ -256,15 +268,15 @@ class ServerState:
         the server cannot serve, a 404 for a model it does not serve, and on a route of
         the other runner a 400 naming the flag that serves it."""
         self.check_up()
-        lease = await self.models.lease(self.model_for(requested), keep_alive)
+        name = self.model_for(requested)
+        if runner is not None and self.runner is not None:
+            check_runner(self.runner, runner, route)  # (not loading a model only to refuse it)
+        lease = await self.models.lease(name, keep_alive)
         try:
             engine = lease.handlers.engine
             check_serving(engine)
-            if runner is not None and engine.runner != runner:
-                how = ("`pagedserve serve MODEL --runner pooling`" if runner == "pooling"
-                       else "`pagedserve serve MODEL` (the generate runner)")
-                raise OpenAIError(f"{route} is not served by this model, which runs the {engine.runner} runner; "
-                                  f"start one with {how}", param="model", code="wrong_runner")
+            if runner is not None:
+                check_runner(engine.runner, runner, route)
         except BaseException:
             lease.release()
             raise

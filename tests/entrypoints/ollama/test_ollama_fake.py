@@ -118,6 +118,20 @@ def test_refusals_name_what_is_not_served() -> None:
     assert errors["num_predict"][0] == 400 and "num_predict" in errors["num_predict"][1]
 
 
+def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:
+    state, app, loads = make_app()
+    state.runner = "generate"  # as `pagedserve serve` sets it from --runner
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        for coro in (client.embed("second", "x"), client.embed("second", [])):
+            with pytest.raises(ollama.ResponseError) as e:
+                await coro
+            assert e.value.status_code == 400 and "--runner pooling" in e.value.error
+
+    call(app, fn)
+    assert loads == []  # "second" was never loaded (and "first" stays the one loaded)
+
+
 def test_show_and_version() -> None:
     _, app, _ = make_app()
 
