@@ -226,6 +226,12 @@ class PrometheusStatLogger:
         """The engine's cumulative counters start again from 0 (a replica came back)."""
         self._last = SchedulerStats()
 
+    def engine_down(self) -> None:
+        """A replica went down: its requests went with it, so its gauges read 0 until it
+        reports again (not the last figures it sent, for as long as it stays down)."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.structured):
+            gauge.set(0)
+
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)

@@ -124,6 +124,8 @@ def test_each_engine_has_its_own_series_and_a_restart_starts_its_counters_over()
 
     assert value("vllm:num_requests_running", "0") == 3 and value("vllm:num_requests_running", "1") == 1
     assert value("vllm:prefix_cache_hits_total", "0") == 40 and value("vllm:prefix_cache_hits_total", "1") == 10
+    e0.engine_down()  # a replica went down: its requests with it, not its last figures
+    assert value("vllm:num_requests_running", "0") == 0 and value("vllm:prefix_cache_hits_total", "0") == 40
     e1.engine_restarted()  # the replica came back: its cumulative counters begin again at 0
     e1.record(SchedulerStats(prefix_cache_queries=5, prefix_cache_hits=2), IterationStats())
     assert value("vllm:prefix_cache_hits_total", "1") == 12 and value("vllm:prefix_cache_queries_total", "1") == 15

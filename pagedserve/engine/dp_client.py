@@ -328,6 +328,8 @@ class RayDPClient:
             self._down_since[replica] = time.monotonic()
             if self.metrics is not None:
                 self.metrics.up[replica].set(0)
+            if self.prometheus:
+                self.prometheus[replica].engine_down()
 
     def _replica_answered(self, replica: int, report: ReplicaReport) -> None:
         restarted = self._boot_ids[replica] not in (None, report.boot_id)

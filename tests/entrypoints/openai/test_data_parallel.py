@@ -177,6 +177,10 @@ def test_a_replica_killed_mid_load_loses_no_request_and_comes_back(server, singl
     deadline = time.monotonic() + 120
     while True:  # Ray restarts the replica, which loads the model again and rejoins
         m = _by_engine(server)
+        if m[("pagedserve:router_replica_up", "1")] == 0 and (m := _by_engine(server))[
+                ("pagedserve:router_replica_up", "1")] == 0:  # (a second scrape: after the marking)
+            # down: its gauges read 0, not the requests it held when it died
+            assert m.get(("vllm:num_requests_running", "1"), 0) == 0
         if m[("pagedserve:router_replica_up", "1")] == 1 and m[("pagedserve:router_replica_restarts_total", "1")] >= 1:
             break
         assert time.monotonic() < deadline, "replica 1 did not come back"
