@@ -74,8 +74,8 @@ def _safetensors_params(path: str) -> tuple[int, str]:
     return count, max(dtypes, key=dtypes.get) if dtypes else "unknown"
 
 
-def _gguf_facts(path: str) -> tuple[str, int, str, int]:
-    """(architecture, parameter count, file type, context length) of a GGUF file, read
+def _gguf_facts(path: str) -> tuple[str, int, str, int, str]:
+    """(architecture, parameter count, file type, context length, chat template) of a GGUF file, read
     with the loader's own reader (gguf's GGUFReader decodes the whole embedded vocabulary:
     3 s of a server's start-up for SmolLM2's 49,152 tokens, on the event loop)."""
     from gguf import LlamaFileType
@@ -91,7 +91,8 @@ def _gguf_facts(path: str) -> tuple[str, int, str, int]:
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + t.n_elements
         quant = max(kinds, key=kinds.get) if kinds else "unknown"
-    return arch, count, quant, int(meta.get(f"{arch}.context_length") or 0)
+    template = meta.get("tokenizer.chat_template")  # (the one a chat request is rendered with)
+    return arch, count, quant, int(meta.get(f"{arch}.context_length") or 0), template if isinstance(template, str) else ""
 
 
 def _directory_facts(path: str) -> tuple[str, int, str, int, str, int, bool]:
@@ -138,8 +139,8 @@ def _facts(path: str, mtime_ns: int) -> ModelFacts:
 def _read_facts(path: str, mtime_ns: int) -> ModelFacts:
     modified = datetime.fromtimestamp(mtime_ns / 1e9, timezone.utc).isoformat().replace("+00:00", "Z")
     if os.path.isfile(path):
-        arch, count, quant, ctx = _gguf_facts(path)
-        return ModelFacts("gguf", arch, count, quant, ctx, os.path.getsize(path), modified, "")
+        arch, count, quant, ctx, template = _gguf_facts(path)
+        return ModelFacts("gguf", arch, count, quant, ctx, os.path.getsize(path), modified, template)
     family, count, dtype, ctx, template, size, vision = _directory_facts(path)
     gguf = [f for f in os.listdir(path) if f.endswith(".gguf")]
     if gguf:  # a registered model's original: its type and size, as the format says (not the conversion's)
@@ -147,6 +148,16 @@ def _read_facts(path: str, mtime_ns: int) -> ModelFacts:
     else:
         quant = dtype
     return ModelFacts("gguf" if gguf else "safetensors", family, count, quant, ctx, size, modified, template, vision)
+
+
+def weights_estimate(source: str) -> int:
+    """The bytes a model's files say its weights take (the ModelPool's estimate before a
+    load); a ValueError where they are on this disk but cannot be read as a model's, so
+    that nothing is unloaded to make room for a load that cannot succeed."""
+    facts = model_details(source)
+    if facts is UNKNOWN and source not in MODEL_NAMES and os.path.exists(source):
+        raise ValueError(f"the files of {source} cannot be read as a model's")
+    return facts.size
 
 
 def model_details(source: str) -> ModelFacts:

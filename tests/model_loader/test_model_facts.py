@@ -20,6 +20,9 @@ def test_a_gguf_files_facts_are_what_ggufs_own_reader_reads(smollm2_gguf: str, s
         "MOSTLY_") == "Q4_1"
     assert facts.context_length == reader.fields[f"{arch}.context_length"].contents() == 8192
     assert facts.size == os.path.getsize(smollm2_gguf)
+    # A bare file's chat template is the one its chats are rendered with (/api/show lists "tools").
+    assert facts.chat_template == reader.fields["tokenizer.chat_template"].contents() and "<|im_start|>" in \
+        facts.chat_template
     # The converted directory: its own config and template, the GGUF's quantization.
     converted = model_details(smollm2_path)
     assert (converted.format, converted.family, converted.quantization, converted.context_length) == (

@@ -54,7 +54,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
 @router.post("/api/generate")
 async def generate_route(body: OllamaGenerateRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
-    if not body.prompt and not body.raw:
+    if not body.prompt:  # (as Ollama: raw or not, an empty prompt loads or unloads)
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=False)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)

@@ -429,7 +429,7 @@ class _EngineLoader:
         from pagedserve.engine.arg_utils import env_cpu_kv_cache_space
 
         engine_args = self.engine_args.replace(model=spec.source)
-        if kv_cache_bytes and engine_args.kv_cache_memory_bytes is None and env_cpu_kv_cache_space() is None:
+        if kv_cache_bytes is not None and engine_args.kv_cache_memory_bytes is None and env_cpu_kv_cache_space() is None:
             engine_args = engine_args.replace(kv_cache_memory_bytes=kv_cache_bytes)
         series = self.state.new_series()
         build = await asyncio.to_thread(make_engine_client, engine_args, self.state, self.front_door, spec.name,

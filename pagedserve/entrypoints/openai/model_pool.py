@@ -29,12 +29,13 @@ import math
 import os
 import re
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
-from pagedserve.model_loader.model_facts import model_details
+from pagedserve.model_loader.model_facts import weights_estimate
 from pagedserve.utils import rss_bytes
 from pagedserve.worker.cpu_malloc import collect_and_release
 
@@ -173,7 +174,7 @@ class ModelPool(Generic[H]):
                  keep_alive: float | None = None,
                  load: Callable[[ModelSpec, int | None], Awaitable[H]] | None = None,
                  unload: Callable[[H], Awaitable[None]] | None = None,
-                 estimate: Callable[[ModelSpec], int] = lambda spec: model_details(spec.source).size,
+                 estimate: Callable[[ModelSpec], int] = lambda spec: weights_estimate(spec.source),
                  kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
                  max_waiting: int | None = None) -> None:
         """`kv_cache_bytes`: each model's KV cache; None: sized within the budget (the
@@ -229,9 +230,10 @@ class ModelPool(Generic[H]):
                 yield model, model.loaded
 
     def expires_at_wall(self, model: ServedModel[H]) -> float | None:
-        """When `model` unloads if nothing uses it (a Unix time), None: not while it is kept."""
+        """When `model` unloads if nothing uses it (a Unix time), None: kept for good.  While
+        requests hold it, its keep-alive from now: the soonest its last request could end."""
         if model.expires_at is None:
-            return None if model.leases or model.keep_alive is None else time.time() + model.keep_alive
+            return None if model.keep_alive is None else time.time() + model.keep_alive
         return time.time() + (model.expires_at - self._clock())
 
     def handlers(self, name: str) -> H | None:
@@ -329,16 +331,26 @@ class ModelPool(Generic[H]):
         self._released.set()
 
     # ------------------------------------------------------------------ loading
-    def reservation(self, model: ServedModel[H]) -> tuple[int, int | None]:
-        """(bytes the model counts against the budget, its KV cache's bytes to ask for).
-        Its weights are what its last load measured (resident growth), else their size
-        on disk; its KV cache is the budget's share per loaded model, less the weights:
-        the most the cache's lazily mapped pages may grow to."""
-        weights = model.measured_bytes if model.measured_bytes is not None else max(self._estimate(model.spec), 0)
+    def reservation(self, model: ServedModel[H]) -> tuple[int, int, int | None]:
+        """(bytes the model is priced at, bytes it counts against the budget, its KV
+        cache's bytes to ask for).  The price is its weights' size on disk plus its KV
+        cache, the budget's share per loaded model less those weights (the most the cache's
+        lazily mapped pages may grow to): the same on every load, so a model that loaded
+        once loads again.  What it counts (which other models make room for it) is its
+        last load's resident growth where that was more, at most the whole budget."""
+        estimate = max(self._estimate(model.spec), 0)
         kv = self.kv_cache_bytes
         if kv is None and self.memory_budget is not None:
-            kv = max(self.memory_budget // self.max_loaded - weights, 0)
-        return weights + (kv or 0), kv
+            kv = self.memory_budget // self.max_loaded - estimate
+            if kv <= 0:
+                raise OpenAIError(
+                    f"model {model.spec.name!r}'s weights (about {estimate / 2**30:.2f} GiB) fill its share of the "
+                    f"models' memory budget ({self.memory_budget / 2**30:.2f} GiB over --max-loaded-models "
+                    f"{self.max_loaded}), leaving nothing for its KV cache: raise --max-models-memory or lower "
+                    "--max-loaded-models", status=500, type="server_error", param="model", code="model_too_large")
+        price = estimate + (kv or 0)
+        counted = max(price, (model.measured_bytes or 0) + (kv or 0))
+        return price, counted if self.memory_budget is None else min(counted, self.memory_budget), kv
 
     async def _load_one(self, model: ServedModel[H], deadline: float) -> None:
         assert self._load is not None, "attached models are never unloaded"
@@ -346,25 +358,35 @@ class ModelPool(Generic[H]):
             if model.loaded is not None:
                 return
             try:  # (its files' facts are read off the event loop: a hostile file is slow to read)
-                need, kv = await asyncio.to_thread(self.reservation, model)
+                price, need, kv = await asyncio.to_thread(self.reservation, model)
+            except OpenAIError:
+                raise
             except Exception as e:  # noqa: BLE001 - unreadable facts are this model's failure
                 raise self._failed(model, e) from None
-            await self._make_room(model, need, deadline)
+            await self._make_room(model, price, need, deadline)
             before = rss_bytes(os.getpid())
             start = self._clock()
+            failure: OpenAIError | None = None
             try:
                 handlers = await self._load(model.spec, kv)
-            except OpenAIError:
+            except OpenAIError as e:
                 self.counters.load_failures += 1
-                raise
+                failure, e.__traceback__ = e, None
             except Exception as e:  # noqa: BLE001 - any load failure is this model's, by name
-                raise self._failed(model, e) from None
+                failure, e.__traceback__ = self._failed(model, e), None
+            if failure is not None:
+                # The failure's frames held the half-built model: freed before answering (the
+                # next try comes FAILED_LOAD_SECONDS later), not at the next full collection.
+                failure.__context__ = failure.__cause__ = None
+                await asyncio.to_thread(collect_and_release)
+                raise failure
             model.failure = None
             model.load_seconds = self._clock() - start
             grown = rss_bytes(os.getpid()) - before
             if grown > 0:
                 model.measured_bytes = grown
-            model.reserved_bytes = need
+            model.reserved_bytes = need if self.memory_budget is None else min(max(need, grown + (kv or 0)),
+                                                                                self.memory_budget)
             model.loaded = handlers
             model.last_used = self._clock()
             self.counters.loads += 1
@@ -375,8 +397,9 @@ class ModelPool(Generic[H]):
         """A failed load's answer, remembered for FAILED_LOAD_SECONDS; its details (the
         server's paths, the loader's internals) go to the log only."""
         self.counters.load_failures += 1
-        logger.error("model %r failed to load (%s: %s)", model.spec.name, type(e).__name__, e,
-                     exc_info=(type(e), e, e.__traceback__))
+        # (the traceback as text: a record that kept its frames would keep the half-built model)
+        logger.error("model %r failed to load (%s: %s)\n%s", model.spec.name, type(e).__name__, e,
+                     "".join(traceback.format_exception(e)).rstrip())
         model.failure = (self._clock(), type(e).__name__)
         return _load_failed(model, type(e).__name__)
 
@@ -386,11 +409,12 @@ class ModelPool(Generic[H]):
             return False
         return self.memory_budget is None or sum(m.reserved_bytes for m in loaded) + need <= self.memory_budget
 
-    async def _make_room(self, model: ServedModel[H], need: int, deadline: float) -> None:
-        """Unload idle models, least recently used first, until `model` fits; wait while
-        the ones in the way are busy.  Called under the lock."""
-        if self.memory_budget is not None and need > self.memory_budget:
-            raise OpenAIError(f"model {model.spec.name!r} needs about {need / 2**30:.2f} GiB, more than the "
+    async def _make_room(self, model: ServedModel[H], price: int, need: int, deadline: float) -> None:
+        """Unload idle models, least recently used first, until `model` fits (`need`
+        beside the loaded ones); wait while the ones in the way are busy.  Refused where
+        its `price` is over the whole budget.  Called under the lock."""
+        if self.memory_budget is not None and price > self.memory_budget:
+            raise OpenAIError(f"model {model.spec.name!r} needs about {price / 2**30:.2f} GiB, more than the "
                               f"models' memory budget ({self.memory_budget / 2**30:.2f} GiB, --max-models-memory)",
                               status=500, type="server_error", param="model", code="model_too_large")
         while not self._fits(need):

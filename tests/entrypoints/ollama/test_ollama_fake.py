@@ -79,10 +79,13 @@ def test_two_models_one_loaded_through_ollamas_client() -> None:
         assert c.choices[0].message.content == "wo"
         models = await oai.models.list()
         assert [m.id for m in models.data] == ["first", "second"]
+        # raw or not, an empty prompt loads (or with keep_alive 0 unloads), as Ollama's does
+        assert (await client.generate("first", raw=True)).done_reason == "load"
+        assert (await client.generate("first", raw=True, keep_alive=0)).done_reason == "unload"
         return True
 
     assert call(app, fn)
-    assert loads == ["second", "first", "second"]
+    assert loads == ["second", "first", "second", "first"]
 
 
 def test_refusals_name_what_is_not_served() -> None:

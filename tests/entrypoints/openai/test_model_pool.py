@@ -212,9 +212,95 @@ def test_memory_budget_sizes_caches_and_refuses_a_model_that_cannot_fit() -> Non
         pool, loader = make_pool(max_loaded=2, memory_budget=1000)
         (await pool.lease("a")).release()
         assert loader.kv["a"] == 1000 // 2 - 100  # the budget's share per model, less its weights
-        small, _ = make_pool(memory_budget=50)
+        fixed, _ = make_pool(memory_budget=150, kv_cache_bytes=100)  # (--kv-cache-memory-bytes)
         with pytest.raises(OpenAIError, match="more than the models' memory budget"):
-            await small.lease("a")
+            await fixed.lease("a")
+        # Weights that fill their share leave no KV cache: refused, not loaded with the
+        # engine's own cache size (a KV share of 0 once read as "not set": 5.6x the budget).
+        for budget, max_loaded in ((50, 1), (300, 3)):
+            full, full_loader = make_pool(memory_budget=budget, max_loaded=max_loaded)
+            with pytest.raises(OpenAIError, match="fill its share") as e:
+                await full.lease("a")
+            assert "--max-models-memory" in e.value.message and full_loader.events == []
+
+    run(main())
+
+
+def test_a_model_that_loaded_once_loads_again_whatever_its_load_measured() -> None:
+    """The price (size on disk and KV share) decides whether a model may load; what a load
+    measured (resident growth, more than the file for expanded weights) decides only what
+    makes room for it, at most the whole budget: it loads again, alone."""
+    async def main():
+        pool, loader = make_pool(memory_budget=400)
+        (await pool.lease("a")).release()
+        pool.models["a"].measured_bytes = 450  # grew more than the whole budget
+        (await pool.lease("b")).release()  # "a" unloaded for it
+        (await pool.lease("a")).release()
+        assert loader.kv["a"] == 400 - 100 and pool.models["a"].reserved_bytes == 400
+        return loader.events
+
+    assert run(main()) == ["load a", "unload a", "load b", "unload b", "load a"]
+
+
+def test_a_failed_loads_half_built_model_is_freed_before_the_answer() -> None:
+    import gc
+    import weakref
+
+    class Weights:
+        pass
+
+    held: list[weakref.ref] = []
+
+    async def load(spec: ModelSpec, kv: int | None) -> str:
+        weights = Weights()
+        weights.cycle = weights  # (freed only by a collection, as a module tree is)
+        held.append(weakref.ref(weights))
+        raise RuntimeError("out of memory")
+
+    async def main():
+        gc.disable()  # (no collection by chance: only the pool's own)
+        try:
+            pool = ModelPool([ModelSpec("a", "/models/a.gguf")], estimate=lambda spec: 100)
+            pool.set_loader(load, Loader().unload)
+            with pytest.raises(OpenAIError, match="RuntimeError") as e:
+                await pool.lease("a")
+            assert held[0]() is None and e.value.__context__ is None
+        finally:
+            gc.enable()
+
+    run(main())
+
+
+def test_an_unreadable_model_file_unloads_nothing_to_make_room(tmp_path) -> None:
+    from pagedserve.model_loader.model_facts import weights_estimate
+
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    loader = Loader()
+    pool = ModelPool([ModelSpec("a", "/models/a.gguf"), ModelSpec("broken", str(tmp_path / "broken.gguf"))],
+                     estimate=lambda spec: 100 if spec.name == "a" else weights_estimate(spec.source))
+    pool.set_loader(loader.load, loader.unload)
+
+    async def main():
+        (await pool.lease("a")).release()
+        with pytest.raises(OpenAIError, match="could not be loaded"):
+            await pool.lease("broken")
+        assert pool.handlers("a") is not None
+
+    run(main())
+    assert loader.events == ["load a"]
+
+
+def test_ps_shows_a_busy_models_expiry_as_its_keep_alive_from_now() -> None:
+    import time
+
+    async def main():
+        pool, _ = make_pool(keep_alive=300.0)
+        lease = await pool.lease("a")
+        assert 290 < pool.expires_at_wall(pool.models["a"]) - time.time() <= 300  # not "forever"
+        lease.release()
+        kept = await pool.lease("b", keep_alive=None)
+        assert pool.expires_at_wall(pool.models["b"]) is None
+        kept.release()
 
     run(main())
 
