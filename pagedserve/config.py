@@ -149,6 +149,9 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
+    # Unset kv_cache_memory_bytes: at most these bytes (in place of the share of free memory,
+    # and still capped at what max_num_seqs x max_model_len can use).
+    kv_cache_memory_ceiling: int | None = None
     # When kv_cache_memory_bytes is unset, on CUDA: the fraction of total device memory the
     # engine may use (the KV cache gets what weights and peak activations leave); on CPU:
     # the fraction of available memory the KV cache may take (worker/kv_cache.py).

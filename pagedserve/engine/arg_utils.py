@@ -62,6 +62,9 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
     "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
+    "kv_cache_memory_ceiling": "when kv_cache_memory_bytes is unset, the most bytes the KV cache may take (still "
+                               "no more than max_num_seqs x max_model_len can use; in place of the share of free "
+                               "memory; a served model's share of --max-models-memory)",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
                               "what the weights and the profiled peak activations leave of it (never more than "
                               "is free), when kv_cache_memory_bytes is unset",
@@ -171,6 +174,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     kv_cache_memory_bytes: int | str | None = None
+    kv_cache_memory_ceiling: int | str | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     prefix_caching_algo: str = "hash"
@@ -281,8 +285,9 @@ class EngineArgs:
                 raise self._bad(name, "a positive integer")
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise self._bad("block_size", "a positive power of two (e.g. 16 or 32)")
-        if self.kv_cache_memory_bytes is not None:
-            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        for name in ("kv_cache_memory_bytes", "kv_cache_memory_ceiling"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_bytes(getattr(self, name), name))
 
     def _validate_scalars(self) -> None:
         """Numbers, names and flags, each on its own."""
@@ -473,6 +478,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_memory_ceiling=self.kv_cache_memory_ceiling,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
                 cpu_kv_cache_space=env_cpu_kv_cache_space(),
                 num_blocks=self.num_gpu_blocks_override, kv_offload_dir=self.kv_offload_dir,
@@ -516,7 +522,7 @@ class EngineArgs:
             help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
             if isinstance(default, bool) or f.name in _OPTIONAL_BOOLS:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            elif f.name in ("kv_cache_memory_bytes", "kv_offload_bytes"):
+            elif f.name in ("kv_cache_memory_bytes", "kv_cache_memory_ceiling", "kv_offload_bytes"):
                 group.add_argument(flag, type=str, default=None, metavar="BYTES", help=help_text)
             else:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (

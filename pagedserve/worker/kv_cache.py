@@ -143,9 +143,9 @@ def determine_num_blocks(
     that number, for the start-up log).
 
     An explicit `kv_cache_memory_bytes` is taken as given.  Otherwise, on CPU the cache
-    takes cpu_kv_cache_space bytes if set, else cpu_kv_cache_fraction of free memory; on CUDA gpu_kv_budget's share of
-    gpu_memory_utilization x total memory, with `reserved_bytes` the profile run's peak
-    activations.  Either is capped at what max_num_seqs requests of max_model_len
+    takes kv_cache_memory_ceiling bytes if set, else cpu_kv_cache_space, else cpu_kv_cache_fraction of free memory;
+    on CUDA gpu_kv_budget's share of gpu_memory_utilization x total memory (at most the
+    ceiling), with `reserved_bytes` the profile run's peak activations.  Either is capped at what max_num_seqs requests of max_model_len
     tokens could ever use (with sliding-window groups, what they hold at most: see
     max_blocks_held)."""
     bs = cache_config.block_size
@@ -168,6 +168,8 @@ def determine_num_blocks(
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         free, total, weights = cuda_memory_info(device)
         budget = gpu_kv_budget(total, free, weights, reserved_bytes, fraction)
+        if cache_config.kv_cache_memory_ceiling is not None:
+            budget = min(budget, cache_config.kv_cache_memory_ceiling)
         num_blocks = min(max(budget, 0) // block_bytes, need)
         source = (f"gpu_memory_utilization={fraction} of {total / 2**30:.1f} GiB total memory, less "
                   f"{weights / 2**30:.2f} GiB of weights and {reserved_bytes / 2**30:.2f} GiB of peak "
@@ -183,7 +185,10 @@ def determine_num_blocks(
         if num_blocks == need:
             source = f"{need_text}, less than {source}"
     else:
-        if cache_config.cpu_kv_cache_space is not None:
+        if cache_config.kv_cache_memory_ceiling is not None:
+            budget = cache_config.kv_cache_memory_ceiling
+            source = f"kv_cache_memory_ceiling={budget}"
+        elif cache_config.cpu_kv_cache_space is not None:
             budget = cache_config.cpu_kv_cache_space - reserved_bytes
             source = f"PAGEDSERVE_CPU_KV_CACHE_SPACE={cache_config.cpu_kv_cache_space / 2**30:.2f} GiB"
         else:

@@ -209,6 +209,7 @@ WHERE_CHECKED = {
     "enable_prefix_caching": ({"enable_prefix_caching": "yes"}, _SCALARS),
     "long_prefill_token_threshold": ({"long_prefill_token_threshold": -1}, "SchedulerConfig.__post_init__"),
     "kv_cache_memory_bytes": ({"kv_cache_memory_bytes": "lots"}, "parse_bytes"),
+    "kv_cache_memory_ceiling": ({"kv_cache_memory_ceiling": 0}, "parse_bytes"),
     "gpu_memory_utilization": ({"gpu_memory_utilization": 1.5}, _SCALARS),
     "num_gpu_blocks_override": ({"num_gpu_blocks_override": 0}, _SIZES),
     "prefix_caching_algo": ({"prefix_caching_algo": "trie"}, "EngineArgs._validate_kv_tier"),

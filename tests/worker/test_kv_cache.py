@@ -52,6 +52,17 @@ def test_cpu_kv_cache_space_replaces_the_fraction_and_is_still_capped(monkeypatc
     assert EngineArgs().create_engine_config(load_hf_config=False).cache_config.cpu_kv_cache_space is None
 
 
+def test_a_ceiling_replaces_the_share_of_free_memory_and_is_still_capped_at_need(monkeypatch):
+    """(A served model's share of --max-models-memory: given as the size, a 20 GiB share
+    filled page by page under traffic where 2.25 GiB was all its requests could use.)"""
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 10**12)
+    cfg = CacheConfig(block_size=16, kv_cache_memory_ceiling=10_500)
+    num_blocks, why = determine_num_blocks(cfg, BLOCK_BYTES, 64, 1000, CPU)
+    assert num_blocks == 10 and why.startswith("kv_cache_memory_ceiling=10500, less than the max_num_seqs=1000")
+    num_blocks, why = determine_num_blocks(cfg, BLOCK_BYTES, 64, 2, CPU)  # 2 x 4 blocks, plus null
+    assert num_blocks == 9 and why.startswith("max_num_seqs=2 x max_model_len=64 could use")
+
+
 def test_too_small_names_the_knobs(monkeypatch):
     cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=3_500)
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=3500 gives 2 usable blocks.*"

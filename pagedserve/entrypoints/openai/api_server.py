@@ -424,13 +424,14 @@ class _EngineLoader:
 
     async def load_model(self, spec: ModelSpec, kv_cache_bytes: int | None) -> ModelHandlers:
         """A model of several, loaded on demand (ModelPool): its engine on a thread, then
-        its AsyncLLM and handlers here.  Its KV cache takes its share of the budget unless
+        its AsyncLLM and handlers here.  Its KV cache takes at most its share of the budget unless
         --kv-cache-memory-bytes or PAGEDSERVE_CPU_KV_CACHE_SPACE say otherwise."""
         from pagedserve.engine.arg_utils import env_cpu_kv_cache_space
 
         engine_args = self.engine_args.replace(model=spec.source)
         if kv_cache_bytes is not None and engine_args.kv_cache_memory_bytes is None and env_cpu_kv_cache_space() is None:
-            engine_args = engine_args.replace(kv_cache_memory_bytes=kv_cache_bytes)
+            # (a ceiling: the cache still holds no more than its max_num_seqs x max_model_len can use)
+            engine_args = engine_args.replace(kv_cache_memory_ceiling=kv_cache_bytes)
         series = self.state.new_series()
         build = await asyncio.to_thread(make_engine_client, engine_args, self.state, self.front_door, spec.name,
                                         series)
