@@ -71,6 +71,13 @@ class PredictionDrafter:
         self.num_rejected += num_drafted - num_accepted
         self.num_drafts = self.max_drafts if num_accepted == num_drafted else max(1, num_accepted + 1)
 
+    def cut_off(self, num_tokens: int) -> None:
+        """A stop (token, string or length) cut `num_tokens` accepted drafts off the end
+        of the output: they are not in the completion, so they count as rejected (OpenAI:
+        prediction tokens that did not appear in it), and accepted never exceeds it."""
+        self.num_accepted -= num_tokens
+        self.num_rejected += num_tokens
+
     def _follow(self, output: list[int]) -> None:
         """Walk the output tokens not seen yet: advance while they match, else lose the
         place and look for it again."""

@@ -456,8 +456,9 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not takes_sample(request, scheduler_output):
                 continue  # finished or aborted since, or an older request's token
+            predicted = 0  # this step's first tokens that are accepted drafts of the prediction
             if drafts_of and token_ids and req_id in drafts_of:
-                self._settle_drafts(request, len(drafts_of[req_id]), len(token_ids) - 1)
+                predicted = self._settle_drafts(request, len(drafts_of[req_id]), len(token_ids) - 1)
             if not token_ids:
                 status = _ERROR
                 request.stop_reason = invalid_req_ids.get(req_id)
@@ -480,17 +481,21 @@ class Scheduler:
                 out = EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
                                        request.stop_reason, request.num_cached_tokens)
             if request.prediction is not None:
-                out.prediction_counts = request.prediction.counts
+                if predicted > len(token_ids):  # a stop cut accepted drafts off: not in the completion
+                    request.prediction.cut_off(predicted - len(token_ids))
+                    predicted = len(token_ids)
+                out.prediction_counts, out.num_predicted = request.prediction.counts, predicted
             append_output(out)
         if any_running_finished:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
         self._end_update()
         return outputs
 
-    def _settle_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+    def _settle_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> int:
         """The runner verified `num_drafted` drafts and accepted the first `num_accepted`
         (it returns those plus one token of its own).  The step counted every draft as
-        computed: the rejected ones' KV slots are taken back, to be overwritten."""
+        computed: the rejected ones' KV slots are taken back, to be overwritten.  Returns
+        how many accepted drafts were the request's prediction's."""
         request.num_computed_tokens -= num_drafted - num_accepted
         self.spec_stats.observe(num_drafted, num_accepted)
         prediction = request.prediction
@@ -498,8 +503,10 @@ class Scheduler:
             request.max_draft_tokens = self.drafter.next_num_drafts(num_drafted, num_accepted)
         elif prediction.proposed:
             prediction.settle(num_drafted, num_accepted)
+            return num_accepted
         else:
             request.max_draft_tokens = self.prompt_lookup.next_num_drafts(num_drafted, num_accepted)
+        return 0
 
     @staticmethod
     def _advance(request: Request, tok: int) -> RequestStatus | None:

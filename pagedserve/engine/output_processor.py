@@ -51,8 +51,10 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: Any = None  # a pooling request's result, once its prompt is computed
-    # A predicted output's drafts (accepted, rejected) so far; None without a prediction.
+    # A predicted output's drafts (accepted, rejected) so far, and per output token whether
+    # it is an accepted draft of the prediction (1) or not (0); None without a prediction.
     prediction_counts: tuple[int, int] | None = None
+    predicted: bytearray | None = None
     # What previous DELTA outputs already handed out.
     sent_tokens: int = 0
     sent_text: int = 0
@@ -63,7 +65,7 @@ class RequestState:
             self.logprobs = []
             self.cumulative_logprob = 0.0
         if self.params.prediction is not None:
-            self.prediction_counts = (0, 0)
+            self.prediction_counts, self.predicted = (0, 0), bytearray()
 
     @property
     def finished(self) -> bool:
@@ -214,6 +216,8 @@ class OutputProcessor:
         metrics.last_token_time = now
         self.num_generation_tokens += len(new_ids)
         state.output_token_ids.extend(new_ids)
+        if state.predicted is not None:  # (the step's first tokens are its accepted drafts)
+            state.predicted += bytes([1]) * out.num_predicted + bytes(len(new_ids) - out.num_predicted)
         if state.logprobs is not None and out.request_id in logprobs:
             self._append_logprobs(state, new_ids, logprobs[out.request_id])
 
@@ -241,10 +245,17 @@ class OutputProcessor:
 
     def _drop_last_tokens(self, state: RequestState, extra: int) -> None:
         """Forget the last `extra` tokens (past a stop string): from the output, the
-        generation count and the logprobs."""
+        generation count, the logprobs and the prediction's accepted drafts."""
         dropped = state.output_token_ids[-extra:]
         del state.output_token_ids[-extra:]
         self.num_generation_tokens -= extra
+        if state.predicted is not None and state.prediction_counts is not None:
+            # Accepted drafts past the stop string are not in the completion: rejected (OpenAI's
+            # accepted tokens appear in it; the engine counted them before the string was seen).
+            cut = sum(state.predicted[-extra:])
+            del state.predicted[-extra:]
+            accepted, rejected = state.prediction_counts
+            state.prediction_counts = (accepted - cut, rejected + cut)
         if state.logprobs:
             for tid, d in zip(dropped, state.logprobs[-extra:], strict=True):
                 state.cumulative_logprob -= d[tid].logprob

@@ -70,3 +70,29 @@ def test_text_prediction_and_refusals(tmp_path) -> None:
     assert info.value.param == "prediction"
     with pytest.raises(ValueError, match="presence_penalty"):
         llm.generate([prompt], SamplingParams(prediction="x", presence_penalty=0.5), use_tqdm=False)
+
+
+def test_accepted_prediction_tokens_are_in_the_completion_whatever_stops_it(tmp_path) -> None:
+    """A stop inside a step of accepted drafts (a stop token, a stop string; max_tokens
+    drafts no further) cuts them off the output: they count as rejected, never as accepted
+    (OpenAI's accepted tokens are the prediction's tokens that appear in the completion)."""
+    from tests.engine.helpers import make_tiny_llama
+
+    make_tiny_llama(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", seed=0, speculative_config="off")
+    prompt = "hello world hello world hello"
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    ids = list(want.token_ids)
+    k = next(i for i in range(12, len(ids)) if ids.index(ids[i]) == i)  # a token first seen mid-output
+    stop_text = want.text[len(want.text) // 2:][:4]
+    cases = {"stop token": {"stop_token_ids": [ids[k]]}, "max_tokens": {"max_tokens": 13},
+             "stop string": {"stop": [stop_text]}}
+    for name, kw in cases.items():
+        base = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, **kw}
+        plain = llm.generate([prompt], SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+        got = llm.generate([prompt], SamplingParams(**base, prediction=ids), use_tqdm=False)[0].outputs[0]
+        assert (got.text, list(got.token_ids)) == (plain.text, list(plain.token_ids)), name
+        assert len(got.token_ids) < len(ids), name  # (it did stop early)
+        # (the first token is the prompt's: never a draft)
+        assert 0 < got.accepted_prediction_tokens < len(got.token_ids), (name, got.accepted_prediction_tokens)

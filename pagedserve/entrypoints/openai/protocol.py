@@ -225,10 +225,17 @@ class _SamplingFields(OpenAIRequestBody):
         """`defaults`: what the model's generation config says for fields this request
         leaves unset (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
         Without max_tokens the request may run to the end of the context."""
+        defaults = defaults or {}
         try:
-            return self._to_sampling_params(defaults or {})
+            return self._to_sampling_params(defaults)
         except InvalidRequestError as e:
-            raise InvalidRequestError(str(e), param=self.api_param(e.param)) from None
+            message = str(e)
+            if e.param == "prediction" and self.repetition_penalty is None and "repetition_penalty" in message:
+                # (a penalty the client never sent: say where it came from and how to do without)
+                message += (f" (repetition_penalty={defaults.get('repetition_penalty')!r} is this model's default, "
+                            "from its generation config: send repetition_penalty 1.0 with the prediction, or start "
+                            "the server with --generation-config vllm)")
+            raise InvalidRequestError(message, param=self.api_param(e.param)) from None
 
     def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         def pick(name: str, builtin: Any) -> Any:

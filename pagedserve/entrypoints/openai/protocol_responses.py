@@ -27,12 +27,14 @@ class ResponsesRequest(OpenAIRequestBody):
     user: str | None = None
     metadata: dict[str, str] | None = None
     # store / previous_response_id need --enable-responses-store; background, include and
-    # top_logprobs are refused when set (no background runs, no extra output):
+    # top_logprobs are refused when set (no background runs, no extra output), and
+    # prediction (Chat Completions' field, which OpenAI's Responses API does not have):
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
+    prediction: Any = None
     # Accepted without effect (docs/serving.md says why; serving_responses.py checks their
     # shapes): reasoning's keys, truncation, text.verbosity, stream_options'
     # include_obfuscation, max_tool_calls (a bound on built-in tools: there are none),

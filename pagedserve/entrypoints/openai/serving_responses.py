@@ -268,6 +268,9 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     if req.top_logprobs:
         raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                           param="top_logprobs")
+    if req.prediction is not None:  # (a client that sent it expects it used: not ignored)
+        raise OpenAIError("prediction is a Chat Completions and Completions field; OpenAI's Responses API has none "
+                          "(send predicted outputs to /v1/chat/completions)", param="prediction")
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

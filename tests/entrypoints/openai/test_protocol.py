@@ -34,6 +34,15 @@ def test_errors_name_the_field_the_client_sent():
     with pytest.raises(InvalidRequestError) as e:
         ChatCompletionRequest(messages=MSGS, top_logprobs=2).to_sampling_params()
     assert e.value.param == "top_logprobs" and "requires logprobs" in str(e.value)
+    # A prediction beside a penalty the model's generation config set (Qwen2.5's 1.05): the
+    # refusal says where the penalty came from and how to do without it.
+    pred = {"type": "content", "content": "hello"}
+    with pytest.raises(InvalidRequestError) as e:
+        ChatCompletionRequest(messages=MSGS, prediction=pred).to_sampling_params({"repetition_penalty": 1.05})
+    assert e.value.param == "prediction" and "1.05 is this model's default" in str(e.value)
+    assert "--generation-config vllm" in str(e.value)
+    sent = ChatCompletionRequest(messages=MSGS, prediction=pred, repetition_penalty=1.0)
+    assert sent.to_sampling_params({"repetition_penalty": 1.05}).repetition_penalty == 1.0
     req = ChatCompletionRequest(messages=MSGS)
     assert req.api_param("prompt") == "messages" and req.api_param("temperature") == "temperature"
     assert CompletionRequest(prompt="x").api_param("prompt") == "prompt"

@@ -54,6 +54,9 @@ def test_stored_responses_are_retrieved_and_continued() -> None:
                                           max_output_tokens=1)
         with pytest.raises(openai.BadRequestError, match="background"):
             await client.responses.cancel(first.id)
+        with pytest.raises(openai.BadRequestError, match="prediction is a Chat Completions"):  # never ignored
+            await client.responses.create(model="fake", input="x", max_output_tokens=1,
+                                          extra_body={"prediction": {"type": "content", "content": "x"}})
         # The input items, as OpenAI lists them back (newest first by default)
         items = await client.responses.input_items.list(first.id)
         assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "hello")]
