@@ -71,12 +71,15 @@ class PredictionDrafter:
         self.num_rejected += num_drafted - num_accepted
         self.num_drafts = self.max_drafts if num_accepted == num_drafted else max(1, num_accepted + 1)
 
-    def cut_off(self, num_tokens: int) -> None:
-        """A stop (token, string or length) cut `num_tokens` accepted drafts off the end
-        of the output: they are not in the completion, so they count as rejected (OpenAI:
-        prediction tokens that did not appear in it), and accepted never exceeds it."""
-        self.num_accepted -= num_tokens
-        self.num_rejected += num_tokens
+    def keep(self, num_predicted: int, num_kept: int) -> int:
+        """A step's first `num_predicted` tokens were accepted drafts, of which a stop (a
+        token, the length) kept `num_kept` at most: the rest are not in the completion, so
+        they count as rejected (OpenAI: prediction tokens that do not appear in it).
+        Returns how many of the kept tokens are accepted drafts."""
+        cut = max(num_predicted - num_kept, 0)
+        self.num_accepted -= cut
+        self.num_rejected += cut
+        return num_predicted - cut
 
     def _follow(self, output: list[int]) -> None:
         """Walk the output tokens not seen yet: advance while they match, else lose the

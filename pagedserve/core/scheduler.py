@@ -1,30 +1,27 @@
 """Continuous batching: every step, hand each request the tokens it still lacks.
 
-A step's token budget goes first to running requests (in order), then to waiting
-ones while budget, max_num_seqs and KV blocks allow, so one step freely mixes
-decodes with prefill chunks.  When a running request cannot get a block the
-scheduler preempts one (FCFS: the newest running request; priority: the worst
-(priority, arrival_time)): by default its KV is freed and recomputed on resumption
-(what the prefix cache and the KV tier still hold is not); with
-preemption_mode="swap" the KV-cache manager first copies it to the KV tier, and the
-resumption loads it back.  Under the priority policy
-`running` is kept sorted, so "the worst" is simply the last one and requests
-already scheduled this step are never victims.
+A step's token budget goes first to running requests (in order), then to waiting ones while
+budget, max_num_seqs and KV blocks allow, so one step freely mixes decodes with prefill chunks.
+When a running request cannot get a block the scheduler preempts one (FCFS: the newest running
+request; priority: the worst (priority, arrival_time)): by default its KV is freed and recomputed
+on resumption (what the prefix cache and the KV tier still hold is not); with
+preemption_mode="swap" the KV-cache manager first copies it to the KV tier, and the resumption
+loads it back.  Under the priority policy `running` is kept sorted, so "the worst" is simply the
+last one and requests already scheduled this step are never victims.
 
-With speculative decoding (`speculative_config`), a decoding request may also get
-drafts (n-gram, core/ngram_proposer.py, or a draft model's): they are scheduled and
-given KV slots like any token, and `update_from_output` takes back the slots of the
-ones the runner rejected.  A request with a predicted output (`Request.prediction`,
-core/prediction_drafter.py) asked for speculation itself: it drafts from its prediction
-whatever the engine's speculation setting or batch size, and by prompt lookup (n-gram,
-`prompt_lookup`) while its prediction has nothing to propose.  A chunk that reaches a
-prompt's image needs its encoder output held (core/encoder_cache_manager.py decides, and
+With speculative decoding (`speculative_config`), a decoding request may also get drafts (n-gram,
+core/ngram_proposer.py, or a draft model's): they are scheduled and given KV slots like any token,
+and `update_from_output` takes back the slots of the ones the runner rejected.  A request with a
+predicted output (`Request.prediction`, core/prediction_drafter.py) asked for speculation itself:
+it drafts from its prediction whatever the engine's speculation setting or batch size, and by
+prompt lookup (n-gram, `prompt_lookup`) while its prediction has nothing to propose.  A chunk that
+reaches a prompt's image needs its encoder output held (core/encoder_cache_manager.py decides, and
 cuts the chunk before an image that cannot run now).
 
-The update path is one loop (`update_from_output`) with three hooks that
-`AsyncScheduler` (core/async_scheduler.py) overrides for overlap scheduling:
-whether a sampled token belongs to the request now holding its id, what happens
-after a step is scheduled, and when a finished request's blocks can be freed.
+The update path is one loop (`update_from_output`) with three hooks that `AsyncScheduler`
+(core/async_scheduler.py) overrides for overlap scheduling: whether a sampled token belongs to
+the request now holding its id, what happens after a step is scheduled, and when a finished
+request's blocks can be freed.
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ def _sched_key(request: Request) -> tuple:
 
 
 def _tokens_to_compute(request: Request) -> int:
-    """Known tokens (and, under overlap scheduling, in-flight placeholders) without KV yet:
-    1 for a decoding request."""
+    """Known tokens (and, under overlap scheduling, in-flight placeholders) without KV yet: 1 decoding."""
     return len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
 
 
@@ -78,9 +74,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         # A per-request chunk cap only makes sense when prompts may be chunked.
-        self.long_prefill_token_threshold = (
-            scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
-        )
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold if \
+            self.enable_chunked_prefill else 0
         self.policy = scheduler_config.policy
         self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -456,7 +451,7 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not takes_sample(request, scheduler_output):
                 continue  # finished or aborted since, or an older request's token
-            predicted = 0  # this step's first tokens that are accepted drafts of the prediction
+            predicted = 0  # accepted drafts of the prediction: this step's first tokens
             if drafts_of and token_ids and req_id in drafts_of:
                 predicted = self._settle_drafts(request, len(drafts_of[req_id]), len(token_ids) - 1)
             if not token_ids:
@@ -481,10 +476,8 @@ class Scheduler:
                 out = EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
                                        request.stop_reason, request.num_cached_tokens)
             if request.prediction is not None:
-                if predicted > len(token_ids):  # a stop cut accepted drafts off: not in the completion
-                    request.prediction.cut_off(predicted - len(token_ids))
-                    predicted = len(token_ids)
-                out.prediction_counts, out.num_predicted = request.prediction.counts, predicted
+                out.num_predicted = request.prediction.keep(predicted, len(token_ids))
+                out.prediction_counts = request.prediction.counts
             append_output(out)
         if any_running_finished:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]

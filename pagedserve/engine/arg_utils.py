@@ -62,9 +62,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
     "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
-    "kv_cache_memory_ceiling": "when kv_cache_memory_bytes is unset, the most bytes the KV cache may take (still "
-                               "no more than max_num_seqs x max_model_len can use; in place of the share of free "
-                               "memory; a served model's share of --max-models-memory)",
+    "kv_cache_memory_ceiling": "without kv_cache_memory_bytes, the KV cache's most bytes in place of the share of "
+                               "free memory, still capped at what max_num_seqs x max_model_len can use",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
                               "what the weights and the profiled peak activations leave of it (never more than "
                               "is free), when kv_cache_memory_bytes is unset",
@@ -579,8 +578,7 @@ def read_chat_template(value: str | None) -> str | None:
 def env_cpu_kv_cache_space() -> int | None:
     """PAGEDSERVE_CPU_KV_CACHE_SPACE ("2GiB", vLLM's VLLM_CPU_KVCACHE_SPACE idea): the CPU KV
     cache's budget when kv_cache_memory_bytes is unset, in place of a share of available
-    memory.  The test suite sets 1 GiB: every engine it builds would otherwise zero a
-    quarter of the machine's memory (5.6 GiB here, about a second each time)."""
+    memory (the test suite sets 1 GiB)."""
     import os
 
     value = os.environ.get("PAGEDSERVE_CPU_KV_CACHE_SPACE", "").strip()
@@ -588,8 +586,7 @@ def env_cpu_kv_cache_space() -> int | None:
 
 
 def env_torch_compile() -> bool | None:
-    """PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0:
-    compiling every tiny test model would cost minutes; compile tests ask explicitly)."""
+    """PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0: compiles cost minutes)."""
     import os
 
     value = os.environ.get("PAGEDSERVE_TORCH_COMPILE", "").strip().lower()

@@ -1,15 +1,12 @@
 """Pydantic models for the OpenAI-compatible API (request bodies and response shapes).
 
-Requests accept the OpenAI fields plus vLLM's sampling extras (top_k, min_p, ...);
-fields we do not act on are accepted and ignored only when ignoring them cannot change
-the result (e.g. `user`, and the chat fields listed in docs/serving.md, "Accepted
-without effect"), otherwise the request is refused with a 400 naming the field
-(`check_unsupported`).  Each request converts itself to `SamplingParams`, which does
-the range validation; `api_param` maps an engine-side field name in an error back to
-the name this request used.
-
-The pooling routes' models are in protocol_pooling.py, the Responses API's body in
-protocol_responses.py.
+Requests accept the OpenAI fields plus vLLM's sampling extras (top_k, min_p, ...); fields we
+do not act on are accepted and ignored only when ignoring them cannot change the result (e.g.
+`user`, and the chat fields listed in docs/serving.md, "Accepted without effect"), otherwise the
+request is refused with a 400 naming the field (`check_unsupported`).  Each request converts
+itself to `SamplingParams`, which does the range validation; `api_param` maps an engine-side
+field name in an error back to the name this request used.  The pooling routes' models are in
+protocol_pooling.py, the Responses API's body in protocol_responses.py.
 """
 
 from __future__ import annotations
@@ -228,14 +225,12 @@ class _SamplingFields(OpenAIRequestBody):
         defaults = defaults or {}
         try:
             return self._to_sampling_params(defaults)
-        except InvalidRequestError as e:
-            message = str(e)
-            if e.param == "prediction" and self.repetition_penalty is None and "repetition_penalty" in message:
-                # (a penalty the client never sent: say where it came from and how to do without)
-                message += (f" (repetition_penalty={defaults.get('repetition_penalty')!r} is this model's default, "
-                            "from its generation config: send repetition_penalty 1.0 with the prediction, or start "
-                            "the server with --generation-config vllm)")
-            raise InvalidRequestError(message, param=self.api_param(e.param)) from None
+        except InvalidRequestError as e:  # (a penalty the client never sent: where it came from, how to lift it)
+            hint = (f" (repetition_penalty={defaults.get('repetition_penalty')!r} is this model's default, from its "
+                    "generation config: send repetition_penalty 1.0 with the prediction, or serve with "
+                    "--generation-config vllm)") if e.param == "prediction" and self.repetition_penalty is None \
+                and "repetition_penalty" in str(e) else ""
+            raise InvalidRequestError(str(e) + hint, param=self.api_param(e.param)) from None
 
     def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         def pick(name: str, builtin: Any) -> Any:
