@@ -255,7 +255,10 @@ class ModelPool(Generic[H]):
         model.loaded = handlers
         model.last_used = self._clock()
         model.pinned = self._load is None
-        model.reserved_bytes = max(self._estimate(model.spec), 0)
+        try:
+            model.reserved_bytes = max(self._estimate(model.spec), 0)
+        except ValueError:  # (its facts unreadable, yet it loaded: nothing is known of its size)
+            model.reserved_bytes = 0
 
     # ------------------------------------------------------------------ leases
     async def lease(self, name: str, keep_alive: Any = UNSET, wait: float = LOAD_WAIT_SECONDS) -> Lease[H]:

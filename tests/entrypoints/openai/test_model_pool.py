@@ -290,6 +290,15 @@ def test_an_unreadable_model_file_unloads_nothing_to_make_room(tmp_path) -> None
     assert loader.events == ["load a"]
 
 
+def test_a_model_attached_at_start_whose_facts_are_unreadable_still_serves() -> None:
+    def unreadable(spec: ModelSpec) -> int:
+        raise ValueError("the files cannot be read as a model's")
+
+    pool = ModelPool([ModelSpec("a", "/models/a")], estimate=unreadable)
+    pool.attach("a", "handlers of a")  # (loaded by the engine's own loader: a start-up, not a failure)
+    assert pool.handlers("a") == "handlers of a" and pool.models["a"].reserved_bytes == 0
+
+
 def test_ps_shows_a_busy_models_expiry_as_its_keep_alive_from_now() -> None:
     import time
 
