@@ -2,7 +2,10 @@
 
 Model code takes only (input_ids, positions); everything attention needs for this
 step (metadata built once by the runner) travels here instead of through every
-layer's signature.  This is the one module-level state the engine keeps.
+layer's signature.  This is the one module-level state the engine keeps, and it is
+per thread: a server of several models steps each model's engine on its own thread at
+once (a shared global had one model's attention read another's metadata: wrong tokens,
+then a dead engine).
 
 `modules` serves torch.compile (worker/compiled_model.py): a compiled graph calls a
 layer's eager code through a custom op that can carry only tensors and numbers, so
@@ -11,6 +14,7 @@ the op names the layer by its index in this list (layers/opaque.py).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,22 +47,27 @@ class ForwardContext:
     common: Sequence[Any] = ()
 
 
-_CONTEXT: ForwardContext | None = None
+class _ThreadContext(threading.local):
+    context: ForwardContext | None = None  # this thread's step (the model it runs)
+
+
+_LOCAL = _ThreadContext()
 
 
 @contextmanager
 def set_forward_context(attn_metadata: Sequence[Any] | None, modules: Sequence[Any] = (),
                         bidirectional: Sequence[BidirectionalSpan] = (), common: Sequence[Any] = ()) -> Iterator[None]:
-    global _CONTEXT
-    prev = _CONTEXT
-    _CONTEXT = ForwardContext(attn_metadata, modules, bidirectional, common)
+    local = _LOCAL
+    prev = local.context
+    local.context = ForwardContext(attn_metadata, modules, bidirectional, common)
     try:
         yield
     finally:
-        _CONTEXT = prev
+        local.context = prev
 
 
 def get_forward_context() -> ForwardContext:
-    if _CONTEXT is None:
+    context = _LOCAL.context
+    if context is None:
         raise RuntimeError("attention ran outside set_forward_context(): no metadata for this step")
-    return _CONTEXT
+    return context

@@ -33,6 +33,7 @@ Why it is shaped like this (measured on 2 Zen 4 cores, SmolLM2 shapes, bf16):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -152,8 +153,9 @@ class TorchPagedMetadata:
     identity: bool = False
 
 
-class _Workspace:
-    """Grow-only scratch per (device, dtype), shared by every layer of a step."""
+class _Workspace(threading.local):
+    """Grow-only scratch per (device, dtype), shared by every layer of a step; per thread
+    (several models' engines step at once on their own threads)."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}

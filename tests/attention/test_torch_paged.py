@@ -280,3 +280,24 @@ def test_sliding_window_matches_reference(backend, window, dtype):
     if window == 4096:  # wider than every context: plain causal attention
         plain = make_case(specs, 6, 2, 64, 16, dtype, seed=3)
         torch.testing.assert_close(ref.float(), run_backend(TorchReferenceBackend, plain, 6, 2, 64, 16)[0].float())
+
+
+def test_each_engine_thread_has_its_own_scratch() -> None:
+    """Several models' engines step at once on their own threads: one scratch buffer
+    shared by both would have each write into the other's gathered K/V."""
+    import threading
+
+    got, both = {}, threading.Barrier(2)
+
+    def step(name: str) -> None:
+        got[name] = torch_paged._WORKSPACE.get(64, torch.float32, torch.device("cpu")).data_ptr()
+        both.wait(5)  # (both buffers alive: a freed one's address could be the other's)
+
+    threads = [threading.Thread(target=step, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got["a"] != got["b"]
+    mine = torch_paged._WORKSPACE.get(64, torch.float32, torch.device("cpu"))
+    assert torch_paged._WORKSPACE.get(32, torch.float32, torch.device("cpu")).data_ptr() == mine.data_ptr()
