@@ -46,13 +46,23 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *,
     chat = [_with_reasoning_aliases({k: v for k, v in _plain(m).items() if v is not None}) for m in messages]
     final = ""
     if continue_final_message:
-        if not chat or not isinstance(chat[-1].get("content"), str):
+        content = chat[-1].get("content") if chat else None
+        # A list of parts (a vision model's messages) continues its last text part, as HF does.
+        texts = [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)] \
+            if isinstance(content, list) else []
+        if not isinstance(content, str) and not texts:
             raise ValueError('continue_final_message is set but the final message has no "content" to continue')
         if "content" not in template:
             raise ValueError('continue_final_message is set to "content" but this is not an accepted field '
                              "in the chat_template")
-        final = chat[-1]["content"]
-        chat[-1]["content"] = final + _CONTINUE_TAG
+        if isinstance(content, str):
+            final = content
+            chat[-1]["content"] = final + _CONTINUE_TAG
+        else:
+            parts = list(content)  # (copies: the caller's message stays as it was)
+            final = parts[texts[-1]]["text"]
+            parts[texts[-1]] = {**parts[texts[-1]], "text": final + _CONTINUE_TAG}
+            chat[-1]["content"] = parts
     text = compiled.render(messages=chat, tools=_plain(tools), documents=None,
                            add_generation_prompt=add_generation_prompt, **_plain(variables))
     if continue_final_message:

@@ -112,6 +112,28 @@ def test_continue_final_message_cuts_where_transformers_does(template: str, fina
     assert ours == theirs and ours.rstrip().endswith(final.strip())
 
 
+# A vision model's style: content as a list of parts (image placeholders and text).
+PARTS = """{% for m in messages %}<|im_start|>{{ m.role }}
+{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}\
+{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.mark.parametrize("final", [[{"type": "text", "text": "The"}],
+                                   [{"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "so "}],
+                                   "plain text"])
+def test_a_final_message_of_parts_continues_its_last_text_part_as_transformers_does(final) -> None:
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": final}]
+    before = repr(conversation)
+    ours, theirs = _both(PARTS, conversation, continue_final_message=True)
+    assert ours == theirs and not ours.endswith("<|im_end|>\n") and repr(conversation) == before
+    with pytest.raises(ValueError, match="no \"content\" to continue"):  # (no text part: nothing to continue)
+        render_chat_template(PARTS, [{"role": "assistant", "content": [{"type": "image"}]}],
+                             continue_final_message=True)
+
+
 def test_errors_are_the_templates_own() -> None:
     wrong_order = [{"role": "assistant", "content": "first"}]
     for render in (render_chat_template, _theirs):
