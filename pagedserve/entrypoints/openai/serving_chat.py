@@ -57,7 +57,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
-from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
+from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser, tool_parameters
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -226,12 +226,12 @@ class OpenAIServingChat(OpenAIServing):
 
     def _tool_constraint(self, req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputsParams | None:
         if plan.mode == "named":
-            return StructuredOutputsParams(json=plan.function.parameters or {"type": "object"})
+            return StructuredOutputsParams(json=tool_parameters(plan.function.parameters))
         if plan.mode == "required":
             defs: dict[str, Any] = {}
             calls = [{"type": "object", "required": ["name", "parameters"],
                       "properties": {"name": {"const": t.function.name},
-                                     "parameters": hoist_tool_schema(t.function.parameters or {"type": "object"},
+                                     "parameters": hoist_tool_schema(tool_parameters(t.function.parameters),
                                                                      f"tool{i}", defs)}}
                      for i, t in enumerate(req.tools)]
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
@@ -252,8 +252,7 @@ class OpenAIServingChat(OpenAIServing):
         if not calls:
             return ChatResponseMessage(content=c.text), c.finish_reason
         tool_calls = [ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls]
-        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-        return ChatResponseMessage(content=text, tool_calls=tool_calls), reason
+        return ChatResponseMessage(content=text, tool_calls=tool_calls), _calls_finish(c)
 
     async def full(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
                    streams: list[RequestStream]) -> ChatCompletionResponse:
@@ -354,7 +353,7 @@ class OpenAIServingChat(OpenAIServing):
                 pieces.append(DeltaMessage(tool_calls=[DeltaToolCall(
                     index=0, function=DeltaFunctionCall(arguments=c.text[ts.sent_args:]))]))
                 ts.sent_args = len(c.text)
-            reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            reason = _calls_finish(c)
         else:
             text, calls = plan.calls(c.text, finished)
             if plan.mode == "auto" and not calls:  # no call yet: the part that cannot open one
@@ -368,7 +367,7 @@ class OpenAIServingChat(OpenAIServing):
                     index=i, id=random_id("call"), type="function",
                     function=DeltaFunctionCall(name=call.name, arguments=call.arguments))]))
             ts.sent_calls = len(calls)
-            reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            reason = _calls_finish(c) if calls else c.finish_reason
         choices = [ChatStreamChoice(index=c.index, delta=d) for d in pieces]
         if finished:
             choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
@@ -385,6 +384,13 @@ class OpenAIServingChat(OpenAIServing):
                 token=s, logprob=_MISSING if token_lp is None else token_lp, bytes=list(s.encode()),
                 top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top]))
         return ChatLogprobs(content=content)
+
+
+def _calls_finish(c: CompletionOutput) -> str | None:
+    """A choice with calls finishes "tool_calls" where the model ended them (its end token or
+    the grammar's end); a client's stop string that cut one leaves "stop": its arguments may
+    not parse, and "tool_calls" tells a client they do."""
+    return "tool_calls" if c.finish_reason == "stop" and not isinstance(c.stop_reason, str) else c.finish_reason
 
 
 def legacy_function_call(choice: C) -> C:

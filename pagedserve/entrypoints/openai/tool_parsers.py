@@ -78,10 +78,16 @@ class HermesToolParser:
         """Free text, in which every opened call follows its tool's schema (`one_call`:
         nothing may follow the first call)."""
         tags = [{"type": "tag", "begin": f'{self.OPEN}\n{{"name": {json.dumps(t["name"])}, "arguments": ',
-                 "content": {"type": "json_schema", "json_schema": t.get("parameters") or {"type": "object"}},
+                 "content": {"type": "json_schema", "json_schema": tool_parameters(t.get("parameters"))},
                  "end": f"}}\n{self.CLOSE}"} for t in tools]
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN],
                                                       "tags": tags, "stop_after_first": one_call}}
+
+
+def tool_parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's arguments schema: a tool without `parameters` takes none (OpenAI: "omitting
+    parameters defines a function with an empty parameter list"), not any object."""
+    return schema or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class Llama3JsonToolParser:

@@ -136,6 +136,28 @@ def test_forced_and_required_tool_calls(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_tool_without_parameters_takes_none_and_a_cut_call_is_not_finished(client):
+    """OpenAI: omitting `parameters` defines an empty parameter list (an open schema let the
+    model invent arguments, or run to the length limit); a client's stop string that cuts a
+    call leaves finish_reason "stop", not "tool_calls" over arguments that do not parse."""
+    from pagedserve.entrypoints.openai.tool_parsers import tool_parameters
+
+    assert tool_parameters(None) == tool_parameters({}) == {"type": "object", "properties": {},
+                                                            "additionalProperties": False}
+    ping = {"type": "function", "function": {"name": "ping"}}
+    for choice in ({"type": "function", "function": {"name": "ping"}}, "required"):
+        got = chat(client, tools=[ping], tool_choice=choice, temperature=0, max_tokens=40,
+                   parallel_tool_calls=False).choices[0]  # (one call: else this model repeats calls to the limit)
+        assert got.message.tool_calls, (choice, got)
+        for call in got.message.tool_calls:
+            assert (call.function.name, json.loads(call.function.arguments)) == ("ping", {}), choice
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cut = chat(client, tools=[WEATHER], tool_choice=named, temperature=0, stop=['"']).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.tool_calls[0].function.arguments == "{"
+    chunks = list(chat(client, tools=[WEATHER], tool_choice=named, temperature=0, stop=['"'], stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_legacy_functions_are_tools(client):
     """OpenAI's deprecated functions/function_call: the same request as tools/tool_choice,
     answered in its own shape (message.function_call, finish_reason "function_call",
