@@ -131,6 +131,7 @@ class ToolStream:
     sent_text: int = 0
     sent_calls: int = 0
     sent_args: int = 0  # named mode: characters of the arguments sent
+    sent_tokens: int = 0  # tokens whose logprobs were sent
     call_ids: list[str] = field(default_factory=list)
 
 
@@ -311,7 +312,7 @@ class OpenAIServingChat(OpenAIServing):
                             reasoning_content=reasoning[sent_reasoning[c.index]:])))
                         sent_reasoning[c.index] = len(reasoning)
                     if plan.mode != "none":
-                        for piece in self._tool_deltas(plan, tool_streams[c.index], c):
+                        for piece in self._tool_deltas(plan, tool_streams[c.index], c, params.logprobs):
                             yield chunk(piece)
                         continue
                     cs = choice_streams[c.index]
@@ -337,7 +338,8 @@ class OpenAIServingChat(OpenAIServing):
         async for chunk in sse_dicts(self.stream(req, prep, request_id, streams)):
             yield chunk
 
-    def _tool_deltas(self, plan: ToolPlan, ts: ToolStream, c: CompletionOutput) -> list[ChatStreamChoice]:
+    def _tool_deltas(self, plan: ToolPlan, ts: ToolStream, c: CompletionOutput,
+                     k: int | None = None) -> list[ChatStreamChoice]:
         """The chunks a tool-enabled choice owes after this output: plain text that can
         no longer start a call, calls whose arguments are complete (a named call's
         arguments as they grow), and the finish_reason once done."""
@@ -372,6 +374,10 @@ class OpenAIServingChat(OpenAIServing):
         if finished:
             choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
                                             stop_reason=c.stop_reason))
+        if k is not None and len(c.token_ids) > ts.sent_tokens:  # the new tokens' logprobs, as without tools
+            choices = choices or [ChatStreamChoice(index=c.index, delta=DeltaMessage())]
+            choices[0].logprobs = self.logprobs(c, ts.sent_tokens, k)
+            ts.sent_tokens = len(c.token_ids)
         return choices
 
     def logprobs(self, c: CompletionOutput, start: int, k: int | None,

@@ -156,6 +156,12 @@ def test_a_tool_without_parameters_takes_none_and_a_cut_call_is_not_finished(cli
     assert cut.finish_reason == "stop" and cut.message.tool_calls[0].function.arguments == "{"
     chunks = list(chat(client, tools=[WEATHER], tool_choice=named, temperature=0, stop=['"'], stream=True))
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # Logprobs come with a call's tokens streamed as they do whole (they were dropped streamed).
+    whole = chat(client, tools=[WEATHER], tool_choice=named, temperature=0, logprobs=True, top_logprobs=1)
+    streamed = list(chat(client, tools=[WEATHER], tool_choice=named, temperature=0, logprobs=True, top_logprobs=1,
+                         stream=True))
+    tokens = [t.token for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert tokens == [t.token for t in whole.choices[0].logprobs.content] and tokens
 
 
 def test_legacy_functions_are_tools(client):
