@@ -57,7 +57,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
-from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser, tool_parameters
+from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser, sent_calls, tool_parameters
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -75,6 +75,19 @@ def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage
         first = messages[0].model_copy(update={"content": f"{messages[0].content}\n\n{text}"})
         return [first, *messages[1:]]
     return [ChatMessage(role="system", content=text), *messages]
+
+
+def with_calls_as_text(messages: list[ChatMessage], parser: ToolParser) -> list[ChatMessage]:
+    """The conversation with each past assistant turn's tool calls written into its text."""
+    out = []
+    for m in messages:
+        calls = sent_calls((m.model_extra or {}).get("tool_calls")) if m.role == "assistant" else []
+        if calls:
+            text = m.content if isinstance(m.content, str) and m.content else ""
+            m = m.model_copy(update={"content": (text + "\n" if text else "") + parser.format_calls(calls),
+                                     "tool_calls": None})
+        out.append(m)
+    return out
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -180,6 +193,15 @@ class OpenAIServingChat(OpenAIServing):
                             plan.parser.name)
             messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
             prompt = self.render(req, messages, req.add_generation_prompt, tools)
+        else:
+            messages = req.messages
+        parser = plan.parser or self.tool_parser
+        if parser is not None and any(sent_calls((m.model_extra or {}).get("tool_calls")) for m in messages):
+            bare = [m.model_copy(update={"tool_calls": None}) for m in messages]
+            if self.render(req, bare, req.add_generation_prompt, tools).token_ids == prompt.token_ids:
+                # The template drops past calls: they are written into their turns in the
+                # parser's format, else the model would not know what it called.
+                prompt = self.render(req, with_calls_as_text(messages, parser), req.add_generation_prompt, tools)
         return prompt
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:

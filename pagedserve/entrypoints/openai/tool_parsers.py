@@ -74,6 +74,11 @@ class HermesToolParser:
                   "tags, one call per pair:\n<tool_call>\n{\"name\": \"FUNCTION NAME\", \"arguments\": "
                   "{ARGUMENTS}}\n</tool_call>\nOtherwise answer in plain text.")
 
+    def format_calls(self, calls: list[ParsedToolCall]) -> str:
+        """Calls as the model writes them (a past assistant turn's, for a template that drops them)."""
+        return "\n".join(f'{self.OPEN}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{self.CLOSE}'
+                         for c in calls)
+
     def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
         """Free text, in which every opened call follows its tool's schema (`one_call`:
         nothing may follow the first call)."""
@@ -82,6 +87,18 @@ class HermesToolParser:
                  "end": f"}}\n{self.CLOSE}"} for t in tools]
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN],
                                                       "tags": tags, "stop_after_first": one_call}}
+
+
+def sent_calls(tool_calls: Any) -> list[ParsedToolCall]:
+    """The well-formed calls of a past assistant turn's `tool_calls`, as a client sent them
+    (OpenAI's shape: {"function": {"name": ..., "arguments": JSON text}}); others are skipped."""
+    calls = []
+    for call in tool_calls if isinstance(tool_calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            args = function.get("arguments", "{}")
+            calls.append(ParsedToolCall(function["name"], args if isinstance(args, str) else json.dumps(args)))
+    return calls
 
 
 def tool_parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
@@ -121,6 +138,9 @@ class Llama3JsonToolParser:
         return ("You can call functions to help answer. The functions, as JSON schemas:\n" + listed
                 + "\nTo call one, answer with only a JSON object {\"name\": FUNCTION NAME, \"parameters\": "
                   "ARGUMENTS}; otherwise answer in plain text.")
+
+    def format_calls(self, calls: list[ParsedToolCall]) -> str:
+        return ";".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
 
     def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
         return None  # no opening to trigger on: the answer is free

@@ -51,6 +51,25 @@ def test_tools_with_tool_choice_omitted_work_on_the_default_model(smollm2_server
     assert legacy.usage.prompt_tokens == r.usage.prompt_tokens
 
 
+def test_a_past_call_is_in_the_prompt_under_a_template_that_renders_none(smollm2_server, smollm2_path):
+    """SmolLM2's template drops an assistant turn's tool_calls: the server writes them into
+    the turn in the parser's format, whatever this request's tool_choice, else the model
+    answers the tool result without knowing what it called."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    history = [{"role": "user", "content": "What is the weather in Paris right now?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "none"}, {}):
+        ids = httpx.post(smollm2_server.url + "/tokenize", timeout=60,
+                         json={"model": "smol", "messages": history, **extra}).json()["tokens"]
+        prompt = tok.decode(ids)
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt, extra
+
+
 def test_the_responses_and_messages_apis_on_the_default_model(smollm2_server):
     """OpenAI's Responses API and Anthropic's Messages API answer like the chat API on the
     default model: the same greedy text, streamed or not, and a forced function call."""

@@ -200,7 +200,7 @@ def test_legacy_functions_are_tools(client):
     assert info.value.body["param"] == "function_call"
 
 
-def test_auto_tool_call_then_its_result_fed_back(client, tokenizer):
+def test_auto_tool_call_then_its_result_fed_back(server, client, tokenizer):
     opener = tokenizer.convert_tokens_to_ids("<tool_call>")
     # The random model is pushed to open a call; the parser's structural tag makes the call valid.
     first = chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, temperature=0,
@@ -216,6 +216,10 @@ def test_auto_tool_call_then_its_result_fed_back(client, tokenizer):
     assert second.choices[0].message.content is not None
     # The tool result and the earlier call are part of the prompt, not dropped.
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + len(tokenizer.encode("sunny, 21 C"))
+    shown = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                       json={"model": MODEL_NAME, "messages": history, "tools": [WEATHER]}).json()["tokens"]
+    prompt = tokenizer.decode(shown)
+    assert "get_weather" in prompt and all(str(v) in prompt for v in json.loads(call.function.arguments).values())
     streamed = list(chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, temperature=0,
                          logit_bias={str(opener): 100}, stream=True))
     calls = [tc for ch in streamed if ch.choices and ch.choices[0].delta.tool_calls
