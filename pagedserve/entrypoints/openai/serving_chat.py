@@ -129,12 +129,29 @@ class ToolPlan:
             try:
                 items = json.loads(text)
             except (ValueError, RecursionError):
-                return (text, []) if finished else (None, [])
+                if not finished:
+                    return None, []
+                items = _whole_items(text)  # cut short (max_tokens, a stop string): the calls it finished
             return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
                           if isinstance(c, dict) and isinstance(c.get("name"), str)]
         if self.mode == "auto":
             return self.parser.extract(text)
         return text, []
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The complete items at the head of a JSON array cut short (`[{...}, {...}, {"na`): the
+    internal array of a required answer is never shown to the client as text."""
+    decoder, items, i = json.JSONDecoder(), [], text.find("[") + 1
+    while 0 < i < len(text):
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            break
+        items.append(item)
+    return items
 
 
 @dataclass
@@ -273,7 +290,7 @@ class OpenAIServingChat(OpenAIServing):
         """The choice's message and finish_reason."""
         text, calls = plan.calls(c.text, finished=True)
         if not calls:
-            return ChatResponseMessage(content=c.text), c.finish_reason
+            return ChatResponseMessage(content=text), c.finish_reason
         tool_calls = [ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls]
         return ChatResponseMessage(content=text, tool_calls=tool_calls), _calls_finish(c)
 

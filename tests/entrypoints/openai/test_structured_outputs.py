@@ -164,6 +164,19 @@ def test_a_tool_without_parameters_takes_none_and_a_cut_call_is_not_finished(cli
     assert tokens == [t.token for t in whole.choices[0].logprobs.content] and tokens
 
 
+def test_a_required_answer_cut_short_keeps_its_whole_calls_and_shows_no_internal_array(client):
+    for stream in (False, True):
+        kw = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "temperature": 0, "max_tokens": 8}
+        if stream:
+            chunks = list(chat(client, stream=True, **kw))
+            content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            choice = chat(client, **kw).choices[0]
+            content, reason = choice.message.content or "", choice.finish_reason
+        assert reason == "length" and '{"name"' not in content, (stream, content)
+
+
 def test_legacy_functions_are_tools(client):
     """OpenAI's deprecated functions/function_call: the same request as tools/tool_choice,
     answered in its own shape (message.function_call, finish_reason "function_call",
