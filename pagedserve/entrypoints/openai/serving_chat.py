@@ -78,16 +78,18 @@ def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage
 
 
 def with_calls_as_text(messages: list[ChatMessage], parser: ToolParser) -> list[ChatMessage]:
-    """The conversation with each past assistant turn's tool calls written into its text."""
-    out = []
+    """The conversation with each past assistant turn's tool calls written into its text
+    (`messages` itself where no turn has any)."""
+    out, changed = [], False
     for m in messages:
         calls = sent_calls((m.model_extra or {}).get("tool_calls")) if m.role == "assistant" else []
         if calls:
             text = m.content if isinstance(m.content, str) and m.content else ""
             m = m.model_copy(update={"content": (text + "\n" if text else "") + parser.format_calls(calls),
                                      "tool_calls": None})
+            changed = True
         out.append(m)
-    return out
+    return out if changed else messages
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -213,12 +215,13 @@ class OpenAIServingChat(OpenAIServing):
         else:
             messages = req.messages
         parser = plan.parser or self.tool_parser
-        if parser is not None and any(sent_calls((m.model_extra or {}).get("tool_calls")) for m in messages):
+        inlined = messages if parser is None else with_calls_as_text(messages, parser)
+        if inlined is not messages:
             bare = [m.model_copy(update={"tool_calls": None}) for m in messages]
             if self.render(req, bare, req.add_generation_prompt, tools).token_ids == prompt.token_ids:
                 # The template drops past calls: they are written into their turns in the
                 # parser's format, else the model would not know what it called.
-                prompt = self.render(req, with_calls_as_text(messages, parser), req.add_generation_prompt, tools)
+                prompt = self.render(req, inlined, req.add_generation_prompt, tools)
         return prompt
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
