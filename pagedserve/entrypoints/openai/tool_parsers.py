@@ -53,19 +53,23 @@ class HermesToolParser:
                 calls.append(call)
         if not calls:
             return text, []
-        content = text[: text.index(self.OPEN)].strip()
+        # The whitespace between the text and its first call is not content; the text's
+        # own (leading) is, as a stream sent it before any call could be known.
+        content = text[: text.index(self.OPEN)].rstrip()
         return content or None, calls
 
     def text_before_calls(self, text: str) -> int:
         """Characters of `text` that cannot belong to a call: up to the first opening
-        tag, or up to a tail that could still become one."""
+        tag, or up to a tail that could still become one, less the whitespace before it
+        (not content if a call follows; `extract` drops it)."""
         i = text.find(self.OPEN)
-        if i >= 0:
-            return i
-        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
-            if self.OPEN.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        if i < 0:
+            i = len(text)
+            for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+                if self.OPEN.startswith(text[-k:]):
+                    i = len(text) - k
+                    break
+        return len(text[:i].rstrip())
 
     def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
