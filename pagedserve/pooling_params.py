@@ -26,7 +26,8 @@ class PoolingParams:
     """`task` "embed": the pooled hidden state, cut to `dimensions` (Matryoshka models)
     and L2-normalised unless `normalize` is False.  "classify": a relevance score in
     (0, 1) from the last token's logits of the engine's two classifier tokens (vLLM's
-    recipe for Qwen3-Reranker: sigmoid(logit(yes) - logit(no))).
+    recipe for Qwen3-Reranker: sigmoid(logit(yes) - logit(no))); with `use_activation`
+    False the difference itself.
 
     The engine fills `pooling_type` and `classifier_token_ids` from its PoolerConfig
     when it accepts the request; the runner reads only this object."""
@@ -37,6 +38,8 @@ class PoolingParams:
     pooling_type: str | None = None  # None: the engine's PoolerConfig.pooling_type
     classifier_token_ids: tuple[int, int] | None = None  # (negative, positive): set by the engine
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last N tokens (-1: the last max_model_len)
+    # "classify": False answers the raw logit difference instead of its sigmoid (vLLM's use_activation)
+    use_activation: bool | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
@@ -56,6 +59,12 @@ class PoolingParams:
         if t is not None and (not is_int(t) or not (t >= 1 or t == -1)):
             raise InvalidRequestError(f"truncate_prompt_tokens must be -1, a positive integer or None, got {t!r:.100}",
                                       param="truncate_prompt_tokens")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise InvalidRequestError(f"use_activation must be true or false, got {self.use_activation!r:.100}",
+                                      param="use_activation")
+        if self.task == "embed" and self.use_activation is not None:
+            raise InvalidRequestError("use_activation applies to task 'classify'; an embedding's is `normalize`",
+                                      param="use_activation")
         if self.task == "classify" and self.dimensions is not None:
             raise InvalidRequestError("dimensions applies to embeddings, not to task 'classify'", param="dimensions")
 

@@ -213,7 +213,7 @@ class LLM:
             raise ValueError("instruction is the reranker's (pooler_config classifier_from_token); embedding "
                              "similarity takes none")
         outs = self.encode([t for pair in pairs for t in pair], PoolingParams(task="embed"), use_tqdm)
-        return [ScoringRequestOutput(b.request_id, b.prompt_token_ids,
+        return [ScoringRequestOutput(b.request_id, a.prompt_token_ids + b.prompt_token_ids,  # (vLLM's: both texts')
                                      ScoringOutput(cosine(a.outputs.data, b.outputs.data)))
                 for a, b in zip(outs[::2], outs[1::2], strict=True)]
 

@@ -86,7 +86,8 @@ def pooled_outputs(model: LogitsModel, pooled: dict[str, tuple[PoolingParams, to
         for row, (rid, p, _) in enumerate(scored):
             assert p.classifier_token_ids is not None
             neg, pos = p.classifier_token_ids
-            out[rid] = torch.sigmoid(logits[row, pos].float() - logits[row, neg].float()).reshape(1).cpu()
+            diff = logits[row, pos].float() - logits[row, neg].float()
+            out[rid] = (diff if p.use_activation is False else torch.sigmoid(diff)).reshape(1).cpu()
     for rid, (p, state) in pooled.items():
         if p.task == "embed":
             v = state[: p.dimensions] if p.dimensions else state

@@ -4,6 +4,8 @@ embedding cosine similarity against the embeddings themselves."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -105,5 +107,11 @@ def test_the_reranker_route_counts_pairs_and_refuses_truncation(tiny_reranker, t
         assert r.status_code == 200 and len(r.json()["results"]) == 600, r.text
         r = httpx.post(proc.url + "/v1/rerank", json={"query": QUERY, "documents": [DOCS[0]] * 1025}, timeout=60)
         assert r.status_code == 400 and "1025 prompts" in r.json()["error"]["message"]
+        # vLLM's use_activation false: the raw logit(yes) - logit(no), whose sigmoid is the default score
+        scored = [httpx.post(proc.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS, **extra}, timeout=60)
+                  for extra in ({}, {"use_activation": False}, {"activation": False})]
+        plain, raw, older = ([d["score"] for d in r.json()["data"]] for r in scored)
+        assert raw == older and [1 / (1 + math.exp(-x)) for x in raw] == pytest.approx(plain, abs=1e-6)
+        assert any(x < 0 or x > 1 for x in raw)
     finally:
         proc.stop()

@@ -120,6 +120,13 @@ class OllamaWithOptions(OllamaModel):
             if (why := option_type_error(name, value)) is not None:
                 raise OpenAIError(f"options.{name}: {why}, got {value!r:.50}", param="options")
 
+    def num_ctx(self) -> int | None:
+        """Ollama's context window for this request (None: the model's)."""
+        value = (self.options or {}).get("num_ctx")
+        if value is not None and whole_number("num_ctx", value) < 1:
+            raise OpenAIError("options.num_ctx must be a positive integer", param="options")
+        return None if value is None else int(value)
+
 
 class OllamaGenerating(OllamaWithOptions):
     stream: StrictBool = True  # (Go's decoder takes true or false only; pydantic's lax bool took "yes")
@@ -157,12 +164,6 @@ class OllamaGenerating(OllamaWithOptions):
                               param="options")
         body.update(self.response_format())
         return body
-
-    def num_ctx(self) -> int | None:
-        value = (self.options or {}).get("num_ctx")
-        if value is not None and whole_number("num_ctx", value) < 1:
-            raise OpenAIError("options.num_ctx must be a positive integer", param="options")
-        return None if value is None else int(value)
 
     def num_predict(self) -> int | None:
         """Tokens to generate at most (None: until the end or the context is full, Ollama's
@@ -202,7 +203,8 @@ class OllamaGenerateRequest(OllamaGenerating):
 
 
 class OllamaEmbedRequest(OllamaWithOptions):
-    """`options` are Ollama's (checked) and change nothing here: embeddings do not sample."""
+    """`options` are Ollama's (checked); of them only `num_ctx` bears on an embedding (the
+    window an input must fit, or is cut to with `truncate`): embeddings do not sample."""
 
     stream: ClassVar[bool] = False
     input: str | list[str] = ""

@@ -327,16 +327,23 @@ class OllamaEmbedding:
     def prepare(self, req: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> PreparedOllama:
         """(`options` were checked by the route, before an empty input's shortcut.)"""
         body: dict[str, Any] = {"model": req.model}
+        num_ctx = min(req.num_ctx() or self.embedding.max_model_len, self.embedding.max_model_len)
         if isinstance(req, OllamaEmbedRequest):
             body["input"] = req.input
-            if req.truncate:
-                body["truncate_prompt_tokens"] = -1  # the last max_model_len tokens, as Ollama keeps the context's
+            if req.truncate:  # the window's last tokens, as Ollama keeps the context's (-1: max_model_len)
+                body["truncate_prompt_tokens"] = num_ctx if num_ctx < self.embedding.max_model_len else -1
             if req.dimensions is not None:
                 body["dimensions"] = req.dimensions
         else:  # the older route's vectors are not normalised (Ollama's own; /api/embed's are)
             body.update(input=req.prompt, normalize=False)
         openai_request = _validated(EmbeddingRequest, body)
-        return PreparedOllama(openai_request, self.embedding.prepare(openai_request))
+        prepared = self.embedding.prepare(openai_request)
+        longest = max(len(p.token_ids) for p in prepared.prompts)
+        # (past the model's own limit the engine refuses, in vLLM's words)
+        if num_ctx < self.embedding.max_model_len and longest > num_ctx:
+            raise OpenAIError(f"the input length ({longest} tokens) exceeds the context length (options.num_ctx "
+                              f"{num_ctx}); send truncate true to cut it", param="options")
+        return PreparedOllama(openai_request, prepared)
 
     async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:
         request_id, streams = await self.embedding.start(prep.openai_request, prep.prepared)

@@ -95,6 +95,7 @@ class _SamplingFields(OpenAIRequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
+    request_id: str | None = None  # vLLM's: the answer's id is "<kind>-<request_id>" (check_request_id)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -16,6 +16,8 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 # OpenAI's bound on safety_identifier; the same for prompt_cache_key, which has none stated.
 MAX_HINT_CHARS = 128
+# vLLM's request_id (an answer's id) has no stated bound: this one keeps ids and log lines sane.
+MAX_REQUEST_ID_CHARS = 256
 
 # OpenAI fields (chat completions, Responses) that ask for something this server has
 # nothing behind.  They are not modelled, so they arrive among a body's extra fields;
@@ -28,6 +30,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
     "context_management": "this server does not compact a conversation's context",
     "background_options": "background responses are not supported",
+    "mm_processor_kwargs": "the image processors here take no per-request settings",  # (vLLM's field)
 }
 
 
@@ -79,6 +82,15 @@ def check_hint_fields(prompt_cache_key: str | None, safety_identifier: str | Non
     strings of at most MAX_HINT_CHARS; prompt_cache_options' keys and values."""
     check_hint_strings(("prompt_cache_key", prompt_cache_key), ("safety_identifier", safety_identifier))
     check_object_hint("prompt_cache_options", prompt_cache_options, PROMPT_CACHE_OPTIONS, PROMPT_CACHE_REFUSED)
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request_id (vLLM's field, echoed in the answer's id): printable, at
+    most MAX_REQUEST_ID_CHARS characters, so it cannot forge a log line."""
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequestError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+                                  param="request_id")
+    return request_id
 
 
 def prediction_text(prediction: dict[str, Any] | None) -> str | None:

@@ -6,11 +6,12 @@ because only a server started with `--runner pooling` serves them (serving_pooli
 from __future__ import annotations
 
 import time
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody, UsageInfo
+from pagedserve.errors import InvalidRequestError
 
 
 # ------------------------------------------------------------------ request bodies
@@ -25,12 +26,19 @@ class _PoolingFields(RequestBody):
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    request_id: str | None = None  # vLLM's: the answer's id is "<kind>-<request_id>"
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's; these routes take text only
 
     # The field the engine's "prompt" is (None: several fields make prompts).
     PROMPT_FIELD: ClassVar[str | None] = None
 
     def api_param(self, param: str | None) -> str | None:
         return self.PROMPT_FIELD if param == "prompt" else param
+
+    def check_pooling_fields(self) -> None:
+        if self.mm_processor_kwargs:
+            raise InvalidRequestError("mm_processor_kwargs: the pooling routes take text and token ids only, with no "
+                                      "multimodal processor to configure", param="mm_processor_kwargs")
 
 
 class EmbeddingRequest(_PoolingFields):
@@ -45,9 +53,36 @@ class EmbeddingRequest(_PoolingFields):
     add_special_tokens: bool = True  # vLLM extra: text inputs tokenized with the model's BOS/EOS
     # vLLM extra: the dtype of base64 embeddings; float32 only here (another is refused by name)
     embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"  # vLLM extra: byte order of base64 floats
+    use_activation: bool | None = None  # vLLM's newer name of `normalize` (both given: they must agree)
+
+    def normalized(self) -> bool | None:
+        """`normalize` and its newer name `use_activation` as one value (None: the server's)."""
+        if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
+            raise InvalidRequestError("normalize and use_activation are one setting (use_activation is vLLM's newer "
+                                      "name): give one, or the same value", param="use_activation")
+        return self.use_activation if self.use_activation is not None else self.normalize
 
 
-class ScoreRequest(_PoolingFields):
+class _ScoreFields(_PoolingFields):
+    """vLLM's switch of a classifier's activation (`softmax` and `activation`: its older
+    names): False answers the reranker's raw logit difference instead of its sigmoid."""
+
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+
+    def activated(self) -> bool | None:
+        """The one value of use_activation and its older names (None: the default, on)."""
+        given = {n: v for n, v in (("use_activation", self.use_activation), ("activation", self.activation),
+                                   ("softmax", self.softmax)) if v is not None}
+        if len(set(given.values())) > 1:
+            raise InvalidRequestError(f"{' and '.join(given)} are one setting (use_activation; the others are its "
+                                      "older names): give one, or the same value", param="use_activation")
+        return next(iter(given.values()), None)
+
+
+class ScoreRequest(_ScoreFields):
     """POST /v1/score (vLLM's shape): text_1 against each text_2, or two lists pairwise."""
 
     text_1: str | list[str] | list[int] | list[list[int]]
@@ -55,7 +90,7 @@ class ScoreRequest(_PoolingFields):
     instruction: str | None = None  # a reranker's task line (pagedserve extra)
 
 
-class RerankRequest(_PoolingFields):
+class RerankRequest(_ScoreFields):
     """POST /v1/rerank (Jina's and Cohere's shape, as vLLM serves it)."""
 
     query: str
@@ -69,7 +104,7 @@ class RerankRequest(_PoolingFields):
 class EmbeddingData(OpenAIBaseModel):
     object: str = "embedding"
     index: int
-    embedding: list[float] | str  # str: base64 of little-endian float32
+    embedding: list[float] | str  # str: base64 of float32 (the request's endianness; native: little here)
 
 
 class _ListResponse(OpenAIBaseModel):

@@ -41,6 +41,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagedserve.entrypoints.openai.protocol_fields import check_request_id
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.lora.request import LoRARequest
@@ -90,6 +91,15 @@ class PreparedRequest:
     params: SamplingParams | PoolingParams
     tools: Any = None
     reasoning: ReasoningParser | None = None  # chat: what splits its answer's reasoning off, if anything
+    # Where each prompt came from, (field, "field[i]"), when that is not the i-th item of
+    # the prompt field (score and rerank pairs); None: the i-th item.
+    labels: list[tuple[str, str]] | None = None
+
+    def prompt_label(self, i: int, field: str | None) -> tuple[str, str] | None:
+        """How an error names prompt `i` of several (None: the request has one)."""
+        if self.labels is not None:
+            return self.labels[i]
+        return (field or "prompt", f"{field or 'prompt'}[{i}]") if len(self.prompts) > 1 else None
 
 
 @dataclass
@@ -186,6 +196,18 @@ class OpenAIServing:
                               code="model_not_found")
         return requested
 
+    def lora_request(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request names, looked up once for all its prompts (None: the base
+        model); one unloaded since the request was checked is a 404, never the base model
+        answering under the adapter's name."""
+        if requested is None or requested in self.served_model_names:
+            return None
+        lora = self.lora_modules.get(requested)
+        if lora is None:
+            raise OpenAIError(f"The model `{requested[:200]}` does not exist (it was unloaded while this request was "
+                              "prepared).", status=404, param="model", code="model_not_found")
+        return lora
+
     # ------------------------------------------------------------------ one request
     def prepare(self, req: Any) -> PreparedRequest:
         raise NotImplementedError
@@ -200,9 +222,14 @@ class OpenAIServing:
     async def start(self, req: Any, prep: PreparedRequest) -> tuple[str, list[RequestStream]]:
         """Hand every prompt to the engine, which validates it; any refusal aborts the
         ones already accepted and becomes a 400 before the response starts.  The
-        request is admitted as a whole: its first prompt meets max_waiting_requests."""
+        request is admitted as a whole: its first prompt meets max_waiting_requests.
+        Returns the answer's id (vLLM's "<kind>-<request_id>" when the client gave one;
+        the engine's own ids stay unique) and the prompts' streams."""
         request_id = random_id(self.id_prefix)
+        answer_id = request_id if req.request_id is None else f"{self.id_prefix}-{check_request_id(req.request_id)}"
+        lora_request = self.lora_request(req.model)
         streams: list[RequestStream] = []
+        i = 0
         try:
             for i, p in enumerate(prep.prompts):
                 rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
@@ -211,19 +238,23 @@ class OpenAIServing:
                     prompt["cache_salt"] = req.cache_salt
                 streams.append(await self.engine.add_request(
                     rid, prompt, prep.params, req.priority, final_only=not req.stream,
-                    lora_request=self.lora_modules.get(req.model) if req.model is not None else None,
+                    lora_request=lora_request,
                     admitted=i > 0))
         except BaseException as e:
             for s in streams:
                 s.close()
             if isinstance(e, ValueError):
-                raise self.invalid(req, e) from e
+                raise self.invalid(req, e, prep.prompt_label(i, req.api_param("prompt"))) from e
             raise
-        return request_id, streams
+        return answer_id, streams
 
     @staticmethod
-    def invalid(req: Any, e: ValueError) -> OpenAIError:
+    def invalid(req: Any, e: ValueError, label: tuple[str, str] | None = None) -> OpenAIError:
+        """`e` as a 400 naming the request's field; a refused prompt of several is named
+        by `label` ((its field, how the message names it), PreparedRequest.prompt_label)."""
         param = req.api_param(e.param) if isinstance(e, InvalidRequestError) else None
+        if label is not None and isinstance(e, InvalidRequestError) and e.param == "prompt":
+            return OpenAIError(f"{label[1]}: {e}", param=label[0])
         return OpenAIError(str(e), param=param)
 
     @staticmethod

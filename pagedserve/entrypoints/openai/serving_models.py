@@ -8,12 +8,15 @@ the API key) through /v1/load_lora_adapter, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UP
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.model_pool import LATEST_TAG, without_latest
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from pagedserve.lora.request import LoRARequest
+
+logger = logging.getLogger("pagedserve")
 
 # Adapters one server serves at most (names clients may use): each costs a dict entry
 # here and in the engine, and its files are read when first used.
@@ -78,7 +81,9 @@ class LoRAAdapters:
         self._next_id = max((r.lora_int_id for r in self.loras.values()), default=0) + 1
         self._lock = threading.Lock()
 
-    def _check_allowed(self) -> None:
+    def check_allowed(self) -> None:
+        """The runtime routes answer 404 unless the server allows them (vLLM registers
+        no such route then), whatever their body."""
         if not self.allow_runtime_updating:
             raise OpenAIError("loading and unloading LoRA adapters at runtime is off; start the server with "
                               "--allow-runtime-lora-updating", status=404, code="runtime_lora_updating_disabled")
@@ -86,7 +91,7 @@ class LoRAAdapters:
     async def load(self, engine: EngineClient, served_names: list[str], name: object, path: object,
                    replace: bool = False) -> str:
         """Load the adapter at `path` as `name` (`replace`: in place of one so named)."""
-        self._check_allowed()
+        self.check_allowed()
         if not isinstance(path, str) or not path or len(path) > MAX_LORA_PATH_CHARS:
             raise OpenAIError(f"lora_path must be a directory path of 1 to {MAX_LORA_PATH_CHARS} characters",
                               param="lora_path")
@@ -104,19 +109,31 @@ class LoRAAdapters:
             raise OpenAIError(f"LoRA adapter {name!r} could not be loaded: {e}", param="lora_path") from None
         with self._lock:
             old = self.loras.get(name)
-            if old is not None and not replace:  # loaded twice at once: the first to finish keeps the name
-                raise OpenAIError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
-            self.loras[name] = request
+            lost = old is not None and not replace  # loaded twice at once: the first to finish keeps the name
+            if not lost:
+                self.loras[name] = request
+        if lost:
+            await engine.remove_lora(request.lora_int_id)  # (no name leads to this copy: not kept in the engine)
+            raise OpenAIError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
         if old is not None:
             await engine.remove_lora(old.lora_int_id)  # (requests running with it finish with it)
+        logger.info("LoRA adapter %r loaded from %s (id %d%s)", name, path, request.lora_int_id,
+                    ", in place of the one so named" if old is not None else "")
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def unload(self, engine: EngineClient, name: object) -> str:
-        self._check_allowed()
+    async def unload(self, engine: EngineClient, name: object, lora_int_id: int | None = None) -> str:
+        """Unload the adapter `name` (`lora_int_id`, vLLM's, when given, must be its id)."""
+        self.check_allowed()
         with self._lock:
-            request = self.loras.pop(name, None) if isinstance(name, str) else None
+            request = self.loras.get(name) if isinstance(name, str) else None
+            if request is not None and lora_int_id is not None and lora_int_id != request.lora_int_id:
+                raise OpenAIError(f"LoRA adapter {name!r} has id {request.lora_int_id}, not {lora_int_id}",
+                                  param="lora_int_id")
+            if request is not None:
+                del self.loras[name]
         if request is None:
             raise OpenAIError(f"no LoRA adapter named {name!r:.300} is loaded", status=404, param="lora_name",
                               code="model_not_found")
         await engine.remove_lora(request.lora_int_id)
+        logger.info("LoRA adapter %r unloaded (id %d)", name, request.lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."

@@ -54,12 +54,13 @@ class PreparedScores(PreparedRequest):
 class OpenAIServingPooling(OpenAIServing):
     """What the pooling routes share: inputs to prompts, and collecting the results."""
 
-    def prompt(self, item: str | list[int], truncate: int | None, add_special_tokens: bool = True) -> TokenizedPrompt:
+    def prompt(self, item: str | list[int], truncate: int | None, add_special_tokens: bool = True,
+               field: str = "input") -> TokenizedPrompt:
         """One input as a prompt, its tokens cut to the last `truncate` (vLLM's
-        truncate_prompt_tokens; -1: the last max_model_len)."""
+        truncate_prompt_tokens; -1: the last max_model_len); `field`: where it came from."""
         if isinstance(item, str):
             if not item:
-                raise OpenAIError("inputs must not be empty strings", param="input")
+                raise OpenAIError(f"{field} must not hold empty strings", param=field)
             return self.truncated(TokenizedPrompt(item, self.tokenize(item, add_special_tokens)), truncate)
         return self.truncated(TokenizedPrompt(None, list(item)), truncate)
 
@@ -99,16 +100,23 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
             items = list(value)
         if not items or any(isinstance(t, list) and not t for t in items):
             raise OpenAIError("input must not be empty", param="input")
-        self.check_fanout(len(items), 1, "input", MAX_EMBEDDING_INPUTS)  # before tokenizing any of them
+        if len(items) > MAX_EMBEDDING_INPUTS:  # before tokenizing any of them
+            raise OpenAIError(f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} are allowed per request",
+                              param="input")
+        try:
+            req.check_pooling_fields()
+            normalize = req.normalized()
+        except InvalidRequestError as e:
+            raise self.invalid(req, e) from None
         # (checked by the engine when it accepts them: a bad field is a 400 naming it, before any output)
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        params = PoolingParams(dimensions=req.dimensions, normalize=normalize)
         prompts = [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items]
         return PreparedRequest(model, self.check_total_tokens(prompts, "input"), params)
 
     async def full(self, req: EmbeddingRequest, prep: PreparedRequest, request_id: str,
                    streams: list[RequestStream]) -> EmbeddingResponse:
         outs = await self.collect(streams)
-        data = [EmbeddingData(index=i, embedding=_encode(o.outputs.data, req.encoding_format))
+        data = [EmbeddingData(index=i, embedding=_encode(o.outputs.data, req.encoding_format, req.endianness))
                 for i, o in enumerate(outs)]
         return EmbeddingResponse(id=request_id, model=prep.model, data=data, usage=self.usage(outs))
 
@@ -127,36 +135,63 @@ class OpenAIServingScore(OpenAIServingPooling):
             if req.top_n is not None and req.top_n < 0:
                 raise OpenAIError(f"top_n must be >= 0 (0: every document), got {req.top_n}", param="top_n")
             pairs = [(req.query, d) for d in req.documents]
-        else:
-            try:
+        try:
+            if not rerank:
                 pairs = score_pairs(req.text_1, req.text_2)
-            except InvalidRequestError as e:
-                raise self.invalid(req, e) from None
+            req.check_pooling_fields()
+            activated = req.activated()
+        except InvalidRequestError as e:
+            raise self.invalid(req, e) from None
         # The prompts it would start, counted before tokenizing any of them: a reranker's
         # pair is one; for embedding similarity, each distinct text once.
-        field = "documents" if rerank else "text_2"
-        truncate = req.truncate_prompt_tokens
+        names = ("query", "documents") if rerank else ("text_1", "text_2")
         documents = list(req.documents) if rerank else []
         if self.engine.classifier_token_ids is not None:
-            self.check_fanout(len(pairs), 1, field)
-            if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
-                raise OpenAIError("a reranker scores text: send strings, not token ids", param="text_1")
-            if truncate is not None:  # (it keeps a prompt's last tokens: the document, not the query)
-                raise OpenAIError("truncate_prompt_tokens would cut a reranker's prompt from its start (its instruction "
-                                  "and query); send shorter documents", param="truncate_prompt_tokens")
-            prompts = [self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs]
-            return PreparedScores(model, self.check_total_tokens(prompts, field), PoolingParams(task="classify"),
-                                  documents=documents)
-        if req.instruction is not None:
-            raise OpenAIError("instruction is a reranker's (a server started with pooler_config "
-                              "classifier_from_token); embedding similarity takes none", param="instruction")
+            prep = self._reranker_prompts(req, pairs, names)
+            prep.params = PoolingParams(task="classify", use_activation=activated)
+        else:
+            if req.instruction is not None:
+                raise OpenAIError("instruction is a reranker's (a server started with pooler_config "
+                                  "classifier_from_token); embedding similarity takes none", param="instruction")
+            if activated is False:
+                raise OpenAIError("use_activation false asks for a classifier's raw logits; this server scores by "
+                                  "the cosine of two embeddings, which has none", param="use_activation")
+            prep = self._similarity_prompts(req, pairs, names)
+        prep.model, prep.documents = model, documents
+        return prep
+
+    def _reranker_prompts(self, req: ScoreRequest | RerankRequest, pairs: list[tuple[Any, Any]],
+                          names: tuple[str, str]) -> PreparedScores:
+        """One reranker prompt per pair."""
+        self.check_fanout(len(pairs), 1, names[1])
+        if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
+            raise OpenAIError("a reranker scores text: send strings, not token ids", param=names[0])
+        if req.truncate_prompt_tokens is not None:  # (it keeps a prompt's last tokens: the document, not the query)
+            raise OpenAIError("truncate_prompt_tokens would cut a reranker's prompt from its start (its instruction "
+                              "and query); send shorter documents", param="truncate_prompt_tokens")
+        for side, name in enumerate(names):
+            if any(not pair[side] for pair in pairs):
+                raise OpenAIError(f"{name} must not hold empty strings", param=name)
+        prompts = [self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs]
+        return PreparedScores("", self.check_total_tokens(prompts, names[1]), PoolingParams(task="classify"),
+                              labels=[(names[1], f"{names[1]}[{i}]") for i in range(len(pairs))])
+
+    def _similarity_prompts(self, req: ScoreRequest | RerankRequest, pairs: list[tuple[Any, Any]],
+                            names: tuple[str, str]) -> PreparedScores:
+        """Each distinct text embedded once; the pairs as indices into those prompts."""
+        first, field = names
+        one_first = all(a is pairs[0][0] for a, _ in pairs)  # 1:N (score_pairs pairs the one text with each)
         index: dict[Any, int] = {}
-        for text in (t for pair in pairs for t in pair):
-            index.setdefault(_key(text), len(index))
+        labels = []
+        for j, (a, b) in enumerate(pairs):
+            for text, label in ((a, (first, first if one_first else f"{first}[{j}]")), (b, (field, f"{field}[{j}]"))):
+                if index.setdefault(_key(text), len(index)) == len(labels):
+                    labels.append(label)
         self.check_fanout(len(index), 1, field)
-        prompts = [self.prompt(list(t) if isinstance(t, tuple) else t, truncate) for t in index]
-        return PreparedScores(model, self.check_total_tokens(prompts, field), PoolingParams(task="embed"), pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs],
-                              documents=documents)
+        prompts = [self.prompt(list(t) if isinstance(t, tuple) else t, req.truncate_prompt_tokens, field=name)
+                   for t, (name, _) in zip(index, labels, strict=True)]
+        return PreparedScores("", self.check_total_tokens(prompts, field), PoolingParams(task="embed"),
+                              labels=labels, pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs])
 
     async def full(self, req: ScoreRequest | RerankRequest, prep: PreparedScores, request_id: str,
                    streams: list[RequestStream]) -> ScoreResponse | RerankResponse:
@@ -182,9 +217,11 @@ def _key(text: str | list[int]) -> str | tuple[int, ...]:
     return text if isinstance(text, str) else tuple(text)
 
 
-def _encode(data: Any, encoding_format: str) -> list[float] | str:
-    """An embedding as JSON floats, or as OpenAI's base64 of little-endian float32."""
+def _encode(data: Any, encoding_format: str, endianness: str = "native") -> list[float] | str:
+    """An embedding as JSON floats, or as OpenAI's base64 of float32, in `endianness`
+    (vLLM's field; "native" is this machine's order, as OpenAI's client reads it)."""
     if encoding_format == "base64":
-        return base64.b64encode(data.float().numpy().astype("<f4").tobytes()).decode("ascii")
+        order = {"native": "=", "big": ">", "little": "<"}[endianness]
+        return base64.b64encode(data.float().numpy().astype(f"{order}f4").tobytes()).decode("ascii")
     return data.tolist()
 

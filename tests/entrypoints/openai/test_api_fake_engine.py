@@ -166,3 +166,62 @@ def test_runtime_lora_loading_is_off_unless_the_server_allows_it():
     r = call(app, fn)
     assert r.status_code == 404
     assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+
+    async def bad_bodies(client):  # off is off whatever the body (it was a 400 about the body's fields)
+        return [await client.post(path, json={}) for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")]
+
+    assert [r.status_code for r in call(app, bad_bodies)] == [404, 404]
+
+
+def test_a_request_whose_adapter_was_unloaded_meanwhile_is_a_404_not_the_base_model():
+    """The adapter a request names is looked up once when its prompts start: one unloaded
+    while the request was prepared (tokenizing a long prompt takes seconds) ran the base
+    model under the adapter's name."""
+    import pytest
+
+    from pagedserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+    from pagedserve.lora.request import LoRARequest
+
+    adapter = LoRARequest("ra", 1, "/adapters/ra")
+    serving = OpenAIServing(FakeEngine(), ["base"], 64, lora_modules={"ra": adapter})
+    assert serving.lora_request("ra") is adapter
+    assert serving.lora_request("base") is None and serving.lora_request(None) is None
+    serving.lora_modules.pop("ra")  # (the unload route)
+    with pytest.raises(OpenAIError, match="unloaded") as e:
+        serving.lora_request("ra")
+    assert e.value.status == 404
+
+
+def test_two_loads_of_one_name_at_once_keep_one_adapter_in_the_engine():
+    """The load that loses the race for a name unloads its copy from the engine (it stayed
+    in the engine's host cache under an id nothing names); unload checks lora_int_id."""
+    import pytest
+
+    from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+    from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
+
+    class Engine:
+        def __init__(self) -> None:
+            self.loaded: set[int] = set()
+
+        async def add_lora(self, request) -> None:
+            await asyncio.sleep(0.01)
+            self.loaded.add(request.lora_int_id)
+
+        async def remove_lora(self, lora_id: int) -> None:
+            self.loaded.discard(lora_id)
+
+    engine, adapters = Engine(), LoRAAdapters(allow_runtime_updating=True)
+
+    async def four_at_once():
+        return await asyncio.gather(*(adapters.load(engine, ["base"], "dup", "/adapters/dup") for _ in range(4)),
+                                    return_exceptions=True)
+
+    results = asyncio.run(four_at_once())
+    assert sum(isinstance(r, str) for r in results) == 1
+    assert all(isinstance(r, OpenAIError) for r in results if not isinstance(r, str))
+    assert engine.loaded == {adapters.loras["dup"].lora_int_id}
+    with pytest.raises(OpenAIError, match="has id"):
+        asyncio.run(adapters.unload(engine, "dup", lora_int_id=999))
+    asyncio.run(adapters.unload(engine, "dup", lora_int_id=adapters.loras["dup"].lora_int_id))
+    assert engine.loaded == set() and "dup" not in adapters.loras

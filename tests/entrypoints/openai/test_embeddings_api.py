@@ -199,3 +199,51 @@ def test_ollamas_embed_routes_equal_the_openai_route(pooling_server) -> None:
     assert client.show("smol").capabilities == ["embedding"]
     with pytest.raises(ollama.ResponseError, match="pooling runner"):
         client.chat("smol", [{"role": "user", "content": "hi"}])
+
+
+def test_vllms_pooling_fields_work_or_are_refused_by_name(pooling_server) -> None:
+    """vLLM's fields of the pooling routes do what vLLM's do (they were logged as unknown
+    and ignored: big-endian base64 came back little-endian), and a refused input of
+    several is named by its index and its field."""
+    url = pooling_server.url
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(url + path, json=body, timeout=60)
+
+    floats = post("/v1/embeddings", {"input": TEXTS[1], "encoding_format": "float"}).json()["data"][0]["embedding"]
+    for endianness, dtype in (("big", ">f4"), ("little", "<f4"), ("native", "=f4")):
+        got = post("/v1/embeddings", {"input": TEXTS[1], "encoding_format": "base64", "endianness": endianness})
+        assert np.allclose(np.frombuffer(base64.b64decode(got.json()["data"][0]["embedding"]), dtype=dtype), floats)
+    assert post("/v1/embeddings", {"input": "x", "request_id": "job-7"}).json()["id"] == "embd-job-7"
+    raw = post("/v1/embeddings", {"input": TEXTS[1], "use_activation": False, "encoding_format": "float"}).json()
+    assert abs(np.linalg.norm(raw["data"][0]["embedding"]) - 1) > 1e-2  # not normalised: vLLM's newer name
+    for path, body, param, words in [
+        ("/v1/embeddings", {"input": "x", "endianness": "middle"}, "endianness", ""),
+        ("/v1/embeddings", {"input": "x", "request_id": "a\nb"}, "request_id", "printable"),
+        ("/v1/embeddings", {"input": "x", "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs", "text"),
+        ("/v1/embeddings", {"input": "x", "normalize": True, "use_activation": False}, "use_activation", "one"),
+        ("/v1/embeddings", {"input": [[1, 2], [3, -1]]}, "input", "input[1]"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation", "cosine"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "softmax": True, "activation": False}, "use_activation", ""),
+        ("/v1/score", {"text_1": "", "text_2": "b"}, "text_1", "text_1"),
+        ("/v1/score", {"text_1": "a", "text_2": [[1], [2, -5]]}, "text_2", "text_2[1]"),
+        ("/v1/rerank", {"query": "", "documents": ["b"]}, "query", "query"),
+        ("/v1/rerank", {"query": "a", "documents": ["b", ""]}, "documents", "documents"),
+    ]:
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert words in r.json()["error"]["message"], r.text
+
+
+def test_ollamas_num_ctx_bounds_an_embedding(pooling_server) -> None:
+    """Ollama's options.num_ctx is the window an /api/embed input must fit (truncate
+    false: refused) or is cut to (truncate true); it was ignored."""
+    long = "word " * 100
+    url = pooling_server.url + "/api/embed"
+    r = httpx.post(url, json={"model": "smol", "input": long, "truncate": False, "options": {"num_ctx": 10}},
+                   timeout=60)
+    assert r.status_code == 400 and "num_ctx 10" in r.json()["error"], r.text
+    cut = httpx.post(url, json={"model": "smol", "input": long, "options": {"num_ctx": 10}}, timeout=60).json()
+    assert cut["prompt_eval_count"] == 10
+    whole = httpx.post(url, json={"model": "smol", "input": long}, timeout=60).json()
+    assert whole["prompt_eval_count"] > 100

@@ -4,14 +4,20 @@ are plain text, as vLLM's are."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
-router = APIRouter()
+
+def _allowed(state: ServerStateDep) -> None:
+    """Checked before the body is read: a server without runtime updating answers 404 to any body."""
+    state.lora_adapters.check_allowed()
+
+
+router = APIRouter(dependencies=[Depends(_allowed)])
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
@@ -51,6 +57,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     lease = await state.lease(None)
     try:
-        return PlainTextResponse(await state.lora_adapters.unload(lease.handlers.engine, body.lora_name))
+        return PlainTextResponse(await state.lora_adapters.unload(lease.handlers.engine, body.lora_name,
+                                                                  body.lora_int_id))
     finally:
         lease.release()
