@@ -24,12 +24,21 @@ class AnthropicMessage(OpenAIBaseModel):
 
 
 class AnthropicTool(OpenAIBaseModel):
+    """A client tool.  Its other keys (server tools' `type`s, beta fields) are refused by
+    name in serving_messages.check_tools; `strict` is what a call's grammar always does
+    here, `cache_control` what the prefix cache always does."""
+
     name: str
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # (required of a client tool: check_tools)
+    type: str | None = None  # "custom" (a client tool) or a server tool's, refused
+    strict: bool | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class AnthropicToolChoice(OpenAIBaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -38,13 +47,13 @@ class AnthropicToolChoice(OpenAIBaseModel):
 class MessagesRequest(RequestBody):
     model: str | None = None
     messages: list[AnthropicMessage]
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # (Anthropic's range)
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0)
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None

@@ -9,6 +9,8 @@ message_delta with the stop reason and usage, message_stop)."""
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.anthropic.protocol import (
     AnthropicMessage,
+    AnthropicTool,
     AnthropicToolChoice,
     AnthropicUsage,
     CountTokensRequest,
@@ -23,7 +26,7 @@ from pagedserve.entrypoints.anthropic.protocol import (
     MessagesResponse,
     anthropic_error_body,
 )
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.entrypoints.openai.protocol_fields import (
     check_hint_strings,
     check_object_hint,
@@ -63,11 +66,17 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
                    messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     """Anthropic's conversation as OpenAI chat messages."""
     out: list[dict[str, Any]] = []
-    if system is not None:
+    if system:  # ("" and [] are no system prompt, as Anthropic reads them: the template's default stays)
         out.append({"role": "system", "content": _text_of(system, "system")})
     tool_use_ids: set[str] = set()  # the calls made so far: a tool_result answers one of them
+    unanswered: list[str] = []  # the previous assistant turn's tool_use ids: the next turn answers each
     for m, msg in enumerate(messages):
+        _check_answered(unanswered, msg, m)
+        unanswered = [b["id"] for b in msg.content if isinstance(b, dict) and b.get("type") == "tool_use"
+                      and isinstance(b.get("id"), str)] if msg.role == "assistant" and isinstance(msg.content, list) else []
         if isinstance(msg.content, str):
+            if not msg.content and not (msg.role == "assistant" and m == len(messages) - 1):
+                raise OpenAIError(f"messages[{m}]: text content must be non-empty", param="messages")
             out.append({"role": msg.role, "content": msg.content})
             continue
         if not msg.content and not (msg.role == "assistant" and m == len(messages) - 1):
@@ -83,7 +92,26 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
             if turn.calls:
                 message["tool_calls"] = turn.calls
             out.append(message)
+    _check_answered(unanswered, None, len(messages))
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant" and isinstance(last.get("content"), str) \
+            and last["content"] != last["content"].rstrip():
+        raise OpenAIError("final assistant content cannot end with trailing whitespace", param="messages")
     return out
+
+
+def _check_answered(tool_use_ids: list[str], msg: AnthropicMessage | None, m: int) -> None:
+    """Anthropic's rule: each tool_use of an assistant turn has its tool_result in the
+    next message (`msg`, the m-th; None: the conversation ended there)."""
+    if not tool_use_ids:
+        return
+    answered = {b.get("tool_use_id") for b in msg.content if isinstance(b, dict) and b.get("type") == "tool_result"} \
+        if msg is not None and msg.role == "user" and isinstance(msg.content, list) else set()
+    missing = [i for i in tool_use_ids if i not in answered]
+    if missing:
+        raise OpenAIError(f"messages[{m - 1}]: tool_use ids were found without tool_result blocks immediately after: "
+                          f"{', '.join(i[:100] for i in missing[:5])}; each tool_use block needs its tool_result "
+                          "block in the next message", param="messages")
 
 
 @dataclass
@@ -181,6 +209,34 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
                           param="metadata")
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's tool names
+
+
+def check_tools(tools: list[AnthropicTool]) -> None:
+    """Client tools only, each named as Anthropic names them (once), with an object
+    input_schema; any other key (a server tool's type, beta fields) refused by name."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.type not in (None, "custom"):
+            raise OpenAIError(f"tools[{i}]: server tools ({tool.type[:60]!r}) are not supported: this server runs "
+                              "client tools only (name, description, input_schema)", param="tools")
+        if tool.model_extra:
+            raise OpenAIError(f"tools[{i}].{next(iter(tool.model_extra))[:60]} is not supported here", param="tools")
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise OpenAIError(f"tools[{i}].name must match ^[a-zA-Z0-9_-]{{1,128}}$, got {tool.name[:60]!r}",
+                              param="tools")
+        if tool.name in seen:
+            raise OpenAIError(f"tools[{i}]: tool names must be unique ({tool.name!r} is given twice)", param="tools")
+        seen.add(tool.name)
+        if tool.input_schema is None or tool.input_schema.get("type") != "object":
+            raise OpenAIError(f"tools[{i}].input_schema must be a JSON schema of type \"object\"", param="tools")
+        try:
+            check_object_hint(f"tools[{i}].cache_control", tool.cache_control,
+                              {"type": ("ephemeral",), "ttl": ("5m", "1h")})
+        except InvalidRequestError as e:
+            raise OpenAIError(str(e), param="tools") from None
+
+
 def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:
     """The OpenAI chat request that asks for the same answer."""
     check_fields(req)
@@ -188,6 +244,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
         raise OpenAIError("extended thinking is not supported by this server", param="thinking")
     body: dict[str, Any] = {"model": req.model, **_prefilled(_chat_messages(req.system, req.messages))}
     if req.tools:
+        check_tools(req.tools)
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]
     if req.tool_choice is not None:
@@ -251,12 +308,55 @@ def _output_config(config: dict[str, Any]) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
-def _input_of(arguments: str) -> dict[str, Any]:
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input: its arguments, or, cut short (max_tokens), the members
+    they completed, as the official client reads the same streamed partial_json."""
     try:
         value = json.loads(arguments)
     except (ValueError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {"value": value}
+        return _partial_object(arguments, 0)[0]
+    return value if isinstance(value, dict) else {}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _partial_object(text: str, i: int) -> tuple[dict[str, Any], int]:
+    """(the complete members of the JSON object at text[i:], cut anywhere; where it
+    ended).  A member whose value is an object cut short keeps that object's complete
+    members; any other cut value is left out."""
+    out: dict[str, Any] = {}
+    n = len(text)
+
+    def skip(j: int) -> int:
+        while j < n and text[j] in " \t\n\r":
+            j += 1
+        return j
+
+    i = skip(i)
+    if i >= n or text[i] != "{":
+        return out, i
+    i += 1
+    while True:
+        i = skip(i)
+        if i < n and text[i] == "}":
+            return out, i + 1
+        try:
+            key, i = _DECODER.raw_decode(text, i)
+            i = skip(i)
+            if not isinstance(key, str) or i >= n or text[i] != ":":
+                return out, n
+            i = skip(i + 1)
+            if i < n and text[i] == "{":
+                value, i = _partial_object(text, i)
+                out[key] = value
+            else:
+                out[key], i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return out, n
+        i = skip(i)
+        if i < n and text[i] == ",":
+            i += 1
 
 
 class AnthropicServingMessages:
@@ -270,8 +370,13 @@ class AnthropicServingMessages:
 
     @staticmethod
     def _renamed(e: OpenAIError) -> OpenAIError:
+        """An error of the chat path in Anthropic's names: its param and the message's
+        first word (Anthropic's error body carries no param)."""
         if e.param in _PARAM_NAMES:
-            e.param = _PARAM_NAMES[e.param]
+            name = _PARAM_NAMES[e.param]
+            if e.message.startswith(f"{e.param} "):
+                e.message = name + e.message[len(e.param):]
+            e.param = name
         return e
 
     def prepare(self, req: MessagesRequest) -> PreparedMessages:
@@ -295,7 +400,7 @@ class AnthropicServingMessages:
             _, streams = await self.chat.start(prep.chat_request, prep.prepared)
         except OpenAIError as e:
             raise self._renamed(e) from None
-        return random_id("msg"), streams
+        return f"msg_{uuid.uuid4().hex[:24]}", streams  # (Anthropic's ids: msg_...)
 
     async def full(self, req: MessagesRequest, prep: PreparedMessages, message_id: str,
                    streams: list[RequestStream]) -> MessagesResponse:
@@ -308,7 +413,7 @@ class AnthropicServingMessages:
             content.append({"type": "text", "text": choice.message.content})
         for call in choice.message.tool_calls or []:
             content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.function.name,
-                            "input": _input_of(call.function.arguments)})
+                            "input": tool_input(call.function.arguments)})
         reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
         return MessagesResponse(id=message_id, model=r.model, content=content, stop_reason=reason,
                                 stop_sequence=sequence, usage=AnthropicUsage(**anthropic_usage(r.usage.model_dump())))
@@ -327,7 +432,7 @@ def anthropic_usage(usage: dict[str, Any]) -> dict[str, int]:
     tokens read from the (prefix) cache, which cache_read_input_tokens counts."""
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": cached}
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def _tool_use_id(call_id: str) -> str:

@@ -88,8 +88,32 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "only text blocks"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 10}},
      "thinking"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}],
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"}}],
       "tool_choice": {"type": "tool"}}, "needs the tool's name"),
+    # Anthropic's rules on tools (a non-object schema's input was wrapped as {"value": ...};
+    # server tools and beta fields were dropped, silently)
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+     "of type \"object\""),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+     "server tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"},
+                                                                 "defer_loading": True}]}, r"tools\[0\].defer_loading"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]},
+     "must match"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"}}] * 2},
+     "unique"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"},
+                                                                 "cache_control": {"type": "bogus"}}]}, "cache_control"),
+    # Anthropic's rules on the conversation
+    ({"messages": [{"role": "user", "content": ""}]}, "must be non-empty"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The capital is "}]},
+     "trailing whitespace"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                   {"role": "user", "content": "what now?"}]}, "without tool_result blocks immediately after: t1"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]},
+     "without tool_result"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"verbosity": "low"}},
      "output_config takes format, effort"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "regex"}}},
@@ -98,6 +122,36 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
 def test_what_cannot_be_translated_is_refused_by_name(fields, match) -> None:
     with pytest.raises(OpenAIError, match=match):
         to_chat_request(request(**fields))
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 0}, {"top_k": -1}, {"tool_choice": {"type": "auto", "foo": 1}}])
+def test_fields_out_of_anthropics_bounds_do_not_parse(fields) -> None:
+    with pytest.raises(ValueError):
+        request(messages=[{"role": "user", "content": "x"}], **fields)
+
+
+def test_an_empty_system_prompt_is_none() -> None:
+    """`system: ""` or `[]` is no system prompt (the template's default stays), as Anthropic reads it."""
+    for system in ("", []):
+        chat = to_chat_request(request(system=system, messages=[{"role": "user", "content": "x"}]))
+        assert [m.role for m in chat.messages] == ["user"]
+
+
+@pytest.mark.parametrize(("arguments", "want"), [
+    ('{"city": "Paris", "unit": "c"}', {"city": "Paris", "unit": "c"}),
+    ('{"city": "Paris", "unit":', {"city": "Paris"}),
+    ('{"city": "Par', {}),
+    ('{"a": {"b": 1, "c": [1, 2', {"a": {"b": 1}}),
+    ('{"n": 12, ', {"n": 12}),
+    ("", {}),
+    ("[1, 2]", {}),
+])
+def test_a_tool_call_cut_short_keeps_its_complete_members(arguments, want) -> None:
+    """A call max_tokens cut is the members it completed, whole as the official client
+    reads the streamed partial_json (whole was {}, streamed {'city': 'Paris'})."""
+    from pagedserve.entrypoints.anthropic.serving_messages import tool_input
+
+    assert tool_input(arguments) == want
 
 
 def _events(frames: list[str]) -> list[dict]:
@@ -129,12 +183,14 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
         "message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "message_delta", "message_stop"]
-    assert events[0]["message"]["usage"] == {"input_tokens": 3, "output_tokens": 0, "cache_read_input_tokens": 4}
+    assert events[0]["message"]["usage"] == {"input_tokens": 3, "output_tokens": 0, "cache_read_input_tokens": 4,
+                                             "cache_creation_input_tokens": 0}
     assert events[5]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {}}
     assert "".join(e["delta"]["partial_json"] for e in events[6:8]) == '{"x": 1}'
     assert [e["index"] for e in events[1:9]] == [1, 1, 1, 1, 2, 2, 2, 2]
     assert events[9]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert events[9]["usage"] == {"input_tokens": 3, "output_tokens": 9, "cache_read_input_tokens": 4}
+    assert events[9]["usage"] == {"input_tokens": 3, "output_tokens": 9, "cache_read_input_tokens": 4,
+                                  "cache_creation_input_tokens": 0}  # (streamed too: the client read None)
 
 
 def test_a_stream_error_is_an_error_event_in_anthropics_shape() -> None:
@@ -144,3 +200,11 @@ def test_a_stream_error_is_an_error_event_in_anthropics_shape() -> None:
     assert events[1]["error"] == {"type": "overloaded_error", "message": "busy"}
     assert anthropic_error_body(404, "x") == {"type": "error", "error": {"type": "not_found_error", "message": "x"}}
     assert anthropic_error_body(500, "x")["error"]["type"] == "api_error"
+
+
+def test_a_chat_error_names_anthropics_field() -> None:
+    """The chat path's refusal of `stop` says stop_sequences, in its text too (Anthropic's error body has no param)."""
+    from pagedserve.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+
+    e = AnthropicServingMessages._renamed(OpenAIError("stop must be a non-empty string", param="stop"))
+    assert (e.param, e.message) == ("stop_sequences", "stop_sequences must be a non-empty string")
