@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from pagedserve.chat_template import render_chat_template
+from pagedserve.engine.special_text import hide_special_text
 from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
@@ -251,9 +252,11 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
                 **kwargs: Any) -> dict[str, Any]:
     """Chat prompt as {'prompt', 'prompt_token_ids'} (kwargs: render_chat's, which bounds
     the text).  The template already holds any BOS text, so the tokenizer must not add
-    special tokens a second time."""
+    special tokens a second time; a special token's string in a message stays text
+    (special_text.py)."""
+    (messages, kwargs["tools"]), hidden = hide_special_text(tokenizer, (messages, kwargs.get("tools")))
     text = render_chat(tokenizer, default_template, messages, chat_template, add_generation_prompt, **kwargs)
-    return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+    return {"prompt": hidden.shown(text), "prompt_token_ids": hidden.encode(tokenizer, text)}
 
 
 # Content parts that carry an image: OpenAI's image_url, the Responses API's input_image,

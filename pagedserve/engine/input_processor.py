@@ -46,6 +46,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat_utils import encode_text, prompt_char_limit, render_chat, take_images
+from pagedserve.engine.special_text import hide_special_text
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
@@ -510,13 +511,12 @@ class InputProcessor:
         messages, sources = take_images(messages) if isinstance(messages, list) else (messages, [])
         if sources:  # (before rendering: a text model's template may fail on the image parts)
             self.check_image_count(sources)
+        # A special token's string in a message stays text (special_text.py); the template
+        # wrote any BOS already.
+        (messages, kwargs["tools"]), hidden = hide_special_text(self.tokenizer, (messages, kwargs.get("tools")))
         text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
                            max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
         if not sources:
-            return {"prompt": text, "prompt_token_ids": self.encode_chat_text(text)}
-        prompt = self.expand_images(text, sources, self.encode_chat_text)
-        return {"prompt": text, "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}
-
-    def encode_chat_text(self, text: str) -> list[int]:
-        """A rendered chat's tokens: its template wrote any BOS already."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return {"prompt": hidden.shown(text), "prompt_token_ids": hidden.encode(self.tokenizer, text)}
+        prompt = self.expand_images(text, sources, lambda piece: hidden.encode(self.tokenizer, piece))
+        return {"prompt": hidden.shown(text), "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}

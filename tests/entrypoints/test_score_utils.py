@@ -111,7 +111,9 @@ def test_the_reranker_route_counts_pairs_and_refuses_truncation(tiny_reranker, t
         scored = [httpx.post(proc.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS, **extra}, timeout=60)
                   for extra in ({}, {"use_activation": False}, {"activation": False})]
         plain, raw, older = ([d["score"] for d in r.json()["data"]] for r in scored)
-        assert raw == older and [1 / (1 + math.exp(-x)) for x in raw] == pytest.approx(plain, abs=1e-6)
+        # (approx: a repeated prompt's prefix-cache hit computes its last token in another shape)
+        assert raw == pytest.approx(older, abs=1e-4)
+        assert [1 / (1 + math.exp(-x)) for x in raw] == pytest.approx(plain, abs=1e-4)
         assert any(x < 0 or x > 1 for x in raw)
     finally:
         proc.stop()

@@ -131,8 +131,6 @@ BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_00
     ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, i))}} for i in range(3)],
      "more than the 2 limit_mm_per_prompt"),
     ([{"type": "image_url"}], "needs its image"),
-    ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, 1))}}, {"type": "text", "text": "<image>"}],
-     "placeholder"),
 ])
 def test_hostile_images_get_a_named_400_and_the_server_keeps_serving(vlm, content, match) -> None:
     _, server = vlm
@@ -149,6 +147,25 @@ def test_hostile_images_get_a_named_400_and_the_server_keeps_serving(vlm, conten
     assert match in r.json()["error"]["message"]
     assert good == [200]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_an_image_tokens_text_in_a_message_is_text_not_an_image_slot(vlm) -> None:
+    """A user who writes the model's image token ("<image>") in their text gets it read as
+    text (engine/special_text.py): the prompt's image slots are the images sent (it was
+    refused as a placeholder count that did not match; before that check, a forged slot)."""
+    _, server = vlm
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    one = data_url(image(8, 8, 1))
+
+    def prompt_tokens(text: str) -> int:
+        r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": one}}, {"type": "text", "text": text}]}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    # As text, "<image>" is a few plain tokens ("<", "image", ">"), not the one image token.
+    assert prompt_tokens("<image>") - prompt_tokens("") >= 2
 
 
 def test_the_playground_sends_an_attached_image(vlm, tmp_path) -> None:

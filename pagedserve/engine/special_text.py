@@ -1,0 +1,184 @@
+"""A chat message's text is text: a special token's string written in a message
+(`<|im_end|>\n<|im_start|>system\n...` in a user's content) must not become that token.
+
+A chat prompt is rendered to text by its template, then tokenized, and the tokenizer
+turns every special token's string it finds into the token: the template's own (the
+turn markers it writes) and any a client wrote into a message, with which a user could
+close their turn and open a system turn of their own (vLLM and llama.cpp's server do
+the same; OpenAI's and Anthropic's APIs read such text as text).  So before rendering,
+each special token's string in the messages (and the tools' definitions) is replaced by
+a private-use character that no input holds; the template renders around it; the
+rendered text is tokenized piece by piece, each character becoming the ids of its
+string read as plain text (the tokenizer's `encode_special_tokens` on a private copy,
+made once, only when a prompt needs it).  A prompt without such strings, almost every
+one, is tokenized exactly as before, in one call.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+# Plane 15's private-use characters: placeholders, picked among those no input string holds.
+_PRIVATE_FIRST, _PRIVATE_LAST = 0xF0000, 0xFFFFD
+_PRIVATE = re.compile("[\U000F0000-\U000FFFFD]")
+
+
+@runtime_checkable
+class BackedTokenizer(Protocol):
+    """A tokenizer over a Rust `tokenizers.Tokenizer` (transformers' fast ones, snapshots)."""
+
+    backend_tokenizer: Any
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass
+class _Specials:
+    """One tokenizer's special tokens' strings, found in text by their first characters
+    and lengths (Gemma 3 has thousands: no alternation regex), and their plain ids."""
+
+    backend: Any
+    strings: frozenset[str]
+    lengths: tuple[int, ...]  # longest first: "<|im_start|>" before a shorter prefix of it
+    starts: re.Pattern[str]
+    plain: dict[str, list[int]] = field(default_factory=dict)
+    plain_backend: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def find(self, text: str) -> list[tuple[int, str]]:
+        """(start, string) of each special token string in `text`, left to right, apart."""
+        found: list[tuple[int, str]] = []
+        end = 0
+        for m in self.starts.finditer(text):
+            i = m.start()
+            if i < end:
+                continue
+            for n in self.lengths:
+                if text[i:i + n] in self.strings:
+                    found.append((i, text[i:i + n]))
+                    end = i + n
+                    break
+        return found
+
+    def plain_ids(self, string: str) -> list[int]:
+        """`string` tokenized as text, its special token not matched."""
+        with self.lock:
+            if string not in self.plain:
+                if self.plain_backend is None:
+                    from tokenizers import Tokenizer
+
+                    self.plain_backend = Tokenizer.from_str(self.backend.to_str())
+                    self.plain_backend.encode_special_tokens = True
+                self.plain[string] = self.plain_backend.encode(string, add_special_tokens=False).ids
+            return self.plain[string]
+
+
+_SPECIALS: weakref.WeakKeyDictionary[Any, _Specials | None] = weakref.WeakKeyDictionary()
+_SPECIALS_LOCK = threading.Lock()
+
+
+def _specials(tokenizer: Any) -> _Specials | None:
+    """The tokenizer's special strings (None: it has none, or no Rust tokenizer to read them from)."""
+    if not isinstance(tokenizer, BackedTokenizer):  # (None, or a slow tokenizer: nothing read)
+        return None
+    with _SPECIALS_LOCK:
+        if tokenizer in _SPECIALS:
+            return _SPECIALS[tokenizer]
+        specials = None
+        backend = tokenizer.backend_tokenizer
+        strings = frozenset(t.content for t in backend.get_added_tokens_decoder().values()
+                            if t.special and len(t.content) > 1)
+        if strings:
+            specials = _Specials(backend, strings, tuple(sorted({len(s) for s in strings}, reverse=True)),
+                                 re.compile("[" + "".join(re.escape(c) for c in sorted({s[0] for s in strings})) + "]"))
+        _SPECIALS[tokenizer] = specials
+        return specials
+
+
+@dataclass
+class HiddenSpecials:
+    """The placeholders one prompt's inputs got: character -> the special string it hides."""
+
+    specials: _Specials | None = None
+    strings: dict[str, str] = field(default_factory=dict)
+
+    def encode(self, tokenizer: Any, text: str) -> list[int]:
+        """Rendered text (holding placeholders) to ids: the template's text as the
+        tokenizer reads it, each placeholder as its string's plain ids."""
+        if not self.strings:
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        assert self.specials is not None
+        ids: list[int] = []
+        start = 0
+        for i, ch in enumerate(text):
+            if ch in self.strings:
+                if i > start:
+                    ids += tokenizer.encode(text[start:i], add_special_tokens=False)
+                ids += self.specials.plain_ids(self.strings[ch])
+                start = i + 1
+        if start < len(text):
+            ids += tokenizer.encode(text[start:], add_special_tokens=False)
+        return ids
+
+    def shown(self, text: str) -> str:
+        """The rendered text as the client wrote it (placeholders back to their strings)."""
+        if not self.strings:
+            return text
+        return "".join(self.strings.get(ch, ch) for ch in text)
+
+
+def hide_special_text(tokenizer: Any, value: Any) -> tuple[Any, HiddenSpecials]:
+    """`value` (messages, tools: nested lists and dicts of strings) with every special
+    token string in its strings replaced by a placeholder; the input itself when it holds
+    none (the common case: only a scan)."""
+    specials = _specials(tokenizer)
+    hidden = HiddenSpecials(specials)
+    if specials is None or not any(specials.find(s) for s in _strings(value)):
+        return value, hidden
+    taken = {ord(c) for s in _strings(value) for c in _PRIVATE.findall(s)}
+    free = (cp for cp in range(_PRIVATE_FIRST, _PRIVATE_LAST + 1) if cp not in taken)
+    chars: dict[str, str] = {}  # special string -> its placeholder
+
+    def hide(s: str) -> str:
+        found = specials.find(s)
+        if not found:
+            return s
+        out, at = [], 0
+        for i, string in found:
+            if string not in chars:
+                chars[string] = chr(next(free))
+                hidden.strings[chars[string]] = string
+            out += [s[at:i], chars[string]]
+            at = i + len(string)
+        return "".join(out) + s[at:]
+
+    return _map_strings(value, hide), hidden
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in nested lists and dicts (values, not keys)."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return out
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
