@@ -56,6 +56,9 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    running_lora_adapters: tuple[str, ...] = ()  # adapters by name (vLLM's lora_requests_info)
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0  # 0: LoRA off (no lora_requests_info series)
 
     @classmethod
     def from_engine(cls, stats: Any) -> SchedulerStats:
@@ -123,6 +126,10 @@ class PrometheusFamilies:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", buckets=_ITL_BUCKETS, **kw)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, **kw)
+        # vLLM's: one series per engine, its labels the adapters now, its value when they were read.
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running and waiting LoRA adapters (comma-separated names).",
+                               registry=registry, labelnames=["model_name", "engine", "max_lora",
+                                                              "waiting_lora_adapters", "running_lora_adapters"])
 
 
 # Metric families already registered, by registry and name: a server of several models
@@ -220,6 +227,8 @@ class PrometheusStatLogger:
         self.ttft = lab(f.ttft)
         self.itl = lab(f.itl)
         self.e2e = lab(f.e2e)
+        self.lora_info_family = f.lora_info
+        self._lora_labels: tuple[str, ...] | None = None  # the one lora_requests_info series this engine shows
         self._last = SchedulerStats()
 
     def engine_restarted(self) -> None:
@@ -231,6 +240,9 @@ class PrometheusStatLogger:
         reports again (not the last figures it sent, for as long as it stays down)."""
         for gauge in (self.running, self.waiting, self.kv_usage, self.structured):
             gauge.set(0)
+        if self._lora_labels is not None:
+            self.lora_info_family.remove(*self._lora_labels)
+            self._lora_labels = None
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         self.running.set(sched.num_running)
@@ -258,6 +270,8 @@ class PrometheusStatLogger:
             if delta > 0:
                 self.spec_per_pos_family.labels(position=str(pos), **self.labels).inc(delta)
         self._last = sched
+        if sched.max_lora:
+            self._record_loras(sched)
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
@@ -270,6 +284,19 @@ class PrometheusStatLogger:
             self.success.get(reason, self.success["abort"]).inc()
             if reason != "abort":
                 self.e2e.observe(e2e)
+
+
+    def _record_loras(self, sched: SchedulerStats) -> None:
+        """vLLM's lora_requests_info: the adapters now as labels, the time as value.  The
+        previous label set is removed, so the series stay one per engine (vLLM's grow with
+        every combination of adapters ever seen)."""
+        labels = (self.labels["model_name"], self.labels["engine"], str(sched.max_lora),
+                  ",".join(sched.waiting_lora_adapters), ",".join(sched.running_lora_adapters))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self.lora_info_family.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self.lora_info_family.labels(*labels).set_to_current_time()
 
 
 class LoggingStatLogger:

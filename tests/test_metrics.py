@@ -35,9 +35,10 @@ def test_scheduler_stats_copy_every_field_and_refuse_a_missing_one():
                            num_structured_requests=2, grammar_compiles=5,
                            grammar_cache_hits=9, grammar_compile_seconds=0.25, spec_decode_num_drafts=3,
                            spec_decode_num_draft_tokens=8, spec_decode_num_accepted_tokens=5,
-                           spec_decode_num_accepted_tokens_per_pos=[3, 2])
+                           spec_decode_num_accepted_tokens_per_pos=[3, 2], running_lora_adapters=("a",),
+                           waiting_lora_adapters=("b", "c"), max_lora=2)
     assert SchedulerStats.from_engine(full) == SchedulerStats(1, 2, 0.5, 4, 3, 7, 11, 10, 6, 1, 2, 5, 9, 0.25, 3, 8, 5,
-                                                              [3, 2])
+                                                              [3, 2], ("a",), ("b", "c"), 2)
     del full.num_preemptions  # a renamed engine field must fail loudly, not read as 0
     with pytest.raises(AttributeError):
         SchedulerStats.from_engine(full)
@@ -140,3 +141,27 @@ def test_replica_log_lines_say_which_replica():
     log = LoggingStatLogger(interval=1.0, device="CPU", start=0.0, prefix="Engine 001: ")
     log.record(SchedulerStats(num_running=1), IterationStats(num_generation_tokens=5))
     assert log.maybe_log(now=1.0).startswith("Engine 001: Avg prompt throughput")
+
+
+def test_lora_requests_info_shows_the_adapters_now_in_one_series_per_engine():
+    """vLLM's vllm:lora_requests_info: the adapters as labels, the time they were read as
+    value; the previous label set goes (vLLM keeps every combination ever seen), and with
+    LoRA off, or the replica down, there is none."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    prom = make_prometheus_loggers(registry, "m")[0]
+
+    def series() -> list[dict[str, str]]:
+        return [s.labels for m in registry.collect() if m.name == "vllm:lora_requests_info" for s in m.samples]
+
+    prom.record(SchedulerStats(), IterationStats())
+    assert series() == []  # LoRA off
+    prom.record(SchedulerStats(running_lora_adapters=("a1", "a2"), waiting_lora_adapters=("a3",), max_lora=2),
+                IterationStats())
+    assert series() == [{"model_name": "m", "engine": "0", "max_lora": "2", "waiting_lora_adapters": "a3",
+                         "running_lora_adapters": "a1,a2"}]
+    prom.record(SchedulerStats(running_lora_adapters=("a3",), max_lora=2), IterationStats())
+    assert [(s["running_lora_adapters"], s["waiting_lora_adapters"]) for s in series()] == [("a3", "")]
+    prom.engine_down()
+    assert series() == []

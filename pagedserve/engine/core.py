@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # LoRA (vLLM's lora_requests_info): the adapters of running and of waiting requests, by
+    # name, and how many may run in one step (0: LoRA off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -386,7 +392,16 @@ class EngineCore:
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """The adapters of running and waiting requests (LoRA on only: a walk of the queues)."""
+        if self.config.lora_config is None:
+            return {}
+        return {"running_lora_adapters": _adapter_names(self.scheduler.running),
+                "waiting_lora_adapters": _adapter_names(self.scheduler.waiting),
+                "max_lora": self.config.lora_config.max_loras}
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -438,3 +453,8 @@ def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, sync_o
         raise ValueError(f"async_scheduling=True needs a model executor that can launch steps asynchronously; "
                          f"{type(executor).__name__} cannot (tensor_parallel_size > 1 does not support it yet)")
     return bool(value)
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct adapters of `requests`, by name, sorted."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))

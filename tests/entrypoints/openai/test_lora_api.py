@@ -76,6 +76,8 @@ def test_two_adapters_and_the_base_answer_by_name_in_one_burst(lora_server, adap
     want = [text for m in models for text in texts(tokenizer, refs[None if m == MODEL_NAME else m])]
     assert got == want
     assert len(set(want[:6])) == 6, "the adapters must change the answers, or the test shows nothing"
+    info = [dict(labels) for name, labels in lora_server.metrics() if name == "vllm:lora_requests_info"]
+    assert len(info) == 1 and info[0]["max_lora"] == "2", info  # (vLLM's series; at rest no adapter runs)
     listed = {m.id: m for m in openai.OpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY).models.list().data}
     assert set(listed) == {MODEL_NAME, "a1", "a2"}
     assert listed["a1"].parent == listed["a2"].parent == MODEL_NAME
