@@ -319,8 +319,12 @@ def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: 
     name = name or state.served_model_names[0]
     client = make_engine_core_client(engine_args, own_thread=False)
     engine = client.local_engine  # --lora-modules load into an engine in this process
-    for lora in state.lora_adapters.loras.values() if engine is not None and first else ():
-        engine.add_lora(lora)  # a bad adapter stops the start-up, by name
+    for adapter, lora in state.lora_adapters.loras.items() if engine is not None and first else ():
+        try:
+            engine.add_lora(lora)  # a bad adapter stops the start-up, by name
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {adapter}={lora.lora_path}: {e}") from None
+        logger.info("LoRA adapter %r loaded from %s (id %d)", adapter, lora.lora_path, lora.lora_int_id)
     release_openmp_threads()  # (this thread may live on: worker/cpu_threads.py)
 
     def build() -> Attachment:

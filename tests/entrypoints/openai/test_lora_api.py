@@ -136,3 +136,23 @@ def test_bad_adapters_are_refused_by_name_and_nothing_else_changes(lora_server, 
     assert complete_one(url, "a1", PROMPTS[1]) == texts(tokenizer, refs["a1"])[1]
     names = {m.id for m in openai.OpenAI(base_url=url + "/v1", api_key=API_KEY).models.list().data}
     assert names == {MODEL_NAME, "a1", "a2"}
+
+
+def test_a_bad_adapter_at_start_up_stops_it_naming_the_adapter(monkeypatch) -> None:
+    """The start-up's error names the --lora-modules entry (it said only what was wrong)."""
+    from types import SimpleNamespace
+
+    from pagedserve.engine import async_llm
+    from pagedserve.entrypoints.openai.api_server import ServerState, make_engine_client
+    from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
+    from pagedserve.lora.request import LoRARequest
+
+    def refuse(lora):
+        raise ValueError("the adapter's rank r is over the maximum 8")
+
+    engine = SimpleNamespace(add_lora=refuse)
+    monkeypatch.setattr(async_llm, "make_engine_core_client", lambda *a, **k: SimpleNamespace(local_engine=engine))
+    state = ServerState(served_model_names=["base"],
+                        lora_adapters=LoRAAdapters({"wide": LoRARequest("wide", 1, "/adapters/wide")}))
+    with pytest.raises(ValueError, match=r"--lora-modules wide=/adapters/wide: the adapter's rank r is over"):
+        make_engine_client(None, state, {})
