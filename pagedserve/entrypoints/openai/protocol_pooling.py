@@ -8,13 +8,44 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody, UsageInfo
 from pagedserve.errors import InvalidRequestError
 
 
 # ------------------------------------------------------------------ request bodies
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_inputs_shape(value: Any, name: str) -> None:
+    """An input field holds a string, strings, token ids (integers) or lists of them, said
+    plainly when it does not (pydantic's union error read "Input should be a valid string"
+    for a list of floats)."""
+    if isinstance(value, str):
+        return
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value) or all(_is_id(v) for v in value):
+            return
+        for i, v in enumerate(value):
+            if isinstance(v, list) and all(_is_id(t) for t in v):
+                continue
+            if not isinstance(v, (str, list)) and not _is_id(v):
+                what = f"item {i} is {type(v).__name__} {v!r:.40}"
+            elif isinstance(v, list):
+                what = f"item {i} is a list that is not all token ids (integers)"
+            else:
+                what = f"item {i} is a {'string' if isinstance(v, str) else 'token id'} beside other kinds of item"
+            break
+        else:
+            return
+    else:
+        what = f"it is {type(value).__name__}"
+    raise InvalidRequestError(f"{name} must be a string, a list of strings, a list of token ids (integers) or a "
+                              f"list of token-id lists; {what}", param=name)
+
+
 class _PoolingFields(RequestBody):
     """What the pooling routes (/v1/embeddings, /v1/score, /v1/rerank) share: they never
     stream, and vLLM's extras."""
@@ -48,6 +79,13 @@ class EmbeddingRequest(_PoolingFields):
 
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _input_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "input" in data:
+            check_inputs_shape(data["input"], "input")
+        return data
     dimensions: int | None = None
     normalize: bool | None = None  # vLLM extra: None keeps the server's pooler_config
     add_special_tokens: bool = True  # vLLM extra: text inputs tokenized with the model's BOS/EOS
@@ -87,6 +125,14 @@ class ScoreRequest(_ScoreFields):
 
     text_1: str | list[str] | list[int] | list[list[int]]
     text_2: str | list[str] | list[int] | list[list[int]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _texts_shape(cls, data: Any) -> Any:
+        for name in ("text_1", "text_2"):
+            if isinstance(data, dict) and name in data:
+                check_inputs_shape(data[name], name)
+        return data
     instruction: str | None = None  # a reranker's task line (pagedserve extra)
 
 

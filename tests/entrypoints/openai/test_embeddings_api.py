@@ -229,6 +229,10 @@ def test_vllms_pooling_fields_work_or_are_refused_by_name(pooling_server) -> Non
         ("/v1/score", {"text_1": "a", "text_2": [[1], [2, -5]]}, "text_2", "text_2[1]"),
         ("/v1/rerank", {"query": "", "documents": ["b"]}, "query", "query"),
         ("/v1/rerank", {"query": "a", "documents": ["b", ""]}, "documents", "documents"),
+        # (pydantic's union error said "Input should be a valid string" to all of these)
+        ("/v1/embeddings", {"input": [1.5, 2]}, "input", "item 0 is float"),
+        ("/v1/embeddings", {"input": ["a", [1, 2]]}, "input", "beside other kinds"),
+        ("/v1/score", {"text_1": [[[1]]], "text_2": "b"}, "text_1", "not all token ids"),
     ]:
         r = post(path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
