@@ -254,9 +254,10 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     the text).  The template already holds any BOS text, so the tokenizer must not add
     special tokens a second time; a special token's string in a message stays text
     (special_text.py)."""
+    add_special_tokens = kwargs.pop("add_special_tokens", False)
     (messages, kwargs["tools"]), hidden = hide_special_text(tokenizer, (messages, kwargs.get("tools")))
     text = render_chat(tokenizer, default_template, messages, chat_template, add_generation_prompt, **kwargs)
-    return {"prompt": hidden.shown(text), "prompt_token_ids": hidden.encode(tokenizer, text)}
+    return {"prompt": hidden.shown(text), "prompt_token_ids": hidden.encode(tokenizer, text, add_special_tokens)}
 
 
 # Content parts that carry an image: OpenAI's image_url, the Responses API's input_image,

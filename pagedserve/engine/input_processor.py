@@ -512,11 +512,15 @@ class InputProcessor:
         if sources:  # (before rendering: a text model's template may fail on the image parts)
             self.check_image_count(sources)
         # A special token's string in a message stays text (special_text.py); the template
-        # wrote any BOS already.
+        # wrote any BOS already (vLLM's add_special_tokens: the tokenizer's too).
+        add_special_tokens = kwargs.pop("add_special_tokens", False)
+        if add_special_tokens and sources:
+            raise InvalidRequestError("add_special_tokens is not supported with images", param="add_special_tokens")
         (messages, kwargs["tools"]), hidden = hide_special_text(self.tokenizer, (messages, kwargs.get("tools")))
         text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
                            max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
         if not sources:
-            return {"prompt": hidden.shown(text), "prompt_token_ids": hidden.encode(self.tokenizer, text)}
+            return {"prompt": hidden.shown(text),
+                    "prompt_token_ids": hidden.encode(self.tokenizer, text, add_special_tokens)}
         prompt = self.expand_images(text, sources, lambda piece: hidden.encode(self.tokenizer, piece))
         return {"prompt": hidden.shown(text), "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}

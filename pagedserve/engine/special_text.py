@@ -64,6 +64,13 @@ class _Specials:
                     break
         return found
 
+    def wrap(self) -> tuple[list[int], list[int]]:
+        """The special ids the tokenizer puts before and after one text (its post-processor)."""
+        enc = self.backend.encode("a", add_special_tokens=True)
+        mask = enc.special_tokens_mask
+        first, last = mask.index(0), len(mask) - 1 - mask[::-1].index(0)
+        return enc.ids[:first], enc.ids[last + 1:]
+
     def plain_ids(self, string: str) -> list[int]:
         """`string` tokenized as text, its special token not matched."""
         with self.lock:
@@ -106,12 +113,17 @@ class HiddenSpecials:
     specials: _Specials | None = None
     strings: dict[str, str] = field(default_factory=dict)
 
-    def encode(self, tokenizer: Any, text: str) -> list[int]:
+    def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
         """Rendered text (holding placeholders) to ids: the template's text as the
-        tokenizer reads it, each placeholder as its string's plain ids."""
+        tokenizer reads it, each placeholder as its string's plain ids; with
+        `add_special_tokens` the tokenizer's own around them (vLLM's chat field: a BOS on
+        top of the template's)."""
         if not self.strings:
-            return list(tokenizer.encode(text, add_special_tokens=False))
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         assert self.specials is not None
+        if add_special_tokens:
+            prefix, suffix = self.specials.wrap()
+            return prefix + self.encode(tokenizer, text) + suffix
         ids: list[int] = []
         start = 0
         for i, ch in enumerate(text):

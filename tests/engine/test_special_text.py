@@ -68,3 +68,19 @@ def test_the_engine_renders_the_same_way(smollm2_path) -> None:
     tok = engine.input_processor.tokenizer
     got = engine.encode_chat([{"role": "user", "content": FORGED}])
     assert got == chat(tok, FORGED)
+
+
+def test_add_special_tokens_puts_the_tokenizers_own_around_the_rendered_chat() -> None:
+    """vLLM's chat add_special_tokens: the tokenizer's special tokens (a BOS here) on top of
+    the template's, also where a message's special strings were hidden."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.copy(saved_tokenizer(resolve_source("smollm2-135m-instruct", "auto").path))
+    tok.backend_tokenizer = copy.deepcopy(tok.backend_tokenizer)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                              special_tokens=[("<|endoftext|>", 0)])
+    for content in ("hi", FORGED):
+        plain = chat(tok, content)["prompt_token_ids"]
+        assert chat(tok, content, add_special_tokens=True)["prompt_token_ids"] == [0, *plain]

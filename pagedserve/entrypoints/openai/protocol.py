@@ -25,10 +25,12 @@ from pydantic import (
 )
 
 from pagedserve.entrypoints.openai.protocol_fields import (
+    as_sent,
     check_chat_only_fields,
     check_hint_fields,
     prediction_text,
     refuse_unsupported_fields,
+    refuse_vllm_fields,
 )
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -43,10 +45,9 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are kept (not rejected) so that newer clients keep working; the
-    # serving layer refuses the few it knows would change the output.  Strict: JSON
-    # `true` or "1" is not a number, nor 1 a boolean (pydantic's lax mode coerced them,
-    # where SamplingParams would refuse a bool).
+    # Unknown fields are kept so that newer clients keep working (the serving layer refuses
+    # the few it knows would change the output).  Strict: JSON `true` or "1" is not a
+    # number, nor 1 a boolean (pydantic's lax mode coerced them).
     model_config = ConfigDict(extra="allow", strict=True)
 
 
@@ -88,6 +89,7 @@ class OpenAIRequestBody(RequestBody):
     def check_openai_fields(self) -> None:
         """OpenAI's fields for what this server lacks refused by name; the hints' shapes."""
         refuse_unsupported_fields(self.model_extra)
+        refuse_vllm_fields(self.model_extra)
         check_hint_fields(self.prompt_cache_key, self.safety_identifier, self.prompt_cache_options)
 
 
@@ -118,8 +120,7 @@ class _SamplingFields(OpenAIRequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
-    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs extra and its
-    # older guided_* spellings (at most one of them per request).
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one per request).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -137,11 +138,9 @@ class _SamplingFields(OpenAIRequestBody):
     # text expected back; the engine drafts from it (SamplingParams.prediction).
     prediction: dict[str, Any] | None = None
 
-    # Accepted by vLLM, not implemented here: refused when set (check_unsupported), since
-    # ignoring any of them would change what the client gets.
+    # vLLM's, not implemented here: refused when set (check_unsupported), as ignoring it changes the answer.
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern",)
-    # The fields that each constrain the output; the engine reports them all as
-    # "structured_outputs", and errors name the one this request used.
+    # The fields that each constrain the output (the engine's "structured_outputs"; errors name the one used).
     STRUCTURED_FIELDS: ClassVar[tuple[str, ...]] = (
         "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -220,9 +219,8 @@ class _SamplingFields(OpenAIRequestBody):
         return StructuredOutputsParams(**{kind: value})
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """`defaults`: what the model's generation config says for fields this request
-        leaves unset (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
-        Without max_tokens the request may run to the end of the context."""
+        """`defaults`: the model's generation config for fields left unset (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_tokens; without max_tokens: to the context's end)."""
         defaults = defaults or {}
         try:
             return self._to_sampling_params(defaults)
@@ -231,7 +229,7 @@ class _SamplingFields(OpenAIRequestBody):
                     "generation config: send repetition_penalty 1.0 with the prediction, or serve with "
                     "--generation-config vllm)") if e.param == "prediction" and self.repetition_penalty is None \
                 and "repetition_penalty" in str(e) else ""
-            raise InvalidRequestError(str(e) + hint, param=self.api_param(e.param)) from None
+            raise as_sent(e, self.api_param(e.param), hint) from None
 
     def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         def pick(name: str, builtin: Any) -> Any:
@@ -282,6 +280,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt tokenized with the model's BOS (and EOS)
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
@@ -297,8 +296,8 @@ class CompletionRequest(_SamplingFields):
 
     def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         params = super()._to_sampling_params(defaults)
-        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
-            params.prompt_logprobs = self.logprobs  # echoed prompt tokens come with their logprobs
+        if self.echo and self.logprobs is not None and (params.prompt_logprobs or 0) < self.logprobs:
+            params.prompt_logprobs = self.logprobs  # echoed prompt tokens come with their k logprobs
         return params
 
 
@@ -324,6 +323,7 @@ class ChatCompletionTool(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens too, beside the template's
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None

@@ -34,6 +34,41 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
+# vLLM's request fields for what this server does not do, each refused by name unless at a
+# value that asks for nothing (they are not modelled either).  spaces_between_special_tokens
+# asks for nothing of a fast tokenizer (vLLM's fast detokenizer does not read it either).
+VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not served on this route (offline: LLM.beam_search)"),
+    "length_penalty": ((1.0,), "it weighs beam search's candidates, and beam search is not served on this route"),
+    "logits_processors": (([],), "this server loads no custom logits processors"),
+    "vllm_xargs": (({},), "no custom logits processor here reads it"),
+    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text here (chat's `bytes` are each "
+                                             "token's own bytes)"),
+    "return_token_ids": ((False,), "answers carry text; /tokenize gives a text's token ids"),
+    "spaces_between_special_tokens": ((True, False), ""),
+}
+
+
+# Unmodelled fields an API defines (refused by name, or accepted without effect): not
+# logged as unknown.
+KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS)
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """`value` is one of `neutral`, strictly (JSON true is not 1; 1 is 1.0)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return any(isinstance(v, float) and value == v for v in neutral)
+    return any(type(value) is type(v) and value == v for v in neutral)
+
+
+def refuse_vllm_fields(extra: dict[str, Any] | None) -> None:
+    """vLLM's fields of VLLM_NEUTRAL_FIELDS set to anything but a neutral value: refused by name."""
+    for name, (neutral, why) in VLLM_NEUTRAL_FIELDS.items():
+        value = (extra or {}).get(name)
+        if value is not None and not _is_neutral(value, neutral):
+            raise InvalidRequestError(f"{name}={value!r:.60} is not supported: {why}", param=name)
+
+
 def refuse_unsupported_fields(extra: dict[str, Any] | None, unsupported: dict[str, str] = UNSUPPORTED_FIELDS) -> None:
     """A body's extra (unmodelled) fields: those the API defines for what this server never
     does (`unsupported`: name -> why; OpenAI's by default) are refused by name (the others
@@ -82,6 +117,15 @@ def check_hint_fields(prompt_cache_key: str | None, safety_identifier: str | Non
     strings of at most MAX_HINT_CHARS; prompt_cache_options' keys and values."""
     check_hint_strings(("prompt_cache_key", prompt_cache_key), ("safety_identifier", safety_identifier))
     check_object_hint("prompt_cache_options", prompt_cache_options, PROMPT_CACHE_OPTIONS, PROMPT_CACHE_REFUSED)
+
+
+def as_sent(e: InvalidRequestError, param: str | None, hint: str = "") -> InvalidRequestError:
+    """The engine's refusal `e` under the request's own name for its field (`param`), in its
+    text too ("max_tokens must be ..." of a chat request's max_completion_tokens)."""
+    message = str(e)
+    if e.param and param and param != e.param and message.startswith(f"{e.param} "):
+        message = param + message[len(e.param):]
+    return InvalidRequestError(message + hint, param=param)
 
 
 def check_request_id(request_id: str) -> str:

@@ -185,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = {}
         if req is not None:
             kwargs = dict(chat_template_kwargs=req.chat_template_kwargs,
-                          continue_final_message=req.continue_final_message)
+                          continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens)
         try:
             encoded = self.engine.encode_chat(conversation, req.chat_template if req else None,
                                               add_generation_prompt, tools=tools, **kwargs)
@@ -427,10 +427,10 @@ class OpenAIServingChat(OpenAIServing):
         if k is None or c.logprobs is None:
             return None
         content = []
-        for s, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
+        for s, raw, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
             content.append(ChatLogprobToken(
-                token=s, logprob=_MISSING if token_lp is None else token_lp, bytes=list(s.encode()),
-                top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top]))
+                token=s, logprob=_MISSING if token_lp is None else token_lp, bytes=list(raw),
+                top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(b)) for t, b, lp in top]))
         return ChatLogprobs(content=content)
 
 

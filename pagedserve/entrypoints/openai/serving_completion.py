@@ -53,12 +53,13 @@ class OpenAIServingCompletion(OpenAIServing):
             params = req.to_sampling_params(self.engine.sampling_defaults)
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
-        prompts = [self.truncated(p, req.truncate_prompt_tokens) for p in self._prompts(req.prompt, params.n)]
+        prompts = [self.truncated(p, req.truncate_prompt_tokens) for p in self._prompts(req.prompt, params.n,
+                                                                                      req.add_special_tokens)]
         for p in prompts:
             self.check_length(len(p.token_ids), req.max_tokens, "prompt")
         return PreparedRequest(model, prompts, params)
 
-    def _prompts(self, prompt: str | list, n: int) -> list[TokenizedPrompt]:
+    def _prompts(self, prompt: str | list, n: int, add_special_tokens: bool = True) -> list[TokenizedPrompt]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -68,8 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if not items:
             raise OpenAIError("prompt must not be empty", param="prompt")
         self.check_fanout(len(items), n)  # before tokenizing any of them
-        return [TokenizedPrompt(item, self.tokenize(item)) if isinstance(item, str) else TokenizedPrompt(None, list(item))
-                for item in items]
+        return [TokenizedPrompt(item, self.tokenize(item, add_special_tokens)) if isinstance(item, str)
+                else TokenizedPrompt(None, list(item)) for item in items]
 
     def _echo(self, prompt: TokenizedPrompt) -> str:
         """The prompt's text (token-id prompts are decoded; the engine has checked their ids)."""
@@ -160,12 +161,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if k is None or c.logprobs is None:
             return None
         lp = CompletionLogprobs()
-        for s, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
+        for s, _, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
             lp.tokens.append(s)
             lp.token_logprobs.append(token_lp)
             lp.text_offset.append(offset)
             offset += len(s)
-            top_dict = dict(top)
+            top_dict = {t: v for t, _, v in top}
             if token_lp is not None:
                 top_dict.setdefault(s, token_lp)
             lp.top_logprobs.append(top_dict if token_lp is not None else None)

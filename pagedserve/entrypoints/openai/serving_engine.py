@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedserve.entrypoints.openai.protocol_fields import check_request_id
+from pagedserve.entrypoints.openai.protocol_fields import KNOWN_EXTRA_FIELDS, as_sent, check_request_id
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.errors import InvalidRequestError, OverloadedError
 from pagedserve.lora.request import LoRARequest
@@ -177,7 +178,8 @@ class OpenAIServing:
         extra = req.model_extra or {}
         if not extra or len(self._warned_fields) >= MAX_WARNED_FIELD_NAMES:
             return
-        new = [name for name in extra if name not in self._warned_fields]
+        # (the unmodelled fields OpenAI's or vLLM's API defines are known: refused or documented)
+        new = [name for name in extra if name not in self._warned_fields and name not in KNOWN_EXTRA_FIELDS]
         new = new[: MAX_WARNED_FIELD_NAMES - len(self._warned_fields)]
         if new:
             self._warned_fields.update(new)
@@ -255,7 +257,7 @@ class OpenAIServing:
         param = req.api_param(e.param) if isinstance(e, InvalidRequestError) else None
         if label is not None and isinstance(e, InvalidRequestError) and e.param == "prompt":
             return OpenAIError(f"{label[1]}: {e}", param=label[0])
-        return OpenAIError(str(e), param=param)
+        return OpenAIError(str(as_sent(e, param)) if isinstance(e, InvalidRequestError) else str(e), param=param)
 
     @staticmethod
     def check_fanout(num_prompts: int, n: int, param: str = "prompt", limit: int = MAX_SEQUENCES_PER_REQUEST) -> None:
@@ -299,20 +301,63 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The token's own bytes: its text's, unless the token holds part of a character
+        (its text then reads U+FFFD): the bytes its vocabulary entry stands for (byte-level
+        BPE's alphabet, SentencePiece's <0xNN>), from which a client rebuilds the text."""
+        if "\ufffd" in text and self.tokenizer is not None:
+            raw = vocabulary_bytes(self.tokenizer.convert_ids_to_tokens([token_id])[0])
+            if raw is not None:
+                return raw
+        return text.encode()
+
     def logprob_steps(self, c: CompletionOutput, start: int, end: int,
-                      k: int) -> Iterator[tuple[str, float | None, list[tuple[str, float]]]]:
-        """For each generated token in [start, end): (its text, its logprob or None, the
-        k most likely (text, logprob), best first); -inf is clamped for JSON."""
+                      k: int) -> Iterator[tuple[str, bytes, float | None, list[tuple[str, bytes, float]]]]:
+        """For each generated token in [start, end): (its text, its bytes, its logprob or
+        None, the k most likely (text, bytes, logprob), best first); -inf is clamped for JSON."""
         for pos in range(start, min(end, len(c.logprobs or ()))):
             tok, step = c.token_ids[pos], c.logprobs[pos]
             if step is None:  # a prompt's first token: nothing predicts it
-                yield self.token_str(tok), None, []
+                s = self.token_str(tok)
+                yield s, self.token_bytes(tok, s), None, []
                 continue
             chosen = step.get(tok)
             ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf,
                                                            -kv[1].logprob))
-            top = [(self.token_str(t, v), clamp_logprob(v.logprob)) for t, v in ranked[:k]]
-            yield self.token_str(tok, chosen), clamp_logprob(chosen.logprob) if chosen else None, top
+            top = [(t_s := self.token_str(t, v), self.token_bytes(t, t_s), clamp_logprob(v.logprob))
+                   for t, v in ranked[:k]]
+            s = self.token_str(tok, chosen)
+            yield s, self.token_bytes(tok, s), clamp_logprob(chosen.logprob) if chosen else None, top
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) alphabet, character -> byte: printable bytes stand for
+    themselves, the others for 256 + their order among them."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+_BYTE_ALPHABET = _byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def vocabulary_bytes(piece: str | None) -> bytes | None:
+    """The bytes a vocabulary entry stands for, where its form says (None: it does not)."""
+    if piece is None:
+        return None
+    if m := _BYTE_PIECE.fullmatch(piece):
+        return bytes([int(m.group(1), 16)])
+    if all(ch in _BYTE_ALPHABET for ch in piece):
+        return bytes(_BYTE_ALPHABET[ch] for ch in piece)
+    return None
 
 
 def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:

@@ -69,6 +69,11 @@ def sse_events(r) -> list:
 # field -> (value(s) to send, check(response, greedy baseline response, tokenizer))
 COMMON = {
     "model": ({"model": MODEL_NAME}, ok),
+    # vLLM's (default true on completions, false on chat): SmolLM2's tokenizer adds no special
+    # tokens, so the prompt is the same (tests/engine/test_special_text.py: one that adds a BOS)
+    "add_special_tokens": ({"add_special_tokens": True}, lambda r, b, t: (
+        r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == b.json()["usage"]["prompt_tokens"])
+        or pytest.fail(r.text)),
     # vLLM's: the answer's id; the engine's own ids stay unique (the same id twice at once is fine)
     "request_id": ({"request_id": "job-7"}, lambda r, b, t: r.json()["id"].endswith("-job-7") or pytest.fail()),
     "max_tokens": ({"max_tokens": 2, "ignore_eos": True}, lambda r, b, t: tokens(r) == 2 or pytest.fail()),
@@ -218,3 +223,29 @@ def test_vllms_mm_processor_kwargs_is_refused_by_name(server, chat):
     """vLLM's field, which no processor here takes: refused by name (it was logged as unknown and ignored)."""
     r = post(server, chat, mm_processor_kwargs={"num_crops": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
+
+
+@pytest.mark.parametrize(("field", "value", "status"), [
+    ("use_beam_search", True, 400), ("use_beam_search", False, 200), ("length_penalty", 2.0, 400),
+    ("length_penalty", 1, 200), ("logits_processors", ["my.module:Proc"], 400), ("logits_processors", [], 200),
+    ("vllm_xargs", {"k": 1}, 400), ("return_tokens_as_token_ids", True, 400), ("return_token_ids", True, 400),
+    ("spaces_between_special_tokens", False, 200),
+])
+def test_vllms_other_fields_are_refused_by_name_unless_they_ask_for_nothing(server, field, value, status):
+    """vLLM defines these; they were logged as unknown and ignored (beam search answered greedily)."""
+    r = post(server, True, **{field: value})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == field
+
+
+def test_an_error_names_the_field_the_client_sent_in_its_text_too(server):
+    r = post(server, True, max_completion_tokens=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    assert r.json()["error"]["message"].startswith("max_completion_tokens "), r.text
+
+
+def test_echo_with_logprobs_gives_the_prompt_k_alternatives_whatever_prompt_logprobs(server):
+    r = post(server, False, echo=True, logprobs=3, prompt_logprobs=0, max_tokens=2)
+    sizes = [len(t) if t is not None else None for t in r.json()["choices"][0]["logprobs"]["top_logprobs"]]
+    assert sizes[0] is None and all(n is not None and n >= 3 for n in sizes[1:]), sizes

@@ -1,0 +1,25 @@
+"""Chat logprobs' `bytes` are each token's own bytes, so a client rebuilds characters that
+tokens split (an emoji's four bytes over two tokens): they were the UTF-8 of U+FFFD."""
+
+from __future__ import annotations
+
+from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, vocabulary_bytes
+from pagedserve.model_loader.sources import resolve_source
+from pagedserve.model_loader.tokenizer import saved_tokenizer
+
+
+def test_token_bytes_join_to_the_text_where_tokens_split_characters() -> None:
+    tok = saved_tokenizer(resolve_source("smollm2-135m-instruct", "auto").path)
+    handler = OpenAIServing.__new__(OpenAIServing)
+    handler.tokenizer = tok
+    text = "Party 🎉🔥 café 日本語 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "the text must have tokens that split a character"
+    assert b"".join(handler.token_bytes(i, p) for i, p in zip(ids, pieces, strict=True)) == text.encode()
+
+
+def test_vocabulary_forms() -> None:
+    assert vocabulary_bytes("<0xF0>") == b"\xf0"  # SentencePiece's byte fallback
+    assert vocabulary_bytes("Ġthe") == b" the"  # byte-level BPE: a space is Ġ
+    assert vocabulary_bytes("▁the") is None and vocabulary_bytes(None) is None  # (the text's own bytes then)
