@@ -54,6 +54,9 @@ class FakeStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 class FakeGrammars:

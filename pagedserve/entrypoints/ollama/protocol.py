@@ -129,14 +129,28 @@ class OllamaWithOptions(OllamaModel):
 
 
 class OllamaGenerating(OllamaWithOptions):
-    stream: StrictBool = True  # (Go's decoder takes true or false only; pydantic's lax bool took "yes")
-    format: str | dict[str, Any] | None = None
+    # (Go's decoder takes true, false or null, its default; pydantic's lax bool took "yes")
+    stream: StrictBool = True
+    format: Any = None  # "json" or a JSON schema (response_format says it plainly otherwise)
     think: bool | str | None = None
     logprobs: StrictBool | None = None
     top_logprobs: int | None = None
+    # Ollama's: truncate (cut a history past num_ctx) and shift (slide the context when an
+    # answer fills it) are accepted without effect: a prompt past the context is refused
+    # and an answer stops where the context is full (done_reason "length").
+    truncate: StrictBool | None = None
+    shift: StrictBool | None = None
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _stream_default(cls, value: Any) -> Any:
+        return True if value is None else value
 
     def refused_fields(self) -> None:
         """Ollama fields this server does not honour, refused by name."""
+        for name in ("width", "height", "steps"):  # (Ollama's image-generation fields)
+            if (self.model_extra or {}).get(name) is not None:
+                raise OpenAIError(f"{name}: this server does not generate images", param=name)
         if self.think not in (None, False):
             raise OpenAIError("think: the models served here do not think; leave it unset or false", param="think")
         if self.logprobs or self.top_logprobs:

@@ -23,7 +23,13 @@ from pagedserve.entrypoints.ollama.protocol import (
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from pagedserve.entrypoints.ollama.serving import OllamaEmbedding, OllamaServing, Timing, now_iso
+from pagedserve.entrypoints.ollama.serving import (
+    OllamaEmbedding,
+    OllamaServing,
+    Timing,
+    check_request,
+    now_iso,
+)
 from pagedserve.entrypoints.openai.http_utils import NDJSONResponse
 from pagedserve.entrypoints.openai.model_pool import ServedModel
 from pagedserve.entrypoints.openai.routers.generation import generate
@@ -46,6 +52,7 @@ def _ollama(model: ModelHandlers, timing: Timing) -> OllamaServing:
 async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
+        check_request(body)  # (its fields checked all the same)
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=True)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
@@ -55,6 +62,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
 async def generate_route(body: OllamaGenerateRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
     if not body.prompt:  # (as Ollama: raw or not, an empty prompt loads or unloads)
+        check_request(body)
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=False)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)

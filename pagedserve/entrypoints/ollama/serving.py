@@ -32,6 +32,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.streaming import sse_dicts
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import EngineOutput
 
 _DONE_REASONS = {"tool_calls": "stop"}  # Ollama says "stop" when a turn ends in tool calls
@@ -134,6 +135,22 @@ def _openai_tool_call(call: Any, where: str, call_id: str) -> dict[str, Any]:
             "function": {"name": function["name"], "arguments": json.dumps(arguments or {})}}
 
 
+ROLES = ("system", "user", "assistant", "tool")  # Ollama's message roles
+
+
+def check_request(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
+    """The request's own fields checked without its model: what a chat without messages
+    or a generate without a prompt (a load or unload) must pass too, as Ollama's do."""
+    if isinstance(req, OllamaChatRequest):
+        translated = chat_request(req.model_copy(update={"messages": [*req.messages, {"role": "user", "content": "x"}]}))
+    else:
+        translated = generate_request(req.model_copy(update={"prompt": "x"}), has_template=True)
+    try:
+        translated.to_sampling_params()  # (the ranges the engine checks)
+    except InvalidRequestError as e:
+        raise as_ollama(OpenAIError(str(e), param=e.param)) from None
+
+
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ollama's messages as OpenAI's: tool calls' arguments as JSON text (with ids), a
     tool result's `tool_name` as its name, images as image parts."""
@@ -141,6 +158,9 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise OpenAIError(f"messages[{i}] must be an object", param="messages")
+        if m.get("role") not in ROLES:
+            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r:.50}",
+                              param="messages")
         message: dict[str, Any] = {"role": m.get("role"),
                                    "content": _with_images(m.get("content") or "", m.get("images"), f"messages[{i}]")}
         calls = m.get("tool_calls")
@@ -206,6 +226,16 @@ _OLLAMA_NAMES = {**{openai: f"options.{name}" for name, openai in SAMPLING_OPTIO
                  "max_tokens": "options.num_predict", "response_format": "format"}
 
 
+def as_ollama(e: OpenAIError) -> OpenAIError:
+    """An OpenAI field's refusal under the Ollama name the client sent (`options.top_p`)."""
+    name = _OLLAMA_NAMES.get(e.param or "")
+    if name is None:
+        return e
+    e.message = name + e.message[len(e.param):] if e.message.startswith(f"{e.param} ") else f"{name}: {e.message}"
+    e.param = "options" if name.startswith("options.") else name
+    return e
+
+
 def _validated(cls: type[Any], body: dict[str, Any]) -> Any:
     """The translated body as the OpenAI request model; a field it refuses is named as
     the client sent it (`options.temperature`, `messages.0.role`), not pydantic's dump."""
@@ -243,7 +273,10 @@ class OllamaServing:
         openai_request = chat_request(req) if isinstance(req, OllamaChatRequest) else \
             generate_request(req, has_template)
         handler = self._handler(openai_request)
-        prepared = handler.prepare(openai_request)
+        try:
+            prepared = handler.prepare(openai_request)
+        except OpenAIError as e:  # (a range the engine checks: named as the client sent it)
+            raise as_ollama(e) from None
         # The answer's room: the model's context (or Ollama's num_ctx window) after the
         # prompt; num_predict past it stops where the context is full, as Ollama's does.
         prompt_len, num_ctx = len(prepared.prompts[0].token_ids), req.num_ctx()

@@ -18,7 +18,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
 from pagedserve.entrypoints.ollama.protocol import OLLAMA_PATH_PREFIX
 from pagedserve.entrypoints.openai.json_body import check_json_body
-from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
 from pagedserve.errors import InvalidRequestError
 
 
@@ -27,7 +27,7 @@ def error_response(err: OpenAIError, path: str = "") -> JSONResponse:
     if path.startswith(ANTHROPIC_PATH_PREFIX):
         body = anthropic_error_body(err.status, err.message)
     elif path.startswith(OLLAMA_PATH_PREFIX):
-        body = {"error": err.message}
+        body = {"error": f"model '{err.model}' not found" if isinstance(err, ModelNotFoundError) else err.message}
     else:
         body = err.to_response().model_dump()
     return JSONResponse(body, status_code=err.status, headers=err.headers)

@@ -25,7 +25,7 @@ from pagedserve.entrypoints.openai.model_pool import UNSET, Lease, ModelPool, Mo
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
 from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
 from pagedserve.entrypoints.openai.serving_responses import ResponseStore
@@ -258,8 +258,7 @@ class ServerState:
         if name is None:
             if requested in self.lora_adapters.loras:
                 return self.models.default_name
-            raise OpenAIError(f"The model `{requested[:200]}` does not exist.", status=404, param="model",
-                              code="model_not_found")
+            raise ModelNotFoundError(str(requested))
         return name
 
     async def lease(self, requested: str | None, runner: str | None = None, route: str = "",

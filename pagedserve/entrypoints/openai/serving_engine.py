@@ -70,6 +70,16 @@ class OpenAIError(Exception):
                                              code=self.code))
 
 
+class ModelNotFoundError(OpenAIError):
+    """A 404 for a model (or adapter) this server does not serve, in vLLM's words; `model`
+    is the name asked for (Ollama's routes say it their way: http_utils.error_response)."""
+
+    def __init__(self, model: str, why: str = "") -> None:
+        super().__init__(f"The model `{model[:200]}` does not exist{why}.", status=404, param="model",
+                         code="model_not_found")
+        self.model = model[:200]
+
+
 def request_failed(finish_reason: str | None, reason: object = None) -> OpenAIError | None:
     """The error for a choice the engine ended with "error": the engine's message when it
     gave one (a grammar that failed to compile), else its logits were not finite."""
@@ -194,8 +204,7 @@ class OpenAIServing:
         if requested is None:
             return self.served_model_names[0]
         if requested not in self.served_model_names and requested not in self.lora_modules:
-            raise OpenAIError(f"The model `{requested[:200]}` does not exist.", status=404, param="model",
-                              code="model_not_found")
+            raise ModelNotFoundError(requested)
         return requested
 
     def lora_request(self, requested: str | None) -> LoRARequest | None:
@@ -206,8 +215,7 @@ class OpenAIServing:
             return None
         lora = self.lora_modules.get(requested)
         if lora is None:
-            raise OpenAIError(f"The model `{requested[:200]}` does not exist (it was unloaded while this request was "
-                              "prepared).", status=404, param="model", code="model_not_found")
+            raise ModelNotFoundError(requested, " (it was unloaded while this request was prepared)")
         return lora
 
     # ------------------------------------------------------------------ one request

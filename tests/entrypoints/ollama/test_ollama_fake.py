@@ -121,6 +121,45 @@ def test_refusals_name_what_is_not_served() -> None:
     assert errors["num_predict"][0] == 400 and "num_predict" in errors["num_predict"][1]
 
 
+def test_an_empty_chat_or_prompt_is_checked_and_errors_speak_ollamas_names() -> None:
+    """A chat without messages or a generate without a prompt (a load) still has its fields
+    checked (every bad one answered 200); ranges the engine checks are named as the
+    client sent them (options.top_p, not top_p); an unknown model in Ollama's words;
+    roles checked; Ollama's image-generation fields refused; stream null is the default."""
+    _, app, _ = make_app()
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        out = []
+        for path, body in [
+            ("/api/generate", {"model": "first", "options": {"temperature": "hot"}}),
+            ("/api/generate", {"model": "first", "format": "yaml"}),
+            ("/api/generate", {"model": "first", "suffix": "x"}),
+            ("/api/chat", {"model": "first", "options": {"bogus": 1}}),
+            ("/api/chat", {"model": "first", "messages": [{"role": "user", "content": "x"}],
+                           "options": {"top_p": 0}}),
+            ("/api/generate", {"model": "first", "prompt": "x", "options": {"repeat_penalty": 0}}),
+            ("/api/chat", {"model": "first", "messages": [{"role": "bogus", "content": "x"}]}),
+            ("/api/chat", {"model": "first", "format": 5}),
+            ("/api/generate", {"model": "first", "prompt": "x", "width": 512}),
+            ("/api/chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            ("/api/chat", {"model": "first", "messages": [{"role": "user", "content": "x"}], "stream": None}),
+        ]:
+            r = await http.post(path, json=body)
+            out.append((r.status_code, r.json().get("error") if r.status_code != 200 else None))
+        await http.aclose()
+        return out
+
+    got = call(app, fn)
+    assert [status for status, _ in got] == [400] * 9 + [404, 200], got
+    errors = [e for _, e in got]
+    assert "options.temperature" in errors[0] and "format" in errors[1] and "suffix" in errors[2]
+    assert "options.bogus" in errors[3]
+    assert errors[4].startswith("options.top_p ") and errors[5].startswith("options.repeat_penalty "), errors
+    assert "messages[0].role" in errors[6] and "JSON schema" in errors[7] and "width" in errors[8]
+    assert errors[9] == "model 'nope' not found"
+
+
 def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:
     state, app, loads = make_app()
     state.runner = "generate"  # as `pagedserve serve` sets it from --runner
