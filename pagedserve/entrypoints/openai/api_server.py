@@ -51,6 +51,7 @@ from pagedserve.entrypoints.openai.http_utils import (
 from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec, register_pool_metrics
 from pagedserve.entrypoints.openai.model_sources import add_model_pool_args, model_specs, pool_options
 from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.routers.completions import router as completions_router
 from pagedserve.entrypoints.openai.routers.lora import router as lora_router
 from pagedserve.entrypoints.openai.routers.pooling import router as pooling_router
@@ -67,7 +68,6 @@ from pagedserve.entrypoints.openai.server_state import (
     dashboard_hub,
 )
 from pagedserve.entrypoints.openai.serving_models import LoRAAdapters, parse_lora_modules
-from pagedserve.entrypoints.openai.serving_responses import ResponseStore
 from pagedserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     ToolParser,

@@ -169,6 +169,11 @@ def check_chat_only_fields(modalities: list[str] | None, web_search_options: dic
     if store:
         raise InvalidRequestError("store is not supported on /v1/chat/completions: chat completions are not kept "
                                   "on this server (send store false, or leave it out)", param="store")
+    check_metadata(metadata)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on metadata (chat completions and Responses alike), though nothing reads it."""
     meta = metadata or {}
     if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS
                                              for k, v in meta.items()):

@@ -23,12 +23,12 @@ from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard import DashboardHub, is_public_path
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease, ModelPool, ModelSpec
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
 from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
-from pagedserve.entrypoints.openai.serving_responses import ResponseStore
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
 from pagedserve.errors import OverloadedError
 from pagedserve.lora.request import LoRARequest

@@ -55,6 +55,10 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 logger = logging.getLogger("pagedserve.api_server")
 
 
+# How vLLM's context-length refusal begins (a client matches it; so does truncation "auto").
+CONTEXT_LENGTH_ERROR = "This model's maximum context length is"
+
+
 class OpenAIError(Exception):
     """An error with an HTTP status, rendered in OpenAI's `{"error": {...}}` shape."""
 
@@ -284,7 +288,7 @@ class OpenAIServing:
         limit = self.max_model_len
         if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt + max_tokens > limit:
             raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{CONTEXT_LENGTH_ERROR} {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion.",
                 param="max_tokens" if num_prompt < limit else prompt_param)

@@ -15,10 +15,7 @@ conversation.  Without it, `store: true` and `previous_response_id` are refused 
 from __future__ import annotations
 
 import json
-import sys
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -33,16 +30,39 @@ from pagedserve.entrypoints.openai.protocol import (
     Verbosity,
     random_id,
 )
-from pagedserve.entrypoints.openai.protocol_fields import HintKeys, check_object_hint
+from pagedserve.entrypoints.openai.protocol_fields import (
+    HintKeys,
+    check_metadata,
+    check_object_hint,
+    refuse_unsupported_fields,
+)
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.entrypoints.openai.serving_engine import CONTEXT_LENGTH_ERROR, OpenAIError, PreparedRequest
 from pagedserve.errors import InvalidRequestError
-from pagedserve.request_limits import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_ENTRIES
 
 # Chat's names for fields whose Responses names differ.
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+# vLLM's extra fields of its Responses request that chat's handler does: passed on as they are.
+VLLM_CHAT_FIELDS = ("seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority",
+                    "cache_salt", "structured_outputs", "min_tokens", "stop_token_ids", "bad_words")
+# ...and those asking for what this server does not do, refused by name when set.
+VLLM_REFUSED = {"request_id": "a response's id is the server's (it keys the response store)",
+                "kv_transfer_params": "this server does no disaggregated prefill",
+                "enable_response_messages": "answers carry output items only"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _renamed(e: OpenAIError) -> OpenAIError:
+    """A chat refusal in the Responses API's names, its text too (max_output_tokens)."""
+    name = _PARAM_NAMES.get(e.param or "")
+    if name is not None:
+        if e.message.startswith(f"{e.param} "):
+            e.message = name + e.message[len(e.param or ""):]
+        e.param = name
+    return e
 
 
 @dataclass
@@ -52,62 +72,6 @@ class PreparedResponse:
     request: ResponsesRequest
     conversation: list[dict[str, Any]]  # the chat messages after the instructions, to store
     store: bool = False
-
-
-class ResponseStore:
-    """Responses by id with the conversation that led to each (chat messages), oldest
-    dropped first past `max_entries` or `max_bytes`.  Each is kept as its JSON text and
-    `max_bytes` counts that text's memory: kept as Python objects, five 14 MiB requests
-    of nested empty lists held 1.08 GB at rest under a 64 MiB bound that counted JSON
-    characters.  Thread-safe: the handlers prepare requests off the event loop."""
-
-    def __init__(self, max_entries: int = RESPONSES_STORE_MAX_ENTRIES,
-                 max_bytes: int = RESPONSES_STORE_MAX_BYTES) -> None:
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: OrderedDict[str, tuple[str, str, str, int]] = OrderedDict()  # 3 JSON texts, bytes
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
-            input_items: list[dict[str, Any]] | None = None) -> None:
-        """Keep `response` with the conversation that led to it (chat messages) and the
-        request's input items (what GET .../input_items lists)."""
-        texts = (json.dumps(response), json.dumps(conversation), json.dumps(input_items or []))
-        size = sum(sys.getsizeof(t) for t in texts)
-        if size > self.max_bytes:
-            return  # larger than the whole store: not kept (a later previous_response_id gets a 404)
-        with self._lock:
-            old = self._items.pop(response["id"], None)
-            if old is not None:
-                self._bytes -= old[-1]
-            self._items[response["id"]] = (*texts, size)
-            self._bytes += size
-            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-                _, dropped = self._items.popitem(last=False)
-                self._bytes -= dropped[-1]
-
-    @property
-    def num_bytes(self) -> int:
-        """The memory the stored texts take."""
-        return self._bytes
-
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """(the response, its conversation), or None."""
-        with self._lock:
-            item = self._items.get(response_id)
-        return None if item is None else (json.loads(item[0]), json.loads(item[1]))
-
-    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
-        with self._lock:
-            item = self._items.get(response_id)
-        return None if item is None else json.loads(item[2])
-
-    def delete(self, response_id: str) -> bool:
-        with self._lock:
-            item = self._items.pop(response_id, None)
-            if item is not None:
-                self._bytes -= item[-1]
-        return item is not None
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -253,6 +217,8 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     ignored; those accepted without effect held to OpenAI's shapes."""
     try:
         req.check_openai_fields()
+        refuse_unsupported_fields(req.model_extra, VLLM_REFUSED)
+        check_metadata(req.metadata)
         for name, keys in _HINTS.items():
             check_object_hint(name, getattr(req, name), keys, _REFUSED_HINTS)
     except InvalidRequestError as e:
@@ -312,7 +278,8 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
     choice = _chat_tool_choice(req.tool_choice)
     for name, value in (("tool_choice", choice), ("parallel_tool_calls", req.parallel_tool_calls),
                         ("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                        ("top_p", req.top_p), ("user", req.user), ("response_format", _text_format(req.text))):
+                        ("top_p", req.top_p), ("user", req.user), ("response_format", _text_format(req.text)),
+                        *((name, (req.model_extra or {}).get(name)) for name in VLLM_CHAT_FIELDS)):
         if value is not None:
             body[name] = value
     try:
@@ -392,18 +359,61 @@ class OpenAIServingResponses:
     def prepare(self, req: ResponsesRequest) -> PreparedResponse:
         chat_request, conversation = to_chat_request(req, self.store)
         keep = self.store is not None and req.store is not False
+        auto = req.truncation == "auto"
         try:
-            return PreparedResponse(chat_request, self.chat.prepare(chat_request), req, conversation, keep)
+            try:
+                prepared: PreparedRequest | None = self.chat.prepare(chat_request)
+            except OpenAIError as e:  # (with max_output_tokens, a prompt too long is refused here)
+                if not (auto and e.message.startswith(CONTEXT_LENGTH_ERROR)):
+                    raise
+                prepared = None
+            if auto and (prepared is None or not self._fits(prepared, req)):
+                chat_request, prepared = self._truncated(req, chat_request, len(conversation))
         except OpenAIError as e:
-            e.param = _PARAM_NAMES.get(e.param, e.param)
-            raise
+            raise _renamed(e) from None
+        return PreparedResponse(chat_request, prepared, req, conversation, keep)
+
+    def _fits(self, prepared: PreparedRequest, req: ResponsesRequest) -> bool:
+        return len(prepared.prompts[0].token_ids) + (req.max_output_tokens or 1) <= self.chat.max_model_len
+
+    def _truncated(self, req: ResponsesRequest, chat_request: ChatCompletionRequest,
+                   num_items: int) -> tuple[ChatCompletionRequest, PreparedRequest]:
+        """truncation "auto": the conversation without as few of its first items as make it
+        fit the context (OpenAI's rule; the instructions stay, and a tool result is never
+        left without its call), found by bisection: log2(items) renders."""
+        messages = chat_request.messages
+        head, items = messages[: len(messages) - num_items], messages[len(messages) - num_items:]
+
+        def attempt(k: int) -> tuple[ChatCompletionRequest, PreparedRequest] | None:
+            rest = items[k:]
+            while rest and rest[0].role == "tool":  # (its call was cut)
+                rest = rest[1:]
+            if not rest:
+                return None
+            shorter = chat_request.model_copy(update={"messages": [*head, *rest]})
+            try:
+                prepared = self.chat.prepare(shorter)
+            except OpenAIError:
+                return None  # (the context-length refusal of a prompt still too long)
+            return (shorter, prepared) if self._fits(prepared, req) else None
+
+        lo, hi, best = 1, len(items) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if (found := attempt(mid)) is not None:
+                best, hi = found, mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            raise OpenAIError(f"truncation auto: even the conversation's last item does not fit the model's context "
+                              f"({self.chat.max_model_len} tokens with max_output_tokens)", param="input")
+        return best
 
     async def start(self, req: ResponsesRequest, prep: PreparedResponse) -> tuple[str, list[RequestStream]]:
         try:
             _, streams = await self.chat.start(prep.chat_request, prep.prepared)
         except OpenAIError as e:
-            e.param = _PARAM_NAMES.get(e.param, e.param)
-            raise
+            raise _renamed(e) from None
         return random_id("resp"), streams
 
     def response(self, response_id: str, prep: PreparedResponse, created: float, out: _Output,
@@ -429,7 +439,7 @@ class OpenAIServingResponses:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata,
             "previous_response_id": req.previous_response_id, "store": prep.store, "user": req.user,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
         }
 
     def finished(self, prep: PreparedResponse, response: dict[str, Any], out: _Output) -> dict[str, Any]:

@@ -114,6 +114,10 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"stream": True, "stream_options": {"include_obfuscation": "yes"}}, "stream_options"),
     # a translation error names the Responses field, not chat's
     ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools"),
+    # vLLM's fields for what this server does not do (they were logged and ignored)
+    ({"extra_body": {"request_id": "mine"}}, "request_id"), ({"extra_body": {"kv_transfer_params": {}}},
+                                                             "kv_transfer_params"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),  # (OpenAI's bounds, as on chat)
 ])
 def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -160,3 +164,30 @@ def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server) -> None:
     agents.set_tracing_disabled(True)
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
     assert len(seen) == 1 and result.final_output == f"sunny in {seen[0]}"
+
+
+def test_vllms_sampling_fields_reach_the_answer(client) -> None:
+    """vLLM's Responses fields that chat's handler does (seed, stop, top_k, ...) are passed on
+    (they were logged as unknown and ignored: a seeded answer differed each time)."""
+    ask = {"model": MODEL_NAME, "input": ASK, "max_output_tokens": 12}
+    seeded = [client.responses.create(**ask, temperature=1.5, extra_body={"seed": 7}).output_text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    whole = client.responses.create(**ask, temperature=0).output_text
+    word = whole.split()[1]
+    stopped = client.responses.create(**ask, temperature=0, extra_body={"stop": [word]}).output_text
+    assert stopped == whole[: whole.index(word)], (whole, stopped)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{**ask, "max_output_tokens": 0})
+    assert e.value.body["param"] == "max_output_tokens" and e.value.body["message"].startswith("max_output_tokens ")
+
+
+def test_truncation_auto_drops_the_first_items_until_the_conversation_fits(client) -> None:
+    """OpenAI's truncation "auto": items from the conversation's start dropped until it fits
+    the context (256 tokens here); "disabled" (the default) refuses it; the answer says which."""
+    long = [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "ok"}]  # (~125 tokens)
+    items = [*long, *long, {"role": "user", "content": ASK}]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=8)
+    r = client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=8, truncation="auto", temperature=0)
+    assert r.truncation == "auto" and r.status in ("completed", "incomplete")
+    assert 100 < r.usage.input_tokens <= 256 - 8  # (the first long turn dropped, the second kept)

@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
-from pagedserve.entrypoints.openai.serving_responses import ResponseStore
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from tests.engine.fake_engine import FakeEngine
 
 
