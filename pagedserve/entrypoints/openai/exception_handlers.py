@@ -37,7 +37,7 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
         return error_response(OpenAIError(f"The request body is not valid JSON ({first.get('msg', 'invalid')} "
                                           f"at character {first.get('loc', ('', '?'))[-1]})."), path)
     # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the path.
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not UNION_TAG.fullmatch(str(x))]
+    loc = [str(x) for x in first.get("loc", ())[1:] if not UNION_TAG.fullmatch(str(x))]  # (less "body", "query")
     where = ".".join(loc) or "body"
     return error_response(OpenAIError(f"{where}: {first.get('msg', 'invalid request')}",
                                       param=loc[0] if loc else None), path)

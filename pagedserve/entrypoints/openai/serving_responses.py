@@ -15,6 +15,7 @@ conversation.  Without it, `store: true` and `previous_response_id` are refused 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -166,8 +167,13 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
+    name = fmt.get("name", "output")
+    if fmt.get("type") == "json_schema" and (set(fmt) - {"type", "name", "schema", "strict", "description"}
+                                            or not isinstance(name, str) or not NAME.fullmatch(name)):
+        raise OpenAIError("text.format json_schema takes name (^[a-zA-Z0-9_-]{1,64}$), schema, strict and "
+                          "description only", param="text")
     if (fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)
-            and isinstance(fmt.get("name", ""), str) and isinstance(fmt.get("strict", False), (bool, type(None)))
+            and isinstance(fmt.get("strict", False), (bool, type(None)))
             and isinstance(fmt.get("description", ""), str)):
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
@@ -239,16 +245,40 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                           "(send predicted outputs to /v1/chat/completions)", param="prediction")
 
 
+# OpenAI's rule for function and json_schema format names.
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
+
+
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Responses' flat function tools in chat's nested shape (only function tools exist here)."""
-    out = []
+    """Responses' flat function tools in chat's nested shape (only function tools exist
+    here), each named by OpenAI's rule, once, with no key OpenAI's function tools lack."""
+    out, names = [], set()
     for i, tool in enumerate(tools or []):
-        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        if tool.get("type") != "function":
             raise OpenAIError(f"tools[{i}]: only function tools are supported ({repr(tool.get('type'))[:100]} is not)",
                               param="tools")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
-                                                                          "strict") if tool.get(k) is not None}})
+        name = tool.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise OpenAIError(f"tools[{i}].name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r:.80}", param="tools")
+        if name in names:
+            raise OpenAIError(f"tools[{i}]: tool names must be unique ({name!r} is given twice)", param="tools")
+        names.add(name)
+        if extra := [k for k in tool if k not in _TOOL_KEYS]:
+            raise OpenAIError(f"tools[{i}].{extra[0][:60]} is not supported here", param="tools")
+        out.append({"type": "function", "function": {k: tool[k] for k in _TOOL_KEYS[1:] if tool.get(k) is not None}})
     return out
+
+
+def _check_outputs_answer_calls(conversation: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers an earlier function_call (OpenAI: "No tool call
+    found for function call output with call_id ...")."""
+    calls: set[str] = set()
+    for m in conversation:
+        calls.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c, dict))
+        if m.get("role") == "tool" and m.get("tool_call_id") not in calls:
+            raise OpenAIError(f"No tool call found for function call output with call_id "
+                              f"{str(m.get('tool_call_id'))[:100]}.", param="input")
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -268,6 +298,7 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
     history = _history(req, store)
     _refuse_unsupported(req)
     conversation = [*history, *_chat_messages(req)]
+    _check_outputs_answer_calls(conversation)
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body: dict[str, Any] = {"model": req.model, "messages": [*system, *conversation], "stream": bool(req.stream)}
     if req.stream:

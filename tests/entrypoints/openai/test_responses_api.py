@@ -118,6 +118,13 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"extra_body": {"request_id": "mine"}}, "request_id"), ({"extra_body": {"kv_transfer_params": {}}},
                                                              "kv_transfer_params"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),  # (OpenAI's bounds, as on chat)
+    # OpenAI's rules on tools and formats (each was accepted)
+    ({"tools": [WEATHER, WEATHER]}, "tools"), ({"tools": [{**WEATHER, "name": "bad name!"}]}, "tools"),
+    ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "has space", "schema": {}}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "foo": 1}}}, "text"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
+     "input"),
 ])
 def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:

@@ -68,6 +68,9 @@ def test_stored_responses_are_retrieved_and_continued() -> None:
             ["one", "two"] and page.has_more
         rest = await client.responses.input_items.list(many.id, order="asc", after=page.last_id)
         assert len(rest.data) == 1 and not rest.has_more
+        with pytest.raises(openai.BadRequestError) as bad:  # a query parameter is named as such (was "query")
+            await client.responses.input_items.list(many.id, limit=0)
+        assert bad.value.body["param"] == "limit", bad.value.body
         # A stored response is returned whole: asking for it streamed is refused by name
         with pytest.raises(openai.BadRequestError, match="stream=true"):
             [e async for e in await client.responses.retrieve(first.id, stream=True)]
