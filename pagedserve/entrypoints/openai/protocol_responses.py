@@ -5,6 +5,7 @@ answers are plain dicts, so it stands apart from protocol.py's chat models.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pagedserve.entrypoints.openai.protocol import OpenAIRequestBody
@@ -45,3 +46,8 @@ class ResponsesRequest(OpenAIRequestBody):
     max_tool_calls: int | None = None
     image: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
+
+
+def object_id(prefix: str) -> str:
+    """An id as OpenAI's Responses API writes them: resp_..., msg_..., fc_..."""
+    return f"{prefix}_{uuid.uuid4().hex}"

@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest, object_id
 from pagedserve.request_limits import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_ENTRIES
 
 
@@ -66,3 +67,26 @@ class ResponseStore:
             if item is not None:
                 self._bytes -= item[-1]
         return item is not None
+
+
+# The keys each kind of input item is listed back with (OpenAI's item shapes).
+_ITEM_KEYS = {"message": ("type", "id", "role", "content", "status"),
+              "function_call": ("type", "id", "call_id", "name", "arguments", "status"),
+              "function_call_output": ("type", "id", "call_id", "output", "status")}
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as OpenAI lists it back: typed items with ids and a status, a
+    message's text as content parts (input_text; output_text for an assistant's), and
+    only the keys of the item's kind."""
+    items = []
+    for item in [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input:
+        kind = item.get("type", "message")
+        out = {k: item[k] for k in _ITEM_KEYS.get(kind, tuple(item)) if k in item}
+        out.update(type=kind, status=item.get("status") or "completed")
+        out.setdefault("id", object_id("msg" if kind == "message" else "fc" if kind == "function_call" else "item"))
+        if kind == "message" and isinstance(out.get("content"), str):
+            part = "output_text" if out.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": out["content"]}]
+        items.append(out)
+    return items

@@ -29,7 +29,6 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ReasoningEffort,
     Verbosity,
-    random_id,
 )
 from pagedserve.entrypoints.openai.protocol_fields import (
     HintKeys,
@@ -37,8 +36,8 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     check_object_hint,
     refuse_unsupported_fields,
 )
-from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedserve.entrypoints.openai.responses_store import ResponseStore
+from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest, object_id
+from pagedserve.entrypoints.openai.responses_store import ResponseStore, input_items
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import CONTEXT_LENGTH_ERROR, OpenAIError, PreparedRequest
 from pagedserve.errors import InvalidRequestError
@@ -73,17 +72,6 @@ class PreparedResponse:
     request: ResponsesRequest
     conversation: list[dict[str, Any]]  # the chat messages after the instructions, to store
     store: bool = False
-
-
-def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input as OpenAI lists it back: items with ids (a string input is one
-    user message of input_text)."""
-    items = ([{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}]}]
-             if isinstance(req.input, str) else [dict(item) for item in req.input])
-    for item in items:
-        if "id" not in item:
-            item["id"] = random_id("msg" if item.get("type", "message") == "message" else "item")
-    return items
 
 
 def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
@@ -337,7 +325,7 @@ class _Output:
 
     def item_id(self, kind: str) -> str:
         if kind not in self.ids:
-            self.ids[kind] = random_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind.split(":")[0]])
+            self.ids[kind] = object_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind.split(":")[0]])
         return self.ids[kind]
 
     def chat_message(self) -> dict[str, Any]:
@@ -445,7 +433,7 @@ class OpenAIServingResponses:
             _, streams = await self.chat.start(prep.chat_request, prep.prepared)
         except OpenAIError as e:
             raise _renamed(e) from None
-        return random_id("resp"), streams
+        return object_id("resp"), streams
 
     def response(self, response_id: str, prep: PreparedResponse, created: float, out: _Output,
                  done: bool = True) -> dict[str, Any]:
@@ -460,8 +448,8 @@ class OpenAIServingResponses:
                      "total_tokens": out.usage["prompt_tokens"] + out.usage["completion_tokens"]}
         status = ("incomplete" if incomplete else "completed") if done else "in_progress"
         return {
-            "id": response_id, "object": "response", "created_at": created, "model": prep.prepared.model,
-            "status": status, "completed_at": time.time() if status == "completed" else None,
+            "id": response_id, "object": "response", "created_at": int(created), "model": prep.prepared.model,
+            "status": status, "completed_at": int(time.time()) if status == "completed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": out.items() if done else [], "usage": usage,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

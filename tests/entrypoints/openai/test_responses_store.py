@@ -68,6 +68,11 @@ def test_stored_responses_are_retrieved_and_continued() -> None:
             ["one", "two"] and page.has_more
         rest = await client.responses.input_items.list(many.id, order="asc", after=page.last_id)
         assert len(rest.data) == 1 and not rest.has_more
+        # In OpenAI's item shape (they came back as sent: no type, text as a string, any key echoed)
+        every = (await client.responses.input_items.list(many.id, order="asc")).data
+        assert [i.content[0].type for i in every] == ["input_text", "output_text", "input_text"]
+        assert all(i.type == "message" and i.status == "completed" and i.id.startswith("msg_") for i in every)
+        assert many.id.startswith("resp_") and isinstance(many.created_at, (int, float))
         with pytest.raises(openai.BadRequestError) as bad:  # a query parameter is named as such (was "query")
             await client.responses.input_items.list(many.id, limit=0)
         assert bad.value.body["param"] == "limit", bad.value.body
