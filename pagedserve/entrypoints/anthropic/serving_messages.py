@@ -34,6 +34,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.entrypoints.openai.tool_parsers import arguments_object
 from pagedserve.errors import InvalidRequestError
 
 # Chat's names for the fields whose Anthropic names differ (errors name what the client sent).
@@ -308,57 +309,6 @@ def _output_config(config: dict[str, Any]) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A tool_use block's input: its arguments, or, cut short (max_tokens), the members
-    they completed, as the official client reads the same streamed partial_json."""
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        return _partial_object(arguments, 0)[0]
-    return value if isinstance(value, dict) else {}
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _partial_object(text: str, i: int) -> tuple[dict[str, Any], int]:
-    """(the complete members of the JSON object at text[i:], cut anywhere; where it
-    ended).  A member whose value is an object cut short keeps that object's complete
-    members; any other cut value is left out."""
-    out: dict[str, Any] = {}
-    n = len(text)
-
-    def skip(j: int) -> int:
-        while j < n and text[j] in " \t\n\r":
-            j += 1
-        return j
-
-    i = skip(i)
-    if i >= n or text[i] != "{":
-        return out, i
-    i += 1
-    while True:
-        i = skip(i)
-        if i < n and text[i] == "}":
-            return out, i + 1
-        try:
-            key, i = _DECODER.raw_decode(text, i)
-            i = skip(i)
-            if not isinstance(key, str) or i >= n or text[i] != ":":
-                return out, n
-            i = skip(i + 1)
-            if i < n and text[i] == "{":
-                value, i = _partial_object(text, i)
-                out[key] = value
-            else:
-                out[key], i = _DECODER.raw_decode(text, i)
-        except (ValueError, RecursionError):
-            return out, n
-        i = skip(i)
-        if i < n and text[i] == ",":
-            i += 1
-
-
 class AnthropicServingMessages:
     """The Messages endpoint over the chat handler (same engine, tools and limits)."""
 
@@ -413,7 +363,7 @@ class AnthropicServingMessages:
             content.append({"type": "text", "text": choice.message.content})
         for call in choice.message.tool_calls or []:
             content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.function.name,
-                            "input": tool_input(call.function.arguments)})
+                            "input": arguments_object(call.function.arguments)})
         reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
         return MessagesResponse(id=message_id, model=r.model, content=content, stop_reason=reason,
                                 stop_sequence=sequence, usage=AnthropicUsage(**anthropic_usage(r.usage.model_dump())))

@@ -32,6 +32,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.streaming import sse_dicts
+from pagedserve.entrypoints.openai.tool_parsers import arguments_object
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import EngineOutput
 
@@ -97,12 +98,8 @@ def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     out = []
     for call in calls or []:
         function = call.get("function") or {}
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except (ValueError, RecursionError):
-            arguments = {}
         out.append({"function": {"name": function.get("name", ""),
-                                 "arguments": arguments if isinstance(arguments, dict) else {"value": arguments}}})
+                                 "arguments": arguments_object(function.get("arguments") or "{}")}})
     return out
 
 

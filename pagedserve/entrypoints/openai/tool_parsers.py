@@ -170,3 +170,55 @@ def default_tool_parser(tokenizer: Any) -> tuple[ToolParser, str]:
     if "<tool_call>" in vocab:
         return HermesToolParser(), "the vocabulary has <tool_call>"
     return HermesToolParser(), "the most common format (no format-specific tokens in the vocabulary)"
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object (Anthropic's tool_use input, Ollama's arguments):
+    whole, or, cut short (max_tokens), the members they completed, as Anthropic's client
+    reads the same streamed partial_json; {} for arguments that are not an object."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return _partial_object(arguments, 0)[0]
+    return value if isinstance(value, dict) else {}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _partial_object(text: str, i: int) -> tuple[dict[str, Any], int]:
+    """(the complete members of the JSON object at text[i:], cut anywhere; where it
+    ended).  A member whose value is an object cut short keeps that object's complete
+    members; any other cut value is left out."""
+    out: dict[str, Any] = {}
+    n = len(text)
+
+    def skip(j: int) -> int:
+        while j < n and text[j] in " \t\n\r":
+            j += 1
+        return j
+
+    i = skip(i)
+    if i >= n or text[i] != "{":
+        return out, i
+    i += 1
+    while True:
+        i = skip(i)
+        if i < n and text[i] == "}":
+            return out, i + 1
+        try:
+            key, i = _DECODER.raw_decode(text, i)
+            i = skip(i)
+            if not isinstance(key, str) or i >= n or text[i] != ":":
+                return out, n
+            i = skip(i + 1)
+            if i < n and text[i] == "{":
+                value, i = _partial_object(text, i)
+                out[key] = value
+            else:
+                out[key], i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return out, n
+        i = skip(i)
+        if i < n and text[i] == ",":
+            i += 1

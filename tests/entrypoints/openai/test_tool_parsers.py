@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, ToolPlan, ToolStream
-from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from pagedserve.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    arguments_object,
+)
 from pagedserve.outputs import CompletionOutput
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -59,3 +64,18 @@ def test_llama3_json_streamed_equals_whole(head: str, is_call: bool, cuts: list[
     whole, calls = plan.calls(text, True)
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or "") and names == [c.name for c in calls]
+
+
+@pytest.mark.parametrize(("arguments", "want"), [
+    ('{"city": "Paris", "unit": "c"}', {"city": "Paris", "unit": "c"}),
+    ('{"city": "Paris", "unit":', {"city": "Paris"}),
+    ('{"city": "Par', {}),
+    ('{"a": {"b": 1, "c": [1, 2', {"a": {"b": 1}}),
+    ('{"n": 12, ', {"n": 12}),
+    ("", {}),
+    ("[1, 2]", {}),
+])
+def test_a_tool_call_cut_short_keeps_its_complete_members(arguments, want) -> None:
+    """A call max_tokens cut is the members it completed (Anthropic's tool_use input, whole
+    as its client reads the streamed partial_json; Ollama's arguments): whole was {}."""
+    assert arguments_object(arguments) == want
