@@ -11,6 +11,8 @@ finite: a NaN temperature once reached the sampler and stopped the whole engine.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import json
 import math
 from collections.abc import Callable
@@ -110,6 +112,40 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
+def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...], str]]) -> Callable[[type], type]:
+    """A params dataclass whose constructor takes vLLM's other keyword arguments at a value
+    that asks for nothing here (`neutral`: name -> (such values, what the others ask for)),
+    refuses them at any other by name, and answers an unknown one with the valid names
+    (a vLLM script ported as it is fails clearly or runs as it did)."""
+    def wrap(cls: type) -> type:
+        init = cls.__init__
+        names = [n for n in inspect.signature(init).parameters if n != "self"]  # (fields and InitVars)
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            for name in [k for k in kwargs if k not in names]:
+                value = kwargs.pop(name)
+                if name not in neutral:
+                    raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; its arguments "
+                                    f"are {', '.join(names)}")
+                values, why = neutral[name]
+                if not any(type(value) is type(v) and value == v or (is_number(value) and not isinstance(value, bool)
+                                                                     and is_number(v) and value == v) for v in values):
+                    raise InvalidRequestError(f"{name}={value!r:.60} is not supported here: {why}", param=name)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+    return wrap
+
+
+@vllm_kwargs({
+    "detokenize": ((True,), "outputs are always detokenized here"),
+    "spaces_between_special_tokens": ((True, False), ""),  # (a fast tokenizer's decode reads it not: vLLM's neither)
+    "logits_processors": ((None, []), "no custom logits processors are run here"),
+    "extra_args": ((None, {}), "no custom logits processor reads it"),
+    "best_of": ((None,), "best_of > n is not supported"),
+})
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -351,6 +387,8 @@ _LOGPROBS_RULES = (
 MAX_BEAM_WIDTH = 10
 
 
+@vllm_kwargs({"temperature": ((0.0,), "beam search here ranks by the model's own logprobs (temperature 0)"),
+              "include_stop_str_in_output": ((False,), "beams end at the end-of-sequence token, with no stop strings")})
 @dataclass
 class BeamSearchParams:
     """`LLM.beam_search` (vLLM's fields): the `beam_width` best continuations of up to
@@ -370,6 +408,9 @@ class BeamSearchParams:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
                                       param="max_tokens")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r:.60}",
+                                      param="ignore_eos")
         if not is_number(self.length_penalty):
             raise InvalidRequestError(f"length_penalty must be a number, got {self.length_penalty!r}",
                                       param="length_penalty")

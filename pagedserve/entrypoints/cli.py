@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
@@ -176,8 +177,13 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     if use_chat is None:
         use_chat = engine.chat_template is not None
     if use_chat:
+        if any(not p for p in ns.prompts):
+            raise ValueError("a prompt is empty")
         prompts: list[Any] = [engine.encode_chat(_conversation(ns.system, p)) for p in ns.prompts]
     else:
+        if ns.system is not None:
+            raise ValueError("--system is a chat prompt's system message, and this run completes its prompts as they "
+                             "are (--no-chat, or a model without a chat template)")
         prompts = list(ns.prompts)
     if ns.show_blocks:
         engine.keep_busiest_snapshot()
@@ -247,11 +253,32 @@ def cmd_chat(ns: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _version() -> str:
+    from pagedserve import __version__
+
+    return __version__
+
+
+def _split_global_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the global options before the command, the command and its arguments): `serve`
+    and `bench NAME` parse their own arguments, so they are handed what follows the
+    global options (with `--log-level` before them, they were taken for empty commands)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("--log-level"):
+        i += 1 if "=" in argv[i] else 2
+    return argv[:i], argv[i:]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if _delegate(argv):
+    options, command = _split_global_options(argv)
+    parser = build_parser()
+    if options:  # (checked, and the level set, before a delegated command runs)
+        logging.basicConfig(level=parser.parse_args([*options, "chat"]).log_level.upper(),
+                            format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if _delegate(command):
         return
-    ns = build_parser().parse_args(argv)
+    ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
@@ -259,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
             cmd_generate(ns)
         elif ns.command == "chat":
             cmd_chat(ns)
+        else:  # (serve and bench NAME ran above: here only without a benchmark's name)
+            parser.error(f"{ns.command}: nothing to run")
     except (ValueError, FileNotFoundError) as e:
         # Bad flags or input: the message names the problem; a traceback would only hide it.
         sys.exit(f"pagedserve {ns.command}: error: {e}")

@@ -86,7 +86,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
@@ -97,6 +97,8 @@ class LLM:
         for every prompt, or one per prompt (None: the base model).  Outputs come back
         in input order."""
         prompt_list = _normalize_prompts(prompts)
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise TypeError(f"priority must be a list with one integer per prompt, got {type(priority).__name__}")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         if sampling_params is None:
@@ -108,7 +110,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -125,12 +127,17 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         chat_template = read_chat_template(chat_template)  # the caller's own process may name a file
         client = self.client
-        prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools,
-                                      chat_template_kwargs=chat_template_kwargs,
-                                      continue_final_message=continue_final_message)
+        kwargs = dict(chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message)
+        prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools, **kwargs)
                    for conv in conversations]
+        if tools and client.encode_chat(list(conversations[0]), chat_template, add_generation_prompt,
+                                        **kwargs)["prompt_token_ids"] == prompts[0]["prompt_token_ids"]:
+            raise ValueError("tools: this chat template does not render tools, so the model would never see them "
+                             "(give a chat_template that renders `tools`, or describe them in a system message)")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm, None, lora_request)
@@ -145,6 +152,8 @@ class LLM:
         engine = self.llm_engine
         if engine is None:
             raise ValueError("beam search runs on one engine (data_parallel_size=1)")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate(engine.model_config.max_logprobs)
         width = params.beam_width
         step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
@@ -172,7 +181,7 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Prompt | Sequence[Prompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+               use_tqdm: bool | Callable[..., Any] = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """With runner="pooling": one pooled result per prompt (vLLM's `encode`), each a
         prefill through the same scheduler, block pool and prefix cache as generation.
         `truncate_prompt_tokens` (vLLM's): each prompt's last N tokens (-1: max_model_len)."""
@@ -184,7 +193,7 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool | Callable[..., Any] = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """With runner="pooling": each prompt's embedding (`.outputs.embedding`), pooled as
         the engine's pooler_config says (the last token's state, L2-normalised, unless
         it says otherwise)."""
@@ -192,7 +201,7 @@ class LLM:
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def score(self, data_1: str | list[int] | Sequence[str | list[int]], data_2: str | list[int] | Sequence[str | list[int]],
-              use_tqdm: bool = True, instruction: str | None = None) -> list[ScoringRequestOutput]:
+              use_tqdm: bool | Callable[..., Any] = True, instruction: str | None = None) -> list[ScoringRequestOutput]:
         """With runner="pooling": the relevance of each (data_1, data_2) pair (one data_1
         against every data_2, or two lists pairwise).  With classifier tokens in the
         pooler_config the pair is one reranker prompt (`instruction`: its task line) and
@@ -217,13 +226,16 @@ class LLM:
                                      ScoringOutput(cosine(a.outputs.data, b.outputs.data)))
                 for a, b in zip(outs[::2], outs[1::2], strict=True)]
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool | Callable[..., Any],
              priority: Sequence[int] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> Any:
         client = self.client
         loras = _normalize_loras(lora_request, len(prompts))
         stats = self.llm_engine.get_stats if self.llm_engine is not None else None
-        bar = _ProgressBar(stats, len(prompts)) if use_tqdm and prompts else None
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise TypeError(f"use_tqdm must be true, false or a tqdm class, got {type(use_tqdm).__name__}")
+        bar = _ProgressBar(stats, len(prompts), use_tqdm if callable(use_tqdm) else None) if use_tqdm and prompts \
+            else None
         try:
             return client.run_batch(prompts, params, list(priority) if priority is not None else None, bar, loras)
         finally:
@@ -235,9 +247,11 @@ class _ProgressBar:
     """tqdm over requests, with input and output tokens/s measured from the engine's
     counters (`stats`; None for data-parallel replicas, whose counters stay with them)."""
 
-    def __init__(self, stats: Callable[[], EngineStats] | None, total: int) -> None:
+    def __init__(self, stats: Callable[[], EngineStats] | None, total: int, bar_class: Any = None) -> None:
+        """`bar_class`: a caller's tqdm (vLLM's use_tqdm may be one), else tqdm.auto's."""
         from tqdm.auto import tqdm
 
+        tqdm = bar_class or tqdm
         self.stats = stats
         first = stats() if stats is not None else None
         self.base = (first.num_prompt_tokens, first.num_generation_tokens) if first is not None else (0, 0)

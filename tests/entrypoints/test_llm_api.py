@@ -101,3 +101,33 @@ def test_chat_single_and_batched(llm, tok) -> None:
     assert o.prompt == "Q: hi"
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], use_tqdm=False)
+
+
+def test_vllm_call_forms_fail_clearly_or_run(llm, tok) -> None:
+    """What a ported vLLM script passes: a tqdm class as use_tqdm (it was ignored), a bare
+    int as priority, SamplingParams to beam_search, tools a template does not render
+    (silently dropped), chat_template_kwargs of the wrong type: each runs or says why."""
+    import tqdm
+
+    made = []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(kwargs.get("total"))
+            super().__init__(*args, **kwargs)
+
+    llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=Bar)
+    assert made == [2]
+    with pytest.raises(TypeError, match="priority must be a list"):
+        llm.generate("a", priority=5)
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        llm.beam_search(["a"], SamplingParams())
+    conv = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with pytest.raises(ValueError, match="does not render tools"):
+        llm.chat(conv, use_tqdm=False, tools=tools)
+    rendered = "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    [o] = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, tools=tools, chat_template=rendered)
+    assert o.prompt == "f;hi"
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        llm.chat(conv, use_tqdm=False, chat_template_kwargs="x")

@@ -148,3 +148,23 @@ def test_generate_on_an_avx2_only_cpu_runs_float32_and_says_why(tmp_path) -> Non
     assert "dtype auto -> float32: torch runs with AVX2 kernels" in run.stderr or \
         "dtype auto -> float32: this CPU has no bf16 instructions" in run.stderr, run.stderr
     assert "KV cache on cpu:" in run.stderr and "sized by" in run.stderr
+
+
+def test_global_options_before_a_delegated_command_and_version(monkeypatch, capsys) -> None:
+    """`pagedserve --log-level warning serve ...` ran nothing and exited 0 (the global option
+    hid the command from its delegate); --version answers."""
+    ran = []
+    monkeypatch.setattr(cli, "_delegate", lambda argv: argv[:1] in (["serve"], ["bench"]) and (ran.append(argv) or True))
+    cli.main(["--log-level", "warning", "serve", "--port", "8000"])
+    cli.main(["--log-level=error", "bench", "throughput"])
+    assert ran == [["serve", "--port", "8000"], ["bench", "throughput"]]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("pagedserve ")
+
+
+def test_generate_refuses_an_empty_chat_prompt_and_system_without_chat(fake_engine) -> None:
+    with pytest.raises(SystemExit, match="a prompt is empty"):
+        cli.main(["generate", ""])
+    with pytest.raises(SystemExit, match="--system"):
+        cli.main(["generate", "--no-chat", "--system", "Be brief.", "hi"])
