@@ -161,13 +161,22 @@ class OpenAIServingCompletion(OpenAIServing):
         if k is None or c.logprobs is None:
             return None
         lp = CompletionLogprobs()
-        for s, _, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
-            lp.tokens.append(s)
+        for s, raw, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
+            lp.tokens.append(_shown(s, raw))
             lp.token_logprobs.append(token_lp)
             lp.text_offset.append(offset)
             offset += len(s)
-            top_dict = {t: v for t, _, v in top}
+            top_dict = {_shown(t, b): v for t, b, v in top}
             if token_lp is not None:
-                top_dict.setdefault(s, token_lp)
+                top_dict.setdefault(_shown(s, raw), token_lp)
             lp.top_logprobs.append(top_dict if token_lp is not None else None)
         return lp
+
+
+def _shown(text: str, raw: bytes) -> str:
+    """A token as the legacy API shows it: its text, or, for a token holding part of a
+    character, "bytes:\\xNN..." as OpenAI's does (each such token read U+FFFD, and the
+    top alternatives' dict kept one of them)."""
+    if "\ufffd" in text and raw != text.encode():
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text

@@ -23,3 +23,21 @@ def test_vocabulary_forms() -> None:
     assert vocabulary_bytes("<0xF0>") == b"\xf0"  # SentencePiece's byte fallback
     assert vocabulary_bytes("Ġthe") == b" the"  # byte-level BPE: a space is Ġ
     assert vocabulary_bytes("▁the") is None and vocabulary_bytes(None) is None  # (the text's own bytes then)
+
+
+def test_completions_show_a_split_characters_tokens_as_bytes() -> None:
+    """The legacy logprobs name a token holding part of a character "bytes:\\xNN..." (OpenAI's
+    form): each read U+FFFD, and the top alternatives' dict kept one of several."""
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedserve.outputs import CompletionOutput, Logprob
+
+    tok = saved_tokenizer(resolve_source("smollm2-135m-instruct", "auto").path)
+    handler = OpenAIServingCompletion.__new__(OpenAIServingCompletion)
+    handler.tokenizer = tok
+    ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1
+    c = CompletionOutput(0, "🎉", ids, logprobs=[{i: Logprob(-0.5, 1)} for i in ids])
+    lp = handler.logprobs(c, 0, 1, 0)
+    assert all(t.startswith("bytes:") for t in lp.tokens), lp.tokens
+    joined = b"".join(bytes(int(h, 16) for h in t[len("bytes:"):].split("\\x")[1:]) for t in lp.tokens)
+    assert joined.decode() == "🎉" and all(len(d) == 1 for d in lp.top_logprobs)
