@@ -282,8 +282,7 @@ class PrometheusStatLogger:
             self.itl.observe(t)
         for reason, e2e in it.finished:
             self.success.get(reason, self.success["abort"]).inc()
-            if reason != "abort":
-                self.e2e.observe(e2e)
+            self.e2e.observe(e2e)  # (every request counted, aborted ones too, as vLLM's)
 
 
     def _record_loras(self, sched: SchedulerStats) -> None:

@@ -165,3 +165,15 @@ def test_lora_requests_info_shows_the_adapters_now_in_one_series_per_engine():
     assert [(s["running_lora_adapters"], s["waiting_lora_adapters"]) for s in series()] == [("a3", "")]
     prom.engine_down()
     assert series() == []
+
+
+def test_an_aborted_request_is_in_the_latency_histogram_as_in_its_count():
+    """vLLM observes every finished request's e2e latency, aborted ones too (request_success's
+    sum and the histogram's count agree)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    prom = make_prometheus_loggers(registry, "m")[0]
+    prom.record(SchedulerStats(), IterationStats(finished=[("stop", 1.0), ("abort", 2.0)]))
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:e2e_request_latency_seconds_count", labels) == 2

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -28,6 +30,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 import pagedserve
 from pagedserve.engine.async_llm import (
@@ -62,6 +65,7 @@ from pagedserve.entrypoints.openai.server_state import (
     DEFAULT_HTTP_READ_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     Attachment,
+    CorsOptions,
     ModelHandlers,
     ServerState,
     bind_state,
@@ -100,6 +104,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     bind_state(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes, read_timeout=state.http_read_timeout)
     app.add_middleware(APIKeyMiddleware, state=state)
+    if state.cors is not None:  # (before the key: a browser's preflight carries none)
+        app.add_middleware(CORSMiddleware, **dataclasses.asdict(state.cors))
     app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
     add_exception_handlers(app)
     if state.enable_dashboard:
@@ -120,7 +126,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY, else none)")
+                       help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health and the "
+                            "dashboard page, /metrics too unless --metrics-without-auth (vLLM guards /v1/* only; "
+                            "default: $PAGEDSERVE_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in the 'model' field (default: the MODEL argument)")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
@@ -142,8 +150,15 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="keep /v1/responses answers (at most 1,000 and 64 MiB, oldest out first) for "
                             "GET /v1/responses/{id} and previous_response_id (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
     group.add_argument("--metrics-without-auth", action="store_true",
-                       help="serve /metrics without the API key (for a Prometheus scraper); every other route "
-                            "but /health needs it")
+                       help="serve /metrics without the API key (for a Prometheus scraper)")
+    group.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON",
+                       help='CORS: origins a browser page may call from, e.g. \'["https://app.example"]\' '
+                            "(vLLM's flag; default: none, where vLLM's is every origin)")
+    group.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+                       help="CORS: methods allowed (default: all)")
+    group.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+                       help="CORS: request headers allowed (default: all)")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="refuse new requests with 503 and Retry-After while this many wait for a slot "
                             "(default: no limit)")
@@ -272,7 +287,7 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
                         enable_dashboard=not args.disable_dashboard and watchable,
                         responses_store=ResponseStore() if args.enable_responses_store else None,
-                        lora_adapters=loras, runner=engine_args.runner)
+                        lora_adapters=loras, runner=engine_args.runner, cors=cors_options(args))
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     return state
@@ -300,6 +315,17 @@ def configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerState]:
         return engine_args, state
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def cors_options(args: argparse.Namespace) -> CorsOptions | None:
+    """--allowed-origins and its companions (lists of strings), or None without origins."""
+    if args.allowed_origins is None:
+        return None
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, name)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {value!r:.100}")
+    return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
 def make_engine_client(engine_args: EngineArgs, state: ServerState, front_door: dict[str, Any],

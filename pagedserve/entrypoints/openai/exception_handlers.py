@@ -45,7 +45,8 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(OpenAIError(str(exc.detail), status=exc.status_code,
-                                      type="invalid_request_error" if exc.status_code < 500 else "server_error"),
+                                      type="invalid_request_error" if exc.status_code < 500 else "server_error",
+                                      headers=exc.headers),  # (a 405's Allow)
                           request.url.path)
 
 

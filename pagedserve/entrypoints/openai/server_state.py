@@ -162,6 +162,17 @@ def check_runner(served: str, wanted: str, route: str) -> None:
 
 
 @dataclass
+class CorsOptions:
+    """vLLM's CORS flags: which origins, methods and headers a browser may use, and whether
+    with credentials."""
+
+    allow_origins: list[str]
+    allow_methods: list[str] = field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass
 class ServerState:
     """Everything the routes need; its models' handlers come once they have loaded."""
 
@@ -173,6 +184,8 @@ class ServerState:
     # Host header values answered (DNS rebinding); None: any (in-process tests, or a server
     # bound to every interface).
     allowed_hosts: frozenset[str] | None = None
+    # CORS for browser clients of other origins (vLLM's --allowed-origins ...); None: none.
+    cors: CorsOptions | None = None
     draining: bool = False  # shutting down: new requests get 503
     started: bool = False  # the first model has loaded (until then every route but /health's 503 waits)
     registry: Any = None
@@ -282,9 +295,9 @@ class ServerState:
         return lease
 
     def is_public(self, path: str) -> bool:
-        """Routes served without the API key: /health, /metrics for a scraper when asked,
+        """Routes served without the API key: /health (and vLLM's /ping), /metrics for a scraper when asked,
         and the dashboard page (which asks for the key itself)."""
-        return (path == "/health" or (path == "/metrics" and self.metrics_without_auth)
+        return (path in ("/health", "/ping") or (path == "/metrics" and self.metrics_without_auth)
                 or (self.enable_dashboard and is_public_path(path)))
 
 

@@ -225,3 +225,29 @@ def test_two_loads_of_one_name_at_once_keep_one_adapter_in_the_engine():
         asyncio.run(adapters.unload(engine, "dup", lora_int_id=999))
     asyncio.run(adapters.unload(engine, "dup", lora_int_id=adapters.loras["dup"].lora_int_id))
     assert engine.loaded == set() and "dup" not in adapters.loras
+
+
+def test_ping_cors_and_a_405s_allow_header():
+    """vLLM's /ping (public, as /health), CORS with vLLM's flags (a browser's preflight
+    carries no key: answered before the key is asked for), a 405 saying what is allowed."""
+    from pagedserve.entrypoints.openai.server_state import CorsOptions
+
+    state, app = make_app(api_key="k")
+    state.cors = CorsOptions(["https://app.example"])
+    app = build_app(state)
+
+    async def fn(client):
+        ping = [await client.get("/ping"), await client.post("/ping")]
+        pre = await client.options("/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        other = await client.options("/v1/chat/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        wrong = await client.post("/health")
+        return ping, pre, other, wrong
+
+    ping, pre, other, wrong = call(app, fn)
+    assert [r.status_code for r in ping] == [200, 200]
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+    assert "access-control-allow-origin" not in other.headers
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"

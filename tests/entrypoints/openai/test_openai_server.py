@@ -250,6 +250,18 @@ def test_tokenize_detokenize(server, tokenizer):
         "model": MODEL_NAME, "messages": messages, "max_tokens": 1, **extra}).json()["usage"]["prompt_tokens"]
         for extra in ({}, {"tools": [tool]}, {"tools": [tool], "tool_choice": "none"})]
     assert counted == ran and counted[1] > counted[0] == counted[2]
+    # What the routes do not do is refused by name, not dropped; a chat field's error names it;
+    # /detokenize takes a list longer than the context (/tokenize gives them)
+    for body, param in [({"prompt": PROMPT, "tools": [tool]}, "tools"),
+                        ({"prompt": PROMPT, "add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
+                        ({"messages": messages, "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs"),
+                        ({"messages": messages, "tools": [{"type": "function"}]}, "tools")]:
+        bad = httpx.post(server.url + "/tokenize", json=body, headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        assert "validation error" not in bad.json()["error"]["message"]
+    long = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"] * 100}, headers=AUTH)
+    assert long.status_code == 200 and long.json()["prompt"] == tokenizer.decode(r["tokens"] * 100)
 
 
 def test_async_client_concurrent(server):

@@ -22,6 +22,12 @@ async def health(state: ServerStateDep) -> Response:
     return Response(status_code=200)
 
 
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(state: ServerStateDep) -> Response:
+    """vLLM's (SageMaker's) liveness route: /health's answer."""
+    return await health(state)
+
+
 @router.get("/version")
 async def version() -> dict:
     return {"version": pagedserve.__version__}

@@ -7,12 +7,28 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from pydantic import ValidationError
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, RequestBody
+from pagedserve.entrypoints.openai.protocol_fields import refuse_unsupported_fields, refuse_vllm_fields
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.errors import InvalidRequestError
 
 router = APIRouter()
+# The fields that shape a chat's rendering: with messages only.
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+               "tool_choice")
+
+
+def check_extras(body: RequestBody) -> None:
+    """OpenAI's and vLLM's fields these routes were sent and do not do, refused by name as
+    chat refuses them (they were dropped without a word)."""
+    try:
+        refuse_unsupported_fields(body.model_extra)
+        refuse_vllm_fields(body.model_extra)
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param=e.param) from None
 
 
 class TokenizeRequest(RequestBody):
@@ -30,15 +46,26 @@ class TokenizeRequest(RequestBody):
     tool_choice: str | dict[str, Any] | None = None
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The chat request whose prompt these messages make (its checks included)."""
-        fields = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-                  "tool_choice")
+        """The chat request whose prompt these messages make (its checks included; its
+        add_special_tokens when sent: chat's default is false)."""
         body = {"messages": [m.model_dump(exclude_unset=True) for m in self.messages or []],
-                **{f: getattr(self, f) for f in fields if f in self.model_fields_set}}
+                **{f: getattr(self, f) for f in (*CHAT_FIELDS, "add_special_tokens") if f in self.model_fields_set}}
         try:
             return ChatCompletionRequest.model_validate(body)
-        except ValueError as e:
-            raise OpenAIError(f"cannot read the chat fields: {e}", param="messages") from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            raised = first.get("ctx", {}).get("error")
+            if isinstance(raised, InvalidRequestError):
+                raise OpenAIError(str(raised), param=raised.param) from None
+            where = ".".join(str(x) for x in first["loc"])
+            raise OpenAIError(f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) \
+                from None
+
+    def check_prompt_fields(self) -> None:
+        """A prompt is tokenized as it is: the chat fields are refused with it, not dropped."""
+        for name in CHAT_FIELDS:
+            if name in self.model_fields_set:
+                raise OpenAIError(f"{name} applies to messages, not to a prompt", param=name)
 
 
 class DetokenizeRequest(RequestBody):
@@ -54,6 +81,9 @@ async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
     try:
         chat = lease.handlers.chat
         chat.warn_unknown_fields(body)
+        check_extras(body)
+        if body.prompt is not None:
+            body.check_prompt_fields()
         if body.messages is not None:
             ids = (await state.prepare.run(chat.rendered, body.chat_request())).token_ids
         else:
@@ -70,11 +100,9 @@ async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
 async def detokenize(body: DetokenizeRequest, state: ServerStateDep) -> dict:
     lease = await state.lease(body.model)
     try:
-        chat, max_model_len = lease.handlers.chat, lease.handlers.max_model_len
+        chat = lease.handlers.chat
         chat.warn_unknown_fields(body)
-        if len(body.tokens) > max_model_len:
-            raise OpenAIError(f"{len(body.tokens)} tokens is more than max_model_len ({max_model_len})",
-                              param="tokens")
+        check_extras(body)  # (the list's length is the body's bound: /tokenize gives longer lists than the context)
         vocab = lease.handlers.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
