@@ -120,10 +120,11 @@ def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...], str]]) -> Callable[[ty
     def wrap(cls: type) -> type:
         init = cls.__init__
         names = [n for n in inspect.signature(init).parameters if n != "self"]  # (fields and InitVars)
+        known = frozenset(names)
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            for name in [k for k in kwargs if k not in names]:
+            for name in [k for k in kwargs if k not in known]:
                 value = kwargs.pop(name)
                 if name not in neutral:
                     raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; its arguments "
