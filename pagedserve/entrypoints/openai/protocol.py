@@ -201,19 +201,19 @@ class _SamplingFields(OpenAIRequestBody):
                 return StructuredOutputsParams(json_object=True)
             if kind == "json_schema":
                 spec = value.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):  # (OpenAI's: required)
                     raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
                                               param=field)
-                return StructuredOutputsParams(json=spec.get("schema", {}))
+                return StructuredOutputsParams(json=spec["schema"])
             raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
                                       f"got {kind!r}", param=field)
         if field == "structured_outputs":
             if not isinstance(value, dict):
                 raise InvalidRequestError("structured_outputs must be an object", param=field)
-            unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object"}
+            unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
             if unknown:
-                raise InvalidRequestError(f"structured_outputs takes json, regex, choice, grammar or json_object, "
-                                          f"not {', '.join(sorted(unknown))}", param=field)
+                raise InvalidRequestError(f"structured_outputs takes json, regex, choice, grammar, json_object or "
+                                          f"structural_tag, not {', '.join(sorted(unknown))}", param=field)
             return StructuredOutputsParams(**value)
         kind = field.removeprefix("guided_")
         return StructuredOutputsParams(**{kind: value})
