@@ -31,6 +31,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     check_hint_strings,
     check_object_hint,
     refuse_unsupported_fields,
+    renamed_text,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
@@ -323,10 +324,7 @@ class AnthropicServingMessages:
         """An error of the chat path in Anthropic's names: its param and the message's
         first word (Anthropic's error body carries no param)."""
         if e.param in _PARAM_NAMES:
-            name = _PARAM_NAMES[e.param]
-            if e.message.startswith(f"{e.param} "):
-                e.message = name + e.message[len(e.param):]
-            e.param = name
+            e.message, e.param = renamed_text(e.message, e.param, _PARAM_NAMES[e.param]), _PARAM_NAMES[e.param]
         return e
 
     def prepare(self, req: MessagesRequest) -> PreparedMessages:

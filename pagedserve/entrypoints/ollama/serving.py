@@ -26,6 +26,7 @@ from pagedserve.entrypoints.ollama.protocol import (
     OllamaGenerating,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.entrypoints.openai.protocol_fields import renamed_text
 from pagedserve.entrypoints.openai.protocol_pooling import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -228,7 +229,8 @@ def as_ollama(e: OpenAIError) -> OpenAIError:
     name = _OLLAMA_NAMES.get(e.param or "")
     if name is None:
         return e
-    e.message = name + e.message[len(e.param):] if e.message.startswith(f"{e.param} ") else f"{name}: {e.message}"
+    text = renamed_text(e.message, e.param, name)
+    e.message = text if text != e.message else f"{name}: {e.message}"
     e.param = "options" if name.startswith("options.") else name
     return e
 

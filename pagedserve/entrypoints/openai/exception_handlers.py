@@ -6,6 +6,8 @@ its own shape), and Starlette's 404s and 405s."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,22 +27,26 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(to_openai_error(exc), request.url.path)
 
 
-async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """The first error, as a 400 whose param is the field's top-level name."""
-    path = request.url.path
-    errors = exc.errors()
+def first_error(errors: Sequence[Any], skip: int = 0) -> OpenAIError:
+    """pydantic's first error as a 400 whose param is the field's top-level name: a model
+    validator's own refusal with its param, else "where: what" (`skip`: leading location
+    parts that are not fields, FastAPI's "body" or "query"; union-member tags dropped)."""
     first = errors[0] if errors else {}
     raised = first.get("ctx", {}).get("error")
-    if isinstance(raised, InvalidRequestError):  # a model validator's own refusal, with its param
-        return error_response(to_openai_error(raised), path)
-    if first.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
-        return error_response(OpenAIError(f"The request body is not valid JSON ({first.get('msg', 'invalid')} "
-                                          f"at character {first.get('loc', ('', '?'))[-1]})."), path)
-    # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the path.
-    loc = [str(x) for x in first.get("loc", ())[1:] if not UNION_TAG.fullmatch(str(x))]  # (less "body", "query")
-    where = ".".join(loc) or "body"
-    return error_response(OpenAIError(f"{where}: {first.get('msg', 'invalid request')}",
-                                      param=loc[0] if loc else None), path)
+    if isinstance(raised, InvalidRequestError):
+        return to_openai_error(raised)
+    loc = [str(x) for x in first.get("loc", ())[skip:] if not UNION_TAG.fullmatch(str(x))]
+    return OpenAIError(f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
+                       param=loc[0] if loc else None)
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """The first error, as a 400 whose param is the field's top-level name."""
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":  # loc is ("body", character offset): not a field
+        return error_response(OpenAIError(f"The request body is not valid JSON ({errors[0].get('msg', 'invalid')} "
+                                          f"at character {errors[0].get('loc', ('', '?'))[-1]})."), request.url.path)
+    return error_response(first_error(errors, skip=1), request.url.path)
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

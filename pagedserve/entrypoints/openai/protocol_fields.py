@@ -119,13 +119,17 @@ def check_hint_fields(prompt_cache_key: str | None, safety_identifier: str | Non
     check_object_hint("prompt_cache_options", prompt_cache_options, PROMPT_CACHE_OPTIONS, PROMPT_CACHE_REFUSED)
 
 
+def renamed_text(message: str, old: str | None, new: str | None) -> str:
+    """An error's text naming field `old` as `new` where it starts with the name (the one
+    rule every API's translation uses: "max_tokens must be ..." of max_completion_tokens)."""
+    if old and new and old != new and message.startswith(f"{old} "):
+        return new + message[len(old):]
+    return message
+
+
 def as_sent(e: InvalidRequestError, param: str | None, hint: str = "") -> InvalidRequestError:
-    """The engine's refusal `e` under the request's own name for its field (`param`), in its
-    text too ("max_tokens must be ..." of a chat request's max_completion_tokens)."""
-    message = str(e)
-    if e.param and param and param != e.param and message.startswith(f"{e.param} "):
-        message = param + message[len(e.param):]
-    return InvalidRequestError(message + hint, param=param)
+    """The engine's refusal `e` under the request's own name for its field (`param`), in its text too."""
+    return InvalidRequestError(renamed_text(str(e), e.param, param) + hint, param=param)
 
 
 def check_request_id(request_id: str) -> str:

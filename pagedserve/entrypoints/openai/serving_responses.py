@@ -35,6 +35,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     check_metadata,
     check_object_hint,
     refuse_unsupported_fields,
+    renamed_text,
 )
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest, object_id
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, input_items
@@ -59,9 +60,7 @@ def _renamed(e: OpenAIError) -> OpenAIError:
     """A chat refusal in the Responses API's names, its text too (max_output_tokens)."""
     name = _PARAM_NAMES.get(e.param or "")
     if name is not None:
-        if e.message.startswith(f"{e.param} "):
-            e.message = name + e.message[len(e.param or ""):]
-        e.param = name
+        e.message, e.param = renamed_text(e.message, e.param, name), name
     return e
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ValidationError
 
+from pagedserve.entrypoints.openai.exception_handlers import first_error
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, RequestBody
 from pagedserve.entrypoints.openai.protocol_fields import refuse_unsupported_fields, refuse_vllm_fields
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
@@ -53,13 +54,7 @@ class TokenizeRequest(RequestBody):
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            first = e.errors()[0]
-            raised = first.get("ctx", {}).get("error")
-            if isinstance(raised, InvalidRequestError):
-                raise OpenAIError(str(raised), param=raised.param) from None
-            where = ".".join(str(x) for x in first["loc"])
-            raise OpenAIError(f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) \
-                from None
+            raise first_error(e.errors()) from None
 
     def check_prompt_fields(self) -> None:
         """A prompt is tokenized as it is: the chat fields are refused with it, not dropped."""
