@@ -98,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="at the end, print the KV block pool as text: in use, shared, cached (prefix cache) "
                           "and free blocks, and the busiest moment of the run")
     EngineArgs.add_cli_args(gen)
+    _interactive_defaults(gen, "the number of prompts")
 
     chat = sub.add_parser("chat", help="interactive chat, streaming the answer (/exit or Ctrl-D quits)")
     _add_sampling_args(chat, temperature=0.7, max_tokens=512)
     EngineArgs.add_cli_args(chat)
+    _interactive_defaults(chat, "1: one conversation")
 
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pagedserve serve --help`)", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -111,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
         bench_sub.add_parser(name, help=f"the {name} benchmark ({ep.module}; `pagedserve bench {name} --help`)",
                              add_help=False)
     return parser
+
+
+def _interactive_defaults(p: argparse.ArgumentParser, num_seqs: str) -> None:
+    """`generate` and `chat` size and start the engine their own way (_build_engine): their
+    --help says so instead of the engine's defaults for `serve` and `LLM(...)`."""
+    helps = {"max_num_seqs": f"most sequences in one step (default here: {num_seqs})",
+             "torch_compile": "compile the model with torch.compile (default here: off, an interactive command "
+                              "does not earn back its 10-25 s; PAGEDSERVE_TORCH_COMPILE=1 turns it on)"}
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
 
 
 def _delegate(argv: list[str]) -> bool:

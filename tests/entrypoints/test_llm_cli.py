@@ -83,6 +83,17 @@ def test_generate_and_chat_size_the_engine_for_their_sequences(monkeypatch) -> N
         assert cli._build_engine(cli.build_parser().parse_args(argv), num_seqs).max_num_seqs == want
 
 
+def test_generate_and_chat_help_says_their_own_defaults(capsys) -> None:
+    """Their --help showed the engine's 256 sequences and "compile: on", which they override."""
+    for command, seqs in (("generate", "the number of prompts"), ("chat", "1: one conversation")):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"most sequences in one step (default here: {seqs})" in text
+        assert "most sequences in one step (default: 256)" not in text
+        assert "with torch.compile (default here: off" in text
+
+
 def test_bad_sampling_value_is_a_clean_error(fake_engine) -> None:
     with pytest.raises(SystemExit, match="max_tokens must be"):
         cli.main(["generate", "x", "--max-tokens", "0"])
