@@ -372,12 +372,18 @@ class EngineCore:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    def get_num_waiting(self) -> int:
+        """Sequences waiting: the scheduler's queue and the n-children parked for their
+        parent's prompt.  The engine thread reads it after every step, without the rest of
+        get_stats (which, with LoRA on, walks the queues for their adapters)."""
+        return self.scheduler.get_request_counts()[1] + sum(len(r.child_ids) for r in self._parked)
+
     def get_stats(self) -> EngineStats:
         kvm, op, structured = self.kv_cache_manager, self.output_processor, self.structured_output
         spec = self.scheduler.spec_stats
         tier = self.model_executor.kv_tier
-        num_running, num_waiting = self.scheduler.get_request_counts()
-        num_waiting += sum(len(r.child_ids) for r in self._parked)
+        num_running = self.scheduler.get_request_counts()[0]
+        num_waiting = self.get_num_waiting()
         return EngineStats(
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kvm.usage,
             prefix_cache_queries=kvm.prefix_cache_queries, prefix_cache_hits=kvm.prefix_cache_hits,

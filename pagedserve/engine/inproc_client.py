@@ -89,6 +89,8 @@ class InprocEngine(Protocol):
 
     def get_stats(self) -> Any: ...
 
+    def get_num_waiting(self) -> int: ...
+
     def check_invariants(self) -> None: ...
 
     def watch_blocks(self, enabled: bool) -> None: ...
@@ -317,11 +319,11 @@ class InprocClient:
             did_work = self._drain_commands()
             worked = worked or did_work  # (a command's work, an adapter's load, is work too)
             if did_work:  # adds and aborts move the queue: its count, not the adds' running sum
-                self._num_waiting = self.engine.get_stats().num_waiting
+                self._num_waiting = self.engine.get_num_waiting()
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 worked = True
-                self._num_waiting = self.engine.get_stats().num_waiting
+                self._num_waiting = self.engine.get_num_waiting()
                 self._dispatch(outputs)
             elif did_work:
                 self._record([], time.monotonic())  # aborts change running/KV usage

@@ -348,6 +348,9 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 
+    def get_num_waiting(self) -> int:
+        return self.engine_core.get_num_waiting()
+
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 

@@ -182,6 +182,9 @@ class FakeEngine:
         running = len(self.reqs) if self.max_running is None else min(len(self.reqs), self.max_running)
         return FakeStats(num_running=running, num_waiting=len(self.reqs) - running, kv_cache_usage=0.01 * running)
 
+    def get_num_waiting(self) -> int:
+        return self.get_stats().num_waiting
+
     def sampling_defaults(self) -> dict:
         return {}
 
