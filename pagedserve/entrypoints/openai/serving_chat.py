@@ -57,7 +57,13 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
-from pagedserve.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser, sent_calls, tool_parameters
+from pagedserve.entrypoints.openai.tool_parsers import (
+    ParsedToolCall,
+    ToolParser,
+    forced_tools_system_prompt,
+    sent_calls,
+    tool_parameters,
+)
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -175,7 +181,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
-        self._warned_tools_block = False
+        self._warned_tools_block: set[str] = set()  # the tool_choice modes logged
 
     def render(self, req: ChatCompletionRequest | None, messages: list[ChatMessage],
                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> TokenizedPrompt:
@@ -202,15 +208,19 @@ class OpenAIServingChat(OpenAIServing):
         plan = self.tool_plan(req) if plan is None else plan
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
         prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
-        if plan.mode == "auto" and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
-            # The template does not render tools: tell the model about them in the parser's
-            # own format, in the system message, as vLLM's tool-aware templates would.
-            if not self._warned_tools_block:
-                self._warned_tools_block = True
-                logger.info("the chat template does not render tools: tool_choice 'auto' adds them to the system "
-                            "message in the %s format (a --chat-template that renders tools takes precedence)",
-                            plan.parser.name)
-            messages = with_system_text(req.messages, plan.parser.tools_system_prompt(tools))
+        if tools and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
+            # The template does not render tools: tell the model about them in the system
+            # message, as vLLM's tool-aware templates would: under "auto" in the parser's own
+            # format, else what the functions are (the grammar fixes the answer's form).
+            if plan.mode not in self._warned_tools_block:
+                self._warned_tools_block.add(plan.mode)
+                how = f"in the {plan.parser.name} format" if plan.parser is not None else "what the functions are"
+                logger.info("the chat template does not render tools: tool_choice %r describes them in the system "
+                            "message, %s (a --chat-template that renders tools takes precedence)", plan.mode, how)
+            function = plan.function.model_dump(exclude_none=True) if plan.function is not None else None
+            described = plan.parser.tools_system_prompt(tools) if plan.mode == "auto" else \
+                forced_tools_system_prompt(tools, function)
+            messages = with_system_text(req.messages, described)
             prompt = self.render(req, messages, req.add_generation_prompt, tools)
         else:
             messages = req.messages

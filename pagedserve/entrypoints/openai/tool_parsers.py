@@ -93,6 +93,19 @@ class HermesToolParser:
                                                       "tags": tags, "stop_after_first": one_call}}
 
 
+def forced_tools_system_prompt(tools: list[dict[str, Any]], function: dict[str, Any] | None) -> str:
+    """What the model is told of the tools under tool_choice "required" (`function` None)
+    or a named function, where its template renders none: the grammar fixes the answer's
+    form (a JSON array of {"name", "parameters"}, or the function's arguments alone); this
+    says what the functions are for, without which it fills them blind."""
+    if function is not None:
+        return ("Answer by calling the function " + json.dumps(function["name"]) + ", given as a JSON schema:\n"
+                + json.dumps(function, ensure_ascii=False) + "\nThe answer is its arguments, as a JSON object.")
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("Answer by calling one or more of these functions, given as JSON schemas:\n" + listed
+            + "\nThe answer is a JSON array of calls, each {\"name\": FUNCTION NAME, \"parameters\": ARGUMENTS}.")
+
+
 def sent_calls(tool_calls: Any) -> list[ParsedToolCall]:
     """The well-formed calls of a past assistant turn's `tool_calls`, as a client sent them
     (OpenAI's shape: {"function": {"name": ..., "arguments": JSON text}}); others are skipped."""

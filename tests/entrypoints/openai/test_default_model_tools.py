@@ -70,6 +70,40 @@ def test_a_past_call_is_in_the_prompt_under_a_template_that_renders_none(smollm2
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt, extra
 
 
+def test_forced_tool_choices_describe_the_tools_under_a_template_that_renders_none(smollm2_server, smollm2_path):
+    """tool_choice "required" or a named function fixes the answer's form by grammar; the
+    model still has to be told what the functions are for (it filled them blind before),
+    in the system message, in the form the grammar asks for.  Anthropic's "any" and "tool"
+    are those two."""
+    import anthropic
+    import httpx
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, form in (("required", "a JSON array of calls"), (named, "its arguments, as a JSON object")):
+        ids = httpx.post(smollm2_server.url + "/tokenize", timeout=60, json={
+            "model": "smol", "messages": messages, "tools": [WEATHER], "tool_choice": choice}).json()["tokens"]
+        prompt = tok.decode(ids)
+        assert "Current weather of a city" in prompt and form in prompt, choice
+        assert prompt.index("Current weather") < prompt.index("What is the weather in Paris")
+    client = anthropic.Anthropic(base_url=smollm2_server.url, api_key="none", max_retries=0, timeout=120)
+    tool = {"name": "get_weather", "description": "Current weather of a city",
+            "input_schema": WEATHER["function"]["parameters"]}
+    counts = {}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, None):
+        m = client.messages.create(model="smol", max_tokens=32, messages=messages, tools=[tool],
+                                   **({"tool_choice": choice} if choice else {}), extra_body={"temperature": 0})
+        counts[None if choice is None else choice["type"]] = m.usage.input_tokens + m.usage.cache_read_input_tokens
+        if choice is not None:
+            (call,) = [b for b in m.content if b.type == "tool_use"][:1]
+            assert call.name == "get_weather" and isinstance(call.input["city"], str)
+    usage = client.messages.create(model="smol", max_tokens=1, messages=messages).usage
+    plain = usage.input_tokens + usage.cache_read_input_tokens
+    assert min(counts.values()) > plain + 40, (counts, plain)
+
+
 def test_the_responses_and_messages_apis_on_the_default_model(smollm2_server):
     """OpenAI's Responses API and Anthropic's Messages API answer like the chat API on the
     default model: the same greedy text, streamed or not, and a forced function call."""
