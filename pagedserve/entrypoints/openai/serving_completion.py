@@ -29,7 +29,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
-from pagedserve.entrypoints.openai.streaming import ChoiceStream
+from pagedserve.entrypoints.openai.streaming import ChoiceStream, TextOffsets
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -91,7 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                     raise err
-                logprobs = self.logprobs(c, 0, params.logprobs, len(prefix))
+                logprobs = self.logprobs(c, 0, params.logprobs, TextOffsets(len(prefix)))
                 if req.echo and logprobs is not None:
                     logprobs = self._prompt_logprobs(out, params.logprobs).extend(logprobs)
                 choices.append(CompletionChoice(
@@ -121,7 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         cs = choice_streams[index] = ChoiceStream()
                         if req.echo:
                             echo = self._echo(prompts[i])
-                            cs.text_offset_before = len(echo)
+                            cs.text_offsets = TextOffsets(len(echo))
                             echo_lp = self._prompt_logprobs(out, params.logprobs) if params.logprobs is not None \
                                 else None
                             yield self._chunk(request_id, created, model, index, echo, echo_lp, None,
@@ -130,9 +130,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if delta is None:
                         continue
                     text, tok_start, tok_end = delta
-                    logprobs = self.logprobs(c, tok_start, params.logprobs, cs.text_offset_before, tok_end)
-                    if logprobs is not None:
-                        cs.text_offset_before += sum(len(t) for t in logprobs.tokens)
+                    logprobs = self.logprobs(c, tok_start, params.logprobs, cs.text_offsets, tok_end)
                     yield self._chunk(request_id, created, model, index, text, logprobs, c if cs.done else None,
                                       make_usage(list(finals.values())) if continuous_usage else None)
             if include_usage:
@@ -154,9 +152,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_logprobs(self, out: RequestOutput, k: int) -> CompletionLogprobs:
         """The echoed prompt's tokens with their logprobs (the first has none)."""
         prompt = CompletionOutput(index=0, text="", token_ids=out.prompt_token_ids, logprobs=out.prompt_logprobs)
-        return self.logprobs(prompt, 0, k, 0) or CompletionLogprobs()
+        return self.logprobs(prompt, 0, k, TextOffsets()) or CompletionLogprobs()
 
-    def logprobs(self, c: CompletionOutput, start: int, k: int | None, offset: int,
+    def logprobs(self, c: CompletionOutput, start: int, k: int | None, offsets: TextOffsets,
                  end: int | None = None) -> CompletionLogprobs | None:
         if k is None or c.logprobs is None:
             return None
@@ -164,8 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for s, raw, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
             lp.tokens.append(_shown(s, raw))
             lp.token_logprobs.append(token_lp)
-            lp.text_offset.append(offset)
-            offset += len(s)
+            lp.text_offset.append(offsets.start(s, raw))
             top_dict = {_shown(t, b): v for t, b, v in top}
             if token_lp is not None:
                 top_dict.setdefault(_shown(s, raw), token_lp)

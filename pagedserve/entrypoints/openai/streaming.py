@@ -8,11 +8,33 @@ finish_reason goes only in its last chunk; nothing is sent for it afterwards.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.outputs import CompletionOutput
+
+
+@dataclass
+class TextOffsets:
+    """Where each token starts in a completion's text (the legacy API's `text_offset`),
+    token after token, across a stream's chunks.  A token holding part of a character
+    (its text U+FFFD, its bytes not that) moves the offset only when its character
+    completes: each counted one U+FFFD, and a stream advanced by its "bytes:\\xNN" form,
+    so later offsets pointed past the text."""
+
+    offset: int = 0
+    _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def start(self, text: str, raw: bytes) -> int:
+        """The offset of the token (`text`, `raw` its bytes); the next one starts after it."""
+        at = self.offset
+        if ("\ufffd" in text and raw != text.encode()) or self._utf8.getstate()[0]:
+            self.offset += len(self._utf8.decode(raw))
+        else:
+            self.offset += len(text)
+        return at
 
 
 @dataclass
@@ -20,7 +42,7 @@ class ChoiceStream:
     sent_chars: int = 0
     sent_tokens: int = 0
     done: bool = False
-    text_offset_before: int = 0  # completions logprobs: chars covered by tokens already sent
+    text_offsets: TextOffsets = field(default_factory=TextOffsets)  # completions logprobs
 
     def advance(self, c: CompletionOutput, want_tokens: bool = False) -> tuple[str, int, int] | None:
         """The next delta as (text, first_new_token, end_token), or None if there is

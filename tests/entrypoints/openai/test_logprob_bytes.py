@@ -4,6 +4,7 @@ tokens split (an emoji's four bytes over two tokens): they were the UTF-8 of U+F
 from __future__ import annotations
 
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, vocabulary_bytes
+from pagedserve.entrypoints.openai.streaming import TextOffsets
 from pagedserve.model_loader.sources import resolve_source
 from pagedserve.model_loader.tokenizer import saved_tokenizer
 
@@ -37,7 +38,30 @@ def test_completions_show_a_split_characters_tokens_as_bytes() -> None:
     ids = tok.encode("🎉", add_special_tokens=False)
     assert len(ids) > 1
     c = CompletionOutput(0, "🎉", ids, logprobs=[{i: Logprob(-0.5, 1)} for i in ids])
-    lp = handler.logprobs(c, 0, 1, 0)
+    lp = handler.logprobs(c, 0, 1, TextOffsets())
     assert all(t.startswith("bytes:") for t in lp.tokens), lp.tokens
     joined = b"".join(bytes(int(h, 16) for h in t[len("bytes:"):].split("\\x")[1:]) for t in lp.tokens)
     assert joined.decode() == "🎉" and all(len(d) == 1 for d in lp.top_logprobs)
+
+
+def test_text_offsets_point_into_the_text_whole_and_streamed_in_any_chunks() -> None:
+    """text_offset is where each token starts in the text: a token holding part of a
+    character moves it when its character completes.  Each such token counted one U+FFFD
+    (offsets past the text's end), and a stream advanced by the "bytes:\\xNN" strings."""
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedserve.outputs import CompletionOutput, Logprob
+
+    tok = saved_tokenizer(resolve_source("smollm2-135m-instruct", "auto").path)
+    handler = OpenAIServingCompletion.__new__(OpenAIServingCompletion)
+    handler.tokenizer = tok
+    text = "Party 🎉🔥 café 日本語 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    c = CompletionOutput(0, text, ids, logprobs=[{i: Logprob(-0.5, 1)} for i in ids])
+    whole = handler.logprobs(c, 0, 1, TextOffsets(3)).text_offset  # (after 3 echoed characters)
+    starts = [3 + len(tok.decode(ids[:k])) - tok.decode(ids[:k]).count("\ufffd") for k in range(len(ids))]
+    assert whole == starts and whole[-1] < 3 + len(text)
+    assert tok.decode(ids[ids.index(tok.encode(" ok", add_special_tokens=False)[0]):]) == text[whole[-1] - 3:]
+    for cut in range(1, len(ids)):  # two chunks, the cut anywhere (inside a character too)
+        offsets = TextOffsets(3)
+        streamed = handler.logprobs(c, 0, 1, offsets, cut).text_offset + handler.logprobs(c, cut, 1, offsets).text_offset
+        assert streamed == whole, cut
