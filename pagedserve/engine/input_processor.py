@@ -325,7 +325,7 @@ class InputProcessor:
         images is where its count is wrong."""
         if self.image_prompts is not None and self.image_prompts.image_token_id in token_ids:
             raise ImageInputError(f"the prompt holds the image token (id {self.image_prompts.image_token_id}, "
-                                  f"{self.image_prompts.placeholder!r}'s expansion) but has no image: image tokens "
+                                  f"part of the expansion of {self.image_prompts.placeholder!r}) but has no image: image tokens "
                                   "come only from images", param="prompt")
 
     def encode(self, text: str) -> list[int]:

@@ -186,7 +186,9 @@ def _open_encoded(data: bytes, policy: MediaPolicy, param: str) -> Any:
 
 def decode(image: Any, param: str = "image") -> Any:
     """An opened image decoded (a PIL image of the caller's: its current frame), as RGB
-    (no copy where it is RGB already)."""
+    (no copy where it is RGB already).  Transparency lies on white, as HF's processors
+    (`convert_to_rgb`) and vLLM put it: PIL's own conversion drops the alpha channel and
+    shows whatever colour the transparent pixels hold (black, often), another picture."""
     try:
         image.load()
     except Exception as e:  # truncated or corrupt pixel data
@@ -194,6 +196,11 @@ def decode(image: Any, param: str = "image") -> Any:
     if image.mode == "RGB":
         return image
     try:
+        if image.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in image.info:
+            from PIL import Image
+
+            rgba = image.convert("RGBA")
+            return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
         return image.convert("RGB")
     except Exception as e:  # a caller's PIL image in a mode PIL converts no further ("La", ...)
         raise _error(f"an image in PIL mode {image.mode!r} cannot be converted to RGB ({type(e).__name__}: {e})",
@@ -252,12 +259,29 @@ def _public_address(host: str, port: int, param: str, deadline: float) -> str:
     except (OSError, UnicodeError) as e:
         raise _error(f"cannot resolve the image URL's host {host!r} ({e})", param) from None
     for info in infos:
-        address = ipaddress.ip_address(info[4][0])
-        if not address.is_global or address.is_multicast:
+        if not is_public_address(ipaddress.ip_address(info[4][0])):
             raise _error(f"the image URL's host {host!r} resolves to a non-public address", param)
     if not infos:
         raise _error(f"the image URL's host {host!r} has no address", param)
     return str(infos[0][4][0])
+
+
+# NAT64's prefixes (RFC 6052's well-known one, RFC 8215's local one): the last 32 bits are
+# the IPv4 address a gateway connects to.
+_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+
+
+def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Global and not multicast, and so is every IPv4 address an IPv6 one carries (mapped,
+    6to4, Teredo, NAT64): Python counts 64:ff9b::7f00:1 or 2002:7f00:1:: global, which
+    a gateway turns into loopback."""
+    if not address.is_global or address.is_multicast:
+        return False
+    if isinstance(address, ipaddress.IPv6Address):
+        inner = [address.ipv4_mapped, address.sixtofour, *(address.teredo or ())]
+        inner += [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) for net in _NAT64 if address in net]
+        return all(is_public_address(v4) for v4 in inner if v4 is not None)
+    return True
 
 
 def _split_url(url: str, param: str) -> urllib.parse.SplitResult:
@@ -295,7 +319,9 @@ def _fetch(url: str, policy: MediaPolicy, param: str, deadline: float) -> bytes:
     address = _public_address(host, port, param, deadline)
     pinned = urllib.parse.urlunsplit((parts.scheme, f"[{address}]:{port}" if ":" in address else f"{address}:{port}",
                                       parts.path or "/", parts.query, ""))
-    headers = {"Host": parts.netloc}
+    # (identity: a compressed body would be inflated a read at a time before its size is
+    # counted, a 1 MB gzip of zeros 64 MB a read; the raw bytes are what is counted)
+    headers = {"Host": parts.netloc, "Accept-Encoding": "identity"}
     extensions = {"sni_hostname": host} if parts.scheme.lower() == "https" else {}
     chunks: list[bytes] = []
     size = 0
@@ -308,11 +334,15 @@ def _fetch(url: str, policy: MediaPolicy, param: str, deadline: float) -> bytes:
                 client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
             if response.status_code != 200:
                 raise _error(f"fetching the image URL gave HTTP {response.status_code}", param)
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise _error(f"the image URL's server sent it compressed (Content-Encoding: {encoding[:40]}), "
+                             "which was not asked for", param)
             cutoff = threading.Timer(max(0.0, deadline - time.monotonic()), _shut_down,
                                      (response.extensions.get("network_stream"),))
             cutoff.start()
             try:
-                for chunk in response.iter_bytes():
+                for chunk in response.iter_raw():
                     size += len(chunk)
                     if size > policy.max_bytes:
                         raise _error(f"the image is more than the limit of {policy.max_bytes} bytes", param)

@@ -109,19 +109,23 @@ class _Server:
     """A local HTTP server answering every GET with `body` in `pieces`, `gap` s apart;
     `hits` counts the requests it saw."""
 
-    def __init__(self, body: bytes, pieces: int = 1, gap: float = 0.0) -> None:
+    def __init__(self, body: bytes, pieces: int = 1, gap: float = 0.0, headers: dict[str, str] | None = None) -> None:
         import http.server
         import threading
         import time
 
         outer = self
         self.hits = 0
+        self.asked: list[dict[str, str]] = []  # each request's headers
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
                 outer.hits += 1
+                outer.asked.append({k.lower(): v for k, v in self.headers.items()})
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 step = max(1, len(body) // pieces)
                 try:
@@ -203,6 +207,62 @@ def test_a_trickling_image_url_is_cut_off_at_the_prompts_deadline(monkeypatch) -
             fast.close()
     finally:
         server.close()
+
+
+def test_a_compressed_body_is_neither_asked_for_nor_inflated(monkeypatch) -> None:
+    """httpx asked for gzip and inflated each read before its size was counted: a 1 MB gzip
+    of zeros was 64 MB a read.  The fetch asks for the bytes as they are and refuses a
+    body sent compressed anyway."""
+    import gzip
+
+    from pagedserve.multimodal import image as image_module
+
+    monkeypatch.setattr(image_module, "_public_address", lambda *args: "127.0.0.1")
+    policy = MediaPolicy(allowed_domains=("example.com",))
+    server = _Server(gzip.compress(b"\0" * (1 << 24)), headers={"Content-Encoding": "gzip"})
+    try:
+        with pytest.raises(ImageInputError, match=r"sent it compressed \(Content-Encoding: gzip\)"):
+            read_url(f"http://img.example.com:{server.port}/x.png", policy)
+        assert server.asked[0]["accept-encoding"] == "identity"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("address, public", [
+    ("8.8.8.8", True), ("2606:4700:4700::1111", True), ("64:ff9b::808:808", True),
+    ("127.0.0.1", False), ("::1", False), ("::ffff:127.0.0.1", False), ("::ffff:169.254.169.254", False),
+    ("64:ff9b::7f00:1", False), ("64:ff9b::a9fe:a9fe", False), ("64:ff9b:1::a00:1", False),
+    ("2002:7f00:1::", False), ("2002:a9fe:a9fe::1", False), ("ff02::1", False),
+])
+def test_an_address_is_public_with_every_ipv4_address_it_carries(address: str, public: bool) -> None:
+    """Python counts NAT64 (64:ff9b::7f00:1) and 6to4 (2002:7f00:1::) addresses global:
+    behind such a gateway they reach loopback or the cloud's metadata address."""
+    import ipaddress
+
+    from pagedserve.multimodal import image as image_module
+
+    assert image_module.is_public_address(ipaddress.ip_address(address)) is public
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparency_lies_on_white_as_hfs_processors_put_it(mode: str) -> None:
+    """PIL's conversion to RGB dropped the alpha channel: transparent pixels showed the
+    colour under them (black here), another picture than HF's and vLLM's."""
+    import numpy as np
+
+    rgba = PIL.new("RGBA", (4, 2), (0, 0, 0, 0))
+    rgba.paste((200, 30, 30, 255), (2, 0, 4, 2))  # the right half opaque red, the left transparent black
+    if mode == "P":
+        image = rgba.convert("RGB").quantize(colors=4)
+        black = image.getpixel((0, 0))
+        image.info["transparency"] = black
+    else:
+        image = rgba.convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    pixels = np.asarray(load_image(data_url(buf.getvalue()), MediaPolicy()))
+    assert (pixels[:, :2] == 255).all(), pixels[:, :2]
+    assert (pixels[:, 2:] == pixels[0, 3]).all() and pixels[0, 3].tolist() != [255, 255, 255]
 
 
 def scan_bomb(extra_scans: int) -> bytes:
