@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import threading
 import uuid
@@ -154,6 +155,26 @@ class _ReplicaRequests:
 
     def engine_dead(self, error: BaseException) -> None:
         os._exit(1)
+
+
+_REFUSAL = re.compile(r"^(?:ValueError|FileNotFoundError): ", re.MULTILINE)
+
+
+def startup_refusal(e: BaseException) -> str | None:
+    """The message of the ValueError or FileNotFoundError (a bad model or flag) that a
+    replica's constructor raised, from Ray's error; None for any other failure.  A task's
+    error keeps the exception; an actor that died in its constructor keeps only the text
+    (Ray 2.60's ActorDiedError stores no `cause`: reading one crashed the server with an
+    AttributeError instead of the reason), whose last lines are the exception's."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayTaskError):
+        return str(e.cause) if isinstance(e.cause, (ValueError, FileNotFoundError)) else None
+    if isinstance(e, ray.exceptions.ActorDiedError) and e.actor_init_failed:
+        text = str(e).rstrip()
+        found = list(_REFUSAL.finditer(text))
+        return text[found[-1].end():] if found else None
+    return None
 
 
 class EngineReplica:
@@ -338,11 +359,9 @@ class ReplicaSet:
                              "replica whose process dies while loading: see the replicas' log lines)") from None
         except ray.exceptions.RayError as e:
             self._release()
-            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else None
-            if isinstance(e, ray.exceptions.ActorDiedError) and isinstance(e.cause, ray.exceptions.RayTaskError):
-                cause = e.cause.cause  # the constructor raised
-            if isinstance(cause, (ValueError, FileNotFoundError)):  # bad model or flags: the message says it
-                raise ValueError(f"an engine replica failed to start: {cause}") from None
+            why = startup_refusal(e)
+            if why is not None:  # bad model or flags: the message says it
+                raise ValueError(f"an engine replica failed to start: {why}") from None
             raise
         self.info: ReplicaInfo = infos[0]
 

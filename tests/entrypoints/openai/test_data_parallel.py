@@ -83,6 +83,15 @@ def test_offline_llm_splits_a_batch_over_replicas(tiny_model_dir, ray_address, s
         llm.shutdown()
 
 
+def test_a_replica_refusing_its_flags_is_a_clean_error(tiny_model_dir, ray_address, tmp_path):
+    """A replica's constructor refusing a flag (a KV tier too small for one block) ended the
+    server with "AttributeError: 'ActorDiedError' object has no attribute 'cause'" (Ray
+    2.60 keeps only the text): the reason, named."""
+    with pytest.raises(ValueError, match=r"an engine replica failed to start: the KV tier's size \(1000 bytes\)"):
+        LLM(str(tiny_model_dir), data_parallel_size=2, cpus_per_replica=1, kv_cache_memory_bytes="16MiB",
+            kv_offload_dir=str(tmp_path), kv_offload_bytes=1000, **ENGINE_KW)
+
+
 def test_cache_aware_routing_keeps_shared_prefixes_cached(server) -> None:
     """4 system prompts of 160 tokens interleaved at random; each replica's KV cache holds
     28 blocks of 16, room for two of them: sent where its prefix is, a request finds it.
