@@ -21,11 +21,13 @@ full directory logs one warning and turns the tier off; the engine keeps serving
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import queue
 import socket
+import stat
 import struct
 import threading
 import time
@@ -358,11 +360,11 @@ class DiskKVTier(_TierBase):
         """The verified payload of `key`, or None (a bad file is removed)."""
         path = self._path(key)
         try:
-            data = path.read_bytes()
+            data = self._read_file(path)
         except OSError:
             self._forget(key, remove=False)
             return None
-        why = self._check(data, key)
+        why = self._check(data, key) if isinstance(data, bytes) else data
         if why is not None:
             self.num_invalid += 1
             logger.warning("KV offload: %s %s; recomputing instead and removing it", path.name, why)
@@ -376,6 +378,33 @@ class DiskKVTier(_TierBase):
             if key in self._index:
                 self._index.move_to_end(key)
         return torch.frombuffer(bytearray(data[_HEADER.size:]), dtype=torch.uint8), None
+
+    def _read_file(self, path: Path) -> bytes | str:
+        """The file's bytes, or why it is not a block file, read without blocking and
+        within one file's size: the engine thread reads here, and another writer of the
+        directory may have left a FIFO (a read that never returns) or a file of gigabytes
+        (read whole before its size was checked) under a block's name."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "is a symbolic link"
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return "is not a regular file"
+            if info.st_size != self._file_bytes:
+                return f"holds {info.st_size} bytes, not {self._file_bytes}"
+            data = bytearray()
+            while len(data) < self._file_bytes:
+                chunk = os.read(fd, self._file_bytes - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            return bytes(data)
+        finally:
+            os.close(fd)
 
     def _check(self, data: bytes, key: int) -> str | None:
         if len(data) < _HEADER.size:

@@ -103,7 +103,7 @@ def _only_file(path) -> str:
     return os.path.join(path, name)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage", "wrong-key"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage", "wrong-key", "huge", "fifo", "symlink"])
 def test_damaged_files_are_misses_and_removed(tmp_path, damage, caplog) -> None:
     tier = disk_tier(tmp_path)
     save(tier, caches(), [1], [42])
@@ -118,16 +118,28 @@ def test_damaged_files_are_misses_and_removed(tmp_path, damage, caplog) -> None:
         data = bytearray()
     elif damage == "garbage":
         data = bytearray(b"x" * len(data))
-    else:  # a valid file under another key's name
+    elif damage == "wrong-key":  # a valid file under another key's name
         os.rename(path, path.replace("-2a.kv", "-2b.kv"))
         path = path.replace("-2a.kv", "-2b.kv")
-    if damage != "wrong-key":
+    if damage in ("huge", "fifo", "symlink"):  # another writer's doing: read whole, a read that never returns
+        os.unlink(path)
+        if damage == "huge":
+            os.truncate(os.open(path, os.O_CREAT | os.O_WRONLY), 1 << 34)  # (sparse: 16 GiB read whole before)
+        elif damage == "fifo":
+            os.mkfifo(path)
+        else:
+            os.symlink("/dev/zero", path)  # (read_bytes read it until memory ran out)
+    elif damage != "wrong-key":
         open(path, "wb").write(bytes(data))
     again = disk_tier(tmp_path)
     key = 43 if damage == "wrong-key" else 42
+    looked: list[int] = []
     with caplog.at_level(logging.WARNING, logger="pagedserve"):
-        assert again.lookup([key]) == 0
-    assert not os.path.exists(path) and again.num_invalid == 1 and not again.contains(key)
+        reader = threading.Thread(target=lambda: looked.append(again.lookup([key])), daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+    assert looked == [0]
+    assert not os.path.lexists(path) and again.num_invalid == 1 and not again.contains(key)
     assert "recomputing instead" in caplog.text
 
 
