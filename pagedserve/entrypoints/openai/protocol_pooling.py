@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody, UsageInfo
+from pagedserve.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, RequestBody, UsageInfo
 from pagedserve.errors import InvalidRequestError
 
 
@@ -58,7 +58,7 @@ class _PoolingFields(RequestBody):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None  # vLLM's: the answer's id is "<kind>-<request_id>"
-    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's; these routes take text only
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's; refused (the image processors take no settings)
 
     # The field the engine's "prompt" is (None: several fields make prompts).
     PROMPT_FIELD: ClassVar[str | None] = None
@@ -68,24 +68,41 @@ class _PoolingFields(RequestBody):
 
     def check_pooling_fields(self) -> None:
         if self.mm_processor_kwargs:
-            raise InvalidRequestError("mm_processor_kwargs: the pooling routes take text and token ids only, with no "
-                                      "multimodal processor to configure", param="mm_processor_kwargs")
+            raise InvalidRequestError("mm_processor_kwargs: the image processors here take no per-request settings",
+                                      param="mm_processor_kwargs")
 
 
 class EmbeddingRequest(_PoolingFields):
-    """POST /v1/embeddings (OpenAI's shape; one input or a batch, text or token ids)."""
+    """POST /v1/embeddings: OpenAI's shape (one input or a batch, text or token ids), or
+    vLLM's chat form (`messages`, rendered by the chat template, images included: one
+    embedding of the conversation)."""
 
     PROMPT_FIELD: ClassVar[str | None] = "input"
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    # vLLM's chat form (its EmbeddingChatRequest), with its defaults: no generation prompt
+    messages: list[ChatMessage] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _input_shape(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "input" in data:
-            check_inputs_shape(data["input"], "input")
+        if isinstance(data, dict):
+            if ("input" in data) == ("messages" in data):
+                raise ValueError("give either input (texts or token ids) or messages (a conversation), not "
+                                 + ("both" if "input" in data else "neither"))
+            if "input" in data:
+                check_inputs_shape(data["input"], "input")
+            elif not isinstance(data["messages"], list) or not data["messages"]:
+                raise ValueError("messages must be a non-empty list of chat messages")
         return data
+
+    def api_param(self, param: str | None) -> str | None:
+        return ("messages" if self.messages is not None else "input") if param == "prompt" else param
     dimensions: int | None = None
     normalize: bool | None = None  # vLLM extra: None keeps the server's pooler_config
     add_special_tokens: bool = True  # vLLM extra: text inputs tokenized with the model's BOS/EOS

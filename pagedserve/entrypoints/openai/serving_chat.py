@@ -64,7 +64,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
     sent_calls,
     tool_parameters,
 )
-from pagedserve.errors import ImageInputError, InvalidRequestError
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -187,20 +187,11 @@ class OpenAIServingChat(OpenAIServing):
                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> TokenizedPrompt:
         """The engine's chat rendering (template, content parts, tools) and tokenization,
         so the server and `LLM.chat` build the same prompt from the same messages."""
-        conversation = [m.model_dump(exclude_unset=True) for m in messages]
         kwargs = {}
         if req is not None:
             kwargs = dict(chat_template_kwargs=req.chat_template_kwargs,
                           continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens)
-        try:
-            encoded = self.engine.encode_chat(conversation, req.chat_template if req else None,
-                                              add_generation_prompt, tools=tools, **kwargs)
-        except ImageInputError as e:  # an image's own refusal, not the template's
-            raise OpenAIError(str(e), param=e.param or "messages") from e
-        except ValueError as e:  # the field a bound names (chat_template, messages), else the messages
-            param = e.param if isinstance(e, InvalidRequestError) and e.param else "messages"
-            raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e
-        return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"], encoded.get("multi_modal"))
+        return self.render_chat(messages, req.chat_template if req else None, add_generation_prompt, tools, **kwargs)
 
     def rendered(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> TokenizedPrompt:
         """`req`'s prompt as the chat handler runs it (its tools shown unless tool_choice

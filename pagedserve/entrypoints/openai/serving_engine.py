@@ -33,6 +33,7 @@ from pagedserve.engine.chat_utils import encode_text
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
+    ChatMessage,
     CompletionTokensDetails,
     ErrorInfo,
     ErrorResponse,
@@ -44,7 +45,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.protocol_fields import KNOWN_EXTRA_FIELDS, as_sent, check_request_id
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
-from pagedserve.errors import InvalidRequestError, OverloadedError
+from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -299,6 +300,23 @@ class OpenAIServing:
         (echo decodes its ids)."""
         ids = InputProcessor.truncate_prompt(prompt.token_ids, truncate, self.max_model_len, prompt.multi_modal is not None)
         return prompt if ids is prompt.token_ids else TokenizedPrompt(None, ids)
+
+    def render_chat(self, messages: list[ChatMessage], chat_template: str | None, add_generation_prompt: bool,
+                    tools: list[dict] | None = None, **kwargs: Any) -> TokenizedPrompt:
+        """The engine's chat rendering (template, content parts and images, tools) and
+        tokenization, so chat, the chat form of the pooling routes and `LLM.chat` build
+        the same prompt from the same messages; `kwargs`: chat_template_kwargs,
+        continue_final_message, add_special_tokens."""
+        conversation = [m.model_dump(exclude_unset=True) for m in messages]
+        try:
+            encoded = self.engine.encode_chat(conversation, chat_template, add_generation_prompt, tools=tools,
+                                              **kwargs)
+        except ImageInputError as e:  # an image's own refusal, not the template's
+            raise OpenAIError(str(e), param=e.param or "messages") from e
+        except ValueError as e:  # the field a bound names (chat_template, messages), else the messages
+            param = e.param if isinstance(e, InvalidRequestError) and e.param else "messages"
+            raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e
+        return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"], encoded.get("multi_modal"))
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

@@ -93,6 +93,14 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
 
     def prepare(self, req: EmbeddingRequest) -> PreparedRequest:
         model = self.model_name(req.model)
+        params = self.params(req)
+        if req.messages is not None:  # vLLM's chat form: the conversation as one prompt
+            # (its add_special_tokens defaults to False, as chat's: the template writes them)
+            prompt = self.render_chat(
+                req.messages, req.chat_template, req.add_generation_prompt, None,
+                chat_template_kwargs=req.chat_template_kwargs, continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False)
+            return PreparedRequest(model, [self.truncated(prompt, req.truncate_prompt_tokens)], params)
         value = req.input
         if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
             items: list = [value]
@@ -103,15 +111,17 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         if len(items) > MAX_EMBEDDING_INPUTS:  # before tokenizing any of them
             raise OpenAIError(f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} are allowed per request",
                               param="input")
+        prompts = [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items]
+        return PreparedRequest(model, self.check_total_tokens(prompts, "input"), params)
+
+    def params(self, req: EmbeddingRequest) -> PoolingParams:
         try:
             req.check_pooling_fields()
             normalize = req.normalized()
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
         # (checked by the engine when it accepts them: a bad field is a 400 naming it, before any output)
-        params = PoolingParams(dimensions=req.dimensions, normalize=normalize)
-        prompts = [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items]
-        return PreparedRequest(model, self.check_total_tokens(prompts, "input"), params)
+        return PoolingParams(dimensions=req.dimensions, normalize=normalize)
 
     async def full(self, req: EmbeddingRequest, prep: PreparedRequest, request_id: str,
                    streams: list[RequestStream]) -> EmbeddingResponse:

@@ -94,6 +94,37 @@ def test_repeated_prefixes_hit_the_prefix_cache(pooling_server) -> None:
     assert hits >= 64
 
 
+def test_vllms_chat_form_embeds_the_rendered_conversation(pooling_server, smollm2_path) -> None:
+    """vLLM's `messages` on /v1/embeddings (its EmbeddingChatRequest): the chat template's
+    rendering of the conversation, without a generation prompt, embedded as one input
+    ("input: Field required" before; the chat form is how a vision model embeds images)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[2]}]
+
+    def post(body):
+        return httpx.post(pooling_server.url + "/v1/embeddings", json={"model": "smol", **body}, timeout=60)
+
+    chat = post({"messages": messages}).json()
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False),
+                     add_special_tokens=False)
+    plain = post({"input": ids}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids) == plain["usage"]["prompt_tokens"]
+    assert np.allclose(chat["data"][0]["embedding"], plain["data"][0]["embedding"], atol=1e-5)
+    asked = post({"messages": messages, "add_generation_prompt": True}).json()
+    assert asked["usage"]["prompt_tokens"] > len(ids)
+    for body, param, words in [({"input": "x", "messages": messages}, None, "not both"), ({}, None, "not neither"),
+                               ({"messages": []}, None, "non-empty"),
+                               ({"messages": [{"role": "user", "content": [
+                                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+                                "messages", "image")]:
+        r = post(body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        if param is not None:
+            assert r.json()["error"]["param"] == param, r.text
+
+
 def test_add_special_tokens_reaches_the_tokenizer(monkeypatch) -> None:
     """vLLM's add_special_tokens on /v1/embeddings is what tokenizes a text input (SmolLM2
     adds no special tokens, so this is checked at the handler, not through its model)."""
@@ -220,7 +251,7 @@ def test_vllms_pooling_fields_work_or_are_refused_by_name(pooling_server) -> Non
     for path, body, param, words in [
         ("/v1/embeddings", {"input": "x", "endianness": "middle"}, "endianness", ""),
         ("/v1/embeddings", {"input": "x", "request_id": "a\nb"}, "request_id", "printable"),
-        ("/v1/embeddings", {"input": "x", "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs", "text"),
+        ("/v1/embeddings", {"input": "x", "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs", "per-request settings"),
         ("/v1/embeddings", {"input": "x", "normalize": True, "use_activation": False}, "use_activation", "one"),
         ("/v1/embeddings", {"input": [[1, 2], [3, -1]]}, "input", "input[1]"),
         ("/v1/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation", "cosine"),

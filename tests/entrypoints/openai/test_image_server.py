@@ -208,3 +208,29 @@ def test_the_playground_sends_an_attached_image(vlm, tmp_path) -> None:
         context.close()
     assert not errors, errors
     assert with_image > 20 and without > with_image  # the second turn carries the first (and its image)
+
+
+def test_a_pooling_server_embeds_images_in_vllms_chat_form(tmp_path) -> None:
+    """/v1/embeddings with `messages` (vLLM's chat form) on `--runner pooling`: the server
+    had no way to embed an image.  The same image gives the same embedding (from the
+    prefix cache the second time), another image another one; the image bound holds."""
+    import numpy as np
+
+    make_idefics3(tmp_path / NAME)
+    proc = ServerProcess([str(tmp_path / NAME), "--runner", "pooling", "--dtype", "float32", "--max-model-len", "256",
+                          "--limit-mm-per-prompt", '{"image": 1}'], tmp_path / "pooling.log")
+    try:
+        def embed(*urls: str) -> httpx.Response:
+            content = [{"type": "text", "text": QUESTION}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]
+            return httpx.post(proc.url + "/v1/embeddings", json={"messages": [{"role": "user", "content": content}]},
+                              timeout=60)
+
+        first, again, other = (embed(data_url(image(64, 48, seed))) for seed in (11, 11, 12))
+        vectors = [np.array(r.json()["data"][0]["embedding"]) for r in (first, again, other)]
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert np.allclose(vectors[0], vectors[1], atol=1e-5) and not np.allclose(vectors[0], vectors[2], atol=1e-3)
+        assert first.json()["usage"]["prompt_tokens"] > 30  # the image's rows counted
+        two = embed(data_url(image(64, 48, 11)), data_url(image(64, 48, 12)))
+        assert two.status_code == 400 and "image" in two.json()["error"]["message"], two.text
+    finally:
+        proc.stop()
