@@ -28,6 +28,9 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Token counts (prompt, generation, a step's tokens): vLLM's 1-2-5 series.
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 @dataclass
@@ -67,14 +70,39 @@ class SchedulerStats:
 
 
 @dataclass
+class FinishedRequestStats:
+    """One finished request's figures for vLLM's per-request histograms (its phases from
+    the engine's own clock: waiting for a first step, prefill, decode)."""
+
+    prompt_tokens: int
+    generation_tokens: int  # all its sequences'
+    max_generation_tokens: int  # its longest sequence's
+    n: int
+    max_tokens: int | None
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    inference_seconds: float
+
+
+@dataclass
 class IterationStats:
-    """What one engine step delivered to clients."""
+    """What one engine step delivered to clients (a replica's polls merge several)."""
 
     num_prompt_tokens: int = 0  # prompts of requests that got their first token this step
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[tuple[str, float]] = field(default_factory=list)  # (finish_reason, e2e seconds)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)  # those that ran to an answer
+    step_tokens: list[int] = field(default_factory=list)  # each step's prompt + generation tokens delivered
+
+    def merge(self, other: IterationStats) -> None:
+        """Add `other`'s figures (a replica's steps between two polls)."""
+        self.num_prompt_tokens += other.num_prompt_tokens
+        self.num_generation_tokens += other.num_generation_tokens
+        for name in ("time_to_first_tokens", "inter_token_latencies", "finished", "finished_requests", "step_tokens"):
+            getattr(self, name).extend(getattr(other, name))
 
 
 class StatLogger(Protocol):
@@ -126,6 +154,29 @@ class PrometheusFamilies:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", buckets=_ITL_BUCKETS, **kw)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, **kw)
+        # vLLM's per-request histograms, observed when a request finishes with an answer.
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens of finished requests.",
+                                               buckets=_TOKEN_BUCKETS, **kw)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens of finished requests.", buckets=_TOKEN_BUCKETS, **kw)
+        self.request_max_generation = Histogram("vllm:request_max_num_generation_tokens",
+                                                "Longest sequence's generated tokens of finished requests.",
+                                                buckets=_TOKEN_BUCKETS, **kw)
+        self.request_params_n = Histogram("vllm:request_params_n", "The n parameter of finished requests.",
+                                          buckets=_N_BUCKETS, **kw)
+        self.request_params_max_tokens = Histogram("vllm:request_params_max_tokens",
+                                                   "The max_tokens parameter of finished requests.",
+                                                   buckets=_TOKEN_BUCKETS, **kw)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time from arrival to the first step.",
+                                    buckets=_E2E_BUCKETS, **kw)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Time from the first step to the first token.",
+                                      buckets=_E2E_BUCKETS, **kw)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Time from the first token to the last.",
+                                     buckets=_E2E_BUCKETS, **kw)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds", "Time from the first step to the last token.",
+                                        buckets=_E2E_BUCKETS, **kw)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens delivered per engine step.",
+                                          buckets=_TOKEN_BUCKETS, **kw)
         # vLLM's: one series per engine, its labels the adapters now, its value when they were read.
         self.lora_info = Gauge("vllm:lora_requests_info", "Running and waiting LoRA adapters (comma-separated names).",
                                registry=registry, labelnames=["model_name", "engine", "max_lora",
@@ -227,6 +278,12 @@ class PrometheusStatLogger:
         self.ttft = lab(f.ttft)
         self.itl = lab(f.itl)
         self.e2e = lab(f.e2e)
+        self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation = (
+            lab(f.request_prompt_tokens), lab(f.request_generation_tokens), lab(f.request_max_generation))
+        self.request_params_n, self.request_params_max_tokens = lab(f.request_params_n), lab(f.request_params_max_tokens)
+        self.phases = [(lab(f.queue_time), "queue_seconds"), (lab(f.prefill_time), "prefill_seconds"),
+                       (lab(f.decode_time), "decode_seconds"), (lab(f.inference_time), "inference_seconds")]
+        self.iteration_tokens = lab(f.iteration_tokens)
         self.lora_info_family = f.lora_info
         self._lora_labels: tuple[str, ...] | None = None  # the one lora_requests_info series this engine shows
         self._last = SchedulerStats()
@@ -283,6 +340,20 @@ class PrometheusStatLogger:
         for reason, e2e in it.finished:
             self.success.get(reason, self.success["abort"]).inc()
             self.e2e.observe(e2e)  # (every request counted, aborted ones too, as vLLM's)
+        for n in it.step_tokens:
+            self.iteration_tokens.observe(n)
+        for req in it.finished_requests:
+            self._record_request(req)
+
+    def _record_request(self, req: FinishedRequestStats) -> None:
+        self.request_prompt_tokens.observe(req.prompt_tokens)
+        self.request_generation_tokens.observe(req.generation_tokens)
+        self.request_max_generation.observe(req.max_generation_tokens)
+        self.request_params_n.observe(req.n)
+        if req.max_tokens is not None:
+            self.request_params_max_tokens.observe(req.max_tokens)
+        for histogram, name in self.phases:
+            histogram.observe(getattr(req, name))
 
 
     def _record_loras(self, sched: SchedulerStats) -> None:

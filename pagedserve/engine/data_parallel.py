@@ -117,12 +117,7 @@ class _StatsRecorder:
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         with self._lock:
             self._sched = sched
-            acc = self._it
-            acc.num_prompt_tokens += it.num_prompt_tokens
-            acc.num_generation_tokens += it.num_generation_tokens
-            acc.time_to_first_tokens.extend(it.time_to_first_tokens)
-            acc.inter_token_latencies.extend(it.inter_token_latencies)
-            acc.finished.extend(it.finished)
+            self._it.merge(it)
 
     def take(self) -> tuple[SchedulerStats, IterationStats]:
         with self._lock:

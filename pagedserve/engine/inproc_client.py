@@ -27,6 +27,7 @@ from pagedserve.engine.input_processor import EngineCoreRequest
 from pagedserve.engine.llm_engine import BatchProgress, LLMEngine
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import (
+    FinishedRequestStats,
     IterationStats,
     LoggingStatLogger,
     SchedulerStats,
@@ -118,6 +119,8 @@ class _ReqStats:
     """Engine-thread bookkeeping for latency metrics of one request."""
 
     arrival: float
+    n: int = 1
+    max_tokens: int | None = None
     num_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -408,7 +411,10 @@ class InprocClient:
             logger.exception("adding request %s failed", request.request_id)
             self._call_soon(_set_exception, cmd.future, e)
             return
-        self._req_stats[request.request_id] = _ReqStats(arrival=cmd.arrival)
+        params = request.sampling_params
+        self._req_stats[request.request_id] = _ReqStats(
+            arrival=cmd.arrival, n=request.num_sequences,
+            max_tokens=params.max_tokens if request.pooling_params is None else None)
         self._num_waiting += request.num_sequences  # until the next step's count replaces it
         self._call_soon(_set_result, cmd.future, None)
 
@@ -426,6 +432,8 @@ class InprocClient:
             rs = self._req_stats.get(out.request_id)
             if rs is not None and _record_one(it, rs, out, now):
                 del self._req_stats[out.request_id]
+        if it.num_prompt_tokens or it.num_generation_tokens:
+            it.step_tokens.append(it.num_prompt_tokens + it.num_generation_tokens)
         self._emit(it)
 
     def _finish_stats(self, request_id: str, reason: str, now: float) -> None:
@@ -461,6 +469,7 @@ def _record_one(it: IterationStats, rs: _ReqStats, out: EngineOutput, now: float
     if isinstance(out, PoolingRequestOutput):  # its prompt, and done
         it.num_prompt_tokens += len(out.prompt_token_ids)
         it.finished.append(("stop", now - rs.arrival))
+        it.finished_requests.append(_finished_request(rs, out, []))
         return True
     n = sum(len(c.token_ids) for c in out.outputs)
     if n > rs.num_tokens:
@@ -477,8 +486,25 @@ def _record_one(it: IterationStats, rs: _ReqStats, out: EngineOutput, now: float
     if out.finished:
         reason = out.outputs[0].finish_reason if out.outputs else "stop"
         it.finished.append((reason or "stop", now - rs.arrival))
+        it.finished_requests.append(_finished_request(rs, out, [len(c.token_ids) for c in out.outputs]))
         return True
     return False
+
+
+def _finished_request(rs: _ReqStats, out: EngineOutput, lengths: list[int]) -> FinishedRequestStats:
+    """vLLM's per-request figures of a request that finished with an answer; its phases
+    from the engine's timestamps (RequestMetrics), each 0 where a phase did not happen."""
+    m = out.metrics
+    first_step = m.first_scheduled_time if m is not None and m.first_scheduled_time is not None else None
+    first_token = m.first_token_time if m is not None else None
+    last_token = m.last_token_time if m is not None else None
+    queue = max(0.0, first_step - m.arrival_time) if m is not None and first_step is not None else 0.0
+    prefill = max(0.0, first_token - first_step) if first_token is not None and first_step is not None else 0.0
+    decode = max(0.0, last_token - first_token) if last_token is not None and first_token is not None else 0.0
+    return FinishedRequestStats(
+        prompt_tokens=len(out.prompt_token_ids), generation_tokens=sum(lengths), max_generation_tokens=max(lengths, default=0),
+        n=rs.n, max_tokens=rs.max_tokens, queue_seconds=queue, prefill_seconds=prefill, decode_seconds=decode,
+        inference_seconds=prefill + decode)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -80,6 +80,10 @@ class FakeProcessedRequest:
     grammar: Future | None = None
 
     @property
+    def pooling_params(self) -> object:
+        return None if isinstance(self.sampling_params, SamplingParams) else self.sampling_params
+
+    @property
     def num_sequences(self) -> int:
         return self.sampling_params.n if isinstance(self.sampling_params, SamplingParams) else 1
 

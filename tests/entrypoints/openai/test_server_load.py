@@ -48,6 +48,19 @@ def test_metrics_match_requests_sent(server, tokenizer):
     assert delta(after, before, "vllm:inter_token_latency_seconds_count") == sum(m - 1 for m in max_tokens)
     assert delta(after, before, "vllm:e2e_request_latency_seconds_sum") > 0
     assert delta(after, before, "vllm:prefix_cache_queries_total") >= n_prompt
+    # vLLM's per-request histograms (absent before): exactly these three requests' figures.
+    assert delta(after, before, "vllm:request_prompt_tokens_sum") == n_prompt
+    assert delta(after, before, "vllm:request_generation_tokens_sum") == sum(max_tokens)
+    assert delta(after, before, "vllm:request_max_num_generation_tokens_sum") == sum(max_tokens)
+    assert delta(after, before, "vllm:request_params_max_tokens_sum") == sum(max_tokens)
+    assert delta(after, before, "vllm:request_params_n_sum") == 3
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(after, before, f"vllm:request_{phase}_time_seconds_count") == 3
+    assert delta(after, before, "vllm:request_decode_time_seconds_sum") > 0
+    assert delta(after, before, "vllm:request_inference_time_seconds_sum") >= delta(
+        after, before, "vllm:request_decode_time_seconds_sum")
+    # Each step's tokens: the prompts' and the generated ones, step by step (one request at a time).
+    assert delta(after, before, "vllm:iteration_tokens_total_sum") == n_prompt + sum(max_tokens)
     for name in ("vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
         assert (name, ()) in after
     assert after[("vllm:num_requests_running", ())] == 0
