@@ -39,6 +39,10 @@ MAX_QUEUED_EVENTS = 64
 # Pages one hub streams to at once; more get a 503 (each holds a connection and a queue,
 # and every snapshot is put on each page's queue on the event loop).
 MAX_PAGES = 32
+# Pages from one client address: a page that stops reading is dropped only once its queue
+# fills, which small delta events take hours to do through the kernel's socket buffers, so
+# 32 connections that never read held every slot (a lockout of every other viewer).
+MAX_PAGES_PER_ADDRESS = 8
 
 
 def is_public_path(path: str) -> bool:
@@ -58,6 +62,7 @@ class DashboardHub:
         self.series = series
         self.config = config
         self.subscribers: set[asyncio.Queue[str | None]] = set()
+        self.pages_by_address: dict[str, int] = {}
         # [ref_cnt, hash prefix] per block: valid from the first full snapshot after the
         # first page opened until the last one closed (None otherwise).
         self.blocks: list[list[Any]] | None = None
@@ -72,16 +77,19 @@ class DashboardHub:
         # the page (and bench_dashboard) can show what watching costs.
         self.cost_seconds = 0.0
 
-    async def events(self) -> AsyncIterator[str]:
-        """One page's stream: a full picture, then deltas, until it disconnects (the
-        route calls check_room first; pages that passed it together past MAX_PAGES get
-        an error event and the end of their stream, here, where they would be counted)."""
-        if len(self.subscribers) >= MAX_PAGES:
-            yield _sse({"type": "error", "message": f"{MAX_PAGES} dashboard pages are open"})
+    async def events(self, address: str = "") -> AsyncIterator[str]:
+        """One page's stream (from client `address`): a full picture, then deltas, until
+        it disconnects (the route calls check_room first; pages that passed it together
+        past a cap get an error event and the end of their stream, here, where they
+        would be counted)."""
+        full = self._full_for(address)
+        if full is not None:
+            yield _sse({"type": "error", "message": full})
             return
         queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=MAX_QUEUED_EVENTS)
         first = not self.subscribers
         self.subscribers.add(queue)
+        self.pages_by_address[address] = self.pages_by_address.get(address, 0) + 1
         try:
             if first:
                 self.engine.watch(self._on_snapshot)  # its first snapshot is full: broadcast to all
@@ -94,14 +102,27 @@ class DashboardHub:
                 yield event
         finally:
             self.subscribers.discard(queue)
+            left = self.pages_by_address.pop(address) - 1
+            if left:
+                self.pages_by_address[address] = left
             if not self.subscribers:
                 self.engine.watch(None)
                 self.blocks = self.latest = self._full = None
 
-    def check_room(self) -> None:
-        """OverloadedError (a 503, before the stream starts) past MAX_PAGES open pages."""
+    def check_room(self, address: str = "") -> None:
+        """OverloadedError (a 503, before the stream starts) past MAX_PAGES open pages, or
+        MAX_PAGES_PER_ADDRESS from `address`."""
+        full = self._full_for(address)
+        if full is not None:
+            raise OverloadedError(f"{full}; close one, or retry later")
+
+    def _full_for(self, address: str) -> str | None:
+        """Why a page from `address` cannot open now; None: it can."""
         if len(self.subscribers) >= MAX_PAGES:
-            raise OverloadedError(f"{MAX_PAGES} dashboard pages are open; close one, or retry later")
+            return f"{MAX_PAGES} dashboard pages are open"
+        if self.pages_by_address.get(address, 0) >= MAX_PAGES_PER_ADDRESS:
+            return f"{MAX_PAGES_PER_ADDRESS} dashboard pages are open from this address"
+        return None
 
     def _full_event(self) -> str:
         assert self.blocks is not None and self.latest is not None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from pagedserve.entrypoints.dashboard import EVENTS_PATH, PAGE_PATHS, STATIC_PREFIX, DashboardHub
@@ -52,8 +52,9 @@ def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],
         return _static_file(name)
 
     @router.get(EVENTS_PATH, include_in_schema=False)
-    async def events(hub: DashboardHub = Depends(hub_of)) -> Response:
-        hub.check_room()
-        return sse_response(hub.events())
+    async def events(request: Request, hub: DashboardHub = Depends(hub_of)) -> Response:
+        address = request.client.host if request.client is not None else ""
+        hub.check_room(address)
+        return sse_response(hub.events(address))
 
     return router

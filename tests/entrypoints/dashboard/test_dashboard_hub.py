@@ -153,6 +153,39 @@ def test_pages_opening_together_share_one_full_picture_and_past_the_cap_get_a_50
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_one_address_holds_at_most_its_share_of_the_pages(monkeypatch):
+    """32 connections that never read held every slot (a page is dropped only once its
+    queue fills, hours of small deltas through the socket buffers): one address gets
+    MAX_PAGES_PER_ADDRESS of them, the others still open pages, and a closed page frees
+    its address's slot."""
+    from pagedserve.errors import OverloadedError
+
+    monkeypatch.setattr(dashboard, "MAX_PAGES_PER_ADDRESS", 2)
+
+    async def main():
+        llm = AsyncLLM(_slow_engine(), log_stats=False)
+        hub = DashboardHub(llm, SeriesStatLogger(), {})
+        greedy = [hub.events("10.0.0.9"), hub.events("10.0.0.9")]
+        for page in greedy:
+            await asyncio.wait_for(anext(page), 5)
+        with pytest.raises(OverloadedError, match="2 dashboard pages are open from this address"):
+            hub.check_room("10.0.0.9")
+        extra = hub.events("10.0.0.9")  # (one that passed check_room with the others at once)
+        assert "from this address" in _event(await anext(extra))["message"] and [e async for e in extra] == []
+        hub.check_room("10.0.0.7")
+        other = hub.events("10.0.0.7")
+        await asyncio.wait_for(anext(other), 5)
+        await greedy[0].aclose()
+        hub.check_room("10.0.0.9")
+        assert hub.pages_by_address == {"10.0.0.9": 1, "10.0.0.7": 1}
+        for page in (greedy[1], other):
+            await page.aclose()
+        assert hub.pages_by_address == {} and not hub.subscribers
+        llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_close_ends_every_page_stream_and_stops_the_watching():
     async def main():
         engine = _slow_engine()

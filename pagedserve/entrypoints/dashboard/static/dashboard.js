@@ -286,13 +286,20 @@ async function watch() {
       const r = await fetch("/dashboard/events" + (pageModel ? "?model=" + encodeURIComponent(pageModel) : ""),
                             { headers: authHeaders() });
       if (r.status === 401) { await needKey(); continue; }
-      if (!r.ok) {
-        setStatus(`server answered ${r.status}` + (r.status === 503 ? " (loading)" : ""), "error");
+      if (!r.ok) {  // the server's reason (loading, too many pages open, ...)
+        let why = `server answered ${r.status}`;
+        try { why += ": " + (await r.json()).error.message; } catch (e) { /* no JSON body */ }
+        setStatus(why, "error");
       } else {
         setStatus("live", "live");
         loadModelName();
-        for await (const data of sseData(r)) apply(JSON.parse(data));
-        setStatus("stream ended, reconnecting…", "error");
+        let ended = "stream ended, reconnecting…";
+        for await (const data of sseData(r)) {
+          const ev = JSON.parse(data);
+          if (ev.type === "error") ended = `${ev.message}; retrying…`;  // (kept: the stream ends next)
+          apply(ev);
+        }
+        setStatus(ended, "error");
       }
     } catch (e) {
       setStatus("disconnected, retrying…", "error");
