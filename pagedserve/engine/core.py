@@ -433,7 +433,7 @@ class EngineCore:
         mc, cache, sched = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         spec = self.config.speculative_config
         return {
-            "model": mc.model, "dtype": mc.dtype, "quantization": mc.quantization,
+            "model": mc.model, "runner": mc.runner, "dtype": mc.dtype, "quantization": mc.quantization,
             "block_size": cache.block_size, "num_blocks": cache.num_blocks,
             "prefix_caching": "on" if cache.enable_prefix_caching else "off",
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,

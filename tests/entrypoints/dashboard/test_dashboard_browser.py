@@ -137,3 +137,19 @@ def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_stream
     page.wait_for_selector("#copies-result[data-done='1']", timeout=60_000)
     assert page.inner_text("#copies-result").startswith("4/4 copies answered")
     page.screenshot(path=str(shots / "playground.png"), full_page=True)
+
+
+def test_a_pooling_server_offers_no_playground(page, tmp_path):
+    """A pooling model answers no chat: its page offered the Playground, whose every
+    message and "Send N copies" came back refused."""
+    model = tmp_path / "tiny-llama"
+    make_tiny_model(model)
+    proc = ServerProcess([str(model), "--runner", "pooling", "--dtype", "float32", "--max-model-len", "256",
+                          "--kv-cache-memory-bytes", "4MiB", "--enforce-eager", "--api-key", API_KEY],
+                         tmp_path / "pooling.log")
+    try:
+        open_dashboard(page, proc.url, API_KEY)
+        assert page.is_hidden("#tab-playground") and page.is_visible("#tab-dashboard")
+        assert "pooling" in page.inner_text("#config")
+    finally:
+        proc.stop()

@@ -180,6 +180,10 @@ function renderConfig(config) {
     tr.insertCell().textContent = v;
   }
   $("model-name").textContent = config.served_model_name || config.model || "";
+  // A pooling model answers no chat: its playground would send requests only to be refused.
+  const pooling = config.runner === "pooling";
+  $("tab-playground").hidden = pooling;
+  if (pooling && $("playground").classList.contains("active")) $("tab-dashboard").click();
 }
 
 // ---------------------------------------------------------------- charts
