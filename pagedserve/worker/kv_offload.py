@@ -48,6 +48,11 @@ _HEADER = struct.Struct("<8s32s32sQ16s")  # magic, fingerprint digest, key, payl
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0  # a temporary file older than this is a crashed writer's leftover
+# A temporary file whose writer's pid is gone from this host is removed once this old: a
+# live write takes milliseconds, and a container sharing the host's name (host networking)
+# but not its process ids has writers this host cannot see (removing a live one's file
+# failed its rename and turned its tier off).
+_DEAD_WRITER_GRACE_SECONDS = 30.0
 # Entries read back and verified by a lookup but not yet claimed by an admission: a
 # request stuck at the head of the queue is looked up every step, so they are kept,
 # within this many bytes (what one lookup stages is always kept until claimed).
@@ -62,8 +67,9 @@ def _writer_tag() -> str:
 
 def _writer_alive(tmp_name: str) -> bool:
     """Whether the process that named this temporary file (".tmp-PID_HOST-...") may
-    still run: a leftover of a killed writer on this host is removed at once, not after
-    _STALE_TMP_SECONDS; one of another host (or an unknown name) is left to the timeout."""
+    still run: a leftover of a killed writer on this host is removed after
+    _DEAD_WRITER_GRACE_SECONDS, not _STALE_TMP_SECONDS; one of another host (or an
+    unknown name) is left to the timeout."""
     tag = tmp_name[len(_TMP_PREFIX):].split("-", 1)[0]
     pid, _, host = tag.partition("_")
     if not pid.isdigit() or host != _writer_tag().partition("_")[2]:
@@ -292,7 +298,8 @@ class DiskKVTier(_TierBase):
                 name = entry.name
                 try:
                     if name.startswith(_TMP_PREFIX):
-                        if not _writer_alive(name) or now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                        age = now - entry.stat().st_mtime
+                        if age > _STALE_TMP_SECONDS or (age > _DEAD_WRITER_GRACE_SECONDS and not _writer_alive(name)):
                             os.unlink(entry.path)
                     elif name.startswith(self._prefix) and name.endswith(_SUFFIX):
                         key = int(name[len(self._prefix):-len(_SUFFIX)], 16)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -316,7 +317,9 @@ def test_files_identity_changes_with_the_weights(tmp_path) -> None:
 
 def test_a_killed_writers_temporary_files_are_removed_at_start(tmp_path) -> None:
     """A writer killed mid-write (SIGKILL) leaves ".tmp-PID-..." behind: the next tier on
-    the directory removes it at once when PID is gone, and keeps a live writer's."""
+    the directory removes it when PID is gone and the file is older than a write takes
+    (a fresh one may be a live writer's in a container sharing this host's name), and
+    keeps a live writer's."""
     import subprocess
 
     from pagedserve.worker.kv_offload import _writer_tag
@@ -327,7 +330,10 @@ def test_a_killed_writers_temporary_files_are_removed_at_start(tmp_path) -> None
     leftover = tmp_path / f".tmp-{dead.pid}_{host}-1-abc"
     live = tmp_path / f".tmp-{_writer_tag()}-1-def"
     elsewhere = tmp_path / f".tmp-{dead.pid}_otherhost-1-abc"  # another host's writer: its pid means nothing here
-    for path in (leftover, live, elsewhere):
+    fresh = tmp_path / f".tmp-{dead.pid}_{host}-2-abc"
+    for path in (leftover, live, elsewhere, fresh):
         path.write_bytes(b"partial")
+        if path is not fresh:
+            os.utime(path, (time.time() - 60, time.time() - 60))
     disk_tier(tmp_path)
-    assert not leftover.exists() and live.exists() and elsewhere.exists()
+    assert not leftover.exists() and live.exists() and elsewhere.exists() and fresh.exists()
