@@ -127,7 +127,7 @@ class ModelConfig:
                 isinstance(self.allowed_media_domains, list)
                 and all(isinstance(d, str) and d.strip(". ") for d in self.allowed_media_domains)):
             raise ValueError(f"allowed_media_domains must be a list of domain names, got {self.allowed_media_domains!r}")
-        if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
+        if not is_int(self.quant_activation_bits) or self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ValueError(f"quant_activation_bits must be one of {', '.join(map(str, QUANT_ACTIVATION_BITS))}, "
                              f"got {self.quant_activation_bits!r}")
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import MAX_SPECULATIVE_TOKENS, DeviceConfig, ModelConfig
+from pagedserve.config import MAX_SPECULATIVE_TOKENS, QUANT_ACTIVATION_BITS, DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
 from pagedserve.layers.rotary_embedding import positions_limit
@@ -232,6 +232,11 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target)
     source = resolve_source(model_config.model, model_config.load_format)
     method, gguf_file = resolve_quantization(model_config.quantization, source, target)
+    if method == "none" and model_config.quant_activation_bits != QUANT_ACTIVATION_BITS[0]:
+        raise ValueError(f"quant_activation_bits={model_config.quant_activation_bits} applies to quantized linear "
+                         f"layers, and this model runs none (quantization {model_config.quantization!r} resolved to "
+                         "'none'): quantize it (quantization='int8' or 'int4', or a GGUF file on CPU) or leave "
+                         f"quant_activation_bits at {QUANT_ACTIVATION_BITS[0]}")
     model_config.quantization = method  # resolved, like dtype (resolving again gives the same)
     model_cls = get_model_class(hf_config)
     if source.format == "safetensors":  # (before building anything: a directory without weights fails at once)
@@ -293,6 +298,9 @@ def resolve_quantization(requested: str, source: ModelSource, device: torch.devi
             raise ValueError(f"quantization='gguf' needs a GGUF file; {source.path} is not one "
                              "(use 'int8' or 'int4' to quantize a float checkpoint)")
         return "gguf", gguf_file
+    if gguf_file is not None:
+        logger.warning("quantization=%r quantizes the dequantized weights of %s again, rounding twice ('auto' or "
+                       "'gguf' keep its own blocks)", requested, os.path.basename(gguf_file))
     return requested, None
 
 

@@ -49,6 +49,37 @@ def test_gguf_method_needs_a_gguf(tiny_checkpoint) -> None:
         ModelConfig(model=path, quantization="fp4")
     with pytest.raises(ValueError, match="quant_activation_bits must be one of 16, 8"):
         ModelConfig(model=path, quant_activation_bits=4)
+    with pytest.raises(ValueError, match="quant_activation_bits must be one of 16, 8"):  # (8.0 crashed in a kernel)
+        ModelConfig(model=path, quant_activation_bits=8.0)
+
+
+def test_8_bit_activations_without_quantized_layers_are_refused(tiny_checkpoint) -> None:
+    """They did nothing, silently, on a float model (quantization 'none' or 'auto' there)."""
+    path, _ = tiny_checkpoint("llama")
+    for method in ("none", "auto"):
+        mc = ModelConfig(model=path, dtype="float32", quantization=method, quant_activation_bits=8)
+        load_model_config(mc, "cpu")
+        with pytest.raises(ValueError, match="quant_activation_bits=8 applies to quantized linear layers"):
+            get_model(mc, "cpu")
+
+
+def test_the_disk_tier_keeps_blocks_of_other_activation_bits_apart(tiny_checkpoint, tmp_path) -> None:
+    """8-bit activations compute other K/V: an engine with them read the blocks a 16-bit
+    engine had left in the same directory and answered neither's tokens."""
+    path, _ = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": list(range(7 + i, 55 + i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(dtype="float32", quantization="int8", max_model_len=128, speculative_config="off")
+
+    def run(**kw) -> list[list[int]]:
+        llm = LLM(path, **common, **kw)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    run(kv_offload_dir=str(tmp_path))  # 16-bit activations leave their blocks
+    assert run(kv_offload_dir=str(tmp_path), quant_activation_bits=8) == run(quant_activation_bits=8)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
