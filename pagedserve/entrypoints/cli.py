@@ -97,13 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--show-blocks", action="store_true",
                      help="at the end, print the KV block pool as text: in use, shared, cached (prefix cache) "
                           "and free blocks, and the busiest moment of the run")
-    EngineArgs.add_cli_args(gen)
-    _interactive_defaults(gen, "the number of prompts")
+    _interactive_engine_args(gen, "the number of prompts")
 
     chat = sub.add_parser("chat", help="interactive chat, streaming the answer (/exit or Ctrl-D quits)")
     _add_sampling_args(chat, temperature=0.7, max_tokens=512)
-    EngineArgs.add_cli_args(chat)
-    _interactive_defaults(chat, "1: one conversation")
+    _interactive_engine_args(chat, "1: one conversation")
 
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pagedserve serve --help`)", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -115,15 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interactive_defaults(p: argparse.ArgumentParser, num_seqs: str) -> None:
-    """`generate` and `chat` size and start the engine their own way (_build_engine): their
-    --help says so instead of the engine's defaults for `serve` and `LLM(...)`."""
-    helps = {"max_num_seqs": f"most sequences in one step (default here: {num_seqs})",
-             "torch_compile": "compile the model with torch.compile (default here: off, an interactive command "
-                              "does not earn back its 10-25 s; PAGEDSERVE_TORCH_COMPILE=1 turns it on)"}
-    for action in p._actions:
-        if action.dest in helps:
-            action.help = helps[action.dest]
+def _interactive_engine_args(p: argparse.ArgumentParser, num_seqs: str) -> None:
+    """The engine's flags for `generate` and `chat`, which size and start the engine their
+    own way (_build_engine): two of them say so, instead of the engine's defaults for
+    `serve` and `LLM(...)`."""
+    EngineArgs.add_cli_args(p, skip=("max_num_seqs", "torch_compile"))
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most sequences in one step (default here: {num_seqs})")
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the model with torch.compile (default here: off, an interactive command "
+                        "does not earn back its 10-25 s; PAGEDSERVE_TORCH_COMPILE=1 turns it on)")
 
 
 def _delegate(argv: list[str]) -> bool:
