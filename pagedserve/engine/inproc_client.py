@@ -495,16 +495,18 @@ def _finished_request(rs: _ReqStats, out: EngineOutput, lengths: list[int]) -> F
     """vLLM's per-request figures of a request that finished with an answer; its phases
     from the engine's timestamps (RequestMetrics), each 0 where a phase did not happen."""
     m = out.metrics
-    first_step = m.first_scheduled_time if m is not None and m.first_scheduled_time is not None else None
-    first_token = m.first_token_time if m is not None else None
-    last_token = m.last_token_time if m is not None else None
-    queue = max(0.0, first_step - m.arrival_time) if m is not None and first_step is not None else 0.0
-    prefill = max(0.0, first_token - first_step) if first_token is not None and first_step is not None else 0.0
-    decode = max(0.0, last_token - first_token) if last_token is not None and first_token is not None else 0.0
+
+    def span(start: float | None, end: float | None) -> float:
+        return max(0.0, end - start) if start is not None and end is not None else 0.0
+
+    first_step, first_token, last_token = ((m.first_scheduled_time, m.first_token_time, m.last_token_time)
+                                           if m is not None else (None, None, None))
+    prefill, decode = span(first_step, first_token), span(first_token, last_token)
     return FinishedRequestStats(
-        prompt_tokens=len(out.prompt_token_ids), generation_tokens=sum(lengths), max_generation_tokens=max(lengths, default=0),
-        n=rs.n, max_tokens=rs.max_tokens, queue_seconds=queue, prefill_seconds=prefill, decode_seconds=decode,
-        inference_seconds=prefill + decode)
+        prompt_tokens=len(out.prompt_token_ids), generation_tokens=sum(lengths),
+        max_generation_tokens=max(lengths, default=0), n=rs.n, max_tokens=rs.max_tokens,
+        queue_seconds=span(m.arrival_time if m is not None else None, first_step),
+        prefill_seconds=prefill, decode_seconds=decode, inference_seconds=prefill + decode)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
