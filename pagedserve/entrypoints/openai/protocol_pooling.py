@@ -72,6 +72,9 @@ class _PoolingFields(RequestBody):
                                       param="mm_processor_kwargs")
 
 
+_CHAT_FORM_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
 class EmbeddingRequest(_PoolingFields):
     """POST /v1/embeddings: OpenAI's shape (one input or a batch, text or token ids), or
     vLLM's chat form (`messages`, rendered by the chat template, images included: one
@@ -88,21 +91,6 @@ class EmbeddingRequest(_PoolingFields):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
 
-    @model_validator(mode="before")
-    @classmethod
-    def _input_shape(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            if ("input" in data) == ("messages" in data):
-                raise ValueError("give either input (texts or token ids) or messages (a conversation), not "
-                                 + ("both" if "input" in data else "neither"))
-            if "input" in data:
-                check_inputs_shape(data["input"], "input")
-            elif not isinstance(data["messages"], list) or not data["messages"]:
-                raise ValueError("messages must be a non-empty list of chat messages")
-        return data
-
-    def api_param(self, param: str | None) -> str | None:
-        return ("messages" if self.messages is not None else "input") if param == "prompt" else param
     dimensions: int | None = None
     normalize: bool | None = None  # vLLM extra: None keeps the server's pooler_config
     add_special_tokens: bool = True  # vLLM extra: text inputs tokenized with the model's BOS/EOS
@@ -110,6 +98,26 @@ class EmbeddingRequest(_PoolingFields):
     embed_dtype: Literal["float32"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"  # vLLM extra: byte order of base64 floats
     use_activation: bool | None = None  # vLLM's newer name of `normalize` (both given: they must agree)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _input_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = data.get("input") is not None
+            if given == (data.get("messages") is not None):
+                raise ValueError("give either input (texts or token ids) or messages (a conversation), not "
+                                 + ("both" if given else "neither"))
+            if given:
+                check_inputs_shape(data["input"], "input")
+                chat = [k for k in _CHAT_FORM_FIELDS if data.get(k) is not None]
+                if chat:  # (they would do nothing)
+                    raise ValueError(f"{', '.join(chat)}: the chat form's, for messages; not with input")
+            elif not isinstance(data["messages"], list) or not data["messages"]:
+                raise ValueError("messages must be a non-empty list of chat messages")
+        return data
+
+    def api_param(self, param: str | None) -> str | None:
+        return ("messages" if self.messages is not None else "input") if param == "prompt" else param
 
     def normalized(self) -> bool | None:
         """`normalize` and its newer name `use_activation` as one value (None: the server's)."""

@@ -116,6 +116,7 @@ def test_vllms_chat_form_embeds_the_rendered_conversation(pooling_server, smollm
     assert asked["usage"]["prompt_tokens"] > len(ids)
     for body, param, words in [({"input": "x", "messages": messages}, None, "not both"), ({}, None, "not neither"),
                                ({"messages": []}, None, "non-empty"),
+                               ({"input": "x", "add_generation_prompt": True}, None, "not with input"),
                                ({"messages": [{"role": "user", "content": [
                                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
                                 "messages", "image")]:
