@@ -198,14 +198,19 @@ def registered_once(registry: Any, name: str, make: Callable[[], T]) -> T:
 
 def record_cache_config(registry: Any, model_name: str, description: dict[str, Any]) -> None:
     """vLLM's `vllm:cache_config_info` (always 1; the configuration is in its labels):
-    block size, number of blocks, what the KV cache stores and its bytes per token."""
+    block size, number of blocks, what the KV cache stores and its bytes per token, and
+    the same under vLLM's label names (`num_gpu_blocks`, `cache_dtype`,
+    `enable_prefix_caching`), which dashboards made for vLLM read."""
     from prometheus_client import Gauge
 
     names = ("block_size", "num_blocks", "kv_cache_dtype", "kv_bytes_per_token")
+    vllm_names = {"num_gpu_blocks": str(description.get("num_blocks", "")),
+                  "cache_dtype": str(description.get("kv_cache_dtype", "")),
+                  "enable_prefix_caching": str(description.get("prefix_caching") == "on")}
     info = registered_once(registry, "cache_config_info", lambda: Gauge(
         "vllm:cache_config_info", "The KV cache's configuration (in the labels).", registry=registry,
-        labelnames=["model_name", *names]))
-    info.labels(model_name=model_name, **{n: str(description.get(n, "")) for n in names}).set(1)
+        labelnames=["model_name", *names, *vllm_names]))
+    info.labels(model_name=model_name, **{n: str(description.get(n, "")) for n in names}, **vllm_names).set(1)
 
 
 def make_prometheus_loggers(registry: Any, model_name: str, num_engines: int = 1) -> list[PrometheusStatLogger]:

@@ -119,6 +119,9 @@ def test_32_streams_8_disconnect(server):
     assert info["kv_cache_dtype"] == "float32" and info["block_size"] == "16"
     # --kv-cache-memory-bytes 16MiB, in blocks of 16 tokens of kv_bytes_per_token each
     assert int(info["num_blocks"]) == 16 * 2**20 // (16 * int(info["kv_bytes_per_token"]))
+    # vLLM's label names too (its dashboards read them)
+    assert (info["num_gpu_blocks"], info["cache_dtype"]) == (info["num_blocks"], "float32")
+    assert info["enable_prefix_caching"] == "True"
     # The server is healthy and serving afterwards.
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     assert client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text == refs[0]
