@@ -182,6 +182,9 @@ class Router:
         self.up[replica] = up
 
     def reset(self, replica: int) -> None:
-        """The replica restarted: its cache and queues are empty."""
+        """The replica restarted: its cache and queues are empty.  The requests sent to it
+        before still count until each ends (moved or failed: `ended` is called once for
+        each): zeroing them made the count low by as many, as they ended, while new
+        requests were in flight."""
         self.indexes[replica].clear()
-        self.loads[replica] = ReplicaLoad()
+        self.loads[replica] = ReplicaLoad(in_flight=self.loads[replica].in_flight)

@@ -96,8 +96,14 @@ def test_a_restarted_replica_starts_empty():
     r = router()
     home = send(r, prompt(3))
     r.reset(home)
-    assert len(r.indexes[home]) == 0 and r.loads[home].score == 0
-    assert not r.choose(r.block_hashes(prompt(3)), 16).affinity
+    assert len(r.indexes[home]) == 0 and not r.choose(r.block_hashes(prompt(3)), 16).affinity
+    # The request sent before the restart counts until it ends (moved or failed), not after.
+    assert r.loads[home].in_flight == 1
+    r.dispatched(home, r.block_hashes(prompt(4)))  # a new request on the restarted replica
+    r.ended(home)  # the old request ends: the new one still counts
+    assert r.loads[home].in_flight == 1
+    r.ended(home)
+    assert r.loads[home].in_flight == 0 and r.loads[home].score == 0
 
 
 def test_the_salt_separates_prefixes():
@@ -135,8 +141,7 @@ def test_choices_are_replicas_that_are_up_and_loads_stay_consistent(policy, ops)
         elif op in ("down", "up"):
             r.set_up(replica, op == "up")
         elif op == "reset":
-            r.reset(replica)
-            in_flight[replica] = 0
+            r.reset(replica)  # (its requests still end one by one, each counted until then)
         for i, load in enumerate(r.loads):
             assert load.in_flight == in_flight[i]
             assert 0 <= load.waiting <= load.in_flight and load.running >= 0
