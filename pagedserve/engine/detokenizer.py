@@ -63,7 +63,6 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         longest = max((len(s) for s in self.stop_strings), default=0)
-        self._max_stop_len = longest
         # A stop string included in the output can never be taken back: no hold-back needed.
         self.stop_buffer_length = 0 if self.include_stop_str_in_output else max(longest - 1, 0)
 
@@ -85,8 +84,15 @@ class IncrementalDetokenizer:
         if full_text.endswith(_REPLACEMENT_CHAR) and not force:
             return ""
         # Slicing by length (not by prefix match) tolerates a window whose left edge
-        # starts inside a character, as vLLM's does.
-        new_text = full_text[len(prefix_text) :]
+        # starts inside a character, as vLLM's does.  A forced flush whose text does not
+        # extend the prefix's (SentencePiece's byte fallback reads a run of bytes ending in
+        # a partial character as one U+FFFD per byte, the complete character before it
+        # too) decodes the pending tokens alone: the slice gave one U+FFFD per byte of
+        # the whole run past the first character.
+        if force and not full_text.startswith(prefix_text):
+            new_text = self._decode(self.token_ids[self.read_offset :])
+        else:
+            new_text = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return new_text
@@ -136,10 +142,12 @@ class IncrementalDetokenizer:
         if not self.stop_strings or new_chars == 0 or self.num_output_tokens <= self.min_tokens:
             return None
         text = self.output_text
-        start = max(0, len(text) - new_chars - self._max_stop_len + 1)
         best: tuple[int, str] | None = None
         for stop in self.stop_strings:
-            idx = text.find(stop, start)
+            # Only an occurrence that ends in the new characters (vLLM's window, per stop
+            # string): with the longest's window a shorter one found again an occurrence
+            # skipped under min_tokens, and cut the text back, below what was streamed.
+            idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
         if best is None:

@@ -108,6 +108,35 @@ def test_earliest_stop_wins_and_min_tokens_delays_checks(tok) -> None:
     assert detok.stop_reason is None and detok.output_text == TEXT
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_skipped_under_min_tokens_is_not_found_again_later(tok, include: bool) -> None:
+    """Each stop string is looked for where it could end in the new text (vLLM's window):
+    with the longest one's window, "l" found again the "l" of "héllo" skipped under
+    min_tokens once "wörld" arrived, and cut the text back to "hé" (with the stop string
+    included, below what had been streamed)."""
+    n = len(tok.encode("héllo"))
+    detok, shown = stream(tok, TEXT, stop=["l", "xyzxyz"], min_tokens=n, include_stop_str_in_output=include)
+    want = "héllo wörl" if include else "héllo wör"
+    assert detok.stop_reason == "l" and detok.output_text == want
+    assert all(want.startswith(s) for s in shown)  # streamed text is never taken back
+
+
+def test_a_byte_fallback_run_cut_by_max_tokens_flushes_its_own_bytes(gemma3_path) -> None:
+    """Gemma's tokens <0xF0><0x9D><0x94><0x98> make one character; two more bytes of the next
+    left open by max_tokens read as one U+FFFD per byte of the whole run in a window decode:
+    the flush gave the character and five U+FFFD, where its own two bytes give two."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "𝔘".encode() + "😀".encode()[:2]]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("lead"), SamplingParams())
+    for tid in ids:
+        detok.update([tid])
+    assert detok.output_text == "𝔘"
+    detok.finish()
+    assert detok.output_text == "𝔘" + tokenizer.decode(ids[4:]) == "𝔘\ufffd\ufffd"
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens(tok, skip: bool) -> None:
     ids = tok.encode("hello") + [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode(" world")

@@ -93,7 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise err
                 logprobs = self.logprobs(c, 0, params.logprobs, TextOffsets(len(prefix)))
                 if req.echo and logprobs is not None:
-                    logprobs = self._prompt_logprobs(out, params.logprobs).extend(logprobs)
+                    logprobs = self._prompt_logprobs(out, params.logprobs, prefix).extend(logprobs)
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -122,7 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if req.echo:
                             echo = self._echo(prompts[i])
                             cs.text_offsets = TextOffsets(len(echo))
-                            echo_lp = self._prompt_logprobs(out, params.logprobs) if params.logprobs is not None \
+                            echo_lp = self._prompt_logprobs(out, params.logprobs, echo) if params.logprobs is not None \
                                 else None
                             yield self._chunk(request_id, created, model, index, echo, echo_lp, None,
                                               make_usage(list(finals.values())) if continuous_usage else None)
@@ -149,10 +149,17 @@ class OpenAIServingCompletion(OpenAIServing):
                                   stop_reason=finished.stop_reason if finished else None)
         return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage))
 
-    def _prompt_logprobs(self, out: RequestOutput, k: int) -> CompletionLogprobs:
-        """The echoed prompt's tokens with their logprobs (the first has none)."""
+    def _prompt_logprobs(self, out: RequestOutput, k: int, echoed: str) -> CompletionLogprobs:
+        """The echoed prompt's tokens with their logprobs (the first has none).  A first
+        token the tokenizer added (Gemma's <bos>) is not in the `echoed` text: it starts
+        at 0 and takes no room (every offset after it was its length too far)."""
         prompt = CompletionOutput(index=0, text="", token_ids=out.prompt_token_ids, logprobs=out.prompt_logprobs)
-        return self.logprobs(prompt, 0, k, TextOffsets()) or CompletionLogprobs()
+        lp = self.logprobs(prompt, 0, k, TextOffsets()) or CompletionLogprobs()
+        bos = self.tokenizer.bos_token_id if self.tokenizer is not None else None
+        if len(lp.tokens) > 1 and out.prompt_token_ids[0] == bos and not echoed.startswith(lp.tokens[0]):
+            added = lp.text_offset[1]
+            lp.text_offset = [0] + [max(0, o - added) for o in lp.text_offset[1:]]
+        return lp
 
     def logprobs(self, c: CompletionOutput, start: int, k: int | None, offsets: TextOffsets,
                  end: int | None = None) -> CompletionLogprobs | None:

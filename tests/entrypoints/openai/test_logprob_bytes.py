@@ -65,3 +65,21 @@ def test_text_offsets_point_into_the_text_whole_and_streamed_in_any_chunks() -> 
         offsets = TextOffsets(3)
         streamed = handler.logprobs(c, 0, 1, offsets, cut).text_offset + handler.logprobs(c, cut, 1, offsets).text_offset
         assert streamed == whole, cut
+
+
+def test_echoed_prompt_offsets_leave_out_the_bos_the_tokenizer_added(gemma3_path) -> None:
+    """Gemma's tokenizer adds <bos>, which the echoed prompt text does not hold: every
+    prompt offset was 5 ("<bos>") too far, past the first generated token's."""
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedserve.outputs import Logprob, RequestOutput
+
+    tok = saved_tokenizer(gemma3_path)
+    handler = OpenAIServingCompletion.__new__(OpenAIServingCompletion)
+    handler.tokenizer = tok
+    text = "Hi 🙂 there, 日本"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id
+    out = RequestOutput("r", text, ids, [], True, prompt_logprobs=[None] + [{i: Logprob(-1.0, 1)} for i in ids[1:]])
+    offsets = handler._prompt_logprobs(out, 1, text).text_offset
+    assert offsets[:2] == [0, 0] and offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert text[offsets[-1]:] == tok.decode(ids[-1:])
