@@ -55,6 +55,7 @@ class GrammarState(Protocol):
     """What the scheduler needs of a request's grammar (structured_output/ implements it)."""
 
     error: str | None  # why it failed to compile, once is_ready() says it is done
+    refusal: str | None  # the library's reason, once accept_token has refused a token (None: it gave none)
 
     def is_ready(self) -> bool:
         """Compiled, or failed; never blocks."""

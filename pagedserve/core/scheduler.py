@@ -509,7 +509,7 @@ class Scheduler:
             # Only a token the step's mask allowed is sampled, so the grammar library
             # contradicted itself (llguidance does for a regex with control characters):
             # the constraint cannot be followed, which the client hears (a 400), not a crash.
-            request.stop_reason = GRAMMAR_REFUSED
+            request.stop_reason = GRAMMAR_REFUSED + (f" [{why}]" if (why := request.grammar.refusal) else "")
             return _ERROR
         status = check_stop(request, tok)
         if status is None and request.grammar.is_terminated():

@@ -24,10 +24,12 @@ The parts, and where each runs:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +70,13 @@ class CompiledGrammar:
 class StructuredOutputRequest:
     """One request's grammar: compiled (or failing) in the background, then matched."""
 
-    def __init__(self, compiled: Future, after_token: int | None = None) -> None:
+    def __init__(self, compiled: Future, after_token: int | None = None,
+                 forget: Callable[[], None] | None = None) -> None:
         self._compiled = compiled
+        self._forget = forget  # drops the shared grammar from the cache
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
+        self.refusal: str | None = None
         # Until `after_token` is generated (a reasoning block's end) nothing is constrained.
         self.after_token = after_token
 
@@ -98,7 +103,15 @@ class StructuredOutputRequest:
             if token_id == self.after_token:
                 self.after_token = None
             return True
-        return self.matcher.accept_token(token_id)
+        if self.matcher.accept_token(token_id):
+            return True
+        # The library failed at run time (llguidance's lexer out of fuel on a grammar of
+        # nested repeats): its reason goes to the client, and the shared grammar leaves the
+        # cache (its lexer had grown 100-230 MB, kept per distinct grammar until evicted).
+        self.refusal = self.matcher.refusal()
+        if self._forget is not None:
+            self._forget()
+        return False
 
     def is_terminated(self) -> bool:
         return self.after_token is None and self.matcher.is_terminated()
@@ -240,7 +253,8 @@ class StructuredOutputManager:
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A fresh matcher state for one request (n > 1: one each) over the shared grammar."""
-        return StructuredOutputRequest(self.compile(params), params.after_token)
+        return StructuredOutputRequest(self.compile(params), params.after_token,
+                                       functools.partial(self._forget, params.key))
 
     # ------------------------------------------------------------------ per step
     def fill_bitmask(self, rows: dict[str, int],

@@ -49,6 +49,9 @@ class GuidanceMatcher:
         self._ended = ok and token_id in self._stop_token_ids
         return ok
 
+    def refusal(self) -> str | None:
+        return _one_line(self.matcher.get_error()) if self.matcher.is_error() else None
+
     def is_terminated(self) -> bool:
         return self._ended
 

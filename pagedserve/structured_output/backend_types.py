@@ -34,6 +34,10 @@ class GrammarMatcher(Protocol):
         """Advance over a sampled token; False if the grammar forbids it."""
         ...
 
+    def refusal(self) -> str | None:
+        """Why the library refused the last token, where it says (a lexer out of fuel)."""
+        ...
+
     def is_terminated(self) -> bool:
         """The grammar has ended and a stop token has been accepted: nothing may follow."""
         ...

@@ -21,6 +21,9 @@ class XgrammarMatcher:
     def accept_token(self, token_id: int) -> bool:
         return bool(self._m.accept_token(token_id))
 
+    def refusal(self) -> str | None:
+        return None  # (xgrammar says only True or False)
+
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 

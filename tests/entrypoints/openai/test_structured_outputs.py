@@ -124,6 +124,22 @@ def test_a_constraint_the_grammar_library_cannot_follow_is_a_400(server):
     assert r.status_code == 400 and "grammar refused a token" in r.json()["error"]["message"], r.text
 
 
+def test_a_grammar_whose_lexer_runs_out_of_fuel_says_why_and_leaves_the_cache(server):
+    """Nested repeats compile at once and blow up llguidance's lexer at the first token:
+    the 400 carries the library's reason (it said only "refused a token its own mask
+    allowed"), and the grammar leaves the cache (its grown lexer was kept, 100-230 MB per
+    distinct grammar, and a repeat then answered 200 from it)."""
+    body = {"model": MODEL_NAME, "prompt": "K", "max_tokens": 4,
+            "guided_grammar": 'root ::= a{1000}\na ::= b{1000}\nb ::= "K"{1000}'}
+    before = server.metrics()
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+                       json=body)
+        assert r.status_code == 400 and "too many expressions" in r.json()["error"]["message"], r.text
+    compiles = ("pagedserve:grammar_compiles_total", ())
+    assert server.metrics()[compiles] - before.get(compiles, 0) == 2  # compiled again: not kept
+
+
 def test_forced_and_required_tool_calls(client):
     named = chat(client, tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
                  temperature=0.7, seed=5)
