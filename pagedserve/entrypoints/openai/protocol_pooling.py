@@ -105,15 +105,16 @@ class EmbeddingRequest(_PoolingFields):
         if isinstance(data, dict):
             given = data.get("input") is not None
             if given == (data.get("messages") is not None):
-                raise ValueError("give either input (texts or token ids) or messages (a conversation), not "
-                                 + ("both" if given else "neither"))
+                raise InvalidRequestError("give either input (texts or token ids) or messages (a conversation), not "
+                                          + ("both" if given else "neither"), param="input")
             if given:
                 check_inputs_shape(data["input"], "input")
                 chat = [k for k in _CHAT_FORM_FIELDS if data.get(k) is not None]
                 if chat:  # (they would do nothing)
-                    raise ValueError(f"{', '.join(chat)}: the chat form's, for messages; not with input")
+                    raise InvalidRequestError(f"{', '.join(chat)}: the chat form's, for messages; not with input",
+                                              param=chat[0])
             elif not isinstance(data["messages"], list) or not data["messages"]:
-                raise ValueError("messages must be a non-empty list of chat messages")
+                raise InvalidRequestError("messages must be a non-empty list of chat messages", param="messages")
         return data
 
     def api_param(self, param: str | None) -> str | None:

@@ -114,9 +114,10 @@ def test_vllms_chat_form_embeds_the_rendered_conversation(pooling_server, smollm
     assert np.allclose(chat["data"][0]["embedding"], plain["data"][0]["embedding"], atol=1e-5)
     asked = post({"messages": messages, "add_generation_prompt": True}).json()
     assert asked["usage"]["prompt_tokens"] > len(ids)
-    for body, param, words in [({"input": "x", "messages": messages}, None, "not both"), ({}, None, "not neither"),
-                               ({"messages": []}, None, "non-empty"),
-                               ({"input": "x", "add_generation_prompt": True}, None, "not with input"),
+    for body, param, words in [({"input": "x", "messages": messages}, "input", "not both"),
+                               ({}, "input", "not neither"), ({"messages": []}, "messages", "non-empty"),
+                               ({"messages": "hi"}, "messages", "non-empty"),
+                               ({"input": "x", "add_generation_prompt": True}, "add_generation_prompt", "not with input"),
                                ({"messages": [{"role": "user", "content": [
                                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
                                 "messages", "image")]:
