@@ -41,6 +41,11 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # A surrogate written as UTF-8 bytes (ED A0..BF xx): never valid UTF-8, paired or not.
 _SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Python converts integers of at most this many digits (sys.get_int_max_str_digits()'s default).
+_MAX_NUMBER_DIGITS = 4300
+# (tried only where a run of digits starts: linear in the body, not once per digit)
+_LONG_NUMBER = re.compile(rb"(?<!\d)\d{%d}" % (_MAX_NUMBER_DIGITS + 1))
+_NAMED_LONG_NUMBER = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"\s*:\s*-?\d{%d}' % (_MAX_NUMBER_DIGITS + 1))
 
 
 def check_json_body(body: bytes) -> None:
@@ -55,6 +60,23 @@ def check_json_body(body: bytes) -> None:
     _check_depth(structure)
     if _SURROGATE_BYTES.search(body) or _SURROGATE_ESCAPE.search(_NOT_LONE.sub(b"", body)):
         _raise_lone_surrogate(body)
+    _check_text_and_numbers(body, structure)
+
+
+def _check_text_and_numbers(body: bytes, structure: bytes) -> None:
+    """Two things Python's JSON parser refuses with an error FastAPI turns into "There was
+    an error parsing the body", naming nothing: bytes that are not UTF-8, and an integer
+    of more digits than Python converts (its int_max_str_digits, 4,300)."""
+    try:
+        if json.detect_encoding(body) == "utf-8":  # (json.loads takes UTF-16 and UTF-32 by their first bytes)
+            body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"the request body is not UTF-8 text (byte {e.start}: {e.reason})",
+                                  param=None) from None
+    if _LONG_NUMBER.search(structure):
+        named = _NAMED_LONG_NUMBER.search(body)
+        raise InvalidRequestError(f"a number in the request body has more than {_MAX_NUMBER_DIGITS} digits",
+                                  param=named.group(1).decode() if named else None)
 
 
 def _check_count(count: int) -> None:

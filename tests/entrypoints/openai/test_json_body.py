@@ -84,3 +84,17 @@ def test_a_surrogate_written_as_bytes_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="^prompt contains a lone UTF-16 surrogate"):
         check_json_body(b'{"prompt": "\xed\xa0\x80"}')
     check_json_body('{"prompt": "\ud7ff \ue000"}'.encode())  # the code points either side are text
+
+
+def test_bytes_that_are_not_utf8_and_integers_python_will_not_convert_are_named() -> None:
+    """Python's parser refuses both, and FastAPI answered "There was an error parsing the
+    body", naming nothing; a UTF-16 body (which json.loads reads) and long digits in a
+    string or a float's fraction still pass."""
+    with pytest.raises(InvalidRequestError, match="more than 4300 digits") as e:
+        check_json_body(b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError, match=r"not UTF-8 text \(byte 12"):
+        check_json_body(b'{"prompt": "\xff\xfe"}')
+    for fine in (b'{"prompt": "' + b"9" * 5000 + b'"}', b'{"x": 1.' + b"0" * 4000 + b"}",
+                 '{"prompt": "hi"}'.encode("utf-16")):
+        check_json_body(fine)
