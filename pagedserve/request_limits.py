@@ -15,6 +15,9 @@ from __future__ import annotations
 # from streams (OpenAI allows 4).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000
+# A cache salt is hashed into a prompt's first block and kept with the request: a longer
+# one separates nothing more (10 MB ones were taken).
+MAX_CACHE_SALT_CHARS = 1024
 # stop_token_ids and logit_bias entries: walked or applied every step.
 MAX_TOKEN_ID_LIST = 1024
 # allowed_token_ids: one index per entry every step (duplicates are refused too).

@@ -53,6 +53,7 @@ from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.request_limits import MAX_CACHE_SALT_CHARS
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
@@ -227,8 +228,9 @@ class InputProcessor:
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}", param="prompt")
         salt = prompt.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                      "characters", param="cache_salt")
         multi_modal = prompt.get("multi_modal")
         if multi_modal is None and prompt.get("multi_modal_data") is not None:
             if text is None:

@@ -396,6 +396,10 @@ def test_cache_salt_separates_prefix_caches(client):
     other = complete(client, **kw, extra_body={"cache_salt": "b"})
     assert same.usage.prompt_tokens_details.cached_tokens > 0
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+    # (a longer salt separates nothing more: a 10 MB one was kept with its request)
+    with pytest.raises(openai.BadRequestError, match="at most 1024 characters") as e:
+        complete(client, **kw, extra_body={"cache_salt": "s" * 1025})
+    assert e.value.body["param"] == "cache_salt"
 
 
 def test_continuous_usage_stats(client):
