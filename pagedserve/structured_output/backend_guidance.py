@@ -45,7 +45,10 @@ class GuidanceMatcher:
         self._ended = False
 
     def accept_token(self, token_id: int) -> bool:
-        ok = bool(self.matcher.consume_token(token_id))
+        # A matcher whose lexer failed while masking (out of fuel) masks all but the stop
+        # token and then accepts it: an empty answer that finished as "stop".  Refused here,
+        # the request ends with the library's reason instead.
+        ok = bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
         self._ended = ok and token_id in self._stop_token_ids
         return ok
 

@@ -103,3 +103,25 @@ def test_a_schema_that_admits_no_value_is_refused(backend, schema) -> None:
         mgr.compile(S(json=json.dumps(schema))).result()
     mgr.compile(S(json=json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}}))).result()
     mgr.shutdown()
+
+
+def test_a_guidance_matcher_whose_lexer_failed_while_masking_refuses_even_the_stop_token() -> None:
+    """Copies of a compiled grammar share its lexer: once one ran out of fuel, the next
+    copy's mask allowed only the stop token and accepted it (an empty answer finished as
+    "stop"); it refuses it, with the library's reason."""
+    import torch
+
+    from pagedserve.model_loader.sources import resolve_source
+    from pagedserve.model_loader.tokenizer import saved_tokenizer
+    from pagedserve.structured_output.backend_guidance import GuidanceBackend
+
+    tok = saved_tokenizer(resolve_source("smollm2-135m-instruct", "auto").path)
+    backend = GuidanceBackend(tok, 49152, [2])
+    grammar = backend.compile("grammar", 'root ::= a{1000}\na ::= b{1000}\nb ::= "K"{1000}')
+    mask = torch.zeros((1, 49152 // 32), dtype=torch.int32)
+    first, second = backend.new_matcher(grammar), backend.new_matcher(grammar)
+    backend.fill_bitmask(mask, [(first, 0)])
+    assert not first.accept_token(tok.encode("K", add_special_tokens=False)[0])
+    backend.fill_bitmask(mask, [(second, 0)])
+    assert not second.accept_token(2) and not second.is_terminated()
+    assert "too many expressions" in second.refusal()
