@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
@@ -41,8 +42,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # A surrogate written as UTF-8 bytes (ED A0..BF xx): never valid UTF-8, paired or not.
 _SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-# Python converts integers of at most this many digits (sys.get_int_max_str_digits()'s default).
-_MAX_NUMBER_DIGITS = 4300
+# Python converts integers of at most this many digits (4,300 unless PYTHONINTMAXSTRDIGITS
+# says otherwise; 0: no limit, and none is checked here either).
+_MAX_NUMBER_DIGITS = sys.get_int_max_str_digits()
 # (tried only where a run of digits starts: linear in the body, not once per digit)
 _LONG_NUMBER = re.compile(rb"(?<!\d)\d{%d}" % (_MAX_NUMBER_DIGITS + 1))
 _NAMED_LONG_NUMBER = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"\s*:\s*-?\d{%d}' % (_MAX_NUMBER_DIGITS + 1))
@@ -66,14 +68,14 @@ def check_json_body(body: bytes) -> None:
 def _check_text_and_numbers(body: bytes, structure: bytes) -> None:
     """Two things Python's JSON parser refuses with an error FastAPI turns into "There was
     an error parsing the body", naming nothing: bytes that are not UTF-8, and an integer
-    of more digits than Python converts (its int_max_str_digits, 4,300)."""
+    of more digits than Python converts (its int_max_str_digits)."""
     try:
         if json.detect_encoding(body) == "utf-8":  # (json.loads takes UTF-16 and UTF-32 by their first bytes)
             body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidRequestError(f"the request body is not UTF-8 text (byte {e.start}: {e.reason})",
                                   param=None) from None
-    if _LONG_NUMBER.search(structure):
+    if _MAX_NUMBER_DIGITS and _LONG_NUMBER.search(structure):
         named = _NAMED_LONG_NUMBER.search(body)
         raise InvalidRequestError(f"a number in the request body has more than {_MAX_NUMBER_DIGITS} digits",
                                   param=named.group(1).decode() if named else None)
