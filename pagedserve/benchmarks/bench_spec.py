@@ -37,6 +37,7 @@ import json
 from typing import Any
 
 from pagedserve.benchmarks.throughput import generate_timed, workload_requests
+from pagedserve.config import SPECULATION_OFF
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
@@ -181,7 +182,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(parser)
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    run(args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The engine's own checks of the flags, and the one value of theirs that means
+    nothing here: `--speculative-config off` (this compares a method against none)."""
+    if args.speculative_config == SPECULATION_OFF:
+        raise ValueError(f"--speculative-config {SPECULATION_OFF}: bench_spec runs speculation off beside the method "
+                         f"--speculative-config names (default {json.dumps(DEFAULT_SPEC)}); give a method's JSON")
+    EngineArgs.from_cli_args(args)
 
 
 if __name__ == "__main__":
