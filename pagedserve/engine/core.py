@@ -343,12 +343,31 @@ class EngineCore:
         """A step's results: tokens into the scheduler, text and stop strings out."""
         if runner_out.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
+        if runner_out.invalid_req_ids:
+            self._name_own_constraints(runner_out.invalid_req_ids)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
                                                          runner_out.invalid_req_ids, runner_out.pooler_output)
         outputs, stopped = self.output_processor.process_outputs(core_outputs, runner_out.logprobs, time.time())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _name_own_constraints(self, invalid: dict[str, str | None]) -> None:
+        """The runner's "no token left" lists every kind of constraint; each client hears
+        which of its own were in force (the usual case: a response format that can only
+        end while min_tokens forbids ending, after the whole answer was computed)."""
+        for req_id, reason in invalid.items():
+            request = self.scheduler.requests.get(req_id)
+            if reason is None or request is None:
+                continue  # non-finite logits: a server error, not the request's constraints
+            sp = request.sampling_params
+            made = request.num_output_tokens
+            own = [name for name, on in (("the grammar or response format", request.grammar is not None),
+                                         ("allowed_token_ids", bool(sp.allowed_token_ids)),
+                                         ("logit_bias", bool(sp.logit_bias)), ("bad_words", bool(sp.bad_words)),
+                                         (f"min_tokens={sp.min_tokens} (which forbids ending before then)",
+                                          made < sp.min_tokens)) if on]
+            invalid[req_id] = f"{reason}, after {made} generated tokens; this request's: {', '.join(own)}"
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""

@@ -66,3 +66,18 @@ def test_regex_and_choice_outputs_match_exactly(llm) -> None:
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe not"]))
     for out in llm.chat([ask[1]] * 4, choice, use_tqdm=False):
         assert out.outputs[0].text in ("yes", "no", "maybe not") and out.outputs[0].finish_reason == "stop"
+
+
+def test_a_format_complete_before_min_tokens_fails_alone_naming_its_own_constraints(llm) -> None:
+    """A choice ends after a token or two; min_tokens=15 forbids ending: no token is left.
+    That request fails, its message naming the constraints it set (the runner's message
+    lists every kind there is); the one beside it answers."""
+    ask = [{"role": "user", "content": "Is the sky green? Answer yes or no."}]
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    late = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=15, structured_outputs=choice)
+    bad, good = llm.chat([ask, ask], [late, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=choice)],
+                         use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error"
+    assert ("this request's: the grammar or response format, min_tokens=15 (which forbids ending before then)"
+            in bad.outputs[0].stop_reason)
+    assert good.outputs[0].finish_reason == "stop" and good.outputs[0].text in ("yes", "no")

@@ -174,6 +174,13 @@ def test_global_options_before_a_delegated_command_and_version(monkeypatch, caps
     assert e.value.code == 0 and capsys.readouterr().out.startswith("pagedserve ")
 
 
+def test_python_dash_m_pagedserve_is_the_command() -> None:
+    """`python -m pagedserve ...` (no console script on PATH) runs the command: it said
+    "No module named pagedserve.__main__"."""
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("pagedserve "), run.stderr[-2000:]
+
+
 def test_generate_refuses_an_empty_chat_prompt_and_system_without_chat(fake_engine) -> None:
     with pytest.raises(SystemExit, match="a prompt is empty"):
         cli.main(["generate", ""])
