@@ -20,6 +20,12 @@ class ImageInputError(InvalidRequestError):
     the message names the problem on its own, never as a chat-template failure."""
 
 
+class PromptTooLongError(InvalidRequestError):
+    """A prompt longer than the context can hold, found before its tokens are counted (its
+    characters, rendered or given): a refusal a caller may answer by cutting the prompt,
+    as the Responses API's truncation "auto" does, like the token count's own refusal."""
+
+
 class OverloadedError(RuntimeError):
     """Too much is queued for a shared resource; retry after `retry_after` seconds."""
 

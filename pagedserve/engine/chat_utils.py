@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedserve.chat_template import render_chat_template
 from pagedserve.engine.special_text import hide_special_text
-from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError
+from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
     MAX_REQUEST_TEMPLATE_CHARS,
@@ -180,8 +180,8 @@ def prompt_char_limit(longest_token_chars: int | None, max_model_len: int) -> in
     return min(MAX_PROMPT_CHARS, max(1, longest_token_chars) * max_model_len)
 
 
-def prompt_too_long(length: int, max_chars: int, param: str) -> InvalidRequestError:
-    return InvalidRequestError(f"the prompt is {length} characters, more than the {max_chars} that "
+def prompt_too_long(length: int, max_chars: int, param: str) -> PromptTooLongError:
+    return PromptTooLongError(f"the prompt is {length} characters, more than the {max_chars} that "
                                f"max_model_len tokens of this model can spell", param=param)
 
 

@@ -45,7 +45,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.protocol_fields import KNOWN_EXTRA_FIELDS, as_sent, check_request_id
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
-from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError
+from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -56,8 +56,11 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 logger = logging.getLogger("pagedserve.api_server")
 
 
-# How vLLM's context-length refusal begins (a client matches it; so does truncation "auto").
+# How vLLM's context-length refusal begins (a client matches it).
 CONTEXT_LENGTH_ERROR = "This model's maximum context length is"
+# OpenAI's error code for a prompt the context cannot hold, by its tokens or by its characters
+# before they are counted (truncation "auto" answers either by cutting the conversation).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class OpenAIError(Exception):
@@ -292,7 +295,7 @@ class OpenAIServing:
                 f"{CONTEXT_LENGTH_ERROR} {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion.",
-                param="max_tokens" if num_prompt < limit else prompt_param)
+                param="max_tokens" if num_prompt < limit else prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
 
     def truncated(self, prompt: TokenizedPrompt, truncate: int | None) -> TokenizedPrompt:
         """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens, the
@@ -313,6 +316,8 @@ class OpenAIServing:
                                               **kwargs)
         except ImageInputError as e:  # an image's own refusal, not the template's
             raise OpenAIError(str(e), param=e.param or "messages") from e
+        except PromptTooLongError as e:  # the conversation's length, not the template's fault
+            raise OpenAIError(str(e), param=e.param or "messages", code=CONTEXT_LENGTH_EXCEEDED) from e
         except ValueError as e:  # the field a bound names (chat_template, messages), else the messages
             param = e.param if isinstance(e, InvalidRequestError) and e.param else "messages"
             raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e

@@ -40,7 +40,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest, object_id
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, input_items
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedserve.entrypoints.openai.serving_engine import CONTEXT_LENGTH_ERROR, OpenAIError, PreparedRequest
+from pagedserve.entrypoints.openai.serving_engine import CONTEXT_LENGTH_EXCEEDED, OpenAIError, PreparedRequest
 from pagedserve.errors import InvalidRequestError
 
 # Chat's names for fields whose Responses names differ.
@@ -258,14 +258,23 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 
 
 def _check_outputs_answer_calls(conversation: list[dict[str, Any]]) -> None:
-    """Each function_call_output answers an earlier function_call (OpenAI: "No tool call
-    found for function call output with call_id ...")."""
-    calls: set[str] = set()
+    """Each function_call_output answers an earlier function_call, and each function_call
+    has its output (OpenAI's two refusals: "No tool call found for function call output
+    with call_id ...", "No tool output found for function call ..."; without the second the
+    model saw a call that was never answered)."""
+    unanswered: dict[str, None] = {}  # (in order: the first is named)
+    answered: set[str] = set()
     for m in conversation:
-        calls.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c, dict))
-        if m.get("role") == "tool" and m.get("tool_call_id") not in calls:
-            raise OpenAIError(f"No tool call found for function call output with call_id "
-                              f"{str(m.get('tool_call_id'))[:100]}.", param="input")
+        unanswered.update((c.get("id"), None) for c in m.get("tool_calls") or () if isinstance(c, dict))
+        if m.get("role") == "tool":
+            if m.get("tool_call_id") not in unanswered and m.get("tool_call_id") not in answered:
+                raise OpenAIError(f"No tool call found for function call output with call_id "
+                                  f"{str(m.get('tool_call_id'))[:100]}.", param="input")
+            unanswered.pop(m.get("tool_call_id"), None)
+            answered.add(m.get("tool_call_id"))
+    if unanswered:
+        raise OpenAIError(f"No tool output found for function call {str(next(iter(unanswered)))[:100]}.",
+                          param="input")
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -381,8 +390,8 @@ class OpenAIServingResponses:
         try:
             try:
                 prepared: PreparedRequest | None = self.chat.prepare(chat_request)
-            except OpenAIError as e:  # (with max_output_tokens, a prompt too long is refused here)
-                if not (auto and e.message.startswith(CONTEXT_LENGTH_ERROR)):
+            except OpenAIError as e:  # (a prompt too long by its characters, or with max_output_tokens)
+                if not (auto and e.code == CONTEXT_LENGTH_EXCEEDED):
                     raise
                 prepared = None
             if auto and (prepared is None or not self._fits(prepared, req)):

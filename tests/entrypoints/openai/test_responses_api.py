@@ -125,6 +125,9 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "foo": 1}}}, "text"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
      "input"),
+    # a call with no output (OpenAI: "No tool output found for function call c1."; the model saw it unanswered)
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                    "arguments": "{}"}, {"role": "user", "content": "and?"}]}, "input"),
 ])
 def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -198,3 +201,11 @@ def test_truncation_auto_drops_the_first_items_until_the_conversation_fits(clien
     r = client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=8, truncation="auto", temperature=0)
     assert r.truncation == "auto" and r.status in ("completed", "incomplete")
     assert 100 < r.usage.input_tokens <= 256 - 8  # (the first long turn dropped, the second kept)
+    # Past the characters 256 tokens can spell, the conversation is refused before it is
+    # tokenized: the same cut answers it (it was a 400 "Cannot apply the chat template").
+    many = [*long * 40, {"role": "user", "content": ASK}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input=many, max_output_tokens=8)
+    assert e.value.body["code"] == "context_length_exceeded" and " characters, more than " in e.value.body["message"]
+    r = client.responses.create(model=MODEL_NAME, input=many, max_output_tokens=8, truncation="auto", temperature=0)
+    assert r.truncation == "auto" and 100 < r.usage.input_tokens <= 256 - 8
