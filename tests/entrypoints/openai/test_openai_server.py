@@ -386,6 +386,16 @@ def test_echo_with_logprobs_and_prompt_logprobs(client, tokenizer):
     assert chunks[-1].choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         complete(client, max_tokens=0)  # (without echo there is nothing to answer)
+    # logprobs=0 (no alternatives): still every echoed token's own logprob (the prompt's were left out)
+    for max_tokens in (0, 4):
+        zero = complete(client, max_tokens=max_tokens, echo=True, logprobs=0, extra_body={"ignore_eos": True})
+        zlp = zero.choices[0].logprobs
+        assert len(zlp.tokens) == n_prompt + max_tokens and zlp.tokens == lp.tokens[:n_prompt + max_tokens]
+        assert zlp.token_logprobs == pytest.approx(lp.token_logprobs[:n_prompt + max_tokens], abs=1e-4)
+        chunks = list(complete(client, max_tokens=max_tokens, echo=True, logprobs=0, stream=True,
+                               extra_body={"ignore_eos": True}))
+        assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), []) \
+            == zlp.tokens
 
 
 def test_cache_salt_separates_prefix_caches(client):
