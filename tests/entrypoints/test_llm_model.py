@@ -171,6 +171,20 @@ def test_prompt_logprobs_match_hf(tiny_dir, budget, rows, monkeypatch) -> None:
         assert set(top) <= set(entry) and len(entry) <= 4
 
 
+def test_prompt_logprobs_with_n_samples_score_the_prompt_once(tiny_dir) -> None:
+    """n samples share one prompt scoring: the first sample computes it, the others read
+    its cached blocks (each recomputed every position and its top-k: n times the work)."""
+    prompt = {"prompt_token_ids": [5, 17, 33, 2, 90, 41, 7, 7, 19, 250, 3, 64, 8, 11, 12, 13, 99, 2, 45]}
+    alone = LLM(tiny_dir, dtype="float32", max_model_len=128).generate(
+        prompt, SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=8, long_prefill_token_threshold=8)
+    [out] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=2, prompt_logprobs=2),
+                         use_tqdm=False)
+    assert len(out.outputs) == 3 and out.num_cached_tokens == 16  # (a later sample read the first one's block)
+    assert [None if d is None else {t: round(lp.logprob, 4) for t, lp in d.items()} for d in out.prompt_logprobs] == \
+        [None if d is None else {t: round(lp.logprob, 4) for t, lp in d.items()} for d in alone.prompt_logprobs]
+
+
 def test_generation_config_gives_the_defaults(tiny_dir, tmp_path) -> None:
     import json
     import shutil
