@@ -112,9 +112,17 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
-def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...], str]]) -> Callable[[type], type]:
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` is the neutral one: equal and of its type, or an equal number (not a bool)."""
+    return (type(value) is type(neutral) and value == neutral
+            or is_number(value) and not isinstance(value, bool) and is_number(neutral) and value == neutral)
+
+
+def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, Any]], bool], str]]
+                ) -> Callable[[type], type]:
     """A params dataclass whose constructor takes vLLM's other keyword arguments at a value
-    that asks for nothing here (`neutral`: name -> (such values, what the others ask for)),
+    that asks for nothing here (`neutral`: name -> (such values, or a test of the value and
+    the other arguments, and what the others ask for)),
     refuses them at any other by name, and answers an unknown one with the valid names
     (a vLLM script ported as it is fails clearly or runs as it did)."""
     def wrap(cls: type) -> type:
@@ -130,8 +138,7 @@ def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...], str]]) -> Callable[[ty
                     raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; its arguments "
                                     f"are {', '.join(names)}")
                 values, why = neutral[name]
-                if not any(type(value) is type(v) and value == v or (is_number(value) and not isinstance(value, bool)
-                                                                     and is_number(v) and value == v) for v in values):
+                if not (values(value, kwargs) if callable(values) else any(_same(value, v) for v in values)):
                     raise InvalidRequestError(f"{name}={value!r:.60} is not supported here: {why}", param=name)
             init(self, *args, **kwargs)
 
@@ -145,7 +152,9 @@ def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...], str]]) -> Callable[[ty
     "spaces_between_special_tokens": ((True, False), ""),  # (a fast tokenizer's decode reads it not: vLLM's neither)
     "logits_processors": ((None, []), "no custom logits processors are run here"),
     "extra_args": ((None, {}), "no custom logits processor reads it"),
-    "best_of": ((None,), "best_of > n is not supported"),
+    # (as the server's best_of: equal to n, or unset)
+    "best_of": (lambda v, kw: v is None or is_int(v) and v == kw.get("n", 1),
+                "best_of must equal n (best_of > n is not supported)"),
 })
 @dataclass
 class SamplingParams:
@@ -412,6 +421,6 @@ class BeamSearchParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r:.60}",
                                       param="ignore_eos")
-        if not is_number(self.length_penalty):
-            raise InvalidRequestError(f"length_penalty must be a number, got {self.length_penalty!r}",
+        if not is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}",
                                       param="length_penalty")

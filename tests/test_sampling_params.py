@@ -152,3 +152,12 @@ def test_vllms_other_keyword_arguments_run_at_a_neutral_value_or_are_named():
         SamplingParams(frobnicate=1)
     with pytest.raises(InvalidRequestError, match="ignore_eos must be true or false"):
         BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos="no").validate(20)
+    # best_of equal to n is what the server takes too (it was refused as "best_of > n")
+    assert SamplingParams(n=2, best_of=2).n == 2 and SamplingParams(best_of=1).n == 1
+    for best_of, n in ((3, 2), (2, 1), (2.0, 2)):
+        with pytest.raises(InvalidRequestError, match="best_of must equal n") as e:
+            SamplingParams(n=n, best_of=best_of)
+        assert e.value.param == "best_of"
+    for penalty in (float("nan"), float("inf"), -float("inf")):  # (every beam's score was nan, or -0.0)
+        with pytest.raises(InvalidRequestError, match="length_penalty must be a finite number"):
+            BeamSearchParams(beam_width=2, max_tokens=5, length_penalty=penalty).validate(20)

@@ -162,15 +162,17 @@ class LLM:
         stops = set() if params.ignore_eos else set(engine.stop_token_ids)
         searches = [_Beams(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
         for n in range(params.max_tokens):
+            # A search whose beams fill the context ends there ("length", as generate's
+            # sequences do); asking for one more token past it failed the whole call.
+            todo = [b for b in searches if b.live and len(b.prompt) + n < engine.max_model_len]
+            if not todo:
+                break
             if n:
-                todo = [b for b in searches if b.live]
-                if not todo:
-                    break
                 outs = iter(self._run([{"prompt_token_ids": b.prompt + gen} for b in todo for gen, _ in b.live],
                                       [step] * sum(len(b.live) for b in todo), use_tqdm=False))
                 for b in todo:
                     b.tops = [next(outs).outputs[0].logprobs[0] for _ in b.live]
-            for b in searches:
+            for b in todo:
                 b.extend(width, stops)
         tokenizer = engine.tokenizer
         return [BeamSearchOutput([

@@ -63,3 +63,16 @@ def test_an_eos_finishes_a_beam_and_bad_params_are_refused(tiny_checkpoint) -> N
         with pytest.raises(InvalidRequestError) as e:
             llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(**{"beam_width": 2, "max_tokens": 2, **bad}))
         assert e.value.param == param
+
+
+def test_beams_that_fill_the_context_end_there_and_the_other_prompts_answer(tiny_checkpoint) -> None:
+    """A prompt 4 tokens short of max_model_len: its beams end at the context with
+    "length", as generate's sequences do, beside a short prompt's full search (asking for
+    a token past the context failed the whole call, both prompts' beams lost)."""
+    model_dir, hf_cfg = tiny_checkpoint("llama")
+    llm = LLM(model_dir, dtype="float32", seed=0, max_model_len=64)
+    short, long = shared_prefix_prompts(hf_cfg.vocab_size)[0], list(range(3, 63))
+    outs = llm.beam_search([{"prompt_token_ids": short}, {"prompt_token_ids": long}],
+                           BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
+    assert all(len(s.tokens) == len(short) + 8 for s in outs[0].sequences)
+    assert [(len(s.tokens), s.finish_reason) for s in outs[1].sequences] == [(64, "length")] * 2
