@@ -296,8 +296,7 @@ class CompletionRequest(_SamplingFields):
 
     def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         params = super()._to_sampling_params(defaults)
-        if self.echo and self.logprobs is not None and (params.prompt_logprobs is None
-                                                         or params.prompt_logprobs < self.logprobs):
+        if self.echo and self.logprobs is not None and (params.prompt_logprobs or -1) < self.logprobs:
             params.prompt_logprobs = self.logprobs  # echoed prompt tokens come with their k logprobs (k >= 0)
         return params
 
