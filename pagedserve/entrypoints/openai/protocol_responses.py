@@ -9,6 +9,16 @@ import uuid
 from typing import Any, Literal
 
 from pagedserve.entrypoints.openai.protocol import OpenAIRequestBody
+from pagedserve.errors import InvalidRequestError
+
+# OpenAI's `include` values whose data exists nowhere here (docs/serving.md): encrypted
+# reasoning (a conversation's reasoning is never shown to the model again: input reasoning
+# items are dropped, as vLLM drops them; agent clients send this with store false), the
+# results of built-in tools (only function tools are taken), and input image URLs (the
+# stored input items keep them as sent).  Its other value, output text logprobs, is refused.
+INCLUDE_WITHOUT_EFFECT = ("reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                          "web_search_call.action.sources", "code_interpreter_call.outputs",
+                          "computer_call_output.output.image_url", "message.input_image.image_url")
 
 
 class ResponsesRequest(OpenAIRequestBody):
@@ -27,9 +37,10 @@ class ResponsesRequest(OpenAIRequestBody):
     stream: bool = False
     user: str | None = None
     metadata: dict[str, str] | None = None
-    # store / previous_response_id need --enable-responses-store; background, include and
-    # top_logprobs are refused when set (no background runs, no extra output), and
-    # prediction (Chat Completions' field, which OpenAI's Responses API does not have):
+    # store / previous_response_id need --enable-responses-store; background and
+    # top_logprobs are refused when set (no background runs, no logprobs), include's values
+    # are held to OpenAI's (check_include), and prediction (Chat Completions' field, which
+    # OpenAI's Responses API does not have) is refused:
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
@@ -46,6 +57,16 @@ class ResponsesRequest(OpenAIRequestBody):
     max_tool_calls: int | None = None
     image: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
+
+    def check_include(self) -> None:
+        for value in self.include or ():
+            if value == "message.output_text.logprobs":
+                raise InvalidRequestError("include message.output_text.logprobs: logprobs are not supported on "
+                                          "/v1/responses (use /v1/chat/completions)", param="include")
+            if value not in INCLUDE_WITHOUT_EFFECT:
+                raise InvalidRequestError(f"include {value!r:.100} is not one of OpenAI's values ("
+                                          f"{', '.join(INCLUDE_WITHOUT_EFFECT)}, message.output_text.logprobs)",
+                                          param="include")
 
 
 def object_id(prefix: str) -> str:

@@ -210,6 +210,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     ignored; those accepted without effect held to OpenAI's shapes."""
     try:
         req.check_openai_fields()
+        req.check_include()
         refuse_unsupported_fields(req.model_extra, VLLM_REFUSED)
         check_metadata(req.metadata)
         for name, keys in _HINTS.items():
@@ -222,8 +223,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         raise OpenAIError("max_tool_calls must be at least 0", param="max_tool_calls")
     if req.background:
         raise OpenAIError("background responses are not supported", param="background")
-    if req.include:
-        raise OpenAIError(f"include {repr(req.include[0])[:100]} is not supported", param="include")
     if req.top_logprobs:
         raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                           param="top_logprobs")

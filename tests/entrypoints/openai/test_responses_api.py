@@ -95,7 +95,8 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
 
 @pytest.mark.parametrize("fields, param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools"), ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"tools": [{"type": "web_search"}]}, "tools"), ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content", "reasoning.everything"]}, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"text": {"format": {"type": "regex"}}}, "text"), ({"text": {"format": True}}, "text"),
     ({"temperature": -1.0}, "temperature"),
@@ -137,11 +138,16 @@ def test_what_is_not_supported_is_refused_by_name(client, fields, param) -> None
 
 def test_hints_are_accepted_without_effect_and_never_only_logged(client, server) -> None:
     """OpenAI's caching, safety and tier hints, reasoning's effort and summary, text's
-    verbosity and max_tool_calls (a bound on built-in tools, of which there are none):
+    verbosity, max_tool_calls (a bound on built-in tools, of which there are none) and
+    include's values with nothing to add here:
     the same answer as without them, and none logged as an unknown field."""
     ask = {"model": MODEL_NAME, "input": ASK, "max_output_tokens": 6, "temperature": 0}
     base = client.responses.create(**ask).output_text
     got = client.responses.create(**ask, prompt_cache_key="k-1", prompt_cache_retention="24h", service_tier="ultrafast",
+                                  # (what agent clients send with store false; the other values add to items of
+                                  # built-in tools, which are refused: nothing to add here)
+                                  include=["reasoning.encrypted_content", "file_search_call.results",
+                                           "message.input_image.image_url"],
                                   safety_identifier="user-1", max_tool_calls=2, text={"verbosity": "low"},
                                   reasoning={"effort": "max", "summary": "auto", "context": "auto", "mode": "standard"},
                                   prompt_cache_options={"mode": "implicit", "ttl": "12h", "prewarm": False},
