@@ -367,7 +367,8 @@ class EngineCore:
                                          ("logit_bias", bool(sp.logit_bias)), ("bad_words", bool(sp.bad_words)),
                                          (f"min_tokens={sp.min_tokens} (which forbids ending before then)",
                                           made < sp.min_tokens)) if on]
-            invalid[req_id] = f"{reason}, after {made} generated tokens; this request's: {', '.join(own)}"
+            invalid[req_id] = f"{reason}, after {made} generated tokens" + (f"; this request's: {', '.join(own)}"
+                                                                         if own else "")
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
