@@ -11,6 +11,7 @@ tokens when the server has them, else from the cosine of the two texts' embeddin
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,13 +66,20 @@ class OpenAIServingPooling(OpenAIServing):
         return self.truncated(TokenizedPrompt(None, list(item)), truncate)
 
     @staticmethod
-    def check_total_tokens(prompts: list[TokenizedPrompt], param: str) -> list[TokenizedPrompt]:
-        """`prompts`, when their tokens (after truncation) sum to at most MAX_POOLING_REQUEST_TOKENS."""
-        total = sum(len(p.token_ids) for p in prompts)
-        if total > MAX_POOLING_REQUEST_TOKENS:
-            raise OpenAIError(f"this request's prompts hold {total} tokens in all; at most "
-                              f"{MAX_POOLING_REQUEST_TOKENS} are allowed per request", param=param)
-        return prompts
+    def check_total_tokens(prompts: Iterable[TokenizedPrompt], param: str) -> list[TokenizedPrompt]:
+        """`prompts`, when their tokens (after truncation) sum to at most
+        MAX_POOLING_REQUEST_TOKENS; taken one at a time, so that tokenizing stops at the
+        first past the bound (a body of 2,048 long texts was tokenized whole first)."""
+        out: list[TokenizedPrompt] = []
+        total = 0
+        for prompt in prompts:
+            total += len(prompt.token_ids)
+            if total > MAX_POOLING_REQUEST_TOKENS:
+                raise OpenAIError(f"this request's prompts hold more than {MAX_POOLING_REQUEST_TOKENS} tokens in all "
+                                  f"(its first {len(out) + 1} hold {total}); at most {MAX_POOLING_REQUEST_TOKENS} "
+                                  "are allowed per request", param=param)
+            out.append(prompt)
+        return out
 
     @staticmethod
     async def collect(streams: list[RequestStream]) -> list[PoolingRequestOutput]:
@@ -111,7 +119,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         if len(items) > MAX_EMBEDDING_INPUTS:  # before tokenizing any of them
             raise OpenAIError(f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} are allowed per request",
                               param="input")
-        prompts = [self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items]
+        prompts = (self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items)
         return PreparedRequest(model, self.check_total_tokens(prompts, "input"), params)
 
     def params(self, req: EmbeddingRequest) -> PoolingParams:
@@ -182,7 +190,7 @@ class OpenAIServingScore(OpenAIServingPooling):
         for side, name in enumerate(names):
             if any(not pair[side] for pair in pairs):
                 raise OpenAIError(f"{name} must not hold empty strings", param=name)
-        prompts = [self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs]
+        prompts = (self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs)
         return PreparedScores("", self.check_total_tokens(prompts, names[1]), PoolingParams(task="classify"),
                               labels=[(names[1], f"{names[1]}[{i}]") for i in range(len(pairs))])
 
@@ -198,8 +206,8 @@ class OpenAIServingScore(OpenAIServingPooling):
                 if index.setdefault(_key(text), len(index)) == len(labels):
                     labels.append(label)
         self.check_fanout(len(index), 1, field)
-        prompts = [self.prompt(list(t) if isinstance(t, tuple) else t, req.truncate_prompt_tokens, field=name)
-                   for t, (name, _) in zip(index, labels, strict=True)]
+        prompts = (self.prompt(list(t) if isinstance(t, tuple) else t, req.truncate_prompt_tokens, field=name)
+                   for t, (name, _) in zip(index, labels, strict=True))
         return PreparedScores("", self.check_total_tokens(prompts, field), PoolingParams(task="embed"),
                               labels=labels, pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs])
 
