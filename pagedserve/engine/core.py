@@ -385,6 +385,10 @@ class EngineCore:
         (KVCacheManager.check_invariants); the server runs it when it pauses after work."""
         self.kv_cache_manager.check_invariants()
 
+    def check_health(self) -> None:
+        """Raise if the executor can run no further step (ModelExecutor.check_health)."""
+        self.model_executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.has_unfinished_requests() or self.scheduler.has_unfinished_requests()
                 or bool(self._inflight))

@@ -94,6 +94,8 @@ class InprocEngine(Protocol):
 
     def check_invariants(self) -> None: ...
 
+    def check_health(self) -> None: ...
+
     def watch_blocks(self, enabled: bool) -> None: ...
 
     def snapshot(self, full: bool) -> KVSnapshot: ...
@@ -348,7 +350,11 @@ class InprocClient:
             timeout = min(timeout, IDLE_TRIM_SECONDS)
         if self._watcher is not None:
             timeout = min(timeout, SNAPSHOT_INTERVAL)
-        if not self._wake.wait(timeout=timeout):
+        woken = self._wake.wait(timeout=timeout)
+        # A tensor-parallel worker may die while nothing runs: the engine is dead now, not
+        # at the next request's step (the server answered /health 200 until then).
+        self.engine.check_health()
+        if not woken:
             # A pause after work, or after intake freed memory (a prompt's decoded images,
             # cpu_malloc.note_freed_memory): nothing runs, nothing is lost if this fails.
             if take_freed_memory_note() or worked:

@@ -334,6 +334,9 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.engine_core.check_invariants()
 
+    def check_health(self) -> None:
+        self.engine_core.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 

@@ -61,6 +61,11 @@ class ModelExecutor(Protocol):
         the attention backend, whether the model is compiled, and so on."""
         ...
 
+    def check_health(self) -> None:
+        """Raise if no further step can run (a tensor-parallel worker died), so that an
+        idle server stops answering /health with 200 on an engine that cannot step."""
+        ...
+
     def shutdown(self) -> None:
         """Release processes and devices (idempotent)."""
         ...

@@ -261,6 +261,9 @@ class MultiprocExecutor:
             return TensorParallelError(failure)
         return error
 
+    def check_health(self) -> None:
+        self._check()
+
     def _check(self) -> None:
         if self._failure is not None:
             raise TensorParallelError(self._failure)

@@ -66,8 +66,7 @@ logger = logging.getLogger("pagedserve")
 
 
 def _first_eos(eos) -> int | None:
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
+    eos = (eos[0] if eos else None) if isinstance(eos, (list, tuple)) else eos
     return eos if isinstance(eos, int) and eos >= 0 else None
 
 
@@ -481,13 +480,11 @@ class ModelRunner:
             rows, _ = kv_offload.gather_blocks(self._kv_tensors, [s for s, _ in transfers.copies])
             kv_offload.scatter_blocks(self._kv_tensors, [d for _, d in transfers.copies], rows)
         if transfers.loads:
-            tier = self.kv_tier
-            ids = [b for b, _ in transfers.loads]
-            kv_offload.scatter_blocks(self._kv_tensors, ids, [tier.take(k) for _, k in transfers.loads])
+            loads, take = transfers.loads, self.kv_tier.take
+            kv_offload.scatter_blocks(self._kv_tensors, [b for b, _ in loads], [take(k) for _, k in loads])
 
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        rows, ready = kv_offload.gather_blocks(self._kv_tensors, [b for b, _ in pairs])
-        self.kv_tier.put([k for _, k in pairs], rows, ready)
+        self.kv_tier.put([k for _, k in pairs], *kv_offload.gather_blocks(self._kv_tensors, [b for b, _ in pairs]))
 
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "attention_backend": self.attn_backend.name,
@@ -496,6 +493,9 @@ class ModelRunner:
                 "tensor_parallel_size": str(self.tensor_parallel_size),
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "kv_bytes_per_token": str(kv_cache.bytes_per_block(self.attn_layers, 1, self.kv_dtype, self.kv_layout))}
+
+    def check_health(self) -> None:
+        """In one process nothing else can fail between steps."""
 
     def shutdown(self) -> None:
         """Finish the KV tier's queued writes; the model and its caches go with the object."""

@@ -109,6 +109,7 @@ class FakeInputProcessor:
 class FakeEngine:
     vocab_size = 256
     invariant_checks = 0
+    health_error: BaseException | None = None  # what check_health raises (a worker died while idle)
     device = torch.device("cpu")
     structured_outputs_backend = "guidance"
     runner = "generate"
@@ -175,6 +176,10 @@ class FakeEngine:
 
     def check_invariants(self) -> None:
         self.invariant_checks += 1
+
+    def check_health(self) -> None:
+        if self.health_error is not None:
+            raise self.health_error
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)

@@ -35,6 +35,9 @@ class FakeRunner:
     def shutdown(self) -> None:
         pass
 
+    def check_health(self) -> None:
+        pass
+
     def describe(self) -> dict[str, str]:
         return {"device": "cpu", "attention_backend": "fake"}
 

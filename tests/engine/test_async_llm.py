@@ -256,6 +256,31 @@ def test_a_pause_after_work_checks_the_kv_cache_and_a_broken_one_stops_the_engin
     run(main())
 
 
+def test_an_executor_that_fails_while_idle_kills_the_engine_at_once(monkeypatch):
+    """A tensor-parallel worker that dies while nothing runs: the idle engine notices
+    within its wake-up interval and the engine is dead (the server answered /health 200
+    until the next request's step found it)."""
+    import pagedserve.engine.inproc_client as inproc_client
+
+    monkeypatch.setattr(inproc_client, "IDLE_STATS_SECONDS", 0.05)
+    engine = FakeEngine()
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        await collect(llm, "r1")
+        assert not llm.errored
+        engine.health_error = RuntimeError("tensor-parallel worker rank 1 (pid 1) was killed by SIGKILL")
+        deadline = time.monotonic() + 10
+        while not llm.errored and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert llm.errored and "rank 1" in str(llm.dead_error)
+        with pytest.raises(EngineDeadError):
+            await collect(llm, "r2")
+        llm.shutdown()
+
+    run(main())
+
+
 def test_a_pause_after_work_hands_the_engine_threads_openmp_workers_back(monkeypatch):
     """Once idle a while after work, the engine thread frees its OpenMP workers: an idle
     engine's pool would keep another model's busy one from spinning (worker/cpu_threads.py)."""
