@@ -260,8 +260,11 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
     from pagedserve.utils import parse_bytes
 
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
-    if args.shutdown_timeout < 0:
+    if not args.shutdown_timeout >= 0:  # (NaN too)
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 < args.log_stats_interval < float("inf"):  # (a negative one logged at every step)
+        raise ValueError(f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval} "
+                         "(--disable-log-stats turns the line off)")
     if not args.http_read_timeout > 0:
         raise ValueError(f"--http-read-timeout must be > 0, got {args.http_read_timeout}")
     allowed_hosts = parse_allowed_hosts(args.allowed_hosts, args.host)

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineShutdownError
 from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
@@ -347,6 +348,21 @@ def test_an_api_key_clients_cannot_send_is_refused_at_start():
         proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--api-key", key,
                                "--port", "1"], capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and "printable ASCII" in proc.stderr, proc.stderr[-500:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--log-stats-interval", "-5"], "--log-stats-interval must be a number of seconds > 0"),  # (logged every step)
+    (["--log-stats-interval", "0"], "--log-stats-interval must be"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
+])
+def test_server_flags_out_of_range_are_refused_at_start(flags, message):
+    import argparse
+
+    from pagedserve.entrypoints.openai.api_server import configure, make_arg_parser
+
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["smollm2-135m-instruct", *flags])
+    with pytest.raises(SystemExit, match=message):
+        configure(args)
 
 
 def test_api_key_is_compared_as_bytes():
