@@ -263,9 +263,10 @@ class EngineReplica:
         return ReplicaReport(self.boot_id, sched, it, self.received, client.num_waiting)
 
     async def run_batch(self, prompts: list[Any], params: list[SamplingParams],
-                        priority: list[int] | None) -> list[RequestOutput]:
+                        priority: list[int] | None, positions: list[int]) -> list[RequestOutput]:
+        """This replica's share of a batch; `positions`: each prompt's in the caller's batch."""
         async with self._batch_lock:
-            return await asyncio.to_thread(self.engine.run_batch, prompts, params, priority)
+            return await asyncio.to_thread(self.engine.run_batch, prompts, params, priority, None, None, positions)
 
     async def shutdown(self) -> None:
         if self.client is not None:
@@ -388,7 +389,7 @@ class ReplicaSet:
             shares[replica].append(i)
         pending = {
             self.actors[r].run_batch.remote([prompts[i] for i in idx], [params[i] for i in idx],
-                                            None if priority is None else [priority[i] for i in idx]): idx
+                                            None if priority is None else [priority[i] for i in idx], idx): idx
             for r, idx in enumerate(shares) if idx
         }
         results: list[RequestOutput | None] = [None] * len(prompts)

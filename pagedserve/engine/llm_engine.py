@@ -10,10 +10,12 @@ from `add_request` and leaves every other request exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -266,23 +268,30 @@ class LLMEngine:
 
     def run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
                   priority: list[int] | None = None, progress: BatchProgress | None = None,
-                  lora_requests: list[LoRARequest | None] | None = None,
+                  lora_requests: list[LoRARequest | None] | None = None, positions: list[int] | None = None,
                   ) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """The offline batch loop (`LLM.generate`, and each data-parallel replica's share of
         one): compile every grammar first (an invalid one is a ValueError before any request
         runs), add every prompt as FINAL_ONLY (one RequestOutput per request instead of a
-        cumulative copy every step), step until all are done, return them in input order."""
-        for compiled in [self.structured_output.compile(sp.structured_outputs) for sp in params
-                         if isinstance(sp, SamplingParams) and sp.structured_outputs is not None]:
-            compiled.result()
+        cumulative copy every step), step until all are done, return them in input order.
+        A refused prompt is named by its position in the caller's batch (`positions`: a
+        replica's share's; else its index here, where the batch has more than one)."""
+        if positions is None:
+            positions = list(range(len(prompts))) if len(prompts) > 1 else [-1] * len(prompts)
+        compiling = [(i, self.structured_output.compile(sp.structured_outputs)) for i, sp in enumerate(params)
+                     if isinstance(sp, SamplingParams) and sp.structured_outputs is not None]
+        for i, compiled in compiling:
+            with _naming_prompt(positions[i]):
+                compiled.result()
         ids: list[str] = []
         results: dict[str, EngineOutput] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = str(next(self._batch_ids))
-                self.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
-                                 output_kind=RequestOutputKind.FINAL_ONLY,
-                                 lora_request=lora_requests[i] if lora_requests is not None else None)
+                with _naming_prompt(positions[i]):
+                    self.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
+                                     output_kind=RequestOutputKind.FINAL_ONLY,
+                                     lora_request=lora_requests[i] if lora_requests is not None else None)
                 ids.append(rid)
             pending = set(ids)
             while pending:
@@ -395,6 +404,19 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         return self.input_processor.encode_chat(messages, chat_template, add_generation_prompt, **kwargs)
+
+
+@contextlib.contextmanager
+def _naming_prompt(position: int) -> Iterator[None]:
+    """A refusal of one prompt of a batch names it (`prompts[3]: the prompt is empty`; -1:
+    a batch of one, not named): in a batch of thousands the message alone did not say which
+    to fix.  The exception keeps its type and field (`param`)."""
+    try:
+        yield
+    except ValueError as e:
+        if position >= 0 and e.args and isinstance(e.args[0], str):
+            e.args = (f"prompts[{position}]: {e.args[0]}", *e.args[1:])
+        raise
 
 
 def classifier_token_ids(tokenizer: Any, pooler: PoolerConfig | None) -> tuple[int, int] | None:

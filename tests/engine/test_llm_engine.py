@@ -400,3 +400,20 @@ def test_each_request_field_is_refused_in_its_one_place(name, value, owner) -> N
         tb = tb.tb_next
     assert tb.tb_frame.f_code.co_qualname.split(".")[0] == owner, (name, tb.tb_frame.f_code.co_qualname)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_refused_prompt_of_a_batch_is_named_by_its_position() -> None:
+    """`prompts[2]: the prompt is empty`, keeping the error's type and field (the message
+    alone did not say which of thousands to fix); a batch of one is not numbered; a
+    replica's share names the caller's positions; nothing is left queued."""
+    engine = make_engine()
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(InvalidRequestError, match=r"^prompts\[2\]: the prompt is empty$") as e:
+        engine.run_batch([[1], [2], [], [3]], [sp] * 4)
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match=r"^prompts\[7\]: the prompt is empty$"):
+        engine.run_batch([[1], []], [sp] * 2, positions=[3, 7])
+    with pytest.raises(InvalidRequestError, match=r"^the prompt is empty$"):
+        engine.run_batch([[]], [sp])
+    assert not engine.has_unfinished_requests()
+    assert [len(o.outputs[0].token_ids) for o in engine.run_batch([[1], [2]], [sp] * 2)] == [2, 2]
