@@ -53,7 +53,7 @@ from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.request_limits import MAX_CACHE_SALT_CHARS
+from pagedserve.request_limits import MAX_CACHE_SALT_CHARS, MAX_PROMPT_CHARS
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
@@ -140,12 +140,12 @@ class InputProcessor:
         sampling.validate()  # values may have been changed after construction
         if not is_int(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
-        processed = self.process_prompt(prompt)
+        truncate = (pooling or sampling).truncate_prompt_tokens
+        processed = self.process_prompt(prompt, cut=truncate is not None)
         if not processed.images:
             self.check_no_image_tokens(processed.token_ids)
-        truncate = (pooling or sampling).truncate_prompt_tokens
         prompt_ids = self.truncate_prompt(processed.token_ids, truncate, self.config.scheduler_config.max_model_len,
-                                     processed.images is not None)
+                                          processed.images is not None, 0 if pooling else sampling.max_tokens or 1)
         if prompt_ids is not processed.token_ids:  # a cut prompt keeps no text (its ids are what ran)
             processed = dataclasses.replace(processed, text=None, token_ids=prompt_ids)
         self.check_request(prompt_ids, sampling, priority)
@@ -169,15 +169,18 @@ class InputProcessor:
             processed.images, processed.mrope)
 
     @staticmethod
-    def truncate_prompt(token_ids: list[int], truncate: int | None, max_model_len: int, has_images: bool) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `truncate` tokens (-1: the last
-        max_model_len; None: all of it).  Refused past max_model_len, and where it would cut
-        a prompt with images (their spans would be cut).  The one rule: the offline params'
-        field and the server's request field both come here."""
+    def truncate_prompt(token_ids: list[int], truncate: int | None, max_model_len: int, has_images: bool,
+                        room: int = 0) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `truncate` tokens (-1: as many
+        as fit with `room` tokens to generate, at least one: a prompt cut to max_model_len,
+        vLLM's -1, was then refused for leaving none; None: all of it).  Refused past
+        max_model_len, and where it would cut a prompt with images (their spans would be
+        cut).  The one rule: the offline params' field and the server's request field both
+        come here."""
         if truncate is None:
             return token_ids
         if truncate == -1:
-            truncate = max_model_len
+            truncate = max(1, max_model_len - room)
         if not is_int(truncate) or not 1 <= truncate <= max_model_len:
             raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or within 1..max_model_len ({max_model_len}), "
                                       f"got {truncate!r:.100}", param="truncate_prompt_tokens")
@@ -204,21 +207,22 @@ class InputProcessor:
                                       "prompts; generating text needs runner='generate'", param="model")
         return params, None
 
-    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+    def process_prompt(self, prompt: Any, cut: bool = False) -> ProcessedPrompt:
         """Text, token ids, cache salt and images.  A dict prompt may carry vLLM's
         `cache_salt` (its blocks then never share the prefix cache with another salt's, or
-        no salt's) and `multi_modal_data` ({"image": an image or a list of them})."""
+        no salt's) and `multi_modal_data` ({"image": an image or a list of them}).  `cut`:
+        only the prompt's last tokens will run (truncate_prompt_tokens; see encode)."""
         if isinstance(prompt, dict):
-            return self._process_prompt_dict(prompt)
+            return self._process_prompt_dict(prompt, cut)
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.encode(prompt))
+            return ProcessedPrompt(prompt, self.encode(prompt, cut))
         if isinstance(prompt, (list, tuple)):
             return ProcessedPrompt(None, self.check_token_ids(prompt))
         raise InvalidRequestError(
             "a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
 
-    def _process_prompt_dict(self, prompt: dict[str, Any]) -> ProcessedPrompt:
+    def _process_prompt_dict(self, prompt: dict[str, Any], cut: bool) -> ProcessedPrompt:
         unknown = set(prompt) - PROMPT_KEYS
         if unknown or not (set(prompt) & {"prompt", "prompt_token_ids"}):
             raise InvalidRequestError(
@@ -248,7 +252,7 @@ class InputProcessor:
             return ProcessedPrompt(text, self.check_token_ids(multi_modal.prompt_token_ids), salt,
                                    multi_modal.images, mrope)
         ids = prompt.get("prompt_token_ids")
-        return ProcessedPrompt(text, self.encode(text) if ids is None else self.check_token_ids(ids), salt)
+        return ProcessedPrompt(text, self.encode(text, cut) if ids is None else self.check_token_ids(ids), salt)
 
     # ------------------------------------------------------------------ images
     def image_sources(self, data: Any) -> list[Any]:
@@ -330,15 +334,16 @@ class InputProcessor:
                                   f"part of the expansion of {self.image_prompts.placeholder!r}) but has no image: image tokens "
                                   "come only from images", param="prompt")
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt text to token ids (refused untokenized when it cannot fit)."""
+    def encode(self, text: str, cut: bool = False) -> list[int]:
+        """Prompt text to token ids (refused untokenized when it cannot fit; when it is to
+        be `cut` to its last tokens, only past MAX_PROMPT_CHARS, which bounds the work)."""
         if not text:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
                 "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
-        return encode_text(self.tokenizer, text, self.max_prompt_chars)
+        return encode_text(self.tokenizer, text, MAX_PROMPT_CHARS if cut else self.max_prompt_chars)
 
     def check_token_ids(self, ids: Any) -> list[int]:
         """A prompt's token ids as plain ints, each inside the vocabulary."""

@@ -224,7 +224,7 @@ def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
     """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last N tokens run (the
-    answer is the one that prompt alone gets); -1 is max_model_len; past it, refused."""
+    answer is the one that prompt alone gets); -1 is as many as fit; past max_model_len, refused."""
     prompt = list(range(20, 90))
     greedy = {"max_tokens": 4, "temperature": 0}
     [cut] = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=8, **greedy), use_tqdm=False)
@@ -234,3 +234,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
     assert whole.prompt_token_ids == prompt
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or within 1..max_model_len"):
         llm.generate([prompt], SamplingParams(truncate_prompt_tokens=10_000, **greedy), use_tqdm=False)
+    # -1 on a prompt past the context: as much as fits with room for max_tokens (cut to
+    # max_model_len, it was refused for leaving none)
+    long = list(range(20, 320))
+    [fit] = llm.generate([long], SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)
+    assert fit.prompt_token_ids == long[-252:] and len(fit.outputs[0].token_ids) == 4
+    # Text longer than 256 tokens can spell is tokenized, then cut (it was refused untokenized)
+    chars = llm.llm_engine.input_processor.max_prompt_chars
+    text = "hello world " * (chars // 12 + 10)
+    with pytest.raises(ValueError, match="characters, more than the"):
+        llm.generate([text], SamplingParams(**greedy), use_tqdm=False)
+    [tail] = llm.generate([text], SamplingParams(truncate_prompt_tokens=8, **greedy), use_tqdm=False)
+    assert len(tail.prompt_token_ids) == 8
+    assert tail.prompt_token_ids == llm.get_tokenizer().encode(text[-400:], add_special_tokens=False)[-8:]

@@ -247,7 +247,7 @@ class OpenAIServingChat(OpenAIServing):
             raise self.invalid(req, e) from None
         prompt = self.rendered(req, plan)
         reasoning = self._reasoning(prompt, params)  # (from the whole prompt: a cut one keeps no text)
-        prompt = self.truncated(prompt, req.truncate_prompt_tokens)
+        prompt = self.truncated(prompt, req.truncate_prompt_tokens, req.requested_max_tokens() or 1)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
         return PreparedRequest(model, [prompt], params, plan, reasoning)
 

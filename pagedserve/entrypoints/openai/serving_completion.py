@@ -53,13 +53,14 @@ class OpenAIServingCompletion(OpenAIServing):
             params = req.to_sampling_params(self.engine.sampling_defaults)
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
-        prompts = [self.truncated(p, req.truncate_prompt_tokens) for p in self._prompts(req.prompt, params.n,
-                                                                                      req.add_special_tokens)]
+        prompts = [self.truncated(p, req.truncate_prompt_tokens, req.requested_max_tokens() or 1)
+                   for p in self._prompts(req.prompt, params.n, req.add_special_tokens, req.truncate_prompt_tokens is not None)]
         for p in prompts:
             self.check_length(len(p.token_ids), req.max_tokens, "prompt")
         return PreparedRequest(model, prompts, params)
 
-    def _prompts(self, prompt: str | list, n: int, add_special_tokens: bool = True) -> list[TokenizedPrompt]:
+    def _prompts(self, prompt: str | list, n: int, add_special_tokens: bool = True,
+                 cut: bool = False) -> list[TokenizedPrompt]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -69,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not items:
             raise OpenAIError("prompt must not be empty", param="prompt")
         self.check_fanout(len(items), n)  # before tokenizing any of them
-        return [TokenizedPrompt(item, self.tokenize(item, add_special_tokens)) if isinstance(item, str)
+        return [TokenizedPrompt(item, self.tokenize(item, add_special_tokens, cut)) if isinstance(item, str)
                 else TokenizedPrompt(None, list(item)) for item in items]
 
     def _echo(self, prompt: TokenizedPrompt) -> str:

@@ -49,7 +49,7 @@ from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedEr
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
+from pagedserve.request_limits import MAX_PROMPT_CHARS, MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
 from pagedserve.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -297,11 +297,12 @@ class OpenAIServing:
                 "completion). Please reduce the length of the messages or completion.",
                 param="max_tokens" if num_prompt < limit else prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
 
-    def truncated(self, prompt: TokenizedPrompt, truncate: int | None) -> TokenizedPrompt:
+    def truncated(self, prompt: TokenizedPrompt, truncate: int | None, room: int = 0) -> TokenizedPrompt:
         """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens, the
-        engine's one rule: InputProcessor.truncate_prompt); a cut prompt keeps no text
-        (echo decodes its ids)."""
-        ids = InputProcessor.truncate_prompt(prompt.token_ids, truncate, self.max_model_len, prompt.multi_modal is not None)
+        engine's one rule: InputProcessor.truncate_prompt; `room`: the tokens to generate,
+        which -1 leaves); a cut prompt keeps no text (echo decodes its ids)."""
+        ids = InputProcessor.truncate_prompt(prompt.token_ids, truncate, self.max_model_len, prompt.multi_modal is not None,
+                                             room)
         return prompt if ids is prompt.token_ids else TokenizedPrompt(None, ids)
 
     def render_chat(self, messages: list[ChatMessage], chat_template: str | None, add_generation_prompt: bool,
@@ -323,10 +324,13 @@ class OpenAIServing:
             raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e
         return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"], encoded.get("multi_modal"))
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True, cut: bool = False) -> list[int]:
+        """`cut`: only the last tokens will run (truncate_prompt_tokens): text past what
+        max_model_len tokens can spell is tokenized, up to MAX_PROMPT_CHARS, not refused."""
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return encode_text(self.tokenizer, prompt, self.engine.max_prompt_chars, add_special_tokens)
+        return encode_text(self.tokenizer, prompt, MAX_PROMPT_CHARS if cut else self.engine.max_prompt_chars,
+                           add_special_tokens)
 
     # ------------------------------------------------------------------ logprobs
     def token_str(self, token_id: int, lp: Logprob | None = None) -> str:

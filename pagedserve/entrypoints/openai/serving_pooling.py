@@ -62,7 +62,8 @@ class OpenAIServingPooling(OpenAIServing):
         if isinstance(item, str):
             if not item:
                 raise OpenAIError(f"{field} must not hold empty strings", param=field)
-            return self.truncated(TokenizedPrompt(item, self.tokenize(item, add_special_tokens)), truncate)
+            return self.truncated(TokenizedPrompt(item, self.tokenize(item, add_special_tokens, truncate is not None)),
+                                  truncate)
         return self.truncated(TokenizedPrompt(None, list(item)), truncate)
 
     @staticmethod

@@ -135,7 +135,7 @@ def test_add_special_tokens_reaches_the_tokenizer(monkeypatch) -> None:
 
     asked: list[bool] = []
     handler = OpenAIServingEmbedding.__new__(OpenAIServingEmbedding)
-    monkeypatch.setattr(handler, "tokenize", lambda text, special=True: asked.append(special) or [1, 2], raising=False)
+    monkeypatch.setattr(handler, "tokenize", lambda text, special=True, cut=False: asked.append(special) or [1, 2], raising=False)
     monkeypatch.setattr(handler, "model_name", lambda name: "m", raising=False)
     monkeypatch.setattr(handler, "max_model_len", 64, raising=False)
     for flag in (False, True):

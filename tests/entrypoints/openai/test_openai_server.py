@@ -430,3 +430,16 @@ def test_an_unknown_models_name_is_cut_short_in_the_404(server):
     r = httpx.post(server.url + CHAT_URL, headers=AUTH, timeout=60,
                    json={"model": "x" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and len(r.content) < 1000 and "does not exist" in r.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_cuts_text_longer_than_the_context_can_spell(client):
+    """vLLM tokenizes, then keeps the last N tokens: text past what max_model_len tokens can
+    spell is cut, not refused untokenized as it is without truncate_prompt_tokens; -1
+    keeps as many as leave room for max_tokens."""
+    long = "the quick brown fox " * 40_000  # 800,000 characters
+    with pytest.raises(openai.BadRequestError, match="characters, more than the"):
+        complete(client, prompt=long, max_tokens=2)
+    r = complete(client, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    r = complete(client, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (254, 2)
