@@ -44,6 +44,7 @@ from pagedserve.engine.input_processor import EngineCoreRequest
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
+from pagedserve.lora.peft import check_peft_config
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EngineOutput, RequestMetrics
 from pagedserve.platforms import is_cuda
@@ -149,6 +150,11 @@ class EngineCore:
         # Behind a parked request every adapter request waits its turn: otherwise requests
         # on the busy adapters could keep them busy for ever.
         if lora is not None and (self._parked or not self._has_room(lora)):
+            # It loads later, in a step, where a refusal can only end it with "error": what
+            # can be checked without the model is checked now, refused as when it loads at once.
+            if lora.lora_int_id not in self._loras:
+                assert self.config.lora_config is not None
+                check_peft_config(lora.lora_path, self.config.lora_config.max_lora_rank)
             self._track(request, output_kind)
             self._parked.append(request)
             return

@@ -88,6 +88,16 @@ def read_peft_adapter(path: str, max_rank: int, shapes: Mapping[str, tuple[int, 
         raise LoRAAdapterError(NOT_AN_ADAPTER) from None
 
 
+def check_peft_config(path: str, max_rank: int) -> None:
+    """The adapter's directory and config as read_peft_adapter checks them, without its
+    weights (which need the model's shapes): LoRAAdapterError saying what is wrong."""
+    try:
+        _rank_and_scaling(_read_config(path), max_rank)
+    except LoRAAdapterError as e:
+        logger.warning("LoRA adapter %r refused: %s", path, e.detail or e)
+        raise
+
+
 def _read_config(path: str) -> dict:
     config_path = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isdir(path) or not os.path.isfile(config_path):

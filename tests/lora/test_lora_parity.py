@@ -219,6 +219,14 @@ def test_requests_past_max_cpu_loras_wait_for_room_and_host_memory_holds_that_ma
         engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=lora)
     assert engine.list_loras() == [loras[0]]
     assert engine.get_stats().num_waiting == 5 and engine.get_num_unfinished_requests() == 5
+    # An adapter that is not one is refused when named, as when it loads at once (waiting,
+    # it ended later with an empty "error" output: offline, no exception)
+    from pagedserve.lora.peft import LoRAAdapterError
+
+    with pytest.raises(LoRAAdapterError, match="not a directory holding a PEFT adapter"):
+        engine.add_request("bad", {"prompt_token_ids": PROMPTS[0]}, params,
+                           lora_request=LoRARequest("nope", 11, str(tmp_path / "nonexistent")))
+    assert engine.get_num_unfinished_requests() == 5
     engine.abort_request("r4")
     shutil.rmtree(tmp_path / "gone")
     done = {}
