@@ -152,6 +152,9 @@ class PrometheusFamilies:
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, **kw)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", buckets=_ITL_BUCKETS, **kw)
+        # vLLM's older name for the same observations, which its example Grafana dashboard reads.
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token (inter-token latency).",
+                              buckets=_ITL_BUCKETS, **kw)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, **kw)
         # vLLM's per-request histograms, observed when a request finishes with an answer.
@@ -173,6 +176,10 @@ class PrometheusFamilies:
                                       buckets=_E2E_BUCKETS, **kw)
         self.decode_time = Histogram("vllm:request_decode_time_seconds", "Time from the first token to the last.",
                                      buckets=_E2E_BUCKETS, **kw)
+        self.request_tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                                      "Mean time per output token of finished requests (decode time over the "
+                                      "longest sequence's tokens after its first; 0 for one token, as vLLM's).",
+                                      buckets=_ITL_BUCKETS, **kw)
         self.inference_time = Histogram("vllm:request_inference_time_seconds", "Time from the first step to the last token.",
                                         buckets=_E2E_BUCKETS, **kw)
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens delivered per engine step.",
@@ -282,6 +289,7 @@ class PrometheusStatLogger:
         self.success = {r: f.success.labels(finished_reason=r, **labels) for r in FINISH_REASONS}
         self.ttft = lab(f.ttft)
         self.itl = lab(f.itl)
+        self.tpot, self.request_tpot = lab(f.tpot), lab(f.request_tpot)
         self.e2e = lab(f.e2e)
         self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation = (
             lab(f.request_prompt_tokens), lab(f.request_generation_tokens), lab(f.request_max_generation))
@@ -342,6 +350,7 @@ class PrometheusStatLogger:
             self.ttft.observe(t)
         for t in it.inter_token_latencies:
             self.itl.observe(t)
+            self.tpot.observe(t)
         for reason, e2e in it.finished:
             self.success.get(reason, self.success["abort"]).inc()
             self.e2e.observe(e2e)  # (every request counted, aborted ones too, as vLLM's)
@@ -359,6 +368,8 @@ class PrometheusStatLogger:
             self.request_params_max_tokens.observe(req.max_tokens)
         for histogram, name in self.phases:
             histogram.observe(getattr(req, name))
+        after_first = req.max_generation_tokens - 1
+        self.request_tpot.observe(req.decode_seconds / after_first if after_first > 0 else 0.0)
 
 
     def _record_loras(self, sched: SchedulerStats) -> None:

@@ -46,6 +46,9 @@ def test_metrics_match_requests_sent(server, tokenizer):
     assert delta(after, before, "vllm:e2e_request_latency_seconds_count") == 3
     # One inter-token gap per token after the first (one token per step here).
     assert delta(after, before, "vllm:inter_token_latency_seconds_count") == sum(m - 1 for m in max_tokens)
+    for name in ("count", "sum"):  # (its older name, read by vLLM's example dashboard)
+        assert delta(after, before, f"vllm:time_per_output_token_seconds_{name}") == delta(
+            after, before, f"vllm:inter_token_latency_seconds_{name}")
     assert delta(after, before, "vllm:e2e_request_latency_seconds_sum") > 0
     assert delta(after, before, "vllm:prefix_cache_queries_total") >= n_prompt
     # vLLM's per-request histograms (absent before): exactly these three requests' figures.
@@ -57,6 +60,10 @@ def test_metrics_match_requests_sent(server, tokenizer):
     for phase in ("queue", "prefill", "decode", "inference"):
         assert delta(after, before, f"vllm:request_{phase}_time_seconds_count") == 3
     assert delta(after, before, "vllm:request_decode_time_seconds_sum") > 0
+    # vLLM's per-request mean time per output token: decode time over the tokens after the first
+    assert delta(after, before, "vllm:request_time_per_output_token_seconds_count") == 3
+    assert 0 < delta(after, before, "vllm:request_time_per_output_token_seconds_sum") <= delta(
+        after, before, "vllm:request_decode_time_seconds_sum") / min(m - 1 for m in max_tokens) + 1e-9
     assert delta(after, before, "vllm:request_inference_time_seconds_sum") >= delta(
         after, before, "vllm:request_decode_time_seconds_sum")
     # Each step's tokens: the prompts' and the generated ones, step by step (one request at a time).
