@@ -47,6 +47,7 @@ from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     HostCheckMiddleware,
+    RequestIdHeaderMiddleware,
     SSEResponse,
     header_timeout_protocol,
     parse_allowed_hosts,
@@ -106,6 +107,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     app.add_middleware(APIKeyMiddleware, state=state)
     if state.cors is not None:  # (before the key: a browser's preflight carries none)
         app.add_middleware(CORSMiddleware, **dataclasses.asdict(state.cors))
+    if state.request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
     add_exception_handlers(app)
     if state.enable_dashboard:
@@ -181,6 +184,16 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live dashboard and chat playground at / and /dashboard")
     add_model_pool_args(group)
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="answers carry an X-Request-Id header: the request's, else a new one (vLLM's flag; a "
+                            "request's X-Request-Id names its answer's id either way)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each generation request as it is accepted: its id, route and body, cut to "
+                            "--max-log-len characters (vLLM's flag; prompts are not logged without it)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="vLLM's older flag: requests are not logged unless --enable-log-requests")
+    group.add_argument("--max-log-len", type=int, default=2000,
+                       help="characters of a logged request body (--enable-log-requests; default: 2000)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level; info logs every request (default: warning)")
@@ -262,6 +275,10 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     if not args.shutdown_timeout >= 0:  # (NaN too)
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
+    if args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if not 0 < args.log_stats_interval < float("inf"):  # (a negative one logged at every step)
         raise ValueError(f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval} "
                          "(--disable-log-stats turns the line off)")
@@ -290,7 +307,9 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
                         http_read_timeout=args.http_read_timeout, allowed_hosts=allowed_hosts,
                         enable_dashboard=not args.disable_dashboard and watchable,
                         responses_store=ResponseStore() if args.enable_responses_store else None,
-                        lora_adapters=loras, runner=engine_args.runner, cors=cors_options(args))
+                        lora_adapters=loras, runner=engine_args.runner, cors=cors_options(args),
+                        request_id_headers=args.enable_request_id_headers,
+                        log_requests=args.max_log_len if args.enable_log_requests else None)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     return state

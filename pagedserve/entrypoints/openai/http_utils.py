@@ -1,12 +1,14 @@
 """ASGI plumbing of the server: SSE streaming that notices disconnects, cancelling
 handlers whose client left, the Host and API-key checks, the request-body limit and
-read deadline, the HTTP protocol's header deadline, and error responses."""
+read deadline, the HTTP protocol's header deadline, X-Request-Id on answers, and error
+responses."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import secrets
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -18,6 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
 from pagedserve.entrypoints.ollama.protocol import OLLAMA_PATH_PREFIX
 from pagedserve.entrypoints.openai.json_body import check_json_body
+from pagedserve.entrypoints.openai.protocol_fields import MAX_REQUEST_ID_CHARS
 from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
 from pagedserve.errors import InvalidRequestError
 
@@ -91,6 +94,29 @@ class APIKeyMiddleware:
                 await error_response(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every answer carries X-Request-Id, the request's
+    own (when it is an id check_request_id would take), else a new one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        value = given if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.decode().isprintable() \
+            else uuid.uuid4().hex.encode()
+
+        async def with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

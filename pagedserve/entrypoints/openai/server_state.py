@@ -186,6 +186,8 @@ class ServerState:
     allowed_hosts: frozenset[str] | None = None
     # CORS for browser clients of other origins (vLLM's --allowed-origins ...); None: none.
     cors: CorsOptions | None = None
+    request_id_headers: bool = False  # --enable-request-id-headers: answers carry X-Request-Id
+    log_requests: int | None = None  # --enable-log-requests: each accepted request logged, this many body characters
     draining: bool = False  # shutting down: new requests get 503
     started: bool = False  # the first model has loaded (until then every route but /health's 503 waits)
     registry: Any = None

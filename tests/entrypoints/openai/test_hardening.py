@@ -354,6 +354,8 @@ def test_an_api_key_clients_cannot_send_is_refused_at_start():
     (["--log-stats-interval", "-5"], "--log-stats-interval must be a number of seconds > 0"),  # (logged every step)
     (["--log-stats-interval", "0"], "--log-stats-interval must be"),
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
+    (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
+    (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
 ])
 def test_server_flags_out_of_range_are_refused_at_start(flags, message):
     import argparse
@@ -374,3 +376,38 @@ def test_api_key_is_compared_as_bytes():
         return good.status_code, bad.status_code
 
     assert call(app, fn) == (200, 401)
+
+
+def test_x_request_id_names_the_answer_and_is_echoed_with_the_flag(caplog):
+    """vLLM's X-Request-Id: the answer's id is "<kind>-<header>" (over the body's
+    request_id); --enable-request-id-headers puts it (or a new one) on every answer;
+    --enable-log-requests logs each accepted request with its body, cut to --max-log-len."""
+    import logging
+
+    _, plain = make()
+    _, flagged = make(request_id_headers=True, log_requests=40)
+    ask = {"model": "fake", "prompt": "hello there", "max_tokens": 2}
+
+    async def fn(c):
+        named = await c.post("/v1/completions", json={**ask, "request_id": "body"},
+                             headers={**KEY, "X-Request-Id": "trace-7"})
+        chat = await c.post("/v1/chat/completions", headers={**KEY, "X-Request-Id": "trace-8"},
+                            json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        bad = await c.post("/v1/completions", json=ask, headers={**KEY, "X-Request-Id": "x" * 300})
+        return named, chat, bad
+
+    named, chat, bad = call(plain, fn)
+    assert named.json()["id"] == "cmpl-trace-7" and chat.json()["id"] == "chatcmpl-trace-8"
+    assert "x-request-id" not in named.headers  # (only with the flag)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+    with caplog.at_level(logging.INFO, logger="pagedserve.api_server"):
+        named, chat, _ = call(flagged, fn)
+    assert named.headers["x-request-id"] == "trace-7" and chat.headers["x-request-id"] == "trace-8"
+
+    async def bare(c):
+        return await c.get("/v1/models", headers=KEY)
+
+    assert len(call(flagged, bare).headers["x-request-id"]) == 32  # (none given: a new one)
+    [line] = [r.getMessage() for r in caplog.records if "cmpl-trace-7" in r.getMessage()]
+    assert line.startswith('request cmpl-trace-7 accepted on /v1/completions: {"model": "fake", ')
+    assert line.endswith("...") and len(line.split(": ", 1)[1]) == 40 + 3

@@ -4,6 +4,8 @@ Shared by the OpenAI routers, the pooling routes and Anthropic's /v1/messages.""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -16,6 +18,8 @@ from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disc
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState
+
+logger = logging.getLogger("pagedserve.api_server")
 
 
 class ServingHandler(Protocol):
@@ -83,6 +87,10 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
             else:
                 prep = await state.prepare.run(serving.prepare, body)
             request_id, streams = await serving.start(body, prep)
+            if state.log_requests is not None:  # (--enable-log-requests; prompts are never logged without it)
+                shown = json.dumps(body.model_dump(exclude_unset=True), ensure_ascii=False)
+                logger.info("request %s accepted on %s: %s%s", request_id, request.url.path, shown[:state.log_requests],
+                            "..." if len(shown) > state.log_requests else "")
             if body.stream:
                 streaming.append(ReleasingStream(serving.stream(body, prep, request_id, streams), lease))
                 return stream_class(streaming[0])
