@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT",
+                     help="a prompt; - reads one from standard input (without its last newline)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
     _add_sampling_args(gen, temperature=0.0, max_tokens=256)
@@ -182,6 +183,12 @@ def _build_engine(ns: argparse.Namespace, num_seqs: int):
 
 def cmd_generate(ns: argparse.Namespace) -> None:
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.request_limits import MAX_PROMPT_CHARS
+
+    if ns.prompts.count("-") > 1:
+        raise ValueError("standard input holds one prompt: give - once")
+    if "-" in ns.prompts:  # (to one character past the bound, which refuses it; its last newline dropped, as $(...))
+        ns.prompts = [sys.stdin.read(MAX_PROMPT_CHARS + 1).removesuffix("\n") if p == "-" else p for p in ns.prompts]
 
     llm = LLM.from_engine(_build_engine(ns, len(ns.prompts)))
     engine = llm.llm_engine

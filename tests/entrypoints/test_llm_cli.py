@@ -42,6 +42,25 @@ def test_generate_prints_the_answer(fake_engine, capsys) -> None:
     assert out.startswith("[0] a\n") and "\n[1] b\n" in out and out.count("Paris is") == 2
 
 
+def test_generate_reads_a_prompt_of_dash_from_standard_input(fake_engine, monkeypatch) -> None:
+    """`pagedserve generate -` reads the prompt from standard input, without the newline
+    `echo` adds (it was sent to the model as the text "-")."""
+    import io
+
+    seen = []
+
+    def run(self, prompts, params, use_tqdm, priority=None, lora_request=None):
+        seen.extend(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text="")]) for _ in prompts]
+
+    monkeypatch.setattr("pagedserve.entrypoints.llm.LLM._run", run)
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital\nof France?\n"))
+    cli.main(["generate", "first", "-", "--no-chat"])
+    assert seen == ["first", "What is the capital\nof France?"]
+    with pytest.raises(SystemExit, match="give - once"):
+        cli.main(["generate", "-", "-", "--no-chat"])
+
+
 def test_generate_show_blocks_prints_the_pool_at_its_busiest_and_at_the_end(fake_engine, capsys) -> None:
     cli.main(["generate", "The same long prompt, " * 4, "The same long prompt, " * 4 + "twice.", "--no-chat",
               "--max-tokens", "20", "--show-blocks"])
