@@ -235,8 +235,8 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
                                          continue_final_message, variables, max_chars)
     if not default_template:
         raise ValueError("this model has no chat template (a base model: it serves completions); give one with "
-                         "`pagedserve serve --chat-template FILE`, the request field `chat_template` (Jinja text), "
-                         "or offline `LLM(..., chat_template=FILE)`")
+                         "`--chat-template FILE` (pagedserve serve, generate or chat), the request field "
+                         "`chat_template` (Jinja text), or offline `LLM(..., chat_template=FILE)`")
     try:
         text = render_chat_template(default_template, messages, tools=tools,
                                     add_generation_prompt=add_generation_prompt,

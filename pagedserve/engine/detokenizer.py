@@ -67,6 +67,12 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = 0 if self.include_stop_str_in_output else max(longest - 1, 0)
 
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        # A window whose left edge falls inside a character (the prompt ends in a run of
+        # byte tokens, SentencePiece's byte fallback: Gemma's emoji, runes, rare CJK) reads
+        # that whole run as one U+FFFD per byte, and every output byte token continuing it
+        # too: the edge moves right past the leftover bytes.
+        while context and self._decode is not None and self._decode(context).startswith(_REPLACEMENT_CHAR):
+            context.pop(0)
         self.token_ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(context)

@@ -137,6 +137,25 @@ def test_a_byte_fallback_run_cut_by_max_tokens_flushes_its_own_bytes(gemma3_path
     assert detok.output_text == "𝔘" + tokenizer.decode(ids[4:]) == "𝔘\ufffd\ufffd"
 
 
+def test_a_prompt_ending_inside_a_byte_fallback_run_leaves_the_output_clean(gemma3_path) -> None:
+    """The prompt's last 5 tokens start inside a character (Gemma spells 🦩 as 4 byte
+    tokens): the window read that whole run, the output's bytes with it, as one U+FFFD
+    per byte (8 for "🦩🦩"), and a stop string of flamingos never matched."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    prompt = tokenizer.encode("Flamingos: 🦩🦩🦩 More: 🦩🦩")
+    ids = tokenizer.encode("🦩🦩🦩", add_special_tokens=False)
+    assert len(ids) == 12 and tokenizer.decode(prompt[-5:]).startswith("\ufffd")  # (the case: the edge mid-character)
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    for tid in ids[:8]:
+        detok.update([tid])
+    detok.finish()
+    assert detok.output_text == "🦩🦩"
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(stop=["🦩🦩🦩"]))
+    assert [detok.update([tid]) for tid in ids][-1] == "🦩🦩🦩" and detok.output_text == ""
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens(tok, skip: bool) -> None:
     ids = tok.encode("hello") + [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode(" world")
