@@ -7,6 +7,7 @@ module imports no torch so that `core/` can use it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,8 +240,8 @@ class SchedulerConfig:
             )
         if self.policy not in SCHEDULING_POLICIES:  # (EngineArgs' scheduling_policy, vLLM's name)
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.max_step_ms is not None and not (is_number(self.max_step_ms) and self.max_step_ms > 0):
-            raise ValueError(f"max_step_ms must be a positive number of milliseconds or None, got {self.max_step_ms!r}")
+        if self.max_step_ms is not None and not (is_number(self.max_step_ms) and 0 < self.max_step_ms < math.inf):
+            raise ValueError(f"max_step_ms must be a finite positive number of milliseconds or None, got {self.max_step_ms!r}")
         if self.max_step_ms is not None and not self.enable_chunked_prefill:
             raise ValueError("max_step_ms needs chunked prefill (a step's time is bounded by chunking prompts)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -288,8 +289,9 @@ class RouterConfig:
         if not is_int(self.balance_abs_threshold) or (
                 self.balance_abs_threshold < 0):
             raise ValueError(f"router_balance_abs_threshold must be an integer >= 0, got {self.balance_abs_threshold!r}")
-        if not is_number(self.balance_rel_threshold) or self.balance_rel_threshold < 1.0:
-            raise ValueError(f"router_balance_rel_threshold must be a number >= 1, got {self.balance_rel_threshold!r}")
+        if not is_number(self.balance_rel_threshold) or not 1.0 <= self.balance_rel_threshold < math.inf:
+            raise ValueError(f"router_balance_rel_threshold must be a finite number >= 1, got "
+                             f"{self.balance_rel_threshold!r}")
 
 
 @dataclass

@@ -78,7 +78,7 @@ def make_engine_core_client(engine_args: EngineArgs, own_thread: bool = True) ->
 def check_front_door_limits(max_waiting_requests: int | None, request_timeout: float | None) -> None:
     """The admission limits' one check (a server runs it on its flags before loading)."""
     for name, value in (("max_waiting_requests", max_waiting_requests), ("request_timeout", request_timeout)):
-        if value is not None and (not is_number(value) or value <= 0):
+        if value is not None and (not is_number(value) or not value > 0):  # (NaN too: every request timed out)
             raise ValueError(f"{name} must be a positive number or None, got {value!r}")
 
 

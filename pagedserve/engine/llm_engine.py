@@ -178,6 +178,9 @@ class LLMEngine:
             raise ValueError(f"one LLMEngine cannot hold {engine_args.data_parallel_size} data-parallel replicas: "
                              "LLM(..., data_parallel_size=N) and `pagedserve serve --data-parallel-size N` run them "
                              "(generate and chat run one engine)")
+        if engine_args.device.startswith("cuda") and not torch.cuda.is_available():  # (a model constructor's assert)
+            raise ValueError(f"device {engine_args.device!r}: no CUDA device is available here "
+                             "(torch.cuda.is_available() is False)")
         t0 = time.perf_counter()
         if engine_args.device in ("auto", "cpu"):
             start_cpu_kernel_builds()  # they compile (first run) while the config, tokenizer and weights load

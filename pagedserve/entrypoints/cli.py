@@ -83,13 +83,14 @@ def _sampling_params(ns: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
+    # (no abbreviated flags: `--gpu-memory 0.5` was taken as --gpu-memory-utilization, silently)
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results", allow_abbrev=False)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT",
                      help="a prompt; - reads one from standard input (without its last newline)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -100,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "and free blocks, and the busiest moment of the run")
     _interactive_engine_args(gen, "the number of prompts")
 
-    chat = sub.add_parser("chat", help="interactive chat, streaming the answer (/exit or Ctrl-D quits)")
+    chat = sub.add_parser("chat", help="interactive chat, streaming the answer (/exit or Ctrl-D quits)",
+                          allow_abbrev=False)
     _add_sampling_args(chat, temperature=0.7, max_tokens=512)
     _interactive_engine_args(chat, "1: one conversation")
 
@@ -134,7 +136,7 @@ def _delegate(argv: list[str]) -> bool:
             module: ServerModule = _import_or_exit(prefix, what, module_name,
                                                    functools.partial(importlib.import_module, module_name))
             parser = module.make_arg_parser(argparse.ArgumentParser(prog="pagedserve " + " ".join(prefix),
-                                                                    description=module.__doc__))
+                                                                    description=module.__doc__, allow_abbrev=False))
             module.run_server(parser.parse_args(argv[len(prefix):]))
             return True
     ep = _benchmarks().get(argv[1]) if argv[:1] == ["bench"] and len(argv) > 1 else None

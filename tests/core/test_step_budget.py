@@ -78,7 +78,8 @@ def test_with_no_stream_to_protect_a_prompt_prefills_at_the_full_token_budget() 
 
 
 def test_config_checks() -> None:
-    with pytest.raises(ValueError, match="max_step_ms must be a positive number"):
-        SchedulerConfig(max_step_ms=0)
+    for bad in (0, float("inf"), float("nan")):  # (inf started, then the first step died converting it)
+        with pytest.raises(ValueError, match="max_step_ms must be a finite positive number"):
+            SchedulerConfig(max_step_ms=bad)
     with pytest.raises(ValueError, match="needs chunked prefill"):
         SchedulerConfig(max_step_ms=50, enable_chunked_prefill=False, max_num_batched_tokens=4096, max_model_len=2048)

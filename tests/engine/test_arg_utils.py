@@ -175,12 +175,27 @@ def test_data_parallel_flags_reach_the_config_tree_and_each_replica_gets_one_eng
     (dict(data_parallel_size=2, router_cache_threshold=1.5), r"router_cache_threshold must be in \[0, 1\]"),
     (dict(data_parallel_size=2, router_balance_abs_threshold=-1), "router_balance_abs_threshold"),
     (dict(data_parallel_size=2, router_balance_rel_threshold=0.5), "router_balance_rel_threshold must be"),
+    # (NaN compared false everywhere: balancing was off, silently)
+    (dict(data_parallel_size=2, router_balance_rel_threshold=float("nan")), "router_balance_rel_threshold must be"),
     (dict(data_parallel_size=2, ray_address="ray://head:10001"), "ray_address must be 'auto' or HOST:PORT"),
     (dict(data_parallel_size=2, cpus_per_replica=0), "cpus_per_replica must be a positive integer"),
 ])
 def test_data_parallel_settings_that_cannot_work_are_refused(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs)
+
+
+def test_a_cuda_device_where_there_is_none_is_refused_by_name(monkeypatch) -> None:
+    """--device cuda on a machine without CUDA: one line naming it (it failed in a model
+    constructor with torch's assertion)."""
+    import torch
+
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:7"):
+        with pytest.raises(ValueError, match=f"device '{device}': no CUDA device is available here"):
+            LLMEngine.from_engine_args(EngineArgs(model="/nonexistent", device=device))
 
 
 def test_one_engine_refuses_replicas() -> None:

@@ -205,3 +205,18 @@ def test_generate_refuses_an_empty_chat_prompt_and_system_without_chat(fake_engi
         cli.main(["generate", ""])
     with pytest.raises(SystemExit, match="--system"):
         cli.main(["generate", "--no-chat", "--system", "Be brief.", "hi"])
+
+
+def test_abbreviated_flags_are_unknown_flags(capsys, monkeypatch, fake_engine) -> None:
+    """argparse's prefix matching took `serve --gpu-memory 0.5` as --gpu-memory-utilization,
+    silently; now every command names it unknown (vLLM's parser does the same)."""
+    from pagedserve.entrypoints.openai import api_server
+
+    def started(args):
+        raise AssertionError(f"the server started with {args}")
+
+    monkeypatch.setattr(api_server, "run_server", started)
+    for argv in (["serve", "--gpu-memory", "0.5"], ["generate", "hi", "--max-tok", "3"], ["chat", "--temp", "0"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

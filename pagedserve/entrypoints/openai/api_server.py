@@ -140,6 +140,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's names: "
                             "hermes for Qwen2.5/3, llama3_json for Llama 3.x)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's switch for tool_choice 'auto', which is on here whenever a tool-call format is "
+                            "known (--tool-call-parser, else the chat template's)")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a thinking model's <think>...</think> into reasoning_content (vLLM's names: "
                             "qwen3 for Qwen3, deepseek_r1 for DeepSeek-R1 and its distills)")
@@ -261,7 +264,9 @@ class _DrainingServer:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None  # "": no key
+    if args.api_key == "":  # (`--api-key "$KEY"` with KEY unset opened the server, silently)
+        raise ValueError("--api-key is empty; leave it out for a server without a key")
+    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None  # an empty variable: no key
     if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key):
         raise ValueError("the API key (--api-key or $PAGEDSERVE_API_KEY) must be printable ASCII without "
                          "surrounding spaces: HTTP clients send headers as ASCII, so no other key could match")
@@ -273,6 +278,10 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
     from pagedserve.utils import parse_bytes
 
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
+    if not 0 <= args.port <= 65535:  # (uvicorn refused it only after the model had loaded)
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if not args.host:  # (an empty $HOST bound every interface, silently)
+        raise ValueError("--host must not be empty (0.0.0.0 or :: binds every interface)")
     if not args.shutdown_timeout >= 0:  # (NaN too)
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.enable_log_requests and args.disable_log_requests:
@@ -516,7 +525,7 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = make_arg_parser(argparse.ArgumentParser(prog="pagedserve serve",
+    parser = make_arg_parser(argparse.ArgumentParser(prog="pagedserve serve", allow_abbrev=False,
                                                      description="OpenAI-compatible HTTP server"))
     run_server(parser.parse_args())
 

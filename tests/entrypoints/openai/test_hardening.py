@@ -356,6 +356,10 @@ def test_an_api_key_clients_cannot_send_is_refused_at_start():
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
     (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
+    (["--request-timeout", "nan"], "request_timeout must be a positive number"),  # (every request timed out)
+    (["--api-key", ""], "--api-key is empty"),  # (the server ran without a key)
+    (["--host", ""], "--host must not be empty"),  # (it bound every interface)
+    (["--port", "70000"], "--port must be in 0..65535"),  # (refused by uvicorn after the model loaded)
 ])
 def test_server_flags_out_of_range_are_refused_at_start(flags, message):
     import argparse
