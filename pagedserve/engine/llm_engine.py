@@ -11,6 +11,7 @@ from `add_request` and leaves every other request exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import threading
@@ -212,8 +213,15 @@ class LLMEngine:
             t1 = time.perf_counter()
             model = get_model(mc, device)
             record_startup("weights", time.perf_counter() - t1)
-            runner = ModelRunner(config, model, device, eos_token_id=eos)
-            runner.initialize_kv_cache()
+            try:
+                runner = ModelRunner(config, model, device, eos_token_id=eos)
+                runner.initialize_kv_cache()
+            except (MemoryError, OSError) as e:  # (a traceback from numpy or mmap said nothing of which size)
+                if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                    raise
+                raise ValueError(f"the step buffers or the KV cache do not fit in memory ({type(e).__name__}: {e}); "
+                                 "lower max_num_seqs, max_num_batched_tokens, max_loras, kv_cache_memory_bytes or "
+                                 "num_gpu_blocks_override") from None
         drafter = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":

@@ -247,3 +247,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
     [tail] = llm.generate([text], SamplingParams(truncate_prompt_tokens=8, **greedy), use_tqdm=False)
     assert len(tail.prompt_token_ids) == 8
     assert tail.prompt_token_ids == llm.get_tokenizer().encode(text[-400:], add_special_tokens=False)[-8:]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_num_batched_tokens": 10**12}, {"max_num_seqs": 10**12},
+                                    {"kv_cache_memory_bytes": 10**15}])
+def test_sizes_memory_cannot_hold_are_a_clear_error(tiny_dir, kwargs) -> None:
+    """A size no memory holds: one error naming the settings (numpy's MemoryError or
+    mmap's OSError came as a traceback that said nothing of which one)."""
+    with pytest.raises(ValueError, match="do not fit in memory .*lower max_num_seqs, max_num_batched_tokens"):
+        LLM(tiny_dir, dtype="float32", max_model_len=128, **kwargs)
