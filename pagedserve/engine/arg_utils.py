@@ -292,8 +292,8 @@ class EngineArgs:
         """Numbers, names and flags, each on its own."""
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise self._bad("gpu_memory_utilization", "in (0, 1]")
-        if not is_int(self.seed):
-            raise self._bad("seed", "an integer")
+        if not is_int(self.seed) or not -2**63 <= self.seed < 2**64:  # (past it: "Overflow when unpacking long long")
+            raise self._bad("seed", "a 64-bit integer")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise self._bad("max_logprobs", "an integer >= 0")
         if self.generation_config not in ("auto", "vllm"):

@@ -207,6 +207,13 @@ def test_generate_refuses_an_empty_chat_prompt_and_system_without_chat(fake_engi
         cli.main(["generate", "--no-chat", "--system", "Be brief.", "hi"])
 
 
+def test_chat_with_the_pooling_runner_is_refused_before_loading(fake_engine) -> None:
+    """It loaded the model, refused every turn and exited 0."""
+    with pytest.raises(SystemExit, match="chat generates text: --runner pooling serves embeddings"):
+        cli.main(["chat", "--runner", "pooling"])
+    assert fake_engine == []  # (no engine was built)
+
+
 def test_abbreviated_flags_are_unknown_flags(capsys, monkeypatch, fake_engine) -> None:
     """argparse's prefix matching took `serve --gpu-memory 0.5` as --gpu-memory-utilization,
     silently; now every command names it unknown (vLLM's parser does the same)."""

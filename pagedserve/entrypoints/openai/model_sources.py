@@ -74,6 +74,8 @@ def model_specs(sources: list[str], models_dir: str | None, served_names: list[s
         raise ValueError(f"{len(sources)} models is more than one server serves ({MAX_MODELS})")
     if len(sources) == 1:
         names = served_names or [sources[0]]
+        if not all(n.strip() for n in names):  # (a model named "" answered as "")
+            raise ValueError("--served-model-name: a name must not be empty")
         return [ModelSpec(names[0], sources[0], tuple(names[1:]))]
     if served_names:
         raise ValueError("--served-model-name names the one model served; with several, each is named by its "

@@ -360,6 +360,8 @@ def test_an_api_key_clients_cannot_send_is_refused_at_start():
     (["--api-key", ""], "--api-key is empty"),  # (the server ran without a key)
     (["--host", ""], "--host must not be empty"),  # (it bound every interface)
     (["--port", "70000"], "--port must be in 0..65535"),  # (refused by uvicorn after the model loaded)
+    (["--served-model-name", ""], "--served-model-name: a name must not be empty"),  # (it answered as "")
+    (["--seed", str(10**23)], "seed must be a 64-bit integer"),  # ("Overflow when unpacking long long")
 ])
 def test_server_flags_out_of_range_are_refused_at_start(flags, message):
     import argparse
