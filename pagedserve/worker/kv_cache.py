@@ -162,6 +162,10 @@ def determine_num_blocks(
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {budget}")
         num_blocks = budget // block_bytes
         source = f"kv_cache_memory_bytes={budget}"
+        if is_cpu(device) and budget > (free := available_memory_bytes(device)):
+            # (mapped as used: it starts, then the kernel kills it under load)
+            logger.warning("kv_cache_memory_bytes=%d is more than the %.1f GiB of memory available now: the cache "
+                           "is mapped as it fills, so a busy server may be killed for memory", budget, free / 2**30)
     elif is_cuda(device):
         fraction = cache_config.gpu_memory_utilization
         if not 0 < fraction <= 1:

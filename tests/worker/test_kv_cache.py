@@ -18,6 +18,21 @@ def test_explicit_bytes():
     assert determine_num_blocks(cfg, BLOCK_BYTES, max_model_len=64, max_num_seqs=4, device=CPU)[0] == 100
 
 
+def test_explicit_bytes_past_available_memory_are_taken_with_a_warning(monkeypatch, caplog):
+    """The cache is mapped as it fills: 100 GiB on a 21 GiB machine started, silently, and
+    a busy server would be killed for memory."""
+    import logging
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 50_000)
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        assert determine_num_blocks(CacheConfig(block_size=16, kv_cache_memory_bytes=100_500), BLOCK_BYTES,
+                                    max_model_len=64, max_num_seqs=4, device=CPU)[0] == 100
+    assert "kv_cache_memory_bytes=100500 is more than the 0.0 GiB of memory available now" in caplog.text
+    caplog.clear()
+    determine_num_blocks(CacheConfig(block_size=16, kv_cache_memory_bytes=40_000), BLOCK_BYTES, 64, 4, CPU)
+    assert "available now" not in caplog.text
+
+
 def test_explicit_num_blocks_wins():
     cfg = CacheConfig(block_size=16, kv_cache_memory_bytes=10**9, num_blocks=9)
     assert determine_num_blocks(cfg, BLOCK_BYTES, 64, 4, CPU)[0] == 9
