@@ -167,12 +167,13 @@ class Request:
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
 
     @property
-    def hash_salt(self) -> str | tuple[str | None, int] | None:
+    def hash_salt(self) -> str | tuple[str | None, int, str, str] | None:
         """What keys this request's KV blocks besides its tokens: the client's salt, and the
-        LoRA adapter (two adapters' KV for the same tokens differ), as a tuple that no
-        client salt string can equal."""
+        LoRA adapter (two adapters' KV for the same tokens differ) by its id, name and path
+        (an id freed and given to another adapter served that one the first one's blocks),
+        as a tuple that no client salt string can equal."""
         lora = self.lora_request
-        return self.cache_salt if lora is None else (self.cache_salt, lora.lora_int_id)
+        return self.cache_salt if lora is None else (self.cache_salt, lora.lora_int_id, lora.lora_name, lora.lora_path)
 
     def image_free_until(self, start: int) -> int:
         """The first position at or after `start` that belongs to an image (the number of

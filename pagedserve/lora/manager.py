@@ -99,6 +99,9 @@ class LoRAModelManager:
                                layer.shard_rows(shard)[3]) for name, (layer, shard) in self.targets.items()}
         self._lock = threading.Lock()  # add_lora may run beside a step (server threads)
         self.slot_ids: list[int | None] = [None] * (config.max_loras + 1)  # slot -> adapter id (slot 0: base)
+        # slot -> the loaded adapter whose weights it holds: an id removed and loaded again
+        # (another adapter, or the same files read anew) is a new one, never the old slot's.
+        self._slot_adapter: list[LoadedAdapter | None] = [None] * (config.max_loras + 1)
         self.slot_refs = [0] * (config.max_loras + 1)
         self._slot_used = [0] * (config.max_loras + 1)  # last use, for LRU among free slots
         self._clock = 0
@@ -164,8 +167,9 @@ class LoRAModelManager:
         with self._lock:
             self._clock += 1
             lora_id = request.lora_int_id
-            if lora_id in self.slot_ids:
-                slot = self.slot_ids.index(lora_id)
+            held = [s for s, adapter in enumerate(self._slot_adapter) if adapter is loaded]  # (by identity)
+            if held:
+                slot = held[0]
             else:
                 free = [s for s in range(1, len(self.slot_ids)) if self.slot_refs[s] == 0]
                 if not free:
@@ -176,7 +180,7 @@ class LoRAModelManager:
                 for layer, (a, b) in loaded.layers.items():
                     assert layer.lora is not None
                     layer.lora.slots[slot] = (a.to(self.device), b.to(self.device))
-                self.slot_ids[slot] = lora_id
+                self.slot_ids[slot], self._slot_adapter[slot] = lora_id, loaded
                 self._repack()
             self.slot_refs[slot] += 1
             self._slot_used[slot] = self._clock
@@ -189,7 +193,7 @@ class LoRAModelManager:
     def _clear_slot(self, slot: int) -> None:
         for lora in self._layer_loras:
             lora.slots.pop(slot, None)
-        self.slot_ids[slot] = None
+        self.slot_ids[slot] = self._slot_adapter[slot] = None
 
     def _repack(self) -> None:
         for lora in self._layer_loras:

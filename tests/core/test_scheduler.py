@@ -345,9 +345,12 @@ def test_the_adapter_keys_the_block_hashes_and_no_client_salt_can_equal_it():
     plain, salted = Request("x", [1] * 8), Request("y", [1] * 8, cache_salt="s")
     adapted = Request("z", [1] * 8, lora_request=lora)
     both = Request("w", [1] * 8, cache_salt="s", lora_request=lora)
-    forged = Request("v", [1] * 8, cache_salt=repr((None, 1)))
-    salts = [r.hash_salt for r in (plain, salted, adapted, both, forged)]
-    assert salts[0] is None and salts[1] == "s" and salts[2] == (None, 1) and salts[3] == ("s", 1)
+    forged = Request("v", [1] * 8, cache_salt=repr((None, 1, "a", "/adapters/a")))
+    # (another adapter under a freed id 1 is another key: it was served the first one's blocks)
+    other = Request("u", [1] * 8, lora_request=LoRARequest("b", 1, "/adapters/b"))
+    salts = [r.hash_salt for r in (plain, salted, adapted, both, forged, other)]
+    assert salts[0] is None and salts[1] == "s" and salts[2] == (None, 1, "a", "/adapters/a")
+    assert salts[3] == ("s", 1, "a", "/adapters/a") and salts[5] == (None, 1, "b", "/adapters/b")
     from pagedserve.core.kv_cache_utils import hash_request_tokens
 
     chains = [tuple(hash_request_tokens([1] * 8, 4, salt)) for salt in salts]

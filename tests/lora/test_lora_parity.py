@@ -273,3 +273,21 @@ def test_unloading_an_adapter_with_a_running_request_lets_it_finish(tiny) -> Non
     assert list(outs[0].outputs[0].token_ids) == refs[1][0][0]
     ours(llm, PROMPTS[:1], loras[1])  # idle now: it makes room for the next adapter
     assert engine.list_loras() == [loras[1]]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_an_id_reused_for_another_adapter_after_removal_runs_the_new_one(tiny, prefix_caching) -> None:
+    """remove_lora(1), then another adapter under id 1: its answers are its own.  The old
+    adapter's slot weights kept running, and its cached KV blocks (keyed by the id alone)
+    served the new adapter's prompt."""
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              enable_prefix_caching=prefix_caching)
+    first = LoRARequest("first", 1, loras[0].lora_path)
+    check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], first), "adapter0 as id 1")
+    assert llm.llm_engine.remove_lora(1)
+    second = LoRARequest("second", 1, loras[1].lora_path)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=TOKENS,
+                                                                          ignore_eos=True), use_tqdm=False,
+                       lora_request=second)[0]
+    assert list(out.outputs[0].token_ids) == refs[2][0][0] and out.num_cached_tokens == 0
