@@ -28,6 +28,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     as_sent,
     check_chat_only_fields,
     check_hint_fields,
+    omitted_if_none,
     prediction_text,
     refuse_unsupported_fields,
     refuse_vllm_fields,
@@ -302,8 +303,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(OpenAIBaseModel):
-    # Other fields (tool_calls of an assistant turn, tool_call_id of a tool result) are
-    # kept as sent and reach the chat template.
+    # Other fields (an assistant's tool_calls, a tool's tool_call_id) reach the chat template.
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -549,23 +549,23 @@ class ChatCompletionResponse(OpenAIBaseModel):
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
-    name: str | None = None
-    arguments: str | None = None
+    name: str | None = omitted_if_none()
+    arguments: str | None = omitted_if_none()
 
 
 class DeltaToolCall(OpenAIBaseModel):
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = omitted_if_none()
+    type: Literal["function"] | None = omitted_if_none()
     function: DeltaFunctionCall
 
 
 class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-    function_call: DeltaFunctionCall | None = None
+    role: str | None = omitted_if_none()
+    content: str | None = omitted_if_none()
+    reasoning_content: str | None = omitted_if_none()
+    tool_calls: list[DeltaToolCall] | None = omitted_if_none()
+    function_call: DeltaFunctionCall | None = omitted_if_none()
 
 
 class ChatStreamChoice(OpenAIBaseModel):

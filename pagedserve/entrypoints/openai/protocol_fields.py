@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from pagedserve.errors import InvalidRequestError
 
 # OpenAI's bounds on a request's metadata.
@@ -184,3 +186,11 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
         raise InvalidRequestError(f"metadata takes at most {MAX_METADATA_PAIRS} pairs, keys of at most "
                                   f"{MAX_METADATA_KEY_CHARS} characters and values of at most "
                                   f"{MAX_METADATA_VALUE_CHARS}", param="metadata")
+
+
+def omitted_if_none() -> Any:
+    """A stream delta's optional field, left out of the JSON while None: a delta says only
+    what it adds, as OpenAI's and vLLM's do.  (The openai client's stream helper copies a
+    tool call delta's `type` as it is: the `"type": null` of a named call's argument
+    fragments broke its accumulation with an AssertionError.)"""
+    return Field(default=None, exclude_if=lambda value: value is None)

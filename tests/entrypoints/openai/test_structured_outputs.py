@@ -162,6 +162,16 @@ def test_forced_and_required_tool_calls(client):
     jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)),
                         WEATHER["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # A delta holds only what it adds (no "type": null on an argument fragment): the openai
+    # client's stream helper failed on those with an AssertionError.
+    assert all(set(d.model_dump(exclude_unset=True)) <= {"index", "function"} for d in deltas[1:])
+    with client.chat.completions.stream(model=MODEL_NAME, messages=MESSAGES, max_tokens=120, tools=[WEATHER],
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        temperature=0.7, seed=5) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
 def test_a_tool_without_parameters_takes_none_and_a_cut_call_is_not_finished(client):
