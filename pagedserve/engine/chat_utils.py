@@ -193,10 +193,12 @@ def check_prompt_chars(text: str, max_chars: int, param: str = "prompt") -> None
 
 
 def encode_text(tokenizer: Any, text: str, max_chars: int, add_special_tokens: bool = True,
-                param: str = "prompt") -> list[int]:
+                param: str = "prompt", cut: bool = False) -> list[int]:
     """Prompt text to token ids, bounded first: a completion prompt, in the engine or the
-    server (a rendered chat is bounded by render_chat)."""
-    check_prompt_chars(text, max_chars, param)
+    server (a rendered chat is bounded by render_chat).  `cut`: only its last tokens will
+    run (truncate_prompt_tokens), so text past what max_model_len tokens can spell is
+    tokenized, up to MAX_PROMPT_CHARS, rather than refused."""
+    check_prompt_chars(text, MAX_PROMPT_CHARS if cut else max_chars, param)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 

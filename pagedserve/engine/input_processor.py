@@ -53,7 +53,7 @@ from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.request_limits import MAX_CACHE_SALT_CHARS, MAX_PROMPT_CHARS
+from pagedserve.request_limits import MAX_CACHE_SALT_CHARS
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import is_int
@@ -335,15 +335,15 @@ class InputProcessor:
                                   "come only from images", param="prompt")
 
     def encode(self, text: str, cut: bool = False) -> list[int]:
-        """Prompt text to token ids (refused untokenized when it cannot fit; when it is to
-        be `cut` to its last tokens, only past MAX_PROMPT_CHARS, which bounds the work)."""
+        """Prompt text to token ids (refused untokenized when it cannot fit, unless it is to
+        be `cut` to its last tokens: chat_utils.encode_text)."""
         if not text:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
                 "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
-        return encode_text(self.tokenizer, text, MAX_PROMPT_CHARS if cut else self.max_prompt_chars)
+        return encode_text(self.tokenizer, text, self.max_prompt_chars, cut=cut)
 
     def check_token_ids(self, ids: Any) -> list[int]:
         """A prompt's token ids as plain ints, each inside the vocabulary."""

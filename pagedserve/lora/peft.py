@@ -21,11 +21,12 @@ RuntimeError, a MemoryError) is a refusal too, never a 500.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,25 +78,30 @@ def read_peft_adapter(path: str, max_rank: int, shapes: Mapping[str, tuple[int, 
     """The adapter in directory `path`; LoRAAdapterError saying what is wrong with it.
     `shapes`: each module the model can adapt (PEFT's name) -> its (in, out) features;
     `dtype`: the model's, in which the scaled weights must be finite."""
-    try:
+    with _refusals_logged(path):
         rank, scaling = _rank_and_scaling(_read_config(path), max_rank)
         return PeftAdapter(rank, scaling, _read_weights(path, rank, scaling, shapes, dtype))
-    except LoRAAdapterError as e:
-        logger.warning("LoRA adapter %r refused: %s", path, e.detail or e)
-        raise
-    except Exception as e:  # noqa: BLE001 - what the OS or a library raises on what a client named is its 400
-        logger.warning("LoRA adapter %r refused: %s: %s", path, type(e).__name__, e)
-        raise LoRAAdapterError(NOT_AN_ADAPTER) from None
 
 
 def check_peft_config(path: str, max_rank: int) -> None:
     """The adapter's directory and config as read_peft_adapter checks them, without its
     weights (which need the model's shapes): LoRAAdapterError saying what is wrong."""
-    try:
+    with _refusals_logged(path):
         _rank_and_scaling(_read_config(path), max_rank)
+
+
+@contextlib.contextmanager
+def _refusals_logged(path: str) -> Iterator[None]:
+    """An adapter's refusal, logged with what the client is not told; whatever the OS or a
+    library raises on what a client named is a LoRAAdapterError (its 400)."""
+    try:
+        yield
     except LoRAAdapterError as e:
         logger.warning("LoRA adapter %r refused: %s", path, e.detail or e)
         raise
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        logger.warning("LoRA adapter %r refused: %s: %s", path, type(e).__name__, e)
+        raise LoRAAdapterError(NOT_AN_ADAPTER) from None
 
 
 def _read_config(path: str) -> dict:

@@ -20,7 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
 from pagedserve.entrypoints.ollama.protocol import OLLAMA_PATH_PREFIX
 from pagedserve.entrypoints.openai.json_body import check_json_body
-from pagedserve.entrypoints.openai.protocol_fields import MAX_REQUEST_ID_CHARS
+from pagedserve.entrypoints.openai.protocol_fields import check_request_id
 from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
 from pagedserve.errors import InvalidRequestError
 
@@ -98,7 +98,7 @@ class APIKeyMiddleware:
 
 class RequestIdHeaderMiddleware:
     """vLLM's --enable-request-id-headers: every answer carries X-Request-Id, the request's
-    own (when it is an id check_request_id would take), else a new one."""
+    own (when check_request_id takes it), else a new one."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -107,9 +107,11 @@ class RequestIdHeaderMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-request-id", b"")
-        value = given if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.decode().isprintable() \
-            else uuid.uuid4().hex.encode()
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")  # (HTTP's header bytes)
+        try:
+            value = check_request_id(given).encode("latin-1")  # the one rule for a client's request id
+        except InvalidRequestError:
+            value = uuid.uuid4().hex.encode()
 
         async def with_id(message: dict) -> None:
             if message["type"] == "http.response.start":

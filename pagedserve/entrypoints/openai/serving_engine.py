@@ -49,7 +49,7 @@ from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedEr
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.request_limits import MAX_PROMPT_CHARS, MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
+from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
 from pagedserve.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -325,12 +325,10 @@ class OpenAIServing:
         return TokenizedPrompt(encoded["prompt"], encoded["prompt_token_ids"], encoded.get("multi_modal"))
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True, cut: bool = False) -> list[int]:
-        """`cut`: only the last tokens will run (truncate_prompt_tokens): text past what
-        max_model_len tokens can spell is tokenized, up to MAX_PROMPT_CHARS, not refused."""
+        """`cut`: only the last tokens will run (truncate_prompt_tokens; chat_utils.encode_text)."""
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return encode_text(self.tokenizer, prompt, MAX_PROMPT_CHARS if cut else self.engine.max_prompt_chars,
-                           add_special_tokens)
+        return encode_text(self.tokenizer, prompt, self.engine.max_prompt_chars, add_special_tokens, cut=cut)
 
     # ------------------------------------------------------------------ logprobs
     def token_str(self, token_id: int, lp: Logprob | None = None) -> str:
