@@ -204,6 +204,15 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def bound_url(server: Any, host: str, port: int) -> str:
+    """Where a uvicorn server answers: with --port 0, the port the system chose once it is
+    bound (it binds after the lifespan starts the engine's load, long before that is ready)."""
+    if server.started:  # (uvicorn's `servers` exists from then on)
+        for listener in server.servers:
+            port = listener.sockets[0].getsockname()[1] if listener.sockets else port
+    return f"http://{host}:{port}"
+
+
 class _DrainingServer:
     """uvicorn's server with our signal handling: the first SIGTERM/SIGINT drains (see
     the module docstring), a second one exits at once."""
@@ -455,7 +464,7 @@ class _EngineLoader:
             runner.server.should_exit = True
             return
         if not self.state.draining:
-            loop.call_soon_threadsafe(self.attach, build)
+            loop.call_soon_threadsafe(self.attach, build, runner)
 
     async def load_first(self, runner: _DrainingServer) -> None:
         """Several models: load the first (the default) at start-up, as one request
@@ -469,19 +478,19 @@ class _EngineLoader:
             return
         self.state.started = True
         self.state.models.start()
-        logger.info("ready: serving %s on http://%s:%d (%s loaded; the others load on first use)",
-                    ", ".join(self.state.models.names()), self.args.host, self.args.port,
+        logger.info("ready: serving %s on %s (%s loaded; the others load on first use)",
+                    ", ".join(self.state.models.names()), bound_url(runner.server, self.args.host, self.args.port),
                     self.state.models.default_name)
 
-    def attach(self, build: Callable[[], Attachment]) -> None:
+    def attach(self, build: Callable[[], Attachment], runner: _DrainingServer) -> None:
         attachment = build()
         client = attachment.client
         client.start()
         parser = _tool_parser(self.args, client)
         self.state.attach(attachment, parser, get_reasoning_parser(self.args.reasoning_parser))
         self.state.models.start()
-        logger.info("engine ready: serving %s on http://%s:%d", ", ".join(self.state.models.names()),
-                    self.args.host, self.args.port)
+        logger.info("engine ready: serving %s on %s", ", ".join(self.state.models.names()),
+                    bound_url(runner.server, self.args.host, self.args.port))
 
     async def load_model(self, spec: ModelSpec, kv_cache_bytes: int | None) -> ModelHandlers:
         """A model of several, loaded on demand (ModelPool): its engine on a thread, then

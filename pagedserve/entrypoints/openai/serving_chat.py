@@ -53,6 +53,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     merge_streams,
     prompt_logprobs_of,
     request_failed,
+    running_usage,
     sse,
     sse_error,
 )
@@ -333,7 +334,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choice: ChatStreamChoice) -> str:
             if req.functions is not None:
                 choice = legacy_function_call(choice)
-            usage = make_usage([final]) if continuous_usage and final is not None else None
+            usage = running_usage(final, prep.prompts) if continuous_usage else None
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                            usage=usage))
 

@@ -426,6 +426,15 @@ def make_usage(outputs: list[RequestOutput]) -> UsageInfo:
                      completion_tokens_details=details)
 
 
+def running_usage(final: RequestOutput | None, prompts: list[TokenizedPrompt]) -> UsageInfo:
+    """Usage so far, for vLLM's continuous_usage_stats: before any output (a chat's role
+    chunk, its echo) the prompt and 0 completion tokens."""
+    if final is not None:
+        return make_usage([final])
+    prompt = sum(len(p.token_ids) for p in prompts)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+
+
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as (index, output); leaving early (an error,
     a cancelled handler, a closed SSE body) closes, and so aborts, every stream."""

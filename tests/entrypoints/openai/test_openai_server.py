@@ -417,6 +417,14 @@ def test_continuous_usage_stats(client):
                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counted == sorted(counted) and counted[-1] == 3
+    # a chat's every chunk carries usage, the role's first (vLLM's: the prompt, 0 generated)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=3, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    role, *rest = chunks
+    assert role.choices[0].delta.role == "assistant" and role.usage.completion_tokens == 0
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == role.usage.prompt_tokens > 0 for ch in rest)
+    assert [ch.usage.completion_tokens for ch in rest][-1] == 3
 
 
 def test_tokenize_gives_token_strings_when_asked(server, tokenizer):

@@ -144,3 +144,31 @@ def test_a_flood_past_the_waiting_bound_gets_503s_and_memory_stays_flat(tiny_mod
     assert set(codes) == {200, 503} and codes.count(503) > codes.count(200), codes
     assert after - before < 32 << 20, (before, after)  # refusals cost no memory that stays
     assert final.status_code == 200
+
+
+def test_the_ready_line_names_the_port_the_system_chose_for_port_0():
+    """`--port 0` binds any free port; the log's ready line names that one, not 0."""
+    import asyncio
+
+    import uvicorn
+
+    from pagedserve.entrypoints.openai.api_server import bound_url
+
+    async def app(scope, receive, send) -> None:  # (never called: only bound)
+        raise AssertionError(scope)
+
+    async def bind() -> tuple[str, str]:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="error"))
+        before = bound_url(server, "127.0.0.1", 0)
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        after = bound_url(server, "127.0.0.1", 0)
+        server.should_exit = True
+        await serving
+        return before, after
+
+    before, after = asyncio.run(bind())
+    assert before == "http://127.0.0.1:0"
+    port = int(after.rsplit(":", 1)[1])
+    assert after == f"http://127.0.0.1:{port}" and 0 < port < 65536
