@@ -20,7 +20,7 @@ MAX_STOP_STRING_CHARS = 1000
 MAX_CACHE_SALT_CHARS = 1024
 # stop_token_ids and logit_bias entries: walked or applied every step.
 MAX_TOKEN_ID_LIST = 1024
-# allowed_token_ids: one index per entry every step (duplicates are refused too).
+# allowed_token_ids: one index per entry every step.
 MAX_ALLOWED_TOKEN_IDS = 16384
 # bad_words: each is tokenized twice (alone and after a space) once per request, and its
 # token sequences are matched against the output every step.

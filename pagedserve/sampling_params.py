@@ -149,7 +149,8 @@ def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[s
 
 @vllm_kwargs({
     "detokenize": ((True,), "outputs are always detokenized here"),
-    "spaces_between_special_tokens": ((True, False), ""),  # (a fast tokenizer's decode reads it not: vLLM's neither)
+    "spaces_between_special_tokens": ((True, False), "it must be true or false (either has no effect: a fast "
+                                                      "tokenizer's decode does not read it, nor does vLLM's)"),
     "logits_processors": ((None, []), "no custom logits processors are run here"),
     "extra_args": ((None, {}), "no custom logits processor reads it"),
     # (as the server's best_of: equal to n, or unset)
@@ -267,8 +268,8 @@ class SamplingParams:
             ids = self.allowed_token_ids
             if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
                 raise self._bad("allowed_token_ids", "a non-empty list of non-negative token ids")
-            if len(ids) > MAX_ALLOWED_TOKEN_IDS or len(set(ids)) != len(ids):
-                raise self._bad("allowed_token_ids", f"a list of at most {MAX_ALLOWED_TOKEN_IDS} distinct token ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:  # (a repeated id allows it once more: vLLM's take it)
+                raise self._bad("allowed_token_ids", f"a list of at most {MAX_ALLOWED_TOKEN_IDS} token ids")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip()
                                                                for w in self.bad_words):

@@ -2,7 +2,9 @@
 random rows mixed.
 
 Order (as vLLM v1): raw logprobs are taken first, from the unmodified logits; then
-min_tokens masking and the penalties; greedy rows take the argmax of that; random
+allowed_token_ids, bad words, min_tokens masking and logit_bias, then the penalties (a
+bias that turns a logit's sign turns whether repetition_penalty divides or multiplies
+it); greedy rows take the argmax of that; random
 rows go on through temperature, min_p, top-k/top-p and a categorical draw.  A
 seeded row draws from its own generator, one draw per sampled token, so its tokens
 do not depend on which other requests share the batch.
@@ -83,8 +85,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if metadata.max_num_logprobs is not None else None
-        logits = self.apply_penalties(logits, metadata)
         self.apply_logit_edits(logits, metadata)
+        logits = self.apply_penalties(logits, metadata)
         best, argmax = row_max(logits)
         invalid = ~torch.isfinite(best)  # NaN anywhere, +inf, or nothing left to sample
         if metadata.all_greedy:

@@ -112,6 +112,23 @@ def test_penalties_match_vllm_semantics():
     assert out.tolist() == got.argmax(-1).tolist()
 
 
+def test_logit_bias_is_added_before_the_repetition_penalty_as_vllm():
+    """vLLM v1 adds logit_bias before the penalties: a seen token at 1.0 biased by +10 is
+    (1 + 10) / 2 = 5.5 under repetition_penalty 2, not 1 / 2 + 10; and a bias that turns
+    a logit's sign turns whether the penalty divides or multiplies it."""
+    logits = torch.full((1, VOCAB), -50.0)
+    logits[0, 3], logits[0, 4], logits[0, 5] = 1.0, -2.0, 7.0
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={3: 10.0, 4: 4.0}, logprobs=0)]
+    ib, rows = batch_of(params, outputs=[[3, 4]])
+    md = ib.sampling_metadata(rows)
+    edited = logits.clone()
+    Sampler.apply_logit_edits(edited, md)
+    edited = Sampler.apply_penalties(edited, md)
+    assert edited[0, 3].item() == 5.5 and edited[0, 4].item() == 1.0
+    # 5.5 < 7.0: token 5 wins (with the penalty first, 1 / 2 + 10 = 10.5 would have)
+    assert sample(params, logits.clone(), outputs=[[3, 4]]).sampled_token_ids.tolist() == [5]
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     logits = torch.zeros(4, VOCAB)
     logits[:, EOS] = 10
@@ -183,7 +200,7 @@ def test_rows_that_are_not_distributions_are_flagged_not_raised(temperatures):
 def test_logit_bias_allowed_tokens_and_bad_words():
     logits = rand_logits(3)
     biased = SamplingParams(temperature=0, logit_bias={11: 100.0, 12: -100.0})
-    allowed = SamplingParams(temperature=0, allowed_token_ids=[20, 21])
+    allowed = SamplingParams(temperature=0, allowed_token_ids=[20, 21, 20])  # (a repeated id: once)
     bad = SamplingParams(temperature=0)
     bad.bad_words_token_ids = [[30], [7, 8, 9]]  # the engine fills this from bad_words
     ib, rows = batch_of([biased, allowed, bad], outputs=[[], [], [7, 8]])

@@ -401,7 +401,8 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 class EventWriter:
     """Turns one choice's chat chunks into Anthropic's stream events: a content block
     per run of text and per tool call, opened and closed around their deltas.
-    message_start waits for the first chunk that carries usage (the first token's), so
+    message_start waits for the first chunk whose usage counts a token (the role's
+    counts the prompt alone, before the engine has looked up its cached blocks), so
     that its usage splits the prompt into input and cache-read tokens as the final
     message_delta's does."""
 
@@ -428,8 +429,8 @@ class EventWriter:
         out: list[str] = []
         usage = chunk.get("usage")
         if not self.started:
-            if usage is None and "error" not in chunk:
-                return out  # (the role's chunk, before any token: nothing to say yet)
+            if (usage is None or not usage["completion_tokens"]) and "error" not in chunk:
+                return out  # (the role's chunk, before any token: its cached tokens are not known yet)
             self.started = True
             start = ({**anthropic_usage(usage), "output_tokens": 0} if usage is not None
                      else {"input_tokens": self.input_tokens, "output_tokens": 0, "cache_read_input_tokens": 0})

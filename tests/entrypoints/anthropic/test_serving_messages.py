@@ -145,7 +145,9 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
     w = EventWriter("msg_1", "m", 7)
     usage = {"prompt_tokens": 7, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}
     chunks = [
-        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},  # (no usage yet: held)
+        # the role's chunk: the prompt's usage before any token, cached tokens unknown yet: held
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+         "usage": {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}},
         {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}], "usage": usage},
         {"choices": [{"index": 0, "delta": {"content": "Let me "}}], "usage": usage},
         {"choices": [{"index": 0, "delta": {"content": "check."}}], "usage": usage},
