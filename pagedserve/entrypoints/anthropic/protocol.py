@@ -51,8 +51,8 @@ class MessagesRequest(RequestBody):
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # (Anthropic's range)
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # (Anthropic's range)
+    top_p: float | None = Field(default=None, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None

@@ -49,6 +49,18 @@ class PreparedMessages:
     prepared: PreparedRequest
 
 
+def _check_cache_control(value: Any, where: str) -> None:
+    """A cache_control hint (top level, a tool's, a block's) held to Anthropic's values:
+    what the prefix cache always does here."""
+    param = where.split("[")[0].split(".")[0]
+    if value is not None and not isinstance(value, dict):
+        raise OpenAIError(f"{where} must be an object such as {{'type': 'ephemeral'}}", param=param)
+    try:
+        check_object_hint(where, value, {"type": ("ephemeral",), "ttl": ("5m", "1h")})
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param=param) from None
+
+
 def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
     """The text of a string or of text blocks (a system prompt, a tool result)."""
     if isinstance(blocks, str):
@@ -60,8 +72,17 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise OpenAIError(f"{where}[{i}]: only text blocks ({{'type': 'text', 'text': ...}}) are supported here",
                               param=where.split("[")[0].split(".")[0])
+        _check_text(block["text"], f"{where}[{i}]")
+        _check_cache_control(block.get("cache_control"), f"{where}[{i}].cache_control")
         parts.append(block["text"])
     return "\n".join(parts)
+
+
+def _check_text(text: str, where: str) -> None:
+    """Anthropic's rule on a text block: some text that is not whitespace."""
+    if not text.strip():
+        raise OpenAIError(f"{where}: text content blocks must " + ("be non-empty" if not text else
+                                                                  "contain non-whitespace text"), param="messages")
 
 
 def _chat_messages(system: str | list[dict[str, Any]] | None,
@@ -73,20 +94,23 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
     tool_use_ids: set[str] = set()  # the calls made so far: a tool_result answers one of them
     unanswered: list[str] = []  # the previous assistant turn's tool_use ids: the next turn answers each
     for m, msg in enumerate(messages):
-        _check_answered(unanswered, msg, m)
+        previous = unanswered
         unanswered = [b["id"] for b in msg.content if isinstance(b, dict) and b.get("type") == "tool_use"
                       and isinstance(b.get("id"), str)] if msg.role == "assistant" and isinstance(msg.content, list) else []
+        final_assistant = msg.role == "assistant" and m == len(messages) - 1  # (may be empty: nothing prefilled)
         if isinstance(msg.content, str):
-            if not msg.content and not (msg.role == "assistant" and m == len(messages) - 1):
-                raise OpenAIError(f"messages[{m}]: text content must be non-empty", param="messages")
+            _check_answered(previous, msg, m)
+            if not final_assistant:
+                _check_text(msg.content, f"messages[{m}].content")
             out.append({"role": msg.role, "content": msg.content})
             continue
-        if not msg.content and not (msg.role == "assistant" and m == len(messages) - 1):
+        if not msg.content and not final_assistant:
             raise OpenAIError(f"messages[{m}].content is an empty list (send a string or content blocks)",
-                              param="messages")  # (a final assistant turn may be empty: nothing prefilled)
+                              param="messages")
         turn = _Turn()
         for b, block in enumerate(msg.content):
             turn.add(block, msg.role, f"messages[{m}].content[{b}]", tool_use_ids, out)
+        _check_answered(previous, msg, m)  # (after the blocks: a tool_result naming no call says so first)
         if len(turn.parts) > len(turn.texts):  # images: the content stays parts
             out.append({"role": msg.role, "content": turn.parts})
         elif turn.texts or turn.calls or msg.role == "assistant":
@@ -95,10 +119,26 @@ def _chat_messages(system: str | list[dict[str, Any]] | None,
                 message["tool_calls"] = turn.calls
             out.append(message)
     _check_answered(unanswered, None, len(messages))
+    out = _merged(out)
     last = out[-1] if out else None
     if last is not None and last["role"] == "assistant" and isinstance(last.get("content"), str) \
             and last["content"] != last["content"].rstrip():
         raise OpenAIError("final assistant content cannot end with trailing whitespace", param="messages")
+    return out
+
+
+def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) turns of text as one turn, as Anthropic combines
+    them (a chat template would otherwise render each as a turn of its own)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        prev = out[-1] if out else None
+        if prev is not None and prev["role"] == message["role"] in ("user", "assistant") \
+                and not prev.get("tool_calls") and isinstance(prev["content"], str) \
+                and isinstance(message["content"], (str, type(None))):
+            out[-1] = {**message, "content": "\n".join(t for t in (prev["content"], message["content"]) if t)}
+            continue
+        out.append(message)
     return out
 
 
@@ -129,17 +169,22 @@ class _Turn:
             out: list[dict[str, Any]]) -> None:
         """One block; a tool_result becomes its own tool message in `out` at once."""
         kind = block.get("type")
+        _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise OpenAIError(f"{where}: a text block's text must be a string", param="messages")
+            _check_text(block["text"], where)
             self.texts.append(block["text"])
             self.parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user":
             self.parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                    or not isinstance(block.get("input", {}), dict):
+                    or not isinstance(block.get("input"), dict):
                 raise OpenAIError(f"{where}: a tool_use block needs a string id and name and an object input",
+                                  param="messages")
+            if block["id"] in tool_use_ids:
+                raise OpenAIError(f"{where}: tool_use ids must be unique ({block['id'][:100]!r} is given twice)",
                                   param="messages")
             tool_use_ids.add(block["id"])
             self.calls.append({"id": block["id"], "type": "function", "function": {
@@ -150,13 +195,25 @@ class _Turn:
             if block["tool_use_id"] not in tool_use_ids:
                 raise OpenAIError(f"{where}: tool_use_id {block['tool_use_id'][:100]!r} answers no earlier "
                                   "tool_use block", param="messages")
+            if not isinstance(block.get("is_error", False), bool):
+                raise OpenAIError(f"{where}.is_error must be true or false", param="messages")
             result = _text_of(block.get("content", ""), f"{where}.content")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": f"Error: {result}" if block.get("is_error") else result})
+        elif kind in THINKING_BLOCKS and role == "assistant":
+            # An earlier answer's thinking, sent back as Anthropic's clients do: checked, and
+            # left out of the prompt (Anthropic leaves earlier turns' thinking out of the context).
+            if not isinstance(block.get(THINKING_BLOCKS[kind]), str):
+                raise OpenAIError(f"{where}: a {kind} block needs its {THINKING_BLOCKS[kind]} (a string)",
+                                  param="messages")
         else:
             raise OpenAIError(f"{where}: {repr(kind)[:100]} blocks are not supported in {role} messages (this server "
-                              "reads text, image and tool_result in user turns, text and tool_use in assistant "
-                              "turns)", param="messages")
+                              "reads text, image and tool_result in user turns, text, tool_use and thinking in "
+                              "assistant turns)", param="messages")
+
+
+# An assistant turn's thinking blocks, as a client sends an earlier answer back: the key holding each one's text.
+THINKING_BLOCKS = {"thinking": "thinking", "redacted_thinking": "data"}
 
 
 # The image media types Anthropic's API takes (and the formats multimodal/image.py opens).
@@ -197,7 +254,7 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
         refuse_unsupported_fields(req.model_extra, UNSUPPORTED_FIELDS)
         if not isinstance(req, MessagesRequest):
             return
-        check_object_hint("cache_control", req.cache_control, {"type": ("ephemeral",), "ttl": ("5m", "1h")})
+        _check_cache_control(req.cache_control, "cache_control")
         check_object_hint("output_config", {k: v for k, v in (req.output_config or {}).items() if k != "format"},
                           {"format": (), "effort": _EFFORTS})  # (its format: _output_config)
         check_hint_strings(("inference_geo", req.inference_geo), ("user_profile_id", req.user_profile_id),
@@ -232,19 +289,16 @@ def check_tools(tools: list[AnthropicTool]) -> None:
         seen.add(tool.name)
         if tool.input_schema is None or tool.input_schema.get("type") != "object":
             raise OpenAIError(f"tools[{i}].input_schema must be a JSON schema of type \"object\"", param="tools")
-        try:
-            check_object_hint(f"tools[{i}].cache_control", tool.cache_control,
-                              {"type": ("ephemeral",), "ttl": ("5m", "1h")})
-        except InvalidRequestError as e:
-            raise OpenAIError(str(e), param="tools") from None
+        _check_cache_control(tool.cache_control, f"tools[{i}].cache_control")
 
 
 def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:
     """The OpenAI chat request that asks for the same answer."""
     check_fields(req)
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise OpenAIError("extended thinking is not supported by this server", param="thinking")
-    body: dict[str, Any] = {"model": req.model, **_prefilled(_chat_messages(req.system, req.messages))}
+    messages = _chat_messages(req.system, req.messages)
+    body: dict[str, Any] = {"model": req.model, **_prefilled(messages), **thinking_fields(req.thinking)}
+    if not req.tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        raise OpenAIError("requests which include tool_use or tool_result blocks must define tools", param="tools")
     if req.tools:
         check_tools(req.tools)
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -259,6 +313,9 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
         if req.stop_sequences:
+            if not all(stop.strip() for stop in req.stop_sequences):
+                raise OpenAIError("stop_sequences: each stop sequence must contain non-whitespace",
+                                  param="stop_sequences")
             body["stop"] = req.stop_sequences
         if req.metadata and req.metadata.get("user_id") is not None:
             body["user"] = req.metadata["user_id"]
@@ -282,8 +339,39 @@ def _prefilled(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
 
 
+def thinking_fields(thinking: dict[str, Any] | None) -> dict[str, Any]:
+    """Anthropic's thinking config as chat fields.  `disabled` turns a hybrid model's
+    thinking off (Qwen3's template reads enable_thinking; others ignore it) and leaves
+    thinking blocks out of the answer (show_thinking); `enabled` and `adaptive`, whose
+    thinking a budget or the effort bounds, are refused: nothing here holds a model's
+    thinking to a budget.  Without the field, a --reasoning-parser model's reasoning comes
+    as thinking blocks."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type")
+    if kind in ("enabled", "adaptive"):
+        raise OpenAIError(f"thinking of type {kind!r} is not supported: this server cannot hold a model's thinking to "
+                          "a budget (leave thinking out: a model whose reasoning --reasoning-parser splits off answers "
+                          'with thinking blocks; or send {"type": "disabled"})', param="thinking")
+    if kind != "disabled":
+        raise OpenAIError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {str(kind)[:40]!r}",
+                          param="thinking")
+    if set(thinking) != {"type"}:
+        raise OpenAIError(f"thinking of type 'disabled' takes no other keys, got {sorted(thinking)[:5]}",
+                          param="thinking")
+    return {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def show_thinking(req: MessagesRequest) -> bool:
+    """Whether the answer carries thinking blocks: not where the request disabled thinking."""
+    return req.thinking is None
+
+
 def _tool_choice(choice: AnthropicToolChoice) -> dict[str, Any]:
     """Anthropic's tool_choice as chat's tool_choice (and parallel_tool_calls)."""
+    if choice.name is not None and choice.type != "tool":
+        raise OpenAIError(f'tool_choice {{"type": "{choice.type}"}} takes no name (only type "tool" names a tool)',
+                          param="tool_choice")
     out: dict[str, Any] = {}
     if choice.type == "tool":
         if choice.name is None:
@@ -298,8 +386,8 @@ def _tool_choice(choice: AnthropicToolChoice) -> dict[str, Any]:
 
 def _output_config(config: dict[str, Any]) -> dict[str, Any]:
     """output_config's chat fields: its format as a json_schema response_format.  Its
-    effort is how long a reasoning model thinks: nothing to change for the models served
-    here (thinking itself is refused above), so it is accepted as a no-op (its keys and
+    effort is how long a reasoning model thinks: nothing here bounds it (thinking_fields),
+    so it is accepted as a no-op (its keys and
     effort's values: check_fields)."""
     fmt = config.get("format")
     if fmt is None:
@@ -317,7 +405,7 @@ class AnthropicServingMessages:
         self.chat = chat
 
     def warn_unknown_fields(self, req: MessagesRequest | CountTokensRequest) -> None:
-        self.chat.warn_unknown_fields(req)
+        self.chat.warn_unknown_fields(req, known=frozenset())  # (chat's own fields are not read here either)
 
     @staticmethod
     def _renamed(e: OpenAIError) -> OpenAIError:
@@ -355,7 +443,7 @@ class AnthropicServingMessages:
         r: ChatCompletionResponse = await self.chat.full(prep.chat_request, prep.prepared, message_id, streams)
         (choice,) = r.choices
         content: list[dict[str, Any]] = []
-        if choice.message.reasoning_content:  # a --reasoning-parser split it off
+        if choice.message.reasoning_content and show_thinking(req):  # a --reasoning-parser split it off
             content.append({"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""})
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
@@ -369,7 +457,8 @@ class AnthropicServingMessages:
     async def stream(self, req: MessagesRequest, prep: PreparedMessages, message_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[str]:
         """The chat handler's chunks, read back and re-said as Anthropic's events."""
-        events = EventWriter(message_id, prep.prepared.model, len(prep.prepared.prompts[0].token_ids))
+        events = EventWriter(message_id, prep.prepared.model, len(prep.prepared.prompts[0].token_ids),
+                             show_thinking(req))
         async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, message_id, streams):
             for event in events.on_chunk(chunk):
                 yield event
@@ -406,8 +495,9 @@ class EventWriter:
     that its usage splits the prompt into input and cache-read tokens as the final
     message_delta's does."""
 
-    def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
+    def __init__(self, message_id: str, model: str, input_tokens: int, thinking: bool = True) -> None:
         self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
+        self.thinking = thinking  # (False: the request disabled thinking, its blocks are left out)
         self.started = False
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or "tool_use"
@@ -437,6 +527,7 @@ class EventWriter:
             out.append(_event("message_start", {"message": {
                 "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": start}}))
+            out.append(_event("ping", {}))  # (as Anthropic's streams have one after message_start)
         if "error" in chunk:
             err = chunk["error"]
             status = {"server_error": 500, "timeout_error": 408}.get(err.get("type"), 400)
@@ -445,7 +536,7 @@ class EventWriter:
             return out + [_event("error", {"error": anthropic_error_body(status, err.get("message", ""))["error"]})]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
+            if delta.get("reasoning_content") and self.thinking:
                 if self.open != "thinking":
                     out += self._open({"type": "thinking", "thinking": "", "signature": ""})
                 out.append(_event("content_block_delta", {"index": self.index, "delta": {

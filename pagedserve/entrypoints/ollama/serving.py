@@ -259,7 +259,7 @@ class OllamaServing:
         timing.mark_loaded()  # (made once the request's model is leased: loaded)
 
     def warn_unknown_fields(self, req: OllamaGenerating) -> None:
-        self.chat.warn_unknown_fields(req)
+        self.chat.warn_unknown_fields(req, known=frozenset())  # (OpenAI's and vLLM's fields are not read here)
 
     def _handler(self, openai_request: Any) -> Any:
         return self.completion if isinstance(openai_request, CompletionRequest) else self.chat
@@ -354,7 +354,7 @@ class OllamaEmbedding:
         timing.mark_loaded()
 
     def warn_unknown_fields(self, req: Any) -> None:
-        self.embedding.warn_unknown_fields(req)
+        self.embedding.warn_unknown_fields(req, known=frozenset())
 
     def prepare(self, req: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> PreparedOllama:
         """(`options` were checked by the route, before an empty input's shortcut.)"""

@@ -188,16 +188,17 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self._warned_fields: set[str] = set()
 
-    def warn_unknown_fields(self, req: BaseModel) -> None:
+    def warn_unknown_fields(self, req: BaseModel, known: frozenset[str] = KNOWN_EXTRA_FIELDS) -> None:
         """Fields no version of OpenAI's or vLLM's API defines are ignored (newer clients
         keep working), with one warning line per request naming the new ones, each name
         once, for the first MAX_WARNED_FIELD_NAMES names (a request of 50,000 made-up
-        names costs one line, and the set of names seen stays bounded)."""
+        names costs one line, and the set of names seen stays bounded).  `known`: the
+        unmodelled fields the route refuses or documents itself (OpenAI's and vLLM's on
+        OpenAI's routes; on Anthropic's and Ollama's, which do not read them, none)."""
         extra = req.model_extra or {}
         if not extra or len(self._warned_fields) >= MAX_WARNED_FIELD_NAMES:
             return
-        # (the unmodelled fields OpenAI's or vLLM's API defines are known: refused or documented)
-        new = [name for name in extra if name not in self._warned_fields and name not in KNOWN_EXTRA_FIELDS]
+        new = [name for name in extra if name not in self._warned_fields and name not in known]
         new = new[: MAX_WARNED_FIELD_NAMES - len(self._warned_fields)]
         if new:
             self._warned_fields.update(new)

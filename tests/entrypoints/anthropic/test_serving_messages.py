@@ -124,10 +124,79 @@ def test_what_cannot_be_translated_is_refused_by_name(fields, match) -> None:
         to_chat_request(request(**fields))
 
 
+_TOOLS = [{"name": "f", "input_schema": {"type": "object"}}]
+_CALL = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+
+
+@pytest.mark.parametrize("fields, match", [
+    # Anthropic's rules a request was let through on (each was a 200)
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "must be non-empty"),
+    ({"messages": [{"role": "user", "content": "   "}]}, "must contain non-whitespace text"),
+    ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "text", "text": " "}]}, "non-whitespace"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": [" "]}, "must contain non-whitespace"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [_CALL, _CALL]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}],
+      "tools": _TOOLS}, "tool_use ids must be unique"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [_CALL]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}]},
+     "must define tools"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [_CALL]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r",
+                                                 "is_error": "yes"}]}], "tools": _TOOLS}, "is_error must be true"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]}], "tools": _TOOLS},
+     "an object input"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": _TOOLS, "tool_choice": {"type": "auto", "name": "f"}},
+     "takes no name"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {}}, "thinking.type must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled", "budget_tokens": 9}},
+     "takes no other keys"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 2048}},
+     "cannot hold a model's thinking to a budget"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "bogus"}}]}]},
+     r"messages\[0\].content\[0\].cache_control.type must be ephemeral"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral", "ttl": "9h"}}]}, "ttl must be"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": "yes"}]}]},
+     "must be an object"),
+    # a tool_result naming no call says so (it was reported as the previous call left unanswered)
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [_CALL]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}],
+      "tools": _TOOLS}, "'t9' answers no earlier tool_use"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "signature": "s"}]}]}, "needs its thinking"),
+])
+def test_anthropics_rules_on_blocks_and_configs_are_refused_by_name(fields, match) -> None:
+    with pytest.raises(OpenAIError, match=match):
+        to_chat_request(request(**fields))
+
+
 @pytest.mark.parametrize("fields", [{"max_tokens": 0}, {"top_k": -1}, {"tool_choice": {"type": "auto", "foo": 1}}])
 def test_fields_out_of_anthropics_bounds_do_not_parse(fields) -> None:
     with pytest.raises(ValueError):
         request(messages=[{"role": "user", "content": "x"}], **fields)
+
+
+def test_thinking_sent_back_is_left_out_and_disabled_thinking_is_off() -> None:
+    """An earlier answer's thinking blocks, as clients send them back, are accepted and left
+    out of the prompt (they were a 400); thinking disabled turns a hybrid model's thinking
+    off and its blocks out of the answer; consecutive turns of one role are one turn."""
+    chat = to_chat_request(request(thinking={"type": "disabled"}, messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                          {"type": "redacted_thinking", "data": "abc"},
+                                          {"type": "text", "text": "Hello."}]},
+        {"role": "user", "content": "Paris?"}, {"role": "user", "content": [{"type": "text", "text": "Or Rome?"}]}]))
+    assert [m.model_dump(exclude_unset=True) for m in chat.messages] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Paris?\nOr Rome?"}]
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+    assert to_chat_request(request(messages=[{"role": "user", "content": "x"}])).chat_template_kwargs is None
+    w = EventWriter("msg_1", "m", 3, thinking=False)
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    events = _events([f for c in [{"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}], "usage": usage},
+                                  {"choices": [{"index": 0, "delta": {"content": "Hi"}}], "usage": usage}]
+                      for f in w.on_chunk(c)])
+    assert [e.get("content_block", {}).get("type") for e in events if e["type"] == "content_block_start"] == ["text"]
 
 
 def test_an_empty_system_prompt_is_none() -> None:
@@ -160,7 +229,8 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
         {"choices": [], "usage": {**usage, "completion_tokens": 9}},
     ]
     events = _events([f for c in chunks for f in w.on_chunk(c)])
-    thinking, events = events[1:4], [events[0], *events[4:]]
+    assert events[1] == {"type": "ping"}  # (after message_start, as Anthropic's streams)
+    thinking, events = events[2:5], [events[0], *events[5:]]
     assert [e["type"] for e in thinking] == ["content_block_start", "content_block_delta", "content_block_stop"]
     assert thinking[0]["content_block"]["type"] == "thinking" and thinking[1]["delta"] == {
         "type": "thinking_delta", "thinking": "hmm"}
@@ -181,8 +251,8 @@ def test_chunks_become_blocks_opened_and_closed_around_their_deltas() -> None:
 def test_a_stream_error_is_an_error_event_in_anthropics_shape() -> None:
     w = EventWriter("msg_1", "m", 3)
     events = _events(w.on_chunk({"error": {"message": "busy", "type": "server_error", "code": "server_overloaded"}}))
-    assert [e["type"] for e in events] == ["message_start", "error"]
-    assert events[1]["error"] == {"type": "overloaded_error", "message": "busy"}
+    assert [e["type"] for e in events] == ["message_start", "ping", "error"]
+    assert events[2]["error"] == {"type": "overloaded_error", "message": "busy"}
     assert anthropic_error_body(404, "x") == {"type": "error", "error": {"type": "not_found_error", "message": "x"}}
     assert anthropic_error_body(500, "x")["error"]["type"] == "api_error"
 

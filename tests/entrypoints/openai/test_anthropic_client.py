@@ -39,8 +39,12 @@ def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
 
     with client.messages.stream(model=MODEL_NAME, max_tokens=12, messages=ASK, extra_body=T0,
                                 system="Answer briefly.") as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
+        kinds = [event.type for event in events]
         final = stream.get_final_message()
+    start = next(e for e in events if e.type == "message_start").message.usage  # (said once the first token came)
+    assert (start.input_tokens, start.cache_read_input_tokens) == (final.usage.input_tokens,
+                                                                    final.usage.cache_read_input_tokens)
     assert final.content[0].text == r.content[0].text and final.stop_reason == r.stop_reason
     # The same usage streamed: the prompt (cached now) split into input and cache reads
     assert (final.usage.output_tokens, final.usage.input_tokens + final.usage.cache_read_input_tokens) == \
@@ -134,6 +138,14 @@ def test_output_config_format_constrains_the_answer_to_the_schema(client) -> Non
     with pytest.raises(anthropic.BadRequestError, match="output_config"):
         client.messages.create(model=MODEL_NAME, max_tokens=4, messages=ASK,
                                output_config={"format": {"type": "regex", "pattern": "a+"}})
+
+
+def test_fields_of_the_other_apis_are_logged_not_dropped_silently(server, client) -> None:
+    """A chat-only field (vLLM's use_beam_search) means nothing to /v1/messages: it is
+    logged as unknown there (it was skipped as a field the chat route refuses)."""
+    client.messages.create(model=MODEL_NAME, max_tokens=2, messages=ASK, extra_body={"use_beam_search": True})
+    assert any("ignoring unknown request field" in line and "'use_beam_search'" in line
+               for line in server.log().splitlines())
 
 
 def test_errors_come_in_anthropics_shape(server, client) -> None:
