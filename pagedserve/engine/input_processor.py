@@ -268,8 +268,8 @@ class InputProcessor:
         """A prompt's images: refused by name for a model that takes none, or past
         limit_mm_per_prompt."""
         if self.image_prompts is None:
-            raise ImageInputError(f"this model ({self.model_config.model}) takes no images: it is a text "
-                                      "model; image input needs a vision-language model", param="messages")
+            raise ImageInputError("this model takes no images: it is a text model; image input needs a "
+                                  "vision-language model", param="messages")  # (its path is the operator's)
         if len(sources) > self.max_images:
             raise ImageInputError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
                                       "limit_mm_per_prompt allows (--limit-mm-per-prompt)", param="messages")

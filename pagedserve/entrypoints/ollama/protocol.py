@@ -111,7 +111,13 @@ class OllamaWithOptions(OllamaModel):
         return value
 
     def check_options(self) -> None:
-        """Every option set (not null) is one Ollama defines, of its type."""
+        """Every option set (not null) is one Ollama defines, of its type; an option sent
+        beside `options` instead of in it is refused by name (Ollama ignores it there: a
+        client's temperature would have been dropped)."""
+        misplaced = [name for name in self.model_extra or {} if name in KNOWN_OPTIONS]
+        if misplaced:
+            raise OpenAIError(f"{misplaced[0]} is an option: send it in options ({{\"options\": "
+                              f"{{\"{misplaced[0]}\": ...}}}}), not beside it", param=misplaced[0])
         for name, value in (self.options or {}).items():
             if value is None:
                 continue

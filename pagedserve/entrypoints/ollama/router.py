@@ -35,7 +35,7 @@ from pagedserve.entrypoints.openai.model_pool import ServedModel
 from pagedserve.entrypoints.openai.routers.generation import generate
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState, ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
-from pagedserve.model_loader.model_facts import model_details
+from pagedserve.model_loader.model_facts import UNKNOWN, model_details
 
 router = APIRouter()
 
@@ -51,8 +51,8 @@ def _ollama(model: ModelHandlers, timing: Timing) -> OllamaServing:
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
+    check_request(body)  # (before the model is leased: a bad request loads, unloads and keeps nothing)
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
-        check_request(body)  # (its fields checked all the same)
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=True)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
@@ -61,8 +61,8 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
 @router.post("/api/generate")
 async def generate_route(body: OllamaGenerateRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
+    check_request(body)  # (before the model is leased, as Ollama parses options before scheduling)
     if not body.prompt:  # (as Ollama: raw or not, an empty prompt loads or unloads)
-        check_request(body)
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=False)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
@@ -155,8 +155,11 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     chat = bool(info.chat_template)
     capabilities = ["embedding"] if handlers is not None and handlers.engine.runner == "pooling" else \
         ["completion", *(["tools"] if chat else []), *(["vision"] if info.vision and chat else [])]
+    if info is UNKNOWN:  # unreadable files: its name alone, no invented architecture or capability
+        capabilities = []
     return {"modelfile": f"# served by pagedserve\nFROM {model.spec.name}\n", "parameters": "",
-            "template": info.chat_template, "details": info.details(), "model_info": info.model_info(),
+            "template": info.chat_template, "details": info.details(),
+            "model_info": {} if info is UNKNOWN else info.model_info(),
             "capabilities": capabilities, "modified_at": info.modified_at}
 
 

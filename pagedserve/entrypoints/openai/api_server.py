@@ -427,7 +427,7 @@ class _EngineLoader:
         self.front_door: dict[str, Any] = {}
         self.first_load: asyncio.Future[None] | None = None  # several models: the first one's load
         if len(state.models.models) > 1:  # the others load on demand (one model stays loaded, as ever)
-            state.models.set_loader(self.load_model, ModelHandlers.unload)
+            state.models.set_loader(self.load_model, ModelHandlers.unload, lambda handlers: handlers.kv_cache_bytes)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -468,12 +468,22 @@ class _EngineLoader:
 
     async def load_first(self, runner: _DrainingServer) -> None:
         """Several models: load the first (the default) at start-up, as one request
-        would, then serve; the others load on their first request."""
-        try:
-            (await self.state.models.lease(self.state.models.default_name)).release()
-        except Exception as e:  # noqa: BLE001 - reported, then the server exits
-            logger.error("failed to load the first model: %s", e)
-            self.failed.append(e)
+        would, then serve; the others load on their first request.  With --models-dir
+        alone, the default is the directory's first model that loads: an unreadable file
+        there is named and passed over (sorted first, it stopped the server)."""
+        pool = self.state.models
+        directory_only = not self.args.model_tag and self.args.models_dir
+        for name in [m.spec.name for m in pool.models.values()] if directory_only else [pool.default_name]:
+            try:
+                (await pool.lease(name)).release()
+            except Exception as e:  # noqa: BLE001 - reported; with no model loaded the server exits
+                logger.error("failed to load the model %r: %s", name, e)
+                self.failed.append(e)
+                continue
+            pool.default_name = name
+            self.failed.clear()
+            break
+        if self.failed:
             runner.server.should_exit = True
             return
         self.state.started = True

@@ -135,6 +135,7 @@ class ServedModel(Generic[H]):
         self.expires_at: float | None = None  # monotonic; None while leased or kept forever
         self.reserved_bytes = 0  # what it counts against the memory budget while loaded
         self.measured_bytes: int | None = None  # resident growth its last load measured
+        self.kv_bytes: int | None = None  # its KV cache's size, as its last load sized it
         self.load_seconds = 0.0
         self.pinned = False  # attached from outside (no loader): never unloaded
         self.failure: tuple[float, str] | None = None  # (when, exception type) of its last failed load
@@ -202,6 +203,7 @@ class ModelPool(Generic[H]):
         self.memory_budget = memory_budget
         self.kv_cache_bytes = kv_cache_bytes
         self._load, self._unload, self._estimate, self._clock = load, unload, estimate, clock
+        self._kv_bytes: Callable[[H], int | None] = lambda handlers: None
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._released = asyncio.Event()  # set when a lease ends (a waiting load may find room)
         # A load waiting for a loaded model to go idle: new requests for loaded models wait
@@ -240,9 +242,13 @@ class ModelPool(Generic[H]):
         return self.models[name].loaded
 
     def set_loader(self, load: Callable[[ModelSpec, int | None], Awaitable[H]],
-                   unload: Callable[[H], Awaitable[None]]) -> None:
-        """Load models on demand (a server of several models); before any is attached."""
-        self._load, self._unload = load, unload
+                   unload: Callable[[H], Awaitable[None]],
+                   kv_bytes: Callable[[H], int | None] = lambda handlers: None) -> None:
+        """Load models on demand (a server of several models); before any is attached.
+        `kv_bytes`: the KV cache a loaded model's engine sized (the KV share asked for is
+        a ceiling: an engine holds no more than its max_num_seqs x max_model_len can use);
+        None: unknown, the share is counted."""
+        self._load, self._unload, self._kv_bytes = load, unload, kv_bytes
 
     @property
     def can_load(self) -> bool:
@@ -340,19 +346,24 @@ class ModelPool(Generic[H]):
         cache, the budget's share per loaded model less those weights (the most the cache's
         lazily mapped pages may grow to): the same on every load, so a model that loaded
         once loads again.  What it counts (which other models make room for it) is its
-        last load's resident growth where that was more, at most the whole budget."""
+        last load's resident growth where that was more than its weights, and the KV
+        cache its last load sized where that was less than the share, at most the whole
+        budget (counting a small model's whole share and its runtime's growth besides
+        made two models that fit together unload each other on every switch)."""
         estimate = max(self._estimate(model.spec), 0)
         kv = self.kv_cache_bytes
         if kv is None and self.memory_budget is not None:
             kv = self.memory_budget // self.max_loaded - estimate
             if kv <= 0:
+                lower = " or lower --max-loaded-models" if self.max_loaded > 1 else ""
                 raise OpenAIError(
-                    f"model {model.spec.name!r}'s weights (about {estimate / 2**30:.2f} GiB) fill its share of the "
-                    f"models' memory budget ({self.memory_budget / 2**30:.2f} GiB over --max-loaded-models "
-                    f"{self.max_loaded}), leaving nothing for its KV cache: raise --max-models-memory or lower "
-                    "--max-loaded-models", status=500, type="server_error", param="model", code="model_too_large")
+                    f"the weights of model {model.spec.name!r} (about {estimate / 2**30:.2f} GiB) fill its share of "
+                    f"the models' memory budget ({self.memory_budget / 2**30:.2f} GiB over --max-loaded-models "
+                    f"{self.max_loaded}), leaving nothing for its KV cache: raise --max-models-memory{lower}",
+                    status=500, type="server_error", param="model", code="model_too_large")
         price = estimate + (kv or 0)
-        counted = max(price, (model.measured_bytes or 0) + (kv or 0))
+        held = kv if kv is None or model.kv_bytes is None else min(kv, model.kv_bytes)
+        counted = max(estimate, model.measured_bytes or 0) + (held or 0)
         return price, counted if self.memory_budget is None else min(counted, self.memory_budget), kv
 
     async def _load_one(self, model: ServedModel[H], deadline: float) -> None:
@@ -388,8 +399,11 @@ class ModelPool(Generic[H]):
             grown = rss_bytes(os.getpid()) - before
             if grown > 0:
                 model.measured_bytes = grown
-            model.reserved_bytes = need if self.memory_budget is None else min(max(need, grown + (kv or 0)),
-                                                                                self.memory_budget)
+            model.kv_bytes = self._kv_bytes(handlers)
+            held = kv if kv is None or model.kv_bytes is None else min(kv, model.kv_bytes)
+            weights = price - (kv or 0)  # (the estimate: its size on disk)
+            model.reserved_bytes = need if self.memory_budget is None else min(
+                max(weights, grown) + (held or 0), self.memory_budget)
             model.loaded = handlers
             model.last_used = self._clock()
             self.counters.loads += 1

@@ -115,6 +115,17 @@ class ModelHandlers:
     def engine_on_gpu(self) -> bool:
         return self.attachment.on_gpu
 
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The KV cache its engines sized, every rank and replica (what the model pool
+        counts against the models' memory budget); None where the description lacks it."""
+        d = self.attachment.description
+        try:
+            per_rank = int(d["num_blocks"]) * int(d["block_size"]) * int(d["kv_bytes_per_token"])
+            return per_rank * int(d.get("tensor_parallel_size", 1)) * int(d.get("data_parallel_size", 1))
+        except (KeyError, TypeError, ValueError):
+            return None
+
     async def unload(self) -> None:
         """End the model's dashboard pages (they reconnect to a loaded model), then stop
         its engine on a thread (it joins the engine thread; the memory goes with it)."""

@@ -31,8 +31,9 @@ def models_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     make_tiny_model(root / "alpha", seed=0)
     make_tiny_model(root / "beta", seed=1)
-    shutil.copytree(root / "alpha", root / "broken")
-    (root / "broken" / "model.safetensors").write_bytes(b"not weights")
+    # (sorted first: the server starts on the first model that loads, naming this one in its log)
+    shutil.copytree(root / "alpha", root / "0broken")
+    (root / "0broken" / "model.safetensors").write_bytes(b"not weights")
     return root
 
 
@@ -67,8 +68,8 @@ def test_interleaved_models_answer_as_each_alone(server, models_dir) -> None:
     assert expected["alpha"] != expected["beta"]  # (else the routing below proves nothing)
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     client = ollama_client(server)
-    assert [m.model for m in client.list().models] == ["alpha", "beta", "broken"]
-    assert [m.id for m in oai.models.list().data] == ["alpha", "beta", "broken"]
+    assert [m.model for m in client.list().models] == ["0broken", "alpha", "beta"]
+    assert [m.id for m in oai.models.list().data] == ["0broken", "alpha", "beta"]
     for name in ("alpha", "beta", "alpha", "beta"):  # each switch unloads the other (--max-loaded-models 1)
         a = oai.chat.completions.create(model=name, messages=CHAT, max_tokens=8, temperature=0)
         b = client.chat(name, CHAT, options={"temperature": 0, "num_predict": 8})
@@ -103,12 +104,13 @@ def test_concurrent_first_requests_load_once_and_keep_alive_expires(server) -> N
 def test_a_model_that_fails_to_load_is_named_and_the_others_serve(server) -> None:
     client = ollama_client(server)
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat("broken", CHAT)
-    assert e.value.status_code == 500 and "'broken'" in e.value.error
-    assert "/" not in e.value.error.split("'broken'")[1]  # (no server path: the details are the log's)
+        client.chat("0broken", CHAT)
+    assert e.value.status_code == 500 and "'0broken'" in e.value.error
+    assert "/" not in e.value.error.split("'0broken'")[1]  # (no server path: the details are the log's)
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-    with pytest.raises(openai.InternalServerError, match="broken"):
-        oai.completions.create(model="broken", prompt="x", max_tokens=1)
+    with pytest.raises(openai.InternalServerError, match="0broken"):
+        oai.completions.create(model="0broken", prompt="x", max_tokens=1)
+    assert "failed to load the model '0broken'" in server.log_path.read_text()  # (at start-up; then alpha)
     assert client.chat("alpha", CHAT, options={"num_predict": 2}).done
     with pytest.raises(ollama.ResponseError) as e:  # no paths in requests: only the listed models
         client.chat(str(server.log_path), CHAT)

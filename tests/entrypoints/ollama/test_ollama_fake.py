@@ -142,6 +142,7 @@ def test_an_empty_chat_or_prompt_is_checked_and_errors_speak_ollamas_names() -> 
             ("/api/chat", {"model": "first", "messages": [{"role": "bogus", "content": "x"}]}),
             ("/api/chat", {"model": "first", "format": 5}),
             ("/api/generate", {"model": "first", "prompt": "x", "width": 512}),
+            ("/api/generate", {"model": "first", "prompt": "x", "num_predict": 1}),  # (an option beside options)
             ("/api/chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
             ("/api/chat", {"model": "first", "messages": [{"role": "user", "content": "x"}], "stream": None}),
         ]:
@@ -151,13 +152,31 @@ def test_an_empty_chat_or_prompt_is_checked_and_errors_speak_ollamas_names() -> 
         return out
 
     got = call(app, fn)
-    assert [status for status, _ in got] == [400] * 9 + [404, 200], got
+    assert [status for status, _ in got] == [400] * 10 + [404, 200], got
     errors = [e for _, e in got]
     assert "options.temperature" in errors[0] and "format" in errors[1] and "suffix" in errors[2]
     assert "options.bogus" in errors[3]
     assert errors[4].startswith("options.top_p ") and errors[5].startswith("options.repeat_penalty "), errors
     assert "messages[0].role" in errors[6] and "JSON schema" in errors[7] and "width" in errors[8]
-    assert errors[9] == "model 'nope' not found"
+    assert errors[9].startswith("num_predict is an option: send it in options")
+    assert errors[10] == "model 'nope' not found"
+
+
+def test_a_bad_request_for_a_model_not_loaded_loads_nothing() -> None:
+    """Its options are checked before the model is leased (as Ollama parses them before
+    scheduling): it unloaded the loaded model, loaded its own and took its keep_alive,
+    then answered 400."""
+    state, app, loads = make_app()
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        for coro in (client.generate("second", "x", options={"temperature": -1}, keep_alive=-1),
+                     client.chat("second", [{"role": "user", "content": "x"}], options={"top_p": 5})):
+            with pytest.raises(ollama.ResponseError) as e:
+                await coro
+            assert e.value.status_code == 400
+
+    call(app, fn)
+    assert loads == [] and state.models.handlers("first") is not None
 
 
 def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:
@@ -185,8 +204,9 @@ def test_show_and_version() -> None:
         return shown, version
 
     shown, version = call(app, fn)
-    # (tools need a chat template to place them in: this model has none, a base model)
-    assert not shown.template and shown.capabilities == ["completion"] and "general.architecture" in shown.modelinfo
+    # (its source names no files: nothing is known of it but its name; an "unknown"
+    # architecture of 0 parameters and a "completion" capability were invented)
+    assert not shown.template and shown.capabilities == [] and shown.modelinfo == {}
     assert version["version"]
 
 

@@ -222,6 +222,7 @@ def test_memory_budget_sizes_caches_and_refuses_a_model_that_cannot_fit() -> Non
             with pytest.raises(OpenAIError, match="fill its share") as e:
                 await full.lease("a")
             assert "--max-models-memory" in e.value.message and full_loader.events == []
+            assert ("lower --max-loaded-models" in e.value.message) == (max_loaded > 1)  # (not when it is 1)
 
     run(main())
 
@@ -354,3 +355,42 @@ def test_a_pool_that_cannot_load_keeps_its_model_whatever_keep_alive_asks_but_an
 
     run(main())
     assert pool.models["only"].loaded == "handlers of only"
+
+
+def test_two_models_that_fit_stay_loaded_together(monkeypatch) -> None:
+    """Each load measured more than its file (the runtime's growth) and asked for the KV
+    share as a ceiling its engine did not fill: counting that growth and the whole share
+    made two models that fit together unload each other on every switch.  The pool counts
+    the cache the engine sized."""
+    from pagedserve.entrypoints.openai import model_pool
+
+    rss = iter(range(0, 10_000, 150))  # every load grows the process by 150 (more than the 100 on disk)
+    monkeypatch.setattr(model_pool, "rss_bytes", lambda pid: next(rss))
+    sized = {"a": 50, "b": 60}  # what each engine's cache took of its 400 share
+
+    async def main():
+        pool, loader = make_pool(max_loaded=2, memory_budget=1000)
+        pool.set_loader(loader.load, loader.unload, kv_bytes=lambda handlers: sized[handlers[-1]])
+        for name in ("a", "b", "a", "b"):
+            (await pool.lease(name)).release()
+        assert loader.kv == {"a": 400, "b": 400}  # (the ceiling each engine was given)
+        assert pool.models["a"].reserved_bytes == 150 + 50 and pool.models["b"].reserved_bytes == 150 + 60
+        return loader.events
+
+    assert run(main()) == ["load a", "load b"]
+
+
+def test_a_loaded_models_kv_cache_is_read_off_its_engines_description() -> None:
+    """What the server's loader tells the pool (ModelHandlers.kv_cache_bytes): blocks x
+    block size x bytes per token on every tensor-parallel rank and data-parallel replica."""
+    from types import SimpleNamespace
+
+    from pagedserve.entrypoints.openai.server_state import ModelHandlers
+
+    def kv(description: dict) -> int | None:
+        return ModelHandlers.kv_cache_bytes.fget(SimpleNamespace(attachment=SimpleNamespace(description=description)))
+
+    one = {"num_blocks": 128, "block_size": 16, "kv_bytes_per_token": "23040"}
+    assert kv(one) == 128 * 16 * 23040
+    assert kv({**one, "tensor_parallel_size": "2", "data_parallel_size": 3}) == 6 * 128 * 16 * 23040
+    assert kv({}) is None and kv({**one, "num_blocks": None}) is None
