@@ -159,6 +159,8 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if m.get("role") not in ROLES:
             raise OpenAIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r:.50}",
                               param="messages")
+        if not isinstance(m.get("content"), (str, type(None))):  # (Ollama's content is text; images beside it)
+            raise OpenAIError(f"messages[{i}].content must be a string", param="messages")
         message: dict[str, Any] = {"role": m.get("role"),
                                    "content": _with_images(m.get("content") or "", m.get("images"), f"messages[{i}]")}
         calls = m.get("tool_calls")
