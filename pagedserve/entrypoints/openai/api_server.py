@@ -282,6 +282,21 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return api_key
 
 
+# A flag that only adjusts another's feature (its modifier) -> the flag that turns that feature on.
+MODIFIER_FLAGS = {"max_log_len": "enable_log_requests", "allowed_methods": "allowed_origins",
+                  "allowed_headers": "allowed_origins", "allow_credentials": "allowed_origins",
+                  "max_loras": "enable_lora", "max_lora_rank": "enable_lora", "max_cpu_loras": "enable_lora"}
+
+
+def idle_modifiers(args: argparse.Namespace) -> list[str]:
+    """A warning for each modifier set without the flag it modifies (it changes nothing:
+    `--max-log-len 100` without --enable-log-requests logs no request)."""
+    defaults = make_arg_parser(argparse.ArgumentParser(allow_abbrev=False))
+    return [f"--{name.replace('_', '-')} has no effect without --{on.replace('_', '-')}"
+            for name, on in MODIFIER_FLAGS.items()
+            if getattr(args, name) != defaults.get_default(name) and not getattr(args, on)]
+
+
 def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list[ModelSpec]) -> ServerState:
     """The server's flags, checked (a ValueError naming the flag), as the routes' state."""
     from pagedserve.utils import parse_bytes
@@ -316,6 +331,8 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
     if args.allow_runtime_lora_updating and api_key is None:
         logger.warning("--allow-runtime-lora-updating without an API key: any client may have the server read "
                        "adapter directories from its disk (set --api-key)")
+    for line in idle_modifiers(args):
+        logger.warning(line)
     watchable = engine_core_client_class(engine_args).WATCHES_BLOCK_POOL
     if not watchable and not args.disable_dashboard:
         logger.info("the dashboard shows one engine's block pool, so it is off with --data-parallel-size > 1; "

@@ -373,6 +373,28 @@ def test_server_flags_out_of_range_are_refused_at_start(flags, message):
         configure(args)
 
 
+def test_a_modifier_without_the_flag_it_modifies_is_warned_of(caplog):
+    """`--max-log-len 100` alone logs no request, `--allow-credentials` alone opens no
+    CORS, `--max-loras 4` alone serves no adapter: each is named at start (it passed in
+    silence); with its flag, nothing is said."""
+    import argparse
+
+    from pagedserve.entrypoints.openai.api_server import configure, make_arg_parser
+
+    parser = make_arg_parser(argparse.ArgumentParser())
+    with caplog.at_level("WARNING", logger="pagedserve.api_server"):
+        configure(parser.parse_args(["smollm2-135m-instruct", "--max-log-len", "100", "--allow-credentials",
+                                     "--max-loras", "4"]))
+    said = [r.getMessage() for r in caplog.records if "has no effect without" in r.getMessage()]
+    assert said == ["--max-log-len has no effect without --enable-log-requests",
+                    "--allow-credentials has no effect without --allowed-origins",
+                    "--max-loras has no effect without --enable-lora"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedserve.api_server"):
+        configure(parser.parse_args(["smollm2-135m-instruct", "--max-log-len", "100", "--enable-log-requests"]))
+    assert not [r for r in caplog.records if "has no effect without" in r.getMessage()]
+
+
 def test_api_key_is_compared_as_bytes():
     state, app = make()
 
