@@ -9,6 +9,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineShutdownError
 from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
@@ -439,3 +441,19 @@ def test_x_request_id_names_the_answer_and_is_echoed_with_the_flag(caplog):
     [line] = [r.getMessage() for r in caplog.records if "cmpl-trace-7" in r.getMessage()]
     assert line.startswith('request cmpl-trace-7 accepted on /v1/completions: {"model": "fake", ')
     assert line.endswith("...") and len(line.split(": ", 1)[1]) == 40 + 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=5), inner, max_size=5),
+                    max_leaves=30),
+       st.integers(0, 200))
+def test_a_logged_bodys_head_is_its_json_cut(value, limit):
+    """--enable-log-requests encodes a body only as far as --max-log-len (it encoded all of
+    a 30 MB body on the event loop): the same characters json.dumps gives, cut."""
+    import json
+
+    from pagedserve.entrypoints.openai.routers.generation import json_head
+
+    full = json.dumps(value, ensure_ascii=False)
+    assert json_head(value, limit) == (full[:limit], len(full) > limit)

@@ -66,6 +66,19 @@ class ReleasingStream:
             self.lease.release()
 
 
+def json_head(value: Any, limit: int) -> tuple[str, bool]:
+    """The first `limit` characters of `value` as JSON, and whether it was cut: encoded
+    piece by piece, stopping past the limit (a 30 MB body was encoded whole on the event
+    loop to log its first 2,000 characters)."""
+    pieces, size = [], 0
+    for piece in json.JSONEncoder(ensure_ascii=False).iterencode(value):
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
+            return "".join(pieces)[:limit], True
+    return "".join(pieces), False
+
+
 async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: Any, request: Request,
                    *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET,
                    stream_class: Callable[[AsyncIterator[str]], Response] = SSEResponse) -> Response:
@@ -88,9 +101,9 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
                 prep = await state.prepare.run(serving.prepare, body)
             request_id, streams = await serving.start(body, prep)
             if state.log_requests is not None:  # (--enable-log-requests; prompts are never logged without it)
-                shown = json.dumps(body.model_dump(exclude_unset=True), ensure_ascii=False)
-                logger.info("request %s accepted on %s: %s%s", request_id, request.url.path, shown[:state.log_requests],
-                            "..." if len(shown) > state.log_requests else "")
+                shown, cut = json_head(body.model_dump(exclude_unset=True), state.log_requests)
+                logger.info("request %s accepted on %s: %s%s", request_id, request.url.path, shown,
+                            "..." if cut else "")
             if body.stream:
                 streaming.append(ReleasingStream(serving.stream(body, prep, request_id, streams), lease))
                 return stream_class(streaming[0])
