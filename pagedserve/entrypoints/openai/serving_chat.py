@@ -89,11 +89,14 @@ def with_calls_as_text(messages: list[ChatMessage], parser: ToolParser) -> list[
     (`messages` itself where no turn has any)."""
     out, changed = [], False
     for m in messages:
-        calls = sent_calls((m.model_extra or {}).get("tool_calls")) if m.role == "assistant" else []
+        extra = m.model_extra or {}
+        # (OpenAI's deprecated function_call is the turn's one call, as chat_utils renders it)
+        legacy = [{"function": extra["function_call"]}] if isinstance(extra.get("function_call"), dict) else []
+        calls = sent_calls(extra.get("tool_calls") or legacy) if m.role == "assistant" else []
         if calls:
             text = m.content if isinstance(m.content, str) and m.content else ""
             m = m.model_copy(update={"content": (text + "\n" if text else "") + parser.format_calls(calls),
-                                     "tool_calls": None})
+                                     "tool_calls": None, "function_call": None})
             changed = True
         out.append(m)
     return out if changed else messages
@@ -144,7 +147,7 @@ class ToolPlan:
             return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
                           if isinstance(c, dict) and isinstance(c.get("name"), str)]
         if self.mode == "auto":
-            return self.parser.extract(text)
+            return self.parser.extract(text, finished)
         return text, []
 
 
@@ -219,7 +222,7 @@ class OpenAIServingChat(OpenAIServing):
         parser = plan.parser or self.tool_parser
         inlined = messages if parser is None else with_calls_as_text(messages, parser)
         if inlined is not messages:
-            bare = [m.model_copy(update={"tool_calls": None}) for m in messages]
+            bare = [m.model_copy(update={"tool_calls": None, "function_call": None}) for m in messages]
             if self.render(req, bare, req.add_generation_prompt, tools).token_ids == prompt.token_ids:
                 # The template drops past calls: they are written into their turns in the
                 # parser's format, else the model would not know what it called.
@@ -412,7 +415,7 @@ class OpenAIServingChat(OpenAIServing):
                 pieces.append(DeltaMessage(tool_calls=[DeltaToolCall(
                     index=i, id=random_id("call"), type="function",
                     function=DeltaFunctionCall(name=call.name, arguments=call.arguments))]))
-            ts.sent_calls = len(calls)
+            ts.sent_calls = max(ts.sent_calls, len(calls))  # (a call sent is never sent again)
             reason = _calls_finish(c) if calls else c.finish_reason
         choices = [ChatStreamChoice(index=c.index, delta=d) for d in pieces]
         if finished:

@@ -13,7 +13,10 @@ template does not render them (`tools_system_prompt`).  Without `--tool-call-par
 - hermes (Qwen2.5/3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
   possibly several, after optional text.
 - llama3_json (Llama 3.x): the whole answer is `{"name": ..., "parameters": {...}}` (or
-  several joined by ";"), optionally after `<|python_tag|>`.
+  several joined by ";"), optionally after `<|python_tag|>`; known only once the answer
+  ends (text may follow what parses as a call), so a stream sends its calls at the end.
+
+Arguments are always a JSON object (or JSON text of one); anything else is not a call.
 """
 
 from __future__ import annotations
@@ -31,20 +34,37 @@ class ParsedToolCall:
 
 
 def _call_from(obj: Any, args_key: str) -> ParsedToolCall | None:
+    """A call from its parsed JSON: a name and an arguments object (or JSON text of one,
+    as some models write it); anything else is not a call (arguments are always an object's
+    JSON text for the client, characters as the model wrote them)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 class HermesToolParser:
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    _LAST_OPEN = re.compile(r"<tool_call>\s*(.*?)\s*\Z", re.DOTALL)  # a finished answer's last call left open
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def extract(self, text: str, finished: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
+        """The calls between the tags (a finished answer's last one also without its closing
+        tag, as a stop string or max_tokens may cut it: vLLM's reads it too)."""
+        bodies = self._CALL.findall(text)
+        tail = text[text.rfind(self.CLOSE) + len(self.CLOSE):] if self.CLOSE in text else text
+        if finished and (last := self._LAST_OPEN.search(tail[tail.find(self.OPEN):] if self.OPEN in tail else "")):
+            bodies.append(last.group(1))
         calls = []
-        for body in self._CALL.findall(text):
+        for body in bodies:
             try:
                 call = _call_from(json.loads(body), "arguments")
             except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
@@ -128,20 +148,31 @@ class Llama3JsonToolParser:
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def extract(self, text: str, finished: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
+        """The whole answer as calls (JSON objects joined by ";"), else plain text.  Only a
+        finished answer says which: a running one that parses as calls may still go on
+        with text, so a stream holds it back (text_before_calls) and sends no call yet."""
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
-        if not body.startswith("{"):
+        if not body.startswith("{") or not finished:
             return text, []
-        calls = []
-        for part in body.split(";"):
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while True:  # (object by object: a ";" inside an argument's string is not a separator)
             try:
-                call = _call_from(json.loads(part), "parameters")
+                obj, i = decoder.raw_decode(body, i)
             except (ValueError, RecursionError):
                 return text, []
+            call = _call_from(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
-        return None, calls
+            rest = body[i:].lstrip()
+            if not rest:
+                return None, calls
+            if not rest.startswith(";"):
+                return text, []
+            if not rest[1:].strip():  # (a trailing ";")
+                return None, calls
+            i = len(body) - len(rest[1:].lstrip())
 
     def text_before_calls(self, text: str) -> int:
         """An answer that may be a call (it opens with "{" or the python tag) is held back whole."""

@@ -63,9 +63,13 @@ def test_a_past_call_is_in_the_prompt_under_a_template_that_renders_none(smollm2
                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "none"}, {}):
+    # (and OpenAI's deprecated spelling of the same turn: its function_call was left out)
+    legacy = [history[0], {"role": "assistant", "content": None, "function_call": history[1]["tool_calls"][0]["function"]},
+              {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}]
+    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "none"}, {}, {"legacy": True}):
+        messages = legacy if extra.pop("legacy", False) else history
         ids = httpx.post(smollm2_server.url + "/tokenize", timeout=60,
-                         json={"model": "smol", "messages": history, **extra}).json()["tokens"]
+                         json={"model": "smol", "messages": messages, **extra}).json()["tokens"]
         prompt = tok.decode(ids)
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt, extra
 

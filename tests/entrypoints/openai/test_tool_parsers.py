@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, ToolPlan, ToolStream
@@ -18,7 +18,11 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 from pagedserve.outputs import CompletionOutput
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-PIECES = ["Let me check.", "Sure", " ", "  ", "\n", "\n\n", "\t", "<tool", "_call>", CALL, "ok "]
+# (with a call left open, as a stop string or max_tokens leaves one: a finished answer's
+# last one counts, as vLLM's; and one whose arguments are no object: not a call)
+OPEN_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}'
+PIECES = ["Let me check.", "Sure", " ", "  ", "\n", "\n\n", "\t", "<tool", "_call>", CALL, "ok ", OPEN_CALL,
+          '<tool_call>{"name": "f", "arguments": [1]}</tool_call>']
 
 
 def _streamed(plan: ToolPlan, text: str, cuts: list[int]) -> tuple[str, list[str]]:
@@ -55,15 +59,43 @@ def test_whitespace_before_a_call_is_not_content_whole_or_streamed() -> None:
     assert _streamed(plan, "Fine.\n\n", [5, 6])[0] == "Fine.\n\n"
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.sampled_from(["", " ", "\n", "<|python_tag|>"]), st.booleans(), st.lists(st.integers(0, 120), max_size=8))
-def test_llama3_json_streamed_equals_whole(head: str, is_call: bool, cuts: list[int]) -> None:
-    body = json.dumps({"name": "f", "parameters": {"x": 1}}) if is_call else "Plain {text} answer."
-    text = head + body
+LLAMA_PIECES = [json.dumps({"name": "f", "parameters": {"x": 1}}), json.dumps({"name": "g", "parameters": {"q": "a; b"}}),
+                "; ", ";", " ;\n", "\n", " is what I would call", "Plain {text} answer.", "{", ""]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["", " ", "\n", "<|python_tag|>"]), st.lists(st.sampled_from(LLAMA_PIECES), max_size=5),
+       st.lists(st.integers(0, 200), max_size=8))
+@example("", [LLAMA_PIECES[0], "; ", LLAMA_PIECES[1]], [len(LLAMA_PIECES[0]), len(LLAMA_PIECES[0]) + 2])
+@example("", [LLAMA_PIECES[0], " is what I would call"], [len(LLAMA_PIECES[0])])
+def test_llama3_json_streamed_equals_whole(head: str, pieces: list[str], cuts: list[int]) -> None:
+    """Calls joined by ";" (one inside an argument's string is not a separator), text after
+    them, cut anywhere: the stream sends what the whole answer says, each call once (a
+    prefix that parsed as calls sent them, and again after a ";")."""
+    text = head + "".join(pieces)
     plan = ToolPlan(mode="auto", parser=Llama3JsonToolParser())
     whole, calls = plan.calls(text, True)
     content, names = _streamed(plan, text, cuts)
-    assert content == (whole or "") and names == [c.name for c in calls]
+    assert content == (whole or "") and names == [c.name for c in calls], (text, cuts)
+
+
+def test_llama3_json_reads_calls_object_by_object() -> None:
+    parser = Llama3JsonToolParser()
+    text = '{"name": "sql", "parameters": {"q": "SELECT 1; SELECT 2"}} ; {"name": "t", "parameters": {"z": "東京"}};'
+    content, calls = parser.extract(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("sql", {"q": "SELECT 1; SELECT 2"}), ("t", {"z": "東京"})]
+    assert "東京" in calls[1].arguments  # (as written: not \\u escapes)
+    for not_calls in ('{"name": "f", "parameters": "hello"}', '{"name": "f", "parameters": [1]}',
+                      '{"name": "f", "parameters": {}} and some text'):
+        assert parser.extract(not_calls) == (not_calls, [])
+    assert parser.extract('{"name": "f", "parameters": "{\\"x\\": 1}"}')[1][0].arguments == '{"x": 1}'
+
+
+def test_hermes_reads_a_finished_answers_last_call_left_open() -> None:
+    parser = HermesToolParser()
+    assert parser.extract("Sure. " + OPEN_CALL) == ("Sure.", [parser.extract(OPEN_CALL + "</tool_call>")[1][0]])
+    assert parser.extract("Sure. " + OPEN_CALL, finished=False) == ("Sure. " + OPEN_CALL, [])
 
 
 @pytest.mark.parametrize(("arguments", "want"), [
