@@ -58,6 +58,9 @@ class StructuredOutputsParams:
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     def validate(self) -> None:
+        if self.json is False:  # (JSON Schema's `false`: it was read as no schema at all)
+            raise InvalidRequestError("the JSON schema `false` admits no value; the output would be empty",
+                                      param="structured_outputs")
         kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise InvalidRequestError("structured_outputs needs exactly one of json, regex, choice, grammar, "

@@ -224,10 +224,11 @@ class StructuredOutputManager:
             if isinstance(e, InvalidRequestError):
                 raise
             raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
-        if kind == "json" and not self._admits_a_token(backend, grammar):
+        if not self._admits_a_token(backend, grammar):
             self._forget(key)
-            raise InvalidRequestError("invalid JSON schema: it admits no value (a $ref that only refers to itself?); "
-                                      "the output would be empty", param="structured_outputs")
+            why = "it admits no value (a $ref that only refers to itself?)" if kind == "json" else "it admits no text"
+            raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {why}; the output would be empty",
+                                      param="structured_outputs")
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0

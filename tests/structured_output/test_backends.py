@@ -105,6 +105,78 @@ def test_a_schema_that_admits_no_value_is_refused(backend, schema) -> None:
     mgr.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+@pytest.mark.parametrize("params", [S(regex="[^\\s\\S]"), S(grammar='root ::= a\na ::= a "x"'), S(regex="")],
+                         ids=["empty-class", "no-base-case", "empty-regex"])
+def test_a_regex_or_grammar_that_admits_no_text_is_refused_at_compile(backend, params) -> None:
+    """As a schema that admits no value: it was refused only after the first step, in the
+    guidance library's words ("refused a token its own mask allowed")."""
+    from pagedserve.errors import InvalidRequestError
+
+    mgr = StructuredOutputManager(tokenizer(False), len(tokenizer(False)), [EOS], max_num_seqs=1, backend=backend)
+    with pytest.raises(InvalidRequestError, match="admits no text"):
+        mgr.compile(params).result()
+    mgr.shutdown()
+
+
+# What xgrammar 0.2 compiled as if absent (each answer broke its own schema) or compiled
+# in time growing with the square of a count: refused by name under that backend.
+XGRAMMAR_REFUSED = [
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "contains"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}, "'if'"),
+    ({"type": "object", "properties": {"a": {"not": {"const": 1}}}}, r"schema.properties.a: .*'not'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["zz"]}, "required property 'zz'"),
+    ({"type": "string", "format": "hostname", "maxLength": 20}, "minLength/maxLength beside a format"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "beside a pattern"),
+    ({"type": "string", "format": "zzz-unknown"}, "does not enforce format 'zzz-unknown'"),
+    ({"type": "string", "pattern": "^(?!a)[a-c]{2}$"}, "look-around"),
+    ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "repetition count of 20000"),
+    ({"$ref": "http://example.com/s.json"}, "outside the schema"),
+    ({"type": "array", "prefixItems": [{"anyOf": [{"type": "integer", "multipleOf": 2}]}]},
+     r"prefixItems\[0\].anyOf\[0\]: .*multipleOf"),
+]
+
+
+@pytest.mark.parametrize(("schema", "match"), XGRAMMAR_REFUSED)
+def test_xgrammar_refuses_what_it_would_not_enforce(schema, match) -> None:
+    import json
+
+    from pagedserve.errors import InvalidRequestError
+
+    tok = tokenizer(False)
+    mgr = StructuredOutputManager(tok, len(tok), [EOS], max_num_seqs=1, backend="xgrammar")
+    with pytest.raises(InvalidRequestError, match=match):
+        mgr.compile(S(json=json.dumps(schema))).result()
+    tag = S(structural_tag=HermesToolParser().structural_tag([{"name": "f", "parameters": {
+        "type": "object", "properties": {"x": schema}}}]))
+    with pytest.raises(InvalidRequestError, match="a tool's parameters"):  # (a tool's schema too, under "auto")
+        mgr.compile(tag).result()
+    # what it enforces still compiles: formats it knows, bounds alone, closed objects that list what they require
+    for fine in ({"type": "string", "format": "date"}, {"type": "string", "maxLength": 5},
+                 {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                 {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+                 {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}}):
+        mgr.compile(S(json=json.dumps(fine))).result()
+    mgr.shutdown()
+
+
+def test_a_lark_grammar_under_xgrammar_names_the_backend_that_reads_it() -> None:
+    from pagedserve.errors import InvalidRequestError
+
+    tok = tokenizer(False)
+    mgr = StructuredOutputManager(tok, len(tok), [EOS], max_num_seqs=1, backend="xgrammar")
+    with pytest.raises(InvalidRequestError, match="Lark grammar needs --structured-outputs-backend guidance"):
+        mgr.compile(S(grammar='start: "x" NUM\nNUM: /[0-9]{1,3}/')).result()  # (was "EBNF lexer error ... ':'")
+    with pytest.raises(InvalidRequestError, match="schema `false` admits no value"):
+        S(json=False).validate()  # (was "needs exactly one of json, ...: got none")
+    mgr.shutdown()
+
+
 def test_a_guidance_matcher_whose_lexer_failed_while_masking_refuses_even_the_stop_token() -> None:
     """Copies of a compiled grammar share its lexer: once one ran out of fuel, the next
     copy's mask allowed only the stop token and accepted it (an empty answer finished as

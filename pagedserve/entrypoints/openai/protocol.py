@@ -28,6 +28,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     as_sent,
     check_chat_only_fields,
     check_hint_fields,
+    check_tool_definitions,
     omitted_if_none,
     prediction_text,
     refuse_unsupported_fields,
@@ -360,6 +361,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.functions:
             self.tools = [ChatCompletionTool(function=f) for f in self.functions]
             self.parallel_tool_calls = False
+        elif self.function_call not in (None, "none"):
+            raise InvalidRequestError("function_call needs functions", param="function_call")
         call = self.function_call
         if isinstance(call, dict):
             if not isinstance(call.get("name"), str):
@@ -389,6 +392,8 @@ class ChatCompletionRequest(_SamplingFields):
         """("none" | "auto" | "required" | "named", the named function).  With tools and no
         tool_choice it is "auto", as in OpenAI's API."""
         choice = self.tool_choice
+        check_tool_definitions([t.function.name for t in self.tools or []],
+                               [t.function.parameters for t in self.tools or []], "functions" if self.functions else "tools")
         if not self.tools:
             if choice not in (None, "none"):
                 raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
@@ -584,17 +589,3 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedserve"
-    root: str | None = None
-    parent: str | None = None  # a LoRA adapter's base model
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)

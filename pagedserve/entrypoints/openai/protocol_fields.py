@@ -194,3 +194,19 @@ def omitted_if_none() -> Any:
     tool call delta's `type` as it is: the `"type": null` of a named call's argument
     fragments broke its accumulation with an AssertionError.)"""
     return Field(default=None, exclude_if=lambda value: value is None)
+
+
+def check_tool_definitions(names: list[str], parameters: list[dict[str, Any] | None], field: str) -> None:
+    """OpenAI's rules on function tools: each name once (a named tool_choice or a call
+    could not tell two apart), parameters a JSON schema of type "object" (a call's
+    arguments are an object) where a type is given."""
+    seen: set[str] = set()
+    for i, (name, schema) in enumerate(zip(names, parameters, strict=True)):
+        if name in seen:
+            raise InvalidRequestError(f"{field}[{i}]: function names must be unique ({name[:100]!r} is given twice)",
+                                      param=field)
+        seen.add(name)
+        kind = (schema or {}).get("type", "object")
+        if kind != "object":
+            raise InvalidRequestError(f"{field}[{i}]: the parameters of function {name[:100]!r} must be a JSON schema "
+                                      f'of type "object", got type {str(kind)[:40]!r}', param=field)

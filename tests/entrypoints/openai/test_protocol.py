@@ -100,10 +100,20 @@ def test_tool_choice_modes_and_template_options():
     for kw, param in [(dict(tool_choice="required"), "tool_choice"),
                       (dict(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
                       (dict(continue_final_message=True), "continue_final_message"),
-                      (dict(tools=tools, tool_choice="required", guided_json={}), "guided_json")]:
+                      (dict(tools=tools, tool_choice="required", guided_json={}), "guided_json"),
+                      # OpenAI's rules (each was a 200: a named choice took the first of two
+                      # tools of one name; a string schema's "arguments" were a JSON string)
+                      (dict(tools=tools * 2), "tools"),
+                      (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+                       "tools"),
+                      (dict(functions=[{"name": "f", "parameters": {"type": "array"}}]), "functions")]:
         with pytest.raises(InvalidRequestError) as e:
             ChatCompletionRequest(messages=MSGS, **kw).check_unsupported("guidance")
         assert e.value.param == param, kw
+    with pytest.raises(ValueError, match="function_call needs functions"):  # (it was "tool_choice needs tools")
+        ChatCompletionRequest(messages=MSGS, function_call={"name": "x"})
+    assert ChatCompletionRequest(messages=MSGS, tools=[{"type": "function", "function": {  # (no type: an object's)
+        "name": "f", "parameters": {"properties": {"x": {"type": "string"}}}}}]).tool_mode()[0] == "auto"
     ok = ChatCompletionRequest(messages=[*MSGS, {"role": "assistant", "content": "Hel"}],
                                continue_final_message=True, add_generation_prompt=False)
     ok.check_unsupported("guidance")

@@ -5,15 +5,35 @@ the base model's names and its LoRA adapters)."""
 from __future__ import annotations
 
 import datetime
+import time
+from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
+from pydantic import Field
 
 import pagedserve
-from pagedserve.entrypoints.openai.protocol import ModelCard, ModelList
+from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerState, ServerStateDep
 
 router = APIRouter()
+
+
+class ModelCard(OpenAIBaseModel):
+    """One model of /v1/models (OpenAI's shape; root, parent and max_model_len are vLLM's)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
 
 
 @router.get("/health")
