@@ -19,7 +19,7 @@ from pagedserve.engine.core import EngineStats
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.inproc_client import InprocClient
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pairs
+from pagedserve.entrypoints.score_utils import cosine, encode_reranker_pair, score_pairs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
 from pagedserve.outputs import (
@@ -216,7 +216,9 @@ class LLM:
         if engine.classifier_token_ids is not None:
             if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
                 raise ValueError("a reranker scores text: data_1 and data_2 must be strings")
-            outs = self.encode([reranker_prompt(a, b, instruction) for a, b in pairs],
+            encoded = [encode_reranker_pair(engine.tokenizer, a, b, instruction, engine.max_prompt_chars, "data_2")
+                       for a, b in pairs]
+            outs = self.encode([{"prompt": text, "prompt_token_ids": ids} for text, ids in encoded],
                                PoolingParams(task="classify"), use_tqdm)
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0])))
                     for o in outs]

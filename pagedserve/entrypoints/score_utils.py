@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.engine.chat_utils import check_prompt_chars
+from pagedserve.engine.special_text import hide_special_text
 from pagedserve.errors import InvalidRequestError
 
 # Qwen3-Reranker's instruction when the client gives none (its model card's default).
@@ -29,6 +31,18 @@ def reranker_prompt(query: str, document: str, instruction: str | None = None) -
     return (f"<|im_start|>system\n{_RERANK_SYSTEM}<|im_end|>\n<|im_start|>user\n"
             f"<Instruct>: {instruction or DEFAULT_RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
             "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def encode_reranker_pair(tokenizer: Any, query: str, document: str, instruction: str | None, max_chars: int,
+                         param: str) -> tuple[str, list[int]]:
+    """One pair's reranker prompt as (text, token ids).  The query, document and
+    instruction are text: a special token's string written in one (`<|im_end|>`) stays
+    text, as in a chat message (special_text.py), or a document could close its turn and
+    write the verdict's turn itself; the prompt's own turn markers are tokens."""
+    (query, document, instruction), hidden = hide_special_text(tokenizer, [query, document, instruction])
+    text = reranker_prompt(query, document, instruction)
+    check_prompt_chars(text, max_chars, param)
+    return hidden.shown(text), hidden.encode(tokenizer, text, add_special_tokens=True)
 
 
 def score_pairs(text_1: Any, text_2: Any, names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[Any, Any]]:

@@ -36,7 +36,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     TokenizedPrompt,
     merge_streams,
 )
-from pagedserve.entrypoints.score_utils import cosine, reranker_prompt, score_pairs
+from pagedserve.entrypoints.score_utils import cosine, encode_reranker_pair, score_pairs
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -56,14 +56,18 @@ class OpenAIServingPooling(OpenAIServing):
     """What the pooling routes share: inputs to prompts, and collecting the results."""
 
     def prompt(self, item: str | list[int], truncate: int | None, add_special_tokens: bool = True,
-               field: str = "input") -> TokenizedPrompt:
+               field: str = "input", label: str | None = None) -> TokenizedPrompt:
         """One input as a prompt, its tokens cut to the last `truncate` (vLLM's
-        truncate_prompt_tokens; -1: the last max_model_len); `field`: where it came from."""
+        truncate_prompt_tokens; -1: the last max_model_len); `field`: where it came from,
+        `label`: how an error names it among several (`input[2]`)."""
         if isinstance(item, str):
             if not item:
                 raise OpenAIError(f"{field} must not hold empty strings", param=field)
-            return self.truncated(TokenizedPrompt(item, self.tokenize(item, add_special_tokens, truncate is not None)),
-                                  truncate)
+            try:
+                ids = self.tokenize(item, add_special_tokens, truncate is not None)
+            except InvalidRequestError as e:  # (too long to tokenize: named as the client sent it)
+                raise OpenAIError(f"{label}: {e}" if label else str(e), param=field) from None
+            return self.truncated(TokenizedPrompt(item, ids), truncate)
         return self.truncated(TokenizedPrompt(None, list(item)), truncate)
 
     @staticmethod
@@ -120,7 +124,8 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         if len(items) > MAX_EMBEDDING_INPUTS:  # before tokenizing any of them
             raise OpenAIError(f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} are allowed per request",
                               param="input")
-        prompts = (self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens) for t in items)
+        prompts = (self.prompt(t, req.truncate_prompt_tokens, req.add_special_tokens,
+                               label=f"input[{i}]" if len(items) > 1 else None) for i, t in enumerate(items))
         return PreparedRequest(model, self.check_total_tokens(prompts, "input"), params)
 
     def params(self, req: EmbeddingRequest) -> PoolingParams:
@@ -191,7 +196,24 @@ class OpenAIServingScore(OpenAIServingPooling):
         for side, name in enumerate(names):
             if any(not pair[side] for pair in pairs):
                 raise OpenAIError(f"{name} must not hold empty strings", param=name)
-        prompts = (self.prompt(reranker_prompt(a, b, req.instruction), None) for a, b in pairs)
+        if self.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer; a reranker scores text", param=names[0])
+        limit = self.engine.max_prompt_chars
+        for side, name in enumerate(names):  # (a text too long alone is named, not the first pair it is in)
+            long = [i for i, pair in enumerate(pairs) if len(pair[side]) > limit]
+            if long:
+                one = all(pair[side] is pairs[0][side] for pair in pairs)  # (1:N: the one query)
+                raise OpenAIError(f"{name if one else f'{name}[{long[0]}]'}: the text is {len(pairs[long[0]][side])} "
+                                  f"characters, more than the {limit} that max_model_len tokens of this model can "
+                                  "spell", param=name)
+
+        def encoded(i: int, a: str, b: str) -> TokenizedPrompt:
+            try:
+                return TokenizedPrompt(*encode_reranker_pair(self.tokenizer, a, b, req.instruction, limit, names[1]))
+            except InvalidRequestError as e:
+                raise OpenAIError(f"{names[1]}[{i}]: {e}", param=names[1]) from None
+
+        prompts = (encoded(i, a, b) for i, (a, b) in enumerate(pairs))
         return PreparedScores("", self.check_total_tokens(prompts, names[1]), PoolingParams(task="classify"),
                               labels=[(names[1], f"{names[1]}[{i}]") for i in range(len(pairs))])
 
@@ -207,8 +229,8 @@ class OpenAIServingScore(OpenAIServingPooling):
                 if index.setdefault(_key(text), len(index)) == len(labels):
                     labels.append(label)
         self.check_fanout(len(index), 1, field)
-        prompts = (self.prompt(list(t) if isinstance(t, tuple) else t, req.truncate_prompt_tokens, field=name)
-                   for t, (name, _) in zip(index, labels, strict=True))
+        prompts = (self.prompt(list(t) if isinstance(t, tuple) else t, req.truncate_prompt_tokens, field=name,
+                               label=label) for t, (name, label) in zip(index, labels, strict=True))
         return PreparedScores("", self.check_total_tokens(prompts, field), PoolingParams(task="embed"),
                               labels=labels, pairs=[(index[_key(a)], index[_key(b)]) for a, b in pairs])
 

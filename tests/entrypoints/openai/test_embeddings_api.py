@@ -256,6 +256,9 @@ def test_vllms_pooling_fields_work_or_are_refused_by_name(pooling_server) -> Non
         ("/v1/embeddings", {"input": "x", "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs", "per-request settings"),
         ("/v1/embeddings", {"input": "x", "normalize": True, "use_activation": False}, "use_activation", "one"),
         ("/v1/embeddings", {"input": [[1, 2], [3, -1]]}, "input", "input[1]"),
+        # text too long to tokenize, named by its place (it was "prompt", without an index)
+        ("/v1/embeddings", {"input": ["ok", "hello world " * 100_000]}, "input", "input[1]: the prompt is"),
+        ("/v1/score", {"text_1": "a", "text_2": ["b", "c " * 600_000]}, "text_2", "text_2[1]: the prompt is"),
         ("/v1/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation", "cosine"),
         ("/v1/score", {"text_1": "a", "text_2": "b", "softmax": True, "activation": False}, "use_activation", ""),
         ("/v1/score", {"text_1": "", "text_2": "b"}, "text_1", "text_1"),
