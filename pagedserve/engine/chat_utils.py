@@ -206,13 +206,15 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
                 chat_template: str | None = None, add_generation_prompt: bool = True, *,
                 tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                 continue_final_message: bool = False, max_chars: int = MAX_PROMPT_CHARS,
-                content_parts: bool = False) -> str:
+                content_parts: bool = False, cut: bool = False) -> str:
     """Render one conversation to prompt text with `chat_template` (a request's own
     Jinja text: rendered in the sandbox), else `default_template` (--chat-template,
     else the tokenizer's).  `tools` (OpenAI's function definitions) and
     `chat_template_kwargs` (e.g. Qwen3's enable_thinking) reach the template;
     `continue_final_message` leaves the last (assistant) message open for the model to
-    go on with.  The text is at most `max_chars` characters."""
+    go on with.  The text is at most `max_chars` characters; with `cut` (only its last
+    tokens will run: truncate_prompt_tokens), at most MAX_PROMPT_CHARS, as encode_text's."""
+    max_chars = MAX_PROMPT_CHARS if cut else max_chars
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat templates cannot be applied")
     if not isinstance(messages, list) or not messages or not all(

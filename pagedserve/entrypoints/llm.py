@@ -132,15 +132,17 @@ class LLM:
         chat_template = read_chat_template(chat_template)  # the caller's own process may name a file
         client = self.client
         kwargs = dict(chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message)
-        prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools, **kwargs)
-                   for conv in conversations]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _normalize_params(sampling_params, len(conversations))
+        prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools, **kwargs,
+                                      cut=p.truncate_prompt_tokens is not None)
+                   for conv, p in zip(conversations, params, strict=True)]
         if tools and client.encode_chat(list(conversations[0]), chat_template, add_generation_prompt,
                                         **kwargs)["prompt_token_ids"] == prompts[0]["prompt_token_ids"]:
             raise ValueError("tools: this chat template does not render tools, so the model would never see them "
                              "(give a chat_template that renders `tools`, or describe them in a system message)")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        return self._run(prompts, _normalize_params(sampling_params, len(prompts)), use_tqdm, None, lora_request)
+        return self._run(prompts, params, use_tqdm, None, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `params.beam_width` best continuations of each prompt (vLLM's API), as HF

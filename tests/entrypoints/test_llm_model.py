@@ -247,6 +247,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
     [tail] = llm.generate([text], SamplingParams(truncate_prompt_tokens=8, **greedy), use_tqdm=False)
     assert len(tail.prompt_token_ids) == 8
     assert tail.prompt_token_ids == llm.get_tokenizer().encode(text[-400:], add_special_tokens=False)[-8:]
+    # and a chat of it: rendered, then cut (it was refused by the rendered text's characters)
+    [chat] = llm.chat([{"role": "user", "content": text}], SamplingParams(truncate_prompt_tokens=8, **greedy),
+                      use_tqdm=False)
+    assert len(chat.prompt_token_ids) == 8
 
 
 @pytest.mark.parametrize("kwargs", [{"max_num_batched_tokens": 10**12}, {"max_num_seqs": 10**12},

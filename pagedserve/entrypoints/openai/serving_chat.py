@@ -194,7 +194,8 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = {}
         if req is not None:
             kwargs = dict(chat_template_kwargs=req.chat_template_kwargs,
-                          continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens)
+                          continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+                          cut=req.truncate_prompt_tokens is not None)
         return self.render_chat(messages, req.chat_template if req else None, add_generation_prompt, tools, **kwargs)
 
     def rendered(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> TokenizedPrompt:

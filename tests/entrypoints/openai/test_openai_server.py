@@ -451,3 +451,9 @@ def test_truncate_prompt_tokens_cuts_text_longer_than_the_context_can_spell(clie
     assert r.usage.prompt_tokens == 5
     r = complete(client, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (254, 2)
+    # a chat likewise: rendered (it was refused by the rendered text's characters), then cut
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": long}], "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError, match="characters, more than the"):
+        client.chat.completions.create(**chat)
+    r = client.chat.completions.create(**chat, extra_body={"truncate_prompt_tokens": 7})
+    assert r.usage.prompt_tokens == 7
