@@ -23,10 +23,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedserve.chat_template import render_chat_template
-from pagedserve.engine.special_text import hide_special_text
+from pagedserve.engine.special_text import HiddenSpecials, hide_special_text
 from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
@@ -192,14 +193,49 @@ def check_prompt_chars(text: str, max_chars: int, param: str = "prompt") -> None
         raise prompt_too_long(len(text), max_chars, param)
 
 
+# Where only a prompt's last tokens run, its text is tokenized from this many characters
+# before the part that holds them, and again from a prime number of characters further:
+# where the two agree past the margin, they are the whole text's tokens there
+# (tokenizations meet within a few tokens of any start, except inside a long run of one
+# character, which is grouped from where it starts: the prime keeps the two starts out of
+# step with any grouping's period).
+CUT_MARGIN_CHARS = 4096
+_FARTHER_CHARS = 4099
+
+
+def encode_for_cut(encode: Callable[[str, bool], list[int]], text: str, max_chars: int, add_special_tokens: bool,
+                   param: str = "prompt") -> list[int]:
+    """Ids whose last tokens are the whole `text`'s last tokens, as many as
+    truncate_prompt_tokens can keep (at most max_model_len, spanning at most max_chars
+    characters: the longest token's times as many).  Tokenizing a whole 16 MB prompt to
+    keep its last 10 tokens held the interpreter's lock for 7 s: every request and /health
+    froze.  Text whose end tokenizes differently from the two starts is refused."""
+    if len(text) <= max_chars + CUT_MARGIN_CHARS + _FARTHER_CHARS:
+        return encode(text, add_special_tokens)
+    near, far = (encode(text[-(max_chars + m):], False) for m in (CUT_MARGIN_CHARS, CUT_MARGIN_CHARS + _FARTHER_CHARS))
+    keep = len(near) - len(encode(text[-(max_chars + CUT_MARGIN_CHARS):-max_chars], False))  # (past the margin)
+    agreed = next((i for i, (a, b) in enumerate(zip(reversed(near), reversed(far), strict=False)) if a != b),
+                  len(near))
+    if agreed < keep:
+        raise InvalidRequestError(f"the prompt is {len(text)} characters and its end tokenizes differently from "
+                                  "where it is read (a long run of one character?): truncate_prompt_tokens cannot "
+                                  f"cut it; send at most {max_chars} characters", param=param)
+    return near[-keep:]
+
+
 def encode_text(tokenizer: Any, text: str, max_chars: int, add_special_tokens: bool = True,
                 param: str = "prompt", cut: bool = False) -> list[int]:
     """Prompt text to token ids, bounded first: a completion prompt, in the engine or the
     server (a rendered chat is bounded by render_chat).  `cut`: only its last tokens will
     run (truncate_prompt_tokens), so text past what max_model_len tokens can spell is
-    tokenized, up to MAX_PROMPT_CHARS, rather than refused."""
-    check_prompt_chars(text, MAX_PROMPT_CHARS if cut else max_chars, param)
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    read from its end (encode_for_cut) rather than refused."""
+    def encoded(piece: str, special: bool) -> list[int]:
+        return list(tokenizer.encode(piece, add_special_tokens=special))
+
+    if cut:
+        return encode_for_cut(encoded, text, max_chars, add_special_tokens, param)
+    check_prompt_chars(text, max_chars, param)
+    return encoded(text, add_special_tokens)
 
 
 def render_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],
@@ -261,7 +297,20 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     add_special_tokens = kwargs.pop("add_special_tokens", False)
     (messages, kwargs["tools"]), hidden = hide_special_text(tokenizer, (messages, kwargs.get("tools")))
     text = render_chat(tokenizer, default_template, messages, chat_template, add_generation_prompt, **kwargs)
-    return {"prompt": hidden.shown(text), "prompt_token_ids": hidden.encode(tokenizer, text, add_special_tokens)}
+    ids = encode_rendered(tokenizer, hidden, text, kwargs.get("max_chars", MAX_PROMPT_CHARS), add_special_tokens,
+                          kwargs.get("cut", False))
+    return {"prompt": hidden.shown(text), "prompt_token_ids": ids}
+
+
+def encode_rendered(tokenizer: Any, hidden: HiddenSpecials, text: str, max_chars: int, add_special_tokens: bool,
+                    cut: bool) -> list[int]:
+    """A rendered chat's ids (its hidden special strings as plain text: special_text.py);
+    with `cut` (truncate_prompt_tokens), read from its end as a completion's (encode_for_cut)."""
+    def encode(piece: str, special: bool) -> list[int]:
+        return hidden.encode(tokenizer, piece, special)
+
+    return encode_for_cut(encode, text, max_chars, add_special_tokens, "messages") if cut else \
+        encode(text, add_special_tokens)
 
 
 # Content parts that carry an image: OpenAI's image_url, the Responses API's input_image,

@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.chat_utils import encode_text, prompt_char_limit, render_chat, take_images
+from pagedserve.engine.chat_utils import (
+    encode_rendered,
+    encode_text,
+    prompt_char_limit,
+    render_chat,
+    take_images,
+)
 from pagedserve.engine.special_text import hide_special_text
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
@@ -533,7 +539,8 @@ class InputProcessor:
         text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
                            max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
         if not sources:
-            return {"prompt": hidden.shown(text),
-                    "prompt_token_ids": hidden.encode(self.tokenizer, text, add_special_tokens)}
+            ids = encode_rendered(self.tokenizer, hidden, text, self.max_prompt_chars, add_special_tokens,
+                                  kwargs.get("cut", False))
+            return {"prompt": hidden.shown(text), "prompt_token_ids": ids}
         prompt = self.expand_images(text, sources, lambda piece: hidden.encode(self.tokenizer, piece))
         return {"prompt": hidden.shown(text), "prompt_token_ids": prompt.prompt_token_ids, "multi_modal": prompt}

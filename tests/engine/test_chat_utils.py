@@ -1,0 +1,60 @@
+"""chat_utils' text bounds: a prompt only whose last tokens run (truncate_prompt_tokens)
+is tokenized from the part that holds them, and those tokens are the whole text's."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.engine.chat_utils import CUT_MARGIN_CHARS, encode_text, prompt_char_limit
+from pagedserve.errors import InvalidRequestError
+from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
+
+WORDS = ["the", " quick", " brown", "fox", " jumps", "\n", "é", "東京", "🙂", ",", "1234", "über", " -", "x" * 30]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def tokenizer(request, smollm2_path, gemma3_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path if request.param == "smollm2" else gemma3_path)
+
+
+def test_a_cut_prompt_is_tokenized_from_its_tail_only(monkeypatch) -> None:
+    """A 16 MB prompt to keep its last 10 tokens was tokenized whole: 7 s holding the
+    interpreter's lock, every other request and /health frozen."""
+    seen: list[int] = []
+
+    class Recording:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            seen.append(len(text))
+            return [ord(c) for c in text]  # (one token a character: every tail agrees)
+
+    encode_text(Recording(), "word " * 3_000_000, max_chars=80_000, cut=True)
+    assert max(seen) < 80_000 + 3 * CUT_MARGIN_CHARS and sum(seen) < 3 * 90_000  # (two tails and the margin)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(WORDS), min_size=2, max_size=400).filter(lambda w: len(set(w)) > 1),
+       st.integers(1, 64))
+def test_the_last_tokens_of_the_tail_are_the_whole_texts(tokenizer, words, keep) -> None:
+    max_len = 64
+    limit = prompt_char_limit(longest_token_chars(tokenizer), max_len)
+    text = "".join(words) * (1 + 2 * (limit + 2 * CUT_MARGIN_CHARS) // len("".join(words)))
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    assert encode_text(tokenizer, text, limit, add_special_tokens=False, cut=True)[-keep:] == whole[-keep:]
+
+
+def test_a_run_of_one_character_that_tokenizes_by_where_it_starts_is_refused(tokenizer) -> None:
+    """Its last tokens depend on where the run began (runs are grouped from their start),
+    so no tail can say them: refused by name, not cut wrong."""
+    limit = prompt_char_limit(longest_token_chars(tokenizer), 64)
+    text = "\n" * (limit + 3 * CUT_MARGIN_CHARS + 1)
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    try:
+        got = encode_text(tokenizer, text, limit, add_special_tokens=False, cut=True)
+    except InvalidRequestError as e:
+        assert "truncate_prompt_tokens cannot cut it" in str(e)
+    else:  # (a tokenizer that reads a run the same from anywhere: the tail is exact)
+        assert got[-64:] == whole[-64:]
