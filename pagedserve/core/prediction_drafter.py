@@ -14,8 +14,14 @@ alone a few tokens past that point (a substituted token or two: a rename).
 Drafts are only proposals: the model runner verifies them exactly as it verifies
 n-gram drafts, so a wrong place costs a wasted verified position and never changes the
 output.  Every proposal is a contiguous slice of the prediction.  Pure Python, per
-request, kept on `Request.prediction`; the counts of drafts accepted and rejected are
-what the server reports as `accepted_prediction_tokens` / `rejected_prediction_tokens`.
+request, kept on `Request.prediction`.
+
+It also counts what the server reports as OpenAI's usage: `accepted_prediction_tokens`,
+the prediction's tokens that appear in the completion (each output token that matched
+the prediction at its place, or whose match found the place again, marks that
+prediction token, once), and `rejected_prediction_tokens`, the rest of the prediction;
+the two add up to the prediction's length.  Draft verdicts (`settle`) only size the
+next drafts: the first token and each step's bonus token count as well when they match.
 """
 
 from __future__ import annotations
@@ -48,13 +54,16 @@ class PredictionDrafter:
         # accepted after a miss (a rejected draft costs a verified position).
         self.num_drafts = max_drafts
         self.proposed = False  # whether this step's drafts came from here (else from n-gram)
-        self.num_accepted = 0
-        self.num_rejected = 0
+        self.used = bytearray(len(self.token_ids))  # prediction tokens the completion has matched
+        self.num_used = 0
+        self.matched = bytearray()  # per output token walked: whether it matched a prediction token
+        self.num_reported = 0  # output tokens whose matches the engine has reported (final)
 
     @property
     def counts(self) -> tuple[int, int]:
-        """(drafts accepted, drafts rejected) so far."""
-        return self.num_accepted, self.num_rejected
+        """OpenAI's (accepted, rejected) prediction tokens so far: the prediction's tokens
+        the completion matched, and the others."""
+        return self.num_used, len(self.token_ids) - self.num_used
 
     def propose(self, output_token_ids: list[int]) -> list[int]:
         """The prediction's next tokens after `output_token_ids` (the request's output so
@@ -66,42 +75,57 @@ class PredictionDrafter:
         return drafts
 
     def settle(self, num_drafted: int, num_accepted: int) -> None:
-        """The runner verified `num_drafted` of this step's drafts and kept `num_accepted`."""
-        self.num_accepted += num_accepted
-        self.num_rejected += num_drafted - num_accepted
+        """The runner verified `num_drafted` of this step's drafts and kept `num_accepted`:
+        all of them again next step while they are kept, else one more than were."""
         self.num_drafts = self.max_drafts if num_accepted == num_drafted else max(1, num_accepted + 1)
 
-    def keep(self, num_predicted: int, num_kept: int) -> int:
-        """A step's first `num_predicted` tokens were accepted drafts, of which a stop (a
-        token, the length) kept `num_kept` at most: the rest are not in the completion, so
-        they count as rejected (OpenAI: prediction tokens that do not appear in it).
-        Returns how many of the kept tokens are accepted drafts."""
-        cut = max(num_predicted - num_kept, 0)
-        self.num_accepted -= cut
-        self.num_rejected += cut
-        return num_predicted - cut
+    def keep(self, output_token_ids: list[int], num_new: int) -> bytes:
+        """The step's tokens kept (the last `num_new` of the output: a stop cut any past
+        it), walked now: for each, whether it matched a prediction token (final: the
+        engine reports them)."""
+        self._follow(output_token_ids)
+        self.num_reported = len(output_token_ids)
+        return bytes(self.matched[len(output_token_ids) - num_new:len(output_token_ids)])
 
     def _follow(self, output: list[int]) -> None:
         """Walk the output tokens not seen yet: advance while they match, else lose the
         place and look for it again."""
-        pred, pos = self.token_ids, self.pos
+        pred, pos, matched = self.token_ids, self.pos, self.matched
         end = len(pred)
         for i in range(self.num_seen, len(output)):
-            if pos is None:
-                continue
-            if pos < end and pred[pos] == output[i]:
+            if pos is not None and pos < end and pred[pos] == output[i]:
+                matched.append(self._use(pos))
                 pos += 1
-            else:
+                continue
+            if pos is not None:
                 self.anchor, pos = pos, None
+            matched.append(0)
         if self.num_seen < len(output) and pos is None:
-            pos = self._resync(output)
+            found = self._resync(output)
+            if found is not None:
+                pos, n = found
+                for k in range(1, n + 1):  # the tokens that found the place match the ones before it
+                    i = len(output) - k
+                    if i < self.num_reported:
+                        break
+                    if not matched[i]:
+                        matched[i] = self._use(pos - k)
         self.num_seen = len(output)
         self.pos = pos
         if pos is not None:
             self.anchor = pos
 
-    def _resync(self, output: list[int]) -> int | None:
-        """Where the prediction continues the output's last tokens, if anywhere."""
+    def _use(self, p: int) -> int:
+        """Prediction token `p` appears in the completion: 1 the first time, 0 after."""
+        if self.used[p]:
+            return 0
+        self.used[p] = 1
+        self.num_used += 1
+        return 1
+
+    def _resync(self, output: list[int]) -> tuple[int, int] | None:
+        """(where the prediction continues the output's last tokens, how many of those
+        tokens matched there), if anywhere."""
         packed, anchor = self._packed, self.anchor * 4
         tail = array("i", output[-RESYNC_MAX_N:]).tobytes()
         for n in range(min(RESYNC_MAX_N, len(output)), RESYNC_MIN_N - 1, -1):
@@ -110,9 +134,9 @@ class PredictionDrafter:
             if at < 0:
                 at = self._find(pattern, 0, anchor + len(pattern) - 4)
             if at >= 0:
-                return at // 4 + n
+                return at // 4 + n, n
         at = self._find(tail[-4:], anchor, min(len(packed), anchor + 4 * NEAR_WINDOW))
-        return at // 4 + 1 if at >= 0 else None
+        return (at // 4 + 1, 1) if at >= 0 else None
 
     def _find(self, pattern: bytes, start: int, stop: int) -> int:
         """Byte offset of the first id-aligned occurrence of `pattern` in [start, stop), or -1."""

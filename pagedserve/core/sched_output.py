@@ -106,8 +106,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # A finished pooling request's result (the runner's float32 tensor; core only carries it).
     pooling_output: Any = None
-    # A request with a predicted output: (its drafts accepted, rejected) so far, and how
-    # many of this step's first tokens are accepted drafts of its prediction (a stop string
-    # cutting them off moves them to rejected: output_processor).
+    # A request with a predicted output: OpenAI's (accepted, rejected) prediction tokens so
+    # far, and per token of this step whether it matched a prediction token (a stop string
+    # cutting it off moves it to rejected: output_processor).
     prediction_counts: tuple[int, int] | None = None
-    num_predicted: int = 0
+    predicted: bytes = b""

@@ -451,9 +451,8 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or not takes_sample(request, scheduler_output):
                 continue  # finished or aborted since, or an older request's token
-            predicted = 0  # accepted drafts of the prediction: this step's first tokens
             if drafts_of and token_ids and req_id in drafts_of:
-                predicted = self._settle_drafts(request, len(drafts_of[req_id]), len(token_ids) - 1)
+                self._settle_drafts(request, len(drafts_of[req_id]), len(token_ids) - 1)
             if not token_ids:
                 status = _ERROR
                 request.stop_reason = invalid_req_ids.get(req_id)
@@ -476,7 +475,7 @@ class Scheduler:
                 out = EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
                                        request.stop_reason, request.num_cached_tokens)
             if request.prediction is not None:
-                out.num_predicted = request.prediction.keep(predicted, len(token_ids))
+                out.predicted = request.prediction.keep(request.output_token_ids, len(token_ids))
                 out.prediction_counts = request.prediction.counts
             append_output(out)
         if any_running_finished:
@@ -484,11 +483,10 @@ class Scheduler:
         self._end_update()
         return outputs
 
-    def _settle_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> int:
+    def _settle_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """The runner verified `num_drafted` drafts and accepted the first `num_accepted`
         (it returns those plus one token of its own).  The step counted every draft as
-        computed: the rejected ones' KV slots are taken back, to be overwritten.  Returns
-        how many accepted drafts were the request's prediction's."""
+        computed: the rejected ones' KV slots are taken back, to be overwritten."""
         request.num_computed_tokens -= num_drafted - num_accepted
         self.spec_stats.observe(num_drafted, num_accepted)
         prediction = request.prediction
@@ -496,10 +494,8 @@ class Scheduler:
             request.max_draft_tokens = self.drafter.next_num_drafts(num_drafted, num_accepted)
         elif prediction.proposed:
             prediction.settle(num_drafted, num_accepted)
-            return num_accepted
         else:
             request.max_draft_tokens = self.prompt_lookup.next_num_drafts(num_drafted, num_accepted)
-        return 0
 
     @staticmethod
     def _advance(request: Request, tok: int) -> RequestStatus | None:

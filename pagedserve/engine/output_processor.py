@@ -51,8 +51,8 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: Any = None  # a pooling request's result, once its prompt is computed
-    # A predicted output's drafts (accepted, rejected) so far, and per output token whether
-    # it is an accepted draft of the prediction (1) or not (0); None without a prediction.
+    # A predicted output's (accepted, rejected) prediction tokens so far (OpenAI's), and per
+    # output token whether it matched a prediction token (1) or not (0); None without one.
     prediction_counts: tuple[int, int] | None = None
     predicted: bytearray | None = None
     # What previous DELTA outputs already handed out.
@@ -216,8 +216,8 @@ class OutputProcessor:
         metrics.last_token_time = now
         self.num_generation_tokens += len(new_ids)
         state.output_token_ids.extend(new_ids)
-        if state.predicted is not None:  # (the step's first tokens are its accepted drafts)
-            state.predicted += bytes([1]) * out.num_predicted + bytes(len(new_ids) - out.num_predicted)
+        if state.predicted is not None:  # (per token: whether it matched a prediction token)
+            state.predicted += out.predicted.ljust(len(new_ids), b"\0")
         if state.logprobs is not None and out.request_id in logprobs:
             self._append_logprobs(state, new_ids, logprobs[out.request_id])
 
@@ -250,7 +250,7 @@ class OutputProcessor:
         del state.output_token_ids[-extra:]
         self.num_generation_tokens -= extra
         if state.predicted is not None and state.prediction_counts is not None:
-            # Accepted drafts past the stop string are not in the completion: rejected (OpenAI's
+            # Matched tokens past the stop string are not in the completion: rejected (OpenAI's
             # accepted tokens appear in it; the engine counted them before the string was seen).
             cut = sum(state.predicted[-extra:])
             del state.predicted[-extra:]

@@ -23,14 +23,14 @@ def test_aligned_output_proposes_what_follows_and_advances() -> None:
     d.settle(15, 15)
     assert d.propose(PRED[:32]) == PRED[32:40]  # the prediction's tail, shorter than the limit
     assert d.propose(PRED) == []  # used up
-    assert d.counts == (30, 0)
+    assert d.counts == (40, 0)  # (OpenAI's: every prediction token appears in the completion)
 
 
 def test_a_miss_shrinks_the_next_drafts_and_a_full_hit_restores_them() -> None:
     d = PredictionDrafter(PRED)
     d.propose([])
     d.settle(15, 3)
-    assert d.num_drafts == 4 and d.counts == (3, 12)
+    assert d.num_drafts == 4 and d.counts == (0, 40)  # (verdicts size drafts; tokens count once walked)
     assert len(d.propose(PRED[:4])) == 4
     d.settle(4, 4)
     assert d.num_drafts == MAX_SPECULATIVE_TOKENS
@@ -95,4 +95,29 @@ def test_proposals_are_always_a_contiguous_slice_of_the_prediction(pred, outputs
             accepted = min(verdicts[i], len(drafts))
             d.settle(len(drafts), accepted)
     accepted, rejected = d.counts
-    assert accepted >= 0 and rejected >= 0
+    assert accepted >= 0 and rejected >= 0 and accepted + rejected == len(pred)
+    assert accepted <= seen  # (each matched prediction token is an output token's)
+
+
+def test_usage_counts_the_predictions_tokens_that_appear_in_the_completion() -> None:
+    """OpenAI's accepted_prediction_tokens: the prediction's tokens that appear in the
+    completion; rejected: the others.  They were draft verdicts: the first token and each
+    bonus token never counted, and a prediction never drafted counted nowhere (an unrelated
+    one reported 0 / 0, as an empty one)."""
+    def usage(pred: list[int], out: list[int], step: int = 3) -> tuple[int, int]:
+        d = PredictionDrafter(pred)
+        matched = b""
+        for end in range(step, len(out) + step, step):
+            kept = out[:end]
+            matched += d.keep(kept, len(kept) - len(matched))
+        assert sum(matched) == d.counts[0]
+        return d.counts
+
+    assert usage(PRED, PRED) == (40, 0)  # the answer itself
+    assert usage(PRED, list(range(500, 530))) == (0, 40)  # unrelated
+    assert usage(PRED * 5, PRED) == (40, 160)  # five times the answer: four copies unused
+    assert usage(PRED, PRED[:20]) == (20, 20)  # the answer stopped halfway
+    renamed = PRED[:10] + [999] + PRED[11:]
+    accepted, rejected = usage(PRED, renamed)
+    assert (accepted, rejected) == (39, 1)  # (the renamed token alone: those after it re-found the place)
+    assert usage([], [1, 2, 3]) == (0, 0)

@@ -94,5 +94,7 @@ def test_accepted_prediction_tokens_are_in_the_completion_whatever_stops_it(tmp_
         got = llm.generate([prompt], SamplingParams(**base, prediction=ids), use_tqdm=False)[0].outputs[0]
         assert (got.text, list(got.token_ids)) == (plain.text, list(plain.token_ids)), name
         assert len(got.token_ids) < len(ids), name  # (it did stop early)
-        # (the first token is the prompt's: never a draft)
-        assert 0 < got.accepted_prediction_tokens < len(got.token_ids), (name, got.accepted_prediction_tokens)
+        # every token of the completion is the prediction's (the first and bonus ones too);
+        # the prediction's tokens past the stop are rejected
+        assert (got.accepted_prediction_tokens, got.rejected_prediction_tokens) == (
+            len(got.token_ids), len(ids) - len(got.token_ids)), name
