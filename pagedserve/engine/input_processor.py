@@ -56,7 +56,7 @@ from pagedserve.engine.special_text import hide_special_text
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
-from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image
+from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image, upright_size
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.request_limits import MAX_CACHE_SALT_CHARS
@@ -294,7 +294,7 @@ class InputProcessor:
         opened = [open_image(source, self.media_policy, param, deadline) for source in sources]
         for image in opened:  # (an image that can never fit costs no decoding)
             try:
-                rows = self.image_prompts.embeds_for_size(image.width, image.height)
+                rows = self.image_prompts.embeds_for_size(*upright_size(image))
             except ValueError as e:
                 raise ImageInputError(f"the image is {image.width}x{image.height} pixels: {e}", param=param) from None
             self.check_encoder_rows(rows)

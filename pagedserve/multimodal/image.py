@@ -154,6 +154,29 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str = "image") -> Any:
     return decode(_open_encoded(data, policy, param), param)
 
 
+# In an image's `info`: this module opened it from encoded bytes, so its EXIF orientation
+# applies (a phone stores a portrait photo sideways with an orientation tag: the model saw
+# it sideways; transformers' load_image turns it too).  A caller's PIL image stands as it is.
+_OPENED_HERE = "pagedserve_opened"
+_QUARTER_TURNS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def _orientation(image: Any) -> int:
+    """Its EXIF orientation (1: upright; also for an unreadable tag, as viewers take it)."""
+    if not image.info.get(_OPENED_HERE):
+        return 1
+    try:
+        turn = image.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - malformed EXIF: shown as stored
+        return 1
+    return turn if isinstance(turn, int) and 1 <= turn <= 8 else 1
+
+
+def upright_size(image: Any) -> tuple[int, int]:
+    """(width, height) of an opened image as decode() will give it: turned upright."""
+    return (image.height, image.width) if _orientation(image) in _QUARTER_TURNS else (image.width, image.height)
+
+
 def _open_encoded(data: bytes, policy: MediaPolicy, param: str) -> Any:
     from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
@@ -181,16 +204,21 @@ def _open_encoded(data: bytes, policy: MediaPolicy, param: str) -> Any:
         image.seek(0)  # an animated GIF or WebP: its first frame
     except Exception as e:  # a frame table PIL cannot follow
         raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
+    image.info[_OPENED_HERE] = True
     return image
 
 
 def decode(image: Any, param: str = "image") -> Any:
-    """An opened image decoded (a PIL image of the caller's: its current frame), as RGB
-    (no copy where it is RGB already).  Transparency lies on white, as HF's processors
+    """An opened image decoded (a PIL image of the caller's: its current frame), upright
+    (upright_size), as RGB (no copy where it is RGB already).  Transparency lies on white, as HF's processors
     (`convert_to_rgb`) and vLLM put it: PIL's own conversion drops the alpha channel and
     shows whatever colour the transparent pixels hold (black, often), another picture."""
     try:
         image.load()
+        if _orientation(image) != 1:
+            from PIL import ImageOps
+
+            image = ImageOps.exif_transpose(image)
     except Exception as e:  # truncated or corrupt pixel data
         raise _error(f"the image data is corrupt ({type(e).__name__}: {e})", param) from None
     if image.mode == "RGB":
@@ -230,10 +258,14 @@ def _read_data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     # Base64 needs 4 characters per 3 bytes: a longer payload is over the limit undecoded.
     if len(payload) > (policy.max_bytes + 2) // 3 * 4 + 4:
         raise _error(f"the image is more than the limit of {policy.max_bytes} bytes", param)
+    # Line-wrapped base64 (the `base64` tool's 76-column output, MIME's) and the URL-safe
+    # alphabet are base64 too; unpadded, it is padded.
+    payload = "".join(payload.split()).replace("-", "+").replace("_", "/")
     try:
-        return base64.b64decode(payload.strip(), validate=True)
+        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
     except (binascii.Error, ValueError):
-        raise _error("the image's base64 data is invalid", param) from None
+        raise _error("the image's base64 data is invalid (base64's characters, 4 for every 3 bytes)",
+                     param) from None
 
 
 def _host_allowed(host: str, domains: Sequence[str]) -> bool:

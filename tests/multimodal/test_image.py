@@ -12,7 +12,15 @@ import pytest
 from PIL import Image as PIL
 
 from pagedserve.errors import ImageInputError
-from pagedserve.multimodal.image import MediaPolicy, decode_image, load_image, read_url
+from pagedserve.multimodal.image import (
+    MediaPolicy,
+    decode,
+    decode_image,
+    load_image,
+    open_image,
+    read_url,
+    upright_size,
+)
 
 
 def encoded(fmt: str, size: tuple[int, int] = (20, 10), frames: int = 1) -> bytes:
@@ -52,6 +60,39 @@ def test_each_format_loads_as_rgb(fmt: str) -> None:
 def test_an_animated_gif_gives_its_first_frame() -> None:
     image = decode_image(encoded("GIF", frames=3), MediaPolicy())
     assert image.size == (20, 10) and image.getpixel((0, 0))[0] == 0
+
+
+def test_a_photo_stored_sideways_is_turned_upright_by_its_exif_orientation() -> None:
+    """A phone stores a portrait photo landscape with Orientation 6 (rotate 90 degrees
+    clockwise to view): the model saw it sideways; transformers' load_image turns it."""
+    from PIL import ImageOps
+
+    stored = PIL.new("RGB", (60, 30), (200, 10, 10))
+    stored.paste((10, 10, 200), (0, 0, 10, 30))  # a blue band on the stored image's left
+    exif = PIL.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    stored.save(buf, format="JPEG", exif=exif, quality=95)
+    image = load_image(data_url(buf.getvalue(), "image/jpeg"), MediaPolicy())
+    assert image.size == (30, 60)  # upright: portrait
+    reference = ImageOps.exif_transpose(PIL.open(io.BytesIO(buf.getvalue()))).convert("RGB")
+    assert list(image.getdata()) == list(reference.getdata())
+    # the size a prompt's image rows are counted from, before decoding, is the upright one
+    opened = open_image(buf.getvalue(), MediaPolicy())
+    assert opened.size == (60, 30) and upright_size(opened) == (30, 60) == decode(opened).size
+    # a caller's PIL image stands as it is (as vLLM takes one)
+    own = PIL.open(io.BytesIO(buf.getvalue()))
+    assert upright_size(own) == (60, 30) == decode(own).size
+
+
+def test_base64_as_tools_and_clients_write_it_is_read() -> None:
+    """Line-wrapped (the base64 tool's and MIME's 76 columns), URL-safe or unpadded
+    base64 is the same image (each was "the image's base64 data is invalid")."""
+    data = noise_png()
+    plain = base64.b64encode(data).decode()
+    for payload in (base64.encodebytes(data).decode(), base64.urlsafe_b64encode(data).decode(), plain.rstrip("=")):
+        image = load_image(f"data:image/png;base64,{payload}", MediaPolicy())
+        assert image.tobytes() == PIL.open(io.BytesIO(data)).convert("RGB").tobytes()
 
 
 @pytest.mark.parametrize("source, match", [
