@@ -87,8 +87,9 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
                 record_startup("attention kernel", time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the torch path still works
                 msg = str(e).strip().splitlines()
-                logger.warning("CPU attention kernel unavailable, using the torch path (%s: %s)",
-                               type(e).__name__, msg[-1] if msg else "")
+                logger.warning("CPU attention kernel unavailable, using the torch path (%s: %s); it attends prompt "
+                               "rows on blocked paths, so answers can depend on chunking and batching "
+                               "(exact_prompt_attention needs the kernel)", type(e).__name__, msg[-1] if msg else "")
             _state["fn"] = fn
     return _state["fn"]  # type: ignore[return-value]
 

@@ -106,10 +106,10 @@ _HELP = {
     "router_balance_rel_threshold": "cache_aware: the relative half of the imbalance test above (default: 1.5)",
     "chat_template": "Jinja chat template, or a path to a file holding one",
     "attention_backend": "attention implementation (default: the best for the device)",
-    "exact_prompt_attention": "attend every prompt token as a one-token decode step would (CPU decode kernel), "
-                              "so answers do not depend on chunking, batching or prefix-cache hits; "
-                              "--no-exact-prompt-attention: the blocked prefill paths (SDPA, oneDNN), whose "
-                              "rounding can change answers (slower on the CPUs measured: docs/performance.md)",
+    "exact_prompt_attention": "attend every prompt token as a one-token decode step would (cpu_paged's decode "
+                              "kernel; torch_paged has none), so answers do not depend on chunking, batching or "
+                              "prefix-cache hits; --no-exact-prompt-attention: the blocked prefill paths (SDPA, "
+                              "oneDNN), whose rounding can change answers (slower on the CPUs measured)",
     "enable_chunked_prefill": "split long prompts over several steps",
     "scheduling_policy": "fcfs or priority",
     "trust_remote_code": "allow custom code from the model directory",

@@ -3,14 +3,18 @@
 The layers (RMSNorm, SiluAndMul, rotary's q/k) ask `kernels_for(x)` and call the
 kernel set it names, or their own torch ops on None.  Both kernel sets have one
 interface (`FusedKernels`: rms_norm, norm_rope, silu_and_mul) and round where the
-torch ops round:
+torch ops round (a reduction's order aside: see the C++ set):
   * CUDA tensors, where triton is installed: layers/triton_fused.py.  There the unfused
     elementwise ops are a fifth of a decode step.
   * float32, bfloat16 and float16 CPU tensors: layers/cpu_fused.py (C++), unless a
     torch.compile trace is running (inductor fuses the torch ops itself, and its graph
     must not change).  On a small model the unfused ops' dispatch is most of an eager
     step.  In float32 the kernels differ from the torch ops only in the order of a row's
-    sum of squares and in exp's last bits (within float32 noise of HF's logits).
+    sum of squares and in exp's last bits (within float32 noise of HF's logits).  In
+    16-bit dtypes that order can move a norm's output by one rounding step, so where two
+    tokens nearly tie a greedy answer can differ from the torch ops' (the kernels are the
+    default and what the answers are tested as; PAGEDSERVE_FUSED_KERNELS=0 and a machine
+    without a compiler run the torch ops, and say so).
 Gemma's layers (GemmaRMSNorm, GeluTanhAndMul, its q/k norms) ask `gemma_kernels_for`:
 only the C++ set has their kernels (`GemmaKernels`), so CUDA runs their torch ops.
 Triton is not imported for CPU tensors: importing it fixes interpreted or compiled mode
@@ -121,7 +125,9 @@ def _cpu() -> GemmaKernels | None:
 
     error = cpu_fused.fused_kernel_error()
     if error is not None:
-        logging.getLogger("pagedserve").warning("fused CPU kernels unavailable, the layers run their torch ops "
-                                                "(%s)", error)
+        logging.getLogger("pagedserve").warning(
+            "fused CPU kernels unavailable, the layers run their torch ops (%s); in 16-bit dtypes their norms round "
+            "a sum differently, so greedy answers can differ from a machine that builds the kernels at near-ties",
+            error)
     return cpu_fused if error is None else None
 
