@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.platforms import is_cpu, is_cuda
+
+logger = logging.getLogger(__name__)
 
 # name -> "module:Class"; imported lazily so that a missing optional dependency
 # (triton) only matters when that backend is asked for.
@@ -37,6 +40,9 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> type[Atten
         return _load("cpu_paged" if is_cpu(device) else "torch_paged")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(sorted(BACKENDS))}")
+    if name == "torch_paged" and is_cpu(device):
+        logger.warning("attention backend torch_paged attends prompt rows on blocked paths: answers can depend on "
+                       "chunking and batching (cpu_paged, the default on CPU, attends them as decode rows)")
     try:
         return _load(name)
     except ImportError as e:
