@@ -21,6 +21,31 @@ INCLUDE_WITHOUT_EFFECT = ("reasoning.encrypted_content", "file_search_call.resul
                           "computer_call_output.output.image_url", "message.input_image.image_url")
 
 
+# vLLM's extra fields of its Responses request that chat's handler does: passed on as they are.
+VLLM_CHAT_FIELDS = ("seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority",
+                    "cache_salt", "structured_outputs", "min_tokens", "stop_token_ids", "bad_words")
+# ...and those asking for what this server does not do, refused by name when set.
+VLLM_REFUSED = {"request_id": "a response's id is the server's (it keys the response store)",
+                "kv_transfer_params": "this server does no disaggregated prefill",
+                "enable_response_messages": "answers carry output items only"}
+# Chat Completions' names, which the Responses API spells otherwise: refused by name with
+# the field to use (OpenAI answers "Unsupported parameter"; a client ported from chat sent
+# max_tokens, and its answer ran to the end of the context).
+CHAT_ONLY_FIELDS = {
+    "max_tokens": "the Responses API's limit is max_output_tokens",
+    "max_completion_tokens": "the Responses API's limit is max_output_tokens",
+    "response_format": "the Responses API's is text.format",
+    "messages": "the Responses API takes input (and instructions)",
+    "n": "a response has one output",
+    "logprobs": "the Responses API asks for them with include (output text logprobs: not served here)",
+    "functions": "the Responses API takes tools",
+    "function_call": "the Responses API takes tool_choice",
+}
+# The extra fields this route reads or refuses itself (any other is logged as unknown).
+RESPONSES_EXTRA_FIELDS = frozenset(VLLM_CHAT_FIELDS) | frozenset(VLLM_REFUSED) | frozenset(CHAT_ONLY_FIELDS)
+
+
 class ResponsesRequest(OpenAIRequestBody):
     """POST /v1/responses (entrypoints/openai/serving_responses.py translates it)."""
 

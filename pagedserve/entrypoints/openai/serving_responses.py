@@ -37,7 +37,14 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     refuse_unsupported_fields,
     renamed_text,
 )
-from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest, object_id
+from pagedserve.entrypoints.openai.protocol_responses import (
+    CHAT_ONLY_FIELDS,
+    RESPONSES_EXTRA_FIELDS,
+    VLLM_CHAT_FIELDS,
+    VLLM_REFUSED,
+    ResponsesRequest,
+    object_id,
+)
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, input_items
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import CONTEXT_LENGTH_EXCEEDED, OpenAIError, PreparedRequest
@@ -45,14 +52,6 @@ from pagedserve.errors import InvalidRequestError
 
 # Chat's names for fields whose Responses names differ.
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
-# vLLM's extra fields of its Responses request that chat's handler does: passed on as they are.
-VLLM_CHAT_FIELDS = ("seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority",
-                    "cache_salt", "structured_outputs", "min_tokens", "stop_token_ids", "bad_words")
-# ...and those asking for what this server does not do, refused by name when set.
-VLLM_REFUSED = {"request_id": "a response's id is the server's (it keys the response store)",
-                "kv_transfer_params": "this server does no disaggregated prefill",
-                "enable_response_messages": "answers carry output items only"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -211,7 +210,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     try:
         req.check_openai_fields()
         req.check_include()
-        refuse_unsupported_fields(req.model_extra, VLLM_REFUSED)
+        refuse_unsupported_fields(req.model_extra, {**VLLM_REFUSED, **CHAT_ONLY_FIELDS})
         check_metadata(req.metadata)
         for name, keys in _HINTS.items():
             check_object_hint(name, getattr(req, name), keys, _REFUSED_HINTS)
@@ -320,7 +319,7 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
 
 
 @dataclass
-class _Output:
+class ResponseOutput:
     """What one response holds so far: its output items and usage."""
 
     reasoning: str = ""
@@ -349,13 +348,16 @@ class _Output:
         return "incomplete" if self.finish_reason == "length" else "completed"
 
     def items(self, done: bool = True) -> list[dict[str, Any]]:
-        status = self.done_status() if done else "in_progress"
+        """The output items; done, all completed but the last, which max_output_tokens may cut."""
+        status = "completed" if done else "in_progress"
         out: list[dict[str, Any]] = []
         if self.reasoning:
             out.append(self.reasoning_item(status))
         if self.text:
             out.append(self.message_item(status))
         out += [self.call_item(i, status) for i in range(len(self.calls))]
+        if done and out:
+            out[-1]["status"] = self.done_status()
         return out
 
     def reasoning_item(self, status: str) -> dict[str, Any]:
@@ -380,7 +382,7 @@ class OpenAIServingResponses:
         self.store = store
 
     def warn_unknown_fields(self, req: ResponsesRequest) -> None:
-        self.chat.warn_unknown_fields(req)
+        self.chat.warn_unknown_fields(req, known=RESPONSES_EXTRA_FIELDS)
 
     def prepare(self, req: ResponsesRequest) -> PreparedResponse:
         chat_request, conversation = to_chat_request(req, self.store)
@@ -442,7 +444,11 @@ class OpenAIServingResponses:
             raise _renamed(e) from None
         return object_id("resp"), streams
 
-    def response(self, response_id: str, prep: PreparedResponse, created: float, out: _Output,
+    def reasoning_tokens(self, reasoning: str | None) -> int:
+        """The tokens of the reasoning a --reasoning-parser split off (its text's, tokenized)."""
+        return len(self.chat.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+
+    def response(self, response_id: str, prep: PreparedResponse, created: float, out: ResponseOutput,
                  done: bool = True) -> dict[str, Any]:
         """The response object (OpenAI's `Response`) for what `out` holds."""
         req = prep.request
@@ -451,7 +457,8 @@ class OpenAIServingResponses:
         if out.usage is not None:
             cached = (out.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             usage = {"input_tokens": out.usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-                     "output_tokens": out.usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": out.usage["completion_tokens"],
+                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(out.reasoning)},
                      "total_tokens": out.usage["prompt_tokens"] + out.usage["completion_tokens"]}
         status = ("incomplete" if incomplete else "completed") if done else "in_progress"
         return {
@@ -468,7 +475,7 @@ class OpenAIServingResponses:
             "truncation": req.truncation or "disabled",
         }
 
-    def finished(self, prep: PreparedResponse, response: dict[str, Any], out: _Output) -> dict[str, Any]:
+    def finished(self, prep: PreparedResponse, response: dict[str, Any], out: ResponseOutput) -> dict[str, Any]:
         """Keep a finished response (when the store is on and the request allows it)."""
         if prep.store and self.store is not None:
             self.store.put(response, [*prep.conversation, out.chat_message()], input_items(prep.request))
@@ -479,7 +486,7 @@ class OpenAIServingResponses:
         created = time.time()
         r: ChatCompletionResponse = await self.chat.full(prep.chat_request, prep.prepared, response_id, streams)
         (choice,) = r.choices
-        out = _Output(reasoning=choice.message.reasoning_content or "", text=choice.message.content or "",
+        out = ResponseOutput(reasoning=choice.message.reasoning_content or "", text=choice.message.content or "",
                       calls=[{"call_id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                              for c in choice.message.tool_calls or []],
                       finish_reason=choice.finish_reason, usage=r.usage.model_dump())
@@ -505,7 +512,7 @@ class _EventWriter:
     def __init__(self, serving: OpenAIServingResponses, response_id: str, prep: PreparedResponse) -> None:
         self.serving, self.response_id, self.prep = serving, response_id, prep
         self.created = time.time()
-        self.out = _Output()
+        self.out = ResponseOutput()
         self.sequence = 0
         self.open: str | None = None  # "reasoning", "message" or "function_call"
         self.index = -1  # the open item's output_index

@@ -119,6 +119,12 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
     ({"extra_body": {"request_id": "mine"}}, "request_id"), ({"extra_body": {"kv_transfer_params": {}}},
                                                              "kv_transfer_params"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),  # (OpenAI's bounds, as on chat)
+    # Chat Completions' names (OpenAI: "Unsupported parameter"; max_tokens was ignored, the answer ran on)
+    ({"extra_body": {"max_tokens": 3}}, "max_tokens"), ({"extra_body": {"max_completion_tokens": 3}},
+                                                         "max_completion_tokens"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"n": 2}}, "n"), ({"extra_body": {"logprobs": True}}, "logprobs"),
+    ({"extra_body": {"messages": [{"role": "user", "content": "hi"}]}}, "messages"),
     # OpenAI's rules on tools and formats (each was accepted)
     ({"tools": [WEATHER, WEATHER]}, "tools"), ({"tools": [{**WEATHER, "name": "bad name!"}]}, "tools"),
     ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools"), ({"tools": [{"type": "function"}]}, "tools"),
@@ -182,7 +188,7 @@ def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server) -> None:
     assert len(seen) == 1 and result.final_output == f"sunny in {seen[0]}"
 
 
-def test_vllms_sampling_fields_reach_the_answer(client) -> None:
+def test_vllms_sampling_fields_reach_the_answer(client, server) -> None:
     """vLLM's Responses fields that chat's handler does (seed, stop, top_k, ...) are passed on
     (they were logged as unknown and ignored: a seeded answer differed each time)."""
     ask = {"model": MODEL_NAME, "input": ASK, "max_output_tokens": 12}
@@ -192,6 +198,8 @@ def test_vllms_sampling_fields_reach_the_answer(client) -> None:
     word = whole.split()[1]
     stopped = client.responses.create(**ask, temperature=0, extra_body={"stop": [word]}).output_text
     assert stopped == whole[: whole.index(word)], (whole, stopped)
+    warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
+    assert not any("'seed'" in line or "'stop'" in line for line in warned)  # (used: not "unknown")
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{**ask, "max_output_tokens": 0})
     assert e.value.body["param"] == "max_output_tokens" and e.value.body["message"].startswith("max_output_tokens ")
@@ -215,3 +223,16 @@ def test_truncation_auto_drops_the_first_items_until_the_conversation_fits(clien
     assert e.value.body["code"] == "context_length_exceeded" and " characters, more than " in e.value.body["message"]
     r = client.responses.create(model=MODEL_NAME, input=many, max_output_tokens=8, truncation="auto", temperature=0)
     assert r.truncation == "auto" and 100 < r.usage.input_tokens <= 256 - 8
+
+
+def test_only_the_item_max_output_tokens_cut_is_incomplete() -> None:
+    """Calls finished before the cut are completed, as the stream closed them (the final
+    response marked every item incomplete, and a client skipping those dropped whole calls)."""
+    from pagedserve.entrypoints.openai.serving_responses import ResponseOutput
+
+    out = ResponseOutput(text="Let me check.", finish_reason="length",
+                         calls=[{"call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(3)])
+    assert [item["status"] for item in out.items()] == ["completed"] * 3 + ["incomplete"]
+    out.finish_reason = "stop"
+    assert [item["status"] for item in out.items()] == ["completed"] * 4
+    assert [item["status"] for item in out.items(done=False)] == ["in_progress"] * 4

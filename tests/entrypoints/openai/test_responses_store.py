@@ -76,6 +76,18 @@ def test_stored_responses_are_retrieved_and_continued() -> None:
         with pytest.raises(openai.BadRequestError) as bad:  # a query parameter is named as such (was "query")
             await client.responses.input_items.list(many.id, limit=0)
         assert bad.value.body["param"] == "limit", bad.value.body
+        # include takes what POST accepts without effect, on both GETs; anything else is refused
+        # (retrieve refused every include; input_items ignored any value and any parameter)
+        fine = ["reasoning.encrypted_content"]
+        assert (await client.responses.retrieve(first.id, include=fine)).id == first.id
+        assert (await client.responses.input_items.list(many.id, include=fine)).data
+        for call in (client.responses.retrieve(first.id, include=["bogus"]),
+                     client.responses.input_items.list(many.id, include=["bogus"])):
+            with pytest.raises(openai.BadRequestError) as bad:
+                await call
+            assert bad.value.body["param"] == "include", bad.value.body
+        with pytest.raises(openai.BadRequestError, match="unsupported query parameter"):
+            await client.responses.input_items.list(many.id, extra_query={"foo": "1"})
         # A stored response is returned whole: asking for it streamed is refused by name
         with pytest.raises(openai.BadRequestError, match="stream=true"):
             [e async for e in await client.responses.retrieve(first.id, stream=True)]

@@ -10,7 +10,7 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedserve.entrypoints.openai.protocol_responses import INCLUDE_WITHOUT_EFFECT, ResponsesRequest
 from pagedserve.entrypoints.openai.routers.generation import generate
 from pagedserve.entrypoints.openai.server_state import ServerState, ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
@@ -38,16 +38,28 @@ def stored_response(state: ServerState, response_id: str) -> dict:
     return found[0]
 
 
+def check_query(request: Request, known: set[str]) -> None:
+    """A GET's query parameters: `include` (the openai client sends `include[]`) takes the
+    values POST accepts without effect (others refused, as there); any other parameter
+    than `known` is refused by name, never ignored."""
+    query = request.query_params
+    included = query.getlist("include[]") + query.getlist("include")
+    bad = [value for value in included if value not in INCLUDE_WITHOUT_EFFECT]
+    if bad:
+        raise OpenAIError(f"include value {bad[0][:100]!r} is not supported here (this server keeps no extra output "
+                          f"to include; accepted without effect: {', '.join(INCLUDE_WITHOUT_EFFECT)})",
+                          param="include")
+    refused = sorted(set(query) - known - {"include", "include[]"})
+    if refused:
+        raise OpenAIError(f"unsupported query parameter(s) {', '.join(refused)[:200]}", param=refused[0][:100])
+
+
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request, state: ServerStateDep) -> JSONResponse:
-    query = request.query_params
-    if query.get("stream", "false").lower() != "false":
+    if request.query_params.get("stream", "false").lower() != "false":
         raise OpenAIError("stream=true is not supported here: a stored response is returned whole (it finished "
                           "before it was stored)", param="stream")
-    refused = sorted(set(query) - {"stream"})
-    if refused:
-        raise OpenAIError(f"unsupported query parameter(s) {', '.join(refused)[:200]} (this server keeps no extra "
-                          "output to include, and returns a stored response whole)", param=refused[0][:100])
+    check_query(request, {"stream"})
     return JSONResponse(stored_response(state, response_id))
 
 
@@ -60,9 +72,11 @@ async def delete_response(response_id: str, state: ServerStateDep) -> JSONRespon
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, state: ServerStateDep, limit: int = Query(20, ge=1, le=100),
-                           order: Literal["asc", "desc"] = "desc", after: str | None = None) -> JSONResponse:
+async def list_input_items(response_id: str, request: Request, state: ServerStateDep,
+                           limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
+                           after: str | None = None) -> JSONResponse:
     """A stored response's input items, OpenAI's list page (`after`: the id the page starts after)."""
+    check_query(request, {"limit", "order", "after"})
     stored_response(state, response_id)
     assert state.responses_store is not None
     items = state.responses_store.input_items(response_id) or []
