@@ -25,13 +25,59 @@ XGRAMMAR_IGNORES = ("allOf", "not", "if", "then", "else", "uniqueItems", "contai
 XGRAMMAR_FORMATS = ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                     "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer")
 # Keywords whose value holds one subschema / a list of them / a name -> subschema map.
-_ONE, _MANY, _MAP = ("items", "additionalProperties", "propertyNames"), ("prefixItems", "anyOf", "oneOf"), \
-    ("properties", "patternProperties", "$defs", "definitions")
-# A pattern's counted repetition compiles in time growing with the square of its count
-# (10,000: 8.7 s; 20,000: 40 s, on a Zen 5): larger counts are refused.
+_ONE = ("items", "additionalProperties", "propertyNames", "additionalItems", "contentSchema")
+_MANY, _MAP = ("prefixItems", "anyOf", "oneOf"), ("properties", "patternProperties", "$defs", "definitions")
+# A regex's counted repetitions, nested ones multiplied ((.{0,1000}){0,300}: 300,000), at
+# most this many: xgrammar compiles a count in time growing with its square (10,000: 8.7
+# s; 20,000: 40 s, on a Zen 5), and a nested pair's token masks grew slower with every
+# token (the 6th took 50 s on the engine thread, every other request waiting).
 MAX_PATTERN_REPEAT = 1000
-_COUNTS = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def repetition_product(regex: str) -> int:
+    """The largest product of counted repetitions ({m}, {m,n}, {m,}: their largest count)
+    nested in `regex`, 1 for none: what its automaton holds, a few states each.  Escapes
+    and character classes are stepped over; a regex this misreads is the compiler's to
+    refuse."""
+    stack = [1]  # the largest product inside each open group (the last: the innermost)
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            inner = 1
+        elif c == "[":
+            i = regex.find("]", i + 2 if regex[i + 1:i + 2] in ("]", "^") else i + 1)
+            i = n if i < 0 else i + 1
+            inner = 1
+        elif c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            inner = stack.pop()
+            i += 1
+        else:
+            i += 1
+            inner = 1
+        count = _COUNT.match(regex, i)
+        if count is not None:
+            low, high = count.groups()
+            inner *= max(int(low), int(high) if high else 0)
+            i = count.end()
+        stack[-1] = max(stack[-1], inner)
+    return max(stack)
+
+
+def check_regex(regex: str, what: str) -> None:
+    """ValueError where xgrammar would take `regex` (a pattern, a regex request) in
+    unbounded time: nested counts past MAX_PATTERN_REPEAT."""
+    product = repetition_product(regex)
+    if product > MAX_PATTERN_REPEAT:
+        raise ValueError(f"{what}: its counted repetitions, nested ones multiplied, come to {product}, more than the "
+                         f"{MAX_PATTERN_REPEAT} the xgrammar backend compiles and masks in bounded time")
 
 
 def tag_schemas(tag: Any) -> list[Any]:
@@ -40,7 +86,7 @@ def tag_schemas(tag: Any) -> list[Any]:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            if node.get("type") in ("json_schema", "qwen_xml_parameter") and isinstance(node.get("json_schema"), dict):
                 found.append(node["json_schema"])
             stack += [v for k, v in node.items() if k != "json_schema" and isinstance(v, (dict, list))]
         elif isinstance(node, list):
@@ -72,10 +118,7 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         if isinstance(pattern, str):
             if any(look in pattern for look in _LOOKAROUND):
                 raise ValueError(f"{at}: the xgrammar backend drops a pattern's look-around")
-            counts = [int(n) for m in _COUNTS.finditer(pattern) for n in m.groups() if n]
-            if counts and max(counts) > MAX_PATTERN_REPEAT:
-                raise ValueError(f"{at}: a pattern's repetition count of {max(counts)} is more than the "
-                                 f"{MAX_PATTERN_REPEAT} the xgrammar backend compiles in bounded time")
+            check_regex(pattern, f"{at}.pattern")
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
             raise ValueError(f"{at}: $ref {ref[:60]!r} is outside the schema (only '#...' refs are resolved)")
@@ -124,6 +167,7 @@ class XgrammarBackend:
             if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
+                check_regex(spec, "the regex")
                 return c.compile_regex(spec)
             if kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in json.loads(spec)))

@@ -135,7 +135,11 @@ XGRAMMAR_REFUSED = [
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "beside a pattern"),
     ({"type": "string", "format": "zzz-unknown"}, "does not enforce format 'zzz-unknown'"),
     ({"type": "string", "pattern": "^(?!a)[a-c]{2}$"}, "look-around"),
-    ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "repetition count of 20000"),
+    ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "come to 20000"),
+    # (nested counts multiply: each token's mask took longer, the 6th 50 s on the engine thread)
+    ({"type": "string", "pattern": "(.{0,1000}){0,300}"}, "come to 300000"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "additionalItems": {"type": "number", "multipleOf": 3}},
+     r"additionalItems: .*multipleOf"),
     ({"$ref": "http://example.com/s.json"}, "outside the schema"),
     ({"type": "array", "prefixItems": [{"anyOf": [{"type": "integer", "multipleOf": 2}]}]},
      r"prefixItems\[0\].anyOf\[0\]: .*multipleOf"),
@@ -162,6 +166,26 @@ def test_xgrammar_refuses_what_it_would_not_enforce(schema, match) -> None:
                  {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
                  {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}}):
         mgr.compile(S(json=json.dumps(fine))).result()
+    mgr.shutdown()
+
+
+def test_nested_counts_multiply_and_a_regex_request_is_bounded_too() -> None:
+    from pagedserve.errors import InvalidRequestError
+    from pagedserve.structured_output.backend_xgrammar import repetition_product
+
+    assert repetition_product("(.{0,1000}){0,300}") == 300_000
+    assert repetition_product(r"(\d{1,3}\.){3}\d{1,3}") == 9 and repetition_product("(a{2}|b{7}){3}") == 21
+    assert repetition_product("[{]{5}") == 5 and repetition_product(r"\{1000\}") == 1  # (classes, escapes)
+    assert repetition_product("[]{9}]x") == 1 and repetition_product("a{3,}") == 3
+    tok = tokenizer(False)
+    mgr = StructuredOutputManager(tok, len(tok), [EOS], max_num_seqs=1, backend="xgrammar")
+    with pytest.raises(InvalidRequestError, match="come to 125000"):
+        mgr.compile(S(regex="((a{1,50}){1,50}){1,50}")).result()
+    tag = {"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": {
+        "type": "object", "properties": {"a": {"type": "integer", "multipleOf": 7}}, "required": ["a"]}}}
+    with pytest.raises(InvalidRequestError, match="multipleOf"):  # (this format's schema was not walked)
+        mgr.compile(S(structural_tag=tag)).result()
+    mgr.compile(S(regex=r"(\d{1,3}\.){3}\d{1,3}")).result()
     mgr.shutdown()
 
 
