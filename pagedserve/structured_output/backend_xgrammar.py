@@ -36,11 +36,11 @@ _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
 
-def repetition_product(regex: str) -> int:
+def repetition_product(regex: str, quoted: bool = False) -> int:
     """The largest product of counted repetitions ({m}, {m,n}, {m,}: their largest count)
     nested in `regex`, 1 for none: what its automaton holds, a few states each.  Escapes
-    and character classes are stepped over; a regex this misreads is the compiler's to
-    refuse."""
+    and character classes are stepped over, and with `quoted` (a GBNF grammar) its quoted
+    strings; what this misreads is the compiler's to refuse."""
     stack = [1]  # the largest product inside each open group (the last: the innermost)
     i, n = 0, len(regex)
     while i < n:
@@ -48,6 +48,11 @@ def repetition_product(regex: str) -> int:
         if c == "\\":
             i += 2
             inner = 1
+        elif quoted and c in "\"'":
+            end = i + 1
+            while end < n and regex[end] != c:
+                end += 2 if regex[end] == "\\" else 1
+            i, inner = end + 1, 1
         elif c == "[":
             i = regex.find("]", i + 2 if regex[i + 1:i + 2] in ("]", "^") else i + 1)
             i = n if i < 0 else i + 1
@@ -71,10 +76,10 @@ def repetition_product(regex: str) -> int:
     return max(stack)
 
 
-def check_regex(regex: str, what: str) -> None:
-    """ValueError where xgrammar would take `regex` (a pattern, a regex request) in
-    unbounded time: nested counts past MAX_PATTERN_REPEAT."""
-    product = repetition_product(regex)
+def check_regex(regex: str, what: str, quoted: bool = False) -> None:
+    """ValueError where xgrammar would take `regex` (a pattern, a regex request, a GBNF
+    grammar: `quoted`) in unbounded time: nested counts past MAX_PATTERN_REPEAT."""
+    product = repetition_product(regex, quoted)
     if product > MAX_PATTERN_REPEAT:
         raise ValueError(f"{what}: its counted repetitions, nested ones multiplied, come to {product}, more than the "
                          f"{MAX_PATTERN_REPEAT} the xgrammar backend compiles and masks in bounded time")
@@ -177,6 +182,7 @@ class XgrammarBackend:
                 return c.compile_structural_tag(spec)
             if is_lark(spec):
                 raise ValueError("a Lark grammar needs --structured-outputs-backend guidance (xgrammar reads GBNF)")
+            check_regex(spec, "the grammar", quoted=True)
             return c.compile_grammar(spec)
         except (RuntimeError, ValueError) as e:
             text = str(e).strip()

@@ -185,7 +185,11 @@ def test_nested_counts_multiply_and_a_regex_request_is_bounded_too() -> None:
         "type": "object", "properties": {"a": {"type": "integer", "multipleOf": 7}}, "required": ["a"]}}}
     with pytest.raises(InvalidRequestError, match="multipleOf"):  # (this format's schema was not walked)
         mgr.compile(S(structural_tag=tag)).result()
+    with pytest.raises(InvalidRequestError, match="come to 300000"):  # (a GBNF grammar's ranges too)
+        mgr.compile(S(grammar='root ::= ("a"{0,1000}){0,300}')).result()
+    assert repetition_product('root ::= "{5000}" "x"{3}', quoted=True) == 3  # (a quoted brace is text)
     mgr.compile(S(regex=r"(\d{1,3}\.){3}\d{1,3}")).result()
+    mgr.compile(S(grammar='root ::= "{" [0-9]{1,3} "}"')).result()
     mgr.shutdown()
 
 
