@@ -475,7 +475,7 @@ class Scheduler:
                 out = EngineCoreOutput(req_id, token_ids or [], True, _finish_reason(status),
                                        request.stop_reason, request.num_cached_tokens)
             if request.prediction is not None:
-                out.predicted = request.prediction.keep(request.output_token_ids, len(token_ids))
+                out.predicted = request.prediction.keep(request.output_token_ids, len(token_ids or ()))
                 out.prediction_counts = request.prediction.counts
             append_output(out)
         if any_running_finished:

@@ -212,7 +212,10 @@ def encode_for_cut(encode: Callable[[str, bool], list[int]], text: str, max_char
     froze.  Text whose end tokenizes differently from the two starts is refused."""
     if len(text) <= max_chars + CUT_MARGIN_CHARS + _FARTHER_CHARS:
         return encode(text, add_special_tokens)
-    near, far = (encode(text[-(max_chars + m):], False) for m in (CUT_MARGIN_CHARS, CUT_MARGIN_CHARS + _FARTHER_CHARS))
+    # (with the tokenizer's special tokens: a prefix falls in the margin, a suffix (BERT's
+    # [SEP], an EOS) ends the ids, as the whole text's)
+    near, far = (encode(text[-(max_chars + m):], add_special_tokens)
+                 for m in (CUT_MARGIN_CHARS, CUT_MARGIN_CHARS + _FARTHER_CHARS))
     keep = len(near) - len(encode(text[-(max_chars + CUT_MARGIN_CHARS):-max_chars], False))  # (past the margin)
     agreed = next((i for i, (a, b) in enumerate(zip(reversed(near), reversed(far), strict=False)) if a != b),
                   len(near))

@@ -138,8 +138,9 @@ class LLM:
         prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools, **kwargs,
                                       cut=p.truncate_prompt_tokens is not None)
                    for conv, p in zip(conversations, params, strict=True)]
-        if tools and client.encode_chat(list(conversations[0]), chat_template, add_generation_prompt,
-                                        **kwargs)["prompt_token_ids"] == prompts[0]["prompt_token_ids"]:
+        if tools and client.encode_chat(list(conversations[0]), chat_template, add_generation_prompt, **kwargs,
+                                        cut=params[0].truncate_prompt_tokens is not None
+                                        )["prompt"] == prompts[0]["prompt"]:  # (the text: the ids may be a cut's)
             raise ValueError("tools: this chat template does not render tools, so the model would never see them "
                              "(give a chat_template that renders `tools`, or describe them in a system message)")
         return self._run(prompts, params, use_tqdm, None, lora_request)

@@ -13,8 +13,8 @@ torch ops round (a reduction's order aside: see the C++ set):
     sum of squares and in exp's last bits (within float32 noise of HF's logits).  In
     16-bit dtypes that order can move a norm's output by one rounding step, so where two
     tokens nearly tie a greedy answer can differ from the torch ops' (the kernels are the
-    default and what the answers are tested as; PAGEDSERVE_FUSED_KERNELS=0 and a machine
-    without a compiler run the torch ops, and say so).
+    default and what the answers are tested as; a machine without a compiler runs the
+    torch ops and says so at start; PAGEDSERVE_FUSED_KERNELS=0 runs them on purpose).
 Gemma's layers (GemmaRMSNorm, GeluTanhAndMul, its q/k norms) ask `gemma_kernels_for`:
 only the C++ set has their kernels (`GemmaKernels`), so CUDA runs their torch ops.
 Triton is not imported for CPU tensors: importing it fixes interpreted or compiled mode

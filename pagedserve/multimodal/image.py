@@ -163,7 +163,7 @@ _QUARTER_TURNS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
 def _orientation(image: Any) -> int:
     """Its EXIF orientation (1: upright; also for an unreadable tag, as viewers take it)."""
-    if not image.info.get(_OPENED_HERE):
+    if not image.info.get(_OPENED_HERE) or "exif" not in image.info:  # (PNG's getexif() decodes the pixels first)
         return 1
     try:
         turn = image.getexif().get(0x0112, 1)
@@ -255,12 +255,12 @@ def _read_data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     media = header[5:].split(";", 1)[0].strip().lower()
     if media and not media.startswith("image/"):
         raise _error(f"a data: URL image must have an image/* media type, got {media!r}", param)
-    # Base64 needs 4 characters per 3 bytes: a longer payload is over the limit undecoded.
-    if len(payload) > (policy.max_bytes + 2) // 3 * 4 + 4:
-        raise _error(f"the image is more than the limit of {policy.max_bytes} bytes", param)
     # Line-wrapped base64 (the `base64` tool's 76-column output, MIME's) and the URL-safe
     # alphabet are base64 too; unpadded, it is padded.
     payload = "".join(payload.split()).replace("-", "+").replace("_", "/")
+    # Base64 needs 4 characters per 3 bytes: a longer payload is over the limit undecoded.
+    if len(payload) > (policy.max_bytes + 2) // 3 * 4 + 4:
+        raise _error(f"the image is more than the limit of {policy.max_bytes} bytes", param)
     try:
         return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
     except (binascii.Error, ValueError):

@@ -48,11 +48,14 @@ def repetition_product(regex: str, quoted: bool = False) -> int:
         if c == "\\":
             i += 2
             inner = 1
-        elif quoted and c in "\"'":
+        elif quoted and c == '"':  # (GBNF's strings; it has no '...' ones)
             end = i + 1
             while end < n and regex[end] != c:
                 end += 2 if regex[end] == "\\" else 1
             i, inner = end + 1, 1
+        elif quoted and c == "#":  # a comment, to the line's end
+            end = regex.find("\n", i)
+            i, inner = (n if end < 0 else end + 1), 1
         elif c == "[":
             i = regex.find("]", i + 2 if regex[i + 1:i + 2] in ("]", "^") else i + 1)
             i = n if i < 0 else i + 1
@@ -120,10 +123,14 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         if (fmt is not None or pattern is not None) and ("minLength" in node or "maxLength" in node):
             raise ValueError(f"{at}: the xgrammar backend drops minLength/maxLength beside a "
                              f"{'format' if fmt is not None else 'pattern'}; write the length into a pattern")
-        if isinstance(pattern, str):
-            if any(look in pattern for look in _LOOKAROUND):
-                raise ValueError(f"{at}: the xgrammar backend drops a pattern's look-around")
-            check_regex(pattern, f"{at}.pattern")
+        keyed = node.get("patternProperties")
+        for where, regex in [(f"{at}.pattern", pattern)] + [
+                (f"{at}.patternProperties[{key[:40]!r}]", key) for key in (keyed if isinstance(keyed, dict) else {})]:
+            if not isinstance(regex, str):
+                continue
+            if any(look in regex for look in _LOOKAROUND):
+                raise ValueError(f"{where}: the xgrammar backend drops a pattern's look-around")
+            check_regex(regex, where)
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
             raise ValueError(f"{at}: $ref {ref[:60]!r} is outside the schema (only '#...' refs are resolved)")

@@ -74,3 +74,15 @@ def test_a_prediction_with_nothing_to_propose_falls_back_to_prompt_lookup() -> N
     assert reqs[0].output_token_ids == base[0].output_token_ids
     assert reqs[0].prediction.counts == (0, 4)
     assert sched.spec_stats.num_accepted_tokens >= MAX_TOKENS // 2
+
+
+def test_a_prediction_request_the_runner_could_not_sample_finishes_with_an_error() -> None:
+    """Its row's logits were not a distribution (NaN): it has no sampled tokens, and the
+    prediction's count of them took len(None), an engine-thread TypeError for every request."""
+    sched = make_scheduler(num_blocks=50, block_size=4, max_model_len=64)
+    req = Request("p", [5, 6, 7], SamplingParams(max_tokens=4), prediction_token_ids=[1, 2, 3])
+    sched.add_request(req)
+    out = sched.schedule()
+    (result,) = sched.update_from_output(out, {}, invalid_req_ids={"p": None})
+    assert result.finished and result.finish_reason == "error" and result.predicted == b""
+    assert result.prediction_counts == (0, 3) and sched.kv_cache_manager.usage == 0

@@ -58,3 +58,20 @@ def test_a_run_of_one_character_that_tokenizes_by_where_it_starts_is_refused(tok
         assert "truncate_prompt_tokens cannot cut it" in str(e)
     else:  # (a tokenizer that reads a run the same from anywhere: the tail is exact)
         assert got[-64:] == whole[-64:]
+
+
+def test_a_tokenizers_closing_token_ends_a_cut_prompt_too(smollm2_path) -> None:
+    """A tokenizer that appends a token (BERT's [SEP], an EOS post-processor) ends the
+    whole text's ids with it: the tail read for a cut keeps it (it was read without the
+    tokenizer's special tokens, so a long text's embedding lost it)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="$A <|endoftext|>",
+                                                                     special_tokens=[("<|endoftext|>", 0)])
+    for size in (100, 3 * CUT_MARGIN_CHARS + 200):  # (short: whole; long: from its end)
+        text = "some words here " * (size // 16)
+        whole = tokenizer.encode(text)
+        got = encode_text(tokenizer, text, 100, add_special_tokens=True, cut=True)
+        assert got[-1] == 0 and got[-8:] == whole[-8:]

@@ -251,6 +251,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
     [chat] = llm.chat([{"role": "user", "content": text}], SamplingParams(truncate_prompt_tokens=8, **greedy),
                       use_tqdm=False)
     assert len(chat.prompt_token_ids) == 8
+    # with tools, whether the template renders them is read from the text, not the (cut) ids:
+    # the check applied the character bound and refused the conversation
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[tools]{% endif %}"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    [chat] = llm.chat([{"role": "user", "content": text}], SamplingParams(truncate_prompt_tokens=8, **greedy),
+                      use_tqdm=False, chat_template=template, tools=[tool])
+    assert len(chat.prompt_token_ids) == 8
 
 
 @pytest.mark.parametrize("kwargs", [{"max_num_batched_tokens": 10**12}, {"max_num_seqs": 10**12},

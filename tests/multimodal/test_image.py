@@ -80,6 +80,12 @@ def test_a_photo_stored_sideways_is_turned_upright_by_its_exif_orientation() -> 
     # the size a prompt's image rows are counted from, before decoding, is the upright one
     opened = open_image(buf.getvalue(), MediaPolicy())
     assert opened.size == (60, 30) and upright_size(opened) == (30, 60) == decode(opened).size
+    # a PNG's orientation is not read by decoding it (its getexif() loads the pixels):
+    # an image that cannot fit is refused before any pixel is decoded
+    png_bytes = io.BytesIO()
+    PIL.new("RGB", (300, 200)).save(png_bytes, format="PNG")
+    png = open_image(png_bytes.getvalue(), MediaPolicy())
+    assert upright_size(png) == (300, 200) and png._im is None
     # a caller's PIL image stands as it is (as vLLM takes one)
     own = PIL.open(io.BytesIO(buf.getvalue()))
     assert upright_size(own) == (60, 30) == decode(own).size

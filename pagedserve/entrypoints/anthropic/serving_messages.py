@@ -82,7 +82,8 @@ def _check_text(text: str, where: str) -> None:
     """Anthropic's rule on a text block: some text that is not whitespace."""
     if not text.strip():
         raise OpenAIError(f"{where}: text content blocks must " + ("be non-empty" if not text else
-                                                                  "contain non-whitespace text"), param="messages")
+                                                                  "contain non-whitespace text"),
+                          param=where.split("[")[0].split(".")[0])
 
 
 def _chat_messages(system: str | list[dict[str, Any]] | None,

@@ -362,9 +362,15 @@ class ModelPool(Generic[H]):
                     f"{self.max_loaded}), leaving nothing for its KV cache: raise --max-models-memory{lower}",
                     status=500, type="server_error", param="model", code="model_too_large")
         price = estimate + (kv or 0)
+        return price, self.counted(model, estimate, model.measured_bytes or 0, kv), kv
+
+    def counted(self, model: ServedModel[H], estimate: int, grown: int, kv: int | None) -> int:
+        """What a model counts against the budget (reservation says why): the larger of its
+        weights and its measured growth, plus the KV cache its engine sized (at most `kv`,
+        the share it was given), at most the whole budget."""
         held = kv if kv is None or model.kv_bytes is None else min(kv, model.kv_bytes)
-        counted = max(estimate, model.measured_bytes or 0) + (held or 0)
-        return price, counted if self.memory_budget is None else min(counted, self.memory_budget), kv
+        counted = max(estimate, grown) + (held or 0)
+        return counted if self.memory_budget is None else min(counted, self.memory_budget)
 
     async def _load_one(self, model: ServedModel[H], deadline: float) -> None:
         assert self._load is not None, "attached models are never unloaded"
@@ -400,10 +406,8 @@ class ModelPool(Generic[H]):
             if grown > 0:
                 model.measured_bytes = grown
             model.kv_bytes = self._kv_bytes(handlers)
-            held = kv if kv is None or model.kv_bytes is None else min(kv, model.kv_bytes)
-            weights = price - (kv or 0)  # (the estimate: its size on disk)
-            model.reserved_bytes = need if self.memory_budget is None else min(
-                max(weights, grown) + (held or 0), self.memory_budget)
+            model.reserved_bytes = need if self.memory_budget is None else self.counted(
+                model, price - (kv or 0), grown, kv)  # (price less the cache: its size on disk)
             model.loaded = handlers
             model.last_used = self._clock()
             self.counters.loads += 1

@@ -204,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
         plan = self.tool_plan(req) if plan is None else plan
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
         prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
-        if tools and prompt.token_ids == self.render(req, req.messages, req.add_generation_prompt).token_ids:
+        if tools and prompt.text == self.render(req, req.messages, req.add_generation_prompt).text:
             # The template does not render tools: tell the model about them in the system
             # message, as vLLM's tool-aware templates would: under "auto" in the parser's own
             # format, else what the functions are (the grammar fixes the answer's form).
@@ -224,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
         inlined = messages if parser is None else with_calls_as_text(messages, parser)
         if inlined is not messages:
             bare = [m.model_copy(update={"tool_calls": None, "function_call": None}) for m in messages]
-            if self.render(req, bare, req.add_generation_prompt, tools).token_ids == prompt.token_ids:
+            if self.render(req, bare, req.add_generation_prompt, tools).text == prompt.text:  # (ids may be a cut)
                 # The template drops past calls: they are written into their turns in the
                 # parser's format, else the model would not know what it called.
                 prompt = self.render(req, inlined, req.add_generation_prompt, tools)

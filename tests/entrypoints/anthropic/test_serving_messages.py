@@ -176,6 +176,12 @@ def test_fields_out_of_anthropics_bounds_do_not_parse(fields) -> None:
         request(messages=[{"role": "user", "content": "x"}], **fields)
 
 
+def test_a_blank_system_block_is_named_as_the_system() -> None:
+    with pytest.raises(OpenAIError, match="non-whitespace") as e:
+        to_chat_request(request(messages=[{"role": "user", "content": "x"}], system=[{"type": "text", "text": " "}]))
+    assert e.value.param == "system"  # (it was "messages")
+
+
 def test_thinking_sent_back_is_left_out_and_disabled_thinking_is_off() -> None:
     """An earlier answer's thinking blocks, as clients send them back, are accepted and left
     out of the prompt (they were a 400); thinking disabled turns a hybrid model's thinking

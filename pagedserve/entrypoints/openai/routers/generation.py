@@ -67,11 +67,18 @@ class ReleasingStream:
 
 
 def json_head(value: Any, limit: int) -> tuple[str, bool]:
-    """The first `limit` characters of `value` as JSON, and whether it was cut: encoded
-    piece by piece, stopping past the limit (a 30 MB body was encoded whole on the event
-    loop to log its first 2,000 characters)."""
+    """The first `limit` characters of `value` as JSON, and whether it was cut: its strings
+    clipped to the limit, then encoded piece by piece, stopping past it (a 30 MB body was
+    encoded whole on the event loop to log its first 2,000 characters)."""
+    def clipped(v: Any) -> Any:
+        if isinstance(v, str):
+            return v[:limit + 1]
+        if isinstance(v, dict):
+            return {k: clipped(x) for k, x in v.items()}
+        return [clipped(x) for x in v] if isinstance(v, list) else v
+
     pieces, size = [], 0
-    for piece in json.JSONEncoder(ensure_ascii=False).iterencode(value):
+    for piece in json.JSONEncoder(ensure_ascii=False).iterencode(clipped(value)):
         pieces.append(piece)
         size += len(piece)
         if size > limit:
