@@ -201,7 +201,7 @@ class _Turn:
             result = _text_of(block.get("content", ""), f"{where}.content")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": f"Error: {result}" if block.get("is_error") else result})
-        elif kind in THINKING_BLOCKS and role == "assistant":
+        elif isinstance(kind, str) and kind in THINKING_BLOCKS and role == "assistant":  # (a list is no key)
             # An earlier answer's thinking, sent back as Anthropic's clients do: checked, and
             # left out of the prompt (Anthropic leaves earlier turns' thinking out of the context).
             if not isinstance(block.get(THINKING_BLOCKS[kind]), str):

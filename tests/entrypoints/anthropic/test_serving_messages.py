@@ -164,6 +164,9 @@ _CALL = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}],
       "tools": _TOOLS}, "'t9' answers no earlier tool_use"),
     ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "signature": "s"}]}]}, "needs its thinking"),
+    # (an unhashable type was a 500: the schema fuzz's)
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": [], "text": "a"}]}]},
+     "blocks are not supported"),
 ])
 def test_anthropics_rules_on_blocks_and_configs_are_refused_by_name(fields, match) -> None:
     with pytest.raises(OpenAIError, match=match):
