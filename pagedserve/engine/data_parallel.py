@@ -32,6 +32,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.chat_utils import encode_chat, take_images
 from pagedserve.engine.core_client import EngineDeadError, OutputCollector, on_own_thread
 from pagedserve.engine.inproc_client import InprocClient
+from pagedserve.engine.input_processor import text_model_image_error
 from pagedserve.engine.llm_engine import BatchProgress
 from pagedserve.engine.router import Router
 from pagedserve.errors import ImageInputError, InvalidRequestError
@@ -63,6 +64,7 @@ class ReplicaInfo:
     num_blocks: int
     description: dict[str, Any]
     device: str  # "CPU" or "GPU", for the log line
+    takes_images: bool = False  # a vision-language model (replicas do not serve images yet)
 
 
 @dataclass
@@ -211,7 +213,8 @@ class EngineReplica:
             sampling_defaults=engine.sampling_defaults(),
             structured_outputs_backend=engine.structured_outputs_backend, max_model_len=engine.max_model_len,
             max_prompt_chars=engine.max_prompt_chars, block_size=cache.block_size, num_blocks=int(cache.num_blocks or 0), description=engine.describe(),
-            device="GPU" if engine.device.type == "cuda" else engine.device.type.upper())
+            device="GPU" if engine.device.type == "cuda" else engine.device.type.upper(),
+            takes_images=engine.input_processor.image_prompts is not None)
 
     async def pid(self) -> int:
         return os.getpid()
@@ -418,6 +421,8 @@ class ReplicaSet:
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         if isinstance(messages, list) and take_images(messages)[1]:
+            if not self.info.takes_images:  # (what one engine says first: no replica count would serve them)
+                raise text_model_image_error()
             raise ImageInputError("images are not served with data-parallel replicas yet (--data-parallel-size > "
                                   "1): run one replica for image input", param="messages")
         return encode_chat(self.info.tokenizer, self.info.chat_template, messages, chat_template,

@@ -107,6 +107,12 @@ class EngineCoreRequest:
         return len(self.child_ids)
 
 
+def text_model_image_error() -> ImageInputError:
+    """A text model's answer to an image (the model's path, the operator's, is not in it)."""
+    return ImageInputError("this model takes no images: it is a text model; image input needs a vision-language "
+                           "model", param="messages")
+
+
 class InputProcessor:
     """Intake for one model: tokenizer, chat templates, limits, per-request preparation."""
 
@@ -274,8 +280,7 @@ class InputProcessor:
         """A prompt's images: refused by name for a model that takes none, or past
         limit_mm_per_prompt."""
         if self.image_prompts is None:
-            raise ImageInputError("this model takes no images: it is a text model; image input needs a "
-                                  "vision-language model", param="messages")  # (its path is the operator's)
+            raise text_model_image_error()
         if len(sources) > self.max_images:
             raise ImageInputError(f"the prompt has {len(sources)} images, more than the {self.max_images} "
                                       "limit_mm_per_prompt allows (--limit-mm-per-prompt)", param="messages")

@@ -47,3 +47,21 @@ def test_a_refusal_travels_back_as_the_same_kind_of_error():
     plain = ReplicaRefusal.of(ValueError("bad")).error()
     assert isinstance(plain, ValueError) and plain.param is None
     assert not isinstance(ReplicaRefusal.of(KeyError("x")).error(), ValueError)
+
+
+def test_an_image_for_a_text_model_is_refused_as_one_engine_refuses_it():
+    """A text model behind replicas: the image's refusal says the model takes none (it said
+    to run one replica, which would refuse it all the same); a vision model's says replicas
+    do not serve images yet."""
+    import pytest
+
+    from pagedserve.engine.data_parallel import ReplicaInfo, ReplicaSet
+    from pagedserve.errors import ImageInputError
+
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                          {"type": "text", "text": "what is it?"}]}]
+    replicas = ReplicaSet.__new__(ReplicaSet)  # (the refusal comes before any replica is asked)
+    for takes_images, said in ((False, "this model takes no images"), (True, "not served with data-parallel")):
+        replicas.info = ReplicaInfo(None, None, 100, {}, "guidance", 64, 1000, 16, 10, {}, "CPU", takes_images)
+        with pytest.raises(ImageInputError, match=said):
+            replicas.encode_chat(image)
