@@ -61,8 +61,10 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         q = (x.float() / torch.where(divisor == 0, 1.0, divisor)).round().clamp(-127, 127)  # (0: a row of zeros)
         return torch.cat([q.to(torch.int8), scale.view(torch.int8)], dim=-1)
     limit = _CLAMPED.get(dtype)
-    if limit is not None and x.dtype.itemsize > dtype.itemsize:
-        x = x.clamp(-limit, limit)
+    if limit is not None and (not x.dtype.is_floating_point or float(torch.finfo(x.dtype).max) > limit):
+        # (by range, not size: bfloat16 rows over a float16 cache too, clamped in float32,
+        # where the limit is exact: float16's 65504 is 65536 in bfloat16, inf again)
+        x = (x if x.dtype == torch.float32 else x.float()).clamp(-limit, limit)
     return x.to(dtype)
 
 
