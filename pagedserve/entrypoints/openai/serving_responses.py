@@ -73,9 +73,8 @@ class PreparedResponse:
 
 
 def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
-    """A content's text; with `images` (a message's content), input_image parts too:
-    then the chat content parts, text and image_url (a data: URL, or an http(s) one the
-    server may fetch), in order."""
+    """A content's text; with `images` (a message's content), input_image parts too: then
+    chat's content parts, text and image_url (a data: URL, or an allowed http(s) one)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -186,8 +185,7 @@ _REFUSED_HINTS: dict[tuple[str, Any], str] = {
 
 def _history(req: ResponsesRequest, store: ResponseStore | None) -> list[dict[str, Any]]:
     """The conversation of the response `previous_response_id` names (empty without one);
-    `store` and `previous_response_id` both need the server's store, so both are refused
-    here when it has none."""
+    it and `store` need the server's store: refused here when it has none."""
     if store is None and req.store:
         raise OpenAIError("store is not supported: responses are not kept on this server (start it with "
                           "--enable-responses-store, or send the whole conversation in input)", param="store")
@@ -467,10 +465,12 @@ class OpenAIServingResponses:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": out.items() if done else [], "usage": usage,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
+            "temperature": req.temperature, "top_p": req.top_p, "reasoning": req.reasoning or {"effort": None},
+            "tools": [{**t, "strict": t.get("strict", True)} if t.get("type") == "function" else t  # (always, here)
+                      for t in req.tools or []],
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata,
+            "text": {"format": {"type": "text"}, **(req.text or {})}, "metadata": req.metadata or {},
             "previous_response_id": req.previous_response_id, "store": prep.store, "user": req.user,
             "truncation": req.truncation or "disabled",
         }

@@ -236,3 +236,14 @@ def test_only_the_item_max_output_tokens_cut_is_incomplete() -> None:
     out.finish_reason = "stop"
     assert [item["status"] for item in out.items()] == ["completed"] * 4
     assert [item["status"] for item in out.items(done=False)] == ["in_progress"] * 4
+
+
+def test_the_response_echoes_what_openai_echoes(client) -> None:
+    """metadata {} when unset, text.format beside a verbosity alone, a function tool's
+    strict (every call's grammar holds to its schema here), reasoning as sent: each was null
+    or left out, and clients read them."""
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    r = client.responses.create(model=MODEL_NAME, input=ASK, max_output_tokens=2, text={"verbosity": "low"},
+                                tools=[tool], tool_choice="none", reasoning={"effort": "low"})
+    assert r.metadata == {} and r.text.format.type == "text" and r.text.verbosity == "low"
+    assert r.tools[0].strict is True and r.reasoning.effort == "low"
