@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from pagedserve.structured_output.limits import is_lark
+from pagedserve.structured_output.limits import is_lark, tag_schemas
 
 # xgrammar errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -86,20 +86,6 @@ def check_regex(regex: str, what: str, quoted: bool = False) -> None:
     if product > MAX_PATTERN_REPEAT:
         raise ValueError(f"{what}: its counted repetitions, nested ones multiplied, come to {product}, more than the "
                          f"{MAX_PATTERN_REPEAT} the xgrammar backend compiles and masks in bounded time")
-
-
-def tag_schemas(tag: Any) -> list[Any]:
-    """The JSON schemas a structural tag holds (its "json_schema" formats, at any depth)."""
-    found, stack = [], [tag]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") in ("json_schema", "qwen_xml_parameter") and isinstance(node.get("json_schema"), dict):
-                found.append(node["json_schema"])
-            stack += [v for k, v in node.items() if k != "json_schema" and isinstance(v, (dict, list))]
-        elif isinstance(node, list):
-            stack += node
-    return found
 
 
 def check_schema(schema: Any, where: str = "schema") -> None:

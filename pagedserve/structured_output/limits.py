@@ -76,9 +76,9 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
     or `$id` name, and as a JSON pointer against each base of its `_Scope`.  A ref back
     to a schema already on the path is recursion, which compilers expand lazily, so the
     walk stops there.  `tag`: the document is a structural tag, whose compiler takes each
-    schema it holds as a document of its own (`_tag_schemas`), measured from level 0."""
+    schema it holds as a document of its own (`tag_schemas`), measured from level 0."""
     names = _anchors(root)
-    own_documents = _tag_schemas(root) if tag else set()
+    own_documents = {id(schema) for schema in tag_schemas(root)} if tag else set()
     height: dict[tuple[int, ...], int] = {}
     on_path: set[int] = set()
 
@@ -154,13 +154,13 @@ class _Scope:
         return list({id(b): b for b in (self.document, self.resource, self.definitions)}.values())
 
 
-def _tag_schemas(tag: Any) -> set[int]:
-    """Ids of the JSON schemas a structural tag holds, found only where its format puts
+def tag_schemas(tag: Any) -> list[Any]:
+    """The JSON schemas a structural tag holds, found only where its format puts
     them (xgrammar's nested formats: a "json_schema" format's `json_schema`, through
     `format`, `content`, `tags` and `elements`; vLLM's older form: each of
     `structures`' `schema`), never inside a schema: a schema that merely looks like a
     format must not restart the count of the schema it is part of."""
-    found: set[int] = set()
+    found: list[Any] = []
     stack = [tag]
     while stack:
         node = stack.pop()
@@ -171,13 +171,13 @@ def _tag_schemas(tag: Any) -> set[int]:
             continue
         schema = node.get("json_schema")
         if node.get("type") in ("json_schema", "qwen_xml_parameter") and isinstance(schema, (dict, list)):
-            found.add(id(schema))
+            found.append(schema)
         for key in ("format", "content", "tags", "elements"):
             stack.append(node.get(key))
         structures = node.get("structures")
         for structure in structures if isinstance(structures, list) else []:
             if isinstance(structure, dict) and isinstance(structure.get("schema"), (dict, list)):
-                found.add(id(structure["schema"]))
+                found.append(structure["schema"])
     return found
 
 

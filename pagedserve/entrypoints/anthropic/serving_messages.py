@@ -49,10 +49,15 @@ class PreparedMessages:
     prepared: PreparedRequest
 
 
+def _field(where: str) -> str:
+    """The request field a location names (`system[0].cache_control`: system)."""
+    return where.split("[")[0].split(".")[0]
+
+
 def _check_cache_control(value: Any, where: str) -> None:
     """A cache_control hint (top level, a tool's, a block's) held to Anthropic's values:
     what the prefix cache always does here."""
-    param = where.split("[")[0].split(".")[0]
+    param = _field(where)
     if value is not None and not isinstance(value, dict):
         raise OpenAIError(f"{where} must be an object such as {{'type': 'ephemeral'}}", param=param)
     try:
@@ -66,12 +71,12 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
-        raise OpenAIError(f"{where} must be a string or a list of text blocks", param=where.split("[")[0].split(".")[0])
+        raise OpenAIError(f"{where} must be a string or a list of text blocks", param=_field(where))
     parts = []
     for i, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise OpenAIError(f"{where}[{i}]: only text blocks ({{'type': 'text', 'text': ...}}) are supported here",
-                              param=where.split("[")[0].split(".")[0])
+                              param=_field(where))
         _check_text(block["text"], f"{where}[{i}]")
         _check_cache_control(block.get("cache_control"), f"{where}[{i}].cache_control")
         parts.append(block["text"])
@@ -83,7 +88,7 @@ def _check_text(text: str, where: str) -> None:
     if not text.strip():
         raise OpenAIError(f"{where}: text content blocks must " + ("be non-empty" if not text else
                                                                   "contain non-whitespace text"),
-                          param=where.split("[")[0].split(".")[0])
+                          param=_field(where))
 
 
 def _chat_messages(system: str | list[dict[str, Any]] | None,
