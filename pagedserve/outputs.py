@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -45,6 +45,24 @@ class CompletionOutput:
 
 
 @dataclass
+class DeltaCursor:
+    """How much of one completion has been handed out: `cut` turns its next cumulative
+    form into what is new since (RequestOutputKind.DELTA).  A cumulative text only ever
+    grows (the detokenizer holds back what could still become a stop string), so the
+    new text is its suffix."""
+
+    chars: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+
+    def cut(self, c: CompletionOutput) -> CompletionOutput:
+        logprobs = c.logprobs[self.logprobs:] if c.logprobs is not None else None
+        delta = replace(c, text=c.text[self.chars:], token_ids=c.token_ids[self.tokens:], logprobs=logprobs)
+        self.chars, self.tokens, self.logprobs = len(c.text), len(c.token_ids), len(c.logprobs or ())
+        return delta
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -55,6 +73,12 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
     lora_request: Any = None  # vLLM's: the LoRARequest it ran with (None: the base model)
+
+    def delta(self, cursors: dict[int, DeltaCursor]) -> RequestOutput:
+        """This cumulative output as what is new since `cursors` (one per completion
+        index, advanced here): a consumer's own deltas, however many outputs the engine
+        merged while it was busy (AsyncLLM.generate under RequestOutputKind.DELTA)."""
+        return replace(self, outputs=[cursors.setdefault(c.index, DeltaCursor()).cut(c) for c in self.outputs])
 
 
 @dataclass

@@ -11,6 +11,7 @@ finite: a NaN temperature once reached the sampler and stopped the whole engine.
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import inspect
 import json
@@ -34,6 +35,14 @@ _GREEDY_EPS = 1e-5
 RANDOM_SEED = -1  # a seed that asks for none
 # torch.Generator.manual_seed takes 64-bit values; n > 1 children add their index.
 _SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs carry while it runs (vLLM's, here as there)."""
+
+    CUMULATIVE = 0  # everything so far, every step (the contract's default)
+    DELTA = 1  # only what is new since the previous output (text, token ids, logprobs)
+    FINAL_ONLY = 2  # one output, when the request finishes (what LLM.generate needs)
 
 
 @dataclass
@@ -197,6 +206,9 @@ class SamplingParams:
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len); the
     # engine cuts it (InputProcessor, one rule with the server's field of that name).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: what AsyncLLM.generate yields while the request runs (LLM.generate returns
+    # final outputs whatever it says, as vLLM's).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from bad_words (it needs the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
     # vLLM's older name of structured_outputs (a GuidedDecodingParams), taken at construction.
@@ -238,6 +250,8 @@ class SamplingParams:
                 raise self._bad("structured_outputs", "a StructuredOutputsParams")
             self.structured_outputs.validate()
         self._check_stops()
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise self._bad("output_kind", "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "True or False")

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from pagedserve import LLMEngine, SamplingParams
-    from pagedserve.engine.output_processor import RequestOutputKind
     from pagedserve.platforms import is_cuda
+    from pagedserve.sampling_params import RequestOutputKind
 
     args = add_cli_args(argparse.ArgumentParser(
         prog="python -m pagedserve.benchmarks.profile_steps", description=__doc__,

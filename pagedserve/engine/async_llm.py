@@ -33,9 +33,9 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import OverloadedError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import LoggingStatLogger, StatLogger
-from pagedserve.outputs import EngineOutput, RequestOutput
+from pagedserve.outputs import DeltaCursor, EngineOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.utils import is_number
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineShutdownError", "OutputCollector",
@@ -229,13 +229,17 @@ class AsyncLLM:
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs until the request finishes.  Closing or cancelling
-        the iterator aborts the request (its KV blocks are freed at the next loop turn);
-        invalid input raises before anything is yielded."""
-        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        """Stream outputs until the request finishes, as `sampling_params.output_kind`
+        says (vLLM's): cumulative, only what is new each time, or the final one alone.
+        Closing or cancelling the iterator aborts the request (its KV blocks are freed at
+        the next loop turn); invalid input raises before anything is yielded."""
+        kind = sampling_params.output_kind
+        stream = await self.add_request(request_id, prompt, sampling_params, priority,
+                                        final_only=kind is RequestOutputKind.FINAL_ONLY)
+        cursors: dict[int, DeltaCursor] = {}
         try:
             async for out in stream:
-                yield out
+                yield out.delta(cursors) if kind is RequestOutputKind.DELTA and isinstance(out, RequestOutput) else out
         finally:
             stream.close()
 

@@ -41,13 +41,14 @@ from pagedserve.core.sched_output import EngineCoreOutput, GrammarBitmask, Sched
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.input_processor import EngineCoreRequest
-from pagedserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
+from pagedserve.engine.output_processor import OutputProcessor, ParentRequest
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
 from pagedserve.lora.peft import check_peft_config
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EngineOutput, RequestMetrics
 from pagedserve.platforms import is_cuda
+from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.worker.runner_output import ModelRunnerOutput
 

@@ -158,8 +158,8 @@ class InputProcessor:
             self.check_no_image_tokens(processed.token_ids)
         prompt_ids = self.truncate_prompt(processed.token_ids, truncate, self.config.scheduler_config.max_model_len,
                                           processed.images is not None, 0 if pooling else sampling.max_tokens or 1)
-        if prompt_ids is not processed.token_ids:  # a cut prompt keeps no text (its ids are what ran)
-            processed = dataclasses.replace(processed, text=None, token_ids=prompt_ids)
+        if prompt_ids is not processed.token_ids:  # a cut prompt keeps the caller's text (vLLM's RequestOutput.prompt)
+            processed = dataclasses.replace(processed, token_ids=prompt_ids)
         self.check_request(prompt_ids, sampling, priority)
         if lora_request is not None:
             self.check_lora(lora_request)

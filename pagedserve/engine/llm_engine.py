@@ -27,13 +27,12 @@ from pagedserve.core.snapshot import KVSnapshot
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core import EngineCore, EngineStats
 from pagedserve.engine.input_processor import EngineCoreRequest, InputProcessor
-from pagedserve.engine.output_processor import RequestOutputKind
 from pagedserve.executor.abstract import ModelExecutor
 from pagedserve.lora.request import LoRARequest
 from pagedserve.multimodal.inputs import ImagePromptProcessor
 from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.utils import cdiv, record_startup, startup_breakdown
 from pagedserve.worker.cpu_threads import release_openmp_threads
@@ -242,17 +241,17 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Check (InputProcessor) and queue one request (n > 1: n scheduler sequences).
         `params`: a SamplingParams (generate runner) or a PoolingParams (pooling runner:
-        the request ends with one PoolingRequestOutput).  `lora_request`: the adapter it
-        runs with (loaded now if it is new).  Raises ValueError naming the problem; on
-        error nothing has changed."""
-        self.add_processed_request(
-            self.input_processor.process(request_id, prompt, params, arrival_time, priority, lora_request),
-            output_kind)
+        the request ends with one PoolingRequestOutput).  `output_kind`: what its outputs
+        carry (None: the SamplingParams' own).  `lora_request`: the adapter it runs with
+        (loaded now if it is new).  Raises ValueError naming the problem; on error
+        nothing has changed."""
+        request = self.input_processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
+        self.add_processed_request(request, request.sampling_params.output_kind if output_kind is None else output_kind)
 
     def add_processed_request(self, request: EngineCoreRequest,
                               output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:

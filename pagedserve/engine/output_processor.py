@@ -10,7 +10,6 @@ RequestOutput under the id the user gave.
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
     CompletionOutput,
+    DeltaCursor,
     EngineOutput,
     Logprob,
     PoolingOutput,
@@ -26,13 +26,7 @@ from pagedserve.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagedserve.sampling_params import SamplingParams
-
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0  # everything so far, every step (the contract's default)
-    DELTA = 1  # only what is new since the previous output (text, token ids, logprobs)
-    FINAL_ONLY = 2  # one output, when the request finishes (what LLM.generate needs)
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -56,9 +50,7 @@ class RequestState:
     prediction_counts: tuple[int, int] | None = None
     predicted: bytearray | None = None
     # What previous DELTA outputs already handed out.
-    sent_tokens: int = 0
-    sent_text: int = 0
-    sent_logprobs: int = 0
+    sent: DeltaCursor = field(default_factory=DeltaCursor)  # what DELTA outputs have handed out
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -72,23 +64,17 @@ class RequestState:
         return self.finish_reason is not None
 
     def completion(self, delta: bool) -> CompletionOutput:
-        text = self.detokenizer.get_text(self.finished)
-        token_ids, logprobs = self.output_token_ids, self.logprobs
-        if delta:
-            text, token_ids = text[self.sent_text :], token_ids[self.sent_tokens :]
-            logprobs = logprobs[self.sent_logprobs :] if logprobs is not None else None
-            self.sent_text += len(text)
-            self.sent_tokens += len(token_ids)
-            self.sent_logprobs += len(logprobs or ())
-        else:
-            token_ids = list(token_ids)
-            logprobs = list(logprobs) if logprobs is not None else None
         accepted, rejected = self.prediction_counts or (None, None)
-        return CompletionOutput(
-            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected,
+        whole = CompletionOutput(
+            index=self.index, text=self.detokenizer.get_text(self.finished), token_ids=self.output_token_ids,
+            cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected,
         )
+        if delta:
+            return self.sent.cut(whole)
+        whole.token_ids = list(whole.token_ids)  # (the caller's copy: the engine's lists keep growing)
+        whole.logprobs = list(whole.logprobs) if whole.logprobs is not None else None
+        return whole
 
 
 @dataclass

@@ -229,7 +229,7 @@ def _conversation(system: str | None, user: str) -> list[dict[str, str]]:
 
 
 def cmd_chat(ns: argparse.Namespace) -> None:
-    from pagedserve.engine.output_processor import RequestOutputKind
+    from pagedserve.sampling_params import RequestOutputKind
 
     if ns.runner not in (None, "generate"):  # (the model loaded, each turn was refused, and the exit status was 0)
         raise ValueError(f"chat generates text: --runner {ns.runner} serves embeddings or scores "

@@ -12,7 +12,7 @@ import pytest
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagedserve.engine.core_client import EngineInfo
 from pagedserve.metrics import make_prometheus_loggers
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine.fake_engine import FakeEngine
 
 
@@ -44,6 +44,34 @@ def test_streams_cumulative_outputs_from_engine_thread():
     assert all(not o.finished for o in outs[:-1])
     assert threading.get_ident() not in engine.thread_ids  # the engine never ran on the loop thread
     assert len(engine.thread_ids) == 1
+
+
+def test_output_kind_delta_and_final_only_as_vllms_asyncllm():
+    """SamplingParams.output_kind (vLLM's): DELTA yields only what is new, also to a
+    consumer slower than the engine (its outputs merged meanwhile); FINAL_ONLY the final
+    output alone.  It was refused as an unknown argument."""
+    engine = FakeEngine(script="xyz", step_time=0.002)
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        deltas = []
+        async for out in llm.generate("hi", SamplingParams(max_tokens=40, output_kind=RequestOutputKind.DELTA), "d"):
+            deltas.append(out)
+            await asyncio.sleep(0.005 * (len(deltas) % 3))  # now and then slower than a step
+        finals = [out async for out in llm.generate(
+            "hi", SamplingParams(max_tokens=40, output_kind=RequestOutputKind.FINAL_ONLY), "f")]
+        [whole] = [o for o in await collect(llm, "c", max_tokens=40) if o.finished]
+        llm.shutdown()
+        return deltas, finals, whole
+
+    deltas, finals, whole = run(main())
+    assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.outputs[0].text for d in deltas) == whole.outputs[0].text == "xyz" * 13 + "x"
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == whole.outputs[0].token_ids
+    assert all(len(d.outputs[0].token_ids) < 40 for d in deltas)
+    assert len(finals) == 1 and finals[0].outputs[0].text == whole.outputs[0].text
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")
 
 
 def test_new_request_joins_running_batch():

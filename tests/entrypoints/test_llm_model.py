@@ -245,7 +245,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm) -> None:
     with pytest.raises(ValueError, match="characters, more than the"):
         llm.generate([text], SamplingParams(**greedy), use_tqdm=False)
     [tail] = llm.generate([text], SamplingParams(truncate_prompt_tokens=8, **greedy), use_tqdm=False)
-    assert len(tail.prompt_token_ids) == 8
+    assert len(tail.prompt_token_ids) == 8 and tail.prompt == text  # the caller's text, as vLLM's
     assert tail.prompt_token_ids == llm.get_tokenizer().encode(text[-400:], add_special_tokens=False)[-8:]
     # and a chat of it: rendered, then cut (it was refused by the rendered text's characters)
     [chat] = llm.chat([{"role": "user", "content": text}], SamplingParams(truncate_prompt_tokens=8, **greedy),
