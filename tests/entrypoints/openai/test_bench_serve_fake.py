@@ -3,6 +3,7 @@ serving the fake engine in a thread (milliseconds per request, no model)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -65,11 +66,68 @@ def test_bench_serve_shared_prefix_chat(fake_server):
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 24
 
 
-def test_bench_serve_reports_failures(fake_server):
+def test_bench_serve_reports_failures(fake_server, capsys, tmp_path):
+    """A run in which every request failed exits with an error and prints no latencies
+    (it printed 0.00 ms for each and exited 0); so does an unreachable server."""
     url, _ = fake_server
-    summary = bench.main(["--base-url", url, "--model", "no-such-model", "--num-prompts", "2"])
-    assert summary["completed"] == 0 and summary["failed"] == 2
-    assert "404" in summary["errors"][0]
+    saved = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match="every request failed: HTTP 404"):
+        bench.main(["--base-url", url, "--model", "no-such-model", "--num-prompts", "2", "--save-result", str(saved)])
+    out = capsys.readouterr().out
+    assert "Failed requests:                        2" in out and "Mean TTFT (ms):                         n/a" in out
+    assert json.loads(saved.read_text())["mean_ttft_ms"] is None
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{free.getsockname()[1]}"
+    with pytest.raises(SystemExit, match="cannot read the model's name from .*/v1/models .*ConnectError"):
+        bench.main(["--base-url", dead, "--num-prompts", "2"])
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--num-warmups", "-1"], "--num-warmups must be >= 0"), (["--request-rate", "nan"], "--request-rate must be > 0"),
+    (["--random-range-ratio", "-3"], "--random-range-ratio must be within"),
+    (["--shared-prefix-len", "-4"], "--shared-prefix-len must be >= 0"),
+])
+def test_bench_serve_refuses_bad_flags_before_sending(flags, error):
+    with pytest.raises(SystemExit, match=error):
+        bench.main(["--base-url", "http://127.0.0.1:9", "--model", "m", *flags])
+
+
+def test_bench_serve_percentiles_are_checked_at_parse_and_interpolated_as_numpy():
+    """P50 is the median (nearest rank made them disagree); out-of-range or malformed
+    percentiles are refused before the run (they failed after it, or printed "P250")."""
+    import numpy as np
+
+    values = [0.001, 0.002, 0.003, 0.1]
+    stats = bench._stats("x", values, [50, 90, 99])
+    assert stats["p50_x_ms"] == stats["median_x_ms"] == 2.5
+    for p in (90, 99):
+        assert stats[f"p{p}_x_ms"] == pytest.approx(np.percentile([v * 1000 for v in values], p))
+    for bad in ("abc", "250", "-1"):
+        with pytest.raises(SystemExit):
+            bench.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--metric-percentiles", bad])
+
+
+def test_bench_serve_warmups_share_no_prompt_with_the_measured_run(fake_server, monkeypatch):
+    """Warm-ups sent the measured prompts, so the prefix cache answered them before they
+    were timed (TTFT 12x better); they have prompts of their own (without the shared
+    prefix), under the concurrency cap."""
+    sent: list[tuple[str, int]] = []
+    send_one = bench.send_one
+
+    async def recording(client, args, prompt, max_tokens):
+        sent.append((prompt, max_tokens))
+        return await send_one(client, args, prompt, max_tokens)
+
+    monkeypatch.setattr(bench, "send_one", recording)
+    url, _ = fake_server
+    summary = bench.main(["--base-url", url, "--num-prompts", "3", "--num-warmups", "5", "--max-concurrency", "2",
+                          "--random-output-len", "5", "--dataset-name", "shared-prefix", "--shared-prefix-len", "20"])
+    assert summary["completed"] == 3 and summary["total_output_tokens"] == 15
+    warm, measured = sent[:5], sent[5:]
+    assert len(measured) == 3 and all(n == 4 for _, n in warm)
+    prefix = " ".join(measured[0][0].split()[:20])
+    assert all(p.startswith(prefix) for p, _ in measured) and not any(p.startswith(prefix[:40]) for p, _ in warm)
 
 
 def test_disconnect_mid_stream_aborts_in_engine(fake_server):
@@ -97,3 +155,25 @@ def test_cli_bench_serve_delegates(fake_server, capsys):
     out = capsys.readouterr().out
     assert "Successful requests:                    3" in out
     assert "Total generated tokens:                 15" in out
+
+
+def test_bench_serve_chat_with_a_tokenizer_sends_text_and_times_tool_calls(fake_server, monkeypatch, smollm2_path):
+    """With --tokenizer, a chat message is the ids' text (it was the Python repr of the
+    id list: 277 prompt tokens for 32); a chunk that is only a tool call or reasoning is
+    output (its TTFT), not nothing."""
+    sent: list[object] = []
+    send_one = bench.send_one
+
+    async def recording(client, args, prompt, max_tokens):
+        sent.append(prompt)
+        return await send_one(client, args, prompt, max_tokens)
+
+    monkeypatch.setattr(bench, "send_one", recording)
+    url, _ = fake_server
+    summary = bench.main(["--base-url", url, "--endpoint", "/v1/chat/completions", "--num-prompts", "2",
+                          "--random-input-len", "16", "--random-output-len", "3", "--tokenizer", smollm2_path])
+    assert summary["completed"] == 2 and all(isinstance(p, str) and "[" not in p[:1] for p in sent)
+    assert bench.has_output({"delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}}, chat=True)
+    assert bench.has_output({"delta": {"reasoning_content": "hm"}}, chat=True)
+    assert not bench.has_output({"delta": {"role": "assistant", "content": ""}}, chat=True)
+    assert not bench.has_output({"text": ""}, chat=False) and bench.has_output({"text": " a"}, chat=False)
