@@ -22,16 +22,18 @@ from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
 WORKLOADS = ("random", "chat-burst", "chat-burst-natural", "shared-prefix", "edit-code")
+RANDOM_DEFAULTS = {"num_prompts": 256, "input_len": (100, 1024), "output_len": (100, 1024)}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workload", choices=WORKLOADS, default="random",
                         help="random (nano-vllm bench.py) or a preset of benchmarks/workloads.py")
-    parser.add_argument("--num-prompts", type=int, default=256, help="random workload: number of requests")
-    parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
-                        help="random workload: prompt length range (inclusive)")
-    parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
-                        help="random workload: output length range (inclusive)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"random workload: number of requests (default: {RANDOM_DEFAULTS['num_prompts']})")
+    parser.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                        help="random workload: prompt length range, inclusive (default: 100 1024)")
+    parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                        help="random workload: output length range, inclusive (default: 100 1024)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="override the workload's temperature (random: 0.6, chat presets: 0)")
     parser.add_argument("--one-at-a-time", type=int, default=None, metavar="N",
@@ -41,13 +43,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The benchmark's own flags, before the model loads (ValueError naming the flag); the
+    random workload's sizes filled in.  A preset's sizes are its own: setting them is an
+    error (they were ignored)."""
+    from pagedserve.sampling_params import SamplingParams
+
+    given = [f"--{k.replace('_', '-')}" for k in RANDOM_DEFAULTS if getattr(args, k) is not None]
+    if args.workload != "random":
+        if given:
+            raise ValueError(f"{', '.join(given)} size the random workload; --workload {args.workload} has its own")
+    else:
+        for k, default in RANDOM_DEFAULTS.items():
+            setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+        (lo_in, hi_in), (lo_out, hi_out) = args.input_len, args.output_len
+        if not (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out) or args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1 and --input-len/--output-len need 1 <= MIN <= MAX")
+    if args.one_at_a_time is not None and args.one_at_a_time < 1:
+        raise ValueError(f"--one-at-a-time must be >= 1 (requests), got {args.one_at_a_time}")
+    if args.temperature is not None:
+        SamplingParams(temperature=args.temperature)  # (its range, named)
+
+
 def _random_workload(args: argparse.Namespace, vocab_size: int):
     from pagedserve.benchmarks import workloads as wl
 
     lo_in, hi_in = args.input_len
     lo_out, hi_out = args.output_len
-    if not (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out) or args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1 and --input-len/--output-len need 1 <= MIN <= MAX")
     seed = args.seed if args.seed is not None else 0
     # nano-vllm draws ids in [0, 10000]; stay inside small vocabularies too.
     return wl.random_tokens(args.num_prompts, (lo_in, hi_in), (lo_out, hi_out),
@@ -87,7 +109,7 @@ def generate_timed(llm, prompts: list, params: list, one_at_a_time: int | None =
     """(outputs, seconds) of one generate() over all requests, or with `one_at_a_time` N
     the first N requests each alone (one user chatting), timed together."""
     t0 = time.perf_counter()
-    if one_at_a_time:
+    if one_at_a_time is not None:
         outputs = [out for p, sp in zip(prompts[:one_at_a_time], params[:one_at_a_time], strict=True)
                    for out in llm.generate([p], sp, use_tqdm=False)]
     else:
@@ -100,6 +122,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from pagedserve import LLM, LLMEngine, SamplingParams
 
+    check_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
     llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args))
@@ -116,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cfg = llm.llm_engine.config
     result = {
-        "workload": w.name + (f" one at a time ({len(outputs)})" if args.one_at_a_time else ""),
+        "workload": w.name + (f" one at a time ({len(outputs)})" if args.one_at_a_time is not None else ""),
         "model": engine_args.model, "cpu": describe_cpu(), "dtype": str(cfg.model_config.dtype),
         "num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 2),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, fields
@@ -45,6 +46,7 @@ from pagedserve.config import (
 from pagedserve.engine.arg_spellings import vllm_spellings
 from pagedserve.utils import is_int, parse_bytes
 
+logger = logging.getLogger("pagedserve")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Upper bound on default step budget; a larger max_model_len still works through chunked prefill.
@@ -405,6 +407,9 @@ class EngineArgs:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):  # (each sizes what enable_lora turns on)
+                if getattr(self, name) != EngineArgs.__dataclass_fields__[name].default:
+                    logger.warning("%s has no effect without enable_lora (--enable-lora)", name)
             return None
         for name, given in (("data_parallel_size > 1", self.data_parallel_size > 1),
                             # a tier on disk outlives the adapters' ids, which key their blocks
@@ -567,8 +572,6 @@ def read_chat_template(value: str | None) -> str | None:
     """A template given as a path is read here, so errors name the file at start-up."""
     if value is None or "{" in value:
         return value
-    import os
-
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
@@ -579,16 +582,12 @@ def env_cpu_kv_cache_space() -> int | None:
     """PAGEDSERVE_CPU_KV_CACHE_SPACE ("2GiB", vLLM's VLLM_CPU_KVCACHE_SPACE idea): the CPU KV
     cache's budget when kv_cache_memory_bytes is unset, in place of a share of available
     memory (the test suite sets 1 GiB)."""
-    import os
-
     value = os.environ.get("PAGEDSERVE_CPU_KV_CACHE_SPACE", "").strip()
     return parse_bytes(value, "PAGEDSERVE_CPU_KV_CACHE_SPACE") if value else None
 
 
 def env_torch_compile() -> bool | None:
     """PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0: compiles cost minutes)."""
-    import os
-
     value = os.environ.get("PAGEDSERVE_TORCH_COMPILE", "").strip().lower()
     if not value:
         return None

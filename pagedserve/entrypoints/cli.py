@@ -142,7 +142,10 @@ def _delegate(argv: list[str]) -> bool:
     ep = _benchmarks().get(argv[1]) if argv[:1] == ["bench"] and len(argv) > 1 else None
     if ep is not None:
         main: BenchmarkMain = _import_or_exit(("bench", ep.name), f"the {ep.name} benchmark", ep.module, ep.load)
-        main(argv[2:])
+        try:
+            main(argv[2:])
+        except (ValueError, FileNotFoundError) as e:  # (bad flags: one line, as generate's)
+            sys.exit(f"pagedserve bench {ep.name}: error: {e}")
         return True
     return False
 
@@ -192,6 +195,8 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     if "-" in ns.prompts:  # (to one character past the bound, which refuses it; its last newline dropped, as $(...))
         ns.prompts = [sys.stdin.read(MAX_PROMPT_CHARS + 1).removesuffix("\n") if p == "-" else p for p in ns.prompts]
 
+    _check_runner(ns)
+    params = _sampling_params(ns)  # (a bad flag is named before the model loads)
     llm = LLM.from_engine(_build_engine(ns, len(ns.prompts)))
     engine = llm.llm_engine
     use_chat = ns.chat
@@ -208,7 +213,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         prompts = list(ns.prompts)
     if ns.show_blocks:
         engine.keep_busiest_snapshot()
-    outputs = llm.generate(prompts, _sampling_params(ns), use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(ns.prompts, outputs, strict=True)):
         if len(outputs) > 1:
             print(("\n" if i else "") + f"[{i}] {prompt}\n" + "-" * 40)
@@ -228,27 +233,42 @@ def _conversation(system: str | None, user: str) -> list[dict[str, str]]:
     return conv + [{"role": "user", "content": user}]
 
 
+def _check_runner(ns: argparse.Namespace) -> None:
+    """generate and chat make text: another runner is refused before the model loads (it
+    loaded, each prompt was refused, and chat's exit status was 0)."""
+    if ns.runner not in (None, "generate"):
+        raise ValueError(f"{ns.command} generates text: --runner {ns.runner} serves embeddings or scores "
+                         f"(pagedserve serve --runner {ns.runner})")
+
+
+def _read_turn() -> str:
+    """The next line of the conversation; the `>>> ` prompt goes to the terminal, or to
+    standard error when standard output is not one (a piped chat's output is its answers)."""
+    if sys.stdout.isatty():
+        return input(">>> ")
+    print(">>> ", end="", file=sys.stderr, flush=True)
+    return input()
+
+
 def cmd_chat(ns: argparse.Namespace) -> None:
     from pagedserve.sampling_params import RequestOutputKind
 
-    if ns.runner not in (None, "generate"):  # (the model loaded, each turn was refused, and the exit status was 0)
-        raise ValueError(f"chat generates text: --runner {ns.runner} serves embeddings or scores "
-                         f"(pagedserve serve --runner {ns.runner})")
-    engine = _build_engine(ns, 1)
+    _check_runner(ns)
     params = _sampling_params(ns)
+    engine = _build_engine(ns, 1)
     base = [{"role": "system", "content": ns.system}] if ns.system else []
     history = list(base)
     print("pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits.", file=sys.stderr)
-    turn = 0
+    turn = refused = 0
     while True:
         try:
-            line = input(">>> ")
+            line = _read_turn()
         except (EOFError, KeyboardInterrupt):
-            print()
-            return
+            print(file=sys.stderr)
+            break
         text = line.strip()
         if text in ("/exit", "/quit"):
-            return
+            break
         if text == "/clear":
             history = list(base)
             continue
@@ -261,6 +281,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
             engine.add_request(rid, engine.encode_chat(history), params, output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             history.pop()
+            refused += 1
             print(f"error: {e} (try /clear)", file=sys.stderr)
             continue
         reply = []
@@ -275,6 +296,8 @@ def cmd_chat(ns: argparse.Namespace) -> None:
             engine.abort_request(rid)
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
+    if refused:  # (a script piping turns in learns that some were not answered)
+        raise ValueError(f"{refused} of {turn} turns refused")
 
 
 def _version() -> str:

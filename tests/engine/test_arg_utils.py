@@ -306,3 +306,14 @@ def test_the_step_time_target_defaults_on_for_cpu_and_0_turns_it_off() -> None:
     assert target(max_step_ms=0) is None
     assert target(max_step_ms=80.0) == 80.0
     assert target(enable_chunked_prefill=False, max_num_batched_tokens=4096) is None  # it works through chunks
+
+
+def test_lora_sizes_without_enable_lora_are_warned_of(caplog) -> None:
+    """`generate --max-loras -3` and `LLM(max_lora_rank=64)` without enable_lora change
+    nothing; each is named (they passed in silence outside `serve`)."""
+    with caplog.at_level("WARNING", logger="pagedserve"):
+        EngineArgs(max_loras=-3, max_lora_rank=0).create_engine_config(load_hf_config=False)
+        EngineArgs(max_loras=2, enable_lora=True).create_engine_config(load_hf_config=False)
+    said = [r.getMessage() for r in caplog.records if "no effect without enable_lora" in r.getMessage()]
+    assert said == ["max_loras has no effect without enable_lora (--enable-lora)",
+                    "max_lora_rank has no effect without enable_lora (--enable-lora)"]

@@ -114,8 +114,28 @@ def test_generate_and_chat_help_says_their_own_defaults(capsys) -> None:
 
 
 def test_bad_sampling_value_is_a_clean_error(fake_engine) -> None:
+    """Named before the model loads (it loaded first), as another runner is."""
     with pytest.raises(SystemExit, match="max_tokens must be"):
         cli.main(["generate", "x", "--max-tokens", "0"])
+    with pytest.raises(SystemExit, match="temperature must be"):
+        cli.main(["chat", "--temperature", "-1"])
+    with pytest.raises(SystemExit, match="generate generates text: --runner pooling serves embeddings"):
+        cli.main(["generate", "x", "--runner", "pooling"])
+    assert fake_engine == []  # (no engine was built)
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--one-at-a-time", "0"], "--one-at-a-time must be >= 1"), (["--temperature", "-1"], "temperature must be"),
+    (["--workload", "chat-burst", "--num-prompts", "2"], "--num-prompts size the random workload"),
+    (["--input-len", "5", "1"], "1 <= MIN <= MAX"),
+])
+def test_bench_throughput_flags_are_one_line_errors_before_the_model_loads(flags, error, monkeypatch) -> None:
+    """They were tracebacks, some after the model had loaded; a preset's sizes were ignored."""
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit, match=f"pagedserve bench throughput: error: .*{error}"):
+        cli.main(["bench", "throughput", *flags])
 
 
 def test_chat_streams_and_keeps_history(fake_engine, monkeypatch, capsys) -> None:
@@ -137,8 +157,22 @@ def test_chat_ends_on_eof(fake_engine, monkeypatch, capsys) -> None:
 
     monkeypatch.setattr("builtins.input", eof)
     cli.main(["chat"])  # returns (no SystemExit, no traceback) after one prompt
-    assert prompts == [">>> "] and capsys.readouterr().out == "\n"
+    # (standard output is not a terminal here: the prompt goes to standard error, so a
+    # piped chat's output is its answers alone)
+    captured = capsys.readouterr()
+    assert prompts == [""] and captured.out == "" and captured.err.endswith(">>> \n")
     assert not fake_engine[-1].has_unfinished_requests()
+
+
+def test_a_chat_with_a_refused_turn_exits_1(fake_engine, monkeypatch, capsys) -> None:
+    """A turn the engine refused is said on standard error and the chat goes on; at the
+    end the exit status says so (it was 0: a script piping turns in could not tell)."""
+    lines = iter(["x" * 2_000_000, "hello", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    with pytest.raises(SystemExit, match="chat: error: 1 of 2 turns refused"):
+        cli.main(["chat", "--temperature", "0"])
+    captured = capsys.readouterr()
+    assert captured.out == ANSWER + "\n" and "(try /clear)" in captured.err
 
 
 def test_missing_delegated_command_says_so(monkeypatch) -> None:

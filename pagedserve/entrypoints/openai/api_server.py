@@ -283,9 +283,9 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 # A flag that only adjusts another's feature (its modifier) -> the flag that turns that feature on.
+# (The engine's own, LoRA's sizes, EngineArgs warns of: for `LLM(...)` and every command.)
 MODIFIER_FLAGS = {"max_log_len": "enable_log_requests", "allowed_methods": "allowed_origins",
-                  "allowed_headers": "allowed_origins", "allow_credentials": "allowed_origins",
-                  "max_loras": "enable_lora", "max_lora_rank": "enable_lora", "max_cpu_loras": "enable_lora"}
+                  "allowed_headers": "allowed_origins", "allow_credentials": "allowed_origins"}
 
 
 def idle_modifiers(args: argparse.Namespace) -> list[str]:
