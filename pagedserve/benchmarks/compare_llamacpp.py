@@ -98,11 +98,14 @@ def server_rss(server: LocalServer) -> int:
 
 async def completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                      max_tokens: int) -> tuple[float, float, float]:
-    """(start, first token, last token) times of one streamed completion."""
+    """(start, first token, last token) times of one streamed completion of exactly
+    `max_tokens` tokens: a stream that ends otherwise (an error event, a finish_reason
+    other than "length", no text) raises, since the figures assume the tokens were made."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
     start = time.perf_counter()
     first = last = 0.0
+    finish = None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -110,9 +113,16 @@ async def completion(client: httpx.AsyncClient, url: str, model: str, prompt: li
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: the stream failed: {str(chunk['error'])[:300]}")
+            for choice in chunk.get("choices") or ():
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+    if finish != "length" or not first:
+        raise RuntimeError(f"{url}: a completion of {max_tokens} tokens (EOS ignored) ended with finish_reason "
+                           f"{finish!r}{'' if first else ' and no text'}: its figures would be wrong")
     return start, first, last
 
 
@@ -128,6 +138,8 @@ async def sample(http: httpx.AsyncClient, url: str, model: str, phase: str, rng:
     request), "batch-N" (tok/s of N requests in flight) or "ttft" (seconds)."""
     if phase == "single":
         _, first, last = await completion(http, url, model, random_prompt(rng, 16), NEW_TOKENS)
+        if last <= first:  # (every token in one chunk: no decode time to divide by)
+            raise RuntimeError(f"{url}: {NEW_TOKENS} tokens came in one chunk; single-stream decode is not measurable")
         return (NEW_TOKENS - 1) / (last - first)
     if phase.startswith("batch-"):
         n = int(phase.removeprefix("batch-"))
@@ -179,6 +191,12 @@ def measure(sides: list[tuple[Figures, Callable[[], LocalServer]]], batches: lis
     finally:
         for _, server in servers:
             server.stop()
+
+
+def threads_env(threads: int) -> dict[str, str]:
+    """pagedserve's environment (this one's) for `threads` threads (torch's and the kernels'
+    OpenMP pools), the count llama-server gets as -t and -tb."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def new_client() -> httpx.AsyncClient:
@@ -262,13 +280,13 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
                       lambda extra=extra, tag=bits: PagedServe(
                           [model_arg, "--max-num-seqs", str(SLOTS), "--max-model-len", str(ctx),
                            "--kv-cache-memory-bytes", str(ps_kv), *extra],
-                          f"{logdir}/{name}-pagedserve-{tag}.log"),
+                          f"{logdir}/{name}-pagedserve-{tag}.log", env=threads_env(args.threads)),
                       # memory on its own start: one slot of --ctx-per-slot tokens (KV at most ~0.2 GB at the
                       # 1.7B shape), after one short request, so the figure is weights + runtime, not KV
                       lambda extra=extra, tag=bits: PagedServe(
                           [model_arg, "--max-num-seqs", "1", "--max-model-len", str(ctx),
                            "--kv-cache-memory-bytes", str(small_kv), *extra],
-                          f"{logdir}/{name}-pagedserve-{tag}-mem.log"),
+                          f"{logdir}/{name}-pagedserve-{tag}-mem.log", env=threads_env(args.threads)),
                       ps_kv))
     check_memory(gguf_path, ctx, [kv for *_, kv in sides])
     out = [Figures(side, kv_bytes=kv) for side, *_, kv in sides]
@@ -378,7 +396,7 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
         name = "pagedserve" + ("" if ms is None else f" --max-step-ms {ms:g}")
         sides.append((name, lambda extra=extra: PagedServe(
             ["smollm2-135m-instruct", "--max-model-len", "512", *extra, *args.pagedserve_args],
-            f"{logdir}/latency-pagedserve{'-'.join(extra)}.log")))
+            f"{logdir}/latency-pagedserve{'-'.join(extra)}.log", env=threads_env(args.threads))))
     lines = ["### guidellm-shaped load, default model: 16 in flight, 128 in / 64 out, 64 requests", "",
              "| | TTFT median, ms | ITL median, ms | decode-only ITL median, ms | ITL / decode-only | output tok/s |",
              "|---|---|---|---|---|---|"]
@@ -388,6 +406,8 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
             decode_only = bench_serve.main([*common, *LATENCY_LOAD[:4], "--random-input-len", "4",
                                             "--random-output-len", "64"])
             loaded = bench_serve.main([*common, *LATENCY_LOAD])
+        if decode_only["failed"] or loaded["failed"]:  # (a ratio of what did not all run would mislead)
+            raise RuntimeError(f"{name}: requests failed: {(decode_only['errors'] + loaded['errors'])[:2]}")
         base = decode_only["median_itl_ms"]
         lines.append(f"| {name} | {loaded['median_ttft_ms']:.0f} | {loaded['median_itl_ms']:.1f} | {base:.1f} | "
                      f"{loaded['median_itl_ms'] / base:.2f}x | {loaded['output_throughput']:.1f} |")
@@ -395,12 +415,32 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
     return "\n".join(lines)
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each flag's range, and the flags one mode ignores, before anything starts."""
+    import torch
+
+    args.threads = torch.get_num_threads() if args.threads is None else args.threads
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.latency:
+        ignored = [f"--{k.replace('_', '-')}" for k in ("files", "ctx_per_slot", "quant_activation_bits",
+                                                         "kv_cache_dtype") if getattr(args, k) != p.get_default(k)]
+        if ignored:
+            p.error(f"--latency runs its own load on the default model: {', '.join(ignored)} would be ignored")
+    elif args.max_step_ms:
+        p.error("--max-step-ms sets the --latency load's pagedserve sides: add --latency")
+    if args.ctx_per_slot <= TTFT_PROMPT:
+        p.error(f"--ctx-per-slot must be over {TTFT_PROMPT} (the TTFT prompt's tokens and one more)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", nargs="+", choices=FILES, default=list(FILES),
                    help="Q4_0 / Q8_0: random weights in SmolLM2-1.7B's shape; default: the default model's Q4_1 "
                         "file; gemma3: Gemma 3 270M's Q4_K_M file")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads (-t, -tb)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of both servers (llama-server's -t and -tb, pagedserve's OMP_NUM_THREADS; "
+                        "default: torch's, one per physical core)")
     p.add_argument("--ctx-per-slot", type=int, default=1024, help="KV-cache tokens per slot (32 slots)")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure pagedserve only")
     p.add_argument("--latency", action="store_true",
@@ -416,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pagedserve-args", nargs=argparse.REMAINDER, default=[],
                    help="extra `pagedserve serve` flags (last on the command line)")
     args = p.parse_args(argv)
+    check_args(p, args)
     print(f"CPU: {describe_cpu()}; ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}",
           flush=True)
     if not args.skip_llamacpp:

@@ -53,3 +53,41 @@ def test_speculation_counts_come_from_metrics_and_reach_the_report(tmp_path):
             compare_llamacpp.Figures("pagedserve", decode_tok_s=25.0, drafts=(400, 100))]
     last = compare_llamacpp.report("m", str(gguf), figs, 1e9, 640).splitlines()[-1]
     assert last.startswith("pagedserve drafted 400 tokens over the run and accepted 100 (25%)")
+
+
+def test_flags_a_mode_ignores_or_out_of_range_are_refused_before_anything_starts(capsys):
+    """--latency ignored --files and the rest, --max-step-ms did nothing without it, a
+    --ctx-per-slot too small for the TTFT prompt failed after two phases had run, and
+    --threads reached llama-server alone."""
+    for argv, error in ((["--latency", "--files", "Q4_0"], "--files would be ignored"),
+                        (["--max-step-ms", "50"], "add --latency"), (["--ctx-per-slot", "512"], "must be over 512"),
+                        (["--threads", "0"], "--threads must be >= 1")):
+        with pytest.raises(SystemExit):
+            compare_llamacpp.main(argv)
+        assert error in capsys.readouterr().err
+    assert compare_llamacpp.threads_env(3)["OMP_NUM_THREADS"] == "3" and "PATH" in compare_llamacpp.threads_env(3)
+
+
+def test_a_completion_that_did_not_make_its_tokens_raises(monkeypatch):
+    """The figures assume max_tokens tokens were made: a stream that ended early (an error
+    event, finish_reason "stop") or in one chunk inflated tok/s or divided by zero."""
+    import asyncio
+
+    import httpx
+
+    def streaming(events):
+        body = "".join(f"data: {e}\n\n" for e in [*events, "[DONE]"])
+        return httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+
+    async def run(events, phase="single"):
+        async with httpx.AsyncClient(transport=streaming(events)) as http:
+            return await compare_llamacpp.sample(http, "http://x", "m", phase, __import__("random").Random(0))
+
+    text = '{"choices": [{"text": "a", "finish_reason": %s}]}'
+    with pytest.raises(RuntimeError, match="finish_reason 'stop'"):
+        asyncio.run(run([text % "null", text % '"stop"']))
+    with pytest.raises(RuntimeError, match="the stream failed"):
+        asyncio.run(run([text % "null", '{"error": {"message": "boom"}}']))
+    with pytest.raises(RuntimeError, match="in one chunk"):
+        asyncio.run(run([text % '"length"']))
+    assert asyncio.run(run([text % "null", text % '"length"'], "batch-2")) > 0
