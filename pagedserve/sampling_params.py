@@ -160,7 +160,6 @@ def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[s
 
 
 @vllm_kwargs({
-    "detokenize": ((True,), "outputs are always detokenized here"),
     "spaces_between_special_tokens": ((True, False), "it must be true or false (either has no effect: a fast "
                                                       "tokenizer's decode does not read it, nor does vLLM's)"),
     "logits_processors": ((None, []), "no custom logits processors are run here"),
@@ -190,6 +189,9 @@ class SamplingParams:
     # Top logprobs of every prompt token (0: just the prompt token's own), as vLLM.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's: False returns token ids without text (text "", logprobs' decoded_token None),
+    # the detokenizer's work skipped; stop strings need the text, so they are refused with it.
+    detokenize: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled.
@@ -252,9 +254,12 @@ class SamplingParams:
         self._check_stops()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise self._bad("output_kind", "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "True or False")
+        if not self.detokenize and self.stop_strings:
+            raise InvalidRequestError("stop strings need detokenize=True (they are matched in the text)",
+                                      param="detokenize")
         if self.prediction is not None:
             self._check_prediction()
 

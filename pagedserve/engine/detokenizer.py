@@ -56,7 +56,8 @@ def _backend_decoder(backend: Any, skip_special_tokens: bool) -> Callable[[list[
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if params.detokenize else None  # (None: token ids alone, no text)
+        tokenizer = self.tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self._decode = decoder_of(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
         self.stop_strings = list(params.stop_strings)

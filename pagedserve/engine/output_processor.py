@@ -266,14 +266,17 @@ class OutputProcessor:
                 continue
             k = state.params.prompt_logprobs or 0
             for j, entry in enumerate(entries):
-                state.parent.prompt_logprobs[first + j] = self._logprob_dict(entry.token_id, entry, k)
+                state.parent.prompt_logprobs[first + j] = self._logprob_dict(entry.token_id, entry, k,
+                                                                             state.params.detokenize)
 
-    def _logprob_dict(self, token_id: int, entry: Any, k: int) -> dict[int, Logprob]:
-        """{token: Logprob} for one position: the token itself, then the k most likely."""
-        d = {token_id: Logprob(entry.logprob, entry.rank, self._decode_token(token_id))}
+    def _logprob_dict(self, token_id: int, entry: Any, k: int, decode: bool) -> dict[int, Logprob]:
+        """{token: Logprob} for one position: the token itself, then the k most likely;
+        `decode`: with each token's text (SamplingParams.detokenize)."""
+        text = self._decode_token if decode else lambda _: None
+        d = {token_id: Logprob(entry.logprob, entry.rank, text(token_id))}
         for rank, (t, lp) in enumerate(zip(entry.topk_token_ids[:k], entry.topk_logprobs[:k], strict=True), 1):
             if t not in d:
-                d[t] = Logprob(lp, rank, self._decode_token(t))
+                d[t] = Logprob(lp, rank, text(t))
         return d
 
     def _append_logprobs(self, state: RequestState, new_ids: list[int], entries: Any) -> None:
@@ -281,7 +284,7 @@ class OutputProcessor:
             entries = [entries]
         k = state.params.logprobs or 0
         for tid, entry in zip(new_ids, entries, strict=False):
-            state.logprobs.append(self._logprob_dict(tid, entry, k))
+            state.logprobs.append(self._logprob_dict(tid, entry, k, state.params.detokenize))
             state.cumulative_logprob += entry.logprob
 
     def _decode_token(self, token_id: int) -> str | None:

@@ -373,7 +373,7 @@ REQUEST_FIELD_CHECKS = {
     "skip_special_tokens": [(None, _SP)], "logit_bias": [({1: 101.0}, _SP), ({400: 1.0}, _ENG)],
     "allowed_token_ids": [([], _SP), ([400], _ENG)], "bad_words": [([""], _SP), (["x"], _ENG)],
     "structured_outputs": [("json", _SP)], "truncate_prompt_tokens": [(0, _SP), (10**6, _ENG)],
-    "output_kind": [("delta", _SP)],
+    "output_kind": [("delta", _SP)], "detokenize": [("no", _SP)],
     # n > 1, penalties and logit edits with it are refused in SamplingParams too (tests/test_sampling_params.py).
     "prediction": [(5, _SP), ([1, -1], _SP), ([400], _ENG), (list(range(129)), _ENG), ("text", _ENG)],
     # Set by the front end from bad_words (tokenized off the engine thread), not sent by clients.

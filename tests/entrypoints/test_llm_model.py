@@ -267,3 +267,18 @@ def test_sizes_memory_cannot_hold_are_a_clear_error(tiny_dir, kwargs) -> None:
     mmap's OSError came as a traceback that said nothing of which one)."""
     with pytest.raises(ValueError, match="do not fit in memory .*lower max_num_seqs, max_num_batched_tokens"):
         LLM(tiny_dir, dtype="float32", max_model_len=128, **kwargs)
+
+
+def test_detokenize_false_returns_the_same_tokens_without_text(llm) -> None:
+    """vLLM's detokenize=False (it was refused): the same token ids, text "", logprobs
+    without decoded tokens; stop strings, matched in the text, are refused with it."""
+    greedy = {"max_tokens": 6, "temperature": 0, "logprobs": 2}
+    [text] = llm.generate(["The capital of France is"], SamplingParams(**greedy), use_tqdm=False)
+    [ids] = llm.generate(["The capital of France is"], SamplingParams(detokenize=False, **greedy), use_tqdm=False)
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids.outputs[0].text == "" and ids.prompt == "The capital of France is"
+    assert all(lp.decoded_token is None for d in ids.outputs[0].logprobs for lp in d.values())
+    assert [{t: lp.logprob for t, lp in d.items()} for d in ids.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in text.outputs[0].logprobs]
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop=["."])
