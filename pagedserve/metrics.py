@@ -404,6 +404,11 @@ class LoggingStatLogger:
         self._gen = 0
         self._sched = SchedulerStats()
         self._spec_last = (0, 0)  # (drafted, accepted) at the last line
+        # Prefix-cache (queries, hits) at the last line, and the hit rate of the last
+        # interval with lookups: recent, as vLLM's line (since start-up, a long-running
+        # server's figure barely moved), and kept through intervals that only decode.
+        self._cache_last = (0, 0)
+        self._hit_rate = 0.0
         self._logged_idle = True
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
@@ -423,13 +428,16 @@ class LoggingStatLogger:
             if idle and self._logged_idle:
                 self._last_time = now
                 return None  # nothing new since the last (idle) line
-            hit_rate = 100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+            queries = s.prefix_cache_queries - self._cache_last[0]
+            if queries > 0:
+                self._hit_rate = 100.0 * (s.prefix_cache_hits - self._cache_last[1]) / queries
+            self._cache_last = (s.prefix_cache_queries, s.prefix_cache_hits)
             line = (
                 f"{self.prefix}Avg prompt throughput: {self._prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._gen / elapsed:.1f} tokens/s, "
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
                 f"{self.device} KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
-                f"Prefix cache hit rate: {hit_rate:.1f}%, "
+                f"Prefix cache hit rate: {self._hit_rate:.1f}%, "
                 f"Structured-output reqs: {s.num_structured_requests}"
             )
             drafted = s.spec_decode_num_draft_tokens - self._spec_last[0]

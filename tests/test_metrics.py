@@ -26,6 +26,13 @@ def test_logging_stat_logger_rates():
     assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 4.0 tokens/s, "
                     "Running: 3 reqs, Waiting: 1 reqs, CPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%, "
                     "Structured-output reqs: 0")
+    # The hit rate is the interval's lookups' (it was since start-up: 250/300 = 83% here), and an
+    # interval without lookups (decode only) keeps the last one's
+    log.record(SchedulerStats(num_running=1, prefix_cache_queries=300, prefix_cache_hits=150), IterationStats())
+    assert "Prefix cache hit rate: 100.0%," in log.maybe_log(now=t0 + 20.0)
+    log.record(SchedulerStats(num_running=1, prefix_cache_queries=300, prefix_cache_hits=150),
+               IterationStats(num_generation_tokens=5))
+    assert "Prefix cache hit rate: 100.0%," in log.maybe_log(now=t0 + 30.0)
 
 
 def test_scheduler_stats_copy_every_field_and_refuse_a_missing_one():

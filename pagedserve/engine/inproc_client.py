@@ -418,9 +418,12 @@ class InprocClient:
             self._call_soon(_set_exception, cmd.future, e)
             return
         params = request.sampling_params
+        max_tokens = params.max_tokens  # (unset: what the context leaves, vLLM's figure for the histogram)
+        if max_tokens is None:
+            max_tokens = self.engine.max_model_len - len(request.prompt_token_ids)
         self._req_stats[request.request_id] = _ReqStats(
             arrival=cmd.arrival, n=request.num_sequences,
-            max_tokens=params.max_tokens if request.pooling_params is None else None)
+            max_tokens=max_tokens if request.pooling_params is None else None)
         self._num_waiting += request.num_sequences  # until the next step's count replaces it
         self._call_soon(_set_result, cmd.future, None)
 

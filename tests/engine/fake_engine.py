@@ -78,6 +78,7 @@ class FakeProcessedRequest:
     priority: int
     lora_request: object
     grammar: Future | None = None
+    prompt_token_ids: list = field(default_factory=list)  # (what the fake's tokenizer makes of the prompt)
 
     @property
     def pooling_params(self) -> object:
@@ -103,7 +104,8 @@ class FakeInputProcessor:
             if params.bad_words and not params.bad_words_token_ids:
                 params = copy.copy(params)
                 params.bad_words_token_ids = self.engine.bad_words_token_ids(params.bad_words)
-        return FakeProcessedRequest(request_id, prompt, params, priority, lora_request, grammar)
+        return FakeProcessedRequest(request_id, prompt, params, priority, lora_request, grammar,
+                                    self.engine.prompt_ids(prompt))
 
 
 class FakeEngine:
@@ -147,13 +149,17 @@ class FakeEngine:
         self.add_request(request.request_id, request.prompt, request.sampling_params, priority=request.priority,
                          lora_request=request.lora_request)
 
+    def prompt_ids(self, prompt) -> list:
+        if isinstance(prompt, dict):
+            return prompt["prompt_token_ids"]
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, lora_request=None):
         if lora_request is not None:
             raise ValueError("the fake engine has no LoRA adapters")
         self.thread_ids.add(threading.get_ident())
         self.params_seen.append(params)
-        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else (
-            self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        ids = self.prompt_ids(prompt)
         # The engine's own checks, in its words.
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")

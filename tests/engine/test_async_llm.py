@@ -209,12 +209,35 @@ def test_stat_loggers_see_tokens_and_finishes():
     assert value("vllm:inter_token_latency_seconds_count") == 3 + 5
     assert value("vllm:e2e_request_latency_seconds_count") == 2
     assert value("vllm:num_requests_running") == 0
+    assert value("vllm:request_params_max_tokens_sum") == 4 + 6
     line = log_stats.maybe_log(now=time.monotonic() + 2000)
     assert line is not None and "Avg generation throughput:" in line and "Running: 0 reqs" in line
     assert "CPU KV cache usage: 0.0%" in line and "Prefix cache hit rate: 0.0%" in line
     # One all-zero line marks the end of activity (as vLLM does), then silence.
     assert "Avg generation throughput: 0.0 tokens/s" in log_stats.maybe_log(now=time.monotonic() + 4000)
     assert log_stats.maybe_log(now=time.monotonic() + 6000) is None
+
+
+def test_a_request_without_max_tokens_is_in_the_max_tokens_histogram_at_what_the_context_leaves():
+    """vLLM records the effective max_tokens; an unset one was left out, so the histogram's
+    count fell behind the other per-request histograms'."""
+    from prometheus_client import CollectorRegistry
+
+    engine = FakeEngine(max_model_len=20)
+    registry = CollectorRegistry()
+
+    async def main():
+        llm = AsyncLLM(engine, stat_loggers=[make_prometheus_loggers(registry, "fake")[0]], log_stats=False)
+        [_ async for _ in llm.generate("abc", SamplingParams(max_tokens=None), "x")]
+        llm.shutdown()
+
+    run(main())
+
+    def value(name):
+        return registry.get_sample_value(name, {"model_name": "fake", "engine": "0"})
+
+    assert value("vllm:request_params_max_tokens_count") == value("vllm:request_params_n_count") == 1
+    assert value("vllm:request_params_max_tokens_sum") == 20 - 3
 
 
 def test_an_unexpected_error_adding_one_request_fails_it_alone():

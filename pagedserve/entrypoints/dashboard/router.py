@@ -24,13 +24,18 @@ _STATIC_NAMES = frozenset(f.name for f in _STATIC.iterdir()
                           if f.is_file() and "." in f.name and "." + f.name.rsplit(".", 1)[-1] in _CONTENT_TYPES)
 
 
+# The page is never shown inside another site's frame (the playground holds an API key
+# and sends on a click: a framing page could steer the click), nor sniffed as another type.
+PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Frame-Options": "DENY",
+                "Content-Security-Policy": "frame-ancestors 'none'", "X-Content-Type-Options": "nosniff"}
+
+
 def _static_file(name: str) -> Response:
     """A file of static/, or a 404."""
     if name not in _STATIC_NAMES:
         return Response(status_code=404)
     suffix = "." + name.rsplit(".", 1)[-1]
-    return Response(_STATIC.joinpath(name).read_bytes(), media_type=_CONTENT_TYPES[suffix],
-                    headers={"Cache-Control": "no-cache"})
+    return Response(_STATIC.joinpath(name).read_bytes(), media_type=_CONTENT_TYPES[suffix], headers=PAGE_HEADERS)
 
 
 def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],

@@ -137,6 +137,12 @@ def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_stream
     page.wait_for_selector("#copies-result[data-done='1']", timeout=60_000)
     assert page.inner_text("#copies-result").startswith("4/4 copies answered")
     page.screenshot(path=str(shots / "playground.png"), full_page=True)
+    # A field left blank is the server's default (it was sent as 0: top_p 0 is a 400)
+    page.fill("#top_p", "")
+    page.fill("#message", "And of Spain?")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant:nth-of-type(4)[data-done='1'], .msg.error[data-done='1']", timeout=60_000)
+    assert page.locator(".msg.error").count() == 0 and page.locator(".msg.assistant").count() == 2
 
 
 def test_a_pooling_server_offers_no_playground(page, tmp_path):

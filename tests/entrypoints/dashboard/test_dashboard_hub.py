@@ -229,6 +229,10 @@ def test_the_page_is_public_and_its_event_stream_needs_the_key():
     assert css.status_code == 200 and "text/css" in css.headers["content-type"]
     assert events.status_code == 401 and "API key" in events.json()["error"]["message"]
     assert health.status_code == 200
+    # never framed by another site (the playground holds a key and sends on a click), never sniffed
+    for r in (page, root, js, css):
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["content-security-policy"] == "frame-ancestors 'none'"
 
 
 @pytest.mark.parametrize("path", ["/dashboard/static/missing.js", "/dashboard/static/..%2Fmetrics",

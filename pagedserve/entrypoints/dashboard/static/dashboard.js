@@ -335,10 +335,13 @@ async function loadModelName() {
     }
   } catch (e) { /* shown when sending */ }
 }
+// The request's sampling fields: a blank one is left out (the server's default), never sent as 0.
 function samplingBody() {
-  const body = { model: modelName, temperature: +$("temperature").value, top_p: +$("top_p").value,
-    max_tokens: +$("max_tokens").value };
-  if ($("seed").value !== "") body.seed = +$("seed").value;
+  const body = { model: modelName };
+  for (const name of ["temperature", "top_p", "max_tokens", "seed"]) {
+    const value = $(name).value.trim();
+    if (value !== "") body[name] = Number(value);
+  }
   return body;
 }
 function messagesWith(userContent) {
