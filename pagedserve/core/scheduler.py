@@ -467,6 +467,10 @@ class Scheduler:
                     status = check_stop(request, tok) if request.grammar is None else self._advance(request, tok)
                     if status is not None:
                         token_ids = token_ids[: i + 1]
+                        # The accepted drafts past the stop were counted computed: the
+                        # request holds KV of its own tokens only (the radix tree keeps
+                        # its last block by that count).
+                        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
                         break
             if status is None:
                 out = EngineCoreOutput(req_id, token_ids, False, None, None, request.num_cached_tokens)

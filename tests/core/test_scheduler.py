@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
 
@@ -355,3 +357,36 @@ def test_the_adapter_keys_the_block_hashes_and_no_client_salt_can_equal_it():
 
     chains = [tuple(hash_request_tokens([1] * 8, 4, salt)) for salt in salts]
     assert len(set(chains)) == len(chains)
+
+
+@pytest.mark.parametrize("radix", [False, True])
+def test_a_stop_inside_accepted_drafts_leaves_no_kv_counted_past_the_tokens(radix: bool) -> None:
+    """EOS (past min_tokens) among a step's accepted drafts ends the request there: the
+    drafts after it were counted computed, so the request held KV past its tokens, and
+    the radix tree, keeping its last block, read a block hash that did not exist (an
+    IndexError on the engine thread: `benchmarks/prefix_reuse.py` died on it)."""
+    from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
+
+    def cyclic(rid: str, context: list[int]) -> int:
+        return 1 + len(context) % 5  # 1 2 3 4 5 1 2 ...
+
+    accepted = 0
+    for prompt_len, min_tokens in itertools.product(range(6, 10), range(12, 17)):  # each offset of the stop
+        sched = make_scheduler(num_blocks=40, block_size=4, max_model_len=64, num_speculative_tokens=3, radix=radix)
+        req = make_request(0, prompt_len, max_tokens=40, eos_token_id=3, min_tokens=min_tokens)
+        sched.add_request(req)
+        counted = []
+        orig = sched.update_from_output
+
+        def update(so, sampled, orig=orig, req=req, counted=counted):
+            outs = orig(so, sampled)
+            counted.append((req.num_computed_tokens, req.num_tokens))
+            return outs
+
+        sched.update_from_output = update
+        run_to_completion(sched, FakeRunner(sched), sample=cyclic)
+        assert req.output_token_ids[-1] == 3 and len(req.output_token_ids) >= min_tokens
+        accepted += sched.spec_stats.num_accepted_tokens
+        assert all(computed < tokens for computed, tokens in counted), counted
+        assert sched.kv_cache_manager.usage == 0
+    assert accepted > 0
