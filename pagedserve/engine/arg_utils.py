@@ -55,7 +55,7 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _HELP = {
     "model": "registry name (e.g. smollm2-135m-instruct), HF model directory, or .gguf file",
     "tokenizer": "tokenizer name or path (default: the model's)",
-    "dtype": "weight and activation dtype; auto = the checkpoint's (bfloat16 on CPU for 16-bit ones)",
+    "dtype": "weight and activation dtype; auto = bfloat16 on a CPU with bf16 instructions, else float32",
     "device": "auto, cpu, cuda or cuda:N",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "max_num_seqs": "most sequences in one step",

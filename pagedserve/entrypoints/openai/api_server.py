@@ -129,8 +129,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health and the "
-                            "dashboard page, /metrics too unless --metrics-without-auth (vLLM guards /v1/* only; "
+                       help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health, /ping "
+                            "and the dashboard page, /metrics too unless --metrics-without-auth (vLLM guards /v1/* only; "
                             "default: $PAGEDSERVE_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in the 'model' field (default: the MODEL argument)")

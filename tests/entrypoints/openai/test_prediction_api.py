@@ -97,7 +97,11 @@ def test_openai_fields_are_accepted_or_refused_never_only_logged(server) -> None
                           ({"safety_identifier": "u" * 200}, "safety_identifier"),
                           ({"web_search_options": {}}, "web_search_options"),
                           ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-                          ({"reasoning_effort": "extreme"}, "reasoning_effort")):
+                          ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                          # (Responses' stored prompt, sent to chat: it was named "messages", engine's
+                          # "prompt" renamed as chat spells it)
+                          ({"extra_body": {"prompt": {"id": "pmpt_1"}}}, "prompt")):
         with pytest.raises(openai.BadRequestError) as info:
             chat(client, **kwargs)
         assert info.value.body["param"] == param, info.value.body
+        assert param in info.value.body["message"], info.value.body
