@@ -63,8 +63,8 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *,
             final = parts[texts[-1]]["text"]
             parts[texts[-1]] = {**parts[texts[-1]], "text": final + _CONTINUE_TAG}
             chat[-1]["content"] = parts
-    text = compiled.render(messages=chat, tools=_plain(tools), documents=None,
-                           add_generation_prompt=add_generation_prompt, **_plain(variables))
+    text = compiled.render(messages=chat, tools=_plain(tools), add_generation_prompt=add_generation_prompt,
+                           **{"documents": None, **_plain(variables)})
     if continue_final_message:
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:

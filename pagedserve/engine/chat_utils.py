@@ -245,11 +245,12 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
                 chat_template: str | None = None, add_generation_prompt: bool = True, *,
                 tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                 continue_final_message: bool = False, max_chars: int = MAX_PROMPT_CHARS,
-                content_parts: bool = False, cut: bool = False) -> str:
+                content_parts: bool = False, cut: bool = False, documents: list[dict[str, str]] | None = None) -> str:
     """Render one conversation to prompt text with `chat_template` (a request's own
     Jinja text: rendered in the sandbox), else `default_template` (--chat-template,
     else the tokenizer's).  `tools` (OpenAI's function definitions) and
-    `chat_template_kwargs` (e.g. Qwen3's enable_thinking) reach the template;
+    `chat_template_kwargs` (e.g. Qwen3's enable_thinking) and `documents` (vLLM's: a RAG
+    template's sources, e.g. [{"title": ..., "text": ...}]) reach the template;
     `continue_final_message` leaves the last (assistant) message open for the model to
     go on with.  The text is at most `max_chars` characters; with `cut` (only its last
     tokens will run: truncate_prompt_tokens), at most MAX_PROMPT_CHARS, as encode_text's."""
@@ -270,6 +271,8 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     # The template's variables: the special tokens (bos_token, ...), then the request's kwargs.
     variables = {**{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, (str, list))}, **kwargs}
+    if documents is not None:
+        variables["documents"] = documents
     if chat_template:  # ("" is no template: the default renders)
         if not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
             raise InvalidRequestError(f"chat_template must be Jinja template text of at most "

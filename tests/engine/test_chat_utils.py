@@ -75,3 +75,23 @@ def test_a_tokenizers_closing_token_ends_a_cut_prompt_too(smollm2_path) -> None:
         whole = tokenizer.encode(text)
         got = encode_text(tokenizer, text, 100, add_special_tokens=True, cut=True)
         assert got[-1] == 0 and got[-8:] == whole[-8:]
+
+
+def test_documents_reach_the_template_in_process_and_in_the_sandbox(smollm2_path) -> None:
+    """vLLM's `documents` (a RAG template's sources) reach the template, the default one
+    and a request's own (rendered in the sandbox); the variable was always None, and
+    chat_template_kwargs may not set it."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.engine.chat_utils import render_chat
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}"
+    docs = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    messages = [{"role": "user", "content": "q"}]
+    assert render_chat(tok, template, messages, documents=docs) == "[a: one][b: two]q"
+    assert render_chat(tok, None, messages, template, documents=docs) == "[a: one][b: two]q"  # (sandbox)
+    assert render_chat(tok, "{{ documents is none }}", messages) == "True"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set documents"):
+        render_chat(tok, template, messages, chat_template_kwargs={"documents": docs})
+

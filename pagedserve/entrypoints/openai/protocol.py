@@ -333,6 +333,8 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM's: the final assistant message put before the answer (serving_chat.echo_text)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: a RAG template's `documents` variable
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning (--reasoning-parser) out
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -530,7 +532,8 @@ class ToolCall(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None  # with --reasoning-parser
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's current name)
+    reasoning_content: str | None = None  # (the same: vLLM's older name, which clients still read)
     tool_calls: list[ToolCall] = Field(default_factory=list)
     function_call: FunctionCall | None = None  # (the deprecated functions' answer)
 
@@ -568,7 +571,8 @@ class DeltaToolCall(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = omitted_if_none()
     content: str | None = omitted_if_none()
-    reasoning_content: str | None = omitted_if_none()
+    reasoning: str | None = omitted_if_none()
+    reasoning_content: str | None = omitted_if_none()  # (the same, under vLLM's older name)
     tool_calls: list[DeltaToolCall] | None = omitted_if_none()
     function_call: DeltaFunctionCall | None = omitted_if_none()
 

@@ -38,14 +38,16 @@ class ReasoningParser:
         """(reasoning, content) of the answer so far, the reasoning as the model wrote it
         between the tags, the content without the blank lines after "</think>"; while not
         `finished`, each is what can no longer change (both only grow as tokens arrive)."""
-        body = text.lstrip()
-        opened = body.startswith(START)
-        if not finished and not opened and START.startswith(body) and body:
-            return "", ""  # "<thi": the block may be opening
+        stripped = text.lstrip()
+        opened = stripped.startswith(START)
+        if not finished and not opened and START.startswith(stripped):
+            return "", ""  # "<thi", or blank so far: the block may be opening
         if opened:
-            body = body[len(START):]
+            body = stripped[len(START):]
         elif not self.template_opens:
             return "", text  # Qwen3 without a block: all content
+        else:
+            body = text  # (the reasoning as written, its leading blank included)
         end = body.find(END)
         if end >= 0:
             return body[:end], body[end + len(END):].lstrip()

@@ -43,7 +43,7 @@ from pagedserve.entrypoints.openai.protocol import (
     TopLogprob,
     random_id,
 )
-from pagedserve.entrypoints.openai.reasoning_parsers import END, ReasoningParser
+from pagedserve.entrypoints.openai.reasoning_parsers import END, START, ReasoningParser
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -77,10 +77,13 @@ C = TypeVar("C", ChatChoice, ChatStreamChoice)
 
 def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
     """The conversation with `text` at the end of its system message (one added first
-    where it has none)."""
-    if messages and messages[0].role == "system" and isinstance(messages[0].content, str):
-        first = messages[0].model_copy(update={"content": f"{messages[0].content}\n\n{text}"})
-        return [first, *messages[1:]]
+    where it has none; a system message of text parts gets one more part: a second
+    system message broke templates that want the roles to alternate)."""
+    first = messages[0] if messages else None
+    if first is not None and first.role == "system" and isinstance(first.content, (str, list)):
+        content = (f"{first.content}\n\n{text}" if isinstance(first.content, str)
+                   else [*first.content, {"type": "text", "text": f"\n{text}"}])  # (parts join by newlines)
+        return [first.model_copy(update={"content": content}), *messages[1:]]
     return [ChatMessage(role="system", content=text), *messages]
 
 
@@ -106,7 +109,13 @@ def echo_text(req: ChatCompletionRequest) -> str:
     """vLLM's chat `echo`: the final message's text when it is the assistant's (the turn
     the answer continues, as with continue_final_message), put before the answer; nothing
     otherwise.  Text parts are joined by newlines, as vLLM joins them."""
-    last = req.messages[-1] if req.echo and req.messages else None
+    return final_assistant_text(req) if req.echo else ""
+
+
+def final_assistant_text(req: ChatCompletionRequest) -> str:
+    """The final message's text when it is the assistant's (what continue_final_message
+    continues), else ""."""
+    last = req.messages[-1] if req.messages else None
     if last is None or last.role != "assistant" or last.content is None:
         return ""
     if isinstance(last.content, str):
@@ -193,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         so the server and `LLM.chat` build the same prompt from the same messages."""
         kwargs = {}
         if req is not None:
-            kwargs = dict(chat_template_kwargs=req.chat_template_kwargs,
+            kwargs = dict(chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
                           continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
                           cut=req.truncate_prompt_tokens is not None)
         return self.render_chat(messages, req.chat_template if req else None, add_generation_prompt, tools, **kwargs)
@@ -252,22 +261,35 @@ class OpenAIServingChat(OpenAIServing):
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None
         prompt = self.rendered(req, plan)
-        reasoning = self._reasoning(prompt, params)  # (from the whole prompt: a cut one keeps no text)
+        # (from the whole prompt: a cut one keeps no text)
+        reasoning = self._reasoning(prompt, params, final_assistant_text(req) if req.continue_final_message else "")
         prompt = self.truncated(prompt, req.truncate_prompt_tokens, req.requested_max_tokens() or 1)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
         return PreparedRequest(model, [prompt], params, plan, reasoning)
 
-    def _reasoning(self, prompt: TokenizedPrompt, params: SamplingParams) -> ReasoningParser | None:
-        """The reasoning parser that splits this answer, if any.  Under a grammar
-        (structured outputs, a named or required tool call) the model first thinks, as in
-        vLLM: the grammar starts after the block's end token, unless the prompt already
-        closed the block (Qwen3's enable_thinking false).  "auto" tools' structural tag
-        leaves free text free, reasoning included."""
+    def _reasoning(self, prompt: TokenizedPrompt, params: SamplingParams, continued: str) -> ReasoningParser | None:
+        """The reasoning parser that splits this answer, if any: none when the prompt
+        already closed the block (Qwen3's enable_thinking false, a template that ends in
+        "</think>", or a continued final message past its block): the answer is all
+        content; one that reads the answer as inside the block when the prompt opened it
+        (R1's templates, a continued message inside its block), whichever parser was
+        chosen.  Under a grammar (structured outputs, a named or required tool call) the
+        model first thinks, as in vLLM: the grammar starts after the block's end token,
+        or at once where the prompt closed the block.  "auto" tools' structural tag
+        leaves free text free, reasoning included.  (`continued`: the final assistant
+        message the answer continues, whose tags are the answer's own; a user's text
+        quoting a tag says nothing.)"""
         parser, constraint = self.reasoning_parser, params.structured_outputs
-        if parser is None or constraint is None or constraint.structural_tag is not None:
+        if parser is None:
+            return None
+        text = (prompt.text or "").rstrip()
+        last_end, last_start = continued.rfind(END), continued.rfind(START)
+        if text.endswith(END) or last_end > last_start:
+            return None  # the block closed in the prompt: all content, constrained from the start
+        if text.endswith(START) or last_start > last_end:
+            parser = dataclasses.replace(parser, template_opens=True)  # the answer starts inside the block
+        if constraint is None or constraint.structural_tag is not None:
             return parser
-        if (prompt.text or "").rstrip().endswith(END):
-            return parser  # the block closed in the prompt: all content, constrained from the start
         end = self.tokenizer.convert_tokens_to_ids(END) if self.tokenizer is not None else None
         if not isinstance(end, int) or end == self.tokenizer.unk_token_id:
             return None  # no single end token to start the grammar on: the answer is all content
@@ -317,7 +339,9 @@ class OpenAIServingChat(OpenAIServing):
             reasoning, c = split_reasoning(prep.reasoning, c)
             message, reason = self.message(prep.tools, c)
             message.content = echo + (message.content or "") if echo else message.content
-            message.reasoning_content = reasoning or None  # (none when the model did not think)
+            if reasoning and req.include_reasoning:  # (none when the model did not think)
+                message.reasoning = message.reasoning_content = reasoning
+                message.content = message.content or None  # (vLLM's: no answer past the thinking is null)
             choice = ChatChoice(index=c.index, message=message, logprobs=self.logprobs(c, 0, prep.params.logprobs),
                                 finish_reason=reason, stop_reason=c.stop_reason)
             choices.append(legacy_function_call(choice) if req.functions is not None else choice)
@@ -356,9 +380,10 @@ class OpenAIServingChat(OpenAIServing):
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err
                     reasoning, c = split_reasoning(prep.reasoning, c)
-                    if reasoning is not None and len(reasoning) > sent_reasoning[c.index]:
-                        yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(
-                            reasoning_content=reasoning[sent_reasoning[c.index]:])))
+                    if reasoning is not None and len(reasoning) > sent_reasoning[c.index] and req.include_reasoning:
+                        new = reasoning[sent_reasoning[c.index]:]
+                        yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(reasoning=new,
+                                                                                       reasoning_content=new)))
                         sent_reasoning[c.index] = len(reasoning)
                     if plan.mode != "none":
                         for piece in self._tool_deltas(plan, tool_streams[c.index], c, params.logprobs):

@@ -148,3 +148,17 @@ def test_the_default_parser_follows_the_vocabulary():
     assert isinstance(parser, HermesToolParser) and "most common" in why
     block = HermesToolParser().tools_system_prompt([WEATHER])
     assert '"get_weather"' in block and "<tool_call>" in block
+
+
+def test_tool_text_joins_a_system_message_of_parts() -> None:
+    """A system message sent as text parts got a second system message before it (Gemma's
+    template then refused the conversation: roles must alternate)."""
+    from pagedserve.entrypoints.openai.protocol import ChatMessage
+    from pagedserve.entrypoints.openai.serving_chat import with_system_text
+
+    parts = [ChatMessage(role="system", content=[{"type": "text", "text": "SYS"}]), ChatMessage(role="user", content="hi")]
+    out = with_system_text(parts, "TOOLS")
+    assert [m.role for m in out] == ["system", "user"]
+    assert out[0].content == [{"type": "text", "text": "SYS"}, {"type": "text", "text": "\nTOOLS"}]
+    assert parts[0].content == [{"type": "text", "text": "SYS"}]  # (the request's own message unchanged)
+    assert with_system_text([ChatMessage(role="system", content="S")], "T")[0].content == "S\n\nT"

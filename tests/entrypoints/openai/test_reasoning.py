@@ -38,10 +38,13 @@ _PIECE = st.text(st.sampled_from("ab <>/\nthink"), max_size=12).filter(lambda s:
 
 
 @given(parser=st.sampled_from([QWEN3, R1]), reasoning=_PIECE, content=_PIECE, opened=st.booleans(),
-       closed=st.booleans())
-def test_every_streamed_prefix_is_a_prefix_of_the_final_split(parser, reasoning, content, opened, closed) -> None:
-    """Both parts only grow as characters arrive, and no tag ever shows in either."""
-    text = ("<think>" if opened else "") + reasoning + ("</think>" + content if closed else "")
+       closed=st.booleans(), lead=st.sampled_from(["", " ", "\n", " \n "]))
+def test_every_streamed_prefix_is_a_prefix_of_the_final_split(parser, reasoning, content, opened, closed,
+                                                              lead) -> None:
+    """Both parts only grow as characters arrive, and no tag ever shows in either (blank
+    text before "<think>" was content until the tag came, then content shrank: a stream
+    sent "\n" and lost the answer's first character)."""
+    text = lead + ("<think>" if opened else "") + reasoning + ("</think>" + content if closed else "")
     final = parser.split(text, finished=True)
     for cut in range(len(text) + 1):
         r, c = parser.split(text[:cut], finished=False)
@@ -58,14 +61,67 @@ def test_unknown_parser_is_refused() -> None:
         get_reasoning_parser("o1")
 
 
-def _app(script: str, tool_parser: str | None = None):
+def _app(script: str, tool_parser: str | None = None, reasoning_parser=QWEN3):
     state = ServerState(served_model_names=["fake"])
     app = build_app(state)
     engine = FakeEngine(script=script)
     engine.max_model_len = 2048  # (the tools' system block is long in characters, its tokens here)
     state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 2048),
-                 get_tool_parser(tool_parser) if tool_parser else None, QWEN3)
+                 get_tool_parser(tool_parser) if tool_parser else None, reasoning_parser)
     return app
+
+
+def _full_and_streamed(app, body: dict) -> tuple[dict, dict, dict]:
+    """(the answer's message, its streamed content and its streamed reasoning joined) and
+    the deltas' reasoning field names."""
+    async def both(client):
+        full = (await client.post("/v1/chat/completions", json=body)).json()
+        streamed = (await client.post("/v1/chat/completions", json={**body, "stream": True})).text
+        return full, streamed
+
+    full, streamed = call(app, both)
+    deltas = [e["choices"][0]["delta"] for e in events(streamed)[:-1] if e["choices"]]
+    joined = {k: "".join(d.get(k) or "" for d in deltas) for k in ("content", "reasoning", "reasoning_content")}
+    return full["choices"][0]["message"], joined, deltas
+
+
+def test_the_prompts_own_block_decides_whatever_the_parser() -> None:
+    """A prompt that closed the block (a continued message past its `</think>`, a template
+    ending in one) makes the answer all content: deepseek_r1 put it all in the reasoning,
+    a structured answer included.  One that opened it (a continued message inside its
+    block) makes it reasoning up to `</think>`: qwen3 read it all as content."""
+    body = {"model": "fake", "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 6}
+    closed = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>easy</think>It is"}]
+    message, joined, _ = _full_and_streamed(_app(" four.", reasoning_parser=R1), {**body, "messages": closed})
+    assert (message["content"], message["reasoning_content"]) == (" four.", None)
+    assert (joined["content"], joined["reasoning_content"]) == (" four.", "")
+    inside = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>Let me"}]
+    body = {**body, "max_tokens": len(" see.</think>Four.")}
+    message, joined, _ = _full_and_streamed(_app(" see.</think>Four.", reasoning_parser=QWEN3),
+                                            {**body, "messages": inside})
+    assert (message["reasoning_content"], message["content"]) == (" see.", "Four.")
+    assert (joined["reasoning_content"], joined["content"]) == (" see.", "Four.")
+    # a user quoting a tag says nothing of the answer's block
+    quoted = [{"role": "user", "content": "what does <think> mean?"}]
+    message, _, _ = _full_and_streamed(_app("A tag.", reasoning_parser=QWEN3),
+                                       {"model": "fake", "messages": quoted, "max_tokens": 6})
+    assert (message["content"], message["reasoning_content"]) == ("A tag.", None)
+
+
+def test_reasoning_under_both_names_left_out_when_asked_and_content_null_without_an_answer() -> None:
+    """vLLM's current `reasoning` beside `reasoning_content` (clients read either); vLLM's
+    include_reasoning false leaves it out (it was ignored); an answer cut inside its
+    thinking has content null, as vLLM's."""
+    script = "<think>\nLet me see.\n</think>\n\nParis."
+    body = {"model": "fake", "messages": [{"role": "user", "content": "capital?"}], "max_tokens": len(script)}
+    message, joined, deltas = _full_and_streamed(_app(script), body)
+    assert message["reasoning"] == message["reasoning_content"] == joined["reasoning"] == "\nLet me see.\n"
+    assert joined["reasoning_content"] == joined["reasoning"]
+    message, joined, deltas = _full_and_streamed(_app(script), {**body, "include_reasoning": False})
+    assert message["reasoning"] is None and message["reasoning_content"] is None and message["content"] == "Paris."
+    assert joined == {"content": "Paris.", "reasoning": "", "reasoning_content": ""}
+    message, _, _ = _full_and_streamed(_app(script), {**body, "max_tokens": len("<think>\nLet me")})
+    assert message["content"] is None and message["reasoning"] == "\nLet me"
 
 
 def test_chat_returns_reasoning_apart_streamed_or_not() -> None:

@@ -148,6 +148,14 @@ CHAT_ONLY = {
     "chat_template_kwargs": ({"chat_template": "{{ greeting }}", "chat_template_kwargs": {"greeting": "hello"}},
                              lambda r, b, t: r.json()["usage"]["prompt_tokens"] == len(t.encode(
                                  "hello", add_special_tokens=False)) or pytest.fail()),
+    # vLLM's: a RAG template's sources (the field was dropped and `documents` was None)
+    "documents": ({"chat_template": "{% for d in documents %}{{ d.text }} {% endfor %}{{ messages[0].content }}",
+                   "documents": [{"title": "a", "text": "the quick"}, {"title": "b", "text": "brown fox"}]},
+                  lambda r, b, t: r.json()["usage"]["prompt_tokens"] == len(t.encode(
+                      "the quick brown fox hello world", add_special_tokens=False)) or pytest.fail(r.text)),
+    # vLLM's (with --reasoning-parser; tests/entrypoints/openai/test_reasoning.py): this
+    # server has none, so the answer is the same
+    "include_reasoning": ({"include_reasoning": False}, same_as_greedy),
     "tools": ({"tools": TOOLS, "tool_choice": "required", "max_tokens": 200},
               lambda r, b, t: r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
               or pytest.fail()),

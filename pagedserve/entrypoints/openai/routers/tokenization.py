@@ -19,7 +19,7 @@ from pagedserve.errors import InvalidRequestError
 router = APIRouter()
 # The fields that shape a chat's rendering: with messages only.
 CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-               "tool_choice")
+               "tool_choice", "documents")
 
 
 def check_extras(body: RequestBody) -> None:
@@ -45,6 +45,7 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request whose prompt these messages make (its checks included; its
