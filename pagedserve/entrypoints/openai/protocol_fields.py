@@ -21,6 +21,12 @@ MAX_HINT_CHARS = 128
 # vLLM's request_id (an answer's id) has no stated bound: this one keeps ids and log lines sane.
 MAX_REQUEST_ID_CHARS = 256
 
+class RefusedFieldError(InvalidRequestError):
+    """A refusal of a field the client sent, by the name it sent (never renamed as the
+    engine's own names are: chat's "prompt" error is about its messages, but a `prompt`
+    field sent to chat is Responses' stored prompt)."""
+
+
 # OpenAI fields (chat completions, Responses) that ask for something this server has
 # nothing behind.  They are not modelled, so they arrive among a body's extra fields;
 # any of them set (not null) is refused by name rather than ignored.
@@ -77,7 +83,7 @@ def refuse_unsupported_fields(extra: dict[str, Any] | None, unsupported: dict[st
     are logged as unknown, serving_engine.py)."""
     for name, why in unsupported.items():
         if (extra or {}).get(name) is not None:
-            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+            raise RefusedFieldError(f"{name} is not supported: {why}", param=name)
 
 
 # OpenAI's object-valued hints, accepted without effect (docs/serving.md): each key's

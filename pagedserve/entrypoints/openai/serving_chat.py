@@ -249,9 +249,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)
-        # (in the request's own names already: its errors are not renamed as the engine's are)
-        req.check_unsupported(self.engine.structured_outputs_backend)
         try:
+            req.check_unsupported(self.engine.structured_outputs_backend)
             plan = self.tool_plan(req)
             params = req.to_sampling_params(self.engine.sampling_defaults)
             constraint = self._tool_constraint(req, plan)

@@ -48,8 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def prepare(self, req: CompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)
-        req.check_unsupported(self.engine.structured_outputs_backend)  # (in the request's own names)
         try:
+            req.check_unsupported(self.engine.structured_outputs_backend)
             params = req.to_sampling_params(self.engine.sampling_defaults)
         except InvalidRequestError as e:
             raise self.invalid(req, e) from None

@@ -43,7 +43,12 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedserve.entrypoints.openai.protocol_fields import KNOWN_EXTRA_FIELDS, as_sent, check_request_id
+from pagedserve.entrypoints.openai.protocol_fields import (
+    KNOWN_EXTRA_FIELDS,
+    RefusedFieldError,
+    as_sent,
+    check_request_id,
+)
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.lora.request import LoRARequest
@@ -271,6 +276,8 @@ class OpenAIServing:
     def invalid(req: Any, e: ValueError, label: tuple[str, str] | None = None) -> OpenAIError:
         """`e` as a 400 naming the request's field; a refused prompt of several is named
         by `label` ((its field, how the message names it), PreparedRequest.prompt_label)."""
+        if isinstance(e, RefusedFieldError):  # (named as sent)
+            return OpenAIError(str(e), param=e.param)
         param = req.api_param(e.param) if isinstance(e, InvalidRequestError) else None
         if label is not None and isinstance(e, InvalidRequestError) and e.param == "prompt":
             return OpenAIError(f"{label[1]}: {e}", param=label[0])
