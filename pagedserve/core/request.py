@@ -173,7 +173,7 @@ class Request:
         (an id freed and given to another adapter served that one the first one's blocks),
         as a tuple that no client salt string can equal."""
         lora = self.lora_request
-        return self.cache_salt if lora is None else (self.cache_salt, lora.lora_int_id, lora.lora_name, lora.lora_path)
+        return self.cache_salt if lora is None else (self.cache_salt, *lora.cache_key)
 
     def image_free_until(self, start: int) -> int:
         """The first position at or after `start` that belongs to an image (the number of

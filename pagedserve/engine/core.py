@@ -44,7 +44,7 @@ from pagedserve.engine.input_processor import EngineCoreRequest
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
-from pagedserve.lora.peft import check_peft_config
+from pagedserve.lora.peft import adapter_files_key, check_peft_config
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EngineOutput, RequestMetrics
 from pagedserve.platforms import is_cuda
@@ -124,6 +124,11 @@ class EngineCore:
         self.output_processor = OutputProcessor(tokenizer)  # beside the core: see the module docstring
         # LoRA adapters the executor has loaded and checked, by id, least recently used first.
         self._loras: OrderedDict[int, LoRARequest] = OrderedDict()
+        # Each adapter's files as first loaded (peft.adapter_files_key), by what keys its
+        # cached KV blocks (id, name, path: Request.hash_salt), for the engine's life: an
+        # adapter read again (evicted, or removed and loaded anew) whose files changed is
+        # refused, as its cached KV came from the old weights.
+        self._lora_files: dict[tuple[int, str, str], tuple[int, ...] | None] = {}
         # Requests whose adapter has no room yet (max_cpu_loras loaded, each with unfinished
         # requests), oldest first: their parent is in the output processor, their
         # sequences join the scheduler when an adapter goes idle (see _admit_parked), so
@@ -219,6 +224,11 @@ class EngineCore:
         if known is not None:
             raise InvalidRequestError(f"LoRA id {lora_id} is adapter {known.lora_name!r} "
                                       f"({known.lora_path}); unload it before reusing the id", param="model")
+        files, key = adapter_files_key(lora_request.lora_path), lora_request.cache_key
+        if self._lora_files.get(key, files) != files:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}): its files changed "
+                                      "since it was first loaded, and KV cached under this id came from the old "
+                                      "weights; load the new files under a new id", param="model")
         if len(self._loras) >= lora_config.max_cpu_loras:
             # Adapters with unfinished requests stay (their steps must not read files).
             busy = self._busy_loras()
@@ -227,6 +237,7 @@ class EngineCore:
                 self.remove_lora(victim)
         self.model_executor.add_lora(lora_request)
         self._loras[lora_id] = lora_request
+        self._lora_files.setdefault(key, files)
         if len(self._loras) > lora_config.max_cpu_loras:
             # Loaded by name (not for a request) while every other adapter is busy: it
             # was checked, and it is read again when a request names it.

@@ -41,6 +41,18 @@ NOT_AN_ADAPTER = (f"lora_path is not a directory holding a PEFT adapter this ser
 _PREFIX = "base_model.model."
 MAX_HEADER_BYTES = 16 << 20  # a safetensors header: ~150 bytes a tensor
 _FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}  # safetensors' names
+# Config keys that never change what a loaded adapter computes (training and
+# initialisation settings, provenance; which modules are adapted is what the weights
+# file holds, checked against the model): any value.  Every other key must be at a value
+# that asks for nothing (null, false, empty) or, below, at its default: PEFT keeps adding
+# options (aLoRA's invocation tokens, layer replication, QALoRA, ...), and one this
+# code does not know is refused by name, never served as plain LoRA.
+_INERT_OPTIONS = frozenset({
+    "peft_type", "r", "lora_alpha", "use_rslora", "lora_dropout", "target_modules", "exclude_modules",
+    "layers_to_transform", "layers_pattern", "init_lora_weights", "base_model_name_or_path", "revision", "task_type",
+    "inference_mode", "auto_mapping", "loftq_config", "eva_config", "corda_config", "megatron_config",
+    "megatron_core", "peft_version", "ensure_weight_tying", "qalora_group_size", "runtime_config"})
+_NOTHING: tuple[object, ...] = (None, False, {}, [], "")
 # Config keys whose non-default value changes what the adapter computes, with that default.
 _REFUSED_OPTIONS: dict[str, tuple[object, ...]] = {
     "use_dora": (False, None),
@@ -104,6 +116,17 @@ def _refusals_logged(path: str) -> Iterator[None]:
         raise LoRAAdapterError(NOT_AN_ADAPTER) from None
 
 
+def adapter_files_key(path: str) -> tuple[int, ...] | None:
+    """What identifies the adapter's files as they are now (each one's device, inode,
+    size and modification time; None where one cannot be read): an id loaded again must
+    find the files it was first loaded from, or KV cached under it would meet new weights."""
+    try:
+        stats = [os.stat(os.path.join(path, name)) for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)]
+    except (OSError, ValueError):
+        return None
+    return tuple(v for st in stats for v in (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+
 def _read_config(path: str) -> dict:
     config_path = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isdir(path) or not os.path.isfile(config_path):
@@ -125,10 +148,12 @@ def _rank_and_scaling(config: dict, max_rank: int) -> tuple[int, float]:
     if peft_type != "LORA":
         raise LoRAAdapterError("the adapter's peft_type is not LORA (only LoRA adapters are served)",
                                f"peft_type {peft_type!r}")
-    for key, defaults in _REFUSED_OPTIONS.items():
-        if key in config and config[key] not in defaults:
-            raise LoRAAdapterError(f"adapter option {key} is not supported (it changes the math and pagedserve "
-                                   "does not implement it)", f"{key}={config[key]!r}")
+    for key, value in config.items():
+        if key in _INERT_OPTIONS or value in _REFUSED_OPTIONS.get(key, _NOTHING):
+            continue
+        why = "it changes the math and pagedserve does not implement it" if key in _REFUSED_OPTIONS else \
+            "pagedserve does not know it, so it may change the math"
+        raise LoRAAdapterError(f"adapter option {str(key)[:100]} is not supported ({why})", f"{key}={value!r}")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAAdapterError("adapter rank r must be a positive integer", f"r={rank!r}")

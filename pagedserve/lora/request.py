@@ -31,3 +31,10 @@ class LoRARequest:
                              f"got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"LoRARequest.lora_path must be a directory path, got {self.lora_path!r}")
+
+    @property
+    def cache_key(self) -> tuple[int, str, str]:
+        """What keys the KV blocks computed under this adapter (Request.hash_salt) and the
+        files it was first read from (EngineCore): an id freed and given to another
+        adapter is another key."""
+        return self.lora_int_id, self.lora_name, self.lora_path

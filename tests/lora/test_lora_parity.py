@@ -203,6 +203,26 @@ def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_unloaded_and
     check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], loras[0]), "adapter0 read again")
 
 
+def test_an_adapter_read_again_after_its_files_changed_is_refused(tiny, tmp_path) -> None:
+    """Evicted past max_cpu_loras, then its files replaced and named again: it was read
+    anew while the prefix cache still held KV computed under its old weights (an answer
+    of neither adapter).  Now refused by name; a new id runs the new files."""
+    import shutil
+
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    moving = str(tmp_path / "moving")
+    shutil.copytree(loras[0].lora_path, moving)
+    first = LoRARequest("moving", 1, moving)
+    check_logprobs_close(refs[1][:1], ours(llm, PROMPTS[:1], first), "adapter0 at the moving path")
+    ours(llm, PROMPTS[:1], loras[1])  # evicts it (one host slot)
+    shutil.rmtree(moving)
+    shutil.copytree(loras[1].lora_path, moving)
+    with pytest.raises(ValueError, match="its files changed since it was first loaded"):
+        ours(llm, PROMPTS[:1], first)
+    check_logprobs_close(refs[2][:1], ours(llm, PROMPTS[:1], LoRARequest("moving", 9, moving)), "the new files")
+
+
 def test_requests_past_max_cpu_loras_wait_for_room_and_host_memory_holds_that_many(tiny, tmp_path) -> None:
     """Four adapters named at once through one host slot: a request whose adapter has no
     room waits (counted as waiting, its parent known) and joins when the adapter before it

@@ -42,7 +42,13 @@ def test_rank_alpha_and_rslora_scaling(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("option, value", [("use_dora", True), ("bias", "all"), ("fan_in_fan_out", True),
-                                           ("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 8})])
+                                           ("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 8}),
+                                           # PEFT's newer options (served as plain LoRA, they gave other
+                                           # answers than PEFT's) and one no PEFT has yet
+                                           ("alora_invocation_tokens", [300, 400]),
+                                           ("layer_replication", [[0, 2], [1, 2]]), ("use_qalora", True),
+                                           ("target_parameters", ["mlp.experts.gate_up_proj"]),
+                                           ("some_future_option", {"k": 1})])
 def test_options_that_change_the_math_are_refused_by_name(tmp_path, option, value) -> None:
     path = write(tmp_path, {"r": 4, "lora_alpha": 8, option: value}, qv())
     with pytest.raises(LoRAAdapterError, match=f"adapter option {option} is not supported") as info:
@@ -151,3 +157,21 @@ def test_weights_that_overflow_the_models_dtype_once_scaled_are_refused(tmp_path
     assert read(path).scaling == 2.0
     with pytest.raises(LoRAAdapterError, match="not all finite in float16"):
         read(path, dtype=torch.float16)
+
+
+def test_a_peft_config_as_peft_writes_it_is_served() -> None:
+    """Every key PEFT writes at its defaults (training, initialisation and provenance
+    settings among them) is accepted: the refusal of unknown options refuses none of them."""
+    import peft
+
+    from pagedserve.lora.peft import check_peft_config
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+                             task_type="CAUSAL_LM", layers_to_transform=[0], layers_pattern="layers").to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/adapter_config.json", "w") as f:
+            json.dump(config, f, default=str)
+        check_peft_config(d, 16)
