@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import queue
+import re
 import socket
 import stat
 import struct
@@ -57,6 +58,11 @@ _DEAD_WRITER_GRACE_SECONDS = 30.0
 # request stuck at the head of the queue is looked up every step, so they are kept,
 # within this many bytes (what one lookup stages is always kept until claimed).
 _MAX_STAGED_BYTES = 64 * 2**20
+# A block file's name under any fingerprint: `<16 hex digits>-<key in hex>.kv`.
+_BLOCK_FILE = re.compile(r"[0-9a-f]{16}-[0-9a-fA-F]+\.kv")
+# Writing a block onto a name something else holds (a directory made there): that block
+# is not kept, the tier goes on (errors of the disk itself turn it off).
+_NAME_TAKEN = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST})
 
 
 def _writer_tag() -> str:
@@ -103,15 +109,23 @@ def kv_block_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> 
     return out
 
 
+# The files of a model directory whose change changes its KV: the weights and the config
+# (a new tokenizer or chat template changes which tokens come, not a token's KV; with
+# them in, a touched tokenizer file left a whole bound of another fingerprint behind).
+_KV_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+_KV_FILE_NAMES = ("config.json", "model.safetensors.index.json")
+
+
 def files_identity(path: str) -> str:
-    """Names, sizes and modification times of the files at `path` (a file, or a
-    directory's top level), hashed: what changes when new weights replace old ones at
-    the same path.  Empty for a name that is not a path (a registered model name stands
-    for one checksummed file)."""
+    """Names, sizes and modification times of the weight and config files at `path` (a
+    file, or a directory's top level), hashed: what changes when new weights replace old
+    ones at the same path.  Empty for a name that is not a path (a registered model name
+    stands for one checksummed file)."""
     try:
         if os.path.isdir(path):
             entries = sorted(os.scandir(path), key=lambda e: e.name)
-            stats = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file()]
+            stats = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file()
+                     and (e.name.endswith(_KV_FILE_SUFFIXES) or e.name in _KV_FILE_NAMES)]
         elif os.path.isfile(path):
             st = os.stat(path)
             stats = [(os.path.basename(path), st.st_size, st.st_mtime_ns)]
@@ -266,7 +280,13 @@ class DiskKVTier(_TierBase):
         self._digest = hashlib.sha256(fingerprint.encode()).digest()
         self._prefix = self._digest.hex()[:16] + "-"
         self._file_bytes = _HEADER.size + entry_bytes
+        if capacity_bytes < self._file_bytes:
+            raise ValueError(f"the KV tier's size ({capacity_bytes} bytes) holds not even one block file "
+                             f"({self._file_bytes} bytes with its header)")
         self._index: OrderedDict[int, None] = OrderedDict()  # entries on disk, least recent first
+        # Block files of other fingerprints (another model or setting, or weights since
+        # replaced) found at start, oldest first: they count toward the bound and go first.
+        self._foreign: list[str] = []
         self._pending: dict[int, Payload] = {}  # saves queued for the writer
         # Read back by lookups; only the engine thread touches it.
         self._staged: OrderedDict[int, Payload] = OrderedDict()
@@ -290,8 +310,10 @@ class DiskKVTier(_TierBase):
         return self.directory / f"{self._prefix}{key:x}{_SUFFIX}"
 
     def _scan(self) -> None:
-        """Index this fingerprint's files, oldest first; remove crashed writers' leftovers."""
+        """Index this fingerprint's files, oldest first, and note the block files of the
+        others (the bound is the directory's); remove crashed writers' leftovers."""
         found: list[tuple[float, int]] = []
+        foreign: list[tuple[float, str]] = []
         now = time.time()
         with os.scandir(self.directory) as it:
             for entry in it:
@@ -301,18 +323,30 @@ class DiskKVTier(_TierBase):
                         age = now - entry.stat().st_mtime
                         if age > _STALE_TMP_SECONDS or (age > _DEAD_WRITER_GRACE_SECONDS and not _writer_alive(name)):
                             os.unlink(entry.path)
-                    elif name.startswith(self._prefix) and name.endswith(_SUFFIX):
-                        key = int(name[len(self._prefix):-len(_SUFFIX)], 16)
-                        found.append((entry.stat().st_mtime, key))
+                    elif _BLOCK_FILE.fullmatch(name):  # (not a regular file: read as damaged, and removed)
+                        key = int(name[17:-len(_SUFFIX)], 16)
+                        if self._path(key).name == name:  # (this fingerprint's, by its own spelling)
+                            found.append((entry.stat().st_mtime, key))
+                        else:
+                            foreign.append((entry.stat().st_mtime, name))
                 except (OSError, ValueError):
                     continue
         for _, key in sorted(found):
             self._index[key] = None
+        self._foreign = [name for _, name in sorted(foreign)]
         self._evict_to_bound()
 
-    def _evict_to_bound(self) -> None:
-        max_files = self.capacity_bytes // self._file_bytes
-        while len(self._index) > max_files:
+    def _evict_to_bound(self, room: int = 0) -> None:
+        """Down to the bound (less `room` files for writes to come): other fingerprints'
+        files first, then this one's least recently used."""
+        max_files = self.capacity_bytes // self._file_bytes - room
+        while len(self._index) + len(self._foreign) > max_files:
+            if self._foreign:
+                try:
+                    os.unlink(self.directory / self._foreign.pop(0))
+                except OSError:
+                    pass
+                continue
             key, _ = self._index.popitem(last=False)
             self._remove(key)
 
@@ -475,16 +509,23 @@ class DiskKVTier(_TierBase):
                 row, ready = payload
                 if ready is not None:
                     ready.synchronize()  # gather_blocks' copy to the host has landed
+                with self._lock:
+                    self._index.pop(key, None)  # (rewritten: it counts once)
+                    self._evict_to_bound(room=1)  # room first: the directory never holds more
                 try:
                     self._write(key, row)
                 except OSError as e:
+                    if e.errno in _NAME_TAKEN:
+                        with self._lock:
+                            self._pending.pop(key, None)
+                            self.num_dropped += 1
+                        continue
                     self._disable(f"writing {self._path(key)} failed: {e}")
                     continue
                 with self._lock:
                     self._pending.pop(key, None)
                     self._index[key] = None
                     self.num_stored += 1
-                    self._evict_to_bound()
 
     def _write(self, key: int, payload: torch.Tensor) -> None:
         body = payload.numpy().tobytes()

@@ -217,17 +217,17 @@ class ModelRunner:
         return num_blocks
 
     def kv_fingerprint(self) -> str:
-        """What makes a KV block's bytes valid besides its tokens (activation bits and the attention
-        path too); a disk tier's files are read back only under the same fingerprint."""
+        """What makes a KV block's bytes valid besides its tokens (activation bits, the attention path,
+        the CPU's instruction set too); a disk tier's files are read back only under the same one."""
         mc, shapes = self.config.model_config, [(tuple(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors]
         weights = kv_offload.files_identity(mc.model)  # new weights at the same path: another model
         parts = [
             "pagedserve-kv/1", f"model={mc.model}", f"load_format={mc.load_format}", f"quantization={mc.quantization}",
             f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}", f"kv_dtype={self.kv_dtype}",
             f"block_size={self.block_size}", f"tp={self.config.parallel_config.tensor_parallel_size}",
-            f"activation_bits={mc.quant_activation_bits}", f"attention={type(self.attn_backend).__name__}",
-            f"exact_rows={self.config.device_config.exact_prompt_attention}", f"windows={self.kv_layout.group_windows}",
-            f"tensors={shapes}", f"weights={weights}",  # (and a transformers config's repr, its JSON:)
+            f"activation_bits={mc.quant_activation_bits}", f"attention={self.attn_backend.name}",
+            f"cpu={torch.backends.cpu.get_cpu_capability()}", f"exact_rows={self.config.device_config.exact_prompt_attention}",
+            f"windows={self.kv_layout.group_windows}", f"tensors={shapes}", f"weights={weights}",  # (and its config:)
             "hf_config=" + kv_offload.checksum(repr(mc.hf_config).encode()).hex(),
         ]
         return "|".join(parts)

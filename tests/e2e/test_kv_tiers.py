@@ -5,6 +5,8 @@ recompute preemption."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedserve import LLM, SamplingParams
@@ -89,6 +91,31 @@ def test_a_damaged_directory_costs_recomputation_not_tokens(tiny_checkpoint, tmp
     assert greedy(second, prompts) == ref
     stats = second.llm_engine.get_stats()
     assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_invalid_blocks > 0
+
+
+def test_another_attention_backends_files_are_not_read(tiny_checkpoint, tmp_path) -> None:
+    """The fingerprint named the backend by its class's metaclass ("ABCMeta"), so every
+    backend read every other's files: torch_ref's KV loaded under cpu_paged, whose
+    answers then differed from its own.  A touched tokenizer file, which changes no KV,
+    makes no new fingerprint (a whole bound of files was left behind each time)."""
+    model_dir, cfg = tiny_checkpoint("llama")
+    prompts = shared_prefix_prompts(cfg.vocab_size)[:4]
+    first = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path), attention_backend="torch_ref")
+    greedy(first, prompts)
+    first.llm_engine.shutdown()
+    second = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    greedy(second, prompts)
+    assert second.llm_engine.get_stats().external_prefix_cache_hits == 0
+    second.llm_engine.shutdown()
+    written = sorted(os.listdir(tmp_path))
+    tokenizer_files = [f for f in os.listdir(model_dir) if f.startswith("tokenizer")]
+    for name in tokenizer_files:
+        os.utime(os.path.join(model_dir, name))
+    third = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    greedy(third, prompts)
+    assert not tokenizer_files or third.llm_engine.get_stats().external_prefix_cache_hits > 0
+    third.llm_engine.shutdown()
+    assert sorted(os.listdir(tmp_path)) == written
 
 
 def test_swap_preemption_matches_no_preemption_with_fewer_tokens_computed(tiny_checkpoint) -> None:

@@ -307,12 +307,68 @@ def test_turning_off_keeps_what_a_lookup_already_verified(tmp_path) -> None:
 
 
 def test_files_identity_changes_with_the_weights(tmp_path) -> None:
+    """The weights and config, not the tokenizer or template (which change no token's KV)."""
     from pagedserve.worker.kv_offload import files_identity
 
     (tmp_path / "model.safetensors").write_bytes(b"a" * 10)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     before = files_identity(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "x"}')
+    assert files_identity(str(tmp_path)) == before
     (tmp_path / "model.safetensors").write_bytes(b"b" * 11)
     assert files_identity(str(tmp_path)) != before and files_identity("smollm2-135m-instruct") == ""
+
+
+def test_other_fingerprints_files_count_toward_the_bound_and_go_first(tmp_path) -> None:
+    """The bound is the directory's: another fingerprint's files (another model, setting,
+    or weights since replaced) were neither counted nor evicted, so each change of
+    fingerprint left a whole bound behind.  Odd spellings of a block name count too."""
+    file_bytes = block_nbytes(kv_block_tensors(caches())) + 96
+    old = disk_tier(tmp_path, capacity=3 * file_bytes, fingerprint=FP + "|old")
+    save(old, caches(), [1, 2, 3], [1, 2, 3])
+    old.close()
+    odd = tmp_path / (old._prefix + "00AB.kv")  # (a name no writer makes: not its key 0xab's)
+    odd.write_bytes(b"x")
+    new = disk_tier(tmp_path, capacity=3 * file_bytes)
+    assert len(os.listdir(tmp_path)) == 3  # the oldest foreign ones went at start
+    save(new, caches(), [1, 2], [7, 8])
+    names = os.listdir(tmp_path)
+    assert len(names) == 3 and sum(n.startswith(new._prefix) for n in names) == 2
+    assert new.lookup([7, 8]) == 2
+    new.close()
+
+
+def test_the_bound_holds_while_a_file_is_written(tmp_path, monkeypatch) -> None:
+    """Room is made before a write (the new file was renamed in, then the oldest removed)."""
+    file_bytes = block_nbytes(kv_block_tensors(caches())) + 96
+    tier = disk_tier(tmp_path, capacity=2 * file_bytes)
+    seen = []
+    write = tier._write
+
+    def counting(key, row):
+        seen.append(len([n for n in os.listdir(tmp_path) if n.endswith(".kv")]))
+        write(key, row)
+
+    monkeypatch.setattr(tier, "_write", counting)
+    for key in (1, 2, 3, 4):
+        save(tier, caches(), [key], [key])
+    assert seen == [0, 1, 1, 1] and tier.num_entries == 2
+    tier.close()
+
+
+def test_a_name_taken_by_a_directory_drops_that_block_and_the_tier_goes_on(tmp_path) -> None:
+    """A directory made at a block's file name failed the rename and turned the tier off."""
+    tier = disk_tier(tmp_path)
+    os.mkdir(tier._path(5))
+    save(tier, caches(), [1, 2], [5, 6])
+    assert tier.enabled and tier.num_dropped == 1 and tier.lookup([6]) == 1 and not tier.contains(5)
+    tier.close()
+
+
+def test_a_bound_under_one_file_is_refused(tmp_path) -> None:
+    entry = block_nbytes(kv_block_tensors(caches()))
+    with pytest.raises(ValueError, match="holds not even one block file"):
+        disk_tier(tmp_path, capacity=entry + 10)
 
 
 def test_a_killed_writers_temporary_files_are_removed_at_start(tmp_path) -> None:
