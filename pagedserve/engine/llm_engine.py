@@ -83,11 +83,12 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
         raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from None
     draft_vocab = draft_config.model_config.hf_config.vocab_size
     target_vocab = config.model_config.hf_config.vocab_size
-    if draft_vocab != target_vocab or (tokenizer is not None and draft_tokenizer is not None
-                                       and tokenizer.get_vocab() != draft_tokenizer.get_vocab()):
-        raise ValueError(f"speculative_config.model {spec.model!r}: its vocabulary ({draft_vocab} tokens) is not the "
-                         f"target's ({target_vocab} tokens, {config.model_config.model}); a draft model must share "
-                         "the target's tokenizer")
+    same_map = tokenizer is None or draft_tokenizer is None or tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+    if draft_vocab != target_vocab or not same_map:
+        how = (f"its vocabulary has {draft_vocab} tokens, the target's {target_vocab}" if draft_vocab != target_vocab
+               else "its tokenizer maps tokens to other ids than the target's")
+        raise ValueError(f"speculative_config.model {spec.model!r}: {how} ({config.model_config.model}); a draft "
+                         "model must share the target's tokenizer")
     runner = ModelRunner(draft_config, get_model(draft_config.model_config, device), device)
     if runner.num_kv_groups > 1:  # the proposer keeps one block table per request
         raise ValueError(f"speculative_config.model {spec.model!r}: a draft model with sliding-window layers "

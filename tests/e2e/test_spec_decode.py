@@ -106,8 +106,26 @@ def test_draft_model_refusals(tiny_checkpoint, tmp_path) -> None:
     model_dir, _ = tiny_checkpoint("llama")
     other_vocab = str(tmp_path / "vocab-256")
     make_tiny_checkpoint("llama", other_vocab, vocab_size=256)
-    with pytest.raises(ValueError, match=r"speculative_config.model .*vocabulary \(256 tokens\).*target's \(512"):
+    with pytest.raises(ValueError, match=r"speculative_config.model .*vocabulary has 256 tokens, the target's 512"):
         LLM(model_dir, dtype="float32", speculative_config={"model": other_vocab})
+    # the same size, another map (it said "its vocabulary (512 tokens) is not the target's (512 tokens)")
+    import json
+    import shutil
+
+    from tests.engine.helpers import make_tiny_llama
+
+    target, other_map = str(tmp_path / "with-tokenizer"), str(tmp_path / "other-map")
+    make_tiny_llama(target)
+    shutil.copytree(target, other_map)
+    with open(f"{other_map}/tokenizer.json") as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(f"{other_map}/tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    with pytest.raises(ValueError, match="its tokenizer maps tokens to other ids than the target's"):
+        LLM(target, dtype="float32", speculative_config={"model": other_map})
     with pytest.raises(ValueError, match="speculative_config.model '/no/such/draft'"):
         LLM(model_dir, dtype="float32", speculative_config={"model": "/no/such/draft"})
     with pytest.raises(ValueError, match="speculative_config.model: a draft model does not run under tensor"):
