@@ -60,7 +60,8 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
                          tokenizer: Any) -> Drafter:
     """Load speculative_config.model beside the target, with its own small KV cache sized
     for `disable_by_batch_size` requests of max_model_len tokens (drafting stops past that
-    batch size), and check it shares the target's vocabulary."""
+    batch size; a draft of a shorter context drafts within it), and check it shares the
+    target's vocabulary."""
     from pagedserve.model_loader import get_model, load_tokenizer
     from pagedserve.worker.draft_model import DraftModelProposer
     from pagedserve.worker.model_runner import ModelRunner
@@ -69,15 +70,20 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
     assert spec is not None and spec.model is not None
     assert config.parallel_config.tensor_parallel_size == 1  # EngineArgs refuses a draft model under TP
     sched, cache = config.scheduler_config, config.cache_config
-    max_len, num_seqs = sched.max_model_len, spec.disable_by_batch_size
-    num_blocks = num_seqs * cdiv(max_len + MAX_SPECULATIVE_TOKENS, cache.block_size) + 1
+    num_seqs = spec.disable_by_batch_size
+    draft_args = engine_args.replace(
+        model=spec.model, tokenizer=None, speculative_config=None, chat_template=None, quantization="auto",
+        tensor_parallel_size=1, async_scheduling=False, enable_prefix_caching=False, max_model_len=None,
+        max_num_seqs=num_seqs, max_num_batched_tokens=None, num_gpu_blocks_override=None, kv_cache_memory_bytes=None,
+        max_step_ms=0, kv_offload_dir=None, kv_offload_bytes=None, preemption_mode="recompute",
+        prefix_caching_algo="hash", enable_lora=False)
     try:
-        draft_config = engine_args.replace(
-            model=spec.model, tokenizer=None, speculative_config=None, chat_template=None, quantization="auto",
-            tensor_parallel_size=1, async_scheduling=False, enable_prefix_caching=False, max_model_len=max_len,
-            max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * max_len, num_gpu_blocks_override=num_blocks,
-            kv_cache_memory_bytes=None, max_step_ms=0, kv_offload_dir=None, kv_offload_bytes=None,
-            preemption_mode="recompute", prefix_caching_algo="hash", enable_lora=False).create_engine_config()
+        # A draft of a shorter context drafts within it (past it, the target goes on alone).
+        own_len = draft_args.create_engine_config().scheduler_config.max_model_len
+        max_len = min(sched.max_model_len, own_len)
+        num_blocks = num_seqs * cdiv(max_len + MAX_SPECULATIVE_TOKENS, cache.block_size) + 1
+        draft_config = draft_args.replace(max_model_len=max_len, max_num_batched_tokens=num_seqs * max_len,
+                                          num_gpu_blocks_override=num_blocks).create_engine_config()
         draft_tokenizer = load_tokenizer(draft_config.model_config)
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from None

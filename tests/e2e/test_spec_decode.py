@@ -100,6 +100,22 @@ def test_greedy_identical_with_a_draft_model(tiny_checkpoint, drafts_for_llama) 
     assert_drafted(llm, "draft model, batch 32")
 
 
+def test_a_draft_model_of_a_shorter_context_drafts_within_it(tiny_checkpoint, tmp_path) -> None:
+    """It was refused ("max_model_len=512 exceeds the model's limit of 64"): past its own
+    context the target goes on alone, with the same tokens."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    model_dir, hf_cfg = tiny_checkpoint("llama")
+    short = str(tmp_path / "short-draft")
+    make_tiny_checkpoint("llama", short, max_position_embeddings=64)
+    prompts = prompts_for(hf_cfg.vocab_size)
+    assert min(len(p) for p in prompts) < 64 < max(len(p) for p in prompts) + MAX_TOKENS
+    spec = {"model": short, "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    llm = LLM(model_dir, dtype="float32", speculative_config=spec)
+    assert greedy(llm, prompts) == greedy(LLM(model_dir, dtype="float32"), prompts)
+    assert_drafted(llm, "a draft of 64 tokens' context")
+
+
 def test_draft_model_refusals(tiny_checkpoint, tmp_path) -> None:
     from tests.e2e.conftest import make_tiny_checkpoint
 
