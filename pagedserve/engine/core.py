@@ -136,7 +136,8 @@ class EngineCore:
         self._parked: deque[EngineCoreRequest] = deque()
         # Async scheduling: launched steps whose results are not applied yet, oldest first
         # (at most one stays in flight between calls to step()).
-        self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput]] = deque()
+        self._inflight: deque[tuple[SchedulerOutput, PendingModelOutput, float]] = deque()  # (, launched at)
+        self._last_step_end = 0.0  # when the last launched step's output was ready (its successor started then)
         # Requests whose grammar was still compiling when they were added: parent id -> its
         # compilation (a failure ends the request with "error" at the next step).
         self._compiling: dict[str, Future] = {}
@@ -317,7 +318,7 @@ class EngineCore:
         pending = self.model_executor.execute_model_async(sched_out)  # returns once launched
         if not total:
             return outputs + self._apply_inflight(keep=0)
-        self._inflight.append((sched_out, pending))
+        self._inflight.append((sched_out, pending, time.perf_counter()))
         outputs += self._apply_inflight(keep=1)
         if sched_out.structured_output_rows:
             # The launched step's grammar mask needs the tokens of the step just applied:
@@ -353,8 +354,15 @@ class EngineCore:
         """Apply launched steps, oldest first, until `keep` are left in flight."""
         outputs: list[EngineOutput] = []
         while len(self._inflight) > keep:
-            sched_out, pending = self._inflight.popleft()
-            outputs += self._apply(sched_out, pending.get_output())
+            sched_out, pending, launched = self._inflight.popleft()
+            runner_out = pending.get_output()
+            # Its own duration for the time budget (max_step_ms): steps run one after
+            # another, so it started when it was launched or its predecessor ended.
+            end = time.perf_counter()
+            self.scheduler.record_step_time(sched_out.total_num_scheduled_tokens,
+                                            end - max(launched, self._last_step_end))
+            self._last_step_end = end
+            outputs += self._apply(sched_out, runner_out)
         return outputs
 
     def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:

@@ -99,7 +99,8 @@ def test_step_time_budget_keeps_greedy_outputs(tiny_checkpoint) -> None:
     prompts = [{"prompt_token_ids": list(range(5 + i, 60 + 3 * i))} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(path, dtype="float32", max_step_ms=0.5)  # tiny: every step past the first is chunked
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == ref
-    assert llm.llm_engine.scheduler.step_budget is not None and llm.llm_engine.scheduler.step_budget.cost()
+    for overlap in (False, True):  # (under async scheduling no step time was recorded: the budget was the cap)
+        llm = LLM(path, dtype="float32", max_step_ms=0.5, async_scheduling=overlap)  # tiny: steps are chunked
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == ref
+        assert llm.llm_engine.scheduler.step_budget is not None and llm.llm_engine.scheduler.step_budget.cost()
