@@ -195,7 +195,7 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
-            n, drafts = self._running_tokens(request, proposals, token_budget)
+            n, drafts = self._running_tokens(request, proposals, token_budget, len(running) - i - 1)
             if n <= 0:
                 i += 1
                 continue
@@ -212,20 +212,20 @@ class Scheduler:
         return token_budget
 
     def _running_tokens(self, request: Request, proposals: dict[str, list[int]],
-                        token_budget: int) -> tuple[int, list[int] | None]:
-        """Tokens a running request computes this step (its drafts included, if it
-        decodes one token and has some), and those drafts."""
+                        token_budget: int, reserve: int = 0) -> tuple[int, list[int] | None]:
+        """Tokens a running request computes this step (its drafts too, if it decodes one token,
+        leaving `reserve` later running requests a token each: they starved), and those drafts."""
         n = _tokens_to_compute(request)
         drafts = proposals.get(request.request_id) if n == 1 else None
         if drafts:
+            drafts = drafts[: max(0, token_budget - reserve - n)]
             n += len(drafts)
         threshold = self.long_prefill_token_threshold
         if 0 < threshold < n:
             n = threshold
         if n > token_budget:
             n = token_budget
-        # max_num_tokens <= max_model_len; only binds under async scheduling, when
-        # the in-flight tokens already complete the request.
+        # (max_num_tokens <= max_model_len: binds under async scheduling, in-flight tokens complete it)
         left = request.max_num_tokens - 1 - request.num_computed_tokens
         if n > left:
             n = left

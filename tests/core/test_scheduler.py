@@ -390,3 +390,26 @@ def test_a_stop_inside_accepted_drafts_leaves_no_kv_counted_past_the_tokens(radi
         assert all(computed < tokens for computed, tokens in counted), counted
         assert sched.kv_cache_manager.usage == 0
     assert accepted > 0
+
+
+def test_drafts_leave_every_later_running_request_a_token() -> None:
+    """Under a tight budget (a step-time target's), the first streams' drafts took it all
+    and later streams got no token for many steps; drafts now take what is left once each
+    later running request has one."""
+    def cyclic(rid: str, context: list[int]) -> int:
+        return 1 + len(context) % 5
+
+    sched = make_scheduler(num_blocks=80, block_size=4, max_model_len=64, num_speculative_tokens=8,
+                           max_num_batched_tokens=12)
+    reqs = [make_request(i, 6, max_tokens=40, ignore_eos=True) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    runner, starved, drafted = FakeRunner(sched), 0, 0
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        decoding = [r.request_id for r in sched.running if r.num_output_tokens > 0]
+        starved += sum(so.num_scheduled_tokens.get(rid, 0) == 0 for rid in decoding)
+        drafted += sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
+        sched.update_from_output(so, runner.execute(so, cyclic))
+    assert drafted > 0 and starved == 0
+    assert all(len(r.output_token_ids) == 40 for r in reqs)
