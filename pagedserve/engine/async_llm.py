@@ -191,6 +191,7 @@ class AsyncLLM:
         `admitted`: a later prompt of one client request whose first was let in, so
         `max_waiting_requests` does not count the request's own prompts against it (a
         fan-out is let in or refused as a whole)."""
+        started = time.monotonic()  # (the timeout counts tokenizing and grammar compiling too)
         self._admit(request_id, admitted)
         request = await self.client.prepare(request_id, prompt, sampling_params, priority, lora_request)
         self._admit(request_id, admitted)  # the door may have closed (or the id been taken) meanwhile
@@ -201,7 +202,7 @@ class AsyncLLM:
         except BaseException:
             self._collectors.pop(request_id, None)
             raise
-        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        deadline = None if self.request_timeout is None else started + self.request_timeout
         return RequestStream(self, request_id, collector, deadline, final_only)
 
     def _admit(self, request_id: str, admitted: bool = False) -> None:

@@ -221,8 +221,8 @@ class InprocClient:
         the engine thread waits on tokenizing or checking; a structured-output request's
         grammar is compiled (in the grammar pool) before the engine thread sees it, so a
         bad schema is refused now."""
-        request = await asyncio.to_thread(self.engine.input_processor.process, request_id, prompt, params, None,
-                                          priority, lora_request)
+        request = await asyncio.to_thread(self.engine.input_processor.process, request_id, prompt, params,
+                                          time.time(), priority, lora_request)  # (arrived now, not once tokenized)
         if request.grammar is not None:
             # Shielded: a client that leaves cancels its own wait, never the compile that
             # every request with this spec shares (StructuredOutputManager caches it).

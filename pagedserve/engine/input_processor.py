@@ -146,6 +146,8 @@ class InputProcessor:
         PoolingParams (pooling runner; the scheduler then runs one sequence that samples
         nothing).  Raises ValueError naming the problem; the caller's objects are never
         modified (one params object may serve many prompts)."""
+        if arrival_time is None:  # (before the work below, as vLLM's: it orders equal priorities)
+            arrival_time = time.time()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         sampling, pooling = self._split_params(params)
@@ -177,7 +179,7 @@ class InputProcessor:
         return EngineCoreRequest(
             request_id, processed.text, prompt_ids, processed.cache_salt, sampling, child_ids,
             [self.child_params(sampling, i) for i in range(n)], pooling,
-            time.time() if arrival_time is None else arrival_time, priority, lora_request, grammar, prediction_ids,
+            arrival_time, priority, lora_request, grammar, prediction_ids,
             processed.images, processed.mrope)
 
     @staticmethod

@@ -486,3 +486,31 @@ def test_from_engine_args_builds_the_engine_on_a_thread_that_ends(monkeypatch):
     monkeypatch.setattr(async_llm.LLMEngine, "from_engine_args", staticmethod(fail))
     with pytest.raises(ValueError, match="no such model"):
         AsyncLLM.from_engine_args(EngineArgs(), log_stats=False)
+
+
+def test_the_request_timeout_counts_from_arrival_preparation_included(monkeypatch):
+    """The deadline was set once the engine had the request: tokenizing and a grammar's
+    compile (seconds for some schemas) came on top of --request-timeout."""
+    from pagedserve.engine.async_llm import RequestTimeoutError
+
+    engine = FakeEngine(step_time=0.01)
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False, request_timeout=1.0)
+        llm.start()
+        prepare = llm.client.prepare
+
+        async def slow_prepare(*args, **kwargs):
+            await asyncio.sleep(1.0)  # (its whole timeout: past the deadline once prepared)
+            return await prepare(*args, **kwargs)
+
+        monkeypatch.setattr(llm.client, "prepare", slow_prepare)
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeoutError):
+            async for _ in llm.generate("hi", SamplingParams(max_tokens=100_000), "slow"):
+                pass
+        elapsed = time.monotonic() - t0
+        llm.shutdown()
+        return elapsed
+
+    assert run(main()) < 1.6  # (it ran 1 s more: the whole timeout after preparing)

@@ -418,3 +418,22 @@ def test_a_refused_prompt_of_a_batch_is_named_by_its_position() -> None:
         engine.run_batch([[]], [sp])
     assert not engine.has_unfinished_requests()
     assert [len(o.outputs[0].token_ids) for o in engine.run_batch([[1], [2]], [sp] * 2)] == [2, 2]
+
+
+def test_arrival_time_is_when_the_request_came_not_when_it_was_tokenized(monkeypatch) -> None:
+    """vLLM stamps arrival before preprocessing: a long prompt's tokenizing put its
+    arrival after a later short one's, and equal priorities ran in that order."""
+    import time
+
+    engine = make_engine()
+    processor = engine.input_processor
+    slow = processor.process_prompt
+
+    def tokenizing_slowly(*args, **kwargs):
+        time.sleep(0.2)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "process_prompt", tokenizing_slowly)
+    before = time.time()
+    request = processor.process("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    assert before <= request.arrival_time < before + 0.1
