@@ -68,6 +68,11 @@ class SchedulerStats:
         """Copied field by field: a field the engine's stats lack is an AttributeError, not a silent 0."""
         return cls(**{f.name: getattr(stats, f.name) for f in fields(cls)})
 
+    def hit_rate_since(self, earlier: SchedulerStats) -> float | None:
+        """The prefix cache's hit rate over the lookups since `earlier` (None without any)."""
+        queries = self.prefix_cache_queries - earlier.prefix_cache_queries
+        return (self.prefix_cache_hits - earlier.prefix_cache_hits) / queries if queries > 0 else None
+
 
 @dataclass
 class FinishedRequestStats:
@@ -404,10 +409,10 @@ class LoggingStatLogger:
         self._gen = 0
         self._sched = SchedulerStats()
         self._spec_last = (0, 0)  # (drafted, accepted) at the last line
-        # Prefix-cache (queries, hits) at the last line, and the hit rate of the last
-        # interval with lookups: recent, as vLLM's line (since start-up, a long-running
-        # server's figure barely moved), and kept through intervals that only decode.
-        self._cache_last = (0, 0)
+        # The stats at the last line, and the prefix-cache hit rate of the last interval
+        # with lookups: recent, as vLLM's line (since start-up, a long-running server's
+        # figure barely moved), and kept through intervals that only decode.
+        self._cache_last = SchedulerStats()
         self._hit_rate = 0.0
         self._logged_idle = True
 
@@ -428,10 +433,8 @@ class LoggingStatLogger:
             if idle and self._logged_idle:
                 self._last_time = now
                 return None  # nothing new since the last (idle) line
-            queries = s.prefix_cache_queries - self._cache_last[0]
-            if queries > 0:
-                self._hit_rate = 100.0 * (s.prefix_cache_hits - self._cache_last[1]) / queries
-            self._cache_last = (s.prefix_cache_queries, s.prefix_cache_hits)
+            rate = s.hit_rate_since(self._cache_last)
+            self._hit_rate, self._cache_last = (self._hit_rate if rate is None else 100.0 * rate), s
             line = (
                 f"{self.prefix}Avg prompt throughput: {self._prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._gen / elapsed:.1f} tokens/s, "
@@ -490,12 +493,11 @@ class SeriesStatLogger:
             self._start = float(int(now)) - self.seconds - 1
         while now >= self._start + 1.0:
             s, last = self._sched, self._last_closed
-            queries = s.prefix_cache_queries - last.prefix_cache_queries
             ttft, itl = sorted(self._ttft), sorted(self._itl)
             self.points.append({
                 "t": self._start, "prompt_tps": self._prompt, "gen_tps": self._gen,
                 "kv_usage": s.kv_cache_usage,
-                "hit_rate": (s.prefix_cache_hits - last.prefix_cache_hits) / queries if queries else None,
+                "hit_rate": s.hit_rate_since(last),
                 "ttft_p50": _percentile(ttft, 0.5), "ttft_p95": _percentile(ttft, 0.95),
                 "itl_p50": _percentile(itl, 0.5), "itl_p95": _percentile(itl, 0.95),
                 "preemptions": s.num_preemptions - last.num_preemptions,

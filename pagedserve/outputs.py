@@ -77,8 +77,11 @@ class RequestOutput:
     def delta(self, cursors: dict[int, DeltaCursor]) -> RequestOutput:
         """This cumulative output as what is new since `cursors` (one per completion
         index, advanced here): a consumer's own deltas, however many outputs the engine
-        merged while it was busy (AsyncLLM.generate under RequestOutputKind.DELTA)."""
-        return replace(self, outputs=[cursors.setdefault(c.index, DeltaCursor()).cut(c) for c in self.outputs])
+        merged while it was busy (AsyncLLM.generate under RequestOutputKind.DELTA).  The
+        prompt's logprobs come with the first delta alone (vLLM's)."""
+        first = not cursors
+        return replace(self, outputs=[cursors.setdefault(c.index, DeltaCursor()).cut(c) for c in self.outputs],
+                       prompt_logprobs=self.prompt_logprobs if first else None)
 
 
 @dataclass

@@ -49,11 +49,13 @@ def make_prompts(args: argparse.Namespace, rng: random.Random, count: int | None
     text (a message is text).  `shared_prefix`: the shared-prefix dataset's common
     prefix leads each prompt (warm-ups have none, so they cache nothing the measured
     requests use)."""
-    vocab = len(tokenizer) if tokenizer is not None else None
+    special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+    # (no special token: decoded into a chat message, "<|im_end|>" came back as the real one)
+    vocab = [i for i in range(len(tokenizer)) if i not in special] if tokenizer is not None else None
 
     def seq(n: int) -> Any:
         if vocab is not None:
-            return [rng.randrange(vocab) for _ in range(n)]
+            return [rng.choice(vocab) for _ in range(n)]
         return [rng.choice(_WORDS) for _ in range(n)]
 
     def vary(n: int) -> int:
@@ -117,11 +119,13 @@ async def send_one(client: Any, args: argparse.Namespace, prompt: Any, max_token
                         res.itl.append(now - last)
                     last, chunks = now, chunks + 1
         res.latency = last - start  # at the last output chunk (the usage chunk and [DONE] are not output)
+        if not chunks and res.output_tokens:  # tokens with no visible text: seen at the end
+            res.ttft = res.latency = time.perf_counter() - start
         res.output_tokens = res.output_tokens or chunks
-        res.ok = chunks > 0 and ended
+        res.ok = ended and res.output_tokens > 0
         if not ended:
             res.error = "the stream ended before [DONE] or a finish_reason"
-        elif not chunks:
+        elif not res.ok:
             res.error = "no output streamed"
     except Exception as e:  # noqa: BLE001 - one failed request must not stop the run
         res.error = f"{type(e).__name__}: {e}"

@@ -30,10 +30,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="random (nano-vllm bench.py) or a preset of benchmarks/workloads.py")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help=f"random workload: number of requests (default: {RANDOM_DEFAULTS['num_prompts']})")
-    parser.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                        help="random workload: prompt length range, inclusive (default: 100 1024)")
-    parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                        help="random workload: output length range, inclusive (default: 100 1024)")
+    for name, what in (("input_len", "prompt"), ("output_len", "output")):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                            help=f"random workload: {what} length range, inclusive (default: "
+                                 f"{' '.join(map(str, RANDOM_DEFAULTS[name]))})")
     parser.add_argument("--temperature", type=float, default=None,
                         help="override the workload's temperature (random: 0.6, chat presets: 0)")
     parser.add_argument("--one-at-a-time", type=int, default=None, metavar="N",

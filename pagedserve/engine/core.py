@@ -128,7 +128,7 @@ class EngineCore:
         # cached KV blocks (id, name, path: Request.hash_salt), for the engine's life: an
         # adapter read again (evicted, or removed and loaded anew) whose files changed is
         # refused, as its cached KV came from the old weights.
-        self._lora_files: dict[tuple[int, str, str], tuple[int, ...] | None] = {}
+        self._lora_files: dict[tuple[int, str, str], tuple[int, ...]] = {}
         # Requests whose adapter has no room yet (max_cpu_loras loaded, each with unfinished
         # requests), oldest first: their parent is in the output processor, their
         # sequences join the scheduler when an adapter goes idle (see _admit_parked), so
@@ -226,7 +226,7 @@ class EngineCore:
             raise InvalidRequestError(f"LoRA id {lora_id} is adapter {known.lora_name!r} "
                                       f"({known.lora_path}); unload it before reusing the id", param="model")
         files, key = adapter_files_key(lora_request.lora_path), lora_request.cache_key
-        if self._lora_files.get(key, files) != files:
+        if files is not None and self._lora_files.get(key, files) != files:  # (None: the load names what is missing)
             raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}): its files changed "
                                       "since it was first loaded, and KV cached under this id came from the old "
                                       "weights; load the new files under a new id", param="model")
@@ -238,7 +238,8 @@ class EngineCore:
                 self.remove_lora(victim)
         self.model_executor.add_lora(lora_request)
         self._loras[lora_id] = lora_request
-        self._lora_files.setdefault(key, files)
+        if files is not None:  # (one entry per adapter key loaded: runtime loads are the admin's, behind the key)
+            self._lora_files.setdefault(key, files)
         if len(self._loras) > lora_config.max_cpu_loras:
             # Loaded by name (not for a request) while every other adapter is busy: it
             # was checked, and it is read again when a request names it.

@@ -108,11 +108,12 @@ class ParentRequest:
         if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind is RequestOutputKind.DELTA
+        sent_before = delta and any(c.sent.tokens for c in self.children)  # (prompt logprobs: the first delta's)
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[c.completion(delta) for c in self.children], finished=finished,
             num_cached_tokens=max(c.num_cached_tokens for c in self.children), metrics=self.metrics,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None and not sent_before else None,
             lora_request=self.lora_request,
         )
 

@@ -49,12 +49,14 @@ _FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 # code does not know is refused by name, never served as plain LoRA.
 _INERT_OPTIONS = frozenset({
     "peft_type", "r", "lora_alpha", "use_rslora", "lora_dropout", "target_modules", "exclude_modules",
-    "layers_to_transform", "layers_pattern", "init_lora_weights", "base_model_name_or_path", "revision", "task_type",
+    "layers_to_transform", "layers_pattern", "base_model_name_or_path", "revision", "task_type",
     "inference_mode", "auto_mapping", "loftq_config", "eva_config", "corda_config", "megatron_config",
     "megatron_core", "peft_version", "ensure_weight_tying", "qalora_group_size", "runtime_config"})
-_NOTHING: tuple[object, ...] = (None, False, {}, [], "")
-# Config keys whose non-default value changes what the adapter computes, with that default.
+# Config keys whose non-default value changes what the adapter computes, with the values
+# that do not.  (init_lora_weights: PiSSA, OLoRA, CorDA and LoftQ change the base weights
+# in training; PEFT writes True once such an adapter is converted to plain LoRA.)
 _REFUSED_OPTIONS: dict[str, tuple[object, ...]] = {
+    "init_lora_weights": (True, False, "gaussian", "eva", "orthogonal"),
     "use_dora": (False, None),
     "bias": ("none", None),
     "fan_in_fan_out": (False, None),
@@ -116,6 +118,11 @@ def _refusals_logged(path: str) -> Iterator[None]:
         raise LoRAAdapterError(NOT_AN_ADAPTER) from None
 
 
+def _same_value(value: object, allowed: tuple[object, ...]) -> bool:
+    """`value` is one of `allowed`, of its type too (JSON's 0 is not false, nor 1 true)."""
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
 def adapter_files_key(path: str) -> tuple[int, ...] | None:
     """What identifies the adapter's files as they are now (each one's device, inode,
     size and modification time; None where one cannot be read): an id loaded again must
@@ -149,7 +156,8 @@ def _rank_and_scaling(config: dict, max_rank: int) -> tuple[int, float]:
         raise LoRAAdapterError("the adapter's peft_type is not LORA (only LoRA adapters are served)",
                                f"peft_type {peft_type!r}")
     for key, value in config.items():
-        if key in _INERT_OPTIONS or value in _REFUSED_OPTIONS.get(key, _NOTHING):
+        if key in _INERT_OPTIONS or (_same_value(value, _REFUSED_OPTIONS[key]) if key in _REFUSED_OPTIONS
+                                     else value is None or value is False or value in ({}, [], "")):
             continue
         why = "it changes the math and pagedserve does not implement it" if key in _REFUSED_OPTIONS else \
             "pagedserve does not know it, so it may change the math"

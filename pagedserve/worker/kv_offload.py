@@ -32,7 +32,7 @@ import stat
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -188,10 +188,11 @@ Payload = tuple[torch.Tensor, "torch.cuda.Event | None"]
 class _TierBase:
     """Bookkeeping both tiers share: claimed payloads and counters."""
 
-    def __init__(self, capacity_bytes: int, entry_bytes: int) -> None:
-        if capacity_bytes < entry_bytes:
+    def __init__(self, capacity_bytes: int, entry_bytes: int, stored_bytes: int | None = None) -> None:
+        """`stored_bytes`: what one entry takes where it is kept (a file's header too)."""
+        if capacity_bytes < (stored_bytes or entry_bytes):
             raise ValueError(f"the KV tier's size ({capacity_bytes} bytes) holds not even one block "
-                             f"({entry_bytes} bytes)")
+                             f"({stored_bytes or entry_bytes} bytes as stored)")
         self.capacity_bytes = capacity_bytes
         self.entry_bytes = entry_bytes
         self._lock = threading.Lock()
@@ -275,18 +276,15 @@ class DiskKVTier(_TierBase):
     name = "disk"
 
     def __init__(self, directory: str, capacity_bytes: int, entry_bytes: int, fingerprint: str) -> None:
-        super().__init__(capacity_bytes, entry_bytes)
+        self._file_bytes = _HEADER.size + entry_bytes
+        super().__init__(capacity_bytes, entry_bytes, self._file_bytes)
         self.directory = Path(directory)
         self._digest = hashlib.sha256(fingerprint.encode()).digest()
         self._prefix = self._digest.hex()[:16] + "-"
-        self._file_bytes = _HEADER.size + entry_bytes
-        if capacity_bytes < self._file_bytes:
-            raise ValueError(f"the KV tier's size ({capacity_bytes} bytes) holds not even one block file "
-                             f"({self._file_bytes} bytes with its header)")
         self._index: OrderedDict[int, None] = OrderedDict()  # entries on disk, least recent first
         # Block files of other fingerprints (another model or setting, or weights since
         # replaced) found at start, oldest first: they count toward the bound and go first.
-        self._foreign: list[str] = []
+        self._foreign: deque[str] = deque()
         self._pending: dict[int, Payload] = {}  # saves queued for the writer
         # Read back by lookups; only the engine thread touches it.
         self._staged: OrderedDict[int, Payload] = OrderedDict()
@@ -333,7 +331,7 @@ class DiskKVTier(_TierBase):
                     continue
         for _, key in sorted(found):
             self._index[key] = None
-        self._foreign = [name for _, name in sorted(foreign)]
+        self._foreign = deque(name for _, name in sorted(foreign))
         self._evict_to_bound()
 
     def _evict_to_bound(self, room: int = 0) -> None:
@@ -343,7 +341,7 @@ class DiskKVTier(_TierBase):
         while len(self._index) + len(self._foreign) > max_files:
             if self._foreign:
                 try:
-                    os.unlink(self.directory / self._foreign.pop(0))
+                    os.unlink(self.directory / self._foreign.popleft())
                 except OSError:
                     pass
                 continue

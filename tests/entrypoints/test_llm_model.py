@@ -272,13 +272,40 @@ def test_sizes_memory_cannot_hold_are_a_clear_error(tiny_dir, kwargs) -> None:
 def test_detokenize_false_returns_the_same_tokens_without_text(llm) -> None:
     """vLLM's detokenize=False (it was refused): the same token ids, text "", logprobs
     without decoded tokens; stop strings, matched in the text, are refused with it."""
-    greedy = {"max_tokens": 6, "temperature": 0, "logprobs": 2}
+    greedy = {"max_tokens": 6, "temperature": 0, "logprobs": 2, "prompt_logprobs": 1}
     [text] = llm.generate(["The capital of France is"], SamplingParams(**greedy), use_tqdm=False)
     [ids] = llm.generate(["The capital of France is"], SamplingParams(detokenize=False, **greedy), use_tqdm=False)
     assert ids.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
     assert ids.outputs[0].text == "" and ids.prompt == "The capital of France is"
     assert all(lp.decoded_token is None for d in ids.outputs[0].logprobs for lp in d.values())
+    assert all(lp.decoded_token is None for d in ids.prompt_logprobs[1:] for lp in d.values())
+    assert any(lp.decoded_token for d in text.prompt_logprobs[1:] for lp in d.values())
     assert [{t: lp.logprob for t, lp in d.items()} for d in ids.outputs[0].logprobs] == \
         [{t: lp.logprob for t, lp in d.items()} for d in text.outputs[0].logprobs]
     with pytest.raises(ValueError, match="stop strings need detokenize=True"):
         SamplingParams(detokenize=False, stop=["."])
+
+
+def test_delta_outputs_carry_the_prompts_logprobs_once(llm) -> None:
+    """Under RequestOutputKind.DELTA (the engine's, and AsyncLLM.generate's cut of
+    cumulative outputs) the prompt's logprobs come with the first output alone, as
+    vLLM's; every delta repeated them."""
+    from pagedserve.outputs import DeltaCursor
+    from pagedserve.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    # (the params' own output_kind, when add_request is given none)
+    engine.add_request("delta-pl", [1, 2, 3, 4], SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("cumulative-pl", [1, 2, 3, 4], params)
+    deltas, cumulative = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            (deltas if out.request_id == "delta-pl" else cumulative).append(out)
+    assert len(deltas) > 1 and deltas[0].prompt_logprobs is not None
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    cursors: dict[int, DeltaCursor] = {}
+    cut = [c.delta(cursors) for c in cumulative]
+    assert cut[0].prompt_logprobs == cumulative[0].prompt_logprobs and all(c.prompt_logprobs is None for c in cut[1:])
+    assert [t for c in cut for t in c.outputs[0].token_ids] == [t for d in deltas for t in d.outputs[0].token_ids]

@@ -48,7 +48,9 @@ def test_rank_alpha_and_rslora_scaling(tmp_path) -> None:
                                            ("alora_invocation_tokens", [300, 400]),
                                            ("layer_replication", [[0, 2], [1, 2]]), ("use_qalora", True),
                                            ("target_parameters", ["mlp.experts.gate_up_proj"]),
-                                           ("some_future_option", {"k": 1})])
+                                           ("some_future_option", {"k": 1}), ("some_future_option", 0),
+                                           # trained on base weights PiSSA changed (unconverted)
+                                           ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "loftq")])
 def test_options_that_change_the_math_are_refused_by_name(tmp_path, option, value) -> None:
     path = write(tmp_path, {"r": 4, "lora_alpha": 8, option: value}, qv())
     with pytest.raises(LoRAAdapterError, match=f"adapter option {option} is not supported") as info:

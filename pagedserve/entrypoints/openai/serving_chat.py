@@ -77,14 +77,22 @@ C = TypeVar("C", ChatChoice, ChatStreamChoice)
 
 def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
     """The conversation with `text` at the end of its system message (one added first
-    where it has none; a system message of text parts gets one more part: a second
-    system message broke templates that want the roles to alternate)."""
+    where it has none).  A system message of parts gets it at the end of its last text
+    part: a second system message broke templates that want the roles to alternate, and a
+    new part was dropped by those that read a message's first part alone (Gemma 3's)."""
     first = messages[0] if messages else None
-    if first is not None and first.role == "system" and isinstance(first.content, (str, list)):
-        content = (f"{first.content}\n\n{text}" if isinstance(first.content, str)
-                   else [*first.content, {"type": "text", "text": f"\n{text}"}])  # (parts join by newlines)
-        return [first.model_copy(update={"content": content}), *messages[1:]]
-    return [ChatMessage(role="system", content=text), *messages]
+    if first is None or first.role != "system" or not isinstance(first.content, (str, list)):
+        return [ChatMessage(role="system", content=text), *messages]
+    if isinstance(first.content, str):
+        content: str | list = f"{first.content}\n\n{text}"
+    else:
+        content = list(first.content)
+        texts = [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if texts:
+            content[texts[-1]] = {**content[texts[-1]], "text": f"{content[texts[-1]]['text']}\n\n{text}"}
+        else:
+            content.append({"type": "text", "text": text})
+    return [first.model_copy(update={"content": content}), *messages[1:]]
 
 
 def with_calls_as_text(messages: list[ChatMessage], parser: ToolParser) -> list[ChatMessage]:
@@ -338,9 +346,10 @@ class OpenAIServingChat(OpenAIServing):
             reasoning, c = split_reasoning(prep.reasoning, c)
             message, reason = self.message(prep.tools, c)
             message.content = echo + (message.content or "") if echo else message.content
-            if reasoning and req.include_reasoning:  # (none when the model did not think)
-                message.reasoning = message.reasoning_content = reasoning
+            if reasoning:  # (none when the model did not think)
                 message.content = message.content or None  # (vLLM's: no answer past the thinking is null)
+                if req.include_reasoning:
+                    message.reasoning = message.reasoning_content = reasoning
             choice = ChatChoice(index=c.index, message=message, logprobs=self.logprobs(c, 0, prep.params.logprobs),
                                 finish_reason=reason, stop_reason=c.stop_reason)
             choices.append(legacy_function_call(choice) if req.functions is not None else choice)

@@ -177,3 +177,46 @@ def test_bench_serve_chat_with_a_tokenizer_sends_text_and_times_tool_calls(fake_
     assert bench.has_output({"delta": {"reasoning_content": "hm"}}, chat=True)
     assert not bench.has_output({"delta": {"role": "assistant", "content": ""}}, chat=True)
     assert not bench.has_output({"text": ""}, chat=False) and bench.has_output({"text": " a"}, chat=False)
+
+
+def test_bench_serve_token_prompts_hold_no_special_token():
+    """A drawn special id, decoded into a chat message, came back as the real token (an
+    `<|im_end|>` ending the turn early)."""
+    import argparse
+    import random
+
+    class Tokenizer:
+        all_special_ids = list(range(8))
+
+        def __len__(self) -> int:
+            return 10
+
+    args = bench.add_cli_args(argparse.ArgumentParser()).parse_args(["--num-prompts", "4", "--random-input-len", "50"])
+    prompts = bench.make_prompts(args, random.Random(0), tokenizer=Tokenizer())
+    assert {t for p, _ in prompts for t in p} == {8, 9}
+
+
+def test_a_stream_cut_short_is_a_failure_and_tokens_without_text_are_output():
+    """A stream that ended without [DONE] or a finish_reason counted as a short answer;
+    one whose tokens were all special (no visible text) counted as a failure."""
+    import argparse
+    import asyncio
+
+    args = bench.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "m"])
+
+    def serving(*events):
+        body = "".join(f"data: {e}\n\n" for e in events)
+        return httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+
+    async def one(transport):
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench.send_one(client, args, "hi", 4)
+
+    text = '{"choices": [{"text": "a", "finish_reason": %s}]}'
+    cut = asyncio.run(one(serving(text % "null", text % "null")))
+    assert not cut.ok and "ended before [DONE]" in cut.error
+    whole = asyncio.run(one(serving(text % "null", text % '"length"', "[DONE]")))
+    assert whole.ok and whole.output_tokens == 2
+    usage = '{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}'
+    silent = asyncio.run(one(serving('{"choices": [{"text": "", "finish_reason": "length"}]}', usage, "[DONE]")))
+    assert silent.ok and silent.output_tokens == 4 and silent.ttft > 0

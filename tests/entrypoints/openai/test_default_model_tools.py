@@ -150,15 +150,25 @@ def test_the_default_parser_follows_the_vocabulary():
     assert '"get_weather"' in block and "<tool_call>" in block
 
 
-def test_tool_text_joins_a_system_message_of_parts() -> None:
+def test_tool_text_joins_a_system_message_of_parts(smollm2_path) -> None:
     """A system message sent as text parts got a second system message before it (Gemma's
     template then refused the conversation: roles must alternate)."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.engine.chat_utils import render_chat
     from pagedserve.entrypoints.openai.protocol import ChatMessage
     from pagedserve.entrypoints.openai.serving_chat import with_system_text
 
     parts = [ChatMessage(role="system", content=[{"type": "text", "text": "SYS"}]), ChatMessage(role="user", content="hi")]
     out = with_system_text(parts, "TOOLS")
     assert [m.role for m in out] == ["system", "user"]
-    assert out[0].content == [{"type": "text", "text": "SYS"}, {"type": "text", "text": "\nTOOLS"}]
+    assert out[0].content == [{"type": "text", "text": "SYS\n\nTOOLS"}]
     assert parts[0].content == [{"type": "text", "text": "SYS"}]  # (the request's own message unchanged)
     assert with_system_text([ChatMessage(role="system", content="S")], "T")[0].content == "S\n\nT"
+    # rendered as a vision model renders (content parts kept) by a template that reads a
+    # message's first part, as Gemma 3's does: the tools are in the prompt (a new part was not)
+    first_part = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string "
+                  "else m['content'][0]['text'] }}\n{% endfor %}")
+    conversation = [m.model_dump(exclude_unset=True) for m in out]
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    assert "SYS\n\nTOOLS" in render_chat(tok, first_part, conversation, content_parts=True)

@@ -120,8 +120,11 @@ def test_reasoning_under_both_names_left_out_when_asked_and_content_null_without
     message, joined, deltas = _full_and_streamed(_app(script), {**body, "include_reasoning": False})
     assert message["reasoning"] is None and message["reasoning_content"] is None and message["content"] == "Paris."
     assert joined == {"content": "Paris.", "reasoning": "", "reasoning_content": ""}
-    message, _, _ = _full_and_streamed(_app(script), {**body, "max_tokens": len("<think>\nLet me")})
+    cut = {**body, "max_tokens": len("<think>\nLet me")}
+    message, _, _ = _full_and_streamed(_app(script), cut)
     assert message["content"] is None and message["reasoning"] == "\nLet me"
+    message, _, _ = _full_and_streamed(_app(script), {**cut, "include_reasoning": False})
+    assert message["content"] is None and message["reasoning"] is None
 
 
 def test_chat_returns_reasoning_apart_streamed_or_not() -> None:
