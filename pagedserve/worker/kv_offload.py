@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from pagedserve.attention import kv_dtype
+from pagedserve.cpu_info import describe_cpu
 from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger("pagedserve")
@@ -113,7 +114,13 @@ def kv_block_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> 
 # (a new tokenizer or chat template changes which tokens come, not a token's KV; with
 # them in, a touched tokenizer file left a whole bound of another fingerprint behind).
 _KV_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
-_KV_FILE_NAMES = ("config.json", "model.safetensors.index.json")
+_KV_FILE_NAMES = ("config.json", "model.safetensors.index.json", "preprocessor_config.json", "processor_config.json")
+
+
+def cpu_identity() -> str:
+    """The CPU as its kernels' numerics see it (model, vector ISA, native bf16, torch's
+    kernels): KV computed on another kind of CPU is not bit for bit this one's."""
+    return describe_cpu()
 
 
 def files_identity(path: str) -> str:

@@ -226,7 +226,7 @@ class ModelRunner:
             f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}", f"kv_dtype={self.kv_dtype}",
             f"block_size={self.block_size}", f"tp={self.config.parallel_config.tensor_parallel_size}",
             f"activation_bits={mc.quant_activation_bits}", f"attention={self.attn_backend.name}",
-            f"cpu={torch.backends.cpu.get_cpu_capability()}", f"exact_rows={self.config.device_config.exact_prompt_attention}",
+            f"cpu={kv_offload.cpu_identity()}", f"exact_rows={self.config.device_config.exact_prompt_attention}",
             f"windows={self.kv_layout.group_windows}", f"tensors={shapes}", f"weights={weights}",  # (and its config:)
             "hf_config=" + kv_offload.checksum(repr(mc.hf_config).encode()).hex(),
         ]

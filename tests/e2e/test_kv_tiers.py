@@ -93,7 +93,7 @@ def test_a_damaged_directory_costs_recomputation_not_tokens(tiny_checkpoint, tmp
     assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_invalid_blocks > 0
 
 
-def test_another_attention_backends_files_are_not_read(tiny_checkpoint, tmp_path) -> None:
+def test_another_attention_backends_files_are_not_read(tiny_checkpoint, tmp_path, monkeypatch) -> None:
     """The fingerprint named the backend by its class's metaclass ("ABCMeta"), so every
     backend read every other's files: torch_ref's KV loaded under cpu_paged, whose
     answers then differed from its own.  A touched tokenizer file, which changes no KV,
@@ -116,6 +116,14 @@ def test_another_attention_backends_files_are_not_read(tiny_checkpoint, tmp_path
     assert not tokenizer_files or third.llm_engine.get_stats().external_prefix_cache_hits > 0
     third.llm_engine.shutdown()
     assert sorted(os.listdir(tmp_path)) == written
+    # another kind of CPU (its kernels round otherwise): another fingerprint
+    from pagedserve.worker import kv_offload
+
+    monkeypatch.setattr(kv_offload, "cpu_identity", lambda: "another CPU (AVX2, no native bf16)")
+    fourth = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    greedy(fourth, prompts)
+    assert fourth.llm_engine.get_stats().external_prefix_cache_hits == 0
+    fourth.llm_engine.shutdown()
 
 
 def test_swap_preemption_matches_no_preemption_with_fewer_tokens_computed(tiny_checkpoint) -> None:
