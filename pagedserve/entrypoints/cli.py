@@ -145,7 +145,7 @@ def _delegate(argv: list[str]) -> bool:
         try:
             main(argv[2:])
         except (ValueError, FileNotFoundError) as e:  # (bad flags: one line, as generate's)
-            sys.exit(f"pagedserve bench {ep.name}: error: {e}")
+            _exit_with(f"pagedserve bench {ep.name}", e)
         return True
     return False
 
@@ -336,8 +336,14 @@ def main(argv: list[str] | None = None) -> None:
         else:  # (serve and bench NAME ran above: here only without a benchmark's name)
             parser.error(f"{ns.command}: nothing to run")
     except (ValueError, FileNotFoundError) as e:
-        # Bad flags or input: the message names the problem; a traceback would only hide it.
-        sys.exit(f"pagedserve {ns.command}: error: {e}")
+        _exit_with(f"pagedserve {ns.command}", e)
+
+
+def _exit_with(command: str, e: Exception) -> None:
+    """Bad flags or input: one line naming the problem (a traceback would only hide it);
+    --log-level debug shows where it was raised, for the error that is a bug."""
+    logging.getLogger("pagedserve").debug("%s failed", command, exc_info=e)
+    sys.exit(f"{command}: error: {e}")
 
 
 def run() -> None:
