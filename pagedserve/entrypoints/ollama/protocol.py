@@ -138,7 +138,7 @@ class OllamaGenerating(OllamaWithOptions):
     # (Go's decoder takes true, false or null, its default; pydantic's lax bool took "yes")
     stream: StrictBool = True
     format: Any = None  # "json" or a JSON schema (response_format says it plainly otherwise)
-    think: bool | str | None = None
+    think: bool | str | None = None  # (true or an effort level: the reasoning as `thinking`; false: none)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     # Ollama's: truncate (cut a history past num_ctx) and shift (slide the context when an
@@ -157,8 +157,6 @@ class OllamaGenerating(OllamaWithOptions):
         for name in ("width", "height", "steps"):  # (Ollama's image-generation fields)
             if (self.model_extra or {}).get(name) is not None:
                 raise OpenAIError(f"{name}: this server does not generate images", param=name)
-        if self.think not in (None, False):
-            raise OpenAIError("think: the models served here do not think; leave it unset or false", param="think")
         if self.logprobs or self.top_logprobs:
             raise OpenAIError("logprobs and top_logprobs are not served on Ollama's routes yet; ask "
                               "/v1/chat/completions for them", param="logprobs")

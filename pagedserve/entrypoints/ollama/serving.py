@@ -183,11 +183,17 @@ def _openai_body(req: OllamaGenerating, **body: Any) -> dict[str, Any]:
     return body
 
 
+def _thinking(req: OllamaGenerating) -> dict[str, Any]:
+    """A chat body's fields for Ollama's `think`: false asks the template for no thinking
+    (Qwen3's enable_thinking) and leaves any reasoning out of the answer."""
+    return {"include_reasoning": False, "chat_template_kwargs": {"enable_thinking": False}} if req.think is False else {}
+
+
 def chat_request(req: OllamaChatRequest) -> ChatCompletionRequest:
     """A final assistant turn with text (and no tool calls) is continued, as Ollama does:
     the answer picks up where that text ends (continue_final_message)."""
     messages = _chat_messages(req.messages)
-    body = _openai_body(req, messages=messages)
+    body = _openai_body(req, messages=messages, **_thinking(req))
     last = messages[-1]
     if last["role"] == "assistant" and last["content"] and isinstance(last["content"], str) and \
             "tool_calls" not in last:
@@ -214,11 +220,14 @@ def generate_request(req: OllamaGenerateRequest, has_template: bool) -> ChatComp
         if req.system:
             raise OpenAIError("system: " + ("a raw prompt" if req.raw else "this model") + " has no chat template "
                               "to put it in", param="system")
+        if req.think not in (None, False):
+            raise OpenAIError("think: " + ("a raw prompt" if req.raw else "this model") + " is completed as it is, "
+                              "with no thinking block to split off", param="think")
         # (max_tokens unset: Ollama's default runs to the end, not the legacy endpoint's 16)
         return _validated(CompletionRequest, _openai_body(req, prompt=req.prompt or "", max_tokens=None))
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
         [{"role": "user", "content": _with_images(req.prompt or "", req.images, "request")}]
-    return _validated(ChatCompletionRequest, _openai_body(req, messages=messages))
+    return _validated(ChatCompletionRequest, _openai_body(req, messages=messages, **_thinking(req)))
 
 
 # The OpenAI field each Ollama option or field became, back to the name the client sent.
@@ -268,6 +277,9 @@ class OllamaServing:
 
     def prepare(self, req: OllamaChatRequest | OllamaGenerateRequest) -> PreparedOllama:
         has_template = self.chat.engine.chat_template is not None
+        if req.think not in (None, False) and self.chat.reasoning_parser is None:
+            raise OpenAIError("think: this server splits no thinking off its answers (start it with "
+                              "--reasoning-parser for a thinking model); leave it unset or false", param="think")
         if isinstance(req, OllamaChatRequest) and not has_template:
             raise OpenAIError(f"model '{req.model[:200]}' has no chat template to put messages in: /api/generate "
                               "completes its prompt as is", param="messages")
@@ -297,25 +309,31 @@ class OllamaServing:
         return {"done": True, "done_reason": _DONE_REASONS.get(finish_reason or "stop", finish_reason or "stop"),
                 **self.timing.summary(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))}
 
-    def _piece(self, req: Any, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _piece(self, req: Any, text: str, calls: list[dict[str, Any]] | None = None,
+               thinking: str | None = None) -> dict[str, Any]:
+        """One answer line: text, tool calls, and the reasoning a --reasoning-parser split
+        off (Ollama's `thinking`, unless the request said think false)."""
         head = {"model": req.model, "created_at": now_iso()}
         if isinstance(req, OllamaChatRequest):
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = calls
             return {**head, "message": message}
-        return {**head, "response": text}
+        return {**head, "response": text, **({"thinking": thinking} if thinking else {})}
 
     async def full(self, req: Any, prep: PreparedOllama, request_id: str, streams: list[RequestStream]) -> dict:
         handler = self._handler(prep.openai_request)
         r = (await handler.full(prep.openai_request, prep.prepared, request_id, streams)).model_dump()
         (choice,) = r["choices"]
+        thinking = None
         if "message" in choice:
-            text = choice["message"].get("content") or ""
+            text, thinking = choice["message"].get("content") or "", choice["message"].get("reasoning")
             calls = _tool_calls(choice["message"].get("tool_calls"))
         else:
             text, calls = choice.get("text") or "", []
-        return {**self._piece(req, text, calls), **self._done(req, choice.get("finish_reason"), r["usage"])}
+        return {**self._piece(req, text, calls, thinking), **self._done(req, choice.get("finish_reason"), r["usage"])}
 
     async def stream(self, req: Any, prep: PreparedOllama, request_id: str,
                      streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -337,6 +355,8 @@ class OllamaServing:
                     function = call.get("function") or {}
                     entry["function"]["name"] += function.get("name") or ""
                     entry["function"]["arguments"] += function.get("arguments") or ""
+                if delta.get("reasoning"):
+                    yield json.dumps({**self._piece(req, "", thinking=delta["reasoning"]), "done": False}) + "\n"
                 if text:
                     yield json.dumps({**self._piece(req, text), "done": False}) + "\n"
                 finish = choice.get("finish_reason") or finish

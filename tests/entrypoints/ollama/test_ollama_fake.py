@@ -337,3 +337,37 @@ def test_ollamas_own_conventions() -> None:
     OllamaEmbedRequest(model="m", input="x", options={"stop": "\n", "use_mmap": False, "num_gpu": 99.0,
                                                       "top_p": 1}).check_options()
     assert OllamaEmbedRequest(model="m:latest", input=[]).empty() and OllamaEmbedRequest(model="m").model == "m"
+
+
+def test_think_returns_the_reasoning_apart_with_a_reasoning_parser() -> None:
+    """With --reasoning-parser, Ollama's `think` is served (it was refused whatever the
+    server): the reasoning comes as message.thinking (a `thinking` line while streaming),
+    the answer as content; think false leaves it out.  A completion of a raw prompt
+    splits nothing, and says so."""
+    from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    state = ServerState(served_model_names=["thinker"])
+    app = build_app(state)
+    engine = FakeEngine(script="<think>hmm</think>Paris")
+    engine.max_model_len = 64
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 64), None, REASONING_PARSERS["qwen3"])
+    messages = [{"role": "user", "content": "capital?"}]
+    options = {"num_predict": len("<think>hmm</think>Paris")}
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        full = await client.chat("thinker", messages, think=True, options=options)
+        streamed = [part async for part in await client.chat("thinker", messages, think=True, options=options,
+                                                               stream=True)]
+        quiet = await client.chat("thinker", messages, think=False, options=options)
+        generated = await client.generate("thinker", "capital?", think=True, options=options)
+        with pytest.raises(ollama.ResponseError) as raw:
+            await client.generate("thinker", "capital?", raw=True, think=True)
+        return full, streamed, quiet, generated, raw.value
+
+    full, streamed, quiet, generated, raw = call(app, fn)
+    assert (full.message.thinking, full.message.content) == ("hmm", "Paris")
+    assert "".join(p.message.thinking or "" for p in streamed) == "hmm"
+    assert "".join(p.message.content or "" for p in streamed) == "Paris"
+    assert quiet.message.thinking is None and quiet.message.content == "Paris"
+    assert (generated.thinking, generated.response) == ("hmm", "Paris")
+    assert raw.status_code == 400 and "think" in raw.error
