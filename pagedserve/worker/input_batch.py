@@ -244,11 +244,14 @@ class InputBatch:
                     pending: tuple[list[int], torch.Tensor] | None) -> None:
         """Tokens to forbid this step, as (row, token) pairs: EOS and stop ids before
         min_tokens, and the last token of a bad word whose other tokens the output ends
-        with.  (Under overlap scheduling a row's newest token may still be on the device:
-        min_tokens counts it; bad words see the tokens the host has.)"""
+        with.  Under overlap scheduling a row's newest token may still be on the device:
+        min_tokens counts it, and a bad word whose prefix ends with it holds where the
+        device's token is the prefix's last (banned_if; it saw only the host's tokens, so
+        the word got through, and a word the host's tail matched banned a token wrongly)."""
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
-        pend = set(pending[0]) if pending is not None else ()
+        needs: list[tuple[int, int]] = []  # per pair: (its pending token's index, the token it must be), or (-1, 0)
+        pend = {row_index: j for j, row_index in enumerate(pending[0])} if pending is not None else {}
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
             num_out = self.num_tokens[row] - self.num_prompt_tokens[row] + (i in pend)
             if p.min_tokens and num_out < p.min_tokens:
@@ -258,17 +261,26 @@ class InputBatch:
                 stops = [t for t in stops if 0 <= t < self.vocab_size]
                 ban_rows += [i] * len(stops)
                 ban_tokens += stops
+                needs += [(-1, 0)] * len(stops)
             if p.bad_words_token_ids:
                 end, start = int(self.num_tokens[row]), int(self.num_prompt_tokens[row])
                 out = self.token_ids[row, start:end]
                 for seq in p.bad_words_token_ids:
-                    prefix = seq[:-1]
+                    prefix, need = seq[:-1], (-1, 0)
+                    if prefix and i in pend:  # (its last token is the one on the device)
+                        prefix, need = prefix[:-1], (pend[i], prefix[-1])
                     if len(prefix) <= len(out) and (not prefix or out[len(out) - len(prefix):].tolist() == prefix):
                         ban_rows.append(i)
                         ban_tokens.append(seq[-1])
+                        needs.append(need)
         if ban_rows:
             metadata.banned_rows = self.upload(torch.tensor(ban_rows, dtype=torch.long))
             metadata.banned_tokens = self.upload(torch.tensor(ban_tokens, dtype=torch.long))
+            if pending is not None and any(j >= 0 for j, _ in needs):
+                index = self.upload(torch.tensor([max(j, 0) for j, _ in needs], dtype=torch.long))
+                wanted = self.upload(torch.tensor([t for _, t in needs], dtype=torch.long))
+                conditional = self.upload(torch.tensor([j >= 0 for j, _ in needs], dtype=torch.bool))
+                metadata.banned_if = ~conditional | (pending[1].to(torch.long)[index] == wanted)
 
     def _logit_edits(self, metadata: SamplingMetadata, params: list[SamplingParams]) -> None:
         """logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token)

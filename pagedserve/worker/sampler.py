@@ -48,9 +48,12 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [N, 1]
     prompt_token_ids: torch.Tensor | None = None  # [N, P] int64, padded with vocab_size
     output_token_ids: torch.Tensor | None = None  # [N, O] int64, padded with vocab_size
-    # min_tokens and bad words: (row, token id) pairs to forbid this step.
+    # min_tokens and bad words: (row, token id) pairs to forbid this step, and whether
+    # each holds (None: all do; a bad word whose prefix ends in a token still on the
+    # device, under overlap scheduling, holds when that token is the one it needs).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    banned_if: torch.Tensor | None = None  # [pairs] bool
     # logit_bias: (row, token id, bias) triples added to the logits.
     bias_rows: torch.Tensor | None = None
     bias_tokens: torch.Tensor | None = None
@@ -111,8 +114,12 @@ class Sampler:
             keep[metadata.allowed_pairs] = True
             outside = ~keep[metadata.allowed_rows]
             logits[metadata.allowed_rows] = logits[metadata.allowed_rows].masked_fill(outside, float("-inf"))
-        if metadata.banned_rows is not None:
+        if metadata.banned_rows is not None and metadata.banned_if is None:
             logits[metadata.banned_rows, metadata.banned_tokens] = float("-inf")
+        elif metadata.banned_rows is not None:  # (added: a pair twice, held once, stays forbidden)
+            ban = torch.zeros(metadata.banned_if.shape, dtype=logits.dtype, device=logits.device)
+            logits.index_put_((metadata.banned_rows, metadata.banned_tokens),
+                              ban.masked_fill(metadata.banned_if, float("-inf")), accumulate=True)
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

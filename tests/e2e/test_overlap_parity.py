@@ -203,3 +203,31 @@ def test_gpu_graphs_and_overlap_match_eager(dtype, tiny_checkpoint):
     ref = results[True, False]
     for key, got in results.items():
         assert got == ref, key
+
+
+def test_multi_token_bad_words_hold_under_overlap(tmp_path) -> None:
+    """A bad word's prefix ending with the token still on the device: the check saw only
+    the host's tokens, so under overlap a word got through, and a word whose prefix the
+    host's tail matched banned its last token a step late (after another token)."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.helpers import make_tiny_llama
+
+    make_tiny_llama(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    prompts = [" the quick brown fox Italy?hello world", "What is the capital of France?", "hello hello hello"]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sync = LLM(str(tmp_path), dtype="float32", max_model_len=128, speculative_config="off")
+    overlap = LLM(str(tmp_path), dtype="float32", max_model_len=128, speculative_config="off", async_scheduling=True)
+    checked = 0
+    for prompt in prompts:
+        ids = sync.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
+        for k in range(2, 8):
+            word = tok.decode(ids[k:k + 2])  # two tokens the answer says: the ban must hold mid-answer
+            if tok.encode(word, add_special_tokens=False) != list(ids[k:k + 2]):
+                continue
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word])
+            want = sync.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert overlap.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want, (prompt, word)
+            checked += 1
+    assert checked >= 3
