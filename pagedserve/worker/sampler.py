@@ -269,12 +269,24 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     while True:
         values, order = probs.topk(width, dim=-1)  # descending
         mass = values.double().cumsum(-1)
-        if width == vocab or bool((mass[:, -1:] >= bound).all()):
+        keep = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1) < bound  # by the mass above each
+        keep[:, 0] = True
+        # Done when every row's cut lies inside the window, and the value it stops at
+        # (a tie's, whichever member) is not the window's last, which ties outside may share.
+        last_kept = values.masked_fill(~keep, 2.0).amin(-1, keepdim=True)
+        if width == vocab or bool(((mass[:, -1:] >= bound) & (values[:, -1:] < last_kept)).all()):
             break
         width = min(vocab, width * 8)
-    above = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)  # the mass before each candidate
-    keep = above < bound
-    keep[:, 0] = True
+    if bool((values.masked_fill(keep, -1.0).amax(-1, keepdim=True) == last_kept).any()):
+        # The cut splits a tie: its members by token id, so which it keeps does not depend
+        # on the width (the batch's widest top_k) and a seeded row samples alike alone or
+        # batched (topk orders a tie by how wide it looks).
+        order, by_id = order.sort(dim=-1)
+        values, at = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        order = order.gather(1, at)
+        mass = values.double().cumsum(-1)
+        keep = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1) < bound
+        keep[:, 0] = True
     kept = logits.gather(1, order).masked_fill_(~keep, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
 

@@ -272,3 +272,18 @@ def test_top_logprobs_of_a_wide_vocabulary_are_torchs_topk():
     assert torch.equal(out.topk_logprobs, raw.topk(5).values)
     assert torch.equal(raw.gather(1, out.topk_token_ids), out.topk_logprobs)
     assert set(out.topk_token_ids[1].tolist()) < set(range(1000, 1010))
+
+
+def test_a_tie_the_top_p_cut_splits_is_kept_by_token_id_whatever_the_batch() -> None:
+    """Four equally likely tokens, top_k 4 (a tie keeps all four) and top_p 0.6 (three
+    stay): which three depended on how wide topk looked, the batch's widest top_k, so a
+    seeded request sampled otherwise beside another (fuzzing found it)."""
+    from pagedserve.worker.sampler import _apply_top_k_top_p
+
+    row = torch.full((100,), -30.0)
+    row[[70, 30, 90, 10]] = 5.0
+    other = torch.randn(100)
+    alone = _apply_top_k_top_p(row[None], torch.tensor([4]), torch.tensor([0.6]))
+    batched = _apply_top_k_top_p(torch.stack([row, other]), torch.tensor([4, 60]), torch.tensor([0.6, 0.9]))
+    assert torch.equal(alone[0], batched[0])
+    assert torch.isfinite(alone[0]).nonzero().flatten().tolist() == [10, 30, 70]
