@@ -57,6 +57,7 @@ logger = logging.getLogger("pagedserve")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is instantiated for (256: Gemma 3)
+_WARNED_HEAD_DIMS: set[int] = set()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
@@ -100,6 +101,12 @@ class CpuPagedBackend(TorchPagedBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.decode_kernel = paged_decode() if head_dim in HEAD_DIMS else None
+        if head_dim not in HEAD_DIMS and head_dim not in _WARNED_HEAD_DIMS:  # (once a process, not per layer)
+            _WARNED_HEAD_DIMS.add(head_dim)
+            logger.warning("attention: the C++ decode kernel takes head sizes %s, this model's are %d: the torch "
+                           "path attends prompt rows on blocked paths, so answers can depend on chunking, "
+                           "batching and prefix-cache hits (docs/architecture.md, invariants)",
+                           ", ".join(map(str, HEAD_DIMS)), head_dim)
         # (device, q dtype, cache dtype) -> the kernel or None: decided once, not in every layer's call
         self._kernels: dict[tuple[str, torch.dtype, torch.dtype], Callable[..., torch.Tensor] | None] = {}
 

@@ -417,3 +417,20 @@ def test_the_exact_horizon_is_offered_only_where_the_kernel_reads_the_operands()
     assert backend.exact_rows_context(torch.device("cuda"), torch.bfloat16, torch.bfloat16) == 0  # (selected there by name)
     assert CpuPagedBackend(6, 2, 96, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0  # no 96 kernel
     assert TorchPagedBackend(6, 2, 64, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0
+
+
+def test_a_head_size_without_the_kernel_says_so_once(caplog) -> None:
+    """A model whose head size the kernel lacks (a tiny one's 16, or 80, 96) took the torch
+    path in silence, and its answers then depend on chunking: it is said at start, once."""
+    import logging
+
+    from pagedserve.attention import cpu_paged
+
+    cpu_paged._WARNED_HEAD_DIMS.discard(48)
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        for _ in range(3):  # (every layer builds one)
+            backend = cpu_paged.CpuPagedBackend(4, 2, 48, 48 ** -0.5, 16)
+        cpu_paged.CpuPagedBackend(4, 2, 64, 0.125, 16)
+    assert backend.decode_kernel is None
+    said = [r.getMessage() for r in caplog.records if "head sizes" in r.getMessage()]
+    assert len(said) == 1 and "this model's are 48" in said[0]
