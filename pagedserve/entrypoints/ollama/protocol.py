@@ -11,7 +11,7 @@ routes, so newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
@@ -138,7 +138,8 @@ class OllamaGenerating(OllamaWithOptions):
     # (Go's decoder takes true, false or null, its default; pydantic's lax bool took "yes")
     stream: StrictBool = True
     format: Any = None  # "json" or a JSON schema (response_format says it plainly otherwise)
-    think: bool | str | None = None  # (true or an effort level: the reasoning as `thinking`; false: none)
+    # True or an effort level: the reasoning as `thinking` (no effort bounds it here); false: none.
+    think: StrictBool | Literal["high", "medium", "low", "max"] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     # Ollama's: truncate (cut a history past num_ctx) and shift (slide the context when an

@@ -151,7 +151,8 @@ def check_request(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
 
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ollama's messages as OpenAI's: tool calls' arguments as JSON text (with ids), a
-    tool result's `tool_name` as its name, images as image parts."""
+    tool result's `tool_name` as its name, images as image parts, `thinking` as the
+    reasoning templates read."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -171,6 +172,10 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                      for j, c in enumerate(calls)]
         if m.get("role") == "tool" and m.get("tool_name"):
             message["name"] = m["tool_name"]
+        if m.get("thinking") is not None:  # (an answer's thinking sent back: templates render it, as Ollama's)
+            if not isinstance(m["thinking"], str):
+                raise OpenAIError(f"messages[{i}].thinking must be a string", param="messages")
+            message["reasoning_content"] = m["thinking"]
         out.append(message)
     return out
 

@@ -371,3 +371,18 @@ def test_think_returns_the_reasoning_apart_with_a_reasoning_parser() -> None:
     assert quiet.message.thinking is None and quiet.message.content == "Paris"
     assert (generated.thinking, generated.response) == ("hmm", "Paris")
     assert raw.status_code == 400 and "think" in raw.error
+
+    async def bad_values(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return [await http.post("/api/chat", json={"model": "thinker", "messages": messages, "think": value,
+                                                      "stream": False}) for value in ("false", "extreme", 1)]
+
+    assert [r.status_code for r in call(app, bad_values)] == [400] * 3  # ("false" thought, as true did)
+    # an answer's thinking sent back reaches the template, as Ollama's does
+    from pagedserve.entrypoints.ollama.protocol import OllamaChatRequest
+    from pagedserve.entrypoints.ollama.serving import chat_request
+
+    history = OllamaChatRequest(model="thinker", messages=[
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "because"},
+        {"role": "user", "content": "again"}])
+    assert chat_request(history).messages[1].model_dump()["reasoning_content"] == "because"
