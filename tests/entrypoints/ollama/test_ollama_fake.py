@@ -362,22 +362,20 @@ def test_think_returns_the_reasoning_apart_with_a_reasoning_parser() -> None:
         generated = await client.generate("thinker", "capital?", think=True, options=options)
         with pytest.raises(ollama.ResponseError) as raw:
             await client.generate("thinker", "capital?", raw=True, think=True)
-        return full, streamed, quiet, generated, raw.value
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            bad = [(await http.post("/api/chat", json={"model": "thinker", "messages": messages, "think": value,
+                                                      "stream": False, "options": options})).status_code
+                   for value in ("false", "extreme", 1)]
+        return full, streamed, quiet, generated, raw.value, bad
 
-    full, streamed, quiet, generated, raw = call(app, fn)
+    full, streamed, quiet, generated, raw, bad = call(app, fn)
     assert (full.message.thinking, full.message.content) == ("hmm", "Paris")
     assert "".join(p.message.thinking or "" for p in streamed) == "hmm"
     assert "".join(p.message.content or "" for p in streamed) == "Paris"
     assert quiet.message.thinking is None and quiet.message.content == "Paris"
     assert (generated.thinking, generated.response) == ("hmm", "Paris")
     assert raw.status_code == 400 and "think" in raw.error
-
-    async def bad_values(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            return [await http.post("/api/chat", json={"model": "thinker", "messages": messages, "think": value,
-                                                      "stream": False}) for value in ("false", "extreme", 1)]
-
-    assert [r.status_code for r in call(app, bad_values)] == [400] * 3  # ("false" thought, as true did)
+    assert bad == [400] * 3  # ("false" thought, as true did)
     # an answer's thinking sent back reaches the template, as Ollama's does
     from pagedserve.entrypoints.ollama.protocol import OllamaChatRequest
     from pagedserve.entrypoints.ollama.serving import chat_request
