@@ -44,6 +44,15 @@ CHAT_ONLY_FIELDS = {
 }
 # The extra fields this route reads or refuses itself (any other is logged as unknown).
 RESPONSES_EXTRA_FIELDS = frozenset(VLLM_CHAT_FIELDS) | frozenset(VLLM_REFUSED) | frozenset(CHAT_ONLY_FIELDS)
+# A failed response's `error.code` takes OpenAI's values (its SDK's types list them); the
+# server's own codes (request_timeout, ...) stay in the `error` event before it.
+_RESPONSE_ERROR_CODES = {"server_overloaded": "rate_limit_exceeded", "rate_limit_exceeded": "rate_limit_exceeded",
+                         "invalid_prompt": "invalid_prompt"}
+
+
+def response_error(err: dict[str, Any]) -> dict[str, Any]:
+    """A failed response's `error` for a stream's error event `err`."""
+    return {"code": _RESPONSE_ERROR_CODES.get(err.get("code") or "", "server_error"), "message": err.get("message", "")}
 
 
 class ResponsesRequest(OpenAIRequestBody):

@@ -44,6 +44,7 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     VLLM_REFUSED,
     ResponsesRequest,
     object_id,
+    response_error,
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, input_items
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -454,8 +455,8 @@ class OpenAIServingResponses:
         usage = None
         if out.usage is not None:
             cached = (out.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            usage = {"input_tokens": out.usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-                     "output_tokens": out.usage["completion_tokens"],
+            usage = {"input_tokens": out.usage["prompt_tokens"], "output_tokens": out.usage["completion_tokens"],
+                     "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},  # (the SDK's)
                      "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(out.reasoning)},
                      "total_tokens": out.usage["prompt_tokens"] + out.usage["completion_tokens"]}
         status = ("incomplete" if incomplete else "completed") if done else "in_progress"
@@ -560,8 +561,7 @@ class _EventWriter:
         if "error" in chunk:  # the error, then the response failed with it (where the SDK looks)
             err = chunk["error"]
             failed = self.serving.response(self.response_id, self.prep, self.created, self.out)
-            failed.update(status="failed", output=[], error={"code": err.get("code") or "server_error",
-                                                             "message": err.get("message", "")})
+            failed.update(status="failed", output=[], error=response_error(err))
             return [self.emit("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param")),
                     self.emit("response.failed", response=failed)]
         for choice in chunk.get("choices", []):

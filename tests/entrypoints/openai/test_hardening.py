@@ -136,8 +136,14 @@ def test_a_responses_stream_that_times_out_ends_with_response_failed():
     r = call(app, fn)
     data = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [d["type"] for d in data[-2:]] == ["error", "response.failed"]
+    assert data[-2]["code"] == "request_timeout"  # (the server's own code: in the error event)
     failed = data[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
+    # the response's error.code in OpenAI's values, which its SDK's types validate
+    # (request_timeout failed them); the whole response too
+    from openai.types.responses import Response
+
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert Response.model_validate(failed).error.message.startswith("The request ran longer")
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
 
 
