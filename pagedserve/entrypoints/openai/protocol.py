@@ -295,6 +295,9 @@ class CompletionRequest(_SamplingFields):
         super().check_unsupported(structured_outputs_backend)
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
+        if self.prompt_only and self.min_tokens:  # (it said max_tokens=1: the one step it runs)
+            raise InvalidRequestError("min_tokens: an echo with max_tokens 0 scores the prompt and generates "
+                                      "nothing", param="min_tokens")
 
     def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         params = super()._to_sampling_params(defaults)

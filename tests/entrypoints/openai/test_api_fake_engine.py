@@ -156,6 +156,13 @@ def test_prompt_only_context_error_and_default_max_tokens():
     usage = fill.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
 
+    async def scoring(c):  # (min_tokens beside an echo of max_tokens 0: "max_tokens=1", a value never sent)
+        return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 4})
+
+    r = call(app, scoring)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "max_tokens 0 scores the prompt" in r.json()["error"]["message"]
+
 
 def test_runtime_lora_loading_is_off_unless_the_server_allows_it():
     _, app = make_app()
