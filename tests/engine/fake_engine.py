@@ -33,6 +33,12 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
+    unk_token_id = None
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        """A one-character token's id; None for longer ones (no such token here)."""
+        return min(ord(token), 255) if len(token) == 1 else None
+
 
 @dataclass
 class FakeStats:

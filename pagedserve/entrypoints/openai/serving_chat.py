@@ -203,6 +203,11 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self._warned_tools_block: set[str] = set()  # the tool_choice modes logged
+        tok = self.tokenizer
+        if reasoning_parser is not None and tok is not None and tok.convert_tokens_to_ids(END) in (None, tok.unk_token_id):
+            logger.warning("--reasoning-parser %s: this tokenizer has no %s token (not a thinking model's?): "
+                           "answers are split by their text, and under a grammar they are all content (it cannot "
+                           "start after the block)", reasoning_parser.name, END)
 
     def render(self, req: ChatCompletionRequest | None, messages: list[ChatMessage],
                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> TokenizedPrompt:

@@ -263,3 +263,13 @@ def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_
     assert (message["reasoning_content"], message["content"]) == ("hmm", "Rome"), constrained
     message = constrained_plain["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (None, "Rome"), constrained_plain
+
+
+def test_a_parser_over_a_tokenizer_without_the_end_token_is_said_at_start(caplog) -> None:
+    """vLLM refuses such a parser; this one splits by text, and says what that costs
+    (under a grammar the answer is all content): it started without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        _app("x")  # (the scripted engine's tokenizer is by characters: no </think> token)
+    assert any("has no </think> token" in r.getMessage() for r in caplog.records)
