@@ -34,6 +34,13 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 
+def text_part_indices(content: object) -> list[int]:
+    """Where a message's content (a list of parts) holds text parts; [] for any other content."""
+    if not isinstance(content, list):
+        return []
+    return [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+
+
 def render_chat_template(template: str, messages: list[dict[str, Any]], *,
                          tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
                          continue_final_message: bool = False, **variables: Any) -> str:
@@ -48,8 +55,7 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *,
     if continue_final_message:
         content = chat[-1].get("content") if chat else None
         # A list of parts (a vision model's messages) continues its last text part, as HF does.
-        texts = [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)] \
-            if isinstance(content, list) else []
+        texts = text_part_indices(content)
         if not isinstance(content, str) and not texts:
             raise ValueError('continue_final_message is set but the final message has no "content" to continue')
         if "content" not in template:

@@ -29,7 +29,7 @@ from pagedserve.request_limits import (
     MAX_STOP_STRINGS,
     MAX_TOKEN_ID_LIST,
 )
-from pagedserve.utils import is_int, is_number
+from pagedserve.utils import is_int, is_number, same_value
 
 _GREEDY_EPS = 1e-5
 RANDOM_SEED = -1  # a seed that asks for none
@@ -124,12 +124,6 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
-def _same(value: Any, neutral: Any) -> bool:
-    """`value` is the neutral one: equal and of its type, or an equal number (not a bool)."""
-    return (type(value) is type(neutral) and value == neutral
-            or is_number(value) and not isinstance(value, bool) and is_number(neutral) and value == neutral)
-
-
 def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, Any]], bool], str]]
                 ) -> Callable[[type], type]:
     """A params dataclass whose constructor takes vLLM's other keyword arguments at a value
@@ -150,7 +144,7 @@ def vllm_kwargs(neutral: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[s
                     raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; its arguments "
                                     f"are {', '.join(names)}")
                 values, why = neutral[name]
-                if not (values(value, kwargs) if callable(values) else any(_same(value, v) for v in values)):
+                if not (values(value, kwargs) if callable(values) else same_value(value, values)):
                     raise InvalidRequestError(f"{name}={value!r:.60} is not supported here: {why}", param=name)
             init(self, *args, **kwargs)
 

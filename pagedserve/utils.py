@@ -20,6 +20,13 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def same_value(value: object, allowed: tuple[object, ...]) -> bool:
+    """`value` is one of `allowed`: equal and of its type, or an equal number (JSON's true
+    is not 1 nor 0 false; 1 is 1.0).  The one rule for "a value that asks for nothing"."""
+    return any(type(value) is type(a) and value == a or is_number(value) and is_number(a) and value == a
+               for a in allowed)
+
+
 # Seconds spent in each start-up phase of this process, in the order they ran: each phase
 # records itself where it happens (weights, kernel builds, KV allocation, compile), and
 # the engine logs the breakdown once it is ready.

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.utils import same_value
+
 logger = logging.getLogger("pagedserve")
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -118,11 +120,6 @@ def _refusals_logged(path: str) -> Iterator[None]:
         raise LoRAAdapterError(NOT_AN_ADAPTER) from None
 
 
-def _same_value(value: object, allowed: tuple[object, ...]) -> bool:
-    """`value` is one of `allowed`, of its type too (JSON's 0 is not false, nor 1 true)."""
-    return any(type(value) is type(a) and value == a for a in allowed)
-
-
 def adapter_files_key(path: str) -> tuple[int, ...] | None:
     """What identifies the adapter's files as they are now (each one's device, inode,
     size and modification time; None where one cannot be read): an id loaded again must
@@ -156,7 +153,7 @@ def _rank_and_scaling(config: dict, max_rank: int) -> tuple[int, float]:
         raise LoRAAdapterError("the adapter's peft_type is not LORA (only LoRA adapters are served)",
                                f"peft_type {peft_type!r}")
     for key, value in config.items():
-        if key in _INERT_OPTIONS or (_same_value(value, _REFUSED_OPTIONS[key]) if key in _REFUSED_OPTIONS
+        if key in _INERT_OPTIONS or (same_value(value, _REFUSED_OPTIONS[key]) if key in _REFUSED_OPTIONS
                                      else value is None or value is False or value in ({}, [], "")):
             continue
         why = "it changes the math and pagedserve does not implement it" if key in _REFUSED_OPTIONS else \

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.utils import same_value
 
 # OpenAI's bounds on a request's metadata.
 MAX_METADATA_PAIRS = 16
@@ -62,18 +63,11 @@ VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS)
 
 
-def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    """`value` is one of `neutral`, strictly (JSON true is not 1; 1 is 1.0)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return any(isinstance(v, float) and value == v for v in neutral)
-    return any(type(value) is type(v) and value == v for v in neutral)
-
-
 def refuse_vllm_fields(extra: dict[str, Any] | None) -> None:
     """vLLM's fields of VLLM_NEUTRAL_FIELDS set to anything but a neutral value: refused by name."""
     for name, (neutral, why) in VLLM_NEUTRAL_FIELDS.items():
         value = (extra or {}).get(name)
-        if value is not None and not _is_neutral(value, neutral):
+        if value is not None and not same_value(value, neutral):
             raise InvalidRequestError(f"{name}={value!r:.60} is not supported: {why}", param=name)
 
 

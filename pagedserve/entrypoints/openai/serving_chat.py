@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pagedserve.chat_template import text_part_indices
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -87,7 +88,7 @@ def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage
         content: str | list = f"{first.content}\n\n{text}"
     else:
         content = list(first.content)
-        texts = [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        texts = text_part_indices(content)
         if texts:
             content[texts[-1]] = {**content[texts[-1]], "text": f"{content[texts[-1]]['text']}\n\n{text}"}
         else:
