@@ -56,7 +56,7 @@ from pagedserve.utils import record_startup
 logger = logging.getLogger("pagedserve")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-HEAD_DIMS = (64, 128, 256)  # the head sizes the kernel is instantiated for (256: Gemma 3)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # the head sizes the kernel is instantiated for (96: Phi-3, 256: Gemma 3)
 _WARNED_HEAD_DIMS: set[int] = set()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

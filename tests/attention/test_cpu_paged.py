@@ -72,7 +72,7 @@ def check_kernel(kernel, dtype, heads, kv_heads, dim, bs) -> None:
 # 16-slot blocks and register accumulators; (4, 1, 256): Gemma 3 270M, and heads of 256
 # with G = 2 and 8 (each G takes its own share of the 256 values per pass).
 HEAD_CONFIGS = [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 1, 64), (16, 1, 64), (4, 1, 256), (8, 4, 256),
-                (16, 2, 256)]
+                (16, 2, 256), (32, 32, 96), (6, 2, 96), (4, 2, 32), (8, 1, 32)]
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
@@ -177,7 +177,7 @@ def test_rows_of_one_prompt_attended_together_are_each_row_alone(isa, q_dtype, c
     before = torch.get_num_threads()
     try:
         # (2 or 3 threads: tiles of 4 rows; more threads would shorten them, so each gets one)
-        for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (256, 1, 8), (64, 2, 1)):
+        for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (256, 1, 8), (64, 2, 1), (96, 4, 3), (32, 2, 2)):
             for bs in (16, 32):
                 q, kc, vc, table, lens = _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, dim + bs)
                 for window, threads in ((0, 2), (45, 2), (0, 3)):
@@ -223,7 +223,7 @@ def test_the_block_size_changes_no_output_bit(isa, q_dtype, cache_dtype):
     if isa == "avx2" and "avx2" not in CPU_FLAGS:
         pytest.skip("needs an AVX2 CPU")
     kernel = paged_decode() if isa == "native" else cpu_paged.build(("-mno-avx512f",))
-    for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (64, 1, 12)):
+    for dim, kv_heads, group in ((64, 3, 3), (128, 2, 4), (64, 1, 12), (96, 2, 3), (32, 2, 4)):
         q, kc, vc, table, lens = _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, 16, dim)
         for window in (0, 45):
             want = kernel(q, kc, vc, table, lens, dim**-0.5, window)
@@ -237,7 +237,7 @@ def test_the_block_size_changes_no_output_bit(isa, q_dtype, cache_dtype):
 def test_plain_loop_build_matches_float32_math():
     """The plain loops of a CPU with neither (built here with both disabled)."""
     kernel = cpu_paged.build(PLAIN_TEST_BUILD)
-    for heads, kv_heads, dim in [*HEAD_CONFIGS[:3], HEAD_CONFIGS[5]]:
+    for heads, kv_heads, dim in [*HEAD_CONFIGS[:3], HEAD_CONFIGS[5], *HEAD_CONFIGS[-3:]]:
         check_kernel(kernel, torch.bfloat16, heads, kv_heads, dim, 16)
 
 
@@ -415,7 +415,7 @@ def test_the_exact_horizon_is_offered_only_where_the_kernel_reads_the_operands()
     cpu = torch.device("cpu")
     assert backend.exact_rows_context(cpu, torch.bfloat16, torch.float16) == 0
     assert backend.exact_rows_context(torch.device("cuda"), torch.bfloat16, torch.bfloat16) == 0  # (selected there by name)
-    assert CpuPagedBackend(6, 2, 96, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0  # no 96 kernel
+    assert CpuPagedBackend(6, 2, 80, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0  # no 80 kernel
     assert TorchPagedBackend(6, 2, 64, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0
 
 

@@ -16,7 +16,7 @@ from pagedserve.attention.torch_ref import TorchReferenceBackend
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=5e-3, rtol=5e-3)}
-# torch_paged, and cpu_paged whose decodes go through the C++ kernel (head_dim 64, 128 or 256).
+# torch_paged, and cpu_paged whose decodes go through the C++ kernel (head_dim 32, 64, 96, 128 or 256).
 BACKENDS = [pytest.param(TorchPagedBackend, id="torch_paged"), pytest.param(CpuPagedBackend, id="cpu_paged")]
 
 

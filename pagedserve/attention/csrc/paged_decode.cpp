@@ -594,16 +594,24 @@ inline void pv_row(const float* p, int64_t G, const scalar_t* v, float* acc, int
 #if defined(PAGEDSERVE_PV_SETS)
 constexpr bool kPvSets = true;
 
+// The most vectors, up to `chunk`, that divide a head's `nv` into equal passes (a head of
+// 96 on AVX-512 is 6 vectors: passes of 3, not 4 and a pass reading past the head).
+constexpr int64_t chunk_of(int64_t nv, int64_t chunk) {
+  int64_t c = nv < chunk ? nv : chunk;
+  while (nv % c != 0) --c;
+  return c;
+}
+
 // The weighted sum of V for NS (row, head) sets of a tile over one block's n slots:
 // acc[i] += sum over slots t of p[i][t] * v[t].  Each slot's V vectors are loaded and
 // widened once for all the sets (pv_block widens them once per row); each lane's sum is
 // pv_block's, the same multiply-adds in slot order, so every set's result is bit for bit
-// what pv_block gives it.  PvLanes::kChunk of a head's vectors at a time (see there).
+// what pv_block gives it.  Up to PvLanes::kChunk of a head's vectors at a time (chunk_of).
 template <typename scalar_t, int64_t D, int NS>
 inline void pv_sets(const float* const* p, const scalar_t* v, int64_t v_stride, int64_t n, float* const* acc) {
   using L = PvLanes;
   constexpr int64_t NV = D / L::kWidth;
-  constexpr int64_t CW = NV < L::kChunk ? NV : L::kChunk;
+  constexpr int64_t CW = chunk_of(NV, L::kChunk);
   for (int64_t c0 = 0; c0 < NV; c0 += CW) {
     L::V a[NS][CW];
     for (int i = 0; i < NS; ++i)
@@ -692,7 +700,8 @@ struct GroupCopy {
 // cache holds the model's own 16 or 32 bits (the defaults).  Rows over float8 or int8
 // caches go one at a time, with the same result (tiles only read blocks once): compiling
 // decode_tile for all 14 dtype pairs took the native build from 25 to 38 s (Zen 5); for
-// these 5, with pv_block_any called rather than inlined twice, 29 s.
+// these 5, with pv_block_any called rather than inlined twice, 29 s (35 s since heads of 32
+// and 96 were added to 64, 128 and 256).
 template <typename scalar_t, typename cache_t>
 constexpr bool kTiled = std::is_same_v<scalar_t, cache_t> ||
                         (std::is_same_v<scalar_t, float> && sizeof(cache_t) == 2);
@@ -1000,12 +1009,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-// decode for a runtime head size (64, 128 or 256: checked by the caller).
+// decode for a runtime head size (32, 64, 96, 128 or 256: checked by the caller; a multiple of
+// 32 for the bf16 columns, k_columns).
 template <typename scalar_t, typename cache_t>
 void decode_any_d(int64_t head_dim, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out, double scale,
                   int64_t window) {
-  if (head_dim == 64) decode<scalar_t, cache_t, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+  if (head_dim == 32) decode<scalar_t, cache_t, 32>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+  else if (head_dim == 64) decode<scalar_t, cache_t, 64>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
+  else if (head_dim == 96) decode<scalar_t, cache_t, 96>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
   else if (head_dim == 128) decode<scalar_t, cache_t, 128>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
   else decode<scalar_t, cache_t, 256>(q, k_cache, v_cache, block_table, seq_lens, out, scale, window);
 }
@@ -1120,7 +1132,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   if (key.has_value()) store_kv(*key, *value, *slot_mapping, k_cache, v_cache);
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "paged_decode: head_dim must be 64, 128 or 256");
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256,
+              "paged_decode: head_dim must be 32, 64, 96, 128 or 256");
   const auto cache = k_cache.scalar_type();
   // q's dtype, then the cache's: the same, float8 under any, or 16-bit under float32.
   bool done = false;
