@@ -44,6 +44,7 @@ from pagedserve.entrypoints.dashboard.router import dashboard_router
 from pagedserve.entrypoints.ollama.router import router as ollama_router
 from pagedserve.entrypoints.openai.exception_handlers import add_exception_handlers
 from pagedserve.entrypoints.openai.http_utils import (
+    AnthropicRequestIdMiddleware,
     APIKeyMiddleware,
     BodyLimitMiddleware,
     HostCheckMiddleware,
@@ -109,6 +110,7 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, **dataclasses.asdict(state.cors))
     if state.request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
+    app.add_middleware(AnthropicRequestIdMiddleware)  # (outside the key check: its refusals carry one too)
     app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
     add_exception_handlers(app)
     if state.enable_dashboard:

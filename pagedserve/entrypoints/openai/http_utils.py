@@ -1,6 +1,7 @@
 """ASGI plumbing of the server: SSE streaming that notices disconnects, cancelling
 handlers whose client left, the Host and API-key checks, the request-body limit and
-read deadline, the HTTP protocol's header deadline, X-Request-Id on answers, and error
+read deadline, the HTTP protocol's header deadline, X-Request-Id on answers (and
+Anthropic's request-id on its routes), and error
 responses."""
 
 from __future__ import annotations
@@ -116,6 +117,28 @@ class RequestIdHeaderMiddleware:
         async def with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
+class AnthropicRequestIdMiddleware:
+    """Anthropic's API answers every /v1/messages request with a `request-id` header
+    (req_...): its client reads it into `message._request_id` and error objects'
+    `request_id`, which users log when they report a failure."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        value = f"req_{uuid.uuid4().hex}".encode()
+
+        async def with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"request-id", value)]}
             await send(message)
 
         await self.app(scope, receive, with_id)

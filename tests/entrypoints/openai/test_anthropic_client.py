@@ -29,6 +29,7 @@ def test_plain_and_streamed_answers_equal_the_chat_api(server, client) -> None:
     r = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=ASK, extra_body=T0,
                                system="Answer briefly.")
     assert r.type == "message" and r.role == "assistant" and r.model == MODEL_NAME and r.id.startswith("msg")
+    assert r._request_id.startswith("req_")  # (Anthropic's request-id header, which users log)
     assert [b.type for b in r.content] == ["text"] and r.stop_reason in ("max_tokens", "end_turn")
     assert 1 <= r.usage.output_tokens <= 12
     chat = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
@@ -165,7 +166,7 @@ def test_errors_come_in_anthropics_shape(server, client) -> None:
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL_NAME, max_tokens=8, messages=ASK)
-    assert e.value.body["error"]["type"] == "authentication_error"
+    assert e.value.body["error"]["type"] == "authentication_error" and e.value.request_id.startswith("req_")
     # A body the schema refuses (max_tokens missing), and a prompt past the context.
     r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": API_KEY},
                    json={"model": MODEL_NAME, "messages": ASK})
