@@ -1,11 +1,13 @@
-"""The request body of OpenAI's Responses API (POST /v1/responses).  No handler reads
-it as it is: serving_responses.py translates it onto a ChatCompletionRequest, and its
-answers are plain dicts, so it stands apart from protocol.py's chat models.
+"""The request body of OpenAI's Responses API (POST /v1/responses), and the output items
+of its answer.  No handler reads the body as it is: serving_responses.py translates it
+onto a ChatCompletionRequest, and its answers are plain dicts (ResponseOutput builds
+their items), so it stands apart from protocol.py's chat models.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pagedserve.entrypoints.openai.protocol import OpenAIRequestBody
@@ -106,3 +108,59 @@ class ResponsesRequest(OpenAIRequestBody):
 def object_id(prefix: str) -> str:
     """An id as OpenAI's Responses API writes them: resp_..., msg_..., fc_..."""
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class ResponseOutput:
+    """What one response holds so far: its output items and usage."""
+
+    reasoning: str = ""
+    text: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)  # call_id, name, arguments
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    ids: dict[str, str] = field(default_factory=dict)  # item kind -> its id
+
+    def item_id(self, kind: str) -> str:
+        if kind not in self.ids:
+            self.ids[kind] = object_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind.split(":")[0]])
+        return self.ids[kind]
+
+    def chat_message(self) -> dict[str, Any]:
+        """The answer as the assistant turn of a chat (its reasoning left out, as vLLM)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.calls:
+            message["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in self.calls]
+        return message
+
+    def done_status(self) -> str:
+        """A finished item's status: "incomplete" where max_output_tokens cut the answer."""
+        return "incomplete" if self.finish_reason == "length" else "completed"
+
+    def items(self, done: bool = True) -> list[dict[str, Any]]:
+        """The output items; done, all completed but the last, which max_output_tokens may cut."""
+        status = "completed" if done else "in_progress"
+        out: list[dict[str, Any]] = []
+        if self.reasoning:
+            out.append(self.reasoning_item(status))
+        if self.text:
+            out.append(self.message_item(status))
+        out += [self.call_item(i, status) for i in range(len(self.calls))]
+        if done and out:
+            out[-1]["status"] = self.done_status()
+        return out
+
+    def reasoning_item(self, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.item_id("reasoning"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": self.reasoning}]}
+
+    def message_item(self, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": self.item_id("message"), "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
+
+    def call_item(self, i: int, status: str) -> dict[str, Any]:
+        c = self.calls[i]
+        return {"type": "function_call", "id": self.item_id(f"function_call:{i}"), "call_id": c["call_id"],
+                "name": c["name"], "arguments": c["arguments"], "status": status}

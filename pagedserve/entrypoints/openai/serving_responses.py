@@ -18,7 +18,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, get_args
 
 from pydantic import ValidationError
@@ -42,6 +42,7 @@ from pagedserve.entrypoints.openai.protocol_responses import (
     RESPONSES_EXTRA_FIELDS,
     VLLM_CHAT_FIELDS,
     VLLM_REFUSED,
+    ResponseOutput,
     ResponsesRequest,
     object_id,
     response_error,
@@ -317,62 +318,6 @@ def to_chat_request(req: ResponsesRequest, store: ResponseStore | None = None
                           param=_PARAM_NAMES.get(str(name), str(name)) if name else "input") from None
 
 
-@dataclass
-class ResponseOutput:
-    """What one response holds so far: its output items and usage."""
-
-    reasoning: str = ""
-    text: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)  # call_id, name, arguments
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    ids: dict[str, str] = field(default_factory=dict)  # item kind -> its id
-
-    def item_id(self, kind: str) -> str:
-        if kind not in self.ids:
-            self.ids[kind] = object_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind.split(":")[0]])
-        return self.ids[kind]
-
-    def chat_message(self) -> dict[str, Any]:
-        """The answer as the assistant turn of a chat (its reasoning left out, as vLLM)."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.text or None}
-        if self.calls:
-            message["tool_calls"] = [{"id": c["call_id"], "type": "function",
-                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                     for c in self.calls]
-        return message
-
-    def done_status(self) -> str:
-        """A finished item's status: "incomplete" where max_output_tokens cut the answer."""
-        return "incomplete" if self.finish_reason == "length" else "completed"
-
-    def items(self, done: bool = True) -> list[dict[str, Any]]:
-        """The output items; done, all completed but the last, which max_output_tokens may cut."""
-        status = "completed" if done else "in_progress"
-        out: list[dict[str, Any]] = []
-        if self.reasoning:
-            out.append(self.reasoning_item(status))
-        if self.text:
-            out.append(self.message_item(status))
-        out += [self.call_item(i, status) for i in range(len(self.calls))]
-        if done and out:
-            out[-1]["status"] = self.done_status()
-        return out
-
-    def reasoning_item(self, status: str) -> dict[str, Any]:
-        return {"type": "reasoning", "id": self.item_id("reasoning"), "summary": [], "status": status,
-                "content": [{"type": "reasoning_text", "text": self.reasoning}]}
-
-    def message_item(self, status: str) -> dict[str, Any]:
-        return {"type": "message", "id": self.item_id("message"), "role": "assistant", "status": status,
-                "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
-
-    def call_item(self, i: int, status: str) -> dict[str, Any]:
-        c = self.calls[i]
-        return {"type": "function_call", "id": self.item_id(f"function_call:{i}"), "call_id": c["call_id"],
-                "name": c["name"], "arguments": c["arguments"], "status": status}
-
-
 class OpenAIServingResponses:
     """The Responses endpoint over the chat handler (same engine, tools and limits)."""
 
@@ -474,6 +419,12 @@ class OpenAIServingResponses:
             "text": {"format": {"type": "text"}, **(req.text or {})}, "metadata": req.metadata or {},
             "previous_response_id": req.previous_response_id, "store": prep.store, "user": req.user,
             "truncation": req.truncation or "disabled",
+            # The request's other settings, as OpenAI echoes them (accepted without effect;
+            # service_tier: the tier that served it, this server's one).
+            "background": False, "max_tool_calls": req.max_tool_calls, "top_logprobs": req.top_logprobs or 0,
+            "service_tier": "default", "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": req.prompt_cache_key, "prompt_cache_retention": req.prompt_cache_retention,
+            "prompt_cache_options": req.prompt_cache_options, "image": req.image, "access_programs": req.access_programs,
         }
 
     def finished(self, prep: PreparedResponse, response: dict[str, Any], out: ResponseOutput) -> dict[str, Any]:
@@ -528,16 +479,14 @@ class _EventWriter:
         if kind is None:
             return []
         status = self.out.done_status()  # (an item closed before the end is completed)
-        if kind == "reasoning":
-            item = self.out.reasoning_item(status)
-            return [self.emit("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
-                              content_index=0, text=self.out.reasoning),
-                    self.emit("response.output_item.done", output_index=self.index, item=item)]
-        if kind == "message":
-            item = self.out.message_item(status)
+        if kind in ("reasoning", "message"):  # an item of one content part: its text done, the part, the item
+            item = self.out.reasoning_item(status) if kind == "reasoning" else self.out.message_item(status)
             part = item["content"][0]
-            return [self.emit("response.output_text.done", item_id=item["id"], output_index=self.index,
-                              content_index=0, text=self.out.text, logprobs=[]),
+            text_done = (self.emit("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
+                                   content_index=0, text=part["text"]) if kind == "reasoning" else
+                         self.emit("response.output_text.done", item_id=item["id"], output_index=self.index,
+                                   content_index=0, text=part["text"], logprobs=[]))
+            return [text_done,
                     self.emit("response.content_part.done", item_id=item["id"], output_index=self.index,
                               content_index=0, part=part),
                     self.emit("response.output_item.done", output_index=self.index, item=item)]
@@ -550,10 +499,11 @@ class _EventWriter:
         out = self._close()
         self.open, self.index = kind, self.index + 1
         out.append(self.emit("response.output_item.added", output_index=self.index, item=item))
-        if kind == "message":
+        if kind in ("reasoning", "message"):  # (their one content part, empty: the deltas fill it)
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(self.emit("response.content_part.added", item_id=item["id"], output_index=self.index,
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                        "logprobs": []}))
+                                 content_index=0, part=part))
         return out
 
     def on_chunk(self, chunk: dict[str, Any]) -> list[str]:

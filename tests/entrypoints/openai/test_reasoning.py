@@ -273,3 +273,29 @@ def test_a_parser_over_a_tokenizer_without_the_end_token_is_said_at_start(caplog
     with caplog.at_level(logging.WARNING, logger="pagedserve"):
         _app("x")  # (the scripted engine's tokenizer is by characters: no </think> token)
     assert any("has no </think> token" in r.getMessage() for r in caplog.records)
+
+
+def test_a_streamed_response_opens_and_closes_each_items_content_part() -> None:
+    """The Responses stream: a reasoning item's text goes in a `reasoning_text` content
+    part announced and closed like the message's `output_text` one (its deltas named a
+    part never added); every event parses as the SDK's typed events."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    script = "<think>Let me see.</think>Paris."
+    body = {"model": "fake", "input": "capital?", "max_output_tokens": len(script), "stream": True}
+    text = call(_app(script), lambda client: client.post("/v1/responses", json=body)).text
+    raw = [json.loads(block.split("data: ", 1)[1]) for block in text.split("\n\n") if block.strip()]
+    parsed = [pydantic.TypeAdapter(ResponseStreamEvent).validate_python(e) for e in raw]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    kinds = [(e["type"], e.get("part", {}).get("type")) for e in raw if "delta" not in e]
+    item = ["response.output_item.added", "response.content_part.added", "{}.done", "response.content_part.done",
+            "response.output_item.done"]
+    want = [(k.format("response.reasoning_text"), "reasoning_text" if "part" in k else None) for k in item]
+    want += [(k.format("response.output_text"), "output_text" if "part" in k else None) for k in item]
+    assert kinds[2:-1] == want, kinds
+    parts = {(e["item_id"], e["content_index"]) for e in raw if e["type"] == "response.content_part.added"}
+    assert all((e["item_id"], e["content_index"]) in parts for e in raw if "delta" in e)
+    final = raw[-1]["response"]
+    assert [i["content"][0]["text"] for i in final["output"]] == ["Let me see.", "Paris."]
+    assert final["service_tier"] == "default" and final["background"] is False

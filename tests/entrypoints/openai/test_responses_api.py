@@ -162,6 +162,10 @@ def test_hints_are_accepted_without_effect_and_never_only_logged(client, server)
                                   prompt_cache_options={"mode": "implicit", "ttl": "12h", "prewarm": False},
                                   image={"context_compression": "auto"}, access_programs={"cyber": "standard"})
     assert got.output_text == base
+    # ...and echoed as OpenAI echoes them (service_tier: the tier that served it)
+    assert (got.prompt_cache_key, got.prompt_cache_retention, got.safety_identifier, got.max_tool_calls,
+            got.service_tier, got.background, got.image.context_compression) == \
+        ("k-1", "24h", "user-1", 2, "default", False, "auto")
     warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
     assert not any(name in line for line in warned for name in ("prompt_cache", "safety_identifier", "max_tool_calls",
                                                                  "service_tier", "image", "access_programs"))
@@ -231,7 +235,7 @@ def test_truncation_auto_drops_the_first_items_until_the_conversation_fits(clien
 def test_only_the_item_max_output_tokens_cut_is_incomplete() -> None:
     """Calls finished before the cut are completed, as the stream closed them (the final
     response marked every item incomplete, and a client skipping those dropped whole calls)."""
-    from pagedserve.entrypoints.openai.serving_responses import ResponseOutput
+    from pagedserve.entrypoints.openai.protocol_responses import ResponseOutput
 
     out = ResponseOutput(text="Let me check.", finish_reason="length",
                          calls=[{"call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(3)])
