@@ -92,7 +92,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                     raise err
-                logprobs = self.logprobs(c, 0, params.logprobs, TextOffsets(len(prefix)))
+                logprobs = self.logprobs(c, 0, params.logprobs, TextOffsets(len(prefix)),
+                                         skip_special=params.skip_special_tokens)
                 if req.echo and logprobs is not None:
                     logprobs = self._prompt_logprobs(out, params.logprobs, prefix).extend(logprobs)
                 choices.append(CompletionChoice(
@@ -131,7 +132,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     if delta is None:
                         continue
                     text, tok_start, tok_end = delta
-                    logprobs = self.logprobs(c, tok_start, params.logprobs, cs.text_offsets, tok_end)
+                    logprobs = self.logprobs(c, tok_start, params.logprobs, cs.text_offsets, tok_end,
+                                             params.skip_special_tokens)
                     yield self._chunk(request_id, created, model, index, text, logprobs, c if cs.done else None,
                                       make_usage(list(finals.values())) if continuous_usage else None)
             if include_usage:
@@ -163,14 +165,19 @@ class OpenAIServingCompletion(OpenAIServing):
         return lp
 
     def logprobs(self, c: CompletionOutput, start: int, k: int | None, offsets: TextOffsets,
-                 end: int | None = None) -> CompletionLogprobs | None:
+                 end: int | None = None, skip_special: bool = False) -> CompletionLogprobs | None:
+        """`skip_special`: the request's skip_special_tokens, under which a special token is
+        listed but left out of the text, so it takes no room there (every offset after an
+        `<|im_end|>` was its length too far, the last ones past the text's end)."""
         if k is None or c.logprobs is None:
             return None
         lp = CompletionLogprobs()
-        for s, raw, token_lp, top in self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k):
+        steps = self.logprob_steps(c, start, len(c.token_ids) if end is None else end, k)
+        for tok, (s, raw, token_lp, top) in zip(c.token_ids[start:], steps, strict=False):
             lp.tokens.append(_shown(s, raw))
             lp.token_logprobs.append(token_lp)
-            lp.text_offset.append(offsets.start(s, raw))
+            in_text = not (skip_special and self.left_out_of_text(tok))
+            lp.text_offset.append(offsets.start(s, raw) if in_text else offsets.offset)
             top_dict = {_shown(t, b): v for t, b, v in top}
             if token_lp is not None:
                 top_dict.setdefault(_shown(s, raw), token_lp)

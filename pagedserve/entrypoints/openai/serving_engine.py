@@ -30,6 +30,7 @@ from pagedserve.engine.async_llm import (
     RequestTimeoutError,
 )
 from pagedserve.engine.chat_utils import encode_text
+from pagedserve.engine.detokenizer import decoder_of
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.protocol import (
@@ -192,6 +193,7 @@ class OpenAIServing:
         self.lora_modules = lora_modules if lora_modules is not None else {}
         self.max_model_len = max_model_len
         self._warned_fields: set[str] = set()
+        self._left_out: dict[int, bool] = {}  # left_out_of_text's answers, by token id (at most the vocabulary)
 
     def warn_unknown_fields(self, req: BaseModel, known: frozenset[str] = KNOWN_EXTRA_FIELDS) -> None:
         """Fields no version of OpenAI's or vLLM's API defines are ignored (newer clients
@@ -345,6 +347,14 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def left_out_of_text(self, token_id: int) -> bool:
+        """Whether skip_special_tokens leaves the token out of an answer's text (the
+        detokenizer's decode of it is empty where its own text is not)."""
+        if token_id not in self._left_out:
+            self._left_out[token_id] = (self.tokenizer is not None and self.token_str(token_id) != ""
+                                        and decoder_of(self.tokenizer, True)([token_id]) == "")
+        return self._left_out[token_id]
 
     def token_bytes(self, token_id: int, text: str) -> bytes:
         """The token's own bytes: its text's, unless the token holds part of a character

@@ -83,3 +83,24 @@ def test_echoed_prompt_offsets_leave_out_the_bos_the_tokenizer_added(gemma3_path
     offsets = handler._prompt_logprobs(out, 1, text).text_offset
     assert offsets[:2] == [0, 0] and offsets == sorted(offsets) and offsets[-1] < len(text)
     assert text[offsets[-1]:] == tok.decode(ids[-1:])
+
+
+def test_a_special_token_left_out_of_the_text_takes_no_room_there() -> None:
+    """Under skip_special_tokens (the default) an answer's `<|im_end|>` is listed with its
+    logprob but is not in the text: it starts where the next token does.  It moved every
+    later offset its length on, the last ones past the text's end."""
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedserve.outputs import CompletionOutput, Logprob
+
+    tok = saved_tokenizer(resolve_source("smollm2-135m-instruct", "auto").path)
+    handler = OpenAIServingCompletion.__new__(OpenAIServingCompletion)
+    handler.tokenizer, handler._left_out = tok, {}
+    ids = tok.encode("Hi there.<|im_end|>\n<|im_start|>user\nOk", add_special_tokens=False)
+    for skip in (True, False):
+        text = tok.decode(ids, skip_special_tokens=skip)
+        c = CompletionOutput(0, text, ids, logprobs=[{i: Logprob(-0.5, 1)} for i in ids])
+        lp = handler.logprobs(c, 0, 1, TextOffsets(), skip_special=skip)
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text), (skip, lp.text_offset)
+        for t, at in zip(lp.tokens, lp.text_offset, strict=True):
+            assert text.startswith(t, at) or (skip and t in ("<|im_end|>", "<|im_start|>")), (skip, t, at)
+        assert "<|im_end|>" in lp.tokens
