@@ -34,6 +34,7 @@ from torch import nn
 
 from pagedserve.config import MAX_SPECULATIVE_TOKENS, QUANT_ACTIVATION_BITS, DeviceConfig, ModelConfig
 from pagedserve.cpu_info import bf16_support
+from pagedserve.layers.moe import FusedExperts
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
 from pagedserve.layers.rotary_embedding import positions_limit
 from pagedserve.model_loader.config_snapshot import cached_config
@@ -314,6 +315,13 @@ def _log_quantized(model: nn.Module, layers: list[QuantizableLayer], method: str
     logger.info("quantization %s: %d layers keep %s weights (%.0f MB, kernel: %s, %d-bit activations); "
                 "other weights %.0f MB", method, len(quantized), "/".join(types), qbytes / 2**20,
                 quant_kernel().isa(), activation_bits, dense / 2**20)
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if experts:  # (said, not left to the MB figure: a user asking for int8 expects the whole model)
+        nbytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+        logger.warning("quantization %s covers linear layers, not mixture-of-experts experts: their %.0f MB stay "
+                       "in %s, and in a 16-bit dtype an expert's rows round by how many tokens it gets, so "
+                       "answers can depend on batching (docs/architecture.md, invariants)", method,
+                       nbytes / 2**20, str(next(experts[0].parameters()).dtype).removeprefix("torch."))
 
 
 def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any, gguf_file: str | None = None) -> None:

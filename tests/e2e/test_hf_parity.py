@@ -9,6 +9,8 @@ each side's token must be in the other's top-5, and comparison stops there.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 
 import pytest
@@ -84,6 +86,10 @@ def greedy_tops(model, prompts: list[list[int]], max_tokens: int, top: int,
     """Per prompt: `model`'s (HF's, or PEFT's over it) greedy tokens and each step's
     top-`top` logprobs, prompts of similar length in one left-padded `generate`."""
     results: dict[int, tuple[list[int], list[dict[int, float]]]] = {}
+    # No end token, as ignore_eos runs ours: min_new_tokens would mask it instead, and HF
+    # took its second choice where its first was the end (ours), which ended the comparison.
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
     with torch.inference_mode():
         for group in _length_groups(prompts):
             width = max(len(prompts[k]) for k in group)
@@ -91,7 +97,7 @@ def greedy_tops(model, prompts: list[list[int]], max_tokens: int, top: int,
             mask = torch.tensor([[0] * (width - len(prompts[k])) + [1] * len(prompts[k]) for k in group],
                                 device=device)
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, generation_config=config,
                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             for row, k in enumerate(group):

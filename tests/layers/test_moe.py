@@ -113,3 +113,20 @@ def test_per_expert_and_fused_checkpoints_load_the_same(tmp_path) -> None:
     save_file(per_expert, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing 1 expert tensor\(s\): model.layers.0.mlp.experts.5.up_proj"):
         get_model(ModelConfig(model=str(tmp_path), dtype="float32"), "cpu")
+
+
+def test_quantization_says_the_experts_stay_unquantized(tmp_path, caplog) -> None:
+    """quantization int8 quantizes linear layers; a MoE's experts stay in the model's dtype
+    (where, in 16 bits, an expert's rows round by how many tokens it gets): said at load,
+    not left to the "other weights" figure."""
+    import logging
+
+    from pagedserve.config import ModelConfig
+    from pagedserve.model_loader import get_model
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    make_tiny_checkpoint("qwen3_moe", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        get_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", quantization="int8"), "cpu")
+    said = [r.getMessage() for r in caplog.records if "mixture-of-experts" in r.getMessage()]
+    assert len(said) == 1 and "stay in bfloat16" in said[0], said
