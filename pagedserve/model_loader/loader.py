@@ -249,6 +249,7 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     with _default_dtype(dtype), target, positions_limit(limit) if limit else contextlib.nullcontext():
         model = model_cls(model_config.hf_mm_config or hf_config)
     layers = [m for m in model.modules() if isinstance(m, QuantizableLayer)]
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]  # (a MoE's: quantized as a whole)
     for layer in layers:
         layer.set_prepack(model_config.prepack_weights)
     if source.format == "dummy":
@@ -258,10 +259,14 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
         if method != "none":  # quantize the random weights as a checkpoint's would be
             for layer in layers:
                 layer.enable_quantization(method, layer.weight.data.clone(), model_config.quant_activation_bits)
+            for e in experts:
+                e.enable_quantization(method, model_config.quant_activation_bits, now=True)
     else:
         if method != "none":
             for layer in layers:
                 layer.enable_quantization(method, activation_bits=model_config.quant_activation_bits)
+            for e in experts:
+                e.enable_quantization(method, model_config.quant_activation_bits)
         _load_checkpoint(model, source, hf_config, gguf_file)
     if method != "none":
         _log_quantized(model, layers, method, model_config.quant_activation_bits)
@@ -316,12 +321,9 @@ def _log_quantized(model: nn.Module, layers: list[QuantizableLayer], method: str
                 "other weights %.0f MB", method, len(quantized), "/".join(types), qbytes / 2**20,
                 quant_kernel().isa(), activation_bits, dense / 2**20)
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    if experts:  # (said, not left to the MB figure: a user asking for int8 expects the whole model)
-        nbytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
-        logger.warning("quantization %s covers linear layers, not mixture-of-experts experts: their %.0f MB stay "
-                       "in %s, and in a 16-bit dtype an expert's rows round by how many tokens it gets, so "
-                       "answers can depend on batching (docs/architecture.md, invariants)", method,
-                       nbytes / 2**20, str(next(experts[0].parameters()).dtype).removeprefix("torch."))
+    if experts:
+        logger.info("quantization %s: %d layers' mixture-of-experts experts quantized too (%.0f MB)", method,
+                    len(experts), sum(m.nbytes_quantized() for m in experts) / 2**20)
 
 
 def _load_checkpoint(model: nn.Module, source: ModelSource, hf_config: Any, gguf_file: str | None = None) -> None:

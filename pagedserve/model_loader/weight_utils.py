@@ -71,7 +71,9 @@ class LazySlice:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def real(a: object) -> object:
+        def real(a: object) -> object:  # (inside lists too: torch.cat of a MoE's per-expert tensors)
+            if isinstance(a, (list, tuple)):
+                return type(a)(map(real, a))
             return a.materialize() if isinstance(a, LazySlice) else a
 
         return func(*map(real, args), **{k: real(v) for k, v in (kwargs or {}).items()})

@@ -67,6 +67,30 @@ def test_each_rank_holds_its_shard(tp_checkpoint, arch: str, kv: int) -> None:
             assert not w[valid:].any()
 
 
+def test_a_moe_rank_reads_its_slice_of_every_expert(tmp_path) -> None:
+    """Qwen3-MoE's per-expert tensors, read lazily by a rank and stacked (torch.cat of
+    LazySlices recursed until the stack overflowed: tensor parallelism could not load a
+    published MoE checkpoint); each rank holds its rows of each expert, quantized too."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    make_tiny_checkpoint("qwen3_moe", str(tmp_path))
+    full = _load(str(tmp_path), TPGroup())
+    name = "model.layers.0.mlp.experts."
+    gu, down = full[name + "gate_up_proj"], full[name + "down_proj"]
+    inter = down.shape[2]
+    for rank in range(2):
+        part = _load(str(tmp_path), TPGroup(rank, 2, "gloo"))
+        rows = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        torch.testing.assert_close(part[name + "gate_up_proj"],
+                                   torch.cat([gu[:, :inter][:, rows], gu[:, inter:][:, rows]], dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(part[name + "down_proj"], down[:, :, rows], rtol=0, atol=0)
+    mc = ModelConfig(model=str(tmp_path), dtype="float32", quantization="int8")
+    load_model_config(mc, "cpu")
+    with tp_group_scope(TPGroup(1, 2, "gloo")):
+        experts = get_model(mc, "cpu").model.layers[0].mlp.experts
+    assert experts.quantized["down"].k == -(-inter // 2 // 32) * 32 and experts.quantized["down"].n == down.shape[1]
+
+
 def test_lazy_slice_reads_only_what_it_is_asked(tmp_path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -41,8 +41,10 @@ def _run(path: str, prompts: list[list[int]], **engine) -> list[list[tuple[int, 
         llm.shutdown()
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 32])  # SmolLM2's, Phi-3's, a tiny model's
-def test_bf16_answers_do_not_depend_on_chunking_prefix_caching_or_batching(tmp_path, head_dim) -> None:
+# SmolLM2's heads, Phi-3's, a tiny model's; a mixture of experts (its experts quantized too:
+# in bf16 their products rounded by how many tokens each expert got)
+@pytest.mark.parametrize("arch,head_dim", [("llama", 64), ("llama", 96), ("llama", 32), ("qwen3_moe", 64)])
+def test_bf16_answers_do_not_depend_on_chunking_prefix_caching_or_batching(tmp_path, arch, head_dim) -> None:
     from tests.e2e.conftest import make_tiny_checkpoint
 
     if cpu_paged.paged_decode() is None:  # (asked here, not at collection: a first build takes ~20 s)
@@ -52,7 +54,7 @@ def test_bf16_answers_do_not_depend_on_chunking_prefix_caching_or_batching(tmp_p
     # answers differed under every variant but the default; heads of 32 and 96 took that
     # path until the kernel was built for them).
     path = str(tmp_path)
-    cfg = make_tiny_checkpoint("llama", path, head_dim=head_dim, initializer_range=0.02, max_position_embeddings=4096)
+    cfg = make_tiny_checkpoint(arch, path, head_dim=head_dim, initializer_range=0.02, max_position_embeddings=4096)
     # Prompts of 20-100 tokens: past the 16 new tokens that were always decode rows; and
     # one of 2,200, past the 2,048 positions that were exact before (with that horizon
     # its prefix-cache hits changed its answer).

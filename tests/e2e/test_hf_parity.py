@@ -10,7 +10,6 @@ each side's token must be in the other's top-5, and comparison stops there.
 from __future__ import annotations
 
 import copy
-
 import logging
 
 import pytest
