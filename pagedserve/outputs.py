@@ -93,6 +93,8 @@ class BeamSearchSequence:
     cum_logprob: float
     score: float  # cum_logprob / generated length ** length_penalty
     finish_reason: str  # "stop" (an EOS token ended it) or "length"
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # each generated token's step: its top 2 x width
+    stop_reason: int | None = None  # the EOS token that ended it ("stop")
 
 
 @dataclass

@@ -145,42 +145,79 @@ class LLM:
                              "(give a chat_template that renders `tools`, or describe them in a system message)")
         return self._run(prompts, params, use_tqdm, None, lora_request)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool | Callable[..., Any] = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """The `params.beam_width` best continuations of each prompt (vLLM's API), as HF
         transformers' `num_beams` search finds them: each step every live beam of every
         prompt asks the engine, in one batch, for its 2 x beam_width most likely next
         tokens (one-token requests whose prompts share their blocks through the prefix
         cache); the beam_width best extensions by cumulative logprob live on, and an EOS
-        among them finishes its beam."""
+        among them finishes its beam.  vLLM's other arguments: `lora_request` (one, or
+        one per prompt), `use_tqdm` (a bar over the steps; a tqdm class is used as it),
+        `concurrency_limit` (at most that many prompts searched at once)."""
         engine = self.llm_engine
         if engine is None:
             raise ValueError("beam search runs on one engine (data_parallel_size=1)")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate(engine.model_config.max_logprobs)
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
+                                              or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}")
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise TypeError(f"use_tqdm must be true, false or a tqdm class, got {type(use_tqdm).__name__}")
+        prompt_list = _normalize_prompts(prompts)
+        loras = _normalize_loras(lora_request, len(prompt_list)) or [None] * len(prompt_list)
+        chunk = concurrency_limit or max(len(prompt_list), 1)
+        bar = None
+        if use_tqdm and prompt_list:
+            from tqdm import tqdm
+
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens * -(-len(prompt_list) // chunk),
+                                                             desc="Beam search", unit="step")
+        try:
+            out: list[BeamSearchOutput] = []
+            for i in range(0, len(prompt_list), chunk):
+                out += self._beam_search(prompt_list[i:i + chunk], loras[i:i + chunk], params, bar)
+            return out
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _beam_search(self, prompt_list: list[Prompt], loras: list[LoRARequest | None], params: BeamSearchParams,
+                     bar: Any) -> list[BeamSearchOutput]:
+        engine = self.llm_engine
+        assert engine is not None
         width = params.beam_width
         step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
-        prompt_list = _normalize_prompts(prompts)
-        first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False)
+        first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False, lora_request=loras)
         stops = set() if params.ignore_eos else set(engine.stop_token_ids)
         searches = [_Beams(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
         for n in range(params.max_tokens):
             # A search whose beams fill the context ends there ("length", as generate's
             # sequences do); asking for one more token past it failed the whole call.
-            todo = [b for b in searches if b.live and len(b.prompt) + n < engine.max_model_len]
+            todo = [(b, lora) for b, lora in zip(searches, loras, strict=True)
+                    if b.live and len(b.prompt) + n < engine.max_model_len]
             if not todo:
                 break
             if n:
-                outs = iter(self._run([{"prompt_token_ids": b.prompt + gen} for b in todo for gen, _ in b.live],
-                                      [step] * sum(len(b.live) for b in todo), use_tqdm=False))
-                for b in todo:
+                asks = [({"prompt_token_ids": b.prompt + beam.tokens}, lora) for b, lora in todo for beam in b.live]
+                outs = iter(self._run([a for a, _ in asks], [step] * len(asks), use_tqdm=False,
+                                      lora_request=[lora for _, lora in asks]))
+                for b, _ in todo:
                     b.tops = [next(outs).outputs[0].logprobs[0] for _ in b.live]
-            for b in todo:
+            for b, _ in todo:
                 b.extend(width, stops)
+            if bar is not None:
+                bar.update(1)
         tokenizer = engine.tokenizer
         return [BeamSearchOutput([
-            BeamSearchSequence(b.prompt + gen, tokenizer.decode(gen, skip_special_tokens=True) if tokenizer else None,
-                               cum, score, why) for score, gen, cum, why in b.best(width, params.length_penalty)])
+            BeamSearchSequence(b.prompt + beam.tokens,
+                               tokenizer.decode(beam.tokens, skip_special_tokens=True) if tokenizer else None,
+                               beam.cum, score, why, beam.logprobs, beam.tokens[-1] if why == "stop" else None)
+            for score, beam, why in b.best(width, params.length_penalty)])
             for b in searches]
 
     # ------------------------------------------------------------------ pooling
@@ -331,30 +368,38 @@ def _per_prompt(value: Any, n: int, kind: type, name: str, optional: bool = Fals
     raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
 
 
+@dataclasses.dataclass
+class _Beam:
+    tokens: list[int]  # generated
+    cum: float  # cumulative logprob
+    logprobs: list[dict[int, Logprob]]  # each step's top 2 x beam_width, the chosen token's among them
+
+
 class _Beams:
-    """One prompt's beam search: live beams (generated tokens, cumulative logprob), the
-    next-token logprobs of each, and beams an EOS finished."""
+    """One prompt's beam search: live beams, the next-token logprobs of each, and beams
+    an EOS finished."""
 
     def __init__(self, prompt: list[int], tops: list[dict[int, Logprob]]) -> None:
         self.prompt = prompt
-        self.live: list[tuple[list[int], float]] = [([], 0.0)]
+        self.live: list[_Beam] = [_Beam([], 0.0, [])]
         self.tops = tops
-        self.finished: list[tuple[list[int], float]] = []
+        self.finished: list[_Beam] = []
 
     def extend(self, width: int, stops: set[int]) -> None:
         if not self.live:
             return
-        candidates = sorted(((cum + lp.logprob, gen + [tok]) for (gen, cum), top in zip(self.live, self.tops, strict=True)
+        candidates = sorted(((beam.cum + lp.logprob, tok, beam, top) for beam, top in zip(self.live, self.tops, strict=True)
                              for tok, lp in top.items()), key=lambda c: -c[0])
         self.live = []
-        for rank, (cum, gen) in enumerate(candidates):
-            if gen[-1] in stops:
+        for rank, (cum, tok, beam, top) in enumerate(candidates):
+            grown = _Beam(beam.tokens + [tok], cum, beam.logprobs + [top])
+            if tok in stops:
                 if rank < width:  # (HF keeps an EOS only among the beam_width best)
-                    self.finished.append((gen, cum))
+                    self.finished.append(grown)
             elif len(self.live) < width:
-                self.live.append((gen, cum))
+                self.live.append(grown)
 
-    def best(self, width: int, length_penalty: float) -> list[tuple[float, list[int], float, str]]:
-        beams = [(gen, cum, "stop") for gen, cum in self.finished] + [(gen, cum, "length") for gen, cum in self.live]
-        return sorted(((cum / len(gen) ** length_penalty, gen, cum, why) for gen, cum, why in beams),
+    def best(self, width: int, length_penalty: float) -> list[tuple[float, _Beam, str]]:
+        beams = [(beam, "stop") for beam in self.finished] + [(beam, "length") for beam in self.live]
+        return sorted(((beam.cum / len(beam.tokens) ** length_penalty, beam, why) for beam, why in beams),
                       key=lambda b: -b[0])[:width]

@@ -40,6 +40,33 @@ def test_beams_equal_hf_transformers(tiny_checkpoint) -> None:
             assert ours == pytest.approx(theirs, abs=1e-4)
         assert all(s.finish_reason == "length" and len(s.tokens) == len(prompt) + MAX_TOKENS for s in out.sequences)
         assert all(s.score == pytest.approx(s.cum_logprob / MAX_TOKENS) for s in out.sequences)
+        for seq in out.sequences:  # vLLM's per-step logprobs: each chosen token's, adding up to the beam's
+            gen = seq.tokens[len(prompt):]
+            assert len(seq.logprobs) == MAX_TOKENS and all(t in step for t, step in zip(gen, seq.logprobs, strict=True))
+            assert sum(step[t].logprob for t, step in zip(gen, seq.logprobs, strict=True)) == \
+                pytest.approx(seq.cum_logprob)
+            assert seq.stop_reason is None
+    # vLLM's other arguments: searched two prompts at a time, the same beams; a bar over the steps
+    steps: list[int] = []
+
+    class Bar:
+        def __init__(self, total: int, **_: object) -> None:
+            steps.append(total)
+
+        def update(self, n: int) -> None:
+            steps.append(-n)
+
+        def close(self) -> None:
+            pass
+
+    again = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                            BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            lora_request=None, use_tqdm=Bar, concurrency_limit=2)
+    assert [[s.tokens for s in o.sequences] for o in again] == [[s.tokens for s in o.sequences] for o in outs]
+    assert steps == [2 * MAX_TOKENS] + [-1] * (2 * MAX_TOKENS)  # (two rounds: prompts 1-2, then 3)
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search({"prompt_token_ids": prompts[0]}, BeamSearchParams(beam_width=2, max_tokens=2),
+                        concurrency_limit=0)
     # The beams' prompts came from the prefix cache: every step re-reads what the last one wrote.
     stats = llm.llm_engine.get_stats()
     assert stats.prefix_cache_hits > stats.prefix_cache_queries // 2, stats
@@ -57,6 +84,7 @@ def test_an_eos_finishes_a_beam_and_bad_params_are_refused(tiny_checkpoint) -> N
     out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=2, max_tokens=4,
                                                                          length_penalty=0.0))[0].sequences
     assert out[0].tokens == [*prompt, greedy] and out[0].finish_reason == "stop", out
+    assert out[0].stop_reason == greedy and len(out[0].logprobs) == 1 and out[1].stop_reason is None
     assert out[1].finish_reason == "length" and greedy not in out[1].tokens[len(prompt):]
     for bad, param in (({"beam_width": 0}, "beam_width"), ({"beam_width": 11}, "beam_width"),
                        ({"max_tokens": 0}, "max_tokens"), ({"length_penalty": "x"}, "length_penalty")):
