@@ -98,7 +98,7 @@ class InputBatch:
             gen = self._parked_generators.pop(new.req_id, None)
             if gen is None:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
+                gen.manual_seed(generator_seed(params.seed))
             self.generators[row] = gen
 
     def update_cached(self, cached: CachedRequestData) -> None:
@@ -297,3 +297,17 @@ class InputBatch:
             metadata.allowed_rows = self.upload(torch.tensor(sorted(set(r)), dtype=torch.long))
             metadata.allowed_pairs = (self.upload(torch.tensor(r, dtype=torch.long)),
                                 self.upload(torch.tensor(t, dtype=torch.long)))
+
+
+def generator_seed(seed: int) -> int:
+    """What a request's seed seeds its generator with.  torch's CPU generator (mt19937)
+    keeps a seed's low 32 bits, so seeds 2**32 apart sampled alike (and an n > 1 child's
+    seed + index met another request's seed); a seed outside [0, 2**32) is mixed down
+    (splitmix64's finaliser, its halves xored), and one inside stays itself."""
+    if 0 <= seed < 2**32:
+        return seed
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
