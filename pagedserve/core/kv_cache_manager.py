@@ -73,10 +73,10 @@ class KVCacheManager:
             raise ValueError("swap preemption needs a KV tier to swap to")
         if tier is not None and self.sliding_groups:
             raise ValueError("a KV tier (kv_offload_dir, kv_offload_bytes, preemption_mode='swap') is not supported "
-                             "yet for models with several KV-cache groups (sliding-window layers)")
+                             "yet for models with sliding-window layers")
         if radix and (self.sliding_groups or not enable_caching):
-            raise ValueError("prefix_caching_algo='radix' needs prefix caching and a model of one KV-cache group "
-                             "(no sliding-window layers)")
+            raise ValueError("prefix_caching_algo='radix' needs prefix caching and a model without sliding-window "
+                             "layers")
         self.tier = tier
         self.swap = swap
         self.store_computed = tier is not None and store_computed
