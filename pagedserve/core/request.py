@@ -86,6 +86,7 @@ class Request:
         prediction_token_ids: list[int] | None = None,
         images: Sequence[ImageSpan] = (),
         mrope: Any = None,
+        long_rope: bool = False,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -110,6 +111,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # A LongRoPE prompt longer than the original context: all its positions rotate
+        # with the long factors (layers/rotary_embedding.py), so its KV is its own.
+        self.long_rope = long_rope
         self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         # Structured output: the grammar the sampled tokens must follow (None: free text).
         self.grammar = grammar
@@ -167,13 +171,14 @@ class Request:
         self.sched_key: tuple[int, float, int] = (priority, self.arrival_time, 0)
 
     @property
-    def hash_salt(self) -> str | tuple[str | None, int, str, str] | None:
+    def hash_salt(self) -> str | tuple[Any, ...] | None:
         """What keys this request's KV blocks besides its tokens: the client's salt, and the
         LoRA adapter (two adapters' KV for the same tokens differ) by its id, name and path
         (an id freed and given to another adapter served that one the first one's blocks),
-        as a tuple that no client salt string can equal."""
+        and LongRoPE's long factors (long_rope), as tuples that no client salt string can equal."""
         lora = self.lora_request
-        return self.cache_salt if lora is None else (self.cache_salt, *lora.cache_key)
+        salt = self.cache_salt if lora is None else (self.cache_salt, *lora.cache_key)
+        return ("long_rope", salt) if self.long_rope else salt
 
     def image_free_until(self, start: int) -> int:
         """The first position at or after `start` that belongs to an image (the number of

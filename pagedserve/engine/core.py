@@ -44,6 +44,7 @@ from pagedserve.engine.input_processor import EngineCoreRequest
 from pagedserve.engine.output_processor import OutputProcessor, ParentRequest
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.abstract import ModelExecutor, PendingModelOutput
+from pagedserve.layers.rotary_embedding import long_rope_original, rotates_long
 from pagedserve.lora.peft import adapter_files_key, check_peft_config
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EngineOutput, RequestMetrics
@@ -107,6 +108,7 @@ class EngineCore:
         self.model_executor = model_executor
         self.structured_output = structured_output
         self.eos_token_id = eos_token_id
+        self.long_rope_original = long_rope_original(config.model_config.hf_config)  # (Phi-3's; else None)
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, sched.max_model_len, cache.enable_prefix_caching,
             cache.group_windows, model_executor.kv_tier, sched.preemption_mode == "swap",
@@ -182,7 +184,9 @@ class EngineCore:
                                                    request.arrival_time, request.priority, request.cache_salt,
                                                    grammar, request.pooling_params, request.lora_request,
                                                    request.prediction_token_ids, request.images or (),
-                                                   request.mrope))
+                                                   request.mrope, self.long_rope_original is not None and
+                                                   rotates_long(len(request.prompt_token_ids),
+                                                                self.long_rope_original)))
                 added.append(cid)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)

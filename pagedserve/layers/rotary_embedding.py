@@ -55,6 +55,32 @@ def rope_config(hf_config: Any) -> tuple[float, dict]:
     return theta, params
 
 
+def long_rope_original(hf_config: Any) -> int | None:
+    """A LongRoPE model's original context (Phi-3's 4,096), else None.  A prompt longer
+    than it rotates every position with the long factors (rotates_long), as HF's forward
+    over a sequence that long does; a shorter one rotates its positions below it with the
+    short factors, and any past it (an answer that outgrows the context) with the long."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if dict(params).get("rope_type", dict(params).get("type")) != "longrope":
+        return None
+    return int(rope_config(hf_config)[1]["original_max_position_embeddings"])
+
+
+def rotates_long(num_prompt_tokens: Any, original: int) -> Any:
+    """Whether a request (an int, or numpy's array of them) rotates all its positions with
+    LongRoPE's long factors: the one rule for the engine (which keys such a request's KV
+    blocks apart) and the model runner (which picks its table rows)."""
+    return num_prompt_tokens > original
+
+
+def long_prompt_rows(model: nn.Module) -> tuple[int, int] | None:
+    """The model's RotaryEmbedding.long_prompt_rows (every layer shares one table's)."""
+    rows = {m.long_prompt_rows for m in model.modules() if isinstance(m, RotaryEmbedding)} - {None}
+    if len(rows) > 1:
+        raise ValueError(f"rotary tables disagree on LongRoPE's rows: {sorted(rows)}")
+    return next(iter(rows), None)
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -173,15 +199,20 @@ class RotaryEmbedding(nn.Module):
                                  "frequencies")
             freq = freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), freq.to(torch.float32))
+        # LongRoPE: (original context, row of position 0's long-factor row) where a prompt
+        # can be longer than the original context (long_rope_original), else None.
+        self.long_prompt_rows: tuple[int, int] | None = None
         if scaling["rope_type"] == "longrope":
-            # Positions past the original context rotate with the long factors.  HF switches a
-            # whole forward to them once its sequence is longer than that context, so a
-            # prompt longer than it differs from HF at its first positions; shorter
-            # sequences match exactly.
+            # Rows [0, max_position): the short factors below the original context, the long
+            # ones past it; then rows for the positions below it with the long factors, which
+            # a prompt longer than it takes there (the model runner's positions point at them).
             original = int(scaling["original_max_position_embeddings"])
             long = torch.outer(torch.arange(max_position, dtype=torch.float32),
                                longrope_inv_freq(rotary_dim, theta, scaling["long_factor"]))
             freqs[original:] = long[original:]
+            if original < max_position:
+                self.long_prompt_rows = (original, max_position)
+                freqs = torch.cat([freqs, long[:original]])
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
         mscale = attention_factor(scaling)
         if mscale != 1.0:

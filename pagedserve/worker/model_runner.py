@@ -40,6 +40,7 @@ from pagedserve.core.kv_tier import KVTransfers
 from pagedserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedserve.forward_context import set_forward_context
 from pagedserve.layers.pooler import Pooler
+from pagedserve.layers.rotary_embedding import long_prompt_rows
 from pagedserve.lora.manager import LoRAModelManager
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.utils import bind_decode_stacks, bind_direct_layers
@@ -128,11 +129,10 @@ class ModelRunner:
         # Async: the last launched step's sampled ids (device) and each request's index in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
-        # A vision-language model's images (worker/mm_inputs.py); None for a text model.
-        self.images = image_inputs_for(model, self.device)
+        self.images = image_inputs_for(model, self.device)  # a VLM's images (worker/mm_inputs.py); None: text
         # Where each step's inputs are written, in place (and the CUDA graphs' static inputs).
         self.buffers = StepBuffers(self.device, self.max_num_batched_tokens, self.max_num_reqs,
-                                   self.input_batch.max_blocks_per_req, self.num_kv_groups)
+                                   self.input_batch.max_blocks_per_req, self.num_kv_groups, long_prompt_rows(model))
 
     @property
     def eos_token_id(self) -> int | None:

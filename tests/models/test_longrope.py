@@ -1,0 +1,58 @@
+"""Phi-3's LongRoPE against HF transformers over whole engine runs: a prompt longer than
+the original context rotates every position with the long factors, as HF's forward over
+that sequence does (positions below the context took the short ones, and every answer
+past the context differed from HF's); a shorter one keeps the short factors; the two
+kinds never share prefix-cache blocks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+ORIGINAL, STEPS = 64, 12
+
+
+def _checkpoint(path: str) -> torch.nn.Module:
+    import transformers
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+            "original_max_position_embeddings": ORIGINAL}
+    cfg = transformers.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                  initializer_range=0.15, rope_parameters=rope, pad_token_id=0,
+                                  original_max_position_embeddings=ORIGINAL)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _hf(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, generation_config=config, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_long_prompts_rotate_with_the_long_factors_as_hf_does(tmp_path) -> None:
+    hf = _checkpoint(str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    short = torch.randint(1, 512, (40,), generator=g).tolist()  # (40 + 12 < 64: short factors throughout)
+    long = short + torch.randint(1, 512, (260,), generator=g).tolist()  # (its first 40 tokens: short's)
+    sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    llm = LLM(str(tmp_path), dtype="float32", seed=0, max_model_len=512)
+    try:
+        # the short prompt first: its blocks are cached, and the long prompt must not take them
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in (short, long)], sp,
+                                                            use_tqdm=False)]
+        again = llm.generate({"prompt_token_ids": long}, sp, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert got == [_hf(hf, short), _hf(hf, long)]
+    assert again.outputs[0].token_ids == got[1] and again.num_cached_tokens > 0  # (long prompts share theirs)
