@@ -35,6 +35,7 @@ class NewRequestData:
     # inputs) and, for M-RoPE models, its positions (Request.mrope); opaque here.
     images: Sequence[Any] = ()
     mrope: Any = None
+    long_rope: bool = False  # LongRoPE's long factors at every position (Request.long_rope)
 
 
 @dataclass

@@ -384,8 +384,7 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     pooling_params=request.pooling_params,
                     lora_request=request.lora_request,
-                    images=request.images,
-                    mrope=request.mrope,
+                    images=request.images, mrope=request.mrope, long_rope=request.long_rope,
                 )
             )
             request.num_output_tokens_sent = len(outputs)

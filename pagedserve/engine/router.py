@@ -121,7 +121,9 @@ class Router:
         return len(self.loads)
 
     def block_hashes(self, token_ids: Sequence[int] | None, cache_salt: str | None = None) -> list[BlockHash]:
-        """The prompt's chained block hashes, as its replica's prefix cache will key them."""
+        """The prompt's chained block hashes, as its replica's prefix cache keys those of a
+        request with only a client salt (an adapter's or a LongRoPE prompt's blocks are keyed
+        apart there, Request.hash_salt: for them this is affinity only, never a wrong hit)."""
         if not token_ids:
             return []
         return hash_request_tokens(token_ids, self.block_size, cache_salt)

@@ -195,6 +195,7 @@ class LLM:
         first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False, lora_request=loras)
         stops = set() if params.ignore_eos else set(engine.stop_token_ids)
         searches = [_Beams(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
+        steps_run = 0
         for n in range(params.max_tokens):
             # A search whose beams fill the context ends there ("length", as generate's
             # sequences do); asking for one more token past it failed the whole call.
@@ -212,11 +213,15 @@ class LLM:
                 b.extend(width, stops)
             if bar is not None:
                 bar.update(1)
+                steps_run = n + 1
+        if bar is not None and steps_run < params.max_tokens:  # (every beam ended early: the bar completes)
+            bar.update(params.max_tokens - steps_run)
         tokenizer = engine.tokenizer
         return [BeamSearchOutput([
             BeamSearchSequence(b.prompt + beam.tokens,
                                tokenizer.decode(beam.tokens, skip_special_tokens=True) if tokenizer else None,
-                               beam.cum, score, why, beam.logprobs, beam.tokens[-1] if why == "stop" else None)
+                               beam.cum, score, why, [dict(step) for step in beam.logprobs],  # (beams shared them)
+                               beam.tokens[-1] if why == "stop" else None)
             for score, beam, why in b.best(width, params.length_penalty)])
             for b in searches]
 

@@ -31,7 +31,13 @@ from torch import nn
 
 from pagedserve.distributed.communication import tensor_model_parallel_all_reduce
 from pagedserve.layers.linear import default_weight_loader, get_tp_rank_size
-from pagedserve.layers.quantization import DEFAULT_ACTIVATION_BITS, as_block_weights, pack, quant_kernel
+from pagedserve.layers.quantization import (
+    DEFAULT_ACTIVATION_BITS,
+    as_block_weights,
+    on_huge_pages,
+    pack,
+    quant_kernel,
+)
 
 
 def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
@@ -117,7 +123,7 @@ class StackedExperts:
         """From float [E, n, k] (this rank's rows of each expert), quantized by `method`."""
         packed = [pack(as_block_weights(w[e], method)) for e in range(w.shape[0])]
         first = packed[0]
-        return cls(int(first.kind), first.n, first.k, *(torch.stack([getattr(p, f) for p in packed])
+        return cls(int(first.kind), first.n, first.k, *(on_huge_pages(torch.stack([getattr(p, f) for p in packed]))
                                                        for f in ("codes", "d", "aux")))
 
     def tensors(self) -> list[torch.Tensor]:

@@ -26,12 +26,18 @@ from pagedserve.layers.layernorm import RMSNorm
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
+def rope_params(hf_config: Any) -> dict:
+    """The config's rope parameters (transformers 4.x's rope_scaling or 5.x's
+    rope_parameters) with their 'rope_type' named, unchecked."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
 def rope_config(hf_config: Any) -> tuple[float, dict]:
     """(rope_theta, scaling dict with a 'rope_type' key) from a transformers 4.x or 5.x config."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    params = dict(params)
+    params = rope_params(hf_config)
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope_scaling type {params['rope_type']!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -60,16 +66,15 @@ def long_rope_original(hf_config: Any) -> int | None:
     than it rotates every position with the long factors (rotates_long), as HF's forward
     over a sequence that long does; a shorter one rotates its positions below it with the
     short factors, and any past it (an answer that outgrows the context) with the long."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    if dict(params).get("rope_type", dict(params).get("type")) != "longrope":
+    if rope_params(hf_config)["rope_type"] != "longrope":
         return None
     return int(rope_config(hf_config)[1]["original_max_position_embeddings"])
 
 
-def rotates_long(num_prompt_tokens: Any, original: int) -> Any:
-    """Whether a request (an int, or numpy's array of them) rotates all its positions with
-    LongRoPE's long factors: the one rule for the engine (which keys such a request's KV
-    blocks apart) and the model runner (which picks its table rows)."""
+def rotates_long(num_prompt_tokens: int, original: int) -> bool:
+    """Whether a request rotates all its positions with LongRoPE's long factors, decided
+    once, by the engine (Request.long_rope: its KV blocks are keyed apart, and the model
+    runner picks its table rows by it)."""
     return num_prompt_tokens > original
 
 

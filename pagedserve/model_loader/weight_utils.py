@@ -73,7 +73,7 @@ class LazySlice:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         def real(a: object) -> object:  # (inside lists too: torch.cat of a MoE's per-expert tensors)
             if isinstance(a, (list, tuple)):
-                return type(a)(map(real, a))
+                return [real(x) for x in a] if isinstance(a, list) else tuple(real(x) for x in a)
             return a.materialize() if isinstance(a, LazySlice) else a
 
         return func(*map(real, args), **{k: real(v) for k, v in (kwargs or {}).items()})

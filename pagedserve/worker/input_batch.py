@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.platforms import is_cuda
+from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
@@ -38,6 +38,7 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)  # token ids < 2**31
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.long_rope = np.zeros(max_num_reqs, dtype=bool)  # NewRequestData.long_rope, per row
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Per KV-cache group (core/kv_cache_manager.py): the scheduler sends a request's
         # block ids position-major over the groups, and each group's table is kept apart.
@@ -84,6 +85,7 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.long_rope[row] = new.long_rope
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
@@ -98,7 +100,7 @@ class InputBatch:
             gen = self._parked_generators.pop(new.req_id, None)
             if gen is None:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(generator_seed(params.seed))
+                gen.manual_seed(generator_seed(params.seed, self.device))
             self.generators[row] = gen
 
     def update_cached(self, cached: CachedRequestData) -> None:
@@ -299,12 +301,13 @@ class InputBatch:
                                 self.upload(torch.tensor(t, dtype=torch.long)))
 
 
-def generator_seed(seed: int) -> int:
-    """What a request's seed seeds its generator with.  torch's CPU generator (mt19937)
+def generator_seed(seed: int, device: torch.device) -> int:
+    """What a seed seeds a generator on `device` with.  torch's CPU generator (mt19937)
     keeps a seed's low 32 bits, so seeds 2**32 apart sampled alike (and an n > 1 child's
-    seed + index met another request's seed); a seed outside [0, 2**32) is mixed down
-    (splitmix64's finaliser, its halves xored), and one inside stays itself."""
-    if 0 <= seed < 2**32:
+    seed + index met another request's seed): there a seed outside [0, 2**32) is mixed
+    down (splitmix64's finaliser, its halves xored), and one inside stays itself.  CUDA's
+    Philox takes all 64 bits: the seed as it is."""
+    if 0 <= seed < 2**32 or not is_cpu(device):
         return seed
     z = seed % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64

@@ -56,7 +56,7 @@ from pagedserve.worker.cuda_graph import (
     graphs_unavailable_reason,
     padded_size,
 )
-from pagedserve.worker.input_batch import InputBatch
+from pagedserve.worker.input_batch import InputBatch, generator_seed
 from pagedserve.worker.mm_inputs import image_inputs_for
 from pagedserve.worker.rejection_sampler import verify_drafts
 from pagedserve.worker.runner_output import ModelRunnerOutput
@@ -112,7 +112,7 @@ class ModelRunner:
             eos_token_id = getattr(hf_config, "eos_token_id", None)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size, self.vocab_size,
                                       self.device, _first_eos(eos_token_id), self.num_kv_groups)
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model_config.seed))
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(generator_seed(config.model_config.seed, self.device)))
         self.pooler = Pooler()  # pooling requests' partly folded prompts
         # Multi-LoRA (lora/manager.py): the adapters' slots, and each running request's slot.
         self.lora_manager = (LoRAModelManager(model, config.lora_config, model.stacked_params, self.device, self.dtype)

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import CommonAttentionMetadata
-from pagedserve.layers.rotary_embedding import rotates_long
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.utils import cdiv
 from pagedserve.worker.input_batch import InputBatch
@@ -45,8 +44,8 @@ class StepBuffers:
     def __init__(self, device: torch.device, max_tokens: int, max_reqs: int, max_blocks_per_req: int,
                  num_kv_groups: int, long_prompt_rows: tuple[int, int] | None = None) -> None:
         """`long_prompt_rows`: a LongRoPE model's (original context, row of position 0 with
-        the long factors) (RotaryEmbedding.long_prompt_rows): a prompt longer than the
-        context takes those rows for its positions below it."""
+        the long factors) (RotaryEmbedding.long_prompt_rows): a request that rotates long
+        (InputBatch.long_rope) takes those rows for its positions below the context."""
         self.device = device
         self.long_prompt_rows = long_prompt_rows
         t, r, b, g = max_tokens, max_reqs, max_blocks_per_req, num_kv_groups
@@ -116,7 +115,7 @@ class StepBuffers:
                                                 * block_size + pos % block_size)
         if self.long_prompt_rows is not None:  # (positions only rotate from here on: the rows they read)
             original, first = self.long_prompt_rows
-            pos[rotates_long(ib.num_prompt_tokens[row_of_tok], original) & (pos < original)] += first
+            pos[ib.long_rope[row_of_tok] & (pos < original)] += first
         if padded_reqs > num_reqs:
             end = num_tokens + padded_reqs - num_reqs
             qsl[num_reqs + 1:] = self.arange[num_tokens + 1: end + 1]

@@ -115,7 +115,6 @@ def test_per_expert_and_fused_checkpoints_load_the_same(tmp_path) -> None:
         get_model(ModelConfig(model=str(tmp_path), dtype="float32"), "cpu")
 
 
-
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_experts_match_their_dequantized_weights_and_rows_stand_alone(method) -> None:
     """Under weight quantization the experts are kept quantized and run by the quantized
