@@ -9,7 +9,6 @@ each side's token must be in the other's top-5, and comparison stops there.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -56,7 +55,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], dtype: torch.dtype = tor
     import transformers
 
     weights = hf_weights_from_gguf(model_dir, load_kwargs.pop("gguf_file"))
-    key = json.dumps([os.path.basename(weights), transformers.__version__, torch.__version__,
+    key = json.dumps(["no end token", os.path.basename(weights), transformers.__version__, torch.__version__,
                       torch.backends.cpu.get_cpu_capability(), str(dtype), device, prompts, MAX_TOKENS, TOP,
                       sorted(load_kwargs.items())])
     path = os.path.join(os.path.dirname(weights), "outputs", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
@@ -87,8 +86,8 @@ def greedy_tops(model, prompts: list[list[int]], max_tokens: int, top: int,
     results: dict[int, tuple[list[int], list[dict[int, float]]]] = {}
     # No end token, as ignore_eos runs ours: min_new_tokens would mask it instead, and HF
     # took its second choice where its first was the end (ours), which ended the comparison.
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
+    # (Set on the model's own config: generate fills a passed config's unset fields from it.)
+    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     with torch.inference_mode():
         for group in _length_groups(prompts):
             width = max(len(prompts[k]) for k in group)
@@ -96,7 +95,7 @@ def greedy_tops(model, prompts: list[list[int]], max_tokens: int, top: int,
             mask = torch.tensor([[0] * (width - len(prompts[k])) + [1] * len(prompts[k]) for k in group],
                                 device=device)
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, generation_config=config,
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             for row, k in enumerate(group):
@@ -105,6 +104,7 @@ def greedy_tops(model, prompts: list[list[int]], max_tokens: int, top: int,
                     v, i = torch.log_softmax(logits[row].float(), -1).topk(top)
                     tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
                 results[k] = (out.sequences[row, width:].tolist(), tops)
+    model.generation_config.eos_token_id = saved
     return [results[k] for k in range(len(prompts))]
 
 
