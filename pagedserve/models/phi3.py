@@ -28,12 +28,15 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 if tensor.shape[0] != q + 2 * kv:
                     raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, expected q+k+v = "
                                      f"{q + 2 * kv}")
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
+                # (narrow: a tensor-parallel rank's lazily read tensor has no split or chunk)
+                pieces = (tensor.narrow(0, 0, q), tensor.narrow(0, q, kv), tensor.narrow(0, q + kv, kv))
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), pieces, strict=True):
                     yield name.replace(".qkv_proj.", f".{part}."), piece
             elif ".mlp.gate_up_proj." in name:
                 if tensor.shape[0] % 2:
                     raise ValueError(f"checkpoint tensor {name!r}: an odd number of rows cannot be gate|up")
-                gate, up = tensor.chunk(2, dim=0)
+                half = tensor.shape[0] // 2
+                gate, up = tensor.narrow(0, 0, half), tensor.narrow(0, half, half)
                 yield name.replace(".gate_up_proj.", ".gate_proj."), gate
                 yield name.replace(".gate_up_proj.", ".up_proj."), up
             else:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.ngram_proposer import DraftRequest, next_num_drafts
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.layers.rotary_embedding import long_prompt_rows, rotates_long
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
 from pagedserve.worker.model_runner import ModelRunner
@@ -42,6 +43,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 class _DraftState:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading committed tokens whose KV the draft cache holds
+    long_rope: bool = False  # a LongRoPE draft model's long factors throughout (NewRequestData.long_rope)
 
 
 class DraftModelProposer:
@@ -58,6 +60,8 @@ class DraftModelProposer:
         self.free_block_ids = list(range(1, num_blocks))
         self.states: OrderedDict[str, _DraftState] = OrderedDict()  # least recently drafted first
         self.held: set[str] = set()  # requests the runner holds state for (dropped each round)
+        rows = long_prompt_rows(runner.model)  # (a LongRoPE draft model's original context)
+        self.long_rope_original = rows[0] if rows is not None else None
 
     def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
         return next_num_drafts(self.max_drafts, num_drafted, num_accepted)
@@ -91,7 +95,10 @@ class DraftModelProposer:
             num_drafts = min(num_drafts, self.max_drafts, self.max_model_len - len(token_ids) + 1)
             if num_drafts <= 0:
                 continue
-            state = self.states.setdefault(req_id, _DraftState())
+            state = self.states.get(req_id)
+            if state is None:  # (its tokens are the prompt and the first answer token: decided once, as the engine)
+                state = self.states[req_id] = _DraftState(long_rope=self.long_rope_original is not None and rotates_long(
+                    len(token_ids) - 1, self.long_rope_original))
             self.states.move_to_end(req_id)
             state.num_computed = min(state.num_computed, len(token_ids) - 1)
             if self._reserve(state, len(token_ids) + num_drafts - 1, busy):
@@ -99,8 +106,8 @@ class DraftModelProposer:
         if not rounds:
             return {}
         # 1: catch up on the committed tokens and sample draft 1.
-        new_reqs = [NewRequestData(req_id, list(tokens), [], _GREEDY, list(state.block_ids), state.num_computed)
-                    for req_id, tokens, _, state in rounds]
+        new_reqs = [NewRequestData(req_id, list(tokens), [], _GREEDY, list(state.block_ids), state.num_computed,
+                                   long_rope=state.long_rope) for req_id, tokens, _, state in rounds]
         num_scheduled = {req_id: len(tokens) - state.num_computed for req_id, tokens, _, state in rounds}
         finished, self.held = self.held, {req_id for req_id, _, _, _ in rounds}
         out = self.runner.execute_model(SchedulerOutput(

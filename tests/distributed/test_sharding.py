@@ -91,6 +91,24 @@ def test_a_moe_rank_reads_its_slice_of_every_expert(tmp_path) -> None:
     assert experts.quantized["down"].k == -(-inter // 2 // 32) * 32 and experts.quantized["down"].n == down.shape[1]
 
 
+def test_a_phi3_rank_splits_its_fused_tensors(tmp_path) -> None:
+    """Phi-3's checkpoint fuses q|k|v and gate|up; a rank reads them lazily, and splitting
+    them called methods a lazy slice lacks (tensor parallelism could not load Phi-3)."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    make_tiny_checkpoint("phi3", str(tmp_path))
+    full = _load(str(tmp_path), TPGroup())
+    name = "model.layers.0.mlp.down_proj.weight"
+    inter = full[name].shape[1]
+    for rank in range(2):
+        part = _load(str(tmp_path), TPGroup(rank, 2, "gloo"))
+        torch.testing.assert_close(part[name], full[name][:, rank * inter // 2:(rank + 1) * inter // 2],
+                                   rtol=0, atol=0)
+        gu, fgu = part["model.layers.0.mlp.gate_up_proj.weight"], full["model.layers.0.mlp.gate_up_proj.weight"]
+        half = inter // 2
+        torch.testing.assert_close(gu[:half], fgu[rank * half:(rank + 1) * half], rtol=0, atol=0)
+
+
 def test_lazy_slice_reads_only_what_it_is_asked(tmp_path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file

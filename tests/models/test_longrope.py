@@ -56,3 +56,21 @@ def test_long_prompts_rotate_with_the_long_factors_as_hf_does(tmp_path) -> None:
         llm.shutdown()
     assert got == [_hf(hf, short), _hf(hf, long)]
     assert again.outputs[0].token_ids == got[1] and again.num_cached_tokens > 0  # (long prompts share theirs)
+
+
+def test_a_longrope_draft_model_rotates_a_long_prompt_as_the_target_does(tmp_path) -> None:
+    """The model as its own draft: every greedy draft is the target's token, so all are
+    accepted, a long prompt's too (the draft rotated it with the short factors below the
+    original context and had none accepted)."""
+    _checkpoint(str(tmp_path))
+    prompt = torch.randint(1, 512, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm = LLM(str(tmp_path), dtype="float32", seed=0, max_model_len=512, enable_prefix_caching=False,
+              speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3})
+    try:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    finally:
+        llm.shutdown()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
