@@ -28,6 +28,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core import EngineCore, EngineStats
 from pagedserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedserve.executor.abstract import ModelExecutor
+from pagedserve.layers.rotary_embedding import long_rope_original
 from pagedserve.lora.request import LoRARequest
 from pagedserve.multimodal.inputs import ImagePromptProcessor
 from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
@@ -102,7 +103,8 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
     runner.initialize_kv_cache()
     logger.info("draft model %s: %d KV blocks for %d requests, up to %d drafts each", spec.model, num_blocks,
                 num_seqs, spec.num_speculative_tokens)
-    return DraftModelProposer(runner, num_blocks, num_seqs, spec.num_speculative_tokens)
+    return DraftModelProposer(runner, num_blocks, num_seqs, spec.num_speculative_tokens,
+                              long_rope_original(draft_config.model_config.hf_config))
 
 
 class BatchProgress(Protocol):

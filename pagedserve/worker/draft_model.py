@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.ngram_proposer import DraftRequest, next_num_drafts
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.layers.rotary_embedding import long_prompt_rows, rotates_long
+from pagedserve.layers.rotary_embedding import rotates_long
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
 from pagedserve.worker.model_runner import ModelRunner
@@ -51,7 +51,9 @@ class DraftModelProposer:
     KV cache has `num_blocks` blocks (block 0 is its null block) and which takes at most
     `max_num_seqs` requests per step."""
 
-    def __init__(self, runner: ModelRunner, num_blocks: int, max_num_seqs: int, max_drafts: int) -> None:
+    def __init__(self, runner: ModelRunner, num_blocks: int, max_num_seqs: int, max_drafts: int,
+                 long_rope_original: int | None = None) -> None:
+        """`long_rope_original`: a LongRoPE draft model's original context (rotary_embedding.long_rope_original)."""
         self.runner = runner
         self.block_size = runner.block_size
         self.max_model_len = runner.max_model_len
@@ -60,8 +62,7 @@ class DraftModelProposer:
         self.free_block_ids = list(range(1, num_blocks))
         self.states: OrderedDict[str, _DraftState] = OrderedDict()  # least recently drafted first
         self.held: set[str] = set()  # requests the runner holds state for (dropped each round)
-        rows = long_prompt_rows(runner.model)  # (a LongRoPE draft model's original context)
-        self.long_rope_original = rows[0] if rows is not None else None
+        self.long_rope_original = long_rope_original
 
     def next_num_drafts(self, num_drafted: int, num_accepted: int) -> int:
         return next_num_drafts(self.max_drafts, num_drafted, num_accepted)
