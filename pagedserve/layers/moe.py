@@ -188,9 +188,11 @@ class FusedExperts(nn.Module):
         """The experts' input width of `param` (a quantized placeholder holds none)."""
         return self.down_proj.shape[1] if param is self.gate_up_proj else self.intermediate // self.tp_size
 
-    def _rows(self) -> slice:
+    def _rows(self, loaded: torch.Tensor, dim: int, offset: int = 0) -> torch.Tensor:
+        """This rank's rows of every expert along `dim` (from `offset`), by narrow: a tensor-
+        parallel rank's lazily read tensor takes no indexing."""
         shard = self.intermediate // self.tp_size
-        return slice(self.tp_rank * shard, (self.tp_rank + 1) * shard)
+        return loaded.narrow(dim, offset + self.tp_rank * shard, shard)
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """The checkpoint's whole [E, 2*I, H] (gate rows, then up rows): this rank's rows of each."""
@@ -199,15 +201,14 @@ class FusedExperts(nn.Module):
             raise ValueError(f"expected [experts, 2*{i}, hidden], got {list(loaded.shape)}")
         if shard_id is not None:
             raise ValueError(f"unexpected shard {shard_id!r} for the experts' gate_up_proj")
-        rows = self._rows()
-        self._store(param, torch.cat([loaded[:, :i][:, rows], loaded[:, i:][:, rows]], dim=1))
+        self._store(param, torch.cat([self._rows(loaded, 1), self._rows(loaded, 1, i)], dim=1))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if loaded.dim() != 3 or loaded.shape[2] != self.intermediate:
             raise ValueError(f"expected [experts, hidden, {self.intermediate}], got {list(loaded.shape)}")
         if shard_id is not None:
             raise ValueError(f"unexpected shard {shard_id!r} for the experts' down_proj")
-        self._store(param, loaded[:, :, self._rows()])
+        self._store(param, self._rows(loaded, 2))
 
     def nbytes_quantized(self) -> int:
         return sum(q.nbytes() for q in self.quantized.values())

@@ -70,7 +70,8 @@ def test_each_rank_holds_its_shard(tp_checkpoint, arch: str, kv: int) -> None:
 def test_a_moe_rank_reads_its_slice_of_every_expert(tmp_path) -> None:
     """Qwen3-MoE's per-expert tensors, read lazily by a rank and stacked (torch.cat of
     LazySlices recursed until the stack overflowed: tensor parallelism could not load a
-    published MoE checkpoint); each rank holds its rows of each expert, quantized too."""
+    published MoE checkpoint), and the fused layout's (indexing a lazy tensor failed):
+    each rank holds its rows of each expert, quantized too."""
     from tests.e2e.conftest import make_tiny_checkpoint
 
     make_tiny_checkpoint("qwen3_moe", str(tmp_path))
@@ -84,6 +85,19 @@ def test_a_moe_rank_reads_its_slice_of_every_expert(tmp_path) -> None:
         torch.testing.assert_close(part[name + "gate_up_proj"],
                                    torch.cat([gu[:, :inter][:, rows], gu[:, inter:][:, rows]], dim=1), rtol=0, atol=0)
         torch.testing.assert_close(part[name + "down_proj"], down[:, :, rows], rtol=0, atol=0)
+    # transformers 5's fused layout (the experts of a layer in two tensors), read lazily too
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    layers = {k.split(".mlp.experts.")[0] for k in tensors if ".mlp.experts." in k}
+    for layer in layers:
+        p, num = f"{layer}.mlp.experts", len({k for k in tensors if k.startswith(f"{layer}.mlp.experts.")}) // 3
+        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"),
+                                                               tensors.pop(f"{p}.{e}.up_proj.weight")]) for e in range(num)])
+        tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(num)])
+    save_file(tensors, tmp_path / "model.safetensors")
+    part = _load(str(tmp_path), TPGroup(1, 2, "gloo"))
+    torch.testing.assert_close(part[name + "down_proj"], down[:, :, inter // 2:], rtol=0, atol=0)
     mc = ModelConfig(model=str(tmp_path), dtype="float32", quantization="int8")
     load_model_config(mc, "cpu")
     with tp_group_scope(TPGroup(1, 2, "gloo")):
