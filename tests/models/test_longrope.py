@@ -6,11 +6,10 @@ kinds never share prefix-cache blocks."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from pagedserve import LLM, SamplingParams
+from tests.e2e.test_hf_parity import greedy_tops
 
 ORIGINAL, STEPS = 64, 12
 
@@ -32,12 +31,7 @@ def _checkpoint(path: str) -> torch.nn.Module:
 
 
 def _hf(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, generation_config=config, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return greedy_tops(model, [prompt], STEPS, 1)[0][0]  # (HF's greedy tokens, no end token)
 
 
 def test_long_prompts_rotate_with_the_long_factors_as_hf_does(tmp_path) -> None:

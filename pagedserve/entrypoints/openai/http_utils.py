@@ -97,6 +97,16 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _with_header(send: Any, name: bytes, value: bytes) -> Any:
+    """`send` adding the header `name: value` to the answer's start."""
+    async def sending(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name, value)]}
+        await send(message)
+
+    return sending
+
+
 class RequestIdHeaderMiddleware:
     """vLLM's --enable-request-id-headers: every answer carries X-Request-Id, the request's
     own (when check_request_id takes it), else a new one."""
@@ -113,13 +123,7 @@ class RequestIdHeaderMiddleware:
             value = check_request_id(given).encode("latin-1")  # the one rule for a client's request id
         except InvalidRequestError:
             value = uuid.uuid4().hex.encode()
-
-        async def with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
-            await send(message)
-
-        await self.app(scope, receive, with_id)
+        await self.app(scope, receive, _with_header(send, b"x-request-id", value))
 
 
 class AnthropicRequestIdMiddleware:
@@ -134,14 +138,7 @@ class AnthropicRequestIdMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
             await self.app(scope, receive, send)
             return
-        value = f"req_{uuid.uuid4().hex}".encode()
-
-        async def with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"request-id", value)]}
-            await send(message)
-
-        await self.app(scope, receive, with_id)
+        await self.app(scope, receive, _with_header(send, b"request-id", f"req_{uuid.uuid4().hex}".encode()))
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
