@@ -205,8 +205,13 @@ class SamplingParams:
     # vLLM's: what AsyncLLM.generate yields while the request runs (LLM.generate returns
     # final outputs whatever it says, as vLLM's).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: at most this many tokens inside reasoning blocks ("<think>...</think>"), then
+    # the end tag is forced (pagedserve/reasoning.py); None: no cap.
+    thinking_token_budget: int | None = None
     # Filled by the engine from bad_words (it needs the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    # Filled by the engine for thinking_token_budget: the vocabulary's (start, end) tag ids.
+    thinking_tag_ids: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     # vLLM's older name of structured_outputs (a GuidedDecodingParams), taken at construction.
     guided_decoding: InitVar[StructuredOutputsParams | None] = None
 
@@ -345,8 +350,9 @@ class SamplingParams:
     def allows_speculation(self) -> bool:
         """Whether drafted tokens can be verified exactly for these params: every verified
         position must sample from the same processed distribution it would get one token
-        at a time.  Penalties depend on the tokens before each position, and logit edits
-        and grammars are applied to the sampled row only, so requests using them decode
+        at a time.  Penalties depend on the tokens before each position, and logit edits,
+        grammars and a thinking budget's forced end tag are applied to the sampled row
+        only, so requests using them decode
         one token per step.  (min_tokens is checked per request by the scheduler:
         once reached, it no longer changes the distribution.)"""
         return self._speculation_blocker() is None
@@ -359,6 +365,7 @@ class SamplingParams:
                            ("logit_bias", bool(self.logit_bias)),
                            ("allowed_token_ids", self.allowed_token_ids is not None),
                            ("bad_words", bool(self.bad_words or self.bad_words_token_ids)),
+                           ("thinking_token_budget", self.thinking_token_budget is not None),
                            # (named for every way a server request asks for one)
                            ("structured outputs (response_format, guided_*, or tool calls under a grammar: "
                             "tool_choice required, a named tool, or auto with a tool parser's format)",
@@ -403,6 +410,7 @@ _SCALAR_RULES = (
     _FieldRule("min_tokens", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     _FieldRule("truncate_prompt_tokens", lambda v: v is None or (is_int(v) and (v >= 1 or v == -1)),
                "-1, a positive integer or None"),
+    _FieldRule("thinking_token_budget", _optional_count, "an integer >= 0 or None"),
 )
 _LOGPROBS_RULES = (
     _FieldRule("logprobs", _optional_count, "an integer >= 0 or None"),

@@ -396,6 +396,8 @@ class EngineCore:
             own = [name for name, on in (("the grammar or response format", request.grammar is not None),
                                          ("allowed_token_ids", bool(sp.allowed_token_ids)),
                                          ("logit_bias", bool(sp.logit_bias)), ("bad_words", bool(sp.bad_words)),
+                                         ("thinking_token_budget (its end tag, forced once spent)",
+                                          sp.thinking_token_budget is not None),
                                          (f"min_tokens={sp.min_tokens} (which forbids ending before then)",
                                           made < sp.min_tokens)) if on]
             invalid[req_id] = f"{reason}, after {made} generated tokens" + (f"; this request's: {', '.join(own)}"

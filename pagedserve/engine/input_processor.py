@@ -59,6 +59,7 @@ from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image, upright_size
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.reasoning import END, START
 from pagedserve.request_limits import MAX_CACHE_SALT_CHARS
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
@@ -174,6 +175,9 @@ class InputProcessor:
         if sampling.bad_words and not sampling.bad_words_token_ids:  # once per request, not per sample
             sampling = copy.copy(sampling)
             sampling.bad_words_token_ids = self.bad_words_token_ids(sampling.bad_words)
+        if sampling.thinking_token_budget is not None and sampling.thinking_tag_ids is None:
+            sampling = copy.copy(sampling)
+            sampling.thinking_tag_ids = self.thinking_tag_ids()
         n = sampling.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         return EngineCoreRequest(
@@ -416,6 +420,16 @@ class InputProcessor:
                             ("structured_outputs", params.structured_outputs is not None)):
             if used:
                 raise InvalidRequestError(f"{field} needs a tokenizer; this model has none", param=field)
+
+    def thinking_tag_ids(self) -> tuple[int, int]:
+        """The vocabulary's reasoning tags, for thinking_token_budget: each one token
+        (pagedserve/reasoning.py), or the field is refused by name."""
+        tok = self.tokenizer
+        ids = [tok.convert_tokens_to_ids(tag) if tok is not None else None for tag in (START, END)]
+        if not all(isinstance(i, int) and i != tok.unk_token_id and 0 <= i < self.vocab_size for i in ids):
+            raise InvalidRequestError(f"thinking_token_budget needs a thinking model, whose vocabulary has {START} "
+                                      f"and {END} tokens; this model's has not", param="thinking_token_budget")
+        return ids[0], ids[1]
 
     def prediction_token_ids(self, prediction: str | list[int] | None) -> list[int] | None:
         """A predicted output's token ids (tokenized once, here): text no longer than a

@@ -20,6 +20,7 @@ import torch
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.platforms import is_cpu, is_cuda
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.reasoning import ThinkingBudget
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.utils import cdiv
 from pagedserve.worker.sampler import SamplingMetadata
@@ -52,6 +53,7 @@ class InputBatch:
         self.pooling_params: dict[int, PoolingParams] = {}
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.generators: dict[int, torch.Generator] = {}
+        self.thinking: dict[int, ThinkingBudget] = {}  # rows under a thinking_token_budget
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
         # Generators of preempted seeded requests: a resumed request continues its
         # random stream instead of restarting it.
@@ -96,6 +98,11 @@ class InputBatch:
         if new.pooling_params is not None:
             self.pooling_params[row] = new.pooling_params
             self.is_pooling[row] = True
+        if params.thinking_token_budget is not None and params.thinking_tag_ids is not None:
+            state = ThinkingBudget.after_prompt(params.thinking_token_budget, params.thinking_tag_ids,
+                                                np.asarray(new.prompt_token_ids))
+            state.read(new.output_token_ids)  # (a preempted request's answer so far)
+            self.thinking[row] = state
         if params.seed is not None and not params.is_greedy:
             gen = self._parked_generators.pop(new.req_id, None)
             if gen is None:
@@ -115,6 +122,8 @@ class InputBatch:
                     raise ValueError(f"request {req_id!r} would exceed max_model_len={self.max_model_len}")
                 self.token_ids[row, n:n + len(new_ids)] = new_ids
                 self.num_tokens[row] = n + len(new_ids)
+                if row in self.thinking:
+                    self.thinking[row].read(new_ids)
             if i < len(cached.new_block_ids):
                 self._append_blocks(row, cached.new_block_ids[i])
             self.num_computed_tokens[row] = cached.num_computed_tokens[i]
@@ -140,6 +149,7 @@ class InputBatch:
         if self.pooling_params.pop(row, None) is not None:
             self.is_pooling[row] = False
         self.generators.pop(row, None)
+        self.thinking.pop(row, None)
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
 
@@ -194,7 +204,7 @@ class InputBatch:
             metadata.generators = {i: self.generators[r] for i, r in enumerate(rows) if r in self.generators}
         self._penalties(metadata, rows, params, pending)
         self._min_tokens(metadata, rows, params, pending)
-        self._logit_edits(metadata, params)
+        self._logit_edits(metadata, params, self._thinking_ends(rows, pending))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         metadata.max_num_logprobs = max(wanted) if wanted else None
         return metadata
@@ -284,16 +294,33 @@ class InputBatch:
                 conditional = self.upload(torch.tensor([j >= 0 for j, _ in needs], dtype=torch.bool))
                 metadata.banned_if = ~conditional | (pending[1].to(torch.long)[index] == wanted)
 
-    def _logit_edits(self, metadata: SamplingMetadata, params: list[SamplingParams]) -> None:
+    def _thinking_ends(self, rows: list[int], pending: tuple[list[int], torch.Tensor] | None) -> dict[int, int]:
+        """{index into rows: its end tag} for the rows whose thinking budget is spent
+        inside a block (pagedserve/reasoning.py).  A pending token decides whether the
+        block is still open: such rows' are read from the device (a wait, for them only)."""
+        if not self.thinking:
+            return {}
+        read: dict[int, int] = {}
+        if pending is not None:
+            mine = [j for j, i in enumerate(pending[0]) if rows[i] in self.thinking]
+            if mine:
+                tokens = pending[1].tolist()
+                read = {pending[0][j]: int(tokens[j]) for j in mine}
+        return {i: self.thinking[r].end_id for i, r in enumerate(rows)
+                if r in self.thinking and self.thinking[r].must_end(read.get(i))}
+
+    def _logit_edits(self, metadata: SamplingMetadata, params: list[SamplingParams], ends: dict[int, int]) -> None:
         """logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token)
-        pairs that stay, every other token of those rows forbidden."""
+        pairs that stay, every other token of those rows forbidden; `ends` (row -> token):
+        that token alone allowed (a spent thinking budget's end tag)."""
         bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
         if bias:
             r, t, b = zip(*bias, strict=True)
             metadata.bias_rows = self.upload(torch.tensor(r, dtype=torch.long))
             metadata.bias_tokens = self.upload(torch.tensor(t, dtype=torch.long))
             metadata.bias_values = self.upload(torch.tensor(b, dtype=torch.float32))
-        allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids for t in p.allowed_token_ids]
+        allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids and i not in ends
+                   for t in p.allowed_token_ids] + list(ends.items())
         if allowed:
             r, t = zip(*allowed, strict=True)
             metadata.allowed_rows = self.upload(torch.tensor(sorted(set(r)), dtype=torch.long))

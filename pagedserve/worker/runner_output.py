@@ -30,7 +30,7 @@ def logprobs_entries(tokens: list[int], logprobs: list[float], ranks: list[int],
 
 
 NO_TOKEN_LEFT = ("the request's constraints (grammar or response format, allowed_token_ids, logit_bias, "
-                 "bad_words, min_tokens) together allow no token at this point")
+                 "bad_words, min_tokens, a spent thinking_token_budget's end tag) together allow no token at this point")
 
 
 @dataclass

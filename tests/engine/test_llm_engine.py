@@ -376,8 +376,11 @@ REQUEST_FIELD_CHECKS = {
     "output_kind": [("delta", _SP)], "detokenize": [("no", _SP)],
     # n > 1, penalties and logit edits with it are refused in SamplingParams too (tests/test_sampling_params.py).
     "prediction": [(5, _SP), ([1, -1], _SP), ([400], _ENG), (list(range(129)), _ENG), ("text", _ENG)],
-    # Set by the front end from bad_words (tokenized off the engine thread), not sent by clients.
-    "bad_words_token_ids": [],
+    # (the engine here has no tokenizer: no thinking tags, so any budget is refused there)
+    "thinking_token_budget": [(-1, _SP), (4, _ENG)],
+    # Set by the front end from bad_words and thinking_token_budget (tokenized off the
+    # engine thread), not sent by clients.
+    "bad_words_token_ids": [], "thinking_tag_ids": [],
 }
 
 

@@ -41,3 +41,39 @@ def test_the_generators_differ_where_torch_alone_would_not() -> None:
     assert torch.equal(torch.rand(4, generator=torch.Generator().manual_seed(1)),
                        torch.rand(4, generator=torch.Generator().manual_seed(1 + 2**32)))  # (torch's own)
     assert not torch.equal(draws(1), draws(1 + 2**32)) and not torch.equal(draws(0), draws(2**32))
+
+
+def _thinking_batch():
+    from pagedserve.core.sched_output import CachedRequestData, NewRequestData
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.worker.input_batch import InputBatch
+
+    ib = InputBatch(max_num_reqs=4, max_model_len=64, block_size=16, vocab_size=32, device=torch.device("cpu"))
+    budget = SamplingParams(max_tokens=20, thinking_token_budget=2, allowed_token_ids=[3, 4])
+    budget.thinking_tag_ids = (7, 8)
+    ib.add_request(NewRequestData("a", [1, 7], [], budget, [0], 0))  # the prompt opened the block
+    ib.add_request(NewRequestData("b", [1, 2], [], SamplingParams(max_tokens=20), [1], 0))
+    return ib, CachedRequestData
+
+
+def test_a_spent_thinking_budget_allows_only_the_end_tag_on_its_own_row() -> None:
+    ib, cached = _thinking_batch()
+    rows = [ib.req_id_to_row["b"], ib.req_id_to_row["a"]]
+    md = ib.sampling_metadata(rows)
+    assert sorted(zip(*(t.tolist() for t in md.allowed_pairs), strict=True)) == [(1, 3), (1, 4)]  # its own list
+    ib.update_cached(cached(["a"], [[5, 6]], [[]], [3]))  # two thinking tokens: spent
+    md = ib.sampling_metadata(rows)
+    assert md.allowed_rows.tolist() == [1] and list(zip(*(t.tolist() for t in md.allowed_pairs), strict=True)) == [(1, 8)]
+    ib.update_cached(cached(["a"], [[8]], [[]], [4]))  # closed: free again (its own list)
+    assert ib.sampling_metadata(rows).allowed_pairs[1].tolist() == [3, 4]
+
+
+def test_a_pending_token_is_read_before_deciding_the_end() -> None:
+    """Under overlap scheduling a row's newest token is still on the device: the second
+    thinking token spends the budget, an end tag closes the block."""
+    ib, cached = _thinking_batch()
+    ib.update_cached(cached(["a"], [[5]], [[]], [2]))
+    row = ib.req_id_to_row["a"]
+    for token, forced in ((6, True), (8, False)):
+        md = ib.sampling_metadata([row], pending=([0], torch.tensor([token])))
+        assert (md.allowed_pairs[1].tolist() == [8]) is forced

@@ -6,11 +6,14 @@ chat path's, made once."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody
+from pagedserve.errors import InvalidRequestError
+from pagedserve.utils import is_int
 
 # Where a request speaks Anthropic's API, errors come in Anthropic's shape.
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
@@ -111,3 +114,59 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     and the data of a stream's `error` event."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A request's `thinking`, checked.  `enabled` turns a hybrid model's thinking on
+    (Qwen3's template reads enable_thinking) and holds it to `budget_tokens`
+    (thinking_token_budget: the end tag is forced once they are spent); `adaptive` turns it
+    on and leaves its length to the model; `disabled` turns it off and leaves thinking
+    blocks out.  `display: "omitted"` keeps the blocks with their text left out, as
+    Anthropic does.  Unset: whatever the model does, its reasoning (where
+    --reasoning-parser splits it off) as thinking blocks."""
+
+    type: Literal["enabled", "adaptive", "disabled"] | None = None
+    budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] = "summarized"
+
+    @classmethod
+    def parse(cls, thinking: dict[str, Any] | None, max_tokens: int | None) -> Thinking:
+        if thinking is None:
+            return cls()
+        kind, display = thinking.get("type"), thinking.get("display") or "summarized"
+        keys = {"enabled": {"type", "budget_tokens", "display"}, "adaptive": {"type", "display"},
+                "disabled": {"type"}}
+        if kind not in keys:
+            raise InvalidRequestError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got "
+                                      f"{str(kind)[:40]!r}", param="thinking")
+        if set(thinking) - keys[kind]:
+            raise InvalidRequestError(f"thinking of type {kind!r} takes {', '.join(sorted(keys[kind]))}, got "
+                                      f"{', '.join(sorted(set(thinking) - keys[kind]))[:200]}", param="thinking")
+        if display not in ("summarized", "omitted"):
+            raise InvalidRequestError(f"thinking.display must be 'summarized' or 'omitted', got {str(display)[:40]!r}",
+                                      param="thinking")
+        budget = thinking.get("budget_tokens")
+        if kind == "enabled":
+            # (Anthropic's floor of 1,024 is not held: small local models think in fewer tokens)
+            if not is_int(budget) or budget < 1:
+                raise InvalidRequestError(f"thinking.budget_tokens must be an integer >= 1, got {str(budget)[:40]}",
+                                          param="thinking")
+            if max_tokens is not None and budget >= max_tokens:
+                raise InvalidRequestError(f"max_tokens must be greater than thinking.budget_tokens ({max_tokens} <= "
+                                          f"{budget})", param="max_tokens")
+        return cls(kind, budget, display)
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat request's fields for it."""
+        if self.type is None:
+            return {}
+        fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": self.type != "disabled"}}
+        if self.budget_tokens is not None:
+            fields["thinking_token_budget"] = self.budget_tokens
+        return fields
+
+    @property
+    def blocks(self) -> Literal["shown", "omitted", "none"]:
+        """How the answer carries its thinking blocks."""
+        return "none" if self.type == "disabled" else "omitted" if self.display == "omitted" else "shown"

@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.anthropic.protocol import (
@@ -24,6 +24,7 @@ from pagedserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     MessagesResponse,
+    Thinking,
     anthropic_error_body,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -39,7 +40,7 @@ from pagedserve.entrypoints.openai.tool_parsers import arguments_object
 from pagedserve.errors import InvalidRequestError
 
 # Chat's names for the fields whose Anthropic names differ (errors name what the client sent).
-_PARAM_NAMES = {"stop": "stop_sequences"}
+_PARAM_NAMES = {"stop": "stop_sequences", "thinking_token_budget": "thinking.budget_tokens"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -47,6 +48,7 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 class PreparedMessages:
     chat_request: ChatCompletionRequest
     prepared: PreparedRequest
+    thinking: Thinking
 
 
 def _field(where: str) -> str:
@@ -302,7 +304,11 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
     """The OpenAI chat request that asks for the same answer."""
     check_fields(req)
     messages = _chat_messages(req.system, req.messages)
-    body: dict[str, Any] = {"model": req.model, **_prefilled(messages), **thinking_fields(req.thinking)}
+    try:
+        thinking = Thinking.parse(req.thinking, getattr(req, "max_tokens", None))
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param=e.param) from None
+    body: dict[str, Any] = {"model": req.model, **_prefilled(messages), **thinking.chat_fields()}
     if not req.tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         raise OpenAIError("requests which include tool_use or tool_result blocks must define tools", param="tools")
     if req.tools:
@@ -345,34 +351,6 @@ def _prefilled(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
 
 
-def thinking_fields(thinking: dict[str, Any] | None) -> dict[str, Any]:
-    """Anthropic's thinking config as chat fields.  `disabled` turns a hybrid model's
-    thinking off (Qwen3's template reads enable_thinking; others ignore it) and leaves
-    thinking blocks out of the answer (show_thinking); `enabled` and `adaptive`, whose
-    thinking a budget or the effort bounds, are refused: nothing here holds a model's
-    thinking to a budget.  Without the field, a --reasoning-parser model's reasoning comes
-    as thinking blocks."""
-    if thinking is None:
-        return {}
-    kind = thinking.get("type")
-    if kind in ("enabled", "adaptive"):
-        raise OpenAIError(f"thinking of type {kind!r} is not supported: this server cannot hold a model's thinking to "
-                          "a budget (leave thinking out: a model whose reasoning --reasoning-parser splits off answers "
-                          'with thinking blocks; or send {"type": "disabled"})', param="thinking")
-    if kind != "disabled":
-        raise OpenAIError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {str(kind)[:40]!r}",
-                          param="thinking")
-    if set(thinking) != {"type"}:
-        raise OpenAIError(f"thinking of type 'disabled' takes no other keys, got {sorted(thinking)[:5]}",
-                          param="thinking")
-    return {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-def show_thinking(req: MessagesRequest) -> bool:
-    """Whether the answer carries thinking blocks: not where the request disabled thinking."""
-    return req.thinking is None
-
-
 def _tool_choice(choice: AnthropicToolChoice) -> dict[str, Any]:
     """Anthropic's tool_choice as chat's tool_choice (and parallel_tool_calls)."""
     if choice.name is not None and choice.type != "tool":
@@ -392,9 +370,9 @@ def _tool_choice(choice: AnthropicToolChoice) -> dict[str, Any]:
 
 def _output_config(config: dict[str, Any]) -> dict[str, Any]:
     """output_config's chat fields: its format as a json_schema response_format.  Its
-    effort is how long a reasoning model thinks: nothing here bounds it (thinking_fields),
-    so it is accepted as a no-op (its keys and
-    effort's values: check_fields)."""
+    effort is how long a reasoning model thinks: nothing here reads it (thinking's
+    budget_tokens bounds that), so it is accepted as a no-op (its keys and effort's
+    values: check_fields)."""
     fmt = config.get("format")
     if fmt is None:
         return {}
@@ -423,8 +401,13 @@ class AnthropicServingMessages:
 
     def prepare(self, req: MessagesRequest) -> PreparedMessages:
         chat_request = to_chat_request(req, stream=req.stream)
+        thinking = Thinking.parse(req.thinking, req.max_tokens)  # (to_chat_request checked it)
+        if thinking.type in ("enabled", "adaptive") and self.chat.reasoning_parser is None:
+            raise OpenAIError(f"thinking of type {thinking.type!r} needs a thinking model served with "
+                              "--reasoning-parser (qwen3, deepseek_r1), which splits its thinking into blocks",
+                              param="thinking")
         try:
-            return PreparedMessages(chat_request, self.chat.prepare(chat_request))
+            return PreparedMessages(chat_request, self.chat.prepare(chat_request), thinking)
         except OpenAIError as e:
             raise self._renamed(e) from None
 
@@ -449,8 +432,10 @@ class AnthropicServingMessages:
         r: ChatCompletionResponse = await self.chat.full(prep.chat_request, prep.prepared, message_id, streams)
         (choice,) = r.choices
         content: list[dict[str, Any]] = []
-        if choice.message.reasoning_content and show_thinking(req):  # a --reasoning-parser split it off
-            content.append({"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""})
+        shown = prep.thinking.blocks
+        if choice.message.reasoning_content and shown != "none":  # a --reasoning-parser split it off
+            content.append({"type": "thinking", "signature": "",
+                            "thinking": choice.message.reasoning_content if shown == "shown" else ""})
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
         for call in choice.message.tool_calls or []:
@@ -464,7 +449,7 @@ class AnthropicServingMessages:
                      streams: list[RequestStream]) -> AsyncIterator[str]:
         """The chat handler's chunks, read back and re-said as Anthropic's events."""
         events = EventWriter(message_id, prep.prepared.model, len(prep.prepared.prompts[0].token_ids),
-                             show_thinking(req))
+                             prep.thinking.blocks)
         async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, message_id, streams):
             for event in events.on_chunk(chunk):
                 yield event
@@ -501,9 +486,10 @@ class EventWriter:
     that its usage splits the prompt into input and cache-read tokens as the final
     message_delta's does."""
 
-    def __init__(self, message_id: str, model: str, input_tokens: int, thinking: bool = True) -> None:
+    def __init__(self, message_id: str, model: str, input_tokens: int,
+                 thinking: Literal["shown", "omitted", "none"] = "shown") -> None:
         self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
-        self.thinking = thinking  # (False: the request disabled thinking, its blocks are left out)
+        self.thinking = thinking  # (Thinking.blocks: shown, without their text, or left out)
         self.started = False
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or "tool_use"
@@ -520,6 +506,22 @@ class EventWriter:
         self.index += 1
         self.open = block["type"]
         return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _text_deltas(self, delta: dict[str, Any]) -> list[str]:
+        """A chunk's reasoning (a thinking block's, its text where shown) and content."""
+        out: list[str] = []
+        if delta.get("reasoning_content") and self.thinking != "none":
+            if self.open != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            if self.thinking == "shown":
+                out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}}))
+        if delta.get("content"):
+            if self.open != "text":
+                out += self._open({"type": "text", "text": ""})
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "text_delta", "text": delta["content"]}}))
+        return out
 
     def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
         out: list[str] = []
@@ -542,16 +544,7 @@ class EventWriter:
             return out + [_event("error", {"error": anthropic_error_body(status, err.get("message", ""))["error"]})]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content") and self.thinking:
-                if self.open != "thinking":
-                    out += self._open({"type": "thinking", "thinking": "", "signature": ""})
-                out.append(_event("content_block_delta", {"index": self.index, "delta": {
-                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}}))
-            if delta.get("content"):
-                if self.open != "text":
-                    out += self._open({"type": "text", "text": ""})
-                out.append(_event("content_block_delta", {"index": self.index, "delta": {
-                    "type": "text_delta", "text": delta["content"]}}))
+            out += self._text_deltas(delta)
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 if call.get("id"):  # a new call

@@ -139,6 +139,7 @@ class _SamplingFields(OpenAIRequestBody):
     # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}, the
     # text expected back; the engine drafts from it (SamplingParams.prediction).
     prediction: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None  # vLLM's: reasoning tokens, then "</think>" (pagedserve/reasoning.py)
 
     # vLLM's, not implemented here: refused when set (check_unsupported), as ignoring it changes the answer.
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern",)
@@ -263,6 +264,7 @@ class _SamplingFields(OpenAIRequestBody):
             bad_words=self.bad_words,
             structured_outputs=self.structured_outputs_params(),
             prediction=prediction_text(self.prediction),
+            thinking_token_budget=self.thinking_token_budget,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

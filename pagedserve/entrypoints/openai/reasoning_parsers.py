@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+from pagedserve.reasoning import END, START
 
 
 def _partial_suffix(text: str, tag: str) -> int:

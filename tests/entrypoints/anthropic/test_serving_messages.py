@@ -87,7 +87,7 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "inference_geo": "x" * 200}, "inference_geo is 200 characters"),
     ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "only text blocks"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 10}},
-     "thinking"),
+     r"max_tokens must be greater than thinking.budget_tokens \(8 <= 10\)"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object"}}],
       "tool_choice": {"type": "tool"}}, "needs the tool's name"),
     # Anthropic's rules on tools (a non-object schema's input was wrapped as {"value": ...};
@@ -150,9 +150,15 @@ _CALL = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
      "takes no name"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {}}, "thinking.type must be"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled", "budget_tokens": 9}},
-     "takes no other keys"),
-    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 2048}},
-     "cannot hold a model's thinking to a budget"),
+     "'disabled' takes type, got budget_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
+     "budget_tokens must be an integer >= 1, got None"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 0}},
+     "budget_tokens must be an integer >= 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "adaptive", "budget_tokens": 4}},
+     "'adaptive' takes display, type, got budget_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "adaptive", "display": "full"}},
+     "thinking.display must be"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "bogus"}}]}]},
      r"messages\[0\].content\[0\].cache_control.type must be ephemeral"),
     ({"messages": [{"role": "user", "content": "x"}],
@@ -200,12 +206,25 @@ def test_thinking_sent_back_is_left_out_and_disabled_thinking_is_off() -> None:
         {"role": "user", "content": "Paris?\nOr Rome?"}]
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert to_chat_request(request(messages=[{"role": "user", "content": "x"}])).chat_template_kwargs is None
-    w = EventWriter("msg_1", "m", 3, thinking=False)
     usage = {"prompt_tokens": 3, "completion_tokens": 1}
-    events = _events([f for c in [{"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}], "usage": usage},
-                                  {"choices": [{"index": 0, "delta": {"content": "Hi"}}], "usage": usage}]
-                      for f in w.on_chunk(c)])
-    assert [e.get("content_block", {}).get("type") for e in events if e["type"] == "content_block_start"] == ["text"]
+    for blocks, started, deltas in (("none", ["text"], ["text_delta"]),
+                                    ("omitted", ["thinking", "text"], ["text_delta"]),  # (its text left out)
+                                    ("shown", ["thinking", "text"], ["thinking_delta", "text_delta"])):
+        w = EventWriter("msg_1", "m", 3, thinking=blocks)
+        events = _events([f for c in [{"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}],
+                                       "usage": usage},
+                                      {"choices": [{"index": 0, "delta": {"content": "Hi"}}], "usage": usage}]
+                          for f in w.on_chunk(c)])
+        assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == started
+        assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == deltas
+
+
+def test_thinking_enabled_is_the_template_switch_and_a_token_budget() -> None:
+    chat = to_chat_request(request(max_tokens=64, thinking={"type": "enabled", "budget_tokens": 16},
+                                   messages=[{"role": "user", "content": "x"}]))
+    assert (chat.chat_template_kwargs, chat.thinking_token_budget) == ({"enable_thinking": True}, 16)
+    chat = to_chat_request(request(thinking={"type": "adaptive"}, messages=[{"role": "user", "content": "x"}]))
+    assert (chat.chat_template_kwargs, chat.thinking_token_budget) == ({"enable_thinking": True}, None)
 
 
 def test_an_empty_system_prompt_is_none() -> None:

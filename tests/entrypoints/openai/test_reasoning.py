@@ -182,11 +182,12 @@ QWEN3_TEMPLATE = (
 )
 
 
-def make_chain_qwen3(path) -> None:
+def make_chain_qwen3(path, ponder: bool = False) -> None:
     """A Qwen3 checkpoint that is a bigram machine: its layers add nothing (o_proj and
     down_proj zero), each token's embedding is one-hot, and the LM head maps token t to
     the logit of its successor, so greedy decoding follows a fixed chain:
-    "\\n" -> <think> -> hmm -> </think> -> Paris -> <|im_end|>.  The think tokens are
+    "\\n" -> <think> -> hmm -> </think> -> Paris -> <|im_end|> (`ponder`: hmm -> hmm, a
+    model that thinks forever).  The think tokens are
     added, not special, as in Qwen3's own vocabulary (skip_special_tokens keeps them)."""
     import torch
     import transformers
@@ -199,7 +200,7 @@ def make_chain_qwen3(path) -> None:
     ids = {t: tok.convert_tokens_to_ids(t) for t in ["<think>", "</think>", "hmm", "Paris", "<|im_end|>"]}
     newline = tok.encode("\n", add_special_tokens=False)
     assert len(newline) == 1
-    chain = {newline[0]: ids["<think>"], ids["<think>"]: ids["hmm"], ids["hmm"]: ids["</think>"],
+    chain = {newline[0]: ids["<think>"], ids["<think>"]: ids["hmm"], ids["hmm"]: ids["hmm" if ponder else "</think>"],
              ids["</think>"]: ids["Paris"], ids["Paris"]: ids["<|im_end|>"]}
     vocab = len(tok)
     cfg = transformers.Qwen3Config(
@@ -263,6 +264,66 @@ def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_
     assert (message["reasoning_content"], message["content"]) == ("hmm", "Rome"), constrained
     message = constrained_plain["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (None, "Rome"), constrained_plain
+
+
+def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(tmp_path) -> None:
+    """A model that would think forever: under vLLM's thinking_token_budget (chat) or
+    Anthropic's budget_tokens its thinking is that many tokens, then "</think>" is forced
+    and the answer follows, streamed alike; without one it thinks to max_tokens."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    make_chain_qwen3(tmp_path, ponder=True)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=128,
+                                                   kv_cache_memory_bytes="8MiB"))
+    state = ServerState(served_model_names=["qwen3"])
+    app = build_app(state)
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 128), None, QWEN3)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "capital of France?"}], "max_tokens": 16,
+            "temperature": 0}
+    anthropic = {"model": "qwen3", "messages": body["messages"], "max_tokens": 16}
+
+    async def run(client):
+        async def chat(extra: dict) -> dict:
+            return (await client.post("/v1/chat/completions", json={**body, **extra})).json()
+
+        async def messages(thinking: dict) -> dict:
+            return (await client.post("/v1/messages", json={**anthropic, "thinking": thinking})).json()
+
+        streamed = (await client.post("/v1/chat/completions",
+                                      json={**body, "stream": True, "thinking_token_budget": 3})).text
+        return (await chat({}), await chat({"thinking_token_budget": 3}), await chat({"thinking_token_budget": 0}),
+                streamed, await messages({"type": "enabled", "budget_tokens": 2}),
+                await messages({"type": "enabled", "budget_tokens": 2, "display": "omitted"}))
+
+    try:
+        free, three, none, streamed, blocks, omitted = call(app, run)
+    finally:
+        engine.shutdown()
+    message = free["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"], free["choices"][0]["finish_reason"]) == (
+        "hmm" * 15, None, "length")
+    message = three["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"], three["choices"][0]["finish_reason"]) == (
+        "hmm" * 3, "Paris", "stop"), three
+    assert none["choices"][0]["message"]["content"] == "Paris" and not none["choices"][0]["message"]["reasoning_content"]
+    deltas = [e["choices"][0]["delta"] for e in events(streamed)[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm" * 3
+    assert "".join(d.get("content") or "" for d in deltas) == "Paris"
+    assert blocks["content"] == [{"type": "thinking", "thinking": "hmm" * 2, "signature": ""},
+                                 {"type": "text", "text": "Paris"}], blocks
+    assert [b.get("thinking", b.get("text")) for b in omitted["content"]] == ["", "Paris"]
+
+
+def test_anthropic_thinking_needs_a_reasoning_parser() -> None:
+    """Without --reasoning-parser an answer has no thinking blocks to give (a budget on a
+    model without <think> tokens: tests/entrypoints/openai/test_request_fields.py)."""
+    async def run(client):
+        return (await client.post("/v1/messages", json={"model": "fake", "max_tokens": 8, "thinking": {
+            "type": "adaptive"}, "messages": [{"role": "user", "content": "x"}]})).json()
+
+    answer = call(_app("x", reasoning_parser=None), run)
+    assert "needs a thinking model served with --reasoning-parser" in answer["error"]["message"], answer
 
 
 def test_a_parser_over_a_tokenizer_without_the_end_token_is_said_at_start(caplog) -> None:

@@ -121,6 +121,10 @@ COMMON = {
     "truncate_prompt_tokens": ({"truncate_prompt_tokens": 3},
                                lambda r, b, t: r.json()["usage"]["prompt_tokens"] == 3 or pytest.fail()),
     "prediction": ({"prediction": {"type": "content", "content": "hello world"}}, predicted),
+    # (SmolLM2 is no thinking model: no <think> tokens; a thinking model's budget:
+    # tests/entrypoints/openai/test_reasoning.py)
+    "thinking_token_budget": ({"thinking_token_budget": 4}, lambda r, b, t: (
+        refused("thinking_token_budget")(r, b, t), "</think> tokens" in r.json()["error"]["message"] or pytest.fail())),
     # OpenAI's caching, safety and tier hints: accepted without effect (docs/serving.md).
     "prompt_cache_key": ({"prompt_cache_key": "k-1"}, same_as_greedy),
     "prompt_cache_retention": ({"prompt_cache_retention": "24h"}, same_as_greedy),

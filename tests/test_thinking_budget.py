@@ -1,0 +1,56 @@
+"""The thinking budget's state (pagedserve/reasoning.py; the server's reasoning parser is
+tests/entrypoints/openai/test_reasoning.py's): where an answer starts, and the one bound it
+keeps whatever the model does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedserve.reasoning import ThinkingBudget
+
+S, E, X = 7, 8, 1  # start tag, end tag, any other token
+TAGS = (S, E)
+
+
+@pytest.mark.parametrize("prompt, inside", [
+    ([1, 2, 3], False),  # Qwen3: the model opens the block itself
+    ([1, S, 2], True),  # R1's templates open it in the prompt
+    ([1, S, 2, E, 3], False),  # Qwen3 with enable_thinking false: an empty block closed
+    ([S, 2, E, S], True),  # an earlier turn's block, then an open one
+])
+def test_the_answer_starts_inside_a_block_where_the_prompt_left_one_open(prompt, inside) -> None:
+    assert ThinkingBudget.after_prompt(4, TAGS, np.array(prompt)).inside is inside
+
+
+def test_the_end_is_due_once_the_budget_is_spent_inside_a_block_and_the_pending_token_counts() -> None:
+    state = ThinkingBudget.after_prompt(2, TAGS, np.array([1, 2]))
+    state.read([X, S, X])  # before the block: free; one token spent inside
+    assert (state.inside, state.spent) == (True, 1) and not state.must_end()
+    assert state.must_end(pending=X)  # the second, still on the device
+    assert not state.must_end(pending=E)  # ...or the block closed there
+    state.read([X])
+    assert state.must_end()
+    state.read([E, X, X, S])  # closed; another block opens with nothing left
+    assert state.must_end() and state.spent == 2
+
+
+@given(budget=st.integers(0, 6), opened=st.booleans(),
+       picks=st.lists(st.sampled_from([S, E, X, X, X]), max_size=60))
+def test_a_model_forced_at_each_due_end_never_thinks_past_its_budget(budget, opened, picks) -> None:
+    """Whatever tokens the model would pick, replacing each pick by the end tag where one
+    is due keeps the tokens inside blocks to the budget, and changes no pick otherwise."""
+    state = ThinkingBudget.after_prompt(budget, TAGS, np.array([S] if opened else [X]))
+    inside, spent = opened, 0
+    for pick in picks:
+        token = E if state.must_end() else pick
+        if token != pick:
+            assert inside and spent == budget  # forced exactly when the budget is spent inside a block
+        state.read([token])
+        if inside:
+            inside, spent = token != E, spent + (token != E)
+        else:
+            inside = token == S
+        assert (state.inside, state.spent) == (inside, spent) and spent <= budget
