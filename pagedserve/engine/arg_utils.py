@@ -236,16 +236,19 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
         """Like EngineArgs(**kwargs), but an unknown name gets a TypeError listing the valid
-        ones, and vLLM's spellings of a setting are taken (`vllm_spellings`)."""
+        ones, vLLM's spellings of a setting are taken (`vllm_spellings`), and None is the
+        default where None is no value of the field: what `LLM(**vars(args))` passes for
+        each flag of `add_cli_args` left unset (their defaults are None, as vLLM's examples
+        build an LLM; `from_cli_args` reads the namespace the same way)."""
         kwargs = vllm_spellings(kwargs)
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - valid)
+        valid = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(kwargs) - set(valid))
         if unknown:
             raise TypeError(
                 f"{caller} got unexpected engine argument(s): {', '.join(unknown)}. "
                 f"Valid engine arguments: {', '.join(sorted(valid))}"
             )
-        return cls(**kwargs)
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or valid[k].default is None})
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:

@@ -83,6 +83,14 @@ def test_cli_flags_round_trip() -> None:
         parser.parse_args(["--quant-activation-bits", "4"])
 
 
+def test_the_namespace_of_add_cli_args_builds_an_llm_as_vllms_examples_do() -> None:
+    """vLLM's example scripts call LLM(**vars(args)) after EngineArgs.add_cli_args: every
+    flag left unset comes as None (it was "device must be 'auto', ... got None")."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--model", "x", "--max-model-len", "256", "--seed", "3"])
+    assert EngineArgs.from_kwargs("LLM()", **vars(ns)) == EngineArgs.from_cli_args(ns)
+
+
 def test_speculative_config_from_the_command_line_and_from_a_dict() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
