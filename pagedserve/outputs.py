@@ -89,7 +89,7 @@ class BeamSearchSequence:
     """One beam: the prompt's and the generated tokens, as vLLM returns them."""
 
     tokens: list[int]
-    text: str | None
+    text: str | None  # `tokens` decoded, the prompt's too (vLLM's offline beam text)
     cum_logprob: float
     score: float  # cum_logprob / generated length ** length_penalty
     finish_reason: str  # "stop" (an EOS token ended it) or "length"

@@ -218,8 +218,8 @@ class LLM:
             bar.update(params.max_tokens - steps_run)
         tokenizer = engine.tokenizer
         return [BeamSearchOutput([
-            BeamSearchSequence(b.prompt + beam.tokens,
-                               tokenizer.decode(beam.tokens, skip_special_tokens=True) if tokenizer else None,
+            BeamSearchSequence(b.prompt + beam.tokens,  # (its text: all of them decoded, as vLLM's)
+                               tokenizer.decode(b.prompt + beam.tokens) if tokenizer else None,
                                beam.cum, score, why, [dict(step) for step in beam.logprobs],  # (beams shared them)
                                beam.tokens[-1] if why == "stop" else None)
             for score, beam, why in b.best(width, params.length_penalty)])

@@ -104,3 +104,13 @@ def test_beams_that_fill_the_context_end_there_and_the_other_prompts_answer(tiny
                            BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
     assert all(len(s.tokens) == len(short) + 8 for s in outs[0].sequences)
     assert [(len(s.tokens), s.finish_reason) for s in outs[1].sequences] == [(64, "length")] * 2
+
+
+def test_a_beams_text_is_all_its_tokens_decoded_as_vllms() -> None:
+    """vLLM's LLM.beam_search decodes each beam's tokens, the prompt's included (ported
+    scripts cut the prompt off its text); the text was the generated part alone."""
+    llm = LLM("smollm2-135m-instruct", max_model_len=128, kv_cache_memory_bytes="32MiB")
+    [out] = llm.beam_search([{"prompt": "The capital of France is"}], BeamSearchParams(beam_width=2, max_tokens=3))
+    tok = llm.get_tokenizer()
+    for seq in out.sequences:
+        assert seq.text == tok.decode(seq.tokens) and seq.text.startswith("The capital of France is"), seq.text
