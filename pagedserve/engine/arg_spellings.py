@@ -10,11 +10,54 @@ _TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling", "enco
                  "classify": "pooling", "score": "pooling", "reward": "pooling"}
 
 
+# vLLM's arguments this engine has no field for: the values that ask for what it does
+# anyway (dropped), and what any other value asks for (refused by name).
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "disable_log_stats": ((True, None), "an offline LLM logs no periodic stats here (the server logs them)"),
+    "tokenizer_mode": (("auto", "hf", None), "the model's fast (Hugging Face) tokenizer is the only mode here"),
+    "cpu_offload_gb": ((None, 0), "weights are not offloaded here"),
+    "revision": ((None,), "models come from local files (no hub downloads)"),
+    "code_revision": ((None,), "models come from local files (no hub downloads)"),
+    "tokenizer_revision": ((None,), "models come from local files (no hub downloads)"),
+    "download_dir": ((None,), "models come from local files (no hub downloads)"),
+    "hf_token": ((None,), "models come from local files (no hub downloads)"),
+    "hf_overrides": ((None, {}), "the model's config is read as it is"),
+    "override_generation_config": ((None, {}), "generation_config='vllm' or 'auto' chooses the defaults' source"),
+    "disable_custom_all_reduce": ((True, False, None), ""),  # (no custom all-reduce either way)
+    "enable_sleep_mode": ((False, None), "there is no sleep mode (LLM.sleep) here"),
+    "pipeline_parallel_size": ((1, None), "no pipeline parallelism here (tensor_parallel_size splits the model)"),
+}
+# vLLM's torch.compile levels (compilation_config=N or {"level": N} / {"mode": N}): 0 is eager.
+_COMPILE_KEYS = ("level", "mode")
+
+
+def _compile_spelling(value: Any) -> bool | None:
+    """torch_compile for vLLM's compilation_config (None: the default)."""
+    if value is None or value == {}:
+        return None
+    if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in _COMPILE_KEYS:
+        value = next(iter(value.values()))
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+        return value > 0
+    raise ValueError(f"compilation_config={value!r:.80} is not supported here: a level 0-3 (0: eager, else "
+                     "torch.compile) alone, or its torch_compile=True/False and enforce_eager")
+
+
 def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     """What scripts written for vLLM's `LLM(...)` pass, in this engine's terms: `task`
     as the runner it names, `seed=None` as a random engine seed, `quantization=None` as
-    "auto" (both vLLM's defaults)."""
+    "auto" (both vLLM's defaults), `swap_space=N` (GiB of host memory a preempted
+    request's KV is swapped to) as preemption_mode "swap" with kv_offload_bytes N GiB,
+    `structured_outputs_config={"backend": ...}` (and
+    `guided_decoding_backend`) as structured_outputs_backend, `compilation_config` as
+    torch_compile, `distributed_executor_backend` as the executor it names, and its other
+    arguments at a value asking for nothing (`_NEUTRAL`) dropped, at any other refused."""
     kwargs = dict(kwargs)
+    for name in [k for k in kwargs if k in _NEUTRAL]:
+        value, (neutral, why) = kwargs.pop(name), _NEUTRAL[name]
+        if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+            raise ValueError(f"{name}={value!r:.60} is not supported here: {why}")
+    _config_spellings(kwargs)
     if "task" in kwargs:
         task = kwargs.pop("task")
         if task not in _TASK_RUNNERS:
@@ -30,3 +73,31 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "quantization" in kwargs and kwargs["quantization"] is None:
         kwargs["quantization"] = "auto"
     return kwargs
+
+
+def _config_spellings(kwargs: dict[str, Any]) -> None:
+    """vLLM's swap_space, structured_outputs_config, guided_decoding_backend,
+    compilation_config and distributed_executor_backend as this engine's fields (in place)."""
+    swap = kwargs.pop("swap_space", None)
+    if swap:
+        if isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r:.40}")
+        kwargs.setdefault("preemption_mode", "swap")
+        kwargs.setdefault("kv_offload_bytes", int(swap * 2**30))
+    config = kwargs.pop("structured_outputs_config", None)
+    if config is not None:
+        backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+        if isinstance(config, dict) and set(config) - {"backend"} or backend is None:
+            raise ValueError(f"structured_outputs_config takes a backend alone here, got {config!r:.80}")
+        kwargs.setdefault("structured_outputs_backend", backend)
+    if "guided_decoding_backend" in kwargs:  # (vLLM's older name)
+        kwargs.setdefault("structured_outputs_backend", kwargs.pop("guided_decoding_backend"))
+    if "compilation_config" in kwargs:
+        compiled = _compile_spelling(kwargs.pop("compilation_config"))
+        if compiled is not None:
+            kwargs.setdefault("torch_compile", compiled)
+    backend = kwargs.pop("distributed_executor_backend", None)
+    if backend not in (None, "mp", "uni") or backend == "uni" and (kwargs.get("tensor_parallel_size") or 1) > 1:
+        raise ValueError(f"distributed_executor_backend={backend!r:.40} is not supported here: tensor parallelism "
+                         "runs one process per rank (\"mp\"), a single rank in-process (\"uni\"); Ray runs "
+                         "data_parallel_size's replicas")

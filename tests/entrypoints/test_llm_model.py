@@ -215,6 +215,24 @@ def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
         EngineArgs.from_kwargs(task="transcription")
     with pytest.raises(ValueError, match="runner='generate' was given"):
         EngineArgs.from_kwargs(task="embed", runner="generate")
+    # vLLM's other arguments, as its example scripts pass them: each is this engine's
+    # field of that meaning, dropped where it asks for nothing, else refused by name.
+    args = EngineArgs.from_kwargs(structured_outputs_config={"backend": "xgrammar"}, compilation_config=0,
+                                  swap_space=2, disable_log_stats=True, tokenizer_mode="auto", revision=None,
+                                  distributed_executor_backend="mp", tensor_parallel_size=1)
+    assert (args.structured_outputs_backend, args.torch_compile, args.preemption_mode, args.kv_offload_bytes) == (
+        "xgrammar", False, "swap", 2 * 2**30)
+    assert EngineArgs.from_kwargs(compilation_config={"level": 3}).torch_compile is True
+    assert EngineArgs.from_kwargs(guided_decoding_backend="guidance").structured_outputs_backend == "guidance"
+    for kwargs, match in [({"revision": "main"}, "revision='main' is not supported here: models come from local"),
+                          ({"tokenizer_mode": "slow"}, "tokenizer_mode='slow'"),
+                          ({"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1]}}, "a level 0-3"),
+                          ({"distributed_executor_backend": "ray"}, "Ray runs data_parallel_size's"),
+                          ({"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}},
+                           "takes a backend alone"),
+                          ({"swap_space": -1}, "swap_space must be")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs.from_kwargs(**kwargs)
     sp = SamplingParams(max_tokens=4, temperature=0)
     a, b = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt="hello")], sp, use_tqdm=False)
     assert a.prompt_token_ids == [5, 6, 7] and b.prompt == "hello"
