@@ -32,7 +32,7 @@ from pagedserve.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pagedserve.pooling_params import PoolingParams
+from pagedserve.pooling_params import POOLING_TASKS, PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -117,13 +117,18 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the model's chat template (or `chat_template`: Jinja text, or a file
         holding it, rendered as the server renders a request's own, in a bounded child
         process), as the server renders them: `tools` (OpenAI function definitions) and
         `chat_template_kwargs` reach the template, `continue_final_message` continues the
-        last assistant message."""
+        last assistant message.  `chat_template_content_format` (vLLM's): "auto" alone, as
+        the renderer gives content parts to a template the way it reads them."""
+        if chat_template_content_format != "auto":
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r:.40} is not supported "
+                             "here: content parts reach each template the way it reads them (vLLM's 'auto')")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -228,12 +233,18 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Prompt | Sequence[Prompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool | Callable[..., Any] = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+               use_tqdm: bool | Callable[..., Any] = True, truncate_prompt_tokens: int | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """With runner="pooling": one pooled result per prompt (vLLM's `encode`), each a
         prefill through the same scheduler, block pool and prefix cache as generation.
-        `truncate_prompt_tokens` (vLLM's): each prompt's last N tokens (-1: max_model_len)."""
+        `truncate_prompt_tokens` (vLLM's): each prompt's last N tokens (-1: max_model_len);
+        `pooling_task` (vLLM's): "embed" or "classify", every PoolingParams' task."""
         prompt_list = _normalize_prompts(prompts)
         params = _normalize_params(pooling_params or PoolingParams(), len(prompt_list), PoolingParams)
+        if pooling_task is not None:
+            if pooling_task not in POOLING_TASKS:
+                raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r:.40}")
+            params = [dataclasses.replace(p, task=pooling_task) for p in params]
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self._run(prompt_list, params, use_tqdm)

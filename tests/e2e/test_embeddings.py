@@ -79,6 +79,13 @@ def test_each_runner_refuses_the_others_requests(tiny_checkpoint) -> None:
         [cut] = pooling.embed([list(range(5, 40))], use_tqdm=False, truncate_prompt_tokens=6)
         [alone] = pooling.embed([list(range(34, 40))], use_tqdm=False)
         assert cut.prompt_token_ids == list(range(34, 40)) and cut.outputs.embedding == alone.outputs.embedding
+        # vLLM's encode(..., pooling_task=): each request's task
+        [pooled] = pooling.encode([list(range(34, 40))], use_tqdm=False, pooling_task="embed")
+        assert pooled.outputs.data.tolist() == alone.outputs.embedding
+        with pytest.raises(ValueError, match="classifier_from_token"):
+            pooling.encode([[1, 2, 3]], use_tqdm=False, pooling_task="classify")
+        with pytest.raises(ValueError, match="pooling_task must be one of embed, classify"):
+            pooling.encode([[1, 2, 3]], use_tqdm=False, pooling_task="token_embed")
     finally:
         pooling.shutdown()
     generating = LLM(path)

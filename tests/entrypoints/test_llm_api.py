@@ -131,3 +131,6 @@ def test_vllm_call_forms_fail_clearly_or_run(llm, tok) -> None:
     assert o.prompt == "f;hi"
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         llm.chat(conv, use_tqdm=False, chat_template_kwargs="x")
+    [o] = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_content_format="auto")
+    with pytest.raises(ValueError, match="chat_template_content_format='openai' is not supported"):
+        llm.chat(conv, use_tqdm=False, chat_template_content_format="openai")
