@@ -29,6 +29,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     check_chat_only_fields,
     check_hint_fields,
     check_tool_definitions,
+    constraint_of,
     omitted_if_none,
     prediction_text,
     refuse_unsupported_fields,
@@ -196,30 +197,7 @@ class _SamplingFields(OpenAIRequestBody):
                                       param=used[1])
         if not used:
             return None
-        field = used[0]
-        value = getattr(self, field)
-        if field == "response_format":
-            kind = value.get("type")
-            if kind == "json_object":
-                return StructuredOutputsParams(json_object=True)
-            if kind == "json_schema":
-                spec = value.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):  # (OpenAI's: required)
-                    raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
-                                              param=field)
-                return StructuredOutputsParams(json=spec["schema"])
-            raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
-                                      f"got {kind!r}", param=field)
-        if field == "structured_outputs":
-            if not isinstance(value, dict):
-                raise InvalidRequestError("structured_outputs must be an object", param=field)
-            unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
-            if unknown:
-                raise InvalidRequestError(f"structured_outputs takes json, regex, choice, grammar, json_object or "
-                                          f"structural_tag, not {', '.join(sorted(unknown))}", param=field)
-            return StructuredOutputsParams(**value)
-        kind = field.removeprefix("guided_")
-        return StructuredOutputsParams(**{kind: value})
+        return constraint_of(used[0], getattr(self, used[0]))
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the model's generation config for fields left unset (temperature, top_p,

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.utils import same_value
 
 # OpenAI's bounds on a request's metadata.
@@ -210,3 +211,34 @@ def check_tool_definitions(names: list[str], parameters: list[dict[str, Any] | N
         if kind != "object":
             raise InvalidRequestError(f"{field}[{i}]: the parameters of function {name[:100]!r} must be a JSON schema "
                                       f'of type "object", got type {str(kind)[:40]!r}', param=field)
+
+
+def constraint_of(field: str, value: Any) -> StructuredOutputsParams:
+    """The output constraint a request's constraining field asks for: OpenAI's
+    response_format (json_object, json_schema; vLLM's structural_tag, the tag itself in
+    its `format` form or the older structures/triggers), vLLM's structured_outputs, or a
+    guided_* field."""
+    if field == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):  # (OpenAI's: required)
+                raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
+                                          param=field)
+            return StructuredOutputsParams(json=spec["schema"])
+        if kind == "structural_tag":
+            return StructuredOutputsParams(structural_tag=value)
+        raise InvalidRequestError(f"response_format type must be 'text', 'json_object', 'json_schema' or "
+                                  f"'structural_tag', got {kind!r}", param=field)
+    if field == "structured_outputs":
+        if not isinstance(value, dict):
+            raise InvalidRequestError("structured_outputs must be an object", param=field)
+        unknown = set(value) - set(StructuredOutputsParams.KINDS)
+        if unknown:
+            *kinds, last = StructuredOutputsParams.KINDS
+            raise InvalidRequestError(f"structured_outputs takes {', '.join(kinds)} or {last}, not "
+                                      f"{', '.join(sorted(unknown))}", param=field)
+        return StructuredOutputsParams(**value)
+    return StructuredOutputsParams(**{field.removeprefix("guided_"): value})

@@ -87,6 +87,12 @@ def test_regex_choice_and_vllm_spellings(server, client):
     for opened in text.split("<n>")[1:]:  # (free text outside the tag; inside, the schema)
         inner = opened.split("</n>")[0]
         assert "</n>" not in opened or inner.strip().lstrip("-").isdigit(), text
+    # ...and as vLLM's response_format of type structural_tag, in either of its forms (a 400)
+    older = {"type": "structural_tag", "triggers": ["<n>"],
+             "structures": [{"begin": "<n>", "schema": {"type": "integer"}, "end": "</n>"}]}
+    for form in (tag, older):
+        r = chat(client, temperature=0.9, seed=2, max_tokens=40, extra_body={"response_format": form})
+        assert r.choices[0].message.content == text
     with pytest.raises(openai.BadRequestError, match="'schema'"):
         chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x"}})
 
