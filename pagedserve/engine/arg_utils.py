@@ -235,11 +235,9 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
-        """Like EngineArgs(**kwargs), but an unknown name gets a TypeError listing the valid
-        ones, vLLM's spellings of a setting are taken (`vllm_spellings`), and None is the
-        default where None is no value of the field: what `LLM(**vars(args))` passes for
-        each flag of `add_cli_args` left unset (their defaults are None, as vLLM's examples
-        build an LLM; `from_cli_args` reads the namespace the same way)."""
+        """EngineArgs(**kwargs), an unknown name a TypeError listing the valid ones, vLLM's
+        spellings taken (`vllm_spellings`), None the default where it is no value of the
+        field (`LLM(**vars(args))` of add_cli_args' unset flags, as from_cli_args reads them)."""
         kwargs = vllm_spellings(kwargs)
         valid = {f.name: f for f in fields(cls)}
         unknown = sorted(set(kwargs) - set(valid))
