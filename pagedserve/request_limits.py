@@ -111,3 +111,6 @@ MAX_JPEG_SCANS = 100
 MAX_DECODING_PIXELS = 8 * MAX_IMAGE_PIXELS
 IMAGE_QUEUE_SECONDS = 10.0
 MAX_WAITING_IMAGE_PROMPTS = 4
+# A server's torch profile (POST /start_profile) holds every event in memory until it
+# stops: it stops itself after this long.
+PROFILE_SECONDS = 300.0

@@ -19,6 +19,7 @@ from pagedserve.engine.core import EngineStats
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.inproc_client import InprocClient
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.profiler import Profiler, profiler_dir
 from pagedserve.entrypoints.score_utils import cosine, encode_reranker_pair, score_pairs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
@@ -50,6 +51,7 @@ class LLM:
         # prompts, and an offline batch has no stream to keep (its schedule then depends
         # on the token budget alone, not on measured step times).
         engine_args.setdefault("max_step_ms", 0)
+        self.profiler = Profiler(profiler_dir(engine_args.pop("profiler_config", None)))
         args = EngineArgs.from_kwargs("LLM()", model=model, **engine_args)
         self.client: EngineCoreClient = make_engine_core_client(args, own_thread=False)
         self.llm_engine: LLMEngine | None = self.client.local_engine
@@ -60,7 +62,20 @@ class LLM:
         llm = cls.__new__(cls)
         llm.client = InprocClient(engine)
         llm.llm_engine = engine
+        llm.profiler = Profiler(profiler_dir())
         return llm
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start recording a torch profile of the engine (vLLM's; engine/profiler.py):
+        on only with profiler_config={"profiler": "torch", "torch_profiler_dir": DIR}
+        or $VLLM_TORCH_PROFILER_DIR.  Data-parallel replicas run in other processes."""
+        if self.llm_engine is None:
+            raise RuntimeError("profiling records this process's engine; data-parallel replicas run in others")
+        self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> str:
+        """End the profile; the path of its Chrome trace."""
+        return self.profiler.stop()
 
     def get_tokenizer(self) -> Any:
         """transformers' tokenizer of the model (the engine may hold a snapshot of it)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -134,3 +136,18 @@ def test_vllm_call_forms_fail_clearly_or_run(llm, tok) -> None:
     [o] = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_content_format="auto")
     with pytest.raises(ValueError, match="chat_template_content_format='openai' is not supported"):
         llm.chat(conv, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_vllms_profile_calls(llm, tmp_path, monkeypatch) -> None:
+    """LLM.start_profile / stop_profile (vLLM's simple_profiling.py): a trace of the steps
+    between them, where a directory is named (engine/profiler.py), else a clear error."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="profiling is off"):
+        LLM.from_engine(llm.llm_engine).start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    profiled = LLM.from_engine(llm.llm_engine)
+    profiled.start_profile(profile_prefix="gen")
+    profiled.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)
+    path = profiled.stop_profile()
+    assert os.path.isfile(path) and os.path.basename(path).startswith("gen-")

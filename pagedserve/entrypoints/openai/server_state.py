@@ -19,6 +19,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.profiler import Profiler, profiler_dir
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard import DashboardHub, is_public_path
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease, ModelPool, ModelSpec
@@ -33,7 +34,7 @@ from pagedserve.entrypoints.openai.tool_parsers import ToolParser
 from pagedserve.errors import OverloadedError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import SeriesStatLogger
-from pagedserve.request_limits import TEMPLATE_QUEUE_SECONDS
+from pagedserve.request_limits import PROFILE_SECONDS, TEMPLATE_QUEUE_SECONDS
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt as token ids is ~1 MB of JSON
 DEFAULT_HTTP_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body
@@ -214,6 +215,8 @@ class ServerState:
     runner: str | None = None
     # Every servable model (model_pool.py); None: the one model served_model_names names.
     models: ModelPool[ModelHandlers] = None  # type: ignore[assignment]
+    # POST /start_profile, /stop_profile (engine/profiler.py): on with $VLLM_TORCH_PROFILER_DIR.
+    profiler: Profiler = field(default_factory=lambda: Profiler(profiler_dir(), max_seconds=PROFILE_SECONDS))
 
     def __post_init__(self) -> None:
         if self.models is None:

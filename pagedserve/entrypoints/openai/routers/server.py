@@ -1,10 +1,12 @@
 """The server's own routes: /health (503 until the engine serves, for orchestrators),
-/version, /metrics (Prometheus), and the models it serves (OpenAI's list and retrieve,
+/version, /metrics (Prometheus), /start_profile and /stop_profile (vLLM's), and the models it serves (OpenAI's list and retrieve,
 the base model's names and its LoRA adapters)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import os
 import time
 from typing import Literal
 
@@ -15,6 +17,7 @@ from pydantic import Field
 import pagedserve
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerState, ServerStateDep
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
 router = APIRouter()
 
@@ -58,6 +61,27 @@ async def metrics(state: ServerStateDep) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/start_profile")
+async def start_profile(state: ServerStateDep) -> JSONResponse:
+    """vLLM's: a torch profile of the engines starts (engine/profiler.py; at most
+    PROFILE_SECONDS, then it stops itself)."""
+    try:
+        await asyncio.to_thread(state.profiler.start)
+    except RuntimeError as e:  # off, or one running
+        raise OpenAIError(str(e), status=404 if state.profiler.directory is None else 409) from None
+    return JSONResponse({"status": "profiling"})
+
+
+@router.post("/stop_profile")
+async def stop_profile(state: ServerStateDep) -> JSONResponse:
+    """The profile ends; its trace's file name in the server's trace directory."""
+    try:
+        path = await asyncio.to_thread(state.profiler.stop)
+    except RuntimeError as e:
+        raise OpenAIError(str(e), status=404 if state.profiler.directory is None else 409) from None
+    return JSONResponse({"status": "stopped", "trace": os.path.basename(path)})
 
 
 def model_card(state: ServerState, name: str) -> ModelCard:
