@@ -6,8 +6,8 @@ becomes it) caps the tokens an answer spends inside reasoning blocks: once it ha
 that many, the next token is forced to be the block's end tag, and the answer goes on
 after it.  The budget counts the whole answer's reasoning (a block opened again after it
 was spent is closed at once), the tags themselves not included.  Where the answer starts
-inside a block is read from the prompt's tokens: a template that opens the block in the
-prompt (DeepSeek-R1's) has its last start tag after its last end tag; Qwen3's with
+inside a block is read from the prompt's tokens once (answer_starts_inside): a template
+that opens the block in the prompt (DeepSeek-R1's) ends with the start tag; Qwen3's with
 `enable_thinking: false` closes an empty block there, so its answer starts outside one.
 Both tags must be single tokens of the vocabulary (they are for the thinking models
 served here); the engine refuses the field by name otherwise.
@@ -15,12 +15,23 @@ served here); the engine refuses the field by name otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 START, END = "<think>", "</think>"
+
+
+def answer_starts_inside(prompt: Sequence[int], start_id: int, end_id: int, special_ids: Container[int]) -> bool:
+    """Whether the answer continues a block the prompt opened: its last start tag comes
+    after its last end tag, with no special token after it (a template's turn markers
+    after a user's text that quotes "<think>" make that block the text's, not the answer's)."""
+    ids = np.asarray(prompt)
+    starts, ends = np.flatnonzero(ids == start_id), np.flatnonzero(ids == end_id)
+    if len(starts) == 0 or (len(ends) and ends[-1] > starts[-1]):
+        return False
+    return not any(int(t) in special_ids for t in ids[starts[-1] + 1:])
 
 
 @dataclass
@@ -31,17 +42,8 @@ class ThinkingBudget:
     budget: int
     start_id: int
     end_id: int
-    inside: bool = False
+    inside: bool = False  # (where the answer starts: answer_starts_inside)
     spent: int = 0
-
-    @classmethod
-    def after_prompt(cls, budget: int, tag_ids: tuple[int, int], prompt: np.ndarray) -> ThinkingBudget:
-        """The state where the answer begins: inside a block where the prompt's last start
-        tag comes after its last end tag."""
-        start_id, end_id = tag_ids
-        starts, ends = np.flatnonzero(prompt == start_id), np.flatnonzero(prompt == end_id)
-        inside = len(starts) > 0 and (len(ends) == 0 or starts[-1] > ends[-1])
-        return cls(budget, start_id, end_id, bool(inside))
 
     def read(self, tokens: Iterable[int]) -> None:
         """Take the answer's next tokens."""

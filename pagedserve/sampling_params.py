@@ -210,8 +210,9 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     # Filled by the engine from bad_words (it needs the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
-    # Filled by the engine for thinking_token_budget: the vocabulary's (start, end) tag ids.
-    thinking_tag_ids: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    # Filled by the engine for thinking_token_budget: the vocabulary's start and end tag ids,
+    # and whether the answer starts inside a block (reasoning.answer_starts_inside).
+    thinking_tags: tuple[int, int, bool] | None = field(default=None, repr=False, compare=False)
     # vLLM's older name of structured_outputs (a GuidedDecodingParams), taken at construction.
     guided_decoding: InitVar[StructuredOutputsParams | None] = None
 

@@ -4,29 +4,29 @@ keeps whatever the model does."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedserve.reasoning import ThinkingBudget
+from pagedserve.reasoning import ThinkingBudget, answer_starts_inside
 
 S, E, X = 7, 8, 1  # start tag, end tag, any other token
-TAGS = (S, E)
+TURN = 9  # a special token: a template's turn marker
 
 
 @pytest.mark.parametrize("prompt, inside", [
     ([1, 2, 3], False),  # Qwen3: the model opens the block itself
-    ([1, S, 2], True),  # R1's templates open it in the prompt
+    ([1, S, 2], True),  # R1's templates open it in the prompt (or a continued message inside one)
     ([1, S, 2, E, 3], False),  # Qwen3 with enable_thinking false: an empty block closed
     ([S, 2, E, S], True),  # an earlier turn's block, then an open one
+    ([TURN, 2, S, 3, TURN, TURN, 4], False),  # a user's text quoting "<think>", then the template's turns
 ])
 def test_the_answer_starts_inside_a_block_where_the_prompt_left_one_open(prompt, inside) -> None:
-    assert ThinkingBudget.after_prompt(4, TAGS, np.array(prompt)).inside is inside
+    assert answer_starts_inside(prompt, S, E, {TURN}) is inside
 
 
 def test_the_end_is_due_once_the_budget_is_spent_inside_a_block_and_the_pending_token_counts() -> None:
-    state = ThinkingBudget.after_prompt(2, TAGS, np.array([1, 2]))
+    state = ThinkingBudget(2, S, E)
     state.read([X, S, X])  # before the block: free; one token spent inside
     assert (state.inside, state.spent) == (True, 1) and not state.must_end()
     assert state.must_end(pending=X)  # the second, still on the device
@@ -42,7 +42,7 @@ def test_the_end_is_due_once_the_budget_is_spent_inside_a_block_and_the_pending_
 def test_a_model_forced_at_each_due_end_never_thinks_past_its_budget(budget, opened, picks) -> None:
     """Whatever tokens the model would pick, replacing each pick by the end tag where one
     is due keeps the tokens inside blocks to the budget, and changes no pick otherwise."""
-    state = ThinkingBudget.after_prompt(budget, TAGS, np.array([S] if opened else [X]))
+    state = ThinkingBudget(budget, S, E, inside=opened)
     inside, spent = opened, 0
     for pick in picks:
         token = E if state.must_end() else pick

@@ -52,14 +52,14 @@ from pagedserve.engine.chat_utils import (
     render_chat,
     take_images,
 )
-from pagedserve.engine.special_text import hide_special_text
+from pagedserve.engine.special_text import hide_special_text, special_token_ids
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image, upright_size
 from pagedserve.multimodal.inputs import ImageFeature, ImagePromptProcessor, MultiModalPrompt
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.reasoning import END, START
+from pagedserve.reasoning import END, START, answer_starts_inside
 from pagedserve.request_limits import MAX_CACHE_SALT_CHARS
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
@@ -175,9 +175,9 @@ class InputProcessor:
         if sampling.bad_words and not sampling.bad_words_token_ids:  # once per request, not per sample
             sampling = copy.copy(sampling)
             sampling.bad_words_token_ids = self.bad_words_token_ids(sampling.bad_words)
-        if sampling.thinking_token_budget is not None and sampling.thinking_tag_ids is None:
+        if sampling.thinking_token_budget is not None:  # (per prompt: where its answer starts)
             sampling = copy.copy(sampling)
-            sampling.thinking_tag_ids = self.thinking_tag_ids()
+            sampling.thinking_tags = self.thinking_tags(prompt_ids, sampling)
         n = sampling.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         return EngineCoreRequest(
@@ -421,15 +421,28 @@ class InputProcessor:
             if used:
                 raise InvalidRequestError(f"{field} needs a tokenizer; this model has none", param=field)
 
-    def thinking_tag_ids(self) -> tuple[int, int]:
-        """The vocabulary's reasoning tags, for thinking_token_budget: each one token
-        (pagedserve/reasoning.py), or the field is refused by name."""
+    def thinking_tags(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int, bool]:
+        """thinking_token_budget's tags and whether the answer starts inside a block
+        (pagedserve/reasoning.py).  Refused by name where the tags are not single tokens
+        of the vocabulary, or where something else forbids the end tag the budget forces:
+        a bad word, or a grammar that starts before the block the prompt opened ends."""
         tok = self.tokenizer
         ids = [tok.convert_tokens_to_ids(tag) if tok is not None else None for tag in (START, END)]
         if not all(isinstance(i, int) and i != tok.unk_token_id and 0 <= i < self.vocab_size for i in ids):
             raise InvalidRequestError(f"thinking_token_budget needs a thinking model, whose vocabulary has {START} "
                                       f"and {END} tokens; this model's has not", param="thinking_token_budget")
-        return ids[0], ids[1]
+        start, end = ids
+        if [end] in params.bad_words_token_ids:
+            raise InvalidRequestError(f"thinking_token_budget forces {END} once spent, which bad_words forbid",
+                                      param="thinking_token_budget")
+        inside = answer_starts_inside(prompt_ids, start, end, special_token_ids(tok))
+        grammar = params.structured_outputs
+        if inside and grammar is not None and grammar.after_token != end:
+            raise InvalidRequestError(f"thinking_token_budget forces {END} once spent, but this answer starts inside "
+                                      "a reasoning block under a grammar that starts at once (with "
+                                      f"--reasoning-parser, chat starts it after {END})",
+                                      param="thinking_token_budget")
+        return start, end, inside
 
     def prediction_token_ids(self, prediction: str | list[int] | None) -> list[int] | None:
         """A predicted output's token ids (tokenized once, here): text no longer than a

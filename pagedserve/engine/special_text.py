@@ -106,6 +106,14 @@ def _specials(tokenizer: Any) -> _Specials | None:
         return specials
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special added tokens (turn markers, BOS/EOS, ...);
+    none where it has no Rust tokenizer to read them from."""
+    if not isinstance(tokenizer, BackedTokenizer):
+        return frozenset()
+    return frozenset(i for i, t in tokenizer.backend_tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
 @dataclass
 class HiddenSpecials:
     """The placeholders one prompt's inputs got: character -> the special string it hides."""

@@ -98,9 +98,8 @@ class InputBatch:
         if new.pooling_params is not None:
             self.pooling_params[row] = new.pooling_params
             self.is_pooling[row] = True
-        if params.thinking_token_budget is not None and params.thinking_tag_ids is not None:
-            state = ThinkingBudget.after_prompt(params.thinking_token_budget, params.thinking_tag_ids,
-                                                np.asarray(new.prompt_token_ids))
+        if params.thinking_token_budget is not None and params.thinking_tags is not None:
+            state = ThinkingBudget(params.thinking_token_budget, *params.thinking_tags)
             state.read(new.output_token_ids)  # (a preempted request's answer so far)
             self.thinking[row] = state
         if params.seed is not None and not params.is_greedy:

@@ -380,7 +380,7 @@ REQUEST_FIELD_CHECKS = {
     "thinking_token_budget": [(-1, _SP), (4, _ENG)],
     # Set by the front end from bad_words and thinking_token_budget (tokenized off the
     # engine thread), not sent by clients.
-    "bad_words_token_ids": [], "thinking_tag_ids": [],
+    "bad_words_token_ids": [], "thinking_tags": [],
 }
 
 

@@ -50,7 +50,7 @@ def _thinking_batch():
 
     ib = InputBatch(max_num_reqs=4, max_model_len=64, block_size=16, vocab_size=32, device=torch.device("cpu"))
     budget = SamplingParams(max_tokens=20, thinking_token_budget=2, allowed_token_ids=[3, 4])
-    budget.thinking_tag_ids = (7, 8)
+    budget.thinking_tags = (7, 8, True)  # (the prompt opened the block)
     ib.add_request(NewRequestData("a", [1, 7], [], budget, [0], 0))  # the prompt opened the block
     ib.add_request(NewRequestData("b", [1, 2], [], SamplingParams(max_tokens=20), [1], 0))
     return ib, CachedRequestData

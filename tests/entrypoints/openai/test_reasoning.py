@@ -292,14 +292,27 @@ def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(tmp_path) ->
 
         streamed = (await client.post("/v1/chat/completions",
                                       json={**body, "stream": True, "thinking_token_budget": 3})).text
+        quoted = await chat({"thinking_token_budget": 3, "messages": [{"role": "user", "content": "<think>?"}]})
+        refusals = [(await client.post("/v1/completions", json={
+            "model": "qwen3", "max_tokens": 8, "thinking_token_budget": 2, **extra})).json() for extra in (
+            {"prompt": "x\n<think>", "structured_outputs": {"json": {"type": "object"}}},  # (no parser: at once)
+            {"prompt": "x", "bad_words": ["</think>"]})]
         return (await chat({}), await chat({"thinking_token_budget": 3}), await chat({"thinking_token_budget": 0}),
                 streamed, await messages({"type": "enabled", "budget_tokens": 2}),
-                await messages({"type": "enabled", "budget_tokens": 2, "display": "omitted"}))
+                await messages({"type": "enabled", "budget_tokens": 2, "display": "omitted"}), quoted, refusals)
 
     try:
-        free, three, none, streamed, blocks, omitted = call(app, run)
+        free, three, none, streamed, blocks, omitted, quoted, refusals = call(app, run)
     finally:
         engine.shutdown()
+    # A user's text quoting the tag opens no block for the answer (it forced "</think>" into
+    # the content, and counted the model's own "<think>" as thinking)
+    message = quoted["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("hmm" * 3, "Paris"), quoted
+    # What would forbid the forced end tag is refused up front (it failed mid-answer)
+    assert [r["error"]["param"] for r in refusals] == ["thinking_token_budget"] * 2, refusals
+    assert "under a grammar that starts at once" in refusals[0]["error"]["message"]
+    assert "which bad_words forbid" in refusals[1]["error"]["message"]
     message = free["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"], free["choices"][0]["finish_reason"]) == (
         "hmm" * 15, None, "length")
