@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
 from pagedserve.engine.async_llm import make_engine_core_client
+from pagedserve.engine.beam_search import BeamSet, step_params
 from pagedserve.engine.core import EngineStats
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.inproc_client import InprocClient
@@ -25,9 +26,7 @@ from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
 from pagedserve.outputs import (
     BeamSearchOutput,
-    BeamSearchSequence,
     EmbeddingRequestOutput,
-    Logprob,
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
@@ -211,10 +210,10 @@ class LLM:
         engine = self.llm_engine
         assert engine is not None
         width = params.beam_width
-        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
+        step = step_params(width)
         first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False, lora_request=loras)
         stops = set() if params.ignore_eos else set(engine.stop_token_ids)
-        searches = [_Beams(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
+        searches = [BeamSet(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
         steps_run = 0
         for n in range(params.max_tokens):
             # A search whose beams fill the context ends there ("length", as generate's
@@ -224,7 +223,7 @@ class LLM:
             if not todo:
                 break
             if n:
-                asks = [({"prompt_token_ids": b.prompt + beam.tokens}, lora) for b, lora in todo for beam in b.live]
+                asks = [({"prompt_token_ids": ids}, lora) for b, lora in todo for ids in b.asks()]
                 outs = iter(self._run([a for a, _ in asks], [step] * len(asks), use_tqdm=False,
                                       lora_request=[lora for _, lora in asks]))
                 for b, _ in todo:
@@ -237,13 +236,8 @@ class LLM:
         if bar is not None and steps_run < params.max_tokens:  # (every beam ended early: the bar completes)
             bar.update(params.max_tokens - steps_run)
         tokenizer = engine.tokenizer
-        return [BeamSearchOutput([
-            BeamSearchSequence(b.prompt + beam.tokens,  # (its text: all of them decoded, as vLLM's)
-                               tokenizer.decode(b.prompt + beam.tokens) if tokenizer else None,
-                               beam.cum, score, why, [dict(step) for step in beam.logprobs],  # (beams shared them)
-                               beam.tokens[-1] if why == "stop" else None)
-            for score, beam, why in b.best(width, params.length_penalty)])
-            for b in searches]
+        decode = tokenizer.decode if tokenizer is not None else None
+        return [BeamSearchOutput(b.sequences(width, params.length_penalty, decode)) for b in searches]
 
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Prompt | Sequence[Prompt],
@@ -397,40 +391,3 @@ def _per_prompt(value: Any, n: int, kind: type, name: str, optional: bool = Fals
                 raise ValueError(f"{name}[{i}] must be {what}, got {type(item).__name__}")
         return list(value)
     raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
-
-
-@dataclasses.dataclass
-class _Beam:
-    tokens: list[int]  # generated
-    cum: float  # cumulative logprob
-    logprobs: list[dict[int, Logprob]]  # each step's top 2 x beam_width, the chosen token's among them
-
-
-class _Beams:
-    """One prompt's beam search: live beams, the next-token logprobs of each, and beams
-    an EOS finished."""
-
-    def __init__(self, prompt: list[int], tops: list[dict[int, Logprob]]) -> None:
-        self.prompt = prompt
-        self.live: list[_Beam] = [_Beam([], 0.0, [])]
-        self.tops = tops
-        self.finished: list[_Beam] = []
-
-    def extend(self, width: int, stops: set[int]) -> None:
-        if not self.live:
-            return
-        candidates = sorted(((beam.cum + lp.logprob, tok, beam, top) for beam, top in zip(self.live, self.tops, strict=True)
-                             for tok, lp in top.items()), key=lambda c: -c[0])
-        self.live = []
-        for rank, (cum, tok, beam, top) in enumerate(candidates):
-            grown = _Beam(beam.tokens + [tok], cum, beam.logprobs + [top])
-            if tok in stops:
-                if rank < width:  # (HF keeps an EOS only among the beam_width best)
-                    self.finished.append(grown)
-            elif len(self.live) < width:
-                self.live.append(grown)
-
-    def best(self, width: int, length_penalty: float) -> list[tuple[float, _Beam, str]]:
-        beams = [(beam, "stop") for beam in self.finished] + [(beam, "length") for beam in self.live]
-        return sorted(((beam.cum / len(beam.tokens) ** length_penalty, beam, why) for beam, why in beams),
-                      key=lambda b: -b[0])[:width]

@@ -1,0 +1,129 @@
+"""Beam search over the engine: vLLM's offline `LLM.beam_search` (entrypoints/llm.py) and
+its servers' `use_beam_search` (BeamSearchStream), one algorithm for both.
+
+It ranks as HF transformers' `num_beams` search does: each step every live beam asks the
+engine for its 2 x beam_width most likely next tokens (a one-token greedy request whose
+prompt is the beam's tokens: beams share their blocks through the prefix cache); the
+beam_width best extensions by cumulative logprob live on, an end token among them (the
+beam_width best only) finishes its beam, and the answer is the beam_width best of the
+finished and live beams by cumulative logprob over generated length ** length_penalty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.outputs import BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+def step_params(width: int) -> SamplingParams:
+    """What each beam asks the engine for, each step: its next token's 2 x width best."""
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
+
+
+@dataclass
+class Beam:
+    tokens: list[int]  # generated
+    cum: float  # cumulative logprob
+    logprobs: list[dict[int, Logprob]]  # each step's top 2 x beam_width, the chosen token's among them
+
+
+class BeamSet:
+    """One prompt's beam search: live beams, the next-token logprobs of each (`tops`, set
+    by the caller each step), and the beams an end token finished."""
+
+    def __init__(self, prompt: list[int], tops: list[dict[int, Logprob]]) -> None:
+        self.prompt = prompt
+        self.live: list[Beam] = [Beam([], 0.0, [])]
+        self.tops = tops
+        self.finished: list[Beam] = []
+
+    def asks(self) -> list[list[int]]:
+        """The token sequences whose next token this step needs (one per live beam)."""
+        return [self.prompt + beam.tokens for beam in self.live]
+
+    def extend(self, width: int, stops: set[int]) -> None:
+        if not self.live:
+            return
+        candidates = sorted(((beam.cum + lp.logprob, tok, beam, top) for beam, top in zip(self.live, self.tops, strict=True)
+                             for tok, lp in top.items()), key=lambda c: -c[0])
+        self.live = []
+        for rank, (cum, tok, beam, top) in enumerate(candidates):
+            grown = Beam(beam.tokens + [tok], cum, beam.logprobs + [top])
+            if tok in stops:
+                if rank < width:  # (HF keeps an EOS only among the beam_width best)
+                    self.finished.append(grown)
+            elif len(self.live) < width:
+                self.live.append(grown)
+
+    def best(self, width: int, length_penalty: float) -> list[tuple[float, Beam, str]]:
+        beams = [(beam, "stop") for beam in self.finished] + [(beam, "length") for beam in self.live]
+        return sorted(((beam.cum / len(beam.tokens) ** length_penalty, beam, why) for beam, why in beams),
+                      key=lambda b: -b[0])[:width]
+
+    def sequences(self, width: int, length_penalty: float, decode: Callable[[list[int]], str] | None,
+                  ) -> list[BeamSearchSequence]:
+        """The answer as vLLM's offline beam search gives it: each sequence's text is all
+        its tokens decoded, the prompt's too."""
+        return [BeamSearchSequence(self.prompt + beam.tokens, decode(self.prompt + beam.tokens) if decode else None,
+                                   beam.cum, score, why, [dict(step) for step in beam.logprobs],  # (beams shared them)
+                                   beam.tokens[-1] if why == "stop" else None)
+                for score, beam, why in self.best(width, length_penalty)]
+
+
+# One one-token request's top logprobs: (the token ids it continues, its lora) -> them.
+NextTokens = Callable[[list[int]], Awaitable[dict[int, Logprob]]]
+
+
+class BeamSearchStream:
+    """A server request's beam search (`use_beam_search`), read as an engine request's
+    stream is: one final RequestOutput whose `n` completions are the beams, best first
+    (their text the generated tokens decoded, an ending end token left out, as vLLM's
+    servers answer).  `next_tokens` runs one beam's step on the engine; `close()` (a
+    client gone) cancels the search, and with it the step in flight."""
+
+    def __init__(self, request_id: str, prompt: Any, prompt_ids: list[int], params: BeamSearchParams,
+                 next_tokens: NextTokens, stops: set[int], max_model_len: int,
+                 decode: Callable[[list[int]], str]) -> None:
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.next_tokens, self.stops, self.max_model_len, self.decode = next_tokens, stops, max_model_len, decode
+        self._task: asyncio.Task | None = None
+        self._done = False
+
+    def __aiter__(self) -> BeamSearchStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        self._task = asyncio.ensure_future(self._search())
+        try:
+            out = await self._task
+        finally:
+            self._done = True
+        return out
+
+    def close(self) -> None:
+        self._done = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _search(self) -> RequestOutput:
+        width = self.params.beam_width
+        beams = BeamSet(self.prompt_ids, [await self.next_tokens(self.prompt_ids)])
+        for n in range(self.params.max_tokens):
+            if not beams.live or len(self.prompt_ids) + n >= self.max_model_len:
+                break
+            if n:
+                beams.tops = list(await asyncio.gather(*(self.next_tokens(ids) for ids in beams.asks())))
+            beams.extend(width, self.stops)
+        outputs = []
+        for i, (_, beam, why) in enumerate(beams.best(width, self.params.length_penalty)):
+            shown = beam.tokens[:-1] if why == "stop" else beam.tokens
+            outputs.append(CompletionOutput(i, self.decode(shown), beam.tokens, beam.cum, None, why,
+                                            beam.tokens[-1] if why == "stop" else None))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs, finished=True)
