@@ -121,6 +121,8 @@ class AsyncLLM:
         self.runner: str = info.runner
         self.classifier_token_ids: tuple[int, int] | None = info.classifier_token_ids
         self.chat_template: str | None = info.chat_template  # None: a base model (no chat without one given)
+        self.stop_token_ids: tuple[int, ...] = info.stop_token_ids  # (beam search ends beams at them)
+        self.max_logprobs: int = info.max_logprobs
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.log_stats = LoggingStatLogger(log_interval, device=info.device) if log_stats else None
         if self.log_stats is not None:

@@ -122,6 +122,8 @@ class EngineInfo:
     max_model_len: int
     device: str  # "CPU" or "GPU", for the log line
     chat_template: str | None = None  # the model's own (None: a base model, which serves completions)
+    stop_token_ids: tuple[int, ...] = ()  # the tokens that end an answer (EOS, the generation config's)
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (beam search asks 2 x width)
 
 
 class PreparedRequest(Protocol):

@@ -65,6 +65,8 @@ class ReplicaInfo:
     description: dict[str, Any]
     device: str  # "CPU" or "GPU", for the log line
     takes_images: bool = False  # a vision-language model (replicas do not serve images yet)
+    stop_token_ids: tuple[int, ...] = ()
+    max_logprobs: int = 20
 
 
 @dataclass
@@ -214,7 +216,8 @@ class EngineReplica:
             structured_outputs_backend=engine.structured_outputs_backend, max_model_len=engine.max_model_len,
             max_prompt_chars=engine.max_prompt_chars, block_size=cache.block_size, num_blocks=int(cache.num_blocks or 0), description=engine.describe(),
             device="GPU" if engine.device.type == "cuda" else engine.device.type.upper(),
-            takes_images=engine.input_processor.image_prompts is not None)
+            takes_images=engine.input_processor.image_prompts is not None,
+            stop_token_ids=tuple(engine.stop_token_ids), max_logprobs=engine.max_logprobs)
 
     async def pid(self) -> int:
         return os.getpid()

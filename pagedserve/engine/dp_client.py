@@ -88,7 +88,8 @@ class RayDPClient:
         info = replicas.info
         self.info = EngineInfo(info.tokenizer, info.vocab_size, info.max_prompt_chars, info.sampling_defaults,
                                info.structured_outputs_backend, "generate",  # EngineArgs refuses pooling with replicas
-                               None, info.max_model_len, info.device, info.chat_template)
+                               None, info.max_model_len, info.device, info.chat_template, info.stop_token_ids,
+                               info.max_logprobs)
         self.dead_error: BaseException | None = None
         self.local_engine: LLMEngine | None = None  # every engine is in a replica
         self.router = Router(replicas.router_config, n, info.block_size, info.num_blocks)

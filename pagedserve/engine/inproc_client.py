@@ -74,6 +74,8 @@ class InprocEngine(Protocol):
     classifier_token_ids: tuple[int, int] | None
     input_processor: InputProcessing
     chat_template: str | None
+    stop_token_ids: list[int]
+    max_logprobs: int
 
     @property
     def device(self) -> Any: ...
@@ -164,7 +166,8 @@ class InprocClient:
         self.info = EngineInfo(
             engine.tokenizer, engine.vocab_size, engine.max_prompt_chars, engine.sampling_defaults(),
             engine.structured_outputs_backend, engine.runner, engine.classifier_token_ids, engine.max_model_len,
-            "GPU" if is_cuda(engine.device) else engine.device.type.upper(), engine.chat_template)
+            "GPU" if is_cuda(engine.device) else engine.device.type.upper(), engine.chat_template,
+            tuple(engine.stop_token_ids), engine.max_logprobs)
         self.dead_error: BaseException | None = None
         self._sink: ClientSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -157,6 +157,7 @@ class LLMEngine:
         if self.vocab_size is None:
             raise ValueError("the model config has no vocab_size")
         self.max_model_len = config.scheduler_config.max_model_len
+        self.max_logprobs = config.model_config.max_logprobs
         self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
         stop_ids = self.stop_token_ids = [t for t in [self.eos_token_id, *self._extra_eos_ids] if t is not None]
         # Grammars for structured outputs (the grammar library loads on the first one):

@@ -22,6 +22,8 @@ class EngineClient(Protocol):
     runner: str  # "generate", or "pooling" (embeddings and scores)
     classifier_token_ids: tuple[int, int] | None  # the pooling runner's scorer tokens, if any
     chat_template: str | None  # the model's own; None: a base model
+    stop_token_ids: tuple[int, ...]  # the tokens that end an answer (beam search ends beams at them)
+    max_logprobs: int  # the most top logprobs a request may ask for
 
     @property
     def errored(self) -> bool:

@@ -3,6 +3,8 @@ tiny model: the same beams, in the same order, with the same scores."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -114,3 +116,44 @@ def test_a_beams_text_is_all_its_tokens_decoded_as_vllms() -> None:
     tok = llm.get_tokenizer()
     for seq in out.sequences:
         assert seq.text == tok.decode(seq.tokens) and seq.text.startswith("The capital of France is"), seq.text
+
+
+def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
+    """vLLM's use_beam_search on /v1/completions and /v1/chat/completions (it was refused):
+    n beams, best first, as LLM.beam_search finds them (the generated text alone, as
+    vLLM's servers answer), streamed or not; what beam search does not read is refused
+    by name, and so is length_penalty without it."""
+    import asyncio
+
+    import httpx
+
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
+
+    llm = LLM("smollm2-135m-instruct", max_model_len=128, kv_cache_memory_bytes="32MiB")
+    prompt = "The capital of France is"
+    [ref] = llm.beam_search([{"prompt": prompt}], BeamSearchParams(beam_width=3, max_tokens=5))
+    state = ServerState(served_model_names=["m"])
+    app = build_app(state)
+    state.attach(Attachment.local(AsyncLLM(llm.llm_engine, log_stats=False), 128))
+    body = {"model": "m", "prompt": prompt, "max_tokens": 5, "n": 3, "use_beam_search": True}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            whole = (await c.post("/v1/completions", json=body)).json()
+            streamed = (await c.post("/v1/completions", json={**body, "stream": True})).text
+            chat = (await c.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2,
+                "use_beam_search": True})).json()
+            refused = [(await c.post("/v1/completions", json={**body, **extra})).json()["error"]["param"]
+                       for extra in ({"temperature": 0.5}, {"logprobs": 1}, {"n": 11},
+                                     {"use_beam_search": False, "length_penalty": 0.5})]
+            return whole, streamed, chat, refused
+
+    whole, streamed, chat, refused = asyncio.run(run())
+    want = [seq.text[len(prompt):] for seq in ref.sequences]
+    assert [c["text"] for c in whole["choices"]] == want, (whole, want)
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert sorted((ch["index"], ch["text"]) for c in chunks for ch in c["choices"]) == list(enumerate(want))
+    assert [c["index"] for c in chat["choices"]] == [0, 1] and all(c["message"]["content"] for c in chat["choices"])
+    assert refused == ["temperature", "logprobs", "n", "length_penalty"]

@@ -122,6 +122,8 @@ class FakeEngine:
     structured_outputs_backend = "guidance"
     runner = "generate"
     classifier_token_ids = None
+    max_logprobs = 20
+    stop_token_ids = [0]  # (the character tokenizer's EOS)
 
     def __init__(self, script: str = "abcdefghij", step_time: float = 0.0, busy: bool = False,
                  fail_after_steps: int | None = None, max_model_len: int = 4096,

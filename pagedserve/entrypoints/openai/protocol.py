@@ -141,6 +141,8 @@ class _SamplingFields(OpenAIRequestBody):
     # text expected back; the engine drafts from it (SamplingParams.prediction).
     prediction: dict[str, Any] | None = None
     thinking_token_budget: int | None = None  # vLLM's: reasoning tokens, then "</think>" (pagedserve/reasoning.py)
+    use_beam_search: bool = False  # vLLM's: the n best beams (n the width; OpenAIServing.beam_search_params)
+    length_penalty: float = 1.0  # vLLM's: a beam's score is its logprob over its length ** this
 
     # vLLM's, not implemented here: refused when set (check_unsupported), as ignoring it changes the answer.
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern",)

@@ -48,7 +48,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 # value that asks for nothing (they are not modelled either).  spaces_between_special_tokens
 # asks for nothing of a fast tokenizer (vLLM's fast detokenizer does not read it either).
 VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), "beam search is not served on this route (offline: LLM.beam_search)"),
+    "use_beam_search": ((False,), "beam search is served on /v1/completions and /v1/chat/completions, not here"),
     "length_penalty": ((1.0,), "it weighs beam search's candidates, and beam search is not served on this route"),
     "logits_processors": (([],), "this server loads no custom logits processors"),
     "vllm_xargs": (({},), "no custom logits processor here reads it"),

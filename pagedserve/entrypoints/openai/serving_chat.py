@@ -278,7 +278,7 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = self._reasoning(prompt, params, final_assistant_text(req) if req.continue_final_message else "")
         prompt = self.truncated(prompt, req.truncate_prompt_tokens, req.requested_max_tokens() or 1)
         self.check_length(len(prompt.token_ids), req.requested_max_tokens())
-        return PreparedRequest(model, [prompt], params, plan, reasoning)
+        return PreparedRequest(model, [prompt], params, plan, reasoning, beam=self.beam_search_params(req, params))
 
     def _reasoning(self, prompt: TokenizedPrompt, params: SamplingParams, continued: str) -> ReasoningParser | None:
         """The reasoning parser that splits this answer, if any: none when the prompt

@@ -57,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
                    for p in self._prompts(req.prompt, params.n, req.add_special_tokens, req.truncate_prompt_tokens is not None)]
         for p in prompts:
             self.check_length(len(p.token_ids), req.max_tokens, "prompt")
-        return PreparedRequest(model, prompts, params)
+        return PreparedRequest(model, prompts, params, beam=self.beam_search_params(req, params))
 
     def _prompts(self, prompt: str | list, n: int, add_special_tokens: bool = True,
                  cut: bool = False) -> list[TokenizedPrompt]:

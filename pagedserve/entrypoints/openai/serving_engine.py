@@ -29,6 +29,7 @@ from pagedserve.engine.async_llm import (
     RequestStream,
     RequestTimeoutError,
 )
+from pagedserve.engine.beam_search import BeamSearchStream, step_params
 from pagedserve.engine.chat_utils import encode_text
 from pagedserve.engine.detokenizer import decoder_of
 from pagedserve.engine.input_processor import InputProcessor
@@ -56,7 +57,8 @@ from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.request_limits import MAX_SEQUENCES_PER_REQUEST, MAX_WARNED_FIELD_NAMES
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.utils import same_value
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 logger = logging.getLogger("pagedserve.api_server")
@@ -105,6 +107,16 @@ def request_failed(finish_reason: str | None, reason: object = None) -> OpenAIEr
                        "other requests are unaffected.", status=500, type="server_error")
 
 
+# What beam search does not read: each refused by name (OpenAIServing.beam_search_params)
+# at any value but these, which ask for nothing.
+BEAM_IGNORED: dict[str, tuple[Any, ...]] = {
+    "temperature": (None, 0.0), "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
+    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+    "stop": (None, [], ""), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "min_tokens": (0,), "prediction": (None,), "thinking_token_budget": (None,), "prompt_logprobs": (None,),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "stop_token_ids": (None, []),
+}
+
 @dataclass
 class PreparedRequest:
     """What a validated request becomes: the model name to answer with, its prompts
@@ -119,6 +131,7 @@ class PreparedRequest:
     # Where each prompt came from, (field, "field[i]"), when that is not the i-th item of
     # the prompt field (score and rerank pairs); None: the i-th item.
     labels: list[tuple[str, str]] | None = None
+    beam: BeamSearchParams | None = None  # use_beam_search: each prompt's beams (engine/beam_search.py)
 
     def prompt_label(self, i: int, field: str | None) -> tuple[str, str] | None:
         """How an error names prompt `i` of several (None: the request has one)."""
@@ -245,7 +258,7 @@ class OpenAIServing:
                streams: list[RequestStream]) -> AsyncIterator[str]:
         raise NotImplementedError  # (the pooling routes never stream)
 
-    async def start(self, req: Any, prep: PreparedRequest) -> tuple[str, list[RequestStream]]:
+    async def start(self, req: Any, prep: PreparedRequest) -> tuple[str, list[RequestStream | BeamSearchStream]]:
         """Hand every prompt to the engine, which validates it; any refusal aborts the
         ones already accepted and becomes a 400 before the response starts.  The
         request is admitted as a whole: its first prompt meets max_waiting_requests.
@@ -254,7 +267,7 @@ class OpenAIServing:
         request_id = random_id(self.id_prefix)
         answer_id = request_id if req.request_id is None else f"{self.id_prefix}-{check_request_id(req.request_id)}"
         lora_request = self.lora_request(req.model)
-        streams: list[RequestStream] = []
+        streams: list[RequestStream | BeamSearchStream] = []
         i = 0
         try:
             for i, p in enumerate(prep.prompts):
@@ -262,10 +275,12 @@ class OpenAIServing:
                 prompt = p.engine_prompt()
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
-                streams.append(await self.engine.add_request(
-                    rid, prompt, prep.params, req.priority, final_only=not req.stream,
-                    lora_request=lora_request,
-                    admitted=i > 0))
+                params = prep.params if prep.beam is None else step_params(prep.beam.beam_width)
+                stream = await self.engine.add_request(rid, prompt, params, req.priority,
+                                                       final_only=not req.stream or prep.beam is not None,
+                                                       lora_request=lora_request, admitted=i > 0)
+                streams.append(stream if prep.beam is None else self._beams(
+                    stream, rid, p, prep.beam, params, req, lora_request))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -273,6 +288,55 @@ class OpenAIServing:
                 raise self.invalid(req, e, prep.prompt_label(i, req.api_param("prompt"))) from e
             raise
         return answer_id, streams
+
+    def beam_search_params(self, req: Any, params: SamplingParams) -> BeamSearchParams | None:
+        """vLLM's use_beam_search: each prompt's n best beams (engine/beam_search.py; n is
+        the beam width), answered whole.  A field beam search does not read is refused by
+        name at any value that asks for something (beams rank by the model's own logprobs
+        and end at its end tokens; vLLM ignores these)."""
+        if not req.use_beam_search:
+            if not same_value(req.length_penalty, (1.0,)):
+                raise OpenAIError("length_penalty weighs beam search's candidates: it needs use_beam_search",
+                                  param="length_penalty")
+            return None
+        for name, neutral in BEAM_IGNORED.items():
+            if name in type(req).model_fields and not same_value(getattr(req, name), neutral):
+                raise OpenAIError(f"{name} is not read by beam search, which ranks by the model's own logprobs and "
+                                  "ends beams at its end tokens: leave it out with use_beam_search", param=name)
+        if params.structured_outputs is not None:
+            raise OpenAIError("use_beam_search cannot follow a response format, a grammar or a tool call's schema",
+                              param="use_beam_search")
+        beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or self.max_model_len,
+                                ignore_eos=params.ignore_eos, length_penalty=req.length_penalty)
+        try:
+            beam.validate(self.engine.max_logprobs)
+        except InvalidRequestError as e:
+            raise OpenAIError(str(e).replace("beam_width must", "n (the beam width) must").replace("x beam_width", "x n"),
+                              param="n" if e.param == "beam_width" else e.param) from None
+        return beam
+
+    def _beams(self, first: RequestStream, request_id: str, prompt: TokenizedPrompt, beam: BeamSearchParams,
+               step: SamplingParams, req: Any, lora_request: LoRARequest | None) -> BeamSearchStream:
+        """A prompt's beam search, from its first step's stream (the engine's checks of
+        the prompt ran on it: a refusal is a 400 before the answer starts)."""
+        streams = iter([first])
+
+        async def next_tokens(ids: list[int]) -> dict[int, Logprob]:
+            stream = next(streams, None) or await self.engine.add_request(
+                random_id("beam"), {"prompt_token_ids": ids, **({"cache_salt": req.cache_salt} if req.cache_salt
+                                                                else {})},
+                step, req.priority, final_only=True, lora_request=lora_request, admitted=True)
+            async for out in stream:
+                c = out.outputs[0]
+            if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
+                raise err
+            return c.logprobs[0]
+
+        stops = set() if beam.ignore_eos else set(self.engine.stop_token_ids)
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)) \
+            if self.tokenizer is not None else (lambda ids: "")
+        return BeamSearchStream(request_id, prompt.text, prompt.token_ids, beam, next_tokens, stops,
+                                self.max_model_len, decode)
 
     @staticmethod
     def invalid(req: Any, e: ValueError, label: tuple[str, str] | None = None) -> OpenAIError:

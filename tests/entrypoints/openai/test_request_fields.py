@@ -123,6 +123,10 @@ COMMON = {
     "prediction": ({"prediction": {"type": "content", "content": "hello world"}}, predicted),
     # (SmolLM2 is no thinking model: no <think> tokens; a thinking model's budget:
     # tests/entrypoints/openai/test_reasoning.py)
+    # vLLM's beam search: n beams (tests/e2e/test_beam_search.py: the offline search's beams)
+    "use_beam_search": ({"use_beam_search": True, "n": 2},
+                        lambda r, b, t: len(r.json()["choices"]) == 2 or pytest.fail(r.text)),
+    "length_penalty": ({"length_penalty": 2.0}, refused("length_penalty")),  # (without use_beam_search)
     "thinking_token_budget": ({"thinking_token_budget": 4}, lambda r, b, t: (
         refused("thinking_token_budget")(r, b, t), "</think> tokens" in r.json()["error"]["message"] or pytest.fail())),
     # OpenAI's caching, safety and tier hints: accepted without effect (docs/serving.md).
@@ -238,13 +242,14 @@ def test_vllms_mm_processor_kwargs_is_refused_by_name(server, chat):
 
 
 @pytest.mark.parametrize(("field", "value", "status"), [
-    ("use_beam_search", True, 400), ("use_beam_search", False, 200), ("length_penalty", 2.0, 400),
+    ("use_beam_search", True, 200), ("use_beam_search", False, 200), ("length_penalty", 2.0, 400),
     ("length_penalty", 1, 200), ("logits_processors", ["my.module:Proc"], 400), ("logits_processors", [], 200),
     ("vllm_xargs", {"k": 1}, 400), ("return_tokens_as_token_ids", True, 400), ("return_token_ids", True, 400),
     ("spaces_between_special_tokens", False, 200),
 ])
 def test_vllms_other_fields_are_refused_by_name_unless_they_ask_for_nothing(server, field, value, status):
-    """vLLM defines these; they were logged as unknown and ignored (beam search answered greedily)."""
+    """vLLM defines these; they were logged as unknown and ignored (beam search answered
+    greedily; it is served now, and length_penalty without it refused)."""
     r = post(server, True, **{field: value})
     assert r.status_code == status, r.text
     if status == 400:
