@@ -132,6 +132,10 @@ class _Cursor:
         return count
 
 
+class ArrayLength(int):
+    """A metadata array's length (its values are not read): not a scalar key's value."""
+
+
 def _read_gguf(path: str) -> GGUFFile:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -149,7 +153,7 @@ def _read_gguf(path: str) -> GGUFFile:
     for _ in range(n_kv):
         key, vtype = cur.string(), cur.take("<I")
         if vtype == _ARRAY:
-            metadata[key] = cur.skip_array(key)  # arrays: only their length is needed here
+            metadata[key] = ArrayLength(cur.skip_array(key))  # arrays: only their length is needed here
         elif vtype == _STRING:
             metadata[key] = cur.string()
         else:
@@ -158,7 +162,13 @@ def _read_gguf(path: str) -> GGUFFile:
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.take("<I")
         dims = tuple(cur.take("<Q") for _ in range(n_dims))
-        infos.append((name, dims, GGMLQuantizationType(cur.take("<I")), cur.take("<Q")))
+        type_id = cur.take("<I")
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has ggml type {type_id}, which the gguf package here does not "
+                             "know") from None
+        infos.append((name, dims, qtype, cur.take("<Q")))
     align = int(metadata.get("general.alignment", 32))
     data_start = -(-cur.pos // align) * align
     tensors = []
@@ -209,7 +219,11 @@ def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
     model_type, architecture = GGUF_ARCHITECTURES[arch]
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
+        if isinstance(value, ArrayLength):  # (llama.cpp takes per-layer arrays for some keys)
+            raise ValueError(f"{path}: GGUF key {arch}.{key} holds an array (a value per layer?); pagedserve "
+                             "reads one value for every layer")
+        return value
 
     heads = meta("attention.head_count")
     hidden = meta("embedding_length")
@@ -240,6 +254,13 @@ def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
         # Llama 3.1's scaling, as llama.cpp's converter stores it: each rotary frequency is
         # divided by its factor (RotaryEmbedding's freq_factors).
         kwargs["rope_freq_factors"] = [float(x) for x in np.asarray(freq_factors.data, dtype=np.float32).ravel()]
+    rotated = meta("rope.dimension_count")
+    if rotated is not None and rotated != kwargs["head_dim"]:
+        raise ValueError(f"{path}: GGUF {arch}.rope.dimension_count={rotated} rotates part of each head of "
+                         f"{kwargs['head_dim']}; partial rotary embeddings are not supported")
+    if any("ffn_gate_inp" in n for n in tensor_names):
+        raise ValueError(f"{path}: a mixture-of-experts GGUF (ffn_gate_inp: expert routing) of architecture "
+                         f"{arch!r}; GGUF files of mixture-of-experts models are not supported")
     if arch == "qwen2" or any(n.endswith("attn_q.bias") for n in tensor_names):
         kwargs["attention_bias"] = True
     if arch == "gemma3":
@@ -249,15 +270,21 @@ def gguf_to_hf_config(reader: GGUFFile, path: str) -> Any:
 
 def _gemma3_config(meta: Any, kwargs: dict[str, Any], path: str) -> dict[str, Any]:
     """Gemma 3's fields, as llama.cpp reads the file: the window from the metadata, the
-    layer pattern and local RoPE base it hard-codes, the attention scale 1/sqrt(head_dim)."""
+    layer pattern and local RoPE base it hard-codes, the final logits' soft cap where the
+    file has one, and the attention scale: 1/sqrt(head_dim), but for the 27B model (its 62
+    layers) 1/sqrt(hidden / heads), as Google's config says (query_pre_attn_scalar 168,
+    where head_dim is 128)."""
     window = meta("attention.sliding_window")
     if window is None:
         raise ValueError(f"{path}: GGUF gemma3 metadata lacks gemma3.attention.sliding_window")
     n = kwargs["num_hidden_layers"]
     full = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
     full.update(kwargs.pop("rope_scaling", None) or {})
+    scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"] if n == 62 else kwargs["head_dim"]
+    cap = meta("final_logit_softcapping")
     return dict(
-        sliding_window=int(window), query_pre_attn_scalar=kwargs["head_dim"],
+        final_logit_softcapping=float(cap) if cap else None,
+        sliding_window=int(window), query_pre_attn_scalar=scalar,
         layer_types=["full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(n)],
         rope_parameters={"full_attention": full,
                          "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA}},

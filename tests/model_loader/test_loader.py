@@ -368,3 +368,48 @@ def test_a_missing_tokenizer_path_is_named_as_the_tokenizer(tiny_checkpoint, tmp
     path, _ = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match=r"^tokenizer '.*nonexistent': unknown model"):
         load_tokenizer(ModelConfig(model=path, tokenizer=str(tmp_path / "nonexistent")))
+
+
+def _metadata_only(arch: str, layers: int = 2, hidden: int = 64, heads: int = 4, tensors=(), **keys):
+    from pagedserve.model_loader.gguf_utils import GGUFFile, GGUFTensor
+
+    meta = {"general.architecture": arch, f"{arch}.block_count": layers, f"{arch}.embedding_length": hidden,
+            f"{arch}.attention.head_count": heads, f"{arch}.feed_forward_length": 128, f"{arch}.vocab_size": 32,
+            **{f"{arch}.{k}": v for k, v in keys.items()}}
+    return GGUFFile(meta, [GGUFTensor(name, None, (1,), 1, np.zeros(1)) for name in tensors])
+
+
+def test_gguf_metadata_that_changes_the_math_is_read_or_refused() -> None:
+    """(GGUF audit) Gemma 3 27B's attention scale is 1/sqrt(hidden / heads), 168 where its
+    head is 128 (it was taken as 128: every layer's scores 1.15x too large); the final soft
+    cap is read; partial rotary embeddings, per-layer arrays and mixture-of-experts files
+    of a dense architecture are refused by name (they loaded wrongly, or failed unnamed)."""
+    from pagedserve.model_loader.gguf_utils import ArrayLength, gguf_to_hf_config
+
+    gemma = {"attention.key_length": 128, "attention.sliding_window": 1024}
+    big = gguf_to_hf_config(_metadata_only("gemma3", 62, 5376, 32, **gemma), "g.gguf")
+    small = gguf_to_hf_config(_metadata_only("gemma3", 26, 640, 4, **{**gemma, "attention.key_length": 256,
+                                                                      "final_logit_softcapping": 30.0}), "g.gguf")
+    assert (big.query_pre_attn_scalar, small.query_pre_attn_scalar) == (168, 256)
+    assert (big.final_logit_softcapping, small.final_logit_softcapping) == (None, 30.0)
+    for reader, match in [
+        (_metadata_only("qwen2", **{"rope.dimension_count": 8}), "rope.dimension_count=8 rotates part of each head"),
+        (_metadata_only("llama", **{"attention.head_count_kv": ArrayLength(2)}),
+         "llama.attention.head_count_kv holds an array"),
+        (_metadata_only("llama", tensors=["blk.0.ffn_gate_inp.weight"]), "mixture-of-experts GGUF"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            gguf_to_hf_config(reader, "x.gguf")
+
+
+def test_a_tensor_of_an_unknown_ggml_type_is_named(tmp_path) -> None:
+    good = str(tmp_path / "tiny.gguf")
+    write_gguf(make_hf_model("llama"), good, "llama")
+    data = bytearray(open(good, "rb").read())
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # (its dimension count, its two dimensions, then its type)
+    data[at:at + 4] = (250).to_bytes(4, "little")
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tensor 'token_embd.weight' has ggml type 250"):
+        load_model_config(ModelConfig(model=str(odd)), "cpu")
