@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                           allow_abbrev=False)
     _add_sampling_args(chat, temperature=0.7, max_tokens=512)
     _interactive_engine_args(chat, "1: one conversation")
+    remote = chat.add_argument_group("a running server instead of a model here (vLLM's `vllm chat --url`)")
+    remote.add_argument("--url", default=None,
+                        help="its OpenAI base URL, e.g. http://localhost:8000/v1 (the engine flags do not apply)")
+    remote.add_argument("--model-name", default=None, help="the served model to ask (default: its first)")
+    remote.add_argument("--api-key", default=None,
+                        help="its key (default: $PAGEDSERVE_API_KEY, else $OPENAI_API_KEY)")
+    remote.add_argument("--quick", default=None, metavar="MESSAGE",  # (vLLM's -q is --quantization's here)
+                        help="send this one message, print the answer, and exit")
 
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pagedserve serve --help`)", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -250,9 +258,34 @@ def _read_turn() -> str:
     return input()
 
 
+def cmd_chat_remote(ns: argparse.Namespace) -> None:
+    """`chat --url`: the conversation with a running server (entrypoints/remote_chat.py)."""
+    from dataclasses import fields
+
+    from pagedserve.entrypoints.remote_chat import (
+        NEUTRAL_SAMPLING,
+        RemoteChat,
+        api_key,
+        request_sampling,
+        run_remote_chat,
+    )
+
+    local = [f.name for f in fields(EngineArgs) if f.name != "seed" and getattr(ns, f.name, None) is not None]
+    if local or ns.max_num_seqs is not None or ns.torch_compile is not None:
+        raise ValueError(f"--{(local or ['max_num_seqs'])[0].replace('_', '-')} sets up a model here; with --url "
+                         "the server's model answers")
+    flags = {f: getattr(ns, f) for f in ("max_tokens", "temperature", *NEUTRAL_SAMPLING)}
+    chat = RemoteChat(ns.url, ns.model_name, api_key(ns.api_key), request_sampling(flags), ns.system)
+    run_remote_chat(chat, _read_turn, ns.quick)
+
+
 def cmd_chat(ns: argparse.Namespace) -> None:
     from pagedserve.sampling_params import RequestOutputKind
 
+    if ns.url is not None:
+        return cmd_chat_remote(ns)
+    if ns.model_name is not None or ns.api_key is not None or ns.quick is not None:
+        raise ValueError("--model-name, --api-key and --quick talk to a server: give its --url")
     _check_runner(ns)
     params = _sampling_params(ns)
     engine = _build_engine(ns, 1)

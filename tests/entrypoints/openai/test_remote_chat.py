@@ -1,0 +1,40 @@
+"""`pagedserve chat --url` (entrypoints/remote_chat.py): the chat loop against the real
+server, as vLLM's `vllm chat --url`: the answers the API gives, the conversation carried
+from turn to turn, a refusal printed and the turn dropped."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+from pagedserve.entrypoints import cli
+
+
+def api_answer(server, messages: list[dict]) -> str:
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                   json={"model": MODEL_NAME, "messages": messages, "max_tokens": 6, "temperature": 0.0})
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_url_asks_the_server_and_carries_the_conversation(server, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", API_KEY)
+    base = ["chat", "--url", server.url + "/v1", "--max-tokens", "6", "--temperature", "0"]
+    cli.main([*base, "--quick", "hello world"])
+    first = api_answer(server, [{"role": "user", "content": "hello world"}])
+    assert capsys.readouterr().out == first + "\n"
+    # two turns and a refused one (an empty stop string), read from standard input
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello world\nand then?\n/exit\n"))
+    cli.main(base)
+    second = api_answer(server, [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": first},
+                                 {"role": "user", "content": "and then?"}])
+    assert capsys.readouterr().out == f"{first}\n{second}\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/exit\n"))
+    cli.main([*base, "--stop", ""])
+    assert "error: 400" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--dtype sets up a model here"):
+        cli.main([*base, "--dtype", "float32", "--quick", "x"])
+    with pytest.raises(SystemExit, match="cannot reach"):
+        cli.main(["chat", "--url", "http://127.0.0.1:9/v1", "--quick", "x"])
