@@ -421,6 +421,7 @@ _LOGPROBS_RULES = (
 
 # Beam search asks the engine for each beam's 2 x beam_width most likely next tokens.
 MAX_BEAM_WIDTH = 10
+MAX_LENGTH_PENALTY = 10.0  # (HF's and vLLM's examples use 0.6-2)
 
 
 @vllm_kwargs({"temperature": ((0.0,), "beam search here ranks by the model's own logprobs (temperature 0)"),
@@ -447,6 +448,7 @@ class BeamSearchParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r:.60}",
                                       param="ignore_eos")
-        if not is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
-            raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}",
-                                      param="length_penalty")
+        # (bounded: a beam's length ** 1000 overflowed, ** -1000 reached 0, after the whole search)
+        if not is_number(self.length_penalty) or not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise InvalidRequestError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                                      f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r:.40}", param="length_penalty")

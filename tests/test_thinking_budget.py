@@ -4,6 +4,8 @@ keeps whatever the model does."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -37,20 +39,27 @@ def test_the_end_is_due_once_the_budget_is_spent_inside_a_block_and_the_pending_
     assert state.must_end() and state.spent == 2
 
 
+def _thinking(tokens: list[int], opened: bool) -> tuple[int, bool]:
+    """(tokens spent inside blocks, whether the sequence ends inside one), read off the
+    sequence as text: a block is a start tag and what follows up to an end tag."""
+    text = ("S" if opened else "") + "".join({S: "S", E: "E"}.get(t, "x") for t in tokens)
+    blocks = re.findall(r"S([^E]*)", text)
+    spent = sum(len(b) for b in blocks)
+    return spent, re.search(r"S[^E]*$", text) is not None
+
+
 @given(budget=st.integers(0, 6), opened=st.booleans(),
        picks=st.lists(st.sampled_from([S, E, X, X, X]), max_size=60))
 def test_a_model_forced_at_each_due_end_never_thinks_past_its_budget(budget, opened, picks) -> None:
     """Whatever tokens the model would pick, replacing each pick by the end tag where one
-    is due keeps the tokens inside blocks to the budget, and changes no pick otherwise."""
+    is due keeps the tokens inside blocks to the budget, and changes a pick only where
+    the answer so far is inside a block with the budget spent."""
     state = ThinkingBudget(budget, S, E, inside=opened)
-    inside, spent = opened, 0
+    out: list[int] = []
     for pick in picks:
         token = E if state.must_end() else pick
         if token != pick:
-            assert inside and spent == budget  # forced exactly when the budget is spent inside a block
+            assert _thinking(out, opened) == (budget, True), (out, pick)
         state.read([token])
-        if inside:
-            inside, spent = token != E, spent + (token != E)
-        else:
-            inside = token == S
-        assert (state.inside, state.spent) == (inside, spent) and spent <= budget
+        out.append(token)
+    assert _thinking(out, opened)[0] <= budget

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.utils import same_value
+
 # vLLM's `task` (before its `runner`): the runner each one takes.
 _TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling", "encode": "pooling",
                  "classify": "pooling", "score": "pooling", "reward": "pooling"}
@@ -47,7 +49,8 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     """What scripts written for vLLM's `LLM(...)` pass, in this engine's terms: `task`
     as the runner it names, `seed=None` as a random engine seed, `quantization=None` as
     "auto" (both vLLM's defaults), `swap_space=N` (GiB of host memory a preempted
-    request's KV is swapped to) as preemption_mode "swap" with kv_offload_bytes N GiB,
+    request's KV is swapped to) as kv_offload_bytes where preemption_mode is "swap" (else
+    without effect, as in vLLM v1, which swaps nothing),
     `structured_outputs_config={"backend": ...}` (and
     `guided_decoding_backend`) as structured_outputs_backend, `compilation_config` as
     torch_compile, `distributed_executor_backend` as the executor it names, and its other
@@ -55,7 +58,7 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(kwargs)
     for name in [k for k in kwargs if k in _NEUTRAL]:
         value, (neutral, why) = kwargs.pop(name), _NEUTRAL[name]
-        if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+        if not (value is None and None in neutral or same_value(value, neutral)):
             raise ValueError(f"{name}={value!r:.60} is not supported here: {why}")
     _config_spellings(kwargs)
     if "task" in kwargs:
@@ -79,10 +82,9 @@ def _config_spellings(kwargs: dict[str, Any]) -> None:
     """vLLM's swap_space, structured_outputs_config, guided_decoding_backend,
     compilation_config and distributed_executor_backend as this engine's fields (in place)."""
     swap = kwargs.pop("swap_space", None)
-    if swap:
-        if isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r:.40}")
-        kwargs.setdefault("preemption_mode", "swap")
+    if swap is not None and (isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0):
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r:.40}")
+    if swap and kwargs.get("preemption_mode") == "swap":
         kwargs.setdefault("kv_offload_bytes", int(swap * 2**30))
     config = kwargs.pop("structured_outputs_config", None)
     if config is not None:

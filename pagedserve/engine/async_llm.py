@@ -107,6 +107,7 @@ class AsyncLLM:
         self._on_dead = on_dead
         self._closed: BaseException | None = None  # set by close_admission: new requests get this
         self._collectors: dict[str, OutputCollector] = {}  # open requests (event loop only)
+        self._groups: dict[str, str] = {}  # open requests that are steps of a longer one -> its id (add_request)
         self._started = False
         info = self.client.info
         self.tokenizer = info.tokenizer
@@ -184,7 +185,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ client API
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
                           priority: int = 0, final_only: bool = False,
-                          lora_request: LoRARequest | None = None, admitted: bool = False) -> RequestStream:
+                          lora_request: LoRARequest | None = None, admitted: bool = False,
+                          group: str | None = None, deadline: float | None = None) -> RequestStream:
         """Validate and queue one request; returns once an engine has accepted it, so a
         bad request raises (ValueError / InvalidRequestError) before a server has sent
         anything.  The returned stream must be read to its end or closed; with
@@ -192,19 +194,27 @@ class AsyncLLM:
         PoolingParams request (pooling runner) yields one PoolingRequestOutput.
         `admitted`: a later prompt of one client request whose first was let in, so
         `max_waiting_requests` does not count the request's own prompts against it (a
-        fan-out is let in or refused as a whole)."""
+        fan-out is let in or refused as a whole).  `group`: a step of a longer request (a
+        beam search's), let in, and counted once per group against max_waiting_requests
+        however many of its steps wait; `deadline` (time.monotonic()): that request's,
+        instead of request_timeout from now."""
         started = time.monotonic()  # (the timeout counts tokenizing and grammar compiling too)
+        admitted = admitted or group is not None
         self._admit(request_id, admitted)
         request = await self.client.prepare(request_id, prompt, sampling_params, priority, lora_request)
         self._admit(request_id, admitted)  # the door may have closed (or the id been taken) meanwhile
         collector = OutputCollector()
         self._collectors[request_id] = collector
+        if group is not None:  # (before the engine counts it waiting: another admission may look meanwhile)
+            self._groups[request_id] = group
         try:
             await self.client.add_request(request, final_only)
         except BaseException:
             self._collectors.pop(request_id, None)
+            self._groups.pop(request_id, None)
             raise
-        deadline = None if self.request_timeout is None else started + self.request_timeout
+        if deadline is None and self.request_timeout is not None:
+            deadline = started + self.request_timeout
         return RequestStream(self, request_id, collector, deadline, final_only)
 
     def _admit(self, request_id: str, admitted: bool = False) -> None:
@@ -215,7 +225,9 @@ class AsyncLLM:
         if self._closed is not None:
             raise self._closed
         limit = self.max_waiting_requests
-        if limit is not None and not admitted and self.client.num_waiting >= limit:
+        groups = self._groups  # (a group's steps, waiting or running, count as one waiting request)
+        if limit is not None and not admitted and self.client.num_waiting - len(groups) + len(set(groups.values())) \
+                >= limit:
             raise EngineOverloadedError(f"The server is overloaded: {limit} requests are already waiting "
                                         "(max_waiting_requests); retry later.")
         if request_id in self._collectors:
@@ -255,6 +267,7 @@ class AsyncLLM:
     def forget(self, request_id: str, abort: bool) -> None:
         """A stream is done with its request (finished, or closed early: abort it)."""
         self._collectors.pop(request_id, None)
+        self._groups.pop(request_id, None)
         if abort:
             self.client.abort(request_id)
 

@@ -88,9 +88,11 @@ class BeamSearchStream:
 
     def __init__(self, request_id: str, prompt: Any, prompt_ids: list[int], params: BeamSearchParams,
                  next_tokens: NextTokens, stops: set[int], max_model_len: int,
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[[list[int]], str], on_close: Callable[[], None] = lambda: None) -> None:
+        """`on_close`: what closing it before it ran must also close (its first step's stream)."""
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.next_tokens, self.stops, self.max_model_len, self.decode = next_tokens, stops, max_model_len, decode
+        self.on_close = on_close
         self._task: asyncio.Task | None = None
         self._done = False
 
@@ -111,6 +113,7 @@ class BeamSearchStream:
         self._done = True
         if self._task is not None:
             self._task.cancel()
+        self.on_close()
 
     async def _search(self) -> RequestOutput:
         width = self.params.beam_width
@@ -119,7 +122,13 @@ class BeamSearchStream:
             if not beams.live or len(self.prompt_ids) + n >= self.max_model_len:
                 break
             if n:
-                beams.tops = list(await asyncio.gather(*(self.next_tokens(ids) for ids in beams.asks())))
+                steps = [asyncio.ensure_future(self.next_tokens(ids)) for ids in beams.asks()]
+                try:
+                    beams.tops = list(await asyncio.gather(*steps))
+                except BaseException:  # (one step failed, or the search was cancelled: the others too)
+                    for task in steps:
+                        task.cancel()
+                    raise
             beams.extend(width, self.stops)
         outputs = []
         for i, (_, beam, why) in enumerate(beams.best(width, self.params.length_penalty)):

@@ -177,7 +177,12 @@ class InprocClient:
         self._thread: threading.Thread | None = None
         self._req_stats: dict[str, _ReqStats] = {}  # engine thread only
         self._num_waiting = 0  # the scheduler's waiting queue after the last step (written by the engine thread)
-        self._pending_adds = 0  # adds sent to the engine thread and not answered yet (event loop only)
+        # Adds sent to the engine thread (by the event loop) and taken by it (by the engine
+        # thread, after counting them into _num_waiting): their difference, the adds on the
+        # way.  (A count of adds not yet answered, kept on the event loop, counted each add
+        # twice until its answer got there: a burst of 4 looked like 8 waiting.)
+        self._adds_sent = 0
+        self._adds_taken = 0
         # The dashboard's snapshot listener (engine thread state, set through a command).
         self._watcher: Callable[[KVSnapshot, float], None] | None = None
         self._snapshot_full = True
@@ -196,8 +201,8 @@ class InprocClient:
 
     @property
     def num_waiting(self) -> int:
-        """The scheduler's queue after the last step, those added since, and adds not answered yet."""
-        return self._num_waiting + self._pending_adds
+        """The scheduler's queue after the last step, those added since, and adds on the way."""
+        return self._num_waiting + self._adds_sent - self._adds_taken
 
     def start(self, sink: ClientSink) -> None:
         """Bind to the running event loop and start the engine thread (idempotent)."""
@@ -237,16 +242,14 @@ class InprocClient:
         it (its refusals, such as an id in use or a prompt the KV cache cannot hold, raise here)."""
         assert self._loop is not None
         future = self._loop.create_future()
+        self._adds_sent += 1
         self._send(_AddRequestCommand(request, time.monotonic(), future))
-        self._pending_adds += 1
         try:
             await future
         except BaseException:
             if not future.done():  # cancelled while queued: the engine thread skips it
                 future.cancel()
             raise
-        finally:
-            self._pending_adds -= 1
 
     def abort(self, request_id: str) -> None:
         """FIFO after the add; the engine thread ignores ids it does not hold."""
@@ -408,6 +411,12 @@ class InprocClient:
         self._call_soon(self._watcher, snapshot, time.perf_counter() - t0)
 
     def _add(self, cmd: _AddRequestCommand) -> None:
+        try:
+            self._take(cmd)
+        finally:
+            self._adds_taken += 1  # (after _num_waiting counts it: never a moment counted nowhere)
+
+    def _take(self, cmd: _AddRequestCommand) -> None:
         if cmd.future.cancelled():
             return
         request = cmd.request

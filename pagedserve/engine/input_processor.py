@@ -435,6 +435,9 @@ class InputProcessor:
         if [end] in params.bad_words_token_ids:
             raise InvalidRequestError(f"thinking_token_budget forces {END} once spent, which bad_words forbid",
                                       param="thinking_token_budget")
+        if params.allowed_token_ids is not None and end not in params.allowed_token_ids:
+            raise InvalidRequestError(f"thinking_token_budget forces {END} (token {end}) once spent, which "
+                                      "allowed_token_ids leave out", param="thinking_token_budget")
         inside = answer_starts_inside(prompt_ids, start, end, special_token_ids(tok))
         grammar = params.structured_outputs
         if inside and grammar is not None and grammar.after_token != end:

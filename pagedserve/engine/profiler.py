@@ -46,6 +46,7 @@ class Profiler:
         self._profile: Any = None
         self._prefix = ""
         self._timer: threading.Timer | None = None
+        self._started = 0  # profiles started: a timer stops only its own
 
     def start(self, prefix: str | None = None) -> None:
         if self.directory is None:
@@ -63,16 +64,18 @@ class Profiler:
                                     experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
             self._prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", prefix or "pagedserve")[:100]  # (a file name)
             self._profile.start()
+            self._started += 1
             if self.max_seconds is not None:
-                self._timer = threading.Timer(self.max_seconds, self._stop_if_running)
+                self._timer = threading.Timer(self.max_seconds, self._stop_if_running, (self._started,))
                 self._timer.daemon = True
                 self._timer.start()
         logger.info("profiling started (traces to %s)", self.directory)
 
-    def stop(self) -> str:
-        """End the profile and write its trace; its path."""
+    def stop(self, which: int | None = None) -> str:
+        """End the profile (`which`: only if it is the one started that many-th) and write
+        its trace; its path."""
         with self._lock:
-            if self._profile is None:
+            if self._profile is None or which not in (None, self._started):
                 raise RuntimeError("no profile is running (start_profile starts one)")
             running, self._profile = self._profile, None
             if self._timer is not None:
@@ -84,9 +87,9 @@ class Profiler:
         logger.info("profile written to %s", path)
         return path
 
-    def _stop_if_running(self) -> None:
+    def _stop_if_running(self, which: int) -> None:
         try:
-            path = self.stop()
+            path = self.stop(which)  # (a timer that fired as its profile stopped leaves the next one be)
         except RuntimeError:
             return  # (stopped meanwhile)
         logger.warning("profile stopped after %.0f s (its most), written to %s", self.max_seconds, path)

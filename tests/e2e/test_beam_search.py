@@ -135,8 +135,11 @@ def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
     [ref] = llm.beam_search([{"prompt": prompt}], BeamSearchParams(beam_width=3, max_tokens=5))
     state = ServerState(served_model_names=["m"])
     app = build_app(state)
-    state.attach(Attachment.local(AsyncLLM(llm.llm_engine, log_stats=False), 128))
+    front = AsyncLLM(llm.llm_engine, log_stats=False)
+    state.attach(Attachment.local(front, 128))
     body = {"model": "m", "prompt": prompt, "max_tokens": 5, "n": 3, "use_beam_search": True}
+
+    long = {**body, "n": 4, "max_tokens": 100, "ignore_eos": True}
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -147,13 +150,29 @@ def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
                 "use_beam_search": True})).json()
             refused = [(await c.post("/v1/completions", json={**body, **extra})).json()["error"]["param"]
                        for extra in ({"temperature": 0.5}, {"logprobs": 1}, {"n": 11},
-                                     {"use_beam_search": False, "length_penalty": 0.5})]
-            return whole, streamed, chat, refused
+                                     {"use_beam_search": False, "length_penalty": 0.5}, {"length_penalty": 1000})]
+            # The front door's limits hold for a search as a whole (its steps are requests
+            # of their own): request_timeout ends it (each step had a fresh deadline: 200
+            # after 13.6 s of a 2 s timeout), and it counts as one waiting request (its n
+            # steps waiting each turn made max_waiting_requests refuse every other client
+            # while it ran: 74 of 74 503s).
+            front.request_timeout = 0.3
+            late = (await c.post("/v1/completions", json=long)).status_code
+            while front.num_waiting:  # (its last steps, aborted: gone at the engine's next turn)
+                await asyncio.sleep(0.01)
+            front.request_timeout, front.max_waiting_requests = None, 2
+            search = asyncio.ensure_future(c.post("/v1/completions", json=long))
+            others = []
+            while not search.done() and len(others) < 6:
+                probe = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+                others.append(probe.status_code)
+            return whole, streamed, chat, refused, late, (await search).status_code, others
 
-    whole, streamed, chat, refused = asyncio.run(run())
+    whole, streamed, chat, refused, late, searched, others = asyncio.run(asyncio.wait_for(run(), 120))
     want = [seq.text[len(prompt):] for seq in ref.sequences]
     assert [c["text"] for c in whole["choices"]] == want, (whole, want)
     chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
     assert sorted((ch["index"], ch["text"]) for c in chunks for ch in c["choices"]) == list(enumerate(want))
     assert [c["index"] for c in chat["choices"]] == [0, 1] and all(c["message"]["content"] for c in chat["choices"])
-    assert refused == ["temperature", "logprobs", "n", "length_penalty"]
+    assert refused == ["temperature", "logprobs", "n", "length_penalty", "length_penalty"]
+    assert late == 408 and searched == 200 and others and set(others) == {200}, (late, searched, others)

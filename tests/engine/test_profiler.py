@@ -55,6 +55,8 @@ def test_off_unless_a_directory_is_named_and_a_server_profile_stops_itself(tmp_p
         time.sleep(0.05)
     assert len(list(tmp_path.glob("*.pt.trace.json"))) == 1
     bounded.start()  # (the one that stopped itself is over)
+    with pytest.raises(RuntimeError, match="no profile is running"):  # (the first one's timer, late: not this one)
+        bounded.stop(which=1)
     bounded.stop()
 
 

@@ -218,10 +218,13 @@ def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
     # vLLM's other arguments, as its example scripts pass them: each is this engine's
     # field of that meaning, dropped where it asks for nothing, else refused by name.
     args = EngineArgs.from_kwargs(structured_outputs_config={"backend": "xgrammar"}, compilation_config=0,
-                                  swap_space=2, disable_log_stats=True, tokenizer_mode="auto", revision=None,
-                                  distributed_executor_backend="mp", tensor_parallel_size=1)
+                                  swap_space=2, preemption_mode="swap", disable_log_stats=True, tokenizer_mode="auto",
+                                  revision=None, distributed_executor_backend="mp", tensor_parallel_size=1,
+                                  cpu_offload_gb=0.0)
     assert (args.structured_outputs_backend, args.torch_compile, args.preemption_mode, args.kv_offload_bytes) == (
         "xgrammar", False, "swap", 2 * 2**30)
+    # (vLLM's default swap_space, 4, asks for no swapping: vLLM v1 swaps nothing)
+    assert EngineArgs.from_kwargs(swap_space=4) == EngineArgs()
     assert EngineArgs.from_kwargs(compilation_config={"level": 3}).torch_compile is True
     assert EngineArgs.from_kwargs(guided_decoding_backend="guidance").structured_outputs_backend == "guidance"
     for kwargs, match in [({"revision": "main"}, "revision='main' is not supported here: models come from local"),

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +270,11 @@ class OpenAIServing:
         lora_request = self.lora_request(req.model)
         streams: list[RequestStream | BeamSearchStream] = []
         i = 0
+        if prep.beam is not None and any(p.multi_modal is not None for p in prep.prompts):
+            raise OpenAIError("use_beam_search takes text prompts: not images", param="use_beam_search")
+        # (a beam search's steps share its deadline: request_timeout bounds the whole search)
+        timeout = self.engine.request_timeout
+        deadline = None if timeout is None or prep.beam is None else time.monotonic() + timeout
         try:
             for i, p in enumerate(prep.prompts):
                 rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
@@ -278,9 +284,9 @@ class OpenAIServing:
                 params = prep.params if prep.beam is None else step_params(prep.beam.beam_width)
                 stream = await self.engine.add_request(rid, prompt, params, req.priority,
                                                        final_only=not req.stream or prep.beam is not None,
-                                                       lora_request=lora_request, admitted=i > 0)
+                                                       lora_request=lora_request, admitted=i > 0, deadline=deadline)
                 streams.append(stream if prep.beam is None else self._beams(
-                    stream, rid, p, prep.beam, params, req, lora_request))
+                    stream, rid, p, prep.beam, params, req, lora_request, deadline))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -316,16 +322,19 @@ class OpenAIServing:
         return beam
 
     def _beams(self, first: RequestStream, request_id: str, prompt: TokenizedPrompt, beam: BeamSearchParams,
-               step: SamplingParams, req: Any, lora_request: LoRARequest | None) -> BeamSearchStream:
+               step: SamplingParams, req: Any, lora_request: LoRARequest | None,
+               deadline: float | None) -> BeamSearchStream:
         """A prompt's beam search, from its first step's stream (the engine's checks of
-        the prompt ran on it: a refusal is a 400 before the answer starts)."""
+        the prompt ran on it: a refusal is a 400 before the answer starts).  Its later
+        steps share its deadline and count as one request waiting (AsyncLLM's `group`)."""
         streams = iter([first])
 
         async def next_tokens(ids: list[int]) -> dict[int, Logprob]:
             stream = next(streams, None) or await self.engine.add_request(
                 random_id("beam"), {"prompt_token_ids": ids, **({"cache_salt": req.cache_salt} if req.cache_salt
                                                                 else {})},
-                step, req.priority, final_only=True, lora_request=lora_request, admitted=True)
+                step, req.priority, final_only=True, lora_request=lora_request, group=request_id,
+                deadline=deadline)
             async for out in stream:
                 c = out.outputs[0]
             if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
@@ -336,7 +345,7 @@ class OpenAIServing:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)) \
             if self.tokenizer is not None else (lambda ids: "")
         return BeamSearchStream(request_id, prompt.text, prompt.token_ids, beam, next_tokens, stops,
-                                self.max_model_len, decode)
+                                self.max_model_len, decode, on_close=first.close)
 
     @staticmethod
     def invalid(req: Any, e: ValueError, label: tuple[str, str] | None = None) -> OpenAIError:

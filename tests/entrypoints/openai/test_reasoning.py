@@ -296,7 +296,7 @@ def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(tmp_path) ->
         refusals = [(await client.post("/v1/completions", json={
             "model": "qwen3", "max_tokens": 8, "thinking_token_budget": 2, **extra})).json() for extra in (
             {"prompt": "x\n<think>", "structured_outputs": {"json": {"type": "object"}}},  # (no parser: at once)
-            {"prompt": "x", "bad_words": ["</think>"]})]
+            {"prompt": "x", "bad_words": ["</think>"]}, {"prompt": "x", "allowed_token_ids": [5, 6]})]
         return (await chat({}), await chat({"thinking_token_budget": 3}), await chat({"thinking_token_budget": 0}),
                 streamed, await messages({"type": "enabled", "budget_tokens": 2}),
                 await messages({"type": "enabled", "budget_tokens": 2, "display": "omitted"}), quoted, refusals)
@@ -310,9 +310,10 @@ def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(tmp_path) ->
     message = quoted["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("hmm" * 3, "Paris"), quoted
     # What would forbid the forced end tag is refused up front (it failed mid-answer)
-    assert [r["error"]["param"] for r in refusals] == ["thinking_token_budget"] * 2, refusals
+    assert [r["error"]["param"] for r in refusals] == ["thinking_token_budget"] * 3, refusals
     assert "under a grammar that starts at once" in refusals[0]["error"]["message"]
     assert "which bad_words forbid" in refusals[1]["error"]["message"]
+    assert "which allowed_token_ids leave out" in refusals[2]["error"]["message"]
     message = free["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"], free["choices"][0]["finish_reason"]) == (
         "hmm" * 15, None, "length")
