@@ -160,6 +160,8 @@ def test_vllms_other_keyword_arguments_run_at_a_neutral_value_or_are_named():
         with pytest.raises(InvalidRequestError, match="best_of must equal n") as e:
             SamplingParams(n=n, best_of=best_of)
         assert e.value.param == "best_of"
-    for penalty in (float("nan"), float("inf"), -float("inf")):  # (every beam's score was nan, or -0.0)
-        with pytest.raises(InvalidRequestError, match="length_penalty must be a finite number"):
+    # (nan, inf: every beam's score was nan, or -0.0; 1000, -1000: the length's power
+    # overflowed, or reached 0, after the whole search)
+    for penalty in (float("nan"), float("inf"), -float("inf"), 1000, -1000, 10.5):
+        with pytest.raises(InvalidRequestError, match=r"length_penalty must be a number in \[-10.0, 10.0\]"):
             BeamSearchParams(beam_width=2, max_tokens=5, length_penalty=penalty).validate(20)
