@@ -221,19 +221,26 @@ def make_chain_qwen3(path, ponder: bool = False) -> None:
     tok.save_pretrained(path)
 
 
-def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_path) -> None:
-    """Also under structured outputs: the grammar starts after the reasoning."""
+def _chain_app(path, ponder: bool = False):
+    """(an app serving make_chain_qwen3's model under the qwen3 reasoning parser, its
+    engine, a greedy chat body)."""
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.llm_engine import LLMEngine
 
-    make_chain_qwen3(tmp_path)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=128,
+    make_chain_qwen3(path, ponder)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(path), dtype="float32", max_model_len=128,
                                                    kv_cache_memory_bytes="8MiB"))
     state = ServerState(served_model_names=["qwen3"])
     app = build_app(state)
     state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 128), None, QWEN3)
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "capital of France?"}], "max_tokens": 16,
             "temperature": 0}
+    return app, engine, body
+
+
+def test_a_tiny_qwen3_thinks_apart_streamed_or_not_and_not_at_all_when_told(tmp_path) -> None:
+    """Also under structured outputs: the grammar starts after the reasoning."""
+    app, engine, body = _chain_app(tmp_path)
 
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
     rome = {"structured_outputs": {"choice": ["Rome"]}}  # what the chain would not say
@@ -270,17 +277,7 @@ def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(tmp_path) ->
     """A model that would think forever: under vLLM's thinking_token_budget (chat) or
     Anthropic's budget_tokens its thinking is that many tokens, then "</think>" is forced
     and the answer follows, streamed alike; without one it thinks to max_tokens."""
-    from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.engine.llm_engine import LLMEngine
-
-    make_chain_qwen3(tmp_path, ponder=True)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=128,
-                                                   kv_cache_memory_bytes="8MiB"))
-    state = ServerState(served_model_names=["qwen3"])
-    app = build_app(state)
-    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 128), None, QWEN3)
-    body = {"model": "qwen3", "messages": [{"role": "user", "content": "capital of France?"}], "max_tokens": 16,
-            "temperature": 0}
+    app, engine, body = _chain_app(tmp_path, ponder=True)
     anthropic = {"model": "qwen3", "messages": body["messages"], "max_tokens": 16}
 
     async def run(client):
