@@ -75,7 +75,7 @@ class BeamSet:
                 for score, beam, why in self.best(width, length_penalty)]
 
 
-# One one-token request's top logprobs: (the token ids it continues, its lora) -> them.
+# One step of one beam: the token ids it continues -> the next token's top logprobs.
 NextTokens = Callable[[list[int]], Awaitable[dict[int, Logprob]]]
 
 

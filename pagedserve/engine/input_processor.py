@@ -425,7 +425,8 @@ class InputProcessor:
         """thinking_token_budget's tags and whether the answer starts inside a block
         (pagedserve/reasoning.py).  Refused by name where the tags are not single tokens
         of the vocabulary, or where something else forbids the end tag the budget forces:
-        a bad word, or a grammar that starts before the block the prompt opened ends."""
+        a bad word, allowed_token_ids without it, or a grammar that starts before the block
+        the prompt opened ends."""
         tok = self.tokenizer
         ids = [tok.convert_tokens_to_ids(tag) if tok is not None else None for tag in (START, END)]
         if not all(isinstance(i, int) and i != tok.unk_token_id and 0 <= i < self.vocab_size for i in ids):

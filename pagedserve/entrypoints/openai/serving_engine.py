@@ -118,6 +118,7 @@ BEAM_IGNORED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "stop_token_ids": (None, []),
 }
 
+
 @dataclass
 class PreparedRequest:
     """What a validated request becomes: the model name to answer with, its prompts
