@@ -160,7 +160,8 @@ def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
             late = (await c.post("/v1/completions", json=long)).status_code
             while front.num_waiting:  # (its last steps, aborted: gone at the engine's next turn)
                 await asyncio.sleep(0.01)
-            front.request_timeout, front.max_waiting_requests = None, 2
+            # (3: the search's first step waits as a request of its own before its steps do)
+            front.request_timeout, front.max_waiting_requests = None, 3
             search = asyncio.ensure_future(c.post("/v1/completions", json=long))
             others = []
             while not search.done() and len(others) < 6:
