@@ -305,7 +305,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
     check_fields(req)
     messages = _chat_messages(req.system, req.messages)
     try:
-        thinking = Thinking.parse(req.thinking, getattr(req, "max_tokens", None))
+        thinking = Thinking.parse(req.thinking, req.max_tokens if isinstance(req, MessagesRequest) else None)
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param) from None
     body: dict[str, Any] = {"model": req.model, **_prefilled(messages), **thinking.chat_fields()}
