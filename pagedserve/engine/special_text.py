@@ -106,12 +106,19 @@ def _specials(tokenizer: Any) -> _Specials | None:
         return specials
 
 
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of the tokenizer's special added tokens (turn markers, BOS/EOS, ...);
-    none where it has no Rust tokenizer to read them from."""
+    """The ids of the tokenizer's special added tokens (turn markers, BOS/EOS, ...), read
+    once per tokenizer; none where it has no Rust tokenizer to read them from."""
     if not isinstance(tokenizer, BackedTokenizer):
         return frozenset()
-    return frozenset(i for i, t in tokenizer.backend_tokenizer.get_added_tokens_decoder().items() if t.special)
+    with _SPECIALS_LOCK:
+        if tokenizer not in _SPECIAL_IDS:
+            _SPECIAL_IDS[tokenizer] = frozenset(
+                i for i, t in tokenizer.backend_tokenizer.get_added_tokens_decoder().items() if t.special)
+        return _SPECIAL_IDS[tokenizer]
 
 
 @dataclass

@@ -258,17 +258,85 @@ def _read_turn() -> str:
     return input()
 
 
+class ChatSession(Protocol):
+    """One conversation of `chat`, here or with a server (entrypoints/remote_chat.py)."""
+
+    def clear(self) -> None:
+        """Start over (the system message stays)."""
+
+    def turn(self, text: str, write: Callable[[str], object]) -> None:
+        """Answer `text`, writing the answer's pieces as they come; a ValueError when it
+        is refused (the turn is then forgotten)."""
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def chat_loop(session: ChatSession, banner: str) -> tuple[int, int]:
+    """The terminal loop of both chats: /clear starts over, /exit (or Ctrl-D) quits, a
+    refused turn is said on standard error.  Returns (turns, turns refused)."""
+    print(banner, file=sys.stderr)
+    turns = refused = 0
+    while True:
+        try:
+            text = _read_turn().strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return turns, refused
+        if text in ("/exit", "/quit"):
+            return turns, refused
+        if text == "/clear":
+            session.clear()
+            continue
+        if not text:
+            continue
+        turns += 1
+        try:
+            session.turn(text, _write)
+        except ValueError as e:
+            refused += 1
+            print(f"error: {e} (try /clear)", file=sys.stderr)
+            continue
+        print()
+
+
+class LocalChat:
+    """`chat`'s conversation with the engine in this process (ChatSession)."""
+
+    def __init__(self, engine: Any, params: Any, system: str | None) -> None:
+        self.engine, self.params = engine, params
+        self.base = [{"role": "system", "content": system}] if system else []
+        self.history = list(self.base)
+        self.count = 0
+
+    def clear(self) -> None:
+        self.history = list(self.base)
+
+    def turn(self, text: str, write: Callable[[str], object]) -> None:
+        from pagedserve.sampling_params import RequestOutputKind
+
+        messages = [*self.history, {"role": "user", "content": text}]
+        rid = f"chat-{self.count}"
+        self.count += 1
+        self.engine.add_request(rid, self.engine.encode_chat(messages), self.params, output_kind=RequestOutputKind.DELTA)
+        reply = []
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    reply.append(out.outputs[0].text)
+                    write(reply[-1])
+        except KeyboardInterrupt:  # (the answer so far stays in the conversation)
+            self.engine.abort_request(rid)
+        self.history = [*messages, {"role": "assistant", "content": "".join(reply)}]
+
+
 def cmd_chat_remote(ns: argparse.Namespace) -> None:
     """`chat --url`: the conversation with a running server (entrypoints/remote_chat.py)."""
     from dataclasses import fields
 
-    from pagedserve.entrypoints.remote_chat import (
-        NEUTRAL_SAMPLING,
-        RemoteChat,
-        api_key,
-        request_sampling,
-        run_remote_chat,
-    )
+    from pagedserve.entrypoints.remote_chat import NEUTRAL_SAMPLING, RemoteChat, api_key, request_sampling
 
     local = [f.name for f in fields(EngineArgs) if f.name != "seed" and getattr(ns, f.name, None) is not None]
     if local or ns.max_num_seqs is not None or ns.torch_compile is not None:
@@ -276,61 +344,24 @@ def cmd_chat_remote(ns: argparse.Namespace) -> None:
                          "the server's model answers")
     flags = {f: getattr(ns, f) for f in ("max_tokens", "temperature", *NEUTRAL_SAMPLING)}
     chat = RemoteChat(ns.url, ns.model_name, api_key(ns.api_key), request_sampling(flags), ns.system)
-    run_remote_chat(chat, _read_turn, ns.quick)
+    if ns.quick is not None:  # (one answer, and done; a refusal is the command's error)
+        chat.turn(ns.quick, _write)
+        print()
+        return
+    chat_loop(chat, f"pagedserve chat with {chat.model} at {chat.url}: /clear starts over, /exit or Ctrl-D quits.")
 
 
 def cmd_chat(ns: argparse.Namespace) -> None:
-    from pagedserve.sampling_params import RequestOutputKind
-
     if ns.url is not None:
         return cmd_chat_remote(ns)
     if ns.model_name is not None or ns.api_key is not None or ns.quick is not None:
         raise ValueError("--model-name, --api-key and --quick talk to a server: give its --url")
     _check_runner(ns)
     params = _sampling_params(ns)
-    engine = _build_engine(ns, 1)
-    base = [{"role": "system", "content": ns.system}] if ns.system else []
-    history = list(base)
-    print("pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits.", file=sys.stderr)
-    turn = refused = 0
-    while True:
-        try:
-            line = _read_turn()
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            break
-        text = line.strip()
-        if text in ("/exit", "/quit"):
-            break
-        if text == "/clear":
-            history = list(base)
-            continue
-        if not text:
-            continue
-        history.append({"role": "user", "content": text})
-        rid = f"chat-{turn}"
-        turn += 1
-        try:
-            engine.add_request(rid, engine.encode_chat(history), params, output_kind=RequestOutputKind.DELTA)
-        except ValueError as e:
-            history.pop()
-            refused += 1
-            print(f"error: {e} (try /clear)", file=sys.stderr)
-            continue
-        reply = []
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    piece = out.outputs[0].text
-                    reply.append(piece)
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-        except KeyboardInterrupt:
-            engine.abort_request(rid)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    chat = LocalChat(_build_engine(ns, 1), params, ns.system)
+    turns, refused = chat_loop(chat, "pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits.")
     if refused:  # (a script piping turns in learns that some were not answered)
-        raise ValueError(f"{refused} of {turn} turns refused")
+        raise ValueError(f"{refused} of {turns} turns refused")
 
 
 def _version() -> str:

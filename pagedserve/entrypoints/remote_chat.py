@@ -1,5 +1,5 @@
-"""`pagedserve chat --url URL`: the chat loop against a running OpenAI-compatible server
-(this one's, vLLM's, llama-server's), as vLLM's `vllm chat --url` talks to one, instead
+"""`pagedserve chat --url URL`: the chat (cli.chat_loop) with a running OpenAI-compatible
+server (this one, vLLM, llama-server), as vLLM's `vllm chat --url` talks to one, instead
 of a model loaded in this process.  Each turn is one streamed POST /chat/completions
 with the whole conversation; the answer's content is printed as it arrives (a thinking
 model's reasoning, where the server splits it off, is not: it stays out of the next
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -98,34 +97,3 @@ def _error_text(r: httpx.Response) -> str:
         return f"{r.status_code}: {r.json()['error']['message']}"
     except (ValueError, KeyError, TypeError):
         return f"{r.status_code}: {r.text[:300]}"
-
-
-def run_remote_chat(chat: RemoteChat, read_turn: Callable[[], str], quick: str | None) -> None:
-    """The loop (`quick`: one message, its answer, done); /clear starts over, /exit quits."""
-    def write(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    if quick is not None:
-        chat.turn(quick, write)
-        print()
-        return
-    print(f"pagedserve chat with {chat.model} at {chat.url}: /clear starts over, /exit or Ctrl-D quits.",
-          file=sys.stderr)
-    while True:
-        try:
-            text = read_turn().strip()
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return
-        if text in ("/exit", "/quit"):
-            return
-        if text == "/clear":
-            chat.clear()
-            continue
-        if text:
-            try:
-                chat.turn(text, write)
-                print()
-            except ValueError as e:
-                print(f"error: {e} (try /clear)", file=sys.stderr)
