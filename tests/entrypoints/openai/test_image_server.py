@@ -92,7 +92,7 @@ def test_each_family_answers_as_offline(vlm, name: str) -> None:
     assert served.usage.prompt_tokens == len(want.prompt_token_ids) > 10
 
 
-def test_responses_anthropic_and_ollama_take_images(vlm) -> None:
+def test_responses_anthropic_and_ollama_take_images(vlm, tmp_path) -> None:
     _, server = vlm
     url = data_url(image(32, 32, 13))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
@@ -110,6 +110,11 @@ def test_responses_anthropic_and_ollama_take_images(vlm) -> None:
     local = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"})
     o = local.chat(NAME, [{"role": "user", "content": QUESTION, "images": [b64]}], options={"num_predict": 2})
     assert o.prompt_eval_count == m.usage.input_tokens  # the same prompt: image first, then the text
+    # A JPEG file, which Ollama's client sends as its base64: that starts "/9j/", no path.
+    image(32, 32, 13).save(tmp_path / "photo.jpg")
+    o = local.chat(NAME, [{"role": "user", "content": QUESTION, "images": [tmp_path / "photo.jpg"]}],
+                   options={"num_predict": 2})
+    assert o.prompt_eval_count == m.usage.input_tokens
     # Each route's own shape of a wrong image names it: Ollama's base64 (not a data: URL),
     # Anthropic's four media types.
     r = httpx.post(server.url + "/api/chat", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
