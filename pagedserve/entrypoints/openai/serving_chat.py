@@ -381,14 +381,21 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                            usage=usage))
 
+        def opening() -> list[str]:
+            """The role first, then vLLM's chat echo (the final assistant message), sent
+            with the first output, as vLLM does: a client (`vllm bench serve` among them)
+            times its first token by the first chunk, and a request queued behind a full
+            batch had its role chunk at once and its first token seconds later."""
+            echo = echo_text(req)
+            return [chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                    for i in range(params.n)] + [chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
+                                                 for i in range(params.n) if echo]
+
         try:
-            # The role goes first, before any token exists, as OpenAI does.
-            for i in range(params.n):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-            if echo := echo_text(req):  # vLLM's chat echo: the final assistant message first
-                for i in range(params.n):
-                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, out in merge_streams(streams):
+                if final is None:
+                    for piece in opening():
+                        yield piece
                 final = out
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:

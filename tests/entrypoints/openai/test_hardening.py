@@ -463,3 +463,36 @@ def test_a_logged_bodys_head_is_its_json_cut(value, limit):
 
     full = json.dumps(value, ensure_ascii=False)
     assert json_head(value, limit) == (full[:limit], len(full) > limit)
+
+
+def test_a_queued_stream_sends_its_role_with_its_first_token():
+    """A chat stream waiting behind a full batch sends nothing until its first token: its
+    role chunk came at once, which clients (vLLM's benchmark too) took for the first token."""
+    import threading
+
+    engine = FakeEngine(step_time=0.05, max_running=1)
+    _, app = make(engine)
+    server, thread, port = _uvicorn_server(app, 30)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        blocker = threading.Thread(target=httpx.post, args=(url,), kwargs={
+            "json": {"messages": [{"role": "user", "content": "a"}], "max_tokens": 40}, "headers": KEY,
+            "timeout": 30})
+        blocker.start()
+        deadline = time.monotonic() + 10
+        while engine.steps == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        body = {"messages": [{"role": "user", "content": "b"}], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", url, json=body, headers=KEY, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            first = next(lines)
+            steps_at_first = engine.steps
+            rest = list(lines)
+        blocker.join()
+        assert '"role":"assistant"' in first.replace(" ", "")
+        assert steps_at_first >= 40  # the blocker's 40 tokens came first
+        assert rest[-1] == "data: [DONE]" and '"content":"a"' in rest[0].replace(" ", "")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
