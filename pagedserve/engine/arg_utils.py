@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedserve import envs
 from pagedserve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -485,7 +486,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 kv_cache_memory_ceiling=self.kv_cache_memory_ceiling,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
-                cpu_kv_cache_space=env_cpu_kv_cache_space(),
+                cpu_kv_cache_space=envs.cpu_kv_cache_space(),
                 num_blocks=self.num_gpu_blocks_override, kv_offload_dir=self.kv_offload_dir,
                 kv_offload_bytes=self.kv_offload_bytes, prefix_caching_algo=self.prefix_caching_algo,
                 cache_dtype=self.kv_cache_dtype,
@@ -504,7 +505,7 @@ class EngineArgs:
             device_config=DeviceConfig(
                 device=self.device, enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
                 exact_prompt_attention=self.exact_prompt_attention,
-                torch_compile=self.torch_compile if self.torch_compile is not None else env_torch_compile(),
+                torch_compile=self.torch_compile if self.torch_compile is not None else envs.torch_compile(),
             ),
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
             speculative_config=self.speculation(),
@@ -577,24 +578,3 @@ def read_chat_template(value: str | None) -> str | None:
         with open(value, encoding="utf-8") as f:
             return f.read()
     raise ValueError(f"chat_template {value!r} is neither a Jinja template nor an existing file")
-
-
-def env_cpu_kv_cache_space() -> int | None:
-    """PAGEDSERVE_CPU_KV_CACHE_SPACE ("2GiB", vLLM's VLLM_CPU_KVCACHE_SPACE idea): the CPU KV
-    cache's budget when kv_cache_memory_bytes is unset, in place of a share of available
-    memory (the test suite sets 1 GiB)."""
-    value = os.environ.get("PAGEDSERVE_CPU_KV_CACHE_SPACE", "").strip()
-    return parse_bytes(value, "PAGEDSERVE_CPU_KV_CACHE_SPACE") if value else None
-
-
-def env_torch_compile() -> bool | None:
-    """PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0: compiles cost minutes)."""
-    value = os.environ.get("PAGEDSERVE_TORCH_COMPILE", "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"PAGEDSERVE_TORCH_COMPILE must be 0 or 1, got {value!r}")
-

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol
 
-from pagedserve.engine.arg_utils import EngineArgs, env_torch_compile
+from pagedserve import envs
+from pagedserve.engine.arg_utils import EngineArgs
 
 # Subcommands implemented elsewhere in the serving layers: argv prefix -> (module, what it is).
 _DELEGATED = {
@@ -184,7 +185,7 @@ def _build_engine(ns: argparse.Namespace, num_seqs: int):
 
     args = EngineArgs.from_cli_args(ns)
     log = logging.getLogger("pagedserve")
-    if args.torch_compile is None and env_torch_compile() is None and not args.enforce_eager:
+    if args.torch_compile is None and envs.torch_compile() is None and not args.enforce_eager:
         log.info("torch.compile skipped for this interactive command (--torch-compile compiles; it pays off "
                  "for long runs)")
         args = args.replace(torch_compile=False)

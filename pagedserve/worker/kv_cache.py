@@ -194,7 +194,8 @@ def determine_num_blocks(
             source = f"kv_cache_memory_ceiling={budget}"
         elif cache_config.cpu_kv_cache_space is not None:
             budget = cache_config.cpu_kv_cache_space - reserved_bytes
-            source = f"PAGEDSERVE_CPU_KV_CACHE_SPACE={cache_config.cpu_kv_cache_space / 2**30:.2f} GiB"
+            source = (f"cpu_kv_cache_space={cache_config.cpu_kv_cache_space / 2**30:.2f} GiB "
+                      "($PAGEDSERVE_CPU_KV_CACHE_SPACE or $VLLM_CPU_KVCACHE_SPACE)")
         else:
             fraction, name = cache_config.cpu_kv_cache_fraction, "cpu_kv_cache_fraction"
             if not 0 < fraction <= 1:

@@ -7,7 +7,8 @@ import logging
 import pytest
 import torch
 
-from pagedserve.engine.arg_utils import EngineArgs, env_torch_compile
+from pagedserve import envs
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.forward_context import set_forward_context
 from pagedserve.worker import compiled_model
 from pagedserve.worker.compiled_model import CompiledModel, artifact_key, load_artifact, maybe_compile
@@ -55,11 +56,11 @@ def test_engine_args():
 def test_environment_default(monkeypatch):
     for value, want in (("1", True), ("off", False), ("", None)):
         monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", value)
-        assert env_torch_compile() is want
+        assert envs.torch_compile() is want
         assert EngineArgs().create_engine_config(load_hf_config=False).device_config.torch_compile is want
     monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", "maybe")
     with pytest.raises(ValueError, match="PAGEDSERVE_TORCH_COMPILE must be 0 or 1"):
-        env_torch_compile()
+        envs.torch_compile()
     # An explicit argument wins over the environment.
     monkeypatch.setenv("PAGEDSERVE_TORCH_COMPILE", "1")
     cfg = EngineArgs(torch_compile=False).create_engine_config(load_hf_config=False)

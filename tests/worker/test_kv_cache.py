@@ -57,7 +57,7 @@ def test_cpu_kv_cache_space_replaces_the_fraction_and_is_still_capped(monkeypatc
     cache = EngineArgs().create_engine_config(load_hf_config=False).cache_config
     assert cache.cpu_kv_cache_space == 10 * 1024
     num_blocks, why = determine_num_blocks(cache, BLOCK_BYTES, 64, 1000, CPU)
-    assert num_blocks == 10 * 1024 // BLOCK_BYTES and why.startswith("PAGEDSERVE_CPU_KV_CACHE_SPACE=0.00 GiB")
+    assert num_blocks == 10 * 1024 // BLOCK_BYTES and why.startswith("cpu_kv_cache_space=0.00 GiB")
     num_blocks, why = determine_num_blocks(cache, BLOCK_BYTES, 16, 1, CPU)  # one block of need, plus null
     assert num_blocks == 2 and why.startswith("max_num_seqs=1 x max_model_len=16 could use")
     monkeypatch.setenv("PAGEDSERVE_CPU_KV_CACHE_SPACE", "lots")
@@ -65,6 +65,15 @@ def test_cpu_kv_cache_space_replaces_the_fraction_and_is_still_capped(monkeypatc
         EngineArgs().create_engine_config(load_hf_config=False)
     monkeypatch.delenv("PAGEDSERVE_CPU_KV_CACHE_SPACE")
     assert EngineArgs().create_engine_config(load_hf_config=False).cache_config.cpu_kv_cache_space is None
+    # vLLM's variable, GiB as a number (0: unset), read where ours is unset: a vLLM operator's cap holds.
+    for value, want in (("2", 2 * 2**30), ("0.5", 2**29), ("0", None)):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
+        assert EngineArgs().create_engine_config(load_hf_config=False).cache_config.cpu_kv_cache_space == want
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40GB")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a number of GiB"):
+        EngineArgs().create_engine_config(load_hf_config=False)
+    monkeypatch.setenv("PAGEDSERVE_CPU_KV_CACHE_SPACE", "10KiB")  # ours wins
+    assert EngineArgs().create_engine_config(load_hf_config=False).cache_config.cpu_kv_cache_space == 10 * 1024
 
 
 def test_a_ceiling_replaces_the_share_of_free_memory_and_is_still_capped_at_need(monkeypatch):

@@ -33,6 +33,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import pagedserve
+from pagedserve import envs
 from pagedserve.engine.async_llm import (
     AsyncLLM,
     EngineShutdownError,
@@ -133,7 +134,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health, /ping "
                             "and the dashboard page, /metrics too unless --metrics-without-auth (vLLM guards /v1/* only; "
-                            "default: $PAGEDSERVE_API_KEY, else none)")
+                            "default: $PAGEDSERVE_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in the 'model' field (default: the MODEL argument)")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
@@ -277,10 +278,12 @@ class _DrainingServer:
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key == "":  # (`--api-key "$KEY"` with KEY unset opened the server, silently)
         raise ValueError("--api-key is empty; leave it out for a server without a key")
-    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None  # an empty variable: no key
+    from_env = envs.api_key()  # (an empty variable: no key)
+    api_key, source = (args.api_key, "--api-key") if args.api_key else (from_env[1], "$" + from_env[0]) \
+        if from_env else (None, "")
     if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key):
-        raise ValueError("the API key (--api-key or $PAGEDSERVE_API_KEY) must be printable ASCII without "
-                         "surrounding spaces: HTTP clients send headers as ASCII, so no other key could match")
+        raise ValueError(f"the API key ({source}) must be printable ASCII without surrounding spaces: HTTP "
+                         "clients send headers as ASCII, so no other key could match")
     return api_key
 
 
@@ -525,10 +528,8 @@ class _EngineLoader:
         """A model of several, loaded on demand (ModelPool): its engine on a thread, then
         its AsyncLLM and handlers here.  Its KV cache takes at most its share of the budget unless
         --kv-cache-memory-bytes or PAGEDSERVE_CPU_KV_CACHE_SPACE say otherwise."""
-        from pagedserve.engine.arg_utils import env_cpu_kv_cache_space
-
         engine_args = self.engine_args.replace(model=spec.source)
-        if kv_cache_bytes is not None and engine_args.kv_cache_memory_bytes is None and env_cpu_kv_cache_space() is None:
+        if kv_cache_bytes is not None and engine_args.kv_cache_memory_bytes is None and envs.cpu_kv_cache_space() is None:
             # (a ceiling: the cache still holds no more than its max_num_seqs x max_model_len can use)
             engine_args = engine_args.replace(kv_cache_memory_ceiling=kv_cache_bytes)
         series = self.state.new_series()

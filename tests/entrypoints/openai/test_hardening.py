@@ -381,6 +381,30 @@ def test_server_flags_out_of_range_are_refused_at_start(flags, message):
         configure(args)
 
 
+def test_the_api_key_comes_from_the_flag_then_ours_then_vllms_variable(monkeypatch):
+    """A deployment moved from vLLM keeps its $VLLM_API_KEY: it was not read, and the
+    server ran open."""
+    import argparse
+
+    from pagedserve.entrypoints.openai.api_server import configure, make_arg_parser
+
+    def key(*flags: str) -> str | None:
+        return configure(make_arg_parser(argparse.ArgumentParser()).parse_args(["smollm2-135m-instruct", *flags])
+                         )[1].api_key
+
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert key() is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert key() == "from-vllm"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "ours")
+    assert key() == "ours" and key("--api-key", "flag") == "flag"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
+    monkeypatch.setenv("VLLM_API_KEY", " spaced")
+    with pytest.raises(SystemExit, match=r"\$VLLM_API_KEY\) must be printable ASCII"):
+        key()
+
+
 def test_a_modifier_without_the_flag_it_modifies_is_warned_of(caplog):
     """`--max-log-len 100` alone logs no request, `--allow-credentials` alone opens no
     CORS, `--max-loras 4` alone serves no adapter: each is named at start (it passed in
