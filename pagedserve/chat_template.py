@@ -126,6 +126,17 @@ def _repeats_too_much(left: Any, right: Any) -> bool:
     return False
 
 
+def check_template(template: str, name: str = "chat_template") -> None:
+    """A ValueError naming the syntax error of an operator's (or an offline caller's)
+    template, at start-up: a malformed one made every chat request a 400."""
+    import jinja2
+
+    try:
+        _environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{name} is not a valid Jinja template (line {e.lineno}: {e.message})") from None
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     """The compiled template (cached: the default template is compiled once a process)."""

@@ -80,8 +80,11 @@ class ModelConfig:
     # Most top logprobs a request may ask for (vLLM's name and default; OpenAI's chat limit).
     max_logprobs: int = 20
     # "auto": sampling defaults from the model's generation_config.json (for what a request
-    # leaves unset); "vllm": the built-in defaults (temperature 1, no top-k/p, ...).
+    # leaves unset); "vllm": the built-in defaults (temperature 1, no top-k/p, ...); a
+    # directory: the generation_config.json in it.  override_generation_config's values
+    # go over those ("vllm": they alone are the defaults), as vLLM's do.
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     # Weight-only quantization on CPU (layers/quantization.py): "auto" keeps a GGUF's
     # quantized tensors as they are ("gguf") when running on CPU, else "none" (float
     # weights; a GGUF is dequantized); "int8"/"int4" quantize a float checkpoint at load.
@@ -133,16 +136,21 @@ class ModelConfig:
                              f"got {self.quant_activation_bits!r}")
 
     def sampling_defaults(self) -> dict[str, Any]:
-        """SamplingParams defaults from the generation config (vLLM's mapping), when
-        generation_config is "auto"."""
-        if self.generation_config != "auto":
-            return {}
-        values = self.generation_config_values
-        out = {k: values[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-               if is_number(values.get(k))}
-        if isinstance(values.get("max_new_tokens"), int):
-            out["max_tokens"] = values["max_new_tokens"]
-        return out
+        """SamplingParams defaults from the generation config and its overrides."""
+        values = {} if self.generation_config == "vllm" else dict(self.generation_config_values)
+        return generation_defaults({**values, **self.override_generation_config})
+
+
+# The generation config's keys that set sampling defaults (vLLM's mapping), and their
+# SamplingParams names.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams defaults from a generation config's values (others are not sampling's)."""
+    return {name: values[key] for key, name in GENERATION_CONFIG_KEYS.items()
+            if is_number(values.get(key)) and (key != "max_new_tokens" or isinstance(values[key], int))}
 
 
 @dataclass

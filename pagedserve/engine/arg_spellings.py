@@ -3,6 +3,9 @@ in this engine's terms (EngineArgs.from_kwargs takes them through here)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Callable
 from typing import Any
 
 from pagedserve.utils import same_value
@@ -18,18 +21,59 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "disable_log_stats": ((True, None), "an offline LLM logs no periodic stats here (the server logs them)"),
     "tokenizer_mode": (("auto", "hf", None), "the model's fast (Hugging Face) tokenizer is the only mode here"),
     "cpu_offload_gb": ((None, 0), "weights are not offloaded here"),
-    "revision": ((None,), "models come from local files (no hub downloads)"),
+    "revision": ((None, "main"), "models come from local files (no hub downloads)"),
     "code_revision": ((None,), "models come from local files (no hub downloads)"),
     "tokenizer_revision": ((None,), "models come from local files (no hub downloads)"),
     "download_dir": ((None,), "models come from local files (no hub downloads)"),
     "hf_token": ((None,), "models come from local files (no hub downloads)"),
     "hf_overrides": ((None, {}), "the model's config is read as it is"),
-    "override_generation_config": ((None, {}), "generation_config='vllm' or 'auto' chooses the defaults' source"),
     "disable_custom_all_reduce": ((True, False, None), ""),  # (no custom all-reduce either way)
     "enable_sleep_mode": ((False, None), "there is no sleep mode (LLM.sleep) here"),
     "pipeline_parallel_size": ((1, None), "no pipeline parallelism here (tensor_parallel_size splits the model)"),
+    "skip_tokenizer_init": ((False, None), "prompts, stop strings and answers' text need the tokenizer here"),
+    "logprobs_mode": (("raw_logprobs", None), "logprobs are the raw model's (before penalties and temperature), "
+                                              "vLLM's default raw_logprobs"),
+    "mm_processor_kwargs": ((None, {}), "images are processed with the model's own processor settings"),
 }
-# vLLM's torch.compile levels (compilation_config=N or {"level": N} / {"mode": N}): 0 is eager.
+
+
+def _int_or_json(text: str) -> Any:
+    """vLLM's -O / --compilation-config: a level ("3") or a JSON object."""
+    return int(text) if text.strip().lstrip("-").isdigit() else json.loads(text)
+
+
+# vLLM's command-line flags for the arguments above and those _config_spellings maps,
+# each read as vLLM's command line reads it (None: a flag without a value):
+# EngineArgs.add_cli_args adds them, and from_cli_args takes what was given through
+# vllm_spellings, as LLM(...)'s keywords are, so the command line and LLM(...) agree.
+VLLM_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[str], Any] | None]] = {
+    **{name: ((), str) for name in ("tokenizer_mode", "revision", "code_revision", "tokenizer_revision",
+                                    "download_dir", "hf_token", "distributed_executor_backend", "task",
+                                    "logprobs_mode")},
+    **{name: ((), json.loads) for name in ("hf_overrides", "structured_outputs_config", "mm_processor_kwargs")},
+    **{name: ((), None) for name in ("disable_custom_all_reduce", "enable_sleep_mode", "skip_tokenizer_init")},
+    "cpu_offload_gb": ((), float), "swap_space": ((), float), "pipeline_parallel_size": (("-pp",), int),
+    "compilation_config": (("-O",), _int_or_json),
+}
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """VLLM_FLAGS on `parser`, in their own group of --help."""
+    group = parser.add_argument_group("vLLM's arguments", "taken where they ask for what this engine does, "
+                                      "mapped to its own, or refused with the reason")
+    for name, (aliases, kind) in VLLM_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is None:
+            group.add_argument(flag, *aliases, action="store_true", default=None)
+        else:
+            group.add_argument(flag, *aliases, type=kind, default=None, metavar=name.split("_")[-1].upper())
+
+
+def vllm_flags_given(ns: argparse.Namespace) -> dict[str, Any]:
+    """The VLLM_FLAGS a command line set, as keywords for vllm_spellings."""
+    return {name: getattr(ns, name) for name in VLLM_FLAGS if getattr(ns, name, None) is not None}
+# vLLM's torch.compile levels (compilation_config=N or {"level": N} / {"mode": N}): 0 is
+# eager, 1 and 2 compile, 3 (vLLM v1's default, its -O3) asks for the default.
 _COMPILE_KEYS = ("level", "mode")
 
 
@@ -40,9 +84,9 @@ def _compile_spelling(value: Any) -> bool | None:
     if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in _COMPILE_KEYS:
         value = next(iter(value.values()))
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
-        return value > 0
-    raise ValueError(f"compilation_config={value!r:.80} is not supported here: a level 0-3 (0: eager, else "
-                     "torch.compile) alone, or its torch_compile=True/False and enforce_eager")
+        return None if value == 3 else value > 0
+    raise ValueError(f"compilation_config={value!r:.80} is not supported here: a level 0-3 (0: eager, 1 and 2: "
+                     "torch.compile, 3: the default) alone, or its torch_compile=True/False and enforce_eager")
 
 
 def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +99,7 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     `guided_decoding_backend`) as structured_outputs_backend, `compilation_config` as
     torch_compile, `distributed_executor_backend` as the executor it names, and its other
     arguments at a value asking for nothing (`_NEUTRAL`) dropped, at any other refused."""
-    kwargs = dict(kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in VLLM_FLAGS}  # (an unset flag's None)
     for name in [k for k in kwargs if k in _NEUTRAL]:
         value, (neutral, why) = kwargs.pop(name), _NEUTRAL[name]
         if not (value is None and None in neutral or same_value(value, neutral)):

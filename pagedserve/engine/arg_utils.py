@@ -44,7 +44,8 @@ from pagedserve.config import (
     default_max_step_ms,
     default_speculative_config,
 )
-from pagedserve.engine.arg_spellings import vllm_spellings
+from pagedserve.engine.arg_help import HELP
+from pagedserve.engine.arg_spellings import add_vllm_flags, vllm_flags_given, vllm_spellings
 from pagedserve.utils import is_int, parse_bytes
 
 logger = logging.getLogger("pagedserve")
@@ -52,116 +53,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Upper bound on default step budget; a larger max_model_len still works through chunked prefill.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-_HELP = {
-    "model": "registry name (e.g. smollm2-135m-instruct), HF model directory, or .gguf file",
-    "tokenizer": "tokenizer name or path (default: the model's)",
-    "dtype": "weight and activation dtype; auto = bfloat16 on a CPU with bf16 instructions, else float32",
-    "device": "auto, cpu, cuda or cuda:N",
-    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (default: 8192)",
-    "block_size": "tokens per KV-cache block",
-    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
-    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
-    "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
-    "kv_cache_memory_ceiling": "without kv_cache_memory_bytes, the KV cache's most bytes in place of the share of "
-                               "free memory, still capped at what max_num_seqs x max_model_len can use",
-    "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
-                              "what the weights and the profiled peak activations leave of it (never more than "
-                              "is free), when kv_cache_memory_bytes is unset",
-    "prefix_caching_algo": "hash (whole blocks by their chained hash, vLLM's) or radix (SGLang's radix tree: "
-                           "then token by token, the matching part of the next block copied from a cached one)",
-    "kv_offload_dir": "directory of a KV tier under the block pool that outlives the process: computed prefix "
-                      "blocks are written there in the background and loaded instead of recomputed, after "
-                      "eviction or a restart (bounded by --kv-offload-bytes, default 8 GiB)",
-    "kv_offload_bytes": "size of the KV tier: of --kv-offload-dir, or without it, of a tier in host memory "
-                        "(suffixes K, M, G, KiB, MiB, GiB accepted)",
-    "preemption_mode": "recompute (free a preempted request's KV and recompute it) or swap (copy it to the KV "
-                       "tier, host memory of 4 GiB unless --kv-offload-* say otherwise, and load it back)",
-    "num_gpu_blocks_override": "exact number of KV-cache blocks (testing)",
-    "seed": "random seed of the engine (sampling without a per-request seed)",
-    "max_logprobs": "most top logprobs one request may ask for",
-    "max_n": "most sequences (n) one request may ask for",
-    "generation_config": "auto: sampling defaults from the model's generation_config.json; vllm: built-in defaults",
-    "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
-    "enforce_eager": "never compile or capture graphs",
-    "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, unless "
-                     "--enforce-eager or every decoder layer runs as direct calls to fused C++ kernels: Llama-family "
-                     "and Gemma 3 models, LoRA or not; in 16-bit dtypes a compiled graph may break near-ties "
-                     "differently; PAGEDSERVE_TORCH_COMPILE=0/1 sets the default)",
-    "tensor_parallel_size": "number of processes (GPUs, or CPU ranks over gloo) to shard the model over",
-    "data_parallel_size": "engine replicas, each a Ray actor with a whole engine (its own scheduler, KV cache and "
-                          "tensor-parallel group), behind one router; 1 needs no Ray",
-    "ray_address": "Ray cluster the replicas join: auto (the one `ray start` began on this node) or HOST:PORT of "
-                   "its head (default: start a local Ray with the resources the replicas need)",
-    "cpus_per_replica": "CPU cores each replica reserves in Ray and runs its threads on (default: this "
-                        "machine's cores / data_parallel_size, at least 1)",
-    "router_policy": "how a replica is picked: cache_aware (the replica holding the longest prefix of the "
-                     "prompt, unless loads are imbalanced), least_loaded (waiting x 4 + running) or round_robin "
-                     "(default: cache_aware)",
-    "router_cache_threshold": "cache_aware: smallest fraction of the prompt a replica's prefix match must cover "
-                              "to win; below it the least loaded replica gets the request (default: 0.5)",
-    "router_balance_abs_threshold": "cache_aware: loads count as imbalanced, and the least loaded replica gets "
-                                    "the request whatever the others cache, when the busiest replica's load "
-                                    "(waiting x 4 + running) exceeds the idlest's by more than this and by more "
-                                    "than router_balance_rel_threshold times (default: 32)",
-    "router_balance_rel_threshold": "cache_aware: the relative half of the imbalance test above (default: 1.5)",
-    "chat_template": "Jinja chat template, or a path to a file holding one",
-    "attention_backend": "attention implementation (default: the best for the device)",
-    "exact_prompt_attention": "attend every prompt token as a one-token decode step would (cpu_paged's decode "
-                              "kernel; torch_paged has none), so answers do not depend on chunking, batching or "
-                              "prefix-cache hits; --no-exact-prompt-attention: the blocked prefill paths (SDPA, "
-                              "oneDNN), whose rounding can change answers (slower on the CPUs measured)",
-    "enable_chunked_prefill": "split long prompts over several steps",
-    "scheduling_policy": "fcfs or priority",
-    "trust_remote_code": "allow custom code from the model directory",
-    "structured_outputs_backend": "grammar library for structured outputs and tool calls: auto (= guidance), "
-                                  "guidance (llguidance) or xgrammar",
-    "quantization": "weight-only quantization on CPU: auto (a GGUF's quantized tensors stay quantized; "
-                    "float checkpoints stay float), none (dequantize a GGUF), gguf, or int8 / int4 "
-                    "(quantize a float checkpoint's linear layers at load, groups of 32)",
-    "quant_activation_bits": "bits a quantized layer rounds its activations to, per block of 32: 16 keeps "
-                             "the dequantized model's answers; 8 (llama.cpp's scheme) is faster on long "
-                             "prompts and changes small models' answers",
-    "prepack_weights": "keep a oneDNN-packed second copy of each 16-bit linear weight on CPU (faster "
-                       "matmuls, twice the memory of those weights; quantized layers never have one)",
-    "max_step_ms": "target duration of one step in ms: the token budget shrinks to what the measured "
-                   "per-token cost fits in it, so running streams keep decoding while long prompts prefill "
-                   "in chunks, while some request streams output; 0 turns it off (default: 250 on CPU, "
-                   "off on CUDA)",
-    "async_scheduling": "overlap scheduling: prepare step N+1 while step N runs on the device "
-                        "(default: on for CUDA, off on CPU)",
-    "kv_cache_dtype": "what the KV cache stores: auto (the model's dtype), bfloat16 or float16 (half of float32's "
-                      "bytes), int8 (a scale per token and head, llama.cpp's q8_0 idea: 3.9x fewer bytes than "
-                      "float32), fp8 / fp8_e4m3 or fp8_e5m2 (a per-tensor scale of 1, as vLLM without calibrated "
-                      "scales; on a small model int8 keeps answers closer); attention computes in the model's dtype",
-    "runner": "generate (text: completions, chat, responses, messages) or pooling (one vector or score per "
-              "prompt: /v1/embeddings, /v1/score, /v1/rerank, LLM.embed and LLM.score)",
-    "pooler_config": "the pooling runner's pooler as a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}' "
-                     "(fields: pooling_type LAST, MEAN or CLS, default LAST; normalize, default true; "
-                     "classifier_from_token, e.g. [\"no\", \"yes\"]: score pairs with those two tokens' "
-                     "logits, as Qwen3-Reranker; without it scores are embedding cosine similarities)",
-    "enable_lora": "serve LoRA adapters (PEFT directories) picked per request: LLM.generate(lora_request=...), "
-                   "the server's --lora-modules and the request's model field",
-    "max_loras": "LoRA adapters resident in the model at once (at most this many distinct adapters run in one step)",
-    "max_lora_rank": "the largest LoRA rank an adapter may have",
-    "max_cpu_loras": "LoRA adapters kept loaded in host memory, least recently used dropped first "
-                     "(default: max_loras)",
-    "limit_mm_per_prompt": "most images one prompt may carry, as JSON '{\"image\": 4}' (default: 8)",
-    "allowed_media_domains": "comma-separated domains whose http(s) image URLs the server may fetch (never "
-                             "loopback or private addresses; default: none, images come as data: URLs)",
-    "disable_chunked_mm_input": "never split an image's tokens across prefill chunks (always on for models "
-                                "whose image tokens attend both ways, Gemma 3)",
-    "encoder_cache_size": "room for vision-encoder outputs, in embedding rows, also what one step may encode "
-                          "(default: max_num_batched_tokens, at least 8192)",
-    "speculative_config": "speculative decoding as a JSON object, e.g. "
-                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (fields: method, "
-                          "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; or "
-                          "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}' for a draft model); "
-                          "'off' for none.  Default: n-gram drafts on CPU (exact; off at large batches), none on CUDA",
-}
-
 
 @dataclass
 class EngineArgs:
@@ -187,6 +78,7 @@ class EngineArgs:
     max_logprobs: int = 20
     max_n: int = 16
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | str | None = None  # a JSON object on the command line
     load_format: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -225,7 +117,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # Image input (vision-language models), vLLM's names (_HELP says what each does).
+    # Image input (vision-language models), vLLM's names (arg_help.HELP says what each does).
     limit_mm_per_prompt: dict[str, int] | str | None = None
     allowed_media_domains: list[str] | str | None = None
     disable_chunked_mm_input: bool = False
@@ -300,8 +192,7 @@ class EngineArgs:
             raise self._bad("seed", "a 64-bit integer")
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise self._bad("max_logprobs", "an integer >= 0")
-        if self.generation_config not in ("auto", "vllm"):
-            raise self._bad("generation_config", "'auto' or 'vllm'")
+        self._generation_overrides = _generation_overrides(self.generation_config, self.override_generation_config)
         if self.load_format not in LOAD_FORMATS:
             raise self._bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
         for name in ("enable_prefix_caching", "enforce_eager", "enable_chunked_prefill", "trust_remote_code",
@@ -462,6 +353,7 @@ class EngineArgs:
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,
             trust_remote_code=self.trust_remote_code, chat_template=chat_template,
             max_logprobs=self.max_logprobs, generation_config=self.generation_config,
+            override_generation_config=self._generation_overrides,
             quantization=self.quantization, quant_activation_bits=self.quant_activation_bits,
             prepack_weights=self.prepack_weights, runner=self.runner, pooler_config=self._pooler,
             limit_mm_per_prompt=self._media[0], allowed_media_domains=self._media[1],
@@ -525,7 +417,7 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             aliases = _SHORT_FLAGS.get(f.name, ())
             default = f.default
-            help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
+            help_text = HELP.get(f.name, "") + (f" (default: {default})" if default is not None else "")
             if isinstance(default, bool) or f.name in _OPTIONAL_BOOLS:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif f.name in ("kv_cache_memory_bytes", "kv_cache_memory_ceiling", "kv_offload_bytes"):
@@ -534,20 +426,22 @@ class EngineArgs:
                 kind = int if isinstance(default, int) or f.name in _INT_FIELDS else (
                     float if isinstance(default, float) or f.name in _FLOAT_FIELDS else str)
                 choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
-                           "generation_config": ("auto", "vllm"),
                            "structured_outputs_backend": STRUCTURED_OUTPUT_BACKENDS,
                            "quantization": QUANTIZATION_METHODS, "quant_activation_bits": QUANT_ACTIVATION_BITS,
                            "preemption_mode": PREEMPTION_MODES,
                            "prefix_caching_algo": PREFIX_CACHING_ALGOS, "router_policy": ROUTER_POLICIES,
                            "runner": RUNNERS, "kv_cache_dtype": KV_CACHE_DTYPES}.get(f.name)
+                kind = readable_int if f.name in _READABLE_INTS else kind
                 group.add_argument(flag, *aliases, type=kind, default=None, choices=choices, help=help_text)
+        add_vllm_flags(parser)
         return parser
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
         kwargs = {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name, None) is not None}
+        kwargs.update(vllm_flags_given(ns))
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kwargs)
+        return cls.from_kwargs("the command line", **kwargs)
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -560,6 +454,56 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)
 _FLOAT_FIELDS = {"max_step_ms", "router_cache_threshold", "router_balance_rel_threshold"}
 _INT_FIELDS = {"max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "cpus_per_replica",
                "router_balance_abs_threshold", "max_cpu_loras", "encoder_cache_size"}
+# Token counts the command line takes as vLLM does: "2k" (2,000), "2K" (2,048), "1.5m".
+_READABLE_INTS = {"max_model_len", "max_num_batched_tokens"}
+
+
+def readable_int(text: str) -> int:
+    """An integer, or one with a suffix as vLLM's command line reads it: k, m, g decimal
+    (a fraction allowed: "25.6k"), K, M, G binary (whole numbers only)."""
+    m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)([kmgKMG]?)\s*", text)  # (a negative one: named by the check)
+    if not m or "." in m.group(1) and m.group(2) not in ("k", "m", "g"):
+        raise argparse.ArgumentTypeError(f"{text!r:.40} is not a whole number (suffixes: k, m, g for thousands, "
+                                         "K, M, G for powers of 1024, e.g. 2k or 32K)")
+    number, suffix = m.groups()
+    if suffix in ("k", "m", "g"):
+        return int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
+    return int(number) * 1024 ** ("KMG".index(suffix) + 1 if suffix else 0)
+
+
+def _generation_overrides(generation_config: Any, overrides: Any) -> dict[str, Any]:
+    """generation_config checked ("auto", "vllm" or a directory holding a readable
+    generation_config.json), and override_generation_config's sampling defaults, each
+    key one of the generation config's sampling keys and its value in SamplingParams' range."""
+    from pagedserve.config import GENERATION_CONFIG_KEYS, generation_defaults
+    from pagedserve.sampling_params import SamplingParams
+
+    if generation_config not in ("auto", "vllm"):
+        file = os.path.join(generation_config, "generation_config.json") if isinstance(generation_config, str) else ""
+        try:
+            with open(file, encoding="utf-8") as f:
+                if not isinstance(json.load(f), dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a readable "
+                             f"generation_config.json, got {generation_config!r:.200} ({e})") from None
+    values = _json_argument(overrides, "override_generation_config") or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {values!r:.80}")
+    if unknown := sorted(set(values) - set(GENERATION_CONFIG_KEYS)):
+        raise ValueError(f"override_generation_config: {', '.join(map(repr, unknown))[:200]} set no sampling "
+                         f"default (keys: {', '.join(GENERATION_CONFIG_KEYS)})")
+    defaults = generation_defaults(values)
+    if len(defaults) != len(values):
+        raise ValueError(f"override_generation_config's values must be numbers (max_new_tokens an integer), got "
+                         f"{values!r:.200}")
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"override_generation_config: {e}") from None
+    return values
+
+
 def _json_argument(value: Any, name: str) -> Any:
     """An argument given as a dict, or on the command line as JSON text (None stays None)."""
     if not isinstance(value, str):
@@ -571,10 +515,18 @@ def _json_argument(value: Any, name: str) -> Any:
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """A template given as a path is read here, so errors name the file at start-up."""
-    if value is None or "{" in value:
+    """A template given as a path is read here, and either is parsed, so errors name the
+    file or the syntax error at start-up."""
+    from pagedserve.chat_template import check_template
+
+    if value is None:
+        return None
+    if "{" in value:
+        check_template(value)
         return value
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
-            return f.read()
+            text = f.read()
+        check_template(text, f"chat_template {value!r:.200}")
+        return text
     raise ValueError(f"chat_template {value!r} is neither a Jinja template nor an existing file")

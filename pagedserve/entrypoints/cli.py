@@ -44,6 +44,8 @@ class ServerModule(Protocol):
 
     def make_arg_parser(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser: ...
 
+    def parse_args(self, parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace: ...
+
     def run_server(self, args: argparse.Namespace) -> None: ...
 
 
@@ -146,7 +148,7 @@ def _delegate(argv: list[str]) -> bool:
                                                    functools.partial(importlib.import_module, module_name))
             parser = module.make_arg_parser(argparse.ArgumentParser(prog="pagedserve " + " ".join(prefix),
                                                                     description=module.__doc__, allow_abbrev=False))
-            module.run_server(parser.parse_args(argv[len(prefix):]))
+            module.run_server(module.parse_args(parser, argv[len(prefix):]))
             return True
     ep = _benchmarks().get(argv[1]) if argv[:1] == ["bench"] and len(argv) > 1 else None
     if ep is not None:

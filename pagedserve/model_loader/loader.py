@@ -189,18 +189,19 @@ def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.de
     model_config.max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     model_config.dtype = _DTYPE_NAMES[dtype]
     model_config.hf_config = hf_config
-    model_config.generation_config_values = read_generation_config(source)
+    folder = model_config.generation_config if model_config.generation_config not in ("auto", "vllm") else None
+    model_config.generation_config_values = read_generation_config(folder or source.path)
     if model_config.sampling_defaults():
-        logger.info("sampling defaults from generation_config.json (for fields a request leaves unset): %s; "
-                    "--generation-config vllm ignores them", model_config.sampling_defaults())
+        logger.info("sampling defaults (for fields a request leaves unset): %s, from %s", model_config.sampling_defaults(),
+                    "--override-generation-config" if model_config.generation_config == "vllm" else
+                    f"{folder or 'the model'}'s generation_config.json and --override-generation-config")
     return hf_config
 
 
-def read_generation_config(source: ModelSource) -> dict[str, Any]:
-    """generation_config.json next to the weights (HF directories), or {}."""
+def read_generation_config(path: str | None) -> dict[str, Any]:
+    """generation_config.json in directory `path` (an HF model's, or --generation-config's), or {}."""
     import json
 
-    path = source.path
     file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else None
     if file is None or not os.path.isfile(file):
         return {}

@@ -207,6 +207,8 @@ def determine_num_blocks(
         source = (f"{need_text}, less than {source}" if num_blocks == need
                   else f"{source}, less than the {need_text}")
         source += " (set kv_cache_memory_bytes to choose)"
+        if cache_config.gpu_memory_utilization != CacheConfig.gpu_memory_utilization:  # (the flag was given)
+            source += f"; gpu_memory_utilization={cache_config.gpu_memory_utilization} sizes CUDA caches only"
     if num_blocks - 1 < blocks_per_req:
         raise ValueError(
             f"KV cache too small: {source} gives {max(num_blocks - 1, 0)} usable blocks of {bs} tokens "

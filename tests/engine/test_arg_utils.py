@@ -242,7 +242,8 @@ WHERE_CHECKED = {
     "seed": ({"seed": "x"}, _SCALARS),
     "max_logprobs": ({"max_logprobs": -1}, _SCALARS),
     "max_n": ({"max_n": 0}, "SchedulerConfig.__post_init__"),
-    "generation_config": ({"generation_config": "hf"}, _SCALARS),
+    "generation_config": ({"generation_config": "hf"}, "_generation_overrides"),
+    "override_generation_config": ({"override_generation_config": {"top_k": -2}}, "_generation_overrides"),
     "load_format": ({"load_format": "pickle"}, _SCALARS),
     "enforce_eager": ({"enforce_eager": 1}, _SCALARS),
     "tensor_parallel_size": ({"tensor_parallel_size": 0}, _SIZES),
@@ -325,3 +326,64 @@ def test_lora_sizes_without_enable_lora_are_warned_of(caplog) -> None:
     said = [r.getMessage() for r in caplog.records if "no effect without enable_lora" in r.getMessage()]
     assert said == ["max_loras has no effect without enable_lora (--enable-lora)",
                     "max_lora_rank has no effect without enable_lora (--enable-lora)"]
+
+
+def test_token_counts_take_vllms_suffixes_on_the_command_line() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for text, want in (("2k", 2000), ("1K", 1024), ("25.6k", 25600), ("4096", 4096), ("1M", 2**20)):
+        assert EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", text])).max_model_len == want
+    assert EngineArgs.from_cli_args(parser.parse_args(["--max-num-batched-tokens", "8K"])).max_num_batched_tokens == 8192
+    for text in ("1.5K", "2kb", "2.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-len", text])
+    with pytest.raises(ValueError, match="max_model_len"):  # (a negative one: named by the check)
+        EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "-5"])).create_engine_config(False)
+
+
+def test_vllms_flags_on_the_command_line_mean_what_its_keywords_do() -> None:
+    """`vllm serve` flags were "unrecognized arguments": each is now read as LLM(...)'s
+    keyword of that name is (taken, mapped, or refused with the reason)."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = EngineArgs.from_cli_args(parser.parse_args([
+        "--tokenizer-mode", "auto", "--revision", "main", "-pp", "1", "--swap-space", "4", "--hf-overrides", "{}",
+        "--structured-outputs-config", '{"backend": "xgrammar"}', "--disable-custom-all-reduce", "-O3",
+        "--logprobs-mode", "raw_logprobs", "--task", "embed"]))
+    assert args == EngineArgs(structured_outputs_backend="xgrammar", runner="pooling")
+    assert EngineArgs.from_cli_args(parser.parse_args(["-O", "0"])).torch_compile is False
+    for flags, match in ((["--skip-tokenizer-init"], "skip_tokenizer_init=True is not supported here"),
+                         (["--logprobs-mode", "processed_logits"], "raw_logprobs"),
+                         (["--mm-processor-kwargs", '{"num_crops": 4}'], "mm_processor_kwargs="),
+                         (["-pp", "2"], "no pipeline parallelism here")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs.from_cli_args(parser.parse_args(flags))
+
+
+def test_override_generation_config_and_a_generation_config_directory(tmp_path) -> None:
+    def defaults(**kwargs) -> dict:
+        return EngineArgs(**kwargs).create_engine_config(load_hf_config=False).model_config.sampling_defaults()
+
+    assert defaults(override_generation_config='{"temperature": 0.2, "max_new_tokens": 9}') == {
+        "temperature": 0.2, "max_tokens": 9}
+    assert defaults(generation_config="vllm", override_generation_config={"top_k": 5}) == {"top_k": 5}
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9}')
+    config = EngineArgs(generation_config=str(tmp_path), override_generation_config={"top_p": 0.5})
+    from pagedserve.model_loader.loader import read_generation_config
+
+    model_config = config.create_engine_config(load_hf_config=False).model_config
+    model_config.generation_config_values = read_generation_config(str(tmp_path))
+    assert model_config.sampling_defaults() == {"temperature": 0.6, "top_p": 0.5}  # the override's wins
+    for kwargs, match in (({"override_generation_config": {"seed": 1}}, "'seed' set no sampling default"),
+                          ({"override_generation_config": {"temperature": -1}}, "temperature must be"),
+                          ({"override_generation_config": "[1]"}, "must be a JSON object"),
+                          ({"generation_config": str(tmp_path / "none")}, "a directory holding a readable")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**kwargs)
+
+
+def test_a_malformed_chat_template_is_refused_at_start(tmp_path) -> None:
+    """It started, and then every chat request was a 400."""
+    with pytest.raises(ValueError, match=r"chat_template is not a valid Jinja template \(line 1: unexpected '}'\)"):
+        EngineArgs(chat_template="{% for m in messages %}{{ m.content }").create_engine_config(load_hf_config=False)
+    (tmp_path / "t.jinja").write_text("{% if x %}\nno end")
+    with pytest.raises(ValueError, match="t.jinja.* is not a valid Jinja template"):
+        EngineArgs(chat_template=str(tmp_path / "t.jinja")).create_engine_config(load_hf_config=False)

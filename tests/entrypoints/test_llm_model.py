@@ -225,9 +225,12 @@ def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
         "xgrammar", False, "swap", 2 * 2**30)
     # (vLLM's default swap_space, 4, asks for no swapping: vLLM v1 swaps nothing)
     assert EngineArgs.from_kwargs(swap_space=4) == EngineArgs()
-    assert EngineArgs.from_kwargs(compilation_config={"level": 3}).torch_compile is True
+    # (level 3 is vLLM v1's default, -O3: this engine's default; 1 and 2 compile)
+    assert EngineArgs.from_kwargs(compilation_config={"level": 3}).torch_compile is None
+    assert EngineArgs.from_kwargs(compilation_config=2).torch_compile is True
+    assert EngineArgs.from_kwargs(revision="main") == EngineArgs()  # (the revision a local copy is)
     assert EngineArgs.from_kwargs(guided_decoding_backend="guidance").structured_outputs_backend == "guidance"
-    for kwargs, match in [({"revision": "main"}, "revision='main' is not supported here: models come from local"),
+    for kwargs, match in [({"revision": "v2.0"}, "revision='v2.0' is not supported here: models come from local"),
                           ({"tokenizer_mode": "slow"}, "tokenizer_mode='slow'"),
                           ({"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1]}}, "a level 0-3"),
                           ({"distributed_executor_backend": "ray"}, "Ray runs data_parallel_size's"),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -43,6 +42,7 @@ from pagedserve.engine.async_llm import (
 from pagedserve.entrypoints.anthropic.router import router as anthropic_router
 from pagedserve.entrypoints.dashboard.router import dashboard_router
 from pagedserve.entrypoints.ollama.router import router as ollama_router
+from pagedserve.entrypoints.openai.cli_args import check_vllm_server_args, make_arg_parser, parse_args
 from pagedserve.entrypoints.openai.exception_handlers import add_exception_handlers
 from pagedserve.entrypoints.openai.http_utils import (
     AnthropicRequestIdMiddleware,
@@ -55,8 +55,8 @@ from pagedserve.entrypoints.openai.http_utils import (
     parse_allowed_hosts,
 )
 from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec, register_pool_metrics
-from pagedserve.entrypoints.openai.model_sources import add_model_pool_args, model_specs, pool_options
-from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
+from pagedserve.entrypoints.openai.model_sources import model_specs, pool_options
+from pagedserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.routers.completions import router as completions_router
 from pagedserve.entrypoints.openai.routers.lora import router as lora_router
@@ -65,8 +65,6 @@ from pagedserve.entrypoints.openai.routers.responses import router as responses_
 from pagedserve.entrypoints.openai.routers.server import router as server_router
 from pagedserve.entrypoints.openai.routers.tokenization import router as tokenization_router
 from pagedserve.entrypoints.openai.server_state import (
-    DEFAULT_HTTP_READ_TIMEOUT,
-    DEFAULT_MAX_REQUEST_BYTES,
     Attachment,
     CorsOptions,
     ModelHandlers,
@@ -74,9 +72,9 @@ from pagedserve.entrypoints.openai.server_state import (
     bind_state,
     dashboard_hub,
 )
+from pagedserve.entrypoints.openai.serving_engine import ServingOptions
 from pagedserve.entrypoints.openai.serving_models import LoRAAdapters, parse_lora_modules
 from pagedserve.entrypoints.openai.tool_parsers import (
-    TOOL_PARSERS,
     ToolParser,
     default_tool_parser,
     get_tool_parser,
@@ -87,7 +85,8 @@ if TYPE_CHECKING:
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.protocol import EngineClient
 
-__all__ = ["Attachment", "ServerState", "build_app", "make_arg_parser", "make_engine_client", "run_server"]
+__all__ = ["Attachment", "ServerState", "build_app", "make_arg_parser", "make_engine_client", "parse_args",
+           "run_server"]
 
 logger = logging.getLogger("pagedserve.api_server")
 
@@ -103,7 +102,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
 
     if state.registry is None:
         state.registry = CollectorRegistry()
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {} if state.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **docs)
     bind_state(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes, read_timeout=state.http_read_timeout)
     app.add_middleware(APIKeyMiddleware, state=state)
@@ -121,99 +121,13 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     return app
 
 
-def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of `pagedserve serve`: the server's own, then every EngineArgs flag."""
-    from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
-
-    parser.add_argument("model_tag", nargs="*", default=None, metavar="MODEL",
-                        help="model(s) to serve: registered names, HF directories, Hub ids in the local cache, "
-                             f"GGUF files; the first is the default (same as --model; default: {DEFAULT_MODEL})")
-    group = parser.add_argument_group("server arguments")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health, /ping "
-                            "and the dashboard page, /metrics too unless --metrics-without-auth (vLLM guards /v1/* only; "
-                            "default: $PAGEDSERVE_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
-    group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model name(s) clients use in the 'model' field (default: the MODEL argument)")
-    group.add_argument("--log-stats-interval", type=float, default=10.0,
-                       help="seconds between throughput log lines (default: 10)")
-    group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
-    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's names: "
-                            "hermes for Qwen2.5/3, llama3_json for Llama 3.x)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="vLLM's switch for tool_choice 'auto', which is on here whenever a tool-call format is "
-                            "known (--tool-call-parser, else the chat template's)")
-    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split a thinking model's <think>...</think> into reasoning_content (vLLM's names: "
-                            "qwen3 for Qwen3, deepseek_r1 for DeepSeek-R1 and its distills)")
-    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                       help="LoRA adapters (PEFT directories) served by name, as name=path or a JSON object "
-                            "with name, path and base_model_name (needs --enable-lora)")
-    group.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; "
-                            "vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
-    group.add_argument("--enable-responses-store", action="store_true",
-                       help="keep /v1/responses answers (at most 1,000 and 64 MiB, oldest out first) for "
-                            "GET /v1/responses/{id} and previous_response_id (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
-    group.add_argument("--metrics-without-auth", action="store_true",
-                       help="serve /metrics without the API key (for a Prometheus scraper)")
-    group.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON",
-                       help='CORS: origins a browser page may call from, e.g. \'["https://app.example"]\' '
-                            "(vLLM's flag; default: none, where vLLM's is every origin)")
-    group.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
-                       help="CORS: methods allowed (default: all)")
-    group.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
-                       help="CORS: request headers allowed (default: all)")
-    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="refuse new requests with 503 and Retry-After while this many wait for a slot "
-                            "(default: no limit)")
-    group.add_argument("--request-timeout", type=float, default=None,
-                       help="seconds a request may run; a longer one is aborted, its blocks freed, and its "
-                            "client gets a 408 or an error event (default: none)")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted "
-                            "(default: 30)")
-    group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
-                       help="largest request body accepted; larger ones get 413 before they are parsed "
-                            "(bytes, or with a unit: 16MiB; default: 16MiB)")
-    group.add_argument("--http-read-timeout", type=float, default=DEFAULT_HTTP_READ_TIMEOUT,
-                       help="seconds a client has to send a request's headers (the connection is closed after) "
-                            f"and then its body (408) (default: {DEFAULT_HTTP_READ_TIMEOUT:g})")
-    group.add_argument("--allowed-hosts", default=None,
-                       help="comma-separated names and addresses the Host header may carry, '*' for any "
-                            "(default: the --host address and localhost names; any when bound to 0.0.0.0 or ::), "
-                            "so that a web page cannot reach the server by DNS rebinding")
-    group.add_argument("--disable-dashboard", action="store_true",
-                       help="do not serve the live dashboard and chat playground at / and /dashboard")
-    add_model_pool_args(group)
-    group.add_argument("--enable-request-id-headers", action="store_true",
-                       help="answers carry an X-Request-Id header: the request's, else a new one (vLLM's flag; a "
-                            "request's X-Request-Id names its answer's id either way)")
-    group.add_argument("--enable-log-requests", action="store_true",
-                       help="log each generation request as it is accepted: its id, route and body, cut to "
-                            "--max-log-len characters (vLLM's flag; prompts are not logged without it)")
-    group.add_argument("--disable-log-requests", action="store_true",
-                       help="vLLM's older flag: requests are not logged unless --enable-log-requests")
-    group.add_argument("--max-log-len", type=int, default=2000,
-                       help="characters of a logged request body (--enable-log-requests; default: 2000)")
-    group.add_argument("--uvicorn-log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"],
-                       help="uvicorn's own log level; info logs every request (default: warning)")
-    EngineArgs.add_cli_args(parser)
-    return parser
-
-
 def bound_url(server: Any, host: str, port: int) -> str:
     """Where a uvicorn server answers: with --port 0, the port the system chose once it is
     bound (it binds after the lifespan starts the engine's load, long before that is ready)."""
     if server.started:  # (uvicorn's `servers` exists from then on)
         for listener in server.servers:
             port = listener.sockets[0].getsockname()[1] if listener.sockets else port
-    return f"http://{host}:{port}"
+    return f"{'https' if server.config.is_ssl else 'http'}://{host}:{port}"
 
 
 class _DrainingServer:
@@ -323,6 +237,7 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
     if not args.http_read_timeout > 0:
         raise ValueError(f"--http-read-timeout must be > 0, got {args.http_read_timeout}")
     allowed_hosts = parse_allowed_hosts(args.allowed_hosts, args.host)
+    check_vllm_server_args(args)
     api_key = _api_key(args)
     check_front_door_limits(args.max_waiting_requests, args.request_timeout)
     names = [specs[0].name, *specs[0].aliases]
@@ -349,7 +264,10 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
                         responses_store=ResponseStore() if args.enable_responses_store else None,
                         lora_adapters=loras, runner=engine_args.runner, cors=cors_options(args),
                         request_id_headers=args.enable_request_id_headers,
-                        log_requests=args.max_log_len if args.enable_log_requests else None)
+                        log_requests=args.max_log_len if args.enable_log_requests else None,
+                        serving_options=ServingOptions(args.default_chat_template_kwargs or {},
+                                                       args.enable_force_include_usage),
+                        fastapi_docs=not args.disable_fastapi_docs)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     return state
@@ -365,6 +283,7 @@ def configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerState]:
         raise SystemExit(f"error: MODEL {tags[0]!r} and --model {args.model!r} disagree")
     try:
         engine_args = EngineArgs.from_cli_args(args, model=tags[0] if tags else None)
+        engine_args.create_engine_config(load_hf_config=False)  # (every config check, before the socket binds)
         if not tags and args.models_dir:  # the directory's models alone
             specs = model_specs([], args.models_dir, args.served_model_name)
             engine_args = engine_args.replace(model=specs[0].source)
@@ -539,7 +458,7 @@ class _EngineLoader:
         attachment.client.start()
         handlers = ModelHandlers.build(attachment, [spec.name, *spec.aliases], {},
                                        _tool_parser(self.args, attachment.client),
-                                       get_reasoning_parser(self.args.reasoning_parser))
+                                       get_reasoning_parser(self.args.reasoning_parser), self.state.serving_options)
         handlers.dashboard = self.state.dashboard_for(attachment, spec.name, series)
         return handlers
 
@@ -555,7 +474,10 @@ def run_server(args: argparse.Namespace) -> None:
     loader = _EngineLoader(args, engine_args, state)
     app = build_app(state, lifespan=loader.lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=5, http=header_timeout_protocol(args.http_read_timeout))
+                            timeout_graceful_shutdown=5, http=header_timeout_protocol(args.http_read_timeout),
+                            root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                            ssl_cert_reqs=args.ssl_cert_reqs)
     runner = loader.runner = _DrainingServer(config, state, args.shutdown_timeout)
     logger.info("loading %s (health is 503 until ready)", engine_args.model)
     runner.server.run()
@@ -564,9 +486,11 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import sys
+
     parser = make_arg_parser(argparse.ArgumentParser(prog="pagedserve serve", allow_abbrev=False,
                                                      description="OpenAI-compatible HTTP server"))
-    run_server(parser.parse_args())
+    run_server(parse_args(parser, sys.argv[1:]))
 
 
 if __name__ == "__main__":

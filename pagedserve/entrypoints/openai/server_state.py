@@ -27,7 +27,7 @@ from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
+from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError, ServingOptions
 from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
@@ -136,8 +136,9 @@ class ModelHandlers:
 
     @classmethod
     def build(cls, attachment: Attachment, names: list[str], loras: dict[str, LoRARequest],
-              tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None) -> ModelHandlers:
-        args = (attachment.client, names, attachment.max_model_len, loras)
+              tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None,
+              options: ServingOptions | None = None) -> ModelHandlers:
+        args = (attachment.client, names, attachment.max_model_len, loras, options)
         return cls(attachment, OpenAIServingCompletion(*args),
                    OpenAIServingChat(*args, tool_parser=tool_parser, reasoning_parser=reasoning_parser),
                    OpenAIServingEmbedding(*args), OpenAIServingScore(*args))
@@ -209,6 +210,8 @@ class ServerState:
     series: SeriesStatLogger | None = None
     prepare: PrepareThreads = field(default_factory=PrepareThreads)  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
+    serving_options: ServingOptions = field(default_factory=ServingOptions)  # requests' server-wide defaults
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
     # The runner every model of the pool loads with (--runner): a route of the other runner
     # is refused before its model loads.  None: known only once loaded (in-process tests).
@@ -227,7 +230,7 @@ class ServerState:
                reasoning_parser: ReasoningParser | None = None) -> None:
         """The first model, loaded: the server starts answering."""
         handlers = ModelHandlers.build(attachment, self.served_model_names, self.lora_adapters.loras,
-                                       tool_parser, reasoning_parser)
+                                       tool_parser, reasoning_parser, self.serving_options)
         handlers.dashboard = self.dashboard_for(attachment, self.served_model_names[0], self.series)
         self.models.attach(self.models.default_name, handlers)
         self.started = True  # last: it means "ready"

@@ -216,7 +216,8 @@ class OpenAIServingChat(OpenAIServing):
         so the server and `LLM.chat` build the same prompt from the same messages."""
         kwargs = {}
         if req is not None:
-            kwargs = dict(chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
+            template_kwargs = {**self.options.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+            kwargs = dict(chat_template_kwargs=template_kwargs or None, documents=req.documents,
                           continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
                           cut=req.truncate_prompt_tokens is not None)
         return self.render_chat(messages, req.chat_template if req else None, add_generation_prompt, tools, **kwargs)
@@ -366,7 +367,7 @@ class OpenAIServingChat(OpenAIServing):
                      streams: list[RequestStream]) -> AsyncIterator[str]:
         model, params = prep.model, prep.params
         created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = self.options.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
         continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         plan: ToolPlan = prep.tools
         choice_streams = [ChoiceStream() for _ in range(params.n)]

@@ -107,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
                      streams: list[RequestStream]) -> AsyncIterator[str]:
         model, prompts, params = prep.model, prep.prompts, prep.params
         created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = self.options.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
         continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         choice_streams: dict[int, ChoiceStream] = {}
         finals: dict[int, RequestOutput] = {}

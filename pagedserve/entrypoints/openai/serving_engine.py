@@ -19,7 +19,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -192,6 +192,14 @@ def sse_error(err: BaseException) -> str:
     return sse({"error": to_openai_error(err).to_response().error.model_dump()})
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide defaults of requests, from the command line (vLLM's flags)."""
+
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # a request's own keys win
+    force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not
+
+
 class OpenAIServing:
     """One generation endpoint.  Subclasses turn a request body into prompts and
     sampling params (`prepare`) and render the engine's outputs (`full`, `stream`)."""
@@ -199,9 +207,10 @@ class OpenAIServing:
     id_prefix = "cmpl"
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
-                 lora_modules: dict[str, LoRARequest] | None = None) -> None:
+                 lora_modules: dict[str, LoRARequest] | None = None, options: ServingOptions | None = None) -> None:
         """`lora_modules`: the server's adapters by name (shared with the runtime load and
         unload routes, which change it); a request's `model` picks one."""
+        self.options = options or ServingOptions()
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names

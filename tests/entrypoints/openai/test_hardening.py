@@ -520,3 +520,79 @@ def test_a_queued_stream_sends_its_role_with_its_first_token():
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "-5"], "max_model_len must be"),  # (these two: only once the socket was bound)
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--api-server-count", "2"], "--api-server-count 2 is not supported here: one API process"),
+    (["--response-role", "user"], "--response-role 'user' is not supported here"),
+    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids True is not supported"),
+    (["--chat-template-content-format", "openai"], "vLLM's auto"),
+    (["--ssl-keyfile", "/nonexistent.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile: no file"),
+    (["--root-path", "api"], "--root-path must start with '/'"),
+    (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["--chat-template", "{{ x }"], "chat_template is not a valid Jinja template"),
+])
+def test_vllms_server_flags_are_checked_at_start(flags, message):
+    import argparse
+
+    from pagedserve.entrypoints.openai.api_server import configure, make_arg_parser
+
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["smollm2-135m-instruct", *flags])
+    with pytest.raises(SystemExit, match=message):
+        configure(args)
+
+
+def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
+    import argparse
+
+    from pagedserve.entrypoints.openai.api_server import configure, make_arg_parser, parse_args
+
+    (tmp_path / "c.yaml").write_text("port: 8123\nmax-model-len: 2k\nenable_prefix_caching: false\n"
+                                     "served-model-name: [a, b]\ndisable-fastapi-docs: true\n"
+                                     "default-chat-template-kwargs: {enable_thinking: false}\nhost: 0.0.0.0\n")
+    parser = make_arg_parser(argparse.ArgumentParser(allow_abbrev=False))
+    args = parse_args(parser, ["smollm2-135m-instruct", "--config", str(tmp_path / "c.yaml"), "--port", "9000"])
+    assert (args.port, args.host, args.served_model_name, args.model_tag) == (9000, "0.0.0.0", ["a", "b"],
+                                                                            ["smollm2-135m-instruct"])
+    engine_args, state = configure(args)
+    assert engine_args.max_model_len == 2000 and engine_args.enable_prefix_caching is False
+    assert state.serving_options.default_chat_template_kwargs == {"enable_thinking": False}
+    assert not state.fastapi_docs and state.served_model_names == ["a", "b"]
+    (tmp_path / "bad.yaml").write_text("- a list\n")
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["--config", str(tmp_path / "bad.yaml")])
+    with pytest.raises(SystemExit, match="--config FILE is read by"):  # (a parse that skipped the file)
+        configure(parser.parse_args(["--config", str(tmp_path / "c.yaml")]))
+
+
+def test_server_wide_request_defaults_and_no_docs():
+    """--default-chat-template-kwargs reach the template under a request's own keys;
+    --enable-force-include-usage ends every stream with usage; --disable-fastapi-docs."""
+    from pagedserve.entrypoints.openai.serving_engine import ServingOptions
+
+    seen = []
+
+    class Recording(FakeEngine):
+        def encode_chat(self, messages, chat_template=None, add_generation_prompt=True, **kwargs) -> dict:
+            seen.append(kwargs.get("chat_template_kwargs"))
+            return super().encode_chat(messages, chat_template, add_generation_prompt, **kwargs)
+
+    state, app = make(Recording(), serving_options=ServingOptions({"enable_thinking": False, "x": 1}, True),
+                      fastapi_docs=False)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def fn(c):
+        await c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"x": 2}}, headers=KEY)
+        streamed = await c.post("/v1/chat/completions", json={**chat, "stream": True}, headers=KEY)
+        completion = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                                  headers=KEY)
+        return streamed, completion, [(await c.get(p, headers=KEY)).status_code for p in ("/docs", "/openapi.json")]
+
+    streamed, completion, docs = call(app, fn)
+    assert seen[0] == {"enable_thinking": False, "x": 2} and seen[1] == {"enable_thinking": False, "x": 1}
+    for r in (streamed, completion):
+        assert events(r.text)[-2]["usage"]["completion_tokens"] == 2, r.text[-300:]
+    assert docs == [404, 404]
