@@ -37,9 +37,17 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+def json_argument(text: str) -> Any:
+    """A flag's JSON value (argparse names the flag; json.loads's own name said "invalid loads value")."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r:.80} is not JSON ({e.msg})") from None
+
+
 def _int_or_json(text: str) -> Any:
     """vLLM's -O / --compilation-config: a level ("3") or a JSON object."""
-    return int(text) if text.strip().lstrip("-").isdigit() else json.loads(text)
+    return int(text) if text.strip().lstrip("-").isdigit() else json_argument(text)
 
 
 # vLLM's command-line flags for the arguments above and those _config_spellings maps,
@@ -50,7 +58,7 @@ VLLM_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[str], Any] | None]] = {
     **{name: ((), str) for name in ("tokenizer_mode", "revision", "code_revision", "tokenizer_revision",
                                     "download_dir", "hf_token", "distributed_executor_backend", "task",
                                     "logprobs_mode")},
-    **{name: ((), json.loads) for name in ("hf_overrides", "structured_outputs_config", "mm_processor_kwargs")},
+    **{name: ((), json_argument) for name in ("hf_overrides", "structured_outputs_config", "mm_processor_kwargs")},
     **{name: ((), None) for name in ("disable_custom_all_reduce", "enable_sleep_mode", "skip_tokenizer_init")},
     "cpu_offload_gb": ((), float), "swap_space": ((), float), "pipeline_parallel_size": (("-pp",), int),
     "compilation_config": (("-O",), _int_or_json),

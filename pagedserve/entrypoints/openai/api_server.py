@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -225,6 +226,10 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if not args.host:  # (an empty $HOST bound every interface, silently)
         raise ValueError("--host must not be empty (0.0.0.0 or :: binds every interface)")
+    try:  # (the lookup uvicorn makes to bind: its failure was its own line, exit 3, no flag named)
+        socket.getaddrinfo(args.host, args.port)
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"--host {args.host!r:.100} is neither an address nor a name this machine resolves") from None
     if not args.shutdown_timeout >= 0:  # (NaN too)
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.enable_log_requests and args.disable_log_requests:

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from pagedserve.engine.arg_spellings import json_argument
 from pagedserve.entrypoints.openai.model_sources import add_model_pool_args
 from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedserve.entrypoints.openai.server_state import DEFAULT_HTTP_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
@@ -55,12 +56,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "GET /v1/responses/{id} and previous_response_id (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
     group.add_argument("--metrics-without-auth", action="store_true",
                        help="serve /metrics without the API key (for a Prometheus scraper)")
-    group.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON",
+    group.add_argument("--allowed-origins", type=json_argument, default=None, metavar="JSON",
                        help='CORS: origins a browser page may call from, e.g. \'["https://app.example"]\' '
                             "(vLLM's flag; default: none, where vLLM's is every origin)")
-    group.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+    group.add_argument("--allowed-methods", type=json_argument, default=["*"], metavar="JSON",
                        help="CORS: methods allowed (default: all)")
-    group.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+    group.add_argument("--allowed-headers", type=json_argument, default=["*"], metavar="JSON",
                        help="CORS: request headers allowed (default: all)")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     group.add_argument("--max-waiting-requests", type=int, default=None,
@@ -134,7 +135,7 @@ def _add_vllm_server_args(parser: argparse.ArgumentParser) -> None:
                        help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="do not serve /docs, /redoc and /openapi.json")
-    group.add_argument("--default-chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
+    group.add_argument("--default-chat-template-kwargs", type=json_argument, default=None, metavar="JSON",
                        help="chat_template_kwargs every chat request gets, its own keys winning, e.g. "
                             "'{\"enable_thinking\": false}'")
     group.add_argument("--enable-force-include-usage", action="store_true",

@@ -532,6 +532,7 @@ def test_a_queued_stream_sends_its_role_with_its_first_token():
     (["--ssl-keyfile", "/nonexistent.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile: no file"),
     (["--root-path", "api"], "--root-path must start with '/'"),
+    (["--host", "999.1.1.1"], "--host '999.1.1.1' is neither an address nor a name"),
     (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--chat-template", "{{ x }"], "chat_template is not a valid Jinja template"),
 ])
