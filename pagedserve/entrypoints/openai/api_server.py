@@ -51,6 +51,7 @@ from pagedserve.entrypoints.openai.http_utils import (
     BodyLimitMiddleware,
     HostCheckMiddleware,
     RequestIdHeaderMiddleware,
+    ServerLoadMiddleware,
     SSEResponse,
     header_timeout_protocol,
     parse_allowed_hosts,
@@ -112,6 +113,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, **dataclasses.asdict(state.cors))
     if state.request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
+    if state.server_load is not None:
+        app.add_middleware(ServerLoadMiddleware, state=state)
     app.add_middleware(AnthropicRequestIdMiddleware)  # (outside the key check: its refusals carry one too)
     app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
     add_exception_handlers(app)
@@ -272,7 +275,8 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
                         log_requests=args.max_log_len if args.enable_log_requests else None,
                         serving_options=ServingOptions(args.default_chat_template_kwargs or {},
                                                        args.enable_force_include_usage),
-                        fastapi_docs=not args.disable_fastapi_docs)
+                        fastapi_docs=not args.disable_fastapi_docs,
+                        server_load=0 if args.enable_server_load_tracking else None)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     return state

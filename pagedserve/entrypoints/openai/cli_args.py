@@ -116,8 +116,6 @@ _FIXED_FLAGS: dict[str, tuple[Any, tuple[Any, ...], str]] = {
                                                      "(vLLM's auto)"),
     "return_tokens_as_token_ids": (None, (False,), "logprobs name tokens by their text here (chat's bytes are "
                                                    "each token's exact bytes)"),
-    "enable_server_load_tracking": (None, (False,), "there is no /load here; /metrics has vllm:num_requests_running "
-                                                    "and _waiting"),
     "enable_prompt_tokens_details": (None, (False, True), ""),  # (usage.prompt_tokens_details is always there)
 }
 
@@ -138,6 +136,9 @@ def _add_vllm_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--default-chat-template-kwargs", type=json_argument, default=None, metavar="JSON",
                        help="chat_template_kwargs every chat request gets, its own keys winning, e.g. "
                             "'{\"enable_thinking\": false}'")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="GET /load answers {\"server_load\": N}, the requests at work (generation and pooling "
+                            "routes, from arrival to the answer's last byte)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream ends with a usage chunk, asked for or not")
     for name, (kind, _, _) in _FIXED_FLAGS.items():

@@ -126,6 +126,32 @@ class RequestIdHeaderMiddleware:
         await self.app(scope, receive, _with_header(send, b"x-request-id", value))
 
 
+# The routes that put work on an engine: what vLLM's /load counts (not tokenizing, admin
+# or listing routes).
+LOAD_AWARE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                              "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
+                              "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
+
+
+class ServerLoadMiddleware:
+    """vLLM's --enable-server-load-tracking: `state.server_load` counts the requests on
+    LOAD_AWARE_PATHS from their arrival until their answer's last byte (a stream's too),
+    for GET /load (a router's cheap signal)."""
+
+    def __init__(self, app: Any, state: Any) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in LOAD_AWARE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
 class AnthropicRequestIdMiddleware:
     """Anthropic's API answers every /v1/messages request with a `request-id` header
     (req_...): its client reads it into `message._request_id` and error objects'

@@ -211,6 +211,7 @@ class ServerState:
     prepare: PrepareThreads = field(default_factory=PrepareThreads)  # rendering and tokenizing, off the event loop
     responses_store: ResponseStore | None = None  # --enable-responses-store
     serving_options: ServingOptions = field(default_factory=ServingOptions)  # requests' server-wide defaults
+    server_load: int | None = None  # requests at work (GET /load); None: not tracked (--enable-server-load-tracking)
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
     # The runner every model of the pool loads with (--runner): a route of the other runner

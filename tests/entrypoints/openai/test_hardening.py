@@ -597,3 +597,27 @@ def test_server_wide_request_defaults_and_no_docs():
     for r in (streamed, completion):
         assert events(r.text)[-2]["usage"]["completion_tokens"] == 2, r.text[-300:]
     assert docs == [404, 404]
+
+
+def test_server_load_counts_requests_at_work_until_their_last_byte():
+    _, app = make(FakeEngine(step_time=0.02), server_load=0)
+    _, untracked = make()
+
+    async def fn(c):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True}
+        work = [asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=KEY)) for _ in range(2)]
+        seen = []
+        while not all(t.done() for t in work):
+            seen.append((await c.get("/load", headers=KEY)).json()["server_load"])
+            await asyncio.sleep(0.01)
+        await c.post("/tokenize", json={"prompt": "x"}, headers=KEY)  # (not engine work)
+        return seen, (await c.get("/load", headers=KEY)).json()
+
+    seen, after = call(app, fn)
+    assert max(seen) == 2 and after == {"server_load": 0}
+
+    async def off(c):
+        return await c.get("/load", headers=KEY)
+
+    r = call(untracked, off)
+    assert r.status_code == 404 and "--enable-server-load-tracking" in r.json()["error"]["message"]

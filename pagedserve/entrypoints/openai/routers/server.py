@@ -1,5 +1,5 @@
 """The server's own routes: /health (503 until the engine serves, for orchestrators),
-/version, /metrics (Prometheus), /start_profile and /stop_profile (vLLM's), and the models it serves (OpenAI's list and retrieve,
+/version, /metrics (Prometheus), /load (vLLM's), /start_profile and /stop_profile (vLLM's), and the models it serves (OpenAI's list and retrieve,
 the base model's names and its LoRA adapters)."""
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ async def metrics(state: ServerStateDep) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/load")
+async def load(state: ServerStateDep) -> dict:
+    """vLLM's: the requests at work, with --enable-server-load-tracking."""
+    if state.server_load is None:
+        raise OpenAIError("/load needs the server started with --enable-server-load-tracking", status=404)
+    return {"server_load": state.server_load}
 
 
 @router.post("/start_profile")
