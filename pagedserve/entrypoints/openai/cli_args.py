@@ -38,7 +38,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's names: "
-                            "hermes for Qwen2.5/3, llama3_json for Llama 3.x)")
+                            "hermes for Qwen2.5/3, llama3_json for Llama 3.x, pythonic for Llama 3.2 and 4's [f(x=1)])")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's switch for tool_choice 'auto', which is on here whenever a tool-call format is "
                             "known (--tool-call-parser, else the chat template's)")

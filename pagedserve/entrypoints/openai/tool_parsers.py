@@ -12,6 +12,7 @@ template does not render them (`tools_system_prompt`).  Without `--tool-call-par
 
 - hermes (Qwen2.5/3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
   possibly several, after optional text.
+- pythonic (Llama 3.2 and 4): the whole answer is `[f(x=1), g(y="a")]` (PythonicToolParser).
 - llama3_json (Llama 3.x): the whole answer is `{"name": ..., "parameters": {...}}` (or
   several joined by ";"), optionally after `<|python_tag|>`; known only once the answer
   ends (text may follow what parses as a call), so a stream sends its calls at the end.
@@ -194,8 +195,79 @@ class Llama3JsonToolParser:
         return None  # no opening to trigger on: the answer is free
 
 
-TOOL_PARSERS: dict[str, type] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
-ToolParser = HermesToolParser | Llama3JsonToolParser
+class PythonicToolParser:
+    """vLLM's pythonic (Llama 3.2 and 4, ToolACE): the whole answer is a Python list of
+    calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`, optionally
+    between Llama 4's <|python_start|> and <|python_end|>.  Read with Python's parser,
+    never run: each argument must be a literal (ast.literal_eval; JSON's true, false and
+    null read as Python's).  Known only once the answer ends, as llama3_json's."""
+
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+    _JSON_NAMES = {"true": True, "false": False, "null": None}
+
+    def extract(self, text: str, finished: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
+        import ast
+
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not body.startswith("[") or not finished:
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return text, []
+        return None, calls
+
+    def _call(self, node: Any) -> ParsedToolCall:
+        import ast
+
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
+            raise ValueError("not a named call with keyword arguments")
+        if any(k.arg is None for k in node.keywords):
+            raise ValueError("**kwargs")
+        args = {k.arg: self._value(k.value) for k in node.keywords}
+        return ParsedToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+    def _value(self, node: Any) -> Any:
+        import ast
+
+        if isinstance(node, ast.Name) and node.id in self._JSON_NAMES:
+            return self._JSON_NAMES[node.id]
+        if isinstance(node, ast.List):
+            return [self._value(e) for e in node.elts]
+        if isinstance(node, ast.Dict):
+            return {self._value(k): self._value(v) for k, v in zip(node.keys, node.values, strict=True)}
+        value = ast.literal_eval(node)
+        if isinstance(value, (tuple, set, complex, bytes)):  # (no JSON form)
+            raise ValueError("not a JSON value")
+        return value
+
+    def text_before_calls(self, text: str) -> int:
+        """An answer that may be calls (it opens with "[" or the start tag) is held back whole."""
+        head = text.lstrip()
+        if not head or head.startswith(("[", self.START)) or self.START.startswith(head):
+            return 0
+        return len(text)
+
+    def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You can call functions to help answer. The functions, as JSON schemas:\n" + listed
+                + "\nTo call them, answer with only a Python list of calls with keyword arguments, e.g. "
+                  "[func_name(param=value), other_func()]; otherwise answer in plain text.")
+
+    def format_calls(self, calls: list[ParsedToolCall]) -> str:
+        return "[" + ", ".join(c.name + "(" + ", ".join(f"{k}={v!r}" for k, v in arguments_object(c.arguments).items())
+                               + ")" for c in calls) + "]"
+
+    def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
+        return None  # no opening to trigger on: the answer is free
+
+
+TOOL_PARSERS: dict[str, type] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
+ToolParser = HermesToolParser | Llama3JsonToolParser | PythonicToolParser
 
 
 def get_tool_parser(name: str) -> ToolParser:

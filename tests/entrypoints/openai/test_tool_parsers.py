@@ -111,3 +111,36 @@ def test_a_tool_call_cut_short_keeps_its_complete_members(arguments, want) -> No
     """A call max_tokens cut is the members it completed (Anthropic's tool_use input, whole
     as its client reads the streamed partial_json; Ollama's arguments): whole was {}."""
     assert arguments_object(arguments) == want
+
+
+def test_pythonic_reads_a_list_of_calls_and_never_runs_it() -> None:
+    from pagedserve.entrypoints.openai.tool_parsers import PythonicToolParser
+
+    parser = PythonicToolParser()
+    text = '[get_weather(city="東京", days=3, metric=true, extra=None), get_time(), f(x=[1, {"a": -2.5}])]'
+    content, calls = parser.extract(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "東京", "days": 3, "metric": True, "extra": None}), ("get_time", {}),
+        ("f", {"x": [1, {"a": -2.5}]})]
+    assert parser.extract("<|python_start|>[f(a=1)]<|python_end|>")[1][0].arguments == '{"a": 1}'
+    assert parser.format_calls(calls[:2]) == "[get_weather(city='東京', days=3, metric=True, extra=None), get_time()]"
+    for not_calls in ("[f(1)]", "[__import__('os').system('true')]", "[f(x=open('/etc/passwd'))]",
+                      "[f(x=1+1)]", "[f(**{'a': 1})]", "[]", "[f(x=(1, 2))]", "Sure: [f(x=1)]", "[f(x=1)] and more",
+                      "[" * 500 + "]" * 500, "[f(x=" + "9" * 5000 + ")]"):
+        assert parser.extract(not_calls) == (not_calls, []), not_calls
+    assert parser.extract("[f(a=1)]", finished=False) == ("[f(a=1)]", [])
+    assert parser.text_before_calls(" [f(") == 0 and parser.text_before_calls("Hello") == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["", " ", "<|python_start|>"]),
+       st.lists(st.sampled_from(['[f(x=1)]', '[g(q="a, b"), h()]', "Plain [text].", " ok", "[", ""]), max_size=3),
+       st.lists(st.integers(0, 80), max_size=6))
+def test_pythonic_streamed_equals_whole(head: str, pieces: list[str], cuts: list[int]) -> None:
+    from pagedserve.entrypoints.openai.tool_parsers import PythonicToolParser
+
+    text = head + "".join(pieces)
+    plan = ToolPlan(mode="auto", parser=PythonicToolParser())
+    whole, calls = plan.calls(text, True)
+    content, names = _streamed(plan, text, cuts)
+    assert content == (whole or "") and names == [c.name for c in calls], (text, cuts)
