@@ -8,6 +8,8 @@ message_delta with the stop reason and usage, message_stop)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import uuid
@@ -224,8 +226,21 @@ class _Turn:
 THINKING_BLOCKS = {"thinking": "thinking", "redacted_thinking": "data"}
 
 
-# The image media types Anthropic's API takes (and the formats multimodal/image.py opens).
-IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+# The image media types Anthropic's API takes (and the formats multimodal/image.py opens),
+# each with how its file begins (WebP: RIFF, then its size, then WEBP).
+IMAGE_MEDIA_TYPES = {"image/jpeg": (b"\xff\xd8\xff",), "image/png": (b"\x89PNG\r\n\x1a\n",),
+                     "image/gif": (b"GIF87a", b"GIF89a"), "image/webp": (b"RIFF",)}
+
+
+def _matches_media_type(data: str, media: str) -> bool:
+    """Whether base64 `data` begins as a `media` file does (Anthropic refuses a mismatch;
+    bytes that are no image at all are the decoder's to name)."""
+    try:
+        head = base64.b64decode(data[:16] + "=" * (-len(data[:16]) % 4))
+    except (binascii.Error, ValueError):
+        return True
+    known = [magic for magics in IMAGE_MEDIA_TYPES.values() for magic in magics]
+    return not any(head.startswith(m) for m in known) or any(head.startswith(m) for m in IMAGE_MEDIA_TYPES[media])
 
 
 def _image_url(source: Any, where: str) -> str:
@@ -236,6 +251,8 @@ def _image_url(source: Any, where: str) -> str:
         if media not in IMAGE_MEDIA_TYPES:
             raise OpenAIError(f"{where}: an image source's media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
                               f"got {str(media)[:50]!r}", param="messages")
+        if not _matches_media_type(source["data"], media):
+            raise OpenAIError(f"{where}: the image does not match the provided media type {media}", param="messages")
         return f"data:{media};base64,{source['data']}"
     if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
         return source["url"]

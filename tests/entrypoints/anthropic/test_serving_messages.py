@@ -63,6 +63,10 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
 @pytest.mark.parametrize("fields, match", [
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document' blocks"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "needs a source of type base64"),
+    # (a JPEG labelled PNG: Anthropic's 400; it was served)
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "/9j/4AAQSkZJRgABAQ"}}]}]},
+     "does not match the provided media type image/png"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]}, "'tool_use'"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
