@@ -50,6 +50,7 @@ from pagedserve.entrypoints.openai.http_utils import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     HostCheckMiddleware,
+    HttpMetricsMiddleware,
     RequestIdHeaderMiddleware,
     ServerLoadMiddleware,
     SSEResponse,
@@ -98,7 +99,7 @@ API_ROUTERS: tuple[APIRouter, ...] = (server_router, lora_router, completions_ro
 
 
 def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
-    """The app over `state`: its middleware (added last runs first: the Host check, then
+    """The app over `state`: its middleware (added last runs first: the HTTP metrics, the Host check, then
     the API key, then the body limit), its error shapes, and every router."""
     from prometheus_client import CollectorRegistry
 
@@ -116,7 +117,8 @@ def build_app(state: ServerState, lifespan: Callable | None = None) -> FastAPI:
     if state.server_load is not None:
         app.add_middleware(ServerLoadMiddleware, state=state)
     app.add_middleware(AnthropicRequestIdMiddleware)  # (outside the key check: its refusals carry one too)
-    app.add_middleware(HostCheckMiddleware, state=state)  # added last: runs first
+    app.add_middleware(HostCheckMiddleware, state=state)
+    app.add_middleware(HttpMetricsMiddleware, registry=state.registry)  # added last: runs first, sees every answer
     add_exception_handlers(app)
     if state.enable_dashboard:
         app.include_router(dashboard_router(dashboard_hub, SSEResponse))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -150,6 +151,45 @@ class ServerLoadMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.state.server_load -= 1
+
+
+_HTTP_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"})
+
+
+class HttpMetricsMiddleware:
+    """vLLM's HTTP series on /metrics (prometheus-fastapi-instrumentator's names): requests
+    by method, status class and route (its template: /v1/models/{model_id:path}), and
+    their durations to the answer's last byte.  A path no route matched counts as handler
+    "none" and an unknown method as "OTHER", so a scan of made-up URLs adds no series."""
+
+    def __init__(self, app: Any, registry: Any) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.app = app
+        self.requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                ["method", "status", "handler"], registry=registry)
+        self.duration = Histogram("http_request_duration_seconds", "Latency with only few buckets by handler.",
+                                  ["method", "handler"], buckets=(0.1, 0.5, 1, 5, 30, 120), registry=registry)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, start = 500, time.monotonic()
+
+        async def sending(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            handler = getattr(scope.get("route"), "path", None) or "none"  # (FastAPI's router sets the route)
+            method = scope["method"] if scope["method"] in _HTTP_METHODS else "OTHER"
+            self.requests.labels(method, f"{status // 100}xx", handler).inc()
+            self.duration.labels(method, handler).observe(time.monotonic() - start)
 
 
 class AnthropicRequestIdMiddleware:

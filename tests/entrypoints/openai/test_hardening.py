@@ -621,3 +621,29 @@ def test_server_load_counts_requests_at_work_until_their_last_byte():
 
     r = call(untracked, off)
     assert r.status_code == 404 and "--enable-server-load-tracking" in r.json()["error"]["message"]
+
+
+def test_http_series_count_answers_by_route_template_status_and_method():
+    """vLLM's http_requests_total and http_request_duration_seconds; a made-up path or
+    method adds no series of its own."""
+    _, app = make()
+
+    async def fn(c):
+        await c.get("/v1/models", headers=KEY)
+        await c.get("/v1/models/fake", headers=KEY)
+        await c.get("/v1/models/fake")  # (401: before any route)
+        for i in range(3):
+            await c.get(f"/no/such/{i}", headers=KEY)
+        await c.request("BREW", "/v1/models", headers=KEY)
+        await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}, headers=KEY)
+        return (await c.get("/metrics", headers=KEY)).text
+
+    text = call(app, fn)
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("http_requests_total{")}
+    assert series['http_requests_total{handler="/v1/models",method="GET",status="2xx"}'] == 1
+    assert series['http_requests_total{handler="/v1/models/{model_id:path}",method="GET",status="2xx"}'] == 1
+    assert series['http_requests_total{handler="none",method="GET",status="4xx"}'] == 4
+    assert series['http_requests_total{handler="/v1/completions",method="POST",status="2xx"}'] == 1
+    assert any('method="OTHER"' in k for k in series) and len(series) == 5, series
+    assert 'http_request_duration_seconds_count{handler="/v1/completions",method="POST"} 1.0' in text
