@@ -40,6 +40,19 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""  # what was streamed (vLLM's generated_texts)
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """A tokenizer's added and special tokens' ids (HF's and the engine's saved snapshot alike)."""
+    named = [t for v in tokenizer.special_tokens_map.values() for t in (v if isinstance(v, list) else [v])]
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in named if isinstance(t, str)}
+    return (ids | set(tokenizer.get_added_vocab().values())) - {None}
+
+
+def is_chat(args: argparse.Namespace) -> bool:
+    """The run sends chat requests: --endpoint's, else --backend's (check_args settles both)."""
+    return (args.endpoint or BACKENDS.get(args.backend or "") or "").endswith("/chat/completions")
 
 
 def make_prompts(args: argparse.Namespace, rng: random.Random, count: int | None = None,
@@ -47,9 +60,9 @@ def make_prompts(args: argparse.Namespace, rng: random.Random, count: int | None
     """`count` (default --num-prompts) (prompt, output_len) pairs.  With a `tokenizer`
     (--tokenizer), completions prompts are exact token-id lists, and chat prompts their
     text (a message is text).  `shared_prefix`: the shared-prefix dataset's common
-    prefix leads each prompt (warm-ups have none, so they cache nothing the measured
-    requests use)."""
-    special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+    prefix leads each prompt, and sharegpt's conversations are the prompts (warm-ups have
+    neither, so they cache nothing the measured requests use)."""
+    special = special_ids(tokenizer) if tokenizer is not None else set()
     # (no special token: decoded into a chat message, "<|im_end|>" came back as the real one)
     vocab = [i for i in range(len(tokenizer)) if i not in special] if tokenizer is not None else None
 
@@ -62,8 +75,11 @@ def make_prompts(args: argparse.Namespace, rng: random.Random, count: int | None
         lo = max(1, int(n * (1 - args.random_range_ratio)))
         return rng.randint(lo, max(lo, int(n * (1 + args.random_range_ratio))))
 
+    if args.dataset_name == "sharegpt" and shared_prefix:  # (warm-ups: random prompts, none of the dataset's)
+        return sharegpt_prompts(args, rng, args.num_prompts if count is None else count, tokenizer)
     prefix = seq(args.shared_prefix_len) if shared_prefix and args.dataset_name == "shared-prefix" else []
-    chat = args.endpoint.endswith("/chat/completions")
+    prefix = seq(args.random_prefix_len) + prefix  # (vLLM's: one fixed random prefix for every prompt)
+    chat = is_chat(args)
     prompts = []
     for _ in range(args.num_prompts if count is None else count):
         body = prefix + seq(vary(args.random_input_len))
@@ -75,10 +91,41 @@ def make_prompts(args: argparse.Namespace, rng: random.Random, count: int | None
     return prompts
 
 
+def sharegpt_prompts(args: argparse.Namespace, rng: random.Random, count: int,
+                     tokenizer: Any = None) -> list[tuple[Any, int]]:
+    """vLLM's sharegpt dataset: each conversation's first human turn as the prompt, and its
+    first answer's length (tokens with a tokenizer, else words; or --sharegpt-output-len)
+    as max_tokens; turns shorter than 4 or longer than vLLM's bounds are skipped."""
+    try:
+        with open(args.dataset_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BenchmarkError(f"--dataset-path {args.dataset_path!r}: {e}") from None
+
+    def length(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else len(text.split())
+
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in data
+             if isinstance(c, dict) and isinstance(c.get("conversations"), list) and len(c["conversations"]) >= 2
+             and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in c["conversations"][:2])]
+    rng.shuffle(pairs)
+    prompts: list[tuple[Any, int]] = []
+    for prompt, answer in pairs:
+        if len(prompts) == count:
+            return prompts
+        n_in, n_out = length(prompt), args.sharegpt_output_len or length(answer)
+        if n_in >= 4 and n_out >= 4 and n_in <= 1024 and n_in + n_out <= 2048:
+            prompts.append((prompt, n_out))
+    if len(prompts) == count:
+        return prompts
+    raise BenchmarkError(f"--dataset-path {args.dataset_path!r} holds {len(prompts)} usable ShareGPT conversations "
+                         f"(a human turn then an answer, 4..1024 tokens), fewer than the {count} asked for")
+
+
 async def send_one(client: Any, args: argparse.Namespace, prompt: Any, max_tokens: int) -> RequestResult:
-    chat = args.endpoint.endswith("/chat/completions")
+    chat = is_chat(args)
     body: dict[str, Any] = {
-        "model": args.model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
+        "model": args.served_model_name or args.model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos,
     }
     if chat:
@@ -112,6 +159,7 @@ async def send_one(client: Any, args: argparse.Namespace, prompt: Any, max_token
                     ended = ended or choice.get("finish_reason") is not None
                     if not has_output(choice, chat):
                         continue
+                    res.text += (choice.get("text") if not chat else (choice.get("delta") or {}).get("content")) or ""
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - start
@@ -154,15 +202,17 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         if args.model is None:
             try:
-                args.model = (await client.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
+                listed = await client.get(args.base_url + "/v1/models")
+                if listed.status_code != 200:
+                    raise BenchmarkError(f"HTTP {listed.status_code} from {args.base_url}/v1/models (--base-url is "
+                                         "the server's root, without /v1); name the model with --model")
+                args.model = listed.json()["data"][0]["id"]
+            except BenchmarkError:
+                raise
             except Exception as e:  # noqa: BLE001 - unreachable, or not an OpenAI server: one line
                 raise BenchmarkError(f"cannot read the model's name from {args.base_url}/v1/models "
                                      f"({type(e).__name__}: {e}); name it with --model") from None
-        tokenizer = None
-        if args.tokenizer:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = load_tokenizer(args)
         prompts = make_prompts(args, rng, tokenizer=tokenizer)
         warmups = make_prompts(args, random.Random(f"warm-up {args.seed}"), args.num_warmups, False, tokenizer)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -181,8 +231,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         for prompt, out_len in prompts:
             tasks.append(asyncio.ensure_future(limited(prompt, out_len)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if args.request_rate != float("inf"):  # (burstiness 1: Poisson; lower: burstier, same mean rate)
+                await asyncio.sleep(rng.gammavariate(args.burstiness, 1 / (args.request_rate * args.burstiness)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(args, results, duration)
@@ -190,6 +240,26 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 class BenchmarkError(Exception):
     """A run that measured nothing (the server unreachable, every request failed)."""
+
+
+def load_tokenizer(args: argparse.Namespace) -> Any:
+    """The tokenizer prompts are counted with: --tokenizer (a registered name, a directory or
+    a GGUF file, as the server reads them: a failure is an error), else --model's where this
+    machine has it, else none (prompts of random words; a note says so)."""
+    from pagedserve.config import ModelConfig
+    from pagedserve.model_loader import load_tokenizer as load
+
+    name = args.tokenizer or args.model
+    try:
+        tokenizer = load(ModelConfig(model=name, trust_remote_code=args.trust_remote_code))
+    except Exception as e:  # noqa: BLE001 - a bad name or file: one line
+        if args.tokenizer:
+            raise BenchmarkError(f"--tokenizer {args.tokenizer!r}: {type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}") from None
+        tokenizer = None
+    if tokenizer is None and args.dataset_name != "sharegpt":
+        print(f"note: prompts are random words (no tokenizer named {name!r} here; --tokenizer names one)")
+    return tokenizer
 
 
 def percentile(ordered: list[float], p: float) -> float:
@@ -222,40 +292,61 @@ def parse_percentiles(text: str) -> list[float]:
     return values
 
 
+def _tpot(r: RequestResult) -> float | None:
+    """Time per output token after the first (vLLM's TPOT); None for a one-token answer."""
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
 def summarize(args: argparse.Namespace, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """The run's figures, with vLLM's keys (its saved JSON's): totals, rates, each metric's
+    mean, median and percentiles in ms, and the per-request lists."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     pcts = args.metric_percentiles
     summary: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "date": time.strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "model_id": args.model,
+        "tokenizer_id": args.tokenizer or args.model, "num_prompts": len(results),
+        "completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency, "burstiness": args.burstiness,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",  # (JSON has no inf)
     }
+    if args.goodput:
+        good = [r for r in ok if all((_tpot(r) or 0.0) * 1000 <= ms if key == "tpot" else
+                                     (r.ttft if key == "ttft" else r.latency) * 1000 <= ms
+                                     for key, ms in args.goodput.items())]
+        summary["request_goodput"] = len(good) / duration
     summary.update(_stats("ttft", [r.ttft for r in ok], pcts))
-    summary.update(_stats("tpot", tpot, pcts))
+    summary.update(_stats("tpot", [t for r in ok if (t := _tpot(r)) is not None], pcts))
     summary.update(_stats("itl", [x for r in ok for x in r.itl], pcts))
     summary.update(_stats("e2el", [r.latency for r in ok], pcts))
-    summary["errors"] = sorted({r.error for r in results if not r.ok})[:5]
+    summary.update({"input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results],
+                    "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+                    "generated_texts": [r.text for r in results], "errors": [r.error for r in results]})
     return summary
 
 
-def format_summary(s: dict[str, Any], pcts: list[float]) -> str:
+def format_summary(s: dict[str, Any], pcts: list[float],
+                   metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")) -> str:
     rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
             ("Maximum request concurrency:", s["max_concurrency"] or "unlimited"),
             ("Request rate (req/s):", s["request_rate"]),
-            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+            ("Benchmark duration (s):", f"{s['duration']:.2f}"),
             ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
             ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    if "request_goodput" in s:
+        rows.append(("Request goodput (req/s):", f"{s['request_goodput']:.2f}"))
     lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
     lines += [f"{k:<40}{v:<10}" for k, v in rows]
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        if key not in metrics:
+            continue
         lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
         name = key.upper()
         for label, field_name in ((f"Mean {name} (ms):", f"mean_{key}_ms"), (f"Median {name} (ms):", f"median_{key}_ms"),
@@ -263,21 +354,53 @@ def format_summary(s: dict[str, Any], pcts: list[float]) -> str:
             value = s[field_name]
             lines.append(f"{label:<40}{'n/a' if value is None else f'{value:.2f}':<10}")
     lines.append("=" * 50)
-    if s["errors"]:
-        lines.append("errors: " + "; ".join(s["errors"]))
+    if errors := sorted({e for e in s["errors"] if e})[:5]:
+        lines.append("errors: " + "; ".join(errors))
     return "\n".join(lines)
 
 
+# vLLM's --backend values this benchmark speaks, and the endpoint each implies.
+BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_goodput(text: str) -> dict[str, float]:
+    """--goodput's KEY:MS pairs (vLLM's: ttft, tpot, e2el service-level objectives)."""
+    try:
+        pairs = dict((k, float(v)) for k, v in (item.split(":") for item in text.split()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not KEY:MS pairs (e.g. ttft:500 tpot:50): {text!r}") from None
+    if not pairs or set(pairs) - {"ttft", "tpot", "e2el"} or not all(v > 0 for v in pairs.values()):
+        raise argparse.ArgumentTypeError(f"goodput takes ttft, tpot and e2el with ms > 0, got {text!r}")
+    return pairs
+
+
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--base-url", default=None, help="server root (default: http://HOST:PORT)")
+    p.add_argument("--host", default=None, help="without --base-url (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="without --base-url (default: 8000)")
+    p.add_argument("--backend", default=None, choices=sorted(BACKENDS),
+                   help="vLLM's: openai and vllm send /v1/completions, openai-chat /v1/chat/completions")
+    p.add_argument("--endpoint", default=None, choices=sorted(set(BACKENDS.values())),
+                   help="default: the backend's, else /v1/completions")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    p.add_argument("--served-model-name", default=None, help="the name requests carry, when not --model's")
+    p.add_argument("--trust-remote-code", action="store_true", help="for loading --tokenizer")
+    p.add_argument("--disable-tqdm", action="store_true", help="vLLM's (there is no progress bar here)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrival rate in req/s (default: inf = send all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with a request rate: arrival gaps are Gamma-distributed with this shape (1: Poisson, "
+                        "lower: burstier), the mean rate kept")
+    p.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt"])
+    p.add_argument("--dataset-path", default=None, help="sharegpt: the ShareGPT JSON file")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: max_tokens of every request (default: each answer's own length)")
+    p.add_argument("--random-prefix-len", type=int, default=0, help="one random prefix of this many tokens "
+                                                                    "leads every prompt (vLLM's)")
     p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens (words without --tokenizer)")
     p.add_argument("--random-output-len", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -292,28 +415,49 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metric-percentiles", type=parse_percentiles, default=[99.0],
                    help="comma-separated, within 0..100, e.g. 50,90,99 (default: 99)")
-    p.add_argument("--save-result", default=None, metavar="FILE", help="write the summary as JSON")
+    p.add_argument("--percentile-metrics", default=",".join(METRICS),
+                   help=f"the metrics printed, comma-separated of {', '.join(METRICS)} (default: all)")
+    p.add_argument("--goodput", type=parse_goodput, default=None, metavar="KEY:MS ...",
+                   help="request goodput: completed requests within every objective, e.g. 'ttft:500 tpot:50'")
+    p.add_argument("--save-result", nargs="?", const=True, default=None, metavar="FILE",
+                   help="write the summary as JSON: to FILE, or alone as vLLM's flag (--result-dir, "
+                        "--result-filename)")
+    p.add_argument("--result-dir", default=None, help="with --save-result: the directory (default: .)")
+    p.add_argument("--result-filename", default=None,
+                   help="with --save-result: the name (default: BACKEND-RATEqps-MODEL-DATE.json)")
     return p
+
+
+def result_path(args: argparse.Namespace, summary: dict[str, Any]) -> str:
+    """Where --save-result writes: its FILE, or vLLM's name in --result-dir."""
+    import os
+
+    if isinstance(args.save_result, str):
+        return args.save_result
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    name = args.result_filename or (f"{args.backend or 'openai'}-{summary['request_rate']}qps{concurrency}-"
+                                    f"{os.path.basename(str(args.model))}-{summary['date']}.json")
+    return os.path.join(args.result_dir or ".", name)
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> dict[str, Any]:
     """Run from parsed args, or parse an argv list (how `pagedserve bench serve` calls it)."""
     if not isinstance(args, argparse.Namespace):
         args = add_cli_args(argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__,
-                                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-                            ).parse_args(args)
+                                                    formatter_class=argparse.RawDescriptionHelpFormatter,
+                                                    allow_abbrev=False)).parse_args(args)
     check_args(args)
-    args.base_url = args.base_url.rstrip("/")
     try:
         summary = asyncio.run(run_benchmark(args))
     except BenchmarkError as e:
         raise SystemExit(f"error: {e}") from None
-    print(format_summary(summary, args.metric_percentiles))
+    if not summary["completed"]:  # (a table of n/a says nothing the error does not)
+        raise SystemExit(f"error: every request failed: {next(e for e in summary['errors'] if e)}")
+    print(format_summary(summary, args.metric_percentiles, tuple(args.percentile_metrics.split(","))))
     if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump({**summary, "args": {k: v for k, v in vars(args).items() if not callable(v)}}, f, indent=2)
-    if not summary["completed"]:
-        raise SystemExit(f"error: every request failed: {summary['errors'][0]}")
+        with open(result_path(args, summary), "w") as f:
+            json.dump({**summary, "args": {k: v if v != float("inf") else "inf" for k, v in vars(args).items()
+                                           if not callable(v)}}, f, indent=2)
     return summary
 
 
@@ -329,6 +473,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --max-concurrency must be >= 1")
     if not 0 <= args.random_range_ratio < 1:
         raise SystemExit("error: --random-range-ratio must be within [0, 1)")
+    if not args.burstiness > 0:
+        raise SystemExit("error: --burstiness must be > 0")
+    if args.random_prefix_len < 0:
+        raise SystemExit("error: --random-prefix-len must be >= 0")
+    if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
+        raise SystemExit("error: --dataset-name sharegpt and --dataset-path go together")
+    if unknown := set(args.percentile_metrics.split(",")) - set(METRICS):
+        raise SystemExit(f"error: --percentile-metrics takes {', '.join(METRICS)}, got {', '.join(sorted(unknown))}")
+    if args.base_url is not None and (args.host is not None or args.port is not None):
+        raise SystemExit("error: --base-url, or --host and --port: not both")
+    implied = BACKENDS.get(args.backend or "")
+    if implied and args.endpoint and args.endpoint != implied:
+        raise SystemExit(f"error: --backend {args.backend} sends {implied}, not --endpoint {args.endpoint}")
+    args.endpoint = args.endpoint or implied or "/v1/completions"
+    args.base_url = (args.base_url or f"http://{args.host or '127.0.0.1'}:{args.port or 8000}").rstrip("/")
 
 
 def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ chatting: every step is a batch of one), timed together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -31,9 +32,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help=f"random workload: number of requests (default: {RANDOM_DEFAULTS['num_prompts']})")
     for name, what in (("input_len", "prompt"), ("output_len", "output")):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                            help=f"random workload: {what} length range, inclusive (default: "
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=None, metavar="LEN",
+                            help=f"random workload: {what} length, or a MIN MAX range, inclusive (default: "
                                  f"{' '.join(map(str, RANDOM_DEFAULTS[name]))})")
+    parser.add_argument("--random-range-ratio", type=float, default=None,
+                        help="vLLM's: a single length LEN varies uniformly within LEN x (1 +- this), in [0, 1)")
+    parser.add_argument("--n", type=int, default=1, help="sequences sampled per prompt (random workload; default: 1)")
+    parser.add_argument("--dataset-name", choices=["random"], default=None, help="vLLM's name of --workload random")
+    parser.add_argument("--backend", choices=["vllm"], default=None, help="vLLM's: this engine, in-process")
     parser.add_argument("--temperature", type=float, default=None,
                         help="override the workload's temperature (random: 0.6, chat presets: 0)")
     parser.add_argument("--one-at-a-time", type=int, default=None, metavar="N",
@@ -49,16 +55,29 @@ def check_args(args: argparse.Namespace) -> None:
     error (they were ignored)."""
     from pagedserve.sampling_params import SamplingParams
 
-    given = [f"--{k.replace('_', '-')}" for k in RANDOM_DEFAULTS if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in (*RANDOM_DEFAULTS, "random_range_ratio")
+             if getattr(args, k) is not None] + (["--n"] if args.n != 1 else [])
+    if args.dataset_name is not None and args.workload != "random":
+        raise ValueError(f"--dataset-name random contradicts --workload {args.workload}")
     if args.workload != "random":
         if given:
             raise ValueError(f"{', '.join(given)} size the random workload; --workload {args.workload} has its own")
     else:
         for k, default in RANDOM_DEFAULTS.items():
             setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+        ratio = args.random_range_ratio or 0.0
+        if not 0 <= ratio < 1:
+            raise ValueError(f"--random-range-ratio must be within [0, 1), got {ratio}")
+        for k in ("input_len", "output_len"):
+            value = list(getattr(args, k))
+            if len(value) > 2 or len(value) == 2 and ratio:
+                raise ValueError(f"--{k.replace('_', '-')} takes LEN (varied by --random-range-ratio) or MIN MAX")
+            if len(value) == 1:  # (vLLM's: LEN x (1 - ratio) .. LEN x (1 + ratio))
+                value = [max(1, int(value[0] * (1 - ratio))), max(1, int(value[0] * (1 + ratio)))]
+            setattr(args, k, tuple(value))
         (lo_in, hi_in), (lo_out, hi_out) = args.input_len, args.output_len
-        if not (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out) or args.num_prompts < 1:
-            raise ValueError("--num-prompts must be >= 1 and --input-len/--output-len need 1 <= MIN <= MAX")
+        if not (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out) or args.num_prompts < 1 or args.n < 1:
+            raise ValueError("--num-prompts and --n must be >= 1 and --input-len/--output-len need 1 <= MIN <= MAX")
     if args.one_at_a_time is not None and args.one_at_a_time < 1:
         raise ValueError(f"--one-at-a-time must be >= 1 (requests), got {args.one_at_a_time}")
     if args.temperature is not None:
@@ -128,6 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args))
     load_s = time.perf_counter() - t0
     w, prompts, params = build_requests(llm, args)
+    if args.n != 1:
+        params = [dataclasses.replace(p, n=args.n) for p in params]
 
     # Warm-up: a few short requests (lazy compilation, allocator, caches).
     warm = [{"prompt_token_ids": p["prompt_token_ids"][:16]} for p in prompts[:4]]
@@ -160,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = add_cli_args(argparse.ArgumentParser(
         prog="pagedserve bench throughput", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False))
     run(parser.parse_args(argv))
 
 

@@ -3,7 +3,6 @@ serving the fake engine in a thread (milliseconds per request, no model)."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -68,14 +67,12 @@ def test_bench_serve_shared_prefix_chat(fake_server):
 
 def test_bench_serve_reports_failures(fake_server, capsys, tmp_path):
     """A run in which every request failed exits with an error and prints no latencies
-    (it printed 0.00 ms for each and exited 0); so does an unreachable server."""
+    (it printed 0.00 ms for each and exited 0; then a table of n/a): so does an unreachable server."""
     url, _ = fake_server
     saved = tmp_path / "r.json"
     with pytest.raises(SystemExit, match="every request failed: HTTP 404"):
         bench.main(["--base-url", url, "--model", "no-such-model", "--num-prompts", "2", "--save-result", str(saved)])
-    out = capsys.readouterr().out
-    assert "Failed requests:                        2" in out and "Mean TTFT (ms):                         n/a" in out
-    assert json.loads(saved.read_text())["mean_ttft_ms"] is None
+    assert "TTFT" not in capsys.readouterr().out and not saved.exists()
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{free.getsockname()[1]}"
@@ -186,7 +183,13 @@ def test_bench_serve_token_prompts_hold_no_special_token():
     import random
 
     class Tokenizer:
-        all_special_ids = list(range(8))
+        special_tokens_map = {"eos_token": "<e>", "additional_special_tokens": ["<a>", "<b>"]}
+
+        def convert_tokens_to_ids(self, token: str) -> int:
+            return {"<e>": 0, "<a>": 1, "<b>": 2}[token]
+
+        def get_added_vocab(self) -> dict[str, int]:
+            return {f"<added{i}>": i for i in range(3, 8)}
 
         def __len__(self) -> int:
             return 10
@@ -203,6 +206,7 @@ def test_a_stream_cut_short_is_a_failure_and_tokens_without_text_are_output():
     import asyncio
 
     args = bench.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "m"])
+    bench.check_args(args)
 
     def serving(*events):
         body = "".join(f"data: {e}\n\n" for e in events)
@@ -220,3 +224,44 @@ def test_a_stream_cut_short_is_a_failure_and_tokens_without_text_are_output():
     usage = '{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}'
     silent = asyncio.run(one(serving('{"choices": [{"text": "", "finish_reason": "length"}]}', usage, "[DONE]")))
     assert silent.ok and silent.output_tokens == 4 and silent.ttft > 0
+
+
+def test_vllms_bench_serve_command_lines_run(fake_server, capsys, tmp_path):
+    """`vllm bench serve` flags (they were unrecognized) and its saved JSON: standard JSON
+    (Infinity was not), vLLM's keys, per-request lists."""
+    import json
+
+    url, _ = fake_server
+    host, port = url.removeprefix("http://").split(":")
+    conversations = [{"conversations": [{"from": "human", "value": f"question number {i} is this"},
+                                        {"from": "gpt", "value": "a b c d e f"}]} for i in range(5)]
+    (tmp_path / "sg.json").write_text(json.dumps(conversations + [{"conversations": [{"value": "x"}]}]))
+    summary = bench.main(["--backend", "openai-chat", "--host", host, "--port", port, "--num-prompts", "4",
+                          "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sg.json"),
+                          "--percentile-metrics", "ttft,e2el", "--goodput", "ttft:60000 e2el:60000",
+                          "--burstiness", "0.5", "--request-rate", "100", "--save-result", "--result-dir",
+                          str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert summary["completed"] == 4 and summary["total_output_tokens"] == 4 * 6  # (the answers' 6 words)
+    assert "Mean TTFT" in out and "Mean E2EL" in out and "Mean TPOT" not in out
+    assert "Request goodput (req/s):" in out and summary["request_goodput"] > 0
+    saved = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert saved["backend"] == "openai-chat" and saved["output_lens"] == [6] * 4 and len(saved["ttfts"]) == 4
+    assert saved["errors"] == [""] * 4 and saved["duration"] > 0 and len(saved["generated_texts"]) == 4
+    summary = bench.main(["--base-url", url, "--num-prompts", "2", "--random-prefix-len", "30",
+                          "--random-input-len", "5", "--save-result", str(tmp_path / "inf.json")])
+    assert summary["total_input_tokens"] > 2 * 30 and json.loads((tmp_path / "inf.json").read_text(),
+                                                                 parse_constant=lambda c: pytest.fail(c)
+                                                                 )["request_rate"] == "inf"
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--dataset-name", "sharegpt"], "--dataset-name sharegpt and --dataset-path go together"),
+    (["--host", "h"], "--base-url, or --host and --port: not both"),
+    (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "--backend openai sends /v1/completions"),
+    (["--percentile-metrics", "ttft,goodness"], "--percentile-metrics takes"),
+    (["--burstiness", "0"], "--burstiness must be > 0"),
+])
+def test_vllms_bench_serve_flags_are_checked(flags, error):
+    with pytest.raises(SystemExit, match=error):
+        bench.main(["--base-url", "http://127.0.0.1:9", "--model", "m", *flags])
