@@ -182,9 +182,29 @@ def _tags(tag: dict[str, Any]) -> tuple[list[str], list[tuple[str, Any, str]], b
                      "xgrammar for other formats")
 
 
+def _answer_or_calls(tag: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+    """(the triggered-tags tag, the answer's JSON schema) of an "or" structural tag, the
+    one the chat handler builds for tool_choice "auto" beside a response format (the
+    answer in the schema, or calls); None for any other tag."""
+    fmt = tag.get("format") if tag.get("type") == "structural_tag" else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "or":
+        return None
+    elements = fmt.get("elements")
+    if (not isinstance(elements, list) or len(elements) != 2 or elements[0].get("type") != "json_schema"
+            or elements[1].get("type") != "triggered_tags" or not elements[1].get("at_least_one")):
+        raise ValueError("the guidance backend takes an 'or' structural tag of a json_schema and triggered_tags "
+                         "with at_least_one (start the server with --structured-outputs-backend xgrammar for others)")
+    return {"type": "structural_tag", "format": elements[1]}, elements[0].get("json_schema", {})
+
+
 def structural_tag_lark(tag: dict[str, Any], added_tokens: dict[str, int]) -> str:
-    """The Lark grammar of a tool-call structural tag (see the module docstring)."""
+    """The Lark grammar of a tool-call structural tag (see the module docstring), or of
+    an answer in a JSON schema or calls (_answer_or_calls): the schema's JSON, or calls
+    from the first token on (free text between and after them), as xgrammar's."""
     try:
+        answer = _answer_or_calls(tag)
+        if answer is not None:
+            tag, schema = answer
         triggers, tags, stop_after_first = _tags(tag)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"malformed structural tag: {e!r}") from None
@@ -192,23 +212,27 @@ def structural_tag_lark(tag: dict[str, Any], added_tokens: dict[str, int]) -> st
         raise ValueError("a structural tag needs at least one trigger and one tag")
     text_triggers = [t for t in triggers if t not in added_tokens]
     tail = "/(.|\\n)*/" + "".join(f" & ~/(.|\\n)*{_regex_escape(t)}(.|\\n)*/" for t in text_triggers)
-    lines = ["%llguidance {}", "start: " + ("TAIL | call" if stop_after_first else "call* TAIL"),
-             f"TAIL: {tail}", "TEXT: /(.|\\n)*/"]
-    calls = []
-    for i, (begin, schema, end) in enumerate(tags):
+    # (with an answer, as xgrammar's at_least_one: the first call opens the output, no text before it)
+    start = ("TAIL | call" if stop_after_first else "call* TAIL") if answer is None else \
+        ("answer | " + ("first" if stop_after_first else "first call* TAIL"))
+    lines = ["%llguidance {}", "start: " + start, f"TAIL: {tail}", "TEXT: /(.|\\n)*/"]
+    if answer is not None:  # (compact JSON, objects closed: what a response_format's schema compiles to)
+        lines.append(f"answer: %json {json.dumps(_closed_objects(schema))}")
+    for i, (begin, tag_schema, end) in enumerate(tags):
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise ValueError(f"tag begin {begin!r} starts with none of the triggers {triggers}")
         if trigger in added_tokens:
-            head = f"TEXT <[{added_tokens[trigger]}]>"
+            head, bare = f"TEXT <[{added_tokens[trigger]}]>", f"<[{added_tokens[trigger]}]>"
         else:
             lines.append(f"trig_{i}[lazy]: /(.|\\n)*{_regex_escape(trigger)}/")
-            head = f"trig_{i}"
-        body = [head, _with_added_tokens(begin[len(trigger):], added_tokens), f"%json {json.dumps(schema)}",
+            head, bare = f"trig_{i}", _literal(trigger)
+        body = [_with_added_tokens(begin[len(trigger):], added_tokens), f"%json {json.dumps(tag_schema)}",
                 _with_added_tokens(end, added_tokens)]
-        lines.append(f"call_{i}: " + " ".join(p for p in body if p))
-        calls.append(f"call_{i}")
-    lines.append("call: " + " | ".join(calls))
+        lines += [f"call_{i}: {head} body_{i}", f"first_{i}: {bare} body_{i}",
+                  f"body_{i}: " + " ".join(p for p in body if p)]
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tags))))
+    lines.append("first: " + " | ".join(f"first_{i}" for i in range(len(tags))))
     return "\n".join(lines) + "\n"
 
 

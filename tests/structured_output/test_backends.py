@@ -229,3 +229,23 @@ def test_a_guidance_matcher_whose_lexer_failed_while_masking_refuses_even_the_st
     backend.fill_bitmask(mask, [(second, 0)])
     assert not second.accept_token(2) and not second.is_terminated()
     assert "too many expressions" in second.refusal()
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+@pytest.mark.parametrize("tool_tokens", [False, True], ids=["text-trigger", "token-trigger"])
+def test_an_answer_in_the_schema_or_calls(backend, tool_tokens):
+    """tool_choice "auto" beside a response format (serving_chat builds this tag): the
+    answer is the schema's JSON, or calls from its first token (xgrammar's at_least_one);
+    never free text alone."""
+    tok = tokenizer(tool_tokens)
+    calls = HermesToolParser().structural_tag(TOOLS)["format"]
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    tag = S(structural_tag={"type": "structural_tag", "format": {"type": "or", "elements": [
+        {"type": "json_schema", "json_schema": schema}, {**calls, "at_least_one": True}]}})
+    assert accepts(tok, backend, tag, '{"answer": "yes"}')
+    assert accepts(tok, backend, tag, CALL)
+    assert accepts(tok, backend, tag, CALL + "\n" + CALL.replace("Rome", "Paris"))
+    assert not accepts(tok, backend, tag, "Let me look. " + CALL)
+    assert not accepts(tok, backend, tag, "Just text, no call.")
+    assert not accepts(tok, backend, tag, '{"answer": "maybe"}')
+    assert not accepts(tok, backend, tag, CALL.replace("Rome", "Oslo"))

@@ -414,9 +414,12 @@ class ChatCompletionRequest(_SamplingFields):
                                           param="continue_final_message")
         check_chat_only_fields(self.modalities, self.web_search_options, self.store, self.metadata)
         mode, _ = self.tool_mode()
-        if mode in ("required", "named") and self.structured_fields():
-            raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop "
-                                      f"{self.structured_fields()[0]}", param=self.structured_fields()[0])
+        # (a response_format shapes text answers, and a forced call's turn has none: OpenAI
+        # takes the pair; vLLM's own constraints on the whole output do not combine)
+        if mode in ("required", "named") and (explicit := [f for f in self.structured_fields()
+                                                           if f != "response_format"]):
+            raise InvalidRequestError(f"tool_choice {mode!r} already constrains the output; drop {explicit[0]}",
+                                      param=explicit[0])
 
 
 

@@ -268,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
             req.check_unsupported(self.engine.structured_outputs_backend)
             plan = self.tool_plan(req)
             params = req.to_sampling_params(self.engine.sampling_defaults)
-            constraint = self._tool_constraint(req, plan)
+            constraint = self._tool_constraint(req, plan, params.structured_outputs)
             if constraint is not None:
                 params.structured_outputs = constraint
                 params.validate()
@@ -302,15 +302,22 @@ class OpenAIServingChat(OpenAIServing):
             return None  # the block closed in the prompt: all content, constrained from the start
         if text.endswith(START) or last_start > last_end:
             parser = dataclasses.replace(parser, template_opens=True)  # the answer starts inside the block
-        if constraint is None or constraint.structural_tag is not None:
-            return parser
+        tag = constraint.structural_tag if constraint is not None else None
+        answer_or_calls = isinstance(tag, dict) and (tag.get("format") or {}).get("type") == "or"
+        if constraint is None or tag is not None and not answer_or_calls:
+            return parser  # (tools' tags leave free text free: thinking too; a schema answer starts after it)
         end = self.tokenizer.convert_tokens_to_ids(END) if self.tokenizer is not None else None
         if not isinstance(end, int) or end == self.tokenizer.unk_token_id:
             return None  # no single end token to start the grammar on: the answer is all content
         constraint.after_token = end
         return parser
 
-    def _tool_constraint(self, req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputsParams | None:
+    def _tool_constraint(self, req: ChatCompletionRequest, plan: ToolPlan,
+                         answer: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+        """The grammar the tools put on the answer: a named or required call's (a response
+        format, OpenAI's for text answers, has none to shape in such a turn), or under
+        "auto" the parser's structural tag, and beside a response format (`answer`) the
+        schema's JSON or calls, as OpenAI lets the model choose."""
         if plan.mode == "named":
             return StructuredOutputsParams(json=tool_parameters(plan.function.parameters))
         if plan.mode == "required":
@@ -326,11 +333,21 @@ class OpenAIServingChat(OpenAIServing):
             if req.parallel_tool_calls is False:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema)
-        if plan.mode == "auto" and not req.structured_fields():
-            tag = plan.parser.structural_tag([t.function.model_dump() for t in req.tools],
-                                             one_call=req.parallel_tool_calls is False)
+        if plan.mode != "auto":
+            return None
+        tag = plan.parser.structural_tag([t.function.model_dump() for t in req.tools],
+                                         one_call=req.parallel_tool_calls is False)
+        if answer is None:
             return StructuredOutputsParams(structural_tag=tag) if tag is not None else None
-        return None
+        schema = {"type": "object"} if answer.json_object else answer.json
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        field_name = req.structured_fields()[0]
+        if tag is None or not isinstance(schema, dict):
+            raise InvalidRequestError(f'tool_choice "auto" combines with a JSON schema or json_object {field_name} '
+                                      f"in a tool-call format with an opening tag (hermes); here the answer would "
+                                      f"follow {field_name} and call no tool", param=field_name)
+        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "json_schema", "json_schema": schema}, {**tag["format"], "at_least_one": True}]}})
 
     def message(self, plan: ToolPlan, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
         """The choice's message and finish_reason."""
