@@ -278,7 +278,7 @@ class OpenAIServingChat(OpenAIServing):
         # (from the whole prompt: a cut one keeps no text)
         reasoning = self._reasoning(prompt, params, final_assistant_text(req) if req.continue_final_message else "")
         prompt = self.truncated(prompt, req.truncate_prompt_tokens, req.requested_max_tokens() or 1)
-        self.check_length(len(prompt.token_ids), req.requested_max_tokens())
+        self.check_length(len(prompt.token_ids), req.requested_max_tokens(), max_tokens_param=req.api_param("max_tokens"))
         return PreparedRequest(model, [prompt], params, plan, reasoning, beam=self.beam_search_params(req, params))
 
     def _reasoning(self, prompt: TokenizedPrompt, params: SamplingParams, continued: str) -> ReasoningParser | None:

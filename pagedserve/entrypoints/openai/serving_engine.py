@@ -176,7 +176,10 @@ def to_openai_error(err: BaseException) -> OpenAIError:
         return OpenAIError(str(err), status=503, type="server_error", code="server_overloaded",
                            headers={"Retry-After": str(err.retry_after)})
     if isinstance(err, RequestTimeoutError):
-        return OpenAIError(str(err), status=408, type="timeout_error", code="request_timeout")
+        # (OpenAI's and Anthropic's clients retry a 408 twice by default: the same answer
+        # would run past the same --request-timeout three times over; this header stops them)
+        return OpenAIError(str(err), status=408, type="timeout_error", code="request_timeout",
+                           headers={"x-should-retry": "false"})
     if isinstance(err, EngineShutdownError):
         return OpenAIError(str(err), status=503, type="server_error", code="shutting_down")
     if isinstance(err, EngineDeadError):
@@ -377,18 +380,20 @@ class OpenAIServing:
                               f"sequences; at most {limit} are allowed per request",
                               param=param if num_prompts > 1 else "n")
 
-    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str = "messages") -> None:
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str = "messages",
+                     max_tokens_param: str = "max_tokens") -> None:
         """OpenAI's rule: prompt + max_tokens must fit in the context (an unset max_tokens
         means "the rest of it"; a prompt that alone leaves no room is the engine's to refuse).
         The message is vLLM's, word for word; its `param` names max_tokens only where a
-        smaller one would fit, else the prompt's field (`prompt_param`)."""
+        smaller one would fit (as the client spelled it: `max_tokens_param`), else the prompt's
+        field (`prompt_param`)."""
         limit = self.max_model_len
         if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt + max_tokens > limit:
             raise OpenAIError(
                 f"{CONTEXT_LENGTH_ERROR} {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion.",
-                param="max_tokens" if num_prompt < limit else prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
+                param=max_tokens_param if num_prompt < limit else prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
 
     def truncated(self, prompt: TokenizedPrompt, truncate: int | None, room: int = 0) -> TokenizedPrompt:
         """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens, the

@@ -115,6 +115,7 @@ def test_request_timeout_aborts_and_frees_both_ways():
     full, stream, quick = call(app, fn)
     assert full.status_code == 408 and full.json()["error"]["code"] == "request_timeout"
     assert "0.3 s" in full.json()["error"]["message"]
+    assert full.headers["x-should-retry"] == "false"  # (the SDKs ran it three times over)
     evs = events(stream.text)
     assert evs[-1] == "[DONE]" and evs[-2]["error"]["code"] == "request_timeout"
     assert any("choices" in e for e in evs[:-2])  # tokens flowed before the deadline

@@ -222,6 +222,10 @@ def test_errors_then_success(server, client):
     with pytest.raises(openai.BadRequestError) as e:  # the prompt alone fills the context: it is named
         complete(client, prompt=PROMPT * (300 // n_prompt + 2), max_tokens=1)
     assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:  # (named as the client spelled it: it said max_tokens)
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=300)
+    assert e.value.body["param"] == "max_completion_tokens"
     assert complete(client, max_tokens=2).usage.completion_tokens >= 1
     # 401: wrong key.
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
