@@ -20,7 +20,8 @@ def _first(*names: str) -> tuple[str, str] | None:
 
 
 def api_key() -> tuple[str, str] | None:
-    """($PAGEDSERVE_API_KEY, else $VLLM_API_KEY) and its name; an empty variable is none."""
+    """($PAGEDSERVE_API_KEY, else $VLLM_API_KEY) and its name; an empty variable is none (one
+    of blanks is a key, which the server refuses by name: a typo, not "no key")."""
     for name in ("PAGEDSERVE_API_KEY", "VLLM_API_KEY"):
         if os.environ.get(name):
             return name, os.environ[name]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -245,20 +246,23 @@ class BenchmarkError(Exception):
 def load_tokenizer(args: argparse.Namespace) -> Any:
     """The tokenizer prompts are counted with: --tokenizer (a registered name, a directory or
     a GGUF file, as the server reads them: a failure is an error), else --model's where this
-    machine has it, else none (prompts of random words; a note says so)."""
+    machine has it (nothing is downloaded for it), else none (prompts of random words; a
+    note says so)."""
     from pagedserve.config import ModelConfig
     from pagedserve.model_loader import load_tokenizer as load
+    from pagedserve.model_loader.sources import local_model
 
-    name = args.tokenizer or args.model
+    name = args.tokenizer or (local_model(str(args.model)) if args.model else None)
+    tokenizer = None
     try:
-        tokenizer = load(ModelConfig(model=name, trust_remote_code=args.trust_remote_code))
+        tokenizer = load(ModelConfig(model=name, trust_remote_code=args.trust_remote_code)) if name else None
     except Exception as e:  # noqa: BLE001 - a bad name or file: one line
         if args.tokenizer:
             raise BenchmarkError(f"--tokenizer {args.tokenizer!r}: {type(e).__name__}: "
                                  f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}") from None
-        tokenizer = None
-    if tokenizer is None and args.dataset_name != "sharegpt":
-        print(f"note: prompts are random words (no tokenizer named {name!r} here; --tokenizer names one)")
+    if tokenizer is None:
+        print(f"note: no tokenizer of {args.model!r} on this machine (--tokenizer names one): "
+              + ("lengths are counted in words" if args.dataset_name == "sharegpt" else "prompts are random words"))
     return tokenizer
 
 
@@ -430,8 +434,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def result_path(args: argparse.Namespace, summary: dict[str, Any]) -> str:
     """Where --save-result writes: its FILE, or vLLM's name in --result-dir."""
-    import os
-
     if isinstance(args.save_result, str):
         return args.save_result
     concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
@@ -452,7 +454,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> dict[str, Any]:
     except BenchmarkError as e:
         raise SystemExit(f"error: {e}") from None
     if not summary["completed"]:  # (a table of n/a says nothing the error does not)
-        raise SystemExit(f"error: every request failed: {next(e for e in summary['errors'] if e)}")
+        raise SystemExit(f"error: every request failed: {next((e for e in summary['errors'] if e), 'no output')}")
     print(format_summary(summary, args.metric_percentiles, tuple(args.percentile_metrics.split(","))))
     if args.save_result:
         with open(result_path(args, summary), "w") as f:
@@ -477,6 +479,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --burstiness must be > 0")
     if args.random_prefix_len < 0:
         raise SystemExit("error: --random-prefix-len must be >= 0")
+    if (args.result_dir or args.result_filename) and args.save_result is not True:
+        raise SystemExit("error: --result-dir and --result-filename name where --save-result (alone) writes")
+    if args.result_dir and not os.path.isdir(args.result_dir):  # (found only after the run, the figures lost)
+        raise SystemExit(f"error: --result-dir {args.result_dir!r} is not a directory")
     if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
         raise SystemExit("error: --dataset-name sharegpt and --dataset-path go together")
     if unknown := set(args.percentile_metrics.split(",")) - set(METRICS):

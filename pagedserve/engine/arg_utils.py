@@ -466,8 +466,10 @@ def readable_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r:.40} is not a whole number (suffixes: k, m, g for thousands, "
                                          "K, M, G for powers of 1024, e.g. 2k or 32K)")
     number, suffix = m.groups()
-    if suffix in ("k", "m", "g"):
-        return int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
+    if suffix in ("k", "m", "g"):  # (in decimal: float's 1.005 x 1000 is 1004.99...)
+        from decimal import Decimal
+
+        return int(Decimal(number) * 1000 ** ("kmg".index(suffix) + 1))
     return int(number) * 1024 ** ("KMG".index(suffix) + 1 if suffix else 0)
 
 

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="its OpenAI base URL, e.g. http://localhost:8000/v1 (the engine flags do not apply)")
     remote.add_argument("--model-name", default=None, help="the served model to ask (default: its first)")
     remote.add_argument("--api-key", default=None,
-                        help="its key (default: $PAGEDSERVE_API_KEY, else $OPENAI_API_KEY)")
+                        help="its key (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY, else $OPENAI_API_KEY)")
     remote.add_argument("--quick", default=None, metavar="MESSAGE",  # (vLLM's -q is --quantization's here)
                         help="send this one message, print the answer, and exit")
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from pagedserve import envs
+
 # The sampling flags `chat` shares with its local loop, as the server's request fields,
 # each sent only where it asks for something (OpenAI's own API refuses vLLM's top_k, ...).
 NEUTRAL_SAMPLING: dict[str, Any] = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -31,8 +33,9 @@ def request_sampling(flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def api_key(given: str | None) -> str | None:
-    """--api-key, else the environment's (the server's own variable, then OpenAI's)."""
-    return given or os.environ.get("PAGEDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    """--api-key, else the environment's (the server's own variables, then OpenAI's)."""
+    server = envs.api_key()
+    return given or (server[1] if server else None) or os.environ.get("OPENAI_API_KEY")
 
 
 class RemoteChat:

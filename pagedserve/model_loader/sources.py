@@ -257,6 +257,16 @@ def _is_converted(model_dir: str) -> bool:
         return False
 
 
+def local_model(model: str) -> str | None:
+    """`model` where this machine already has it, fetching nothing: a path, or a registered
+    name's converted directory (a client's tools, `bench serve`, ask without downloading)."""
+    if os.path.exists(model):
+        return model
+    entry = MODEL_NAMES.get(model.lower())
+    final = os.path.join(cache_dir(), "models", entry.name) if entry is not None else ""
+    return final if entry is not None and _is_converted(final) else None
+
+
 def ensure_converted(entry: RegisteredModel) -> str:
     """The converted HF directory for a registered model, downloading and converting on first use."""
     root = os.path.join(cache_dir(), "models")

@@ -26,6 +26,7 @@ import binascii
 import concurrent.futures
 import io
 import ipaddress
+import re
 import socket
 import threading
 import time
@@ -49,6 +50,9 @@ from pagedserve.request_limits import (
 )
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+# The characters base64 image data may have: both alphabets (standard, URL-safe), padding,
+# line breaks (_read_data_url takes all of them).
+BASE64_TEXT = re.compile(r"[A-Za-z0-9+/=_\-\s]*")
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,7 @@ def test_lora_sizes_without_enable_lora_are_warned_of(caplog) -> None:
 
 def test_token_counts_take_vllms_suffixes_on_the_command_line() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    for text, want in (("2k", 2000), ("1K", 1024), ("25.6k", 25600), ("4096", 4096), ("1M", 2**20)):
+    for text, want in (("2k", 2000), ("1K", 1024), ("25.6k", 25600), ("4096", 4096), ("1M", 2**20), ("1.005k", 1005)):
         assert EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", text])).max_model_len == want
     assert EngineArgs.from_cli_args(parser.parse_args(["--max-num-batched-tokens", "8K"])).max_num_batched_tokens == 8192
     for text in ("1.5K", "2kb", "2.5"):

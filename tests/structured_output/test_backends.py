@@ -238,10 +238,8 @@ def test_an_answer_in_the_schema_or_calls(backend, tool_tokens):
     answer is the schema's JSON, or calls from its first token (xgrammar's at_least_one);
     never free text alone."""
     tok = tokenizer(tool_tokens)
-    calls = HermesToolParser().structural_tag(TOOLS)["format"]
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
-    tag = S(structural_tag={"type": "structural_tag", "format": {"type": "or", "elements": [
-        {"type": "json_schema", "json_schema": schema}, {**calls, "at_least_one": True}]}})
+    tag = S(**HermesToolParser().answer_or_calls(TOOLS, schema))
     assert accepts(tok, backend, tag, '{"answer": "yes"}')
     assert accepts(tok, backend, tag, CALL)
     assert accepts(tok, backend, tag, CALL + "\n" + CALL.replace("Rome", "Paris"))
@@ -249,3 +247,17 @@ def test_an_answer_in_the_schema_or_calls(backend, tool_tokens):
     assert not accepts(tok, backend, tag, "Just text, no call.")
     assert not accepts(tok, backend, tag, '{"answer": "maybe"}')
     assert not accepts(tok, backend, tag, CALL.replace("Rome", "Oslo"))
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_llama3_json_answers_in_the_schema_or_one_call(backend):
+    from pagedserve.entrypoints.openai.tool_parsers import Llama3JsonToolParser, PythonicToolParser
+
+    tok = tokenizer(False)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    either = S(**Llama3JsonToolParser().answer_or_calls(TOOLS, schema))
+    assert accepts(tok, backend, either, '{"answer": "no"}')
+    assert accepts(tok, backend, either, '{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert not accepts(tok, backend, either, '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert not accepts(tok, backend, either, "Plain text.")
+    assert PythonicToolParser().answer_or_calls(TOOLS, schema) is None  # (refused by name by the chat handler)

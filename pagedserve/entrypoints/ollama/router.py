@@ -30,7 +30,7 @@ from pagedserve.entrypoints.ollama.serving import (
     check_request,
     now_iso,
 )
-from pagedserve.entrypoints.openai.http_utils import NDJSONResponse
+from pagedserve.entrypoints.openai.http_utils import NDJSONResponse, route_path
 from pagedserve.entrypoints.openai.model_pool import ServedModel
 from pagedserve.entrypoints.openai.routers.generation import generate
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState, ServerStateDep
@@ -99,7 +99,7 @@ async def _embed(body: OllamaEmbedRequest | OllamaEmbeddingsRequest, request: Re
     timing = Timing()
     body.check_options()
     if body.empty():
-        (await state.lease(body.model, "pooling", request.url.path, body.keep_alive_seconds())).release()
+        (await state.lease(body.model, "pooling", route_path(request.scope), body.keep_alive_seconds())).release()
         return JSONResponse(nothing)
     return await generate(state, lambda model: OllamaEmbedding(model.embedding, timing), body, request,
                           runner="pooling", keep_alive=body.keep_alive_seconds())
@@ -176,7 +176,7 @@ async def version() -> dict:
 
 
 async def not_here(request: Request) -> Response:
-    raise OpenAIError(f"{request.url.path} is not served: {NOT_HERE}", status=501, code="not_implemented")
+    raise OpenAIError(f"{route_path(request.scope)} is not served: {NOT_HERE}", status=501, code="not_implemented")
 
 
 for path, methods in (("/api/pull", ["POST"]), ("/api/push", ["POST"]), ("/api/create", ["POST"]),

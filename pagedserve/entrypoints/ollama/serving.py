@@ -8,7 +8,6 @@ nanosecond timings Ollama reports)."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.streaming import sse_dicts
 from pagedserve.entrypoints.openai.tool_parsers import arguments_object
 from pagedserve.errors import InvalidRequestError
+from pagedserve.multimodal.image import BASE64_TEXT
 from pagedserve.outputs import EngineOutput
 
 _DONE_REASONS = {"tool_calls": "stop"}  # Ollama says "stop" when a turn ends in tool calls
@@ -105,9 +105,6 @@ def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return out
 
 
-_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]*")
-
-
 def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any]]:
     """A message's content with Ollama's `images` (base64 strings, no data: prefix) as
     image parts before its text, the order Ollama's templates use."""
@@ -116,9 +113,9 @@ def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any
     if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
         raise OpenAIError(f"{where}.images must be a list of base64 strings", param="images")
     for j, b in enumerate(images):
-        # Base64's alphabet only: a URL's ":" or a file name's "." is named here.  (A "/"
+        # Base64's alphabets only: a URL's ":" or a file name's "." is named here.  (A "/"
         # may lead: every JPEG's base64 starts "/9j/".)  A path never reaches a file read.
-        if not _BASE64.fullmatch(b):
+        if not BASE64_TEXT.fullmatch(b):
             raise OpenAIError(f"{where}.images[{j}] must be the image file's bytes in base64 (no data: URL, "
                               "URL or path)", param="images")
     # The media type is only a label: the image's own bytes say what it is (multimodal/image.py).

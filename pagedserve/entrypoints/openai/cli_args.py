@@ -183,6 +183,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     return parser.parse_args(argv)
 
 
+# The flags of `serve` that take several values (nargs="+"): a YAML list gives each.
+MULTI_VALUE_FLAGS = frozenset({"--served-model-name", "--lora-modules"})
+
+
 def config_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """The flags a YAML file of `key: value` lines stands for: true is the switch (false:
     its --no- form where it has one, else nothing), a list gives each item, an object
@@ -207,8 +211,8 @@ def config_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
             negated = "--no-" + flag[2:]
             if negated not in parser.parse_known_args([negated])[1]:  # (a switch without one: false is its default)
                 flags.append(negated)
-        elif isinstance(value, list):
+        elif isinstance(value, list) and flag in MULTI_VALUE_FLAGS:
             flags += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
-        elif value is not None:
-            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        elif value is not None:  # (a list or an object for any other flag: its JSON, --allowed-origins' say)
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     return flags

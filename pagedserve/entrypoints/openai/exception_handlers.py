@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_llm import EngineDeadError, EngineShutdownError, RequestTimeoutError
-from pagedserve.entrypoints.openai.http_utils import error_response
+from pagedserve.entrypoints.openai.http_utils import error_response, route_path
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError, to_openai_error
 from pagedserve.errors import InvalidRequestError, OverloadedError
 
@@ -24,7 +24,7 @@ UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
 
 
 async def on_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(to_openai_error(exc), request.url.path)
+    return error_response(to_openai_error(exc), route_path(request.scope))
 
 
 def first_error(errors: Sequence[Any], skip: int = 0) -> OpenAIError:
@@ -45,15 +45,15 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":  # loc is ("body", character offset): not a field
         return error_response(OpenAIError(f"The request body is not valid JSON ({errors[0].get('msg', 'invalid')} "
-                                          f"at character {errors[0].get('loc', ('', '?'))[-1]})."), request.url.path)
-    return error_response(first_error(errors, skip=1), request.url.path)
+                                          f"at character {errors[0].get('loc', ('', '?'))[-1]})."), route_path(request.scope))
+    return error_response(first_error(errors, skip=1), route_path(request.scope))
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(OpenAIError(str(exc.detail), status=exc.status_code,
                                       type="invalid_request_error" if exc.status_code < 500 else "server_error",
                                       headers=exc.headers),  # (a 405's Allow)
-                          request.url.path)
+                          route_path(request.scope))
 
 
 def add_exception_handlers(app: FastAPI) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import get_route_path
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.entrypoints.anthropic.protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
@@ -36,6 +37,12 @@ def error_response(err: OpenAIError, path: str = "") -> JSONResponse:
     else:
         body = err.to_response().model_dump()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def route_path(scope: Any) -> str:
+    """The request's path as the routes see it: without a proxy's --root-path prefix,
+    which uvicorn puts in front of scope["path"] (then /health asked for the key)."""
+    return get_route_path(scope)
 
 
 class SSEResponse(StreamingResponse):
@@ -85,7 +92,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         key = self.state.api_key
-        if key and scope["type"] == "http" and not self.state.is_public(scope["path"]):
+        if key and scope["type"] == "http" and not self.state.is_public(route_path(scope)):
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
@@ -93,7 +100,7 @@ class APIKeyMiddleware:
             if not secrets.compare_digest(token.strip(), key.encode()):
                 err = OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>' or "
                                   "'x-api-key: <key>').", status=401, code="invalid_api_key")
-                await error_response(err, scope["path"])(scope, receive, send)
+                await error_response(err, route_path(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -143,7 +150,7 @@ class ServerLoadMiddleware:
         self.app, self.state = app, state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in LOAD_AWARE_PATHS:
+        if scope["type"] != "http" or route_path(scope) not in LOAD_AWARE_PATHS:
             await self.app(scope, receive, send)
             return
         self.state.server_load += 1
@@ -201,7 +208,7 @@ class AnthropicRequestIdMiddleware:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
+        if scope["type"] != "http" or not route_path(scope).startswith(ANTHROPIC_PATH_PREFIX):
             await self.app(scope, receive, send)
             return
         await self.app(scope, receive, _with_header(send, b"request-id", f"req_{uuid.uuid4().hex}".encode()))
@@ -267,7 +274,7 @@ class HostCheckMiddleware:
                 err = OpenAIError(f"The Host header {shown!r} does not name this server; start it with "
                                   "--allowed-hosts listing the names clients use (or '*').", status=400,
                                   code="invalid_host")
-                await error_response(err, scope["path"])(scope, receive, send)
+                await error_response(err, route_path(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -295,10 +302,10 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():
-                await error_response(OpenAIError("Content-Length is not a number"), scope["path"])(scope, receive, send)
+                await error_response(OpenAIError("Content-Length is not a number"), route_path(scope))(scope, receive, send)
                 return
             if int(length) > self.max_bytes:
-                await self._too_large(scope["path"])(scope, receive, send)
+                await self._too_large(route_path(scope))(scope, receive, send)
                 return
         loop = asyncio.get_running_loop()
         deadline = None if self.read_timeout is None else loop.time() + self.read_timeout
@@ -311,14 +318,14 @@ class BodyLimitMiddleware:
             except TimeoutError:
                 await error_response(OpenAIError(
                     f"The request body did not arrive within {self.read_timeout:g} s (--http-read-timeout).",
-                    status=408, code="request_timeout"), scope["path"])(scope, receive, send)
+                    status=408, code="request_timeout"), route_path(scope))(scope, receive, send)
                 return
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._too_large(scope["path"])(scope, receive, send)
+                await self._too_large(route_path(scope))(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -328,7 +335,7 @@ class BodyLimitMiddleware:
             scope = json_on_ollama_paths(scope)
             check_json_content_type(scope, body)
         except InvalidRequestError as e:
-            await error_response(OpenAIError(str(e), param=e.param), scope["path"])(scope, receive, send)
+            await error_response(OpenAIError(str(e), param=e.param), route_path(scope))(scope, receive, send)
             return
         first: list[dict] = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -350,7 +357,7 @@ def check_json_content_type(scope: dict[str, Any], body: bytes) -> None:
 def json_on_ollama_paths(scope: dict[str, Any]) -> dict[str, Any]:
     """Ollama's bodies are JSON whatever Content-Type says (its documented `curl -d`
     sends a form type): on its paths the body is read as JSON."""
-    if not scope["path"].startswith(OLLAMA_PATH_PREFIX):
+    if not route_path(scope).startswith(OLLAMA_PATH_PREFIX):
         return scope
     headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}

@@ -216,8 +216,7 @@ class OpenAIServingChat(OpenAIServing):
         so the server and `LLM.chat` build the same prompt from the same messages."""
         kwargs = {}
         if req is not None:
-            template_kwargs = {**self.options.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
-            kwargs = dict(chat_template_kwargs=template_kwargs or None, documents=req.documents,
+            kwargs = dict(chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
                           continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
                           cut=req.truncate_prompt_tokens is not None)
         return self.render_chat(messages, req.chat_template if req else None, add_generation_prompt, tools, **kwargs)
@@ -335,19 +334,22 @@ class OpenAIServingChat(OpenAIServing):
             return StructuredOutputsParams(json=schema)
         if plan.mode != "auto":
             return None
-        tag = plan.parser.structural_tag([t.function.model_dump() for t in req.tools],
-                                         one_call=req.parallel_tool_calls is False)
+        tools, one_call = [t.function.model_dump() for t in req.tools], req.parallel_tool_calls is False
         if answer is None:
+            tag = plan.parser.structural_tag(tools, one_call)
             return StructuredOutputsParams(structural_tag=tag) if tag is not None else None
         schema = {"type": "object"} if answer.json_object else answer.json
         schema = json.loads(schema) if isinstance(schema, str) else schema
         field_name = req.structured_fields()[0]
-        if tag is None or not isinstance(schema, dict):
-            raise InvalidRequestError(f'tool_choice "auto" combines with a JSON schema or json_object {field_name} '
-                                      f"in a tool-call format with an opening tag (hermes); here the answer would "
-                                      f"follow {field_name} and call no tool", param=field_name)
-        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {"type": "or", "elements": [
-            {"type": "json_schema", "json_schema": schema}, {**tag["format"], "at_least_one": True}]}})
+        if not isinstance(schema, dict):  # (the answer would follow it and could call no tool: named)
+            raise InvalidRequestError(f'tool_choice "auto" takes a JSON schema or json_object {field_name} beside '
+                                      f'tools, not a {answer.key[0].replace("_", " ")}', param=field_name)
+        spec = plan.parser.answer_or_calls(tools, schema, one_call)
+        if spec is None:
+            raise InvalidRequestError(f'tool_choice "auto" with {field_name}: the {plan.parser.name} tool-call format '
+                                      "and a JSON answer have no one grammar here (use hermes or llama3_json, or "
+                                      'tool_choice "required" or "none")', param=field_name)
+        return StructuredOutputsParams(**spec)
 
     def message(self, plan: ToolPlan, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
         """The choice's message and finish_reason."""

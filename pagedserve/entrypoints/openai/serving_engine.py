@@ -407,9 +407,11 @@ class OpenAIServing:
                     tools: list[dict] | None = None, **kwargs: Any) -> TokenizedPrompt:
         """The engine's chat rendering (template, content parts and images, tools) and
         tokenization, so chat, the chat form of the pooling routes and `LLM.chat` build
-        the same prompt from the same messages; `kwargs`: chat_template_kwargs,
-        continue_final_message, add_special_tokens."""
+        the same prompt from the same messages; `kwargs`: chat_template_kwargs (over the
+        server's --default-chat-template-kwargs), continue_final_message, add_special_tokens."""
         conversation = [m.model_dump(exclude_unset=True) for m in messages]
+        template_kwargs = {**self.options.default_chat_template_kwargs, **(kwargs.get("chat_template_kwargs") or {})}
+        kwargs["chat_template_kwargs"] = template_kwargs or None
         try:
             encoded = self.engine.encode_chat(conversation, chat_template, add_generation_prompt, tools=tools,
                                               **kwargs)

@@ -113,6 +113,14 @@ class HermesToolParser:
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN],
                                                       "tags": tags, "stop_after_first": one_call}}
 
+    def answer_or_calls(self, tools: list[dict[str, Any]], schema: dict[str, Any],
+                        one_call: bool = False) -> dict[str, Any] | None:
+        """The constraint (StructuredOutputsParams' fields) of an answer in `schema` or
+        calls, from the first token (tool_choice "auto" beside a response format)."""
+        calls = self.structural_tag(tools, one_call)["format"]
+        return {"structural_tag": {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "json_schema", "json_schema": schema}, {**calls, "at_least_one": True}]}}}
+
 
 def forced_tools_system_prompt(tools: list[dict[str, Any]], function: dict[str, Any] | None) -> str:
     """What the model is told of the tools under tool_choice "required" (`function` None)
@@ -194,6 +202,14 @@ class Llama3JsonToolParser:
     def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
         return None  # no opening to trigger on: the answer is free
 
+    def answer_or_calls(self, tools: list[dict[str, Any]], schema: dict[str, Any],
+                        one_call: bool = False) -> dict[str, Any] | None:
+        """An answer in `schema` or one call: both are a JSON object, so one schema of either."""
+        calls = [{"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+                  "properties": {"name": {"const": t["name"]}, "parameters": tool_parameters(t.get("parameters"))}}
+                 for t in tools]
+        return {"json": {"anyOf": [schema, *calls]}}
+
 
 class PythonicToolParser:
     """vLLM's pythonic (Llama 3.2 and 4, ToolACE): the whole answer is a Python list of
@@ -226,10 +242,11 @@ class PythonicToolParser:
 
         if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
             raise ValueError("not a named call with keyword arguments")
-        if any(k.arg is None for k in node.keywords):
-            raise ValueError("**kwargs")
+        names = [k.arg for k in node.keywords]
+        if None in names or len(set(names)) < len(names):  # (**kwargs; a name twice, which Python refuses)
+            raise ValueError("not one value per keyword")
         args = {k.arg: self._value(k.value) for k in node.keywords}
-        return ParsedToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+        return ParsedToolCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False))  # (1e999: none)
 
     def _value(self, node: Any) -> Any:
         import ast
@@ -259,11 +276,20 @@ class PythonicToolParser:
                   "[func_name(param=value), other_func()]; otherwise answer in plain text.")
 
     def format_calls(self, calls: list[ParsedToolCall]) -> str:
-        return "[" + ", ".join(c.name + "(" + ", ".join(f"{k}={v!r}" for k, v in arguments_object(c.arguments).items())
-                               + ")" for c in calls) + "]"
+        def call(c: ParsedToolCall) -> str:
+            args = arguments_object(c.arguments)
+            if all(k.isidentifier() for k in args):
+                return c.name + "(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+            return f"{c.name}(**{args!r})"  # (a key no keyword can spell)
+
+        return "[" + ", ".join(call(c) for c in calls) + "]"
 
     def structural_tag(self, tools: list[dict[str, Any]], one_call: bool = False) -> dict[str, Any] | None:
         return None  # no opening to trigger on: the answer is free
+
+    def answer_or_calls(self, tools: list[dict[str, Any]], schema: dict[str, Any],
+                        one_call: bool = False) -> dict[str, Any] | None:
+        return None  # (Python calls and a JSON answer: no one grammar here)
 
 
 TOOL_PARSERS: dict[str, type] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}

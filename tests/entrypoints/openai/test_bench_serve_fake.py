@@ -261,6 +261,8 @@ def test_vllms_bench_serve_command_lines_run(fake_server, capsys, tmp_path):
     (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "--backend openai sends /v1/completions"),
     (["--percentile-metrics", "ttft,goodness"], "--percentile-metrics takes"),
     (["--burstiness", "0"], "--burstiness must be > 0"),
+    (["--result-dir", "."], "--result-dir and --result-filename name where --save-result"),  # (were ignored)
+    (["--save-result", "--result-dir", "/no/such/dir"], "is not a directory"),
 ])
 def test_vllms_bench_serve_flags_are_checked(flags, error):
     with pytest.raises(SystemExit, match=error):

@@ -248,7 +248,7 @@ def test_a_stream_nobody_reads_holds_one_snapshot_not_every_step():
 
 
 # ------------------------------------------------------------ slow clients, hosts, keys
-def _uvicorn_server(app, read_timeout: float):
+def _uvicorn_server(app, read_timeout: float, **config):
     """The app behind a real uvicorn (in a thread) with the server's protocol: the header
     deadline lives in the HTTP protocol, below anything an ASGI test client reaches."""
     import socket
@@ -263,7 +263,7 @@ def _uvicorn_server(app, read_timeout: float):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http=header_timeout_protocol(read_timeout)))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http=header_timeout_protocol(read_timeout), **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -533,7 +533,7 @@ def test_a_queued_stream_sends_its_role_with_its_first_token():
     (["--ssl-keyfile", "/nonexistent.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile: no file"),
     (["--root-path", "api"], "--root-path must start with '/'"),
-    (["--host", "999.1.1.1"], "--host '999.1.1.1' is neither an address nor a name"),
+    (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is neither an address nor a name"),
     (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--chat-template", "{{ x }"], "chat_template is not a valid Jinja template"),
 ])
@@ -554,7 +554,8 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
 
     (tmp_path / "c.yaml").write_text("port: 8123\nmax-model-len: 2k\nenable_prefix_caching: false\n"
                                      "served-model-name: [a, b]\ndisable-fastapi-docs: true\n"
-                                     "default-chat-template-kwargs: {enable_thinking: false}\nhost: 0.0.0.0\n")
+                                     "default-chat-template-kwargs: {enable_thinking: false}\nhost: 0.0.0.0\n"
+                                     "allowed-origins: ['https://a.example']\n")
     parser = make_arg_parser(argparse.ArgumentParser(allow_abbrev=False))
     args = parse_args(parser, ["smollm2-135m-instruct", "--config", str(tmp_path / "c.yaml"), "--port", "9000"])
     assert (args.port, args.host, args.served_model_name, args.model_tag) == (9000, "0.0.0.0", ["a", "b"],
@@ -563,6 +564,7 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
     assert engine_args.max_model_len == 2000 and engine_args.enable_prefix_caching is False
     assert state.serving_options.default_chat_template_kwargs == {"enable_thinking": False}
     assert not state.fastapi_docs and state.served_model_names == ["a", "b"]
+    assert state.cors.allow_origins == ["https://a.example"]  # (a list for a JSON flag: its JSON)
     (tmp_path / "bad.yaml").write_text("- a list\n")
     with pytest.raises(SystemExit):
         parse_args(parser, ["--config", str(tmp_path / "bad.yaml")])
@@ -648,3 +650,47 @@ def test_http_series_count_answers_by_route_template_status_and_method():
     assert series['http_requests_total{handler="/v1/completions",method="POST",status="2xx"}'] == 1
     assert any('method="OTHER"' in k for k in series) and len(series) == 5, series
     assert 'http_request_duration_seconds_count{handler="/v1/completions",method="POST"} 1.0' in text
+
+
+def test_behind_a_root_path_every_guard_sees_the_routes_path():
+    """uvicorn puts --root-path in front of the path: /health asked for the key, /load
+    counted nothing, Anthropic's errors lost their shape."""
+    _, app = make(FakeEngine(), server_load=0)
+    server, thread, port = _uvicorn_server(app, 30, root_path="/api")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(base + "/health", timeout=10).status_code == 200  # (no key: a public route)
+        assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
+        r = httpx.post(base + "/v1/messages", json={"model": "fake"}, headers={"x-api-key": "k"}, timeout=10)
+        assert r.status_code == 400 and r.json()["type"] == "error" and r.headers.get("request-id")
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(base + "/v1/completions", json=body, headers=KEY, timeout=10).status_code == 200
+        metrics = httpx.get(base + "/metrics", headers=KEY, timeout=10).text
+        assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 1.0' in metrics
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_tools_beside_an_answer_format_no_grammar_joins_are_named():
+    """tool_choice auto beside a response format: where no one grammar holds both (the
+    pythonic format, a regex answer), a 400 names it: the answer would have called no tool."""
+    from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, PythonicToolParser
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}
+    results = []
+    for parser, extra in ((PythonicToolParser(), {"response_format": fmt}),
+                          (HermesToolParser(), {"structured_outputs": {"regex": "[ab]+"}})):
+        state = ServerState(served_model_names=["fake"], api_key="k")
+        app = build_app(state)
+        state.attach(Attachment.local(AsyncLLM(FakeEngine(), log_stats=False), 4096), parser)
+
+        async def fn(c, extra=extra):
+            return await c.post("/v1/chat/completions", headers=KEY, json={
+                "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2, **extra})
+
+        results.append(call(app, fn))
+    pythonic, regex = results
+    assert pythonic.status_code == 400 and "the pythonic tool-call format" in pythonic.json()["error"]["message"]
+    assert regex.status_code == 400 and "not a regex" in regex.json()["error"]["message"]

@@ -126,9 +126,11 @@ def test_pythonic_reads_a_list_of_calls_and_never_runs_it() -> None:
     assert parser.format_calls(calls[:2]) == "[get_weather(city='東京', days=3, metric=True, extra=None), get_time()]"
     for not_calls in ("[f(1)]", "[__import__('os').system('true')]", "[f(x=open('/etc/passwd'))]",
                       "[f(x=1+1)]", "[f(**{'a': 1})]", "[]", "[f(x=(1, 2))]", "Sure: [f(x=1)]", "[f(x=1)] and more",
-                      "[" * 500 + "]" * 500, "[f(x=" + "9" * 5000 + ")]"):
+                      "[" * 500 + "]" * 500, "[f(x=" + "9" * 5000 + ")]", "[f(x=1e999)]", "[f(x=1, x=2)]"):
         assert parser.extract(not_calls) == (not_calls, []), not_calls
     assert parser.extract("[f(a=1)]", finished=False) == ("[f(a=1)]", [])
+    assert parser.format_calls(parser.extract('[f(x=1)]')[1] + [type(calls[0])("g", '{"my-key": 1}')]) == \
+        "[f(x=1), g(**{'my-key': 1})]"
     assert parser.text_before_calls(" [f(") == 0 and parser.text_before_calls("Hello") == 5
 
 

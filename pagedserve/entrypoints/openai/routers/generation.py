@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from pagedserve.engine.async_llm import RequestStream
-from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disconnect
+from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disconnect, route_path
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState
@@ -95,7 +95,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     byte is sent), then stream (`stream_class`: SSE) or answer once.  A client that
     leaves at any point cancels it all, which aborts every engine request it started (a
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
-    lease = await state.lease(body.model, runner, route or request.url.path, keep_alive)
+    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive)
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)
@@ -109,7 +109,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
             request_id, streams = await serving.start(body, prep)
             if state.log_requests is not None:  # (--enable-log-requests; prompts are never logged without it)
                 shown, cut = json_head(body.model_dump(exclude_unset=True), state.log_requests)
-                logger.info("request %s accepted on %s: %s%s", request_id, request.url.path, shown,
+                logger.info("request %s accepted on %s: %s%s", request_id, route_path(request.scope), shown,
                             "..." if cut else "")
             if body.stream:
                 streaming.append(ReleasingStream(serving.stream(body, prep, request_id, streams), lease))
