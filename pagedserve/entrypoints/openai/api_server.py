@@ -169,20 +169,21 @@ class _DrainingServer:
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
 
     async def drain(self) -> None:
-        self.state.models.close()  # no more loads
-        engines = self.state.engines()
-        for engine in engines:
+        self.state.models.close()  # no more loads: a load under way finishes, for the requests waiting on it
+        for engine in self.state.engines():
             engine.close_admission(EngineShutdownError("The server is shutting down and accepts no new requests."))
         deadline = time.monotonic() + self.shutdown_timeout
 
         def still_open() -> int:
-            return sum(e.num_open_requests for e in engines)
+            """Requests accepted before the signal: on an engine, or holding their model while
+            it loads (then on no engine yet: such a request was cut after 5 s)."""
+            return max(sum(e.num_open_requests for e in self.state.engines()), self.state.models.leased)
 
-        while still_open() and time.monotonic() < deadline and not any(e.errored for e in engines):
+        while still_open() and time.monotonic() < deadline and not any(e.errored for e in self.state.engines()):
             await asyncio.sleep(0.05)
         if still_open():
             logger.warning("aborting %d requests still running after the shutdown timeout", still_open())
-            for engine in engines:
+            for engine in self.state.engines():
                 engine.abort_all(EngineShutdownError("The server shut down before this request finished."))
             await asyncio.sleep(0.2)  # the streams write their error events
         for hub in self.state.dashboards():

@@ -510,6 +510,12 @@ class ModelPool(Generic[H]):
             except Exception:  # noqa: BLE001 - one failed unload must not stop the others' expiry
                 logger.exception("unloading an expired model failed")
 
+    @property
+    def leased(self) -> int:
+        """Requests holding a model, from before its load to their answer's end (a drain
+        waits for them: one waiting for a load has no engine request yet)."""
+        return sum(model.leases for model in self.models.values())
+
     def close(self) -> None:
         """No more loads (shutdown)."""
         self.closed = True

@@ -394,3 +394,21 @@ def test_a_loaded_models_kv_cache_is_read_off_its_engines_description() -> None:
     assert kv(one) == 128 * 16 * 23040
     assert kv({**one, "tensor_parallel_size": "2", "data_parallel_size": 3}) == 6 * 128 * 16 * 23040
     assert kv({}) is None and kv({**one, "num_blocks": None}) is None
+
+
+def test_a_request_waiting_for_a_load_counts_as_leased_through_a_close() -> None:
+    """A drain waits for `leased`: a request accepted before the signal but waiting for
+    its model's load has no engine request yet (it was cut after 5 s); the load under
+    way finishes after close() and the request is served."""
+    async def main():
+        pool, loader = make_pool(loader=Loader(delay=0.1))
+        waiting = asyncio.ensure_future(pool.lease("b"))
+        await asyncio.sleep(0.02)
+        during = pool.leased
+        pool.close()
+        lease = await waiting
+        held = pool.leased
+        lease.release()
+        return during, held, lease.handlers, pool.leased
+
+    assert run(main()) == (1, 1, "handlers of b", 0)
