@@ -276,15 +276,19 @@ def test_an_unreadable_model_file_unloads_nothing_to_make_room(tmp_path) -> None
     from pagedserve.model_loader.model_facts import weights_estimate
 
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    (tmp_path / "bogus").mkdir()  # (a config of no family here: it unloaded "a" first, every try)
+    (tmp_path / "bogus" / "config.json").write_text('{"model_type": "nonsense", "architectures": ["NopeForCausalLM"]}')
     loader = Loader()
-    pool = ModelPool([ModelSpec("a", "/models/a.gguf"), ModelSpec("broken", str(tmp_path / "broken.gguf"))],
+    pool = ModelPool([ModelSpec("a", "/models/a.gguf"), ModelSpec("broken", str(tmp_path / "broken.gguf")),
+                      ModelSpec("bogus", str(tmp_path / "bogus"))],
                      estimate=lambda spec: 100 if spec.name == "a" else weights_estimate(spec.source))
     pool.set_loader(loader.load, loader.unload)
 
     async def main():
         (await pool.lease("a")).release()
-        with pytest.raises(OpenAIError, match="could not be loaded"):
-            await pool.lease("broken")
+        for name in ("broken", "bogus"):
+            with pytest.raises(OpenAIError, match="could not be loaded"):
+                await pool.lease(name)
         assert pool.handlers("a") is not None
 
     run(main())
