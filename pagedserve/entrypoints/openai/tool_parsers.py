@@ -153,6 +153,20 @@ def tool_parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
     return schema or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+def _whole_answer_held(text: str, opening: str, tag: str) -> int:
+    """text_before_calls of a format whose calls are the whole answer: none of an answer
+    that opens with `opening` or `tag` (or may still), all of any other."""
+    head = text.lstrip()
+    return 0 if not head or head.startswith((opening, tag)) or tag.startswith(head) else len(text)
+
+
+def _whole_answer_prompt(tools: list[dict[str, Any]], how: str) -> str:
+    """tools_system_prompt of a format whose calls are the whole answer: the tools, then `how` to call."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (f"You can call functions to help answer. The functions, as JSON schemas:\n{listed}\nTo call {how}; "
+            "otherwise answer in plain text.")
+
+
 class Llama3JsonToolParser:
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
@@ -185,16 +199,11 @@ class Llama3JsonToolParser:
 
     def text_before_calls(self, text: str) -> int:
         """An answer that may be a call (it opens with "{" or the python tag) is held back whole."""
-        head = text.lstrip()
-        if not head or head.startswith(("{", self.PYTHON_TAG)) or self.PYTHON_TAG.startswith(head):
-            return 0
-        return len(text)
+        return _whole_answer_held(text, "{", self.PYTHON_TAG)
 
     def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("You can call functions to help answer. The functions, as JSON schemas:\n" + listed
-                + "\nTo call one, answer with only a JSON object {\"name\": FUNCTION NAME, \"parameters\": "
-                  "ARGUMENTS}; otherwise answer in plain text.")
+        return _whole_answer_prompt(tools, 'one, answer with only a JSON object {"name": FUNCTION NAME, '
+                                           '"parameters": ARGUMENTS}')
 
     def format_calls(self, calls: list[ParsedToolCall]) -> str:
         return ";".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
@@ -264,16 +273,11 @@ class PythonicToolParser:
 
     def text_before_calls(self, text: str) -> int:
         """An answer that may be calls (it opens with "[" or the start tag) is held back whole."""
-        head = text.lstrip()
-        if not head or head.startswith(("[", self.START)) or self.START.startswith(head):
-            return 0
-        return len(text)
+        return _whole_answer_held(text, "[", self.START)
 
     def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("You can call functions to help answer. The functions, as JSON schemas:\n" + listed
-                + "\nTo call them, answer with only a Python list of calls with keyword arguments, e.g. "
-                  "[func_name(param=value), other_func()]; otherwise answer in plain text.")
+        return _whole_answer_prompt(tools, "them, answer with only a Python list of calls with keyword arguments, "
+                                           "e.g. [func_name(param=value), other_func()]")
 
     def format_calls(self, calls: list[ParsedToolCall]) -> str:
         def call(c: ParsedToolCall) -> str:
