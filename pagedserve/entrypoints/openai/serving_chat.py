@@ -159,9 +159,9 @@ class ToolPlan:
             try:
                 items = json.loads(text)
             except (ValueError, RecursionError):
-                if not finished:
-                    return None, []
-                items = _whole_items(text)  # cut short (max_tokens, a stop string): the calls it finished
+                # Running, or cut short (max_tokens, a stop string): the calls it finished (a
+                # stream sends each once its object closes; they all came at the end).
+                items = _whole_items(text)
             return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
                           if isinstance(c, dict) and isinstance(c.get("name"), str)]
         if self.mode == "auto":

@@ -146,3 +146,22 @@ def test_pythonic_streamed_equals_whole(head: str, pieces: list[str], cuts: list
     whole, calls = plan.calls(text, True)
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or "") and names == [c.name for c in calls], (text, cuts)
+
+
+REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(REQUIRED)), max_size=10))
+def test_required_calls_stream_as_each_closes(cuts: list[int]) -> None:
+    """A "required" answer's calls: each sent once its object closes (they all came when
+    the array ended), the same calls as the whole answer's."""
+    plan = ToolPlan(mode="required")
+    content, names = _streamed(plan, REQUIRED, cuts)
+    assert content == "" and names == ["get_weather", "get_time"]
+    first_closed = REQUIRED.index("}}") + 2
+    ts = ToolStream()
+    out = CompletionOutput(0, REQUIRED[:first_closed + 3], [], finish_reason=None)  # (the second one begun)
+    sent = [tc.function.name for ch in OpenAIServingChat._tool_deltas(None, plan, ts, out)
+            for tc in ch.delta.tool_calls or []]
+    assert sent == ["get_weather"]
