@@ -163,6 +163,12 @@ _SANDBOX: TemplateSandbox | None = None
 _SANDBOX_LOCK = threading.Lock()
 
 
+# The refusal of a chat for a model without a chat template (the server also says it
+# before loading such a model: ServerState.lease).
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model: it serves completions); give one with "
+                    "`--chat-template FILE` (pagedserve serve, generate or chat), the request field "
+                    "`chat_template` (Jinja text), or offline `LLM(..., chat_template=FILE)`")
+
 def template_sandbox() -> TemplateSandbox:
     """The process's one sandbox (its child starts with the first request template)."""
     global _SANDBOX
@@ -280,9 +286,7 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         return template_sandbox().render(chat_template, messages, tools, add_generation_prompt,
                                          continue_final_message, variables, max_chars)
     if not default_template:
-        raise ValueError("this model has no chat template (a base model: it serves completions); give one with "
-                         "`--chat-template FILE` (pagedserve serve, generate or chat), the request field "
-                         "`chat_template` (Jinja text), or offline `LLM(..., chat_template=FILE)`")
+        raise ValueError(NO_CHAT_TEMPLATE)
     try:
         text = render_chat_template(default_template, messages, tools=tools,
                                     add_generation_prompt=add_generation_prompt,

@@ -212,7 +212,8 @@ class ServerState:
     responses_store: ResponseStore | None = None  # --enable-responses-store
     serving_options: ServingOptions = field(default_factory=ServingOptions)  # requests' server-wide defaults
     server_load: int | None = None  # requests at work (GET /load); None: not tracked (--enable-server-load-tracking)
-    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
+    fastapi_docs: bool = True
+    chat_template_given: bool = False  # --chat-template: every model has one, whatever its files say  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
     # The runner every model of the pool loads with (--runner): a route of the other runner
     # is refused before its model loads.  None: known only once loaded (in-process tests).
@@ -295,14 +296,18 @@ class ServerState:
         return name
 
     async def lease(self, requested: str | None, runner: str | None = None, route: str = "",
-                    keep_alive: Any = UNSET) -> Lease[ModelHandlers]:
+                    keep_alive: Any = UNSET, chat: bool = False) -> Lease[ModelHandlers]:
         """The request's model, loaded and held until the lease is released; a 503 while
-        the server cannot serve, a 404 for a model it does not serve, and on a route of
-        the other runner a 400 naming the flag that serves it."""
+        the server cannot serve, a 404 for a model it does not serve, on a route of the
+        other runner a 400 naming the flag that serves it, and for a chat (`chat`: one the
+        model's own template must render) a 400 before a model whose files hold no chat
+        template is loaded (and the loaded one unloaded for it)."""
         self.check_up()
         name = self.model_for(requested)
         if runner is not None and self.runner is not None:
             check_runner(self.runner, runner, route)  # (not loading a model only to refuse it)
+        if chat and not self.chat_template_given and self.models.handlers(name) is None:
+            await self._check_chat_template(name)
         lease = await self.models.lease(name, keep_alive)
         try:
             engine = lease.handlers.engine
@@ -313,6 +318,16 @@ class ServerState:
             lease.release()
             raise
         return lease
+
+    async def _check_chat_template(self, name: str) -> None:
+        from pagedserve.engine.chat_utils import NO_CHAT_TEMPLATE
+        from pagedserve.model_loader.model_facts import UNKNOWN, model_details
+        from pagedserve.model_loader.sources import local_model
+
+        path = local_model(self.models.models[name].spec.source)  # (one not fetched yet: known once loaded)
+        info = await asyncio.to_thread(model_details, path) if path is not None else UNKNOWN
+        if info is not UNKNOWN and not info.chat_template:
+            raise OpenAIError(f"model {name!r}: {NO_CHAT_TEMPLATE}", param="messages")
 
     def is_public(self, path: str) -> bool:
         """Routes served without the API key: /health (and vLLM's /ping), /metrics for a scraper when asked,

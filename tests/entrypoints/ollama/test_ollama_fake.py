@@ -384,3 +384,29 @@ def test_think_returns_the_reasoning_apart_with_a_reasoning_parser() -> None:
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "because"},
         {"role": "user", "content": "again"}])
     assert chat_request(history).messages[1].model_dump()["reasoning_content"] == "because"
+
+
+def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) -> None:
+    """Refused before its load: the loaded model was unloaded for it, then loaded again
+    by the next request (Anthropic's and the Responses API's chats too)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    state, app, loads = make_app()
+    state.models = ModelPool([ModelSpec("first", "first"), ModelSpec("base", str(tmp_path))], max_loaded=1,
+                             keep_alive=300.0, estimate=lambda spec: 0)
+    state.models.set_loader(lambda spec, kv: pytest.fail(f"{spec.name} was loaded"), ModelHandlers.unload)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(script="hello"), log_stats=False), 64))
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        with pytest.raises(openai.BadRequestError, match="'base': this model has no chat template"):
+            await oai.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            await oai.responses.create(model="base", input="hi")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            r = await http.post("/v1/messages", json={"model": "base", "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        return await oai.completions.create(model="first", prompt="x", max_tokens=2)
+
+    assert call(app, fn).choices[0].text == "he"

@@ -87,7 +87,7 @@ def json_head(value: Any, limit: int) -> tuple[str, bool]:
 
 
 async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: Any, request: Request,
-                   *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET,
+                   *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET, chat: bool = False,
                    stream_class: Callable[[AsyncIterator[str]], Response] = SSEResponse) -> Response:
     """Every generation endpoint: lease the model the body names (loading it if need
     be), validate and render off the event loop (templates and tokenizing a long prompt
@@ -95,7 +95,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     byte is sent), then stream (`stream_class`: SSE) or answer once.  A client that
     leaves at any point cancels it all, which aborts every engine request it started (a
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
-    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive)
+    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive, chat)
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)
