@@ -340,22 +340,26 @@ def test_a_pause_after_work_hands_the_engine_threads_openmp_workers_back(monkeyp
     import pagedserve.engine.inproc_client as inproc_client
 
     monkeypatch.setattr(inproc_client, "IDLE_TRIM_SECONDS", 0.05)
-    released: list[str] = []
+    released: list[threading.Thread] = []  # (engines other tests left running release too: counted apart)
     monkeypatch.setattr(inproc_client, "release_openmp_threads",
-                        lambda: released.append(threading.current_thread().name) or True)
+                        lambda: released.append(threading.current_thread()) or True)
     engine = FakeEngine()
+    before = set(threading.enumerate())
 
     async def main():
         llm = AsyncLLM(engine, log_stats=False)
         await collect(llm, "r1")
+        mine = [t for t in threading.enumerate() if t not in before]  # (its engine thread, started by now)
         deadline = time.monotonic() + 10
-        while not released and time.monotonic() < deadline:
+        while not [t for t in released if t in mine] and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # (idle wake-ups without work in between release nothing more)
         llm.shutdown()
+        return mine
 
-    run(main())
-    assert released == ["pagedserve-engine"]
+    mine = run(main())
+    ours = [t for t in released if t in mine]
+    assert len(ours) == 1 and ours[0].name == "pagedserve-engine"
 
 
 def test_memory_freed_at_intake_goes_back_at_the_idle_engines_next_pause(monkeypatch):
