@@ -169,6 +169,7 @@ NO_CHAT_TEMPLATE = ("this model has no chat template (a base model: it serves co
                     "`--chat-template FILE` (pagedserve serve, generate or chat), the request field "
                     "`chat_template` (Jinja text), or offline `LLM(..., chat_template=FILE)`")
 
+
 def template_sandbox() -> TemplateSandbox:
     """The process's one sandbox (its child starts with the first request template)."""
     global _SANDBOX

@@ -152,8 +152,9 @@ def _read_facts(path: str, mtime_ns: int) -> ModelFacts:
 
 def weights_estimate(source: str) -> int:
     """The bytes a model's files say its weights take (the ModelPool's estimate before a
-    load); a ValueError where they are on this disk but cannot be read as a model's, so
-    that nothing is unloaded to make room for a load that cannot succeed."""
+    load); a ValueError where they are on this disk but cannot be read as a model's, or
+    name a family not served here, so that nothing is unloaded to make room for a load
+    that cannot succeed."""
     facts = model_details(source)
     if facts is UNKNOWN and source not in MODEL_NAMES and os.path.exists(source):
         raise ValueError(f"the files of {source} cannot be read as a model's")

@@ -212,8 +212,8 @@ class ServerState:
     responses_store: ResponseStore | None = None  # --enable-responses-store
     serving_options: ServingOptions = field(default_factory=ServingOptions)  # requests' server-wide defaults
     server_load: int | None = None  # requests at work (GET /load); None: not tracked (--enable-server-load-tracking)
-    fastapi_docs: bool = True
-    chat_template_given: bool = False  # --chat-template: every model has one, whatever its files say  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
+    chat_template_given: bool = False  # --chat-template: every model has one, whatever its files say
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
     # The runner every model of the pool loads with (--runner): a route of the other runner
     # is refused before its model loads.  None: known only once loaded (in-process tests).
