@@ -51,9 +51,13 @@ def special_ids(tokenizer: Any) -> set[int]:
     return (ids | set(tokenizer.get_added_vocab().values())) - {None}
 
 
+def endpoint_of(args: argparse.Namespace) -> str:
+    """The route requests go to: --endpoint, else --backend's, else /v1/completions."""
+    return args.endpoint or BACKENDS.get(args.backend or "") or "/v1/completions"
+
+
 def is_chat(args: argparse.Namespace) -> bool:
-    """The run sends chat requests: --endpoint's, else --backend's (check_args settles both)."""
-    return (args.endpoint or BACKENDS.get(args.backend or "") or "").endswith("/chat/completions")
+    return endpoint_of(args).endswith("/chat/completions")
 
 
 def make_prompts(args: argparse.Namespace, rng: random.Random, count: int | None = None,
@@ -492,7 +496,7 @@ def check_args(args: argparse.Namespace) -> None:
     implied = BACKENDS.get(args.backend or "")
     if implied and args.endpoint and args.endpoint != implied:
         raise SystemExit(f"error: --backend {args.backend} sends {implied}, not --endpoint {args.endpoint}")
-    args.endpoint = args.endpoint or implied or "/v1/completions"
+    args.endpoint = endpoint_of(args)
     args.base_url = (args.base_url or f"http://{args.host or '127.0.0.1'}:{args.port or 8000}").rstrip("/")
 
 

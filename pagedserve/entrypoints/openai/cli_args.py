@@ -167,7 +167,7 @@ def check_vllm_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
     if args.default_chat_template_kwargs is not None and not isinstance(args.default_chat_template_kwargs, dict):
         raise ValueError("--default-chat-template-kwargs must be a JSON object")
-    if args.root_path is not None and args.root_path and not args.root_path.startswith("/"):
+    if args.root_path and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r:.100}")
 
 
