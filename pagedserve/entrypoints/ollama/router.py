@@ -55,7 +55,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=True)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
-                          keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
+                          keep_alive=body.keep_alive_seconds(), chat=True, stream_class=NDJSONResponse)
 
 
 @router.post("/api/generate")

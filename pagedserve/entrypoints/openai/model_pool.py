@@ -375,7 +375,7 @@ class ModelPool(Generic[H]):
     async def _load_one(self, model: ServedModel[H], deadline: float) -> None:
         assert self._load is not None, "attached models are never unloaded"
         async with self._lock:
-            if model.loaded is not None:
+            if model.loaded is not None or model.leases == 0:  # (loaded, or no request waits for it now)
                 return
             try:  # (its files' facts are read off the event loop: a hostile file is slow to read)
                 price, need, kv = await asyncio.to_thread(self.reservation, model)
@@ -384,6 +384,8 @@ class ModelPool(Generic[H]):
             except Exception as e:  # noqa: BLE001 - unreadable facts are this model's failure
                 raise self._failed(model, e) from None
             await self._make_room(model, price, need, deadline)
+            if model.leases == 0:  # (its requests went while the lock was another's)
+                return
             before = rss_bytes(os.getpid())
             start = self._clock()
             failure: OpenAIError | None = None
@@ -432,13 +434,17 @@ class ModelPool(Generic[H]):
 
     async def _make_room(self, model: ServedModel[H], price: int, need: int, deadline: float) -> None:
         """Unload idle models, least recently used first, until `model` fits (`need`
-        beside the loaded ones); wait while the ones in the way are busy.  Refused where
-        its `price` is over the whole budget.  Called under the lock."""
+        beside the loaded ones); wait while the ones in the way are busy, for as long as
+        a request still waits for `model` (an abandoned load unloads nothing and holds
+        up no one).  Refused where its `price` is over the whole budget.  Called under the lock."""
         if self.memory_budget is not None and price > self.memory_budget:
             raise OpenAIError(f"model {model.spec.name!r} needs about {price / 2**30:.2f} GiB, more than the "
                               f"models' memory budget ({self.memory_budget / 2**30:.2f} GiB, --max-models-memory)",
                               status=500, type="server_error", param="model", code="model_too_large")
         while not self._fits(need):
+            if model.leases == 0:  # every request for it has gone (hung up, timed out): no room is made
+                raise OpenAIError(f"model {model.spec.name!r}: no request waits for its load any more",
+                                  status=503, type="server_error", code="model_load_abandoned")
             idle = sorted((m for m, _ in self.loaded() if m.leases == 0 and not m.pinned), key=lambda m: m.last_used)
             if idle:
                 await self._unload_one(idle[0], "to make room for " + repr(model.spec.name))

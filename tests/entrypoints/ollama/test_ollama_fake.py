@@ -388,7 +388,7 @@ def test_think_returns_the_reasoning_apart_with_a_reasoning_parser() -> None:
 
 def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) -> None:
     """Refused before its load: the loaded model was unloaded for it, then loaded again
-    by the next request (Anthropic's and the Responses API's chats too)."""
+    by the next request (Anthropic's, Ollama's and the Responses API's chats too)."""
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
@@ -407,6 +407,9 @@ def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) ->
             r = await http.post("/v1/messages", json={"model": "base", "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        with pytest.raises(ollama.ResponseError, match="no chat template") as e:
+            await client.chat(model="base", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 400
         return await oai.completions.create(model="first", prompt="x", max_tokens=2)
 
     assert call(app, fn).choices[0].text == "he"

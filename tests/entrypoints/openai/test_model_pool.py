@@ -416,3 +416,24 @@ def test_a_request_waiting_for_a_load_counts_as_leased_through_a_close() -> None
         return during, held, lease.handlers, pool.leased
 
     assert run(main()) == (1, 1, "handlers of b", 0)
+
+
+def test_a_load_nobody_waits_for_any_more_unloads_nothing_and_holds_up_no_one() -> None:
+    """The requests for a model waiting for room all go (hung up, timed out): its load
+    gives up, so the busy model is not unloaded for it and new requests for that model
+    are served at once instead of waiting their turn behind it."""
+    async def main():
+        pool, loader = make_pool()
+        busy = await pool.lease("a")
+        b = asyncio.ensure_future(pool.lease("b"))  # waits for "a" to go idle
+        await asyncio.sleep(0.05)
+        b.cancel()  # its client hung up
+        await asyncio.sleep(0.05)
+        (await asyncio.wait_for(pool.lease("a"), 1)).release()  # not behind b's abandoned load
+        busy.release()
+        await asyncio.sleep(0.05)
+        assert pool.handlers("a") is not None and pool.handlers("b") is None
+        (await asyncio.wait_for(pool.lease("b"), 5)).release()  # a later request for b loads it
+        return loader.events
+
+    assert run(main()) == ["load a", "unload a", "load b"]
