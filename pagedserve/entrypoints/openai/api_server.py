@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -58,7 +59,7 @@ from pagedserve.entrypoints.openai.http_utils import (
     parse_allowed_hosts,
 )
 from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec, register_pool_metrics
-from pagedserve.entrypoints.openai.model_sources import model_specs, pool_options
+from pagedserve.entrypoints.openai.model_sources import check_model_config, model_specs, pool_options
 from pagedserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.routers.completions import router as completions_router
@@ -305,6 +306,7 @@ def configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerState]:
         state = _server_state(args, engine_args, specs)
         kv = engine_args.kv_cache_memory_bytes
         state.models = ModelPool(specs, kv_cache_bytes=int(kv) if kv is not None else None,
+                                 check=functools.partial(check_model_config, engine_args),
                                  **pool_options(args, len(specs), engine_args.device))
         return engine_args, state
     except (TypeError, ValueError) as e:

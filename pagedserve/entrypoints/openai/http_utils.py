@@ -332,7 +332,7 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         try:
             check_json_body(body)  # before FastAPI parses it on this loop
-            scope = json_on_ollama_paths(scope)
+            json_on_ollama_paths(scope)
             check_json_content_type(scope, body)
         except InvalidRequestError as e:
             await error_response(OpenAIError(str(e), param=e.param), route_path(scope))(scope, receive, send)
@@ -354,13 +354,13 @@ def check_json_content_type(scope: dict[str, Any], body: bytes) -> None:
                                   f"sent as {content_type[:100]!r})")
 
 
-def json_on_ollama_paths(scope: dict[str, Any]) -> dict[str, Any]:
+def json_on_ollama_paths(scope: dict[str, Any]) -> None:
     """Ollama's bodies are JSON whatever Content-Type says (its documented `curl -d`
-    sends a form type): on its paths the body is read as JSON."""
-    if not route_path(scope).startswith(OLLAMA_PATH_PREFIX):
-        return scope
-    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+    sends a form type): on its paths the body is read as JSON.  The scope is changed in
+    place: the middleware outside reads what the router writes into it (the route)."""
+    if route_path(scope).startswith(OLLAMA_PATH_PREFIX):
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope["headers"] = [*headers, (b"content-type", b"application/json")]
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:

@@ -177,11 +177,13 @@ class ModelPool(Generic[H]):
                  unload: Callable[[H], Awaitable[None]] | None = None,
                  estimate: Callable[[ModelSpec], int] = lambda spec: weights_estimate(spec.source),
                  kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, check: Callable[[ModelSpec], None] = lambda spec: None) -> None:
         """`kv_cache_bytes`: each model's KV cache; None: sized within the budget (the
         budget's share per loaded model, less the model's weights), or by the engine's
         own rule when there is no budget.  `max_waiting`: requests that may wait for a
-        model to load (--max-waiting-requests; past it a 503 at once)."""
+        model to load (--max-waiting-requests; past it a 503 at once).  `check`: what can
+        be known of a load's failure without loading (the model's config against the
+        server's flags), found before anything is unloaded for it (ValueError)."""
         if not specs:
             raise ValueError("a server needs at least one model")
         if max_loaded < 1:
@@ -202,7 +204,7 @@ class ModelPool(Generic[H]):
         self.max_loaded = max_loaded
         self.memory_budget = memory_budget
         self.kv_cache_bytes = kv_cache_bytes
-        self._load, self._unload, self._estimate, self._clock = load, unload, estimate, clock
+        self._load, self._unload, self._estimate, self._clock, self._check = load, unload, estimate, clock, check
         self._kv_bytes: Callable[[H], int | None] = lambda handlers: None
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._released = asyncio.Event()  # set when a lease ends (a waiting load may find room)
@@ -378,6 +380,7 @@ class ModelPool(Generic[H]):
             if model.loaded is not None or model.leases == 0:  # (loaded, or no request waits for it now)
                 return
             try:  # (its files' facts are read off the event loop: a hostile file is slow to read)
+                await asyncio.to_thread(self._check, model.spec)
                 price, need, kv = await asyncio.to_thread(self.reservation, model)
             except OpenAIError:
                 raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.entrypoints.openai.model_pool import (
     DEFAULT_KEEP_ALIVE,
@@ -14,6 +14,9 @@ from pagedserve.entrypoints.openai.model_pool import (
     parse_keep_alive,
     without_latest,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.engine.arg_utils import EngineArgs
 
 MAX_MODELS = 256  # servable models per server (a directory of thousands is a mistake)
 
@@ -113,3 +116,14 @@ def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict
         budget = int(available_memory_bytes(torch.device("cpu")) * 0.9)
     return {"max_loaded": args.max_loaded_models, "keep_alive": keep_alive, "memory_budget": budget,
             "max_waiting": args.max_waiting_requests}
+
+
+def check_model_config(engine_args: EngineArgs, spec: ModelSpec) -> None:
+    """`spec`'s config against the server's flags (a --max-model-len past its limit, a
+    family not served here), where its files are on this machine: a ValueError before
+    the pool unloads another model for a load that would fail (one not fetched yet is
+    checked as it loads)."""
+    from pagedserve.model_loader.sources import local_model
+
+    if local_model(spec.source) is not None:
+        engine_args.replace(model=spec.source).create_engine_config()

@@ -50,9 +50,10 @@ def test_health_503_while_loading_then_200():
         r2 = await c.post("/v1/completions", json={"prompt": "x"})
         state.attach(Attachment.local(AsyncLLM(FakeEngine(), log_stats=False), 64))
         r3 = await c.get("/health")
-        return r1, r2, r3
+        return r1, r2, r3, await c.head("/health"), await c.head("/ping")
 
-    r1, r2, r3 = call(app, fn)
+    r1, r2, r3, head, ping = call(app, fn)
+    assert head.status_code == ping.status_code == 200  # (load balancers probe with HEAD)
     assert r1.status_code == 503 and r2.status_code == 503
     assert "loading" in r2.json()["error"]["message"]
     assert r3.status_code == 200
@@ -257,4 +258,4 @@ def test_ping_cors_and_a_405s_allow_header():
     assert [r.status_code for r in ping] == [200, 200]
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
     assert "access-control-allow-origin" not in other.headers
-    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"
+    assert wrong.status_code == 405 and set(wrong.headers["allow"].split(", ")) == {"GET", "HEAD"}

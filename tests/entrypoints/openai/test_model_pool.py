@@ -5,6 +5,7 @@ and 0, a failed load naming its model, and the memory budget."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 from hypothesis import given
@@ -437,3 +438,32 @@ def test_a_load_nobody_waits_for_any_more_unloads_nothing_and_holds_up_no_one() 
         return loader.events
 
     assert run(main()) == ["load a", "unload a", "load b"]
+
+
+def test_a_model_whose_config_refuses_the_servers_flags_unloads_nothing(tmp_path) -> None:
+    """A --max-model-len past one model's limit fails that model's load before the loaded
+    model is unloaded for it (it was unloaded, the load failed, and it loaded again)."""
+    import json
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.entrypoints.openai.model_sources import check_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 64,
+        "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 32,
+        "vocab_size": 100}))
+    check_model_config(EngineArgs(model=str(tmp_path), max_model_len=64), ModelSpec("short", str(tmp_path)))
+    check = functools.partial(check_model_config, EngineArgs(model=str(tmp_path), max_model_len=128))
+
+    async def main():
+        loader = Loader()
+        pool = ModelPool([ModelSpec("a", "/models/a.gguf"), ModelSpec("short", str(tmp_path))],
+                         estimate=lambda spec: 100, check=lambda spec: spec.name == "short" and check(spec))
+        pool.set_loader(loader.load, loader.unload)
+        (await pool.lease("a")).release()
+        with pytest.raises(OpenAIError, match="'short' could not be loaded") as e:
+            await pool.lease("short")
+        assert e.value.status == 500 and pool.handlers("a") is not None
+        return loader.events
+
+    assert run(main()) == ["load a"]

@@ -39,13 +39,14 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(state: ServerStateDep) -> Response:
+    """200 once the engine serves, else 503 (HEAD too: load balancers probe with it)."""
     state.check_up()
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.api_route("/ping", methods=["GET", "HEAD", "POST"])
 async def ping(state: ServerStateDep) -> Response:
     """vLLM's (SageMaker's) liveness route: /health's answer."""
     return await health(state)
