@@ -81,6 +81,7 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
     own_documents = {id(schema) for schema in tag_schemas(root)} if tag else set()
     height: dict[tuple[int, ...], int] = {}
     on_path: set[int] = set()
+    cycles: dict[int, bool] = {}
 
     def too_deep() -> InvalidRequestError:
         return _refuse(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (counting each $ref followed)")
@@ -95,6 +96,9 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
             ref = node.get("$ref")
             if isinstance(ref, str):
                 refs = _targets(ref, scope, names)
+                if _only_refs_back(node, scope, names, cycles):
+                    raise _refuse(f"the $ref {ref[:100]!r} leads only through $refs back to itself: that subschema "
+                                  "admits no value (JSON Schema forbids a loop of $refs alone)")
         key = (id(node), *scope.key())
         if key in height:
             if level + height[key] > MAX_SCHEMA_DEPTH:
@@ -121,6 +125,31 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
 
     if isinstance(root, (dict, list)):
         walk(root, 0, _Scope(root, root, root))
+
+
+def _only_refs_back(node: dict, scope: _Scope, names: dict[str, Any], verdicts: dict[int, bool]) -> bool:
+    """Whether `node`'s $ref chain (each link resolved one way only) comes back to a
+    schema already on it: a loop of $refs that never reaches a schema of its own, so
+    nothing validates against it.  Each schema's verdict is found once (`verdicts`)."""
+    chain: list[int] = []
+    current: Any = node
+    verdict = False
+    while isinstance(current, dict) and isinstance(current.get("$ref"), str) and len(chain) <= MAX_SCHEMA_DEPTH:
+        if id(current) in verdicts:
+            verdict = verdicts[id(current)]
+            break
+        if id(current) in chain:
+            verdict = True
+            break
+        chain.append(id(current))
+        scope = scope.entering(current)
+        targets = _targets(current["$ref"], scope, names)
+        if len(targets) != 1:
+            break
+        current = targets[0]
+    for schema in chain:
+        verdicts[schema] = verdict
+    return verdict
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,13 @@ def test_closing_objects_walks_subschemas_only():
 
 @pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 @pytest.mark.parametrize("schema", [{"$ref": "#"}, {"anyOf": [{"$ref": "#"}]},
-                                    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}])
+                                    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+                                    {"type": "object", "properties": {"n": {"$ref": "#"}, "m": {"$ref": "#/$defs/a"}},
+                                     "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}])
 def test_a_schema_that_admits_no_value_is_refused(backend, schema) -> None:
-    """Its grammar compiled, and the output was an empty text (no JSON value), finished as "stop"."""
+    """Its grammar compiled, and the output was an empty text (no JSON value), finished as
+    "stop"; a property whose $refs only loop compiled, and an output that wrote its key
+    failed mid-answer (the grammar had nothing it could accept next)."""
     import json
 
     from pagedserve.errors import InvalidRequestError
