@@ -96,9 +96,7 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
             ref = node.get("$ref")
             if isinstance(ref, str):
                 refs = _targets(ref, scope, names)
-                if _only_refs_back(node, scope, names, cycles):
-                    raise _refuse(f"the $ref {ref[:100]!r} leads only through $refs back to itself: that subschema "
-                                  "admits no value (JSON Schema forbids a loop of $refs alone)")
+                _check_not_only_refs_back(node, scope, names, cycles)
         key = (id(node), *scope.key())
         if key in height:
             if level + height[key] > MAX_SCHEMA_DEPTH:
@@ -127,8 +125,8 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
         walk(root, 0, _Scope(root, root, root))
 
 
-def _only_refs_back(node: dict, scope: _Scope, names: dict[str, Any], verdicts: dict[int, bool]) -> bool:
-    """Whether `node`'s $ref chain (each link resolved one way only) comes back to a
+def _check_not_only_refs_back(node: dict, scope: _Scope, names: dict[str, Any], verdicts: dict[int, bool]) -> None:
+    """Refuse `node` if its $ref chain (each link resolved one way only) comes back to a
     schema already on it: a loop of $refs that never reaches a schema of its own, so
     nothing validates against it.  Each schema's verdict is found once (`verdicts`)."""
     chain: list[int] = []
@@ -149,7 +147,9 @@ def _only_refs_back(node: dict, scope: _Scope, names: dict[str, Any], verdicts: 
         current = targets[0]
     for schema in chain:
         verdicts[schema] = verdict
-    return verdict
+    if verdict:
+        raise _refuse(f"the $ref {node['$ref'][:100]!r} leads only through $refs back to itself: that subschema "
+                      "admits no value (JSON Schema forbids a loop of $refs alone)")
 
 
 @dataclass(frozen=True)

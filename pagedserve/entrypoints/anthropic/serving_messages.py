@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pagedserve.entrypoints.anthropic.protocol import (
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.entrypoints.openai.protocol_fields import (
+    TOOL_NAME,
     check_hint_strings,
     check_object_hint,
     refuse_unsupported_fields,
@@ -293,7 +293,6 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
                           param="metadata")
 
 
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's tool names
 
 
 def check_tools(tools: list[AnthropicTool]) -> None:

@@ -28,6 +28,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     as_sent,
     check_chat_only_fields,
     check_hint_fields,
+    check_sent_tool_calls,
     check_tool_definitions,
     constraint_of,
     omitted_if_none,
@@ -413,6 +414,9 @@ class ChatCompletionRequest(_SamplingFields):
                 raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
                                           param="continue_final_message")
         check_chat_only_fields(self.modalities, self.web_search_options, self.store, self.metadata)
+        for i, message in enumerate(self.messages):
+            if message.role == "assistant":
+                check_sent_tool_calls(i, (message.model_extra or {}).get("tool_calls"))
         mode, _ = self.tool_mode()
         # (a response_format shapes text answers, and a forced call's turn has none: OpenAI
         # takes the pair; vLLM's own constraints on the whole output do not combine)

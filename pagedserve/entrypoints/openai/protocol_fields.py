@@ -6,6 +6,7 @@ behind, refused by name."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field
@@ -22,6 +23,11 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_HINT_CHARS = 128
 # vLLM's request_id (an answer's id) has no stated bound: this one keeps ids and log lines sane.
 MAX_REQUEST_ID_CHARS = 256
+# OpenAI's rule for function names and json_schema format names, and Anthropic's for tool
+# names: the letters every API here allows, at the longest any allows (a name reaches the
+# prompt and the tool parsers: "<tool_call>" or a line break there forged the format).
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
 
 class RefusedFieldError(InvalidRequestError):
     """A refusal of a field the client sent, by the name it sent (never renamed as the
@@ -197,12 +203,32 @@ def omitted_if_none() -> Any:
     return Field(default=None, exclude_if=lambda value: value is None)
 
 
+def check_sent_tool_calls(i: int, tool_calls: Any) -> None:
+    """A past assistant turn's `tool_calls` (messages[i]), in OpenAI's shape: a list of
+    {"function": {"name": NAME, "arguments": JSON text}} (`id` and `type` as the client
+    wrote them).  One that is not was rendered as if absent, the call lost from the prompt."""
+    if tool_calls is None:
+        return
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(tool_calls, list):
+        raise InvalidRequestError(f"{where} must be a list of calls, got {type(tool_calls).__name__}", param=where)
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), (str, dict)):
+            raise InvalidRequestError(f'{where}[{j}] must be {{"type": "function", "function": {{"name": NAME, '
+                                      f'"arguments": JSON text}}}}, got {str(call)[:100]}', param=where)
+
+
 def check_tool_definitions(names: list[str], parameters: list[dict[str, Any] | None], field: str) -> None:
-    """OpenAI's rules on function tools: each name once (a named tool_choice or a call
-    could not tell two apart), parameters a JSON schema of type "object" (a call's
-    arguments are an object) where a type is given."""
+    """OpenAI's rules on function tools: names of TOOL_NAME's letters, each once (a
+    named tool_choice or a call could not tell two apart), parameters a JSON schema of
+    type "object" (a call's arguments are an object) where a type is given."""
     seen: set[str] = set()
     for i, (name, schema) in enumerate(zip(names, parameters, strict=True)):
+        if not TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"{field}[{i}]: a function name must match ^[a-zA-Z0-9_-]{{1,128}}$, got "
+                                      f"{name[:80]!r}", param=field)
         if name in seen:
             raise InvalidRequestError(f"{field}[{i}]: function names must be unique ({name[:100]!r} is given twice)",
                                       param=field)

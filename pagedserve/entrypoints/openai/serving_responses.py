@@ -15,7 +15,6 @@ conversation.  Without it, `store: true` and `previous_response_id` are refused 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pagedserve.entrypoints.openai.protocol import (
     Verbosity,
 )
 from pagedserve.entrypoints.openai.protocol_fields import (
+    FUNCTION_NAME,
     HintKeys,
     check_metadata,
     check_object_hint,
@@ -156,7 +156,7 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return {"type": "json_object"}
     name = fmt.get("name", "output")
     if fmt.get("type") == "json_schema" and (set(fmt) - {"type", "name", "schema", "strict", "description"}
-                                            or not isinstance(name, str) or not NAME.fullmatch(name)):
+                                            or not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name)):
         raise OpenAIError("text.format json_schema takes name (^[a-zA-Z0-9_-]{1,64}$), schema, strict and "
                           "description only", param="text")
     if (fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)
@@ -230,8 +230,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                           "(send predicted outputs to /v1/chat/completions)", param="prediction")
 
 
-# OpenAI's rule for function and json_schema format names.
-NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
 
 
@@ -244,7 +242,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
             raise OpenAIError(f"tools[{i}]: only function tools are supported ({repr(tool.get('type'))[:100]} is not)",
                               param="tools")
         name = tool.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise OpenAIError(f"tools[{i}].name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r:.80}", param="tools")
         if name in names:
             raise OpenAIError(f"tools[{i}]: tool names must be unique ({name!r} is given twice)", param="tools")

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.errors import InvalidRequestError
+
 
 @dataclass
 class ParsedToolCall:
@@ -281,7 +283,14 @@ class PythonicToolParser:
 
     def format_calls(self, calls: list[ParsedToolCall]) -> str:
         def call(c: ParsedToolCall) -> str:
-            args = arguments_object(c.arguments)
+            try:
+                args = json.loads(c.arguments or "{}")
+            except (ValueError, RecursionError):
+                args = None
+            if not isinstance(args, dict):  # (no keywords to write: it was written as a call of none)
+                raise InvalidRequestError(f"messages: the arguments of a past call of {c.name[:60]!r} are not a JSON "
+                                          f"object ({c.arguments[:60]!r}), which the pythonic tool-call format "
+                                          "writes as keyword arguments", param="messages")
             if all(k.isidentifier() for k in args):
                 return c.name + "(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
             return f"{c.name}(**{args!r})"  # (a key no keyword can spell)

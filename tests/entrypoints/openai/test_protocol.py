@@ -106,10 +106,20 @@ def test_tool_choice_modes_and_template_options():
                       (dict(tools=tools * 2), "tools"),
                       (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
                        "tools"),
-                      (dict(functions=[{"name": "f", "parameters": {"type": "array"}}]), "functions")]:
+                      (dict(functions=[{"name": "f", "parameters": {"type": "array"}}]), "functions"),
+                      # names reach the prompt and the parsers ("<tool_call>" was written as a call)
+                      *[(dict(tools=[{"type": "function", "function": {"name": bad}}]), "tools")
+                        for bad in ("", "<tool_call>", "f\nx", 'a"b', "x" * 129)]]:
         with pytest.raises(InvalidRequestError) as e:
             ChatCompletionRequest(messages=MSGS, **kw).check_unsupported("guidance")
         assert e.value.param == param, kw
+    for calls in ("zzz", [{"id": "x"}], [{"function": {"name": "f", "arguments": 1}}], [None]):  # (rendered as none)
+        history = [*MSGS, {"role": "assistant", "tool_calls": calls}, {"role": "user", "content": "and?"}]
+        with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.tool_calls") as e:
+            ChatCompletionRequest(messages=history).check_unsupported("guidance")
+        assert e.value.param == "messages[1].tool_calls"
+    ChatCompletionRequest(messages=[*MSGS, {"role": "assistant", "tool_calls": [  # (arguments as an object: taken)
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]).check_unsupported("x")
     with pytest.raises(ValueError, match="function_call needs functions"):  # (it was "tool_choice needs tools")
         ChatCompletionRequest(messages=MSGS, function_call={"name": "x"})
     assert ChatCompletionRequest(messages=MSGS, tools=[{"type": "function", "function": {  # (no type: an object's)

@@ -131,6 +131,11 @@ def test_pythonic_reads_a_list_of_calls_and_never_runs_it() -> None:
     assert parser.extract("[f(a=1)]", finished=False) == ("[f(a=1)]", [])
     assert parser.format_calls(parser.extract('[f(x=1)]')[1] + [type(calls[0])("g", '{"my-key": 1}')]) == \
         "[f(x=1), g(**{'my-key': 1})]"
+    from pagedserve.errors import InvalidRequestError
+
+    for bad in ("{{{not json", "[1, 2]", '{"a": 1'):  # (each was written as a call of no arguments)
+        with pytest.raises(InvalidRequestError, match="not a JSON object"):
+            parser.format_calls([type(calls[0])("f", bad)])
     assert parser.text_before_calls(" [f(") == 0 and parser.text_before_calls("Hello") == 5
 
 
