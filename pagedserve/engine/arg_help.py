@@ -40,7 +40,8 @@ HELP = {
                                   "top_k, min_p, repetition_penalty, max_new_tokens; with generation_config vllm: "
                                   "the only defaults)",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
-    "enforce_eager": "never compile or capture graphs",
+    "enforce_eager": "never compile or capture graphs (where the model compiles by default, mixture-of-experts "
+                     "ones for instance, its 16-bit answers may then break near-ties differently)",
     "torch_compile": "compile the model with torch.compile (default: on for CPU with one process, unless "
                      "--enforce-eager or every decoder layer runs as direct calls to fused C++ kernels: Llama-family "
                      "and Gemma 3 models, LoRA or not; in 16-bit dtypes a compiled graph may break near-ties "
