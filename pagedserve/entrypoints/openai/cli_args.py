@@ -41,7 +41,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "hermes for Qwen2.5/3, llama3_json for Llama 3.x, pythonic for Llama 3.2 and 4's [f(x=1)])")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's switch for tool_choice 'auto', which is on here whenever a tool-call format is "
-                            "known (--tool-call-parser, else the chat template's)")
+                            "known (--tool-call-parser, else llama3_json or hermes by the vocabulary)")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a thinking model's <think>...</think> into reasoning_content (vLLM's names: "
                             "qwen3 for Qwen3, deepseek_r1 for DeepSeek-R1 and its distills)")
