@@ -287,12 +287,16 @@ class ServerState:
 
     def model_for(self, requested: str | None) -> str:
         """The pool's model a request's `model` names (a LoRA adapter's: the first model);
-        a 404 naming it otherwise."""
+        a 404 naming it otherwise, and the names served (a client that used the model's
+        own name after --served-model-name renamed it learns the name to use)."""
         name = self.models.resolve(requested)
         if name is None:
             if requested in self.lora_adapters.loras:
                 return self.models.default_name
-            raise ModelNotFoundError(str(requested))
+            names = self.models.names()
+            served = ", ".join(f"`{n[:100]}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4
+                                                                       else "")
+            raise ModelNotFoundError(str(requested), f"; this server serves {served} (GET /v1/models)")
         return name
 
     async def lease(self, requested: str | None, runner: str | None = None, route: str = "",

@@ -165,6 +165,17 @@ def test_prompt_only_context_error_and_default_max_tokens():
     assert "max_tokens 0 scores the prompt" in r.json()["error"]["message"]
 
 
+def test_an_unknown_models_404_names_the_models_served():
+    _, app = make_app()
+
+    async def fn(client):
+        return await client.post("/v1/completions", json={"model": "smollm2", "prompt": "x"})
+
+    r = call(app, fn)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["message"] == "The model `smollm2` does not exist; this server serves `fake`, `alias` (GET /v1/models)."
+
+
 def test_runtime_lora_loading_is_off_unless_the_server_allows_it():
     _, app = make_app()
 
