@@ -388,13 +388,11 @@ def main(argv: list[str] | None = None) -> None:
     options, command = _split_global_options(argv)
     parser = build_parser()
     if options:  # (checked, and the level set, before a delegated command runs)
-        logging.basicConfig(level=parser.parse_args([*options, "chat"]).log_level.upper(),
-                            format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        _configure_logging(parser.parse_args([*options, "chat"]).log_level)
     if _delegate(command):
         return
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    _configure_logging(ns.log_level)
     try:
         if ns.command == "generate":
             cmd_generate(ns)
@@ -404,6 +402,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{ns.command}: nothing to run")
     except (ValueError, FileNotFoundError) as e:
         _exit_with(f"pagedserve {ns.command}", e)
+
+
+def _configure_logging(level: str) -> None:
+    """The log on standard error at `level`; httpx's line per HTTP request only at debug
+    (`chat --url` printed one between every question and its answer)."""
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING)
 
 
 def _exit_with(command: str, e: Exception) -> None:

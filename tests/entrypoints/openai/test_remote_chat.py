@@ -23,6 +23,9 @@ def test_chat_url_asks_the_server_and_carries_the_conversation(server, monkeypat
     monkeypatch.setenv("PAGEDSERVE_API_KEY", API_KEY)
     base = ["chat", "--url", server.url + "/v1", "--max-tokens", "6", "--temperature", "0"]
     cli.main([*base, "--quick", "hello world"])
+    import logging
+
+    assert logging.getLogger("httpx").level == logging.WARNING  # (its INFO line per request came mid-chat)
     first = api_answer(server, [{"role": "user", "content": "hello world"}])
     assert capsys.readouterr().out == first + "\n"
     # two turns and a refused one (an empty stop string), read from standard input
