@@ -369,10 +369,18 @@ class ModelPool(Generic[H]):
     def counted(self, model: ServedModel[H], estimate: int, grown: int, kv: int | None) -> int:
         """What a model counts against the budget (reservation says why): the larger of its
         weights and its measured growth, plus the KV cache its engine sized (at most `kv`,
-        the share it was given), at most the whole budget."""
+        the share it was given), at most the whole budget.  A cache sized to fill the
+        budget's share beside the weights on disk counts only what the share leaves beside
+        the growth: the runtime's growth past the file (149 MB for SmolLM2's 98, 538 for
+        Gemma 3's 253) made two models that each took their whole share never fit together
+        under --max-loaded-models 2, unloading each other on every switch."""
         held = kv if kv is None or model.kv_bytes is None else min(kv, model.kv_bytes)
         counted = max(estimate, grown) + (held or 0)
-        return counted if self.memory_budget is None else min(counted, self.memory_budget)
+        if self.memory_budget is None:
+            return counted
+        if self.kv_cache_bytes is None and held is not None:  # (the share, not --kv-cache-memory-bytes)
+            counted = min(counted, max(self.memory_budget // self.max_loaded, estimate, grown))
+        return min(counted, self.memory_budget)
 
     async def _load_one(self, model: ServedModel[H], deadline: float) -> None:
         assert self._load is not None, "attached models are never unloaded"

@@ -413,3 +413,42 @@ def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) ->
         return await oai.completions.create(model="first", prompt="x", max_tokens=2)
 
     assert call(app, fn).choices[0].text == "he"
+
+
+def test_a_client_that_leaves_while_its_model_waits_for_room_loads_nothing() -> None:
+    """The lease was taken before the disconnect watch began: the load went on waiting
+    for room, then unloaded the busy model and loaded one nobody wanted (for its whole
+    keep_alive)."""
+    import json
+
+    state, app, loads = make_app()
+
+    async def main():
+        busy = await state.models.lease("first")
+        body = json.dumps({"model": "second", "prompt": "hi", "max_tokens": 2}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
+                 "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())]}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.1)  # the client hangs up while "second" waits for "first" to go idle
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        busy.release()
+        await asyncio.sleep(0.2)
+        return sent
+
+    sent = asyncio.run(main())
+    assert loads == [] and state.models.handlers("first") is not None and state.models.handlers("second") is None
+    assert sent[0]["status"] == 499

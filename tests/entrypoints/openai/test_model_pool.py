@@ -385,6 +385,26 @@ def test_two_models_that_fit_stay_loaded_together(monkeypatch) -> None:
     assert run(main()) == ["load a", "load b"]
 
 
+def test_two_models_that_each_take_their_whole_share_stay_loaded_together(monkeypatch) -> None:
+    """Each engine filled its KV share (256 sequences of the model's whole context want
+    more than any share), and each load grew the process past its file: counted whole,
+    the two never fit and every switch unloaded the other."""
+    from pagedserve.entrypoints.openai import model_pool
+
+    rss = iter(range(0, 10_000, 150))  # every load grows the process by 150 (more than the 100 on disk)
+    monkeypatch.setattr(model_pool, "rss_bytes", lambda pid: next(rss))
+
+    async def main():
+        pool, loader = make_pool(max_loaded=2, memory_budget=1000)
+        pool.set_loader(loader.load, loader.unload, kv_bytes=lambda handlers: 400)  # the whole share
+        for name in ("a", "b", "a", "b"):
+            (await pool.lease(name)).release()
+        assert pool.models["a"].reserved_bytes == pool.models["b"].reserved_bytes == 500  # its share of 1000
+        return loader.events
+
+    assert run(main()) == ["load a", "load b"]
+
+
 def test_a_loaded_models_kv_cache_is_read_off_its_engines_description() -> None:
     """What the server's loader tells the pool (ModelHandlers.kv_cache_bytes): blocks x
     block size x bytes per token on every tensor-parallel rank and data-parallel replica."""

@@ -95,7 +95,12 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     byte is sent), then stream (`stream_class`: SSE) or answer once.  A client that
     leaves at any point cancels it all, which aborts every engine request it started (a
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
-    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive, chat)
+    # (a client that leaves while its model waits to load, or for room, no longer holds
+    # it: a load nobody waits for unloads nothing, model_pool.py)
+    lease = await cancel_on_disconnect(request, state.lease(body.model, runner, route or route_path(request.scope),
+                                                            keep_alive, chat))
+    if isinstance(lease, Response):  # (the client left)
+        return lease
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)
