@@ -33,7 +33,6 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-
 def text_part_indices(content: object) -> list[int]:
     """Where a message's content (a list of parts) holds text parts; [] for any other content."""
     if not isinstance(content, list):

@@ -376,7 +376,6 @@ class PrometheusStatLogger:
         after_first = req.max_generation_tokens - 1
         self.request_tpot.observe(req.decode_seconds / after_first if after_first > 0 else 0.0)
 
-
     def _record_loras(self, sched: SchedulerStats) -> None:
         """vLLM's lora_requests_info: the adapters now as labels, the time as value.  The
         previous label set is removed, so the series stay one per engine (vLLM's grow with

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"ratio {name} / HF: median {statistics.median(rs):.2f}x "
                   f"(min {min(rs):.2f}x, max {max(rs):.2f}x over {len(rs)} rounds)")
 
+
 def _serve_side(conn: Connection, setup: Callable[..., Runner], setup_args: tuple, setup_kwargs: dict) -> None:
     """Child process: load one side, then time one run per request from the parent."""
     run = setup(*setup_args, **setup_kwargs)
@@ -181,6 +182,7 @@ class _Side:
         self._proc.join(timeout=30)
         if self._proc.is_alive():
             self._proc.kill()
+
 
 if __name__ == "__main__":
     main()

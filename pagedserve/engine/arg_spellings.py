@@ -80,6 +80,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 def vllm_flags_given(ns: argparse.Namespace) -> dict[str, Any]:
     """The VLLM_FLAGS a command line set, as keywords for vllm_spellings."""
     return {name: getattr(ns, name) for name in VLLM_FLAGS if getattr(ns, name, None) is not None}
+
+
 # vLLM's torch.compile levels (compilation_config=N or {"level": N} / {"mode": N}): 0 is
 # eager, 1 and 2 compile, 3 (vLLM v1's default, its -O3) asks for the default.
 _COMPILE_KEYS = ("level", "mode")

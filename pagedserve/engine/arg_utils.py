@@ -54,6 +54,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Upper bound on default step budget; a larger max_model_len still works through chunked prefill.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
+
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL

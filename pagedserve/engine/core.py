@@ -91,7 +91,6 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-
 class EngineCore:
     """Scheduler, executor and KV-cache manager, stepped by one thread (not thread-safe)."""
 

@@ -40,6 +40,7 @@ from pagedserve.worker.cpu_threads import release_openmp_threads
 
 logger = logging.getLogger("pagedserve.engine")
 
+
 def start_cpu_kernel_builds() -> None:
     """Build (first run on a machine, ~20 s each) or load our three C++ CPU kernels in
     background threads, so the compiler runs while the config, tokenizer and weights

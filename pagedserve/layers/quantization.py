@@ -41,6 +41,7 @@ TILE = 16  # rows per kernel tile (one SIMD lane each)
 # default, 8 an opt-in.
 DEFAULT_ACTIVATION_BITS = QUANT_ACTIVATION_BITS[0]
 
+
 class QuantKind(IntEnum):
     Q4_SYM = 0
     Q4_ASYM = 1

@@ -37,6 +37,7 @@ from pagedserve.platforms import is_cuda
 
 logger = logging.getLogger("pagedserve")
 
+
 def capture_sizes(max_num_seqs: int, max_num_tokens: int) -> list[int]:
     """1, 2, 4, 8, then steps of 16, and the largest possible batch itself so that
     every decode batch has a graph."""

@@ -293,8 +293,6 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
                           param="metadata")
 
 
-
-
 def check_tools(tools: list[AnthropicTool]) -> None:
     """Client tools only, each named as Anthropic names them (once), with an object
     input_schema; any other key (a server tool's type, beta fields) refused by name."""

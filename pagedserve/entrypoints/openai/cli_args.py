@@ -104,7 +104,6 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-
 # vLLM's server flags for what this server does one way: the values that ask for that
 # way (taken), and why any other cannot be (refused at start).  None as a kind: a
 # switch without a value.

@@ -426,7 +426,6 @@ class ChatCompletionRequest(_SamplingFields):
                                       param=explicit[0])
 
 
-
 # ------------------------------------------------------------------- response shapes
 class PromptTokensDetails(OpenAIBaseModel):
     cached_tokens: int = 0

@@ -23,11 +23,13 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_HINT_CHARS = 128
 # vLLM's request_id (an answer's id) has no stated bound: this one keeps ids and log lines sane.
 MAX_REQUEST_ID_CHARS = 256
-# OpenAI's rule for function names and json_schema format names, and Anthropic's for tool
-# names: the letters every API here allows, at the longest any allows (a name reaches the
-# prompt and the tool parsers: "<tool_call>" or a line break there forged the format).
+# OpenAI's rule for function names and json_schema format names; TOOL_NAME: the letters
+# every API here allows in a tool's name, at the longest any allows (Anthropic's 128).  A
+# name reaches the prompt and the tool parsers: "<tool_call>" or a line break there forged
+# the format.
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+
 
 class RefusedFieldError(InvalidRequestError):
     """A refusal of a field the client sent, by the name it sent (never renamed as the
