@@ -289,9 +289,13 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
 
 
-def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
+def get_rope(hf_config: Any, head_dim: int, max_position: int, partial: bool = False) -> RotaryEmbedding:
+    """The rotary embedding a config asks for; `partial`: its partial_rotary_factor rotates
+    only that share of each head (families whose HF code reads the field; the others rotate
+    whole heads whatever it says, as HF does)."""
     theta, scaling = rope_config(hf_config)
-    factor = scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    factor = scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) if partial \
+        else None
     rotary_dim = int(head_dim * float(factor or 1.0))
     return RotaryEmbedding(head_dim, rotary_dim, max_position, theta, scaling,
                            getattr(hf_config, "rope_freq_factors", None))

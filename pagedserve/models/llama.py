@@ -36,6 +36,9 @@ class AttentionFlags:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # The config's partial_rotary_factor rotates part of each head (Phi-3 / Phi-4-mini);
+    # HF's Llama, Mistral and Qwen code ignores the field, and so does their family here.
+    partial_rotary: bool = False
 
 
 def head_dim_of(config: Any) -> int:
@@ -180,7 +183,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer.
         max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
-        self.rotary_emb = rotary_emb = get_rope(config, head_dim_of(config), max_position)
+        self.rotary_emb = rotary_emb = get_rope(config, head_dim_of(config), max_position, flags.partial_rotary)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, flags, make_mlp(config, i), sliding_window)
             for i in range(config.num_hidden_layers)

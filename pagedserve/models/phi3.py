@@ -10,14 +10,20 @@ Mistral: model_loader/loader.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
-from pagedserve.models.llama import LlamaForCausalLM, head_dim_of
+from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM, head_dim_of
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_flags(cls, config: Any) -> AttentionFlags:
+        return dataclasses.replace(super().attention_flags(config), partial_rotary=True)
+
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         c = self.config
         head_dim = head_dim_of(c)

@@ -365,6 +365,24 @@ def test_yarn_rope_scaling_matches_hf(arch: str, tmp_path) -> None:
     assert ours_greedy(LLM(str(tmp_path / "plain"), dtype="float32"), prompts) != ref, default
 
 
+def test_partial_rotary_factor_is_ignored_where_hf_ignores_it(tmp_path) -> None:
+    """HF's Llama (and Mistral, Qwen) rotate whole heads whatever partial_rotary_factor
+    says; only Phi-3's code reads it (tests/models/test_longrope.py).  Half of each head
+    was rotated here: every answer differed from the first token."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf_cfg = make_tiny_checkpoint("llama", str(tmp_path), rope_parameters=rope)
+    prompts = shared_prefix_prompts(hf_cfg.vocab_size)[:2]
+    llm = LLM(str(tmp_path), dtype="float32", seed=0)
+    try:
+        ours, ref = ours_greedy(llm, prompts), hf_greedy(str(tmp_path), prompts)
+        check_logprobs_close(ref, ours, "partial_rotary_factor", atol=1e-3)
+        assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in ref]
+    finally:
+        llm.shutdown()
+
+
 SMOL_MESSAGES = [
     "What is the capital of France?", "Write a haiku about autumn rain.",
     "Explain photosynthesis to a ten-year-old.", "List five prime numbers.",
