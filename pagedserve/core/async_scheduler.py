@@ -26,8 +26,8 @@ from pagedserve.core.scheduler import Scheduler
 
 class AsyncScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_loras: int = 0) -> None:
-        super().__init__(scheduler_config, kv_cache_manager, max_loras=max_loras)
+                 max_loras: int = 0, long_rope_original: int | None = None) -> None:
+        super().__init__(scheduler_config, kv_cache_manager, max_loras=max_loras, long_rope_original=long_rope_original)
         self._num_scheduled_steps = 0  # step ids handed out (the next one is this number)
         self._num_applied_steps = 0  # steps whose results were applied, in order
         # Finished requests whose blocks an in-flight step still uses, by id.

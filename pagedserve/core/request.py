@@ -201,6 +201,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_tokens_to_compute(self) -> int:
+        """Known tokens (and, under overlap scheduling, in-flight placeholders) without KV
+        yet: 1 for a request decoding."""
+        return len(self.all_token_ids) + self.num_output_placeholders - self.num_computed_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

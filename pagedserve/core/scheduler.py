@@ -9,14 +9,11 @@ preemption_mode="swap" the KV-cache manager first copies it to the KV tier, and 
 loads it back.  Under the priority policy `running` is kept sorted, so "the worst" is simply the
 last one and requests already scheduled this step are never victims.
 
-With speculative decoding (`speculative_config`), a decoding request may also get drafts (n-gram,
-core/ngram_proposer.py, or a draft model's): they are scheduled and given KV slots like any token,
-and `update_from_output` takes back the slots of the ones the runner rejected.  A request with a
-predicted output (`Request.prediction`, core/prediction_drafter.py) asked for speculation itself:
-it drafts from its prediction whatever the engine's speculation setting or batch size, and by
-prompt lookup (n-gram, `prompt_lookup`) while its prediction has nothing to propose.  A chunk that
-reaches a prompt's image needs its encoder output held (core/encoder_cache_manager.py decides, and
-cuts the chunk before an image that cannot run now).
+Drafts (n-gram, a draft model's, or a request's own predicted output: core/prediction_drafter.py)
+are scheduled and given KV slots like any token; `update_from_output` takes back the rejected
+ones'.  A chunk that reaches a prompt's image needs its encoder output held
+(core/encoder_cache_manager.py).  A LongRoPE model's request that outgrows the original context
+starts again with the long factors at every position, as HF's generate does (`long_rope_original`).
 
 The update path is one loop (`update_from_output`) with three hooks that `AsyncScheduler`
 (core/async_scheduler.py) overrides for overlap scheduling: whether a sampled token belongs to
@@ -32,6 +29,7 @@ from typing import Any
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.block_pool import KVCacheBlock
+from pagedserve.core.draft_proposals import propose_drafts
 from pagedserve.core.encoder_cache_manager import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import Drafter, NgramProposer, SpecDecodingStats
@@ -55,18 +53,14 @@ def _sched_key(request: Request) -> tuple:
     return request.sched_key
 
 
-def _tokens_to_compute(request: Request) -> int:
-    """Known tokens (and, under overlap scheduling, in-flight placeholders) without KV yet: 1 decoding."""
-    return len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
-
-
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  speculative_config: SpeculativeConfig | None = None, drafter: Drafter | None = None,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, long_rope_original: int | None = None) -> None:
         """`drafter`: a draft model's proposer (method "draft_model", built by the engine);
         the n-gram one is built here.  `max_loras`: most distinct LoRA adapters among the
-        running requests (the slots the model holds; 0: no adapters)."""
+        running requests (the slots the model holds; 0: no adapters).  `long_rope_original`:
+        a LongRoPE model's original context (layers/rotary_embedding.long_rope_original)."""
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -78,6 +72,7 @@ class Scheduler:
             self.enable_chunked_prefill else 0
         self.policy = scheduler_config.policy
         self.max_loras = max_loras
+        self.long_rope_original = long_rope_original
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -195,6 +190,11 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
+            if self._outgrew_short_rope(request):
+                self._preempt(request, out_of_memory=False)
+                running.pop(i)
+                preempted.add(request.request_id)
+                continue
             n, drafts = self._running_tokens(request, proposals, token_budget, len(running) - i - 1)
             if n <= 0:
                 i += 1
@@ -215,7 +215,7 @@ class Scheduler:
                         token_budget: int, reserve: int = 0) -> tuple[int, list[int] | None]:
         """Tokens a running request computes this step (its drafts too, if it decodes one token,
         leaving `reserve` later running requests a token each: they starved), and those drafts."""
-        n = _tokens_to_compute(request)
+        n = request.num_tokens_to_compute
         drafts = proposals.get(request.request_id) if n == 1 else None
         if drafts:
             drafts = drafts[: max(0, token_budget - reserve - n)]
@@ -227,6 +227,8 @@ class Scheduler:
             n = token_budget
         # (max_num_tokens <= max_model_len: binds under async scheduling, in-flight tokens complete it)
         left = request.max_num_tokens - 1 - request.num_computed_tokens
+        if self.long_rope_original is not None and not request.long_rope:  # (short factors below it only)
+            left = min(left, self.long_rope_original - request.num_computed_tokens)
         if n > left:
             n = left
         return (self.encoder_cache.fit(request, request.num_computed_tokens, n) if request.images else n), drafts
@@ -263,38 +265,16 @@ class Scheduler:
         request.num_computed_tokens += n
 
     def _propose_drafts(self) -> dict[str, list[int]]:
-        """Drafts for every running request that decodes one token this step and may
-        speculate: a request with a prediction its own (else prompt lookup's), at any
-        batch size; the others the drafter's (asked in one batch: a draft model runs them
-        together), none while more than `disable_by_batch_size` requests run."""
+        """This step's drafts (core/draft_proposals.py): the drafter's none while more than
+        `disable_by_batch_size` requests run."""
         drafter = self.drafter
         if drafter is not None and self.finished_req_ids:
             drafter.forget(self.finished_req_ids)
-        use_drafter = drafter is not None and len(self.running) <= self.speculative_config.disable_by_batch_size
-        if not use_drafter and not self.num_prediction_requests:
+        if drafter is not None and len(self.running) > self.speculative_config.disable_by_batch_size:
+            drafter = None
+        if drafter is None and not self.num_prediction_requests:
             return {}
-        proposals: dict[str, list[int]] = {}
-        wanted = []
-        for r in self.running:
-            if _tokens_to_compute(r) != 1 or not self._may_speculate(r):
-                continue
-            if r.prediction is not None:
-                drafts = (r.prediction.propose(r.output_token_ids)
-                          or self.prompt_lookup.propose(r.all_token_ids, r.max_draft_tokens))
-                if drafts:
-                    proposals[r.request_id] = drafts
-            elif use_drafter:
-                wanted.append((r.request_id, r.all_token_ids, r.max_draft_tokens))
-        if wanted:
-            proposals.update(drafter.propose_batch(wanted))
-        return proposals
-
-    @staticmethod
-    def _may_speculate(request: Request) -> bool:
-        """Drafts can be verified exactly for this request (see SamplingParams.allows_speculation;
-        the InputProcessor refuses a prediction on a request that could not use it)."""
-        return (request.grammar is None and len(request.output_token_ids) >= request.min_tokens
-                and request.sampling_params.allows_speculation)
+        return propose_drafts(self.running, drafter, self.prompt_lookup)
 
     def _step_token_budget(self) -> int:
         """The step's token budget: max_num_batched_tokens, or under a step-time target
@@ -355,6 +335,7 @@ class Scheduler:
                     continue
             if request.num_output_placeholders:
                 break  # preempted while its last sample was in flight: resume once it lands
+            self._outgrew_short_rope(request)  # (a resumption past the context: long from here)
             computed_blocks, num_hit = kvm.get_computed_blocks(request)
             n = self._admission_tokens(request, num_hit, token_budget)
             if n <= 0:
@@ -408,15 +389,29 @@ class Scheduler:
             n = token_budget
         return self.encoder_cache.fit(request, num_hit, n) if request.images else n
 
-    def _preempt(self, request: Request) -> None:
+    def _outgrew_short_rope(self, request: Request) -> bool:
+        """HF's LongRoPE: a sequence of more tokens than the original context is computed
+        whole with the long factors (generate drops the cache it rotated with the short ones
+        once the length passes it), so such a request's KV is freed, never swapped, and
+        recomputed under new keys (Request.hash_salt)."""
+        if self.long_rope_original is None or request.long_rope or request.num_tokens <= self.long_rope_original:
+            return False
+        request.long_rope, request.block_hashes = True, []
+        return True
+
+    def _preempt(self, request: Request, out_of_memory: bool = True) -> None:
         """Free the KV (swap mode: copied out to the tier first), keep the tokens, go
-        back to the queue head; the resumption recomputes what the caches lack."""
-        self.kv_cache_manager.preempt(request)
+        back to the queue head; the resumption recomputes what the caches lack.  Not
+        `out_of_memory` (a LongRoPE restart): freed, never swapped, and not counted."""
+        if out_of_memory:
+            self.kv_cache_manager.preempt(request)
+            request.num_preemptions += 1
+            self.num_preemptions_total += 1
+        else:
+            self.kv_cache_manager.free(request)
         self.encoder_cache.release_request(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
 
     # --------------------------------------------------------------- update

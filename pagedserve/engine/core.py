@@ -119,9 +119,10 @@ class EngineCore:
             sched.async_scheduling, model_executor, sync_only)
         max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         if self.async_scheduling:
-            self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager, max_loras)
+            self.scheduler: Scheduler = AsyncScheduler(sched, self.kv_cache_manager, max_loras, self.long_rope_original)
         else:
-            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config, drafter, max_loras)
+            self.scheduler = Scheduler(sched, self.kv_cache_manager, config.speculative_config, drafter, max_loras,
+                                       self.long_rope_original)
         self.output_processor = OutputProcessor(tokenizer)  # beside the core: see the module docstring
         # LoRA adapters the executor has loaded and checked, by id, least recently used first.
         self._loras: OrderedDict[int, LoRARequest] = OrderedDict()

@@ -68,3 +68,27 @@ def test_a_longrope_draft_model_rotates_a_long_prompt_as_the_target_does(tmp_pat
         llm.shutdown()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+def test_an_answer_that_outgrows_the_original_context_goes_on_as_hf_generate_does(tmp_path) -> None:
+    """HF's generate drops the cache it rotated with the short factors once the sequence
+    passes the original context, and computes it all again with the long ones; the
+    engine kept the short keys below it (every token after the crossing differed).
+    Greedy with the engine's defaults (n-gram drafts on) and with drafts cut at the
+    crossing, a preempted resumption too (a cache of few blocks), and a cache hit after."""
+    hf = _checkpoint(str(tmp_path))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 512, (40,), generator=g).tolist() for _ in range(2)]
+    want = [greedy_tops(hf, [p], 30, 1)[0][0] for p in prompts]  # (40 + 30 tokens: they cross 64 at the 25th)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for kw in ({}, {"speculative_config": "off"}, {"num_gpu_blocks_override": 8, "max_model_len": 96}):
+        llm = LLM(str(tmp_path), dtype="float32", seed=0, **{"max_model_len": 512, **kw})
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            again = llm.generate({"prompt_token_ids": prompts[0]}, sp, use_tqdm=False)[0]
+            stats = llm.llm_engine.get_stats()
+        finally:
+            llm.shutdown()
+        assert [o.outputs[0].token_ids for o in (*outs, again)] == [*want, want[0]], kw
+        if "num_gpu_blocks_override" in kw:
+            assert stats.num_preemptions > 0, "the small cache should preempt"
