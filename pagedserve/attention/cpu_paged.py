@@ -148,8 +148,8 @@ class CpuPagedBackend(TorchPagedBackend):
         return DecodeKernelStep(g.block_table, g.seq_lens, g.window, attn_metadata.slots, attn_metadata.fresh_blocks)
 
     def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The kernel reads a cache of q's dtype, of float8 or int8, or of 16 bits under
-        float32 q (the C++ side's supported_dtypes)."""
+        """The kernel reads a cache of q's dtype, of float8 or int8, or of 16 bits (the C++
+        side's supported_dtypes)."""
         kernel = self._kernel_for_dtypes(query.device.type, query.dtype, k_cache.dtype)
         return kernel if query.stride(-1) == 1 else None
 
@@ -157,8 +157,7 @@ class CpuPagedBackend(TorchPagedBackend):
         key = (device, q, cache)
         if key not in self._kernels:
             ok = (device == "cpu" and q in DTYPES
-                  and (cache == q or cache in (*kv_dtype.FP8_DTYPES, torch.int8)
-                       or (q == torch.float32 and cache in DTYPES)))
+                  and (cache == q or cache in (*kv_dtype.FP8_DTYPES, torch.int8, torch.bfloat16, torch.float16)))
             self._kernels[key] = self.decode_kernel if ok else None
         return self._kernels[key]
 

@@ -165,7 +165,8 @@ def _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, seed):
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.bfloat16), (torch.bfloat16, torch.int8),
-                                                 (torch.float16, torch.float8_e4m3fn)])
+                                                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float16),
+                                                 (torch.float16, torch.bfloat16)])
 def test_rows_of_one_prompt_attended_together_are_each_row_alone(isa, q_dtype, cache_dtype):
     """Consecutive rows of one prompt over one block table (the exact prompt rows) are
     attended as tiles that read each block once: every row bit for bit what the kernel
@@ -186,7 +187,7 @@ def test_rows_of_one_prompt_attended_together_are_each_row_alone(isa, q_dtype, c
                     for b in range(len(lens)):
                         alone = kernel(q[b:b + 1], kc, vc, table[b:b + 1], lens[b:b + 1], dim**-0.5, window)
                         assert torch.equal(alone[0], out[b]), (dim, group, bs, window, threads, b)
-                if cache_dtype in (torch.float32, torch.bfloat16):
+                if cache_dtype in (torch.float32, torch.bfloat16, torch.float16):
                     want = reference_decode(q.float(), kc.float(), vc.float(), table, lens, dim**-0.5)
                     torch.testing.assert_close(kernel(q, kc, vc, table, lens, dim**-0.5).float(), want,
                                                atol=2e-2, rtol=2e-2)
@@ -214,7 +215,8 @@ def _relaid(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, lens: torch
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                 (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
+                                                 (torch.float32, torch.bfloat16), (torch.float16, torch.float16),
+                                                 (torch.bfloat16, torch.float16)])
 def test_the_block_size_changes_no_output_bit(isa, q_dtype, cache_dtype):
     """The same keys and values in blocks of 1 to 64 slots give every row (decode rows and
     a prompt's tiled rows, under a sliding window too) bit for bit the same output: a block
@@ -410,10 +412,10 @@ def test_the_exact_horizon_is_offered_only_where_the_kernel_reads_the_operands()
     context: no horizon there, and none from the torch-only backend."""
     backend = CpuPagedBackend(6, 2, 64, 0.125, 16)
     for q, cache in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.float16),
-                     (torch.bfloat16, torch.int8)):
+                     (torch.bfloat16, torch.int8), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)):
         assert backend.exact_rows_context(torch.device("cpu"), q, cache) == EVERY_POSITION
     cpu = torch.device("cpu")
-    assert backend.exact_rows_context(cpu, torch.bfloat16, torch.float16) == 0
+    assert backend.exact_rows_context(cpu, torch.bfloat16, torch.float32) == 0
     assert backend.exact_rows_context(torch.device("cuda"), torch.bfloat16, torch.bfloat16) == 0  # (selected there by name)
     assert CpuPagedBackend(6, 2, 80, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0  # no 80 kernel
     assert TorchPagedBackend(6, 2, 64, 0.125, 16).exact_rows_context(cpu, torch.float32, torch.float32) == 0

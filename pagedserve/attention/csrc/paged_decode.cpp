@@ -1080,11 +1080,13 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 }
 
 // The (q, cache) dtype pairs decode is instantiated for: q float32, bfloat16 or float16
-// over a cache of the same dtype, of float8 or of int8; a float32 q also over a 16-bit cache.
+// over a cache of the same dtype, of float8 or of int8; a float32 q also over a 16-bit
+// cache, and a 16-bit q over the other 16-bit cache (bf16 compute with --kv-cache-dtype
+// float16 took the torch path: slower, and its answers moved with the block size).
 bool supported_dtypes(at::ScalarType qt, at::ScalarType ct) {
   if (qt != at::kFloat && qt != at::kBFloat16 && qt != at::kHalf) return false;
   if (ct == qt || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2 || ct == at::kChar) return true;
-  return qt == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf);
+  return ct == at::kBFloat16 || ct == at::kHalf;
 }
 
 // q [B, H, D] (rows of D contiguous); caches [num_blocks, block_size, Hkv, D] (head_dim
@@ -1102,7 +1104,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: head_dim must be contiguous");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "paged_decode: k_cache and v_cache dtypes differ");
   TORCH_CHECK(supported_dtypes(q.scalar_type(), k_cache.scalar_type()), "paged_decode: q must be float32, bfloat16 "
-              "or float16 and the caches the same, float8 (e4m3fn, e5m2), int8, or 16-bit under float32; got q ",
+              "or float16 and the caches the same, float8 (e4m3fn, e5m2), int8, or 16-bit; got q ",
               q.scalar_type(), ", caches ", k_cache.scalar_type());
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode: block_table and seq_lens must be int32");
@@ -1135,7 +1137,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256,
               "paged_decode: head_dim must be 32, 64, 96, 128 or 256");
   const auto cache = k_cache.scalar_type();
-  // q's dtype, then the cache's: the same, float8 under any, or 16-bit under float32.
+  // q's dtype, then the cache's: the same, 8-bit under any, or 16-bit under any.
   bool done = false;
 #define PAGED_DECODE_CASE(QT, CT, CACHE_TYPE)                                              \
   if (!done && cache == CACHE_TYPE) {                                                    \
@@ -1155,10 +1157,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       break;
     case at::kBFloat16:
       PAGED_DECODE_CASE(c10::BFloat16, c10::BFloat16, at::kBFloat16)
+      PAGED_DECODE_CASE(c10::BFloat16, c10::Half, at::kHalf)
       PAGED_DECODE_8BIT(c10::BFloat16)
       break;
     case at::kHalf:
       PAGED_DECODE_CASE(c10::Half, c10::Half, at::kHalf)
+      PAGED_DECODE_CASE(c10::Half, c10::BFloat16, at::kBFloat16)
       PAGED_DECODE_8BIT(c10::Half)
       break;
     default:
