@@ -60,6 +60,8 @@ def check_spec(kind: str, spec: str) -> None:
         except ValueError:
             return  # not JSON: the compiler says so
         _check_schema_depth(doc, tag=kind == "structural_tag")
+        for schema in tag_schemas(doc) if kind == "structural_tag" else [doc]:
+            _check_ref_loops(schema)
     elif kind == "grammar":
         rules = sum(1 for line in _lines(spec) if _RULE_HEAD.match(line))
         if rules > MAX_GRAMMAR_RULES:
@@ -81,7 +83,6 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
     own_documents = {id(schema) for schema in tag_schemas(root)} if tag else set()
     height: dict[tuple[int, ...], int] = {}
     on_path: set[int] = set()
-    cycles: dict[int, bool] = {}
 
     def too_deep() -> InvalidRequestError:
         return _refuse(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (counting each $ref followed)")
@@ -96,7 +97,6 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
             ref = node.get("$ref")
             if isinstance(ref, str):
                 refs = _targets(ref, scope, names)
-                _check_not_only_refs_back(node, scope, names, cycles)
         key = (id(node), *scope.key())
         if key in height:
             if level + height[key] > MAX_SCHEMA_DEPTH:
@@ -123,6 +123,27 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
 
     if isinstance(root, (dict, list)):
         walk(root, 0, _Scope(root, root, root))
+
+
+def _check_ref_loops(root: Any) -> None:
+    """Refuse a subschema the root reaches (through schema keywords and $refs, not the
+    $defs it never uses) whose $refs only loop: nothing validates against it, yet the
+    grammar lets an answer start it (a property's key) and then fail mid-stream."""
+    names, verdicts, seen = _anchors(root), {}, set()
+    stack: list[tuple[Any, _Scope]] = [(root, _Scope(root, root, root))]
+    while stack:
+        node, scope = stack.pop()
+        if id(node) in seen or not isinstance(node, (dict, list)):
+            continue
+        seen.add(id(node))
+        if isinstance(node, list):
+            stack.extend((child, scope) for child in node)
+            continue
+        scope = scope.entering(node)
+        if isinstance(node.get("$ref"), str):
+            _check_not_only_refs_back(node, scope, names, verdicts)
+            stack.extend((target, scope) for target in _targets(node["$ref"], scope, names))
+        stack.extend((child, scope) for key, child in node.items() if key not in ("$defs", "definitions"))
 
 
 def _check_not_only_refs_back(node: dict, scope: _Scope, names: dict[str, Any], verdicts: dict[int, bool]) -> None:

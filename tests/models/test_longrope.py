@@ -81,7 +81,8 @@ def test_an_answer_that_outgrows_the_original_context_goes_on_as_hf_generate_doe
     prompts = [torch.randint(1, 512, (40,), generator=g).tolist() for _ in range(2)]
     want = [greedy_tops(hf, [p], 30, 1)[0][0] for p in prompts]  # (40 + 30 tokens: they cross 64 at the 25th)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for kw in ({}, {"speculative_config": "off"}, {"num_gpu_blocks_override": 8, "max_model_len": 96}):
+    small = {"num_gpu_blocks_override": 8, "max_model_len": 96}
+    for kw in ({}, {"speculative_config": "off"}, small, {**small, "preemption_mode": "swap"}):
         llm = LLM(str(tmp_path), dtype="float32", seed=0, **{"max_model_len": 512, **kw})
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

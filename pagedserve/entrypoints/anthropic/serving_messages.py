@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -30,7 +31,6 @@ from pagedserve.entrypoints.anthropic.protocol import (
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.entrypoints.openai.protocol_fields import (
-    TOOL_NAME,
     check_hint_strings,
     check_object_hint,
     refuse_unsupported_fields,
@@ -293,6 +293,9 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
                           param="metadata")
 
 
+ANTHROPIC_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's rule for tool names
+
+
 def check_tools(tools: list[AnthropicTool]) -> None:
     """Client tools only, each named as Anthropic names them (once), with an object
     input_schema; any other key (a server tool's type, beta fields) refused by name."""
@@ -303,7 +306,7 @@ def check_tools(tools: list[AnthropicTool]) -> None:
                               "client tools only (name, description, input_schema)", param="tools")
         if tool.model_extra:
             raise OpenAIError(f"tools[{i}].{next(iter(tool.model_extra))[:60]} is not supported here", param="tools")
-        if not TOOL_NAME.fullmatch(tool.name):
+        if not ANTHROPIC_TOOL_NAME.fullmatch(tool.name):
             raise OpenAIError(f"tools[{i}].name must match ^[a-zA-Z0-9_-]{{1,128}}$, got {tool.name[:60]!r}",
                               param="tools")
         if tool.name in seen:

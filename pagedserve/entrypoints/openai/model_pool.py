@@ -318,7 +318,7 @@ class ModelPool(Generic[H]):
                 if self.closed:
                     raise OpenAIError("The server is shutting down.", status=503, type="server_error",
                                       code="shutting_down")
-                if model.loading is None:
+                if model.loading is None or model.loading.done():  # (a load that gave up: its callback may not have run)
                     model.loading = asyncio.ensure_future(self._load_one(model, deadline))
                     model.loading.add_done_callback(_forget_loading(model))
                 try:  # (a load waiting for room gives up at the deadline itself, saying why)
@@ -395,7 +395,7 @@ class ModelPool(Generic[H]):
             except Exception as e:  # noqa: BLE001 - unreadable facts are this model's failure
                 raise self._failed(model, e) from None
             await self._make_room(model, price, need, deadline)
-            if model.leases == 0:  # (its requests went while the lock was another's)
+            if model.leases == 0:  # (its requests went while it waited: it gave up, having loaded nothing)
                 return
             before = rss_bytes(os.getpid())
             start = self._clock()
@@ -454,8 +454,7 @@ class ModelPool(Generic[H]):
                               status=500, type="server_error", param="model", code="model_too_large")
         while not self._fits(need):
             if model.leases == 0:  # every request for it has gone (hung up, timed out): no room is made
-                raise OpenAIError(f"model {model.spec.name!r}: no request waits for its load any more",
-                                  status=503, type="server_error", code="model_load_abandoned")
+                return
             idle = sorted((m for m, _ in self.loaded() if m.leases == 0 and not m.pinned), key=lambda m: m.last_used)
             if idle:
                 await self._unload_one(idle[0], "to make room for " + repr(model.spec.name))
@@ -542,7 +541,8 @@ class ModelPool(Generic[H]):
 
 def _forget_loading(model: ServedModel[Any]) -> Callable[[asyncio.Future[None]], None]:
     def done(future: asyncio.Future[None]) -> None:
-        model.loading = None
+        if model.loading is future:  # (not a newer load started before this callback ran)
+            model.loading = None
         if not future.cancelled():
             future.exception()  # retrieved: each waiter raised it already
     return done

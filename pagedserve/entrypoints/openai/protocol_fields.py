@@ -23,12 +23,14 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_HINT_CHARS = 128
 # vLLM's request_id (an answer's id) has no stated bound: this one keeps ids and log lines sane.
 MAX_REQUEST_ID_CHARS = 256
-# OpenAI's rule for function names and json_schema format names; TOOL_NAME: the letters
-# every API here allows in a tool's name, at the longest any allows (Anthropic's 128).  A
-# name reaches the prompt and the tool parsers: "<tool_call>" or a line break there forged
-# the format.
+# OpenAI's rule for function names and json_schema format names (the Responses API's).
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+# A tool's name on chat (and what Anthropic's and Ollama's requests become): it reaches the
+# prompt and the tool parsers, where "<tool_call>", a quote or a line break forged the
+# format.  OpenAI's letters plus the separators of namespaced names (MCP's "server.tool",
+# "ns:tool"), which Ollama and vLLM take, at Anthropic's length.
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_.:/-]{1,128}")
+TOOL_NAME_RULE = "1 to 128 letters, digits, '_', '-', '.', ':' or '/'"
 
 
 class RefusedFieldError(InvalidRequestError):
@@ -220,6 +222,9 @@ def check_sent_tool_calls(i: int, tool_calls: Any) -> None:
                 or not isinstance(function.get("arguments", ""), (str, dict)):
             raise InvalidRequestError(f'{where}[{j}] must be {{"type": "function", "function": {{"name": NAME, '
                                       f'"arguments": JSON text}}}}, got {str(call)[:100]}', param=where)
+        if not TOOL_NAME.fullmatch(function["name"]):  # (written into the prompt as the format's call)
+            raise InvalidRequestError(f"{where}[{j}]: a function name must be {TOOL_NAME_RULE}, got "
+                                      f"{function['name'][:80]!r}", param=where)
 
 
 def check_tool_definitions(names: list[str], parameters: list[dict[str, Any] | None], field: str) -> None:
@@ -229,8 +234,8 @@ def check_tool_definitions(names: list[str], parameters: list[dict[str, Any] | N
     seen: set[str] = set()
     for i, (name, schema) in enumerate(zip(names, parameters, strict=True)):
         if not TOOL_NAME.fullmatch(name):
-            raise InvalidRequestError(f"{field}[{i}]: a function name must match ^[a-zA-Z0-9_-]{{1,128}}$, got "
-                                      f"{name[:80]!r}", param=field)
+            raise InvalidRequestError(f"{field}[{i}]: a function name must be {TOOL_NAME_RULE}, got {name[:80]!r}",
+                                      param=field)
         if name in seen:
             raise InvalidRequestError(f"{field}[{i}]: function names must be unique ({name[:100]!r} is given twice)",
                                       param=field)

@@ -487,3 +487,36 @@ def test_a_model_whose_config_refuses_the_servers_flags_unloads_nothing(tmp_path
         return loader.events
 
     assert run(main()) == ["load a"]
+
+
+def test_a_request_arriving_as_an_abandoned_load_gives_up_starts_its_own(monkeypatch) -> None:
+    """The abandoned load's task is done but its callback has not yet cleared `loading`:
+    a new request awaited that done task again and again (Python 3.12's wait_for does not
+    yield on a done future, so the server froze); it starts a load of its own instead."""
+    from types import SimpleNamespace
+
+    from pagedserve.entrypoints.openai import model_pool
+
+    calls = [0]
+
+    async def wait_for(future, timeout):  # Python 3.12's: no turn of the loop for a done future
+        calls[0] += 1
+        assert calls[0] < 1000, "spinning on a done load"
+        async with asyncio.timeout(timeout):
+            return await future
+
+    patched = {n: getattr(asyncio, n) for n in dir(asyncio) if not n.startswith("_")}
+    monkeypatch.setattr(model_pool, "asyncio", SimpleNamespace(**{**patched, "wait_for": wait_for}))
+
+    async def main():
+        pool, loader = make_pool()
+        async with pool._lock:  # another load holds the lock
+            first = asyncio.ensure_future(pool.lease("b"))
+            await asyncio.sleep(0.01)  # its load waits for the lock
+            first.cancel()
+            await asyncio.wait({first})
+        second = asyncio.ensure_future(pool.lease("b"))  # runs right after the abandoned load's last step
+        (await asyncio.wait_for(second, 5)).release()
+        return loader.events
+
+    assert run(main()) == ["load b"]
