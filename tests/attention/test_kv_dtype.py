@@ -114,7 +114,7 @@ def test_plain_loop_build_reads_int8_exactly() -> None:
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 def test_kernel_refuses_dtype_pairs_it_has_no_code_for() -> None:
-    cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="int8, or 16-bit under float32"):
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.float32)  # (a 16-bit q over a float32 cache)
+    with pytest.raises(RuntimeError, match="int8, or 16-bit; got q BFloat16"):
         paged_decode()(torch.zeros(1, 4, 64, dtype=torch.bfloat16), cache, cache,
                        torch.tensor([[1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 0.125)
