@@ -139,6 +139,8 @@ class ServedModel(Generic[H]):
         self.load_seconds = 0.0
         self.pinned = False  # attached from outside (no loader): never unloaded
         self.failure: tuple[float, str] | None = None  # (when, exception type) of its last failed load
+        self.max_model_len: int | None = None  # what its config and the server's flags give (ModelPool.check)
+        self.checked = False  # whether `max_model_len` was looked for
 
 
 @dataclass
@@ -177,13 +179,15 @@ class ModelPool(Generic[H]):
                  unload: Callable[[H], Awaitable[None]] | None = None,
                  estimate: Callable[[ModelSpec], int] = lambda spec: weights_estimate(spec.source),
                  kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_waiting: int | None = None, check: Callable[[ModelSpec], None] = lambda spec: None) -> None:
+                 max_waiting: int | None = None,
+                 check: Callable[[ModelSpec], int | None] = lambda spec: None) -> None:
         """`kv_cache_bytes`: each model's KV cache; None: sized within the budget (the
         budget's share per loaded model, less the model's weights), or by the engine's
         own rule when there is no budget.  `max_waiting`: requests that may wait for a
         model to load (--max-waiting-requests; past it a 503 at once).  `check`: what can
-        be known of a load's failure without loading (the model's config against the
-        server's flags), found before anything is unloaded for it (ValueError)."""
+        be known of a load without loading: its failure (the model's config against the
+        server's flags, a ValueError before anything is unloaded for it), else the
+        max_model_len it will serve (None: not known before it loads)."""
         if not specs:
             raise ValueError("a server needs at least one model")
         if max_loaded < 1:
@@ -242,6 +246,19 @@ class ModelPool(Generic[H]):
 
     def handlers(self, name: str) -> H | None:
         return self.models[name].loaded
+
+    def expected_max_model_len(self, name: str) -> int | None:
+        """The max_model_len `name` serves once loaded, from its config and the server's
+        flags (vLLM's /v1/models field, for a model not loaded yet); None where that is
+        not known before loading.  Reads files: off the event loop, found once."""
+        model = self.models[name]
+        if not model.checked:
+            try:
+                model.max_model_len = self._check(model.spec)
+            except Exception:  # noqa: BLE001 - a model that will fail to load has none to show
+                model.max_model_len = None
+            model.checked = True
+        return model.max_model_len
 
     def set_loader(self, load: Callable[[ModelSpec, int | None], Awaitable[H]],
                    unload: Callable[[H], Awaitable[None]],
@@ -388,7 +405,7 @@ class ModelPool(Generic[H]):
             if model.loaded is not None or model.leases == 0:  # (loaded, or no request waits for it now)
                 return
             try:  # (its files' facts are read off the event loop: a hostile file is slow to read)
-                await asyncio.to_thread(self._check, model.spec)
+                model.max_model_len = await asyncio.to_thread(self._check, model.spec)
                 price, need, kv = await asyncio.to_thread(self.reservation, model)
             except OpenAIError:
                 raise

@@ -452,3 +452,31 @@ def test_a_client_that_leaves_while_its_model_waits_for_room_loads_nothing() -> 
     sent = asyncio.run(main())
     assert loads == [] and state.models.handlers("first") is not None and state.models.handlers("second") is None
     assert sent[0]["status"] == 499
+
+
+def test_v1_models_shows_the_max_model_len_of_a_model_not_loaded_yet() -> None:
+    """vLLM's field, which clients size their context by: a model not loaded showed null;
+    its config and the server's flags give it (read once, and not at all for one whose
+    config cannot be read)."""
+    state, app, loads = make_app()
+    looked: list[str] = []
+
+    def check(spec: ModelSpec) -> int | None:
+        looked.append(spec.name)
+        if spec.name == "broken":
+            raise ValueError("unreadable")
+        return 4096
+
+    state.models = ModelPool([ModelSpec("first", "first"), ModelSpec("second", "second"),
+                              ModelSpec("broken", "broken")], keep_alive=300.0, estimate=lambda spec: 0, check=check)
+    state.models.set_loader(lambda spec, kv: pytest.fail(f"{spec.name} was loaded"), ModelHandlers.unload)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(script="hello"), log_stats=False), 64))
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        listed = {m.id: m.model_extra["max_model_len"] for m in (await oai.models.list()).data}
+        again = await oai.models.retrieve("second")
+        return listed, again.model_extra["max_model_len"]
+
+    listed, again = call(app, fn)
+    assert listed == {"first": 64, "second": 4096, "broken": None} and again == 4096
+    assert sorted(looked) == ["broken", "second"] and loads == []

@@ -472,13 +472,13 @@ def test_a_model_whose_config_refuses_the_servers_flags_unloads_nothing(tmp_path
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 64,
         "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 32,
         "vocab_size": 100}))
-    check_model_config(EngineArgs(model=str(tmp_path), max_model_len=64), ModelSpec("short", str(tmp_path)))
+    assert check_model_config(EngineArgs(model=str(tmp_path)), ModelSpec("short", str(tmp_path))) == 64
     check = functools.partial(check_model_config, EngineArgs(model=str(tmp_path), max_model_len=128))
 
     async def main():
         loader = Loader()
         pool = ModelPool([ModelSpec("a", "/models/a.gguf"), ModelSpec("short", str(tmp_path))],
-                         estimate=lambda spec: 100, check=lambda spec: spec.name == "short" and check(spec))
+                         estimate=lambda spec: 100, check=lambda spec: check(spec) if spec.name == "short" else None)
         pool.set_loader(loader.load, loader.unload)
         (await pool.lease("a")).release()
         with pytest.raises(OpenAIError, match="'short' could not be loaded") as e:

@@ -94,11 +94,12 @@ async def stop_profile(state: ServerStateDep) -> JSONResponse:
 
 
 def model_card(state: ServerState, name: str) -> ModelCard:
-    """A served name's card; an adapter's names its base model as parent.  A model's
-    max_model_len is known once it has loaded."""
+    """A served name's card; an adapter's names its base model as parent.  A model not
+    loaded shows the max_model_len its config and the server's flags give (files are
+    read: call it off the event loop)."""
     base = state.model_for(name)
     handlers = state.models.handlers(base)
-    max_model_len = None if handlers is None else handlers.max_model_len
+    max_model_len = state.models.expected_max_model_len(base) if handlers is None else handlers.max_model_len
     lora = state.lora_adapters.loras.get(name)
     if lora is not None:  # (its path on the server's disk is not the client's business)
         return ModelCard(id=name, root=name, parent=lora.base_model_name or base, max_model_len=max_model_len)
@@ -119,7 +120,7 @@ async def models(state: ServerStateDep) -> JSONResponse:
     shapes (Anthropic's pages: has_more, first_id, last_id)."""
     state.check_up()
     names = [*state.models.names(), *state.lora_adapters.loras]
-    data = [both_apis(model_card(state, name)) for name in names]
+    data = await asyncio.to_thread(lambda: [both_apis(model_card(state, name)) for name in names])
     return JSONResponse({**ModelList().model_dump(exclude={"data"}), "data": data, "has_more": False,
                          "first_id": names[0] if names else None, "last_id": names[-1] if names else None})
 
@@ -129,4 +130,5 @@ async def model(model_id: str, state: ServerStateDep) -> JSONResponse:
     """OpenAI's retrieve (`client.models.retrieve`) and Anthropic's; ids may contain
     slashes (org/name)."""
     state.check_up()
-    return JSONResponse(both_apis(model_card(state, model_id)))  # a 404 naming it when it is not served
+    card = await asyncio.to_thread(model_card, state, model_id)  # (a 404 naming it when it is not served)
+    return JSONResponse(both_apis(card))
