@@ -59,16 +59,17 @@ def check_spec(kind: str, spec: str) -> None:
             raise _refuse(f"the {kind} nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError:
             return  # not JSON: the compiler says so
-        _check_schema_depth(doc, tag=kind == "structural_tag")
+        names = _anchors(doc)  # (one pass over the document for both checks)
+        _check_schema_depth(doc, names, tag=kind == "structural_tag")
         for schema in tag_schemas(doc) if kind == "structural_tag" else [doc]:
-            _check_ref_loops(schema)
+            _check_ref_loops(schema, names)
     elif kind == "grammar":
         rules = sum(1 for line in _lines(spec) if _RULE_HEAD.match(line))
         if rules > MAX_GRAMMAR_RULES:
             raise _refuse(f"the grammar has {rules} rules, more than the {MAX_GRAMMAR_RULES} allowed")
 
 
-def _check_schema_depth(root: Any, tag: bool = False) -> None:
+def _check_schema_depth(root: Any, names: dict[str, Any], tag: bool = False) -> None:
     """Walk the schema as a compiler expands it: dicts and lists nested, and each $ref
     followed as one more level.  The depth reached must stay within MAX_SCHEMA_DEPTH;
     each (node, scope) is measured once, at most MAX_SCHEMA_NODES.
@@ -79,7 +80,6 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
     to a schema already on the path is recursion, which compilers expand lazily, so the
     walk stops there.  `tag`: the document is a structural tag, whose compiler takes each
     schema it holds as a document of its own (`tag_schemas`), measured from level 0."""
-    names = _anchors(root)
     own_documents = {id(schema) for schema in tag_schemas(root)} if tag else set()
     height: dict[tuple[int, ...], int] = {}
     on_path: set[int] = set()
@@ -125,11 +125,13 @@ def _check_schema_depth(root: Any, tag: bool = False) -> None:
         walk(root, 0, _Scope(root, root, root))
 
 
-def _check_ref_loops(root: Any) -> None:
+def _check_ref_loops(root: Any, names: dict[str, Any]) -> None:
     """Refuse a subschema the root reaches (through schema keywords and $refs, not the
     $defs it never uses) whose $refs only loop: nothing validates against it, yet the
-    grammar lets an answer start it (a property's key) and then fail mid-stream."""
-    names, verdicts, seen = _anchors(root), {}, set()
+    grammar lets an answer start it (a property's key) and then fail mid-stream.
+    `names`: the document's anchors (_anchors)."""
+    verdicts: dict[int, bool] = {}
+    seen: set[int] = set()
     stack: list[tuple[Any, _Scope]] = [(root, _Scope(root, root, root))]
     while stack:
         node, scope = stack.pop()

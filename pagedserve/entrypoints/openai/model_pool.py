@@ -406,6 +406,7 @@ class ModelPool(Generic[H]):
                 return
             try:  # (its files' facts are read off the event loop: a hostile file is slow to read)
                 model.max_model_len = await asyncio.to_thread(self._check, model.spec)
+                model.checked = True
                 price, need, kv = await asyncio.to_thread(self.reservation, model)
             except OpenAIError:
                 raise
