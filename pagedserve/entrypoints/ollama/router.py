@@ -132,7 +132,7 @@ async def ps(state: ServerStateDep) -> dict:
         ttl = state.models.expires_at_wall(model)
         expires = (datetime.now(timezone.utc) + timedelta(days=3650)) if ttl is None else \
             datetime.fromtimestamp(ttl, timezone.utc)
-        size = model.measured_bytes or model.reserved_bytes
+        size = model.footprint_bytes
         out.append({**listing, "size": size, "size_vram": size if handlers.engine_on_gpu else 0,
                     "expires_at": expires.isoformat().replace("+00:00", "Z"),
                     "context_length": handlers.max_model_len})

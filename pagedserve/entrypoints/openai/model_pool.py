@@ -136,16 +136,18 @@ class ServedModel(Generic[H]):
         self.reserved_bytes = 0  # what it counts against the memory budget while loaded
         self.measured_bytes: int | None = None  # resident growth its last load measured
         self.kv_bytes: int | None = None  # its KV cache's size, as its last load sized it
+        self.footprint_bytes = 0  # all it holds once its KV cache's pages are touched (/api/ps)
         self.load_seconds = 0.0
         self.pinned = False  # attached from outside (no loader): never unloaded
         self.failure: tuple[float, str] | None = None  # (when, exception type) of its last failed load
         self.max_model_len: int | None = None  # what its config and the server's flags give (ModelPool.check)
         self.checked = False  # whether `max_model_len` was looked for
+        self.counters = PoolCounters()
 
 
 @dataclass
 class PoolCounters:
-    """What /metrics shows of the pool (pagedserve:model_loads and the rest)."""
+    """What /metrics shows of a model's loads (pagedserve:model_loads and the rest)."""
 
     loads: int = 0
     unloads: int = 0
@@ -220,7 +222,6 @@ class ModelPool(Generic[H]):
         self._waiting_for_load = 0
         self._reaper: asyncio.Task[None] | None = None
         self.closed = False
-        self.counters = PoolCounters()
 
     # ------------------------------------------------------------------ lookup
     def resolve(self, requested: str | None) -> str | None:
@@ -273,9 +274,9 @@ class ModelPool(Generic[H]):
     def can_load(self) -> bool:
         return self._load is not None
 
-    def attach(self, name: str, handlers: H) -> None:
-        """A model loaded elsewhere (the server's start-up, or a test's engine).  Without a
-        loader it can never come back, so it is pinned."""
+    def attach(self, name: str, handlers: H, kv_bytes: int | None = None) -> None:
+        """A model loaded elsewhere (the server's start-up, or a test's engine), its KV
+        cache `kv_bytes`.  Without a loader it can never come back, so it is pinned."""
         model = self.models[self._names[name]]
         model.loaded = handlers
         model.last_used = self._clock()
@@ -284,6 +285,8 @@ class ModelPool(Generic[H]):
             model.reserved_bytes = max(self._estimate(model.spec), 0)
         except ValueError:  # (its facts unreadable, yet it loaded: nothing is known of its size)
             model.reserved_bytes = 0
+        model.kv_bytes = kv_bytes
+        model.footprint_bytes = model.reserved_bytes + (kv_bytes or 0)
 
     # ------------------------------------------------------------------ leases
     async def lease(self, name: str, keep_alive: Any = UNSET, wait: float = LOAD_WAIT_SECONDS) -> Lease[H]:
@@ -421,7 +424,7 @@ class ModelPool(Generic[H]):
             try:
                 handlers = await self._load(model.spec, kv)
             except OpenAIError as e:
-                self.counters.load_failures += 1
+                model.counters.load_failures += 1
                 failure, e.__traceback__ = e, None
             except Exception as e:  # noqa: BLE001 - any load failure is this model's, by name
                 failure, e.__traceback__ = self._failed(model, e), None
@@ -437,18 +440,19 @@ class ModelPool(Generic[H]):
             if grown > 0:
                 model.measured_bytes = grown
             model.kv_bytes = self._kv_bytes(handlers)
+            model.footprint_bytes = max(price - (kv or 0), grown) + (model.kv_bytes or kv or 0)
             model.reserved_bytes = need if self.memory_budget is None else self.counted(
                 model, price - (kv or 0), grown, kv)  # (price less the cache: its size on disk)
             model.loaded = handlers
             model.last_used = self._clock()
-            self.counters.loads += 1
+            model.counters.loads += 1
             logger.info("model %r loaded in %.1f s (%.0f MiB resident)", model.spec.name, model.load_seconds,
                         max(grown, 0) / 2**20)
 
     def _failed(self, model: ServedModel[H], e: Exception) -> OpenAIError:
         """A failed load's answer, remembered for FAILED_LOAD_SECONDS; its details (the
         server's paths, the loader's internals) go to the log only."""
-        self.counters.load_failures += 1
+        model.counters.load_failures += 1
         # (the traceback as text: a record that kept its frames would keep the half-built model)
         logger.error("model %r failed to load (%s: %s)\n%s", model.spec.name, type(e).__name__, e,
                      "".join(traceback.format_exception(e)).rstrip())
@@ -499,7 +503,7 @@ class ModelPool(Generic[H]):
         await self._unload(handlers)
         del handlers
         await asyncio.to_thread(collect_and_release)  # (resident memory falls only with this)
-        self.counters.unloads += 1
+        model.counters.unloads += 1
         logger.info("model %r unloaded (%s; resident memory %+.0f MiB)", model.spec.name, why,
                     (rss_bytes(os.getpid()) - before) / 2**20)
 
@@ -567,22 +571,24 @@ def _forget_loading(model: ServedModel[Any]) -> Callable[[asyncio.Future[None]],
 
 
 def register_pool_metrics(registry: Any, pool: ModelPool[Any]) -> None:
-    """The pool on /metrics: loads, unloads and failed loads so far, and which models are
-    loaded (pagedserve:model_loaded, by model_name)."""
+    """The pool on /metrics, by model_name: loads, unloads and failed loads so far, and
+    which models are loaded (pagedserve:model_loaded)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class Collector:
         def collect(self) -> Iterator[Any]:
-            c = pool.counters
-            yield CounterMetricFamily("pagedserve:model_loads", "Models loaded on demand.", value=c.loads)
-            yield CounterMetricFamily("pagedserve:model_unloads", "Models unloaded (keep_alive, or for room).",
-                                      value=c.unloads)
-            yield CounterMetricFamily("pagedserve:model_load_failures", "Model loads that failed.",
-                                      value=c.load_failures)
+            families = [CounterMetricFamily(f"pagedserve:model_{field}", doc, labels=["model_name"])
+                        for field, doc in (("loads", "Models loaded on demand."),
+                                           ("unloads", "Models unloaded (keep_alive, or for room)."),
+                                           ("load_failures", "Model loads that failed."))]
             loaded = GaugeMetricFamily("pagedserve:model_loaded", "1 while the model is loaded.",
                                        labels=["model_name"])
             for name, model in pool.models.items():
+                c = model.counters
+                for family, value in zip(families, (c.loads, c.unloads, c.load_failures), strict=True):
+                    family.add_metric([name], value)
                 loaded.add_metric([name], 1.0 if model.loaded is not None else 0.0)
+            yield from families
             yield loaded
 
     registry.register(Collector())

@@ -234,7 +234,7 @@ class ServerState:
         handlers = ModelHandlers.build(attachment, self.served_model_names, self.lora_adapters.loras,
                                        tool_parser, reasoning_parser, self.serving_options)
         handlers.dashboard = self.dashboard_for(attachment, self.served_model_names[0], self.series)
-        self.models.attach(self.models.default_name, handlers)
+        self.models.attach(self.models.default_name, handlers, handlers.kv_cache_bytes)
         self.started = True  # last: it means "ready"
 
     def new_series(self) -> SeriesStatLogger | None:

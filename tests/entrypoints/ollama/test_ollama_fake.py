@@ -21,7 +21,7 @@ from tests.engine.fake_engine import FakeEngine
 SCRIPTS = {"first": "hello", "second": "world"}
 
 
-def make_app(max_loaded: int = 1, dashboard: bool = False):
+def make_app(max_loaded: int = 1, dashboard: bool = False, kv_bytes: int | None = None):
     state = ServerState(served_model_names=["first"], enable_dashboard=dashboard)
     state.models = ModelPool([ModelSpec(name, name) for name in SCRIPTS], max_loaded=max_loaded, keep_alive=300.0,
                              estimate=lambda spec: 0)
@@ -38,7 +38,7 @@ def make_app(max_loaded: int = 1, dashboard: bool = False):
         handlers.dashboard = state.dashboard_for(made, spec.name, state.new_series())
         return handlers
 
-    state.models.set_loader(load, ModelHandlers.unload)
+    state.models.set_loader(load, ModelHandlers.unload, kv_bytes=lambda handlers: kv_bytes)
     app = build_app(state)
     state.attach(attachment("first"))
     return state, app, loads
@@ -86,6 +86,19 @@ def test_two_models_one_loaded_through_ollamas_client() -> None:
 
     assert call(app, fn)
     assert loads == ["second", "first", "second", "first"]
+
+
+def test_ps_size_counts_the_kv_cache() -> None:
+    """Ollama's `size` is all a loaded model holds: its KV cache's pages are mapped at load
+    and touched as requests use them, so the growth the load measured leaves it out."""
+    state, app, _ = make_app(kv_bytes=3 * 2**30)
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        await client.generate("second", "hi", options={"num_predict": 1})
+        return (await client.ps()).models
+
+    (model,) = call(app, fn)
+    assert model.model == "second" and 3 * 2**30 <= model.size < 4 * 2**30
 
 
 def test_refusals_name_what_is_not_served() -> None:

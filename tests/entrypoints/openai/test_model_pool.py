@@ -82,7 +82,7 @@ def test_concurrent_first_requests_load_once() -> None:
         assert {lease.handlers for lease in leases} == {"handlers of a"}
         for lease in leases:
             lease.release()
-        return loader.events, pool.counters.loads
+        return loader.events, pool.models["a"].counters.loads
 
     events, loads = run(main())
     assert events == ["load a"] and loads == 1
@@ -166,10 +166,33 @@ def test_a_failed_load_names_the_model_and_the_others_serve() -> None:
         clock.t += FAILED_LOAD_SECONDS + 1
         with pytest.raises(OpenAIError):  # tried again once that time has passed
             await pool.lease("b")
-        return loader.events, pool.counters.load_failures
+        return loader.events, pool.models["b"].counters.load_failures
 
     events, failures = run(main())
     assert events == ["load b", "load a", "unload a", "load b"] and failures == 2
+
+
+def test_metrics_count_loads_unloads_and_failures_by_model() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pagedserve.entrypoints.openai.model_pool import register_pool_metrics
+
+    async def main():
+        pool, loader = make_pool(loader=Loader(fail=frozenset({"c"})))
+        for name in ("a", "b", "a"):  # (one loaded at a time: each load unloads the other, c's too)
+            (await pool.lease(name)).release()
+        with pytest.raises(OpenAIError):
+            await pool.lease("c")
+        return pool
+
+    pool = run(main())
+    registry = CollectorRegistry()
+    register_pool_metrics(registry, pool)
+    value = registry.get_sample_value
+    assert [value("pagedserve:model_loads_total", {"model_name": n}) for n in "abc"] == [2, 1, 0]
+    assert [value("pagedserve:model_unloads_total", {"model_name": n}) for n in "abc"] == [2, 1, 0]
+    assert [value("pagedserve:model_load_failures_total", {"model_name": n}) for n in "abc"] == [0, 0, 1]
+    assert [value("pagedserve:model_loaded", {"model_name": n}) for n in "abc"] == [0, 0, 0]
 
 
 def test_a_busy_model_does_not_starve_a_load_waiting_for_room() -> None:

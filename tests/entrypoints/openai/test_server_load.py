@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 from conftest import API_KEY, MODEL_NAME
 
@@ -129,6 +130,9 @@ def test_32_streams_8_disconnect(server):
     # vLLM's label names too (its dashboards read them)
     assert (info["num_gpu_blocks"], info["cache_dtype"]) == (info["num_blocks"], "float32")
     assert info["enable_prefix_caching"] == "True"
+    # Ollama's /api/ps counts the KV cache in the model's size (its pages mapped, not yet all touched)
+    (ps,) = httpx.get(server.url + "/api/ps", headers={"Authorization": f"Bearer {API_KEY}"}).json()["models"]
+    assert ps["size"] > int(info["num_blocks"]) * 16 * int(info["kv_bytes_per_token"])
     # The server is healthy and serving afterwards.
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     assert client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text == refs[0]
