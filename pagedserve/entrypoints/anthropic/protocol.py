@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody
+from pagedserve.entrypoints.openai.protocol_fields import part_key_error
 from pagedserve.errors import InvalidRequestError
 from pagedserve.utils import is_int
 
@@ -24,6 +25,34 @@ class AnthropicMessage(OpenAIBaseModel):
     # A string, or content blocks ({"type": "text" | "tool_use" | "tool_result", ...}):
     # each block's fields are read, and refused by name, in serving_messages.py.
     content: str | list[dict[str, Any]]
+
+
+# Each content block's keys as Anthropic defines them: any other is refused by name, as
+# Anthropic refuses it.  A past answer's `citations` are kept out of the prompt (accepted
+# without effect); the keys of NEUTRAL_BLOCK_KEYS only at a value that asks for nothing.
+BLOCK_KEYS = {
+    "text": ("type", "text", "cache_control", "citations"),
+    "image": ("type", "source", "cache_control", "transformations"),
+    "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+    "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+    "thinking": ("type", "thinking", "signature"),
+    "redacted_thinking": ("type", "data"),
+}
+NEUTRAL_BLOCK_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "caller": (({"type": "direct"},), "tools here are called by the model only (no code execution)"),
+    "toolset_name": ((), "this server connects to no MCP servers"),
+    "transformations": (([],), "images are read as sent (no transformations)"),
+}
+
+
+def block_key_error(block: dict[str, Any]) -> str | None:
+    """What is wrong with a block's keys (None: nothing, or a type not read here)."""
+    kind = block.get("type")
+    if not isinstance(kind, str) or kind not in BLOCK_KEYS:
+        return None
+    if not isinstance(block.get("citations"), (list, type(None))):
+        return "citations must be a list"
+    return part_key_error(block, f"a {kind} block", BLOCK_KEYS[kind], NEUTRAL_BLOCK_KEYS)
 
 
 class AnthropicTool(OpenAIBaseModel):
@@ -47,40 +76,42 @@ class AnthropicToolChoice(OpenAIBaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(RequestBody):
+class MessagesBody(RequestBody):
+    """What /v1/messages and /v1/messages/count_tokens both take: the prompt, and the
+    fields checked alike on both (serving_messages.check_fields)."""
+
     model: str | None = None
     messages: list[AnthropicMessage]
-    max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # (Anthropic's range)
-    top_p: float | None = Field(default=None, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=0)
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     # {"format": {"type": "json_schema", "schema": ...}} (structured outputs), "effort".
     output_config: dict[str, Any] | None = None
     # Anthropic's automatic prompt caching: what the prefix cache always does here.
     cache_control: dict[str, Any] | None = None
-    # Accepted without effect (docs/serving.md): one service tier, one speed, one region,
-    # and attribution only; held to Anthropic's values (serving_messages.check_fields).
-    service_tier: Literal["auto", "standard_only"] | None = None
+    # Accepted without effect (docs/serving.md): one speed, and attribution only; held to
+    # Anthropic's values.
     speed: Literal["standard", "fast"] | None = None
-    inference_geo: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
 
 
-class CountTokensRequest(RequestBody):
-    model: str | None = None
-    messages: list[AnthropicMessage]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: AnthropicToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+class MessagesRequest(MessagesBody):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # (Anthropic's range)
+    top_p: float | None = Field(default=None, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] | None = None
+    # Accepted without effect (docs/serving.md): one service tier and one region.
+    service_tier: Literal["auto", "standard_only"] | None = None
+    inference_geo: str | None = None
+
+
+class CountTokensRequest(MessagesBody):
+    pass
 
 
 class AnthropicUsage(BaseModel):

@@ -28,6 +28,7 @@ from pagedserve.entrypoints.anthropic.protocol import (
     MessagesResponse,
     Thinking,
     anthropic_error_body,
+    block_key_error,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.entrypoints.openai.protocol_fields import (
@@ -81,10 +82,18 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise OpenAIError(f"{where}[{i}]: only text blocks ({{'type': 'text', 'text': ...}}) are supported here",
                               param=_field(where))
+        _check_block(block, f"{where}[{i}]")
         _check_text(block["text"], f"{where}[{i}]")
-        _check_cache_control(block.get("cache_control"), f"{where}[{i}].cache_control")
         parts.append(block["text"])
     return "\n".join(parts)
+
+
+def _check_block(block: dict[str, Any], where: str) -> None:
+    """A block's keys (those of a type this server reads) and its cache_control hint."""
+    error = block_key_error(block)
+    if error is not None:
+        raise OpenAIError(f"{where}: {error}", param=_field(where))
+    _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
 
 
 def _check_text(text: str, where: str) -> None:
@@ -179,7 +188,7 @@ class _Turn:
             out: list[dict[str, Any]]) -> None:
         """One block; a tool_result becomes its own tool message in `out` at once."""
         kind = block.get("type")
-        _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
+        _check_block(block, where)
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise OpenAIError(f"{where}: a text block's text must be a string", param="messages")
@@ -277,13 +286,13 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
     effect held to Anthropic's values."""
     try:
         refuse_unsupported_fields(req.model_extra, UNSUPPORTED_FIELDS)
-        if not isinstance(req, MessagesRequest):
-            return
         _check_cache_control(req.cache_control, "cache_control")
         check_object_hint("output_config", {k: v for k, v in (req.output_config or {}).items() if k != "format"},
                           {"format": (), "effort": _EFFORTS})  # (its format: _output_config)
-        check_hint_strings(("inference_geo", req.inference_geo), ("user_profile_id", req.user_profile_id),
-                           ("workspace_id", req.workspace_id))
+        check_hint_strings(("user_profile_id", req.user_profile_id), ("workspace_id", req.workspace_id))
+        if not isinstance(req, MessagesRequest):
+            return
+        check_hint_strings(("inference_geo", req.inference_geo))
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param) from None
     meta = req.metadata or {}
@@ -348,8 +357,8 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
             body["stop"] = req.stop_sequences
         if req.metadata and req.metadata.get("user_id") is not None:
             body["user"] = req.metadata["user_id"]
-        if req.output_config:
-            body.update(_output_config(req.output_config))
+    if req.output_config:  # (count_tokens checks its format as /v1/messages does)
+        body.update(_output_config(req.output_config))
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValueError as e:  # a tool's schema that is not one, a message chat refuses
@@ -406,7 +415,8 @@ class AnthropicServingMessages:
         self.chat = chat
 
     def warn_unknown_fields(self, req: MessagesRequest | CountTokensRequest) -> None:
-        self.chat.warn_unknown_fields(req, known=frozenset())  # (chat's own fields are not read here either)
+        # (those refused by name are not unknown; chat's own fields are not read here)
+        self.chat.warn_unknown_fields(req, known=frozenset(UNSUPPORTED_FIELDS))
 
     @staticmethod
     def _renamed(e: OpenAIError) -> OpenAIError:

@@ -74,6 +74,20 @@ VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS)
 
 
+def part_key_error(part: dict[str, Any], kind: str, keys: tuple[str, ...],
+                   neutral: dict[str, tuple[tuple[Any, ...], str]]) -> str | None:
+    """What is wrong with the keys of a content part or input item of type `kind` (None:
+    nothing): one its API does not define for it (`keys`; refused by name, as OpenAI's and
+    Anthropic's APIs refuse it), or one of `neutral` (name -> (values asking for nothing,
+    why)) set to anything else.  The one rule for nested objects' keys."""
+    for key, value in part.items():
+        if key not in keys:
+            return f"{str(key)[:100]!r} is not a field of {kind}"
+        if key in neutral and value is not None and not same_value(value, neutral[key][0]):
+            return f"{key} is not supported: {neutral[key][1]}"
+    return None
+
+
 def refuse_vllm_fields(extra: dict[str, Any] | None) -> None:
     """vLLM's fields of VLLM_NEUTRAL_FIELDS set to anything but a neutral value: refused by name."""
     for name, (neutral, why) in VLLM_NEUTRAL_FIELDS.items():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pagedserve.entrypoints.openai.protocol import OpenAIRequestBody
+from pagedserve.entrypoints.openai.protocol_fields import KNOWN_EXTRA_FIELDS, part_key_error
 from pagedserve.errors import InvalidRequestError
 
 # OpenAI's `include` values whose data exists nowhere here (docs/serving.md): encrypted
@@ -44,8 +45,44 @@ CHAT_ONLY_FIELDS = {
     "functions": "the Responses API takes tools",
     "function_call": "the Responses API takes tool_choice",
 }
-# The extra fields this route reads or refuses itself (any other is logged as unknown).
-RESPONSES_EXTRA_FIELDS = frozenset(VLLM_CHAT_FIELDS) | frozenset(VLLM_REFUSED) | frozenset(CHAT_ONLY_FIELDS)
+# The extra fields this route reads or refuses (any other is logged as unknown): its own,
+# and those every OpenAI route refuses or accepts at a neutral value.
+RESPONSES_EXTRA_FIELDS = (KNOWN_EXTRA_FIELDS | frozenset(VLLM_CHAT_FIELDS) | frozenset(VLLM_REFUSED)
+                          | frozenset(CHAT_ONLY_FIELDS))
+
+
+# Each input item's and content part's keys as OpenAI defines them: any other is refused
+# by name, as OpenAI refuses it.  An earlier response's items sent back carry their id,
+# status, phase, annotations and logprobs, and prompt_cache_breakpoint marks what the
+# prefix cache always does here: accepted without effect.  NEUTRAL_INPUT_KEYS are refused
+# unless at a value that asks for nothing.
+ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status", "phase"),
+    "function_call": ("type", "id", "call_id", "name", "arguments", "status", "caller", "namespace", "async"),
+    "function_call_output": ("type", "id", "call_id", "output", "status", "caller", "name", "namespace"),
+    "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status"),
+}
+PART_KEYS = {
+    "input_text": ("type", "text", "prompt_cache_breakpoint"),
+    "output_text": ("type", "text", "annotations", "logprobs"),
+    "text": ("type", "text"),
+    "input_image": ("type", "image_url", "file_id", "detail", "prompt_cache_breakpoint"),
+}
+NEUTRAL_INPUT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "caller": (({"type": "direct"},), "tools here are called by the model only (no code execution)"),
+    "namespace": ((), "tools here have no namespaces"),
+    "file_id": ((), "this server keeps no files: send the image as image_url (a data: URL)"),
+}
+
+
+def input_key_error(part: dict[str, Any], kind: str) -> str | None:
+    """What is wrong with the keys of an input item or content part of type `kind` (one of
+    ITEM_KEYS or PART_KEYS; None: nothing)."""
+    item = kind in ITEM_KEYS
+    return part_key_error(part, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} {'item' if item else 'part'}",
+                          ITEM_KEYS[kind] if item else PART_KEYS[kind], NEUTRAL_INPUT_KEYS)
+
+
 # A failed response's `error.code` takes OpenAI's values (its SDK's types list them); the
 # server's own codes (request_timeout, ...) stay in the `error` event before it.
 _RESPONSE_ERROR_CODES = {"server_overloaded": "rate_limit_exceeded", "rate_limit_exceeded": "rate_limit_exceeded",

@@ -39,11 +39,14 @@ from pagedserve.entrypoints.openai.protocol_fields import (
 )
 from pagedserve.entrypoints.openai.protocol_responses import (
     CHAT_ONLY_FIELDS,
+    ITEM_KEYS,
+    PART_KEYS,
     RESPONSES_EXTRA_FIELDS,
     VLLM_CHAT_FIELDS,
     VLLM_REFUSED,
     ResponseOutput,
     ResponsesRequest,
+    input_key_error,
     object_id,
     response_error,
 )
@@ -54,7 +57,7 @@ from pagedserve.errors import InvalidRequestError
 
 # Chat's names for fields whose Responses names differ.
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = tuple(kind for kind in PART_KEYS if kind != "input_image")
 
 
 def _renamed(e: OpenAIError) -> OpenAIError:
@@ -84,19 +87,29 @@ def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[
     parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if images and kind == "input_image":
+        if not (images and kind == "input_image" or isinstance(kind, str) and kind in _TEXT_PARTS):
+            raise OpenAIError(f"{where}[{i}]: {repr(kind)[:100]} parts are not supported (text"
+                              f"{' and input_image' if images else ''})", param="input")
+        _check_keys(part, kind, f"{where}[{i}]")
+        if kind == "input_image":
             if not isinstance(part.get("image_url"), str):
                 raise OpenAIError(f"{where}[{i}]: an input_image needs its image_url (a data: URL; file_id is not "
                                   "supported)", param="input")
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            detail = {} if part.get("detail") is None else {"detail": part["detail"]}  # (checked as chat's)
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"], **detail}})
             continue
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise OpenAIError(f"{where}[{i}]: {repr(kind)[:100]} parts are not supported (text"
-                              f"{' and input_image' if images else ''})", param="input")
+        if not isinstance(part.get("text"), str):
+            raise OpenAIError(f"{where}[{i}]: an {kind} part needs its text (a string)", param="input")
         parts.append({"type": "text", "text": part["text"]})
     if any(p["type"] == "image_url" for p in parts):
         return parts
     return "\n".join(p["text"] for p in parts)
+
+
+def _check_keys(part: dict[str, Any], kind: str, where: str) -> None:
+    error = input_key_error(part, kind)
+    if error is not None:
+        raise OpenAIError(f"{where}: {error}", param="input")
 
 
 def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -109,6 +122,8 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise OpenAIError(f"{where} must be an object", param="input")
         kind = item.get("type", "message")
+        if isinstance(kind, str) and kind in ITEM_KEYS:
+            _check_keys(item, kind, where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):

@@ -174,6 +174,15 @@ _CALL = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}],
       "tools": _TOOLS}, "'t9' answers no earlier tool_use"),
     ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "signature": "s"}]}]}, "needs its thinking"),
+    # a key Anthropic defines for no such block (it was dropped), one asking for what is not here
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "bogus": 1}]}]},
+     r"messages\[0\].content\[0\]: 'bogus' is not a field of a text block"),
+    ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "text", "text": "s", "bogus": 1}]}, "'bogus'"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{**_CALL, "caller": {
+        "type": "code_execution_20250825"}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}], "tools": _TOOLS}, "caller"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": "yes"}]}]},
+     "citations must be a list"),
     # (an unhashable type was a 500: the schema fuzz's)
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": [], "text": "a"}]}]},
      "blocks are not supported"),
@@ -181,6 +190,17 @@ _CALL = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
 def test_anthropics_rules_on_blocks_and_configs_are_refused_by_name(fields, match) -> None:
     with pytest.raises(OpenAIError, match=match):
         to_chat_request(request(**fields))
+
+
+def test_an_answer_sent_back_with_anthropics_own_keys_is_read_as_without_them() -> None:
+    """A past answer's blocks as Anthropic's API returns them (citations, a direct caller)."""
+    def turns(**keys):
+        return [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": [{"type": "text", "text": "a", **keys.get("text", {})},
+                                                  {**_CALL, **keys.get("call", {})}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}]
+    with_keys = request(messages=turns(text={"citations": None}, call={"caller": {"type": "direct"}}), tools=_TOOLS)
+    assert to_chat_request(with_keys) == to_chat_request(request(messages=turns(), tools=_TOOLS))
 
 
 @pytest.mark.parametrize("fields", [{"max_tokens": 0}, {"top_k": -1}, {"tool_choice": {"type": "auto", "foo": 1}}])

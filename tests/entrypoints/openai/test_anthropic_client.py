@@ -4,6 +4,8 @@ tool_result sent back, count_tokens, and errors in Anthropic's shape."""
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import openai
 import pytest
@@ -147,6 +149,26 @@ def test_fields_of_the_other_apis_are_logged_not_dropped_silently(server, client
     client.messages.create(model=MODEL_NAME, max_tokens=2, messages=ASK, extra_body={"use_beam_search": True})
     assert any("ignoring unknown request field" in line and "'use_beam_search'" in line
                for line in server.log().splitlines())
+    # ...while one this route refuses by name is only refused (the log said it was ignored)
+    with pytest.raises(anthropic.BadRequestError, match="container"):
+        client.messages.create(model=MODEL_NAME, max_tokens=2, messages=ASK, extra_body={"container": "c1"})
+    assert not any("ignoring unknown request field" in line and "'container'" in line
+                   for line in server.log().splitlines())
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"cache_control": {"type": "forever"}}, "cache_control"), ({"speed": "warp"}, "speed"),
+    ({"output_config": {"effort": "ultra"}}, "output_config"), ({"extra_body": {"workspace_id": 5}}, "workspace_id"),
+    ({"output_config": {"format": {"type": "grammar"}}}, "output_config"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "bogus": 1}]}]}, "bogus"),
+])
+def test_count_tokens_checks_what_messages_checks(client, fields, name) -> None:
+    """count_tokens takes the fields the client's count_tokens sends, checked as
+    /v1/messages checks them (each was counted, and logged as unknown)."""
+    body = {"model": MODEL_NAME, "messages": ASK, **fields}
+    for route in (client.messages.count_tokens, functools.partial(client.messages.create, max_tokens=2)):
+        with pytest.raises(anthropic.BadRequestError, match=name):
+            route(**body)
 
 
 def test_errors_come_in_anthropics_shape(server, client) -> None:

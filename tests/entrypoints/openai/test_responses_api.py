@@ -11,6 +11,8 @@ import openai
 import pytest
 from conftest import API_KEY, MODEL_NAME
 
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
                           "required": ["city"], "additionalProperties": False}}
@@ -254,3 +256,48 @@ def test_the_response_echoes_what_openai_echoes(client) -> None:
                                 tools=[tool], tool_choice="none", reasoning={"effort": "low"})
     assert r.metadata == {} and r.text.format.type == "text" and r.text.verbosity == "low"
     assert r.tools[0].strict is True and r.reasoning.effort == "low"
+
+
+@pytest.mark.parametrize("content, match", [
+    ([{"type": "input_text", "text": "hi", "bogus": 1}], "'bogus' is not a field of an input_text part"),
+    ([{"type": "input_text"}], "an input_text part needs its text"),  # (it said input_text was not supported)
+    ([{"type": "input_text", "text": 5}], "needs its text"),
+    ([{"type": "input_image", "image_url": "data:image/png;base64,AA==", "file_id": "file_1"}], "file_id"),
+])
+def test_a_content_parts_keys_are_checked_as_openai_checks_them(content, match) -> None:
+    """A key OpenAI does not define for a part is refused by name (it was dropped); an
+    image's detail is checked as chat's, a file_id beside its image_url refused (ignored)."""
+    from pydantic import ValidationError
+
+    from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+    from pagedserve.entrypoints.openai.serving_responses import to_chat_request
+
+    with pytest.raises((OpenAIError, ValidationError), match=match):
+        to_chat_request(ResponsesRequest(input=[{"role": "user", "content": content}]))
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA==", "detail": "bogus"}
+    chat, _ = to_chat_request(ResponsesRequest(input=[{"role": "user", "content": [image]}]))
+    assert chat.messages[0].content[0]["image_url"]["detail"] == "bogus"  # (refused by name where images load)
+
+
+def test_items_sent_back_keep_their_keys_and_unknown_ones_are_refused(client, server) -> None:
+    """An earlier answer's items sent back as the SDK sends them (id, status, phase,
+    annotations, logprobs) answer as the bare items do; a key no item defines, or a call
+    made by code execution, is a 400 naming it; fields refused by name are not also
+    logged as unknown (the log said 'ignoring' what had been refused)."""
+    said = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "phase": "final_answer",
+            "content": [{"type": "output_text", "text": "Paris.", "annotations": [], "logprobs": []}]}
+    bare = {"role": "assistant", "content": "Paris."}
+    ask = {"model": MODEL_NAME, "max_output_tokens": 6, "temperature": 0}
+    turns = [{"role": "user", "content": ASK}, None, {"role": "user", "content": "And of Italy?"}]
+    answers = [client.responses.create(**ask, input=[turns[0], item, turns[2]]).output_text for item in (said, bare)]
+    assert answers[0] == answers[1]
+    for item, name in (({**said, "bogus": 1}, "'bogus'"),
+                       ({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+                         "caller": {"type": "program"}}, "caller")):
+        with pytest.raises(openai.BadRequestError, match=name):
+            client.responses.create(**ask, input=[turns[0], item])
+    with pytest.raises(openai.BadRequestError, match="conversation"):
+        client.responses.create(**ask, input=ASK, extra_body={"conversation": "conv_1"})
+    client.responses.create(**ask, input=ASK, extra_body={"use_beam_search": False})
+    warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
+    assert not any(name in line for line in warned for name in ("conversation", "use_beam_search"))
