@@ -20,6 +20,9 @@ from pagedserve.entrypoints.openai.protocol import RequestBody
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 
 OLLAMA_PATH_PREFIX = "/api/"
+# A chat on Ollama's routes for a model without a chat template (Ollama's clients send no
+# template of their own: the request field `chat_template` is not read on these routes).
+NO_CHAT_TEMPLATE_HERE = "has no chat template to put messages in: /api/generate completes its prompt as is"
 
 # options -> the OpenAI/vLLM sampling field it sets.
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -176,13 +179,24 @@ class OllamaGenerating(OllamaWithOptions):
                 if value not in NEUTRAL_OPTIONS[name]:
                     raise OpenAIError(f"options.{name}={value!r:.50} is not supported here (only its neutral "
                                       f"value, {NEUTRAL_OPTIONS[name][0]})", param="options")
-        if body.get("repetition_penalty") not in (None, 1, 1.0) and any(
-                (self.options or {}).get(k) is not None for k in REPEAT_SHAPING):
-            raise OpenAIError("options.repeat_last_n, penalize_newline and num_keep are not supported: the repeat "
-                              "penalty here covers the whole context, as vLLM's repetition_penalty does",
-                              param="options")
+        if (self.options or {}).get("repeat_last_n") == 0:  # (Ollama's: no repeat penalty at all)
+            body.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        self.check_repeat_shaping(body.get("repetition_penalty"))
         body.update(self.response_format())
         return body
+
+    def check_repeat_shaping(self, repetition_penalty: float | None) -> None:
+        """The options that shape a repeat penalty, refused beside one in effect (the
+        request's, or the model's generation config's: OllamaServing.prepare checks that
+        one): the penalty here covers the whole context (repeat_last_n -1, honoured; 0
+        turns it off, sampling())."""
+        options = self.options or {}
+        shaping = [k for k in REPEAT_SHAPING if options.get(k) is not None and not (k == "repeat_last_n"
+                                                                                   and options[k] in (-1, 0))]
+        if repetition_penalty not in (None, 1, 1.0) and shaping:
+            raise OpenAIError(f"options.{shaping[0]} is not supported beside a repeat penalty (options.repeat_penalty "
+                              "or the model's generation config): the penalty here covers the whole context, as "
+                              "vLLM's repetition_penalty does (repeat_last_n -1; 0 turns it off)", param="options")
 
     def num_predict(self) -> int | None:
         """Tokens to generate at most (None: until the end or the context is full, Ollama's

@@ -51,7 +51,8 @@ def _ollama(model: ModelHandlers, timing: Timing) -> OllamaServing:
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
-    check_request(body)  # (before the model is leased: a bad request loads, unloads and keeps nothing)
+    state.check_up()
+    check_request(body, splits_reasoning=state.splits_reasoning)  # (before the model is leased)
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=True)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
@@ -61,7 +62,8 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
 @router.post("/api/generate")
 async def generate_route(body: OllamaGenerateRequest, request: Request, state: ServerStateDep) -> Response:
     timing = Timing()
-    check_request(body)  # (before the model is leased, as Ollama parses options before scheduling)
+    state.check_up()  # (before the model is leased, as Ollama parses options before scheduling)
+    check_request(body, await state.has_chat_template(state.model_for(body.model)), state.splits_reasoning)
     if not body.prompt:  # (as Ollama: raw or not, an empty prompt loads or unloads)
         return await _load_only(state, body.model, body.keep_alive_seconds(), chat=False)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
@@ -153,7 +155,8 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     handlers = model.loaded
     # (tools and vision need a chat template to place them in: a base model only completes)
     chat = bool(info.chat_template)
-    capabilities = ["embedding"] if handlers is not None and handlers.engine.runner == "pooling" else \
+    runner = handlers.engine.runner if handlers is not None else state.runner  # (the server's: loaded or not)
+    capabilities = ["embedding"] if runner == "pooling" else \
         ["completion", *(["tools"] if chat else []), *(["vision"] if info.vision and chat else [])]
     if info is UNKNOWN:  # unreadable files: its name alone, no invented architecture or capability
         capabilities = []

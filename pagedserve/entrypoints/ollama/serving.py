@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.ollama.protocol import (
+    NO_CHAT_TEMPLATE_HERE,
     SAMPLING_OPTIONS,
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
@@ -139,17 +140,33 @@ def _openai_tool_call(call: Any, where: str, call_id: str) -> dict[str, Any]:
 ROLES = ("system", "user", "assistant", "tool")  # Ollama's message roles
 
 
-def check_request(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
-    """The request's own fields checked without its model: what a chat without messages
-    or a generate without a prompt (a load or unload) must pass too, as Ollama's do."""
+def check_request(req: OllamaChatRequest | OllamaGenerateRequest, has_template: bool = True,
+                  splits_reasoning: bool | None = None) -> None:
+    """The request's fields checked before its model is leased (a bad request loads,
+    unloads and keeps nothing): all that needs no model, which a chat without messages
+    or a generate without a prompt (a load or unload) must pass too, as Ollama's do.
+    `has_template`: the model's files hold a chat template; `splits_reasoning`: the
+    server has a reasoning parser (None: known once the model is loaded).  What needs
+    the model (the prompt's length against num_ctx, the format's grammar) is checked in
+    OllamaServing.prepare."""
+    if splits_reasoning is False:
+        _check_think(req)
+    req.num_predict(), req.num_ctx()
     if isinstance(req, OllamaChatRequest):
         translated = chat_request(req.model_copy(update={"messages": [*req.messages, {"role": "user", "content": "x"}]}))
     else:
-        translated = generate_request(req.model_copy(update={"prompt": "x"}), has_template=True)
+        translated = generate_request(req.model_copy(update={"prompt": "x"}), has_template=has_template)
     try:
         translated.to_sampling_params()  # (the ranges the engine checks)
     except InvalidRequestError as e:
         raise as_ollama(OpenAIError(str(e), param=e.param)) from None
+
+
+def _check_think(req: OllamaGenerating) -> None:
+    """`think` on a server without a reasoning parser."""
+    if req.think not in (None, False):
+        raise OpenAIError("think: this server splits no thinking off its answers (start it with "
+                          "--reasoning-parser for a thinking model); leave it unset or false", param="think")
 
 
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -219,7 +236,7 @@ def generate_request(req: OllamaGenerateRequest, has_template: bool) -> ChatComp
         if getattr(req, name):
             why = {"suffix": "fill-in-the-middle is not served", "context": "send the conversation to /api/chat "
                    "instead of token context", "template": "Go templates are not rendered here; send the prompt "
-                   "already formatted with raw: true"}[name]
+                   "already formatted" + (" (raw: true needs no template)" if req.raw else " with raw: true")}[name]
             raise OpenAIError(f"{name}: {why}", param=name)
     if req.raw or not has_template:
         if req.images:
@@ -285,12 +302,10 @@ class OllamaServing:
 
     def prepare(self, req: OllamaChatRequest | OllamaGenerateRequest) -> PreparedOllama:
         has_template = self.chat.engine.chat_template is not None
-        if req.think not in (None, False) and self.chat.reasoning_parser is None:
-            raise OpenAIError("think: this server splits no thinking off its answers (start it with "
-                              "--reasoning-parser for a thinking model); leave it unset or false", param="think")
+        if self.chat.reasoning_parser is None:
+            _check_think(req)
         if isinstance(req, OllamaChatRequest) and not has_template:
-            raise OpenAIError(f"model '{req.model[:200]}' has no chat template to put messages in: /api/generate "
-                              "completes its prompt as is", param="messages")
+            raise OpenAIError(f"model '{req.model[:200]}' {NO_CHAT_TEMPLATE_HERE}", param="messages")
         openai_request = chat_request(req) if isinstance(req, OllamaChatRequest) else \
             generate_request(req, has_template)
         handler = self._handler(openai_request)
@@ -305,6 +320,7 @@ class OllamaServing:
             raise OpenAIError(f"the prompt is {prompt_len} tokens, options.num_ctx is {num_ctx}", param="options")
         room = min(num_ctx or handler.max_model_len, handler.max_model_len) - prompt_len
         params, num_predict = prepared.params, req.num_predict()
+        req.check_repeat_shaping(params.repetition_penalty)  # (the model's generation config's too)
         if room >= 1:  # (a prompt that alone fills the context is the engine's to refuse)
             params.max_tokens = min(params.max_tokens or room, room, num_predict or room)
         return PreparedOllama(openai_request, prepared)
@@ -403,8 +419,9 @@ class OllamaEmbedding:
         longest = max(len(p.token_ids) for p in prepared.prompts)
         # (past the model's own limit the engine refuses, in vLLM's words)
         if num_ctx < self.embedding.max_model_len and longest > num_ctx:
+            cut = "send truncate true" if isinstance(req, OllamaEmbedRequest) else "ask /api/embed with truncate true"
             raise OpenAIError(f"the input length ({longest} tokens) exceeds the context length (options.num_ctx "
-                              f"{num_ctx}); send truncate true to cut it", param="options")
+                              f"{num_ctx}); {cut} to cut it", param="options")
         return PreparedOllama(openai_request, prepared)
 
     async def start(self, req: Any, prep: PreparedOllama) -> tuple[str, list[RequestStream]]:

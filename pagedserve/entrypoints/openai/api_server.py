@@ -281,7 +281,8 @@ def _server_state(args: argparse.Namespace, engine_args: EngineArgs, specs: list
                                                        args.enable_force_include_usage),
                         fastapi_docs=not args.disable_fastapi_docs,
                         server_load=0 if args.enable_server_load_tracking else None,
-                        chat_template_given=engine_args.chat_template is not None)
+                        chat_template_given=engine_args.chat_template is not None,
+                        splits_reasoning=args.reasoning_parser is not None)
     if state.enable_dashboard:
         state.series = SeriesStatLogger()
     return state

@@ -112,6 +112,13 @@ def without_latest(name: str) -> str:
     return name[: -len(LATEST_TAG)] if name.endswith(LATEST_TAG) and len(name) > len(LATEST_TAG) else name
 
 
+def check_not_latest(name: str, what: str) -> None:
+    """A served name (`what`: which) must not end with :latest (without_latest says why)."""
+    if without_latest(name) != name:
+        raise ValueError(f"{what} {name!r}: Ollama's routes read NAME{LATEST_TAG} as NAME, so no served name ends "
+                         f"with {LATEST_TAG}; name it {without_latest(name)!r}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model the server may load: the name clients use and what loads it.  `source`
@@ -261,8 +268,7 @@ class ModelPool(Generic[H]):
             model.checked = True
         return model.max_model_len
 
-    def set_loader(self, load: Callable[[ModelSpec, int | None], Awaitable[H]],
-                   unload: Callable[[H], Awaitable[None]],
+    def set_loader(self, load: Callable[[ModelSpec, int | None], Awaitable[H]], unload: Callable[[H], Awaitable[None]],
                    kv_bytes: Callable[[H], int | None] = lambda handlers: None) -> None:
         """Load models on demand (a server of several models); before any is attached.
         `kv_bytes`: the KV cache a loaded model's engine sized (the KV share asked for is
@@ -581,8 +587,7 @@ def register_pool_metrics(registry: Any, pool: ModelPool[Any]) -> None:
                         for field, doc in (("loads", "Models loaded on demand."),
                                            ("unloads", "Models unloaded (keep_alive, or for room)."),
                                            ("load_failures", "Model loads that failed."))]
-            loaded = GaugeMetricFamily("pagedserve:model_loaded", "1 while the model is loaded.",
-                                       labels=["model_name"])
+            loaded = GaugeMetricFamily("pagedserve:model_loaded", "1 while the model is loaded.", labels=["model_name"])
             for name, model in pool.models.items():
                 c = model.counters
                 for family, value in zip(families, (c.loads, c.unloads, c.load_failures), strict=True):

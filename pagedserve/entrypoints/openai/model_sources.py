@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.entrypoints.openai.model_pool import (
     DEFAULT_KEEP_ALIVE,
     ModelSpec,
+    check_not_latest,
     parse_keep_alive,
     without_latest,
 )
@@ -79,6 +80,8 @@ def model_specs(sources: list[str], models_dir: str | None, served_names: list[s
         names = served_names or [sources[0]]
         if not all(n.strip() for n in names):  # (a model named "" answered as "")
             raise ValueError("--served-model-name: a name must not be empty")
+        for name in served_names or ():
+            check_not_latest(name, "--served-model-name")
         return [ModelSpec(names[0], sources[0], tuple(names[1:]))]
     if served_names:
         raise ValueError("--served-model-name names the one model served; with several, each is named by its "

@@ -214,6 +214,9 @@ class ServerState:
     server_load: int | None = None  # requests at work (GET /load); None: not tracked (--enable-server-load-tracking)
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
     chat_template_given: bool = False  # --chat-template: every model has one, whatever its files say
+    # --reasoning-parser set: thinking is split off answers (a request for it is refused
+    # before its model loads without one).  None: known once loaded (in-process tests).
+    splits_reasoning: bool | None = None
     lora_adapters: LoRAAdapters = field(default_factory=LoRAAdapters)  # --lora-modules and runtime loads
     # The runner every model of the pool loads with (--runner): a route of the other runner
     # is refused before its model loads.  None: known only once loaded (in-process tests).
@@ -310,8 +313,12 @@ class ServerState:
         name = self.model_for(requested)
         if runner is not None and self.runner is not None:
             check_runner(self.runner, runner, route)  # (not loading a model only to refuse it)
-        if chat and not self.chat_template_given and self.models.handlers(name) is None:
-            await self._check_chat_template(name)
+        if chat and self.models.handlers(name) is None and not await self.has_chat_template(name):
+            from pagedserve.engine.chat_utils import NO_CHAT_TEMPLATE
+            from pagedserve.entrypoints.ollama.protocol import NO_CHAT_TEMPLATE_HERE, OLLAMA_PATH_PREFIX
+
+            raise OpenAIError(f"model {name!r} {NO_CHAT_TEMPLATE_HERE}" if route.startswith(OLLAMA_PATH_PREFIX)
+                              else f"model {name!r}: {NO_CHAT_TEMPLATE}", param="messages")
         lease = await self.models.lease(name, keep_alive)
         try:
             engine = lease.handlers.engine
@@ -323,15 +330,19 @@ class ServerState:
             raise
         return lease
 
-    async def _check_chat_template(self, name: str) -> None:
-        from pagedserve.engine.chat_utils import NO_CHAT_TEMPLATE
+    async def has_chat_template(self, name: str) -> bool:
+        """Whether model `name` renders prompts with a chat template: --chat-template, the
+        loaded model's own, else what its files hold (read off the event loop; True where
+        they cannot tell: one not fetched yet, unreadable files)."""
         from pagedserve.model_loader.model_facts import UNKNOWN, model_details
         from pagedserve.model_loader.sources import local_model
 
-        path = local_model(self.models.models[name].spec.source)  # (one not fetched yet: known once loaded)
+        handlers = self.models.handlers(name)
+        if self.chat_template_given or handlers is not None:
+            return self.chat_template_given or handlers.chat.engine.chat_template is not None
+        path = local_model(self.models.models[name].spec.source)
         info = await asyncio.to_thread(model_details, path) if path is not None else UNKNOWN
-        if info is not UNKNOWN and not info.chat_template:
-            raise OpenAIError(f"model {name!r}: {NO_CHAT_TEMPLATE}", param="messages")
+        return info is UNKNOWN or bool(info.chat_template)
 
     def is_public(self, path: str) -> bool:
         """Routes served without the API key: /health (and vLLM's /ping), /metrics for a scraper when asked,

@@ -12,7 +12,7 @@ import logging
 import threading
 
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.entrypoints.openai.model_pool import LATEST_TAG, without_latest
+from pagedserve.entrypoints.openai.model_pool import check_not_latest
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from pagedserve.lora.request import LoRARequest
 
@@ -58,9 +58,7 @@ def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRAR
         raise ValueError(f"a LoRA adapter's name must be 1 to {MAX_LORA_NAME_CHARS} characters, got {name!r:.300}")
     if not name.isprintable() or name != name.strip():
         raise ValueError(f"a LoRA adapter's name may not hold control characters or surrounding spaces, got {name!r}")
-    if without_latest(name) != name:
-        raise ValueError(f"LoRA adapter name {name!r}: Ollama's routes read NAME{LATEST_TAG} as NAME, so no served "
-                         f"name ends with {LATEST_TAG}; name it {without_latest(name)!r}")
+    check_not_latest(name, "LoRA adapter name")
     if name in served_names:
         raise ValueError(f"LoRA adapter name {name!r} is the base model's served name")
     if name in loras:

@@ -16,6 +16,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec
 from pagedserve.entrypoints.openai.server_state import ModelHandlers
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from tests.engine.fake_engine import FakeEngine
 
 SCRIPTS = {"first": "hello", "second": "world"}
@@ -194,6 +195,57 @@ def test_a_bad_request_for_a_model_not_loaded_loads_nothing() -> None:
     assert loads == [] and state.models.handlers("first") is not None
 
 
+def test_every_check_that_needs_no_model_comes_before_its_load(tmp_path) -> None:
+    """num_predict 0, num_ctx 0, think on a server without a reasoning parser, system for
+    a base model (one whose files hold no chat template): each a 400 before the load
+    (each loaded its model and unloaded the other first), with a prompt or without one
+    (a load-only request answered 200 to what the same request with a prompt refused)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    state, app, loads = make_app()
+    state.splits_reasoning = False  # (as `pagedserve serve` sets it from --reasoning-parser)
+    state.models = ModelPool([ModelSpec("first", "first"), ModelSpec("base", str(tmp_path))], max_loaded=1,
+                             keep_alive=300.0, estimate=lambda spec: 0)
+    state.models.set_loader(lambda spec, kv: pytest.fail(f"{spec.name} was loaded"), ModelHandlers.unload)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(script="hello"), log_stats=False), 64))
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        refused = []
+        for prompt in ("x", ""):
+            for kw, name in (({"options": {"num_predict": 0}}, "num_predict"), ({"options": {"num_ctx": 0}}, "num_ctx"),
+                             ({"think": True}, "think"), ({"system": "be brief"}, "system")):
+                with pytest.raises(ollama.ResponseError, match=name) as e:
+                    await client.generate("base", prompt, **kw)
+                refused.append(e.value.status_code)
+            with pytest.raises(ollama.ResponseError, match="think"):
+                await client.chat("base", [{"role": "user", "content": "x"}] if prompt else [], think=True)
+        return refused
+
+    assert call(app, fn) == [400] * 8 and loads == []
+
+
+def test_repeat_last_n_0_turns_the_models_repeat_penalty_off_and_a_window_is_refused_beside_it() -> None:
+    """Ollama's repeat_last_n: 0 is no repeat penalty, -1 the whole context (this
+    server's); another window beside a penalty the model's generation config sets is
+    refused by name (it was dropped: the penalty ran over the whole context)."""
+    from pagedserve.entrypoints.ollama.protocol import OllamaGenerateRequest
+    from pagedserve.entrypoints.ollama.serving import OllamaServing, Timing
+
+    state, app, _ = make_app()
+    handlers = state.models.handlers("first")
+    handlers.engine.sampling_defaults = {"repetition_penalty": 1.3}  # (the model's generation config)
+    serving = OllamaServing(handlers.chat, handlers.completion, Timing())
+
+    def penalty(**options):
+        req = OllamaGenerateRequest(model="first", prompt="x", options=options)
+        return serving.prepare(req).prepared.params.repetition_penalty
+
+    assert penalty() == 1.3 and penalty(repeat_last_n=-1) == 1.3 and penalty(repeat_last_n=0) == 1.0
+    with pytest.raises(OpenAIError, match="repeat_last_n"):
+        penalty(repeat_last_n=64)
+
+
 def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:
     state, app, loads = make_app()
     state.runner = "generate"  # as `pagedserve serve` sets it from --runner
@@ -206,6 +258,26 @@ def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:
 
     call(app, fn)
     assert loads == []  # "second" was never loaded (and "first" stays the one loaded)
+
+
+def test_show_names_the_servers_runner_for_a_model_not_loaded(tmp_path) -> None:
+    """Under --runner pooling a model not loaded yet shows `embedding` (it showed
+    `completion`, then `embedding` once loaded)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    state, app, _ = make_app()
+    state.models = ModelPool([ModelSpec("first", "first"), ModelSpec("other", str(tmp_path))], estimate=lambda s: 0)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(script="hello"), log_stats=False), 64))
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        shown = []
+        for runner in ("pooling", "generate"):
+            state.runner = runner  # (as `pagedserve serve` sets it from --runner)
+            shown.append((await client.show("other")).capabilities)
+        return shown
+
+    assert call(app, fn) == [["embedding"], ["completion"]]
 
 
 def test_show_and_version() -> None:
@@ -420,7 +492,7 @@ def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) ->
             r = await http.post("/v1/messages", json={"model": "base", "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
-        with pytest.raises(ollama.ResponseError, match="no chat template") as e:
+        with pytest.raises(ollama.ResponseError, match="no chat template to put messages in: /api/generate") as e:
             await client.chat(model="base", messages=[{"role": "user", "content": "hi"}])
         assert e.value.status_code == 400
         return await oai.completions.create(model="first", prompt="x", max_tokens=2)

@@ -287,3 +287,7 @@ def test_ollamas_num_ctx_bounds_an_embedding(pooling_server) -> None:
     assert cut["prompt_eval_count"] == 10
     whole = httpx.post(url, json={"model": "smol", "input": long}, timeout=60).json()
     assert whole["prompt_eval_count"] > 100
+    # the older /api/embeddings takes no truncate: its refusal points to the route that does
+    r = httpx.post(pooling_server.url + "/api/embeddings", json={"model": "smol", "prompt": long,
+                                                                 "options": {"num_ctx": 10}}, timeout=60)
+    assert r.status_code == 400 and "ask /api/embed with truncate true" in r.json()["error"], r.text

@@ -365,6 +365,9 @@ def test_a_models_dir_entry_tagged_latest_is_served_by_its_name_without_the_tag(
     (tmp_path / "weird" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="under the name 'weird'"):
         ModelPool(model_specs([], str(tmp_path), None))
+    # --served-model-name's names likewise (mine:latest was listed, and 404 on Ollama's routes)
+    with pytest.raises(ValueError, match="--served-model-name 'mine:latest'.*name it 'mine'"):
+        model_specs(["smollm2-135m-instruct"], None, ["alias", "mine:latest"])
 
 
 def test_a_pool_that_cannot_load_keeps_its_model_whatever_keep_alive_asks_but_an_unload() -> None:
