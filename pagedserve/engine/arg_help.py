@@ -10,7 +10,8 @@ HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "max_model_len": "longest prompt + output in tokens, e.g. 4096, 4k or 4K (default: the model's limit)",
     "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (default: 8192)",
+    "max_num_batched_tokens": "token budget of one step (default: 8192; with --no-enable-chunked-prefill at least "
+                              "max_model_len)",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",

@@ -46,7 +46,7 @@ from pagedserve.config import (
 )
 from pagedserve.engine.arg_help import HELP
 from pagedserve.engine.arg_spellings import add_vllm_flags, vllm_flags_given, vllm_spellings
-from pagedserve.utils import is_int, parse_bytes
+from pagedserve.utils import is_int, is_number, parse_bytes
 
 logger = logging.getLogger("pagedserve")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -187,7 +187,7 @@ class EngineArgs:
 
     def _validate_scalars(self) -> None:
         """Numbers, names and flags, each on its own."""
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+        if not is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise self._bad("gpu_memory_utilization", "in (0, 1]")
         if not is_int(self.seed) or not -2**63 <= self.seed < 2**64:  # (past it: "Overflow when unpacking long long")
             raise self._bad("seed", "a 64-bit integer")

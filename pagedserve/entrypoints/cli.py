@@ -60,29 +60,41 @@ def _benchmarks() -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=BENCHMARK_GROUP)}
 
 
+# The sampling flags of `generate` and `chat`; one not given takes the model's
+# generation-config default (and --override-generation-config's), else the command's own.
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "stop", "ignore_eos")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+    p.set_defaults(own_sampling={"temperature": temperature, "max_tokens": max_tokens})
+    model = "default: the model's generation config (or --override-generation-config), else"
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
-    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default: {temperature})")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate ({model} {max_tokens})")
+    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({model} {temperature})")
+    g.add_argument("--top-p", type=float, default=None, help=f"({model} 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model} 0)")
+    g.add_argument("--min-p", type=float, default=None, help=f"({model} 0.0)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=f"({model} 1.0)")
+    g.add_argument("--presence-penalty", type=float, default=None, help="(default: 0.0)")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="(default: 0.0)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--system", default=None, help="system message for chat prompts")
 
 
-def _sampling_params(ns: argparse.Namespace):
+def _given_sampling(ns: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(ns, name) for name in SAMPLING_FLAGS if getattr(ns, name) is not None}
+
+
+def _sampling_params(ns: argparse.Namespace, model_defaults: dict[str, Any] | None = None):
+    """The flags given, else `model_defaults` (the model's generation config and
+    --override-generation-config: the engine's sampling_defaults()), else the command's
+    own (greedy `generate`, `chat` at 0.7).  --seed is the engine's, not each request's
+    (two prompts sampled alike would answer alike)."""
     from pagedserve.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
-        frequency_penalty=ns.frequency_penalty, stop=ns.stop, ignore_eos=ns.ignore_eos, seed=ns.seed,
-    )
+    return SamplingParams(**{**ns.own_sampling, **(model_defaults or {}), **_given_sampling(ns)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,9 +219,10 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         ns.prompts = [sys.stdin.read(MAX_PROMPT_CHARS + 1).removesuffix("\n") if p == "-" else p for p in ns.prompts]
 
     _check_runner(ns)
-    params = _sampling_params(ns)  # (a bad flag is named before the model loads)
+    _sampling_params(ns)  # (a bad flag is named before the model loads)
     llm = LLM.from_engine(_build_engine(ns, len(ns.prompts)))
     engine = llm.llm_engine
+    params = _sampling_params(ns, engine.sampling_defaults())
     use_chat = ns.chat
     if use_chat is None:
         use_chat = engine.chat_template is not None
@@ -345,7 +358,7 @@ def cmd_chat_remote(ns: argparse.Namespace) -> None:
     if local or ns.max_num_seqs is not None or ns.torch_compile is not None:
         raise ValueError(f"--{(local or ['max_num_seqs'])[0].replace('_', '-')} sets up a model here; with --url "
                          "the server's model answers")
-    flags = {f: getattr(ns, f) for f in ("max_tokens", "temperature", *NEUTRAL_SAMPLING)}
+    flags = {**NEUTRAL_SAMPLING, **ns.own_sampling, **_given_sampling(ns), "seed": ns.seed}
     chat = RemoteChat(ns.url, ns.model_name, api_key(ns.api_key), request_sampling(flags), ns.system)
     if ns.quick is not None:  # (one answer, and done; a refusal is the command's error)
         chat.turn(ns.quick, _write)
@@ -360,8 +373,9 @@ def cmd_chat(ns: argparse.Namespace) -> None:
     if ns.model_name is not None or ns.api_key is not None or ns.quick is not None:
         raise ValueError("--model-name, --api-key and --quick talk to a server: give its --url")
     _check_runner(ns)
-    params = _sampling_params(ns)
-    chat = LocalChat(_build_engine(ns, 1), params, ns.system)
+    _sampling_params(ns)  # (a bad flag is named before the model loads)
+    engine = _build_engine(ns, 1)
+    chat = LocalChat(engine, _sampling_params(ns, engine.sampling_defaults()), ns.system)
     turns, refused = chat_loop(chat, "pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits.")
     if refused:  # (a script piping turns in learns that some were not answered)
         raise ValueError(f"{refused} of {turns} turns refused")

@@ -31,6 +31,7 @@ def test_defaults_and_config_tree() -> None:
         ({"block_size": 24}, "block_size"),
         ({"block_size": True}, "block_size"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization"),  # (was taken as 1.0)
         ({"kv_cache_memory_bytes": "lots"}, "kv_cache_memory_bytes"),
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"load_format": "pickle"}, "load_format"),

@@ -113,6 +113,32 @@ def test_generate_and_chat_help_says_their_own_defaults(capsys) -> None:
         assert "with torch.compile (default here: off" in text
 
 
+def test_sampling_flags_not_given_take_the_models_generation_config(monkeypatch, capsys) -> None:
+    """A flag given wins; one not given takes the model's generation-config default (and
+    --override-generation-config's: the engine's sampling_defaults), else the command's
+    own.  The command's defaults overrode both, so --override-generation-config did
+    nothing here; and --seed, the engine's, was also every request's (two prompts
+    sampled alike answered alike)."""
+    tok = make_tokenizer()
+    ids = tok.encode(ANSWER) + [tok.eos_token_id]
+
+    def load(ns, num_seqs):
+        engine = make_engine(lambda i, p: ids[min(i, len(ids) - 1)], tokenizer=tok, vocab_size=len(tok),
+                             eos_token_id=tok.eos_token_id)
+        engine.sampling_defaults = lambda: {"max_tokens": 2, "temperature": 0.5}
+        return engine
+
+    monkeypatch.setattr(cli, "_build_engine", load)
+    cli.main(["generate", "hi", "--no-chat"])
+    assert capsys.readouterr().out == tok.decode(ids[:2]) + "\n"
+    cli.main(["generate", "hi", "--no-chat", "--max-tokens", "50"])
+    assert capsys.readouterr().out == ANSWER + "\n"
+    ns = cli.build_parser().parse_args(["generate", "hi", "--seed", "5", "--top-k", "3"])
+    given = cli._sampling_params(ns, {"max_tokens": 2, "top_k": 7, "temperature": 0.5})
+    assert (given.seed, given.max_tokens, given.top_k, given.temperature) == (None, 2, 3, 0.5)
+    assert (cli._sampling_params(ns).temperature, cli._sampling_params(ns).max_tokens) == (0.0, 256)
+
+
 def test_bad_sampling_value_is_a_clean_error(fake_engine) -> None:
     """Named before the model loads (it loaded first), as another runner is."""
     with pytest.raises(SystemExit, match="max_tokens must be"):
