@@ -376,14 +376,16 @@ def _normalise_message(message: dict[str, Any], content_parts: bool = False) -> 
     """The one place messages are normalised for chat templates: OpenAI-style content
     parts [{"type": "text", "text": ...}] become one string, joined with newlines as vLLM
     does; no content is "" (an assistant turn that only called tools); tool-call
-    arguments sent as JSON text become the objects that templates render.  With
+    arguments sent as JSON text become the objects that templates render; an answer sent
+    back with its `refusal` (and no content) says that refusal.  With
     `content_parts` (vision models, whose templates iterate over parts, as SmolVLM's
     does), every content becomes a list of text and image parts instead.  OpenAI's
     deprecated functions turns become tools': an assistant's `function_call` a tool call,
     a `function` message (its result) a `tool` message."""
-    message = _from_legacy_functions(message)
+    message = {**_from_legacy_functions(message)}
     content = message.get("content")
-    message = {**message}
+    if not content and isinstance(message.get("refusal"), str):  # (an answer that refused: what it said)
+        content = message["content"] = message["refusal"]
     if content_parts and isinstance(content, str):
         content = [{"type": "text", "text": content}]
     if content is None:

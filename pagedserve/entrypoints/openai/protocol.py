@@ -25,7 +25,10 @@ from pydantic import (
 )
 
 from pagedserve.entrypoints.openai.protocol_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
     as_sent,
+    check_chat_message,
     check_chat_only_fields,
     check_hint_fields,
     check_sent_tool_calls,
@@ -75,8 +78,11 @@ class ErrorResponse(OpenAIBaseModel):
 
 # ------------------------------------------------------------------ request bodies
 class StreamOptions(OpenAIBaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # (another key was ignored)
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream events: accepted without effect
 
 
 class OpenAIRequestBody(RequestBody):
@@ -151,6 +157,14 @@ class _SamplingFields(OpenAIRequestBody):
     STRUCTURED_FIELDS: ClassVar[tuple[str, ...]] = (
         "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_take_defaults(cls, data: Any) -> Any:
+        """OpenAI's nullable fields of a default (n, echo) sent as null take it (a 400 said
+        null was no integer)."""
+        return {k: v for k, v in data.items() if v is not None or k not in ("n", "echo")} \
+            if isinstance(data, dict) else data
+
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
@@ -166,9 +180,10 @@ class _SamplingFields(OpenAIRequestBody):
         return self.api_params().get(param, param) if param is not None else None
 
     def structured_fields(self) -> list[str]:
-        """The constraining fields this request sets (response_format "text" constrains nothing)."""
+        """The constraining fields this request sets (response_format {"type": "text"} constrains
+        nothing; one without a type, or text with other keys, is refused: constraint_of)."""
         return [f for f in self.STRUCTURED_FIELDS if getattr(self, f) is not None
-                and not (f == "response_format" and self.response_format.get("type", "text") == "text")]
+                and not (f == "response_format" and self.response_format == {"type": "text"})]
 
     def check_unsupported(self, structured_outputs_backend: str) -> None:
         """Refuse fields that would silently change the output if ignored
@@ -222,29 +237,15 @@ class _SamplingFields(OpenAIRequestBody):
 
         max_tokens = self.requested_max_tokens()
         return SamplingParams(
-            n=self.n,
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0),
-            seed=self.seed,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos,
-            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
-            min_tokens=self.min_tokens,
-            logprobs=self._num_logprobs(),
-            prompt_logprobs=self.prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self._logit_bias(),
-            allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words,
-            structured_outputs=self.structured_outputs_params(),
-            prediction=prediction_text(self.prediction),
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
+            stop=self.stop, stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens, logprobs=self._num_logprobs(), prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params(), prediction=prediction_text(self.prediction),
             thinking_token_budget=self.thinking_token_budget,
         )
 
@@ -252,10 +253,9 @@ class _SamplingFields(OpenAIRequestBody):
         """OpenAI sends token ids as JSON object keys, so as strings."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+        if not all(k.isascii() and k.isdigit() for k in self.logit_bias):  # (int() took "1_7" and "１７" as 17)
+            raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(_SamplingFields):
@@ -276,6 +276,7 @@ class CompletionRequest(_SamplingFields):
 
     def check_unsupported(self, structured_outputs_backend: str) -> None:
         super().check_unsupported(structured_outputs_backend)
+        refuse_unsupported_fields(self.model_extra, CHAT_FIELDS)
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.prompt_only and self.min_tokens:  # (it said max_tokens=1: the one step it runs)
@@ -297,6 +298,8 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class FunctionDefinition(OpenAIBaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # (another key was written into the prompt)
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -304,6 +307,8 @@ class FunctionDefinition(OpenAIBaseModel):
 
 
 class ChatCompletionTool(OpenAIBaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
@@ -369,6 +374,9 @@ class ChatCompletionRequest(_SamplingFields):
                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
     def requested_max_tokens(self) -> int | None:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequestError("send max_completion_tokens or its deprecated max_tokens, not both (they "
+                                      "differ)", param="max_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def _num_logprobs(self) -> int | None:
@@ -414,7 +422,9 @@ class ChatCompletionRequest(_SamplingFields):
                 raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
                                           param="continue_final_message")
         check_chat_only_fields(self.modalities, self.web_search_options, self.store, self.metadata)
+        refuse_unsupported_fields(self.model_extra, COMPLETION_FIELDS)
         for i, message in enumerate(self.messages):
+            check_chat_message(i, message.role, message.model_dump(exclude_unset=True))
             if message.role == "assistant":
                 check_sent_tool_calls(i, (message.model_extra or {}).get("tool_calls"))
         mode, _ = self.tool_mode()

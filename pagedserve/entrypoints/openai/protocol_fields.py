@@ -69,9 +69,32 @@ VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-# Unmodelled fields an API defines (refused by name, or accepted without effect): not
-# logged as unknown.
-KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS)
+# Each generation route's fields sent to the other: refused by name there (a client that
+# sent max_completion_tokens to /v1/completions had an answer of its default 16 tokens).
+_CHAT_TURNS = "a chat field: /v1/completions completes its prompt as sent (/v1/chat/completions renders messages)"
+CHAT_FIELDS: dict[str, str] = {  # (refused on /v1/completions)
+    "max_completion_tokens": "the Completions API's limit is max_tokens",
+    "top_logprobs": "the Completions API asks for logprobs with logprobs: N",
+    **dict.fromkeys(("messages", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                     "documents", "include_reasoning"), _CHAT_TURNS),
+    **dict.fromkeys(("store", "metadata", "reasoning_effort", "verbosity", "modalities", "web_search_options"),
+                    "a Chat Completions field, which the Completions API does not have"),
+}
+COMPLETION_FIELDS: dict[str, str] = {  # (refused on /v1/chat/completions)
+    "suffix": "a Completions field (and fill-in-the-middle is not served)",
+    "best_of": "a Completions field (n answers are n samples here)",
+}
+# Cohere's rerank fields for what the pooling routes do not do (refused there by name).
+RERANK_FIELDS: dict[str, str] = {
+    "max_tokens_per_doc": "documents are read whole here (truncate_prompt_tokens cuts every text)",
+    "max_chunks_per_doc": "documents are read whole here, not in chunks",
+    "rank_fields": "documents are text here, with no fields to rank by",
+}
+# Unmodelled fields an API defines (refused by name, or accepted without effect: vLLM's
+# older pooling `additional_data`, which nothing read): not logged as unknown.
+KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS) | frozenset(CHAT_FIELDS) \
+    | frozenset(COMPLETION_FIELDS) | frozenset(RERANK_FIELDS) | {"additional_data"}
 
 
 def part_key_error(part: dict[str, Any], kind: str, keys: tuple[str, ...],
@@ -221,6 +244,32 @@ def omitted_if_none() -> Any:
     return Field(default=None, exclude_if=lambda value: value is None)
 
 
+# A chat message's keys by role, as OpenAI defines them (with the reasoning an answer
+# sent back carries, vLLM's names); any other is refused by name, as OpenAI refuses it
+# (one was dropped from the prompt).  Other roles (vLLM passes custom ones to the
+# template) take role, content and name.
+MESSAGE_KEYS = {"assistant": ("role", "content", "name", "tool_calls", "function_call", "refusal", "audio",
+                              "reasoning", "reasoning_content"),
+                "tool": ("role", "content", "tool_call_id", "name")}
+OTHER_MESSAGE_KEYS = ("role", "content", "name")
+
+
+def check_chat_message(i: int, role: str, message: dict[str, Any]) -> None:
+    """messages[i] (set keys only): its keys for its role and its text parts', a past
+    answer's audio (text only here) and refusal (its text, where content is none)."""
+    where = f"messages[{i}]"
+    error = part_key_error(message, f"a {role[:50]} message", MESSAGE_KEYS.get(role, OTHER_MESSAGE_KEYS),
+                           {"audio": ((), "this server outputs text only (no audio)")})
+    if error is None and message.get("refusal") is not None and (
+            not isinstance(message["refusal"], str) or message.get("content") not in (None, "", [])):
+        error = "refusal must be a string, and the turn's content none (a refusal is what the turn said)"
+    for part in message.get("content") if isinstance(message.get("content"), list) else ():
+        if error is None and isinstance(part, dict) and part.get("type") == "text":
+            error = part_key_error(part, "a text part", ("type", "text"), {})
+    if error is not None:
+        raise InvalidRequestError(f"{where}: {error}", param=where)
+
+
 def check_sent_tool_calls(i: int, tool_calls: Any) -> None:
     """A past assistant turn's `tool_calls` (messages[i]), in OpenAI's shape: a list of
     {"function": {"name": NAME, "arguments": JSON text}} (`id` and `type` as the client
@@ -260,6 +309,18 @@ def check_tool_definitions(names: list[str], parameters: list[dict[str, Any] | N
                                       f'of type "object", got type {str(kind)[:40]!r}', param=field)
 
 
+def json_schema_format_error(spec: dict[str, Any]) -> str | None:
+    """What is wrong with a json_schema format's fields besides its schema (chat's
+    response_format.json_schema, the Responses API's text.format), as OpenAI holds them;
+    None: nothing.  A missing name is taken as "output"."""
+    if set(spec) - {"type", "name", "schema", "strict", "description"} or not FUNCTION_NAME.fullmatch(
+            str(spec.get("name", "output"))) or not isinstance(spec.get("name", ""), str) \
+            or not isinstance(spec.get("strict", False), (bool, type(None))) \
+            or not isinstance(spec.get("description", ""), str):
+        return "takes name (^[a-zA-Z0-9_-]{1,64}$), schema, strict (true or false) and description (a string) only"
+    return None
+
+
 def constraint_of(field: str, value: Any) -> StructuredOutputsParams:
     """The output constraint a request's constraining field asks for: OpenAI's
     response_format (json_object, json_schema; vLLM's structural_tag, the tag itself in
@@ -267,6 +328,10 @@ def constraint_of(field: str, value: Any) -> StructuredOutputsParams:
     guided_* field."""
     if field == "response_format":
         kind = value.get("type")
+        keys = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}.get(
+            kind if isinstance(kind, str) else "")  # (a list is no key: the schema fuzz's 500)
+        if keys is not None and (error := part_key_error(value, f"a {kind} response_format", keys, {})):
+            raise InvalidRequestError(f"response_format: {error}", param=field)
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
         if kind == "json_schema":
@@ -274,6 +339,8 @@ def constraint_of(field: str, value: Any) -> StructuredOutputsParams:
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):  # (OpenAI's: required)
                 raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
                                           param=field)
+            if (error := json_schema_format_error(spec)) is not None:
+                raise InvalidRequestError(f"response_format.json_schema {error}", param=field)
             return StructuredOutputsParams(json=spec["schema"])
         if kind == "structural_tag":
             return StructuredOutputsParams(structural_tag=value)

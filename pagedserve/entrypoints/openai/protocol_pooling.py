@@ -11,6 +11,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from pagedserve.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, RequestBody, UsageInfo
+from pagedserve.entrypoints.openai.protocol_fields import (
+    RERANK_FIELDS,
+    UNSUPPORTED_FIELDS,
+    refuse_unsupported_fields,
+    refuse_vllm_fields,
+)
 from pagedserve.errors import InvalidRequestError
 
 
@@ -67,6 +73,11 @@ class _PoolingFields(RequestBody):
         return self.PROMPT_FIELD if param == "prompt" else param
 
     def check_pooling_fields(self) -> None:
+        """OpenAI's and vLLM's fields for what this server lacks refused by name, as on
+        the generation routes (vLLM's use_beam_search, OpenAI's audio were ignored here)."""
+        for refused in (UNSUPPORTED_FIELDS, RERANK_FIELDS):
+            refuse_unsupported_fields(self.model_extra, refused)
+        refuse_vllm_fields(self.model_extra)
         if self.mm_processor_kwargs:
             raise InvalidRequestError("mm_processor_kwargs: the image processors here take no per-request settings",
                                       param="mm_processor_kwargs")

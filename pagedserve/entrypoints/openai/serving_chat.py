@@ -227,6 +227,10 @@ class OpenAIServingChat(OpenAIServing):
         plan = self.tool_plan(req) if plan is None else plan
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and plan.mode != "none" else None
         prompt = self.render(req, req.messages, req.add_generation_prompt, tools)
+        if req.documents and prompt.text == self.render(req.model_copy(update={"documents": []}), req.messages,
+                                                        req.add_generation_prompt, tools).text:
+            raise OpenAIError("documents: this model's chat template does not read them (a RAG template's "
+                              "`documents`): put them in the messages", param="documents")
         if tools and prompt.text == self.render(req, req.messages, req.add_generation_prompt).text:
             # The template does not render tools: tell the model about them in the system
             # message, as vLLM's tool-aware templates would: under "auto" in the parser's own

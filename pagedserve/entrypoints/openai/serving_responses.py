@@ -34,6 +34,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     HintKeys,
     check_metadata,
     check_object_hint,
+    json_schema_format_error,
     refuse_unsupported_fields,
     renamed_text,
 )
@@ -169,14 +170,9 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
-    name = fmt.get("name", "output")
-    if fmt.get("type") == "json_schema" and (set(fmt) - {"type", "name", "schema", "strict", "description"}
-                                            or not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name)):
-        raise OpenAIError("text.format json_schema takes name (^[a-zA-Z0-9_-]{1,64}$), schema, strict and "
-                          "description only", param="text")
-    if (fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)
-            and isinstance(fmt.get("strict", False), (bool, type(None)))
-            and isinstance(fmt.get("description", ""), str)):
+    if fmt.get("type") == "json_schema" and (error := json_schema_format_error(fmt)) is not None:
+        raise OpenAIError(f"text.format json_schema {error}", param="text")
+    if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
     raise OpenAIError('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '

@@ -198,6 +198,11 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/rerank", {"query": "a", "documents": [f"{i} " + "x " * 300 for i in range(1000)]}, "documents"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
+    # what the generation routes refuse by name (each was ignored here, and not even logged)
+    ("/v1/embeddings", {"input": "x", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/embeddings", {"input": "x", "audio": {"format": "wav"}}, "audio"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "return_token_ids": True}, "return_token_ids"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": 8}, "max_tokens_per_doc"),  # (Cohere's)
 ])
 def test_bad_pooling_requests_are_refused_by_name(pooling_server, path, body, param) -> None:
     r = httpx.post(pooling_server.url + path, json=body, timeout=60)

@@ -12,10 +12,15 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def test_chat_maps_openai_names_to_sampling_params():
-    req = ChatCompletionRequest(messages=MSGS, max_tokens=5, max_completion_tokens=7, logprobs=True,
+    req = ChatCompletionRequest(messages=MSGS, max_completion_tokens=7, logprobs=True,
                                 top_logprobs=3, temperature=0.5, top_k=4, stop="x", seed=1)
     p = req.to_sampling_params()
     assert (p.max_tokens, p.logprobs, p.temperature, p.top_k, p.stop_strings, p.seed) == (7, 3, 0.5, 4, ["x"], 1)
+    assert ChatCompletionRequest(messages=MSGS, max_tokens=7, max_completion_tokens=7).to_sampling_params() \
+        .max_tokens == 7
+    with pytest.raises(InvalidRequestError, match="not both") as e:  # (max_tokens was dropped, even a bad one)
+        ChatCompletionRequest(messages=MSGS, max_tokens=-5, max_completion_tokens=7).to_sampling_params()
+    assert e.value.param == "max_completion_tokens"
     assert ChatCompletionRequest(messages=MSGS).to_sampling_params().max_tokens is None  # the rest of the context
     assert ChatCompletionRequest(messages=MSGS, logprobs=True).to_sampling_params().logprobs == 0
     assert CompletionRequest(prompt="x").to_sampling_params().max_tokens == 16  # the legacy endpoint's default

@@ -21,7 +21,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
 
 
 def post(server, chat: bool, **fields) -> httpx.Response:
-    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, **fields}
+    body = {"model": MODEL_NAME, "temperature": 0, **fields}
+    body.setdefault("max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens", 6)
     body.setdefault("messages" if chat else "prompt", MESSAGES if chat else PROMPT)
     return httpx.post(server.url + ("/v1/chat/completions" if chat else "/v1/completions"), timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}, json=body)
@@ -266,3 +267,50 @@ def test_echo_with_logprobs_gives_the_prompt_k_alternatives_whatever_prompt_logp
     r = post(server, False, echo=True, logprobs=3, prompt_logprobs=0, max_tokens=2)
     sizes = [len(t) if t is not None else None for t in r.json()["choices"][0]["logprobs"]["top_logprobs"]]
     assert sizes[0] is None and all(n is not None and n >= 3 for n in sizes[1:]), sizes
+
+
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+_USER = {"role": "user", "content": "hello world"}
+
+
+@pytest.mark.parametrize(("chat", "fields", "param"), [
+    # the other route's fields (each was ignored: the answer ran to max_tokens' default, no logprobs, no tools)
+    (False, {"max_completion_tokens": 2}, "max_completion_tokens"), (False, {"top_logprobs": 2}, "top_logprobs"),
+    (False, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), (False, {"store": True}, "store"),
+    (True, {"suffix": "x"}, "suffix"),
+    # a response_format whose constraint was dropped: no type, or text with a schema; json_schema's own rules
+    (True, {"response_format": {"json_schema": {"name": "s", "schema": _SCHEMA}}}, "response_format"),
+    (True, {"response_format": {"type": "text", "json_schema": {"name": "s", "schema": _SCHEMA}}}, "response_format"),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": _SCHEMA}}},
+     "response_format"),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _SCHEMA,
+                                                                       "strict": "yes"}}}, "response_format"),
+    # keys OpenAI defines for no such message or part (each was dropped from the prompt)
+    (True, {"messages": [{**_USER, "foo": 1}]}, "messages[0]"),
+    (True, {"messages": [{**_USER, "tool_calls": []}]}, "messages[0]"),
+    (True, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+     "messages[0]"),
+    (True, {"messages": [_USER, {"role": "assistant", "content": None, "audio": {"id": "a1"}}, _USER]}, "messages[1]"),
+    (True, {"messages": [_USER, {"role": "assistant", "content": "yes", "refusal": "no"}, _USER]}, "messages[1]"),
+    # another key on a tool was written into the prompt; stream_options' was ignored
+    (True, {"tools": [{"type": "function", "function": {"name": "f", "foo": 1}}]}, "tools"),
+    (True, {"stream": True, "stream_options": {"include_usage": True, "foo": True}}, "stream_options"),
+    # a template that never reads documents (they were dropped); logit_bias keys int() took
+    (True, {"documents": [{"title": "a", "text": "SECRET"}]}, "documents"),
+    (True, {"logit_bias": {"1_7": 5}}, "logit_bias"), (False, {"logit_bias": {"\uff11\uff17": 5}}, "logit_bias"),
+])
+def test_fields_of_another_route_or_shape_are_refused_by_name(server, chat, fields, param):
+    r = post(server, chat, **fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    warned = [line for line in server.log().splitlines() if "ignoring unknown request field" in line]
+    assert not any(repr(name) in line for line in warned for name in fields if name not in ("messages", "stream"))
+
+
+def test_nullable_fields_take_their_default_and_a_refusal_sent_back_is_what_the_turn_said(server):
+    """OpenAI's n and echo may be null (a 400 said null was no integer); an assistant turn
+    sent back with its refusal (content null) says it (it was rendered as an empty turn)."""
+    assert post(server, True, n=None).status_code == 200 and post(server, False, n=None, echo=None).status_code == 200
+    said = [_USER, {"role": "assistant", "content": "I cannot help with that."}, _USER]
+    refused = [_USER, {"role": "assistant", "content": None, "refusal": "I cannot help with that."}, _USER]
+    assert [post(server, True, messages=m).json()["usage"]["prompt_tokens"] for m in (said, refused)] == \
+        [post(server, True, messages=said).json()["usage"]["prompt_tokens"]] * 2
