@@ -401,7 +401,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choice: ChatStreamChoice) -> str:
             if req.functions is not None:
                 choice = legacy_function_call(choice)
-            usage = running_usage(final, prep.prompts) if continuous_usage else None
+            usage = running_usage({} if final is None else {0: final}, prep.prompts) if continuous_usage else None
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                            usage=usage))
 

@@ -26,6 +26,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     merge_streams,
     prompt_logprobs_of,
     request_failed,
+    running_usage,
     sse,
     sse_error,
 )
@@ -127,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             echo_lp = self._prompt_logprobs(out, params.logprobs, echo) if params.logprobs is not None \
                                 else None
                             yield self._chunk(request_id, created, model, index, echo, echo_lp, None,
-                                              make_usage(list(finals.values())) if continuous_usage else None)
+                                              running_usage(finals, prompts) if continuous_usage else None)
                     delta = cs.advance(c, want_tokens=params.logprobs is not None)
                     if delta is None:
                         continue
@@ -135,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self.logprobs(c, tok_start, params.logprobs, cs.text_offsets, tok_end,
                                              params.skip_special_tokens)
                     yield self._chunk(request_id, created, model, index, text, logprobs, c if cs.done else None,
-                                      make_usage(list(finals.values())) if continuous_usage else None)
+                                      running_usage(finals, prompts) if continuous_usage else None)
             if include_usage:
                 usage = make_usage(list(finals.values()))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],

@@ -534,13 +534,15 @@ def make_usage(outputs: list[RequestOutput]) -> UsageInfo:
                      completion_tokens_details=details)
 
 
-def running_usage(final: RequestOutput | None, prompts: list[TokenizedPrompt]) -> UsageInfo:
-    """Usage so far, for vLLM's continuous_usage_stats: before any output (a chat's role
-    chunk, its echo) the prompt and 0 completion tokens."""
-    if final is not None:
-        return make_usage([final])
-    prompt = sum(len(p.token_ids) for p in prompts)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+def running_usage(finals: dict[int, RequestOutput], prompts: list[TokenizedPrompt]) -> UsageInfo:
+    """Usage so far, for vLLM's continuous_usage_stats: every prompt's tokens from the first
+    chunk (a chat's role chunk, an echo; a prompt with no output yet counted as sent; it
+    was left out, a completion of three prompts reporting 4, then 9, then 10), and the
+    completion tokens so far.  `finals`: each prompt's latest output, by its index."""
+    usage = make_usage(list(finals.values()))
+    waiting = sum(len(p.token_ids) for i, p in enumerate(prompts) if i not in finals)
+    return usage.model_copy(update={"prompt_tokens": usage.prompt_tokens + waiting,
+                                    "total_tokens": usage.total_tokens + waiting})
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

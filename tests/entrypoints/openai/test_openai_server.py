@@ -421,6 +421,11 @@ def test_continuous_usage_stats(client):
                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counted == sorted(counted) and counted[-1] == 3
+    # several prompts: each chunk counts every prompt's tokens (those not answered yet were left out)
+    kw = dict(max_tokens=3, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=["one two", "three four five six"], **kw))
+    assert {ch.usage.prompt_tokens for ch in chunks} == {chunks[-1].usage.prompt_tokens}
     # a chat's every chunk carries usage, the role's first (vLLM's: the prompt, 0 generated)
     chunks = list(client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=3, temperature=0, stream=True,
