@@ -150,8 +150,8 @@ def _add_vllm_server_args(parser: argparse.ArgumentParser) -> None:
 
 def check_vllm_server_args(args: argparse.Namespace) -> None:
     """vLLM's server flags the command line set, each checked (a ValueError naming it)."""
-    if args.config is not None:  # (a namespace of parser.parse_args alone: the file went unread)
-        raise ValueError("--config FILE is read by the command line's parse (cli_args.parse_args)")
+    if args.config is not None:  # (a second --config, or a namespace of parser.parse_args alone)
+        raise ValueError("--config: give one config file (a second one, or one not read by cli_args.parse_args)")
     for name, (_, taken, why) in _FIXED_FLAGS.items():
         value = getattr(args, name)
         if value is not None and value not in taken:
@@ -164,10 +164,33 @@ def check_vllm_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: no file {path!r:.200}")
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    _check_tls(args)
     if args.default_chat_template_kwargs is not None and not isinstance(args.default_chat_template_kwargs, dict):
         raise ValueError("--default-chat-template-kwargs must be a JSON object")
     if args.root_path and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r:.100}")
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """The TLS files loaded as uvicorn will load them (a file that is not PEM ended the
+    start in uvicorn's traceback); client-certificate flags need HTTPS (they were ignored)."""
+    import ssl
+
+    if not args.ssl_keyfile:
+        if args.ssl_ca_certs or args.ssl_cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS: give --ssl-keyfile and --ssl-certfile")
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # (an encrypted key is refused: there is no flag for its password, and it was asked on the terminal)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=lambda: b"")
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"--ssl-certfile / --ssl-keyfile: not a PEM certificate and its unencrypted key ({e})") \
+            from None
+    try:
+        if args.ssl_ca_certs:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"--ssl-ca-certs: not PEM certificates ({e})") from None
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -5,6 +5,7 @@ flags that govern how many stay loaded (model_pool.py does the loading)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,8 @@ from pagedserve.entrypoints.openai.model_pool import (
 
 if TYPE_CHECKING:
     from pagedserve.engine.arg_utils import EngineArgs
+
+logger = logging.getLogger("pagedserve.api_server")
 
 MAX_MODELS = 256  # servable models per server (a directory of thousands is a mistake)
 
@@ -99,6 +102,11 @@ def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict
     if args.max_loaded_models < 1:
         raise ValueError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
     several = num_models > 1
+    idle = [flag for flag, unset in (("--keep-alive", args.keep_alive is None), ("--max-loaded-models",
+                                     args.max_loaded_models == 1), ("--max-models-memory", args.max_models_memory is None))
+            if not unset and not several]
+    for flag in idle:  # (as --max-log-len without --enable-log-requests)
+        logger.warning("%s has no effect with one model served: it stays loaded", flag)
     if args.keep_alive is not None:
         keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
     else:

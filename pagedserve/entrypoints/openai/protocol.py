@@ -219,7 +219,8 @@ class _SamplingFields(OpenAIRequestBody):
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the model's generation config for fields left unset (temperature, top_p,
-        top_k, min_p, repetition_penalty, max_tokens; without max_tokens: to the context's end)."""
+        top_k, min_p, repetition_penalty); its max_tokens caps every answer, as vLLM's does
+        (without one: to the context's end)."""
         defaults = defaults or {}
         try:
             return self._to_sampling_params(defaults)
@@ -235,13 +236,13 @@ class _SamplingFields(OpenAIRequestBody):
             value = getattr(self, name)
             return defaults.get(name, builtin) if value is None else value
 
-        max_tokens = self.requested_max_tokens()
+        limits = [n for n in (self.requested_max_tokens(), defaults.get("max_tokens")) if n is not None]
         return SamplingParams(
             n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0), seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
             stop=self.stop, stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            ignore_eos=self.ignore_eos, max_tokens=min(limits, default=None),
             min_tokens=self.min_tokens, logprobs=self._num_logprobs(), prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,

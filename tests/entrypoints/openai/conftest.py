@@ -96,6 +96,16 @@ class ServerProcess(PagedServe):
     def log(self) -> str:
         return self.log_tail()
 
+    def log_mark(self) -> int:
+        """Where the log ends now: log_since(mark) is what the server logged after it (the
+        session's server is shared by the test files of a worker, so its log holds theirs)."""
+        return self.log_path.stat().st_size
+
+    def log_since(self, mark: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(mark)
+            return f.read().decode(errors="replace")
+
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """{(sample name, sorted labels without model_name and engine): value}, summed over
         engines (data-parallel replicas)."""

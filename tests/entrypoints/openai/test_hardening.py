@@ -532,6 +532,9 @@ def test_a_queued_stream_sends_its_role_with_its_first_token():
     (["--chat-template-content-format", "openai"], "vLLM's auto"),
     (["--ssl-keyfile", "/nonexistent.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile: no file"),
+    # a file that is not PEM ended the start in uvicorn's traceback; CA flags without HTTPS were ignored
+    (["--ssl-keyfile", __file__, "--ssl-certfile", __file__], "not a PEM certificate"),
+    (["--ssl-ca-certs", __file__], "need HTTPS"), (["--ssl-cert-reqs", "2"], "need HTTPS"),
     (["--root-path", "api"], "--root-path must start with '/'"),
     (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is neither an address nor a name"),
     (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
@@ -568,8 +571,10 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
     (tmp_path / "bad.yaml").write_text("- a list\n")
     with pytest.raises(SystemExit):
         parse_args(parser, ["--config", str(tmp_path / "bad.yaml")])
-    with pytest.raises(SystemExit, match="--config FILE is read by"):  # (a parse that skipped the file)
+    with pytest.raises(SystemExit, match="--config: give one config file"):  # (a parse that skipped the file)
         configure(parser.parse_args(["--config", str(tmp_path / "c.yaml")]))
+    with pytest.raises(SystemExit, match="--config: give one config file"):  # (it said the parse skipped it)
+        configure(parse_args(parser, ["--config", str(tmp_path / "c.yaml"), "--config", str(tmp_path / "c.yaml")]))
 
 
 def test_server_wide_request_defaults_and_no_docs():

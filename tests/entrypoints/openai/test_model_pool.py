@@ -546,3 +546,23 @@ def test_a_request_arriving_as_an_abandoned_load_gives_up_starts_its_own(monkeyp
         return loader.events
 
     assert run(main()) == ["load b"]
+
+
+def test_the_pools_flags_say_they_do_nothing_for_one_model(caplog) -> None:
+    """--keep-alive, --max-loaded-models and --max-models-memory only act when several models
+    are served: with one, each set is named in a warning (they changed nothing, silently)."""
+    import argparse
+    import logging
+
+    from pagedserve.entrypoints.openai.api_server import make_arg_parser
+    from pagedserve.entrypoints.openai.model_sources import pool_options
+
+    parser = make_arg_parser(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(["m", "--keep-alive", "1s", "--max-loaded-models", "3"])
+    with caplog.at_level(logging.WARNING, logger="pagedserve.api_server"):
+        pool_options(args, 1, "cpu")
+        warned = caplog.text
+        caplog.clear()
+        pool_options(parser.parse_args(["m"]), 1, "cpu")
+    assert "--keep-alive has no effect" in warned and "--max-loaded-models has no effect" in warned
+    assert "--max-models-memory" not in warned and not caplog.text

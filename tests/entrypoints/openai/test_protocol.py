@@ -24,6 +24,10 @@ def test_chat_maps_openai_names_to_sampling_params():
     assert ChatCompletionRequest(messages=MSGS).to_sampling_params().max_tokens is None  # the rest of the context
     assert ChatCompletionRequest(messages=MSGS, logprobs=True).to_sampling_params().logprobs == 0
     assert CompletionRequest(prompt="x").to_sampling_params().max_tokens == 16  # the legacy endpoint's default
+    # the generation config's max_new_tokens caps every answer, as vLLM's does (it was a default only)
+    assert CompletionRequest(prompt="x").to_sampling_params({"max_tokens": 3}).max_tokens == 3
+    assert ChatCompletionRequest(messages=MSGS, max_tokens=10).to_sampling_params({"max_tokens": 3}).max_tokens == 3
+    assert ChatCompletionRequest(messages=MSGS, max_tokens=2).to_sampling_params({"max_tokens": 3}).max_tokens == 2
 
 
 def test_errors_name_the_field_the_client_sent():
