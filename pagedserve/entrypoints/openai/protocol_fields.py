@@ -260,6 +260,8 @@ def check_chat_message(i: int, role: str, message: dict[str, Any]) -> None:
     where = f"messages[{i}]"
     error = part_key_error(message, f"a {role[:50]} message", MESSAGE_KEYS.get(role, OTHER_MESSAGE_KEYS),
                            {"audio": ((), "this server outputs text only (no audio)")})
+    if error is None and role == "function" and not isinstance(message.get("name"), str):
+        error = "a function message (the deprecated functions' result) needs the function's name"
     if error is None and message.get("refusal") is not None and (
             not isinstance(message["refusal"], str) or message.get("content") not in (None, "", [])):
         error = "refusal must be a string, and the turn's content none (a refusal is what the turn said)"

@@ -292,6 +292,7 @@ _USER = {"role": "user", "content": "hello world"}
      "messages[0]"),
     (True, {"messages": [_USER, {"role": "assistant", "content": None, "audio": {"id": "a1"}}, _USER]}, "messages[1]"),
     (True, {"messages": [_USER, {"role": "assistant", "content": "yes", "refusal": "no"}, _USER]}, "messages[1]"),
+    (True, {"messages": [_USER, {"role": "function", "content": "42"}]}, "messages[1]"),  # (rendered as call_None's)
     # another key on a tool was written into the prompt; stream_options' was ignored
     (True, {"tools": [{"type": "function", "function": {"name": "f", "foo": 1}}]}, "tools"),
     (True, {"stream": True, "stream_options": {"include_usage": True, "foo": True}}, "stream_options"),
