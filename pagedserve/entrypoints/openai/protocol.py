@@ -280,11 +280,11 @@ class CompletionRequest(_SamplingFields):
         refuse_unsupported_fields(self.model_extra, CHAT_FIELDS)
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
+
+    def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.prompt_only and self.min_tokens:  # (it said max_tokens=1: the one step it runs)
             raise InvalidRequestError("min_tokens: an echo with max_tokens 0 scores the prompt and generates "
                                       "nothing", param="min_tokens")
-
-    def _to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         params = super()._to_sampling_params(defaults)
         if self.echo and self.logprobs is not None and (params.prompt_logprobs or -1) < self.logprobs:
             params.prompt_logprobs = self.logprobs  # echoed prompt tokens come with their k logprobs (k >= 0)

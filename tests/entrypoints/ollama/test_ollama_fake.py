@@ -195,6 +195,22 @@ def test_a_bad_request_for_a_model_not_loaded_loads_nothing() -> None:
     assert loads == [] and state.models.handlers("first") is not None
 
 
+def test_an_openai_request_out_of_range_for_a_model_not_loaded_loads_nothing() -> None:
+    """max_tokens 0 on /v1/completions (and chat's temperature -1) loaded the model, and
+    unloaded the other, before the 400."""
+    state, app, loads = make_app()
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            await oai.completions.create(model="second", prompt="x", max_tokens=0)
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            await oai.chat.completions.create(model="second", messages=[{"role": "user", "content": "x"}],
+                                              temperature=-1)
+
+    call(app, fn)
+    assert loads == [] and state.models.handlers("first") is not None
+
+
 def test_every_check_that_needs_no_model_comes_before_its_load(tmp_path) -> None:
     """num_predict 0, num_ctx 0, think on a server without a reasoning parser, system for
     a base model (one whose files hold no chat template): each a 400 before the load

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disconnect, route_path
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState
 
 logger = logging.getLogger("pagedserve.api_server")
@@ -95,6 +95,8 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     byte is sent), then stream (`stream_class`: SSE) or answer once.  A client that
     leaves at any point cancels it all, which aborts every engine request it started (a
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
+    if isinstance(body, ChatCompletionRequest | CompletionRequest):
+        body.to_sampling_params()  # (the ranges that need no model, before it loads: a bad request unloads nothing)
     # (a client that leaves while its model waits to load, or for room, no longer holds
     # it: a load nobody waits for unloads nothing, model_pool.py)
     lease = await cancel_on_disconnect(request, state.lease(body.model, runner, route or route_path(request.scope),
