@@ -224,9 +224,13 @@ class StructuredOutputManager:
             if isinstance(e, InvalidRequestError):
                 raise
             raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
-        if not self._admits_a_token(backend, grammar):
+        admits, failed = self._admits_a_token(backend, grammar)
+        if not admits:
             self._forget(key)
             why = "it admits no value (a $ref that only refers to itself?)" if kind == "json" else "it admits no text"
+            if failed and "NoExtensionBias" not in failed:  # (llguidance's word for "nothing can follow")
+                # (its lexer out of room at the start masks all but the stop token: its reason, not "no text")
+                why = f"the grammar library cannot start it ({failed})"
             raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {why}; the output would be empty",
                                       param="structured_outputs")
         with self._lock:
@@ -234,17 +238,18 @@ class StructuredOutputManager:
             self.compile_seconds += time.perf_counter() - t0
         return CompiledGrammar(backend, grammar)
 
-    def _admits_a_token(self, backend: GrammarBackend, grammar: Any) -> bool:
-        """Whether the grammar's start allows a token other than a stop token: a schema
+    def _admits_a_token(self, backend: GrammarBackend, grammar: Any) -> tuple[bool, str | None]:
+        """Whether the grammar's start allows a token other than a stop token (a schema
         whose $ref cycle holds nothing else compiles, and its output was an empty text
-        (no JSON value) that finished as "stop"."""
+        that finished as "stop"), and the matcher's failure there, if it failed."""
         mask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-        backend.fill_bitmask(mask, [(backend.new_matcher(grammar), 0)])
+        matcher = backend.new_matcher(grammar)
+        backend.fill_bitmask(mask, [(matcher, 0)])
         words = mask[0].numpy().view("uint32").copy()
         for token in self.stop_token_ids:
             if 0 <= token < self.vocab_size:
                 words[token // 32] &= ~(1 << (token % 32)) & 0xFFFFFFFF
-        return bool(words.any())
+        return bool(words.any()), matcher.refusal()
 
     def _forget(self, key: tuple[str, str]) -> None:
         """A bad spec is not worth keeping."""

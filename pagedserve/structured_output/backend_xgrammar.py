@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,10 +16,10 @@ from pagedserve.structured_output.limits import is_lark, tag_schemas
 # xgrammar errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
-# JSON-schema keywords xgrammar 0.2 compiles as if they were absent: its output broke the
-# schema it was asked for ([1, 2, 2] under uniqueItems, any JSON under allOf), so each is
-# refused by name (the guidance backend enforces or refuses them itself).
-XGRAMMAR_IGNORES = ("allOf", "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
+# JSON-schema keywords xgrammar 0.2 compiles as if they were absent (oneOf: as anyOf): its
+# output broke the schema it was asked for ([1, 2, 2] under uniqueItems, any JSON under
+# allOf), so each is refused by name (the guidance backend enforces or refuses them itself).
+XGRAMMAR_IGNORES = ("allOf", "oneOf", "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
                     "multipleOf", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
                     "unevaluatedItems")
 # The string formats it enforces (any other was accepted, and not enforced).
@@ -33,14 +34,20 @@ _MANY, _MAP = ("prefixItems", "anyOf", "oneOf"), ("properties", "patternProperti
 # token (the 6th took 50 s on the engine thread, every other request waiting).
 MAX_PATTERN_REPEAT = 1000
 _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_NAME = re.compile(r"[a-zA-Z_][\w-]*")  # a GBNF rule's name
+_RULE = re.compile(r"^[ \t]*([a-zA-Z_][\w-]*)[ \t]*::=", re.M)
+# What xgrammar reads beside a $ref (annotations); any other keyword there it dropped.
+_BESIDE_REF = frozenset({"$ref", "$defs", "definitions", "description", "title", "$comment", "examples", "default",
+                         "$schema", "$id"})
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
 
-def repetition_product(regex: str, quoted: bool = False) -> int:
+def repetition_product(regex: str, quoted: bool = False, rules: Callable[[str], int] | None = None) -> int:
     """The largest product of counted repetitions ({m}, {m,n}, {m,}: their largest count)
     nested in `regex`, 1 for none: what its automaton holds, a few states each.  Escapes
     and character classes are stepped over, and with `quoted` (a GBNF grammar) its quoted
-    strings; what this misreads is the compiler's to refuse."""
+    strings; `rules`: a rule name's own product (a count over a rule multiplies its counts).
+    What this misreads is the compiler's to refuse."""
     stack = [1]  # the largest product inside each open group (the last: the innermost)
     i, n = 0, len(regex)
     while i < n:
@@ -67,6 +74,8 @@ def repetition_product(regex: str, quoted: bool = False) -> int:
         elif c == ")" and len(stack) > 1:
             inner = stack.pop()
             i += 1
+        elif rules is not None and (name := _NAME.match(regex, i)) is not None:
+            i, inner = name.end(), rules(name.group())
         else:
             i += 1
             inner = 1
@@ -79,10 +88,30 @@ def repetition_product(regex: str, quoted: bool = False) -> int:
     return max(stack)
 
 
+def grammar_repetition_product(grammar: str) -> int:
+    """repetition_product of a GBNF grammar, a rule's counts multiplied into every count
+    over a reference to it (root ::= x{0,300} with x ::= [^\n]{0,1000}: 300,000; each rule
+    read alone, it passed at 1,000 and stalled the engine)."""
+    heads = list(_RULE.finditer(grammar))
+    bodies = {m.group(1): grammar[m.end():heads[k + 1].start() if k + 1 < len(heads) else len(grammar)]
+              for k, m in enumerate(heads)}
+    products: dict[str, int] = {}
+
+    def product(name: str) -> int:
+        if name not in bodies:
+            return 1
+        if name not in products:
+            products[name] = 1  # (a rule inside its own expansion: recursion, not a count)
+            products[name] = repetition_product(bodies[name], quoted=True, rules=product)
+        return products[name]
+
+    return max([repetition_product(grammar, quoted=True), *map(product, bodies)])
+
+
 def check_regex(regex: str, what: str, quoted: bool = False) -> None:
     """ValueError where xgrammar would take `regex` (a pattern, a regex request, a GBNF
     grammar: `quoted`) in unbounded time: nested counts past MAX_PATTERN_REPEAT."""
-    product = repetition_product(regex, quoted)
+    product = grammar_repetition_product(regex) if quoted else repetition_product(regex)
     if product > MAX_PATTERN_REPEAT:
         raise ValueError(f"{what}: its counted repetitions, nested ones multiplied, come to {product}, more than the "
                          f"{MAX_PATTERN_REPEAT} the xgrammar backend compiles and masks in bounded time")
@@ -117,19 +146,31 @@ def check_schema(schema: Any, where: str = "schema") -> None:
             if any(look in regex for look in _LOOKAROUND):
                 raise ValueError(f"{where}: the xgrammar backend drops a pattern's look-around")
             check_regex(regex, where)
-        ref = node.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
-            raise ValueError(f"{at}: $ref {ref[:60]!r} is outside the schema (only '#...' refs are resolved)")
+        _check_ref(node, at)
         required, properties = node.get("required"), node.get("properties") or {}
-        if isinstance(required, list) and node.get("additionalProperties", False) is False \
-                and "patternProperties" not in node:
-            missing = [name for name in required if name not in properties]
-            if missing:
-                raise ValueError(f"{at}: required property {str(missing[0])[:40]!r} is not among its properties "
-                                 "(the object is closed: additionalProperties is false by default here)")
+        missing = [name for name in required if name not in properties] if isinstance(required, list) else []
+        if missing:  # (closed, it could not be met; open, xgrammar dropped it: {"joi": 100})
+            raise ValueError(f"{at}: required property {str(missing[0])[:40]!r} is not among its properties: the "
+                             "xgrammar backend does not enforce it (list it in properties)")
         stack += [(node[k], f"{at}.{k}") for k in _ONE if k in node]
         stack += [(v, f"{at}.{k}[{i}]") for k in _MANY if isinstance(node.get(k), list) for i, v in enumerate(node[k])]
         stack += [(v, f"{at}.{k}.{name}") for k in _MAP if isinstance(node.get(k), dict) for name, v in node[k].items()]
+
+
+def _check_ref(node: dict[str, Any], at: str) -> None:
+    """A $ref xgrammar resolves as this check reads it: to the root or a $defs (definitions)
+    entry, which the walk covers (another JSON pointer skipped every check), with no
+    keyword beside it but annotations (xgrammar dropped them: an enum beside a $ref)."""
+    ref = node.get("$ref")
+    if not isinstance(ref, str):
+        return
+    if ref != "#" and not re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref):
+        raise ValueError(f"{at}: $ref {ref[:60]!r}: the xgrammar backend takes '#', '#/$defs/NAME' or "
+                         "'#/definitions/NAME' (the guidance backend resolves any pointer)")
+    beside = sorted(set(node) - _BESIDE_REF)
+    if beside:
+        raise ValueError(f"{at}: the xgrammar backend drops {beside[0][:40]!r} beside a $ref (put it in the "
+                         "schema the $ref names)")
 
 
 class XgrammarMatcher:
@@ -168,7 +209,9 @@ class XgrammarBackend:
                 check_regex(spec, "the regex")
                 return c.compile_regex(spec)
             if kind == "choice":
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in json.loads(spec)))
+                # (as written: an emoji's JSON escape, a surrogate pair, compiled as six bytes of garbage)
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
+                                                                   for s in json.loads(spec)))
             if kind == "structural_tag":
                 for schema in tag_schemas(json.loads(spec)):
                     check_schema(schema, "a tool's parameters")

@@ -63,10 +63,31 @@ def check_spec(kind: str, spec: str) -> None:
         _check_schema_depth(doc, names, tag=kind == "structural_tag")
         for schema in tag_schemas(doc) if kind == "structural_tag" else [doc]:
             _check_ref_loops(schema, names)
+        _check_property_counts(doc)
     elif kind == "grammar":
         rules = sum(1 for line in _lines(spec) if _RULE_HEAD.match(line))
         if rules > MAX_GRAMMAR_RULES:
             raise _refuse(f"the grammar has {rules} rules, more than the {MAX_GRAMMAR_RULES} allowed")
+
+
+def _check_property_counts(root: Any) -> None:
+    """Refuse minProperties/maxProperties on an object open to keys past its listed ones:
+    both grammar libraries let such a key repeat, and a JSON object with a key twice has
+    fewer properties than the grammar counted ({"a": 0, ",": 0, ",": 0} under 3 and 3)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        extra = node.get("additionalProperties")
+        closed = extra is False or extra is None and "properties" in node and "patternProperties" not in node
+        if not closed and ("minProperties" in node or "maxProperties" in node):
+            raise _refuse("minProperties/maxProperties need a closed object (its properties listed, and "
+                          "additionalProperties false): keys past the listed ones may repeat in the output")
+        stack += node.values()
 
 
 def _check_schema_depth(root: Any, names: dict[str, Any], tag: bool = False) -> None:

@@ -147,7 +147,16 @@ XGRAMMAR_REFUSED = [
     ({"type": "object", "patternProperties": {"^(a{0,100}){0,100}$": {}}}, r"patternProperties.*come to 10000"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "additionalItems": {"type": "number", "multipleOf": 3}},
      r"additionalItems: .*multipleOf"),
-    ({"$ref": "http://example.com/s.json"}, "outside the schema"),
+    ({"$ref": "http://example.com/s.json"}, "the xgrammar backend takes '#'"),
+    # (each compiled, and was not enforced: oneOf as anyOf, a $ref into a place the check skips,
+    # an enum beside a $ref, a required name of an open object)
+    ({"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}] * 2}, "oneOf"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/x-extra/s"}}, "x-extra": {"s": {"type": "integer",
+                                                                                      "multipleOf": 1000}}}, "'#/x-extra/s'"),
+    ({"$defs": {"s": {"type": "string"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/s", "enum": ["z"]}}},
+     "drops 'enum' beside a \\$ref"),
+    ({"type": "object", "required": ["a"], "additionalProperties": {"type": "integer"}}, "required property 'a'"),
+    ({"type": "object", "required": ["a"]}, "list it in properties"),
     ({"type": "array", "prefixItems": [{"anyOf": [{"type": "integer", "multipleOf": 2}]}]},
      r"prefixItems\[0\].anyOf\[0\]: .*multipleOf"),
 ]
@@ -171,7 +180,8 @@ def test_xgrammar_refuses_what_it_would_not_enforce(schema, match) -> None:
     for fine in ({"type": "string", "format": "date"}, {"type": "string", "maxLength": 5},
                  {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                  {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
-                 {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}}):
+                 {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}},
+                 {"$defs": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/s", "description": "d"}}}):
         mgr.compile(S(json=json.dumps(fine))).result()
     mgr.shutdown()
 
@@ -200,6 +210,10 @@ def test_nested_counts_multiply_and_a_regex_request_is_bounded_too() -> None:
     assert repetition_product('root ::= "x"{3} # {9999}\n', quoted=True) == 3
     mgr.compile(S(regex=r"(\d{1,3}\.){3}\d{1,3}")).result()
     mgr.compile(S(grammar='root ::= "{" [0-9]{1,3} "}"')).result()
+    # a count over a rule multiplies the rule's own (read alone, each passed, and the engine stalled)
+    with pytest.raises(InvalidRequestError, match="come to 300000"):
+        mgr.compile(S(grammar='root ::= x{0,300}\nx ::= [^\\n]{0,1000}\n')).result()
+    mgr.compile(S(grammar='root ::= x{0,3}\nx ::= "a" x | "b"{2}\n')).result()  # (recursion is no count)
     mgr.shutdown()
 
 
@@ -267,3 +281,10 @@ def test_llama3_json_answers_in_the_schema_or_one_call(backend):
     assert not accepts(tok, backend, either, '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
     assert not accepts(tok, backend, either, "Plain text.")
     assert PythonicToolParser().answer_or_calls(TOOLS, schema) is None  # (refused by name by the chat handler)
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_a_choice_past_the_basic_plane_is_the_choice(backend) -> None:
+    """xgrammar compiled an emoji's JSON escape (a surrogate pair) as six bytes of garbage."""
+    tok = tokenizer(False)
+    assert accepts(tok, backend, S(choice=["😀", "é"]), "😀") and not accepts(tok, backend, S(choice=["😀"]), "é")

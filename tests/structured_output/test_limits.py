@@ -204,3 +204,15 @@ def test_a_deep_tool_schema_is_refused_within_two_seconds_by_the_compile_path():
         assert time.perf_counter() - t0 < 2.0
     finally:
         mgr.shutdown()
+
+
+def test_property_counts_need_a_closed_object():
+    """Both grammar libraries let a key past the listed ones repeat: {"a": 0, ",": 0, ",": 0}
+    met minProperties 3 and parsed to 2 properties."""
+    for schema in ({"type": "object", "minProperties": 3, "additionalProperties": {"type": "integer"}},
+                   {"type": "object", "maxProperties": 1},
+                   {"properties": {"a": {}}, "patternProperties": {"^x": {}}, "minProperties": 1}):
+        with pytest.raises(InvalidRequestError, match="minProperties/maxProperties need a closed object"):
+            check_spec("json", json.dumps({"type": "object", "properties": {"inner": schema}}))
+    check_spec("json", json.dumps({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1}))
+    check_spec("json", json.dumps({"type": "object", "additionalProperties": False, "maxProperties": 0}))
