@@ -99,6 +99,9 @@ class ModelConfig:
     runner: str = RUNNERS[0]
     pooler_config: PoolerConfig | None = None  # the pooling runner's (default PoolerConfig())
     hf_config: Any = None  # transformers.PretrainedConfig once resolved (a vision model's: its text config)
+    # The file or folder the model resolved to (a Hub id's snapshot folder): its files' identity
+    # keys a disk tier's KV blocks (new weights under the same name are another model).
+    source_path: str | None = None
     # A vision-language checkpoint's whole config (text_config, vision_config, ...), else None.
     hf_mm_config: Any = None
     # Image input (vLLM's names): most images one prompt may carry ({"image": N}), and the

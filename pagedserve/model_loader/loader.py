@@ -189,6 +189,7 @@ def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.de
     model_config.max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     model_config.dtype = _DTYPE_NAMES[dtype]
     model_config.hf_config = hf_config
+    model_config.source_path = source.path
     folder = model_config.generation_config if model_config.generation_config not in ("auto", "vllm") else None
     model_config.generation_config_values = read_generation_config(folder or source.path)
     if model_config.sampling_defaults():

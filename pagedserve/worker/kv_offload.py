@@ -123,6 +123,13 @@ def cpu_identity() -> str:
     return describe_cpu()
 
 
+def _create(path: Path) -> int:
+    """A new file of our own at `path`: never one already there, nor a symlink's target (a
+    link planted under the start-up probe's predictable name had a file outside the
+    directory truncated)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+
+
 def files_identity(path: str) -> str:
     """Names, sizes and modification times of the weight and config files at `path` (a
     file, or a directory's top level), hashed: what changes when new weights replace old
@@ -301,7 +308,8 @@ class DiskKVTier(_TierBase):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             probe = self.directory / f"{_TMP_PREFIX}{_writer_tag()}-probe"
-            probe.write_bytes(b"")
+            probe.unlink(missing_ok=True)  # (a link planted under its name goes, its target untouched)
+            os.close(_create(probe))
             probe.unlink()
             self._scan()
         except OSError as e:
@@ -537,7 +545,7 @@ class DiskKVTier(_TierBase):
         header = _HEADER.pack(_MAGIC, self._digest, key.to_bytes(32, "little"), len(body), checksum(body))
         tmp = self.directory / f"{_TMP_PREFIX}{_writer_tag()}-{threading.get_ident()}-{key:x}"
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(_create(tmp), "wb") as f:
                 f.write(header)
                 f.write(body)
                 f.flush()

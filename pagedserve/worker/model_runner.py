@@ -220,7 +220,7 @@ class ModelRunner:
         """What makes a KV block's bytes valid besides its tokens (activation bits, the attention path,
         the CPU's instruction set too); a disk tier's files are read back only under the same one."""
         mc, shapes = self.config.model_config, [(tuple(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors]
-        weights = kv_offload.files_identity(mc.model)  # new weights at the same path: another model
+        weights = kv_offload.files_identity(mc.source_path or mc.model)  # new weights under its name: another model
         parts = [
             "pagedserve-kv/1", f"model={mc.model}", f"load_format={mc.load_format}", f"quantization={mc.quantization}",
             f"seed={mc.seed}" if mc.load_format == "dummy" else "", f"dtype={self.dtype}", f"kv_dtype={self.kv_dtype}",

@@ -179,3 +179,29 @@ def test_radix_reuses_partial_blocks_with_the_same_outputs(tiny_checkpoint) -> N
     assert results["radix"] == results["none"] and results["hash"] == results["none"]
     assert copies["hash"] == 0 and copies["radix"] >= 8  # every chat's later turns copy a partial block
     assert hits["radix"] > hits["hash"] > 0, hits
+
+
+def test_a_hub_ids_new_snapshot_reads_none_of_the_old_ones_blocks(tmp_path, monkeypatch) -> None:
+    """A Hub id's weights are its snapshot folder's: the fingerprint hashed the name alone,
+    so after refs/main moved to new weights the tier served the old weights' KV."""
+    from tests.engine.helpers import make_tiny_llama
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    for commit, seed in (("aaaa", 0), ("bbbb", 1)):
+        torch.manual_seed(seed)
+        make_tiny_llama(str(repo / "snapshots" / commit))
+    (repo / "refs").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    prompts = shared_prefix_prompts(512)[:4]
+
+    def run(commit: str, tier: str | None) -> tuple[list[list[int]], int]:
+        (repo / "refs" / "main").write_text(commit)
+        llm = LLM("acme/tiny", dtype="float32", kv_offload_dir=tier)
+        try:
+            return greedy(llm, prompts), llm.llm_engine.get_stats().external_prefix_cache_hits
+        finally:
+            llm.llm_engine.shutdown()
+
+    run("aaaa", str(tmp_path / "kv"))
+    assert run("bbbb", str(tmp_path / "kv")) == (run("bbbb", None)[0], 0)
+    assert run("aaaa", str(tmp_path / "kv"))[1] > 0  # (its own blocks still load)

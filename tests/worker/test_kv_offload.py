@@ -393,3 +393,19 @@ def test_a_killed_writers_temporary_files_are_removed_at_start(tmp_path) -> None
             os.utime(path, (time.time() - 60, time.time() - 60))
     disk_tier(tmp_path)
     assert not leftover.exists() and live.exists() and elsewhere.exists() and fresh.exists()
+
+
+def test_a_link_planted_under_a_temporary_name_writes_nothing_outside(tmp_path) -> None:
+    """The start-up probe's name is predictable (".tmp-PID_HOST-probe"): a symlink planted
+    there had its target outside the directory truncated to 0 bytes."""
+    import pagedserve.worker.kv_offload as kv_offload
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not the tier's to touch")
+    directory = tmp_path / "tier"
+    directory.mkdir()
+    (directory / f".tmp-{kv_offload._writer_tag()}-probe").symlink_to(victim)  # noqa: SLF001 - the name planted
+    tier = disk_tier(directory)
+    save(tier, caches(), [1], [1])
+    tier.close()
+    assert victim.read_text() == "not the tier's to touch" and tier.lookup([1]) == 1
