@@ -38,8 +38,9 @@ HELP = {
                          "a directory: the generation_config.json in it",
     "override_generation_config": "sampling defaults over the generation config's, as a JSON object, e.g. "
                                   "'{\"temperature\": 0.5, \"max_new_tokens\": 256}' (keys: temperature, top_p, "
-                                  "top_k, min_p, repetition_penalty, max_new_tokens, which caps every answer as "
-                                  "vLLM's does; with generation_config vllm: the only defaults)",
+                                  "top_k, min_p, repetition_penalty, max_new_tokens: on the server it caps every "
+                                  "answer as vLLM's does, for generate and chat it is --max-tokens' default; with "
+                                  "generation_config vllm: the only defaults)",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "enforce_eager": "never compile or capture graphs (where the model compiles by default, mixture-of-experts "
                      "ones for instance, its 16-bit answers may then break near-ties differently)",

@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     _interactive_engine_args(chat, "1: one conversation")
     remote = chat.add_argument_group("a running server instead of a model here (vLLM's `vllm chat --url`)")
     remote.add_argument("--url", default=None,
-                        help="its OpenAI base URL, e.g. http://localhost:8000/v1 (the engine flags do not apply)")
+                        help="its OpenAI base URL, e.g. http://localhost:8000/v1 (the engine flags do not apply; "
+                             "sampling flags not given: temperature 0.7 and 512 tokens are sent; --seed is each "
+                             "request's)")
     remote.add_argument("--model-name", default=None, help="the served model to ask (default: its first)")
     remote.add_argument("--api-key", default=None,
                         help="its key (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY, else $OPENAI_API_KEY)")

@@ -83,10 +83,11 @@ def _check_property_counts(root: Any) -> None:
         if not isinstance(node, dict):
             continue
         extra = node.get("additionalProperties")
-        closed = extra is False or extra is None and "properties" in node and "patternProperties" not in node
+        closed = (extra is False or extra is None and "properties" in node) and "patternProperties" not in node
         if not closed and ("minProperties" in node or "maxProperties" in node):
-            raise _refuse("minProperties/maxProperties need a closed object (its properties listed, and "
-                          "additionalProperties false): keys past the listed ones may repeat in the output")
+            raise _refuse("minProperties/maxProperties need a closed object (its properties listed, no "
+                          "patternProperties, additionalProperties false or unset): keys past the listed ones may "
+                          "repeat in the output")
         stack += node.values()
 
 

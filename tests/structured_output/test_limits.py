@@ -211,7 +211,9 @@ def test_property_counts_need_a_closed_object():
     met minProperties 3 and parsed to 2 properties."""
     for schema in ({"type": "object", "minProperties": 3, "additionalProperties": {"type": "integer"}},
                    {"type": "object", "maxProperties": 1},
-                   {"properties": {"a": {}}, "patternProperties": {"^x": {}}, "minProperties": 1}):
+                   {"properties": {"a": {}}, "patternProperties": {"^x": {}}, "minProperties": 1},
+                   {"properties": {"a": {}}, "patternProperties": {"^x": {}}, "additionalProperties": False,
+                    "minProperties": 3}):  # (patternProperties' keys repeat too)
         with pytest.raises(InvalidRequestError, match="minProperties/maxProperties need a closed object"):
             check_spec("json", json.dumps({"type": "object", "properties": {"inner": schema}}))
     check_spec("json", json.dumps({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1}))
