@@ -181,22 +181,25 @@ class OllamaGenerating(OllamaWithOptions):
                                       f"value, {NEUTRAL_OPTIONS[name][0]})", param="options")
         if (self.options or {}).get("repeat_last_n") == 0:  # (Ollama's: no repeat penalty at all)
             body.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-        self.check_repeat_shaping(body.get("repetition_penalty"))
+        self.check_repeat_shaping(body.get("repetition_penalty"), body.get("presence_penalty"),
+                                  body.get("frequency_penalty"))
         body.update(self.response_format())
         return body
 
-    def check_repeat_shaping(self, repetition_penalty: float | None) -> None:
-        """The options that shape a repeat penalty, refused beside one in effect (the
-        request's, or the model's generation config's: OllamaServing.prepare checks that
-        one): the penalty here covers the whole context (repeat_last_n -1, honoured; 0
-        turns it off, sampling())."""
+    def check_repeat_shaping(self, repetition: float | None, presence: float | None = None,
+                             frequency: float | None = None) -> None:
+        """The options that shape the repeat penalties (Ollama windows all three), refused
+        beside one in effect (the request's, or the model's generation config's repeat
+        penalty: OllamaServing.prepare checks that one): the penalties here cover the whole
+        context (repeat_last_n -1, honoured; 0 turns them off, sampling())."""
         options = self.options or {}
         shaping = [k for k in REPEAT_SHAPING if options.get(k) is not None and not (k == "repeat_last_n"
                                                                                    and options[k] in (-1, 0))]
-        if repetition_penalty not in (None, 1, 1.0) and shaping:
-            raise OpenAIError(f"options.{shaping[0]} is not supported beside a repeat penalty (options.repeat_penalty "
-                              "or the model's generation config): the penalty here covers the whole context, as "
-                              "vLLM's repetition_penalty does (repeat_last_n -1; 0 turns it off)", param="options")
+        if shaping and (repetition not in (None, 1, 1.0) or presence not in (None, 0, 0.0)
+                        or frequency not in (None, 0, 0.0)):
+            raise OpenAIError(f"options.{shaping[0]} is not supported beside a repeat, presence or frequency penalty "
+                              "(the request's, or the model's generation config's): the penalties here cover the "
+                              "whole context, as vLLM's do (repeat_last_n -1; 0 turns them off)", param="options")
 
     def num_predict(self) -> int | None:
         """Tokens to generate at most (None: until the end or the context is full, Ollama's

@@ -320,7 +320,7 @@ class OllamaServing:
             raise OpenAIError(f"the prompt is {prompt_len} tokens, options.num_ctx is {num_ctx}", param="options")
         room = min(num_ctx or handler.max_model_len, handler.max_model_len) - prompt_len
         params, num_predict = prepared.params, req.num_predict()
-        req.check_repeat_shaping(params.repetition_penalty)  # (the model's generation config's too)
+        req.check_repeat_shaping(params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         if room >= 1:  # (a prompt that alone fills the context is the engine's to refuse)
             params.max_tokens = min(params.max_tokens or room, room, num_predict or room)
         return PreparedOllama(openai_request, prepared)

@@ -260,6 +260,10 @@ def test_repeat_last_n_0_turns_the_models_repeat_penalty_off_and_a_window_is_ref
     assert penalty() == 1.3 and penalty(repeat_last_n=-1) == 1.3 and penalty(repeat_last_n=0) == 1.0
     with pytest.raises(OpenAIError, match="repeat_last_n"):
         penalty(repeat_last_n=64)
+    handlers.engine.sampling_defaults = {}
+    with pytest.raises(OpenAIError, match="repeat_last_n"):  # (Ollama windows these too: it was accepted)
+        penalty(repeat_last_n=64, presence_penalty=0.5)
+    assert penalty(repeat_last_n=64) == 1.0  # (no penalty in effect: nothing to shape)
 
 
 def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:
