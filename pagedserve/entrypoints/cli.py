@@ -22,10 +22,13 @@ import logging
 import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve import envs
 from pagedserve.engine.arg_utils import EngineArgs
+
+if TYPE_CHECKING:
+    from pagedserve.sampling_params import SamplingParams
 
 # Subcommands implemented elsewhere in the serving layers: argv prefix -> (module, what it is).
 _DELEGATED = {
@@ -84,10 +87,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_token
 
 
 def _given_sampling(ns: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags given on the command line."""
     return {name: getattr(ns, name) for name in SAMPLING_FLAGS if getattr(ns, name) is not None}
 
 
-def _sampling_params(ns: argparse.Namespace, model_defaults: dict[str, Any] | None = None):
+def _sampling_params(ns: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The flags given, else `model_defaults` (the model's generation config and
     --override-generation-config: the engine's sampling_defaults()), else the command's
     own (greedy `generate`, `chat` at 0.7).  --seed is the engine's, not each request's

@@ -96,16 +96,17 @@ def grammar_repetition_product(grammar: str) -> int:
     bodies = {m.group(1): grammar[m.end():heads[k + 1].start() if k + 1 < len(heads) else len(grammar)]
               for k, m in enumerate(heads)}
     products: dict[str, int] = {}
-
-    def product(name: str) -> int:
-        if name not in bodies:
-            return 1
-        if name not in products:
-            products[name] = 1  # (a rule inside its own expansion: recursion, not a count)
-            products[name] = repetition_product(bodies[name], quoted=True, rules=product)
-        return products[name]
-
-    return max([repetition_product(grammar, quoted=True), *map(product, bodies)])
+    for root in bodies:  # each rule after those it names (no recursion: a chain of 500 rules is fine)
+        stack = [(root, False)]
+        while stack:
+            name, ready = stack.pop()
+            if ready:
+                products[name] = repetition_product(bodies[name], quoted=True, rules=lambda n: products.get(n, 1))
+            elif name not in products:
+                products[name] = 1  # (a rule inside its own expansion: recursion, not a count)
+                stack.append((name, True))
+                stack += [(ref, False) for ref in _NAME.findall(bodies[name]) if ref in bodies and ref not in products]
+    return max([repetition_product(grammar, quoted=True), *products.values()])
 
 
 def check_regex(regex: str, what: str, quoted: bool = False) -> None:
@@ -127,8 +128,9 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         node, at = stack.pop()
         if not isinstance(node, dict):
             continue
-        for key in XGRAMMAR_IGNORES:
-            if key in node and not (key == "uniqueItems" and node[key] is False):
+        for key in XGRAMMAR_IGNORES:  # (a discriminated oneOf's branches exclude each other: anyOf's meaning)
+            if key in node and not (key == "uniqueItems" and node[key] is False) \
+                    and not (key == "oneOf" and "discriminator" in node):
                 raise ValueError(f"{at}: the xgrammar backend does not enforce {key!r} (the guidance backend "
                                  "enforces it or refuses it by name)")
         fmt, pattern = node.get("format"), node.get("pattern")

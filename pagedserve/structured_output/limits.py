@@ -70,6 +70,11 @@ def check_spec(kind: str, spec: str) -> None:
             raise _refuse(f"the grammar has {rules} rules, more than the {MAX_GRAMMAR_RULES} allowed")
 
 
+# A schema's keywords whose value maps names to subschemas, and those whose value is data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples")
+
+
 def _check_property_counts(root: Any) -> None:
     """Refuse minProperties/maxProperties on an object open to keys past its listed ones:
     both grammar libraries let such a key repeat, and a JSON object with a key twice has
@@ -82,13 +87,15 @@ def _check_property_counts(root: Any) -> None:
             continue
         if not isinstance(node, dict):
             continue
+        # (schemas only: a property named maxProperties, an enum's or default's objects, are not)
+        stack += [v for k, v in node.items() if k not in _SCHEMA_MAPS and k not in _VALUES]
+        stack += [v for k in _SCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]
         extra = node.get("additionalProperties")
         closed = (extra is False or extra is None and "properties" in node) and "patternProperties" not in node
         if not closed and ("minProperties" in node or "maxProperties" in node):
             raise _refuse("minProperties/maxProperties need a closed object (its properties listed, no "
                           "patternProperties, additionalProperties false or unset): keys past the listed ones may "
                           "repeat in the output")
-        stack += node.values()
 
 
 def _check_schema_depth(root: Any, names: dict[str, Any], tag: bool = False) -> None:

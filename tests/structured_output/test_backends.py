@@ -181,7 +181,11 @@ def test_xgrammar_refuses_what_it_would_not_enforce(schema, match) -> None:
                  {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                  {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
                  {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}},
-                 {"$defs": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/s", "description": "d"}}}):
+                 {"$defs": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/s", "description": "d"}}},
+                 # a discriminated union (pydantic's): its branches exclude each other, as oneOf asks
+                 {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                            {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}],
+                  "discriminator": {"propertyName": "k"}}):
         mgr.compile(S(json=json.dumps(fine))).result()
     mgr.shutdown()
 
@@ -214,6 +218,8 @@ def test_nested_counts_multiply_and_a_regex_request_is_bounded_too() -> None:
     with pytest.raises(InvalidRequestError, match="come to 300000"):
         mgr.compile(S(grammar='root ::= x{0,300}\nx ::= [^\\n]{0,1000}\n')).result()
     mgr.compile(S(grammar='root ::= x{0,3}\nx ::= "a" x | "b"{2}\n')).result()  # (recursion is no count)
+    chain = "\n".join(f'r{i} ::= r{i + 1} "a"' for i in range(600)) + '\nr600 ::= "b"\n'
+    mgr.compile(S(grammar="root ::= r0\n" + chain)).result()  # (600 rules deep: a RecursionError's 400)
     mgr.shutdown()
 
 

@@ -218,3 +218,7 @@ def test_property_counts_need_a_closed_object():
             check_spec("json", json.dumps({"type": "object", "properties": {"inner": schema}}))
     check_spec("json", json.dumps({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1}))
     check_spec("json", json.dumps({"type": "object", "additionalProperties": False, "maxProperties": 0}))
+    # (schema positions only: a property named maxProperties, a default's object, are data)
+    check_spec("json", json.dumps({"type": "object", "properties": {"maxProperties": {"type": "integer"}},
+                                   "additionalProperties": False}))
+    check_spec("json", json.dumps({"type": "object", "properties": {"a": {"default": {"minProperties": 1}}}}))

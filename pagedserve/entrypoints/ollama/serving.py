@@ -151,7 +151,8 @@ def check_request(req: OllamaChatRequest | OllamaGenerateRequest, has_template: 
     OllamaServing.prepare."""
     if splits_reasoning is False:
         _check_think(req)
-    req.num_predict(), req.num_ctx()
+    req.num_predict()  # (each checks its option's value)
+    req.num_ctx()
     if isinstance(req, OllamaChatRequest):
         translated = chat_request(req.model_copy(update={"messages": [*req.messages, {"role": "user", "content": "x"}]}))
     else:

@@ -83,7 +83,6 @@ CHAT_FIELDS: dict[str, str] = {  # (refused on /v1/completions)
 }
 COMPLETION_FIELDS: dict[str, str] = {  # (refused on /v1/chat/completions)
     "suffix": "a Completions field (and fill-in-the-middle is not served)",
-    "best_of": "a Completions field (n answers are n samples here)",
 }
 # Cohere's rerank fields for what the pooling routes do not do (refused there by name).
 RERANK_FIELDS: dict[str, str] = {
@@ -91,10 +90,9 @@ RERANK_FIELDS: dict[str, str] = {
     "max_chunks_per_doc": "documents are read whole here, not in chunks",
     "rank_fields": "documents are text here, with no fields to rank by",
 }
-# Unmodelled fields an API defines (refused by name, or accepted without effect: vLLM's
-# older pooling `additional_data`, which nothing read): not logged as unknown.
-KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS) | frozenset(CHAT_FIELDS) \
-    | frozenset(COMPLETION_FIELDS) | frozenset(RERANK_FIELDS) | {"additional_data"}
+# Unmodelled fields every OpenAI route refuses or accepts at a neutral value: not logged as
+# unknown (each route adds those it refuses itself: serving_engine.OpenAIServing.OWN_REFUSALS).
+KNOWN_EXTRA_FIELDS = frozenset(UNSUPPORTED_FIELDS) | frozenset(VLLM_NEUTRAL_FIELDS)
 
 
 def part_key_error(part: dict[str, Any], kind: str, keys: tuple[str, ...],
@@ -102,8 +100,11 @@ def part_key_error(part: dict[str, Any], kind: str, keys: tuple[str, ...],
     """What is wrong with the keys of a content part or input item of type `kind` (None:
     nothing): one its API does not define for it (`keys`; refused by name, as OpenAI's and
     Anthropic's APIs refuse it), or one of `neutral` (name -> (values asking for nothing,
-    why)) set to anything else.  The one rule for nested objects' keys."""
+    why)) set to anything else; a key set to null is absent.  The one rule for nested
+    objects' keys."""
     for key, value in part.items():
+        if value is None:  # (null asks for nothing: the SDKs send back an answer's unset fields so)
+            continue
         if key not in keys:
             return f"{str(key)[:100]!r} is not a field of {kind}"
         if key in neutral and value is not None and not same_value(value, neutral[key][0]):
@@ -249,7 +250,7 @@ def omitted_if_none() -> Any:
 # (one was dropped from the prompt).  Other roles (vLLM passes custom ones to the
 # template) take role, content and name.
 MESSAGE_KEYS = {"assistant": ("role", "content", "name", "tool_calls", "function_call", "refusal", "audio",
-                              "reasoning", "reasoning_content"),
+                              "annotations", "reasoning", "reasoning_content"),
                 "tool": ("role", "content", "tool_call_id", "name")}
 OTHER_MESSAGE_KEYS = ("role", "content", "name")
 
@@ -258,8 +259,10 @@ def check_chat_message(i: int, role: str, message: dict[str, Any]) -> None:
     """messages[i] (set keys only): its keys for its role and its text parts', a past
     answer's audio (text only here) and refusal (its text, where content is none)."""
     where = f"messages[{i}]"
-    error = part_key_error(message, f"a {role[:50]} message", MESSAGE_KEYS.get(role, OTHER_MESSAGE_KEYS),
-                           {"audio": ((), "this server outputs text only (no audio)")})
+    error = part_key_error(message, f"an {role[:50]} message" if role[:1] in "aeiou" else f"a {role[:50]} message",
+                           MESSAGE_KEYS.get(role, OTHER_MESSAGE_KEYS),
+                           {"audio": ((), "this server outputs text only (no audio)"),  # (a past answer's
+                            "annotations": (([],), "this server's answers carry none")})  # web citations)
     if error is None and role == "function" and not isinstance(message.get("name"), str):
         error = "a function message (the deprecated functions' result) needs the function's name"
     if error is None and message.get("refusal") is not None and (
@@ -315,10 +318,10 @@ def json_schema_format_error(spec: dict[str, Any]) -> str | None:
     """What is wrong with a json_schema format's fields besides its schema (chat's
     response_format.json_schema, the Responses API's text.format), as OpenAI holds them;
     None: nothing.  A missing name is taken as "output"."""
-    if set(spec) - {"type", "name", "schema", "strict", "description"} or not FUNCTION_NAME.fullmatch(
-            str(spec.get("name", "output"))) or not isinstance(spec.get("name", ""), str) \
-            or not isinstance(spec.get("strict", False), (bool, type(None))) \
-            or not isinstance(spec.get("description", ""), str):
+    name, description = spec.get("name") or "output", spec.get("description") or ""
+    if set(spec) - {"type", "name", "schema", "strict", "description"} or not isinstance(name, str) \
+            or not FUNCTION_NAME.fullmatch(name) or not isinstance(spec.get("strict", False), (bool, type(None))) \
+            or not isinstance(description, str):
         return "takes name (^[a-zA-Z0-9_-]{1,64}$), schema, strict (true or false) and description (a string) only"
     return None
 

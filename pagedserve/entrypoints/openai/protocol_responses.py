@@ -44,6 +44,8 @@ CHAT_ONLY_FIELDS = {
     "logprobs": "the Responses API asks for them with include (output text logprobs: not served here)",
     "functions": "the Responses API takes tools",
     "function_call": "the Responses API takes tool_choice",
+    "reasoning_effort": "the Responses API's is reasoning.effort",
+    "verbosity": "the Responses API's is text.verbosity",
 }
 # The extra fields this route reads or refuses (any other is logged as unknown): its own,
 # and those every OpenAI route refuses or accepts at a neutral value.

@@ -44,6 +44,7 @@ from pagedserve.entrypoints.openai.protocol import (
     TopLogprob,
     random_id,
 )
+from pagedserve.entrypoints.openai.protocol_fields import COMPLETION_FIELDS
 from pagedserve.entrypoints.openai.reasoning_parsers import END, START, ReasoningParser
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -197,6 +198,7 @@ class ToolStream:
 
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
+    OWN_REFUSALS = frozenset(COMPLETION_FIELDS)
 
     def __init__(self, *args, tool_parser: ToolParser | None = None,
                  reasoning_parser: ReasoningParser | None = None, **kwargs) -> None:

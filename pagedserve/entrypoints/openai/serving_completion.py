@@ -17,6 +17,7 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionResponse,
     UsageInfo,
 )
+from pagedserve.entrypoints.openai.protocol_fields import CHAT_FIELDS
 from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -46,6 +47,7 @@ def prompt_only(out: RequestOutput) -> RequestOutput:
 
 class OpenAIServingCompletion(OpenAIServing):
     id_prefix = "cmpl"
+    OWN_REFUSALS = frozenset(CHAT_FIELDS)
 
     def prepare(self, req: CompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)

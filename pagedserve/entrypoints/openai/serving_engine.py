@@ -208,6 +208,7 @@ class OpenAIServing:
     sampling params (`prepare`) and render the engine's outputs (`full`, `stream`)."""
 
     id_prefix = "cmpl"
+    OWN_REFUSALS: frozenset[str] = frozenset()  # unmodelled fields this route refuses by name itself
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
                  lora_modules: dict[str, LoRARequest] | None = None, options: ServingOptions | None = None) -> None:
@@ -222,13 +223,15 @@ class OpenAIServing:
         self._warned_fields: set[str] = set()
         self._left_out: dict[int, bool] = {}  # left_out_of_text's answers, by token id (at most the vocabulary)
 
-    def warn_unknown_fields(self, req: BaseModel, known: frozenset[str] = KNOWN_EXTRA_FIELDS) -> None:
+    def warn_unknown_fields(self, req: BaseModel, known: frozenset[str] | None = None) -> None:
         """Fields no version of OpenAI's or vLLM's API defines are ignored (newer clients
         keep working), with one warning line per request naming the new ones, each name
         once, for the first MAX_WARNED_FIELD_NAMES names (a request of 50,000 made-up
         names costs one line, and the set of names seen stays bounded).  `known`: the
-        unmodelled fields the route refuses or documents itself (OpenAI's and vLLM's on
-        OpenAI's routes; on Anthropic's and Ollama's, which do not read them, none)."""
+        unmodelled fields the route refuses or documents itself (None: OpenAI's and vLLM's,
+        and this route's OWN_REFUSALS; on Anthropic's and Ollama's, which do not read them,
+        their own)."""
+        known = KNOWN_EXTRA_FIELDS | self.OWN_REFUSALS if known is None else known
         extra = req.model_extra or {}
         if not extra or len(self._warned_fields) >= MAX_WARNED_FIELD_NAMES:
             return

@@ -17,6 +17,7 @@ from typing import Any
 
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from pagedserve.entrypoints.openai.protocol_fields import RERANK_FIELDS
 from pagedserve.entrypoints.openai.protocol_pooling import (
     EmbeddingData,
     EmbeddingRequest,
@@ -54,6 +55,9 @@ class PreparedScores(PreparedRequest):
 
 class OpenAIServingPooling(OpenAIServing):
     """What the pooling routes share: inputs to prompts, and collecting the results."""
+
+    # (and vLLM's older `additional_data`, which nothing read: accepted without effect)
+    OWN_REFUSALS = frozenset(RERANK_FIELDS) | {"additional_data"}
 
     def prompt(self, item: str | list[int], truncate: int | None, add_special_tokens: bool = True,
                field: str = "input", label: str | None = None) -> TokenizedPrompt:

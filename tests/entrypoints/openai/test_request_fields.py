@@ -312,6 +312,10 @@ def test_nullable_fields_take_their_default_and_a_refusal_sent_back_is_what_the_
     """OpenAI's n and echo may be null (a 400 said null was no integer); an assistant turn
     sent back with its refusal (content null) says it (it was rendered as an empty turn)."""
     assert post(server, True, n=None).status_code == 200 and post(server, False, n=None, echo=None).status_code == 200
+    # an answer sent back as the openai SDK sends it (its unset fields null, annotations []), and vLLM's best_of = n
+    replayed = {"role": "assistant", "content": "Hi.", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": None, "reasoning_content": None}
+    assert post(server, True, messages=[_USER, replayed, _USER], best_of=1).status_code == 200
     said = [_USER, {"role": "assistant", "content": "I cannot help with that."}, _USER]
     refused = [_USER, {"role": "assistant", "content": None, "refusal": "I cannot help with that."}, _USER]
     assert [post(server, True, messages=m).json()["usage"]["prompt_tokens"] for m in (said, refused)] == \

@@ -129,6 +129,7 @@ def test_text_format_json_schema_constrains_the_answer(client) -> None:
                                                          "max_completion_tokens"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
     ({"extra_body": {"n": 2}}, "n"), ({"extra_body": {"logprobs": True}}, "logprobs"),
+    ({"extra_body": {"reasoning_effort": "low"}}, "reasoning_effort"), ({"extra_body": {"verbosity": "low"}}, "verbosity"),
     ({"extra_body": {"messages": [{"role": "user", "content": "hi"}]}}, "messages"),
     # OpenAI's rules on tools and formats (each was accepted)
     ({"tools": [WEATHER, WEATHER]}, "tools"), ({"tools": [{**WEATHER, "name": "bad name!"}]}, "tools"),
