@@ -405,6 +405,12 @@ class DiskKVTier(_TierBase):
                     break
                 payload = self._read(key)
                 if payload is None:
+                    # The blocks behind a bad one hang off its hash chain: unreachable until it is saved
+                    # again, and while indexed, never saved again once recomputed (a damaged directory
+                    # healed one block per prefix per restart).  Their files go with it.
+                    for later in keys[n + 1:]:
+                        if later in self._index:
+                            self._forget(later, remove=True)
                     break
             staged[key] = payload
             n += 1

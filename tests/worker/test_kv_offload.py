@@ -409,3 +409,25 @@ def test_a_link_planted_under_a_temporary_name_writes_nothing_outside(tmp_path) 
     save(tier, caches(), [1], [1])
     tier.close()
     assert victim.read_text() == "not the tier's to touch" and tier.lookup([1]) == 1
+
+
+def test_the_blocks_behind_a_damaged_one_are_saved_again_once_recomputed(tmp_path) -> None:
+    """They hang off its hash chain: unreachable until it is saved again, yet indexed, so
+    when recomputed they were never saved again (a damaged directory healed one block per
+    prompt prefix per restart).  Now they go with it, and all are saved on recomputation."""
+    tier = disk_tier(tmp_path)
+    kv = caches()
+    save(tier, kv, [1, 2, 3], [7, 8, 9])
+    tier.close()
+    first = tier._path(7)  # noqa: SLF001 - the file to damage
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0x01
+    first.write_bytes(bytes(data))
+    again = disk_tier(tmp_path)
+    assert again.lookup([7, 8, 9]) == 0
+    assert not any(again.contains(key) for key in (7, 8, 9))  # (8 and 9 were still indexed)
+    save(again, kv, [1, 2, 3], [7, 8, 9])
+    again.close()
+    third = disk_tier(tmp_path)
+    assert third.lookup([7, 8, 9]) == 3
+    third.close()
