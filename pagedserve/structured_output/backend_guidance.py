@@ -18,7 +18,7 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-from pagedserve.structured_output.limits import is_lark
+from pagedserve.structured_output.limits import SCHEMA_MAPS, is_lark
 
 # Compact JSON with the separators json.dumps writes (what xgrammar emits too).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -120,7 +120,6 @@ class GuidanceBackend:
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
               "unevaluatedItems", "additionalItems")
 _SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _closed_objects(schema: Any) -> Any:
@@ -137,7 +136,7 @@ def _closed_objects(schema: Any) -> Any:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [_closed_objects(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed_objects(s) for name, s in out[key].items()}
     if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:

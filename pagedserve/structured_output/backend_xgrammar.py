@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from pagedserve.structured_output.limits import is_lark, tag_schemas
+from pagedserve.structured_output.limits import SCHEMA_MAPS, is_lark, tag_schemas
 
 # xgrammar errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -27,7 +27,7 @@ XGRAMMAR_FORMATS = ("date", "time", "date-time", "duration", "email", "hostname"
                     "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer")
 # Keywords whose value holds one subschema / a list of them / a name -> subschema map.
 _ONE = ("items", "additionalProperties", "propertyNames", "additionalItems", "contentSchema")
-_MANY, _MAP = ("prefixItems", "anyOf", "oneOf"), ("properties", "patternProperties", "$defs", "definitions")
+_MANY = ("prefixItems", "anyOf", "oneOf")  # (and limits.SCHEMA_MAPS: a name -> subschema map)
 # A regex's counted repetitions, nested ones multiplied ((.{0,1000}){0,300}: 300,000), at
 # most this many: xgrammar compiles a count in time growing with its square (10,000: 8.7
 # s; 20,000: 40 s, on a Zen 5), and a nested pair's token masks grew slower with every
@@ -156,7 +156,7 @@ def check_schema(schema: Any, where: str = "schema") -> None:
                              "xgrammar backend does not enforce it (list it in properties)")
         stack += [(node[k], f"{at}.{k}") for k in _ONE if k in node]
         stack += [(v, f"{at}.{k}[{i}]") for k in _MANY if isinstance(node.get(k), list) for i, v in enumerate(node[k])]
-        stack += [(v, f"{at}.{k}.{name}") for k in _MAP if isinstance(node.get(k), dict) for name, v in node[k].items()]
+        stack += [(v, f"{at}.{k}.{name}") for k in SCHEMA_MAPS if isinstance(node.get(k), dict) for name, v in node[k].items()]
 
 
 def _check_ref(node: dict[str, Any], at: str) -> None:

@@ -70,8 +70,9 @@ def check_spec(kind: str, spec: str) -> None:
             raise _refuse(f"the grammar has {rules} rules, more than the {MAX_GRAMMAR_RULES} allowed")
 
 
-# A schema's keywords whose value maps names to subschemas, and those whose value is data.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# A schema's keywords whose value maps names to subschemas (every walk of a schema's
+# subschemas reads them here), and those whose value is data.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _VALUES = ("const", "enum", "default", "examples")
 
 
@@ -88,8 +89,8 @@ def _check_property_counts(root: Any) -> None:
         if not isinstance(node, dict):
             continue
         # (schemas only: a property named maxProperties, an enum's or default's objects, are not)
-        stack += [v for k, v in node.items() if k not in _SCHEMA_MAPS and k not in _VALUES]
-        stack += [v for k in _SCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]
+        stack += [v for k, v in node.items() if k not in SCHEMA_MAPS and k not in _VALUES]
+        stack += [v for k in SCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]
         extra = node.get("additionalProperties")
         closed = (extra is False or extra is None and "properties" in node) and "patternProperties" not in node
         if not closed and ("minProperties" in node or "maxProperties" in node):
