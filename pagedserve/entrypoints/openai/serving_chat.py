@@ -146,11 +146,16 @@ def split_reasoning(parser: ReasoningParser | None,
 
 @dataclass
 class ToolPlan:
-    """How one request's answer is read: mode "none" | "auto" | "required" | "named"."""
+    """How one request's answer is read: mode "none" | "auto" | "required" | "named"; under
+    "auto", calls only of the request's tools (`names`), and at most one with
+    `parallel_tool_calls` false (`one_call`: the formats without a structural tag to stop
+    after the first, llama3_json's and pythonic's, have the rest cut here)."""
 
     mode: str = "none"
     function: FunctionDefinition | None = None
     parser: ToolParser | None = None
+    names: frozenset[str] = frozenset()
+    one_call: bool = False
 
     def calls(self, text: str, finished: bool) -> tuple[str | None, list[ParsedToolCall]]:
         """(plain text, tool calls) of an answer."""
@@ -166,7 +171,8 @@ class ToolPlan:
             return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
                           if isinstance(c, dict) and isinstance(c.get("name"), str)]
         if self.mode == "auto":
-            return self.parser.extract(text, finished)
+            text, calls = self.parser.extract(text, finished, self.names)
+            return text, calls[:1] if self.one_call else calls
         return text, []
 
 
@@ -265,7 +271,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError('"auto" tool choice needs a tool call parser: start the server with '
                               '--tool-call-parser (hermes or llama3_json, the format the model writes calls in)',
                               param="tool_choice")
-        return ToolPlan(mode, function, self.tool_parser if mode == "auto" else None)
+        return ToolPlan(mode, function, self.tool_parser if mode == "auto" else None,
+                        frozenset(t.function.name for t in req.tools or []), req.parallel_tool_calls is False)
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         model = self.model_name(req.model)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,21 +37,28 @@ class ParsedToolCall:
     arguments: str  # JSON text of the arguments object
 
 
-def _call_from(obj: Any, args_key: str) -> ParsedToolCall | None:
-    """A call from its parsed JSON: a name and an arguments object (or JSON text of one,
-    as some models write it); anything else is not a call (arguments are always an object's
-    JSON text for the client, characters as the model wrote them)."""
+def _call_from(obj: Any, args_key: str, names: Collection[str] | None, need_args: bool = False) -> ParsedToolCall | None:
+    """A call from its parsed JSON: the name of one of the request's tools (`names`; None:
+    any) and an arguments object (or JSON text of one, as some models write it); anything
+    else is not a call (arguments are always an object's JSON text for the client,
+    characters as the model wrote them, and strict JSON: no NaN or Infinity).  `need_args`:
+    a format whose calls are the whole answer needs the arguments key, else a JSON answer
+    that has a "name" (a person's, say) would read as a call of no arguments."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(args, dict):
+    if names is not None and obj["name"] not in names:
+        return None  # (no such function: what the model wrote is text, never a call the client cannot make)
+    if need_args and args_key not in obj and "arguments" not in obj:
         return None
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    try:
+        if isinstance(args, str):
+            args = json.loads(args)
+        if not isinstance(args, dict):
+            return None
+        return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except (ValueError, RecursionError):
+        return None
 
 
 class HermesToolParser:
@@ -59,9 +67,11 @@ class HermesToolParser:
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
     _LAST_OPEN = re.compile(r"<tool_call>\s*(.*?)\s*\Z", re.DOTALL)  # a finished answer's last call left open
 
-    def extract(self, text: str, finished: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
+    def extract(self, text: str, finished: bool = True,
+                names: Collection[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
         """The calls between the tags (a finished answer's last one also without its closing
-        tag, as a stop string or max_tokens may cut it: vLLM's reads it too)."""
+        tag, as a stop string or max_tokens may cut it: vLLM's reads it too) of the
+        functions in `names` (None: any)."""
         bodies = self._CALL.findall(text)
         tail = text[text.rfind(self.CLOSE) + len(self.CLOSE):] if self.CLOSE in text else text
         if finished and (last := self._LAST_OPEN.search(tail[tail.find(self.OPEN):] if self.OPEN in tail else "")):
@@ -69,7 +79,7 @@ class HermesToolParser:
         calls = []
         for body in bodies:
             try:
-                call = _call_from(json.loads(body), "arguments")
+                call = _call_from(json.loads(body), "arguments", names)
             except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
                 call = None
             if call is not None:
@@ -173,8 +183,10 @@ class Llama3JsonToolParser:
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
-    def extract(self, text: str, finished: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
-        """The whole answer as calls (JSON objects joined by ";"), else plain text.  Only a
+    def extract(self, text: str, finished: bool = True,
+                names: Collection[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+        """The whole answer as calls (JSON objects joined by ";", each naming a function in
+        `names`, None: any, and with its "parameters"), else plain text.  Only a
         finished answer says which: a running one that parses as calls may still go on
         with text, so a stream holds it back (text_before_calls) and sends no call yet."""
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
@@ -186,7 +198,7 @@ class Llama3JsonToolParser:
                 obj, i = decoder.raw_decode(body, i)
             except (ValueError, RecursionError):
                 return text, []
-            call = _call_from(obj, "parameters")
+            call = _call_from(obj, "parameters", names, need_args=True)
             if call is None:
                 return text, []
             calls.append(call)
@@ -233,7 +245,9 @@ class PythonicToolParser:
     START, END = "<|python_start|>", "<|python_end|>"
     _JSON_NAMES = {"true": True, "false": False, "null": None}
 
-    def extract(self, text: str, finished: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
+    def extract(self, text: str, finished: bool = True,
+                names: Collection[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+        """The whole answer as calls of the functions in `names` (None: any), else plain text."""
         import ast
 
         body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
@@ -244,6 +258,8 @@ class PythonicToolParser:
             if not isinstance(tree, ast.List) or not tree.elts:
                 return text, []
             calls = [self._call(node) for node in tree.elts]
+            if names is not None and any(c.name not in names for c in calls):
+                return text, []
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return text, []
         return None, calls

@@ -17,6 +17,8 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 )
 from pagedserve.outputs import CompletionOutput
 
+# The request's tools: a call of any other function is no call (NAMES: those below use).
+NAMES = frozenset({"get_weather", "get_time", "f", "g", "h", "sql", "t"})
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 # (with a call left open, as a stop string or max_tokens leaves one: a finished answer's
 # last one counts, as vLLM's; and one whose arguments are no object: not a call)
@@ -41,7 +43,7 @@ def _streamed(plan: ToolPlan, text: str, cuts: list[int]) -> tuple[str, list[str
 @given(st.lists(st.sampled_from(PIECES), max_size=8), st.lists(st.integers(0, 400), max_size=12))
 def test_hermes_streamed_content_and_calls_equal_the_whole_answer(pieces: list[str], cuts: list[int]) -> None:
     text = "".join(pieces)
-    plan = ToolPlan(mode="auto", parser=HermesToolParser())
+    plan = ToolPlan(mode="auto", parser=HermesToolParser(), names=NAMES)
     whole, calls = plan.calls(text, True)
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or ""), (text, cuts)
@@ -49,7 +51,7 @@ def test_hermes_streamed_content_and_calls_equal_the_whole_answer(pieces: list[s
 
 
 def test_whitespace_before_a_call_is_not_content_whole_or_streamed() -> None:
-    plan = ToolPlan(mode="auto", parser=HermesToolParser())
+    plan = ToolPlan(mode="auto", parser=HermesToolParser(), names=NAMES)
     text = "I'll look that up.\n\n" + CALL
     assert plan.calls(text, True)[0] == "I'll look that up."
     assert _streamed(plan, text, list(range(len(text))))[0] == "I'll look that up."
@@ -73,7 +75,7 @@ def test_llama3_json_streamed_equals_whole(head: str, pieces: list[str], cuts: l
     them, cut anywhere: the stream sends what the whole answer says, each call once (a
     prefix that parsed as calls sent them, and again after a ";")."""
     text = head + "".join(pieces)
-    plan = ToolPlan(mode="auto", parser=Llama3JsonToolParser())
+    plan = ToolPlan(mode="auto", parser=Llama3JsonToolParser(), names=NAMES)
     whole, calls = plan.calls(text, True)
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or "") and names == [c.name for c in calls], (text, cuts)
@@ -147,7 +149,7 @@ def test_pythonic_streamed_equals_whole(head: str, pieces: list[str], cuts: list
     from pagedserve.entrypoints.openai.tool_parsers import PythonicToolParser
 
     text = head + "".join(pieces)
-    plan = ToolPlan(mode="auto", parser=PythonicToolParser())
+    plan = ToolPlan(mode="auto", parser=PythonicToolParser(), names=NAMES)
     whole, calls = plan.calls(text, True)
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or "") and names == [c.name for c in calls], (text, cuts)
@@ -170,3 +172,41 @@ def test_required_calls_stream_as_each_closes(cuts: list[int]) -> None:
     sent = [tc.function.name for ch in OpenAIServingChat._tool_deltas(None, plan, ts, out)
             for tc in ch.delta.tool_calls or []]
     assert sent == ["get_weather"]
+
+
+def test_only_the_requests_functions_are_called_and_a_json_answer_is_no_call() -> None:
+    """A JSON answer with a "name" (a schema's person, beside tools under "auto") was read by
+    llama3_json as a call of the function "Alice" with no arguments; a call of a function the
+    request does not have, or with arguments no strict JSON reader takes, is no call either."""
+    from pagedserve.entrypoints.openai.tool_parsers import PythonicToolParser
+
+    llama, hermes = ToolPlan(mode="auto", parser=Llama3JsonToolParser(), names=NAMES), \
+        ToolPlan(mode="auto", parser=HermesToolParser(), names=NAMES)
+    for text in ('{"name": "Alice", "age": 30}', '{"name": "f"}', '{"name": "nope", "parameters": {}}',
+                 '{"name": "f", "parameters": {}}; {"name": "nope", "parameters": {}}',
+                 '{"name": "f", "parameters": {"a": Infinity}}', '{"name": "f", "parameters": {"a": NaN}}'):
+        assert llama.calls(text, True) == (text, []), text
+        assert _streamed(llama, text, [3, 9]) == (text, []), text
+    assert llama.calls('{"name": "f", "arguments": {"a": 1}}', True)[1][0].arguments == '{"a": 1}'
+    assert hermes.calls('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', True)[1] == []
+    assert hermes.calls('<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', True)[1] == []
+    assert hermes.calls('<tool_call>{"name": "f"}</tool_call>', True)[1][0].arguments == "{}"  # (tags say it is one)
+    pythonic = ToolPlan(mode="auto", parser=PythonicToolParser(), names=NAMES)
+    assert pythonic.calls("[f(x=1), nope()]", True) == ("[f(x=1), nope()]", [])
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}'),
+    ("pythonic", "[f(x=1), g()]"),
+    (HermesToolParser(), CALL + CALL.replace("get_weather", "get_time")),
+])
+def test_parallel_tool_calls_false_keeps_only_the_first_call(parser, text: str) -> None:
+    """llama3_json and pythonic have no structural tag to stop after the first call: the rest
+    were all returned under parallel_tool_calls false (Anthropic's disable_parallel_tool_use)."""
+    from pagedserve.entrypoints.openai.tool_parsers import PythonicToolParser
+
+    parser = PythonicToolParser() if parser == "pythonic" else parser
+    many, one = (ToolPlan(mode="auto", parser=parser, names=NAMES, one_call=k) for k in (False, True))
+    assert len(many.calls(text, True)[1]) == 2
+    (call,) = one.calls(text, True)[1]
+    assert _streamed(one, text, [len(text) // 2])[1] == [call.name]
