@@ -57,7 +57,6 @@ class PredictionDrafter:
         self.used = bytearray(len(self.token_ids))  # prediction tokens the completion has matched
         self.num_used = 0
         self.matched = bytearray()  # per output token walked: whether it matched a prediction token
-        self.num_reported = 0  # output tokens whose matches the engine has reported (final)
 
     @property
     def counts(self) -> tuple[int, int]:
@@ -81,15 +80,19 @@ class PredictionDrafter:
 
     def keep(self, output_token_ids: list[int], num_new: int) -> bytes:
         """The step's tokens kept (the last `num_new` of the output: a stop cut any past
-        it), walked now: for each, whether it matched a prediction token (final: the
-        engine reports them)."""
+        it), walked now: for each of the output's last tokens this step may have marked
+        (the new ones, and up to RESYNC_MAX_N - 1 before them that a suffix re-finding
+        the place marks), whether it matched a prediction token (`merge_matched` lays
+        them over the tokens reported before)."""
         self._follow(output_token_ids)
-        self.num_reported = len(output_token_ids)
-        return bytes(self.matched[len(output_token_ids) - num_new:len(output_token_ids)])
+        end = len(output_token_ids)
+        return bytes(self.matched[max(0, end - num_new - RESYNC_MAX_N + 1):end])
 
     def _follow(self, output: list[int]) -> None:
-        """Walk the output tokens not seen yet: advance while they match, else lose the
-        place and look for it again."""
+        """Walk the output tokens not seen yet, one at a time (so the counts are the
+        prediction's and the completion's alone, however the steps cut the output):
+        advance while they match, else lose the place and look for it again after each
+        token until found."""
         pred, pos, matched = self.token_ids, self.pos, self.matched
         end = len(pred)
         for i in range(self.num_seen, len(output)):
@@ -100,20 +103,14 @@ class PredictionDrafter:
             if pos is not None:
                 self.anchor, pos = pos, None
             matched.append(0)
-        if self.num_seen < len(output) and pos is None:
-            found = self._resync(output)
+            found = self._resync(output[max(0, i + 1 - RESYNC_MAX_N):i + 1])
             if found is not None:
                 pos, n = found
-                for k in range(1, n + 1):  # the tokens that found the place match the ones before it
-                    i = len(output) - k
-                    if i < self.num_reported:
-                        break
-                    if not matched[i]:
-                        matched[i] = self._use(pos - k)
+                for k in range(n):  # the tokens that found the place match the ones before it
+                    if not matched[i - k]:
+                        matched[i - k] = self._use(pos - 1 - k)
         self.num_seen = len(output)
         self.pos = pos
-        if pos is not None:
-            self.anchor = pos
 
     def _use(self, p: int) -> int:
         """Prediction token `p` appears in the completion: 1 the first time, 0 after."""
@@ -123,19 +120,19 @@ class PredictionDrafter:
         self.num_used += 1
         return 1
 
-    def _resync(self, output: list[int]) -> tuple[int, int] | None:
-        """(where the prediction continues the output's last tokens, how many of those
-        tokens matched there), if anywhere."""
+    def _resync(self, tail: list[int]) -> tuple[int, int] | None:
+        """(where the prediction continues the output's last tokens `tail`, how many of
+        those tokens matched there), if anywhere."""
         packed, anchor = self._packed, self.anchor * 4
-        tail = array("i", output[-RESYNC_MAX_N:]).tobytes()
-        for n in range(min(RESYNC_MAX_N, len(output)), RESYNC_MIN_N - 1, -1):
-            pattern = tail[len(tail) - 4 * n:]
+        packed_tail = array("i", tail).tobytes()
+        for n in range(min(RESYNC_MAX_N, len(tail)), RESYNC_MIN_N - 1, -1):
+            pattern = packed_tail[len(packed_tail) - 4 * n:]
             at = self._find(pattern, anchor, len(packed))
             if at < 0:
                 at = self._find(pattern, 0, anchor + len(pattern) - 4)
             if at >= 0:
                 return at // 4 + n, n
-        at = self._find(tail[-4:], anchor, min(len(packed), anchor + 4 * NEAR_WINDOW))
+        at = self._find(packed_tail[-4:], anchor, min(len(packed), anchor + 4 * NEAR_WINDOW))
         return (at // 4 + 1, 1) if at >= 0 else None
 
     def _find(self, pattern: bytes, start: int, stop: int) -> int:
@@ -145,3 +142,12 @@ class PredictionDrafter:
         while at >= 0 and at % 4:
             at = packed.find(pattern, at + 1, stop)
         return at
+
+
+def merge_matched(matched: bytearray, num_new: int, tail: bytes) -> None:
+    """`matched` (per output token reported so far: whether it matched a prediction token)
+    after a step that added `num_new` tokens and reported `tail` (PredictionDrafter.keep:
+    the marks of the output's last len(tail) tokens, new ones and re-marked ones)."""
+    matched.extend(bytes(num_new))
+    k = min(len(tail), len(matched))
+    matched[len(matched) - k:] = tail[len(tail) - k:]

@@ -108,7 +108,8 @@ class EngineCoreOutput:
     # A finished pooling request's result (the runner's float32 tensor; core only carries it).
     pooling_output: Any = None
     # A request with a predicted output: OpenAI's (accepted, rejected) prediction tokens so
-    # far, and per token of this step whether it matched a prediction token (a stop string
-    # cutting it off moves it to rejected: output_processor).
+    # far, and per token of the output's last ones (this step's, and those it re-marked)
+    # whether it matched a prediction token (a stop string cutting it off moves it to
+    # rejected: output_processor).
     prediction_counts: tuple[int, int] | None = None
     predicted: bytes = b""

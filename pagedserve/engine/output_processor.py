@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.core.prediction_drafter import merge_matched
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
@@ -204,7 +205,7 @@ class OutputProcessor:
         self.num_generation_tokens += len(new_ids)
         state.output_token_ids.extend(new_ids)
         if state.predicted is not None:  # (per token: whether it matched a prediction token)
-            state.predicted += out.predicted.ljust(len(new_ids), b"\0")
+            merge_matched(state.predicted, len(new_ids), out.predicted)
         if state.logprobs is not None and out.request_id in logprobs:
             self._append_logprobs(state, new_ids, logprobs[out.request_id])
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import MAX_SPECULATIVE_TOKENS
-from pagedserve.core.prediction_drafter import PredictionDrafter
+from pagedserve.core.prediction_drafter import PredictionDrafter, merge_matched
 from tests.hypothesis_budget import examples
 
 PRED = list(range(100, 140))  # 40 distinct tokens
@@ -105,11 +105,11 @@ def test_usage_counts_the_predictions_tokens_that_appear_in_the_completion() -> 
     bonus token never counted, and a prediction never drafted counted nowhere (an unrelated
     one reported 0 / 0, as an empty one)."""
     def usage(pred: list[int], out: list[int], step: int = 3) -> tuple[int, int]:
-        d = PredictionDrafter(pred)
-        matched = b""
+        d, matched = PredictionDrafter(pred), bytearray()
         for end in range(step, len(out) + step, step):
             kept = out[:end]
-            matched += d.keep(kept, len(kept) - len(matched))
+            num_new = len(kept) - len(matched)
+            merge_matched(matched, num_new, d.keep(kept, num_new))
         assert sum(matched) == d.counts[0]
         return d.counts
 
@@ -121,3 +121,26 @@ def test_usage_counts_the_predictions_tokens_that_appear_in_the_completion() -> 
     accepted, rejected = usage(PRED, renamed)
     assert (accepted, rejected) == (39, 1)  # (the renamed token alone: those after it re-found the place)
     assert usage([], [1, 2, 3]) == (0, 0)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(pred=st.lists(st.integers(0, 8), max_size=40), out=st.lists(st.integers(0, 8), max_size=50),
+       steps=st.lists(st.integers(1, 9), min_size=1, max_size=60))
+def test_the_usage_counts_do_not_depend_on_how_steps_cut_the_output(pred, out, steps) -> None:
+    """The same completion reported different accepted/rejected counts with another
+    --speculative-config (or under load): the place was looked for once per step, after
+    its last token, so which tokens matched depended on where steps ended."""
+    def walk(sizes: list[int]) -> tuple[tuple[int, int], bytes]:
+        d, matched, seen = PredictionDrafter(pred), bytearray(), 0
+        for size in sizes:
+            if seen >= len(out):
+                break
+            seen = min(len(out), seen + size)
+            d.propose(out[:seen - 1])  # (a step starts from the output before it, as the scheduler's)
+            merge_matched(matched, seen - len(matched), d.keep(out[:seen], seen - len(matched)))
+        if seen < len(out):
+            merge_matched(matched, len(out) - seen, d.keep(out, len(out) - seen))
+        assert sum(matched) == d.counts[0]
+        return d.counts, bytes(matched)
+
+    assert walk(steps) == walk([1] * len(out))

@@ -192,6 +192,9 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
+TEXT_PART_KEYS = ("type", "text")  # a chat text part's (a message's content, a prediction's)
+
+
 def prediction_text(prediction: dict[str, Any] | None) -> str | None:
     """OpenAI's `prediction` ({"type": "content", "content": text or text parts}) as its
     text, the parts joined; the engine bounds and tokenizes it (SamplingParams.prediction)."""
@@ -204,6 +207,9 @@ def prediction_text(prediction: dict[str, Any] | None) -> str | None:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
+        for k, part in enumerate(content):
+            if (error := part_key_error(part, "a text part", TEXT_PART_KEYS, {})) is not None:
+                raise InvalidRequestError(f"prediction.content[{k}]: {error}", param="prediction")
         return "".join(p["text"] for p in content)
     raise InvalidRequestError('prediction.content must be a string or a list of {"type": "text", "text": ...} parts',
                               param="prediction")
@@ -270,7 +276,7 @@ def check_chat_message(i: int, role: str, message: dict[str, Any]) -> None:
         error = "refusal must be a string, and the turn's content none (a refusal is what the turn said)"
     for part in message.get("content") if isinstance(message.get("content"), list) else ():
         if error is None and isinstance(part, dict) and part.get("type") == "text":
-            error = part_key_error(part, "a text part", ("type", "text"), {})
+            error = part_key_error(part, "a text part", TEXT_PART_KEYS, {})
     if error is not None:
         raise InvalidRequestError(f"{where}: {error}", param=where)
 

@@ -72,6 +72,8 @@ def test_prediction_gives_the_same_output_with_its_counts_in_usage(client) -> No
     {"prediction": {"type": "content", "content": "~^" * 300}},
     {"prediction": {"type": "text", "content": "x"}},
     {"prediction": {"type": "content", "content": [{"type": "image_url"}]}},
+    # (a text part's other key: dropped, where a message's text part refuses it)
+    {"prediction": {"type": "content", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}},
 ])
 def test_refused_by_name(server_off, kwargs) -> None:
     client = openai.OpenAI(base_url=server_off.url + "/v1", api_key=API_KEY, max_retries=0)
