@@ -463,7 +463,7 @@ class EngineCore:
         if self.config.lora_config is None:
             return {}
         return {"running_lora_adapters": _adapter_names(self.scheduler.running),
-                "waiting_lora_adapters": _adapter_names(self.scheduler.waiting),
+                "waiting_lora_adapters": _adapter_names([*self.scheduler.waiting, *self._parked]),
                 "max_lora": self.config.lora_config.max_loras}
 
     def reset_prefix_cache(self) -> bool:
@@ -518,6 +518,7 @@ def resolve_async_scheduling(value: bool | None, executor: ModelExecutor, sync_o
     return bool(value)
 
 
-def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
-    """The distinct adapters of `requests`, by name, sorted."""
+def _adapter_names(requests: Iterable[Request | EngineCoreRequest]) -> tuple[str, ...]:
+    """The distinct adapters of `requests` (the scheduler's, and those parked for host
+    memory), by name, sorted."""
     return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))

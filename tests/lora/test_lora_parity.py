@@ -239,6 +239,8 @@ def test_requests_past_max_cpu_loras_wait_for_room_and_host_memory_holds_that_ma
         engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=lora)
     assert engine.list_loras() == [loras[0]]
     assert engine.get_stats().num_waiting == 5 and engine.get_num_unfinished_requests() == 5
+    # (vllm:lora_requests_info names the waiting ones' adapters: the parked ones' were left out)
+    assert engine.get_stats().waiting_lora_adapters == ("adapter0", "adapter1", "adapter3", "gone")
     # An adapter that is not one is refused when named, as when it loads at once (waiting,
     # it ended later with an empty "error" output: offline, no exception)
     from pagedserve.lora.peft import LoRAAdapterError
