@@ -35,6 +35,7 @@ from pagedserve.entrypoints.openai.model_pool import ServedModel
 from pagedserve.entrypoints.openai.routers.generation import generate
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState, ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.model_facts import UNKNOWN, model_details
 
 router = APIRouter()
@@ -117,11 +118,23 @@ def _listing(model: ServedModel[Any]) -> dict[str, Any]:
             "size": info.size, "digest": _digest(model), "details": info.details()}
 
 
+def _adapter_listing(state: ServerState, lora: LoRARequest) -> dict[str, Any]:
+    """A LoRA adapter as Ollama lists a model made FROM its base with an ADAPTER: the
+    base's facts, the base named its parent (the adapter's path is the server's)."""
+    base = state.models.models[state.models.default_name]
+    listing = _listing(base)
+    return {**listing, "name": lora.lora_name, "model": lora.lora_name,
+            "digest": hashlib.sha256(f"{lora.lora_name}\0{lora.lora_path}".encode()).hexdigest(),
+            "details": {**listing["details"], "parent_model": lora.base_model_name or base.spec.name}}
+
+
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(state: ServerStateDep) -> dict:
-    """Every servable model, loaded or not."""
+    """Every servable model, loaded or not, and every LoRA adapter (as /v1/models lists them)."""
     state.check_up()  # (the files' facts are read off the event loop: a broken file is slow to read)
-    return {"models": await asyncio.to_thread(lambda: [_listing(m) for m in state.models.models.values()])}
+    return {"models": await asyncio.to_thread(
+        lambda: [*(_listing(m) for m in state.models.models.values()),
+                 *(_adapter_listing(state, lora) for lora in list(state.lora_adapters.loras.values()))])}
 
 
 @router.get("/api/ps")
@@ -148,9 +161,10 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     state.check_up()
     name = body.model_name()
     resolved = state.models.resolve(name)
-    if resolved is None:
+    adapter = state.lora_adapters.loras.get(name) if resolved is None else None  # (its base's facts)
+    if resolved is None and adapter is None:
         raise OpenAIError(f"model '{name[:200]}' not found", status=404, param="model")
-    model = state.models.models[resolved]
+    model = state.models.models[state.models.default_name if adapter is not None else resolved]
     info = await asyncio.to_thread(model_details, model.spec.source)
     handlers = model.loaded
     # (tools and vision need a chat template to place them in: a base model only completes)
@@ -160,8 +174,11 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
         ["completion", *(["tools"] if chat else []), *(["vision"] if info.vision and chat else [])]
     if info is UNKNOWN:  # unreadable files: its name alone, no invented architecture or capability
         capabilities = []
-    return {"modelfile": f"# served by pagedserve\nFROM {model.spec.name}\n", "parameters": "",
-            "template": info.chat_template, "details": info.details(),
+    details = info.details()
+    if adapter is not None:
+        details["parent_model"] = adapter.base_model_name or model.spec.name
+    return {"modelfile": f"# served by pagedserve\nFROM {model.spec.name}\n" + (f"ADAPTER {name}\n" if adapter else ""),
+            "parameters": "", "template": info.chat_template, "details": details,
             "model_info": {} if info is UNKNOWN else info.model_info(),
             "capabilities": capabilities, "modified_at": info.modified_at}
 

@@ -46,6 +46,14 @@ def lora_server(tiny_model_dir, adapters, tmp_path_factory):
     proc.stop()
 
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def good_path_hidden(text: str, adapters) -> bool:
+    """No adapter's path on the server's disk is in `text`."""
+    return not any(path in text for path in adapters[0].values())
+
+
 def texts(tokenizer, refs: list[list[int]]) -> list[str]:
     return [tokenizer.decode(t, skip_special_tokens=True) for t in refs]
 
@@ -84,6 +92,14 @@ def test_two_adapters_and_the_base_answer_by_name_in_one_burst(lora_server, adap
     assert getattr(listed[MODEL_NAME], "parent", None) is None
     one = openai.OpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY).models.retrieve("a2")
     assert one.id == "a2" and one.parent == MODEL_NAME and "/" not in (one.root or "")  # no server path shown
+
+    # Ollama's listing and show too (a client that picks models from /api/tags saw no adapter)
+    tags = {m["name"]: m for m in httpx.get(lora_server.url + "/api/tags", headers=AUTH, timeout=30).json()["models"]}
+    assert set(tags) == {MODEL_NAME, "a1", "a2"} and tags["a1"]["details"]["parent_model"] == MODEL_NAME
+    assert tags["a1"]["digest"] != tags["a2"]["digest"] and tags[MODEL_NAME]["details"]["parent_model"] == ""
+    shown = httpx.post(lora_server.url + "/api/show", json={"model": "a1:latest"}, headers=AUTH, timeout=30)
+    assert shown.status_code == 200 and shown.json()["details"]["parent_model"] == MODEL_NAME, shown.text
+    assert "ADAPTER a1" in shown.json()["modelfile"] and good_path_hidden(shown.text, adapters)
 
 
 def test_an_adapter_loaded_and_unloaded_at_runtime(lora_server, adapters, tokenizer) -> None:
