@@ -52,7 +52,7 @@ def dashboard_router(hub_of: Callable[..., Awaitable[DashboardHub]],
         # (HEAD too: Ollama's clients check that a server is up with HEAD /)
         router.add_api_route(path, page, methods=["GET", "HEAD"], include_in_schema=False)
 
-    @router.get(STATIC_PREFIX + "{name}", include_in_schema=False)
+    @router.api_route(STATIC_PREFIX + "{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def static(name: str) -> Response:
         return _static_file(name)
 

@@ -137,7 +137,7 @@ async def tags(state: ServerStateDep) -> dict:
                  *(_adapter_listing(state, lora) for lora in list(state.lora_adapters.loras.values()))])}
 
 
-@router.get("/api/ps")
+@router.api_route("/api/ps", methods=["GET", "HEAD"])
 async def ps(state: ServerStateDep) -> dict:
     """The loaded models, their memory and when they unload."""
     state.check_up()

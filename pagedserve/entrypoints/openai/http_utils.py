@@ -347,9 +347,20 @@ class BodyLimitMiddleware:
 
 def check_json_content_type(scope: dict[str, Any], body: bytes) -> None:
     """A body sent as another type (curl's -d sends a form) is named as such, rather than
-    left to FastAPI, whose error was "body: Input should be a valid dictionary"."""
-    content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
-    if body and content_type and "json" not in content_type.lower():
+    left to FastAPI, whose error was "body: Input should be a valid dictionary"; one sent
+    with no Content-Type (`requests.post(url, data=text)`) is read as JSON, the type is
+    set here.  JSON types are FastAPI's: application/json and application/*+json (it reads
+    no other as JSON: text/json and application/jsonl met the same unnamed error)."""
+    headers = dict(scope["headers"])
+    if not body:
+        return
+    if b"content-type" not in headers:
+        scope["headers"] = [*scope["headers"], (b"content-type", b"application/json")]
+        return
+    content_type = headers[b"content-type"].decode("latin-1")
+    media = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = media.partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
         raise InvalidRequestError(f"the request body must be JSON, sent with Content-Type: application/json (it was "
                                   f"sent as {content_type[:100]!r})")
 

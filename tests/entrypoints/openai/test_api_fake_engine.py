@@ -270,3 +270,16 @@ def test_ping_cors_and_a_405s_allow_header():
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
     assert "access-control-allow-origin" not in other.headers
     assert wrong.status_code == 405 and set(wrong.headers["allow"].split(", ")) == {"GET", "HEAD"}
+
+
+def test_every_get_route_answers_head_too():
+    """RFC 9110: a general-purpose server answers HEAD wherever it answers GET (/v1/models,
+    /version, /metrics, /load answered 405); the dashboard's event stream aside, which
+    never ends (the dashboard's routes are not in the schema: its page and files checked here)."""
+    _, app = make_app()
+    paths = app.openapi()["paths"]
+    gets = [p for p, ops in paths.items() if "get" in ops]
+    assert "/v1/models" in gets and [p for p in gets if "head" not in paths[p]] == []
+    heads = call(app, lambda c: asyncio.gather(*(c.head(p) for p in ("/v1/models", "/version", "/v1/models/fake", "/metrics",
+                                                                      "/dashboard/static/dashboard.js"))))
+    assert [r.status_code for r in heads] == [200] * 5

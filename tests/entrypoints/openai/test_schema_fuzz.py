@@ -611,6 +611,14 @@ def test_a_body_sent_as_a_form_is_named_as_such(client):
     r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 1}',
                     headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    # JSON types are application/json and application/*+json (FastAPI reads no other as JSON:
+    # these met its unnamed error); no type at all (`requests.post(url, data=text)`) reads as JSON.
+    for content_type in ("text/json", "application/jsonl", "multipart/form-data; boundary=json"):
+        r = client.post("/tokenize", content=b'{"prompt": "x"}', headers={**AUTH, "Content-Type": content_type})
+        assert r.status_code == 400 and repr(content_type) in r.json()["error"]["message"], r.text
+    for headers in (AUTH, {**AUTH, "Content-Type": "application/vnd.api+json"}):
+        r = client.post("/tokenize", content=b'{"prompt": "x"}', headers=headers)
+        assert r.status_code == 200 and r.json()["count"] >= 1, r.text
     r = client.post("/api/generate", content=b'{"model": "tiny-llama", "prompt": "x", "stream": false, '
                     b'"options": {"num_predict": 1}}', headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200, r.text

@@ -54,7 +54,7 @@ def check_query(request: Request, known: set[str]) -> None:
         raise OpenAIError(f"unsupported query parameter(s) {', '.join(refused)[:200]}", param=refused[0][:100])
 
 
-@router.get("/v1/responses/{response_id}")
+@router.api_route("/v1/responses/{response_id}", methods=["GET", "HEAD"])
 async def get_response(response_id: str, request: Request, state: ServerStateDep) -> JSONResponse:
     if request.query_params.get("stream", "false").lower() != "false":
         raise OpenAIError("stream=true is not supported here: a stored response is returned whole (it finished "
@@ -71,7 +71,7 @@ async def delete_response(response_id: str, state: ServerStateDep) -> JSONRespon
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-@router.get("/v1/responses/{response_id}/input_items")
+@router.api_route("/v1/responses/{response_id}/input_items", methods=["GET", "HEAD"])
 async def list_input_items(response_id: str, request: Request, state: ServerStateDep,
                            limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
                            after: str | None = None) -> JSONResponse:

@@ -52,19 +52,19 @@ async def ping(state: ServerStateDep) -> Response:
     return await health(state)
 
 
-@router.get("/version")
+@router.api_route("/version", methods=["GET", "HEAD"])
 async def version() -> dict:
     return {"version": pagedserve.__version__}
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=["GET", "HEAD"])
 async def metrics(state: ServerStateDep) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/load")
+@router.api_route("/load", methods=["GET", "HEAD"])
 async def load(state: ServerStateDep) -> dict:
     """vLLM's: the requests at work, with --enable-server-load-tracking."""
     if state.server_load is None:
@@ -114,7 +114,7 @@ def both_apis(card: ModelCard) -> dict:
             "created_at": created.isoformat().replace("+00:00", "Z")}
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def models(state: ServerStateDep) -> JSONResponse:
     """Every servable model (loaded or not) and LoRA adapter; the list in both APIs'
     shapes (Anthropic's pages: has_more, first_id, last_id)."""
@@ -125,7 +125,7 @@ async def models(state: ServerStateDep) -> JSONResponse:
                          "first_id": names[0] if names else None, "last_id": names[-1] if names else None})
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
 async def model(model_id: str, state: ServerStateDep) -> JSONResponse:
     """OpenAI's retrieve (`client.models.retrieve`) and Anthropic's; ids may contain
     slashes (org/name)."""
