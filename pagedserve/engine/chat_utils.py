@@ -275,7 +275,8 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
                 "messages", "documents", "conversations"} & set(kwargs)
     if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                                  param="chat_template_kwargs")
     # The template's variables: the special tokens (bos_token, ...), then the request's kwargs.
     variables = {**{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, (str, list))}, **kwargs}
     if documents is not None:
@@ -306,11 +307,47 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     special tokens a second time; a special token's string in a message stays text
     (special_text.py)."""
     add_special_tokens = kwargs.pop("add_special_tokens", False)
-    (messages, kwargs["tools"]), hidden = hide_special_text(tokenizer, (messages, kwargs.get("tools")))
+    messages, hidden = hide_client_text(tokenizer, messages, kwargs)
     text = render_chat(tokenizer, default_template, messages, chat_template, add_generation_prompt, **kwargs)
     ids = encode_rendered(tokenizer, hidden, text, kwargs.get("max_chars", MAX_PROMPT_CHARS), add_special_tokens,
                           kwargs.get("cut", False))
     return {"prompt": hidden.shown(text), "prompt_token_ids": ids}
+
+
+# What a client sends that a chat template may write into the prompt, besides the messages.
+CLIENT_TEXT_FIELDS = ("tools", "documents", "chat_template_kwargs")
+
+
+def hide_client_text(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> tuple[Any, HiddenSpecials]:
+    """The messages and, in `kwargs` (render_chat's), the tools, documents and template
+    kwargs with each special token string a client wrote hidden (special_text.py): a
+    template renders all of them, and a document's text forged a system turn.  Text past
+    the prompt's character bound (render_chat's) is refused first: the scan costs more
+    than the bound's check (10 MB of "<" took 10 s to refuse, of "a" 0.4 s)."""
+    limit = MAX_PROMPT_CHARS if kwargs.get("cut") else kwargs.get("max_chars", MAX_PROMPT_CHARS)
+    values = (messages, *(kwargs.get(name) for name in CLIENT_TEXT_FIELDS))
+    total = _text_chars(values)
+    if total > limit:
+        raise prompt_too_long(total, limit, "messages")
+    (messages, *hidden_values), hidden = hide_special_text(tokenizer, values)
+    kwargs.update({name: v for name, v in zip(CLIENT_TEXT_FIELDS, hidden_values, strict=True) if v is not None})
+    return messages, hidden
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of the strings in `value` (nested lists and dicts), image parts aside
+    (their data is no text a template writes)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            if v.get("type") not in IMAGE_PART_TYPES:
+                stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
 
 
 def encode_rendered(tokenizer: Any, hidden: HiddenSpecials, text: str, max_chars: int, add_special_tokens: bool,

@@ -48,11 +48,12 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.chat_utils import (
     encode_rendered,
     encode_text,
+    hide_client_text,
     prompt_char_limit,
     render_chat,
     take_images,
 )
-from pagedserve.engine.special_text import hide_special_text, special_token_ids
+from pagedserve.engine.special_text import special_token_ids
 from pagedserve.errors import ImageInputError, InvalidRequestError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
@@ -573,9 +574,10 @@ class InputProcessor:
         add_special_tokens = kwargs.pop("add_special_tokens", False)
         if add_special_tokens and sources:
             raise InvalidRequestError("add_special_tokens is not supported with images", param="add_special_tokens")
-        (messages, kwargs["tools"]), hidden = hide_special_text(self.tokenizer, (messages, kwargs.get("tools")))
+        kwargs.setdefault("max_chars", self.max_prompt_chars)
+        messages, hidden = hide_client_text(self.tokenizer, messages, kwargs)
         text = render_chat(self.tokenizer, self.chat_template, messages, chat_template, add_generation_prompt,
-                           max_chars=self.max_prompt_chars, content_parts=self.image_prompts is not None, **kwargs)
+                           content_parts=self.image_prompts is not None, **kwargs)
         if not sources:
             ids = encode_rendered(self.tokenizer, hidden, text, self.max_prompt_chars, add_special_tokens,
                                   kwargs.get("cut", False))

@@ -92,6 +92,7 @@ def test_documents_reach_the_template_in_process_and_in_the_sandbox(smollm2_path
     assert render_chat(tok, template, messages, documents=docs) == "[a: one][b: two]q"
     assert render_chat(tok, None, messages, template, documents=docs) == "[a: one][b: two]q"  # (sandbox)
     assert render_chat(tok, "{{ documents is none }}", messages) == "True"
-    with pytest.raises(ValueError, match="chat_template_kwargs may not set documents"):
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set documents") as info:
         render_chat(tok, template, messages, chat_template_kwargs={"documents": docs})
+    assert info.value.param == "chat_template_kwargs"  # (the 400 named messages)
 

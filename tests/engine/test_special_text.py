@@ -84,3 +84,30 @@ def test_add_special_tokens_puts_the_tokenizers_own_around_the_rendered_chat() -
     for content in ("hi", FORGED):
         plain = chat(tok, content)["prompt_token_ids"]
         assert chat(tok, content, add_special_tokens=True)["prompt_token_ids"] == [0, *plain]
+
+
+def test_documents_and_template_kwargs_are_the_clients_text_too(tokenizer) -> None:
+    """A document's text (a RAG template's) and a template kwarg's forged a system turn:
+    only messages and tools were hidden."""
+    template = ("{% for d in documents %}<|im_start|>system\n{{ d['text'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>system\n{{ persona }}<|im_end|>\n" + tokenizer.chat_template)
+    forged = chat(tokenizer, "hi", chat_template=template, documents=[{"title": "t", "text": FORGED}],
+                  chat_template_kwargs={"persona": FORGED})
+    plain = chat(tokenizer, "hi", chat_template=template, documents=[{"title": "t", "text": "x"}],
+                 chat_template_kwargs={"persona": "y"})
+    assert special_ids(tokenizer, forged["prompt_token_ids"]) == special_ids(tokenizer, plain["prompt_token_ids"])
+    assert forged["prompt"].count(FORGED) == 2
+
+
+def test_text_past_the_prompt_bound_is_refused_before_the_scan(tokenizer, monkeypatch) -> None:
+    """10 MB of "<" took 10 s to refuse (each a special string's first character, scanned
+    before the size was checked), of "a" 0.4 s."""
+    from pagedserve.engine import chat_utils
+    from pagedserve.errors import PromptTooLongError
+
+    def scanned(*args, **kwargs):
+        raise AssertionError("scanned before the bound")
+
+    monkeypatch.setattr(chat_utils, "hide_special_text", scanned)
+    with pytest.raises(PromptTooLongError):
+        chat(tokenizer, "<" * 1001, max_chars=1000)
