@@ -395,10 +395,16 @@ class _FieldRule:
     allowed: str
 
 
+# Sampling runs in float32: a temperature past its largest value was inf (the logits NaN,
+# the draw out of the vocabulary), and a repetition penalty of 1e-50 was 0 (the logits
+# inf); within these bounds logits of any magnitude a model writes (|l| < 1e8) stay finite.
+_FLOAT32_MAX = 3.4028234663852886e38
+_PENALTY_RANGE = (1e-30, 1e30)
 # In the order they are checked: the first field out of range is the one named.
 _SCALAR_RULES = (
     _FieldRule("n", lambda v: is_int(v) and v >= 1, "an integer >= 1"),
-    _FieldRule("temperature", lambda v: _is_finite(v) and v >= 0, "a finite number >= 0"),
+    _FieldRule("temperature", lambda v: _is_finite(v) and 0 <= v <= _FLOAT32_MAX,
+               "a number in [0, 3.4e38] (float32's range: a larger one turned the logits into NaN)"),
     _FieldRule("top_p", lambda v: _is_finite(v) and 0 < v <= 1, "a number in (0, 1]"),
     _FieldRule("top_k", lambda v: is_int(v) and (v >= 0 or v == -1), "-1, 0 (disabled) or a positive integer"),
     _FieldRule("min_p", lambda v: _is_finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
@@ -406,7 +412,8 @@ _SCALAR_RULES = (
                "a 64-bit signed integer or None"),
     _FieldRule("presence_penalty", lambda v: _is_finite(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     _FieldRule("frequency_penalty", lambda v: _is_finite(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    _FieldRule("repetition_penalty", lambda v: _is_finite(v) and v > 0, "a finite number > 0"),
+    _FieldRule("repetition_penalty", lambda v: _is_finite(v) and _PENALTY_RANGE[0] <= v <= _PENALTY_RANGE[1],
+               "a number in [1e-30, 1e30] (the float32 logits it divides or multiplies stay finite)"),
     _FieldRule("max_tokens", lambda v: v is None or (is_int(v) and v >= 1), "an integer >= 1 or None"),
     _FieldRule("min_tokens", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     _FieldRule("truncate_prompt_tokens", lambda v: v is None or (is_int(v) and (v >= 1 or v == -1)),

@@ -165,3 +165,14 @@ def test_vllms_other_keyword_arguments_run_at_a_neutral_value_or_are_named():
     for penalty in (float("nan"), float("inf"), -float("inf"), 1000, -1000, 10.5):
         with pytest.raises(InvalidRequestError, match=r"length_penalty must be a number in \[-10.0, 10.0\]"):
             BeamSearchParams(beam_width=2, max_tokens=5, length_penalty=penalty).validate(20)
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 1e39), ("repetition_penalty", 1e-50),
+                                               ("repetition_penalty", 1e31)])
+def test_values_float32_sampling_cannot_hold_are_refused_by_name(field, value) -> None:
+    """A temperature past float32's range was inf in the sampler (the logits NaN: a token
+    past the vocabulary, a dead engine with logprobs); a repetition penalty of 1e-50 was 0
+    (non-finite logits: a 500 blaming the model)."""
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value})
+    SamplingParams(temperature=3e38, repetition_penalty=1e-30)

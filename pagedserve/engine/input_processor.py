@@ -392,6 +392,11 @@ class InputProcessor:
                 raise InvalidRequestError(f"{name} must be at most {max_logprobs} (max_logprobs), got {value}",
                                           param=name)
         sched = self.config.scheduler_config
+        room = sched.max_model_len - len(prompt_ids)
+        if 1 <= room < params.min_tokens:  # (max_tokens unset: "the rest of the context", then unmet)
+            raise InvalidRequestError(f"min_tokens must be at most the {room} tokens max_model_len "
+                                      f"({sched.max_model_len}) leaves after the prompt's {len(prompt_ids)}, "
+                                      f"got {params.min_tokens}", param="min_tokens")
         if params.n > sched.max_n:
             raise InvalidRequestError(f"n must be at most {sched.max_n} (max_n), got {params.n}", param="n")
         self._check_vocabulary_ids(params)

@@ -218,7 +218,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.float().cumsum(-1).double()
     total = cdf[:, -1:]
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # (a row of NaN finds no index: clamped into the vocabulary, never one past it, which
+    # crashed the step that gathered its logprob)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

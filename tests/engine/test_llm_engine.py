@@ -205,6 +205,17 @@ def test_prompt_plus_max_tokens_is_capped_at_max_model_len() -> None:
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
 
 
+def test_min_tokens_past_what_the_context_leaves_is_refused() -> None:
+    """With max_tokens unset ("the rest of the context"), a larger min_tokens was accepted
+    and then not met (the answer ended "length" short of it)."""
+    engine = make_engine(max_model_len=32)
+    with pytest.raises(InvalidRequestError, match="min_tokens must be at most the 12 tokens") as info:
+        engine.add_request("a", list(range(1, 21)), SamplingParams(min_tokens=13))
+    assert info.value.param == "min_tokens" and not engine.has_unfinished_requests()
+    engine.add_request("b", list(range(1, 21)), SamplingParams(min_tokens=12, ignore_eos=True))
+    assert len(run_to_completion(engine)["b"].outputs[0].token_ids) == 12
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
 def test_output_kinds(tok, kind) -> None:
     engine = make_engine(text_script(tok), tokenizer=tok, vocab_size=len(tok))

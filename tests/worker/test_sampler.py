@@ -234,6 +234,10 @@ def test_draws_follow_the_distribution_and_never_a_token_of_no_mass():
     # u * total rounded up to the total itself (odds 2^-53) would be past every token: the
     # target stays below it, on the last token with mass (the row's last one has none)
     assert _inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64)).tolist() == [4]
+    # A row of NaN (a temperature float32 cannot hold made one) found no index: the draw was
+    # the vocabulary's size, and gathering its logprob took the server down.
+    nan = torch.full((1, 6), float("nan"))
+    assert 0 <= _inverse_cdf(nan, torch.tensor([0.5], dtype=torch.float64)).item() < 6
 
 
 @settings(max_examples=80, deadline=None)
