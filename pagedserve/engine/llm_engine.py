@@ -212,7 +212,8 @@ class LLMEngine:
         tokenizer = load_tokenizer(mc)
         record_startup("tokenizer", time.perf_counter() - t1)
         eos_ids = mc.generation_config_values.get("eos_token_id")
-        extra_eos = [t for t in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(t, int)]
+        extra_eos = [t for t in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(t, int)] \
+            or turn_end_token_ids(tokenizer, mc.hf_config)
         eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
         if config.parallel_config.tensor_parallel_size > 1:
             from pagedserve.executor.multiproc_executor import MultiprocExecutor
@@ -455,6 +456,22 @@ def classifier_token_ids(tokenizer: Any, pooler: PoolerConfig | None) -> tuple[i
                              "tokenizer; each must be exactly one")
         ids.append(int(tokens[0]))
     return ids[0], ids[1]
+
+
+# A family's end-of-turn marker, which its own generation configs list beside the end
+# token (Gemma 3's: [<eos>, <end_of_turn>]) and llama.cpp stops on; a GGUF says only the
+# end token, so without a generation config a chat under its template ran past the turn.
+TURN_END_TOKENS = {"gemma3": "<end_of_turn>", "gemma3_text": "<end_of_turn>"}
+
+
+def turn_end_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
+    """The model family's end-of-turn token (TURN_END_TOKENS), where its vocabulary has it:
+    the stop ids of a model without a generation config's list."""
+    marker = TURN_END_TOKENS.get(getattr(hf_config, "model_type", ""))
+    if marker is None or tokenizer is None:
+        return []
+    token_id = tokenizer.convert_tokens_to_ids(marker)
+    return [token_id] if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else []
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, extra: list[int] | None) -> tuple[int | None, list[int]]:

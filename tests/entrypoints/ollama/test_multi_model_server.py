@@ -147,6 +147,11 @@ def test_the_two_real_models_through_ollama_and_openai(tmp_path) -> None:
         completion = oai.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
                                             temperature=0)
         assert completion.choices[0].text == gemma.response
+        # <end_of_turn> ends an answer, as Gemma 3's generation configs and llama.cpp have it (its
+        # GGUF names only <eos>: a chat under a Gemma template ran on past the turn to max_tokens)
+        turn = oai.completions.create(model="gemma3-270m", prompt="Hi", max_tokens=5, temperature=0,
+                                      logit_bias={"106": 100})
+        assert turn.choices[0].finish_reason == "stop" and turn.usage.completion_tokens == 1, turn
         loaded = rss_bytes(proc.proc.pid)
         client.generate("gemma3-270m", keep_alive=0)
         assert client.ps().models == []
