@@ -246,9 +246,13 @@ class InprocClient:
         self._send(_AddRequestCommand(request, time.monotonic(), future))
         try:
             await future
-        except BaseException:
+        except BaseException as e:
             if not future.done():  # cancelled while queued: the engine thread skips it
                 future.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                # The engine thread may have taken it just before (its answer queued, not yet
+                # set): aborted, FIFO after the add, or it ran to max_tokens with no client.
+                self.abort(request.request_id)
             raise
 
     def abort(self, request_id: str) -> None:

@@ -518,3 +518,44 @@ def test_the_request_timeout_counts_from_arrival_preparation_included(monkeypatc
         return elapsed
 
     assert run(main()) < 1.6  # (it ran 1 s more: the whole timeout after preparing)
+
+
+def test_a_client_gone_as_the_engine_takes_its_request_leaves_nothing_running(monkeypatch) -> None:
+    """The client leaves (its task cancelled) after the engine thread took the add but before
+    the loop ran the answer it queued: the request was never aborted and ran to max_tokens
+    with no client, holding a batch slot and its KV blocks (found by a soak of disconnects)."""
+    from pagedserve.engine import inproc_client
+
+    async def main() -> int:
+        engine = FakeEngine(step_time=0.01)
+        llm = AsyncLLM(engine, log_stats=False)
+        loop, tasks = asyncio.get_running_loop(), []
+        take = inproc_client.InprocClient._take
+
+        def take_then_leave(self, cmd):  # the disconnect's cancel lands just before the answer
+            call_soon = self._call_soon
+            self._call_soon = lambda *a: (loop.call_soon_threadsafe(tasks[0].cancel), call_soon(*a))
+            try:
+                take(self, cmd)
+            finally:
+                self._call_soon = call_soon
+
+        monkeypatch.setattr(inproc_client.InprocClient, "_take", take_then_leave)
+
+        async def handler() -> None:
+            async for _ in await llm.add_request("gone", "hello", SamplingParams(max_tokens=10_000, ignore_eos=True)):
+                pass
+
+        tasks.append(asyncio.ensure_future(handler()))
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        monkeypatch.undo()
+        for _ in range(500):  # (10,000 steps of 10 ms if it ran on)
+            if engine.get_num_unfinished_requests() == 0:
+                break
+            await asyncio.sleep(0.01)
+        left = engine.get_num_unfinished_requests()
+        llm.shutdown()
+        return left
+
+    assert asyncio.run(main()) == 0
