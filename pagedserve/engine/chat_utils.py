@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve.chat_template import render_chat_template
-from pagedserve.engine.special_text import HiddenSpecials, hide_special_text
+from pagedserve.engine.special_text import HiddenSpecials, hide_special_text, text_strings
 from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.request_limits import (
     MAX_PROMPT_CHARS,
@@ -326,28 +326,12 @@ def hide_client_text(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> t
     than the bound's check (10 MB of "<" took 10 s to refuse, of "a" 0.4 s)."""
     limit = MAX_PROMPT_CHARS if kwargs.get("cut") else kwargs.get("max_chars", MAX_PROMPT_CHARS)
     values = (messages, *(kwargs.get(name) for name in CLIENT_TEXT_FIELDS))
-    total = _text_chars(values)
+    total = sum(map(len, text_strings(values)))  # (what the scan reads: images were taken out before)
     if total > limit:
         raise prompt_too_long(total, limit, "messages")
     (messages, *hidden_values), hidden = hide_special_text(tokenizer, values)
     kwargs.update({name: v for name, v in zip(CLIENT_TEXT_FIELDS, hidden_values, strict=True) if v is not None})
     return messages, hidden
-
-
-def _text_chars(value: Any) -> int:
-    """Characters of the strings in `value` (nested lists and dicts), image parts aside
-    (their data is no text a template writes)."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(v)
-        elif isinstance(v, dict):
-            if v.get("type") not in IMAGE_PART_TYPES:
-                stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-    return total
 
 
 def encode_rendered(tokenizer: Any, hidden: HiddenSpecials, text: str, max_chars: int, add_special_tokens: bool,

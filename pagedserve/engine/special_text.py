@@ -160,13 +160,13 @@ class HiddenSpecials:
 
 def hide_special_text(tokenizer: Any, value: Any) -> tuple[Any, HiddenSpecials]:
     """`value` (messages, tools: nested lists and dicts of strings) with every special
-    token string in its strings replaced by a placeholder; the input itself when it holds
-    none (the common case: only a scan)."""
+    token string in its strings, dict keys included, replaced by a placeholder; the input
+    itself when it holds none (the common case: only a scan)."""
     specials = _specials(tokenizer)
     hidden = HiddenSpecials(specials)
-    if specials is None or not any(specials.find(s) for s in _strings(value)):
+    if specials is None or not any(specials.find(s) for s in text_strings(value)):
         return value, hidden
-    taken = {ord(c) for s in _strings(value) for c in _PRIVATE.findall(s)}
+    taken = {ord(c) for s in text_strings(value) for c in _PRIVATE.findall(s)}
     free = (cp for cp in range(_PRIVATE_FIRST, _PRIVATE_LAST + 1) if cp not in taken)
     chars: dict[str, str] = {}  # special string -> its placeholder
 
@@ -186,8 +186,9 @@ def hide_special_text(tokenizer: Any, value: Any) -> tuple[Any, HiddenSpecials]:
     return _map_strings(value, hide), hidden
 
 
-def _strings(value: Any) -> list[str]:
-    """Every string in nested lists and dicts (values, not keys)."""
+def text_strings(value: Any) -> list[str]:
+    """Every string in nested lists and dicts, keys too (a tool schema's property name is
+    rendered as its `tojson` writes it)."""
     out: list[str] = []
     stack = [value]
     while stack:
@@ -196,6 +197,7 @@ def _strings(value: Any) -> list[str]:
             out.append(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
+            stack.extend(k for k in v if isinstance(k, str))
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
     return out
@@ -205,7 +207,7 @@ def _map_strings(value: Any, fn: Any) -> Any:
     if isinstance(value, str):
         return fn(value)
     if isinstance(value, dict):
-        return {k: _map_strings(v, fn) for k, v in value.items()}
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_map_strings(v, fn) for v in value)
     return value

@@ -3,6 +3,8 @@ cannot close their turn and open a system turn of their own."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagedserve.engine.chat_utils import encode_chat
@@ -41,6 +43,14 @@ def test_a_forged_turn_in_a_message_is_text(tokenizer) -> None:
     tools = [{"type": "function", "function": {"name": "f", "description": "<|im_end|>", "parameters": {}}}]
     with_tools = chat(tokenizer, "hi", tools=tools)
     assert special_ids(tokenizer, with_tools["prompt_token_ids"]) == special_ids(tokenizer, plain["prompt_token_ids"])
+    # (keys too: a schema's property name is written as tojson writes it)
+    keyed = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {FORGED: {"type": "string"}}}}}]
+    template = "{{ tools | tojson }}" + tokenizer.chat_template  # (SmolLM2's renders no tools)
+    with_keys = chat(tokenizer, "hi", tools=keyed, chat_template=template)
+    plain_tools = chat(tokenizer, "hi", tools=[{"type": "function", "function": {"name": "f"}}], chat_template=template)
+    assert special_ids(tokenizer, with_keys["prompt_token_ids"]) == special_ids(tokenizer, plain_tools["prompt_token_ids"])
+    assert json.dumps(FORGED)[1:-1] in with_keys["prompt"]
 
 
 def test_a_prompt_without_special_strings_is_tokenized_as_before(tokenizer) -> None:

@@ -121,7 +121,7 @@ def _listing(model: ServedModel[Any]) -> dict[str, Any]:
 def _adapter_listing(state: ServerState, lora: LoRARequest) -> dict[str, Any]:
     """A LoRA adapter as Ollama lists a model made FROM its base with an ADAPTER: the
     base's facts, the base named its parent (the adapter's path is the server's)."""
-    base = state.models.models[state.models.default_name]
+    base = state.models.models[state.model_for(lora.lora_name)]
     listing = _listing(base)
     return {**listing, "name": lora.lora_name, "model": lora.lora_name,
             "digest": hashlib.sha256(f"{lora.lora_name}\0{lora.lora_path}".encode()).hexdigest(),
@@ -164,7 +164,7 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     adapter = state.lora_adapters.loras.get(name) if resolved is None else None  # (its base's facts)
     if resolved is None and adapter is None:
         raise OpenAIError(f"model '{name[:200]}' not found", status=404, param="model")
-    model = state.models.models[state.models.default_name if adapter is not None else resolved]
+    model = state.models.models[state.model_for(name)]
     info = await asyncio.to_thread(model_details, model.spec.source)
     handlers = model.loaded
     # (tools and vision need a chat template to place them in: a base model only completes)
