@@ -316,19 +316,26 @@ def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dic
 
 # What a client sends that a chat template may write into the prompt, besides the messages.
 CLIENT_TEXT_FIELDS = ("tools", "documents", "chat_template_kwargs")
+# The special-string scan's bound, in prompt character bounds: what a client sends may be
+# longer than what its template renders (keys, past reasoning a template drops), which the
+# rendered text's own check judges; this one only keeps the scan's cost bounded.
+SCAN_BOUND_FACTOR = 4
 
 
 def hide_client_text(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> tuple[Any, HiddenSpecials]:
     """The messages and, in `kwargs` (render_chat's), the tools, documents and template
     kwargs with each special token string a client wrote hidden (special_text.py): a
-    template renders all of them, and a document's text forged a system turn.  Text past
-    the prompt's character bound (render_chat's) is refused first: the scan costs more
-    than the bound's check (10 MB of "<" took 10 s to refuse, of "a" 0.4 s)."""
+    template renders all of them, and a document's text forged a system turn.  Text far
+    past the prompt's character bound (render_chat's, SCAN_BOUND_FACTOR times) is refused
+    before the scan, which costs more than the rendered text's check (10 MB of "<" took
+    10 s to refuse, of "a" 0.4 s)."""
     limit = MAX_PROMPT_CHARS if kwargs.get("cut") else kwargs.get("max_chars", MAX_PROMPT_CHARS)
     values = (messages, *(kwargs.get(name) for name in CLIENT_TEXT_FIELDS))
     total = sum(map(len, text_strings(values)))  # (what the scan reads: images were taken out before)
-    if total > limit:
-        raise prompt_too_long(total, limit, "messages")
+    if total > SCAN_BOUND_FACTOR * limit:
+        raise PromptTooLongError(f"the request's text (messages, tools, documents, template kwargs) is {total} "
+                                 f"characters, more than {SCAN_BOUND_FACTOR}x the {limit} that max_model_len tokens "
+                                 "of this model can spell", param="messages")
     (messages, *hidden_values), hidden = hide_special_text(tokenizer, values)
     kwargs.update({name: v for name, v in zip(CLIENT_TEXT_FIELDS, hidden_values, strict=True) if v is not None})
     return messages, hidden

@@ -120,4 +120,4 @@ def test_text_past_the_prompt_bound_is_refused_before_the_scan(tokenizer, monkey
 
     monkeypatch.setattr(chat_utils, "hide_special_text", scanned)
     with pytest.raises(PromptTooLongError):
-        chat(tokenizer, "<" * 1001, max_chars=1000)
+        chat(tokenizer, "<" * 4001, max_chars=1000)
