@@ -334,8 +334,8 @@ def hide_client_text(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> t
     total = sum(map(len, text_strings(values)))  # (what the scan reads: images were taken out before)
     if total > SCAN_BOUND_FACTOR * limit:
         raise PromptTooLongError(f"the request's text (messages, tools, documents, template kwargs) is {total} "
-                                 f"characters, more than {SCAN_BOUND_FACTOR}x the {limit} that max_model_len tokens "
-                                 "of this model can spell", param="messages")
+                                 f"characters, more than the {SCAN_BOUND_FACTOR * limit} allowed ({SCAN_BOUND_FACTOR}x "
+                                 f"the {limit} that max_model_len tokens of this model can spell)", param="messages")
     (messages, *hidden_values), hidden = hide_special_text(tokenizer, values)
     kwargs.update({name: v for name, v in zip(CLIENT_TEXT_FIELDS, hidden_values, strict=True) if v is not None})
     return messages, hidden
