@@ -164,9 +164,10 @@ def hide_special_text(tokenizer: Any, value: Any) -> tuple[Any, HiddenSpecials]:
     itself when it holds none (the common case: only a scan)."""
     specials = _specials(tokenizer)
     hidden = HiddenSpecials(specials)
-    if specials is None or not any(specials.find(s) for s in text_strings(value)):
+    strings = text_strings(value) if specials is not None else []
+    if not any(specials.find(s) for s in strings):
         return value, hidden
-    taken = {ord(c) for s in text_strings(value) for c in _PRIVATE.findall(s)}
+    taken = {ord(c) for s in strings for c in _PRIVATE.findall(s)}
     free = (cp for cp in range(_PRIVATE_FIRST, _PRIVATE_LAST + 1) if cp not in taken)
     chars: dict[str, str] = {}  # special string -> its placeholder
 

@@ -118,23 +118,28 @@ def _listing(model: ServedModel[Any]) -> dict[str, Any]:
             "size": info.size, "digest": _digest(model), "details": info.details()}
 
 
-def _adapter_listing(state: ServerState, lora: LoRARequest) -> dict[str, Any]:
+def _adapter_listing(base: dict[str, Any], lora: LoRARequest) -> dict[str, Any]:
     """A LoRA adapter as Ollama lists a model made FROM its base with an ADAPTER: the
-    base's facts, the base named its parent (the adapter's path is the server's)."""
-    base = state.models.models[state.model_for(lora.lora_name)]
-    listing = _listing(base)
-    return {**listing, "name": lora.lora_name, "model": lora.lora_name,
+    base's listing (`base`), the base named its parent (the adapter's path is the server's)."""
+    return {**base, "name": lora.lora_name, "model": lora.lora_name,
             "digest": hashlib.sha256(f"{lora.lora_name}\0{lora.lora_path}".encode()).hexdigest(),
-            "details": {**listing["details"], "parent_model": lora.base_model_name or base.spec.name}}
+            "details": {**base["details"], "parent_model": lora.base_model_name or base["name"]}}
+
+
+def _all_listings(state: ServerState) -> list[dict[str, Any]]:
+    """Every model's listing, then every adapter's over its base's (adapters serve beside
+    the one model: ServerState.model_for)."""
+    listings = {name: _listing(m) for name, m in state.models.models.items()}
+    adapters = list(state.lora_adapters.loras.values())
+    base = listings[state.model_for(adapters[0].lora_name)] if adapters else None
+    return [*listings.values(), *(_adapter_listing(base, lora) for lora in adapters if base is not None)]
 
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(state: ServerStateDep) -> dict:
     """Every servable model, loaded or not, and every LoRA adapter (as /v1/models lists them)."""
     state.check_up()  # (the files' facts are read off the event loop: a broken file is slow to read)
-    return {"models": await asyncio.to_thread(
-        lambda: [*(_listing(m) for m in state.models.models.values()),
-                 *(_adapter_listing(state, lora) for lora in list(state.lora_adapters.loras.values()))])}
+    return {"models": await asyncio.to_thread(_all_listings, state)}
 
 
 @router.api_route("/api/ps", methods=["GET", "HEAD"])

@@ -351,9 +351,9 @@ def check_json_content_type(scope: dict[str, Any], body: bytes) -> None:
     with no Content-Type (`requests.post(url, data=text)`) is read as JSON, the type is
     set here.  JSON types are FastAPI's: application/json and application/*+json (it reads
     no other as JSON: text/json and application/jsonl met the same unnamed error)."""
-    headers = dict(scope["headers"])
     if not body:
         return
+    headers = dict(scope["headers"])
     if b"content-type" not in headers:
         scope["headers"] = [*scope["headers"], (b"content-type", b"application/json")]
         return
