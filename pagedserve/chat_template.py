@@ -60,6 +60,11 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *,
         if "content" not in template:
             raise ValueError('continue_final_message is set to "content" but this is not an accepted field '
                              "in the chat_template")
+        if not isinstance(content, str) and texts[-1] != len(content) - 1:
+            # (what follows the continued text is cut from the prompt: an image's slot with it)
+            after = content[-1].get("type") if isinstance(content[-1], dict) else type(content[-1]).__name__
+            raise ValueError(f"continue_final_message is set but the final message ends with a part of type "
+                             f"{str(after)[:40]!r} after its last text: the text to continue must come last")
         if isinstance(content, str):
             final = content
             chat[-1]["content"] = final + _CONTINUE_TAG

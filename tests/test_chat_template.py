@@ -132,6 +132,12 @@ def test_a_final_message_of_parts_continues_its_last_text_part_as_transformers_d
     with pytest.raises(ValueError, match="no \"content\" to continue"):  # (no text part: nothing to continue)
         render_chat_template(PARTS, [{"role": "assistant", "content": [{"type": "image"}]}],
                              continue_final_message=True)
+    # An image after the last text would be cut from the prompt with what follows the text
+    # (transformers drops it; here the images sent then outnumbered the prompt's slots).
+    with pytest.raises(ValueError, match="ends with a part of type 'image' after its last text"):
+        render_chat_template(PARTS, [{"role": "assistant", "content": [{"type": "text", "text": "It is"},
+                                                                        {"type": "image"}]}],
+                             continue_final_message=True)
 
 
 def test_errors_are_the_templates_own() -> None:

@@ -391,6 +391,8 @@ def _fetch(url: str, policy: MediaPolicy, param: str, deadline: float) -> bytes:
         if time.monotonic() > deadline:
             raise late from None
         raise _error(f"fetching the image URL failed ({type(e).__name__})", param) from None
+    if time.monotonic() > deadline:  # (the cutoff's shutdown ends the body's reads as its end would)
+        raise late
     return b"".join(chunks)
 
 

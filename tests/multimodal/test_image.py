@@ -153,10 +153,12 @@ def test_malformed_image_urls_are_refused_by_name(url: str, match: str) -> None:
 
 
 class _Server:
-    """A local HTTP server answering every GET with `body` in `pieces`, `gap` s apart;
-    `hits` counts the requests it saw."""
+    """A local HTTP server answering every GET with `body` in `pieces`, `gap` s apart
+    (without a Content-Length where `sized` is false: the body ends when the connection
+    does); `hits` counts the requests it saw."""
 
-    def __init__(self, body: bytes, pieces: int = 1, gap: float = 0.0, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, body: bytes, pieces: int = 1, gap: float = 0.0, headers: dict[str, str] | None = None,
+                 sized: bool = True) -> None:
         import http.server
         import threading
         import time
@@ -170,7 +172,8 @@ class _Server:
                 outer.hits += 1
                 outer.asked.append({k.lower(): v for k, v in self.headers.items()})
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
+                if sized:
+                    self.send_header("Content-Length", str(len(body)))
                 for name, value in (headers or {}).items():
                     self.send_header(name, value)
                 self.end_headers()
@@ -230,14 +233,17 @@ def test_a_fetch_connects_to_the_address_it_checked(monkeypatch) -> None:
     assert lookups == ["pub.example.com"] and server.hits == 0
 
 
-def test_a_trickling_image_url_is_cut_off_at_the_prompts_deadline(monkeypatch) -> None:
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_trickling_image_url_is_cut_off_at_the_prompts_deadline(monkeypatch, sized: bool) -> None:
     """One deadline for all of a prompt's fetches, enforced while a read waits: a server
-    sending a piece every 0.9 s is cut off when it passes, not a read later."""
+    sending a piece every 0.9 s is cut off when it passes, not a read later, and the
+    refusal says so (without a Content-Length, the cut connection's reads ended as the
+    whole body's would, and the pieces read so far were refused as a corrupt image)."""
     import time
 
     from pagedserve.multimodal import image as image_module
 
-    server = _Server(encoded("PNG"), pieces=20, gap=0.9)  # (each read within a 1 s read timeout)
+    server = _Server(encoded("PNG"), pieces=20, gap=0.9, sized=sized)  # (each read within a 1 s read timeout)
     monkeypatch.setattr(image_module, "_public_address", lambda *args: "127.0.0.1")
     policy = MediaPolicy(allowed_domains=("example.com",), fetch_seconds=1.0)
     start = time.monotonic()

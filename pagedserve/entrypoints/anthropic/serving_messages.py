@@ -34,6 +34,7 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCo
 from pagedserve.entrypoints.openai.protocol_fields import (
     check_hint_strings,
     check_object_hint,
+    part_key_error,
     refuse_unsupported_fields,
     renamed_text,
 )
@@ -252,9 +253,17 @@ def _matches_media_type(data: str, media: str) -> bool:
     return not any(head.startswith(m) for m in known) or any(head.startswith(m) for m in IMAGE_MEDIA_TYPES[media])
 
 
+# An image block's source's keys, per source type (Anthropic's): any other refused by name.
+IMAGE_SOURCE_KEYS = {"base64": ("type", "media_type", "data"), "url": ("type", "url")}
+
+
 def _image_url(source: Any, where: str) -> str:
     """An image block's source as a URL the chat handler reads: base64 data becomes a data:
     URL; a url source stays (fetched only from the server's allowed media domains)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind in IMAGE_SOURCE_KEYS and (error := part_key_error(source, f"a {kind} image source",
+                                                              IMAGE_SOURCE_KEYS[kind], {})) is not None:
+        raise OpenAIError(f"{where}: {error}", param="messages")
     if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
         media = source.get("media_type")
         if media not in IMAGE_MEDIA_TYPES:

@@ -50,7 +50,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "prompt": "this server keeps no prompt templates: send the instructions and input themselves",
     "context_management": "this server does not compact a conversation's context",
     "background_options": "background responses are not supported",
-    "mm_processor_kwargs": "the image processors here take no per-request settings",  # (vLLM's field)
+    "mm_processor_kwargs": "the image processors here take no per-request settings",  # (vLLM's fields)
+    "media_io_kwargs": "images are decoded here with no per-request settings",
 }
 
 
@@ -193,6 +194,12 @@ def check_request_id(request_id: str) -> str:
 
 
 TEXT_PART_KEYS = ("type", "text")  # a chat text part's (a message's content, a prediction's)
+# A chat image part's keys and its image_url object's (OpenAI's; vLLM's `uuid` names an
+# image for its cache, in place of sending it again: images are cached by content here).
+IMAGE_PART_KEYS = ("type", "image_url", "uuid")
+IMAGE_URL_KEYS = ("url", "detail")
+IMAGE_PART_NEUTRAL = {"uuid": ((), "images are cached here by their content, not by a client's id: send the "
+                                   "image itself")}
 
 
 def prediction_text(prediction: dict[str, Any] | None) -> str | None:
@@ -277,6 +284,10 @@ def check_chat_message(i: int, role: str, message: dict[str, Any]) -> None:
     for part in message.get("content") if isinstance(message.get("content"), list) else ():
         if error is None and isinstance(part, dict) and part.get("type") == "text":
             error = part_key_error(part, "a text part", TEXT_PART_KEYS, {})
+        elif error is None and isinstance(part, dict) and part.get("type") == "image_url":
+            error = part_key_error(part, "an image_url part", IMAGE_PART_KEYS, IMAGE_PART_NEUTRAL)
+            if error is None and isinstance(part.get("image_url"), dict):
+                error = part_key_error(part["image_url"], "an image_url", IMAGE_URL_KEYS, {})
     if error is not None:
         raise InvalidRequestError(f"{where}: {error}", param=where)
 

@@ -123,6 +123,9 @@ def test_responses_anthropic_and_ollama_take_images(vlm, tmp_path) -> None:
     with pytest.raises(anthropic.BadRequestError, match="media_type must be one of image/jpeg"):
         claude.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/svg+xml", "data": b64}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="'detail' is not a field of a base64 image source"):
+        claude.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64, "detail": "low"}}]}])
 
 
 BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_000)).decode()
@@ -136,6 +139,11 @@ BOMB = "data:image/png;base64," + base64.b64encode(png_header_only(30_000, 30_00
     ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, i))}} for i in range(3)],
      "more than the 2 limit_mm_per_prompt"),
     ([{"type": "image_url"}], "needs its image"),
+    # Keys beside an image (they were dropped): a stray one, and vLLM's cache id.
+    ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, 1)), "foo": 1}}],
+     "'foo' is not a field of an image_url"),
+    ([{"type": "image_url", "image_url": {"url": data_url(image(8, 8, 1))}, "uuid": "abc"}],
+     "uuid is not supported: images are cached here by their content"),
 ])
 def test_hostile_images_get_a_named_400_and_the_server_keeps_serving(vlm, content, match) -> None:
     _, server = vlm

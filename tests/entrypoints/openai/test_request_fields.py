@@ -236,10 +236,12 @@ def test_every_request_field_works_or_is_refused(server, tokenizer, chat):
 
 
 @pytest.mark.parametrize("chat", [True, False])
-def test_vllms_mm_processor_kwargs_is_refused_by_name(server, chat):
-    """vLLM's field, which no processor here takes: refused by name (it was logged as unknown and ignored)."""
-    r = post(server, chat, mm_processor_kwargs={"num_crops": 4})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
+@pytest.mark.parametrize("field", ["mm_processor_kwargs", "media_io_kwargs"])
+def test_vllms_per_request_media_settings_are_refused_by_name(server, chat, field):
+    """vLLM's fields, which no processor or image decoder here takes: refused by name (each
+    was logged as unknown and ignored)."""
+    r = post(server, chat, **{field: {"image": {"num_crops": 4}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 @pytest.mark.parametrize(("field", "value", "status"), [
