@@ -21,6 +21,11 @@ ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 
 class AnthropicMessage(OpenAIBaseModel):
+    """A turn: role and content only, as Anthropic defines it (another key, `name` say,
+    is refused by name as Anthropic refuses it: it was dropped without a word)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["user", "assistant"]
     # A string, or content blocks ({"type": "text" | "tool_use" | "tool_result", ...}):
     # each block's fields are read, and refused by name, in serving_messages.py.

@@ -162,6 +162,7 @@ def test_fields_of_the_other_apis_are_logged_not_dropped_silently(server, client
     ({"output_config": {"effort": "ultra"}}, "output_config"), ({"extra_body": {"workspace_id": 5}}, "workspace_id"),
     ({"output_config": {"format": {"type": "grammar"}}}, "output_config"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "bogus": 1}]}]}, "bogus"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, r"messages\.0\.name"),  # (it was dropped)
 ])
 def test_count_tokens_checks_what_messages_checks(client, fields, name) -> None:
     """count_tokens takes the fields the client's count_tokens sends, checked as
