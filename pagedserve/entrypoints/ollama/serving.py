@@ -27,7 +27,7 @@ from pagedserve.entrypoints.ollama.protocol import (
     OllamaGenerating,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.entrypoints.openai.protocol_fields import renamed_text
+from pagedserve.entrypoints.openai.protocol_fields import part_key_error, renamed_text
 from pagedserve.entrypoints.openai.protocol_pooling import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -138,6 +138,10 @@ def _openai_tool_call(call: Any, where: str, call_id: str) -> dict[str, Any]:
 
 
 ROLES = ("system", "user", "assistant", "tool")  # Ollama's message roles
+# A message's keys: Ollama's, and OpenAI's `name` and `tool_call_id` that clients written
+# for OpenAI send (taken as OpenAI's route takes them); any other is refused by name
+# (Ollama drops it: a misspelled `contents` was an empty turn).
+MESSAGE_KEYS = ("role", "content", "thinking", "images", "tool_calls", "tool_name", "name", "tool_call_id")
 
 
 def check_request(req: OllamaChatRequest | OllamaGenerateRequest, has_template: bool = True,
@@ -181,6 +185,8 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if m.get("role") not in ROLES:
             raise OpenAIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r:.50}",
                               param="messages")
+        if (error := part_key_error(m, "a message", MESSAGE_KEYS, {})) is not None:
+            raise OpenAIError(f"messages[{i}]: {error}", param="messages")
         if not isinstance(m.get("content"), (str, type(None))):  # (Ollama's content is text; images beside it)
             raise OpenAIError(f"messages[{i}].content must be a string", param="messages")
         message: dict[str, Any] = {"role": m.get("role"),
@@ -191,6 +197,9 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise OpenAIError(f"messages[{i}].tool_calls must be a list", param="messages")
             message["tool_calls"] = [_openai_tool_call(c, f"messages[{i}].tool_calls[{j}]", f"call_{i}_{j}")
                                      for j, c in enumerate(calls)]
+        for key in ("name", "tool_call_id"):  # (OpenAI's: its route checks them)
+            if m.get(key) is not None:
+                message[key] = m[key]
         if m.get("role") == "tool" and m.get("tool_name"):
             message["name"] = m["tool_name"]
         if m.get("thinking") is not None:  # (an answer's thinking sent back: templates render it, as Ollama's)

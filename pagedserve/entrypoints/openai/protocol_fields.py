@@ -272,7 +272,7 @@ def check_chat_message(i: int, role: str, message: dict[str, Any]) -> None:
     """messages[i] (set keys only): its keys for its role and its text parts', a past
     answer's audio (text only here) and refusal (its text, where content is none)."""
     where = f"messages[{i}]"
-    error = part_key_error(message, f"an {role[:50]} message" if role[:1] in "aeiou" else f"a {role[:50]} message",
+    error = part_key_error(message, f"an {role[:50]} message" if role[:1] in "aeio" else f"a {role[:50]} message",
                            MESSAGE_KEYS.get(role, OTHER_MESSAGE_KEYS),
                            {"audio": ((), "this server outputs text only (no audio)"),  # (a past answer's
                             "annotations": (([],), "this server's answers carry none")})  # web citations)

@@ -158,6 +158,10 @@ def test_an_empty_chat_or_prompt_is_checked_and_errors_speak_ollamas_names() -> 
             ("/api/generate", {"model": "first", "prompt": "x", "width": 512}),
             ("/api/generate", {"model": "first", "prompt": "x", "num_predict": 1}),  # (an option beside options)
             ("/api/chat", {"model": "first", "messages": [{"role": "user", "content": ["hi"]}]}),
+            # A message's unknown key (a misspelled content was an empty turn), and OpenAI's
+            # keys checked as OpenAI's route checks them.
+            ("/api/chat", {"model": "first", "messages": [{"role": "user", "contents": "x"}]}),
+            ("/api/chat", {"model": "first", "messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}),
             ("/api/chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
             ("/api/chat", {"model": "first", "messages": [{"role": "user", "content": "x"}], "stream": None}),
         ]:
@@ -167,7 +171,7 @@ def test_an_empty_chat_or_prompt_is_checked_and_errors_speak_ollamas_names() -> 
         return out
 
     got = call(app, fn)
-    assert [status for status, _ in got] == [400] * 11 + [404, 200], got
+    assert [status for status, _ in got] == [400] * 13 + [404, 200], got
     errors = [e for _, e in got]
     assert "options.temperature" in errors[0] and "format" in errors[1] and "suffix" in errors[2]
     assert "options.bogus" in errors[3]
@@ -175,7 +179,9 @@ def test_an_empty_chat_or_prompt_is_checked_and_errors_speak_ollamas_names() -> 
     assert "messages[0].role" in errors[6] and "JSON schema" in errors[7] and "width" in errors[8]
     assert errors[9].startswith("num_predict is an option: send it in options")
     assert errors[10] == "messages[0].content must be a string"  # (was pydantic's "messages.0.content.str: ...")
-    assert errors[11] == "model 'nope' not found"
+    assert errors[11] == "messages[0]: 'contents' is not a field of a message", errors[11]
+    assert "'tool_call_id' is not a field of a user message" in errors[12], errors[12]
+    assert errors[13] == "model 'nope' not found"
 
 
 def test_a_bad_request_for_a_model_not_loaded_loads_nothing() -> None:
