@@ -118,10 +118,17 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
+    ids: set[str] = set()  # (input_items pages by id: a repeated one sent its pager round in a loop)
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise OpenAIError(f"{where} must be an object", param="input")
+        if item.get("id") is not None:
+            key = item["id"] if isinstance(item["id"], str) else json.dumps(item["id"])
+            if key in ids:
+                raise OpenAIError(f"{where}: Duplicate item found with id {key[:100]}: each input item's id must be "
+                                  "unique", param="input")
+            ids.add(key)
         kind = item.get("type", "message")
         if isinstance(kind, str) and kind in ITEM_KEYS:
             _check_keys(item, kind, where)

@@ -76,6 +76,12 @@ def test_stored_responses_are_retrieved_and_continued() -> None:
         with pytest.raises(openai.BadRequestError) as bad:  # a query parameter is named as such (was "query")
             await client.responses.input_items.list(many.id, limit=0)
         assert bad.value.body["param"] == "limit", bad.value.body
+        # Items' ids are unique, as OpenAI requires (a repeated one sent the pager round in a loop)
+        with pytest.raises(openai.BadRequestError, match="input\\[2\\]: Duplicate item found with id msg_a"):
+            await client.responses.create(model="fake", max_output_tokens=1, input=[
+                {"type": "message", "id": "msg_a", "role": "user", "content": "hi"},
+                {"type": "message", "id": "msg_b", "role": "assistant", "content": "yo"},
+                {"type": "message", "id": "msg_a", "role": "user", "content": "again"}])
         # include takes what POST accepts without effect, on both GETs; anything else is refused
         # (retrieve refused every include; input_items ignored any value and any parameter)
         fine = ["reasoning.encrypted_content"]
