@@ -53,6 +53,18 @@ def _sched_key(request: Request) -> tuple:
     return request.sched_key
 
 
+
+def prompt_length_error(num_prompt: int, max_model_len: int, pooling: bool = False) -> InvalidRequestError | None:
+    """The refusal of a prompt the context cannot hold with one token to generate (a
+    pooling prompt: the prompt alone), else None.  The scheduler's admission rule; a front
+    end judging a batch's prompts as it tokenizes them asks it too."""
+    if num_prompt + (not pooling) <= max_model_len:
+        return None
+    return InvalidRequestError(
+        f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, the prompt has "
+        f"{num_prompt} tokens{'' if pooling else ', which leaves no room to generate one'}. Please reduce the "
+        "length of the prompt.", param="prompt")
+
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  speculative_config: SpeculativeConfig | None = None, drafter: Drafter | None = None,
@@ -116,11 +128,8 @@ class Scheduler:
             request.status = _WAITING_FOR_FSM
         num_prompt = request.num_prompt_tokens
         pooling = request.pooling_params is not None  # a prompt alone: nothing is generated
-        if num_prompt + (not pooling) > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, the prompt has "
-                f"{num_prompt} tokens{'' if pooling else ', which leaves no room to generate one'}. Please reduce the "
-                "length of the prompt.", param="prompt")
+        if (error := prompt_length_error(num_prompt, self.max_model_len, pooling)) is not None:
+            raise error
         max_len = num_prompt + 1 if pooling else self.max_model_len
         if request.max_tokens is not None and not pooling:
             max_len = min(max_len, num_prompt + request.max_tokens)

@@ -283,3 +283,29 @@ def test_every_get_route_answers_head_too():
     heads = call(app, lambda c: asyncio.gather(*(c.head(p) for p in ("/v1/models", "/version", "/v1/models/fake", "/metrics",
                                                                       "/dashboard/static/dashboard.js"))))
     assert [r.status_code for r in heads] == [200] * 5
+
+
+def test_a_batchs_too_long_prompt_is_refused_before_the_rest_are_tokenized():
+    """Each prompt is judged as it is tokenized (the batch was tokenized whole first: 16 MB of
+    prompts cost 4-5 s of a core before the first, too long, was refused), with max_tokens
+    (the context's rule) and without (the engine's), naming the prompt."""
+    engine = FakeEngine()
+    _, app = make_app(engine)
+    tokenized: list[str] = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, *args, **kwargs: tokenized.append(text) or encode(text, *args, **kwargs)
+
+    async def fn(c):
+        out = []
+        for extra in ({"max_tokens": 4}, {"max_tokens": None}):  # (null: the rest of the context)
+            tokenized.clear()
+            r = await c.post("/v1/completions", json={"prompt": ["ok", "y" * 80, *["z" * 10] * 50], **extra})
+            out.append((r, list(tokenized)))
+        return out
+
+    for (r, seen), start in zip(call(app, fn), ("This model's maximum context length is 64 tokens. However, you "
+                                                "requested 84 tokens (80 in the messages, 4 in the completion)",
+                                                "prompt[1]: This model's maximum context length"), strict=True):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"].startswith(start), r.text
+        assert seen == ["ok", "y" * 80], seen
