@@ -100,6 +100,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, out in enumerate(finals):
             assert out is not None and out.finished
             prefix = self._echo(prompts[i]) if req.echo else ""
+            # (built once for the prompt's n choices: each built its own, 16 x 40,800 objects)
+            scored = prompt_logprobs_of(out) if req.prompt_logprobs is not None else None
             for c in out.outputs:
                 if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                     raise err
@@ -110,7 +112,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=prompt_logprobs_of(out) if req.prompt_logprobs is not None else None))
+                    prompt_logprobs=scored))
         return CompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=make_usage([o for o in finals if o is not None]))
 
