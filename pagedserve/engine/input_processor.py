@@ -385,12 +385,12 @@ class InputProcessor:
         naming the field."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        max_logprobs = self.model_config.max_logprobs
+        # (a top-k past the vocabulary failed in the runner's topk, and took the engine down)
+        limit, why = min((self.model_config.max_logprobs, "max_logprobs"), (self.vocab_size, "the model's vocabulary"))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise InvalidRequestError(f"{name} must be at most {max_logprobs} (max_logprobs), got {value}",
-                                          param=name)
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{name} must be at most {limit} ({why}), got {value}", param=name)
         sched = self.config.scheduler_config
         room = sched.max_model_len - len(prompt_ids)
         if 1 <= room < params.min_tokens:  # (max_tokens unset: "the rest of the context", then unmet)

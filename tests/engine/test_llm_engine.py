@@ -290,6 +290,14 @@ def test_engine_limits_name_their_field() -> None:
     assert e.value.param == "priority"
     assert not engine.has_unfinished_requests()
     make_engine(scheduling_policy="priority").add_request("x", [1, 2], SamplingParams(), priority=3)
+    # max_logprobs past the vocabulary (--max-logprobs 100000): the vocabulary bounds a
+    # top-k (prompt_logprobs 60000 reached the runner's topk, which killed the engine)
+    wide = make_engine(max_logprobs=100_000, vocab_size=400)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError, match=f"{field} must be at most 400 \\(the model's vocabulary\\)"):
+            wide.add_request("x", [1, 2], SamplingParams(**{field: 401}))
+    wide.add_request("y", [1, 2], SamplingParams(max_tokens=1, logprobs=400, prompt_logprobs=400))
+    assert run_to_completion(wide)["y"].outputs[0].logprobs is not None
 
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
