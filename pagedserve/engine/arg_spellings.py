@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -136,8 +137,9 @@ def _config_spellings(kwargs: dict[str, Any]) -> None:
     """vLLM's swap_space, structured_outputs_config, guided_decoding_backend,
     compilation_config and distributed_executor_backend as this engine's fields (in place)."""
     swap = kwargs.pop("swap_space", None)
-    if swap is not None and (isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0):
-        raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r:.40}")
+    if swap is not None and (isinstance(swap, bool) or not isinstance(swap, (int, float))
+                             or not (swap >= 0 and math.isfinite(swap))):  # (inf failed in int(), unnamed)
+        raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {swap!r:.40}")
     if swap and kwargs.get("preemption_mode") == "swap":
         kwargs.setdefault("kv_offload_bytes", int(swap * 2**30))
     config = kwargs.pop("structured_outputs_config", None)

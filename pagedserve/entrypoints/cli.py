@@ -19,6 +19,7 @@ import functools
 import gc
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
@@ -259,7 +260,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def _conversation(system: str | None, user: str) -> list[dict[str, str]]:
-    conv = [{"role": "system", "content": system}] if system else []
+    conv = [{"role": "system", "content": system}] if system is not None else []  # ('': an empty one)
     return conv + [{"role": "user", "content": user}]
 
 
@@ -329,7 +330,7 @@ class LocalChat:
 
     def __init__(self, engine: Any, params: Any, system: str | None) -> None:
         self.engine, self.params = engine, params
-        self.base = [{"role": "system", "content": system}] if system else []
+        self.base = [{"role": "system", "content": system}] if system is not None else []
         self.history = list(self.base)
         self.count = 0
 
@@ -422,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{ns.command}: nothing to run")
     except (ValueError, FileNotFoundError) as e:
         _exit_with(f"pagedserve {ns.command}", e)
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop as a shell command does, no traceback
+        print(file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 def _configure_logging(level: str) -> None:

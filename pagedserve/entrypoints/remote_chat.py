@@ -38,6 +38,10 @@ def api_key(given: str | None) -> str | None:
     return given or (server[1] if server else None) or os.environ.get("OPENAI_API_KEY")
 
 
+# What a request to a server that cannot be reached raises (a malformed URL is no HTTPError).
+UNREACHABLE = (httpx.HTTPError, httpx.InvalidURL)
+
+
 class RemoteChat:
     """One conversation with the server at `url` (its OpenAI base URL, ".../v1")."""
 
@@ -47,13 +51,13 @@ class RemoteChat:
         self.client = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {key}"} if key else {})
         self.model = model or self._first_model()
         self.sampling = sampling
-        self.base = [{"role": "system", "content": system}] if system else []
+        self.base = [{"role": "system", "content": system}] if system is not None else []
         self.history = list(self.base)
 
     def _first_model(self) -> str:
         try:
             r = self.client.get(f"{self.url}/models")
-        except httpx.HTTPError as e:
+        except UNREACHABLE as e:
             raise ValueError(f"cannot reach {self.url}: {e}") from None
         if r.status_code != 200:
             raise ValueError(f"{self.url}/models answered {r.status_code}: {r.text[:200]}")
@@ -73,8 +77,10 @@ class RemoteChat:
         reply: list[str] = []
         try:
             self._stream(body, reply, write)
-        except httpx.HTTPError as e:
+        except UNREACHABLE as e:
             raise ValueError(f"cannot reach {self.url}: {e}") from None
+        except KeyboardInterrupt:  # Ctrl-C: the answer stops (its closed stream aborts it on the server) and
+            pass                   # what came of it stays in the conversation, as in a local chat
         self.history = [*messages, {"role": "assistant", "content": "".join(reply)}]
 
     def _stream(self, body: dict[str, Any], reply: list[str], write: Callable[[str], Any]) -> None:

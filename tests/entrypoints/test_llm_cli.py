@@ -87,6 +87,9 @@ def test_generate_applies_the_chat_template_by_default(fake_engine, monkeypatch)
     cli.main(["generate", "hi", "--system", "be brief"])
     assert seen[0]["prompt"].startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi")
     seen.clear()
+    cli.main(["generate", "hi", "--system", ""])  # an empty system turn, not the template's default one
+    assert seen[0]["prompt"].startswith("<|im_start|>system\n<|im_end|>\n<|im_start|>user\nhi"), seen
+    seen.clear()
     cli.main(["generate", "hi", "--no-chat"])
     assert seen == ["hi"]
 
@@ -287,3 +290,16 @@ def test_abbreviated_flags_are_unknown_flags(capsys, monkeypatch, fake_engine) -
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_ctrl_c_while_loading_or_generating_exits_130_without_a_traceback(command, monkeypatch, capsys) -> None:
+    """Ctrl-C in generate, or in chat while the model loads, printed a KeyboardInterrupt
+    traceback and died by the signal."""
+    def interrupted(ns, num_seqs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_build_engine", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(command)
+    assert e.value.code == 130 and "Traceback" not in capsys.readouterr().err

@@ -236,7 +236,10 @@ def test_vllm_spellings_of_llm_arguments_and_prompts(tiny_dir, llm) -> None:
                           ({"distributed_executor_backend": "ray"}, "Ray runs data_parallel_size's"),
                           ({"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}},
                            "takes a backend alone"),
-                          ({"swap_space": -1}, "swap_space must be")]:
+                          ({"swap_space": -1}, "swap_space must be"),
+                          # (inf raised OverflowError from int(), nan an unnamed error)
+                          ({"swap_space": float("inf"), "preemption_mode": "swap"}, "swap_space must be a finite"),
+                          ({"swap_space": float("nan"), "preemption_mode": "swap"}, "swap_space must be a finite")]:
         with pytest.raises(ValueError, match=match):
             EngineArgs.from_kwargs(**kwargs)
     sp = SamplingParams(max_tokens=4, temperature=0)

@@ -299,7 +299,7 @@ def configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerState]:
     try:
         engine_args = EngineArgs.from_cli_args(args, model=tags[0] if tags else None)
         engine_args.create_engine_config(load_hf_config=False)  # (every config check, before the socket binds)
-        if not tags and args.models_dir:  # the directory's models alone
+        if not tags and args.models_dir is not None:  # the directory's models alone ('' refused there)
             specs = model_specs([], args.models_dir, args.served_model_name)
             engine_args = engine_args.replace(model=specs[0].source)
         else:

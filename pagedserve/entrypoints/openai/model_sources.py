@@ -76,7 +76,7 @@ def models_in_dir(directory: str) -> list[str]:
 def model_specs(sources: list[str], models_dir: str | None, served_names: list[str] | None) -> list[ModelSpec]:
     """The servable models, the first being the default.  One MODEL keeps today's
     naming (its argument, or --served-model-name); several are named by model_name."""
-    sources = list(sources) + (models_in_dir(models_dir) if models_dir else [])
+    sources = list(sources) + (models_in_dir(models_dir) if models_dir is not None else [])
     if len(sources) > MAX_MODELS:
         raise ValueError(f"{len(sources)} models is more than one server serves ({MAX_MODELS})")
     if len(sources) == 1:

@@ -368,6 +368,8 @@ def test_a_models_dir_entry_tagged_latest_is_served_by_its_name_without_the_tag(
     # --served-model-name's names likewise (mine:latest was listed, and 404 on Ollama's routes)
     with pytest.raises(ValueError, match="--served-model-name 'mine:latest'.*name it 'mine'"):
         model_specs(["smollm2-135m-instruct"], None, ["alias", "mine:latest"])
+    with pytest.raises(ValueError, match="--models-dir '' is not a directory"):  # (it was as if not given)
+        model_specs(["smollm2-135m-instruct"], "", None)
 
 
 def test_a_pool_that_cannot_load_keeps_its_model_whatever_keep_alive_asks_but_an_unload() -> None:

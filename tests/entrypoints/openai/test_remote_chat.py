@@ -41,3 +41,26 @@ def test_chat_url_asks_the_server_and_carries_the_conversation(server, monkeypat
         cli.main([*base, "--dtype", "float32", "--quick", "x"])
     with pytest.raises(SystemExit, match="cannot reach"):
         cli.main(["chat", "--url", "http://127.0.0.1:9/v1", "--quick", "x"])
+    with pytest.raises(SystemExit, match="cannot reach http://\\[::1: Invalid port"):  # (a traceback: no HTTPError)
+        cli.main(["chat", "--url", "http://[::1", "--quick", "x"])
+
+
+def test_ctrl_c_mid_answer_keeps_the_chat_and_what_came(server, monkeypatch) -> None:
+    """Ctrl-C during a remote answer stops it and the conversation goes on with the part
+    that came (it ended the chat with a traceback), as a local chat does."""
+    from pagedserve.entrypoints.remote_chat import RemoteChat
+
+    chat = RemoteChat(server.url + "/v1", None, API_KEY, {"max_tokens": 6, "temperature": 0.0}, None)
+    got: list[str] = []
+
+    def write(piece: str) -> None:
+        got.append(piece)
+        if "".join(got):
+            raise KeyboardInterrupt
+
+    chat.turn("hello world", write)
+    assert chat.history[-1] == {"role": "assistant", "content": "".join(got)} and got
+    chat.turn("and then?", lambda piece: None)
+    assert len(chat.history) == 4 and chat.history[2]["content"] == "and then?"
+    chat = RemoteChat(server.url + "/v1", None, API_KEY, {}, "")
+    assert chat.base == [{"role": "system", "content": ""}]  # (--system '': an empty system turn, not none)
