@@ -33,7 +33,7 @@ from pagedserve.core.draft_proposals import propose_drafts
 from pagedserve.core.encoder_cache_manager import EncoderCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import Drafter, NgramProposer, SpecDecodingStats
-from pagedserve.core.request import Request, RequestStatus, check_stop
+from pagedserve.core.request import Request, RequestStatus, check_stop, prompt_length_error
 from pagedserve.core.request_queue import create_request_queue
 from pagedserve.core.sched_output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from pagedserve.core.snapshot import KVSnapshot, take_snapshot
@@ -53,17 +53,6 @@ def _sched_key(request: Request) -> tuple:
     return request.sched_key
 
 
-
-def prompt_length_error(num_prompt: int, max_model_len: int, pooling: bool = False) -> InvalidRequestError | None:
-    """The refusal of a prompt the context cannot hold with one token to generate (a
-    pooling prompt: the prompt alone), else None.  The scheduler's admission rule; a front
-    end judging a batch's prompts as it tokenizes them asks it too."""
-    if num_prompt + (not pooling) <= max_model_len:
-        return None
-    return InvalidRequestError(
-        f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, the prompt has "
-        f"{num_prompt} tokens{'' if pooling else ', which leaves no room to generate one'}. Please reduce the "
-        "length of the prompt.", param="prompt")
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,

@@ -1,11 +1,13 @@
 """Anthropic's Messages API shapes (`POST /v1/messages`, `/v1/messages/count_tokens`),
 as the official `anthropic` client sends and reads them.  Requests are checked here
-for their shape only; serving_messages.py translates them into OpenAI chat requests,
+for their shape only (an image block's source also for its media type, as Anthropic does); serving_messages.py translates them into OpenAI chat requests,
 so every check on their content (sampling ranges, templates, tools, limits) is the
 chat path's, made once."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -206,3 +208,45 @@ class Thinking:
     def blocks(self) -> Literal["shown", "omitted", "none"]:
         """How the answer carries its thinking blocks."""
         return "none" if self.type == "disabled" else "omitted" if self.display == "omitted" else "shown"
+
+
+# The image media types Anthropic's API takes (and the formats multimodal/image.py opens),
+# each with how its file begins (WebP: RIFF, then its size, then WEBP).
+IMAGE_MEDIA_TYPES = {"image/jpeg": (b"\xff\xd8\xff",), "image/png": (b"\x89PNG\r\n\x1a\n",),
+                     "image/gif": (b"GIF87a", b"GIF89a"), "image/webp": (b"RIFF",)}
+
+
+def _matches_media_type(data: str, media: str) -> bool:
+    """Whether base64 `data` begins as a `media` file does (Anthropic refuses a mismatch;
+    bytes that are no image at all are the decoder's to name)."""
+    try:
+        head = base64.b64decode(data[:16] + "=" * (-len(data[:16]) % 4))
+    except (binascii.Error, ValueError):
+        return True
+    known = [magic for magics in IMAGE_MEDIA_TYPES.values() for magic in magics]
+    return not any(head.startswith(m) for m in known) or any(head.startswith(m) for m in IMAGE_MEDIA_TYPES[media])
+
+
+# An image block's source's keys, per source type (Anthropic's): any other refused by name.
+IMAGE_SOURCE_KEYS = {"base64": ("type", "media_type", "data"), "url": ("type", "url")}
+
+
+def image_source_url(source: Any, where: str) -> str:
+    """An image block's source as a URL the chat handler reads: base64 data becomes a data:
+    URL; a url source stays (fetched only from the server's allowed media domains)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind in IMAGE_SOURCE_KEYS and (error := part_key_error(source, f"a {kind} image source",
+                                                              IMAGE_SOURCE_KEYS[kind], {})) is not None:
+        raise InvalidRequestError(f"{where}: {error}", param="messages")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type")
+        if media not in IMAGE_MEDIA_TYPES:
+            raise InvalidRequestError(f"{where}: an image source's media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
+                              f"got {str(media)[:50]!r}", param="messages")
+        if not _matches_media_type(source["data"], media):
+            raise InvalidRequestError(f"{where}: the image does not match the provided media type {media}", param="messages")
+        return f"data:{media};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise InvalidRequestError(f"{where}: an image block needs a source of type base64 (media_type, data) or url",
+                      param="messages")

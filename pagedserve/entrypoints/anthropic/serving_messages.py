@@ -8,8 +8,6 @@ message_delta with the stop reason and usage, message_stop)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import re
 import uuid
@@ -29,12 +27,12 @@ from pagedserve.entrypoints.anthropic.protocol import (
     Thinking,
     anthropic_error_body,
     block_key_error,
+    image_source_url,
 )
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.entrypoints.openai.protocol_fields import (
     check_hint_strings,
     check_object_hint,
-    part_key_error,
     refuse_unsupported_fields,
     renamed_text,
 )
@@ -208,7 +206,11 @@ class _Turn:
             self.texts.append(block["text"])
             self.parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user":
-            self.parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
+            try:
+                url = image_source_url(block.get("source"), where)
+            except InvalidRequestError as e:
+                raise OpenAIError(str(e), param=e.param) from None
+            self.parts.append({"type": "image_url", "image_url": {"url": url}})
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                     or not isinstance(block.get("input"), dict):
@@ -245,48 +247,6 @@ class _Turn:
 
 # An assistant turn's thinking blocks, as a client sends an earlier answer back: the key holding each one's text.
 THINKING_BLOCKS = {"thinking": "thinking", "redacted_thinking": "data"}
-
-
-# The image media types Anthropic's API takes (and the formats multimodal/image.py opens),
-# each with how its file begins (WebP: RIFF, then its size, then WEBP).
-IMAGE_MEDIA_TYPES = {"image/jpeg": (b"\xff\xd8\xff",), "image/png": (b"\x89PNG\r\n\x1a\n",),
-                     "image/gif": (b"GIF87a", b"GIF89a"), "image/webp": (b"RIFF",)}
-
-
-def _matches_media_type(data: str, media: str) -> bool:
-    """Whether base64 `data` begins as a `media` file does (Anthropic refuses a mismatch;
-    bytes that are no image at all are the decoder's to name)."""
-    try:
-        head = base64.b64decode(data[:16] + "=" * (-len(data[:16]) % 4))
-    except (binascii.Error, ValueError):
-        return True
-    known = [magic for magics in IMAGE_MEDIA_TYPES.values() for magic in magics]
-    return not any(head.startswith(m) for m in known) or any(head.startswith(m) for m in IMAGE_MEDIA_TYPES[media])
-
-
-# An image block's source's keys, per source type (Anthropic's): any other refused by name.
-IMAGE_SOURCE_KEYS = {"base64": ("type", "media_type", "data"), "url": ("type", "url")}
-
-
-def _image_url(source: Any, where: str) -> str:
-    """An image block's source as a URL the chat handler reads: base64 data becomes a data:
-    URL; a url source stays (fetched only from the server's allowed media domains)."""
-    kind = source.get("type") if isinstance(source, dict) else None
-    if kind in IMAGE_SOURCE_KEYS and (error := part_key_error(source, f"a {kind} image source",
-                                                              IMAGE_SOURCE_KEYS[kind], {})) is not None:
-        raise OpenAIError(f"{where}: {error}", param="messages")
-    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
-        media = source.get("media_type")
-        if media not in IMAGE_MEDIA_TYPES:
-            raise OpenAIError(f"{where}: an image source's media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
-                              f"got {str(media)[:50]!r}", param="messages")
-        if not _matches_media_type(source["data"], media):
-            raise OpenAIError(f"{where}: the image does not match the provided media type {media}", param="messages")
-        return f"data:{media};base64,{source['data']}"
-    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
-        return source["url"]
-    raise OpenAIError(f"{where}: an image block needs a source of type base64 (media_type, data) or url",
-                      param="messages")
 
 
 # Anthropic's fields for what this server has nothing behind: refused by name (they are

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from pagedserve.core.scheduler import prompt_length_error
+from pagedserve.core.request import prompt_length_error
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.protocol import (
     CompletionChoice,
