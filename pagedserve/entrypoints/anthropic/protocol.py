@@ -235,18 +235,19 @@ def image_source_url(source: Any, where: str) -> str:
     """An image block's source as a URL the chat handler reads: base64 data becomes a data:
     URL; a url source stays (fetched only from the server's allowed media domains)."""
     kind = source.get("type") if isinstance(source, dict) else None
-    if kind in IMAGE_SOURCE_KEYS and (error := part_key_error(source, f"a {kind} image source",
+    if isinstance(kind, str) and kind in IMAGE_SOURCE_KEYS and (error := part_key_error(source, f"a {kind} image source",
                                                               IMAGE_SOURCE_KEYS[kind], {})) is not None:
         raise InvalidRequestError(f"{where}: {error}", param="messages")
     if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
         media = source.get("media_type")
         if media not in IMAGE_MEDIA_TYPES:
-            raise InvalidRequestError(f"{where}: an image source's media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
-                              f"got {str(media)[:50]!r}", param="messages")
+            raise InvalidRequestError(f"{where}: an image source's media_type must be one of "
+                                      f"{', '.join(IMAGE_MEDIA_TYPES)}, got {str(media)[:50]!r}", param="messages")
         if not _matches_media_type(source["data"], media):
-            raise InvalidRequestError(f"{where}: the image does not match the provided media type {media}", param="messages")
+            raise InvalidRequestError(f"{where}: the image does not match the provided media type {media}",
+                                      param="messages")
         return f"data:{media};base64,{source['data']}"
     if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
         return source["url"]
     raise InvalidRequestError(f"{where}: an image block needs a source of type base64 (media_type, data) or url",
-                      param="messages")
+                              param="messages")

@@ -360,3 +360,12 @@ def test_many_turns_of_one_role_merge_in_linear_time() -> None:
     start = time.monotonic()
     [message] = to_chat_request(req).messages
     assert len(message.content) == 52_000 * 281 - 1 and time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("source", [{"type": []}, {"type": {"a": 1}}, {"type": "url", "url": "u", "z": 1}, None])
+def test_a_malformed_image_source_is_a_named_400(source) -> None:
+    """A source's type of any JSON shape (a list was looked up among the source types: a
+    TypeError, a 500); a key a source type does not define is refused by name."""
+    with pytest.raises(OpenAIError, match=r"messages\[0\]\.content\[0\]: ") as e:
+        to_chat_request(request(messages=[{"role": "user", "content": [{"type": "image", "source": source}]}]))
+    assert e.value.param == "messages"
