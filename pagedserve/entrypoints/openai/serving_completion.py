@@ -24,6 +24,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     TokenizedPrompt,
+    item_label,
     make_usage,
     merge_streams,
     prompt_logprobs_of,
@@ -67,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
             p = self.truncated(p, req.truncate_prompt_tokens, req.requested_max_tokens() or 1)
             self.check_length(len(p.token_ids), req.max_tokens, "prompt")
             if (error := prompt_length_error(len(p.token_ids), self.max_model_len)) is not None:
-                raise self.invalid(req, error, (req.api_param("prompt"), f"prompt[{i}]") if len(items) > 1 else None)
+                raise self.invalid(req, error, item_label(i, len(items), req.api_param("prompt")))
             prompts.append(p)
         return PreparedRequest(model, prompts, params, beam=self.beam_search_params(req, params))
 

@@ -139,7 +139,12 @@ class PreparedRequest:
         """How an error names prompt `i` of several (None: the request has one)."""
         if self.labels is not None:
             return self.labels[i]
-        return (field or "prompt", f"{field or 'prompt'}[{i}]") if len(self.prompts) > 1 else None
+        return item_label(i, len(self.prompts), field)
+
+
+def item_label(i: int, count: int, field: str | None) -> tuple[str, str] | None:
+    """How an error names item `i` of `count` in the prompt field (None: there is one)."""
+    return (field or "prompt", f"{field or 'prompt'}[{i}]") if count > 1 else None
 
 
 @dataclass
