@@ -316,18 +316,23 @@ class RequestStream:
     """The outputs of one accepted request, newest first-come (cumulative snapshots).
 
     Reading past the final output ends the iteration; `close()` before that, or being
-    cancelled while waiting, aborts the request; so does being dropped unread."""
+    cancelled while waiting, aborts the request; so does being dropped unread.  The
+    deadline is a timer, not a check at each read: a client that stops reading (a full
+    socket holds the writer) would otherwise keep its request on the engine past it."""
 
     def __init__(self, owner: StreamOwner, request_id: str, collector: OutputCollector,
                  deadline: float | None = None, final_only: bool = False) -> None:
-        """`deadline` (time.monotonic()): past it the stream raises RequestTimeoutError;
-        `final_only`: intermediate outputs are skipped."""
+        """`deadline` (time.monotonic()): then the request is aborted and the stream's next
+        read raises RequestTimeoutError; `final_only`: intermediate outputs are skipped."""
         self._owner = owner
         self.request_id = request_id
         self._collector = collector
-        self._deadline = deadline
         self._final_only = final_only
-        self._done = False
+        self._done = False  # read to its end, or closed
+        self._released = False  # the owner has forgotten the request
+        self._timer: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._expire)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -336,31 +341,44 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            out = await self._next()
+            out = await self._collector.get()
             while self._final_only and not out.finished:
-                out = await self._next()
+                out = await self._collector.get()
         except BaseException:
             self.close()
             raise
         if out.finished:
             self._done = True
-            self._owner.forget(self.request_id, abort=False)
+            self._release(abort=False)
         return out
 
-    async def _next(self) -> EngineOutput:
-        if self._deadline is None:
-            return await self._collector.get()
-        try:
-            return await asyncio.wait_for(self._collector.get(), max(0.0, self._deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(
+    def _expire(self) -> None:
+        """The deadline passed: abort now, and let the next read raise."""
+        self._timer = None
+        waiting = self._collector.item
+        if isinstance(waiting, EngineOutput) and waiting.finished:
+            return  # it finished in time and is only unread: the reader gets it
+        if not self._released:
+            self._collector.put(RequestTimeoutError(
                 f"The request ran longer than the server's request timeout "
-                f"({self._owner.request_timeout:g} s) and was aborted.") from None
+                f"({self._owner.request_timeout:g} s) and was aborted."))
+            self._release(abort=True)
+
+    def _release(self, abort: bool) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting = self._collector.item
+        if isinstance(waiting, EngineOutput) and waiting.finished:
+            return  # it finished in time and is only unread: the reader gets it
+        if not self._released:
+            self._released = True
+            self._owner.forget(self.request_id, abort=abort)
 
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._owner.forget(self.request_id, abort=True)
+            self._release(abort=True)
 
     def __del__(self) -> None:
         self.close()

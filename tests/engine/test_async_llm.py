@@ -520,6 +520,47 @@ def test_the_request_timeout_counts_from_arrival_preparation_included(monkeypatc
     assert run(main()) < 1.6  # (it ran 1 s more: the whole timeout after preparing)
 
 
+def test_the_request_timeout_aborts_a_request_whose_stream_is_not_read() -> None:
+    """The deadline was checked only when the stream read its next output: a client that
+    stopped reading (its socket full, the writer blocked) kept its request stepping on the
+    engine past the deadline, to max_tokens.  Now the request is aborted at the deadline,
+    and the stream's next read raises the timeout."""
+    from pagedserve.engine.async_llm import RequestTimeoutError
+
+    async def main() -> tuple[int, float]:
+        engine = FakeEngine(step_time=0.01)
+        llm = AsyncLLM(engine, log_stats=False, request_timeout=0.3)
+        stream = await llm.add_request("unread", "hello", SamplingParams(max_tokens=10_000, ignore_eos=True))
+        t0 = time.monotonic()
+        while engine.get_num_unfinished_requests() and time.monotonic() - t0 < 5:  # (100 s if it ran on)
+            await asyncio.sleep(0.01)
+        left, waited = engine.get_num_unfinished_requests(), time.monotonic() - t0
+        with pytest.raises(RequestTimeoutError):
+            await stream.__anext__()
+        llm.shutdown()
+        return left, waited
+
+    left, waited = asyncio.run(main())
+    assert left == 0 and waited < 2
+
+
+def test_a_request_finished_in_time_but_read_late_keeps_its_output() -> None:
+    """The deadline's timer fires after the final output came in, unread: the reader gets
+    the answer (the engine's work was done in time), not a timeout."""
+
+    async def main() -> str:
+        engine = FakeEngine(step_time=0.01)
+        llm = AsyncLLM(engine, log_stats=False, request_timeout=0.3)
+        stream = await llm.add_request("late", "hello", SamplingParams(max_tokens=3, ignore_eos=True),
+                                       final_only=True)
+        await asyncio.sleep(0.6)
+        out = await stream.__anext__()
+        llm.shutdown()
+        return out.outputs[0].finish_reason
+
+    assert asyncio.run(main()) == "length"
+
+
 def test_a_client_gone_as_the_engine_takes_its_request_leaves_nothing_running(monkeypatch) -> None:
     """The client leaves (its task cancelled) after the engine thread took the add but before
     the loop ran the answer it queued: the request was never aborted and ran to max_tokens
