@@ -28,8 +28,9 @@ def reranker_prompt(query: str, document: str, instruction: str | None = None) -
     """One (query, document) pair as Qwen3-Reranker reads it: a ChatML turn whose
     assistant reply starts after an empty thinking block, so the next token is the
     yes/no verdict."""
+    instruction = DEFAULT_RERANK_INSTRUCTION if instruction is None else instruction  # ("" is the client's)
     return (f"<|im_start|>system\n{_RERANK_SYSTEM}<|im_end|>\n<|im_start|>user\n"
-            f"<Instruct>: {instruction or DEFAULT_RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+            f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
             "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 

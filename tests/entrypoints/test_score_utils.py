@@ -17,6 +17,13 @@ QUERY = "what is the capital of France?"
 DOCS = ["Paris is the capital of France.", "the quick brown fox", "Rome is the capital of Italy."]
 
 
+def test_an_empty_instruction_is_the_clients_not_the_default() -> None:
+    """Qwen3-Reranker's card takes the default only when no instruction is given; "" was
+    replaced by it."""
+    assert "<Instruct>: \n<Query>: q" in reranker_prompt("q", "d", "")
+    assert "<Instruct>: Given a web search query" in reranker_prompt("q", "d")
+
+
 def test_pairing_follows_vllm() -> None:
     assert score_pairs("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
     assert score_pairs(["q", "r"], ["a", "b"]) == [("q", "a"), ("r", "b")]

@@ -5,12 +5,20 @@ because only a server started with `--runner pooling` serves them (serving_pooli
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from pagedserve.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, RequestBody, UsageInfo
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIBaseModel,
+    RequestBody,
+    UsageInfo,
+)
 from pagedserve.entrypoints.openai.protocol_fields import (
     RERANK_FIELDS,
     UNSUPPORTED_FIELDS,
@@ -18,6 +26,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     refuse_vllm_fields,
 )
 from pagedserve.errors import InvalidRequestError
+from pagedserve.utils import same_value
 
 
 # ------------------------------------------------------------------ request bodies
@@ -68,6 +77,7 @@ class _PoolingFields(RequestBody):
 
     # The field the engine's "prompt" is (None: several fields make prompts).
     PROMPT_FIELD: ClassVar[str | None] = None
+    ROUTE: ClassVar[str] = ""  # its path, for refusals naming it
 
     def api_param(self, param: str | None) -> str | None:
         return self.PROMPT_FIELD if param == "prompt" else param
@@ -78,6 +88,7 @@ class _PoolingFields(RequestBody):
         for refused in (UNSUPPORTED_FIELDS, RERANK_FIELDS):
             refuse_unsupported_fields(self.model_extra, refused)
         refuse_vllm_fields(self.model_extra)
+        refuse_other_routes_fields(self)
         if self.mm_processor_kwargs:
             raise InvalidRequestError("mm_processor_kwargs: the image processors here take no per-request settings",
                                       param="mm_processor_kwargs")
@@ -92,6 +103,7 @@ class EmbeddingRequest(_PoolingFields):
     embedding of the conversation)."""
 
     PROMPT_FIELD: ClassVar[str | None] = "input"
+    ROUTE: ClassVar[str] = "/v1/embeddings"
 
     input: str | list[str] | list[int] | list[list[int]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -160,6 +172,8 @@ class _ScoreFields(_PoolingFields):
 class ScoreRequest(_ScoreFields):
     """POST /v1/score (vLLM's shape): text_1 against each text_2, or two lists pairwise."""
 
+    ROUTE: ClassVar[str] = "/v1/score"
+
     text_1: str | list[str] | list[int] | list[list[int]]
     text_2: str | list[str] | list[int] | list[list[int]]
 
@@ -176,11 +190,43 @@ class ScoreRequest(_ScoreFields):
 class RerankRequest(_ScoreFields):
     """POST /v1/rerank (Jina's and Cohere's shape, as vLLM serves it)."""
 
+    ROUTE: ClassVar[str] = "/v1/rerank"
+
     query: str
     documents: list[str]
     top_n: int | None = None  # None or 0: every document
     return_documents: bool = True
     instruction: str | None = None  # a reranker's task line (pagedserve extra)
+
+
+_ROUTES: tuple[tuple[str, type[RequestBody]], ...] = (
+    ("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
+    ("/v1/embeddings", EmbeddingRequest), ("/v1/score", ScoreRequest), ("/v1/rerank", RerankRequest))
+
+
+@functools.cache
+def _other_routes_fields(model: type[_PoolingFields]) -> dict[str, tuple[list[str], list[Any]]]:
+    """Fields the other routes model and `model` does not: name -> (those routes, their
+    defaults there)."""
+    found: dict[str, tuple[list[str], list[Any]]] = {}
+    for route, other in _ROUTES:
+        for name, info in other.model_fields.items():
+            if name not in model.model_fields and not info.is_required():
+                routes, defaults = found.setdefault(name, ([], []))
+                routes.append(route)
+                defaults.append(info.get_default(call_default_factory=True))
+    return found
+
+
+def refuse_other_routes_fields(req: _PoolingFields) -> None:
+    """A field of another route (max_tokens or stream on /v1/embeddings, dimensions on
+    /v1/score) set to anything but null or that route's default is refused by name: it
+    asked for something this route does not do (it was dropped with one log line)."""
+    foreign = _other_routes_fields(type(req))
+    for name, value in (req.model_extra or {}).items():
+        if name in foreign and value is not None and not same_value(value, tuple(foreign[name][1])):
+            raise InvalidRequestError(f"{name} is a field of {' and '.join(foreign[name][0])}; {req.ROUTE} does not "
+                                      "read it", param=name)
 
 
 # ------------------------------------------------------------------- response shapes

@@ -203,12 +203,25 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/embeddings", {"input": "x", "audio": {"format": "wav"}}, "audio"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "return_token_ids": True}, "return_token_ids"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": 8}, "max_tokens_per_doc"),  # (Cohere's)
+    # another route's fields, which this one does not read (each was dropped with one log line)
+    ("/v1/embeddings", {"input": "x", "stream": True}, "stream"),
+    ("/v1/embeddings", {"input": "x", "max_tokens": 5}, "max_tokens"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "dimensions": 4}, "dimensions"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "input": "c"}, "input"),
 ])
 def test_bad_pooling_requests_are_refused_by_name(pooling_server, path, body, param) -> None:
     r = httpx.post(pooling_server.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert httpx.get(pooling_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_another_routes_fields_at_their_defaults_are_accepted(pooling_server) -> None:
+    """What a generic client sends with every body (stream false, n 1, null) asks for nothing."""
+    r = httpx.post(pooling_server.url + "/v1/embeddings", json={"input": "x", "stream": False, "n": 1,
+                                                                "temperature": None}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_a_generation_server_refuses_the_pooling_routes(server) -> None:
