@@ -83,6 +83,9 @@ class StructuredOutputsParams:
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings",
                                       param="structured_outputs")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise InvalidRequestError("structured_outputs.structural_tag must be a JSON object (or its text)",
+                                      param="structured_outputs")
         if self.json_object not in (None, True, False):
             raise InvalidRequestError("structured_outputs.json_object must be true or false", param="structured_outputs")
         if self.after_token is not None and (not is_int(self.after_token) or self.after_token < 0):

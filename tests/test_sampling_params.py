@@ -138,6 +138,13 @@ def test_vllms_older_guided_decoding_and_clone():
     assert c == p and c.stop is not p.stop and c.structured_outputs is not p.structured_outputs
 
 
+def test_a_structural_tag_that_is_not_an_object_is_refused_at_construction():
+    """structural_tag=5 was accepted here and refused only when its grammar compiled."""
+    with pytest.raises(InvalidRequestError, match="structural_tag must be a JSON object"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag=5))
+    SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag={"type": "structural_tag"}))
+
+
 def test_vllms_other_keyword_arguments_run_at_a_neutral_value_or_are_named():
     """SamplingParams(spaces_between_special_tokens=False) and BeamSearchParams(temperature=0.0),
     as vLLM scripts write them, run; another value is refused by name, and a name vLLM lacks

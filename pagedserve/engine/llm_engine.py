@@ -153,6 +153,9 @@ class LLMEngine:
         self.model_executor = model_executor
         self.tokenizer = tokenizer
         self._batch_ids = itertools.count()  # request ids of run_batch
+        # One offline batch at a time: two threads stepping one scheduler and block pool
+        # gave one an internal error and the other wrong text (a caller now waits its turn).
+        self._batch_lock = threading.Lock()
         hf_config = config.model_config.hf_config
         self.vocab_size = vocab_size or getattr(hf_config, "vocab_size", None)
         if self.vocab_size is None:
@@ -297,7 +300,15 @@ class LLMEngine:
         runs), add every prompt as FINAL_ONLY (one RequestOutput per request instead of a
         cumulative copy every step), step until all are done, return them in input order.
         A refused prompt is named by its position in the caller's batch (`positions`: a
-        replica's share's; else its index here, where the batch has more than one)."""
+        replica's share's; else its index here, where the batch has more than one).
+        Calls from several threads run one after another."""
+        with self._batch_lock:
+            return self._run_batch(prompts, params, priority, progress, lora_requests, positions)
+
+    def _run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
+                   priority: list[int] | None, progress: BatchProgress | None,
+                   lora_requests: list[LoRARequest | None] | None, positions: list[int] | None,
+                   ) -> list[RequestOutput] | list[PoolingRequestOutput]:
         if positions is None:
             positions = list(range(len(prompts))) if len(prompts) > 1 else [-1] * len(prompts)
         compiling = [(i, self.structured_output.compile(sp.structured_outputs)) for i, sp in enumerate(params)
@@ -386,7 +397,8 @@ class LLMEngine:
         return self.engine_core.get_num_waiting()
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+        with self._batch_lock:  # (not under another thread's running batch)
+            return self.engine_core.reset_prefix_cache()
 
     # ------------------------------------------------------------------ watching (the dashboard)
     def watch_blocks(self, enabled: bool) -> None:

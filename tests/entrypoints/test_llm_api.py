@@ -66,6 +66,31 @@ def test_bad_input_raises_and_leaves_engine_clean(llm) -> None:
     assert o.outputs[0].token_ids == [13, 14]
 
 
+def test_one_llm_from_two_threads_gives_each_its_own_answers(llm) -> None:
+    """Two threads' batches stepped one scheduler at once: one raised an internal error and
+    the other returned another's text.  They now run one after the other."""
+    import threading
+
+    prompts = [{"prompt_token_ids": [k + 1]} for k in range(6)]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)  # (the scripted model's context is 128)
+    expected = [[11 + k + i for i in range(100)] for k in range(6)]
+    got: dict[int, object] = {}
+
+    def run(t: int) -> None:
+        try:
+            got[t] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            got[t] = e
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[t] == expected for t in range(3)] == [True] * 3, got
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_priority_per_prompt() -> None:
     engine = make_engine(lambda i, p: 10 + i, scheduling_policy="priority", max_num_seqs=1)
     llm = LLM.from_engine(engine)
