@@ -88,11 +88,14 @@ class BeamSearchStream:
 
     def __init__(self, request_id: str, prompt: Any, prompt_ids: list[int], params: BeamSearchParams,
                  next_tokens: NextTokens, stops: set[int], max_model_len: int,
-                 decode: Callable[[list[int]], str], on_close: Callable[[], None] = lambda: None) -> None:
-        """`on_close`: what closing it before it ran must also close (its first step's stream)."""
+                 decode: Callable[[list[int]], str], on_close: Callable[[], None] = lambda: None,
+                 include_stop: bool = False) -> None:
+        """`on_close`: what closing it before it ran must also close (its first step's stream);
+        `include_stop`: an ending end token is decoded with the rest (the request's
+        include_stop_str_in_output; its text shows where skip_special_tokens is false)."""
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.next_tokens, self.stops, self.max_model_len, self.decode = next_tokens, stops, max_model_len, decode
-        self.on_close = on_close
+        self.on_close, self.include_stop = on_close, include_stop
         self._task: asyncio.Task | None = None
         self._done = False
 
@@ -132,7 +135,7 @@ class BeamSearchStream:
             beams.extend(width, self.stops)
         outputs = []
         for i, (_, beam, why) in enumerate(beams.best(width, self.params.length_penalty)):
-            shown = beam.tokens[:-1] if why == "stop" else beam.tokens
+            shown = beam.tokens[:-1] if why == "stop" and not self.include_stop else beam.tokens
             outputs.append(CompletionOutput(i, self.decode(shown), beam.tokens, beam.cum, None, why,
                                             beam.tokens[-1] if why == "stop" else None))
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs, finished=True)

@@ -366,7 +366,8 @@ class OpenAIServing:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)) \
             if self.tokenizer is not None else (lambda ids: "")
         return BeamSearchStream(request_id, prompt.text, prompt.token_ids, beam, next_tokens, stops,
-                                self.max_model_len, decode, on_close=first.close)
+                                self.max_model_len, decode, on_close=first.close,
+                                include_stop=req.include_stop_str_in_output)
 
     @staticmethod
     def invalid(req: Any, e: ValueError, label: tuple[str, str] | None = None) -> OpenAIError:
