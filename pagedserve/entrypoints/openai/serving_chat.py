@@ -61,9 +61,11 @@ from pagedserve.entrypoints.openai.serving_engine import (
 )
 from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
 from pagedserve.entrypoints.openai.tool_parsers import (
+    CallCursor,
     ParsedToolCall,
     ToolParser,
     forced_tools_system_prompt,
+    required_calls,
     sent_calls,
     tool_parameters,
 )
@@ -157,38 +159,17 @@ class ToolPlan:
     names: frozenset[str] = frozenset()
     one_call: bool = False
 
-    def calls(self, text: str, finished: bool) -> tuple[str | None, list[ParsedToolCall]]:
-        """(plain text, tool calls) of an answer."""
+    def calls(self, text: str, finished: bool,
+              cursor: CallCursor | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+        """(plain text, tool calls) of an answer; `cursor`: a stream's parse so far (CallCursor)."""
         if self.mode == "named":
             return None, [ParsedToolCall(self.function.name, text)]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except (ValueError, RecursionError):
-                # Running, or cut short (max_tokens, a stop string): the calls it finished (a
-                # stream sends each once its object closes; they all came at the end).
-                items = _whole_items(text)
-            return None, [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
-                          if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            return None, required_calls(text, finished, cursor if cursor is not None else CallCursor())
         if self.mode == "auto":
-            text, calls = self.parser.extract(text, finished, self.names)
+            text, calls = self.parser.extract(text, finished, self.names, cursor)
             return text, calls[:1] if self.one_call else calls
         return text, []
-
-
-def _whole_items(text: str) -> list[Any]:
-    """The complete items at the head of a JSON array cut short (`[{...}, {...}, {"na`): the
-    internal array of a required answer is never shown to the client as text."""
-    decoder, items, i = json.JSONDecoder(), [], text.find("[") + 1
-    while 0 < i < len(text):
-        while i < len(text) and text[i] in " \t\n\r,":
-            i += 1
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except (ValueError, RecursionError):
-            break
-        items.append(item)
-    return items
 
 
 @dataclass
@@ -200,6 +181,7 @@ class ToolStream:
     sent_args: int = 0  # named mode: characters of the arguments sent
     sent_tokens: int = 0  # tokens whose logprobs were sent
     call_ids: list[str] = field(default_factory=list)
+    cursor: CallCursor = field(default_factory=CallCursor)  # where the answer's parse resumes
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -485,7 +467,7 @@ class OpenAIServingChat(OpenAIServing):
                 ts.sent_args = len(c.text)
             reason = _calls_finish(c)
         else:
-            text, calls = plan.calls(c.text, finished)
+            text, calls = plan.calls(c.text, finished, ts.cursor)
             if plan.mode == "auto" and not calls:  # no call yet: the part that cannot open one
                 safe = len(c.text) if finished else plan.parser.text_before_calls(c.text)
                 text = c.text[:safe]

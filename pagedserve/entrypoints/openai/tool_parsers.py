@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
@@ -61,29 +61,58 @@ def _call_from(obj: Any, args_key: str, names: Collection[str] | None, need_args
         return None
 
 
+@dataclass
+class CallCursor:
+    """Where a running answer's parse stopped: the calls complete before `pos`, which
+    never change as the answer grows.  A stream's next parse resumes there, so each call
+    is read once (parsing the whole answer at every delta was quadratic: 40 KB of calls
+    held the event loop for 17 s); formats known only at the end do not use it."""
+
+    pos: int = 0
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+_SPACE = re.compile(r"\s*")
+_SEPARATORS = re.compile(r"[ \t\n\r,]*")  # (between a JSON array's items)
+
+
 class HermesToolParser:
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-    _LAST_OPEN = re.compile(r"<tool_call>\s*(.*?)\s*\Z", re.DOTALL)  # a finished answer's last call left open
 
-    def extract(self, text: str, finished: bool = True,
-                names: Collection[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+    def extract(self, text: str, finished: bool = True, names: Collection[str] | None = None,
+                cursor: CallCursor | None = None) -> tuple[str | None, list[ParsedToolCall]]:
         """The calls between the tags (a finished answer's last one also without its closing
         tag, as a stop string or max_tokens may cut it: vLLM's reads it too) of the
-        functions in `names` (None: any)."""
-        bodies = self._CALL.findall(text)
-        tail = text[text.rfind(self.CLOSE) + len(self.CLOSE):] if self.CLOSE in text else text
-        if finished and (last := self._LAST_OPEN.search(tail[tail.find(self.OPEN):] if self.OPEN in tail else "")):
-            bodies.append(last.group(1))
-        calls = []
-        for body in bodies:
+        functions in `names` (None: any).  Each call's JSON is read by the JSON decoder,
+        not up to the next closing tag, so an argument may hold "</tool_call>" (the
+        structural tag lets it); one in one pass (a lazy regex was quadratic in openings
+        left unclosed).  `cursor`: a running answer's parse so far, resumed and advanced."""
+        cursor = cursor if cursor is not None else CallCursor()
+        calls, pos = list(cursor.calls), cursor.pos
+        decoder = json.JSONDecoder()
+        while (start := text.find(self.OPEN, pos)) >= 0:
+            body = _SPACE.match(text, start + len(self.OPEN)).end()
+            if not finished and self.CLOSE not in text[body:]:
+                break  # (still being written: not read again at every delta)
             try:
-                call = _call_from(json.loads(body), "arguments", names)
-            except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
-                call = None
-            if call is not None:
-                calls.append(call)
+                obj, end = decoder.raw_decode(text, body)
+            except (ValueError, RecursionError):  # (not JSON, not yet all of it, or nested past the parser's depth)
+                end = -1
+            after = _SPACE.match(text, end).end() if end >= 0 else -1
+            if after >= 0 and (text.startswith(self.CLOSE, after) or finished and after == len(text)):
+                if (call := _call_from(obj, "arguments", names)) is not None:
+                    calls.append(call)
+                pos = after + len(self.CLOSE)
+                continue
+            if not finished:
+                break  # a call still being written: read once it closes (one written wrongly, at the end)
+            close = text.find(self.CLOSE, body)  # not a call: what follows its closing tag may be
+            if close < 0:
+                break
+            pos = close + len(self.CLOSE)
+        if not finished:  # (only complete calls were passed)
+            cursor.pos, cursor.calls = pos, calls
         if not calls:
             return text, []
         # The whitespace between the text and its first call is not content; the text's
@@ -132,6 +161,40 @@ class HermesToolParser:
         calls = self.structural_tag(tools, one_call)["format"]
         return {"structural_tag": {"type": "structural_tag", "format": {"type": "or", "elements": [
             {"type": "json_schema", "json_schema": schema}, {**calls, "at_least_one": True}]}}}
+
+
+def required_calls(text: str, finished: bool, cursor: CallCursor) -> list[ParsedToolCall]:
+    """The calls of a required answer, a JSON array of {"name", "parameters"}: when it is
+    running, or was cut short (max_tokens, a stop string), the items it finished (a stream
+    sends each once its object closes), read from `cursor` on; the internal array is never
+    shown to the client as text."""
+    items: list[Any] | None = None
+    if finished:
+        try:
+            items = json.loads(text)
+        except (ValueError, RecursionError):
+            items = None
+    if items is None:
+        decoder, items, i = json.JSONDecoder(), [], cursor.pos or text.find("[") + 1
+        calls = list(cursor.calls)
+        while 0 < i < len(text):
+            i = _SEPARATORS.match(text, i).end()
+            try:
+                item, i = decoder.raw_decode(text, i)
+            except (ValueError, RecursionError):
+                break
+            calls += _required_call(item)
+        if not finished:
+            cursor.pos, cursor.calls = i, calls
+        return calls
+    return [call for item in items for call in _required_call(item)] if isinstance(items, list) else []
+
+
+def _required_call(item: Any) -> list[ParsedToolCall]:
+    """One array item of a required answer as a call (none if it is not one)."""
+    if isinstance(item, dict) and isinstance(item.get("name"), str):
+        return [ParsedToolCall(item["name"], json.dumps(item.get("parameters", {})))]
+    return []
 
 
 def forced_tools_system_prompt(tools: list[dict[str, Any]], function: dict[str, Any] | None) -> str:
@@ -184,7 +247,8 @@ class Llama3JsonToolParser:
     PYTHON_TAG = "<|python_tag|>"
 
     def extract(self, text: str, finished: bool = True,
-                names: Collection[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+                names: Collection[str] | None = None,
+                cursor: CallCursor | None = None) -> tuple[str | None, list[ParsedToolCall]]:
         """The whole answer as calls (JSON objects joined by ";", each naming a function in
         `names`, None: any, and with its "parameters"), else plain text.  Only a
         finished answer says which: a running one that parses as calls may still go on
@@ -246,7 +310,8 @@ class PythonicToolParser:
     _JSON_NAMES = {"true": True, "false": False, "null": None}
 
     def extract(self, text: str, finished: bool = True,
-                names: Collection[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+                names: Collection[str] | None = None,
+                cursor: CallCursor | None = None) -> tuple[str | None, list[ParsedToolCall]]:
         """The whole answer as calls of the functions in `names` (None: any), else plain text."""
         import ast
 

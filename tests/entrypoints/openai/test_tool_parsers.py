@@ -23,8 +23,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 # (with a call left open, as a stop string or max_tokens leaves one: a finished answer's
 # last one counts, as vLLM's; and one whose arguments are no object: not a call)
 OPEN_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}'
+# (an argument may hold the format's own tags: the structural tag lets a string say anything)
+TAGS_CALL = '<tool_call>\n{"name": "g", "arguments": {"s": "wrap it in </tool_call> or <tool_call>"}}\n</tool_call>'
 PIECES = ["Let me check.", "Sure", " ", "  ", "\n", "\n\n", "\t", "<tool", "_call>", CALL, "ok ", OPEN_CALL,
-          '<tool_call>{"name": "f", "arguments": [1]}</tool_call>']
+          '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', TAGS_CALL]
 
 
 def _streamed(plan: ToolPlan, text: str, cuts: list[int]) -> tuple[str, list[str]]:
@@ -48,6 +50,45 @@ def test_hermes_streamed_content_and_calls_equal_the_whole_answer(pieces: list[s
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or ""), (text, cuts)
     assert names == [c.name for c in calls]
+
+
+def test_an_argument_holding_the_tags_is_one_call_whole_or_streamed() -> None:
+    """The lazy regex ended the call at the "</tool_call>" inside its string: the JSON did
+    not parse and the whole call came back as content."""
+    plan = ToolPlan(mode="auto", parser=HermesToolParser(), names=NAMES)
+    text = "On it. " + TAGS_CALL + "\n" + CALL
+    content, calls = plan.calls(text, True)
+    assert content == "On it." and [c.name for c in calls] == ["g", "get_weather"]
+    assert json.loads(calls[0].arguments) == {"s": "wrap it in </tool_call> or <tool_call>"}
+    assert _streamed(plan, text, list(range(len(text)))) == ("On it.", ["g", "get_weather"])
+
+
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_a_stream_reads_each_call_once(mode, monkeypatch) -> None:
+    """Each delta parsed the whole answer again (every call's JSON decoded at every delta:
+    40 KB of calls held the event loop for 17 s, and openings left unclosed made the regex
+    quadratic in each parse).  Now a stream's parse resumes after the calls it has read."""
+    n = 60
+    if mode == "auto":
+        plan = ToolPlan(mode="auto", parser=HermesToolParser(), names=NAMES)
+        text = "\n".join([CALL] * n)
+    else:
+        plan = ToolPlan(mode="required")
+        text = "[" + ", ".join(['{"name": "f", "parameters": {"x": 1}}'] * n) + "]"
+    decodes: list[int] = []  # each decode's distance from its start to the end of the text
+    raw_decode = json.JSONDecoder.raw_decode
+
+    def counted(self, s, idx=0):
+        decodes.append(len(s) - idx)
+        return raw_decode(self, s, idx)
+
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", counted)
+    _, names = _streamed(plan, text, list(range(0, len(text), 3)))  # (~1,700 deltas)
+    assert len(names) == n
+    if mode == "auto":  # each call decoded once, when its closing tag is in
+        assert len(decodes) <= 3 * n, len(decodes)
+    else:  # each delta decodes at most the item being written; the finished array is read once whole
+        assert sum(d > 2 * len(CALL) for d in decodes) <= 1, decodes
 
 
 def test_whitespace_before_a_call_is_not_content_whole_or_streamed() -> None:
