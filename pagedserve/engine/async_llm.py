@@ -368,9 +368,6 @@ class RequestStream:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        waiting = self._collector.item
-        if isinstance(waiting, EngineOutput) and waiting.finished:
-            return  # it finished in time and is only unread: the reader gets it
         if not self._released:
             self._released = True
             self._owner.forget(self.request_id, abort=abort)

@@ -561,6 +561,26 @@ def test_a_request_finished_in_time_but_read_late_keeps_its_output() -> None:
     assert asyncio.run(main()) == "length"
 
 
+def test_a_stream_closed_with_its_final_output_unread_frees_its_request_id() -> None:
+    """Closing a stream whose request finished but was not read releases it: its id can be
+    used again (the collector is not kept)."""
+
+    async def main() -> str:
+        engine = FakeEngine(step_time=0.01)
+        llm = AsyncLLM(engine, log_stats=False, request_timeout=30)
+        stream = await llm.add_request("done", "hello", SamplingParams(max_tokens=2, ignore_eos=True),
+                                       final_only=True)
+        await asyncio.sleep(0.3)
+        stream.close()
+        again = await llm.add_request("done", "hello", SamplingParams(max_tokens=2, ignore_eos=True),
+                                      final_only=True)
+        out = await again.__anext__()
+        llm.shutdown()
+        return out.outputs[0].finish_reason
+
+    assert asyncio.run(main()) == "length"
+
+
 def test_a_client_gone_as_the_engine_takes_its_request_leaves_nothing_running(monkeypatch) -> None:
     """The client leaves (its task cancelled) after the engine thread took the add but before
     the loop ran the answer it queued: the request was never aborted and ran to max_tokens
