@@ -93,7 +93,7 @@ class HermesToolParser:
         decoder = json.JSONDecoder()
         while (start := text.find(self.OPEN, pos)) >= 0:
             body = _SPACE.match(text, start + len(self.OPEN)).end()
-            if not finished and self.CLOSE not in text[body:]:
+            if not finished and text.find(self.CLOSE, body) < 0:
                 break  # (still being written: not read again at every delta)
             try:
                 obj, end = decoder.raw_decode(text, body)
