@@ -199,6 +199,9 @@ class CacheConfig:
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHING_ALGOS = ("hash", "radix")
+# Of the machine's memory, the most a host-memory KV tier may be given (vLLM refuses swap
+# space past the same share): it fills as prefixes are computed, beside the KV cache.
+MAX_HOST_TIER_SHARE = 0.7
 
 
 @dataclass

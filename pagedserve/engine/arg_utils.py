@@ -22,6 +22,7 @@ from pagedserve import envs
 from pagedserve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
+    MAX_HOST_TIER_SHARE,
     PREEMPTION_MODES,
     PREFIX_CACHING_ALGOS,
     QUANT_ACTIVATION_BITS,
@@ -228,6 +229,12 @@ class EngineArgs:
             raise ValueError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")
         if self.kv_offload_bytes is not None:
             self.kv_offload_bytes = parse_bytes(self.kv_offload_bytes, "kv_offload_bytes")
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if self.kv_offload_dir is None and self.kv_offload_bytes > MAX_HOST_TIER_SHARE * total:
+                raise ValueError(f"kv_offload_bytes (or vLLM's swap_space) of {self.kv_offload_bytes / 2**30:.3g} GiB "
+                                 f"of host memory is more than {MAX_HOST_TIER_SHARE:.0%} of this machine's "
+                                 f"{total / 2**30:.3g} GiB: the tier would fill memory as prefixes are computed; "
+                                 "give less, or a kv_offload_dir for a tier on disk")
         tier = self.kv_offload_dir is not None or self.kv_offload_bytes is not None
         if not tier and self.preemption_mode == "recompute":
             return

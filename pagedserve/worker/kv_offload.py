@@ -49,6 +49,7 @@ _MAGIC = b"PSKVBLK1"
 _HEADER = struct.Struct("<8s32s32sQ16s")  # magic, fingerprint digest, key, payload bytes, checksum
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
+_TMP_FILE = re.compile(r"\.tmp-\d+_[^-_/]*-(?:probe|\d+-[0-9a-f]+)")  # (ours: others' .tmp- files are left alone)
 _STALE_TMP_SECONDS = 3600.0  # a temporary file older than this is a crashed writer's leftover
 # A temporary file whose writer's pid is gone from this host is removed once this old: a
 # live write takes milliseconds, and a container sharing the host's name (host networking)
@@ -332,7 +333,7 @@ class DiskKVTier(_TierBase):
             for entry in it:
                 name = entry.name
                 try:
-                    if name.startswith(_TMP_PREFIX):
+                    if _TMP_FILE.fullmatch(name):
                         age = now - entry.stat().st_mtime
                         if age > _STALE_TMP_SECONDS or (age > _DEAD_WRITER_GRACE_SECONDS and not _writer_alive(name)):
                             os.unlink(entry.path)
@@ -586,10 +587,13 @@ DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30
 
 def make_kv_tier(directory: str | None, capacity_bytes: int | None, swap: bool, entry_bytes: int,
                  fingerprint: str) -> HostKVTier | DiskKVTier | None:
-    """The configured tier: a directory when one is given (bounded by capacity_bytes,
+    """The configured tier, logged: a directory when one is given (bounded by capacity_bytes,
     default 8 GiB), else host memory of capacity_bytes (or 4 GiB for swap alone)."""
+    tier: HostKVTier | DiskKVTier | None = None
     if directory is not None:
-        return DiskKVTier(directory, capacity_bytes or DEFAULT_DISK_TIER_BYTES, entry_bytes, fingerprint)
-    if capacity_bytes is not None or swap:
-        return HostKVTier(capacity_bytes or DEFAULT_SWAP_SPACE_BYTES, entry_bytes)
-    return None
+        tier = DiskKVTier(directory, capacity_bytes or DEFAULT_DISK_TIER_BYTES, entry_bytes, fingerprint)
+    elif capacity_bytes is not None or swap:
+        tier = HostKVTier(capacity_bytes or DEFAULT_SWAP_SPACE_BYTES, entry_bytes)
+    if tier is not None:
+        logger.info("KV tier: %s (%s)%s", tier.name, directory or "no directory", "" if tier.enabled else ", off")
+    return tier

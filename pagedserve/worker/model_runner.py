@@ -165,12 +165,6 @@ class ModelRunner:
         self.exact_rows_context = min((layer.impl.exact_rows_context(self.device, self.dtype, self.kv_dtype)
                                        for layer in self.attn_layers if exact), default=0)
         self._kv_tensors = kv_offload.kv_block_tensors(self.kv_caches)
-        swap = self.config.scheduler_config.preemption_mode == "swap"
-        self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes, swap,
-                                               kv_offload.block_nbytes(self._kv_tensors), self.kv_fingerprint())
-        if self.kv_tier is not None:
-            logger.info("KV tier: %s (%s)%s", self.kv_tier.name, cache.kv_offload_dir or "no directory",
-                        "" if self.kv_tier.enabled else ", off")
         kv_cache.log_kv_cache(num_blocks, self.block_size, self.max_model_len, block_bytes, self.device, why,
                               layout, self.max_num_batched_tokens, self.kv_dtype)
         record_startup("KV cache", time.perf_counter() - t0)
@@ -190,6 +184,11 @@ class ModelRunner:
         self.compiled = maybe_compile(self.model, self.device, compile_requested, dc.enforce_eager,
                                       self.tensor_parallel_size, (self.buffers.dev["input_ids"], self.buffers.dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
+        t0 = time.perf_counter()  # (the tier once the compile is decided: compiled K/V round differently)
+        self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes,
+                                               self.config.scheduler_config.preemption_mode == "swap",
+                                               kv_offload.block_nbytes(self._kv_tensors), self.kv_fingerprint())
+        record_startup("KV cache", time.perf_counter() - t0)
         eager = self.config.device_config.enforce_eager
         reason = graphs_unavailable_reason(self.device, self.attn_backend, False, self.tensor_parallel_size,
                                            self.num_kv_groups)
@@ -218,7 +217,8 @@ class ModelRunner:
 
     def kv_fingerprint(self) -> str:
         """What makes a KV block's bytes valid besides its tokens (activation bits, the attention path,
-        the CPU's instruction set too); a disk tier's files are read back only under the same one."""
+        whether the model runs compiled, the CPU's instruction set too); a disk tier's files are
+        read back only under the same one."""
         mc, shapes = self.config.model_config, [(tuple(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors]
         weights = kv_offload.files_identity(mc.source_path or mc.model)  # new weights under its name: another model
         parts = [
@@ -227,7 +227,8 @@ class ModelRunner:
             f"block_size={self.block_size}", f"tp={self.config.parallel_config.tensor_parallel_size}",
             f"activation_bits={mc.quant_activation_bits}", f"attention={self.attn_backend.name}",
             f"cpu={kv_offload.cpu_identity()}", f"exact_rows={self.config.device_config.exact_prompt_attention}",
-            f"windows={self.kv_layout.group_windows}", f"tensors={shapes}", f"weights={weights}",  # (and its config:)
+            f"windows={self.kv_layout.group_windows}", f"tensors={shapes}", f"weights={weights}",
+            f"compiled={self.compiled is not None}",  # (a compiled graph may round K/V differently; and its config:)
             "hf_config=" + kv_offload.checksum(repr(mc.hf_config).encode()).hex(),
         ]
         return "|".join(parts)

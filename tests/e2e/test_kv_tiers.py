@@ -124,6 +124,15 @@ def test_another_attention_backends_files_are_not_read(tiny_checkpoint, tmp_path
     greedy(fourth, prompts)
     assert fourth.llm_engine.get_stats().external_prefix_cache_hits == 0
     fourth.llm_engine.shutdown()
+    # a compiled model (its graph may round K/V otherwise: an eager tier changed a compiled
+    # engine's answer); the model itself stands in for the compiled graph here
+    from pagedserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "maybe_compile", lambda model, *args: model)
+    fifth = LLM(model_dir, dtype="float32", kv_offload_dir=str(tmp_path))
+    greedy(fifth, prompts)
+    assert fifth.llm_engine.get_stats().external_prefix_cache_hits == 0
+    fifth.llm_engine.shutdown()
 
 
 def test_swap_preemption_matches_no_preemption_with_fewer_tokens_computed(tiny_checkpoint) -> None:

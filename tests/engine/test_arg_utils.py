@@ -144,6 +144,9 @@ def test_kv_tier_flags_reach_the_config_tree() -> None:
     (dict(prefix_caching_algo="radix", enable_prefix_caching=False), "radix.*needs enable_prefix_caching"),
     (dict(kv_offload_dir="/tmp/kv", enable_prefix_caching=False), "needs enable_prefix_caching"),
     (dict(kv_offload_bytes="lots"), "kv_offload_bytes"),
+    # (a host tier past 70% of memory grew until the system ran out of it)
+    (dict(kv_offload_bytes="99999999999999999999999999"), r"kv_offload_bytes .* more than 70% of this machine"),
+    (dict(kv_offload_bytes="100TiB", preemption_mode="swap"), r"kv_offload_bytes .* more than 70%"),
     (dict(kv_offload_dir=""), "kv_offload_dir must be a directory path"),
     (dict(kv_offload_dir="/tmp/kv", tensor_parallel_size=2), "not work under tensor parallelism"),
     (dict(preemption_mode="swap", tensor_parallel_size=2), "preemption_mode='swap'.*tensor parallelism"),

@@ -184,6 +184,15 @@ def test_half_written_files_are_never_read(tmp_path) -> None:
     assert not os.listdir(tmp_path)
 
 
+def test_other_softwares_temporary_files_are_left_alone(tmp_path) -> None:
+    """Any old ".tmp-*" file was removed at start: another program's in a shared directory too."""
+    theirs = tmp_path / ".tmp-userdata.txt"
+    theirs.write_text("important")
+    os.utime(theirs, (0, 0))
+    disk_tier(tmp_path)
+    assert theirs.read_text() == "important"
+
+
 def test_directory_stays_under_its_bound_least_recent_out(tmp_path) -> None:
     entry = block_nbytes(kv_block_tensors(caches()))
     file_bytes = entry + 96
