@@ -11,6 +11,7 @@ safetensors checkpoint.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -59,6 +60,9 @@ _NORM_SHIFT = {"gemma3": 1.0}
 # sliding layers' RoPE base.
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+GGML_MAX_DIMS = 4  # (llama.cpp's bound on a tensor's dimensions)
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,8 @@ def _read_gguf(path: str) -> GGUFFile:
         raise ValueError("bad magic")
     cur.pos = 4
     version = cur.take("<I")
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is not supported")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (this reader handles v2 and v3)")
     n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
     cur.room(n_tensors * 24 + n_kv * 12, f"{n_tensors} tensors' and {n_kv} keys' headers")  # (their least sizes)
     metadata: dict[str, Any] = {}
@@ -161,6 +165,8 @@ def _read_gguf(path: str) -> GGUFFile:
     infos = []
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.take("<I")
+        if n_dims > GGML_MAX_DIMS:  # (the file's bytes read as dimensions: work and memory grew with its size)
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions; GGUF tensors have at most {GGML_MAX_DIMS}")
         dims = tuple(cur.take("<Q") for _ in range(n_dims))
         type_id = cur.take("<I")
         try:
@@ -169,15 +175,25 @@ def _read_gguf(path: str) -> GGUFFile:
             raise ValueError(f"tensor {name!r} has ggml type {type_id}, which the gguf package here does not "
                              "know") from None
         infos.append((name, dims, qtype, cur.take("<Q")))
-    align = int(metadata.get("general.alignment", 32))
+    align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment is {align!r}; it must be a power of two")
     data_start = -(-cur.pos // align) * align
+    end = 0  # (in offset order: each aligned, none overlapping the one before, as llama.cpp checks)
+    for name, dims, qtype, offset in sorted(infos, key=lambda info: info[3]):
+        if offset % align or offset < end:
+            raise ValueError(f"tensor {name!r} starts at data offset {offset}, "
+                             + (f"not a multiple of the alignment {align}" if offset % align
+                                else f"inside the tensor before it (which ends at {end})"))
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        end = offset + math.prod(dims) // block * nbytes
     tensors = []
     # Plain-ndarray views of the mapping (it stays alive through their base): numpy.memmap's
     # subclass hooks on each slice were half of gguf's dequantization time (Gemma 3 270M's
     # 268M weights: 3.8 s through memmaps, 1.8 s through plain views; Zen 3, AVX2 only).
     whole = mm.view(np.ndarray)
     for name, dims, qtype, offset in infos:
-        n = int(np.prod(dims)) if dims else 1
+        n = math.prod(dims)  # (np.prod wrapped at 2**63: declared dims that overflowed read as small ones)
         block, nbytes = GGML_QUANT_SIZES[qtype]
         size = n // block * nbytes
         raw = whole[data_start + offset: data_start + offset + size]

@@ -184,5 +184,5 @@ def model_details(source: str) -> ModelFacts:
         if not os.path.exists(path):
             path = hf_hub_snapshot(source)  # a Hub id in the local cache
         return _facts(path, os.stat(path).st_mtime_ns)
-    except (OSError, ValueError, KeyError):  # unreadable: nothing is known but the name
+    except (OSError, ValueError, KeyError, RecursionError):  # unreadable (or nested past JSON's depth): the name alone
         return UNKNOWN

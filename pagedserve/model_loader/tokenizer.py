@@ -110,7 +110,9 @@ def saved_tokenizer(path: str) -> Any:
         return cached_tokenizer(path, named)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    # (snapshots are taken only without remote code; unsaid, transformers asks on stdin
+    # whether to run a tokenizer_config.json's auto_map code, and runs it on "y")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 def gguf_tokenizer(path: str) -> Any:

@@ -213,7 +213,7 @@ def _load_hf(directory: str, tokenizer_class: str | None = None) -> Any:
     if tokenizer_class in CHECKED_FAST_TOKENIZERS:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(directory)
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)  # (no auto_map code, no prompt)
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(directory)

@@ -125,7 +125,7 @@ def names_vision_model(directory: str) -> bool:
     try:
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
             names = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False  # transformers reports what is wrong with it
     return any(name in MULTIMODAL_REGISTRY for name in names if isinstance(name, str))
 

@@ -413,3 +413,27 @@ def test_a_tensor_of_an_unknown_ggml_type_is_named(tmp_path) -> None:
     odd.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="tensor 'token_embd.weight' has ggml type 250"):
         load_model_config(ModelConfig(model=str(odd)), "cpu")
+
+
+def test_a_tokenizers_auto_map_code_never_runs_and_nothing_is_asked(tmp_path, monkeypatch) -> None:
+    """A tokenizer_config.json naming code in the directory (auto_map): transformers asked on
+    stdin whether to run it, and ran it on "y", without trust_remote_code."""
+    from pagedserve.model_loader.tokenizer import saved_tokenizer
+
+    marker = tmp_path / "ran"
+    (tmp_path / "tokenization_x.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass XTok: pass\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "XTok", "auto_map": {"AutoTokenizer": ["tokenization_x.XTok", "tokenization_x.XTok"]}}))
+    monkeypatch.setattr("builtins.input", lambda *a: "y")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        saved_tokenizer(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_a_config_nested_past_jsons_depth_is_an_error_not_a_traceback(tmp_path) -> None:
+    from pagedserve.model_loader.model_facts import UNKNOWN, model_details
+    from pagedserve.models.registry import names_vision_model
+
+    (tmp_path / "config.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    assert not names_vision_model(str(tmp_path))  # (a RecursionError: `serve` exited with a traceback)
+    assert model_details(str(tmp_path)) is UNKNOWN
