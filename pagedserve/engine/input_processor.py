@@ -361,7 +361,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 "this model has no tokenizer (e.g. load_format='dummy' without tokenizer files): "
                 "pass token ids instead, e.g. {'prompt_token_ids': [1, 2, 3]}", param="prompt")
-        return encode_text(self.tokenizer, text, self.max_prompt_chars, cut=cut)
+        ids = encode_text(self.tokenizer, text, self.max_prompt_chars, cut=cut)
+        if ids and max(ids) >= self.vocab_size:  # (a tokenizer with more tokens than the weights: a crash in a step)
+            raise InvalidRequestError(f"the prompt's text tokenizes to id {max(ids)}, outside the model's vocabulary "
+                                      f"(0..{self.vocab_size - 1}): its tokenizer has tokens its weights lack",
+                                      param="prompt")
+        return ids
 
     def check_token_ids(self, ids: Any) -> list[int]:
         """A prompt's token ids as plain ints, each inside the vocabulary."""

@@ -91,6 +91,18 @@ def test_one_llm_from_two_threads_gives_each_its_own_answers(llm) -> None:
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_text_that_tokenizes_past_the_models_vocabulary_is_refused(tok) -> None:
+    """A tokenizer with more tokens than the weights' embedding rows (a GGUF with extra
+    tokens): text holding one reached the embedding lookup and took the process down; token
+    ids were checked, text was not."""
+    engine = make_engine(lambda i, p: 10 + i, tokenizer=tok, vocab_size=len(tok) - 1)
+    llm = LLM.from_engine(engine)
+    with pytest.raises(ValueError, match=rf"tokenizes to id {len(tok) - 1}, outside the model's vocabulary"):
+        llm.generate(" assistant", SamplingParams(max_tokens=2), use_tqdm=False)
+    [ok] = llm.generate("hello world", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert ok.outputs[0].token_ids == [10, 11]
+
+
 def test_priority_per_prompt() -> None:
     engine = make_engine(lambda i, p: 10 + i, scheduling_policy="priority", max_num_seqs=1)
     llm = LLM.from_engine(engine)
