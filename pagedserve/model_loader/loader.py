@@ -48,6 +48,7 @@ from pagedserve.models.registry import (
     snapshots_allowed,
 )
 from pagedserve.platforms import is_cuda
+from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,11 @@ def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.de
     model_config.source_path = source.path
     folder = model_config.generation_config if model_config.generation_config not in ("auto", "vllm") else None
     model_config.generation_config_values = read_generation_config(folder or source.path)
+    try:  # (out of range, every request was refused as if its own field were wrong)
+        SamplingParams(**model_config.sampling_defaults())
+    except ValueError as e:
+        raise ValueError(f"{folder or source.path}: generation_config.json (or --override-generation-config) sets "
+                         f"a sampling default out of range: {e}") from None
     if model_config.sampling_defaults():
         logger.info("sampling defaults (for fields a request leaves unset): %s, from %s", model_config.sampling_defaults(),
                     "--override-generation-config" if model_config.generation_config == "vllm" else

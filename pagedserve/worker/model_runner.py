@@ -184,9 +184,8 @@ class ModelRunner:
         self.compiled = maybe_compile(self.model, self.device, compile_requested, dc.enforce_eager,
                                       self.tensor_parallel_size, (self.buffers.dev["input_ids"], self.buffers.dev["positions"]))
         record_startup("compile", time.perf_counter() - t0)
-        t0 = time.perf_counter()  # (the tier once the compile is decided: compiled K/V round differently)
-        self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes,
-                                               self.config.scheduler_config.preemption_mode == "swap",
+        t0, swap = time.perf_counter(), self.config.scheduler_config.preemption_mode == "swap"  # (after compiling)
+        self.kv_tier = kv_offload.make_kv_tier(cache.kv_offload_dir, cache.kv_offload_bytes, swap,
                                                kv_offload.block_nbytes(self._kv_tensors), self.kv_fingerprint())
         record_startup("KV cache", time.perf_counter() - t0)
         eager = self.config.device_config.enforce_eager

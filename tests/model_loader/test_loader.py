@@ -437,3 +437,18 @@ def test_a_config_nested_past_jsons_depth_is_an_error_not_a_traceback(tmp_path) 
     (tmp_path / "config.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
     assert not names_vision_model(str(tmp_path))  # (a RecursionError: `serve` exited with a traceback)
     assert model_details(str(tmp_path)) is UNKNOWN
+
+
+def test_a_generation_config_out_of_range_is_refused_at_load(tiny_checkpoint, tmp_path) -> None:
+    """top_p 5 in generation_config.json loaded, and then every request was refused as if
+    its own top_p were wrong."""
+    import shutil
+
+    model_dir, _ = tiny_checkpoint("llama")
+    copy = tmp_path / "m"
+    shutil.copytree(model_dir, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"top_p": 5, "temperature": 0.7}))
+    with pytest.raises(ValueError, match=r"generation_config.json .* out of range: top_p"):
+        load_model_config(ModelConfig(model=str(copy)), "cpu")
+    (copy / "generation_config.json").write_text(json.dumps({"top_p": 0.9, "top_k": 0, "temperature": 0.7}))
+    load_model_config(ModelConfig(model=str(copy)), "cpu")
