@@ -49,6 +49,10 @@ def load_named_weights(
         if param is None:
             unexpected.append(name)
             continue
+        if (isinstance(tensor, torch.Tensor) and param.is_floating_point()
+                and tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, not a 16-, 32- or 64-bit float: integer "
+                             "or 8-bit float weights belong to a quantized checkpoint, which is not read here")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             loader(param, tensor, shard)

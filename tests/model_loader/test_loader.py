@@ -452,3 +452,23 @@ def test_a_generation_config_out_of_range_is_refused_at_load(tiny_checkpoint, tm
         load_model_config(ModelConfig(model=str(copy)), "cpu")
     (copy / "generation_config.json").write_text(json.dumps({"top_p": 0.9, "top_k": 0, "temperature": 0.7}))
     load_model_config(ModelConfig(model=str(copy)), "cpu")
+
+
+def test_integer_weights_and_an_hf_quantization_config_are_refused_by_name(tiny_checkpoint, tmp_path) -> None:
+    """A bool or int32 q_proj was cast to float and served ("Jag Jag ..."); a config's
+    quantization_config (fp8, GPTQ) loaded as a plain float model."""
+    import shutil
+
+    model_dir, _ = tiny_checkpoint("llama")
+    copy = tmp_path / "m"
+    shutil.copytree(model_dir, copy)
+    [file] = [f for f in os.listdir(copy) if f.endswith(".safetensors")]
+    tensors = load_file(str(copy / file))
+    name = next(n for n in tensors if "q_proj" in n)
+    save_file({**tensors, name: tensors[name].to(torch.int32)}, str(copy / file))
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}.* is torch.int32, not a 16-, 32- or 64-bit float"):
+        get_model(ModelConfig(model=str(copy), dtype="float32"), "cpu")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match="quantization_config"):
+        load_model_config(ModelConfig(model=str(copy), dtype="float32"), "cpu")
