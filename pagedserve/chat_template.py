@@ -42,10 +42,13 @@ def text_part_indices(content: object) -> list[int]:
 
 def render_chat_template(template: str, messages: list[dict[str, Any]], *,
                          tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
-                         continue_final_message: bool = False, **variables: Any) -> str:
+                         continue_final_message: bool = False, max_output_chars: int | None = None,
+                         **variables: Any) -> str:
     """The prompt text of `messages` under `template`; `variables` (the tokenizer's special
     tokens, then chat_template_kwargs) are visible to the template by name.  Errors are
-    jinja2's or ValueError, as with transformers."""
+    jinja2's or ValueError, as with transformers.  `max_output_chars`: rendering stops once
+    the text is longer (longer than any prompt may be, it is refused by the caller; a model's
+    own template that loops on output grew memory without end)."""
     compiled = _compile(template)
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise ValueError("tools must be JSON schemas (dicts)")
@@ -73,8 +76,18 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *,
             final = parts[texts[-1]]["text"]
             parts[texts[-1]] = {**parts[texts[-1]], "text": final + _CONTINUE_TAG}
             chat[-1]["content"] = parts
-    text = compiled.render(messages=chat, tools=_plain(tools), add_generation_prompt=add_generation_prompt,
-                           **{"documents": None, **_plain(variables)})
+    context = {"messages": chat, "tools": _plain(tools), "add_generation_prompt": add_generation_prompt,
+               "documents": None, **_plain(variables)}
+    if max_output_chars is None:
+        text = compiled.render(**context)
+    else:
+        pieces, size = [], 0
+        for piece in compiled.generate(**context):
+            pieces.append(piece)
+            size += len(piece)
+            if size > max_output_chars:
+                return "".join(pieces)
+        text = "".join(pieces)
     if continue_final_message:
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:

@@ -188,9 +188,10 @@ def prompt_char_limit(longest_token_chars: int | None, max_model_len: int) -> in
     return min(MAX_PROMPT_CHARS, max(1, longest_token_chars) * max_model_len)
 
 
-def prompt_too_long(length: int, max_chars: int, param: str) -> PromptTooLongError:
-    return PromptTooLongError(f"the prompt is {length} characters, more than the {max_chars} that "
-                               f"max_model_len tokens of this model can spell", param=param)
+def prompt_too_long(length: int, max_chars: int, param: str, at_least: bool = False) -> PromptTooLongError:
+    """`at_least`: `length` is where rendering stopped, past the bound."""
+    return PromptTooLongError(f"the prompt is {'at least ' if at_least else ''}{length} characters, more than the "
+                              f"{max_chars} that max_model_len tokens of this model can spell", param=param)
 
 
 def check_prompt_chars(text: str, max_chars: int, param: str = "prompt") -> None:
@@ -273,7 +274,7 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     messages = [_normalise_message(m, content_parts) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
-                "messages", "documents", "conversations"} & set(kwargs)
+                "messages", "documents", "conversations", "max_output_chars"} & set(kwargs)
     if reserved:
         raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                                   param="chat_template_kwargs")
@@ -292,10 +293,12 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     try:
         text = render_chat_template(default_template, messages, tools=tools,
                                     add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message, **variables)
+                                    continue_final_message=continue_final_message, max_output_chars=max_chars,
+                                    **variables)
     except Exception as e:  # jinja2 errors come in many types; the user needs the message
         raise ValueError(f"applying the chat template failed: {e}") from e
-    check_prompt_chars(text, max_chars, "messages")
+    if len(text) > max_chars:  # (rendering stopped there)
+        raise prompt_too_long(len(text), max_chars, "messages", at_least=True)
     return text
 
 

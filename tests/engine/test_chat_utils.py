@@ -96,3 +96,18 @@ def test_documents_reach_the_template_in_process_and_in_the_sandbox(smollm2_path
         render_chat(tok, template, messages, chat_template_kwargs={"documents": docs})
     assert info.value.param == "chat_template_kwargs"  # (the 400 named messages)
 
+
+
+def test_a_models_own_template_that_loops_on_output_stops_at_the_prompt_bound() -> None:
+    """The model's template is rendered in-process (it is the operator's file); one that
+    writes without end (a GGUF's `tokenizer.chat_template`) grew the server by 100 MB/s.
+    Rendering now stops once the text is past the prompt's character bound, refused as a
+    too-long prompt."""
+    from pagedserve.engine.chat_utils import render_chat
+    from tests.engine.helpers import make_tokenizer
+
+    # (3,000 x 3,000: a bomb that ends, so that the test ends without the bound too)
+    bomb = "{% for i in range(3000) %}{% for j in range(3000) %}x{% endfor %}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match=r"the prompt is at least 100\d characters, more than the 1000") as e:
+        render_chat(make_tokenizer(), bomb, [{"role": "user", "content": "hi"}], max_chars=1000)
+    assert e.value.param == "messages"
