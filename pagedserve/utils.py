@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 
 
 def cdiv(a: int, b: int) -> int:
@@ -75,3 +78,29 @@ def parse_bytes(value: int | str, name: str = "size") -> int:
     if n < 1:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return n
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process descended from this one (read from /proc; nothing elsewhere):
+    what an immediate exit must not leave behind.  A second Ctrl-C's exit left Ray's
+    agents running, children of the raylet that died with this process."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):  # (not a process, or gone meanwhile)
+            continue
+    todo, found = [os.getpid()], []
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

@@ -45,6 +45,7 @@ logger = logging.getLogger("pagedserve.data_parallel")
 
 RAY_NAMESPACE = "pagedserve"
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to have a replica's resources
+RAY_CONNECT_TIMEOUT = 10.0  # seconds for a ray_address to accept a connection
 REPLICA_START_TIMEOUT = 1800.0  # seconds for every replica to load its model
 ACCEPTED = "accepted"  # a replica's first answer to a request it took
 
@@ -300,6 +301,10 @@ class ReplicaSet:
     loaded its model), stopped by `shutdown`."""
 
     def __init__(self, engine_args: EngineArgs) -> None:
+        # Ray's C++ core would install a fatal-signal handler in this process that turns the
+        # server's SIGTERM drain into an abort (exit 134, Ray's agents left running); the
+        # server handles its signals.  Read once, when ray is imported: set before that.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -313,9 +318,6 @@ class ReplicaSet:
         tp = engine_args.tensor_parallel_size
         cpus = engine_args.cpus_per_replica or max(1, (os.cpu_count() or 1) // n)
         self.started_ray = False
-        # Ray's C++ core would install a fatal-signal handler in this process that turns the
-        # server's SIGTERM drain into an abort at ray.shutdown(); the server handles its signals.
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         if ray.is_initialized():
             if engine_args.ray_address is not None:
                 logger.warning("this process is already connected to Ray; ray_address=%s is not used",
@@ -327,6 +329,7 @@ class ReplicaSet:
             _start_local_ray(num_cpus=n * cpus, num_gpus=n * gpus, include_dashboard=False, namespace=RAY_NAMESPACE)
             self.started_ray = True
         else:
+            _check_ray_address(engine_args.ray_address)
             ray.init(address=engine_args.ray_address, namespace=RAY_NAMESPACE)
             gpus = tp if _wants_gpu(engine_args.device, ray.cluster_resources()) else 0
         if not gpus and engine_args.kv_cache_memory_bytes is None and engine_args.num_gpu_blocks_override is None:
@@ -453,6 +456,19 @@ class ReplicaSet:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self._release()
+
+
+def _check_ray_address(address: str) -> None:
+    """A host:port `ray_address` (or ray://host:port) that nothing answers at is refused by
+    name: ray.init retried it without end, the server "loading" for good."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # ("auto", "local": Ray's own spellings, which fail fast)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT).close()
+    except OSError as e:
+        raise ValueError(f"ray_address {address!r}: nothing answers there ({e}); start a Ray head there "
+                         "(ray start --head) or leave ray_address out for a local Ray") from None
 
 
 def _start_local_ray(**init_kwargs: Any) -> None:

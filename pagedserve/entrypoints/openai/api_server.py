@@ -84,6 +84,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from pagedserve.metrics import SeriesStatLogger
+from pagedserve.utils import kill_descendants
 
 if TYPE_CHECKING:
     from pagedserve.engine.arg_utils import EngineArgs
@@ -160,6 +161,7 @@ class _DrainingServer:
     def on_signal(self, sig: int) -> None:
         if self.state.draining or self.server.should_exit:
             logger.warning("second signal (%s): exiting now", signal.Signals(sig).name)
+            kill_descendants()  # (a local Ray's agents, the template sandbox, tensor-parallel ranks)
             os._exit(128 + sig)
         self.state.draining = True
         logger.info("%s: draining (new requests get 503; running ones get %g s)", signal.Signals(sig).name,
