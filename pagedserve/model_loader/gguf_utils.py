@@ -89,6 +89,16 @@ class GGUFFile:
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+
+
+def _scalar(vtype: int, key: str) -> str:
+    """The struct format of a metadata scalar type (GGUF defines 0-12; an array of arrays
+    is not read here), or a ValueError naming the key ("KeyError: 77" said nothing)."""
+    if vtype not in _SCALARS:
+        raise ValueError(f"metadata {key[:100]!r} has value type {vtype}, which is not a GGUF scalar type")
+    return _SCALARS[vtype]
+
+
 # The most strings one metadata array may hold (16x Gemma 3's 262,144-token vocabulary):
 # each is skipped by a Python step, and a crafted header's count (2^62, over zeros in a
 # sparse file) kept a server's event loop busy for 22 s reading it.
@@ -125,7 +135,7 @@ class _Cursor:
 
         etype, count = self.take("<I"), self.take("<Q")
         if etype != _STRING:
-            self.pos += self.room(count * struct.calcsize(_SCALARS[etype]), f"{key!r}'s {count} values")
+            self.pos += self.room(count * struct.calcsize(_scalar(etype, key)), f"{key!r}'s {count} values")
             return count
         if count > MAX_GGUF_ARRAY_STRINGS:
             raise ValueError(f"{key!r} holds {count} strings, more than {MAX_GGUF_ARRAY_STRINGS}")
@@ -161,7 +171,7 @@ def _read_gguf(path: str) -> GGUFFile:
         elif vtype == _STRING:
             metadata[key] = cur.string()
         else:
-            metadata[key] = cur.take(_SCALARS[vtype])
+            metadata[key] = cur.take(_scalar(vtype, key))
     infos = []
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.take("<I")

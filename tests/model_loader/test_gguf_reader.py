@@ -17,10 +17,10 @@ def _string(s: str) -> bytes:
 
 
 def gguf_bytes(tensors: list[tuple[str, tuple[int, ...], int]], alignment: int | None = None, version: int = 3,
-               n_dims: int | None = None) -> bytes:
+               n_dims: int | None = None, kv: list[bytes] | None = None) -> bytes:
     """A GGUF of float32 tensors (name, dims, data offset), with `general.alignment` when
-    given and `n_dims` declared for the first tensor instead of its own."""
-    kv = [] if alignment is None else [_string("general.alignment") + struct.pack("<II", 4, alignment)]
+    given, `n_dims` declared for the first tensor instead of its own, and metadata `kv`."""
+    kv = list(kv or []) + ([] if alignment is None else [_string("general.alignment") + struct.pack("<II", 4, alignment)])
     out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kv)) + b"".join(kv)
     for i, (name, dims, offset) in enumerate(tensors):
         declared = len(dims) if n_dims is None or i else n_dims
@@ -51,6 +51,11 @@ def test_a_well_formed_file_reads(tmp_path) -> None:
     # (these loaded and answered nonsense, with no error)
     (gguf_bytes([("a", (8,), 4)]), "'a' starts at data offset 4, not a multiple of the alignment 32"),
     (gguf_bytes([("a", (16,), 0), ("b", (8,), 32)]), "'b' starts at data offset 32, inside the tensor before it"),
+    # (each was "KeyError: 77" / "KeyError: 9")
+    (gguf_bytes([("a", (8,), 0)], kv=[_string("x.y") + struct.pack("<II", 77, 0)]),
+     "metadata 'x.y' has value type 77, which is not a GGUF scalar type"),
+    (gguf_bytes([("a", (8,), 0)], kv=[_string("x.z") + struct.pack("<IIQ", 9, 9, 1)]),
+     "metadata 'x.z' has value type 9"),
 ])
 def test_a_malformed_layout_is_refused_by_name(tmp_path, data: bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message) as e:
