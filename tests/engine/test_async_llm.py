@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -544,16 +545,21 @@ def test_the_request_timeout_aborts_a_request_whose_stream_is_not_read() -> None
     assert left == 0 and waited < 2
 
 
+async def _finished_unread(request_timeout: float, wait: float) -> tuple[AsyncLLM, Any]:
+    """A front end and the stream of a 3-token request ("r") left unread for `wait` s
+    (it finishes in ~30 ms)."""
+    llm = AsyncLLM(FakeEngine(step_time=0.01), log_stats=False, request_timeout=request_timeout)
+    stream = await llm.add_request("r", "hello", SamplingParams(max_tokens=3, ignore_eos=True), final_only=True)
+    await asyncio.sleep(wait)
+    return llm, stream
+
+
 def test_a_request_finished_in_time_but_read_late_keeps_its_output() -> None:
     """The deadline's timer fires after the final output came in, unread: the reader gets
     the answer (the engine's work was done in time), not a timeout."""
 
     async def main() -> str:
-        engine = FakeEngine(step_time=0.01)
-        llm = AsyncLLM(engine, log_stats=False, request_timeout=0.3)
-        stream = await llm.add_request("late", "hello", SamplingParams(max_tokens=3, ignore_eos=True),
-                                       final_only=True)
-        await asyncio.sleep(0.6)
+        llm, stream = await _finished_unread(request_timeout=0.3, wait=0.6)
         out = await stream.__anext__()
         llm.shutdown()
         return out.outputs[0].finish_reason
@@ -566,13 +572,9 @@ def test_a_stream_closed_with_its_final_output_unread_frees_its_request_id() -> 
     used again (the collector is not kept)."""
 
     async def main() -> str:
-        engine = FakeEngine(step_time=0.01)
-        llm = AsyncLLM(engine, log_stats=False, request_timeout=30)
-        stream = await llm.add_request("done", "hello", SamplingParams(max_tokens=2, ignore_eos=True),
-                                       final_only=True)
-        await asyncio.sleep(0.3)
+        llm, stream = await _finished_unread(request_timeout=30, wait=0.3)
         stream.close()
-        again = await llm.add_request("done", "hello", SamplingParams(max_tokens=2, ignore_eos=True),
+        again = await llm.add_request("r", "hello", SamplingParams(max_tokens=2, ignore_eos=True),
                                       final_only=True)
         out = await again.__anext__()
         llm.shutdown()
