@@ -330,7 +330,10 @@ class ReplicaSet:
             self.started_ray = True
         else:
             _check_ray_address(engine_args.ray_address)
-            ray.init(address=engine_args.ray_address, namespace=RAY_NAMESPACE)
+            try:
+                ray.init(address=engine_args.ray_address, namespace=RAY_NAMESPACE)
+            except ConnectionError as e:  # ("auto" with no cluster: it was a traceback)
+                raise ValueError(f"ray_address {engine_args.ray_address!r}: {e}") from None
             gpus = tp if _wants_gpu(engine_args.device, ray.cluster_resources()) else 0
         if not gpus and engine_args.kv_cache_memory_bytes is None and engine_args.num_gpu_blocks_override is None:
             logger.warning("each CPU replica sizes its KV cache from the memory free on its node when it starts, "

@@ -446,10 +446,22 @@ def load_gguf_tokenizer(path: str, reader: GGUFFile | None = None) -> Any:
     comes from our own header read instead; the conversion itself is transformers' own
     (`tests/model_loader/test_gguf_tokenizer.py` checks the saved files are AutoTokenizer's).
     `reader`: the file's, where the caller has read it already."""
+    def fail(why: str) -> ValueError:
+        return ValueError(f"{path}: cannot build a tokenizer from the GGUF ({why})")
+
     try:
-        arch = _field(reader or open_gguf(path), "general.architecture")
+        reader = reader or open_gguf(path)
+    except Exception as e:
+        raise fail(f"{type(e).__name__}: {e}") from None
+    kind = _field(reader, "tokenizer.ggml.model")
+    needed = ["tokenizer.ggml.model", "tokenizer.ggml.tokens"] + (["tokenizer.ggml.merges"] if kind == "gpt2" else [])
+    missing = [key for key in needed if _field(reader, key) is None]
+    if missing:  # (transformers' conversion said only "KeyError: 'tokens'")
+        raise fail(f"it has no {', '.join(missing)}; name a tokenizer with --tokenizer")
+    try:
+        arch = _field(reader, "general.architecture")
         model_type = GGUF_ARCHITECTURES[arch][0] if arch in GGUF_ARCHITECTURES else str(arch)
         return gguf_tokenizer_class(model_type).from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                                  gguf_file=os.path.basename(path))
     except Exception as e:
-        raise ValueError(f"{path}: cannot build a tokenizer from the GGUF ({type(e).__name__}: {e})") from None
+        raise fail(f"{type(e).__name__}: {e}") from None

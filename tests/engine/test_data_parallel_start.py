@@ -42,3 +42,23 @@ def test_a_ray_address_nothing_answers_at_is_refused_by_name() -> None:
         _check_ray_address("ray://127.0.0.1:1")
     assert time.monotonic() - t0 < 30
     _check_ray_address("auto")  # (Ray's own spellings are Ray's to check)
+
+
+def test_ray_address_auto_without_a_cluster_is_an_error_naming_the_flag(tmp_path) -> None:
+    """ray.init's ConnectionError for "auto" with no cluster reached the CLI as a traceback.
+    A stand-in `ray` (a real one may find another test's local cluster) raises Ray's error."""
+    fake = tmp_path / "ray"
+    (fake / "util").mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "def is_initialized():\n    return False\n"
+        "def init(**kwargs):\n    raise ConnectionError('Could not find any running Ray instance.')\n")
+    (fake / "util" / "__init__.py").write_text("")
+    (fake / "util" / "placement_group.py").write_text("placement_group = None\n")
+    (fake / "util" / "scheduling_strategies.py").write_text("PlacementGroupSchedulingStrategy = None\n")
+    script = ("from pagedserve.engine.arg_utils import EngineArgs\n"
+              "from pagedserve.engine.data_parallel import ReplicaSet\n"
+              "try:\n    ReplicaSet(EngineArgs(data_parallel_size=2, ray_address='auto'))\n"
+              "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert out.stdout.strip() == "ray_address 'auto': Could not find any running Ray instance.", out

@@ -98,3 +98,23 @@ def test_a_file_that_is_not_a_gguf_names_itself(tmp_path) -> None:
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ValueError, match="bad.gguf: cannot build a tokenizer"):
         load_gguf_tokenizer(str(bad))
+
+
+@pytest.mark.parametrize("drop", ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.model"])
+def test_a_gguf_without_a_tokenizer_names_the_missing_key(drop: str, tmp_path, monkeypatch) -> None:
+    """Transformers' conversion said only "KeyError: 'tokens'" for a GGUF without its vocabulary."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_key_value
+
+    def skip(self, key, *args, **kwargs):
+        if key != drop:
+            real(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", skip)
+    path = str(tmp_path / "llama.gguf")
+    _write(path, "llama")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=f"llama.gguf: cannot build a tokenizer from the GGUF \\(it has no {drop};"
+                                         " name a tokenizer with --tokenizer\\)"):
+        load_gguf_tokenizer(path)
