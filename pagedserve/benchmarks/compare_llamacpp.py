@@ -311,7 +311,7 @@ def check_memory(gguf_path: str, ctx: int, kv_bytes: list[int]) -> None:
     """Refuse, naming the --ctx-per-slot that would fit, before starting anything."""
     import torch
 
-    from pagedserve.worker.kv_cache import available_memory_bytes
+    from pagedserve.platforms import available_memory_bytes
 
     avail = available_memory_bytes(torch.device("cpu"))
     weights = len(kv_bytes) * os.path.getsize(gguf_path)

@@ -47,7 +47,7 @@ from pagedserve.models.registry import (
     resolve_architecture,
     snapshots_allowed,
 )
-from pagedserve.platforms import is_cuda
+from pagedserve.platforms import available_memory_bytes, is_cuda
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -254,8 +254,10 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
         safetensors_files(source.path)
     # (positions past max_model_len never run: no rotary table holds them)
     limit = model_config.max_model_len + MAX_SPECULATIVE_TOKENS + 1 if model_config.max_model_len else None
+    config = model_config.hf_mm_config or hf_config
+    check_model_fits(model_cls, config, dtype, target, limit)
     with _default_dtype(dtype), target, positions_limit(limit) if limit else contextlib.nullcontext():
-        model = model_cls(model_config.hf_mm_config or hf_config)
+        model = model_cls(config)
     layers = [m for m in model.modules() if isinstance(m, QuantizableLayer)]
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]  # (a MoE's: quantized as a whole)
     for layer in layers:
@@ -279,6 +281,28 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
     if method != "none":
         _log_quantized(model, layers, method, model_config.quant_activation_bits)
     return model.eval()
+
+
+def check_model_fits(model_cls: type[nn.Module], config: Any, dtype: torch.dtype, target: torch.device,
+                     limit: int | None) -> None:
+    """Refuse, naming the sizes, a model whose parameters and buffers as built (in `dtype`,
+    before any quantization packs them) exceed the memory free on `target`.  A config.json
+    past the machine (hidden_size 65536) failed with torch's "DefaultCPUAllocator: can't
+    allocate memory", or, where each tensor fit the overcommit rule, the OOM killer ended
+    the process (every other model a server held with it).  The same model built on the
+    meta device first, which allocates nothing: ~30 ms for a 270M model."""
+    try:
+        with _default_dtype(dtype), torch.device("meta"), positions_limit(limit) if limit else contextlib.nullcontext():
+            shell = model_cls(config)
+    except Exception as e:  # noqa: BLE001 - a model that cannot be built on meta: the real build decides
+        logger.debug("cannot size %s on the meta device (%s: %s)", model_cls.__name__, type(e).__name__, e)
+        return
+    need = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
+    free = available_memory_bytes(target)
+    if need > free:
+        raise ValueError(f"{model_cls.__name__} as configured (hidden_size {getattr(config, 'hidden_size', '?')}, "
+                         f"{getattr(config, 'num_hidden_layers', '?')} layers) takes {need / 2**30:.1f} GiB in "
+                         f"{str(dtype).removeprefix('torch.')} as built, and {target} has {free / 2**30:.1f} GiB free")
 
 
 def resolve_quantization(requested: str, source: ModelSource, device: torch.device) -> tuple[str, str | None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ from pagedserve.attention import kv_dtype
 from pagedserve.config import CacheConfig
 from pagedserve.core.kv_cache_manager import max_blocks_held
 from pagedserve.layers.attention import Attention
-from pagedserve.platforms import is_cpu, is_cuda
+from pagedserve.platforms import available_memory_bytes, is_cpu, is_cuda
 
 logger = logging.getLogger("pagedserve")
 
@@ -99,24 +98,6 @@ def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype
         layers = slot_layers(layers, layout)
     return sum(2 * block_size * layer.num_kv_heads * kv_dtype.row_width(layer.head_dim, dtype) * elem
                for layer in layers)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory the cache may draw on: MemAvailable on CPU, free device memory on CUDA."""
-    if is_cuda(device):
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # not Linux: physical pages free (an underestimate of what can be reclaimed)
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        raise ValueError("cannot tell how much memory is free here; set kv_cache_memory_bytes") from None
 
 
 def cuda_memory_info(device: torch.device) -> tuple[int, int, int]:

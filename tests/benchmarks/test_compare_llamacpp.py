@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve import platforms
 from pagedserve.benchmarks import compare_llamacpp
-from pagedserve.worker import kv_cache
 
 GiB = 2**30
 
@@ -15,7 +15,7 @@ GiB = 2**30
 def test_a_run_that_would_not_fit_is_refused_with_a_ctx_that_does(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"\0" * 1024)
-    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 22 * GiB)
+    monkeypatch.setattr(platforms, "available_memory_bytes", lambda device: 22 * GiB)
     compare_llamacpp.check_memory(str(gguf), 640, [int(3.75 * GiB), int(7.5 * GiB)])  # 11.25 GiB: fits
     with pytest.raises(SystemExit, match=r"KV caches \(6\.0 \+ 12\.0 GiB\).*pass --ctx-per-slot 768") as e:
         compare_llamacpp.check_memory(str(gguf), 1024, [6 * GiB, 12 * GiB])

@@ -92,6 +92,31 @@ def test_rotary_tables_hold_max_model_len_and_a_model_without_weights_fails_befo
     assert rope.cos_sin_cache.shape[0] == 256 + MAX_SPECULATIVE_TOKENS + 1
 
 
+def test_a_model_larger_than_free_memory_is_refused_before_it_is_built(tmp_path, monkeypatch) -> None:
+    """hidden_size 65536 failed inside torch ("DefaultCPUAllocator: can't allocate memory");
+    sizes that pass the kernel's overcommit rule one tensor at a time met the OOM killer."""
+    from transformers import LlamaConfig
+
+    from pagedserve import platforms
+    from pagedserve.model_loader import loader
+
+    LlamaConfig(hidden_size=65536, intermediate_size=262144, num_hidden_layers=4, num_attention_heads=512,
+                num_key_value_heads=512, vocab_size=32000, architectures=["LlamaForCausalLM"]
+                ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM as configured \(hidden_size 65536, 4 layers\) takes "
+                                         r"10\d\d\.\d GiB in float32 as built, and cpu has [\d.]+ GiB free"):
+        get_model(ModelConfig(model=str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256), "cpu")
+    small = tmp_path / "small"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=128,
+                architectures=["LlamaForCausalLM"]).save_pretrained(small)
+    config = ModelConfig(model=str(small), load_format="dummy", dtype="float32", max_model_len=256)
+    get_model(config, "cpu")
+    monkeypatch.setattr(loader, "available_memory_bytes", lambda device: 10_000)  # (the check reads the real free memory)
+    assert platforms.available_memory_bytes(torch.device("cpu")) > 10_000
+    with pytest.raises(ValueError, match=r"takes 0\.0 GiB in float32 as built, and cpu has 0\.0 GiB free"):
+        get_model(ModelConfig(model=str(small), load_format="dummy", dtype="float32", max_model_len=256), "cpu")
+
+
 @pytest.mark.parametrize(("field", "value"), [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
                                               ("logit_scale", 0.0625), ("embedding_multiplier", 12.0)])
 def test_math_changing_config_fields_we_do_not_implement_are_refused(tmp_path, field: str, value: float) -> None:

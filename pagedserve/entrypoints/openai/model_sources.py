@@ -96,8 +96,8 @@ def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict
     """ModelPool's keyword arguments from the flags (ValueError naming a bad one).  The
     default memory budget is the host's, for models on the CPU; on a GPU each engine
     sizes its cache by gpu_memory_utilization, one model at a time by default."""
+    from pagedserve.platforms import available_memory_bytes
     from pagedserve.utils import parse_bytes
-    from pagedserve.worker.kv_cache import available_memory_bytes
 
     if args.max_loaded_models < 1:
         raise ValueError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
