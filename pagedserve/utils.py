@@ -83,7 +83,11 @@ def parse_bytes(value: int | str, name: str = "size") -> int:
 def kill_descendants() -> None:
     """SIGKILL every process descended from this one (read from /proc; nothing elsewhere):
     what an immediate exit must not leave behind.  A second Ctrl-C's exit left Ray's
-    agents running, children of the raylet that died with this process."""
+    agents running, children of the raylet that died with this process.
+
+    Except multiprocessing's resource tracker: it ignores signals and, once this process
+    is gone, unlinks the shared memory and semaphores still registered (the tensor-parallel
+    step channel, the workers' wake-ups).  Killed, it left them in /dev/shm for good."""
     children: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
@@ -102,5 +106,14 @@ def kill_descendants() -> None:
             found.append(child)
             todo.append(child)
     for pid in found:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+        if not _is_resource_tracker(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False

@@ -35,3 +35,27 @@ def test_kill_descendants_takes_children_and_grandchildren_not_the_caller() -> N
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child) and not _alive(grandchild)
+
+
+def test_kill_descendants_spares_the_resource_tracker_which_unlinks_shared_memory_after_exit() -> None:
+    """A tensor-parallel server's second signal (kill_descendants, then os._exit) left its
+    step channel and the workers' semaphores in /dev/shm: the resource tracker that would
+    unlink them after the exit had been killed with the rest."""
+    import os
+
+    script = ("import os\nfrom multiprocessing import shared_memory\n"
+              "from pagedserve.utils import kill_descendants\n"
+              "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
+              "print(shm.name, flush=True)\n"
+              "kill_descendants()\n"
+              "os._exit(3)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out
+    path = os.path.join("/dev/shm", out.stdout.strip().lstrip("/"))
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = os.path.exists(path)
+    if left:
+        os.unlink(path)
+    assert not left, f"{path} was left behind"
