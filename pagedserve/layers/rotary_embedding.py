@@ -172,7 +172,8 @@ _POSITIONS_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("p
 
 @contextlib.contextmanager
 def positions_limit(limit: int) -> Iterator[None]:
-    """Rotary tables built in the block hold at most `limit` positions."""
+    """Rotary tables built in the block hold exactly `limit` positions, whatever the
+    config's max_position_embeddings (which a linear or YaRN scaling's limit passes)."""
     token = _POSITIONS_LIMIT.set(limit)
     try:
         yield
@@ -187,7 +188,7 @@ class RotaryEmbedding(nn.Module):
         their scaling (llama.cpp's rope_freqs); not together with a scaling type."""
         super().__init__()
         limit = _POSITIONS_LIMIT.get()
-        max_position = max_position if limit is None else min(max_position, limit)
+        max_position = max_position if limit is None else limit  # (past max_position_embeddings under rope scaling)
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
         self.head_dim = head_dim

@@ -15,7 +15,8 @@ Defaults, and why:
   and its reason are logged at start-up (cpu_info.bf16_support).  Float32 checkpoints
   (and dequantized GGUFs) are downcast as vLLM does; CPU float16 matmul is slow, so CPU
   never picks float16 by itself.  Pass dtype="float32" for exact HF parity.
-- max_model_len None is the model's own limit: max_position_embeddings.  Families whose
+- max_model_len None is the model's own limit: max_position_embeddings (stretched by a
+  linear or YaRN rope scaling's factor, as vLLM does).  Families whose
   layers honour a sliding window (Gemma 3, Mistral) attend within it at any length; for
   the others a window in the config caps the limit at it (attention over at most
   `window` tokens is then the same as full attention).
@@ -36,7 +37,7 @@ from pagedserve.config import MAX_SPECULATIVE_TOKENS, QUANT_ACTIVATION_BITS, Dev
 from pagedserve.cpu_info import bf16_support
 from pagedserve.layers.moe import FusedExperts
 from pagedserve.layers.quantization import QuantizableLayer, quant_kernel_error
-from pagedserve.layers.rotary_embedding import positions_limit
+from pagedserve.layers.rotary_embedding import positions_limit, rope_params
 from pagedserve.model_loader.config_snapshot import cached_config
 from pagedserve.model_loader.sources import ModelSource, gguf_file_name, resolve_source
 from pagedserve.models.registry import (
@@ -110,12 +111,26 @@ def derive_max_model_len(hf_config: Any) -> int:
         if getattr(hf_config, key, None):
             limit = int(getattr(hf_config, key))
             break
+    if limit is not None:
+        limit = _rope_scaled_limit(hf_config, limit)
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and not _honours_window(hf_config):
         limit = min(limit, int(window)) if limit else int(window)
     if limit is None:
         raise ValueError("the model config gives no maximum length (max_position_embeddings); pass max_model_len")
     return limit
+
+
+def _rope_scaled_limit(hf_config: Any, limit: int) -> int:
+    """vLLM's rule: linear and YaRN scaling stretch the positions by their factor (YaRN from
+    its original context), so the limit is that stretched length (Qwen2.5's documented
+    128K: a 32,768-token config plus YaRN factor 4).  llama3 and LongRoPE configs give the
+    stretched length as max_position_embeddings already, as Gemma 3's does."""
+    params = rope_params(hf_config)
+    if params["rope_type"] not in ("linear", "yarn") or "gemma3" in str(getattr(hf_config, "model_type", "")):
+        return limit
+    base = params.get("original_max_position_embeddings") if params["rope_type"] == "yarn" else None
+    return int((base or limit) * float(params.get("factor") or 1.0))
 
 
 def _honours_window(hf_config: Any) -> bool:

@@ -75,15 +75,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
 
 
+def check_swiglu(config: Any) -> None:
+    """The config's hidden_act must be SwiGLU's silu: dense MLPs and MoE experts alike
+    compute nothing else (a Qwen3-MoE config with gelu loaded and answered with silu)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, intermediate_size: int | None = None, act_fn: nn.Module | None = None) -> None:
         """`act_fn`: the gated activation of another family (Gemma's GELU-tanh), checked
         by its caller; None: the config's hidden_act, which must be SwiGLU's silu."""
         super().__init__()
         if act_fn is None:
-            act = getattr(config, "hidden_act", "silu")
-            if act != "silu":
-                raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+            check_swiglu(config)
             act_fn = SiluAndMul()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.moe import SparseMoeBlock
-from pagedserve.models.llama import LlamaMLP
+from pagedserve.models.llama import LlamaMLP, check_swiglu
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -30,6 +30,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                   and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0)
         if not sparse:
             return LlamaMLP(config)
+        check_swiglu(config)  # (the experts' SiLU is fused into layers/moe.py)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, bool(config.norm_topk_prob))
 

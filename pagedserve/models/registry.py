@@ -66,6 +66,7 @@ _NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
     "residual_multiplier": (None, 1.0),
     "attention_multiplier": (None,),
     "logits_scaling": (None, 1.0),
+    "use_bidirectional_attention": (None, False),  # Gemma 3 as an encoder (EmbeddingGemma): attends both ways
     "quantization_config": (None,),  # an HF-quantized checkpoint (fp8, GPTQ, AWQ...): its weights need their scales
 }
 

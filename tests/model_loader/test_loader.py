@@ -129,6 +129,17 @@ def test_math_changing_config_fields_we_do_not_implement_are_refused(tmp_path, f
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
 
 
+def test_gemma3_as_a_bidirectional_encoder_is_refused(tmp_path) -> None:
+    """HF attends both ways with use_bidirectional_attention; the engine attends causally."""
+    from transformers import Gemma3TextConfig
+
+    Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=64, sliding_window=8,
+                     use_bidirectional_attention=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sets use_bidirectional_attention=True, which changes the model's math"):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+
+
 def test_registered_config_only_name_needs_dummy(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     mc = ModelConfig(model="qwen3-0.6b", load_format="dummy")
@@ -294,6 +305,42 @@ def test_yarn_gguf_matches_hf(tmp_path) -> None:
     model = get_model(ModelConfig(model=path, dtype="float32"), "cpu")
     ids = torch.randint(0, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("case", "rope", "limit"), [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    ("llama", {"rope_type": "linear", "factor": 3.0}, 192),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}, 64),
+])
+def test_linear_and_yarn_scaling_stretch_the_limit_as_vllm_does(tmp_path, case: str, rope: dict, limit: int) -> None:
+    """The limit was max_position_embeddings whatever the scaling: a Qwen2.5 config with
+    YaRN factor 4 (its documented 128K) stopped at 32,768 tokens.  The stretched positions
+    rotate as HF's do, past max_position_embeddings (64 here)."""
+    from safetensors.torch import save_model
+
+    hf = make_hf_model(case, max_position_embeddings=64, rope_parameters={**rope, "rope_theta": 10000.0})
+    hf.config.save_pretrained(tmp_path)
+    save_model(hf, str(tmp_path / "model.safetensors"))
+    config = ModelConfig(model=str(tmp_path), dtype="float32")
+    load_model_config(config, "cpu")
+    assert config.max_model_len == limit
+    ids = torch.randint(0, hf.config.vocab_size, (limit,), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(logits(get_model(config, "cpu"), ids), hf_logits(hf, ids), atol=5e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} exceeds the model's limit of {limit} tokens"):
+        load_model_config(ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=limit + 1), "cpu")
+
+
+def test_gemma3s_linear_scaling_is_in_its_limit_already() -> None:
+    """(transformers 4.x's form: one rope_scaling; 5.x files it under the full-attention layers.)"""
+    from types import SimpleNamespace
+
+    from pagedserve.model_loader.loader import derive_max_model_len
+
+    config = SimpleNamespace(model_type="gemma3_text", max_position_embeddings=131072, architectures=["Gemma3ForCausalLM"],
+                             rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert derive_max_model_len(config) == 131072
+    assert derive_max_model_len(SimpleNamespace(**{**vars(config), "model_type": "llama"})) == 8 * 131072
 
 
 def test_gguf_yarn_settings_it_cannot_honour_are_refused(tmp_path) -> None:

@@ -39,6 +39,16 @@ def test_unsupported_activation_is_refused():
         LlamaForCausalLM(transformers.LlamaConfig(**SMALL, hidden_act="gelu"))
 
 
+def test_unsupported_activation_is_refused_for_moe_experts_too():
+    """Every layer sparse: the dense MLP's check never ran, and the experts computed SiLU."""
+    from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    moe = dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**moe))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**moe, hidden_act="gelu"))
+
+
 def test_forward_without_a_cache_is_causal_over_the_flat_batch():
     """With no forward context, attention treats the tokens as one causal sequence (the
     profile run's mode): a token's hidden state ignores later tokens."""
