@@ -155,6 +155,30 @@ def check_template(template: str, name: str = "chat_template") -> None:
 
 
 @functools.lru_cache(maxsize=16)
+def iterates_content(template: str) -> bool:
+    """Whether the template loops over a message's content (`{% for item in
+    message['content'] %}`, filtered or not), as Gemma 3's and the vision templates do:
+    such a template gets content as a list of parts, as HF and vLLM's "auto" content
+    format give it.  Joined into one string, two text parts were rendered with a newline
+    between them that those do not write.  A template that cannot be parsed: False (its
+    rendering reports the error)."""
+    from jinja2 import nodes
+
+    try:
+        for loop in _environment().parse(template).find_all(nodes.For):
+            source = loop.iter
+            while isinstance(source, nodes.Filter) and source.node is not None:
+                source = source.node
+            if (isinstance(source, nodes.Getattr) and source.attr == "content") or (
+                    isinstance(source, nodes.Getitem) and isinstance(source.arg, nodes.Const)
+                    and source.arg.value == "content"):
+                return True
+    except (Exception, RecursionError):  # noqa: BLE001 - jinja2's errors come in many types
+        return False
+    return False
+
+
+@functools.lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     """The compiled template (cached: the default template is compiled once a process)."""
     return _environment().from_string(template)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedserve.chat_template import render_chat_template
+from pagedserve.chat_template import iterates_content, render_chat_template
 from pagedserve.engine.special_text import HiddenSpecials, hide_special_text, text_strings
 from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.request_limits import (
@@ -271,6 +271,8 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
+    template = chat_template if isinstance(chat_template, str) and chat_template else default_template
+    content_parts = content_parts or (bool(template) and iterates_content(template))
     messages = [_normalise_message(m, content_parts) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
@@ -406,11 +408,13 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
 def _normalise_message(message: dict[str, Any], content_parts: bool = False) -> dict[str, Any]:
     """The one place messages are normalised for chat templates: OpenAI-style content
     parts [{"type": "text", "text": ...}] become one string, joined with newlines as vLLM
-    does; no content is "" (an assistant turn that only called tools); tool-call
+    does for a template that reads content as a string; no content is "" (an assistant
+    turn that only called tools); tool-call
     arguments sent as JSON text become the objects that templates render; an answer sent
     back with its `refusal` (and no content) says that refusal.  With
-    `content_parts` (vision models, whose templates iterate over parts, as SmolVLM's
-    does), every content becomes a list of text and image parts instead.  OpenAI's
+    `content_parts` (vision models, and templates that iterate over parts, as SmolVLM's
+    and Gemma 3's do: chat_template.iterates_content), every content becomes a list of
+    text and image parts instead.  OpenAI's
     deprecated functions turns become tools': an assistant's `function_call` a tool call,
     a `function` message (its result) a `tool` message."""
     message = {**_from_legacy_functions(message)}

@@ -111,3 +111,33 @@ def test_a_models_own_template_that_loops_on_output_stops_at_the_prompt_bound() 
     with pytest.raises(InvalidRequestError, match=r"the prompt is at least 100\d characters, more than the 1000") as e:
         render_chat(make_tokenizer(), bomb, [{"role": "user", "content": "hi"}], max_chars=1000)
     assert e.value.param == "messages"
+
+
+# Gemma 3's way with content: a string, or parts it iterates over itself (trimmed, no separator).
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m['content'] is string %}{{ m['content'] | trim }}"
+                  "{% else %}{% for item in m['content'] | selectattr('type', 'equalto', 'text') %}"
+                  "{{ item['text'] | trim }}{% endfor %}{% endif %}</{{ m.role }}>{% endfor %}")
+
+
+def test_a_template_that_iterates_over_content_gets_the_parts_as_hf_and_vllm_give_them(smollm2_path) -> None:
+    """Text parts were joined with newlines for every text model's template; Gemma 3's
+    iterates over the parts itself and wrote them with nothing between (HF, vLLM's
+    "auto" content format).  A template that reads content as a string still gets them
+    joined, in-process and in the sandbox alike."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.chat_template import iterates_content
+    from pagedserve.engine.chat_utils import render_chat
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "part one "}, {"type": "text", "text": "two"}]}]
+    expected = tok.apply_chat_template(messages, chat_template=PARTS_TEMPLATE, tokenize=False)
+    assert expected == "<system>be brief</system><user>part onetwo</user>"
+    assert render_chat(tok, PARTS_TEMPLATE, messages, add_generation_prompt=False) == expected
+    assert render_chat(tok, None, messages, PARTS_TEMPLATE, add_generation_prompt=False) == expected  # (sandbox)
+    joined = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    assert render_chat(tok, joined, messages, add_generation_prompt=False) == "[be brief][part one \ntwo]"
+    assert iterates_content("{% for c in message.content %}{% endfor %}")
+    assert not iterates_content(joined) and not iterates_content("{% for c in m.content.split() %}{% endfor %}")
+    assert not iterates_content("{% for x in y %}" * 5000)  # (unparseable: the render reports it)
