@@ -23,7 +23,8 @@ def is_cuda(device: torch.device | str) -> bool:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free memory the cache may draw on: MemAvailable on CPU, free device memory on CUDA."""
+    """Free memory on `device`, what the weights and the KV cache may draw on: MemAvailable
+    on CPU, free device memory on CUDA."""
     if is_cuda(device):
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
