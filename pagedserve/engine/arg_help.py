@@ -14,7 +14,7 @@ HELP = {
                               "max_model_len)",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
-    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step, with chunked prefill (0 = off)",
     "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
     "kv_cache_memory_ceiling": "without kv_cache_memory_bytes, the KV cache's most bytes in place of the share of "
                                "free memory, still capped at what max_num_seqs x max_model_len can use",

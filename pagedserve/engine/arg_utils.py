@@ -379,6 +379,9 @@ class EngineArgs:
             batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not self.enable_chunked_prefill:
                 batched = max(batched, max_model_len)
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:  # (the scheduler drops it)
+            logger.warning("long_prefill_token_threshold has no effect without chunked prefill "
+                           "(--no-enable-chunked-prefill is set): a prompt is prefilled whole")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

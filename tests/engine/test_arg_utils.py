@@ -332,6 +332,19 @@ def test_lora_sizes_without_enable_lora_are_warned_of(caplog) -> None:
                     "max_lora_rank has no effect without enable_lora (--enable-lora)"]
 
 
+def test_a_long_prefill_threshold_without_chunked_prefill_is_warned_about(caplog) -> None:
+    """The scheduler sets it to 0 without chunked prefill; that was said nowhere."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        EngineArgs(long_prefill_token_threshold=32).create_engine_config(load_hf_config=False)
+        EngineArgs(enable_chunked_prefill=False).create_engine_config(load_hf_config=False)
+        assert "long_prefill_token_threshold" not in caplog.text
+        EngineArgs(long_prefill_token_threshold=32, enable_chunked_prefill=False).create_engine_config(
+            load_hf_config=False)
+    assert "long_prefill_token_threshold has no effect without chunked prefill" in caplog.text
+
+
 def test_token_counts_take_vllms_suffixes_on_the_command_line() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     for text, want in (("2k", 2000), ("1K", 1024), ("25.6k", 25600), ("4096", 4096), ("1M", 2**20), ("1.005k", 1005)):
