@@ -121,9 +121,8 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
         if task not in _TASK_RUNNERS:
             raise ValueError(f"task must be one of {', '.join(_TASK_RUNNERS)} (vLLM's; here: runner="
                              f"'generate' or 'pooling'), got {task!r:.100}")
-        runner = _TASK_RUNNERS[task]
-        if runner is not None and kwargs.setdefault("runner", runner) != runner:
-            raise ValueError(f"task={task!r} asks for runner={runner!r}, but runner={kwargs['runner']!r} was given")
+        if _TASK_RUNNERS[task] is not None:
+            _take(kwargs, "runner", _TASK_RUNNERS[task], f"task={task!r}")
     if "seed" in kwargs and kwargs["seed"] is None:
         import secrets
 
@@ -131,6 +130,14 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "quantization" in kwargs and kwargs["quantization"] is None:
         kwargs["quantization"] = "auto"
     return kwargs
+
+
+def _take(kwargs: dict[str, Any], name: str, value: Any, spelling: str) -> None:
+    """kwargs[name] = value, where vLLM's `spelling` asks for it; the same field given
+    otherwise too must agree (the engine's own name won in silence)."""
+    given = kwargs.setdefault(name, value)
+    if given is not None and given != value:
+        raise ValueError(f"{spelling} asks for {name}={value!r}, but {name}={given!r} was given too")
 
 
 def _config_spellings(kwargs: dict[str, Any]) -> None:
@@ -147,13 +154,13 @@ def _config_spellings(kwargs: dict[str, Any]) -> None:
         backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
         if isinstance(config, dict) and set(config) - {"backend"} or backend is None:
             raise ValueError(f"structured_outputs_config takes a backend alone here, got {config!r:.80}")
-        kwargs.setdefault("structured_outputs_backend", backend)
+        _take(kwargs, "structured_outputs_backend", backend, "structured_outputs_config")
     if "guided_decoding_backend" in kwargs:  # (vLLM's older name)
-        kwargs.setdefault("structured_outputs_backend", kwargs.pop("guided_decoding_backend"))
+        _take(kwargs, "structured_outputs_backend", kwargs.pop("guided_decoding_backend"), "guided_decoding_backend")
     if "compilation_config" in kwargs:
         compiled = _compile_spelling(kwargs.pop("compilation_config"))
         if compiled is not None:
-            kwargs.setdefault("torch_compile", compiled)
+            _take(kwargs, "torch_compile", compiled, "compilation_config")
     backend = kwargs.pop("distributed_executor_backend", None)
     if backend not in (None, "mp", "uni") or backend == "uni" and (kwargs.get("tensor_parallel_size") or 1) > 1:
         raise ValueError(f"distributed_executor_backend={backend!r:.40} is not supported here: tensor parallelism "

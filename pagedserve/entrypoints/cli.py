@@ -26,6 +26,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve import envs
+from pagedserve.engine.arg_spellings import vllm_flags_given
 from pagedserve.engine.arg_utils import EngineArgs
 
 if TYPE_CHECKING:
@@ -265,11 +266,12 @@ def _conversation(system: str | None, user: str) -> list[dict[str, str]]:
 
 
 def _check_runner(ns: argparse.Namespace) -> None:
-    """generate and chat make text: another runner is refused before the model loads (it
-    loaded, each prompt was refused, and chat's exit status was 0)."""
-    if ns.runner not in (None, "generate"):
-        raise ValueError(f"{ns.command} generates text: --runner {ns.runner} serves embeddings or scores "
-                         f"(pagedserve serve --runner {ns.runner})")
+    """generate and chat make text: another runner (--runner, or vLLM's --task) is refused
+    before the model loads (it loaded, each prompt was refused, and chat's exit status was 0)."""
+    runner = EngineArgs.from_cli_args(ns).runner
+    if runner not in (None, "generate"):
+        raise ValueError(f"{ns.command} generates text: --runner {runner} serves embeddings or scores "
+                         f"(pagedserve serve --runner {runner})")
 
 
 def _read_turn() -> str:
@@ -362,6 +364,7 @@ def cmd_chat_remote(ns: argparse.Namespace) -> None:
     from pagedserve.entrypoints.remote_chat import NEUTRAL_SAMPLING, RemoteChat, api_key, request_sampling
 
     local = [f.name for f in fields(EngineArgs) if f.name != "seed" and getattr(ns, f.name, None) is not None]
+    local += list(vllm_flags_given(ns))  # (vLLM's spellings: -pp, --task, --hf-overrides... were dropped)
     if local or ns.max_num_seqs is not None or ns.torch_compile is not None:
         raise ValueError(f"--{(local or ['max_num_seqs'])[0].replace('_', '-')} sets up a model here; with --url "
                          "the server's model answers")

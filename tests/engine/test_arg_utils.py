@@ -370,9 +370,16 @@ def test_vllms_flags_on_the_command_line_mean_what_its_keywords_do() -> None:
     for flags, match in ((["--skip-tokenizer-init"], "skip_tokenizer_init=True is not supported here"),
                          (["--logprobs-mode", "processed_logits"], "raw_logprobs"),
                          (["--mm-processor-kwargs", '{"num_crops": 4}'], "mm_processor_kwargs="),
-                         (["-pp", "2"], "no pipeline parallelism here")):
+                         (["-pp", "2"], "no pipeline parallelism here"),
+                         # (a contradiction: the engine's own flag won in silence)
+                         (["-O", "0", "--torch-compile"], "compilation_config asks for torch_compile=False, but "
+                                                          "torch_compile=True was given too"),
+                         (["--structured-outputs-config", '{"backend": "xgrammar"}', "--structured-outputs-backend",
+                           "guidance"], "asks for structured_outputs_backend='xgrammar', but"),
+                         (["--task", "embed", "--runner", "generate"], "task='embed' asks for runner='pooling'")):
         with pytest.raises(ValueError, match=match):
             EngineArgs.from_cli_args(parser.parse_args(flags))
+    assert EngineArgs.from_cli_args(parser.parse_args(["-O", "0", "--no-torch-compile"])).torch_compile is False
 
 
 def test_override_generation_config_and_a_generation_config_directory(tmp_path) -> None:

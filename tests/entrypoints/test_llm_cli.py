@@ -150,6 +150,8 @@ def test_bad_sampling_value_is_a_clean_error(fake_engine) -> None:
         cli.main(["chat", "--temperature", "-1"])
     with pytest.raises(SystemExit, match="generate generates text: --runner pooling serves embeddings"):
         cli.main(["generate", "x", "--runner", "pooling"])
+    with pytest.raises(SystemExit, match="generate generates text: --runner pooling serves embeddings"):
+        cli.main(["generate", "x", "--task", "embed"])  # (vLLM's spelling loaded the model first)
     assert fake_engine == []  # (no engine was built)
 
 

@@ -39,6 +39,8 @@ def test_chat_url_asks_the_server_and_carries_the_conversation(server, monkeypat
     assert "error: 400" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--dtype sets up a model here"):
         cli.main([*base, "--dtype", "float32", "--quick", "x"])
+    with pytest.raises(SystemExit, match="--pipeline-parallel-size sets up a model here"):  # (vLLM's: dropped)
+        cli.main([*base, "-pp", "2", "--quick", "x"])
     with pytest.raises(SystemExit, match="cannot reach"):
         cli.main(["chat", "--url", "http://127.0.0.1:9/v1", "--quick", "x"])
     with pytest.raises(SystemExit, match="cannot reach http://\\[::1: Invalid port"):  # (a traceback: no HTTPError)
