@@ -59,20 +59,39 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+# Byte units spelled out (any case): decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB.
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_READABLE = re.compile(r"\s*(-?\d+(?:\.\d+)?)([kmgtKMGT]?)\s*")
+
+
+def readable_number(text: str) -> int | None:
+    """vLLM's human-readable integers (its human_readable_int): a suffix k, m, g, t is a
+    power of 1000 (a fraction allowed: "25.6k"), K, M, G, T a power of 1024 (whole numbers
+    only: "32K"); None where `text` is not one.  Token counts and byte sizes alike."""
+    m = _READABLE.fullmatch(text)
+    if not m or "." in m.group(1) and not m.group(2).islower():
+        return None
+    number, suffix = m.groups()
+    if suffix.islower():  # (in decimal: float's 1.005 x 1000 is 1004.99...)
+        from decimal import Decimal
+
+        return int(Decimal(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1 if suffix else 0)
 
 
 def parse_bytes(value: int | str, name: str = "size") -> int:
-    """1073741824, "1GiB", "512M", "1.5G" -> bytes."""
+    """1073741824, "1GiB", "1G" (vLLM's: 2^30), "1g" or "1GB" (10^9), "1.5g" -> bytes."""
     if is_int(value):
         n = value
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name} must be a byte count such as 2147483648, '2GiB' or '512M', got {value!r}")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = readable_number(value)
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", value)
+        if n is None and m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if n is None:
+            raise ValueError(f"{name} must be a byte count such as 2147483648, '2GiB' or '512M' (k, m, g: powers "
+                             f"of 1000; K, M, G: of 1024, whole numbers), got {value!r}")
     else:
         raise ValueError(f"{name} must be an integer number of bytes or a string like '2GiB', got {value!r}")
     if n < 1:

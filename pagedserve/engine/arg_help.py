@@ -15,7 +15,7 @@ HELP = {
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step, with chunked prefill (0 = off)",
-    "kv_cache_memory_bytes": "KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted)",
+    "kv_cache_memory_bytes": "KV cache size in bytes (K, M, G, KiB, MiB, GiB: powers of 1024; k, m, g, kB, MB, GB: of 1000)",
     "kv_cache_memory_ceiling": "without kv_cache_memory_bytes, the KV cache's most bytes in place of the share of "
                                "free memory, still capped at what max_num_seqs x max_model_len can use",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's total memory this engine may use; the KV cache gets "
@@ -27,7 +27,7 @@ HELP = {
                       "blocks are written there in the background and loaded instead of recomputed, after "
                       "eviction or a restart (bounded by --kv-offload-bytes, default 8 GiB)",
     "kv_offload_bytes": "size of the KV tier: of --kv-offload-dir, or without it, of a tier in host memory "
-                        "(suffixes K, M, G, KiB, MiB, GiB accepted)",
+                        "(K, M, G, KiB, MiB, GiB: powers of 1024; k, m, g, kB, MB, GB: of 1000)",
     "preemption_mode": "recompute (free a preempted request's KV and recompute it) or swap (copy it to the KV "
                        "tier, host memory of 4 GiB unless --kv-offload-* say otherwise, and load it back)",
     "num_gpu_blocks_override": "exact number of KV-cache blocks (testing)",

@@ -47,7 +47,7 @@ from pagedserve.config import (
 )
 from pagedserve.engine.arg_help import HELP
 from pagedserve.engine.arg_spellings import add_vllm_flags, vllm_flags_given, vllm_spellings
-from pagedserve.utils import is_int, is_number, parse_bytes
+from pagedserve.utils import is_int, is_number, parse_bytes, readable_number
 
 logger = logging.getLogger("pagedserve")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -470,18 +470,12 @@ _READABLE_INTS = {"max_model_len", "max_num_batched_tokens"}
 
 
 def readable_int(text: str) -> int:
-    """An integer, or one with a suffix as vLLM's command line reads it: k, m, g decimal
-    (a fraction allowed: "25.6k"), K, M, G binary (whole numbers only)."""
-    m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)([kmgKMG]?)\s*", text)  # (a negative one: named by the check)
-    if not m or "." in m.group(1) and m.group(2) not in ("k", "m", "g"):
+    """An integer, or one with a suffix as vLLM's command line reads it (utils.readable_number)."""
+    n = readable_number(text)  # (a negative one: named by the check)
+    if n is None:
         raise argparse.ArgumentTypeError(f"{text!r:.40} is not a whole number (suffixes: k, m, g for thousands, "
                                          "K, M, G for powers of 1024, e.g. 2k or 32K)")
-    number, suffix = m.groups()
-    if suffix in ("k", "m", "g"):  # (in decimal: float's 1.005 x 1000 is 1004.99...)
-        from decimal import Decimal
-
-        return int(Decimal(number) * 1000 ** ("kmg".index(suffix) + 1))
-    return int(number) * 1024 ** ("KMG".index(suffix) + 1 if suffix else 0)
+    return n
 
 
 def _generation_overrides(generation_config: Any, overrides: Any) -> dict[str, Any]:

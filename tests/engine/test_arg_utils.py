@@ -60,8 +60,12 @@ def test_chat_template_from_file(tmp_path) -> None:
 
 
 def test_parse_bytes() -> None:
-    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512M") == 512 * 10**6
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6
     assert parse_bytes("1.5k") == 1500 and parse_bytes(4096) == 4096
+    # vLLM's human_readable_int: an upper-case letter is binary ("1G" was 10^9 here), lower-case decimal
+    assert parse_bytes("1G") == 2**30 and parse_bytes("512M") == 512 * 2**20 and parse_bytes("1g") == 10**9
+    with pytest.raises(ValueError, match="K, M, G: of 1024, whole numbers"):
+        parse_bytes("1.5G")
     with pytest.raises(ValueError):
         parse_bytes("12 parsecs")
 
