@@ -19,6 +19,16 @@ from pagedserve.utils import rss_bytes
 PORT_ATTEMPTS = 3  # servers started on a port another process took first, before giving up
 
 
+def check_output_file(path: str | None, flag: str) -> None:
+    """A results file the run will write at its end, checked before it starts (a directory
+    was a traceback, and a missing folder lost the figures, after the whole run)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path!r}: not a file that can be written (is its folder there and writable?)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

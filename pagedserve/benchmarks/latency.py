@@ -15,6 +15,7 @@ import random
 import statistics
 import time
 
+from pagedserve.benchmarks.harness import check_output_file
 from pagedserve.benchmarks.serve import percentile
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
@@ -39,6 +40,7 @@ def check_args(args: argparse.Namespace) -> None:
                         ("num_iters", 1)):
         if getattr(args, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    check_output_file(args.output_json, "--output-json")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import time
 
+from pagedserve.benchmarks.harness import check_output_file
 from pagedserve.cpu_info import describe_cpu
 from pagedserve.engine.arg_utils import EngineArgs
 
@@ -55,6 +56,7 @@ def check_args(args: argparse.Namespace) -> None:
     error (they were ignored)."""
     from pagedserve.sampling_params import SamplingParams
 
+    check_output_file(args.output_json, "--output-json")
     given = [f"--{k.replace('_', '-')}" for k in (*RANDOM_DEFAULTS, "random_range_ratio")
              if getattr(args, k) is not None] + (["--n"] if args.n != 1 else [])
     if args.dataset_name is not None and args.workload != "random":

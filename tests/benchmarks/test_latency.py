@@ -36,3 +36,13 @@ def test_throughput_takes_vllms_length_and_ratio() -> None:
                          (["--random-range-ratio", "1"], "within")):
         with pytest.raises(ValueError, match=match):
             throughput.check_args(parser.parse_args(flags))
+
+
+@pytest.mark.parametrize("bench", [latency, throughput])
+def test_an_output_json_that_cannot_be_written_is_refused_before_the_run(bench, tmp_path) -> None:
+    """A directory was a traceback, and a missing folder lost the figures, after the whole run."""
+    parser = bench.add_cli_args(argparse.ArgumentParser(allow_abbrev=False))
+    for path in (tmp_path, tmp_path / "nowhere" / "x.json"):
+        with pytest.raises(ValueError, match=f"--output-json '{path}': not a file that can be written"):
+            bench.check_args(parser.parse_args(["--output-json", str(path)]))
+    bench.check_args(parser.parse_args(["--output-json", str(tmp_path / "x.json")]))
