@@ -33,8 +33,16 @@ def profiler_dir(config: dict[str, Any] | None = None) -> str | None:
                 set(config) - {"profiler", "torch_profiler_dir"} or not config.get("torch_profiler_dir"):
             raise ValueError(f'profiler_config takes {{"profiler": "torch", "torch_profiler_dir": DIR}} here, '
                              f"got {config!r:.120}")
-        return str(config["torch_profiler_dir"])
-    return next((os.environ[name] for name in ENV_DIRS if os.environ.get(name)), None)
+        return _trace_dir(str(config["torch_profiler_dir"]), "profiler_config's torch_profiler_dir")
+    name = next((name for name in ENV_DIRS if os.environ.get(name)), None)
+    return None if name is None else _trace_dir(os.environ[name], f"${name}")
+
+
+def _trace_dir(path: str, source: str) -> str:
+    """Refused at start where it cannot be a directory (a file: /start_profile was a 500)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{source} {path!r} is a file; profiles are written to a directory")
+    return path
 
 
 class Profiler:
@@ -58,7 +66,10 @@ class Profiler:
         with self._lock:
             if self._profile is not None:
                 raise RuntimeError("a profile is already running (stop_profile ends it)")
-            os.makedirs(self.directory, exist_ok=True)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as e:
+                raise RuntimeError(f"cannot make the trace directory {self.directory!r} ({e.strerror})") from None
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self._profile = profile(activities=activities, record_shapes=True,
                                     experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))

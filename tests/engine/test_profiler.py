@@ -48,6 +48,14 @@ def test_off_unless_a_directory_is_named_and_a_server_profile_stops_itself(tmp_p
                 {"profiler": "torch"}):
         with pytest.raises(ValueError, match="profiler_config takes"):
             profiler_dir(bad)
+    (tmp_path / "file").write_text("")  # (a file: /start_profile was a 500)
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "file"))
+    with pytest.raises(ValueError, match=r"\$VLLM_TORCH_PROFILER_DIR '.*file' is a file; profiles are written to a"):
+        profiler_dir()
+    with pytest.raises(ValueError, match="profiler_config's torch_profiler_dir '.*file' is a file"):
+        profiler_dir({"profiler": "torch", "torch_profiler_dir": str(tmp_path / "file")})
+    with pytest.raises(RuntimeError, match="cannot make the trace directory '.*file/sub' \\(Not a directory\\)"):
+        Profiler(str(tmp_path / "file" / "sub")).start()
     bounded = Profiler(str(tmp_path), max_seconds=0.2)
     bounded.start()
     deadline = time.monotonic() + 10
