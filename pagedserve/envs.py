@@ -50,11 +50,22 @@ def cpu_kv_cache_space() -> int | None:
 def torch_compile() -> bool | None:
     """$PAGEDSERVE_TORCH_COMPILE as the default of torch_compile (the test suite sets 0:
     compiles cost minutes)."""
-    value = os.environ.get("PAGEDSERVE_TORCH_COMPILE", "").strip().lower()
+    return _switch("PAGEDSERVE_TORCH_COMPILE")
+
+
+def fused_kernels() -> bool | None:
+    """$PAGEDSERVE_FUSED_KERNELS: 0 runs the torch elementwise ops instead of the fused
+    kernels, to measure what they buy (only "0" was read: "off" left them on, unsaid)."""
+    return _switch("PAGEDSERVE_FUSED_KERNELS")
+
+
+def _switch(name: str) -> bool | None:
+    """An on/off variable: 1/true/yes/on, 0/false/no/off, unset or blank None, else refused."""
+    value = os.environ.get(name, "").strip().lower()
     if not value:
         return None
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"PAGEDSERVE_TORCH_COMPILE must be 0 or 1, got {value!r}")
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")

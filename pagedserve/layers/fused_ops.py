@@ -29,13 +29,14 @@ from __future__ import annotations
 import functools
 import importlib.machinery
 import logging
-import os
 from typing import Protocol
 
 import torch
 
+from pagedserve import envs
+
 # None: Triton on CUDA tensors, C++ on CPU ones.
-OVERRIDE: bool | None = False if os.environ.get("PAGEDSERVE_FUSED_KERNELS") == "0" else None
+OVERRIDE: bool | None = False if envs.fused_kernels() is False else None
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
