@@ -303,6 +303,13 @@ class EngineArgs:
             domains = [d.strip() for d in domains.split(",") if d.strip()] or None
         return ({"image": 8} if limit is None else limit), domains
 
+    def _warn_image_flags(self) -> None:
+        """The image flags, given to a model that reads no images: each named (a text-only
+        server took --limit-mm-per-prompt in silence)."""
+        for name in ("limit_mm_per_prompt", "allowed_media_domains", "encoder_cache_size", "disable_chunked_mm_input"):
+            if getattr(self, name) != EngineArgs.__dataclass_fields__[name].default:
+                logger.warning("%s has no effect: this model reads no images", name)
+
     def _lora_config(self) -> LoRAConfig | None:
         """LoRAConfig when enable_lora, and what adapters cannot be combined with yet."""
         if not isinstance(self.enable_lora, bool):
@@ -372,6 +379,8 @@ class EngineArgs:
             load_model_config(model_config, self.device)
             if model_config.hf_mm_config is not None and self.tensor_parallel_size > 1:
                 raise ValueError("tensor_parallel_size > 1: vision-language models run on one process here")
+            if model_config.hf_mm_config is None:
+                self._warn_image_flags()
         max_model_len = model_config.max_model_len or 2048
         model_config.max_model_len = max_model_len
         batched = self.max_num_batched_tokens

@@ -349,6 +349,20 @@ def test_a_long_prefill_threshold_without_chunked_prefill_is_warned_about(caplog
     assert "long_prefill_token_threshold has no effect without chunked prefill" in caplog.text
 
 
+def test_image_flags_for_a_model_without_images_are_warned_about(caplog) -> None:
+    """A text-only server took --limit-mm-per-prompt in silence."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        EngineArgs(model="smollm2-135m-instruct").create_engine_config()
+        assert "reads no images" not in caplog.text
+        EngineArgs(model="smollm2-135m-instruct", limit_mm_per_prompt='{"image": 2}',
+                   disable_chunked_mm_input=True).create_engine_config()
+    assert [r.getMessage() for r in caplog.records if "reads no images" in r.getMessage()] == [
+        "limit_mm_per_prompt has no effect: this model reads no images",
+        "disable_chunked_mm_input has no effect: this model reads no images"]
+
+
 def test_token_counts_take_vllms_suffixes_on_the_command_line() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     for text, want in (("2k", 2000), ("1K", 1024), ("25.6k", 25600), ("4096", 4096), ("1M", 2**20), ("1.005k", 1005)):
