@@ -15,10 +15,13 @@ found through the `pagedserve.benchmarks` entry-point group (pyproject.toml).
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import functools
 import gc
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -452,10 +455,23 @@ def run() -> None:
     imported (Zen 4, AVX-512 with native bf16), more than generating an answer takes.
     Frozen objects are still freed as their modules are cleared; only cycles wait for
     the process to end.  (Not in `main`: tests call that within one long process.)"""
+    atexit.register(_quiet_finalization)  # (first registered: runs after every other exit handler)
     try:
         main()
     finally:
         gc.freeze()
+
+
+def _quiet_finalization() -> None:
+    """Run last at exit (registered before the command runs): later output is the
+    interpreter's teardown alone, where Triton's bindings (nanobind; torch imports triton)
+    count the objects still alive and print each kind, ~27 lines of "nanobind: leaked ..."
+    after every command, because the frozen objects are never collected."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
 if __name__ == "__main__":
