@@ -91,12 +91,14 @@ class IncrementalDetokenizer:
         if full_text.endswith(_REPLACEMENT_CHAR) and not force:
             return ""
         # Slicing by length (not by prefix match) tolerates a window whose left edge
-        # starts inside a character, as vLLM's does.  A forced flush whose text does not
-        # extend the prefix's (SentencePiece's byte fallback reads a run of bytes ending in
-        # a partial character as one U+FFFD per byte, the complete character before it
-        # too) decodes the pending tokens alone: the slice gave one U+FFFD per byte of
-        # the whole run past the first character.
-        if force and not full_text.startswith(prefix_text):
+        # starts inside a character, as vLLM's does.  Text that does not extend the
+        # prefix's because the prefix now reads as U+FFFDs (SentencePiece's byte fallback
+        # reads a run of bytes holding an invalid one, or ending in a partial character at
+        # a forced flush, as one U+FFFD per byte, the complete character before it too)
+        # comes from the pending tokens alone: the slice gave one U+FFFD per byte of the
+        # whole run past the first character.
+        reread = not full_text.startswith(prefix_text) and _REPLACEMENT_CHAR in full_text[:len(prefix_text)]
+        if reread or force and not full_text.startswith(prefix_text):
             new_text = self._decode(self.token_ids[self.read_offset :])
         else:
             new_text = full_text[len(prefix_text) :]
@@ -137,7 +139,9 @@ class IncrementalDetokenizer:
 
     def finish(self) -> None:
         """The sequence ended without a stop string: flush any undecodable tail, so the
-        final text equals what `tokenizer.decode(output_ids)` gives."""
+        final text equals what `tokenizer.decode(output_ids)` gives (except that a byte
+        run holding an invalid byte keeps its complete characters, where SentencePiece's
+        byte fallback makes every byte of the run a U+FFFD)."""
         if self.tokenizer is None or self.stop_reason is not None:
             return
         if self.read_offset < len(self.token_ids):

@@ -137,6 +137,25 @@ def test_a_byte_fallback_run_cut_by_max_tokens_flushes_its_own_bytes(gemma3_path
     assert detok.output_text == "𝔘" + tokenizer.decode(ids[4:]) == "𝔘\ufffd\ufffd"
 
 
+@pytest.mark.parametrize("char", ["𝔘", "Б"])
+def test_a_stray_byte_after_a_byte_fallback_character_is_one_replacement(gemma3_path, char: str) -> None:
+    """A stray continuation byte made the whole run read as one U+FFFD per byte, the
+    character already shown too: the slice by length gave 2-4 U+FFFD for the one byte."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in char.encode() + b"\xb6"]
+    ids += tokenizer.encode(" x", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("lead"), SamplingParams())
+    shown = []
+    for tid in ids:
+        detok.update([tid])
+        shown.append(detok.output_text)
+    detok.finish()
+    assert detok.output_text == char + "\ufffd x"
+    assert all(detok.output_text.startswith(s) for s in shown)  # streamed text is never taken back
+
+
 def test_a_prompt_ending_inside_a_byte_fallback_run_leaves_the_output_clean(gemma3_path) -> None:
     """The prompt's last 5 tokens start inside a character (Gemma spells 🦩 as 4 byte
     tokens): the window read that whole run, the output's bytes with it, as one U+FFFD

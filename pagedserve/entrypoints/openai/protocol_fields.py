@@ -66,7 +66,8 @@ VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text here (chat's `bytes` are each "
                                              "token's own bytes)"),
     "return_token_ids": ((False,), "answers carry text; /tokenize gives a text's token ids"),
-    "spaces_between_special_tokens": ((True, False), ""),
+    "spaces_between_special_tokens": ((True, False), "it must be true or false (either has no effect: vLLM's fast "
+                                                     "detokenizer does not read it)"),
 }
 
 

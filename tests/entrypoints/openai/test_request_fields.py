@@ -248,15 +248,17 @@ def test_vllms_per_request_media_settings_are_refused_by_name(server, chat, fiel
     ("use_beam_search", True, 200), ("use_beam_search", False, 200), ("length_penalty", 2.0, 400),
     ("length_penalty", 1, 200), ("logits_processors", ["my.module:Proc"], 400), ("logits_processors", [], 200),
     ("vllm_xargs", {"k": 1}, 400), ("return_tokens_as_token_ids", True, 400), ("return_token_ids", True, 400),
-    ("spaces_between_special_tokens", False, 200),
+    ("spaces_between_special_tokens", False, 200), ("spaces_between_special_tokens", "no", 400),
 ])
 def test_vllms_other_fields_are_refused_by_name_unless_they_ask_for_nothing(server, field, value, status):
     """vLLM defines these; they were logged as unknown and ignored (beam search answered
-    greedily; it is served now, and length_penalty without it refused)."""
+    greedily; it is served now, and length_penalty without it refused).  Each refusal
+    says why (spaces_between_special_tokens' ended at its colon)."""
     r = post(server, True, **{field: value})
     assert r.status_code == status, r.text
     if status == 400:
         assert r.json()["error"]["param"] == field
+        assert not r.json()["error"]["message"].rstrip().endswith(":"), r.text
 
 
 def test_an_error_names_the_field_the_client_sent_in_its_text_too(server):
