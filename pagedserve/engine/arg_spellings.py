@@ -108,7 +108,8 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     without effect, as in vLLM v1, which swaps nothing),
     `structured_outputs_config={"backend": ...}` (and
     `guided_decoding_backend`) as structured_outputs_backend, `compilation_config` as
-    torch_compile, `distributed_executor_backend` as the executor it names, and its other
+    torch_compile, `distributed_executor_backend` as the executor it names, a torch.dtype
+    `dtype` as its name, and its other
     arguments at a value asking for nothing (`_NEUTRAL`) dropped, at any other refused."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in VLLM_FLAGS}  # (an unset flag's None)
     for name in [k for k in kwargs if k in _NEUTRAL]:
@@ -129,6 +130,9 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs["seed"] = secrets.randbits(31)
     if "quantization" in kwargs and kwargs["quantization"] is None:
         kwargs["quantization"] = "auto"
+    dtype = kwargs.get("dtype")
+    if dtype is not None and not isinstance(dtype, str) and str(dtype).startswith("torch."):
+        kwargs["dtype"] = str(dtype).removeprefix("torch.")  # (vLLM takes a torch.dtype too)
     return kwargs
 
 

@@ -54,6 +54,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Upper bound on default step budget; a larger max_model_len still works through chunked prefill.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# vLLM's largest block size: a block is the unit of prefix reuse and of allocation.
+MAX_BLOCK_SIZE = 256
 
 
 @dataclass
@@ -180,8 +182,9 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "data_parallel_size"):  # the checks below read them
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise self._bad(name, "a positive integer")
-        if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise self._bad("block_size", "a positive power of two (e.g. 16 or 32)")
+        if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE or \
+                self.block_size & (self.block_size - 1):  # (2^20 was a "KV cache too small" naming other flags)
+            raise self._bad("block_size", f"a power of two from 1 to {MAX_BLOCK_SIZE} (e.g. 16 or 32)")
         for name in ("kv_cache_memory_bytes", "kv_cache_memory_ceiling"):
             if getattr(self, name) is not None:
                 setattr(self, name, parse_bytes(getattr(self, name), name))

@@ -30,6 +30,7 @@ def test_defaults_and_config_tree() -> None:
         ({"max_num_seqs": -1}, "max_num_seqs"),
         ({"block_size": 24}, "block_size"),
         ({"block_size": True}, "block_size"),
+        ({"block_size": 512}, "block_size must be a power of two from 1 to 256"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": True}, "gpu_memory_utilization"),  # (was taken as 1.0)
         ({"kv_cache_memory_bytes": "lots"}, "kv_cache_memory_bytes"),
@@ -429,3 +430,11 @@ def test_a_malformed_chat_template_is_refused_at_start(tmp_path) -> None:
     (tmp_path / "t.jinja").write_text("{% if x %}\nno end")
     with pytest.raises(ValueError, match="t.jinja.* is not a valid Jinja template"):
         EngineArgs(chat_template=str(tmp_path / "t.jinja")).create_engine_config(load_hf_config=False)
+
+
+def test_a_torch_dtype_is_taken_as_vllm_takes_it() -> None:
+    import torch
+
+    assert EngineArgs.from_kwargs(dtype=torch.bfloat16).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of .*, got 'int8'"):
+        EngineArgs.from_kwargs(dtype=torch.int8).create_engine_config(load_hf_config=False)
