@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 
 from pagedserve.engine.protocol import EngineClient
@@ -47,6 +48,8 @@ def parse_lora_modules(items: list[str] | None, served_names: list[str]) -> dict
             if not sep or not name or not path:
                 raise ValueError(f"--lora-modules {item!r}: expected name=path or a JSON object")
         check_new_name(name, served_names, loras)
+        if not isinstance(path, str) or not os.path.isdir(os.path.expanduser(path)):  # (found after the model loaded)
+            raise ValueError(f"--lora-modules {name}: {path!r:.300} is not a directory (a PEFT adapter's)")
         loras[name] = LoRARequest(name, len(loras) + 1, path, base)
     return loras
 

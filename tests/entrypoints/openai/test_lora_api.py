@@ -172,3 +172,14 @@ def test_a_bad_adapter_at_start_up_stops_it_naming_the_adapter(monkeypatch) -> N
                         lora_adapters=LoRAAdapters({"wide": LoRARequest("wide", 1, "/adapters/wide")}))
     with pytest.raises(ValueError, match=r"--lora-modules wide=/adapters/wide: the adapter's rank r is over"):
         make_engine_client(None, state, {})
+
+
+def test_an_adapter_path_that_is_not_a_directory_is_refused_before_the_model_loads(tmp_path) -> None:
+    """It passed the checks made before the port opens; the load found it afterwards."""
+    from pagedserve.entrypoints.openai.serving_models import parse_lora_modules
+
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path / "none", tmp_path / "file"):
+        with pytest.raises(ValueError, match=f"--lora-modules a: '{path}' is not a directory"):
+            parse_lora_modules([f"a={path}"], ["base"])
+    assert parse_lora_modules([f"a={tmp_path}"], ["base"])["a"].lora_path == str(tmp_path)
