@@ -97,6 +97,9 @@ class MessagesBody(RequestBody):
     output_config: dict[str, Any] | None = None
     # Anthropic's automatic prompt caching: what the prefix cache always does here.
     cache_control: dict[str, Any] | None = None
+    # vLLM's: blocks shared only with prompts of the same salt (one tenant's cache kept
+    # from another's); taken here too (it was logged as unknown, and the cache shared).
+    cache_salt: str | None = None
     # Accepted without effect (docs/serving.md): one speed, and attribution only; held to
     # Anthropic's values.
     speed: Literal["standard", "fast"] | None = None

@@ -315,6 +315,8 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = Fa
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param) from None
     body: dict[str, Any] = {"model": req.model, **_prefilled(messages), **thinking.chat_fields()}
+    if req.cache_salt is not None:
+        body["cache_salt"] = req.cache_salt
     if not req.tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         raise OpenAIError("requests which include tool_use or tool_result blocks must define tools", param="tools")
     if req.tools:

@@ -150,6 +150,9 @@ class OllamaGenerating(OllamaWithOptions):
     # and an answer stops where the context is full (done_reason "length").
     truncate: StrictBool | None = None
     shift: StrictBool | None = None
+    # vLLM's (not Ollama's): blocks shared only with prompts of the same salt; it was
+    # logged as unknown, and the cache shared.
+    cache_salt: str | None = None
 
     @field_validator("stream", mode="before")
     @classmethod

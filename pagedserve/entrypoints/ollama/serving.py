@@ -213,6 +213,8 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _openai_body(req: OllamaGenerating, **body: Any) -> dict[str, Any]:
     req.refused_fields()
     body.update(model=req.model, stream=req.stream, **req.sampling())
+    if req.cache_salt is not None:
+        body["cache_salt"] = req.cache_salt
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     return body

@@ -369,3 +369,13 @@ def test_a_malformed_image_source_is_a_named_400(source) -> None:
     with pytest.raises(OpenAIError, match=r"messages\[0\]\.content\[0\]: ") as e:
         to_chat_request(request(messages=[{"role": "user", "content": [{"type": "image", "source": source}]}]))
     assert e.value.param == "messages"
+
+
+def test_cache_salt_is_taken_as_chat_takes_it() -> None:
+    """vLLM's cache_salt was logged as unknown here, and the salted prompt shared another
+    tenant's cached blocks (cache_read_input_tokens said so)."""
+    assert to_chat_request(request(messages=[{"role": "user", "content": "x"}], cache_salt="tenant")).cache_salt == \
+        "tenant"
+    assert to_chat_request(request(messages=[{"role": "user", "content": "x"}])).cache_salt is None
+    with pytest.raises(ValueError, match="cache_salt"):
+        request(messages=[{"role": "user", "content": "x"}], cache_salt=5)

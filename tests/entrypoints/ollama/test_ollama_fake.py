@@ -591,3 +591,18 @@ def test_v1_models_shows_the_max_model_len_of_a_model_not_loaded_yet() -> None:
     listed, again = call(app, fn)
     assert listed == {"first": 64, "second": 4096, "broken": None} and again == 4096
     assert sorted(looked) == ["broken", "second"] and loads == []
+
+
+def test_cache_salt_reaches_the_chat_and_completion_requests() -> None:
+    """vLLM's cache_salt (not Ollama's) was logged as unknown, and the cache shared."""
+    from pagedserve.entrypoints.ollama.protocol import OllamaChatRequest, OllamaGenerateRequest
+    from pagedserve.entrypoints.ollama.serving import chat_request, generate_request
+
+    chat = OllamaChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                             "cache_salt": "tenant"})
+    assert chat_request(chat).cache_salt == "tenant"
+    raw = OllamaGenerateRequest.model_validate({"model": "m", "prompt": "x", "raw": True, "cache_salt": "tenant"})
+    assert generate_request(raw, has_template=True).cache_salt == "tenant"
+    assert generate_request(raw.model_copy(update={"raw": False}), has_template=True).cache_salt == "tenant"
+    with pytest.raises(ValueError, match="cache_salt"):
+        OllamaChatRequest.model_validate({"model": "m", "messages": [], "cache_salt": ["x"]})
