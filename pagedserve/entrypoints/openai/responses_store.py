@@ -27,14 +27,26 @@ class ResponseStore:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
-            input_items: list[dict[str, Any]] | None = None) -> None:
-        """Keep `response` with the conversation that led to it (chat messages) and the
-        request's input items (what GET .../input_items lists)."""
+    @staticmethod
+    def _texts(response: dict[str, Any], conversation: list[dict[str, Any]],
+               input_items: list[dict[str, Any]] | None) -> tuple[tuple[str, str, str], int]:
+        """The three JSON texts an entry keeps, and the memory they take."""
         texts = (json.dumps(response), json.dumps(conversation), json.dumps(input_items or []))
-        size = sum(sys.getsizeof(t) for t in texts)
+        return texts, sum(sys.getsizeof(t) for t in texts)
+
+    def has_room(self, conversation: list[dict[str, Any]], input_items: list[dict[str, Any]] | None) -> bool:
+        """Whether an entry of this conversation could be kept at all (before its answer):
+        past the whole store's bytes it never is."""
+        return self._texts({}, conversation, input_items)[1] <= self.max_bytes
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            input_items: list[dict[str, Any]] | None = None) -> bool:
+        """Keep `response` with the conversation that led to it (chat messages) and the
+        request's input items (what GET .../input_items lists); False where it is larger
+        than the whole store, and not kept."""
+        texts, size = self._texts(response, conversation, input_items)
         if size > self.max_bytes:
-            return  # larger than the whole store: not kept (a later previous_response_id gets a 404)
+            return False
         with self._lock:
             old = self._items.pop(response["id"], None)
             if old is not None:
@@ -44,6 +56,7 @@ class ResponseStore:
             while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
                 _, dropped = self._items.popitem(last=False)
                 self._bytes -= dropped[-1]
+        return True
 
     @property
     def num_bytes(self) -> int:

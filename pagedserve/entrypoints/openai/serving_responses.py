@@ -347,6 +347,10 @@ class OpenAIServingResponses:
     def prepare(self, req: ResponsesRequest) -> PreparedResponse:
         chat_request, conversation = to_chat_request(req, self.store)
         keep = self.store is not None and req.store is not False
+        if keep and self.store is not None and not self.store.has_room(conversation, input_items(req)):
+            # (it answered "store": true and was never kept: a chain on it broke with a 404)
+            raise OpenAIError(f"the conversation is larger than the response store ({self.store.max_bytes} bytes) "
+                              "can keep: send store: false, or a shorter conversation", param="store")
         auto = req.truncation == "auto"
         try:
             try:
@@ -445,8 +449,9 @@ class OpenAIServingResponses:
 
     def finished(self, prep: PreparedResponse, response: dict[str, Any], out: ResponseOutput) -> dict[str, Any]:
         """Keep a finished response (when the store is on and the request allows it)."""
-        if prep.store and self.store is not None:
-            self.store.put(response, [*prep.conversation, out.chat_message()], input_items(prep.request))
+        if prep.store and self.store is not None and \
+                not self.store.put(response, [*prep.conversation, out.chat_message()], input_items(prep.request)):
+            response["store"] = False  # (its answer took it past the store's bytes: not kept, and said so)
         return response
 
     async def full(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,

@@ -125,8 +125,25 @@ def test_the_store_drops_the_oldest_past_its_bounds() -> None:
     assert store.get("r0") is None and store.get("r1") is not None and store.get("r2") is not None
     store.put({"id": "big", "text": "x" * 6_000}, [])
     assert store.get("r1") is None and store.get("big") is not None  # bytes: the oldest went first
-    store.put({"id": "huge", "text": "x" * 20_000}, [])  # larger than the whole store: not kept
+    assert not store.put({"id": "huge", "text": "x" * 20_000}, [])  # larger than the whole store: not kept
     assert store.get("huge") is None and store.get("big") is not None
+    assert store.has_room([{"role": "user", "content": "y"}], None)
+    assert not store.has_room([{"role": "user", "content": "y" * 20_000}], None)
+
+
+def test_a_conversation_the_store_cannot_keep_is_refused_before_it_runs() -> None:
+    """It was answered with "store": true and never kept: the next previous_response_id
+    on it was a 404 "never stored, or dropped"."""
+    async def fn(client: openai.AsyncOpenAI):
+        with pytest.raises(openai.BadRequestError, match="larger than the response store") as e:
+            await client.responses.create(model="fake", input="x" * 3_000, max_output_tokens=2)
+        assert e.value.body["param"] == "store"
+        r = await client.responses.create(model="fake", input="x" * 3_000, max_output_tokens=2, store=False)
+        assert not r.store
+        kept = await client.responses.create(model="fake", input="x" * 1_000, max_output_tokens=2)
+        assert kept.store and (await client.responses.retrieve(kept.id)).id == kept.id
+
+    run_with_client(fn, ResponseStore(max_bytes=5_000))
 
 
 def test_the_store_counts_the_memory_it_holds() -> None:
