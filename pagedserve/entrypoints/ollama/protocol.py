@@ -230,6 +230,11 @@ class OllamaChatRequest(OllamaGenerating):
     messages: list[dict[str, Any]] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: Any) -> Any:
+        return [] if value is None else value  # (Go reads a null list as empty: a load request)
+
 
 class OllamaGenerateRequest(OllamaGenerating):
     prompt: str | None = None

@@ -175,8 +175,12 @@ async def show(body: OllamaShowRequest, state: ServerStateDep) -> dict:
     # (tools and vision need a chat template to place them in: a base model only completes)
     chat = bool(info.chat_template)
     runner = handlers.engine.runner if handlers is not None else state.runner  # (the server's: loaded or not)
+    # (thinking: Ollama's clients send `think` only to a model that lists it)
+    thinks = state.splits_reasoning if state.splits_reasoning is not None else \
+        handlers is not None and handlers.chat.reasoning_parser is not None
     capabilities = ["embedding"] if runner == "pooling" else \
-        ["completion", *(["tools"] if chat else []), *(["vision"] if info.vision and chat else [])]
+        ["completion", *(["tools"] if chat else []), *(["vision"] if info.vision and chat else []),
+         *(["thinking"] if thinks and chat else [])]
     if info is UNKNOWN:  # unreadable files: its name alone, no invented architecture or capability
         capabilities = []
     details = info.details()

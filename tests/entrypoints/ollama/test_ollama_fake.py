@@ -606,3 +606,29 @@ def test_cache_salt_reaches_the_chat_and_completion_requests() -> None:
     assert generate_request(raw.model_copy(update={"raw": False}), has_template=True).cache_salt == "tenant"
     with pytest.raises(ValueError, match="cache_salt"):
         OllamaChatRequest.model_validate({"model": "m", "messages": [], "cache_salt": ["x"]})
+
+
+def test_show_lists_thinking_where_think_is_served_and_a_null_chat_is_a_load(tmp_path) -> None:
+    """Ollama's clients send `think` only to a model whose capabilities list "thinking",
+    which never appeared; and Go reads "messages": null as no messages (a load request),
+    where it was a 400."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    state, app, _ = make_app()
+    state.models = ModelPool([ModelSpec("first", "first"), ModelSpec("other", str(tmp_path))], estimate=lambda s: 0)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(script="hello"), log_stats=False), 64))
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        shown = []
+        for splits in (True, False):
+            state.splits_reasoning = splits  # (as `pagedserve serve` sets it from --reasoning-parser)
+            shown.append((await client.show("other")).capabilities)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            loaded = (await http.post("/api/chat", json={"model": "first", "messages": None, "stream": False})).json()
+        return shown, loaded
+
+    shown, loaded = call(app, fn)
+    assert shown == [["completion", "tools", "thinking"], ["completion", "tools"]]
+    assert loaded["done_reason"] == "load", loaded
