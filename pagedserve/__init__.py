@@ -17,6 +17,7 @@ _EXPORTS = {
     "PoolingRequestOutput": "pagedserve.outputs",
     "EmbeddingRequestOutput": "pagedserve.outputs",
     "ScoringRequestOutput": "pagedserve.outputs",
+    "ClassificationRequestOutput": "pagedserve.outputs",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",
@@ -25,6 +26,7 @@ _EXPORTS = {
     "LoRARequest": "pagedserve.lora.request",
     "TextPrompt": "pagedserve.inputs",
     "TokensPrompt": "pagedserve.inputs",
+    "PromptType": "pagedserve.inputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -147,6 +147,30 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result per prompt, as vLLM shapes it (`.outputs.probs`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, out.prompt_token_ids, ClassificationOutput(out.outputs.data.tolist()),
+                   out.num_cached_tokens)
+
+
+@dataclass
 class ScoringOutput:
     score: float
 

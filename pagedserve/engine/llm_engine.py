@@ -30,6 +30,7 @@ from pagedserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedserve.executor.abstract import ModelExecutor
 from pagedserve.layers.rotary_embedding import long_rope_original
 from pagedserve.lora.request import LoRARequest
+from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
 from pagedserve.multimodal.inputs import ImagePromptProcessor
 from pagedserve.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -425,7 +426,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ chat
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """transformers' tokenizer, as vLLM's LLMEngine.get_tokenizer gives it (`tokenizer`
+        may be the engine's snapshot of it, which encodes and decodes only)."""
+        return hf_tokenizer(self.tokenizer)
 
     @property
     def chat_template(self) -> str | None:

@@ -26,6 +26,7 @@ from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
 from pagedserve.outputs import (
     BeamSearchOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
@@ -125,13 +126,13 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        chat_template_content_format: str = "auto",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the model's chat template (or `chat_template`: Jinja text, or a file
@@ -139,7 +140,15 @@ class LLM:
         process), as the server renders them: `tools` (OpenAI function definitions) and
         `chat_template_kwargs` reach the template, `continue_final_message` continues the
         last assistant message.  `chat_template_content_format` (vLLM's): "auto" alone, as
-        the renderer gives content parts to a template the way it reads them."""
+        the renderer gives content parts to a template the way it reads them.  The
+        arguments come in vLLM's order (a script's positional call binds as it did there:
+        a template given fourth was taken as add_generation_prompt)."""
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):  # ("no" was true)
+                raise TypeError(f"{name} must be True or False, got {value!r:.40}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be Jinja text or a file name, got {type(chat_template).__name__}")
         if chat_template_content_format != "auto":
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r:.40} is not supported "
                              "here: content parts reach each template the way it reads them (vLLM's 'auto')")
@@ -239,6 +248,14 @@ class LLM:
         decode = tokenizer.decode if tokenizer is not None else None
         return [BeamSearchOutput(b.sequences(width, params.length_penalty, decode)) for b in searches]
 
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's LLM methods this engine does not have, named with the reason (they were a
+        bare AttributeError)."""
+        why = _NOT_HERE.get(name)
+        if why is None:
+            raise AttributeError(f"'LLM' object has no attribute {name!r}")
+        raise AttributeError(f"LLM.{name} (vLLM's) is not supported here: {why}")
+
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Prompt | Sequence[Prompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -266,6 +283,15 @@ class LLM:
         it says otherwise)."""
         outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool | Callable[..., Any] = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """With runner="pooling" and classifier tokens in the pooler_config (a reranker):
+        each prompt's probability of the positive token (`.outputs.probs`, one class, as
+        vLLM's single-label classifier gives it)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
 
     def score(self, data_1: str | list[int] | Sequence[str | list[int]], data_2: str | list[int] | Sequence[str | list[int]],
               use_tqdm: bool | Callable[..., Any] = True, instruction: str | None = None) -> list[ScoringRequestOutput]:
@@ -310,6 +336,18 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+# vLLM's LLM methods not served here, and why (LLM.__getattr__ names them).
+_NOT_HERE = {
+    "sleep": "there is no sleep mode; shutdown() frees the engine",
+    "wake_up": "there is no sleep mode; shutdown() frees the engine",
+    "collective_rpc": "workers take no arbitrary calls; llm.llm_engine is the engine in this process",
+    "apply_model": "the model runs only through the engine; llm.llm_engine is in this process",
+    "get_metrics": "the engine's figures are the server's /metrics (pagedserve serve)",
+    "set_tokenizer": "the tokenizer comes with the model (tokenizer=... when the LLM is made)",
+    "reward": "reward models are not served; encode(), embed(), classify() and score() are",
+}
 
 
 class _ProgressBar:

@@ -142,6 +142,28 @@ def test_chat_single_and_batched(llm, tok) -> None:
         llm.chat([], use_tqdm=False)
 
 
+def test_chat_takes_vllms_positional_order_and_refuses_non_booleans(llm) -> None:
+    """vLLM's order is (messages, params, use_tqdm, lora_request, chat_template, ...): a
+    ported call's template, given fifth, was taken as add_generation_prompt (truthy, so
+    ignored), and "no" was a yes."""
+    conv = [{"role": "user", "content": "hi"}]
+    [o] = llm.chat(conv, SamplingParams(max_tokens=1), False, None, "Q: {{ messages[0].content }}")
+    assert o.prompt == "Q: hi"
+    for name in ("add_generation_prompt", "continue_final_message"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 'no'"):
+            llm.chat(conv, use_tqdm=False, **{name: "no"})
+    with pytest.raises(TypeError, match="chat_template must be Jinja text or a file name, got int"):
+        llm.chat(conv, use_tqdm=False, chat_template=3)
+
+
+def test_vllms_methods_not_served_here_say_why_and_the_engines_tokenizer_is_transformers(llm, tok) -> None:
+    with pytest.raises(AttributeError, match=r"LLM.sleep \(vLLM's\) is not supported here: there is no sleep mode"):
+        llm.sleep()
+    with pytest.raises(AttributeError, match="'LLM' object has no attribute 'nonsense'"):
+        llm.nonsense  # noqa: B018
+    assert llm.llm_engine.get_tokenizer()("hi")["input_ids"] == tok("hi")["input_ids"]  # (a snapshot was not callable)
+
+
 def test_vllm_call_forms_fail_clearly_or_run(llm, tok) -> None:
     """What a ported vLLM script passes: a tqdm class as use_tqdm (it was ignored), a bare
     int as priority, SamplingParams to beam_search, tools a template does not render

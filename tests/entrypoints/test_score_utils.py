@@ -63,6 +63,8 @@ def test_reranker_scores_equal_hf_yes_no_logits(tiny_reranker) -> None:
               pooler_config={"classifier_from_token": ["no", "yes"]})
     try:
         ours = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+        # vLLM's LLM.classify: the same probability of the positive token, as one class
+        classified = llm.classify([reranker_prompt(QUERY, d) for d in DOCS], use_tqdm=False)
         custom = llm.score(QUERY, DOCS[0], use_tqdm=False, instruction="Find the city")[0].outputs.score
         # A document that writes the prompt's turn markers: text, as in a chat message (it closed
         # the user's turn and could write the verdict's turn itself)
@@ -82,6 +84,8 @@ def test_reranker_scores_equal_hf_yes_no_logits(tiny_reranker) -> None:
         return float(torch.sigmoid(logits[yes] - logits[no]))
 
     assert ours == pytest.approx([hf_score(reranker_prompt(QUERY, d)) for d in DOCS], abs=1e-4)
+    assert [c.outputs.probs for c in classified] == [[pytest.approx(s, abs=1e-6)] for s in ours]
+    assert classified[0].outputs.num_classes == 1
     assert custom == pytest.approx(hf_score(reranker_prompt(QUERY, DOCS[0], "Find the city")), abs=1e-4)
     assert len(set(ours)) == 3  # three different documents, three different scores
 
