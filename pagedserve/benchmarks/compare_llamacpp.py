@@ -43,7 +43,7 @@ import httpx
 from pagedserve.benchmarks.harness import LocalServer, PagedServe, process_rss
 from pagedserve.benchmarks.llamacpp import LlamaServer, ensure_llama_server
 from pagedserve.benchmarks.random_gguf import SMOLLM2_1_7B, ensure_random_gguf
-from pagedserve.config import QUANT_ACTIVATION_BITS
+from pagedserve.config import DTYPE_ALIASES, QUANT_ACTIVATION_BITS
 from pagedserve.cpu_info import describe_cpu
 
 NEW_TOKENS = 128
@@ -257,7 +257,7 @@ def run_file(name: str, gguf_path: str, model_arg: str, args: argparse.Namespace
     batches = [b for b in (8, 32) if b <= SLOTS]
     # llama.cpp keeps its KV cache in f16; pagedserve in the model dtype (bf16, or fp32 without bf16);
     # with --kv-cache-dtype int8, pagedserve int8 rows and llama.cpp q8_0.
-    ps_dtype_bytes = 2 if bf16_support().native else 4
+    ps_dtype_bytes = pagedserve_dtype_bytes(args.pagedserve_args, bf16_support().native)
     int8 = args.kv_cache_dtype == "int8"
     kv_tokens = SLOTS * ctx
     ps_row = INT8_ROW_BYTES["pagedserve"] if int8 else None
@@ -415,9 +415,34 @@ def run_latency(args: argparse.Namespace, logdir: str) -> str:
     return "\n".join(lines)
 
 
+# What the comparison sets on each side itself (slots, context, KV bytes): given again in
+# --pagedserve-args they would make the two sides unequal behind a table that says equal.
+SIZED_HERE = ("--max-num-seqs", "--max-model-len", "--kv-cache-memory-bytes", "--kv-cache-dtype")
+
+
+def pagedserve_dtype_bytes(pagedserve_args: list[str], native_bf16: bool) -> int:
+    """Bytes per KV value of the pagedserve side: its --dtype in --pagedserve-args (the
+    KV cache is in the model's dtype), else the CPU's default (bf16 where native).  The KV
+    budget was always the default's: float32 got half the slots' tokens."""
+    given = None
+    for i, arg in enumerate(pagedserve_args):
+        if arg == "--dtype" and i + 1 < len(pagedserve_args):
+            given = pagedserve_args[i + 1]
+        elif arg.startswith("--dtype="):
+            given = arg.partition("=")[2]
+    if given in (None, "auto"):
+        return 2 if native_bf16 else 4
+    return 4 if DTYPE_ALIASES.get(given, given) == "float32" else 2
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Each flag's range, and the flags one mode ignores, before anything starts."""
     import torch
+
+    sized = [a for a in args.pagedserve_args if a.split("=")[0] in SIZED_HERE]
+    if sized:
+        p.error(f"--pagedserve-args {sized[0].split('=')[0]}: the comparison sizes both sides itself "
+                "(its own --ctx-per-slot and --kv-cache-dtype set these)")
 
     args.threads = torch.get_num_threads() if args.threads is None else args.threads
     if args.threads < 1:

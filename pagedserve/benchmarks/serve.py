@@ -5,7 +5,8 @@ concurrency cap (`--max-concurrency`); every request streams, so time to first t
 (TTFT), inter-token latency (ITL: gap between streamed chunks), time per output token
 after the first (TPOT) and end-to-end latency (E2EL) are measured at the client, as a
 user sees them.  Token counts come from the server's usage chunk (stream_options
-.include_usage), falling back to counting chunks for servers that do not send one.
+.include_usage); for servers that send none, from the tokenizer (the prompt's length, the
+answer's text re-encoded, as vLLM counts them), and without one output chunks are counted.
 Warm-up requests (`--num-warmups`) have prompts of their own: sent the measured
 prompts, the server's prefix cache would have answered them before they were timed.
 A run in which every request failed prints no latencies and exits with an error.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -127,7 +129,8 @@ def sharegpt_prompts(args: argparse.Namespace, rng: random.Random, count: int,
                          f"(a human turn then an answer, 4..1024 tokens), fewer than the {count} asked for")
 
 
-async def send_one(client: Any, args: argparse.Namespace, prompt: Any, max_tokens: int) -> RequestResult:
+async def send_one(client: Any, args: argparse.Namespace, prompt: Any, max_tokens: int,
+                   tokenizer: Any = None) -> RequestResult:
     chat = is_chat(args)
     body: dict[str, Any] = {
         "model": args.served_model_name or args.model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
@@ -174,15 +177,21 @@ async def send_one(client: Any, args: argparse.Namespace, prompt: Any, max_token
         res.latency = last - start  # at the last output chunk (the usage chunk and [DONE] are not output)
         if not chunks and res.output_tokens:  # tokens with no visible text: seen at the end
             res.ttft = res.latency = time.perf_counter() - start
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = ended and res.output_tokens > 0
-        if not ended:
-            res.error = "the stream ended before [DONE] or a finish_reason"
-        elif not res.ok:
-            res.error = "no output streamed"
+        if not res.output_tokens:  # (no usage chunk: a chunk may carry several tokens)
+            res.output_tokens, res.prompt_tokens = _counted(tokenizer, prompt, res.text, chunks)
+        _judge(res, ended)
     except Exception as e:  # noqa: BLE001 - one failed request must not stop the run
         res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+def _judge(res: RequestResult, ended: bool) -> None:
+    """ok: the stream ended ([DONE] or a finish_reason) with output; else why not."""
+    res.ok = ended and res.output_tokens > 0
+    if not ended:
+        res.error = "the stream ended before [DONE] or a finish_reason"
+    elif not res.ok:
+        res.error = "no output streamed"
 
 
 def has_output(choice: dict[str, Any], chat: bool) -> bool:
@@ -224,9 +233,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         async def limited(prompt: Any, out_len: int) -> RequestResult:
             if sem is None:
-                return await send_one(client, args, prompt, out_len)
+                return await send_one(client, args, prompt, out_len, tokenizer)
             async with sem:
-                return await send_one(client, args, prompt, out_len)
+                return await send_one(client, args, prompt, out_len, tokenizer)
 
         if warmups:
             failed = [r.error for r in await asyncio.gather(*(limited(p, 4) for p, _ in warmups)) if not r.ok]
@@ -298,6 +307,15 @@ def parse_percentiles(text: str) -> list[float]:
     if not values or not all(0 <= p <= 100 for p in values):
         raise argparse.ArgumentTypeError(f"percentiles must be within 0..100, got {text!r}")
     return values
+
+
+def _counted(tokenizer: Any, prompt: Any, text: str, chunks: int) -> tuple[int, int]:
+    """(output tokens, prompt tokens) of an answer the server sent no usage for: from the
+    tokenizer where there is one (a prompt of ids by its length), else the chunks and 0."""
+    if tokenizer is None:
+        return chunks, len(prompt) if isinstance(prompt, list) else 0
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    return (len(encode(text)) if text else chunks), len(prompt) if isinstance(prompt, list) else len(encode(prompt))
 
 
 def _tpot(r: RequestResult) -> float | None:
@@ -425,8 +443,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="comma-separated, within 0..100, e.g. 50,90,99 (default: 99)")
     p.add_argument("--percentile-metrics", default=",".join(METRICS),
                    help=f"the metrics printed, comma-separated of {', '.join(METRICS)} (default: all)")
-    p.add_argument("--goodput", type=parse_goodput, default=None, metavar="KEY:MS ...",
-                   help="request goodput: completed requests within every objective, e.g. 'ttft:500 tpot:50'")
+    p.add_argument("--goodput", type=parse_goodput, nargs="+", default=None, metavar="KEY:MS",
+                   help="request goodput: completed requests within every objective, e.g. ttft:500 tpot:50")
     p.add_argument("--save-result", nargs="?", const=True, default=None, metavar="FILE",
                    help="write the summary as JSON: to FILE, or alone as vLLM's flag (--result-dir, "
                         "--result-filename)")
@@ -469,6 +487,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> dict[str, Any]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Each flag's range, before any request: SystemExit naming the flag."""
+    if isinstance(args.goodput, list):  # (vLLM's spelling: one KEY:MS per word)
+        args.goodput = {key: ms for pairs in args.goodput for key, ms in pairs.items()}
     for name, least in (("num_prompts", 1), ("random_input_len", 1), ("random_output_len", 1),
                         ("num_warmups", 0), ("shared_prefix_len", 0)):
         if getattr(args, name) < least:

@@ -61,7 +61,10 @@ def test_flags_a_mode_ignores_or_out_of_range_are_refused_before_anything_starts
     --threads reached llama-server alone."""
     for argv, error in ((["--latency", "--files", "Q4_0"], "--files would be ignored"),
                         (["--max-step-ms", "50"], "add --latency"), (["--ctx-per-slot", "512"], "must be over 512"),
-                        (["--threads", "0"], "--threads must be >= 1")):
+                        (["--threads", "0"], "--threads must be >= 1"),
+                        # (sizes the comparison sets on both sides: the table would say equal)
+                        (["--pagedserve-args", "--max-num-seqs=4"], "--pagedserve-args --max-num-seqs: the comparison "
+                                                                    "sizes both sides itself")):
         with pytest.raises(SystemExit):
             compare_llamacpp.main(argv)
         assert error in capsys.readouterr().err
@@ -91,3 +94,13 @@ def test_a_completion_that_did_not_make_its_tokens_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="in one chunk"):
         asyncio.run(run([text % '"length"']))
     assert asyncio.run(run([text % "null", text % '"length"'], "batch-2")) > 0
+
+
+def test_the_pagedserve_sides_kv_budget_follows_its_dtype():
+    """--pagedserve-args --dtype float32 on a bf16 CPU got a budget at 2 bytes a value: half
+    the slots' tokens, beside a table row that said both caches were equal."""
+    bytes_of = compare_llamacpp.pagedserve_dtype_bytes
+    assert bytes_of([], True) == 2 and bytes_of([], False) == 4
+    assert bytes_of(["--speculative-config", "off", "--dtype", "float32"], True) == 4
+    assert bytes_of(["--dtype=fp32"], True) == 4 and bytes_of(["--dtype", "bf16"], False) == 2
+    assert bytes_of(["--dtype", "auto"], False) == 4

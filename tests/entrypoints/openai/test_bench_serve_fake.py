@@ -3,6 +3,7 @@ serving the fake engine in a thread (milliseconds per request, no model)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -112,9 +113,9 @@ def test_bench_serve_warmups_share_no_prompt_with_the_measured_run(fake_server, 
     sent: list[tuple[str, int]] = []
     send_one = bench.send_one
 
-    async def recording(client, args, prompt, max_tokens):
+    async def recording(client, args, prompt, max_tokens, tokenizer=None):
         sent.append((prompt, max_tokens))
-        return await send_one(client, args, prompt, max_tokens)
+        return await send_one(client, args, prompt, max_tokens, tokenizer)
 
     monkeypatch.setattr(bench, "send_one", recording)
     url, _ = fake_server
@@ -161,9 +162,9 @@ def test_bench_serve_chat_with_a_tokenizer_sends_text_and_times_tool_calls(fake_
     sent: list[object] = []
     send_one = bench.send_one
 
-    async def recording(client, args, prompt, max_tokens):
+    async def recording(client, args, prompt, max_tokens, tokenizer=None):
         sent.append(prompt)
-        return await send_one(client, args, prompt, max_tokens)
+        return await send_one(client, args, prompt, max_tokens, tokenizer)
 
     monkeypatch.setattr(bench, "send_one", recording)
     url, _ = fake_server
@@ -224,6 +225,35 @@ def test_a_stream_cut_short_is_a_failure_and_tokens_without_text_are_output():
     usage = '{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}'
     silent = asyncio.run(one(serving('{"choices": [{"text": "", "finish_reason": "length"}]}', usage, "[DONE]")))
     assert silent.ok and silent.output_tokens == 4 and silent.ttft > 0
+
+
+def test_a_server_without_usage_is_counted_with_the_tokenizer_as_vllm_counts_it():
+    """Output tokens were the chunks (a chunk may carry several), and input tokens 0."""
+    import argparse
+    import asyncio
+
+    from tests.engine.helpers import make_tokenizer
+
+    tok = make_tokenizer()
+    args = bench.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "m", "--goodput", "ttft:5",
+                                                                      "e2el:9"])
+    bench.check_args(args)
+    assert args.goodput == {"ttft": 5.0, "e2el": 9.0}  # (vLLM's spelling: one pair per word; the second was refused)
+    words = ["the cat sat", " on the mat", " and the dog"]
+    body = "".join(f"data: {json.dumps({'choices': [{'text': w, 'finish_reason': None}]})}\n\n" for w in words)
+    body += 'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+
+    async def one(prompt, tokenizer):
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench.send_one(client, args, prompt, 9, tokenizer)
+
+    counted = asyncio.run(one("a b c", tok))
+    assert counted.output_tokens == len(tok.encode("".join(words), add_special_tokens=False)) > 3
+    assert counted.prompt_tokens == len(tok.encode("a b c", add_special_tokens=False))
+    assert asyncio.run(one([5, 6, 7, 8], tok)).prompt_tokens == 4
+    bare = asyncio.run(one("a b c", None))
+    assert (bare.output_tokens, bare.prompt_tokens) == (3, 0)  # (no tokenizer: the chunks)
 
 
 def test_vllms_bench_serve_command_lines_run(fake_server, capsys, tmp_path):
