@@ -154,6 +154,15 @@ def check_template(template: str, name: str = "chat_template") -> None:
         raise ValueError(f"{name} is not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
 
+def join_text_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with a content of text parts alone as one string, the parts joined with
+    newlines, as vLLM gives it to a template that reads content as a string."""
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return {**message, "content": "\n".join(p["text"] for p in content)}
+    return message
+
+
 @functools.lru_cache(maxsize=16)
 def iterates_content(template: str) -> bool:
     """Whether the template loops over a message's content (`{% for item in

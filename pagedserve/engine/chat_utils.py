@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedserve.chat_template import iterates_content, render_chat_template
+from pagedserve.chat_template import iterates_content, join_text_parts, render_chat_template
 from pagedserve.engine.special_text import HiddenSpecials, hide_special_text, text_strings
 from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedserve.request_limits import (
@@ -61,10 +61,13 @@ class TemplateSandbox:
 
     def render(self, template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, continue_final_message: bool, kwargs: dict[str, Any],
-               max_chars: int) -> str:
+               max_chars: int, join_text: bool = False) -> str:
+        """`join_text`: the messages' text parts are joined into one string unless the
+        template iterates over content (decided in the child: parsing is the template's
+        work, bounded there)."""
         req = {"template": template, "messages": messages, "tools": tools, "kwargs": kwargs,
                "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-               "max_chars": max_chars}
+               "max_chars": max_chars, "join_text": join_text}
         try:
             line = json.dumps(req) + "\n"
         except (TypeError, ValueError, RecursionError) as e:  # (arguments parsed for the template, nested deep)
@@ -86,6 +89,11 @@ class TemplateSandbox:
             raise prompt_too_long(reply["length"], max_chars, "chat_template")
         if "error" in reply:
             raise InvalidRequestError(f"chat_template: {reply['error']}", param="chat_template")
+        try:
+            reply["text"].encode()
+        except UnicodeEncodeError as e:  # ("%c" % 55296: the tokenizer's TypeError was a 500)
+            raise InvalidRequestError(f"chat_template: it wrote a lone surrogate (U+{ord(e.object[e.start]):04X}), "
+                                      "which is not text", param="chat_template") from None
         return reply["text"]
 
     def _exchange(self, line: str) -> tuple[dict[str, Any] | None, int | None]:
@@ -271,9 +279,14 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
-    template = chat_template if isinstance(chat_template, str) and chat_template else default_template
-    content_parts = content_parts or (bool(template) and iterates_content(template))
-    messages = [_normalise_message(m, content_parts) for m in messages]
+    own = bool(chat_template)  # ("" is no template: the default renders)
+    if own and (not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS):
+        raise InvalidRequestError(f"chat_template must be Jinja template text of at most "
+                                  f"{MAX_REQUEST_TEMPLATE_CHARS} characters", param="chat_template")
+    # Content parts as a list for a template that iterates over them, else text joined
+    # (a request's template is read in the sandbox, which joins them unless it iterates).
+    parts = content_parts or own or bool(default_template) and iterates_content(default_template)
+    messages = [_normalise_message(m, parts) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     reserved = {"tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
                 "messages", "documents", "conversations", "max_output_chars"} & set(kwargs)
@@ -284,12 +297,9 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     variables = {**{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, (str, list))}, **kwargs}
     if documents is not None:
         variables["documents"] = documents
-    if chat_template:  # ("" is no template: the default renders)
-        if not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
-            raise InvalidRequestError(f"chat_template must be Jinja template text of at most "
-                                      f"{MAX_REQUEST_TEMPLATE_CHARS} characters", param="chat_template")
+    if own:
         return template_sandbox().render(chat_template, messages, tools, add_generation_prompt,
-                                         continue_final_message, variables, max_chars)
+                                         continue_final_message, variables, max_chars, join_text=not content_parts)
     if not default_template:
         raise ValueError(NO_CHAT_TEMPLATE)
     try:
@@ -426,18 +436,15 @@ def _normalise_message(message: dict[str, Any], content_parts: bool = False) -> 
     if content is None:
         message["content"] = [] if content_parts else ""
     elif isinstance(content, list):
-        texts = []
         for part in content:
             if isinstance(part, dict) and part.get("type") == "image" and len(part) == 1:
-                continue  # an image's place (take_images): the parts stay a list
+                continue  # an image's place (take_images): {"type": "image"} renders the placeholder
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"only text and image content parts are supported, got {str(part)[:200]}")
-            texts.append(part["text"])
-        if len(texts) == len(content) and not content_parts:
-            message["content"] = "\n".join(texts)
-        else:  # vision templates iterate over the parts: {"type": "image"} renders the placeholder
-            message["content"] = [{"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
-                                  for p in content]
+        message["content"] = [{"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
+                              for p in content]
+        if not content_parts:
+            message = join_text_parts(message)
     calls = message.get("tool_calls")
     if isinstance(calls, list):
         message["tool_calls"] = [_tool_call_for_template(c) for c in calls]

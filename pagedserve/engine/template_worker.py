@@ -9,7 +9,7 @@ and stopped at a deadline (the parent kills it).  Whatever a template does, it c
 this process alone, and the parent starts a new one for the next request.
 
 Protocol: one JSON object per line on stdin ({"template", "messages", "tools",
-"add_generation_prompt", "continue_final_message", "kwargs", "max_chars"}), one per
+"add_generation_prompt", "continue_final_message", "kwargs", "max_chars", "join_text"}), one per
 line on stdout ({"text": ...} or {"error": ...}).
 """
 
@@ -26,8 +26,13 @@ def _address_space_now() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _render(req: dict, render_chat_template) -> str:
-    return render_chat_template(req["template"], req["messages"], tools=req.get("tools"),
+def _render(req: dict) -> str:
+    from pagedserve.chat_template import iterates_content, join_text_parts, render_chat_template
+
+    messages = req["messages"]
+    if req.get("join_text") and not iterates_content(req["template"]):
+        messages = [join_text_parts(m) for m in messages]
+    return render_chat_template(req["template"], messages, tools=req.get("tools"),
                                 add_generation_prompt=req.get("add_generation_prompt", True),
                                 continue_final_message=req.get("continue_final_message", False),
                                 **req.get("kwargs", {}))
@@ -52,7 +57,7 @@ def main() -> None:
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            text = _render(req, render_chat_template)
+            text = _render(req)
             # Too long: the parent words the refusal (chat_utils.prompt_too_long).
             reply = {"limit": "size", "length": len(text)} if len(text) > req["max_chars"] else {"text": text}
         except MemoryError:

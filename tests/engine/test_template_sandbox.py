@@ -83,3 +83,32 @@ def test_renders_queue_for_a_bounded_time(monkeypatch):
         assert render(sandbox, "quick") == "quick"
     finally:
         sandbox.close()
+
+
+def test_a_lone_surrogate_a_template_writes_is_the_templates_error():
+    """'%c' % 55296 wrote one: the tokenizer's TypeError was a 500 that dropped the connection."""
+    sandbox = TemplateSandbox()
+    try:
+        for template in ('{{ "%c" % 55296 }}', '{{ "\\ud800" }}x'):
+            with pytest.raises(InvalidRequestError, match=r"wrote a lone surrogate \(U\+D800\)") as info:
+                render(sandbox, template)
+            assert info.value.param == "chat_template"
+    finally:
+        sandbox.close()
+
+
+def test_a_request_template_past_its_bound_is_refused_before_it_is_parsed(monkeypatch):
+    """The content-format check parsed it in the server process first: a 4 MB template
+    took 40 s of the server's CPU before its 400.  The size is checked first, and a
+    request's template is parsed only in the sandbox."""
+    from pagedserve import chat_template
+    from tests.engine.helpers import make_tokenizer
+
+    parsed = []
+    monkeypatch.setattr(chat_utils, "iterates_content", lambda t: parsed.append(t) or False)
+    big = "{{ " + "a+" * 2_000_000 + "a }}"
+    with pytest.raises(InvalidRequestError, match="chat_template must be Jinja template text of at most") as info:
+        chat_utils.render_chat(make_tokenizer(), "{{ messages[0].content }}", MSGS, big)
+    assert info.value.param == "chat_template" and parsed == []
+    chat_utils.render_chat(make_tokenizer(), None, MSGS, "{{ messages[0].content }}")  # (in the sandbox)
+    assert parsed == [] and chat_template.iterates_content("{% for p in m.content %}{% endfor %}")

@@ -63,6 +63,9 @@ class RequestBody(OpenAIBaseModel):
     (`json_body.check_json_body`, in the body middleware): bounded in shape, and free of
     lone UTF-16 surrogates, which no tokenizer, template or grammar can take."""
 
+    def brings_chat_template(self) -> bool:  # (its own, rendered in the sandbox's turn: PrepareThreads.run_for)
+        return False
+
 
 # --------------------------------------------------------------------------- errors
 class ErrorInfo(OpenAIBaseModel):
@@ -86,9 +89,8 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class OpenAIRequestBody(RequestBody):
-    """A generation request of OpenAI's API (completions, chat, Responses): OpenAI's
-    caching, safety and tier hints, accepted without effect (checked in
-    check_openai_fields, with the fields refused by name)."""
+    """A generation request of OpenAI's API (completions, chat, Responses): OpenAI's caching,
+    safety and tier hints, accepted without effect (check_openai_fields; others refused)."""
 
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
@@ -330,13 +332,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's deprecated spelling of tools / tool_choice: mapped onto them (one call at
-    # most), and the answer comes back in its shape (message.function_call, finish_reason
-    # "function_call"; serving_chat.legacy_function_call).
+    # OpenAI's deprecated tools / tool_choice: mapped onto them (one call at most); the answer
+    # in its shape (message.function_call, "function_call"; serving_chat.legacy_function_call).
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
-    # OpenAI fields accepted without effect (docs/serving.md says why for each; clients
-    # send some by default), checked against OpenAI's values and bounds:
+    # Accepted without effect, held to OpenAI's values (clients send some; docs/serving.md):
     reasoning_effort: ReasoningEffort | None = None
     verbosity: Verbosity | None = None
     metadata: dict[str, str] | None = None
@@ -344,6 +344,9 @@ class ChatCompletionRequest(_SamplingFields):
     # Refused unless they ask for nothing this server cannot do: text output only, no web search.
     modalities: list[str] | None = None
     web_search_options: dict[str, Any] | None = None
+
+    def brings_chat_template(self) -> bool:
+        return bool(self.chat_template)
 
     @model_validator(mode="after")
     def _legacy_functions(self) -> ChatCompletionRequest:

@@ -140,6 +140,9 @@ class EmbeddingRequest(_PoolingFields):
                 raise InvalidRequestError("messages must be a non-empty list of chat messages", param="messages")
         return data
 
+    def brings_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
     def api_param(self, param: str | None) -> str | None:
         return ("messages" if self.messages is not None else "input") if param == "prompt" else param
 

@@ -23,6 +23,7 @@ from pagedserve.engine.profiler import Profiler, profiler_dir
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard import DashboardHub, is_public_path
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease, ModelPool, ModelSpec
+from pagedserve.entrypoints.openai.protocol import RequestBody
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -58,6 +59,12 @@ class PrepareThreads:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def run_for(self, body: RequestBody, fn: Callable[..., T], *args: Any) -> T:
+        """`run` for `body`'s preparation: in the template sandbox's turn where it brings
+        its own chat template (chat, /tokenize and the embeddings' chat form alike: a flood
+        of slow templates on /tokenize held every thread here)."""
+        return await (self.run_own_template(fn, *args) if body.brings_chat_template() else self.run(fn, *args))
 
     async def run_own_template(self, fn: Callable[..., T], *args: Any) -> T:
         """`run`, once the template sandbox is free (an OverloadedError, a 503, after

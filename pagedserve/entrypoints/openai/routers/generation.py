@@ -109,10 +109,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
         serving.warn_unknown_fields(body)
 
         async def handle() -> Response | BaseModel | dict:
-            if isinstance(body, ChatCompletionRequest) and body.chat_template:
-                prep = await state.prepare.run_own_template(serving.prepare, body)  # the one sandbox's turn
-            else:
-                prep = await state.prepare.run(serving.prepare, body)
+            prep = await state.prepare.run_for(body, serving.prepare, body)
             request_id, streams = await serving.start(body, prep)
             if state.log_requests is not None:  # (--enable-log-requests; prompts are never logged without it)
                 shown, cut = json_head(body.model_dump(exclude_unset=True), state.log_requests)

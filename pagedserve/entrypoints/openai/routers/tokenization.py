@@ -47,6 +47,9 @@ class TokenizeRequest(RequestBody):
     tool_choice: str | dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
 
+    def brings_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request whose prompt these messages make (its checks included; its
         add_special_tokens when sent: chat's default is false)."""
@@ -81,7 +84,7 @@ async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
         if body.prompt is not None:
             body.check_prompt_fields()
         if body.messages is not None:
-            ids = (await state.prepare.run(chat.rendered, body.chat_request())).token_ids
+            ids = (await state.prepare.run_for(body, chat.rendered, body.chat_request())).token_ids
         else:
             ids = await state.prepare.run(chat.tokenize, body.prompt, body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": lease.handlers.max_model_len, "tokens": ids}
