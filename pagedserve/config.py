@@ -343,6 +343,9 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # CPU attention computes as one-token rows (attention/torch_paged.py), so that greedy
 # speculation is exact.
 MAX_SPECULATIVE_TOKENS = 15
+# Longest n-gram prompt lookup tries: each length is one search of the whole sequence per
+# drafting request per step, so the bound keeps that work a few searches, not thousands.
+MAX_PROMPT_LOOKUP = 32
 _SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                        "disable_by_batch_size", "model")
 
@@ -385,6 +388,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, "
+                             f"got {self.prompt_lookup_max}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

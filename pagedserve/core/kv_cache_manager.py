@@ -220,14 +220,27 @@ class KVCacheManager:
         return self.coordinator.take_transfers()
 
     # --------------------------------------------------------------------- free
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, keep_computed: bool = True) -> None:
         """Release the request's blocks, tail first, so that when they are reused
-        the shareable prefix blocks are evicted last."""
+        the shareable prefix blocks are evicted last.  `keep_computed` (False: its KV
+        is not what its hashes will say, a LongRoPE restart): see `_cache_computed`."""
+        if keep_computed:
+            self._cache_computed(request)
         self.coordinator.free(request)
 
     def preempt(self, request: Request) -> None:
         """Release a preempted request's blocks; in swap mode copy them out first."""
+        self._cache_computed(request)
         self.coordinator.free(request, preempted=True)
+
+    def _cache_computed(self, request: Request) -> None:
+        """Register every full block of computed tokens before the blocks go back.
+        `allocate_slots` registers blocks of known tokens only, so a block that the last
+        step's accepted drafts filled would be freed unregistered, and the follow-up turn
+        or the resumption recomputed it (speculation on cached one block less)."""
+        if self.enable_caching and self.coordinator.has_request(request.request_id):
+            num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            self.coordinator.cache_blocks(request, num_full)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

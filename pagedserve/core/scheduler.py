@@ -406,7 +406,7 @@ class Scheduler:
             request.num_preemptions += 1
             self.num_preemptions_total += 1
         else:
-            self.kv_cache_manager.free(request)
+            self.kv_cache_manager.free(request, keep_computed=False)
         self.encoder_cache.release_request(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

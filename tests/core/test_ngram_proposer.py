@@ -80,6 +80,7 @@ def test_stats_count_acceptances_by_position() -> None:
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 16}, "at most 15"),
+    ({"prompt_lookup_max": 33}, "prompt_lookup_max must be at most 32"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
     ({"method": "draft_model"}, "speculative_config.model: method 'draft_model' needs"),
     ({"method": "draft_model", "model": ""}, "speculative_config.model: method 'draft_model' needs"),

@@ -319,6 +319,39 @@ def test_speculative_drafts_are_scheduled_verified_and_rejected_slots_taken_back
     assert outputs[3] == outputs[None]
 
 
+@pytest.mark.parametrize("preempt", [False, True])
+def test_blocks_filled_by_accepted_drafts_stay_cached_after_the_request(preempt: bool) -> None:
+    """The follow-up turn (the whole sequence and more) finds every full block of the
+    finished or preempted request cached, with speculation as without it: a block that
+    the last step's accepted drafts filled was freed unregistered (one block less)."""
+    from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
+
+    def cyclic(rid: str, context: list[int]) -> int:
+        return 1 + len(context) % 5
+
+    bs, missed = 4, []
+    for k, max_tokens in itertools.product((None, 3), range(20, 28)):
+        sched = make_scheduler(num_blocks=60, block_size=bs, max_model_len=64, num_speculative_tokens=k)
+        runner, first = FakeRunner(sched), make_request(0, 7, max_tokens=max_tokens, ignore_eos=True)
+        sched.add_request(first)
+        if preempt:  # its blocks go as a preemption's do after its last step settled the drafts
+            while first.num_tokens < 7 + max_tokens - 1:
+                so = sched.schedule()
+                sched.update_from_output(so, runner.execute(so, cyclic))
+            sched.kv_cache_manager.preempt(first)
+            known = list(first.all_token_ids)
+            sched.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+        else:
+            run_to_completion(sched, runner, sample=cyclic)
+            known = list(first.all_token_ids)
+        follow = make_request(1, known + [1], max_tokens=1)
+        sched.add_request(follow)
+        sched.schedule()
+        if follow.num_cached_tokens != (len(known) - 1) // bs * bs:
+            missed.append((k, max_tokens, follow.num_cached_tokens, len(known)))
+    assert not missed, missed
+
+
 def test_at_most_max_loras_adapters_run_at_once_and_the_others_keep_their_place():
     from pagedserve.lora.request import LoRARequest
 
