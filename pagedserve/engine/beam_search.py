@@ -12,12 +12,26 @@ finished and live beams by cumulative logprob over generated length ** length_pe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.outputs import BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+def step_prompt(token_ids: list[int], cache_salt: str | None, images: MultiModalPrompt | None) -> dict[str, Any]:
+    """A beam's step as an engine prompt: its tokens, with the searched prompt's cache salt
+    and images (their spans lie in the prompt, which every beam continues, and an M-RoPE
+    table covers the prompt: a beam's tokens take the positions generated tokens take)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    if images is not None:
+        prompt["multi_modal"] = dataclasses.replace(images, prompt_token_ids=token_ids)
+    return prompt
 
 
 def step_params(width: int) -> SamplingParams:

@@ -254,26 +254,29 @@ class InputProcessor:
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
             raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                                       "characters", param="cache_salt")
-        multi_modal = prompt.get("multi_modal")
-        if multi_modal is None and prompt.get("multi_modal_data") is not None:
-            if text is None:
-                raise ImageInputError("multi_modal_data needs the prompt as text (with the model's image "
-                                          "placeholder where each image goes), not only prompt_token_ids",
-                                          param="multi_modal_data")
-            multi_modal = self.expand_images(text, self.image_sources(prompt["multi_modal_data"]), self.encode,
-                                             "multi_modal_data")
-        if multi_modal is not None:
-            if not isinstance(multi_modal, MultiModalPrompt):
-                raise InvalidRequestError("'multi_modal' is the engine's own expanded prompt (encode_chat's); "
-                                          "send images as multi_modal_data", param="prompt")
-            mrope = (None if multi_modal.mrope_positions is None
-                     else (multi_modal.mrope_positions, multi_modal.mrope_position_delta))
-            return ProcessedPrompt(text, self.check_token_ids(multi_modal.prompt_token_ids), salt,
-                                   multi_modal.images, mrope)
+        if (mm := self.prompt_images(prompt)) is not None:
+            mrope = None if mm.mrope_positions is None else (mm.mrope_positions, mm.mrope_position_delta)
+            return ProcessedPrompt(text, self.check_token_ids(mm.prompt_token_ids), salt, mm.images, mrope)
         ids = prompt.get("prompt_token_ids")
         return ProcessedPrompt(text, self.encode(text, cut) if ids is None else self.check_token_ids(ids), salt)
 
     # ------------------------------------------------------------------ images
+    def prompt_images(self, prompt: dict[str, Any]) -> MultiModalPrompt | None:
+        """A dict prompt's images expanded into its tokens (its `multi_modal_data`'s, or
+        the expansion it carries as `multi_modal`); None for a prompt without images."""
+        multi_modal = prompt.get("multi_modal")
+        if multi_modal is None and prompt.get("multi_modal_data") is not None:
+            text = prompt.get("prompt")
+            if not isinstance(text, str):
+                raise ImageInputError("multi_modal_data needs the prompt as text (with the model's image placeholder "
+                                      "where each image goes), not only prompt_token_ids", param="multi_modal_data")
+            multi_modal = self.expand_images(text, self.image_sources(prompt["multi_modal_data"]), self.encode,
+                                             "multi_modal_data")
+        if multi_modal is not None and not isinstance(multi_modal, MultiModalPrompt):
+            raise InvalidRequestError("'multi_modal' is the engine's own expanded prompt (encode_chat's); "
+                                      "send images as multi_modal_data", param="prompt")
+        return multi_modal
+
     def image_sources(self, data: Any) -> list[Any]:
         """multi_modal_data's images (an image or a list of them)."""
         if not isinstance(data, dict) or set(data) - {"image"}:

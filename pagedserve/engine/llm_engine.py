@@ -315,14 +315,14 @@ class LLMEngine:
         compiling = [(i, self.structured_output.compile(sp.structured_outputs)) for i, sp in enumerate(params)
                      if isinstance(sp, SamplingParams) and sp.structured_outputs is not None]
         for i, compiled in compiling:
-            with _naming_prompt(positions[i]):
+            with naming_prompt(positions[i]):
                 compiled.result()
         ids: list[str] = []
         results: dict[str, EngineOutput] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = str(next(self._batch_ids))
-                with _naming_prompt(positions[i]):
+                with naming_prompt(positions[i]):
                     self.add_request(rid, prompt, sp, priority=priority[i] if priority is not None else 0,
                                      output_kind=RequestOutputKind.FINAL_ONLY,
                                      lora_request=lora_requests[i] if lora_requests is not None else None)
@@ -444,7 +444,7 @@ class LLMEngine:
 
 
 @contextlib.contextmanager
-def _naming_prompt(position: int) -> Iterator[None]:
+def naming_prompt(position: int) -> Iterator[None]:
     """A refusal of one prompt of a batch names it (`prompts[3]: the prompt is empty`; -1:
     a batch of one, not named): in a batch of thousands the message alone did not say which
     to fix.  The exception keeps its type and field (`param`)."""

@@ -15,15 +15,16 @@ from typing import Any
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs, read_chat_template
 from pagedserve.engine.async_llm import make_engine_core_client
-from pagedserve.engine.beam_search import BeamSet, step_params
+from pagedserve.engine.beam_search import BeamSet, step_params, step_prompt
 from pagedserve.engine.core import EngineStats
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.inproc_client import InprocClient
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine, naming_prompt
 from pagedserve.engine.profiler import Profiler, profiler_dir
 from pagedserve.entrypoints.score_utils import cosine, encode_reranker_pair, score_pairs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import hf_tokenizer
+from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.outputs import (
     BeamSearchOutput,
     ClassificationRequestOutput,
@@ -220,6 +221,16 @@ class LLM:
         assert engine is not None
         width = params.beam_width
         step = step_params(width)
+        # Each step's beams carry the prompt's cache salt and images: expanded once, here.
+        salts: list[str | None] = [None] * len(prompt_list)
+        images: list[MultiModalPrompt | None] = [None] * len(prompt_list)
+        for i, p in enumerate(prompt_list):
+            if isinstance(p, dict):
+                salts[i] = p.get("cache_salt")
+                with naming_prompt(i if len(prompt_list) > 1 else -1):
+                    images[i] = engine.input_processor.prompt_images(p)
+                if images[i] is not None:
+                    prompt_list[i] = {**p, "multi_modal": images[i]}
         first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False, lora_request=loras)
         stops = set() if params.ignore_eos else set(engine.stop_token_ids)
         searches = [BeamSet(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
@@ -227,17 +238,17 @@ class LLM:
         for n in range(params.max_tokens):
             # A search whose beams fill the context ends there ("length", as generate's
             # sequences do); asking for one more token past it failed the whole call.
-            todo = [(b, lora) for b, lora in zip(searches, loras, strict=True)
+            todo = [(b, lora, salt, mm) for b, lora, salt, mm in zip(searches, loras, salts, images, strict=True)
                     if b.live and len(b.prompt) + n < engine.max_model_len]
             if not todo:
                 break
             if n:
-                asks = [({"prompt_token_ids": ids}, lora) for b, lora in todo for ids in b.asks()]
+                asks = [(step_prompt(ids, salt, mm), lora) for b, lora, salt, mm in todo for ids in b.asks()]
                 outs = iter(self._run([a for a, _ in asks], [step] * len(asks), use_tqdm=False,
                                       lora_request=[lora for _, lora in asks]))
-                for b, _ in todo:
+                for b, *_ in todo:
                     b.tops = [next(outs).outputs[0].logprobs[0] for _ in b.live]
-            for b, _ in todo:
+            for b, *_ in todo:
                 b.extend(width, stops)
             if bar is not None:
                 bar.update(1)

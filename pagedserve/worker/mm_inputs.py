@@ -28,7 +28,6 @@ from pagedserve.multimodal.inputs import ImageFeature, SupportsImages
 @dataclass
 class RequestImages:
     images: Sequence[ImageFeature]
-    num_prompt_tokens: int
     mrope: tuple[torch.Tensor, int] | None = None  # (positions [3, prompt], delta)
 
 
@@ -59,7 +58,7 @@ class ImageInputs:
             self.requests.pop(req_id, None)
         for new in sched_out.scheduled_new_reqs:
             if new.images or new.mrope is not None:
-                self.requests[new.req_id] = RequestImages(tuple(new.images), len(new.prompt_token_ids), new.mrope)
+                self.requests[new.req_id] = RequestImages(tuple(new.images), new.mrope)
 
     def prepare(self, req_ids: list[str], seq_lens: np.ndarray, query_start: np.ndarray,
                 input_ids: torch.Tensor, positions: torch.Tensor) -> ImageStepInputs:
@@ -125,7 +124,7 @@ class ImageInputs:
                 continue
             table, delta = state.mrope
             start, end, q0 = int(computed[i]), int(computed[i] + num_new[i]), int(query_start[i])
-            split = min(end, state.num_prompt_tokens)
+            split = min(end, table.shape[1])  # (a beam's step: its prompt runs on past the table)
             if start < split:
                 out[:, q0:q0 + split - start] = table[:, start:split].to(out.device)
             if delta and end > max(start, split):

@@ -280,15 +280,47 @@ def hf_greedy(hf: Any, prompt: Any) -> list[int]:
     """HF's greedy continuation of our expanded prompt (its ids, pixels and grids), EOS
     taken as an ordinary token (as ignore_eos does)."""
     ids = torch.tensor(prompt.prompt_token_ids)[None]
-    kwargs: dict[str, Any] = {}
+    with torch.no_grad():
+        out = hf.generate(**hf_inputs(hf, prompt), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def hf_inputs(hf: Any, prompt: Any) -> dict[str, Any]:
+    """HF generate's inputs for our expanded prompt: its ids, and its pixels and grids."""
+    ids = torch.tensor(prompt.prompt_token_ids)[None]
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if prompt.images:
-        kwargs = dict(pixel_values=torch.cat([im.data["pixel_values"] for im in prompt.images]),
+        kwargs.update(pixel_values=torch.cat([im.data["pixel_values"] for im in prompt.images]),
                       image_grid_thw=torch.cat([im.data["image_grid_thw"] for im in prompt.images]),
                       mm_token_type_ids=(ids == hf.config.image_token_id).int())
+    return kwargs
+
+
+def test_beam_search_keeps_the_images_and_equals_hf(checkpoints, tok) -> None:
+    """Every step of LLM.beam_search carries the prompt's images and M-RoPE table (its later
+    steps were sent as token ids alone and refused as image tokens without an image)."""
+    from pagedserve import LLM, BeamSearchParams
+
+    path, hf = checkpoints["qwen2_vl"]
+    text, imgs = prompt_text(tok, 2), images(2)
+    expanded = Qwen2VLImagePrompts(path, hf.config, tok).process(text, imgs, tok.encode)
+    n = len(expanded.prompt_token_ids)
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, ids.shape[1]:].tolist()
+        out = hf.generate(**hf_inputs(hf, expanded), num_beams=3, num_return_sequences=3, do_sample=False,
+                          max_new_tokens=5, length_penalty=1.0, eos_token_id=None, pad_token_id=0,
+                          output_scores=True, return_dict_in_generate=True)
+    want = [seq[n:].tolist() for seq in out.sequences]
+    llm = LLM(path, dtype="float32", seed=0)
+    got = llm.beam_search([{"prompt": text, "multi_modal_data": {"image": imgs}, "cache_salt": "s"}],
+                          BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))[0].sequences
+    assert [s.tokens[n:] for s in got] == want
+    for ours, theirs in zip(got, out.sequences_scores.tolist(), strict=True):
+        assert ours.score == pytest.approx(theirs, abs=1e-4)
+    # Its steps kept the prompt's salt: the prompt's blocks were read back under it, so an
+    # unsalted request finds none of them.
+    plain = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, use_tqdm=False)[0]
+    assert plain.num_cached_tokens == 0
 
 
 # KV blocks of 16 tokens: 2 layers x 2 kv heads x head_dim 16, k and v, float32.

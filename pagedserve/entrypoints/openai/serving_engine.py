@@ -30,7 +30,7 @@ from pagedserve.engine.async_llm import (
     RequestStream,
     RequestTimeoutError,
 )
-from pagedserve.engine.beam_search import BeamSearchStream, step_params
+from pagedserve.engine.beam_search import BeamSearchStream, step_params, step_prompt
 from pagedserve.engine.chat_utils import encode_text
 from pagedserve.engine.detokenizer import decoder_of
 from pagedserve.engine.input_processor import InputProcessor
@@ -291,8 +291,6 @@ class OpenAIServing:
         lora_request = self.lora_request(req.model)
         streams: list[RequestStream | BeamSearchStream] = []
         i = 0
-        if prep.beam is not None and any(p.multi_modal is not None for p in prep.prompts):
-            raise OpenAIError("use_beam_search takes text prompts: not images", param="use_beam_search")
         # (a beam search's steps share its deadline: request_timeout bounds the whole search)
         timeout = self.engine.request_timeout
         deadline = None if timeout is None or prep.beam is None else time.monotonic() + timeout
@@ -352,9 +350,7 @@ class OpenAIServing:
 
         async def next_tokens(ids: list[int]) -> dict[int, Logprob]:
             stream = next(streams, None) or await self.engine.add_request(
-                random_id("beam"), {"prompt_token_ids": ids, **({"cache_salt": req.cache_salt} if req.cache_salt
-                                                                else {})},
-                step, req.priority, final_only=True, lora_request=lora_request, group=request_id,
+                random_id("beam"), step_prompt(ids, req.cache_salt, prompt.multi_modal), step, req.priority, final_only=True, lora_request=lora_request, group=request_id,
                 deadline=deadline)
             async for out in stream:
                 c = out.outputs[0]

@@ -77,7 +77,7 @@ def test_answers_and_cached_tokens(vlm) -> None:
 def test_each_family_answers_as_offline(vlm, name: str) -> None:
     """Gemma 3 and Qwen2-VL through the server with a data: URL answer as LLM.chat does
     (which tests/models checks against HF greedy); Idefics3's is test_answers_and_cached_tokens."""
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM, BeamSearchParams, SamplingParams
 
     path, server = vlm
     url = data_url(image(50, 40, 31))
@@ -90,6 +90,14 @@ def test_each_family_answers_as_offline(vlm, name: str) -> None:
     want = offline.chat(chat, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert served.choices[0].message.content == want.outputs[0].text
     assert served.usage.prompt_tokens == len(want.prompt_token_ids) > 10
+    # vLLM's use_beam_search: the offline search's beams (every step with the image)
+    beams = client.chat.completions.create(model=name, messages=chat, n=2, max_tokens=4, temperature=0,
+                                           extra_body={"use_beam_search": True, "ignore_eos": True})
+    prompt = offline.llm_engine.encode_chat(chat)
+    searched = offline.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0]
+    decode = offline.get_tokenizer().decode
+    assert [c.message.content for c in beams.choices] == \
+        [decode(s.tokens[len(want.prompt_token_ids):], skip_special_tokens=True) for s in searched.sequences]
 
 
 def test_responses_anthropic_and_ollama_take_images(vlm, tmp_path) -> None:
