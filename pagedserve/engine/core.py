@@ -131,6 +131,10 @@ class EngineCore:
         # adapter read again (evicted, or removed and loaded anew) whose files changed is
         # refused, as its cached KV came from the old weights.
         self._lora_files: dict[tuple[int, str, str], tuple[int, ...]] = {}
+        # The adapter each id names, from its first request until the caller removes it
+        # (remove_lora): evicting it from host memory does not free the id, so that a
+        # request reusing an id for another adapter is refused whatever is loaded or parked.
+        self._lora_ids: dict[int, LoRARequest] = {}
         # Requests whose adapter has no room yet (max_cpu_loras loaded, each with unfinished
         # requests), oldest first: their parent is in the output processor, their
         # sequences join the scheduler when an adapter goes idle (see _admit_parked), so
@@ -156,6 +160,8 @@ class EngineCore:
             if rid in self.output_processor.parents or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
         lora = request.lora_request
+        if lora is not None:
+            self._check_lora_id(lora)
         # Behind a parked request every adapter request waits its turn: otherwise requests
         # on the busy adapters could keep them busy for ever.
         if lora is not None and (self._parked or not self._has_room(lora)):
@@ -166,6 +172,7 @@ class EngineCore:
                 check_peft_config(lora.lora_path, self.config.lora_config.max_lora_rank)
             self._track(request, output_kind)
             self._parked.append(request)
+            self._lora_ids.setdefault(lora.lora_int_id, lora)
             return
         self._admit(request)
         self._track(request, output_kind)
@@ -226,9 +233,9 @@ class EngineCore:
         if known == lora_request:
             self._loras.move_to_end(lora_id)
             return False
-        if known is not None:
-            raise InvalidRequestError(f"LoRA id {lora_id} is adapter {known.lora_name!r} "
-                                      f"({known.lora_path}); unload it before reusing the id", param="model")
+        if known is not None:  # (removed, but still running its requests)
+            raise_id_in_use(known)
+        self._check_lora_id(lora_request)
         files, key = adapter_files_key(lora_request.lora_path), lora_request.cache_key
         if files is not None and self._lora_files.get(key, files) != files:  # (None: the load names what is missing)
             raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}): its files changed "
@@ -239,18 +246,32 @@ class EngineCore:
             busy = self._busy_loras()
             idle = [i for i in self._loras if i not in busy]
             for victim in idle[: len(self._loras) - lora_config.max_cpu_loras + 1]:
-                self.remove_lora(victim)
+                self._unload(victim)
         self.model_executor.add_lora(lora_request)
         self._loras[lora_id] = lora_request
+        self._lora_ids.setdefault(lora_id, lora_request)
         if files is not None:  # (one entry per adapter key loaded: runtime loads are the admin's, behind the key)
             self._lora_files.setdefault(key, files)
         if len(self._loras) > lora_config.max_cpu_loras:
             # Loaded by name (not for a request) while every other adapter is busy: it
             # was checked, and it is read again when a request names it.
-            self.remove_lora(lora_id)
+            self._unload(lora_id)
         return True
 
+    def _check_lora_id(self, lora_request: LoRARequest) -> None:
+        """InvalidRequestError when the adapter's id names another adapter (one loaded or
+        parked for before, and not removed since)."""
+        bound = self._lora_ids.get(lora_request.lora_int_id)
+        if bound is not None and bound != lora_request:
+            raise_id_in_use(bound)
+
     def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter and free its id for another adapter (False: it was not
+        loaded)."""
+        self._lora_ids.pop(lora_id, None)
+        return self._unload(lora_id)
+
+    def _unload(self, lora_id: int) -> bool:
         """Unload an adapter (False: it was not loaded).  One with unfinished requests stays
         loaded until they end (their steps must not read files), first in line to go when
         another needs the room."""
@@ -522,3 +543,9 @@ def _adapter_names(requests: Iterable[Request | EngineCoreRequest]) -> tuple[str
     """The distinct adapters of `requests` (the scheduler's, and those parked for host
     memory), by name, sorted."""
     return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+
+def raise_id_in_use(known: LoRARequest) -> None:
+    """A request named adapter id `known.lora_int_id` for another adapter than `known`."""
+    raise InvalidRequestError(f"LoRA id {known.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}); "
+                              "remove it (remove_lora) before reusing the id", param="model")

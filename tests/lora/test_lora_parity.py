@@ -297,6 +297,32 @@ def test_unloading_an_adapter_with_a_running_request_lets_it_finish(tiny) -> Non
     assert engine.list_loras() == [loras[1]]
 
 
+def test_an_id_names_one_adapter_until_removed_loaded_parked_or_evicted(tiny) -> None:
+    """Id 1 given to another adapter is refused when named, whatever host memory holds: it
+    was refused while loaded, ended with an empty "error" output while parked behind a
+    busy adapter, and ran the other adapter once evicted."""
+    d, loras, refs = tiny
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    first, other = LoRARequest("a", 1, loras[0].lora_path), LoRARequest("a", 1, loras[1].lora_path)
+    ours(llm, PROMPTS[:1], first)
+    with pytest.raises(ValueError, match="LoRA id 1 is adapter 'a'"):  # loaded
+        ours(llm, PROMPTS[:1], other)
+    engine.add_request("busy", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=loras[2])
+    engine.add_request("parked", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=first)
+    with pytest.raises(ValueError, match="LoRA id 1 is adapter 'a'"):  # parked
+        engine.add_request("other", {"prompt_token_ids": PROMPTS[0]}, params, lora_request=other)
+    while engine.has_unfinished_requests():
+        engine.step()
+    ours(llm, PROMPTS[:1], loras[3])  # evicts id 1
+    assert 1 not in [r.lora_int_id for r in engine.list_loras()]
+    with pytest.raises(ValueError, match="LoRA id 1 is adapter 'a'"):  # evicted
+        ours(llm, PROMPTS[:1], other)
+    assert not engine.remove_lora(1)  # (not loaded) frees the id
+    check_logprobs_close(refs[2][:1], ours(llm, PROMPTS[:1], other), "adapter1 under the freed id 1")
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_an_id_reused_for_another_adapter_after_removal_runs_the_new_one(tiny, prefix_caching) -> None:
     """remove_lora(1), then another adapter under id 1: its answers are its own.  The old
