@@ -207,10 +207,11 @@ class KVCacheCoordinator:
         if released:
             self.block_pool.free_blocks(released)
 
-    def cache_blocks(self, request: Request, num_full_blocks: int) -> None:
+    def cache_blocks(self, request: Request, num_full_blocks: int, tell_connectors: bool = True) -> None:
         """Register the request's positions up to `num_full_blocks` (full once this
         step's tokens are computed) in the prefix cache, in every group, and tell the
-        connectors."""
+        connectors (not `tell_connectors`: blocks about to be freed, which a save after
+        the next step could find rewritten)."""
         req_id = request.request_id
         start = self.num_cached_block[req_id]
         if num_full_blocks <= start:
@@ -219,7 +220,7 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.cache_blocks(req_id, hashes, start, num_full_blocks)
         self.num_cached_block[req_id] = num_full_blocks
-        if self.connectors:
+        if self.connectors and tell_connectors:
             table = self.managers[0].get_blocks(req_id)
             for connector in self.connectors:
                 connector.blocks_cached(request, table, start, num_full_blocks, self.transfers)

@@ -237,10 +237,12 @@ class KVCacheManager:
         """Register every full block of computed tokens before the blocks go back.
         `allocate_slots` registers blocks of known tokens only, so a block that the last
         step's accepted drafts filled would be freed unregistered, and the follow-up turn
-        or the resumption recomputed it (speculation on cached one block less)."""
+        or the resumption recomputed it (speculation on cached one block less).  The pool
+        only: the tier would save them after the next step, which may have rewritten them
+        (the radix tree matches full blocks through the pool)."""
         if self.enable_caching and self.coordinator.has_request(request.request_id):
             num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-            self.coordinator.cache_blocks(request, num_full)
+            self.coordinator.cache_blocks(request, num_full, tell_connectors=False)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -201,6 +201,7 @@ class FakeRunner:
             for block_id, key in transfers.saves:
                 slots = kv[block_id]
                 assert None not in slots, f"saving block {block_id}, not full"
+                assert pool.blocks[block_id].block_hash == key, f"saving block {block_id}, handed out again"
                 tier.put(key, slots)
         return sampled
 

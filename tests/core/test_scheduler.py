@@ -319,37 +319,63 @@ def test_speculative_drafts_are_scheduled_verified_and_rejected_slots_taken_back
     assert outputs[3] == outputs[None]
 
 
-@pytest.mark.parametrize("preempt", [False, True])
-def test_blocks_filled_by_accepted_drafts_stay_cached_after_the_request(preempt: bool) -> None:
+@pytest.mark.parametrize(("preempt", "radix"), itertools.product([False, True], [False, True]))
+def test_blocks_filled_by_accepted_drafts_stay_cached_after_the_request(preempt: bool, radix: bool) -> None:
     """The follow-up turn (the whole sequence and more) finds every full block of the
-    finished or preempted request cached, with speculation as without it: a block that
-    the last step's accepted drafts filled was freed unregistered (one block less)."""
-    from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
-
-    def cyclic(rid: str, context: list[int]) -> int:
-        return 1 + len(context) % 5
-
-    bs, missed = 4, []
+    finished or preempted request cached (the radix tree: and its partial last block),
+    with speculation as without it: a block that the last step's accepted drafts filled
+    was freed unregistered (one block less; the radix tree lost the partial one too)."""
+    missed = []
     for k, max_tokens in itertools.product((None, 3), range(20, 28)):
-        sched = make_scheduler(num_blocks=60, block_size=bs, max_model_len=64, num_speculative_tokens=k)
-        runner, first = FakeRunner(sched), make_request(0, 7, max_tokens=max_tokens, ignore_eos=True)
-        sched.add_request(first)
-        if preempt:  # its blocks go as a preemption's do after its last step settled the drafts
-            while first.num_tokens < 7 + max_tokens - 1:
-                so = sched.schedule()
-                sched.update_from_output(so, runner.execute(so, cyclic))
-            sched.kv_cache_manager.preempt(first)
-            known = list(first.all_token_ids)
-            sched.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
-        else:
-            run_to_completion(sched, runner, sample=cyclic)
-            known = list(first.all_token_ids)
-        follow = make_request(1, known + [1], max_tokens=1)
-        sched.add_request(follow)
+        sched = make_scheduler(num_blocks=60, block_size=4, max_model_len=64, num_speculative_tokens=k, radix=radix)
+        known, follow, _ = follow_up(sched, preempt, max_tokens)
         sched.schedule()
-        if follow.num_cached_tokens != (len(known) - 1) // bs * bs:
+        if follow.num_cached_tokens != (len(known) - 1 if radix else (len(known) - 1) // 4 * 4):
             missed.append((k, max_tokens, follow.num_cached_tokens, len(known)))
     assert not missed, missed
+
+
+@pytest.mark.parametrize("preempt", [False, True])
+def test_a_finished_requests_blocks_reach_the_tier_only_while_they_hold_their_key(preempt: bool) -> None:
+    """With a KV tier, speculation and a pool so small that the next request takes the
+    freed blocks: every save reads a block still holding its key (FakeRunner checks), and
+    the follow-up turn's KV, from the tier where the pool lost it, is right."""
+    from core_helpers import FakeTier
+
+    for max_tokens in range(20, 28):
+        sched = make_scheduler(num_blocks=12, block_size=4, max_model_len=40, num_speculative_tokens=3,
+                               tier=FakeTier())
+        _, follow, runner = follow_up(sched, preempt, max_tokens, filler=make_request(2, 30, max_tokens=1))
+        run_to_completion(sched, runner, sample=cyclic)  # (the runner checks every slot it reads)
+        assert follow.num_cached_tokens > 0
+
+
+def cyclic(rid: str, context: list[int]) -> int:
+    return 1 + len(context) % 5  # 1 2 3 4 5 1 2 ...: n-gram drafts are accepted
+
+
+def follow_up(sched, preempt: bool, max_tokens: int, filler=None):
+    """Run a cyclic request to its end (or preempt it after its last step), run `filler`,
+    then add its whole sequence and one more token as a new request: (the sequence, it,
+    the runner holding their KV)."""
+    runner, first = FakeRunner(sched), make_request(0, 7, max_tokens=max_tokens, ignore_eos=True)
+    sched.add_request(first)
+    if preempt:  # its blocks go as a preemption's do, after its last step settled the drafts
+        while first.num_tokens < 7 + max_tokens - 1:
+            so = sched.schedule()
+            sched.update_from_output(so, runner.execute(so, cyclic))
+        sched.kv_cache_manager.preempt(first)
+        known = list(first.all_token_ids)
+        sched.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    else:
+        run_to_completion(sched, runner, sample=cyclic)
+        known = list(first.all_token_ids)
+    if filler is not None:
+        sched.add_request(filler)
+        run_to_completion(sched, runner, sample=cyclic)
+    follow = make_request(1, known + [1], max_tokens=1)
+    sched.add_request(follow)
+    return known, follow, runner
 
 
 def test_at_most_max_loras_adapters_run_at_once_and_the_others_keep_their_place():
