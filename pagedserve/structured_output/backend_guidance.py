@@ -226,7 +226,8 @@ def structural_tag_lark(tag: dict[str, Any], added_tokens: dict[str, int]) -> st
         else:
             lines.append(f"trig_{i}[lazy]: /(.|\\n)*{_regex_escape(trigger)}/")
             head, bare = f"trig_{i}", _literal(trigger)
-        body = [_with_added_tokens(begin[len(trigger):], added_tokens), f"%json {json.dumps(tag_schema)}",
+        # (objects closed, as the answer's: what xgrammar's tags and the named call's schema take)
+        body = [_with_added_tokens(begin[len(trigger):], added_tokens), f"%json {json.dumps(_closed_objects(tag_schema))}",
                 _with_added_tokens(end, added_tokens)]
         lines += [f"call_{i}: {head} body_{i}", f"first_{i}: {bare} body_{i}",
                   f"body_{i}: " + " ".join(p for p in body if p)]

@@ -48,6 +48,8 @@ def test_tool_call_structural_tags(backend, tool_tokens):
     assert accepts(tok, backend, auto, CALL + "\n" + CALL.replace("Rome", "Paris"))
     assert not accepts(tok, backend, auto, CALL.replace("Rome", "Oslo"))  # not in the enum
     assert not accepts(tok, backend, auto, CALL.replace("get_weather", "get_time"))  # no such tool
+    assert not accepts(tok, backend, auto, CALL.replace('"Rome"}', '"Rome", "evil": 1}'))  # a key not declared
+    assert not accepts(tok, backend, one, CALL.replace('"Rome"}', '"Rome", "evil": 1}'))
     assert accepts(tok, backend, one, CALL)
     assert not accepts(tok, backend, one, CALL + " and more")  # nothing after the one call
 

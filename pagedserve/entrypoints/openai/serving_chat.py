@@ -468,9 +468,8 @@ class OpenAIServingChat(OpenAIServing):
             reason = _calls_finish(c)
         else:
             text, calls = plan.calls(c.text, finished, ts.cursor)
-            if plan.mode == "auto" and not calls:  # no call yet: the part that cannot open one
-                safe = len(c.text) if finished else plan.parser.text_before_calls(c.text)
-                text = c.text[:safe]
+            if plan.mode == "auto" and not calls and not finished:  # no call yet: the part that cannot open one
+                text = c.text[:plan.parser.text_before_calls(c.text)]
             if text and len(text) > ts.sent_text:
                 pieces.append(DeltaMessage(content=text[ts.sent_text:]))
                 ts.sent_text = len(text)

@@ -70,10 +70,14 @@ class CallCursor:
 
     pos: int = 0
     calls: list[ParsedToolCall] = field(default_factory=list)
+    scan: int = 0  # where the next call may open (past text read as not a call)
+    parts: list[str] = field(default_factory=list)  # the text before each call in `calls` (hermes)
 
 
 _SPACE = re.compile(r"\s*")
 _SEPARATORS = re.compile(r"[ \t\n\r,]*")  # (between a JSON array's items)
+_CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*')  # (a hermes call's head, up to its name)
+_CUT_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 
 
 class HermesToolParser:
@@ -82,43 +86,69 @@ class HermesToolParser:
 
     def extract(self, text: str, finished: bool = True, names: Collection[str] | None = None,
                 cursor: CallCursor | None = None) -> tuple[str | None, list[ParsedToolCall]]:
-        """The calls between the tags (a finished answer's last one also without its closing
-        tag, as a stop string or max_tokens may cut it: vLLM's reads it too) of the
-        functions in `names` (None: any).  Each call's JSON is read by the JSON decoder,
-        not up to the next closing tag, so an argument may hold "</tool_call>" (the
-        structural tag lets it); one in one pass (a lazy regex was quadratic in openings
-        left unclosed).  `cursor`: a running answer's parse so far, resumed and advanced."""
+        """The calls between the tags of the functions in `names` (None: any), and the text
+        around them, before, between and after, as content (each piece trimmed, joined by
+        newlines).  Each call's JSON is read by the JSON decoder, not up to the next closing
+        tag, so an argument may hold "</tool_call>" (the structural tag lets it); one in one
+        pass (a lazy regex was quadratic in openings left unclosed).  A tag not followed by
+        "{" is text (a code sample), and so is a call of another function or of malformed
+        JSON.  A finished answer's last call cut short (max_tokens, a stop string) is a call
+        with the arguments it wrote (a prefix, as a named call's) when its name is one of
+        `names`, else dropped: never markup in the content.  `cursor`: a running answer's
+        parse so far, resumed and advanced."""
         cursor = cursor if cursor is not None else CallCursor()
-        calls, pos = list(cursor.calls), cursor.pos
-        decoder = json.JSONDecoder()
-        while (start := text.find(self.OPEN, pos)) >= 0:
+        calls, parts, pos, scan = list(cursor.calls), list(cursor.parts), cursor.pos, max(cursor.scan, cursor.pos)
+        decoder, end_of_text = json.JSONDecoder(), len(text)
+        while (start := text.find(self.OPEN, scan)) >= 0:
             body = _SPACE.match(text, start + len(self.OPEN)).end()
-            if not finished and text.find(self.CLOSE, body) < 0:
+            if body < len(text) and text[body] != "{":
+                scan = start + len(self.OPEN)  # (a tag in prose: text)
+                continue
+            close = text.find(self.CLOSE, body)
+            if close < 0 and not finished:
                 break  # (still being written: not read again at every delta)
             try:
                 obj, end = decoder.raw_decode(text, body)
-            except (ValueError, RecursionError):  # (not JSON, not yet all of it, or nested past the parser's depth)
-                end = -1
-            after = _SPACE.match(text, end).end() if end >= 0 else -1
-            if after >= 0 and (text.startswith(self.CLOSE, after) or finished and after == len(text)):
-                if (call := _call_from(obj, "arguments", names)) is not None:
-                    calls.append(call)
-                pos = after + len(self.CLOSE)
-                continue
-            if not finished:
+                after = _SPACE.match(text, end).end()
+                # (closed; or a finished answer's cut inside or before its closing tag)
+                done = text.startswith(self.CLOSE, after) or finished and self.CLOSE.startswith(text[after:])
+            except (ValueError, RecursionError):  # (not JSON, not all of it, or nested past the parser's depth)
+                obj, after, done = None, -1, False
+            if not done and not finished:
                 break  # a call still being written: read once it closes (one written wrongly, at the end)
-            close = text.find(self.CLOSE, body)  # not a call: what follows its closing tag may be
-            if close < 0:
-                break
-            pos = close + len(self.CLOSE)
+            call = _call_from(obj, "arguments", names) if done else None
+            if not done and close < 0:  # a finished answer's last call, cut short
+                call, end_of_text = self._cut_call(text, body, names), start
+                if call is None:
+                    break
+            if call is not None:
+                calls.append(call)
+                parts.append(text[pos:start])
+                pos = scan = min(after + len(self.CLOSE), len(text)) if done else len(text)
+                continue
+            scan = min(after + len(self.CLOSE), len(text)) if done else close + len(self.CLOSE)  # not a call: text
         if not finished:  # (only complete calls were passed)
-            cursor.pos, cursor.calls = pos, calls
+            cursor.pos, cursor.scan, cursor.calls, cursor.parts = pos, scan, calls, parts
         if not calls:
-            return text, []
-        # The whitespace between the text and its first call is not content; the text's
-        # own (leading) is, as a stream sent it before any call could be known.
-        content = text[: text.index(self.OPEN)].rstrip()
-        return content or None, calls
+            return (text if end_of_text == len(text) else text[:end_of_text].rstrip() or None), []
+        tail = text[pos:end_of_text] if finished else text[pos:pos + self.text_before_calls(text[pos:])]
+        # The whitespace between text and a call is not content; the first piece's own
+        # leading whitespace is, as a stream sent it before any call could be known.
+        pieces = [parts[0].rstrip()] + [p.strip() for p in (*parts[1:], tail)]
+        return "\n".join(p for p in pieces if p) or None, calls
+
+    def _cut_call(self, text: str, body: int, names: Collection[str] | None) -> ParsedToolCall | None:
+        """The call a cut answer began at `body` ('{"name": ..., "arguments": ' and what it
+        wrote of them), if its name is whole and one of `names`."""
+        head = _CUT_NAME.match(text, body)
+        try:
+            name, i = json.JSONDecoder().raw_decode(text, head.end()) if head else (None, 0)
+        except ValueError:
+            return None
+        if not isinstance(name, str) or names is not None and name not in names:
+            return None
+        arguments = _CUT_ARGUMENTS.match(text, i)
+        return ParsedToolCall(name, text[arguments.end():].rstrip() if arguments else "")
 
     def text_before_calls(self, text: str) -> int:
         """Characters of `text` that cannot belong to a call: up to the first opening

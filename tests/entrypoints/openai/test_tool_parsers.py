@@ -25,8 +25,11 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 OPEN_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}'
 # (an argument may hold the format's own tags: the structural tag lets a string say anything)
 TAGS_CALL = '<tool_call>\n{"name": "g", "arguments": {"s": "wrap it in </tool_call> or <tool_call>"}}\n</tool_call>'
+# (a tag in a code sample is text; a call cut inside its name or its arguments)
+CODE_TAG = "```\n<tool_call>\n```"
+CUT_NAME, CUT_ARGS = '<tool_call>\n{"name": "get_', '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lon'
 PIECES = ["Let me check.", "Sure", " ", "  ", "\n", "\n\n", "\t", "<tool", "_call>", CALL, "ok ", OPEN_CALL,
-          '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', TAGS_CALL]
+          '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', TAGS_CALL, "Done!", CODE_TAG, CUT_NAME, CUT_ARGS]
 
 
 def _streamed(plan: ToolPlan, text: str, cuts: list[int]) -> tuple[str, list[str]]:
@@ -61,6 +64,27 @@ def test_an_argument_holding_the_tags_is_one_call_whole_or_streamed() -> None:
     assert content == "On it." and [c.name for c in calls] == ["g", "get_weather"]
     assert json.loads(calls[0].arguments) == {"s": "wrap it in </tool_call> or <tool_call>"}
     assert _streamed(plan, text, list(range(len(text)))) == ("On it.", ["g", "get_weather"])
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    # text between and after the calls is content too (it was dropped: only the text before the first counted)
+    ("A" + CALL + " middle " + CALL + "\nDone!", "A\nmiddle\nDone!", [("get_weather", '{"city": "Paris"}')] * 2),
+    # a call cut by max_tokens or a stop string: a call with what it wrote (its markup was the content)
+    ("Sure. " + CUT_ARGS, "Sure.", [("get_weather", '{"city": "Lon')]),
+    (CALL + "\n" + CUT_ARGS[:-4] + '"London", "unit": "c"', None,
+     [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "London", "unit": "c"')]),
+    ("Sure. " + CUT_NAME, "Sure.", []),  # (cut inside its name: no call to make, and no markup)
+    ('<tool_call>\n{"name": "get_weather"', None, [("get_weather", "")]),
+    # a tag in a code sample is text: it hid the call after it (read past that call's closing tag)
+    ("Use " + CODE_TAG + "\nthen " + CALL, "Use " + CODE_TAG + "\nthen", [("get_weather", '{"city": "Paris"}')]),
+])
+def test_text_around_calls_and_a_cut_call_whole_or_streamed(text: str, content: str | None, calls: list) -> None:
+    plan = ToolPlan(mode="auto", parser=HermesToolParser(), names=NAMES)
+    got, parsed = plan.calls(text, True)
+    assert (got, [(c.name, c.arguments) for c in parsed]) == (content, calls)
+    assert _streamed(plan, text, list(range(len(text)))) == (content or "", [name for name, _ in calls])
+    if parsed:  # (what Anthropic's tool_use input and Ollama's arguments read of a cut call)
+        assert arguments_object(parsed[-1].arguments) in ({"city": "Paris"}, {}, {"city": "London", "unit": "c"})
 
 
 @pytest.mark.parametrize("mode", ["auto", "required"])
