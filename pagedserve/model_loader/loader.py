@@ -246,6 +246,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def check_weight_files(source: ModelSource) -> None:
+    """FileNotFoundError naming what a checkpoint directory lacks (its safetensors files,
+    or shards its index lists): found before a model is built, or another one unloaded
+    to make room for it (the server's model pool)."""
+    if source.format == "safetensors":
+        from pagedserve.model_loader.weight_utils import safetensors_files
+
+        safetensors_files(source.path)
+
+
 def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | str | None = None,
               dtype: torch.dtype | str | None = None) -> nn.Module:
     """The model, built on `device` in `dtype` (default: model_config's resolved dtype), weights loaded, eval mode."""
@@ -263,10 +273,7 @@ def get_model(model_config: ModelConfig, device: DeviceConfig | torch.device | s
                          f"quant_activation_bits at {QUANT_ACTIVATION_BITS[0]}")
     model_config.quantization = method  # resolved, like dtype (resolving again gives the same)
     model_cls = get_model_class(hf_config)
-    if source.format == "safetensors":  # (before building anything: a directory without weights fails at once)
-        from pagedserve.model_loader.weight_utils import safetensors_files
-
-        safetensors_files(source.path)
+    check_weight_files(source)  # (before building anything: a directory without weights fails at once)
     # (positions past max_model_len never run: no rotary table holds them)
     limit = model_config.max_model_len + MAX_SPECULATIVE_TOKENS + 1 if model_config.max_model_len else None
     config = model_config.hf_mm_config or hf_config

@@ -22,8 +22,8 @@ async def messages(body: MessagesRequest, request: Request, state: ServerStateDe
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, state: ServerStateDep) -> dict:
-    lease = await state.lease(body.model, chat=True)
+async def count_tokens(body: CountTokensRequest, request: Request, state: ServerStateDep) -> dict:
+    lease = await state.lease(body.model, chat=True, client=request)
     try:
         serving = AnthropicServingMessages(lease.handlers.chat)
         serving.warn_unknown_fields(body)

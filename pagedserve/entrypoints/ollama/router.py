@@ -55,7 +55,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
     state.check_up()
     check_request(body, splits_reasoning=state.splits_reasoning)  # (before the model is leased)
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
-        return await _load_only(state, body.model, body.keep_alive_seconds(), chat=True)
+        return await _load_only(state, request, body.model, body.keep_alive_seconds(), chat=True)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), chat=True, stream_class=NDJSONResponse)
 
@@ -66,12 +66,12 @@ async def generate_route(body: OllamaGenerateRequest, request: Request, state: S
     state.check_up()  # (before the model is leased, as Ollama parses options before scheduling)
     check_request(body, await state.has_chat_template(state.model_for(body.model)), state.splits_reasoning)
     if not body.prompt:  # (as Ollama: raw or not, an empty prompt loads or unloads)
-        return await _load_only(state, body.model, body.keep_alive_seconds(), chat=False)
+        return await _load_only(state, request, body.model, body.keep_alive_seconds(), chat=False)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
                           keep_alive=body.keep_alive_seconds(), stream_class=NDJSONResponse)
 
 
-async def _load_only(state: ServerState, model: str, keep_alive: Any, chat: bool) -> JSONResponse:
+async def _load_only(state: ServerState, request: Request, model: str, keep_alive: Any, chat: bool) -> JSONResponse:
     """A request with nothing to generate: load the model, or unload it with keep_alive 0
     (a model not loaded stays so)."""
     unloading = keep_alive == 0
@@ -79,7 +79,8 @@ async def _load_only(state: ServerState, model: str, keep_alive: Any, chat: bool
         state.check_up()
         await state.models.unload(state.model_for(model), asked=True)
     else:
-        (await state.lease(model, "generate", "/api/chat" if chat else "/api/generate", keep_alive)).release()
+        (await state.lease(model, "generate", "/api/chat" if chat else "/api/generate", keep_alive,
+                           client=request)).release()
     body: dict[str, Any] = {"model": model, "created_at": now_iso(), "done": True,
                             "done_reason": "unload" if unloading else "load"}
     body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
@@ -102,7 +103,8 @@ async def _embed(body: OllamaEmbedRequest | OllamaEmbeddingsRequest, request: Re
     timing = Timing()
     body.check_options()
     if body.empty():
-        (await state.lease(body.model, "pooling", route_path(request.scope), body.keep_alive_seconds())).release()
+        (await state.lease(body.model, "pooling", route_path(request.scope), body.keep_alive_seconds(),
+                           client=request)).release()
         return JSONResponse(nothing)
     return await generate(state, lambda model: OllamaEmbedding(model.embedding, timing), body, request,
                           runner="pooling", keep_alive=body.keep_alive_seconds())

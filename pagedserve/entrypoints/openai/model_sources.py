@@ -131,11 +131,15 @@ def pool_options(args: argparse.Namespace, num_models: int, device: str) -> dict
 
 def check_model_config(engine_args: EngineArgs, spec: ModelSpec) -> int | None:
     """`spec`'s config against the server's flags (a --max-model-len past its limit, a
-    family not served here), where its files are on this machine: a ValueError before
-    the pool unloads another model for a load that would fail (one not fetched yet is
-    checked as it loads); else the max_model_len it will serve (None: not fetched yet)."""
-    from pagedserve.model_loader.sources import local_model
+    family not served here) and its weight files, where its files are on this machine: a
+    ValueError or FileNotFoundError before the pool unloads another model for a load that
+    would fail (one not fetched yet is checked as it loads); else the max_model_len it
+    will serve (None: not fetched yet)."""
+    from pagedserve.model_loader.loader import check_weight_files
+    from pagedserve.model_loader.sources import local_model, resolve_source
 
     if local_model(spec.source) is None:
         return None
-    return engine_args.replace(model=spec.source).create_engine_config().model_config.max_model_len
+    config = engine_args.replace(model=spec.source).create_engine_config().model_config
+    check_weight_files(resolve_source(config.model, config.load_format))
+    return config.max_model_len

@@ -16,12 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Response
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.profiler import Profiler, profiler_dir
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard import DashboardHub, is_public_path
+from pagedserve.entrypoints.openai.http_utils import cancel_on_disconnect
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease, ModelPool, ModelSpec
 from pagedserve.entrypoints.openai.protocol import RequestBody
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
@@ -310,12 +311,14 @@ class ServerState:
         return name
 
     async def lease(self, requested: str | None, runner: str | None = None, route: str = "",
-                    keep_alive: Any = UNSET, chat: bool = False) -> Lease[ModelHandlers]:
+                    keep_alive: Any = UNSET, chat: bool = False, client: Request | None = None) -> Lease[ModelHandlers]:
         """The request's model, loaded and held until the lease is released; a 503 while
         the server cannot serve, a 404 for a model it does not serve, on a route of the
         other runner a 400 naming the flag that serves it, and for a chat (`chat`: one the
         model's own template must render) a 400 before a model whose files hold no chat
-        template is loaded (and the loaded one unloaded for it)."""
+        template is loaded (and the loaded one unloaded for it).  A `client` that leaves
+        while its model loads or waits for room no longer holds it (a load nobody waits
+        for unloads nothing, model_pool.py): a 499."""
         self.check_up()
         name = self.model_for(requested)
         if runner is not None and self.runner is not None:
@@ -326,7 +329,10 @@ class ServerState:
 
             raise OpenAIError(f"model {name!r} {NO_CHAT_TEMPLATE_HERE}" if route.startswith(OLLAMA_PATH_PREFIX)
                               else f"model {name!r}: {NO_CHAT_TEMPLATE}", param="messages")
-        lease = await self.models.lease(name, keep_alive)
+        waiting = self.models.lease(name, keep_alive)
+        lease = await (waiting if client is None else cancel_on_disconnect(client, waiting))
+        if isinstance(lease, Response):
+            raise OpenAIError("the client disconnected while its model loaded", status=499)
         try:
             engine = lease.handlers.engine
             check_serving(engine)

@@ -526,19 +526,24 @@ def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) ->
     assert call(app, fn).choices[0].text == "he"
 
 
-def test_a_client_that_leaves_while_its_model_waits_for_room_loads_nothing() -> None:
+@pytest.mark.parametrize(("path", "fields"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/tokenize", {"prompt": "hi"}),
+    ("/detokenize", {"tokens": [1, 2]}), ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/api/generate", {}), ("/api/chat", {}),  # (Ollama's preload: no prompt, no messages)
+])
+def test_a_client_that_leaves_while_its_model_waits_for_room_loads_nothing(path: str, fields: dict) -> None:
     """The lease was taken before the disconnect watch began: the load went on waiting
     for room, then unloaded the busy model and loaded one nobody wanted (for its whole
-    keep_alive)."""
+    keep_alive); /tokenize, /detokenize, count_tokens and Ollama's preload had no watch."""
     import json
 
     state, app, loads = make_app()
 
     async def main():
         busy = await state.models.lease("first")
-        body = json.dumps({"model": "second", "prompt": "hi", "max_tokens": 2}).encode()
+        body = json.dumps({"model": "second", **fields}).encode()
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
                  "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
                              (b"content-length", str(len(body)).encode())]}

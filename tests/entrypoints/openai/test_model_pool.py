@@ -489,8 +489,9 @@ def test_a_load_nobody_waits_for_any_more_unloads_nothing_and_holds_up_no_one() 
 
 
 def test_a_model_whose_config_refuses_the_servers_flags_unloads_nothing(tmp_path) -> None:
-    """A --max-model-len past one model's limit fails that model's load before the loaded
-    model is unloaded for it (it was unloaded, the load failed, and it loaded again)."""
+    """A --max-model-len past one model's limit, or a directory without its weight files,
+    fails that model's load before the loaded model is unloaded for it (it was unloaded,
+    the load failed, and it loaded again)."""
     import json
 
     from pagedserve.engine.arg_utils import EngineArgs
@@ -500,6 +501,9 @@ def test_a_model_whose_config_refuses_the_servers_flags_unloads_nothing(tmp_path
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 64,
         "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 32,
         "vocab_size": 100}))
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors weight files"):
+        check_model_config(EngineArgs(model=str(tmp_path)), ModelSpec("short", str(tmp_path)))
+    (tmp_path / "model.safetensors").touch()
     assert check_model_config(EngineArgs(model=str(tmp_path)), ModelSpec("short", str(tmp_path))) == 64
     check = functools.partial(check_model_config, EngineArgs(model=str(tmp_path), max_model_len=128))
 

@@ -97,12 +97,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
     if isinstance(body, ChatCompletionRequest | CompletionRequest):
         body.to_sampling_params()  # (the ranges that need no model, before it loads: a bad request unloads nothing)
-    # (a client that leaves while its model waits to load, or for room, no longer holds
-    # it: a load nobody waits for unloads nothing, model_pool.py)
-    lease = await cancel_on_disconnect(request, state.lease(body.model, runner, route or route_path(request.scope),
-                                                            keep_alive, chat))
-    if isinstance(lease, Response):  # (the client left)
-        return lease
+    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive, chat, request)
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from pagedserve.entrypoints.openai.exception_handlers import first_error
@@ -73,10 +73,10 @@ class DetokenizeRequest(RequestBody):
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request, state: ServerStateDep) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError("send exactly one of prompt or messages")
-    lease = await state.lease(body.model)  # the chat handler holds the model's tokenizer
+    lease = await state.lease(body.model, client=request)  # the chat handler holds the model's tokenizer
     try:
         chat = lease.handlers.chat
         chat.warn_unknown_fields(body)
@@ -96,8 +96,8 @@ async def tokenize(body: TokenizeRequest, state: ServerStateDep) -> dict:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, state: ServerStateDep) -> dict:
-    lease = await state.lease(body.model)
+async def detokenize(body: DetokenizeRequest, request: Request, state: ServerStateDep) -> dict:
+    lease = await state.lease(body.model, client=request)
     try:
         chat = lease.handlers.chat
         chat.warn_unknown_fields(body)
