@@ -91,7 +91,8 @@ def parse_bytes(value: int | str, name: str = "size") -> int:
             n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
         if n is None:
             raise ValueError(f"{name} must be a byte count such as 2147483648, '2GiB' or '512M' (k, m, g: powers "
-                             f"of 1000; K, M, G: of 1024, whole numbers), got {value!r}")
+                             f"of 1000; K, M, G: of 1024, whole numbers; spelled out, kB, MB, GB or KiB, MiB, "
+                             f"GiB, fractions too), got {value!r}")
     else:
         raise ValueError(f"{name} must be an integer number of bytes or a string like '2GiB', got {value!r}")
     if n < 1:
