@@ -210,14 +210,15 @@ _ROUTES: tuple[tuple[str, type[RequestBody]], ...] = (
 @functools.cache
 def _other_routes_fields(model: type[_PoolingFields]) -> dict[str, tuple[list[str], list[Any]]]:
     """Fields the other routes model and `model` does not: name -> (those routes, their
-    defaults there)."""
+    defaults there; a field a route requires has none: any value asks for something)."""
     found: dict[str, tuple[list[str], list[Any]]] = {}
     for route, other in _ROUTES:
         for name, info in other.model_fields.items():
-            if name not in model.model_fields and not info.is_required():
+            if name not in model.model_fields:
                 routes, defaults = found.setdefault(name, ([], []))
                 routes.append(route)
-                defaults.append(info.get_default(call_default_factory=True))
+                if not info.is_required():
+                    defaults.append(info.get_default(call_default_factory=True))
     return found
 
 

@@ -209,6 +209,10 @@ def test_score_and_rerank_answer_in_their_shapes(pooling_server) -> None:
     ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "dimensions": 4}, "dimensions"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "input": "c"}, "input"),
+    # ... and fields another route requires (taken as unknown: the answer was for other inputs)
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "text_2": ["c"]}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b"], "query": "c"}, "query"),
+    ("/v1/embeddings", {"input": "a", "prompt": "b"}, "prompt"),
 ])
 def test_bad_pooling_requests_are_refused_by_name(pooling_server, path, body, param) -> None:
     r = httpx.post(pooling_server.url + path, json=body, timeout=60)
