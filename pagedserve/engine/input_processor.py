@@ -526,10 +526,11 @@ class InputProcessor:
         return child
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word as the tokenizer writes it alone and after a space (vLLM's rule)."""
+        """Each word as the tokenizer writes it alone and after a space, whatever spaces it
+        starts with (vLLM's rule: " Paris" banned only the spaced token)."""
         seqs: list[list[int]] = []
         for word in words:
-            for text in (word, " " + word.lstrip()):
+            for text in (word.lstrip(), " " + word.lstrip()):
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
                 if ids and ids not in seqs:
                     seqs.append(ids)

@@ -374,6 +374,16 @@ def test_bad_words_are_tokenized_once_per_request_and_text_prompts_are_bounded(t
     assert engine.max_prompt_chars <= 128 * max(len(t) for t in tok.get_vocab())
 
 
+def test_a_bad_word_is_banned_alone_and_after_a_space_whatever_it_starts_with(tok) -> None:
+    """vLLM's rule: " Paris" was tokenized as written and after a space, both " Paris",
+    so the word alone stayed allowed."""
+    processor = make_engine(tokenizer=tok, vocab_size=len(tok)).input_processor
+    both = [tok.encode("fox", add_special_tokens=False), tok.encode(" fox", add_special_tokens=False)]
+    assert both[0] != both[1]
+    for word in ("fox", " fox", "  fox"):
+        assert processor.bad_words_token_ids([word]) == both, word
+
+
 # Where each request field is checked (the structure issue's one rule in one place): its
 # shape and range once, in SamplingParams.validate (run at construction, and again when
 # the engine takes the request, since a caller can change a field afterwards), and the
