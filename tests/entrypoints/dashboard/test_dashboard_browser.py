@@ -143,6 +143,53 @@ def test_dashboard_shows_blocks_queues_and_series_live_and_the_playground_stream
     page.click("#send")
     page.wait_for_selector(".msg.assistant:nth-of-type(4)[data-done='1'], .msg.error[data-done='1']", timeout=60_000)
     assert page.locator(".msg.error").count() == 0 and page.locator(".msg.assistant").count() == 2
+    _stop_clear_hidden_tab_and_key(page)
+
+
+def _stop_clear_hidden_tab_and_key(page) -> None:
+    """Stop ends a reply (there was no way but closing the page); Clear during a reply
+    cleared the screen, then the reply came back as hidden history of the next message;
+    a hidden tab gives its event stream up (six held every connection a browser opens to
+    a host); a refused key says so; the key is never kept on disk (localStorage)."""
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    for button in ("#stop", "#clear"):
+        held: list = []  # the reply is held at the network until the button is clicked
+        page.route("**/v1/chat/completions", lambda route: held.append(route))
+        page.fill("#message", "Count to ten.")
+        page.click("#send")
+        while not held:
+            page.wait_for_timeout(50)
+        page.click(button)
+        page.unroute("**/v1/chat/completions")
+        try:
+            held[0].continue_()
+        except Exception:  # noqa: BLE001 - (the page aborted it)
+            pass
+        if button == "#stop":
+            page.wait_for_selector(".msg.assistant:last-of-type[data-done='1']", timeout=30_000)
+            assert page.locator(".msg.assistant").last.inner_text().endswith("stopped")
+    page.wait_for_timeout(2_000)  # (time for a reply that was not stopped to come back)
+    assert page.locator(".msg").count() == 0
+    page.fill("#message", "hello")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant[data-done='1']", timeout=60_000)
+    assert [m["content"] for m in bodies[-1]["messages"] if m["role"] != "system"] == ["hello"]
+    events = page.evaluate("window.pagedserve.events")
+    page.evaluate("Object.defineProperty(document, 'hidden', {configurable: true, get: () => true});"
+                  "document.dispatchEvent(new Event('visibilitychange'))")
+    assert "paused" in page.inner_text("#status")
+    time.sleep(1.5)  # (snapshots come every 250 ms to a page that streams)
+    paused = page.evaluate("window.pagedserve.events")
+    assert paused - events <= 2
+    page.evaluate("Object.defineProperty(document, 'hidden', {configurable: true, get: () => false});"
+                  "document.dispatchEvent(new Event('visibilitychange'))")
+    page.wait_for_function(f"window.pagedserve.events > {paused}", timeout=30_000)
+    assert page.evaluate("localStorage.length") == 0
+    page.evaluate("sessionStorage.setItem('pagedserve-api-key', 'wrong')")
+    page.reload()
+    page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
+    assert "refused" in page.inner_text("#status")
 
 
 def test_a_pooling_server_offers_no_playground(page, tmp_path):

@@ -22,7 +22,9 @@ const $ = (id) => document.getElementById(id);
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // ---------------------------------------------------------------- auth
-function apiKey() { return localStorage.getItem(KEY_STORAGE) || ""; }
+// The key lives as long as the tab (sessionStorage): never kept on disk for whoever uses
+// this browser profile later.
+function apiKey() { return sessionStorage.getItem(KEY_STORAGE) || ""; }
 function authHeaders(extra) {
   const h = Object.assign({}, extra || {});
   const key = apiKey();
@@ -30,14 +32,15 @@ function authHeaders(extra) {
   return h;
 }
 let keyWaiters = [];
-function needKey() {
+function needKey() {  // (after a 401: a key sent was refused, or none was)
   $("key-form").hidden = false;
-  setStatus("this server needs an API key", "error");
+  setStatus(apiKey() ? "the server refused this API key (401): enter the right one" : "this server needs an API key",
+            "error");
   return new Promise((resolve) => keyWaiters.push(resolve));
 }
 $("key-form").addEventListener("submit", (e) => {
   e.preventDefault();
-  localStorage.setItem(KEY_STORAGE, $("api-key").value.trim());
+  sessionStorage.setItem(KEY_STORAGE, $("api-key").value.trim());
   $("key-form").hidden = true;
   const waiters = keyWaiters; keyWaiters = [];
   waiters.forEach((w) => w());
@@ -284,11 +287,27 @@ function apply(ev) {
   if (ev.type === "full" || ev.series.length) drawCharts();
 }
 
+// A hidden tab closes its event stream and opens it again when shown: a browser opens six
+// connections to a host, and six background tabs' streams left none for a seventh page
+// (it never loaded) or for the playground's requests.
+let eventsAbort = null;
+function whenVisible() {
+  return new Promise((resolve) => {
+    if (!document.hidden) return resolve();
+    const shown = () => { if (!document.hidden) { document.removeEventListener("visibilitychange", shown); resolve(); } };
+    document.addEventListener("visibilitychange", shown);
+  });
+}
+document.addEventListener("visibilitychange", () => {
+  if (document.hidden && eventsAbort) { eventsAbort.abort(); setStatus("paused while the tab is hidden", ""); }
+});
 async function watch() {
   for (;;) {
+    await whenVisible();
+    eventsAbort = new AbortController();
     try {
       const r = await fetch("/dashboard/events" + (pageModel ? "?model=" + encodeURIComponent(pageModel) : ""),
-                            { headers: authHeaders() });
+                            { headers: authHeaders(), signal: eventsAbort.signal });
       if (r.status === 401) { await needKey(); continue; }
       if (!r.ok) {  // the server's reason (loading, too many pages open, ...)
         let why = `server answered ${r.status}`;
@@ -306,6 +325,7 @@ async function watch() {
         setStatus(ended, "error");
       }
     } catch (e) {
+      if (e.name === "AbortError") continue;  // (hidden: waits to be shown)
       setStatus("disconnected, retrying…", "error");
     }
     await sleep(1000);
@@ -317,6 +337,9 @@ async function watch() {
 const pageModel = new URLSearchParams(location.search).get("model");
 let modelName = pageModel;
 const conversation = [];
+// The reply streaming now (Stop and Clear abort it) and the chat's epoch: a reply of a
+// chat cleared since it was sent is never added to the conversation the next one sends.
+let replying = null, chatEpoch = 0;
 async function loadModelName() {
   try {
     const r = await fetch("/v1/models", { headers: authHeaders() });
@@ -385,10 +408,14 @@ async function send(text, imageUrl) {
   div.dataset.chunks = "0";
   const t0 = performance.now();
   let reply = "", ttft = null, usage = null, finish = null;
+  const epoch = chatEpoch, controller = new AbortController();
+  if (replying) replying.abort();  // (one reply at a time: a new message stops the last)
+  replying = controller;
+  $("stop").disabled = false;
   try {
     if (!modelName) await loadModelName();
     const r = await fetch("/v1/chat/completions", {
-      method: "POST", headers: authHeaders({ "Content-Type": "application/json" }),
+      method: "POST", headers: authHeaders({ "Content-Type": "application/json" }), signal: controller.signal,
       body: JSON.stringify(Object.assign(samplingBody(), { messages, stream: true,
         stream_options: { include_usage: true } })),
     });
@@ -419,30 +446,45 @@ async function send(text, imageUrl) {
       (n && ttft !== null && total > ttft ? ` · ${((n - 1) / (total - ttft)).toFixed(1)} tok/s` : "") +
       ` · finish ${finish}`;
     div.appendChild(meta);
-    conversation.push({ role: "user", content }, { role: "assistant", content: reply });
+    if (epoch === chatEpoch) conversation.push({ role: "user", content }, { role: "assistant", content: reply });
   } catch (e) {
-    div.className = "msg error";
-    div.textContent = "Error: " + e.message;
+    if (e.name !== "AbortError") {
+      div.className = "msg error";
+      div.textContent = "Error: " + e.message;
+    } else if (epoch === chatEpoch) {  // stopped: the reply so far stays, and the next message reads it
+      const meta = document.createElement("span");
+      meta.className = "meta";
+      meta.textContent = "stopped";
+      div.appendChild(meta);
+      conversation.push({ role: "user", content }, { role: "assistant", content: reply });
+    }
   }
+  if (replying === controller) { replying = null; $("stop").disabled = true; }
   div.dataset.done = "1";
 }
+// N copies as one request of n = N: its sequences run together, sharing the prompt's
+// blocks.  (N requests of their own ran five at a time: a browser opens six connections
+// to a host, and the event stream holds one.)
 async function sendCopies(text, n) {
   const out = $("copies-result");
   out.textContent = `sending ${n} copies…`;
+  delete out.dataset.done;
   if (!modelName) await loadModelName();
-  const body = JSON.stringify(Object.assign(samplingBody(), { messages: messagesWith(text) }));
+  const body = JSON.stringify(Object.assign(samplingBody(), { messages: messagesWith(text), n }));
   const t0 = performance.now();
-  const results = await Promise.all(Array.from({ length: n }, () =>
-    fetch("/v1/chat/completions", { method: "POST", headers: authHeaders({ "Content-Type": "application/json" }), body })
-      .then(async (r) => (r.ok ? r.json() : { error: await errorText(r) }))
-      .catch((e) => ({ error: e.message }))));
+  let result;
+  try {
+    const r = await fetch("/v1/chat/completions", { method: "POST", body,
+                                                     headers: authHeaders({ "Content-Type": "application/json" }) });
+    result = r.ok ? await r.json() : { error: await errorText(r) };
+  } catch (e) { result = { error: e.message }; }
   const secs = (performance.now() - t0) / 1000;
-  const ok = results.filter((r) => !r.error);
-  const tokens = ok.reduce((s, r) => s + r.usage.completion_tokens, 0);
-  const distinct = new Set(ok.map((r) => r.choices[0].message.content)).size;
-  out.textContent = `${ok.length}/${n} copies answered in ${secs.toFixed(2)} s: ${tokens} tokens ` +
+  const choices = result.error ? [] : result.choices;
+  const tokens = result.error ? 0 : result.usage.completion_tokens;
+  const distinct = new Set(choices.map((c) => c.message.content)).size;
+  out.textContent = `${choices.length}/${n} copies answered in ${secs.toFixed(2)} s: ${tokens} tokens ` +
     `(${(tokens / secs).toFixed(1)} tok/s together), ${distinct} distinct replies` +
-    (ok.length < n ? `\nfirst error: ${results.find((r) => r.error).error}` : "");
+    (result.error ? `\nerror: ${result.error}` : "");
   out.dataset.done = "1";
 }
 $("chat-form").addEventListener("submit", (e) => {
@@ -460,7 +502,13 @@ $("send-copies").addEventListener("click", () => {
   const text = $("message").value.trim() || "Write a haiku about paged memory.";
   sendCopies(text, Math.max(1, Math.min(256, +$("copies").value || 1)));
 });
-$("clear").addEventListener("click", () => { conversation.length = 0; $("transcript").replaceChildren(); });
+$("stop").addEventListener("click", () => { if (replying) replying.abort(); });
+$("clear").addEventListener("click", () => {
+  chatEpoch += 1;  // (a reply still streaming is stopped and never joins the new chat)
+  if (replying) replying.abort();
+  conversation.length = 0;
+  $("transcript").replaceChildren();
+});
 window.addEventListener("resize", () => { layoutPool(); drawCharts(); });
 
 watch();
