@@ -153,9 +153,10 @@ def _stop_clear_hidden_tab_and_key(page) -> None:
     a host); a refused key says so; the key is never kept on disk (localStorage)."""
     bodies: list[dict] = []
     page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    held: list = []  # the reply is held at the network until the button is clicked
     for button in ("#stop", "#clear"):
-        held: list = []  # the reply is held at the network until the button is clicked
-        page.route("**/v1/chat/completions", lambda route, held=held: held.append(route))
+        held.clear()
+        page.route("**/v1/chat/completions", lambda route: held.append(route))
         page.fill("#message", "Count to ten.")
         page.click("#send")
         while not held:
