@@ -312,10 +312,9 @@ def parse_percentiles(text: str) -> list[float]:
 def _counted(tokenizer: Any, prompt: Any, text: str, chunks: int) -> tuple[int, int]:
     """(output tokens, prompt tokens) of an answer the server sent no usage for: from the
     tokenizer where there is one (a prompt of ids by its length), else the chunks and 0."""
-    if tokenizer is None:
-        return chunks, len(prompt) if isinstance(prompt, list) else 0
-    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
-    return (len(encode(text)) if text else chunks), len(prompt) if isinstance(prompt, list) else len(encode(prompt))
+    encode = None if tokenizer is None else functools.partial(tokenizer.encode, add_special_tokens=False)
+    output = len(encode(text)) if encode is not None and text else chunks
+    return output, len(prompt) if isinstance(prompt, list) else len(encode(prompt)) if encode is not None else 0
 
 
 def _tpot(r: RequestResult) -> float | None:

@@ -75,6 +75,7 @@ class CallCursor:
 
 
 _SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()  # (stateless: one for every parse)
 _SEPARATORS = re.compile(r"[ \t\n\r,]*")  # (between a JSON array's items)
 _CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*')  # (a hermes call's head, up to its name)
 _CUT_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
@@ -98,7 +99,7 @@ class HermesToolParser:
         parse so far, resumed and advanced."""
         cursor = cursor if cursor is not None else CallCursor()
         calls, parts, pos, scan = list(cursor.calls), list(cursor.parts), cursor.pos, max(cursor.scan, cursor.pos)
-        decoder, end_of_text = json.JSONDecoder(), len(text)
+        end_of_text = len(text)
         while (start := text.find(self.OPEN, scan)) >= 0:
             body = _SPACE.match(text, start + len(self.OPEN)).end()
             if body < len(text) and text[body] != "{":
@@ -108,7 +109,7 @@ class HermesToolParser:
             if close < 0 and not finished:
                 break  # (still being written: not read again at every delta)
             try:
-                obj, end = decoder.raw_decode(text, body)
+                obj, end = _DECODER.raw_decode(text, body)
                 after = _SPACE.match(text, end).end()
                 # (closed; or a finished answer's cut inside or before its closing tag)
                 done = text.startswith(self.CLOSE, after) or finished and self.CLOSE.startswith(text[after:])
@@ -142,7 +143,7 @@ class HermesToolParser:
         wrote of them), if its name is whole and one of `names`."""
         head = _CUT_NAME.match(text, body)
         try:
-            name, i = json.JSONDecoder().raw_decode(text, head.end()) if head else (None, 0)
+            name, i = _DECODER.raw_decode(text, head.end()) if head else (None, 0)
         except ValueError:
             return None
         if not isinstance(name, str) or names is not None and name not in names:
@@ -205,12 +206,12 @@ def required_calls(text: str, finished: bool, cursor: CallCursor) -> list[Parsed
         except (ValueError, RecursionError):
             items = None
     if items is None:
-        decoder, items, i = json.JSONDecoder(), [], cursor.pos or text.find("[") + 1
+        items, i = [], cursor.pos or text.find("[") + 1
         calls = list(cursor.calls)
         while 0 < i < len(text):
             i = _SEPARATORS.match(text, i).end()
             try:
-                item, i = decoder.raw_decode(text, i)
+                item, i = _DECODER.raw_decode(text, i)
             except (ValueError, RecursionError):
                 break
             calls += _required_call(item)
@@ -286,10 +287,10 @@ class Llama3JsonToolParser:
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
         if not body.startswith("{") or not finished:
             return text, []
-        decoder, calls, i = json.JSONDecoder(), [], 0
+        calls, i = [], 0
         while True:  # (object by object: a ";" inside an argument's string is not a separator)
             try:
-                obj, i = decoder.raw_decode(body, i)
+                obj, i = _DECODER.raw_decode(body, i)
             except (ValueError, RecursionError):
                 return text, []
             call = _call_from(obj, "parameters", names, need_args=True)
@@ -447,9 +448,6 @@ def arguments_object(arguments: str) -> dict[str, Any]:
     except (ValueError, RecursionError):
         return _partial_object(arguments, 0)[0]
     return value if isinstance(value, dict) else {}
-
-
-_DECODER = json.JSONDecoder()
 
 
 def _partial_object(text: str, i: int) -> tuple[dict[str, Any], int]:
