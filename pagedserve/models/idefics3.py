@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.siglip import SiglipEncoder
-from pagedserve.models.utils import load_plain_weights
+from pagedserve.models.utils import load_plain_weights, loaded_embedding
 
 # Checkpoint prefixes -> ours (transformers 5 and the hub's SmolVLM/Idefics3 share them).
 _TEXT, _VISION, _CONNECTOR = "model.text_model.", "model.vision_model.", "model.connector."
@@ -39,7 +39,7 @@ class Idefics3VisionEmbeddings(nn.Module):
         hidden = int(config.hidden_size)
         self.patch_embedding = nn.Conv2d(int(getattr(config, "num_channels", 3)), hidden,
                                          kernel_size=self.patch_size, stride=self.patch_size, padding="valid")
-        self.position_embedding = nn.Embedding(self.per_side ** 2, hidden)
+        self.position_embedding = loaded_embedding(self.per_side ** 2, hidden)
 
     def forward(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
         """pixel_values [B, C, H, W], patch_mask [B, h, w] bool -> [B, h*w, hidden]."""

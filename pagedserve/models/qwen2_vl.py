@@ -27,7 +27,7 @@ from torch import nn
 
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.rotary_embedding import RotaryEmbedding, rope_config
+from pagedserve.layers.rotary_embedding import RotaryEmbedding, on_the_host_under_meta, rope_config
 from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM, LlamaModel, head_dim_of
 from pagedserve.models.utils import StackedMapping, load_named_weights, load_plain_weights
 
@@ -49,9 +49,11 @@ class MRotaryEmbedding(RotaryEmbedding):
         if sum(mrope_section) != half:
             raise ValueError(f"mrope_section {mrope_section} sums to {sum(mrope_section)}, not head_dim/2 = {half}")
         self.mrope_section = list(mrope_section)
-        stream = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
+        with on_the_host_under_meta():
+            stream = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
         # One stream per table column: the cos half and the sin half alike.
-        self.register_buffer("stream_index", torch.cat([stream, stream]), persistent=False)
+        self.register_buffer("stream_index", torch.cat([stream, stream]).to(torch.get_default_device()),
+                             persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, T] (or [T]: text, all streams equal) -> per-token (cos, signed
@@ -285,8 +287,9 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"unsupported vision rope_type {rope.get('rope_type')!r}; Qwen2-VL's is 'axial'")
         theta = float(rope.get("rope_theta", 10000.0))
         spatial = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial),
-                             persistent=False)
+        with on_the_host_under_meta():
+            freq = 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial)
+        self.register_buffer("inv_freq", freq.to(torch.get_default_device()), persistent=False)
 
     def _rope(self, grid_thw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-patch (cos, sin) [N, 1, head_dim] in float32: h's frequencies then w's, twice."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.utils import load_plain_weights
+from pagedserve.models.utils import load_plain_weights, loaded_embedding
 
 
 def siglip_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -49,7 +49,7 @@ class SiglipVisionEmbeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(int(getattr(config, "num_channels", 3)), hidden,
                                          kernel_size=self.patch_size, stride=self.patch_size, padding="valid")
         self.num_patches = (self.image_size // self.patch_size) ** 2
-        self.position_embedding = nn.Embedding(self.num_patches, hidden)
+        self.position_embedding = loaded_embedding(self.num_patches, hidden)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [B, C, H, W] -> [B, num_patches, hidden] (row-major patch order)."""
