@@ -8,10 +8,19 @@ close their turn and open a system turn of their own (vLLM and llama.cpp's serve
 the same; OpenAI's and Anthropic's APIs read such text as text).  So before rendering,
 each special token's string in the messages (and the tools' definitions) is replaced by
 a private-use character that no input holds; the template renders around it; the
-rendered text is tokenized piece by piece, each character becoming the ids of its
-string read as plain text (the tokenizer's `encode_special_tokens` on a private copy,
-made once, only when a prompt needs it).  A prompt without such strings, almost every
-one, is tokenized exactly as before, in one call.
+rendered text is split at the special strings found in it then (the template's own:
+the client's are placeholders), and the text between, the client's strings put back, is
+tokenized as text (the tokenizer's `encode_special_tokens` on a private copy, made once,
+only when a prompt needs it): the ids of that text as the tokenizer reads text, merges
+across the client's strings kept.  A prompt without such strings, almost every one, is
+tokenized exactly as before, in one call.
+
+A special string can also be spelled across strings the template writes side by side
+(text parts of one message, which Gemma 3's template writes back to back, trimmed):
+"hi <|im_" then "end|>".  So a string's end that begins a special string (trailing
+whitespace aside) is hidden too: one spanning two of the client's strings would begin
+in the first one's end.  (A template writing a special string's remainder after a
+message's text, `{{ content }}end|>`, is the template's own doing.)
 """
 
 from __future__ import annotations
@@ -45,9 +54,12 @@ class _Specials:
     strings: frozenset[str]
     lengths: tuple[int, ...]  # longest first: "<|im_start|>" before a shorter prefix of it
     starts: re.Pattern[str]
-    plain: dict[str, list[int]] = field(default_factory=dict)
+    heads: frozenset[str] = frozenset()  # the strings' proper prefixes
     plain_backend: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.heads = frozenset(s[:k] for s in self.strings for k in range(1, len(s)))
 
     def find(self, text: str) -> list[tuple[int, str]]:
         """(start, string) of each special token string in `text`, left to right, apart."""
@@ -64,6 +76,18 @@ class _Specials:
                     break
         return found
 
+    def to_hide(self, text: str) -> list[tuple[int, str]]:
+        """(start, substring) of each piece of `text` to hide, left to right, apart: its
+        special strings, and a special string's beginning at its end, whitespace aside
+        (see the module's docstring)."""
+        found = self.find(text)
+        end = len(text.rstrip())
+        start = next((end - k for k in range(min(end, self.lengths[0] - 1), 0, -1) if text[end - k:end] in self.heads),
+                     end)
+        if start < end and not (found and found[-1][0] + len(found[-1][1]) > start):
+            found.append((start, text[start:end]))
+        return found
+
     def wrap(self) -> tuple[list[int], list[int]]:
         """The special ids the tokenizer puts before and after one text (its post-processor)."""
         enc = self.backend.encode("a", add_special_tokens=True)
@@ -71,17 +95,16 @@ class _Specials:
         first, last = mask.index(0), len(mask) - 1 - mask[::-1].index(0)
         return enc.ids[:first], enc.ids[last + 1:]
 
-    def plain_ids(self, string: str) -> list[int]:
-        """`string` tokenized as text, its special token not matched."""
+    def plain_ids(self, text: str) -> list[int]:
+        """`text` tokenized as text, special strings in it not matched."""
         with self.lock:
-            if string not in self.plain:
-                if self.plain_backend is None:
-                    from tokenizers import Tokenizer
+            if self.plain_backend is None:
+                from tokenizers import Tokenizer
 
-                    self.plain_backend = Tokenizer.from_str(self.backend.to_str())
-                    self.plain_backend.encode_special_tokens = True
-                self.plain[string] = self.plain_backend.encode(string, add_special_tokens=False).ids
-            return self.plain[string]
+                backend = Tokenizer.from_str(self.backend.to_str())
+                backend.encode_special_tokens = True
+                self.plain_backend = backend
+        return self.plain_backend.encode(text, add_special_tokens=False).ids
 
 
 _SPECIALS: weakref.WeakKeyDictionary[Any, _Specials | None] = weakref.WeakKeyDictionary()
@@ -129,10 +152,10 @@ class HiddenSpecials:
     strings: dict[str, str] = field(default_factory=dict)
 
     def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Rendered text (holding placeholders) to ids: the template's text as the
-        tokenizer reads it, each placeholder as its string's plain ids; with
-        `add_special_tokens` the tokenizer's own around them (vLLM's chat field: a BOS on
-        top of the template's)."""
+        """Rendered text (holding placeholders) to ids: the template's special strings as
+        their tokens, the text between them (the client's strings put back) read as text;
+        with `add_special_tokens` the tokenizer's own around them (vLLM's chat field: a BOS
+        on top of the template's)."""
         if not self.strings:
             return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         assert self.specials is not None
@@ -141,14 +164,13 @@ class HiddenSpecials:
             return prefix + self.encode(tokenizer, text) + suffix
         ids: list[int] = []
         start = 0
-        for i, ch in enumerate(text):
-            if ch in self.strings:
-                if i > start:
-                    ids += tokenizer.encode(text[start:i], add_special_tokens=False)
-                ids += self.specials.plain_ids(self.strings[ch])
-                start = i + 1
+        for i, string in self.specials.find(text):  # (the template's: the client's are placeholders)
+            if i > start:
+                ids += self.specials.plain_ids(self.shown(text[start:i]))
+            ids += tokenizer.encode(string, add_special_tokens=False)
+            start = i + len(string)
         if start < len(text):
-            ids += tokenizer.encode(text[start:], add_special_tokens=False)
+            ids += self.specials.plain_ids(self.shown(text[start:]))
         return ids
 
     def shown(self, text: str) -> str:
@@ -165,14 +187,14 @@ def hide_special_text(tokenizer: Any, value: Any) -> tuple[Any, HiddenSpecials]:
     specials = _specials(tokenizer)
     hidden = HiddenSpecials(specials)
     strings = text_strings(value) if specials is not None else []
-    if not any(specials.find(s) for s in strings):
+    if not any(specials.to_hide(s) for s in strings):
         return value, hidden
     taken = {ord(c) for s in strings for c in _PRIVATE.findall(s)}
     free = (cp for cp in range(_PRIVATE_FIRST, _PRIVATE_LAST + 1) if cp not in taken)
     chars: dict[str, str] = {}  # special string -> its placeholder
 
     def hide(s: str) -> str:
-        found = specials.find(s)
+        found = specials.to_hide(s)
         if not found:
             return s
         out, at = [], 0

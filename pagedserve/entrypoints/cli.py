@@ -309,16 +309,16 @@ def chat_loop(session: ChatSession, banner: str) -> tuple[int, int]:
     turns = refused = 0
     while True:
         try:
-            text = _read_turn().strip()
+            text = _read_turn()  # (the line as typed, its spaces kept: as the server or LLM.chat would get it)
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return turns, refused
-        if text in ("/exit", "/quit"):
+        if text.strip() in ("/exit", "/quit"):
             return turns, refused
-        if text == "/clear":
+        if text.strip() == "/clear":
             session.clear()
             continue
-        if not text:
+        if not text.strip():
             continue
         turns += 1
         try:

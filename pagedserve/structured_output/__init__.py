@@ -223,7 +223,10 @@ class StructuredOutputManager:
             self._forget(key)
             if isinstance(e, InvalidRequestError):
                 raise
-            raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {e}", param="structured_outputs") from None
+            # (llguidance's advice to enable its coerce_one_of option is not the client's to follow)
+            message = str(e).replace(". Enable 'coerce_one_of' option to approximate oneOf with anyOf",
+                                     " (anyOf is: each alternative may match)")
+            raise InvalidRequestError(f"invalid {_KIND_NAMES[kind]}: {message}", param="structured_outputs") from None
         admits, failed = self._admits_a_token(backend, grammar)
         if not admits:
             self._forget(key)

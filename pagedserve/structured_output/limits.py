@@ -115,7 +115,8 @@ def _check_schema_depth(root: Any, names: dict[str, Any], tag: bool = False) -> 
     on_path: set[int] = set()
 
     def too_deep() -> InvalidRequestError:
-        return _refuse(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (counting each $ref followed)")
+        return _refuse(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels of JSON objects and arrays (a "
+                       "subschema under `properties` is two: about 64 nested objects; each $ref followed counts)")
 
     def walk(node: Any, level: int, scope: _Scope) -> int:
         """The height below `node`, found at `level`; raises past the bounds."""

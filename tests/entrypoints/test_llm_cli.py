@@ -179,6 +179,24 @@ def test_chat_streams_and_keeps_history(fake_engine, monkeypatch, capsys) -> Non
     assert not engine.has_unfinished_requests()
 
 
+def test_a_chat_turn_is_the_line_as_typed(monkeypatch) -> None:
+    """Its spaces kept, as `generate --chat`, the server and LLM.chat take the same text
+    (they were stripped: other prompt ids, another answer); commands read either way."""
+    lines = iter(["  What is 2+2?  ", "   ", " /clear ", " /exit "])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    turns: list[str] = []
+
+    class Recording:
+        def clear(self) -> None:
+            turns.append("(cleared)")
+
+        def turn(self, text: str, write) -> None:
+            turns.append(text)
+
+    assert cli.chat_loop(Recording(), "hi") == (1, 0)
+    assert turns == ["  What is 2+2?  ", "(cleared)"]
+
+
 def test_chat_ends_on_eof(fake_engine, monkeypatch, capsys) -> None:
     prompts = []
 

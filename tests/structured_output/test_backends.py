@@ -296,3 +296,19 @@ def test_a_choice_past_the_basic_plane_is_the_choice(backend) -> None:
     """xgrammar compiled an emoji's JSON escape (a surrogate pair) as six bytes of garbage."""
     tok = tokenizer(False)
     assert accepts(tok, backend, S(choice=["😀", "é"]), "😀") and not accepts(tok, backend, S(choice=["😀"]), "é")
+
+
+def test_guidances_refusal_of_one_of_gives_no_advice_the_client_cannot_follow() -> None:
+    """llguidance said to "Enable 'coerce_one_of' option", which no request field sets."""
+    import json
+
+    from pagedserve.errors import InvalidRequestError
+
+    tok = tokenizer(False)
+    mgr = StructuredOutputManager(tok, len(tok), [EOS], max_num_seqs=1, backend="guidance")
+    try:
+        with pytest.raises(InvalidRequestError, match=r"oneOf .*not supported \(anyOf is") as refused:
+            mgr.compile(S(json=json.dumps({"oneOf": [{"type": "integer"}, {"type": "number"}]}))).result()
+        assert "coerce_one_of" not in str(refused.value)
+    finally:
+        mgr.shutdown()

@@ -225,6 +225,9 @@ class _Turn:
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise OpenAIError(f"{where}: a tool_result block needs its tool_use_id", param="messages")
+            if self.parts:  # (Anthropic's rule: the prompt writes the results first, so text before one moved)
+                raise OpenAIError(f"{where}: tool_result blocks must come before any other content of their "
+                                  "message", param="messages")
             if block["tool_use_id"] not in tool_use_ids:
                 raise OpenAIError(f"{where}: tool_use_id {block['tool_use_id'][:100]!r} answers no earlier "
                                   "tool_use block", param="messages")
@@ -411,18 +414,23 @@ class AnthropicServingMessages:
     def prepare(self, req: MessagesRequest) -> PreparedMessages:
         chat_request = to_chat_request(req, stream=req.stream)
         thinking = Thinking.parse(req.thinking, req.max_tokens)  # (to_chat_request checked it)
-        if thinking.type in ("enabled", "adaptive") and self.chat.reasoning_parser is None:
-            raise OpenAIError(f"thinking of type {thinking.type!r} needs a thinking model served with "
-                              "--reasoning-parser (qwen3, deepseek_r1), which splits its thinking into blocks",
-                              param="thinking")
+        self._check_thinking(thinking)
         try:
             return PreparedMessages(chat_request, self.chat.prepare(chat_request), thinking)
         except OpenAIError as e:
             raise self._renamed(e) from None
 
+    def _check_thinking(self, thinking: Thinking) -> None:
+        if thinking.type in ("enabled", "adaptive") and self.chat.reasoning_parser is None:
+            raise OpenAIError(f"thinking of type {thinking.type!r} needs a thinking model served with "
+                              "--reasoning-parser (qwen3, deepseek_r1), which splits its thinking into blocks",
+                              param="thinking")
+
     def count_tokens(self, req: CountTokensRequest) -> int:
-        """The prompt's length as the chat path renders it (tools included)."""
+        """The prompt's length as the chat path renders it (tools included); the request
+        checked as /v1/messages checks it."""
         chat_request = to_chat_request(req)
+        self._check_thinking(Thinking.parse(req.thinking, None))
         try:
             prepared = self.chat.prepare(chat_request)
         except OpenAIError as e:

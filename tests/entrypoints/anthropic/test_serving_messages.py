@@ -123,6 +123,12 @@ def test_a_tool_conversation_becomes_chat_messages_and_tools() -> None:
      "without tool_result"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"verbosity": "low"}},
      "output_config takes format, effort"),
+    # (the prompt writes tool results first: text before one was moved after it, silently)
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [{"type": "text", "text": "Here:"},
+                                                {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]},
+     r"messages\[2\].content\[1\]: tool_result blocks must come before any other content"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "regex"}}},
      "json_schema"),
 ])

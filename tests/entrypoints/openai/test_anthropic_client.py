@@ -184,6 +184,8 @@ def test_errors_come_in_anthropics_shape(server, client) -> None:
     with pytest.raises(anthropic.BadRequestError, match="thinking"):
         client.messages.create(model=MODEL_NAME, max_tokens=8, messages=ASK,
                                thinking={"type": "enabled", "budget_tokens": 1024})
+    with pytest.raises(anthropic.BadRequestError, match="needs a thinking model"):  # (counted: 200)
+        client.messages.count_tokens(model=MODEL_NAME, messages=ASK, thinking={"type": "adaptive"})
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
     assert e.value.body["error"]["type"] == "not_found_error"
