@@ -172,6 +172,14 @@ class LLM:
                                         )["prompt"] == prompts[0]["prompt"]:  # (the text: the ids may be a cut's)
             raise ValueError("tools: this chat template does not render tools, so the model would never see them "
                              "(give a chat_template that renders `tools`, or describe them in a system message)")
+        for conv, prompt in zip(conversations, prompts, strict=True):
+            without = [{k: v for k, v in m.items() if k != "tool_calls"} if isinstance(m, dict) else m for m in conv]
+            if without != list(conv) and client.encode_chat(
+                    without, chat_template, add_generation_prompt, tools=tools, **kwargs)["prompt"] == prompt["prompt"]:
+                # (the server writes them into the turn's text in its tool parser's format; here is no parser)
+                raise ValueError("tool_calls: this chat template does not render an assistant turn's tool calls, "
+                                 "so the model would never see them (give a chat_template that renders "
+                                 "`tool_calls`, or write the calls into the turn's content)")
         return self._run(prompts, params, use_tqdm, None, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,

@@ -190,6 +190,16 @@ def test_vllm_call_forms_fail_clearly_or_run(llm, tok) -> None:
     rendered = "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
     [o] = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, tools=tools, chat_template=rendered)
     assert o.prompt == "f;hi"
+    # a past call the template does not write (the server writes it into the turn's text)
+    called = [*conv, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    turns = "{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render an assistant turn's tool calls"):
+        llm.chat(called, use_tqdm=False, chat_template=turns)
+    [o] = llm.chat(called, SamplingParams(max_tokens=1), use_tqdm=False,
+                   chat_template=turns.replace("}}{% endfor", "}}{{ m.tool_calls | length }}{% endfor"))
+    assert "assistant:1" in o.prompt
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         llm.chat(conv, use_tqdm=False, chat_template_kwargs="x")
     [o] = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_content_format="auto")
