@@ -267,8 +267,8 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     else the tokenizer's).  `tools` (OpenAI's function definitions) and
     `chat_template_kwargs` (e.g. Qwen3's enable_thinking) and `documents` (vLLM's: a RAG
     template's sources, e.g. [{"title": ..., "text": ...}]) reach the template;
-    `continue_final_message` leaves the last (assistant) message open for the model to
-    go on with.  The text is at most `max_chars` characters; with `cut` (only its last
+    `continue_final_message` leaves the last message open for the model to go on with
+    (an assistant's prefill, or any role's, as HF renders it).  The text is at most `max_chars` characters; with `cut` (only its last
     tokens will run: truncate_prompt_tokens), at most MAX_PROMPT_CHARS, as encode_text's."""
     max_chars = MAX_PROMPT_CHARS if cut else max_chars
     if tokenizer is None:
@@ -277,8 +277,7 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
     ):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
-        raise ValueError("continue_final_message needs a final assistant message and no generation prompt")
+    check_continuation(continue_final_message, add_generation_prompt)
     own = bool(chat_template)  # ("" is no template: the default renders)
     if own and (not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS):
         raise InvalidRequestError(f"chat_template must be Jinja template text of at most "
@@ -312,6 +311,14 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     if len(text) > max_chars:  # (rendering stopped there)
         raise prompt_too_long(len(text), max_chars, "messages", at_least=True)
     return text
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: the last message is continued or a new one is prompted, not both.  (A
+    last message of any role is continued, as HF's apply_chat_template and vLLM do.)"""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true "
+                                  "(set add_generation_prompt to false)", param="continue_final_message")
 
 
 def encode_chat(tokenizer: Any, default_template: str | None, messages: list[dict[str, Any]],

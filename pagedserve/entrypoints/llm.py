@@ -140,7 +140,7 @@ class LLM:
         holding it, rendered as the server renders a request's own, in a bounded child
         process), as the server renders them: `tools` (OpenAI function definitions) and
         `chat_template_kwargs` reach the template, `continue_final_message` continues the
-        last assistant message.  `chat_template_content_format` (vLLM's): "auto" alone, as
+        last message (any role's, as HF renders it).  `chat_template_content_format` (vLLM's): "auto" alone, as
         the renderer gives content parts to a template the way it reads them.  The
         arguments come in vLLM's order (a script's positional call binds as it did there:
         a template given fourth was taken as add_generation_prompt)."""

@@ -343,8 +343,12 @@ def test_chat_template_options_tools_and_tool_history(tok) -> None:
     cont = engine.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
                                       add_generation_prompt=False, continue_final_message=True)
     assert cont.endswith("<|im_start|>assistant\nHel")
-    with pytest.raises(ValueError, match="continue_final_message"):
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt cannot both be true"):
         engine.apply_chat_template([{"role": "user", "content": "hi"}], continue_final_message=True)
+    # any role's last message is continued, as HF's apply_chat_template and vLLM do (it was refused)
+    user = engine.apply_chat_template([{"role": "user", "content": "Once upon a"}], add_generation_prompt=False,
+                                      continue_final_message=True)
+    assert user.endswith("<|im_start|>user\nOnce upon a")
     with pytest.raises(ValueError, match="may not set tools"):
         engine.apply_chat_template(msgs, template, chat_template_kwargs={"tools": []})
 

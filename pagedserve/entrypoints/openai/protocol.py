@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagedserve.engine.chat_utils import check_continuation
 from pagedserve.entrypoints.openai.protocol_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -418,13 +419,7 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_unsupported(structured_outputs_backend)
         if not self.messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true "
-                                          "(set add_generation_prompt to false)", param="continue_final_message")
-            if self.messages[-1].role != "assistant":
-                raise InvalidRequestError("continue_final_message needs a final assistant message to continue",
-                                          param="continue_final_message")
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         check_chat_only_fields(self.modalities, self.web_search_options, self.store, self.metadata)
         refuse_unsupported_fields(self.model_extra, COMPLETION_FIELDS)
         for i, message in enumerate(self.messages):

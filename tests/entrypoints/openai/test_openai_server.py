@@ -189,6 +189,7 @@ def test_chat_echo_puts_the_final_assistant_turn_first(client):
     turn = [*MESSAGES, {"role": "assistant", "content": "Well,"}]
     cont = {"continue_final_message": True, "add_generation_prompt": False}
     plain = chat(turn, extra_body=cont).choices[0].message.content
+    assert chat([{"role": "user", "content": "Once upon a"}], extra_body=cont).choices[0].finish_reason  # (was a 400)
     echoed = chat(turn, n=2, extra_body={**cont, "echo": True})
     assert [c.message.content for c in echoed.choices] == ["Well," + plain] * 2
     pieces: dict[int, str] = {}
