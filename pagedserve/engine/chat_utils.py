@@ -268,8 +268,9 @@ def render_chat(tokenizer: Any, default_template: str | None, messages: list[dic
     `chat_template_kwargs` (e.g. Qwen3's enable_thinking) and `documents` (vLLM's: a RAG
     template's sources, e.g. [{"title": ..., "text": ...}]) reach the template;
     `continue_final_message` leaves the last message open for the model to go on with
-    (an assistant's prefill, or any role's, as HF renders it).  The text is at most `max_chars` characters; with `cut` (only its last
-    tokens will run: truncate_prompt_tokens), at most MAX_PROMPT_CHARS, as encode_text's."""
+    (an assistant's prefill, or any role's, as HF renders it).  The text is at most
+    `max_chars` characters; with `cut` (only its last tokens will run:
+    truncate_prompt_tokens), at most MAX_PROMPT_CHARS, as encode_text's."""
     max_chars = MAX_PROMPT_CHARS if cut else max_chars
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat templates cannot be applied")

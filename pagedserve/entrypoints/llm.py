@@ -140,8 +140,9 @@ class LLM:
         holding it, rendered as the server renders a request's own, in a bounded child
         process), as the server renders them: `tools` (OpenAI function definitions) and
         `chat_template_kwargs` reach the template, `continue_final_message` continues the
-        last message (any role's, as HF renders it).  `chat_template_content_format` (vLLM's): "auto" alone, as
-        the renderer gives content parts to a template the way it reads them.  The
+        last message (any role's, as HF renders it).  `chat_template_content_format`
+        (vLLM's): "auto" alone, as the renderer gives content parts to a template the way it
+        reads them.  The
         arguments come in vLLM's order (a script's positional call binds as it did there:
         a template given fourth was taken as add_generation_prompt)."""
         for name, value in (("add_generation_prompt", add_generation_prompt),
@@ -172,10 +173,11 @@ class LLM:
                                         )["prompt"] == prompts[0]["prompt"]:  # (the text: the ids may be a cut's)
             raise ValueError("tools: this chat template does not render tools, so the model would never see them "
                              "(give a chat_template that renders `tools`, or describe them in a system message)")
-        for conv, prompt in zip(conversations, prompts, strict=True):
+        for conv, prompt, p in zip(conversations, prompts, params, strict=True):
             without = [{k: v for k, v in m.items() if k != "tool_calls"} if isinstance(m, dict) else m for m in conv]
             if without != list(conv) and client.encode_chat(
-                    without, chat_template, add_generation_prompt, tools=tools, **kwargs)["prompt"] == prompt["prompt"]:
+                    without, chat_template, add_generation_prompt, tools=tools, **kwargs,
+                    cut=p.truncate_prompt_tokens is not None)["prompt"] == prompt["prompt"]:
                 # (the server writes them into the turn's text in its tool parser's format; here is no parser)
                 raise ValueError("tool_calls: this chat template does not render an assistant turn's tool calls, "
                                  "so the model would never see them (give a chat_template that renders "
