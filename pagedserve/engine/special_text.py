@@ -187,14 +187,15 @@ def hide_special_text(tokenizer: Any, value: Any) -> tuple[Any, HiddenSpecials]:
     specials = _specials(tokenizer)
     hidden = HiddenSpecials(specials)
     strings = text_strings(value) if specials is not None else []
-    if not any(specials.to_hide(s) for s in strings):
+    pieces = {s: found for s in strings if (found := specials.to_hide(s))}  # (each string scanned once)
+    if not pieces:
         return value, hidden
     taken = {ord(c) for s in strings for c in _PRIVATE.findall(s)}
     free = (cp for cp in range(_PRIVATE_FIRST, _PRIVATE_LAST + 1) if cp not in taken)
     chars: dict[str, str] = {}  # special string -> its placeholder
 
     def hide(s: str) -> str:
-        found = specials.to_hide(s)
+        found = pieces.get(s)
         if not found:
             return s
         out, at = [], 0

@@ -165,20 +165,20 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _normalize_params(sampling_params, len(conversations))
-        prompts = [client.encode_chat(list(conv), chat_template, add_generation_prompt, tools=tools, **kwargs,
-                                      cut=p.truncate_prompt_tokens is not None)
-                   for conv, p in zip(conversations, params, strict=True)]
-        if tools and client.encode_chat(list(conversations[0]), chat_template, add_generation_prompt, **kwargs,
-                                        cut=params[0].truncate_prompt_tokens is not None
-                                        )["prompt"] == prompts[0]["prompt"]:  # (the text: the ids may be a cut's)
+        def render(conv: Sequence[dict], p: SamplingParams, **changed: Any) -> dict[str, Any]:
+            return client.encode_chat(list(conv), chat_template, add_generation_prompt,
+                                      **{"tools": tools, **kwargs, **changed}, cut=p.truncate_prompt_tokens is not None)
+
+        prompts = [render(conv, p) for conv, p in zip(conversations, params, strict=True)]
+        # What the template does not write, the model would never see: refused by name.
+        # (Compared as text: the ids may be a cut's.  The server writes past calls into the
+        # turn's text in its tool parser's format; here is no parser.)
+        if tools and render(conversations[0], params[0], tools=None)["prompt"] == prompts[0]["prompt"]:
             raise ValueError("tools: this chat template does not render tools, so the model would never see them "
                              "(give a chat_template that renders `tools`, or describe them in a system message)")
         for conv, prompt, p in zip(conversations, prompts, params, strict=True):
             without = [{k: v for k, v in m.items() if k != "tool_calls"} if isinstance(m, dict) else m for m in conv]
-            if without != list(conv) and client.encode_chat(
-                    without, chat_template, add_generation_prompt, tools=tools, **kwargs,
-                    cut=p.truncate_prompt_tokens is not None)["prompt"] == prompt["prompt"]:
-                # (the server writes them into the turn's text in its tool parser's format; here is no parser)
+            if without != list(conv) and render(without, p)["prompt"] == prompt["prompt"]:
                 raise ValueError("tool_calls: this chat template does not render an assistant turn's tool calls, "
                                  "so the model would never see them (give a chat_template that renders "
                                  "`tool_calls`, or write the calls into the turn's content)")
