@@ -467,7 +467,7 @@ class AnthropicServingMessages:
         """The chat handler's chunks, read back and re-said as Anthropic's events."""
         events = EventWriter(message_id, prep.prepared.model, len(prep.prepared.prompts[0].token_ids),
                              prep.thinking.blocks)
-        async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, message_id, streams):
+        async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, message_id, streams, calls_last=True):
             for event in events.on_chunk(chunk):
                 yield event
 

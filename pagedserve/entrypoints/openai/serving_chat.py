@@ -59,7 +59,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
-from pagedserve.entrypoints.openai.streaming import ChoiceStream, sse_dicts
+from pagedserve.entrypoints.openai.streaming import ChoiceStream, calls_after_text, sse_dicts
 from pagedserve.entrypoints.openai.tool_parsers import (
     CallCursor,
     ParsedToolCall,
@@ -443,9 +443,13 @@ class OpenAIServingChat(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     async def chunks(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
-                     streams: list[RequestStream]) -> AsyncIterator[dict]:
-        """The stream's chunks as dicts (streaming.sse_dicts)."""
-        async for chunk in sse_dicts(self.stream(req, prep, request_id, streams)):
+                     streams: list[RequestStream], calls_last: bool = False) -> AsyncIterator[dict]:
+        """The stream's chunks as dicts (streaming.sse_dicts); `calls_last`: under tool_choice
+        auto, each choice's calls come after all its text (streaming.calls_after_text)."""
+        chunks = sse_dicts(self.stream(req, prep, request_id, streams))
+        if calls_last and prep.tools.mode == "auto":
+            chunks = calls_after_text(chunks)
+        async for chunk in chunks:
             yield chunk
 
     def _tool_deltas(self, plan: ToolPlan, ts: ToolStream, c: CompletionOutput,

@@ -473,7 +473,7 @@ class OpenAIServingResponses:
                                                                       done=False))
         yield events.emit("response.in_progress", response=self.response(response_id, prep, events.created,
                                                                           events.out, done=False))
-        async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, response_id, streams):
+        async for chunk in self.chat.chunks(prep.chat_request, prep.prepared, response_id, streams, calls_last=True):
             for event in events.on_chunk(chunk):
                 yield event
 

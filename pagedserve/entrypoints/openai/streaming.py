@@ -69,3 +69,19 @@ async def sse_dicts(frames: AsyncIterator[str]) -> AsyncIterator[dict]:
         data = frame.removeprefix("data: ").strip()
         if data != "[DONE]":
             yield json.loads(data)
+
+
+async def calls_after_text(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """A chat stream with each choice's tool calls held to its finishing chunk. A chat
+    message has no order between its content and its tool_calls, and an answer may go
+    on in text after a call; the APIs that give the answer as ordered items (Responses'
+    output, Anthropic's content blocks) say the non-streamed message as its text, then
+    its calls, and a stream must say the same items: so its text comes first whole."""
+    held: dict[int, list[dict]] = {}
+    async for chunk in chunks:
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            held.setdefault(choice.get("index", 0), []).extend(delta.pop("tool_calls", None) or [])
+            if choice.get("finish_reason") is not None and held.get(choice.get("index", 0)):
+                choice["delta"] = {**delta, "tool_calls": held.pop(choice.get("index", 0))}
+        yield chunk

@@ -309,3 +309,45 @@ def test_a_batchs_too_long_prompt_is_refused_before_the_rest_are_tokenized():
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert r.json()["error"]["message"].startswith(start), r.text
         assert seen == ["ok", "y" * 80], seen
+
+
+def test_text_after_a_call_streams_as_the_ordered_apis_answer_it_whole():
+    """Responses' output items and Anthropic's content blocks have an order; the answer
+    given whole is its text, then its calls.  A model that goes on in text after a call
+    must stream the same items (it streamed [text, call, text], and Responses announced a
+    second message item under the first one's id)."""
+    from pagedserve.entrypoints.openai.tool_parsers import get_tool_parser
+
+    script = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> Bye'
+    state, app = make_app(ready=False)
+    engine = FakeEngine(script=script, step_time=0.005)  # (one character a step, read as it comes)
+    engine.max_model_len = 512
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 512), tool_parser=get_tool_parser("hermes"))
+    tool = {"name": "f", "parameters": {"type": "object"}}
+    user = [{"role": "user", "content": "x"}]
+    responses = {"input": user, "tools": [{"type": "function", **tool}], "max_output_tokens": len(script)}
+    messages = {"messages": user, "max_tokens": len(script),
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+
+    async def fn(c):
+        return [await c.post(path, json={**body, "stream": stream}) for path, body in (
+            ("/v1/responses", responses), ("/v1/messages", messages)) for stream in (False, True)]
+
+    whole_r, streamed_r, whole_m, streamed_m = call(app, fn)
+    assert [i["type"] for i in whole_r.json()["output"]] == ["message", "function_call"]
+    assert whole_r.json()["output"][0]["content"][0]["text"] == "Hi\nBye"
+    frames = [json.loads(b.split("data: ", 1)[1]) for b in streamed_r.text.split("\n\n") if "data: " in b]
+    added = [f["item"] for f in frames if f["type"] == "response.output_item.added"]
+    assert [(i["type"], i["id"]) for i in added] == [(i["type"], i["id"]) for i in frames[-1]["response"]["output"]]
+    assert [(i["name"], i["arguments"]) for i in frames[-1]["response"]["output"][1:]] == [("f", '{"a": 1}')]
+    assert [b["type"] for b in whole_m.json()["content"]] == ["text", "tool_use"]
+    blocks: list[dict] = []
+    for f in (json.loads(b.split("data: ", 1)[1]) for b in streamed_m.text.split("\n\n") if "data: " in b):
+        if f["type"] == "content_block_start":
+            blocks.append({**f["content_block"], "partial": ""})
+        elif f["type"] == "content_block_delta":
+            d = f["delta"]
+            key = "text" if "text" in d else "partial"
+            blocks[f["index"]][key] += d.get("text", d.get("partial_json", ""))
+    assert [(b["type"], b.get("text")) for b in blocks] == [("text", "Hi\nBye"), ("tool_use", None)]
+    assert json.loads(blocks[1]["partial"]) == whole_m.json()["content"][1]["input"] == {"a": 1}
