@@ -32,13 +32,15 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 HARDWARE_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                               "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread"})
 # Options that only shape the repeat penalty (refused beside one: sampling()).
-REPEAT_SHAPING = ("repeat_last_n", "penalize_newline", "num_keep")
+REPEAT_SHAPING = ("repeat_last_n", "penalize_newline")
 # Sampling options of Ollama's that change nothing at the value given here: their
 # neutral value, any other refused; () for those that only shape another option (a
-# repeat penalty, or mirostat, which is off here): any value, no effect alone.
+# repeat penalty, or mirostat, which is off here) or another feature (num_keep: the
+# prompt tokens a context shift keeps, and no context shifts here, as `shift`): any value,
+# no effect alone.
 NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {"typical_p": (1, 1.0), "tfs_z": (1, 1.0), "mirostat": (0,),
                                                **dict.fromkeys(REPEAT_SHAPING, ()),
-                                               "mirostat_tau": (), "mirostat_eta": ()}
+                                               "mirostat_tau": (), "mirostat_eta": (), "num_keep": ()}
 KNOWN_OPTIONS = frozenset(SAMPLING_OPTIONS) | HARDWARE_OPTIONS | frozenset(NEUTRAL_OPTIONS) | {"num_ctx",
                                                                                                "num_predict"}
 # Each option's type in Ollama's Go struct, which refuses a value of another type on every

@@ -389,10 +389,11 @@ class OpenAIServingChat(OpenAIServing):
         sent_reasoning = [0] * params.n
         final = None
 
-        def chunk(choice: ChatStreamChoice) -> str:
+        def chunk(choice: ChatStreamChoice, generated: bool = True) -> str:
+            """`generated` False: a chunk before the answer's tokens (its usage counts none)."""
             if req.functions is not None:
                 choice = legacy_function_call(choice)
-            usage = running_usage({} if final is None else {0: final}, prep.prompts) if continuous_usage else None
+            usage = running_usage({0: final}, prep.prompts, generated) if continuous_usage else None
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                            usage=usage))
 
@@ -400,18 +401,20 @@ class OpenAIServingChat(OpenAIServing):
             """The role first, then vLLM's chat echo (the final assistant message), sent
             with the first output, as vLLM does: a client (`vllm bench serve` among them)
             times its first token by the first chunk, and a request queued behind a full
-            batch had its role chunk at once and its first token seconds later."""
+            batch had its role chunk at once and its first token seconds later.  Their usage
+            is the first output's prompt, its cached tokens known, and no token generated."""
             echo = echo_text(req)
-            return [chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-                    for i in range(params.n)] + [chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
-                                                 for i in range(params.n) if echo]
+            return [chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")), False)
+                    for i in range(params.n)] + [
+                        chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)), False)
+                        for i in range(params.n) if echo]
 
         try:
             async for _, out in merge_streams(streams):
-                if final is None:
+                first, final = final is None, out
+                if first:
                     for piece in opening():
                         yield piece
-                final = out
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err

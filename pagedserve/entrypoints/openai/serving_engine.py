@@ -539,15 +539,20 @@ def make_usage(outputs: list[RequestOutput]) -> UsageInfo:
                      completion_tokens_details=details)
 
 
-def running_usage(finals: dict[int, RequestOutput], prompts: list[TokenizedPrompt]) -> UsageInfo:
+def running_usage(finals: dict[int, RequestOutput], prompts: list[TokenizedPrompt],
+                  generated: bool = True) -> UsageInfo:
     """Usage so far, for vLLM's continuous_usage_stats: every prompt's tokens from the first
     chunk (a chat's role chunk, an echo; a prompt with no output yet counted as sent; it
     was left out, a completion of three prompts reporting 4, then 9, then 10), and the
-    completion tokens so far.  `finals`: each prompt's latest output, by its index."""
+    completion tokens so far.  `finals`: each prompt's latest output, by its index.
+    `generated` False: a chunk sent before the answer's tokens (a chat's role chunk), which
+    counts none of them (its cached prompt tokens are the output's)."""
     usage = make_usage(list(finals.values()))
     waiting = sum(len(p.token_ids) for i, p in enumerate(prompts) if i not in finals)
-    return usage.model_copy(update={"prompt_tokens": usage.prompt_tokens + waiting,
-                                    "total_tokens": usage.total_tokens + waiting})
+    update = {"prompt_tokens": usage.prompt_tokens + waiting, "total_tokens": usage.total_tokens + waiting}
+    if not generated:
+        update.update(completion_tokens=0, total_tokens=update["prompt_tokens"], completion_tokens_details=None)
+    return usage.model_copy(update=update)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -270,6 +270,10 @@ def test_repeat_last_n_0_turns_the_models_repeat_penalty_off_and_a_window_is_ref
     with pytest.raises(OpenAIError, match="repeat_last_n"):  # (Ollama windows these too: it was accepted)
         penalty(repeat_last_n=64, presence_penalty=0.5)
     assert penalty(repeat_last_n=64) == 1.0  # (no penalty in effect: nothing to shape)
+    # num_keep is the prompt tokens a context shift keeps (llama.cpp's n_keep), no penalty's
+    # window: accepted beside one, as `shift` (it was refused beside the model's penalty)
+    handlers.engine.sampling_defaults = {"repetition_penalty": 1.3}
+    assert penalty(num_keep=4) == 1.3 and penalty(num_keep=4, repeat_penalty=1.1) == 1.1
 
 
 def test_a_route_of_the_other_runner_loads_no_model_to_refuse() -> None:

@@ -427,13 +427,17 @@ def test_continuous_usage_stats(client):
               stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=["one two", "three four five six"], **kw))
     assert {ch.usage.prompt_tokens for ch in chunks} == {chunks[-1].usage.prompt_tokens}
-    # a chat's every chunk carries usage, the role's first (vLLM's: the prompt, 0 generated)
-    chunks = list(client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=3, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    # a chat's every chunk carries usage, the role's first (vLLM's: the prompt, 0 generated,
+    # and its cached tokens: the second time, the prompt's whole blocks)
+    for _ in range(2):
+        chunks = list(client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=3, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
     role, *rest = chunks
     assert role.choices[0].delta.role == "assistant" and role.usage.completion_tokens == 0
     assert all(ch.usage is not None and ch.usage.prompt_tokens == role.usage.prompt_tokens > 0 for ch in rest)
+    assert {ch.usage.prompt_tokens_details.cached_tokens for ch in chunks} == {rest[-1].usage.prompt_tokens_details.cached_tokens}
+    assert rest[-1].usage.prompt_tokens_details.cached_tokens > 0
     assert [ch.usage.completion_tokens for ch in rest][-1] == 3
 
 
