@@ -1,6 +1,7 @@
 """The waiting queue, in the two orders the scheduler supports.
 
-FCFS is a deque: arrivals at the tail, preempted requests back at the head so they
+FCFS is a deque: arrivals at the tail (after the last that arrived no later: a beam
+search's steps keep the search's arrival), preempted requests back at the head so they
 resume before anything newer.  Priority is a heap on (priority, arrival_time,
 admission sequence): lower priority value first, as in vLLM, and a preempted
 request needs no special place because its key already says where it belongs.
@@ -17,7 +18,21 @@ from pagedserve.core.request import Request
 
 class FCFSRequestQueue(deque):
     def add_request(self, request: Request) -> None:
-        self.append(request)
+        """At the tail, unless requests waiting there arrived after it: then before them.
+        A beam search's next step is a new request that arrived with the search (its
+        steps each went behind every later arrival: under steady load the search that came
+        first finished last); one prepared while later ones were (a long prompt to
+        tokenize, a grammar to compile) keeps its place too.  Arrivals are near-monotonic,
+        so the scan from the tail stops at once."""
+        later = 0
+        for waiting in reversed(self):
+            if waiting.arrival_time <= request.arrival_time:
+                break
+            later += 1
+        if later:
+            self.insert(len(self) - later, request)
+        else:
+            self.append(request)
 
     def prepend_request(self, request: Request) -> None:
         self.appendleft(request)

@@ -186,7 +186,8 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
                           priority: int = 0, final_only: bool = False,
                           lora_request: LoRARequest | None = None, admitted: bool = False,
-                          group: str | None = None, deadline: float | None = None) -> RequestStream:
+                          group: str | None = None, deadline: float | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
         """Validate and queue one request; returns once an engine has accepted it, so a
         bad request raises (ValueError / InvalidRequestError) before a server has sent
         anything.  The returned stream must be read to its end or closed; with
@@ -197,11 +198,13 @@ class AsyncLLM:
         fan-out is let in or refused as a whole).  `group`: a step of a longer request (a
         beam search's), let in, and counted once per group against max_waiting_requests
         however many of its steps wait; `deadline` (time.monotonic()): that request's,
-        instead of request_timeout from now."""
+        instead of request_timeout from now; `arrival_time` (time.time()): that request's,
+        where its place in the queue is (None: now)."""
         started = time.monotonic()  # (the timeout counts tokenizing and grammar compiling too)
         admitted = admitted or group is not None
         self._admit(request_id, admitted)
-        request = await self.client.prepare(request_id, prompt, sampling_params, priority, lora_request)
+        request = await self.client.prepare(request_id, prompt, sampling_params, priority, lora_request,
+                                            time.time() if arrival_time is None else arrival_time)
         self._admit(request_id, admitted)  # the door may have closed (or the id been taken) meanwhile
         collector = OutputCollector()
         self._collectors[request_id] = collector

@@ -172,8 +172,9 @@ class EngineCoreClient(Protocol):
         """Bind to the running event loop (idempotent)."""
 
     async def prepare(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, priority: int,
-                      lora_request: LoRARequest | None) -> PreparedRequest:
-        """Check (or route) a request off the event loop; a bad one raises ValueError."""
+                      lora_request: LoRARequest | None, arrival_time: float) -> PreparedRequest:
+        """Check (or route) a request off the event loop; a bad one raises ValueError.
+        `arrival_time` (time.time()): when it arrived, which orders equal priorities."""
 
     async def add_request(self, request: PreparedRequest, final_only: bool) -> None:
         """Queue it; returns once an engine has accepted it (a refusal raises)."""

@@ -224,14 +224,14 @@ class EngineReplica:
         return os.getpid()
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams, priority: int,
-                       final_only: bool) -> AsyncIterator[Any]:
+                       arrival_time: float, final_only: bool) -> AsyncIterator[Any]:
         """Yields ACCEPTED or a ReplicaRefusal, then (if accepted) the outputs."""
         client = self._serving()
         self.received += 1
         self._admitting[request_id] = False
         collector = OutputCollector()
         try:
-            request = await client.prepare(request_id, prompt, params, priority, None)
+            request = await client.prepare(request_id, prompt, params, priority, None, arrival_time)
             self.requests.collectors[request_id] = collector
             await client.add_request(request)
         except Exception as e:  # noqa: BLE001 - the refusal travels back as data

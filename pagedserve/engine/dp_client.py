@@ -170,7 +170,7 @@ class RayDPClient:
         return False
 
     async def prepare(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, priority: int,
-                      lora_request: LoRARequest | None) -> _Request:
+                      lora_request: LoRARequest | None, arrival_time: float) -> _Request:
         """Route it: the prompt's token ids (tokenized once, here) and block hashes.  The
         replica's InputProcessor checks it."""
         if lora_request is not None:
@@ -179,14 +179,14 @@ class RayDPClient:
         if ids is not None and isinstance(prompt, (str, dict)):  # the replica need not tokenize again
             prompt = {**prompt, "prompt_token_ids": ids} if isinstance(prompt, dict) else {
                 "prompt": prompt, "prompt_token_ids": ids}
-        return _Request(request_id, (request_id, prompt, params, priority),
+        return _Request(request_id, (request_id, prompt, params, priority, arrival_time),
                         self.router.block_hashes(ids, salt), len(ids or ()))
 
     async def add_request(self, request: _Request, final_only: bool = False) -> None:
         """Returns once a replica has accepted the request (its refusal raises)."""
         assert self._sink is not None
         request_id = request.request_id
-        request.args = (*request.args[:4], final_only)
+        request.args = (*request.args[:5], final_only)
         flight = _Flight(replica=-1, attempts=0, counted=False)
         self._flights[request_id] = flight
         try:

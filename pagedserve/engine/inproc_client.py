@@ -224,13 +224,13 @@ class InprocClient:
         self.engine.shutdown()
 
     async def prepare(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, priority: int,
-                      lora_request: LoRARequest | None) -> EngineCoreRequest:
+                      lora_request: LoRARequest | None, arrival_time: float) -> EngineCoreRequest:
         """The InputProcessor's work, in a worker thread so that neither the event loop nor
         the engine thread waits on tokenizing or checking; a structured-output request's
         grammar is compiled (in the grammar pool) before the engine thread sees it, so a
         bad schema is refused now."""
         request = await asyncio.to_thread(self.engine.input_processor.process, request_id, prompt, params,
-                                          time.time(), priority, lora_request)  # (arrived now, not once tokenized)
+                                          arrival_time, priority, lora_request)
         if request.grammar is not None:
             # Shielded: a client that leaves cancels its own wait, never the compile that
             # every request with this spec shares (StructuredOutputManager caches it).

@@ -41,7 +41,8 @@ class EngineClient(Protocol):
     async def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams | PoolingParams,
                           priority: int = 0, final_only: bool = False,
                           lora_request: LoRARequest | None = None, admitted: bool = False,
-                          group: str | None = None, deadline: float | None = None) -> RequestStream: ...
+                          group: str | None = None, deadline: float | None = None,
+                          arrival_time: float | None = None) -> RequestStream: ...
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check a LoRA adapter (False: it was loaded); ValueError names the problem."""

@@ -26,6 +26,24 @@ def test_fcfs_arrivals_at_the_tail_preempted_at_the_head():
     assert [q.pop_request().request_id for _ in range(len(q))] == ["c", "b"]
 
 
+def test_fcfs_puts_an_earlier_arrival_before_the_later_ones_waiting():
+    """A beam search's next step arrives with the search (its steps each went behind
+    every later arrival); equal times keep their order, and a preempted request at the
+    head stays there."""
+    q = create_request_queue("fcfs")
+    reqs = {rid: make_request(rid, 3) for rid in ("resumed", "a", "b", "c", "step", "tie")}
+    for rid, t in (("resumed", 0.5), ("a", 1.0), ("b", 2.0), ("c", 3.0), ("step", 1.5), ("tie", 2.0)):
+        reqs[rid].arrival_time = t
+    q.prepend_request(reqs["resumed"])
+    for rid in ("a", "b", "c", "step", "tie"):
+        q.add_request(reqs[rid])
+    assert [r.request_id for r in q] == ["resumed", "a", "step", "b", "tie", "c"]
+    early = make_request("early", 3)
+    early.arrival_time = 0.0
+    q.add_request(early)  # (before the preempted one too, which arrived after it)
+    assert [r.request_id for r in q][:2] == ["early", "resumed"]
+
+
 def test_priority_orders_by_priority_then_arrival_then_admission():
     q = create_request_queue("priority")
     assert isinstance(q, PriorityRequestQueue) and not q

@@ -85,6 +85,7 @@ class FakeProcessedRequest:
     lora_request: object
     grammar: Future | None = None
     prompt_token_ids: list = field(default_factory=list)  # (what the fake's tokenizer makes of the prompt)
+    arrival_time: float | None = None
 
     @property
     def pooling_params(self) -> object:
@@ -111,7 +112,7 @@ class FakeInputProcessor:
                 params = copy.copy(params)
                 params.bad_words_token_ids = self.engine.bad_words_token_ids(params.bad_words)
         return FakeProcessedRequest(request_id, prompt, params, priority, lora_request, grammar,
-                                    self.engine.prompt_ids(prompt))
+                                    self.engine.prompt_ids(prompt), arrival_time)
 
 
 class FakeEngine:
@@ -148,14 +149,15 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self.bad_words_threads: set[int] = set()  # where bad words were tokenized
         self.params_seen: list[SamplingParams] = []
+        self.arrivals: dict[str, float | None] = {}  # each request's arrival_time, as the engine got it
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         self.bad_words_threads.add(threading.get_ident())
         return [self.tokenizer.encode(w) for w in words]
 
     def add_processed_request(self, request: FakeProcessedRequest) -> None:
-        self.add_request(request.request_id, request.prompt, request.sampling_params, priority=request.priority,
-                         lora_request=request.lora_request)
+        self.add_request(request.request_id, request.prompt, request.sampling_params, request.arrival_time,
+                         priority=request.priority, lora_request=request.lora_request)
 
     def prompt_ids(self, prompt) -> list:
         if isinstance(prompt, dict):
@@ -167,6 +169,7 @@ class FakeEngine:
             raise ValueError("the fake engine has no LoRA adapters")
         self.thread_ids.add(threading.get_ident())
         self.params_seen.append(params)
+        self.arrivals[request_id] = arrival_time
         ids = self.prompt_ids(prompt)
         # The engine's own checks, in its words.
         if not ids:

@@ -622,3 +622,24 @@ def test_a_client_gone_as_the_engine_takes_its_request_leaves_nothing_running(mo
         return left
 
     assert asyncio.run(main()) == 0
+
+
+def test_a_step_of_an_earlier_request_keeps_its_arrival_time() -> None:
+    """`arrival_time` reaches the engine (a beam search's steps keep the search's place in
+    the queue); without it, the request arrives when it is handed in."""
+    engine = FakeEngine()
+
+    async def main():
+        llm = AsyncLLM(engine, log_stats=False)
+        try:
+            before = time.time()
+            for rid, arrival in (("step", 12.5), ("new", None)):
+                stream = await llm.add_request(rid, "hi", SamplingParams(max_tokens=2), arrival_time=arrival)
+                async for _ in stream:
+                    pass
+            return before
+        finally:
+            llm.shutdown()
+
+    before = run(main())
+    assert engine.arrivals["step"] == 12.5 and before <= engine.arrivals["new"] <= time.time()

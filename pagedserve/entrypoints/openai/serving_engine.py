@@ -291,9 +291,11 @@ class OpenAIServing:
         lora_request = self.lora_request(req.model)
         streams: list[RequestStream | BeamSearchStream] = []
         i = 0
-        # (a beam search's steps share its deadline: request_timeout bounds the whole search)
+        # (a beam search's steps share its deadline, request_timeout bounding the whole search,
+        # and its arrival, so that each step keeps the search's place in the queue)
         timeout = self.engine.request_timeout
         deadline = None if timeout is None or prep.beam is None else time.monotonic() + timeout
+        arrival = None if prep.beam is None else time.time()
         try:
             for i, p in enumerate(prep.prompts):
                 rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
@@ -303,9 +305,10 @@ class OpenAIServing:
                 params = prep.params if prep.beam is None else step_params(prep.beam.beam_width)
                 stream = await self.engine.add_request(rid, prompt, params, req.priority,
                                                        final_only=not req.stream or prep.beam is not None,
-                                                       lora_request=lora_request, admitted=i > 0, deadline=deadline)
+                                                       lora_request=lora_request, admitted=i > 0, deadline=deadline,
+                                                       arrival_time=arrival)
                 streams.append(stream if prep.beam is None else self._beams(
-                    stream, rid, p, prep.beam, params, req, lora_request, deadline))
+                    stream, rid, p, prep.beam, params, req, lora_request, deadline, arrival))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -342,16 +345,17 @@ class OpenAIServing:
 
     def _beams(self, first: RequestStream, request_id: str, prompt: TokenizedPrompt, beam: BeamSearchParams,
                step: SamplingParams, req: Any, lora_request: LoRARequest | None,
-               deadline: float | None) -> BeamSearchStream:
+               deadline: float | None, arrival: float | None) -> BeamSearchStream:
         """A prompt's beam search, from its first step's stream (the engine's checks of
         the prompt ran on it: a refusal is a 400 before the answer starts).  Its later
-        steps share its deadline and count as one request waiting (AsyncLLM's `group`)."""
+        steps share its deadline and arrival time and count as one request waiting
+        (AsyncLLM's `group`)."""
         streams = iter([first])
 
         async def next_tokens(ids: list[int]) -> dict[int, Logprob]:
             stream = next(streams, None) or await self.engine.add_request(
                 random_id("beam"), step_prompt(ids, req.cache_salt, prompt.multi_modal), step, req.priority, final_only=True, lora_request=lora_request, group=request_id,
-                deadline=deadline)
+                deadline=deadline, arrival_time=arrival)
             async for out in stream:
                 c = out.outputs[0]
             if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
