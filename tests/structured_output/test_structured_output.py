@@ -188,13 +188,13 @@ def test_a_client_that_leaves_never_cancels_the_compile_others_share(tiny_dir, m
 
     async def main():
         blockers = [mgr.compile(S(regex=r)) for r in ("x+", "y+")]  # every compile thread busy: it queues
-        leaving = asyncio.ensure_future(client.prepare("leaves", [1, 5, 9], params, 0, None))
+        leaving = asyncio.ensure_future(client.prepare("leaves", [1, 5, 9], params, 0, None, 0.0))
         await asyncio.sleep(0.2)  # waiting on the (blocked) compile
         leaving.cancel()
         await asyncio.sleep(0.05)
         gate.set()
         assert all(b.result() is not None for b in blockers)
-        return await asyncio.wait_for(client.prepare("stays", [1, 5, 9], params, 0, None), 30)
+        return await asyncio.wait_for(client.prepare("stays", [1, 5, 9], params, 0, None, 0.0), 30)
 
     request = asyncio.run(main())
     assert not request.grammar.cancelled() and request.grammar.result() is not None
