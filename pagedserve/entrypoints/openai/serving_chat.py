@@ -180,6 +180,7 @@ class ToolStream:
     sent_calls: int = 0
     sent_args: int = 0  # named mode: characters of the arguments sent
     sent_tokens: int = 0  # tokens whose logprobs were sent
+    finished: bool = False  # its finish_reason was sent: nothing more (n > 1: the other choices go on)
     call_ids: list[str] = field(default_factory=list)
     cursor: CallCursor = field(default_factory=CallCursor)  # where the answer's parse resumes
 
@@ -459,8 +460,11 @@ class OpenAIServingChat(OpenAIServing):
                      k: int | None = None) -> list[ChatStreamChoice]:
         """The chunks a tool-enabled choice owes after this output: plain text that can
         no longer start a call, calls whose arguments are complete (a named call's
-        arguments as they grow), and the finish_reason once done."""
-        finished = c.finish_reason is not None
+        arguments as they grow), and the finish_reason once done (once: a finished choice
+        of several stays in the outputs while the others go on)."""
+        if ts.finished:
+            return []
+        finished = ts.finished = c.finish_reason is not None
         pieces: list[DeltaMessage] = []
         if plan.mode == "named":
             if not ts.call_ids:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.entrypoints.openai.protocol import FunctionDefinition
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, ToolPlan, ToolStream
 from pagedserve.entrypoints.openai.tool_parsers import (
     HermesToolParser,
@@ -53,6 +54,19 @@ def test_hermes_streamed_content_and_calls_equal_the_whole_answer(pieces: list[s
     content, names = _streamed(plan, text, cuts)
     assert content == (whole or ""), (text, cuts)
     assert names == [c.name for c in calls]
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "named"])
+def test_a_finished_choice_of_several_says_its_finish_once(mode: str) -> None:
+    """With n > 1 a finished choice stays in each output while the others go on: its
+    finish_reason chunk was sent again at every step."""
+    plan = ToolPlan(mode=mode, parser=HermesToolParser() if mode == "auto" else None, names=NAMES,
+                    function=FunctionDefinition(name="get_weather") if mode == "named" else None)
+    text = CALL if mode == "auto" else '[{"name": "get_weather", "parameters": {}}]' if mode == "required" else "{}"
+    ts, out = ToolStream(), CompletionOutput(0, text, [], finish_reason="stop")
+    finishes = [ch.finish_reason for _ in range(3) for ch in OpenAIServingChat._tool_deltas(None, plan, ts, out)
+                if ch.finish_reason is not None]
+    assert len(finishes) == 1
 
 
 def test_an_argument_holding_the_tags_is_one_call_whole_or_streamed() -> None:
