@@ -10,6 +10,7 @@ from `add_request` and leaves every other request exactly as it was.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import itertools
@@ -157,6 +158,7 @@ class LLMEngine:
         # One offline batch at a time: two threads stepping one scheduler and block pool
         # gave one an internal error and the other wrong text (a caller now waits its turn).
         self._batch_lock = threading.Lock()
+        self._shut_down = False  # (shutdown(): a batch after it, or waiting on a grammar then, is refused)
         hf_config = config.model_config.hf_config
         self.vocab_size = vocab_size or getattr(hf_config, "vocab_size", None)
         if self.vocab_size is None:
@@ -303,8 +305,13 @@ class LLMEngine:
         A refused prompt is named by its position in the caller's batch (`positions`: a
         replica's share's; else its index here, where the batch has more than one).
         Calls from several threads run one after another."""
+        self._check_running()
         with self._batch_lock:
             return self._run_batch(prompts, params, priority, progress, lora_requests, positions)
+
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down (LLM.shutdown()): make a new LLM to run more")
 
     def _run_batch(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams],
                    priority: list[int] | None, progress: BatchProgress | None,
@@ -316,7 +323,11 @@ class LLMEngine:
                      if isinstance(sp, SamplingParams) and sp.structured_outputs is not None]
         for i, compiled in compiling:
             with naming_prompt(positions[i]):
-                compiled.result()
+                try:
+                    compiled.result()
+                except concurrent.futures.CancelledError:  # (shutdown() stopped the grammar pool meanwhile)
+                    self._check_running()
+                    raise
         ids: list[str] = []
         results: dict[str, EngineOutput] = {}
         try:
@@ -357,7 +368,9 @@ class LLMEngine:
         return self.engine_core.step()
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
+        """Stop tensor-parallel worker processes, if any, and the grammar pool (idempotent;
+        also runs at exit); a batch after it is refused by name."""
+        self._shut_down = True
         self.engine_core.shutdown()
 
     def sampling_defaults(self) -> dict[str, Any]:

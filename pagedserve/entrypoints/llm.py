@@ -371,9 +371,16 @@ _NOT_HERE = {
 }
 
 
+# What writing to a stderr that cannot be written raises: closed (ValueError), None
+# (AttributeError), fd 2 closed or a pipe whose reader left (OSError, BrokenPipeError).
+_UNWRITABLE = (OSError, ValueError, AttributeError)
+
+
 class _ProgressBar:
     """tqdm over requests, with input and output tokens/s measured from the engine's
-    counters (`stats`; None for data-parallel replicas, whose counters stay with them)."""
+    counters (`stats`; None for data-parallel replicas, whose counters stay with them).
+    A bar that cannot write its stream turns itself off: the batch goes on, and its
+    finished work is not lost (a broken pipe threw a whole batch's outputs away)."""
 
     def __init__(self, stats: Callable[[], EngineStats] | None, total: int, bar_class: Any = None) -> None:
         """`bar_class`: a caller's tqdm (vLLM's use_tqdm may be one), else tqdm.auto's."""
@@ -385,30 +392,41 @@ class _ProgressBar:
         self.base = (first.num_prompt_tokens, first.num_generation_tokens) if first is not None else (0, 0)
         self.start = time.perf_counter()
         self.last = 0.0
-        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
-                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s" if stats else None)
+        try:
+            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s" if stats else None)
+        except _UNWRITABLE:
+            self.bar = None
+
+    def _write(self, draw: Callable[[Any], Any]) -> None:
+        if self.bar is None:
+            return
+        try:
+            draw(self.bar)
+        except _UNWRITABLE:
+            self.bar = None
 
     def finished_one(self) -> None:
-        self.bar.update(1)
+        self._write(lambda bar: bar.update(1))
 
     def tick(self, force: bool = False) -> None:
         now = time.perf_counter()
-        if not force and now - self.last < 0.25:
+        if self.bar is None or not force and now - self.last < 0.25:
             return
         self.last = now
         if self.stats is None:
-            self.bar.refresh()
+            self._write(lambda bar: bar.refresh())
             return
         stats = self.stats()
         elapsed = max(now - self.start, 1e-9)
         tin = (stats.num_prompt_tokens - self.base[0]) / elapsed
         tout = (stats.num_generation_tokens - self.base[1]) / elapsed
-        self.bar.set_postfix_str(f"est. speed input: {tin:.2f} toks/s, output: {tout:.2f} toks/s", refresh=False)
-        self.bar.refresh()
+        self._write(lambda bar: (bar.set_postfix_str(f"est. speed input: {tin:.2f} toks/s, output: {tout:.2f} toks/s",
+                                                     refresh=False), bar.refresh()))
 
     def close(self) -> None:
         self.tick(force=True)
-        self.bar.close()
+        self._write(lambda bar: bar.close())
 
 
 def _normalize_prompts(prompts: Any) -> list[Prompt]:

@@ -128,6 +128,40 @@ def test_n_samples_and_tqdm(llm, capsys) -> None:
     assert "Processed prompts" in err and "output:" in err and "toks/s" in err
 
 
+@pytest.mark.parametrize("stream", ["closed", "none", "breaks"])
+def test_a_progress_bar_that_cannot_write_turns_off_and_the_batch_keeps_its_outputs(llm, monkeypatch, stream) -> None:
+    """stderr closed, None, or a pipe whose reader left mid-batch: generate failed before
+    any work, or threw the batch's finished outputs away."""
+    import io
+    import sys
+
+    class Breaking(io.StringIO):
+        def write(self, s: str) -> int:
+            if self.tell() > 0:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(s)
+
+    err = {"closed": io.StringIO(), "none": None, "breaks": Breaking()}[stream]
+    if stream == "closed":
+        err.close()
+    monkeypatch.setattr(sys, "stderr", err)
+    outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3), use_tqdm=True)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3]
+
+
+def test_after_shutdown_a_batch_is_refused_by_name(llm) -> None:
+    """It ran on, and only a grammar request failed, with concurrent.futures' "cannot
+    schedule new futures after shutdown"."""
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    llm.shutdown()
+    for params in (SamplingParams(max_tokens=2), SamplingParams(max_tokens=2,
+                                                                 structured_outputs=StructuredOutputsParams(choice=["a"]))):
+        with pytest.raises(RuntimeError, match="was shut down"):
+            llm.generate("hello", params, use_tqdm=False)
+    llm.shutdown()  # (again: nothing)
+
+
 def test_chat_single_and_batched(llm, tok) -> None:
     conv = [{"role": "user", "content": "hi"}]
     [o] = llm.chat(conv, SamplingParams(max_tokens=2), use_tqdm=False)
