@@ -305,8 +305,8 @@ class LLMEngine:
         A refused prompt is named by its position in the caller's batch (`positions`: a
         replica's share's; else its index here, where the batch has more than one).
         Calls from several threads run one after another."""
-        self._check_running()
-        with self._batch_lock:
+        with self._batch_lock:  # (checked under it: a batch waiting its turn through shutdown() is refused too)
+            self._check_running()
             return self._run_batch(prompts, params, priority, progress, lora_requests, positions)
 
     def _check_running(self) -> None:

@@ -149,7 +149,7 @@ def test_shutdown_stops_every_worker(tp2) -> None:
     assert time.monotonic() - t0 < 5
     assert not any(process_alive(p) for p in pids)
     llm.shutdown()  # idempotent
-    with pytest.raises(RuntimeError, match="shut down"):  # (the engine refuses first, for every executor)
+    with pytest.raises(RuntimeError, match="was shut down"):  # (the engine's words: it refuses first, for every executor)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 

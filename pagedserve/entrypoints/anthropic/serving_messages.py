@@ -498,9 +498,9 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 class EventWriter:
     """Turns one choice's chat chunks into Anthropic's stream events: a content block
     per run of text and per tool call, opened and closed around their deltas.
-    message_start waits for the first chunk whose usage counts a token (the role's
-    counts the prompt alone, before the engine has looked up its cached blocks), so
-    that its usage splits the prompt into input and cache-read tokens as the final
+    message_start waits for the first chunk whose usage counts a token (the first with
+    the answer's content; the role's comes before it, as OpenAI's chat stream sends it),
+    and its usage splits the prompt into input and cache-read tokens as the final
     message_delta's does."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int,
@@ -545,7 +545,7 @@ class EventWriter:
         usage = chunk.get("usage")
         if not self.started:
             if (usage is None or not usage["completion_tokens"]) and "error" not in chunk:
-                return out  # (the role's chunk, before any token: its cached tokens are not known yet)
+                return out  # (the role's chunk: no content block to open yet)
             self.started = True
             start = ({**anthropic_usage(usage), "output_tokens": 0} if usage is not None
                      else {"input_tokens": self.input_tokens, "output_tokens": 0, "cache_read_input_tokens": 0})

@@ -6,7 +6,6 @@ their items), so it stands apart from protocol.py's chat models.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -160,30 +159,6 @@ class ResponseOutput:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     ids: dict[str, str] = field(default_factory=dict)  # item kind -> its id
-    cut: str | None = None  # the item max_output_tokens cut: "reasoning", "message" or "function_call:i"
-
-    def finish(self, reason: str | None, call_deltas: list[dict[str, Any]] = ()) -> None:
-        """The answer's end, and the item a max_output_tokens cut fell in.  That is not
-        always the last item: a text written after a call is the message, given before the
-        calls (a chat message has no order between its text and its calls), so where the
-        last call's arguments are a whole object and there is text, the cut fell in the
-        text.  `call_deltas`: a stream's calls not yet added (chat's tool_calls deltas)."""
-        self.finish_reason = reason
-        arguments = [c["arguments"] for c in self.calls]
-        for call in call_deltas:
-            if call.get("id"):
-                arguments.append("")
-            arguments[-1] += (call.get("function") or {}).get("arguments") or ""
-        if reason != "length":
-            self.cut = None
-        elif arguments and not (self.text and _whole_object(arguments[-1])):
-            self.cut = f"function_call:{len(arguments) - 1}"
-        else:
-            self.cut = "message" if self.text else "reasoning" if self.reasoning else None
-
-    def status(self, key: str) -> str:
-        """A finished item's status: "incomplete" if max_output_tokens cut it."""
-        return "incomplete" if key == self.cut else "completed"
 
     def item_id(self, kind: str) -> str:
         if kind not in self.ids:
@@ -199,17 +174,22 @@ class ResponseOutput:
                                      for c in self.calls]
         return message
 
-    def items(self, done: bool = True) -> list[dict[str, Any]]:
-        """The output items; done, all completed but the one max_output_tokens cut."""
-        def status(key: str) -> str:
-            return self.status(key) if done else "in_progress"
+    def done_status(self) -> str:
+        """A finished item's status: "incomplete" where max_output_tokens cut the answer."""
+        return "incomplete" if self.finish_reason == "length" else "completed"
 
+    def items(self, done: bool = True) -> list[dict[str, Any]]:
+        """The output items; done, all completed but the last, which max_output_tokens may cut."""
+        status = "completed" if done else "in_progress"
         out: list[dict[str, Any]] = []
         if self.reasoning:
-            out.append(self.reasoning_item(status("reasoning")))
+            out.append(self.reasoning_item(status))
         if self.text:
-            out.append(self.message_item(status("message")))
-        return out + [self.call_item(i, status(f"function_call:{i}")) for i in range(len(self.calls))]
+            out.append(self.message_item(status))
+        out += [self.call_item(i, status) for i in range(len(self.calls))]
+        if done and out:
+            out[-1]["status"] = self.done_status()
+        return out
 
     def reasoning_item(self, status: str) -> dict[str, Any]:
         return {"type": "reasoning", "id": self.item_id("reasoning"), "summary": [], "status": status,
@@ -223,11 +203,3 @@ class ResponseOutput:
         c = self.calls[i]
         return {"type": "function_call", "id": self.item_id(f"function_call:{i}"), "call_id": c["call_id"],
                 "name": c["name"], "arguments": c["arguments"], "status": status}
-
-
-def _whole_object(arguments: str) -> bool:
-    """Whether a call's arguments are a whole JSON object (a cut call's are a prefix)."""
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except ValueError:
-        return False

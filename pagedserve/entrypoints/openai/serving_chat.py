@@ -448,10 +448,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chunks(self, req: ChatCompletionRequest, prep: PreparedRequest, request_id: str,
                      streams: list[RequestStream], calls_last: bool = False) -> AsyncIterator[dict]:
-        """The stream's chunks as dicts (streaming.sse_dicts); `calls_last`: under tool_choice
-        auto, each choice's calls come after all its text (streaming.calls_after_text)."""
+        """The stream's chunks as dicts (streaming.sse_dicts); `calls_last`: each choice's
+        calls come after all its text and reasoning (streaming.calls_after_text), under
+        tool_choice auto, and under a named or required one where the model may think first
+        (a named call's head was sent at once, while the model was still thinking); else a
+        named call's arguments stream as they grow."""
         chunks = sse_dicts(self.stream(req, prep, request_id, streams))
-        if calls_last and prep.tools.mode == "auto":
+        if calls_last and (prep.tools.mode == "auto" or prep.tools.mode != "none" and prep.reasoning is not None):
             chunks = calls_after_text(chunks)
         async for chunk in chunks:
             yield chunk

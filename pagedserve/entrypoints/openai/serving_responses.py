@@ -462,8 +462,7 @@ class OpenAIServingResponses:
         out = ResponseOutput(reasoning=choice.message.reasoning_content or "", text=choice.message.content or "",
                       calls=[{"call_id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                              for c in choice.message.tool_calls or []],
-                      usage=r.usage.model_dump())
-        out.finish(choice.finish_reason)
+                      finish_reason=choice.finish_reason, usage=r.usage.model_dump())
         return self.finished(prep, self.response(response_id, prep, created, out), out)
 
     async def stream(self, req: ResponsesRequest, prep: PreparedResponse, response_id: str,
@@ -500,8 +499,7 @@ class _EventWriter:
         kind, self.open = self.open, None
         if kind is None:
             return []
-        # (an item closed before the end is completed: the cut is known at the end)
-        status = self.out.status(kind if kind != "function_call" else f"function_call:{len(self.out.calls) - 1}")
+        status = self.out.done_status()  # (an item closed before the end is completed)
         if kind in ("reasoning", "message"):  # an item of one content part: its text done, the part, the item
             item = self.out.reasoning_item(status) if kind == "reasoning" else self.out.message_item(status)
             part = item["content"][0]
@@ -551,8 +549,6 @@ class _EventWriter:
                 self.out.text += delta["content"]
                 out.append(self.emit("response.output_text.delta", item_id=self.out.item_id("message"),
                                      output_index=self.index, content_index=0, delta=delta["content"], logprobs=[]))
-            if choice.get("finish_reason") is not None:  # (before its calls close the message: where was the cut)
-                self.out.finish(choice["finish_reason"], delta.get("tool_calls") or [])
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 if call.get("id"):  # a new call
@@ -565,6 +561,7 @@ class _EventWriter:
                                          item_id=self.out.item_id(f"function_call:{len(self.out.calls) - 1}"),
                                          output_index=self.index, delta=function["arguments"]))
             if choice.get("finish_reason") is not None:
+                self.out.finish_reason = choice["finish_reason"]
                 out += self._close()
         if chunk.get("usage") is not None and not chunk.get("choices"):
             self.out.usage = chunk["usage"]

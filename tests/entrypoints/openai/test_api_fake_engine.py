@@ -329,18 +329,11 @@ def test_text_after_a_call_streams_as_the_ordered_apis_answer_it_whole():
     messages = {"messages": user, "max_tokens": len(script),
                 "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
 
-    cut = {**responses, "max_output_tokens": len(script) - 2}  # (in the text after the call)
-
     async def fn(c):
         return [await c.post(path, json={**body, "stream": stream}) for path, body in (
-            ("/v1/responses", responses), ("/v1/messages", messages), ("/v1/responses", cut)) for stream in (False, True)]
+            ("/v1/responses", responses), ("/v1/messages", messages)) for stream in (False, True)]
 
-    whole_r, streamed_r, whole_m, streamed_m, whole_cut, streamed_cut = call(app, fn)
-    # the item the cut fell in is the message, not the call written before it
-    cut_frames = [json.loads(b.split("data: ", 1)[1]) for b in streamed_cut.text.split("\n\n") if "data: " in b]
-    for output in (whole_cut.json()["output"], cut_frames[-1]["response"]["output"],
-                   [f["item"] for f in cut_frames if f["type"] == "response.output_item.done"]):
-        assert [(i["type"], i["status"]) for i in output] == [("message", "incomplete"), ("function_call", "completed")]
+    whole_r, streamed_r, whole_m, streamed_m = call(app, fn)
     assert [i["type"] for i in whole_r.json()["output"]] == ["message", "function_call"]
     assert whole_r.json()["output"][0]["content"][0]["text"] == "Hi\nBye"
     frames = [json.loads(b.split("data: ", 1)[1]) for b in streamed_r.text.split("\n\n") if "data: " in b]
