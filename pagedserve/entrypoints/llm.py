@@ -210,12 +210,8 @@ class LLM:
         prompt_list = _normalize_prompts(prompts)
         loras = _normalize_loras(lora_request, len(prompt_list)) or [None] * len(prompt_list)
         chunk = concurrency_limit or max(len(prompt_list), 1)
-        bar = None
-        if use_tqdm and prompt_list:
-            from tqdm import tqdm
-
-            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens * -(-len(prompt_list) // chunk),
-                                                             desc="Beam search", unit="step")
+        bar = _ProgressBar(None, params.max_tokens * -(-len(prompt_list) // chunk), use_tqdm if callable(use_tqdm)
+                           else None, desc="Beam search", unit="step") if use_tqdm and prompt_list else None
         try:
             out: list[BeamSearchOutput] = []
             for i in range(0, len(prompt_list), chunk):
@@ -226,7 +222,7 @@ class LLM:
                 bar.close()
 
     def _beam_search(self, prompt_list: list[Prompt], loras: list[LoRARequest | None], params: BeamSearchParams,
-                     bar: Any) -> list[BeamSearchOutput]:
+                     bar: _ProgressBar | None) -> list[BeamSearchOutput]:
         engine = self.llm_engine
         assert engine is not None
         width = params.beam_width
@@ -261,10 +257,10 @@ class LLM:
             for b, *_ in todo:
                 b.extend(width, stops)
             if bar is not None:
-                bar.update(1)
+                bar.advance()
                 steps_run = n + 1
         if bar is not None and steps_run < params.max_tokens:  # (every beam ended early: the bar completes)
-            bar.update(params.max_tokens - steps_run)
+            bar.advance(params.max_tokens - steps_run)
         tokenizer = engine.tokenizer
         decode = tokenizer.decode if tokenizer is not None else None
         return [BeamSearchOutput(b.sequences(width, params.length_penalty, decode)) for b in searches]
@@ -382,8 +378,10 @@ class _ProgressBar:
     A bar that cannot write its stream turns itself off: the batch goes on, and its
     finished work is not lost (a broken pipe threw a whole batch's outputs away)."""
 
-    def __init__(self, stats: Callable[[], EngineStats] | None, total: int, bar_class: Any = None) -> None:
-        """`bar_class`: a caller's tqdm (vLLM's use_tqdm may be one), else tqdm.auto's."""
+    def __init__(self, stats: Callable[[], EngineStats] | None, total: int, bar_class: Any = None,
+                 desc: str = "Processed prompts", unit: str = "it") -> None:
+        """`bar_class`: a caller's tqdm (vLLM's use_tqdm may be one), else tqdm.auto's;
+        `desc` and `unit`: what it counts (requests; beam search's steps)."""
         from tqdm.auto import tqdm
 
         tqdm = bar_class or tqdm
@@ -393,7 +391,7 @@ class _ProgressBar:
         self.start = time.perf_counter()
         self.last = 0.0
         try:
-            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+            self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True,
                             postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s" if stats else None)
         except _UNWRITABLE:
             self.bar = None
@@ -406,8 +404,11 @@ class _ProgressBar:
         except _UNWRITABLE:
             self.bar = None
 
+    def advance(self, n: int = 1) -> None:
+        self._write(lambda bar: bar.update(n))
+
     def finished_one(self) -> None:
-        self._write(lambda bar: bar.update(1))
+        self.advance()
 
     def tick(self, force: bool = False) -> None:
         now = time.perf_counter()

@@ -454,7 +454,8 @@ class OpenAIServingChat(OpenAIServing):
         (a named call's head was sent at once, while the model was still thinking); else a
         named call's arguments stream as they grow."""
         chunks = sse_dicts(self.stream(req, prep, request_id, streams))
-        if calls_last and (prep.tools.mode == "auto" or prep.tools.mode != "none" and prep.reasoning is not None):
+        mode = prep.tools.mode
+        if calls_last and mode != "none" and (mode == "auto" or prep.reasoning is not None):
             chunks = calls_after_text(chunks)
         async for chunk in chunks:
             yield chunk
