@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.request_limits import MAX_PROMPT_CHARS
 from pagedserve.sampling_params import SamplingParams
 
@@ -150,6 +150,7 @@ class FakeEngine:
         self.bad_words_threads: set[int] = set()  # where bad words were tokenized
         self.params_seen: list[SamplingParams] = []
         self.arrivals: dict[str, float | None] = {}  # each request's arrival_time, as the engine got it
+        self.logprobs: dict[str, int | None] = {}  # each request's `logprobs` (the top-k asked for)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         self.bad_words_threads.add(threading.get_ident())
@@ -184,6 +185,7 @@ class FakeEngine:
             raise ValueError(f"duplicate request id {request_id}")
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))
         self.reqs[request_id] = (ids, max_tokens, [[] for _ in range(params.n)])
+        self.logprobs[request_id] = params.logprobs
 
     def abort_request(self, ids):
         self.thread_ids.add(threading.get_ident())
@@ -226,6 +228,13 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
+    def top_logprobs(self, toks: list[int], k: int | None) -> list[dict[int, Logprob]] | None:
+        """Where asked for: per token, it (rank 1) and the k - 1 code points after it, each
+        a nat less likely."""
+        if k is None:
+            return None
+        return [{t + j: Logprob(-1.0 - j, rank=j + 1) for j in range(max(k, 1))} for t in toks]
+
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
@@ -251,7 +260,8 @@ class FakeEngine:
                     toks.append(ord(self.script[(len(toks) + i) % len(self.script)]))
                 done = len(toks) >= max_tokens
                 comps.append(CompletionOutput(index=i, text=self.tokenizer.decode(toks), token_ids=list(toks),
-                                              finish_reason="length" if done else None))
+                                              finish_reason="length" if done else None,
+                                              logprobs=self.top_logprobs(toks, self.logprobs[rid])))
             finished = all(c.finish_reason for c in comps)
             outputs.append(RequestOutput(rid, None, prompt, comps, finished))
             if finished:

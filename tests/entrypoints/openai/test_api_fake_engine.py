@@ -351,3 +351,23 @@ def test_text_after_a_call_streams_as_the_ordered_apis_answer_it_whole():
             blocks[f["index"]][key] += d.get("text", d.get("partial_json", ""))
     assert [(b["type"], b.get("text")) for b in blocks] == [("text", "Hi\nBye"), ("tool_use", None)]
     assert json.loads(blocks[1]["partial"]) == whole_m.json()["content"][1]["input"] == {"a": 1}
+
+
+def test_a_beam_searchs_steps_keep_its_arrival_time():
+    """Each beam-search step is a request of its own; each is given the search's arrival
+    time, so that FCFS keeps the search's place in the queue (a step sent at the back
+    waited behind every later arrival)."""
+    engine = FakeEngine(script="abc")
+    _, app = make_app(engine)
+
+    async def fn(c):
+        plain = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        beams = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2,
+                                                      "use_beam_search": True, "temperature": 0})
+        return plain, beams
+
+    plain, beams = call(app, fn)
+    assert plain.status_code == beams.status_code == 200, beams.text
+    assert len(beams.json()["choices"]) == 2
+    (plain_arrival, *steps) = engine.arrivals.values()
+    assert len(steps) >= 3 and len(set(steps)) == 1 and steps[0] > plain_arrival, engine.arrivals
