@@ -14,7 +14,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
 from pagedserve.entrypoints.openai.tool_parsers import get_tool_parser
-from tests.engine.fake_engine import FakeEngine
+from tests.engine.fake_engine import CharTokenizer, FakeEngine
 from tests.entrypoints.openai.test_api_fake_engine import call, events
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
@@ -371,3 +371,42 @@ def test_a_streamed_response_opens_and_closes_each_items_content_part() -> None:
     final = raw[-1]["response"]
     assert [i["content"][0]["text"] for i in final["output"]] == ["Let me see.", "Paris."]
     assert final["service_tier"] == "default" and final["background"] is False
+
+
+def test_a_named_call_after_thinking_streams_in_the_order_of_the_whole_answer() -> None:
+    """Under a named tool choice the chat stream names the call at once; with a reasoning
+    parser the model thinks first, so the ordered APIs hold the call to the end: a
+    Responses stream announced the call's item before the reasoning one, and Anthropic's a
+    tool_use block before the thinking block, where the whole answers have them after."""
+    class ThinkingChars(CharTokenizer):  # (the grammar starts on a single end-of-thinking token)
+        def convert_tokens_to_ids(self, token: str) -> int | None:
+            return 255 if token == "</think>" else super().convert_tokens_to_ids(token)
+
+    script = '<think>hm</think>{"a": 1}'
+    state = ServerState(served_model_names=["fake"])
+    app = build_app(state)
+    engine = FakeEngine(script=script, step_time=0.005)  # (one character a step, read as it comes)
+    engine.tokenizer = ThinkingChars()
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 4096), None, QWEN3)
+    tool = {"name": "f", "parameters": {"type": "object"}}
+    user = [{"role": "user", "content": "x"}]
+    responses = {"model": "fake", "input": user, "tools": [{"type": "function", **tool}],
+                 "tool_choice": {"type": "function", "name": "f"}, "max_output_tokens": len(script)}
+    messages = {"model": "fake", "messages": user, "max_tokens": len(script), "tool_choice": {"type": "tool", "name": "f"},
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+
+    async def fn(c):
+        return [await c.post(path, json={**body, "stream": stream}) for path, body in (
+            ("/v1/responses", responses), ("/v1/messages", messages)) for stream in (False, True)]
+
+    whole_r, streamed_r, whole_m, streamed_m = call(app, fn)
+    assert [i["type"] for i in whole_r.json()["output"]] == ["reasoning", "function_call"], whole_r.text
+    frames = [json.loads(b.split("data: ", 1)[1]) for b in streamed_r.text.split("\n\n") if "data: " in b]
+    added = [f["item"]["type"] for f in frames if f["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "function_call"], added
+    assert frames[-1]["response"]["output"][1]["arguments"] == whole_r.json()["output"][1]["arguments"] == '{"a": 1}'
+    assert whole_m.status_code == 200, whole_m.text
+    assert [b["type"] for b in whole_m.json()["content"]] == ["thinking", "tool_use"], whole_m.text
+    started = [json.loads(b.split("data: ", 1)[1])["content_block"]["type"] for b in streamed_m.text.split("\n\n")
+               if "content_block_start" in b]
+    assert started == ["thinking", "tool_use"], started
