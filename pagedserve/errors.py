@@ -10,6 +10,8 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
+    code: str | None = None  # OpenAI's error code for this kind of refusal, where it has one
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
@@ -20,10 +22,16 @@ class ImageInputError(InvalidRequestError):
     the message names the problem on its own, never as a chat-template failure."""
 
 
+# How vLLM's refusal of a prompt the context cannot hold begins (clients match it).
+CONTEXT_LENGTH_ERROR = "This model's maximum context length is"
+
+
 class PromptTooLongError(InvalidRequestError):
-    """A prompt longer than the context can hold, found before its tokens are counted (its
-    characters, rendered or given): a refusal a caller may answer by cutting the prompt,
-    as the Responses API's truncation "auto" does, like the token count's own refusal."""
+    """A prompt longer than the context can hold, by its tokens or by its characters
+    before they are counted: a refusal a caller may answer by cutting the prompt, as the
+    Responses API's truncation "auto" does."""
+
+    code = "context_length_exceeded"  # (a check of prompt + max_tokens in the API layer sends it too)
 
 
 class OverloadedError(RuntimeError):

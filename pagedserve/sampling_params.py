@@ -245,9 +245,9 @@ class SamplingParams:
         structured outputs, stops, flags), so the field named is always the same one."""
         self._check_rules(_SCALAR_RULES)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
-                f"max_tokens={self.max_tokens}", param="min_tokens")
+            # (the limit unnamed: each API has its own name for it, and the refusal names min_tokens)
+            raise InvalidRequestError(f"min_tokens must be at most the request's token limit, got min_tokens="
+                                      f"{self.min_tokens} over a limit of {self.max_tokens}", param="min_tokens")
         self._check_rules(_LOGPROBS_RULES)
         self._check_logit_edits()
         if self.structured_outputs is not None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pagedserve.core.kv_cache_utils import ImageSpan
 from pagedserve.core.prediction_drafter import PredictionDrafter
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import CONTEXT_LENGTH_ERROR, PromptTooLongError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -244,13 +244,13 @@ def check_stop(request: Request, tok: int) -> RequestStatus | None:
     return None
 
 
-def prompt_length_error(num_prompt: int, max_model_len: int, pooling: bool = False) -> InvalidRequestError | None:
+def prompt_length_error(num_prompt: int, max_model_len: int, pooling: bool = False) -> PromptTooLongError | None:
     """The refusal of a prompt the context cannot hold with one token to generate (a
     pooling prompt: the prompt alone), else None.  The scheduler's admission rule; a front
     end judging a batch's prompts as it tokenizes them asks it too."""
     if num_prompt + (not pooling) <= max_model_len:
         return None
-    return InvalidRequestError(
-        f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, the prompt has "
+    return PromptTooLongError(
+        f"{CONTEXT_LENGTH_ERROR} {max_model_len} tokens (max_model_len). However, the prompt has "
         f"{num_prompt} tokens{'' if pooling else ', which leaves no room to generate one'}. Please reduce the "
         "length of the prompt.", param="prompt")

@@ -35,7 +35,7 @@ from pagedserve.engine.inproc_client import InprocClient
 from pagedserve.engine.input_processor import text_model_image_error
 from pagedserve.engine.llm_engine import BatchProgress
 from pagedserve.engine.router import Router
-from pagedserve.errors import ImageInputError, InvalidRequestError
+from pagedserve.errors import ImageInputError, InvalidRequestError, PromptTooLongError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import EngineOutput, RequestOutput
@@ -74,8 +74,9 @@ class ReplicaInfo:
 class ReplicaRefusal:
     """A replica refused a request at admission; `error()` rebuilds the exception.
 
-    kind: "invalid" (a ValueError: 400), "dead" (its engine died: the front end tries
-    another replica), or "error" (500)."""
+    kind: "invalid" (a ValueError: 400), "too_long" (a prompt the context cannot hold: a
+    400 with OpenAI's code for it), "dead" (its engine died: the front end tries another
+    replica), or "error" (500)."""
 
     message: str
     param: str | None = None
@@ -84,14 +85,15 @@ class ReplicaRefusal:
     @classmethod
     def of(cls, e: BaseException) -> ReplicaRefusal:
         if isinstance(e, ValueError):
-            return cls(str(e), e.param if isinstance(e, InvalidRequestError) else None)
+            return cls(str(e), e.param if isinstance(e, InvalidRequestError) else None,
+                       "too_long" if isinstance(e, PromptTooLongError) else "invalid")
         if isinstance(e, EngineDeadError):
             return cls(str(e), kind="dead")
         return cls(f"{type(e).__name__}: {e}", kind="error")
 
     def error(self) -> BaseException:
-        if self.kind == "invalid":
-            return InvalidRequestError(self.message, param=self.param)
+        if self.kind in ("invalid", "too_long"):
+            return (PromptTooLongError if self.kind == "too_long" else InvalidRequestError)(self.message, param=self.param)
         return (EngineDeadError if self.kind == "dead" else RuntimeError)(self.message)
 
 

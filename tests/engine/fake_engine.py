@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.core.request import prompt_length_error
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.request_limits import MAX_PROMPT_CHARS
@@ -178,9 +179,8 @@ class FakeEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="prompt")
-        if len(ids) + 1 > self.max_model_len:
-            raise InvalidRequestError(f"This model's maximum context length (max_model_len) is {self.max_model_len} "
-                                      f"tokens. However, the prompt has {len(ids)} tokens", param="prompt")
+        if (error := prompt_length_error(len(ids), self.max_model_len)) is not None:
+            raise error
         if request_id in self.reqs:
             raise ValueError(f"duplicate request id {request_id}")
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.engine.data_parallel import ReplicaRefusal, routing_tokens
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import InvalidRequestError, PromptTooLongError
 from tests.hypothesis_budget import examples
 
 
@@ -44,6 +44,9 @@ def test_routing_never_fails_a_request(prompt):
 def test_a_refusal_travels_back_as_the_same_kind_of_error():
     err = ReplicaRefusal.of(InvalidRequestError("too long", param="max_tokens")).error()
     assert isinstance(err, InvalidRequestError) and err.param == "max_tokens" and str(err) == "too long"
+    assert not isinstance(err, PromptTooLongError)
+    long = ReplicaRefusal.of(PromptTooLongError("the prompt has 9 tokens", param="prompt")).error()
+    assert isinstance(long, PromptTooLongError) and long.param == "prompt"  # (its API code: context_length_exceeded)
     plain = ReplicaRefusal.of(ValueError("bad")).error()
     assert isinstance(plain, ValueError) and plain.param is None
     assert not isinstance(ReplicaRefusal.of(KeyError("x")).error(), ValueError)

@@ -53,7 +53,13 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     check_request_id,
 )
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
-from pagedserve.errors import ImageInputError, InvalidRequestError, OverloadedError, PromptTooLongError
+from pagedserve.errors import (
+    CONTEXT_LENGTH_ERROR,
+    ImageInputError,
+    InvalidRequestError,
+    OverloadedError,
+    PromptTooLongError,
+)
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -64,12 +70,6 @@ from pagedserve.utils import same_value
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 logger = logging.getLogger("pagedserve.api_server")
 
-
-# How vLLM's context-length refusal begins (a client matches it).
-CONTEXT_LENGTH_ERROR = "This model's maximum context length is"
-# OpenAI's error code for a prompt the context cannot hold, by its tokens or by its characters
-# before they are counted (truncation "auto" answers either by cutting the conversation).
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class OpenAIError(Exception):
@@ -176,7 +176,7 @@ def to_openai_error(err: BaseException) -> OpenAIError:
     if isinstance(err, OpenAIError):
         return err
     if isinstance(err, InvalidRequestError):
-        return OpenAIError(str(err), param=err.param)
+        return OpenAIError(str(err), param=err.param, code=err.code)
     if isinstance(err, OverloadedError):
         return OpenAIError(str(err), status=503, type="server_error", code="server_overloaded",
                            headers={"Retry-After": str(err.retry_after)})
@@ -375,10 +375,12 @@ class OpenAIServing:
         by `label` ((its field, how the message names it), PreparedRequest.prompt_label)."""
         if isinstance(e, RefusedFieldError):  # (named as sent)
             return OpenAIError(str(e), param=e.param)
-        param = req.api_param(e.param) if isinstance(e, InvalidRequestError) else None
-        if label is not None and isinstance(e, InvalidRequestError) and e.param == "prompt":
-            return OpenAIError(f"{label[1]}: {e}", param=label[0])
-        return OpenAIError(str(as_sent(e, param)) if isinstance(e, InvalidRequestError) else str(e), param=param)
+        if not isinstance(e, InvalidRequestError):
+            return OpenAIError(str(e))
+        param, code = req.api_param(e.param), e.code
+        if label is not None and e.param == "prompt":
+            return OpenAIError(f"{label[1]}: {e}", param=label[0], code=code)
+        return OpenAIError(str(as_sent(e, param)), param=param, code=code)
 
     @staticmethod
     def check_fanout(num_prompts: int, n: int, param: str = "prompt", limit: int = MAX_SEQUENCES_PER_REQUEST) -> None:
@@ -402,7 +404,7 @@ class OpenAIServing:
                 f"{CONTEXT_LENGTH_ERROR} {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion.",
-                param=max_tokens_param if num_prompt < limit else prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
+                param=max_tokens_param if num_prompt < limit else prompt_param, code=PromptTooLongError.code)
 
     def truncated(self, prompt: TokenizedPrompt, truncate: int | None, room: int = 0) -> TokenizedPrompt:
         """`prompt` cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens, the
@@ -427,7 +429,7 @@ class OpenAIServing:
         except ImageInputError as e:  # an image's own refusal, not the template's
             raise OpenAIError(str(e), param=e.param or "messages") from e
         except PromptTooLongError as e:  # the conversation's length, not the template's fault
-            raise OpenAIError(str(e), param=e.param or "messages", code=CONTEXT_LENGTH_EXCEEDED) from e
+            raise OpenAIError(str(e), param=e.param or "messages", code=e.code) from e
         except ValueError as e:  # the field a bound names (chat_template, messages), else the messages
             param = e.param if isinstance(e, InvalidRequestError) and e.param else "messages"
             raise OpenAIError(f"Cannot apply the chat template: {e}", param=param) from e

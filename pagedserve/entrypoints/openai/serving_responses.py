@@ -53,8 +53,8 @@ from pagedserve.entrypoints.openai.protocol_responses import (
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, input_items
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedserve.entrypoints.openai.serving_engine import CONTEXT_LENGTH_EXCEEDED, OpenAIError, PreparedRequest
-from pagedserve.errors import InvalidRequestError
+from pagedserve.entrypoints.openai.serving_engine import OpenAIError, PreparedRequest
+from pagedserve.errors import InvalidRequestError, PromptTooLongError
 
 # Chat's names for fields whose Responses names differ.
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
@@ -356,8 +356,8 @@ class OpenAIServingResponses:
             try:
                 prepared: PreparedRequest | None = self.chat.prepare(chat_request)
             except OpenAIError as e:  # (a prompt too long by its characters, or with max_output_tokens)
-                if not (auto and e.code == CONTEXT_LENGTH_EXCEEDED):
-                    raise
+                if not (auto and e.code == PromptTooLongError.code) or (req.max_output_tokens or 0) >= self.chat.max_model_len:
+                    raise  # (no cut makes room for a budget the context cannot hold)
                 prepared = None
             if auto and (prepared is None or not self._fits(prepared, req)):
                 chat_request, prepared = self._truncated(req, chat_request, len(conversation))

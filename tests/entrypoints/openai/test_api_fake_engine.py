@@ -141,18 +141,23 @@ def test_auth_and_error_shapes():
 
 
 def test_prompt_only_context_error_and_default_max_tokens():
-    _, app = make_app(FakeEngine())
+    engine = FakeEngine()
+    engine.max_prompt_chars = 100  # (the real engine's: the characters max_model_len could hold)
+    _, app = make_app(engine)
 
     async def fn(c):
         long = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 80}]})
         fill = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 20}]})
-        return long, fill
+        by_chars = await c.post("/v1/completions", json={"prompt": "y" * 200})
+        return long, fill, by_chars
 
-    long, fill = call(app, fn)
-    assert long.status_code == 400
-    # The engine's refusal, with the param named as the chat API calls it.
-    assert long.json()["error"]["message"].startswith("This model's maximum context length")
+    long, fill, by_chars = call(app, fn)
+    assert long.status_code == by_chars.status_code == 400
+    # The engine's refusal in vLLM's words, with the param named as the chat API calls it and
+    # OpenAI's code, as where max_tokens is set (clients catch it by either)
+    assert long.json()["error"]["message"].startswith("This model's maximum context length is 64 tokens"), long.text
     assert long.json()["error"]["param"] == "messages"
+    assert long.json()["error"]["code"] == by_chars.json()["error"]["code"] == "context_length_exceeded", by_chars.text
     # No max_tokens on chat: generate up to the end of the context.
     usage = fill.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
@@ -163,6 +168,15 @@ def test_prompt_only_context_error_and_default_max_tokens():
     r = call(app, scoring)
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert "max_tokens 0 scores the prompt" in r.json()["error"]["message"]
+
+    async def over(c):  # (min_tokens over the limit: named as sent, never as the engine's max_tokens)
+        chat = {"messages": [{"role": "user", "content": "x"}], "min_tokens": 30, "max_completion_tokens": 20}
+        return [await c.post("/v1/chat/completions", json=chat),
+                await c.post("/v1/responses", json={"input": "x", "min_tokens": 30, "max_output_tokens": 20})]
+
+    for r in call(app, over):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        assert "max_tokens" not in r.json()["error"]["message"] and "limit of 20" in r.json()["error"]["message"], r.text
 
 
 def test_an_unknown_models_404_names_the_models_served():
@@ -308,6 +322,7 @@ def test_a_batchs_too_long_prompt_is_refused_before_the_rest_are_tokenized():
                                                 "prompt[1]: This model's maximum context length"), strict=True):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert r.json()["error"]["message"].startswith(start), r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert seen == ["ok", "y" * 80], seen
 
 

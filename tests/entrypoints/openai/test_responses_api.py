@@ -233,6 +233,10 @@ def test_truncation_auto_drops_the_first_items_until_the_conversation_fits(clien
     assert e.value.body["code"] == "context_length_exceeded" and " characters, more than " in e.value.body["message"]
     r = client.responses.create(model=MODEL_NAME, input=many, max_output_tokens=8, truncation="auto", temperature=0)
     assert r.truncation == "auto" and 100 < r.usage.input_tokens <= 256 - 8
+    # No cut makes room for a budget past the context: the refusal names the budget, not the input
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input=ASK, max_output_tokens=300, truncation="auto")
+    assert (e.value.body["param"], e.value.body["code"]) == ("max_output_tokens", "context_length_exceeded"), e.value.body
 
 
 def test_only_the_item_max_output_tokens_cut_is_incomplete() -> None:
