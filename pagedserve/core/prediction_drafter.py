@@ -26,8 +26,6 @@ next drafts: the first token and each step's bonus token count as well when they
 
 from __future__ import annotations
 
-from array import array
-
 from pagedserve.config import MAX_SPECULATIVE_TOKENS
 
 # Suffix lengths tried when the place is lost: long enough that a match is rarely by
@@ -38,15 +36,25 @@ RESYNC_MIN_N = 2
 NEAR_WINDOW = 8
 
 
+def pack_ids(token_ids: list[int]) -> bytes:
+    """Token ids (below 2**28, any vocabulary's) as 4 bytes each, 7 bits a byte, the first
+    with its high bit set and the others clear: a packed sequence can only occur in another
+    at a multiple of 4, so `bytes.find` searches whole ids in C.  (Plain 4-byte ints also
+    matched across two ids, each such hit another search: a prediction of one low id
+    repeated cost thousands of calls per output token on the engine thread.)"""
+    out = bytearray()
+    for t in token_ids:
+        out += bytes((0x80 | t >> 21 & 0x7F, t >> 14 & 0x7F, t >> 7 & 0x7F, t & 0x7F))
+    return bytes(out)
+
+
 class PredictionDrafter:
     """One request's place in its prediction, and its draft counts."""
 
     def __init__(self, token_ids: list[int], max_drafts: int = MAX_SPECULATIVE_TOKENS) -> None:
         self.token_ids = list(token_ids)
         self.max_drafts = max_drafts
-        # 4-byte ids, so `bytes.find` searches the prediction in C (a hit must start on a
-        # multiple of 4: one that straddles two ids is skipped).
-        self._packed = array("i", self.token_ids).tobytes()
+        self._packed = pack_ids(self.token_ids)  # (searched in C)
         self.pos: int | None = 0  # the prediction index the next output token should be; None: lost
         self.anchor = 0  # where output and prediction last agreed: searches start here
         self.num_seen = 0  # output tokens already walked
@@ -124,24 +132,16 @@ class PredictionDrafter:
         """(where the prediction continues the output's last tokens `tail`, how many of
         those tokens matched there), if anywhere."""
         packed, anchor = self._packed, self.anchor * 4
-        packed_tail = array("i", tail).tobytes()
+        packed_tail = pack_ids(tail)
         for n in range(min(RESYNC_MAX_N, len(tail)), RESYNC_MIN_N - 1, -1):
             pattern = packed_tail[len(packed_tail) - 4 * n:]
-            at = self._find(pattern, anchor, len(packed))
+            at = packed.find(pattern, anchor)
             if at < 0:
-                at = self._find(pattern, 0, anchor + len(pattern) - 4)
+                at = packed.find(pattern, 0, anchor + len(pattern) - 4)
             if at >= 0:
                 return at // 4 + n, n
-        at = self._find(packed_tail[-4:], anchor, min(len(packed), anchor + 4 * NEAR_WINDOW))
+        at = packed.find(packed_tail[-4:], anchor, min(len(packed), anchor + 4 * NEAR_WINDOW))
         return (at // 4 + 1, 1) if at >= 0 else None
-
-    def _find(self, pattern: bytes, start: int, stop: int) -> int:
-        """Byte offset of the first id-aligned occurrence of `pattern` in [start, stop), or -1."""
-        packed = self._packed
-        at = packed.find(pattern, start, stop)
-        while at >= 0 and at % 4:
-            at = packed.find(pattern, at + 1, stop)
-        return at
 
 
 def merge_matched(matched: bytearray, num_new: int, tail: bytes) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import MAX_SPECULATIVE_TOKENS
-from pagedserve.core.prediction_drafter import PredictionDrafter, merge_matched
+from pagedserve.core.prediction_drafter import PredictionDrafter, merge_matched, pack_ids
 from tests.hypothesis_budget import examples
 
 PRED = list(range(100, 140))  # 40 distinct tokens
@@ -75,6 +75,19 @@ def test_ids_that_straddle_packed_bytes_never_match() -> None:
     # 256, 0, 0 pack to bytes in which the ids 1, 0 appear one byte in: only whole ids count.
     d = PredictionDrafter([256, 0, 0, 7, 1, 0, 3, 4, 5])
     assert d.propose([42, 1, 0]) == [3, 4, 5]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(ids=st.lists(st.integers(0, 2**28 - 1) | st.sampled_from([0, 1, 65, 256, 16640, 2**21]), max_size=20),
+       pattern=st.lists(st.integers(0, 2**28 - 1) | st.sampled_from([0, 1, 65, 256, 16640, 2**21]), min_size=1,
+                        max_size=3))
+def test_packed_ids_only_occur_at_whole_ids(ids, pattern) -> None:
+    """Every occurrence of a packed id sequence in another starts at a whole id (a search
+    that skipped the others one find at a time cost thousands per token: 65s and 16640s)."""
+    packed, needle = pack_ids(ids), pack_ids(pattern)
+    hits = [at for at in range(len(packed) - len(needle) + 1) if packed.startswith(needle, at)]
+    assert all(at % 4 == 0 for at in hits)
+    assert [at // 4 for at in hits] == [i for i in range(len(ids) - len(pattern) + 1) if ids[i:i + len(pattern)] == pattern]
 
 
 @settings(max_examples=examples(200), deadline=None)
