@@ -71,7 +71,6 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 logger = logging.getLogger("pagedserve.api_server")
 
 
-
 class OpenAIError(Exception):
     """An error with an HTTP status, rendered in OpenAI's `{"error": {...}}` shape."""
 
