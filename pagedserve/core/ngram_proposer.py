@@ -3,9 +3,8 @@
 Text that copies (an edited code snippet given back, a summary that quotes, JSON that
 echoes its input) repeats runs of the sequence so far.  Take the sequence's last n
 tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), find their latest
-earlier occurrence, and propose the tokens that followed it.  The search runs in C:
-the ids are packed as 4-byte integers and `bytes.rfind` looks for the packed n-gram
-(a hit at an offset that is not a multiple of 4 straddles two ids and is skipped).
+earlier occurrence, and propose the tokens that followed it.  The search runs in C
+(`NgramSearch`).
 
 How many drafts a request gets adapts to how many were accepted (`next_num_drafts`):
 a draft that is rejected costs a verified position in the next forward and buys
@@ -21,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedserve.config import SpeculativeConfig
+
+# Hits that straddle two packed ids a search skips one at a time (each skip one more
+# search, on the engine thread) before it searches the ids as characters instead.
+MAX_STRADDLING_HITS = 8
+CHARACTERS = 0x110000  # ids below it are each one character of a str
 
 # What the scheduler asks a drafter about one decoding request: its id, its tokens so
 # far (prompt and output), and how many drafts it may get.
@@ -66,17 +70,10 @@ class NgramProposer:
         length = len(token_ids)
         if num_drafts <= 0 or length <= self.min_n:
             return []
-        packed = array("i", token_ids).tobytes()
-        # A match must end before the last token, so something follows it.
-        end = (length - 1) * 4
+        search = NgramSearch(token_ids)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            pattern = packed[(length - n) * 4:]
-            pos = packed.rfind(pattern, 0, end)
-            while pos > 0 and pos % 4:
-                pos = packed.rfind(pattern, 0, pos + len(pattern) - 1)
-            if pos >= 0:
-                start = pos // 4 + n
-                return token_ids[start: start + num_drafts]
+            if (at := search.latest(n)) >= 0:
+                return token_ids[at + n: at + n + num_drafts]
         return []
 
     def propose_batch(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
@@ -87,6 +84,39 @@ class NgramProposer:
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Nothing is kept per request."""
+
+
+class NgramSearch:
+    """Where a sequence's last n ids occur latest, ending before its last id (so that
+    something follows them).  The ids packed as 4-byte integers, `bytes.rfind` finds the
+    packed n-gram; a hit one to three bytes in straddles two ids and is skipped.  Past
+    MAX_STRADDLING_HITS of them (a run of one low id: [16640, 16640] sits one byte into
+    every id of a run of 65s, thousands of searches a step for a long prompt), the ids as
+    one character each, where they fit, and `str.rfind`, which matches whole ones."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.ids = token_ids
+        self.packed = array("i", token_ids).tobytes()
+        self.text: str | None = None
+        self.fits_text: bool | None = None  # every id below CHARACTERS (asked once, when needed)
+
+    def latest(self, n: int) -> int:
+        """The index of the latest such occurrence of the last `n` ids, or -1."""
+        length = len(self.ids)
+        if self.text is not None:
+            return self.text.rfind(self.text[length - n:], 0, length - 1)
+        packed = self.packed
+        pattern = packed[(length - n) * 4:]
+        pos, skipped = packed.rfind(pattern, 0, (length - 1) * 4), 0
+        while pos > 0 and pos % 4:
+            if (skipped := skipped + 1) > MAX_STRADDLING_HITS:
+                if self.fits_text is None:
+                    self.fits_text = max(self.ids) < CHARACTERS
+                if self.fits_text:
+                    self.text = "".join(map(chr, self.ids))
+                    return self.latest(n)
+            pos = packed.rfind(pattern, 0, pos + len(pattern) - 1)
+        return pos // 4 if pos >= 0 else -1
 
 
 @dataclass

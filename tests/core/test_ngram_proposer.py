@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import SpeculativeConfig
+from pagedserve.core import ngram_proposer
 from pagedserve.core.ngram_proposer import NgramProposer, SpecDecodingStats
 from tests.hypothesis_budget import examples
 
@@ -47,6 +48,37 @@ def test_a_byte_match_straddling_two_ids_is_not_a_match() -> None:
     tokens = [256, 0, 0, 9, 1, 0]
     assert reference(tokens, 2, 2, 2) == []
     assert p.propose(tokens, 2) == []
+
+
+def test_a_run_of_straddling_hits_costs_a_bounded_number_of_searches(monkeypatch) -> None:
+    """[16640, 16640] packs as 00 41 00 00 00 41 00 00, which 4-byte ids of a run of 65s
+    hold one byte into every id: each such hit was one more search on the engine thread
+    (thousands a step for a long prompt).  Past a few, the ids are searched as characters,
+    with the same answers; ids too large for that keep the skipping search."""
+    searches = 0
+
+    class Counted(bytes):
+        def rfind(self, *args) -> int:
+            nonlocal searches
+            searches += 1
+            return super().rfind(*args)
+
+    class CountedArray:
+        def __init__(self, typecode: str, ids: list[int]) -> None:
+            self.ids = ids
+
+        def tobytes(self) -> bytes:
+            from array import array
+            return Counted(array("i", self.ids).tobytes())
+
+    monkeypatch.setattr(ngram_proposer, "array", CountedArray)
+    p = proposer(k=3, min_n=2, max_n=4)
+    for tokens in ([65] * 2000 + [16640] * 3, [65] * 2000 + [16640] * 2, [16640, 16640, 7] + [65] * 2000 + [16640] * 2):
+        searches = 0
+        assert p.propose(tokens, 3) == reference(tokens, 3, 2, 4)
+        assert searches <= 3 * (8 + 2), searches  # (MAX_STRADDLING_HITS, 8, skips at most)
+    tokens = [2**24] + [65] * 50 + [16640] * 3  # (an id past the characters: skipped one at a time, still right)
+    assert p.propose(tokens, 3) == reference(tokens, 3, 2, 4)
 
 
 @settings(max_examples=examples(300), deadline=None)
