@@ -47,8 +47,11 @@ from pagedserve.structured_output.backend_types import (
 )
 from pagedserve.structured_output.limits import check_spec
 
-# Compiled grammars kept for reuse (a JSON schema's is tens of kB to a few MB).
+# Compiled grammars kept for reuse (a JSON schema's is tens of kB to a few MB), and the
+# characters of their specs at most: a compiled grammar measured ~40x its spec (a 400 kB
+# schema held 15.6 MB), and 256 large ones kept 4.2 GB for good.  The newest always stays.
 GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_CACHE_SPEC_CHARS = 4 << 20
 # os nice value of the compile threads (0 = the engine's; 19 = the least).
 COMPILE_THREAD_NICE = 10
 # Stack of each compile thread: grammar compilers recurse on the spec's shape, and 8 MiB
@@ -161,6 +164,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         # Least recently used first; bounded, since every client may send its own schema.
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache_chars = 0  # its specs' characters
         self._served: set[tuple[str, str]] = set()  # cached specs some request has used
         self._bitmasks: list[torch.Tensor] = []
         self._turn = 0
@@ -183,10 +187,12 @@ class StructuredOutputManager:
             if future is not None and not future.cancelled():  # (a cancelled one is compiled again)
                 self._cache.move_to_end(key)
                 return future
+            self._drop(key)  # (a cancelled one's)
             future = self._cache[key] = self._pool.submit(self._compile, key)
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                old, _ = self._cache.popitem(last=False)  # requests holding its future keep it alive
-                self._served.discard(old)
+            self._cache_chars += len(key[1])
+            while len(self._cache) > 1 and (len(self._cache) > GRAMMAR_CACHE_SIZE
+                                            or self._cache_chars > GRAMMAR_CACHE_SPEC_CHARS):
+                self._drop(next(iter(self._cache)))  # the least recently used; requests holding it keep it
         return future
 
     def claim(self, params: StructuredOutputsParams) -> Future:
@@ -257,8 +263,13 @@ class StructuredOutputManager:
     def _forget(self, key: tuple[str, str]) -> None:
         """A bad spec is not worth keeping."""
         with self._lock:
-            self._cache.pop(key, None)
-            self._served.discard(key)
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """`key` out of the cache, if there (under `_lock`)."""
+        if self._cache.pop(key, None) is not None:
+            self._cache_chars -= len(key[1])
+        self._served.discard(key)
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A fresh matcher state for one request (n > 1: one each) over the shared grammar."""
