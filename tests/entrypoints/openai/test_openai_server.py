@@ -422,6 +422,12 @@ def test_continuous_usage_stats(client):
                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counted == sorted(counted) and counted[-1] == 3
+    # an echo's chunk comes before any generated token, and counts none (it counted the first)
+    chunks = list(complete(client, max_tokens=3, stream=True, echo=True, extra_body={"ignore_eos": True},
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].text == PROMPT
+    counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert counted[0] == 0 < counted[1] and counted == sorted(counted) and counted[-1] == 3
     # several prompts: each chunk counts every prompt's tokens (those not answered yet were left out)
     kw = dict(max_tokens=3, stream=True, extra_body={"ignore_eos": True},
               stream_options={"include_usage": True, "continuous_usage_stats": True})
