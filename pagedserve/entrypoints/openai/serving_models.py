@@ -43,6 +43,7 @@ def parse_lora_modules(items: list[str] | None, served_names: list[str]) -> dict
                 raise ValueError(f"--lora-modules {item!r}: the JSON form takes name, path and optionally "
                                  "base_model_name")
             name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+            check_base_model_name(base, served_names, f"--lora-modules {spec['name']!r:.300}: ")
         else:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
@@ -52,6 +53,16 @@ def parse_lora_modules(items: list[str] | None, served_names: list[str]) -> dict
             raise ValueError(f"--lora-modules {name}: {path!r:.300} is not a directory (a PEFT adapter's)")
         loras[name] = LoRARequest(name, len(loras) + 1, path, base)
     return loras
+
+
+def check_base_model_name(base: object, served_names: list[str], where: str = "") -> None:
+    """An adapter's `base_model_name`, where given, is a name its base model is served under
+    (the one model a server with adapters serves: any of its names).  /v1/models and Ollama's
+    listings show it as the adapter's parent, which a client then asks for: a name served
+    nowhere (vLLM passes it through) sent clients to a 404."""
+    if base is not None and base not in served_names:
+        raise ValueError(f"{where}base_model_name {base!r:.300} is not a name the base model is served under "
+                         f"({', '.join(map(repr, served_names))})")
 
 
 def check_new_name(name: object, served_names: list[str], loras: dict[str, LoRARequest],

@@ -183,3 +183,18 @@ def test_an_adapter_path_that_is_not_a_directory_is_refused_before_the_model_loa
         with pytest.raises(ValueError, match=f"--lora-modules a: '{path}' is not a directory"):
             parse_lora_modules([f"a={path}"], ["base"])
     assert parse_lora_modules([f"a={tmp_path}"], ["base"])["a"].lora_path == str(tmp_path)
+
+
+def test_a_base_model_name_must_be_one_the_model_is_served_under(tmp_path) -> None:
+    """It is each listing's parent, which clients then ask for: a name served nowhere was
+    accepted at start-up (and then a 404), while the load route refused an alias."""
+    from pagedserve.entrypoints.openai.serving_models import check_base_model_name, parse_lora_modules
+
+    spec = json.dumps({"name": "a", "path": str(tmp_path), "base_model_name": "smollm2"})
+    with pytest.raises(ValueError, match=r"--lora-modules 'a': base_model_name 'smollm2' is not a name the base "
+                                         r"model is served under \('base', 'alias'\)"):
+        parse_lora_modules([spec], ["base", "alias"])
+    spec = json.dumps({"name": "a", "path": str(tmp_path), "base_model_name": "alias"})
+    assert parse_lora_modules([spec], ["base", "alias"])["a"].base_model_name == "alias"
+    check_base_model_name("alias", ["base", "alias"])  # (the load route's check)
+    check_base_model_name(None, ["base"])

@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+from pagedserve.entrypoints.openai.serving_models import check_base_model_name
 
 
 def _allowed(state: ServerStateDep) -> None:
@@ -23,7 +24,7 @@ router = APIRouter(dependencies=[Depends(_allowed)])
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     """vLLM's POST /v1/load_lora_adapter body; `load_inplace` replaces an adapter of that
     name (requests running with the old one finish with it); `base_model_name`, when
-    given, must be the model adapters belong to here: the first one served."""
+    given, must be a name of the model adapters belong to here (the one served)."""
 
     lora_name: str
     lora_path: str
@@ -42,9 +43,10 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     """Load a PEFT adapter from the server's disk (--allow-runtime-lora-updating)."""
     names = state.models.names()
-    if body.base_model_name is not None and body.base_model_name != names[0]:
-        raise OpenAIError(f"base_model_name {body.base_model_name!r:.300}: adapters here belong to the first model "
-                          f"served, {names[0]!r}", param="base_model_name")
+    try:
+        check_base_model_name(body.base_model_name, names)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="base_model_name") from None
     lease = await state.lease(None)  # adapters belong to the first model
     try:
         return PlainTextResponse(await state.lora_adapters.load(lease.handlers.engine, names, body.lora_name,
