@@ -18,12 +18,12 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, state: ServerStateDep) -> Response:
     """Anthropic's Messages API, translated onto the chat handler (entrypoints/anthropic)."""
-    return await generate(state, lambda model: AnthropicServingMessages(model.chat), body, request, chat=True)
+    return await generate(state, lambda model: AnthropicServingMessages(model.chat), body, request, chat="messages")
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request, state: ServerStateDep) -> dict:
-    lease = await state.lease(body.model, chat=True, client=request)
+    lease = await state.lease(body.model, chat="messages", client=request)
     try:
         serving = AnthropicServingMessages(lease.handlers.chat)
         serving.warn_unknown_fields(body)

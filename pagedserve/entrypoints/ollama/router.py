@@ -57,7 +57,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerStateDep)
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
         return await _load_only(state, request, body.model, body.keep_alive_seconds(), chat=True)
     return await generate(state, lambda model: _ollama(model, timing), body, request,
-                          keep_alive=body.keep_alive_seconds(), chat=True, stream_class=NDJSONResponse)
+                          keep_alive=body.keep_alive_seconds(), chat="messages", stream_class=NDJSONResponse)
 
 
 @router.post("/api/generate")
@@ -129,12 +129,15 @@ def _adapter_listing(base: dict[str, Any], lora: LoRARequest) -> dict[str, Any]:
 
 
 def _all_listings(state: ServerState) -> list[dict[str, Any]]:
-    """Every model's listing, then every adapter's over its base's (adapters serve beside
-    the one model: ServerState.model_for)."""
+    """Every model's listing under each of its names (--served-model-name's aliases too, as
+    /v1/models), then every adapter's over its base's (adapters serve beside the one model:
+    ServerState.model_for)."""
     listings = {name: _listing(m) for name, m in state.models.models.items()}
     adapters = list(state.lora_adapters.loras.values())
     base = listings[state.model_for(adapters[0].lora_name)] if adapters else None
-    return [*listings.values(), *(_adapter_listing(base, lora) for lora in adapters if base is not None)]
+    named = [{**listings[name], "name": alias, "model": alias}
+             for name, m in state.models.models.items() for alias in (name, *m.spec.aliases)]
+    return [*named, *(_adapter_listing(base, lora) for lora in adapters if base is not None)]
 
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])

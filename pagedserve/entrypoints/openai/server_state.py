@@ -311,12 +311,14 @@ class ServerState:
         return name
 
     async def lease(self, requested: str | None, runner: str | None = None, route: str = "",
-                    keep_alive: Any = UNSET, chat: bool = False, client: Request | None = None) -> Lease[ModelHandlers]:
+                    keep_alive: Any = UNSET, chat: str | None = None,
+                    client: Request | None = None) -> Lease[ModelHandlers]:
         """The request's model, loaded and held until the lease is released; a 503 while
         the server cannot serve, a 404 for a model it does not serve, on a route of the
-        other runner a 400 naming the flag that serves it, and for a chat (`chat`: one the
-        model's own template must render) a 400 before a model whose files hold no chat
-        template is loaded (and the loaded one unloaded for it).  A `client` that leaves
+        other runner a 400 naming the flag that serves it, and for a chat (`chat`: the
+        body's field holding a conversation the model's own template must render) a 400
+        naming that field before a model whose files hold no chat template is loaded (and
+        the loaded one unloaded for it).  A `client` that leaves
         while its model loads or waits for room no longer holds it (a load nobody waits
         for unloads nothing, model_pool.py): a 499."""
         self.check_up()
@@ -328,7 +330,7 @@ class ServerState:
             from pagedserve.entrypoints.ollama.protocol import NO_CHAT_TEMPLATE_HERE, OLLAMA_PATH_PREFIX
 
             raise OpenAIError(f"model {name!r} {NO_CHAT_TEMPLATE_HERE}" if route.startswith(OLLAMA_PATH_PREFIX)
-                              else f"model {name!r}: {NO_CHAT_TEMPLATE}", param="messages")
+                              else f"model {name!r}: {NO_CHAT_TEMPLATE}", param=chat)
         waiting = self.models.lease(name, keep_alive)
         lease = await (waiting if client is None else cancel_on_disconnect(client, waiting))
         if isinstance(lease, Response):

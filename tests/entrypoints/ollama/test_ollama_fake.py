@@ -516,8 +516,9 @@ def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) ->
     async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
         with pytest.raises(openai.BadRequestError, match="'base': this model has no chat template"):
             await oai.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}])
-        with pytest.raises(openai.BadRequestError, match="no chat template"):
+        with pytest.raises(openai.BadRequestError, match="no chat template") as e:
             await oai.responses.create(model="base", input="hi")
+        assert e.value.body["param"] == "input"  # (the Responses API's field: it said "messages")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
             r = await http.post("/v1/messages", json={"model": "base", "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}]})
@@ -641,3 +642,19 @@ def test_show_lists_thinking_where_think_is_served_and_a_null_chat_is_a_load(tmp
     shown, loaded = call(app, fn)
     assert shown == [["completion", "tools", "thinking"], ["completion", "tools"]]
     assert loaded["done_reason"] == "load", loaded
+
+
+def test_tags_lists_every_served_name_as_v1_models_does() -> None:
+    """--served-model-name's aliases answered on Ollama's routes but were missing from
+    /api/tags (one listing per model, not per name)."""
+    state = ServerState(served_model_names=["smol", "smol2"], enable_dashboard=False)
+    engine = FakeEngine(script="hi")
+    engine.max_model_len = 64
+    app = build_app(state)
+    state.attach(Attachment.local(AsyncLLM(engine, log_stats=False), 64))
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        return [m.model for m in (await client.list()).models], [m.id async for m in oai.models.list()]
+
+    tags, models = call(app, fn)
+    assert tags == models == ["smol", "smol2"]

@@ -36,4 +36,4 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerStateDep) -> Response:
     _header_request_id(body, request)
-    return await generate(state, lambda model: model.chat, body, request, chat=body.chat_template is None)
+    return await generate(state, lambda model: model.chat, body, request, chat="messages" if body.chat_template is None else None)

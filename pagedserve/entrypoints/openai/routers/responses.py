@@ -23,7 +23,7 @@ router = APIRouter()
 async def responses(body: ResponsesRequest, request: Request, state: ServerStateDep) -> Response:
     """OpenAI's Responses API, translated onto the chat handler (serving_responses.py)."""
     return await generate(state, lambda model: OpenAIServingResponses(model.chat, state.responses_store), body,
-                          request, chat=True)
+                          request, chat="input")
 
 
 def stored_response(state: ServerState, response_id: str) -> dict:
