@@ -117,8 +117,10 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int, bool]:
             value = json.load(f).get("chat_template")
         template = value if isinstance(value, str) else ""
     family = str(config.get("model_type") or "unknown")
-    return family, count, dtype, int(config.get("max_position_embeddings") or 0), template, size, \
-        names_vision_model(path)
+    text = config.get("text_config")  # (a vision-language model's language model: its context, as the engine reads it)
+    ctx = config.get("max_position_embeddings") or (text.get("max_position_embeddings") if isinstance(text, dict)
+                                                    else None)
+    return family, count, dtype, int(ctx or 0), template, size, names_vision_model(path)
 
 
 UNKNOWN = ModelFacts("unknown", "unknown", 0, "unknown", 0, 0, STARTED_AT, "")

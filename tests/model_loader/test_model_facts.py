@@ -45,11 +45,16 @@ def test_a_vision_language_checkpoint_says_so(tmp_path) -> None:
     """(Ollama's /api/show lists "vision" among its capabilities.)"""
     import json
 
-    for name, config in (("vlm", {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"]}),
-                         ("text", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})):
+    for name, config in (("vlm", {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"],
+                                  "text_config": {"max_position_embeddings": 1024}}),
+                         ("text", {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                   "max_position_embeddings": 2048})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     assert model_details(str(tmp_path / "vlm")).vision and not model_details(str(tmp_path / "text")).vision
+    # its context is its language model's (the text config's: /api/show said 0)
+    assert (model_details(str(tmp_path / "vlm")).context_length, model_details(str(tmp_path / "text")).context_length) \
+        == (1024, 2048)
 
 
 def crafted_gguf(count: int, kind: int = 8) -> bytes:
