@@ -11,9 +11,11 @@ safetensors checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -461,7 +463,25 @@ def load_gguf_tokenizer(path: str, reader: GGUFFile | None = None) -> Any:
     try:
         arch = _field(reader, "general.architecture")
         model_type = GGUF_ARCHITECTURES[arch][0] if arch in GGUF_ARCHITECTURES else str(arch)
-        return gguf_tokenizer_class(model_type).from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                                 gguf_file=os.path.basename(path))
+        with _alone(path) as (folder, name):
+            return gguf_tokenizer_class(model_type).from_pretrained(folder, gguf_file=name)
     except Exception as e:
         raise fail(f"{type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def _alone(path: str) -> Iterator[tuple[str, str]]:
+    """(folder, file name) naming the GGUF file in a folder of its own: transformers reads
+    a folder's tokenizer_config.json and chat_template.jinja beside a gguf_file, so a GGUF
+    next to other tokenizer files (a converted model's, an HF checkout's) lost its own chat
+    template to theirs (to none, beside a registered model's conversion).  A link where the
+    file system makes one, else the file's own folder."""
+    path = os.path.abspath(path)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-gguf-") as folder:
+        link = os.path.join(folder, os.path.basename(path))
+        try:
+            os.symlink(path, link)
+        except OSError:
+            yield os.path.dirname(path), os.path.basename(path)
+            return
+        yield folder, os.path.basename(path)

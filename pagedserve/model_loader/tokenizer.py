@@ -115,6 +115,11 @@ def saved_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
+# How a GGUF's tokenizer is converted, in its cache key: 2, the file read apart from its
+# folder's own tokenizer files (the first conversions beside such files lost its chat template).
+GGUF_TOKENIZER_SCHEME = "2"
+
+
 def gguf_tokenizer(path: str) -> Any:
     """The GGUF's embedded tokenizer, converted by transformers once per file: building a
     tokenizer from a large GGUF vocabulary takes seconds (9-11 s for Gemma 3's 262k
@@ -123,7 +128,8 @@ def gguf_tokenizer(path: str) -> Any:
     path, size and modification time, and the transformers version that converted it."""
     from pagedserve.model_loader.gguf_utils import load_gguf_tokenizer
 
-    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path, importlib.metadata.version("transformers")))
+    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path, importlib.metadata.version("transformers"),
+                                                                   GGUF_TOKENIZER_SCHEME))
     if os.path.isdir(saved):
         try:
             return saved_tokenizer(saved)

@@ -118,3 +118,23 @@ def test_a_gguf_without_a_tokenizer_names_the_missing_key(drop: str, tmp_path, m
     with pytest.raises(ValueError, match=f"llama.gguf: cannot build a tokenizer from the GGUF \\(it has no {drop};"
                                          " name a tokenizer with --tokenizer\\)"):
         load_gguf_tokenizer(path)
+
+
+def test_a_gguf_beside_other_tokenizer_files_is_read_alone(tmp_path) -> None:
+    """transformers reads a folder's tokenizer.json and tokenizer_config.json before a
+    gguf_file: a GGUF in a converted model's folder, or beside another model's tokenizer,
+    came back as that tokenizer, without its own chat template (chats were refused as a
+    base model's)."""
+    names = sorted(GGUF_ARCHITECTURES)
+    (tmp_path / "alone").mkdir()
+    _write(str(tmp_path / "alone" / "own.gguf"), names[0])
+    own = load_gguf_tokenizer(str(tmp_path / "alone" / "own.gguf"))
+    (tmp_path / "other").mkdir()
+    _write(str(tmp_path / "other" / "other.gguf"), next(a for a in names if a != names[0]))
+    other = load_gguf_tokenizer(str(tmp_path / "other" / "other.gguf"))
+    other.chat_template = "{{ 'another template' }}"
+    other.save_pretrained(tmp_path / "beside")  # (tokenizer.json, tokenizer_config.json, chat_template.jinja)
+    os.replace(tmp_path / "alone" / "own.gguf", tmp_path / "beside" / "own.gguf")
+    beside = load_gguf_tokenizer(str(tmp_path / "beside" / "own.gguf"))
+    assert beside.chat_template == own.chat_template == _TEMPLATE
+    assert beside.get_vocab() == own.get_vocab() != other.get_vocab()
