@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.benchmarks.harness import check_output_file
+
 # Common one-token words: prompts of N of them are close to N tokens for BPE vocabularies.
 _WORDS = ("the of and to in is it you that he was for on are with as his they be at one have this from or "
           "had by word but what some we can out other were all there when up use your how said an each "
@@ -484,6 +486,20 @@ def main(args: argparse.Namespace | list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+def _check_result_flags(args: argparse.Namespace) -> None:
+    """Where --save-result writes, checked before any request (found only after the run,
+    the figures were lost; a directory was a traceback)."""
+    if (args.result_dir or args.result_filename) and args.save_result is not True:
+        raise SystemExit("error: --result-dir and --result-filename name where --save-result (alone) writes")
+    if args.result_dir and not os.path.isdir(args.result_dir):
+        raise SystemExit(f"error: --result-dir {args.result_dir!r} is not a directory")
+    if isinstance(args.save_result, str):
+        try:
+            check_output_file(args.save_result, "--save-result")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Each flag's range, before any request: SystemExit naming the flag."""
     if isinstance(args.goodput, list):  # (vLLM's spelling: one KEY:MS per word)
@@ -502,10 +518,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --burstiness must be > 0")
     if args.random_prefix_len < 0:
         raise SystemExit("error: --random-prefix-len must be >= 0")
-    if (args.result_dir or args.result_filename) and args.save_result is not True:
-        raise SystemExit("error: --result-dir and --result-filename name where --save-result (alone) writes")
-    if args.result_dir and not os.path.isdir(args.result_dir):  # (found only after the run, the figures lost)
-        raise SystemExit(f"error: --result-dir {args.result_dir!r} is not a directory")
+    _check_result_flags(args)
     if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
         raise SystemExit("error: --dataset-name sharegpt and --dataset-path go together")
     if unknown := set(args.percentile_metrics.split(",")) - set(METRICS):

@@ -74,6 +74,8 @@ def check_args(args: argparse.Namespace) -> None:
             value = list(getattr(args, k))
             if len(value) > 2 or len(value) == 2 and ratio:
                 raise ValueError(f"--{k.replace('_', '-')} takes LEN (varied by --random-range-ratio) or MIN MAX")
+            if min(value) < 1:  # (before LEN x (1 - ratio) is floored at 1: 0 and -4 ran as 1)
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {' '.join(map(str, value))}")
             if len(value) == 1:  # (vLLM's: LEN x (1 - ratio) .. LEN x (1 + ratio))
                 value = [max(1, int(value[0] * (1 - ratio))), max(1, int(value[0] * (1 + ratio)))]
             setattr(args, k, tuple(value))

@@ -33,7 +33,9 @@ def test_throughput_takes_vllms_length_and_ratio() -> None:
     assert (args.input_len, args.output_len) == ((20, 30), (8, 8))
     for flags, match in ((["--input-len", "20", "30", "--random-range-ratio", "0.1"], "takes LEN"),
                          (["--workload", "chat-burst", "--n", "2"], "--n size the random workload"),
-                         (["--random-range-ratio", "1"], "within")):
+                         (["--random-range-ratio", "1"], "within"),
+                         (["--input-len", "0"], "--input-len must be >= 1, got 0"),  # (both ran as 1)
+                         (["--output-len", "-4"], "--output-len must be >= 1, got -4")):
         with pytest.raises(ValueError, match=match):
             throughput.check_args(parser.parse_args(flags))
 

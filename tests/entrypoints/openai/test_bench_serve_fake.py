@@ -293,6 +293,8 @@ def test_vllms_bench_serve_command_lines_run(fake_server, capsys, tmp_path):
     (["--burstiness", "0"], "--burstiness must be > 0"),
     (["--result-dir", "."], "--result-dir and --result-filename name where --save-result"),  # (were ignored)
     (["--save-result", "--result-dir", "/no/such/dir"], "is not a directory"),
+    (["--save-result", "/"], "--save-result '/': not a file that can be written"),  # (a traceback after the run)
+    (["--save-result", "/no/such/dir/r.json"], "not a file that can be written"),
 ])
 def test_vllms_bench_serve_flags_are_checked(flags, error):
     with pytest.raises(SystemExit, match=error):
