@@ -178,7 +178,7 @@ def _delegate(argv: list[str]) -> bool:
         main: BenchmarkMain = _import_or_exit(("bench", ep.name), f"the {ep.name} benchmark", ep.module, ep.load)
         try:
             main(argv[2:])
-        except (ValueError, FileNotFoundError) as e:  # (bad flags: one line, as generate's)
+        except (ValueError, OSError) as e:  # (bad flags, an unwritable results file: one line, as generate's)
             _exit_with(f"pagedserve bench {ep.name}", e)
         return True
     return False
@@ -242,9 +242,11 @@ def cmd_generate(ns: argparse.Namespace) -> None:
             raise ValueError("a prompt is empty")
         prompts: list[Any] = [engine.encode_chat(_conversation(ns.system, p)) for p in ns.prompts]
     else:
-        if ns.system is not None:
-            raise ValueError("--system is a chat prompt's system message, and this run completes its prompts as they "
-                             "are (--no-chat, or a model without a chat template)")
+        for given, what in ((ns.system, "--system is a chat prompt's system message"),
+                            (ns.chat_template, "--chat-template renders chat prompts")):
+            if given is not None:
+                raise ValueError(f"{what}, and this run completes its prompts as they are (--no-chat, or a model "
+                                 "without a chat template)")
         prompts = list(ns.prompts)
     if ns.show_blocks:
         engine.keep_busiest_snapshot()
@@ -377,7 +379,15 @@ def cmd_chat_remote(ns: argparse.Namespace) -> None:
         chat.turn(ns.quick, _write)
         print()
         return
-    chat_loop(chat, f"pagedserve chat with {chat.model} at {chat.url}: /clear starts over, /exit or Ctrl-D quits.")
+    _check_turns(*chat_loop(chat, f"pagedserve chat with {chat.model} at {chat.url}: /clear starts over, /exit or "
+                                  "Ctrl-D quits."))
+
+
+def _check_turns(turns: int, refused: int) -> None:
+    """A chat's end: an error where turns were refused, so a script piping turns in learns
+    that some were not answered (the server's chat exited 0 where the local one did not)."""
+    if refused:
+        raise ValueError(f"{refused} of {turns} turns refused")
 
 
 def cmd_chat(ns: argparse.Namespace) -> None:
@@ -389,9 +399,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
     _sampling_params(ns)  # (a bad flag is named before the model loads)
     engine = _build_engine(ns, 1)
     chat = LocalChat(engine, _sampling_params(ns, engine.sampling_defaults()), ns.system)
-    turns, refused = chat_loop(chat, "pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits.")
-    if refused:  # (a script piping turns in learns that some were not answered)
-        raise ValueError(f"{refused} of {turns} turns refused")
+    _check_turns(*chat_loop(chat, "pagedserve chat: type a message; /clear starts over, /exit or Ctrl-D quits."))
 
 
 def _version() -> str:
@@ -414,8 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, command = _split_global_options(argv)
     parser = build_parser()
-    if options:  # (checked, and the level set, before a delegated command runs)
-        _configure_logging(parser.parse_args([*options, "chat"]).log_level)
+    if options:  # (checked, and the level set, before a delegated command runs; alone, argparse's own errors)
+        _configure_logging(parser.parse_args([*options, "chat"] if command else options).log_level)
     if _delegate(command):
         return
     ns = parser.parse_args(argv)

@@ -274,6 +274,9 @@ def test_global_options_before_a_delegated_command_and_version(monkeypatch, caps
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("pagedserve ")
+    with pytest.raises(SystemExit) as e:  # (it said "invalid choice: 'chat'", a word of ours)
+        cli.main(["--log-level"])
+    assert e.value.code == 2 and "--log-level: expected one argument" in capsys.readouterr().err
 
 
 def test_python_dash_m_pagedserve_is_the_command() -> None:
@@ -288,6 +291,8 @@ def test_generate_refuses_an_empty_chat_prompt_and_system_without_chat(fake_engi
         cli.main(["generate", ""])
     with pytest.raises(SystemExit, match="--system"):
         cli.main(["generate", "--no-chat", "--system", "Be brief.", "hi"])
+    with pytest.raises(SystemExit, match="--chat-template renders chat prompts"):  # (it was dropped)
+        cli.main(["generate", "--no-chat", "--chat-template", "{{ 'x' }}", "hi"])
 
 
 def test_chat_with_the_pooling_runner_is_refused_before_loading(fake_engine) -> None:
