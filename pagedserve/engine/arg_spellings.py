@@ -100,6 +100,10 @@ def _compile_spelling(value: Any) -> bool | None:
                      "torch.compile, 3: the default) alone, or its torch_compile=True/False and enforce_eager")
 
 
+# Arguments whose values are credentials: named in an error, never shown.
+_SECRETS = frozenset({"hf_token"})
+
+
 def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     """What scripts written for vLLM's `LLM(...)` pass, in this engine's terms: `task`
     as the runner it names, `seed=None` as a random engine seed, `quantization=None` as
@@ -115,7 +119,8 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name in [k for k in kwargs if k in _NEUTRAL]:
         value, (neutral, why) = kwargs.pop(name), _NEUTRAL[name]
         if not (value is None and None in neutral or same_value(value, neutral)):
-            raise ValueError(f"{name}={value!r:.60} is not supported here: {why}")
+            shown = "..." if name in _SECRETS else f"{value!r:.60}"  # (an error line is printed and logged)
+            raise ValueError(f"{name}={shown} is not supported here: {why}")
     _config_spellings(kwargs)
     if "task" in kwargs:
         task = kwargs.pop("task")

@@ -313,14 +313,18 @@ class EngineArgs:
             if getattr(self, name) != EngineArgs.__dataclass_fields__[name].default:
                 logger.warning("%s has no effect: this model reads no images", name)
 
+    def _warn_lora_flags(self) -> None:
+        """The adapter flags, given without enable_lora (each sizes what it turns on): named
+        once per engine built (here, not at each EngineArgs made: `generate` said it 4 times)."""
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if not self.enable_lora and getattr(self, name) != EngineArgs.__dataclass_fields__[name].default:
+                logger.warning("%s has no effect without enable_lora (--enable-lora)", name)
+
     def _lora_config(self) -> LoRAConfig | None:
         """LoRAConfig when enable_lora, and what adapters cannot be combined with yet."""
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if not self.enable_lora:
-            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):  # (each sizes what enable_lora turns on)
-                if getattr(self, name) != EngineArgs.__dataclass_fields__[name].default:
-                    logger.warning("%s has no effect without enable_lora (--enable-lora)", name)
             return None
         for name, given in (("data_parallel_size > 1", self.data_parallel_size > 1),
                             # a tier on disk outlives the adapters' ids, which key their blocks
@@ -366,6 +370,7 @@ class EngineArgs:
         max_model_len defaults to the model's limit.  Tests with a stand-in model pass
         False and get max_model_len or 2048."""
         chat_template = read_chat_template(self.chat_template)
+        self._warn_lora_flags()
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, load_format=self.load_format, seed=self.seed,

@@ -330,7 +330,9 @@ def test_lora_sizes_without_enable_lora_are_warned_of(caplog) -> None:
     """`generate --max-loras -3` and `LLM(max_lora_rank=64)` without enable_lora change
     nothing; each is named (they passed in silence outside `serve`)."""
     with caplog.at_level("WARNING", logger="pagedserve"):
-        EngineArgs(max_loras=-3, max_lora_rank=0).create_engine_config(load_hf_config=False)
+        # (said once per engine built, not at each EngineArgs made on the way: `generate` said it 4 times)
+        EngineArgs(max_loras=-3, max_lora_rank=0).replace(seed=1).replace(seed=2).create_engine_config(
+            load_hf_config=False)
         EngineArgs(max_loras=2, enable_lora=True).create_engine_config(load_hf_config=False)
     said = [r.getMessage() for r in caplog.records if "no effect without enable_lora" in r.getMessage()]
     assert said == ["max_loras has no effect without enable_lora (--enable-lora)",
@@ -395,7 +397,9 @@ def test_vllms_flags_on_the_command_line_mean_what_its_keywords_do() -> None:
                                                           "torch_compile=True was given too"),
                          (["--structured-outputs-config", '{"backend": "xgrammar"}', "--structured-outputs-backend",
                            "guidance"], "asks for structured_outputs_backend='xgrammar', but"),
-                         (["--task", "embed", "--runner", "generate"], "task='embed' asks for runner='pooling'")):
+                         (["--task", "embed", "--runner", "generate"], "task='embed' asks for runner='pooling'"),
+                         # (a credential is named, never shown: it was echoed into the error line)
+                         (["--hf-token", "hf_secret"], r"^hf_token=\.\.\. is not supported here")):
         with pytest.raises(ValueError, match=match):
             EngineArgs.from_cli_args(parser.parse_args(flags))
     assert EngineArgs.from_cli_args(parser.parse_args(["-O", "0", "--no-torch-compile"])).torch_compile is False
