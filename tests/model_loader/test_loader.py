@@ -67,6 +67,13 @@ def test_unknown_architecture_is_named(tmp_path) -> None:
     GPT2Config(architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel; supported: Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM"):
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+    # a model_type transformers does not know: the same refusal (transformers' own said to upgrade it)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
+    with pytest.raises(ValueError, match=r"^unsupported model architecture FooForCausalLM; supported: "):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "foo"}))  # (nothing named: transformers' says)
+    with pytest.raises(ValueError, match=r"config.json: unreadable model config"):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
 
 
 def test_rotary_tables_hold_max_model_len_and_a_model_without_weights_fails_before_it_is_built(tmp_path) -> None:
