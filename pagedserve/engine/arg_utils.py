@@ -230,6 +230,9 @@ class EngineArgs:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
             raise ValueError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")
+        if self.kv_offload_dir is not None and os.path.lexists(self.kv_offload_dir) and \
+                not os.path.isdir(self.kv_offload_dir):  # (a mistyped path: the tier went off with a warning)
+            raise ValueError(f"kv_offload_dir {self.kv_offload_dir!r} is not a directory")
         if self.kv_offload_bytes is not None:
             self.kv_offload_bytes = parse_bytes(self.kv_offload_bytes, "kv_offload_bytes")
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

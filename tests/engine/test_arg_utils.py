@@ -161,6 +161,15 @@ def test_kv_tier_settings_that_cannot_work_are_refused(kwargs, message) -> None:
         EngineArgs(**kwargs)
 
 
+def test_a_kv_offload_dir_that_is_a_file_is_refused(tmp_path) -> None:
+    """A path there but no directory is a mistake of the command line: the tier turned
+    itself off with a warning and the run went on (a missing folder is still made)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=f"kv_offload_dir '{tmp_path / 'file'}' is not a directory"):
+        EngineArgs(kv_offload_dir=str(tmp_path / "file"))
+    EngineArgs(kv_offload_dir=str(tmp_path / "new"))
+
+
 def test_swap_without_prefix_caching_is_allowed() -> None:
     cfg = EngineArgs(preemption_mode="swap", enable_prefix_caching=False).create_engine_config(load_hf_config=False)
     assert cfg.scheduler_config.preemption_mode == "swap" and cfg.cache_config.kv_offload_dir is None
