@@ -127,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
-                before = dict(finals)  # (an echo's usage: what came before this output's tokens)
+                earlier = finals.get(i)  # (an echo's usage: what came before this output's tokens)
                 finals[i] = out = prompt_only(out) if req.prompt_only else out
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
@@ -141,6 +141,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             cs.text_offsets = TextOffsets(len(echo))
                             echo_lp = self._prompt_logprobs(out, params.logprobs, echo) if params.logprobs is not None \
                                 else None
+                            before = {k: v for k, v in finals.items() if k != i} if continuous_usage else {}
+                            if earlier is not None:
+                                before[i] = earlier
                             yield self._chunk(request_id, created, model, index, echo, echo_lp, None,
                                               running_usage(before, prompts) if continuous_usage else None)
                     delta = cs.advance(c, want_tokens=params.logprobs is not None)
