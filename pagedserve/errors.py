@@ -22,6 +22,14 @@ class ImageInputError(InvalidRequestError):
     the message names the problem on its own, never as a chat-template failure."""
 
 
+def text_model_image_error(model: str | None = None, param: str = "messages") -> ImageInputError:
+    """A text model's answer to an image: `model` the name a client asked for (a server's;
+    the model's path, the operator's, is never in it)."""
+    which = "this model" if model is None else f"model {model[:100]!r}"
+    return ImageInputError(f"{which} takes no images: it is a text model; image input needs a vision-language "
+                           "model", param=param)
+
+
 # How vLLM's refusal of a prompt the context cannot hold begins (clients match it).
 CONTEXT_LENGTH_ERROR = "This model's maximum context length is"
 

@@ -384,6 +384,19 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
 IMAGE_DETAILS = ("auto", "low", "high")
 
 
+def holds_image(content: Any) -> bool:
+    """Whether a message's content carries an image part, at its top level or in an
+    Anthropic tool_result's own content: what a server reads before it loads a model,
+    so that a text model is not loaded only to refuse an image (entrypoints' lease)."""
+    if not isinstance(content, list):
+        return False
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PART_TYPES or (kind == "tool_result" and holds_image(part.get("content"))):
+            return True
+    return False
+
+
 def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Each image part replaced by {"type": "image"} (what vision models' chat templates
     render as their placeholder), and the images' sources in order (a URL, or what an

@@ -32,10 +32,9 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.chat_utils import encode_chat, take_images
 from pagedserve.engine.core_client import EngineDeadError, OutputCollector, on_own_thread
 from pagedserve.engine.inproc_client import InprocClient
-from pagedserve.engine.input_processor import text_model_image_error
 from pagedserve.engine.llm_engine import BatchProgress
 from pagedserve.engine.router import Router
-from pagedserve.errors import ImageInputError, InvalidRequestError, PromptTooLongError
+from pagedserve.errors import ImageInputError, InvalidRequestError, PromptTooLongError, text_model_image_error
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from pagedserve.outputs import EngineOutput, RequestOutput

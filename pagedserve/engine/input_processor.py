@@ -54,7 +54,7 @@ from pagedserve.engine.chat_utils import (
     take_images,
 )
 from pagedserve.engine.special_text import special_token_ids
-from pagedserve.errors import ImageInputError, InvalidRequestError
+from pagedserve.errors import ImageInputError, InvalidRequestError, text_model_image_error
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_loader.tokenizer_snapshot import longest_token_chars
 from pagedserve.multimodal.image import DECODING, MediaPolicy, decode, open_image, upright_size
@@ -107,12 +107,6 @@ class EngineCoreRequest:
     @property
     def num_sequences(self) -> int:
         return len(self.child_ids)
-
-
-def text_model_image_error() -> ImageInputError:
-    """A text model's answer to an image (the model's path, the operator's, is not in it)."""
-    return ImageInputError("this model takes no images: it is a text model; image input needs a vision-language "
-                           "model", param="messages")
 
 
 class InputProcessor:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.engine.chat_utils import holds_image
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody
 from pagedserve.entrypoints.openai.protocol_fields import part_key_error
 from pagedserve.errors import InvalidRequestError
@@ -105,6 +106,9 @@ class MessagesBody(RequestBody):
     speed: Literal["standard", "fast"] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+
+    def image_field(self) -> str | None:
+        return "messages" if any(holds_image(m.content) for m in self.messages) else None
 
 
 class MessagesRequest(MessagesBody):

@@ -23,7 +23,7 @@ async def messages(body: MessagesRequest, request: Request, state: ServerStateDe
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request, state: ServerStateDep) -> dict:
-    lease = await state.lease(body.model, chat="messages", client=request)
+    lease = await state.lease(body.model, chat="messages", client=request, images=body.image_field())
     try:
         serving = AnthropicServingMessages(lease.handlers.chat)
         serving.warn_unknown_fields(body)

@@ -237,6 +237,9 @@ class OllamaChatRequest(OllamaGenerating):
     def _null_is_none(cls, value: Any) -> Any:
         return [] if value is None else value  # (Go reads a null list as empty: a load request)
 
+    def image_field(self) -> str | None:
+        return "messages" if any(isinstance(m, dict) and m.get("images") for m in self.messages) else None
+
 
 class OllamaGenerateRequest(OllamaGenerating):
     prompt: str | None = None
@@ -246,6 +249,9 @@ class OllamaGenerateRequest(OllamaGenerating):
     context: list[int] | None = None
     raw: StrictBool | None = None
     images: list[Any] | None = None
+
+    def image_field(self) -> str | None:
+        return "images" if self.images else None
 
 
 class OllamaEmbedRequest(OllamaWithOptions):

@@ -5,8 +5,7 @@ do not act on are accepted and ignored only when ignoring them cannot change the
 `user`, and the chat fields listed in docs/serving.md, "Accepted without effect"), otherwise the
 request is refused with a 400 naming the field (`check_unsupported`).  Each request converts
 itself to `SamplingParams`, which does the range validation; `api_param` maps an engine-side
-field name in an error back to the name this request used.  The pooling routes' models are in
-protocol_pooling.py, the Responses API's body in protocol_responses.py.
+field name in an error back to this request's.  Pooling's: protocol_pooling.py; Responses': protocol_responses.py.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagedserve.engine.chat_utils import check_continuation
+from pagedserve.engine.chat_utils import check_continuation, holds_image
 from pagedserve.entrypoints.openai.protocol_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -63,6 +62,9 @@ class RequestBody(OpenAIBaseModel):
     """A top-level request body.  Its raw bytes were measured before parsing
     (`json_body.check_json_body`, in the body middleware): bounded in shape, and free of
     lone UTF-16 surrogates, which no tokenizer, template or grammar can take."""
+
+    def image_field(self) -> str | None:  # the field that carries an image, if one does (read before a load)
+        return None
 
     def brings_chat_template(self) -> bool:  # (its own, rendered in the sandbox's turn: PrepareThreads.run_for)
         return False
@@ -348,6 +350,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def brings_chat_template(self) -> bool:
         return bool(self.chat_template)
+
+    def image_field(self) -> str | None:
+        return "messages" if any(holds_image(m.content) for m in self.messages) else None
 
     @model_validator(mode="after")
     def _legacy_functions(self) -> ChatCompletionRequest:

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pagedserve.engine.chat_utils import holds_image
 from pagedserve.entrypoints.openai.protocol import OpenAIRequestBody
 from pagedserve.entrypoints.openai.protocol_fields import KNOWN_EXTRA_FIELDS, part_key_error
 from pagedserve.errors import InvalidRequestError
@@ -132,6 +133,10 @@ class ResponsesRequest(OpenAIRequestBody):
     max_tool_calls: int | None = None
     image: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
+
+    def image_field(self) -> str | None:
+        items = self.input if isinstance(self.input, list) else []
+        return "input" if any(isinstance(item, dict) and holds_image(item.get("content")) for item in items) else None
 
     def check_include(self) -> None:
         for value in self.include or ():

@@ -33,9 +33,11 @@ from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, Ope
 from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
 from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingEmbedding, OpenAIServingScore
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
-from pagedserve.errors import OverloadedError
+from pagedserve.errors import OverloadedError, text_model_image_error
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import SeriesStatLogger
+from pagedserve.model_loader.model_facts import UNKNOWN, ModelFacts, model_details
+from pagedserve.model_loader.sources import local_model
 from pagedserve.request_limits import PROFILE_SECONDS, TEMPLATE_QUEUE_SECONDS
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt as token ids is ~1 MB of JSON
@@ -312,13 +314,14 @@ class ServerState:
 
     async def lease(self, requested: str | None, runner: str | None = None, route: str = "",
                     keep_alive: Any = UNSET, chat: str | None = None,
-                    client: Request | None = None) -> Lease[ModelHandlers]:
+                    client: Request | None = None, images: str | None = None) -> Lease[ModelHandlers]:
         """The request's model, loaded and held until the lease is released; a 503 while
         the server cannot serve, a 404 for a model it does not serve, on a route of the
         other runner a 400 naming the flag that serves it, and for a chat (`chat`: the
         body's field holding a conversation the model's own template must render) a 400
         naming that field before a model whose files hold no chat template is loaded (and
-        the loaded one unloaded for it).  A `client` that leaves
+        the loaded one unloaded for it); alike for `images` (the body's field carrying an
+        image) to a model whose files name a text model.  A `client` that leaves
         while its model loads or waits for room no longer holds it (a load nobody waits
         for unloads nothing, model_pool.py): a 499."""
         self.check_up()
@@ -331,6 +334,8 @@ class ServerState:
 
             raise OpenAIError(f"model {name!r} {NO_CHAT_TEMPLATE_HERE}" if route.startswith(OLLAMA_PATH_PREFIX)
                               else f"model {name!r}: {NO_CHAT_TEMPLATE}", param=chat)
+        if images and self.models.handlers(name) is None and not await self.takes_images(name):
+            raise text_model_image_error(name, images)
         waiting = self.models.lease(name, keep_alive)
         lease = await (waiting if client is None else cancel_on_disconnect(client, waiting))
         if isinstance(lease, Response):
@@ -347,17 +352,26 @@ class ServerState:
 
     async def has_chat_template(self, name: str) -> bool:
         """Whether model `name` renders prompts with a chat template: --chat-template, the
-        loaded model's own, else what its files hold (read off the event loop; True where
-        they cannot tell: one not fetched yet, unreadable files)."""
-        from pagedserve.model_loader.model_facts import UNKNOWN, model_details
-        from pagedserve.model_loader.sources import local_model
-
+        loaded model's own, else what its files hold (True where they cannot tell: one not
+        fetched yet, unreadable files)."""
         handlers = self.models.handlers(name)
         if self.chat_template_given or handlers is not None:
             return self.chat_template_given or handlers.chat.engine.chat_template is not None
+        info = await self._facts(name)
+        return info is None or bool(info.chat_template)
+
+    async def takes_images(self, name: str) -> bool:
+        """Whether model `name`, not loaded, may take images: its files name a
+        vision-language model, or cannot tell (the loaded engine refuses them then)."""
+        info = await self._facts(name)
+        return info is None or info.vision
+
+    async def _facts(self, name: str) -> ModelFacts | None:
+        """What the files of model `name` say of it (read off the event loop), None where
+        they cannot tell."""
         path = local_model(self.models.models[name].spec.source)
         info = await asyncio.to_thread(model_details, path) if path is not None else UNKNOWN
-        return info is UNKNOWN or bool(info.chat_template)
+        return None if info is UNKNOWN else info
 
     def is_public(self, path: str) -> bool:
         """Routes served without the API key: /health (and vLLM's /ping), /metrics for a scraper when asked,

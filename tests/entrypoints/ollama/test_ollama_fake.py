@@ -658,3 +658,54 @@ def test_tags_lists_every_served_name_as_v1_models_does() -> None:
 
     tags, models = call(app, fn)
     assert tags == models == ["smol", "smol2"]
+
+
+def test_an_image_for_a_text_model_not_loaded_is_refused_before_its_load(tmp_path) -> None:
+    """A text model's files say it takes no images: each API's image (OpenAI's image_url,
+    the Responses API's input_image, Anthropic's image block and one in a tool_result,
+    Ollama's images) is a 400 naming the model and the field before its load (the loaded
+    model was unloaded for it, then the text model loaded only to refuse it); a model
+    whose files name a vision-language architecture is let through to its load."""
+    import asyncio
+    import json
+
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGP4DwABAQEAJpx8iQAAAABJRU5ErkJggg=="
+    text_dir, vision_dir = tmp_path / "text", tmp_path / "vision"
+    for path, arch in ((text_dir, "LlamaForCausalLM"), (vision_dir, "Idefics3ForConditionalGeneration")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": "llama"}))
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    state, app, loads = make_app()
+    state.models = ModelPool([ModelSpec("first", "first"), ModelSpec("text", str(text_dir)),
+                              ModelSpec("vision", str(vision_dir))], max_loaded=1, keep_alive=300.0,
+                             estimate=lambda spec: 0)
+    state.models.set_loader(lambda spec, kv: pytest.fail(f"{spec.name} was loaded"), ModelHandlers.unload)
+    state.attach(Attachment.local(AsyncLLM(FakeEngine(script="hello"), log_stats=False), 64))
+    url = f"data:image/png;base64,{png}"
+    image_block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+
+    async def fn(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        params = []
+        with pytest.raises(openai.BadRequestError, match="model 'text' takes no images") as e:
+            await oai.chat.completions.create(model="text", messages=[{"role": "user", "content": [
+                {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        params.append(e.value.body["param"])
+        with pytest.raises(openai.BadRequestError, match="model 'text' takes no images") as e:
+            await oai.responses.create(model="text", input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": url}]}])
+        params.append(e.value.body["param"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+                for content in ([image_block], [{"type": "tool_result", "tool_use_id": "t", "content": [image_block]}]):
+                    r = await http.post(path, json={"model": "text", "messages": [{"role": "user", "content": content}],
+                                                    **extra})
+                    assert r.status_code == 400 and "model 'text' takes no images" in r.json()["error"]["message"]
+        with pytest.raises(ollama.ResponseError, match="model 'text' takes no images") as e:
+            await client.chat(model="text", messages=[{"role": "user", "content": "hi", "images": [png]}])
+        with pytest.raises(ollama.ResponseError, match="model 'text' takes no images") as e:
+            await client.generate(model="text", prompt="hi", images=[png])
+        return params, await oai.completions.create(model="first", prompt="x", max_tokens=2)
+
+    params, answer = call(app, fn)
+    assert params == ["messages", "input"] and answer.choices[0].text == "he" and loads == []
+    assert asyncio.run(state.takes_images("vision")) and not asyncio.run(state.takes_images("text"))

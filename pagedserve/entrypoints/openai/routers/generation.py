@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pagedserve.engine.async_llm import RequestStream
 from pagedserve.entrypoints.openai.http_utils import SSEResponse, cancel_on_disconnect, route_path
 from pagedserve.entrypoints.openai.model_pool import UNSET, Lease
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestBody
 from pagedserve.entrypoints.openai.server_state import ModelHandlers, ServerState
 
 logger = logging.getLogger("pagedserve.api_server")
@@ -86,7 +86,7 @@ def json_head(value: Any, limit: int) -> tuple[str, bool]:
     return "".join(pieces), False
 
 
-async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: Any, request: Request,
+async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: RequestBody, request: Request,
                    *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET, chat: str | None = None,
                    stream_class: Callable[[AsyncIterator[str]], Response] = SSEResponse) -> Response:
     """Every generation endpoint: lease the model the body names (loading it if need
@@ -97,7 +97,8 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     20,000-prompt fan-out included).  The model stays leased until the answer ends."""
     if isinstance(body, ChatCompletionRequest | CompletionRequest):
         body.to_sampling_params()  # (the ranges that need no model, before it loads: a bad request unloads nothing)
-    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive, chat, request)
+    lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive, chat, request,
+                              body.image_field())
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)
