@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 from pagedserve.utils import same_value
+
+logger = logging.getLogger("pagedserve")
+_warned: set[str] = set()  # (a CLI run reads its flags more than once: each warning said once)
 
 # vLLM's `task` (before its `runner`): the runner each one takes.
 _TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling", "encode": "pooling",
@@ -109,7 +113,7 @@ def vllm_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     as the runner it names, `seed=None` as a random engine seed, `quantization=None` as
     "auto" (both vLLM's defaults), `swap_space=N` (GiB of host memory a preempted
     request's KV is swapped to) as kv_offload_bytes where preemption_mode is "swap" (else
-    without effect, as in vLLM v1, which swaps nothing),
+    without effect, as in vLLM v1, which swaps nothing: named in a warning),
     `structured_outputs_config={"backend": ...}` (and
     `guided_decoding_backend`) as structured_outputs_backend, `compilation_config` as
     torch_compile, `distributed_executor_backend` as the executor it names, a torch.dtype
@@ -158,6 +162,10 @@ def _config_spellings(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {swap!r:.40}")
     if swap and kwargs.get("preemption_mode") == "swap":
         kwargs.setdefault("kv_offload_bytes", int(swap * 2**30))
+    elif swap and "swap_space" not in _warned:  # (it was dropped in silence)
+        _warned.add("swap_space")
+        logger.warning("swap_space (--swap-space) has no effect without preemption_mode='swap' "
+                       "(--preemption-mode swap): a preempted request is recomputed")
     config = kwargs.pop("structured_outputs_config", None)
     if config is not None:
         backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)

@@ -336,3 +336,22 @@ def test_delta_outputs_carry_the_prompts_logprobs_once(llm) -> None:
     cut = [c.delta(cursors) for c in cumulative]
     assert cut[0].prompt_logprobs == cumulative[0].prompt_logprobs and all(c.prompt_logprobs is None for c in cut[1:])
     assert [t for c in cut for t in c.outputs[0].token_ids] == [t for d in deltas for t in d.outputs[0].token_ids]
+
+
+def test_swap_space_without_swap_preemption_is_named_once(monkeypatch, caplog) -> None:
+    """--swap-space sizes swap preemption's host memory: given without
+    --preemption-mode swap it was dropped in silence (the docs promise a warning for a
+    flag given without the feature it adjusts); once however often the flags are read."""
+    import logging
+
+    from pagedserve.engine import arg_spellings
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(arg_spellings, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        EngineArgs.from_kwargs(swap_space=0)
+        EngineArgs.from_kwargs(swap_space=2, preemption_mode="swap")
+        assert "swap_space" not in caplog.text
+        EngineArgs.from_kwargs(swap_space=4)
+        EngineArgs.from_kwargs(swap_space=4)
+    assert caplog.text.count("swap_space (--swap-space) has no effect without preemption_mode='swap'") == 1

@@ -75,12 +75,14 @@ def models_in_dir(directory: str) -> list[str]:
 
 def model_specs(sources: list[str], models_dir: str | None, served_names: list[str] | None) -> list[ModelSpec]:
     """The servable models, the first being the default.  One MODEL keeps today's
-    naming (its argument, or --served-model-name); several are named by model_name."""
-    sources = list(sources) + (models_in_dir(models_dir) if models_dir is not None else [])
+    naming (its argument, or --served-model-name); several, or one found in
+    --models-dir (a path there is the operator's), are named by model_name."""
+    given = list(sources)
+    sources = given + (models_in_dir(models_dir) if models_dir is not None else [])
     if len(sources) > MAX_MODELS:
         raise ValueError(f"{len(sources)} models is more than one server serves ({MAX_MODELS})")
     if len(sources) == 1:
-        names = served_names or [sources[0]]
+        names = served_names or [sources[0] if given else model_name(sources[0])]
         if not all(n.strip() for n in names):  # (a model named "" answered as "")
             raise ValueError("--served-model-name: a name must not be empty")
         for name in served_names or ():

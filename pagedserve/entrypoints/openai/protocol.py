@@ -117,6 +117,7 @@ class _SamplingFields(OpenAIRequestBody):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = None  # vLLM's (chat's too): taken where it equals n
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = 0.0
@@ -201,10 +202,9 @@ class _SamplingFields(OpenAIRequestBody):
             raise InvalidRequestError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
                                       f"this server constrains with {structured_outputs_backend} (start it with "
                                       "--structured-outputs-backend to choose)", param="guided_decoding_backend")
-        n_best = getattr(self, "best_of", None)
-        if n_best is not None and n_best != self.n:
-            raise InvalidRequestError(f"best_of must equal n (best_of={n_best}, n={self.n}); best_of > n is "
-                                      "not supported", param="best_of")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of must equal n (best_of={self.best_of}, n={self.n}); best_of > n "
+                                      "is not supported", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
@@ -269,7 +269,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: a text prompt tokenized with the model's BOS (and EOS)
 

@@ -372,6 +372,19 @@ def test_a_models_dir_entry_tagged_latest_is_served_by_its_name_without_the_tag(
         model_specs(["smollm2-135m-instruct"], "", None)
 
 
+def test_the_one_model_of_a_models_dir_is_named_by_its_file_not_its_path(tmp_path) -> None:
+    """--models-dir's files are named by file or folder: with one model there, it was
+    served as its path (the server's disk layout in /v1/models, the name a 404); a MODEL
+    argument keeps its own spelling, and --served-model-name still names either."""
+    from pagedserve.entrypoints.openai.model_sources import model_specs
+
+    (tmp_path / "tiny.gguf").write_bytes(b"")
+    [spec] = model_specs([], str(tmp_path), None)
+    assert (spec.name, spec.source) == ("tiny", str(tmp_path / "tiny.gguf"))
+    assert model_specs([], str(tmp_path), ["mine"])[0].name == "mine"
+    assert model_specs([str(tmp_path / "tiny.gguf")], None, None)[0].name == str(tmp_path / "tiny.gguf")
+
+
 def test_a_pool_that_cannot_load_keeps_its_model_whatever_keep_alive_asks_but_an_unload() -> None:
     """A one-model server (no loader): Ollama's default "5m" and any other keep_alive is met
     (the model stays loaded for good); only 0, an unload it could never undo, is refused."""

@@ -156,3 +156,13 @@ def test_harmless_fields_pass():
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).check_unsupported("guidance")
     with pytest.raises(InvalidRequestError, match="best_of"):
         CompletionRequest(prompt="x", n=1, best_of=2).check_unsupported("guidance")
+
+
+def test_vllms_best_of_is_a_known_field_on_chat_too():
+    """vLLM's chat takes best_of where it equals n: it was read from the unknown fields,
+    so its check ran but the server logged it as an unknown field it ignored."""
+    assert "best_of" not in (ChatCompletionRequest(messages=MSGS, n=2, best_of=2).model_extra or {})
+    ChatCompletionRequest(messages=MSGS, n=2, best_of=2).check_unsupported("guidance")
+    with pytest.raises(InvalidRequestError, match="best_of must equal n") as e:
+        ChatCompletionRequest(messages=MSGS, best_of=3).check_unsupported("guidance")
+    assert e.value.param == "best_of"

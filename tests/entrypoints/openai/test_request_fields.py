@@ -196,9 +196,10 @@ COMPLETION_ONLY = {
     "echo": ({"echo": True}, lambda r, b, t: text(r) == PROMPT + text(b) or pytest.fail()),
     "logprobs": ({"logprobs": 2}, lambda r, b, t: len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
                  or pytest.fail()),
-    "best_of": ({"best_of": 2, "n": 1}, refused("best_of")),
     "suffix": ({"suffix": "!"}, refused("suffix")),
 }
+# vLLM's best_of, on both routes: taken where it equals n (no candidates to pick among), else refused.
+CHAT_ONLY["best_of"] = COMPLETION_ONLY["best_of"] = ({"best_of": 2, "n": 1}, refused("best_of"))
 SERVER, CHAT = [None], [False]
 
 
