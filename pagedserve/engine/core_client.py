@@ -201,4 +201,8 @@ class EngineCoreClient(Protocol):
                   lora_requests: list[LoRARequest | None] | None = None) -> list[Any]:
         """The offline batch: every prompt's final output, in input order."""
 
+    def reset_prefix_cache(self) -> bool:
+        """Offline: drop every cached prefix block no request holds, in every engine (True
+        where each dropped them all)."""
+
     def shutdown(self) -> None: ...

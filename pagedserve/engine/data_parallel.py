@@ -18,6 +18,7 @@ router splits the prompts, each replica runs its share through `LLMEngine.run_ba
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
@@ -276,6 +277,12 @@ class EngineReplica:
         async with self._batch_lock:
             return await asyncio.to_thread(self.engine.run_batch, prompts, params, priority, None, None, positions)
 
+    async def reset_prefix_cache(self) -> bool:
+        if self.client is not None:  # (its engine thread steps the scheduler)
+            raise RuntimeError("reset_prefix_cache is offline only: this replica is serving")
+        async with self._batch_lock:
+            return await asyncio.to_thread(self.engine.reset_prefix_cache)
+
     async def shutdown(self) -> None:
         if self.client is not None:
             self.client.shutdown()
@@ -314,6 +321,7 @@ class ReplicaSet:
             raise ValueError("data_parallel_size > 1 runs replicas on Ray, which is not installed: "
                              "pip install 'pagedserve[ray]' (or pip install ray)") from None
         self.engine_args = engine_args
+        self._batch_ids = itertools.count()  # the offline outputs' request ids (one engine's count)
         self.router_config = engine_args.router_config()
         n = self.num_replicas = engine_args.data_parallel_size
         tp = engine_args.tensor_parallel_size
@@ -426,7 +434,15 @@ class ReplicaSet:
                 progress.tick()
         if failure is not None:
             raise failure
+        for out in results:  # (each replica numbers its share: ids of this LLM's, in input order)
+            out.request_id = str(next(self._batch_ids))  # type: ignore[union-attr]
         return results  # type: ignore[return-value]
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (LLMEngine.reset_prefix_cache): True where each dropped them all."""
+        import ray
+
+        return all(ray.get([actor.reset_prefix_cache.remote() for actor in self.actors]))
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:

@@ -34,7 +34,13 @@ from pagedserve.engine.llm_engine import BatchProgress, LLMEngine
 from pagedserve.engine.router import NoReplicaError, Router
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.request import LoRARequest
-from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger, RouterMetrics, make_prometheus_loggers
+from pagedserve.metrics import (
+    LoggingStatLogger,
+    PrometheusStatLogger,
+    RouterMetrics,
+    make_prometheus_loggers,
+    record_cache_config,
+)
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -115,6 +121,7 @@ class RayDPClient:
         n = self.num_replicas
         self.prometheus = make_prometheus_loggers(registry, model_name, n)
         self.metrics = RouterMetrics(registry, model_name, n)
+        record_cache_config(registry, model_name, self.replicas.info.description)  # (each replica's: the same)
 
     def describe(self) -> dict[str, Any]:
         return {**self.replicas.info.description, "data_parallel_size": self.num_replicas,
@@ -161,6 +168,9 @@ class RayDPClient:
                   lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """The offline batch, split over the replicas (ReplicaSet.run_batch)."""
         return self.replicas.run_batch(prompts, params, priority, progress, lora_requests)  # type: ignore[arg-type]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.replicas.reset_prefix_cache()
 
     # ------------------------------------------------------------------ requests
     async def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -115,6 +115,8 @@ class InprocEngine(Protocol):
                   progress: BatchProgress | None = None,
                   lora_requests: list[LoRARequest | None] | None = None) -> list[Any]: ...
 
+    def reset_prefix_cache(self) -> bool: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -300,6 +302,10 @@ class InprocClient:
         engine thread): `LLMEngine.run_batch`."""
         assert self._thread is None, "the engine thread owns this engine"
         return self.engine.run_batch(prompts, params, priority, progress, lora_requests)
+
+    def reset_prefix_cache(self) -> bool:
+        assert self._thread is None, "the engine thread owns this engine"
+        return self.engine.reset_prefix_cache()
 
     def _send(self, command: Any) -> None:
         self._commands.put(command)

@@ -83,9 +83,9 @@ class LLM:
         return hf_tokenizer(self.client.info.tokenizer)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix block no request holds (vLLM's LLM.reset_prefix_cache);
-        False where there is no engine in this process (data-parallel replicas)."""
-        return self.llm_engine.reset_prefix_cache() if self.llm_engine is not None else False
+        """Drop every cached prefix block no request holds (vLLM's LLM.reset_prefix_cache),
+        in every data-parallel replica too; False where a running request holds some."""
+        return self.client.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate()` uses when given no SamplingParams: the model's generation-config

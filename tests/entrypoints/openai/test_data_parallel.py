@@ -76,6 +76,11 @@ def test_offline_llm_splits_a_batch_over_replicas(tiny_model_dir, ray_address, s
         assert llm.llm_engine is None and llm.client.num_replicas == 2
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
+        # one engine's request ids, in input order across batches (each replica numbered its
+        # own share: ids repeated), and the prefix cache reset in every replica (a no-op, False)
+        again = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        assert [o.request_id for o in outs + again] == [str(i) for i in range(len(PROMPTS) + 3)]
+        assert llm.reset_prefix_cache() is True
         chat = [{"role": "user", "content": "hello world"}]
         assert (llm.chat(chat, params, use_tqdm=False)[0].outputs[0].text
                 == single.chat(chat, params, use_tqdm=False)[0].outputs[0].text)
@@ -104,6 +109,9 @@ def test_cache_aware_routing_keeps_shared_prefixes_cached(server) -> None:
     ca = run_workload(server.url, MODEL_NAME, prompts, max_tokens=4, headers=HEADERS)
     print(f"cache_aware: hit rate {ca.hit_rate:.2f}, affinity hits {ca.affinity_hits}/{len(prompts)}")
     assert sum(ca.requests.values()) == len(prompts)
+    # vLLM's cache configuration series, as one engine's server has it (it was missing)
+    metrics = httpx.get(f"{server.url}/metrics", headers=HEADERS).text
+    assert 'vllm:cache_config_info{block_size="16"' in metrics and 'num_gpu_blocks="28"' in metrics
     assert ca.affinity_hits >= len(prompts) - 8
     assert ca.hit_rate >= 0.6, ca.hit_rate
 
