@@ -5,7 +5,8 @@ do not act on are accepted and ignored only when ignoring them cannot change the
 `user`, and the chat fields listed in docs/serving.md, "Accepted without effect"), otherwise the
 request is refused with a 400 naming the field (`check_unsupported`).  Each request converts
 itself to `SamplingParams`, which does the range validation; `api_param` maps an engine-side
-field name in an error back to this request's.  Pooling's: protocol_pooling.py; Responses': protocol_responses.py.
+field name in an error back to the name this request used.  The pooling routes' models are in
+protocol_pooling.py, the Responses API's body in protocol_responses.py.
 """
 
 from __future__ import annotations
