@@ -86,8 +86,9 @@ def json_head(value: Any, limit: int) -> tuple[str, bool]:
     return "".join(pieces), False
 
 
-async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: RequestBody, request: Request,
-                   *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET, chat: str | None = None,
+async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: RequestBody,
+                   request: Request, *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET,
+                   chat: str | None = None,
                    stream_class: Callable[[AsyncIterator[str]], Response] = SSEResponse) -> Response:
     """Every generation endpoint: lease the model the body names (loading it if need
     be), validate and render off the event loop (templates and tokenizing a long prompt
