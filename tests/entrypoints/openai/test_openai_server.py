@@ -428,6 +428,14 @@ def test_continuous_usage_stats(client):
     assert chunks[0].choices[0].text == PROMPT
     counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counted[0] == 0 < counted[1] and counted == sorted(counted) and counted[-1] == 3
+    # n=2: both echoes come before either choice's text (the second echo counted 0 after the
+    # first choice's text had counted both choices' tokens)
+    chunks = list(complete(client, max_tokens=3, stream=True, echo=True, n=2, seed=1, temperature=1.0,
+                           extra_body={"ignore_eos": True},
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert [ch.choices[0].text for ch in chunks[:2]] == [PROMPT] * 2 and counted[:2] == [0, 0]
+    assert counted == sorted(counted) and counted[-1] == 6
     # several prompts: each chunk counts every prompt's tokens (those not answered yet were left out)
     kw = dict(max_tokens=3, stream=True, extra_body={"ignore_eos": True},
               stream_options={"include_usage": True, "continuous_usage_stats": True})
