@@ -23,8 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from pagedserve.chat_template import iterates_content, join_text_parts, render_chat_template
 from pagedserve.engine.special_text import HiddenSpecials, hide_special_text, text_strings
@@ -395,6 +395,15 @@ def holds_image(content: Any) -> bool:
         if kind in IMAGE_PART_TYPES or (kind == "tool_result" and holds_image(part.get("content"))):
             return True
     return False
+
+
+class HasContent(Protocol):
+    content: Any  # a message's: text, or a list of content parts
+
+
+def messages_hold_image(messages: Iterable[HasContent] | None) -> bool:
+    """Whether any of a request's messages (OpenAI's or Anthropic's) carries an image."""
+    return any(holds_image(m.content) for m in messages or ())
 
 
 def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.engine.chat_utils import holds_image
+from pagedserve.engine.chat_utils import messages_hold_image
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody
 from pagedserve.entrypoints.openai.protocol_fields import part_key_error
 from pagedserve.errors import InvalidRequestError
@@ -108,7 +108,7 @@ class MessagesBody(RequestBody):
     workspace_id: str | None = None
 
     def image_field(self) -> str | None:
-        return "messages" if any(holds_image(m.content) for m in self.messages) else None
+        return "messages" if messages_hold_image(self.messages) else None
 
 
 class MessagesRequest(MessagesBody):

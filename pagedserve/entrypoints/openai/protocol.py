@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagedserve.engine.chat_utils import check_continuation, holds_image
+from pagedserve.engine.chat_utils import check_continuation, messages_hold_image
 from pagedserve.entrypoints.openai.protocol_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -352,7 +352,7 @@ class ChatCompletionRequest(_SamplingFields):
         return bool(self.chat_template)
 
     def image_field(self) -> str | None:
-        return "messages" if any(holds_image(m.content) for m in self.messages) else None
+        return "messages" if messages_hold_image(self.messages) else None
 
     @model_validator(mode="after")
     def _legacy_functions(self) -> ChatCompletionRequest:

@@ -523,6 +523,9 @@ def test_a_chat_for_a_model_without_a_chat_template_unloads_nothing(tmp_path) ->
             r = await http.post("/v1/messages", json={"model": "base", "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            r = await http.post("/tokenize", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         with pytest.raises(ollama.ResponseError, match="no chat template to put messages in: /api/generate") as e:
             await client.chat(model="base", messages=[{"role": "user", "content": "hi"}])
         assert e.value.status_code == 400
@@ -700,6 +703,9 @@ def test_an_image_for_a_text_model_not_loaded_is_refused_before_its_load(tmp_pat
                     r = await http.post(path, json={"model": "text", "messages": [{"role": "user", "content": content}],
                                                     **extra})
                     assert r.status_code == 400 and "model 'text' takes no images" in r.json()["error"]["message"]
+            r = await http.post("/tokenize", json={"model": "text", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}]}]})
+            assert r.status_code == 400 and "model 'text' takes no images" in r.json()["error"]["message"]
         with pytest.raises(ollama.ResponseError, match="model 'text' takes no images") as e:
             await client.chat(model="text", messages=[{"role": "user", "content": "hi", "images": [png]}])
         with pytest.raises(ollama.ResponseError, match="model 'text' takes no images") as e:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from pagedserve.engine.chat_utils import messages_hold_image
 from pagedserve.entrypoints.openai.exception_handlers import first_error
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, RequestBody
 from pagedserve.entrypoints.openai.protocol_fields import refuse_unsupported_fields, refuse_vllm_fields
@@ -50,6 +51,9 @@ class TokenizeRequest(RequestBody):
     def brings_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    def image_field(self) -> str | None:
+        return "messages" if messages_hold_image(self.messages) else None
+
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request whose prompt these messages make (its checks included; its
         add_special_tokens when sent: chat's default is false)."""
@@ -76,7 +80,9 @@ class DetokenizeRequest(RequestBody):
 async def tokenize(body: TokenizeRequest, request: Request, state: ServerStateDep) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError("send exactly one of prompt or messages")
-    lease = await state.lease(body.model, client=request)  # the chat handler holds the model's tokenizer
+    conversation = "messages" if body.messages is not None and body.chat_template is None else None
+    # (the chat handler holds the model's tokenizer; what refuses a chat or an image, before a load)
+    lease = await state.lease(body.model, chat=conversation, client=request, images=body.image_field())
     try:
         chat = lease.handlers.chat
         chat.warn_unknown_fields(body)
