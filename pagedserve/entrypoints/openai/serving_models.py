@@ -101,9 +101,14 @@ class LoRAAdapters:
                               "--allow-runtime-lora-updating", status=404, code="runtime_lora_updating_disabled")
 
     async def load(self, engine: EngineClient, served_names: list[str], name: object, path: object,
-                   replace: bool = False) -> str:
-        """Load the adapter at `path` as `name` (`replace`: in place of one so named)."""
+                   replace: bool = False, base: object = None) -> str:
+        """Load the adapter at `path` as `name` (`replace`: in place of one so named);
+        `base`: the base model's name its listings show as its parent."""
         self.check_allowed()
+        try:
+            check_base_model_name(base, served_names)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="base_model_name") from None
         if not isinstance(path, str) or not path or len(path) > MAX_LORA_PATH_CHARS:
             raise OpenAIError(f"lora_path must be a directory path of 1 to {MAX_LORA_PATH_CHARS} characters",
                               param="lora_path")
@@ -113,7 +118,7 @@ class LoRAAdapters:
             except ValueError as e:
                 raise OpenAIError(str(e), param="lora_name") from None
             assert isinstance(name, str)
-            request = LoRARequest(name, self._next_id, path)
+            request = LoRARequest(name, self._next_id, path, base)  # type: ignore[arg-type]
             self._next_id += 1
         try:
             await engine.add_lora(request)

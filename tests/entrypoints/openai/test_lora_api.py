@@ -198,3 +198,23 @@ def test_a_base_model_name_must_be_one_the_model_is_served_under(tmp_path) -> No
     assert parse_lora_modules([spec], ["base", "alias"])["a"].base_model_name == "alias"
     check_base_model_name("alias", ["base", "alias"])  # (the load route's check)
     check_base_model_name(None, ["base"])
+
+
+def test_an_adapter_loaded_at_runtime_keeps_its_base_model_name(tmp_path) -> None:
+    """The load route checked base_model_name, then dropped it: listings showed the base's
+    first name as the parent, and a load_inplace lost the one --lora-modules had set."""
+    import asyncio
+
+    from pagedserve.entrypoints.openai.serving_engine import OpenAIError
+    from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
+
+    class Engine:
+        async def add_lora(self, request) -> bool:
+            return True
+
+    adapters = LoRAAdapters(allow_runtime_updating=True)
+    asyncio.run(adapters.load(Engine(), ["base", "alias"], "a", str(tmp_path), base="alias"))
+    assert adapters.loras["a"].base_model_name == "alias"
+    with pytest.raises(OpenAIError, match="base_model_name 'zzz' is not a name") as e:
+        asyncio.run(adapters.load(Engine(), ["base", "alias"], "b", str(tmp_path), base="zzz"))
+    assert e.value.param == "base_model_name" and "b" not in adapters.loras

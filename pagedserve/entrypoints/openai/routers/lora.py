@@ -9,8 +9,6 @@ from fastapi.responses import PlainTextResponse
 
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedserve.entrypoints.openai.server_state import ServerStateDep
-from pagedserve.entrypoints.openai.serving_engine import OpenAIError
-from pagedserve.entrypoints.openai.serving_models import check_base_model_name
 
 
 def _allowed(state: ServerStateDep) -> None:
@@ -42,15 +40,11 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     """Load a PEFT adapter from the server's disk (--allow-runtime-lora-updating)."""
-    names = state.models.names()
-    try:
-        check_base_model_name(body.base_model_name, names)
-    except ValueError as e:
-        raise OpenAIError(str(e), param="base_model_name") from None
     lease = await state.lease(None)  # adapters belong to the first model
     try:
-        return PlainTextResponse(await state.lora_adapters.load(lease.handlers.engine, names, body.lora_name,
-                                                                body.lora_path, replace=body.load_inplace))
+        return PlainTextResponse(await state.lora_adapters.load(lease.handlers.engine, state.models.names(),
+                                                                body.lora_name, body.lora_path,
+                                                                body.load_inplace, body.base_model_name))
     finally:
         lease.release()
 
