@@ -220,6 +220,15 @@ def _build_engine(ns: argparse.Namespace, num_seqs: int):
     return LLMEngine.from_engine_args(args)
 
 
+def _check_no_chat_flags(ns: argparse.Namespace) -> None:
+    """A run that completes its prompts as they are takes no chat flag (each was dropped)."""
+    for given, what in ((ns.system, "--system is a chat prompt's system message"),
+                        (ns.chat_template, "--chat-template renders chat prompts")):
+        if given is not None:
+            raise ValueError(f"{what}, and this run completes its prompts as they are (--no-chat, or a model "
+                             "without a chat template)")
+
+
 def cmd_generate(ns: argparse.Namespace) -> None:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.request_limits import MAX_PROMPT_CHARS
@@ -231,6 +240,8 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 
     _check_runner(ns)
     _sampling_params(ns)  # (a bad flag is named before the model loads)
+    if ns.chat is False:  # (--no-chat: known before the model loads)
+        _check_no_chat_flags(ns)
     llm = LLM.from_engine(_build_engine(ns, len(ns.prompts)))
     engine = llm.llm_engine
     params = _sampling_params(ns, engine.sampling_defaults())
@@ -242,11 +253,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
             raise ValueError("a prompt is empty")
         prompts: list[Any] = [engine.encode_chat(_conversation(ns.system, p)) for p in ns.prompts]
     else:
-        for given, what in ((ns.system, "--system is a chat prompt's system message"),
-                            (ns.chat_template, "--chat-template renders chat prompts")):
-            if given is not None:
-                raise ValueError(f"{what}, and this run completes its prompts as they are (--no-chat, or a model "
-                                 "without a chat template)")
+        _check_no_chat_flags(ns)
         prompts = list(ns.prompts)
     if ns.show_blocks:
         engine.keep_busiest_snapshot()

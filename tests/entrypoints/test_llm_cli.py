@@ -293,6 +293,7 @@ def test_generate_refuses_an_empty_chat_prompt_and_system_without_chat(fake_engi
         cli.main(["generate", "--no-chat", "--system", "Be brief.", "hi"])
     with pytest.raises(SystemExit, match="--chat-template renders chat prompts"):  # (it was dropped)
         cli.main(["generate", "--no-chat", "--chat-template", "{{ 'x' }}", "hi"])
+    assert len(fake_engine) == 1  # (--no-chat's refusals come before the model loads)
 
 
 def test_chat_with_the_pooling_runner_is_refused_before_loading(fake_engine) -> None:
