@@ -319,7 +319,7 @@ class EngineArgs:
     def _warn_lora_flags(self) -> None:
         """The adapter flags, given without enable_lora (each sizes what it turns on): named
         once per engine built (here, not at each EngineArgs made: `generate` said it 4 times)."""
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        for name in _LORA_SIZES:
             if not self.enable_lora and getattr(self, name) != EngineArgs.__dataclass_fields__[name].default:
                 logger.warning("%s has no effect without enable_lora (--enable-lora)", name)
 
@@ -476,6 +476,15 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+    def without_lora(self, **changes: Any) -> EngineArgs:
+        """These arguments with no adapters (a draft model's: the adapters are the target's),
+        their sizes at the defaults too, so that none is warned of as given without them."""
+        return self.replace(enable_lora=False, **{n: EngineArgs.__dataclass_fields__[n].default for n in _LORA_SIZES},
+                            **changes)
+
+
+_LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")  # what enable_lora sizes
 
 
 _OPTIONAL_BOOLS = {"async_scheduling", "torch_compile"}  # None = decided later; --flag / --no-flag

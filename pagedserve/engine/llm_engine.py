@@ -75,12 +75,12 @@ def build_draft_proposer(config: EngineConfig, engine_args: EngineArgs, device: 
     assert config.parallel_config.tensor_parallel_size == 1  # EngineArgs refuses a draft model under TP
     sched, cache = config.scheduler_config, config.cache_config
     num_seqs = spec.disable_by_batch_size
-    draft_args = engine_args.replace(
+    draft_args = engine_args.without_lora(
         model=spec.model, tokenizer=None, speculative_config=None, chat_template=None, quantization="auto",
         tensor_parallel_size=1, async_scheduling=False, enable_prefix_caching=False, max_model_len=None,
         max_num_seqs=num_seqs, max_num_batched_tokens=None, num_gpu_blocks_override=None, kv_cache_memory_bytes=None,
         max_step_ms=0, kv_offload_dir=None, kv_offload_bytes=None, preemption_mode="recompute",
-        prefix_caching_algo="hash", enable_lora=False)
+        prefix_caching_algo="hash")
     try:
         # A draft of a shorter context drafts within it (past it, the target goes on alone).
         own_len = draft_args.create_engine_config().scheduler_config.max_model_len

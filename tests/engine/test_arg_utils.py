@@ -343,6 +343,11 @@ def test_lora_sizes_without_enable_lora_are_warned_of(caplog) -> None:
         EngineArgs(max_loras=-3, max_lora_rank=0).replace(seed=1).replace(seed=2).create_engine_config(
             load_hf_config=False)
         EngineArgs(max_loras=2, enable_lora=True).create_engine_config(load_hf_config=False)
+        # a draft model's arguments: the target's without its adapters (the sizes were kept, and
+        # a correct --enable-lora --max-loras 8 run warned of them for the draft)
+        draft = EngineArgs(max_loras=8, max_lora_rank=32, enable_lora=True).without_lora(seed=3)
+        assert (draft.enable_lora, draft.max_loras, draft.max_lora_rank, draft.seed) == (False, 1, 16, 3)
+        draft.create_engine_config(load_hf_config=False)
     said = [r.getMessage() for r in caplog.records if "no effect without enable_lora" in r.getMessage()]
     assert said == ["max_loras has no effect without enable_lora (--enable-lora)",
                     "max_lora_rank has no effect without enable_lora (--enable-lora)"]
