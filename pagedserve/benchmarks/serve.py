@@ -493,9 +493,14 @@ def _check_result_flags(args: argparse.Namespace) -> None:
         raise SystemExit("error: --result-dir and --result-filename name where --save-result (alone) writes")
     if args.result_dir and not os.path.isdir(args.result_dir):
         raise SystemExit(f"error: --result-dir {args.result_dir!r} is not a directory")
+    named = None
     if isinstance(args.save_result, str):
+        named = (args.save_result, "--save-result")
+    elif args.result_filename:
+        named = (os.path.join(args.result_dir or ".", args.result_filename), "--result-filename")
+    if named is not None:
         try:
-            check_output_file(args.save_result, "--save-result")
+            check_output_file(*named)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
 

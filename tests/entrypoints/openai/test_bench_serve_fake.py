@@ -295,6 +295,7 @@ def test_vllms_bench_serve_command_lines_run(fake_server, capsys, tmp_path):
     (["--save-result", "--result-dir", "/no/such/dir"], "is not a directory"),
     (["--save-result", "/"], "--save-result '/': not a file that can be written"),  # (a traceback after the run)
     (["--save-result", "/no/such/dir/r.json"], "not a file that can be written"),
+    (["--save-result", "--result-filename", "no/such/r.json"], "--result-filename .*not a file that can be written"),
 ])
 def test_vllms_bench_serve_flags_are_checked(flags, error):
     with pytest.raises(SystemExit, match=error):
