@@ -51,8 +51,11 @@ def setup_hf(path: str, prompts: list[str], w: Workload, dtype: torch.dtype) -> 
     """Load HF once (and warm it up); the returned callable times one static-batch generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pagedserve.model_loader.gguf_utils import load_gguf_tokenizer
+
     d, f = os.path.split(path) if path.endswith(".gguf") else (path, None)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    # (a GGUF's own tokenizer: AutoTokenizer took a tokenizer.json beside it in the folder)
+    tok = load_gguf_tokenizer(path) if f else AutoTokenizer.from_pretrained(d)
     tok.padding_side = "left"
     if tok.pad_token is None:  # GGUF tokenizers may carry neither pad nor eos token names
         tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)

@@ -118,8 +118,8 @@ def _directory_facts(path: str) -> tuple[str, int, str, int, str, int, bool]:
         template = value if isinstance(value, str) else ""
     family = str(config.get("model_type") or "unknown")
     text = config.get("text_config")  # (a vision-language model's language model: its context, as the engine reads it)
-    ctx = config.get("max_position_embeddings") or (text.get("max_position_embeddings") if isinstance(text, dict)
-                                                    else None)
+    ctx = (text.get("max_position_embeddings") if isinstance(text, dict) else None) or \
+        config.get("max_position_embeddings")
     return family, count, dtype, int(ctx or 0), template, size, names_vision_model(path)
 
 

@@ -45,8 +45,9 @@ def test_a_vision_language_checkpoint_says_so(tmp_path) -> None:
     """(Ollama's /api/show lists "vision" among its capabilities.)"""
     import json
 
+    # (a top-level max_position_embeddings beside the text config's is not the one the engine reads)
     for name, config in (("vlm", {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"],
-                                  "text_config": {"max_position_embeddings": 1024}}),
+                                  "max_position_embeddings": 512, "text_config": {"max_position_embeddings": 1024}}),
                          ("text", {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                    "max_position_embeddings": 2048})):
         (tmp_path / name).mkdir()
