@@ -42,6 +42,7 @@ from pagedserve.model_loader.config_snapshot import cached_config
 from pagedserve.model_loader.sources import ModelSource, gguf_file_name, resolve_source
 from pagedserve.models.registry import (
     SLIDING_WINDOW_ARCHITECTURES,
+    check_config_file,
     check_supported_config,
     get_model_class,
     multimodal_architecture,
@@ -183,25 +184,8 @@ def _auto_config(path: str, trust_remote_code: bool) -> Any:
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        _check_named_architecture(path)  # (a model_type transformers does not know: ours is the clearer refusal)
+        check_config_file(path)  # (a model_type transformers does not know: ours is the clearer refusal)
         raise ValueError(f"{path}/config.json: unreadable model config ({type(e).__name__}: {e})") from None
-
-
-def _check_named_architecture(path: str) -> None:
-    """ValueError naming an unsupported architecture where the raw config.json names one
-    (transformers' own refusal of its model_type advised upgrading transformers, which
-    would not make the engine run it); nothing where it cannot tell."""
-    import json
-    from types import SimpleNamespace
-
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-        names = raw.get("architectures") if isinstance(raw, dict) else None
-    except (OSError, ValueError):
-        return
-    if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
-        resolve_architecture(SimpleNamespace(architectures=names))
 
 
 def load_model_config(model_config: ModelConfig, device: DeviceConfig | torch.device | str | None = None) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedserve.model_loader.gguf_utils import open_gguf
 from pagedserve.model_loader.sources import MODEL_NAMES, cache_dir, hf_hub_snapshot
-from pagedserve.models.registry import names_vision_model, resolve_architecture
+from pagedserve.models.registry import check_config_file, names_vision_model
 
 MAX_HEADER_BYTES = 64 << 20  # a safetensors header larger than this is not read
 # A model whose files cannot be dated (not fetched yet, unreadable) shows the server's start.
@@ -160,14 +160,8 @@ def weights_estimate(source: str) -> int:
     facts = model_details(source)
     if facts is UNKNOWN and source not in MODEL_NAMES and os.path.exists(source):
         raise ValueError(f"the files of {source} cannot be read as a model's")
-    config = os.path.join(source, "config.json")
-    # A family not served here is a sure failure, which unloaded the other models first.
-    if source not in MODEL_NAMES and os.path.isfile(config):
-        from types import SimpleNamespace
-
-        with open(config) as f:
-            values = json.load(f)
-        resolve_architecture(SimpleNamespace(**values) if isinstance(values, dict) else SimpleNamespace())
+    if source not in MODEL_NAMES and os.path.isdir(source):  # a family not served here is a sure failure,
+        check_config_file(source)  # which unloaded the other models first
     return facts.size
 
 

@@ -112,6 +112,24 @@ def resolve_architecture(hf_config: Any) -> str:
     )
 
 
+def check_config_file(directory: str) -> None:
+    """ValueError naming an unsupported family where the directory's raw config.json
+    names one (its architectures, else its model_type), read as JSON without transformers:
+    before a load (entrypoints' model pool), or where transformers' own refusal of an
+    unknown model_type advised upgrading it.  Nothing where the file cannot be read."""
+    from types import SimpleNamespace
+
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return
+    raw = raw if isinstance(raw, dict) else {}
+    names = raw.get("architectures")
+    resolve_architecture(SimpleNamespace(model_type=raw.get("model_type"), architectures=names if isinstance(
+        names, list) and all(isinstance(n, str) for n in names) else None))
+
+
 def multimodal_architecture(hf_config: Any) -> str | None:
     """The vision-language architecture a checkpoint's config names, or None."""
     for name in getattr(hf_config, "architectures", None) or ():

@@ -71,7 +71,10 @@ def test_unknown_architecture_is_named(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
     with pytest.raises(ValueError, match=r"^unsupported model architecture FooForCausalLM; supported: "):
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "foo"}))  # (nothing named: transformers' says)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "foo"}))  # (its model_type alone: named too)
+    with pytest.raises(ValueError, match=r"^unsupported model architecture <none; model_type='foo'>; supported: "):
+        load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+    (tmp_path / "config.json").write_text("{not json")  # (what transformers says of a file that is no config)
     with pytest.raises(ValueError, match=r"config.json: unreadable model config"):
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
 
