@@ -118,7 +118,7 @@ class _SamplingFields(OpenAIRequestBody):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    best_of: int | None = None  # vLLM's (chat's too): taken where it equals n
+    best_of: int | None = None  # vLLM's (chat's too): taken where it equals n (SamplingParams' rule)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = 0.0
@@ -203,9 +203,6 @@ class _SamplingFields(OpenAIRequestBody):
             raise InvalidRequestError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
                                       f"this server constrains with {structured_outputs_backend} (start it with "
                                       "--structured-outputs-backend to choose)", param="guided_decoding_backend")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError(f"best_of must equal n (best_of={self.best_of}, n={self.n}); best_of > n "
-                                      "is not supported", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
@@ -244,7 +241,7 @@ class _SamplingFields(OpenAIRequestBody):
 
         limits = [n for n in (self.requested_max_tokens(), defaults.get("max_tokens")) if n is not None]
         return SamplingParams(
-            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            n=self.n, best_of=self.best_of, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0), seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
             stop=self.stop, stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,

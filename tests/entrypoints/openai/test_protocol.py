@@ -155,14 +155,14 @@ def test_harmless_fields_pass():
     with pytest.raises(InvalidRequestError, match="stream_options can only be set"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).check_unsupported("guidance")
     with pytest.raises(InvalidRequestError, match="best_of"):
-        CompletionRequest(prompt="x", n=1, best_of=2).check_unsupported("guidance")
+        CompletionRequest(prompt="x", n=1, best_of=2).to_sampling_params()
 
 
 def test_vllms_best_of_is_a_known_field_on_chat_too():
     """vLLM's chat takes best_of where it equals n: it was read from the unknown fields,
     so its check ran but the server logged it as an unknown field it ignored."""
     assert "best_of" not in (ChatCompletionRequest(messages=MSGS, n=2, best_of=2).model_extra or {})
-    ChatCompletionRequest(messages=MSGS, n=2, best_of=2).check_unsupported("guidance")
+    assert ChatCompletionRequest(messages=MSGS, n=2, best_of=2).to_sampling_params().n == 2
     with pytest.raises(InvalidRequestError, match="best_of must equal n") as e:
-        ChatCompletionRequest(messages=MSGS, best_of=3).check_unsupported("guidance")
+        ChatCompletionRequest(messages=MSGS, best_of=3).to_sampling_params()
     assert e.value.param == "best_of"
