@@ -34,8 +34,10 @@ def test_throughput_takes_vllms_length_and_ratio() -> None:
     for flags, match in ((["--input-len", "20", "30", "--random-range-ratio", "0.1"], "takes LEN"),
                          (["--workload", "chat-burst", "--n", "2"], "--n size the random workload"),
                          (["--random-range-ratio", "1"], "within"),
-                         (["--input-len", "0"], "--input-len must be >= 1, got 0"),  # (both ran as 1)
-                         (["--output-len", "-4"], "--output-len must be >= 1, got -4")):
+                         (["--input-len", "0"], "--input-len takes 1 <= MIN <= MAX, got 0"),  # (both ran as 1)
+                         (["--output-len", "-4"], "--output-len takes 1 <= MIN <= MAX, got -4"),
+                         (["--input-len", "30", "20"], "--input-len takes 1 <= MIN <= MAX, got 30 20"),
+                         (["--n", "0"], "--num-prompts and --n must be >= 1")):
         with pytest.raises(ValueError, match=match):
             throughput.check_args(parser.parse_args(flags))
 
