@@ -129,25 +129,28 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, out in merge_streams(streams):
                 earlier = finals.get(i)  # (an echo's usage: what came before this output's tokens)
                 finals[i] = out = prompt_only(out) if req.prompt_only else out
-                # Every new choice's echo first, then the output's text: an echo after a sibling
-                # choice's text counted fewer tokens than that text's chunk had.
                 for c in out.outputs:
                     if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                         raise err
-                    index = i * params.n + c.index
-                    if index in choice_streams:
-                        continue
-                    cs = choice_streams[index] = ChoiceStream()
-                    if req.echo:
-                        echo = self._echo(prompts[i])
-                        cs.text_offsets = TextOffsets(len(echo))
-                        echo_lp = self._prompt_logprobs(out, params.logprobs, echo) if params.logprobs is not None \
-                            else None
-                        before = {k: v for k, v in finals.items() if k != i} if continuous_usage else {}
+                # Every new choice's echo first, then the output's text: an echo after a sibling
+                # choice's text counted fewer tokens than that text's chunk had.  The echo, its
+                # logprobs and its usage are the prompt's: made once for its new choices.
+                new = [i * params.n + c.index for c in out.outputs if i * params.n + c.index not in choice_streams]
+                if new and req.echo:
+                    echo = self._echo(prompts[i])
+                    echo_lp = self._prompt_logprobs(out, params.logprobs, echo) if params.logprobs is not None \
+                        else None
+                    echo_usage = None
+                    if continuous_usage:
+                        before = {k: v for k, v in finals.items() if k != i}
                         if earlier is not None:
                             before[i] = earlier
-                        yield self._chunk(request_id, created, model, index, echo, echo_lp, None,
-                                          running_usage(before, prompts) if continuous_usage else None)
+                        echo_usage = running_usage(before, prompts)
+                for index in new:
+                    cs = choice_streams[index] = ChoiceStream()
+                    if req.echo:
+                        cs.text_offsets = TextOffsets(len(echo))
+                        yield self._chunk(request_id, created, model, index, echo, echo_lp, None, echo_usage)
                 for c in out.outputs:
                     index = i * params.n + c.index
                     cs = choice_streams[index]
