@@ -23,6 +23,14 @@ import os, threading
 def native():
     python = {t.native_id for t in threading.enumerate()}
     return len([t for t in os.listdir(f"/proc/{os.getpid()}/task") if int(t) not in python])
+def settled(want):
+    # A released worker leaves /proc a moment after the release returns: wait up to 5 s.
+    import time
+    for _ in range(100):
+        if native() == want:
+            break
+        time.sleep(0.05)
+    return native()
 """
 
 _RAW = _NATIVE + """
@@ -32,7 +40,7 @@ before = native()
 torch.ones(1 << 20).sum()  # a parallel region: this thread's pool of workers
 during = native()
 assert release_openmp_threads()
-print(before, during, native())
+print(before, during, settled(before))
 """
 
 _ENGINE = _NATIVE + """
@@ -40,9 +48,9 @@ import torch
 from pagedserve import LLM, SamplingParams
 before = native()
 llm = LLM("smollm2-135m-instruct", max_model_len=256, max_num_seqs=1, speculative_config="off")
-built = native()
+built = settled(before)
 llm.generate(["Hi"], SamplingParams(max_tokens=4), use_tqdm=False)
-print(before, built, native())
+print(before, built, settled(before))
 """
 
 
