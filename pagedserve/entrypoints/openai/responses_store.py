@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from pagedserve.engine.chat_utils import holds_image
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest, object_id
 from pagedserve.request_limits import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_ENTRIES
 
@@ -23,7 +24,8 @@ class ResponseStore:
     def __init__(self, max_entries: int = RESPONSES_STORE_MAX_ENTRIES,
                  max_bytes: int = RESPONSES_STORE_MAX_BYTES) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: OrderedDict[str, tuple[str, str, str, int]] = OrderedDict()  # 3 JSON texts, bytes
+        # 3 JSON texts, whether the conversation holds an image, bytes
+        self._items: OrderedDict[str, tuple[str, str, str, bool, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -51,7 +53,8 @@ class ResponseStore:
             old = self._items.pop(response["id"], None)
             if old is not None:
                 self._bytes -= old[-1]
-            self._items[response["id"]] = (*texts, size)
+            images = any(isinstance(m, dict) and holds_image(m.get("content")) for m in conversation)
+            self._items[response["id"]] = (*texts, images, size)
             self._bytes += size
             while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
                 _, dropped = self._items.popitem(last=False)
@@ -68,6 +71,13 @@ class ResponseStore:
         with self._lock:
             item = self._items.get(response_id)
         return None if item is None else (json.loads(item[0]), json.loads(item[1]))
+
+    def holds_image(self, response_id: str) -> bool:
+        """Whether the conversation of a kept response carries an image (read before a
+        model loads, without parsing the conversation on the event loop)."""
+        with self._lock:
+            item = self._items.get(response_id)
+        return item is not None and item[3]
 
     def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
         with self._lock:

@@ -15,6 +15,7 @@ import pytest
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import Attachment, ServerState, build_app
 from pagedserve.entrypoints.openai.model_pool import ModelPool, ModelSpec
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.server_state import ModelHandlers
 from pagedserve.entrypoints.openai.serving_engine import OpenAIError
 from tests.engine.fake_engine import FakeEngine
@@ -712,6 +713,22 @@ def test_an_image_for_a_text_model_not_loaded_is_refused_before_its_load(tmp_pat
             await client.generate(model="text", prompt="hi", images=[png])
         return params, await oai.completions.create(model="first", prompt="x", max_tokens=2)
 
+    state.responses_store = ResponseStore()
+    for response_id, content in (("resp_image", [{"type": "image_url", "image_url": {"url": url}}]),
+                                 ("resp_text", "hello")):
+        state.responses_store.put({"id": response_id}, [{"role": "user", "content": content}])
+
+    async def continued(client: ollama.AsyncClient, oai: openai.AsyncOpenAI):
+        # an image in the conversation a response continues, as one in its own input
+        with pytest.raises(openai.BadRequestError, match="model 'text' takes no images") as e:
+            await oai.responses.create(model="text", input="and now?", previous_response_id="resp_image")
+        with pytest.raises(openai.APIError):  # a text model is loaded for a text history
+            await oai.responses.create(model="text", input="and now?", previous_response_id="resp_text")
+        return e.value.body["param"]
+
     params, answer = call(app, fn)
     assert params == ["messages", "input"] and answer.choices[0].text == "he" and loads == []
     assert asyncio.run(state.takes_images("vision")) and not asyncio.run(state.takes_images("text"))
+    tried: list[str] = []
+    state.models.set_loader(lambda spec, kv: tried.append(spec.name) or 1 / 0, ModelHandlers.unload)
+    assert call(app, continued) == "previous_response_id" and tried == ["text"]

@@ -88,7 +88,7 @@ def json_head(value: Any, limit: int) -> tuple[str, bool]:
 
 async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHandler], body: RequestBody,
                    request: Request, *, runner: str = "generate", route: str = "", keep_alive: Any = UNSET,
-                   chat: str | None = None,
+                   chat: str | None = None, images: str | None = None,
                    stream_class: Callable[[AsyncIterator[str]], Response] = SSEResponse) -> Response:
     """Every generation endpoint: lease the model the body names (loading it if need
     be), validate and render off the event loop (templates and tokenizing a long prompt
@@ -99,7 +99,7 @@ async def generate(state: ServerState, pick: Callable[[ModelHandlers], ServingHa
     if isinstance(body, ChatCompletionRequest | CompletionRequest):
         body.to_sampling_params()  # (the ranges that need no model, before it loads: a bad request unloads nothing)
     lease = await state.lease(body.model, runner, route or route_path(request.scope), keep_alive, chat, request,
-                              body.image_field())
+                              body.image_field() or images)
     streaming: list[ReleasingStream] = []
     try:
         serving = pick(lease.handlers)

@@ -21,9 +21,13 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, state: ServerStateDep) -> Response:
-    """OpenAI's Responses API, translated onto the chat handler (serving_responses.py)."""
+    """OpenAI's Responses API, translated onto the chat handler (serving_responses.py);
+    an image in the conversation `previous_response_id` continues counts as the input's
+    own (a text model is not loaded only to refuse it)."""
+    store, previous = state.responses_store, body.previous_response_id
+    images = "previous_response_id" if store is not None and previous and store.holds_image(previous) else None
     return await generate(state, lambda model: OpenAIServingResponses(model.chat, state.responses_store), body,
-                          request, chat="input")
+                          request, chat="input", images=images)
 
 
 def stored_response(state: ServerState, response_id: str) -> dict:
