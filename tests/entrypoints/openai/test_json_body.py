@@ -32,6 +32,11 @@ def test_nesting_past_the_bound_is_refused_and_within_it_passes() -> None:
     with pytest.raises(InvalidRequestError, match=f"deeper than {MAX_JSON_DEPTH}"):
         check_json_body(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
     check_json_body(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH)
+    # openings never closed: Python's parser recursed on them (a RecursionError, not a 400)
+    with pytest.raises(InvalidRequestError, match=f"deeper than {MAX_JSON_DEPTH}"):
+        check_json_body(b'{"a": ' + b"[" * 100_000)
+    # closings first: never deeper than the openings that follow them
+    check_json_body(b"]" * 1000 + b"[" * MAX_JSON_DEPTH)
     check_json_body(b'{"a": [{"b": [1, 2, {"c": []}]}], "d": {}}')
 
 
