@@ -440,12 +440,15 @@ MAX_LENGTH_PENALTY = 10.0  # (HF's and vLLM's examples use 0.6-2)
 class BeamSearchParams:
     """`LLM.beam_search` (vLLM's fields): the `beam_width` best continuations of up to
     `max_tokens` tokens by cumulative logprob, ranked by it over generated length **
-    `length_penalty` (HF transformers' score)."""
+    `length_penalty` (HF transformers' score); `early_stopping` is HF's (True, False or
+    "never": when the search ends before max_tokens; engine/beam_search.py), which
+    vLLM's servers once took too."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self, max_logprobs: int) -> None:
         if not is_int(self.beam_width) or not 1 <= self.beam_width <= min(MAX_BEAM_WIDTH, max_logprobs // 2):
@@ -462,3 +465,6 @@ class BeamSearchParams:
         if not is_number(self.length_penalty) or not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
             raise InvalidRequestError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
                                       f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r:.40}", param="length_penalty")
+        if not any(self.early_stopping is v for v in (True, False)) and self.early_stopping != "never":
+            raise InvalidRequestError(f'early_stopping must be true, false or "never", got {self.early_stopping!r:.40}',
+                                      param="early_stopping")

@@ -225,8 +225,7 @@ class LLM:
                      bar: _ProgressBar | None) -> list[BeamSearchOutput]:
         engine = self.llm_engine
         assert engine is not None
-        width = params.beam_width
-        step = step_params(width)
+        step = step_params(params.beam_width)
         # Each step's beams carry the prompt's cache salt and images: expanded once, here.
         salts: list[str | None] = [None] * len(prompt_list)
         images: list[MultiModalPrompt | None] = [None] * len(prompt_list)
@@ -239,13 +238,14 @@ class LLM:
                     prompt_list[i] = {**p, "multi_modal": images[i]}
         first = self._run(prompt_list, [step] * len(prompt_list), use_tqdm=False, lora_request=loras)
         stops = set() if params.ignore_eos else set(engine.stop_token_ids)
-        searches = [BeamSet(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]]) for out in first]
+        # (a search whose beams fill the context ends there, "length" as generate's sequences
+        # do: asking for one more token past it failed the whole call)
+        searches = [BeamSet(list(out.prompt_token_ids), [out.outputs[0].logprobs[0]], params, stops,
+                            engine.max_model_len - len(out.prompt_token_ids)) for out in first]
         steps_run = 0
         for n in range(params.max_tokens):
-            # A search whose beams fill the context ends there ("length", as generate's
-            # sequences do); asking for one more token past it failed the whole call.
             todo = [(b, lora, salt, mm) for b, lora, salt, mm in zip(searches, loras, salts, images, strict=True)
-                    if b.live and len(b.prompt) + n < engine.max_model_len]
+                    if b.live]
             if not todo:
                 break
             if n:
@@ -255,7 +255,7 @@ class LLM:
                 for b, *_ in todo:
                     b.tops = [next(outs).outputs[0].logprobs[0] for _ in b.live]
             for b, *_ in todo:
-                b.extend(width, stops)
+                b.extend()
             if bar is not None:
                 bar.advance()
                 steps_run = n + 1
@@ -263,7 +263,7 @@ class LLM:
             bar.advance(params.max_tokens - steps_run)
         tokenizer = engine.tokenizer
         decode = tokenizer.decode if tokenizer is not None else None
-        return [BeamSearchOutput(b.sequences(width, params.length_penalty, decode)) for b in searches]
+        return [BeamSearchOutput(b.sequences(decode)) for b in searches]
 
     def __getattr__(self, name: str) -> Any:
         """vLLM's LLM methods this engine does not have, named with the reason (they were a

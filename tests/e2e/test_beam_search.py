@@ -133,6 +133,8 @@ def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
     llm = LLM("smollm2-135m-instruct", max_model_len=128, kv_cache_memory_bytes="32MiB")
     prompt = "The capital of France is"
     [ref] = llm.beam_search([{"prompt": prompt}], BeamSearchParams(beam_width=3, max_tokens=5))
+    longer = "Paris is the capital of France, and Rome is the capital of Italy. The capital of Spain is"
+    [early] = llm.beam_search([{"prompt": longer}], BeamSearchParams(beam_width=3, max_tokens=5, early_stopping=True))
     state = ServerState(served_model_names=["m"])
     app = build_app(state)
     front = AsyncLLM(llm.llm_engine, log_stats=False)
@@ -144,13 +146,18 @@ def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             whole = (await c.post("/v1/completions", json=body)).json()
+            again = (await c.post("/v1/completions", json={**body, "prompt": longer, "early_stopping": True})).json()
             streamed = (await c.post("/v1/completions", json={**body, "stream": True})).text
             chat = (await c.post("/v1/chat/completions", json={
                 "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2,
                 "use_beam_search": True})).json()
             refused = [(await c.post("/v1/completions", json={**body, **extra})).json()["error"]["param"]
                        for extra in ({"temperature": 0.5}, {"logprobs": 1}, {"n": 11},
-                                     {"use_beam_search": False, "length_penalty": 0.5}, {"length_penalty": 1000})]
+                                     {"use_beam_search": False, "length_penalty": 0.5}, {"length_penalty": 1000},
+                                     {"use_beam_search": False, "early_stopping": True}, {"early_stopping": "x"},
+                                     {"guided_regex": "a+"})]
+            anthropic = (await c.post("/v1/messages", json={"model": "m", "max_tokens": 2, "use_beam_search": True,
+                                                            "messages": [{"role": "user", "content": "hi"}]})).json()
             # The front door's limits hold for a search as a whole (its steps are requests
             # of their own): request_timeout ends it (each step had a fresh deadline: 200
             # after 13.6 s of a 2 s timeout), and it counts as one waiting request (its n
@@ -167,13 +174,19 @@ def test_the_servers_use_beam_search_answers_the_offline_beams() -> None:
             while not search.done() and len(others) < 6:
                 probe = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
                 others.append(probe.status_code)
-            return whole, streamed, chat, refused, late, (await search).status_code, others
+            return whole, again, streamed, chat, refused, anthropic, late, (await search).status_code, others
 
-    whole, streamed, chat, refused, late, searched, others = asyncio.run(asyncio.wait_for(run(), 120))
+    whole, again, streamed, chat, refused, anthropic, late, searched, others = asyncio.run(
+        asyncio.wait_for(run(), 120))
     want = [seq.text[len(prompt):] for seq in ref.sequences]
     assert [c["text"] for c in whole["choices"]] == want, (whole, want)
+    assert [c["text"] for c in again["choices"]] == [seq.text[len(longer):] for seq in early.sequences]
+    # (its prompt's blocks were in the prefix cache: the offline search wrote them)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
     chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
     assert sorted((ch["index"], ch["text"]) for c in chunks for ch in c["choices"]) == list(enumerate(want))
     assert [c["index"] for c in chat["choices"]] == [0, 1] and all(c["message"]["content"] for c in chat["choices"])
-    assert refused == ["temperature", "logprobs", "n", "length_penalty", "length_penalty"]
+    assert refused == ["temperature", "logprobs", "n", "length_penalty", "length_penalty", "early_stopping",
+                       "early_stopping", "guided_regex"]
+    assert anthropic["type"] == "error" and "use_beam_search" in anthropic["error"]["message"], anthropic
     assert late == 408 and searched == 200 and others and set(others) == {200}, (late, searched, others)

@@ -34,6 +34,7 @@ from pagedserve.entrypoints.openai.protocol_fields import (
     check_hint_strings,
     check_object_hint,
     refuse_unsupported_fields,
+    refuse_vllm_fields,
     renamed_text,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -269,6 +270,7 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
     effect held to Anthropic's values."""
     try:
         refuse_unsupported_fields(req.model_extra, UNSUPPORTED_FIELDS)
+        refuse_vllm_fields(req.model_extra)  # (vLLM's OpenAI fields: logged as unknown, use_beam_search ignored)
         _check_cache_control(req.cache_control, "cache_control")
         check_object_hint("output_config", {k: v for k, v in (req.output_config or {}).items() if k != "format"},
                           {"format": (), "effort": _EFFORTS})  # (its format: _output_config)

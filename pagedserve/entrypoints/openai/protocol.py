@@ -157,6 +157,7 @@ class _SamplingFields(OpenAIRequestBody):
     thinking_token_budget: int | None = None  # vLLM's: reasoning tokens, then "</think>" (pagedserve/reasoning.py)
     use_beam_search: bool = False  # vLLM's: the n best beams (n the width; OpenAIServing.beam_search_params)
     length_penalty: float = 1.0  # vLLM's: a beam's score is its logprob over its length ** this
+    early_stopping: bool | Literal["never"] = False  # vLLM's (and HF's): when a beam search ends early
 
     # vLLM's, not implemented here: refused when set (check_unsupported), as ignoring it changes the answer.
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern",)

@@ -61,6 +61,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 VLLM_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is served on /v1/completions and /v1/chat/completions, not here"),
     "length_penalty": ((1.0,), "it weighs beam search's candidates, and beam search is not served on this route"),
+    "early_stopping": ((False,), "it ends beam searches early, and beam search is not served on this route"),
     "logits_processors": (([],), "this server loads no custom logits processors"),
     "vllm_xargs": (({},), "no custom logits processor here reads it"),
     "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text here (chat's `bytes` are each "

@@ -322,19 +322,20 @@ class OpenAIServing:
         name at any value that asks for something (beams rank by the model's own logprobs
         and end at its end tokens; vLLM ignores these)."""
         if not req.use_beam_search:
-            if not same_value(req.length_penalty, (1.0,)):
-                raise OpenAIError("length_penalty weighs beam search's candidates: it needs use_beam_search",
-                                  param="length_penalty")
+            for name, neutral in (("length_penalty", (1.0,)), ("early_stopping", (False,))):
+                if not same_value(getattr(req, name), neutral):
+                    raise OpenAIError(f"{name} steers beam search: it needs use_beam_search", param=name)
             return None
         for name, neutral in BEAM_IGNORED.items():
             if name in type(req).model_fields and not same_value(getattr(req, name), neutral):
                 raise OpenAIError(f"{name} is not read by beam search, which ranks by the model's own logprobs and "
                                   "ends beams at its end tokens: leave it out with use_beam_search", param=name)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None:  # (named: the constraining field, else tools' implicit one)
             raise OpenAIError("use_beam_search cannot follow a response format, a grammar or a tool call's schema",
-                              param="use_beam_search")
+                              param=next(iter(req.structured_fields()), "tools"))
         beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or self.max_model_len,
-                                ignore_eos=params.ignore_eos, length_penalty=req.length_penalty)
+                                ignore_eos=params.ignore_eos, length_penalty=req.length_penalty,
+                                early_stopping=req.early_stopping)
         try:
             beam.validate(self.engine.max_logprobs)
         except InvalidRequestError as e:
@@ -351,7 +352,7 @@ class OpenAIServing:
         (AsyncLLM's `group`)."""
         streams = iter([first])
 
-        async def next_tokens(ids: list[int]) -> dict[int, Logprob]:
+        async def next_tokens(ids: list[int]) -> RequestOutput:
             stream = next(streams, None) or await self.engine.add_request(
                 random_id("beam"), step_prompt(ids, req.cache_salt, prompt.multi_modal), step, req.priority, final_only=True, lora_request=lora_request, group=request_id,
                 deadline=deadline, arrival_time=arrival)
@@ -359,7 +360,7 @@ class OpenAIServing:
                 c = out.outputs[0]
             if (err := request_failed(c.finish_reason, c.stop_reason)) is not None:
                 raise err
-            return c.logprobs[0]
+            return out
 
         stops = set() if beam.ignore_eos else set(self.engine.stop_token_ids)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)) \

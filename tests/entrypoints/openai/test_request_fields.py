@@ -128,6 +128,7 @@ COMMON = {
     "use_beam_search": ({"use_beam_search": True, "n": 2},
                         lambda r, b, t: len(r.json()["choices"]) == 2 or pytest.fail(r.text)),
     "length_penalty": ({"length_penalty": 2.0}, refused("length_penalty")),  # (without use_beam_search)
+    "early_stopping": ({"early_stopping": True}, refused("early_stopping")),  # (without use_beam_search)
     "thinking_token_budget": ({"thinking_token_budget": 4}, lambda r, b, t: (
         refused("thinking_token_budget")(r, b, t), "</think> tokens" in r.json()["error"]["message"] or pytest.fail())),
     # OpenAI's caching, safety and tier hints: accepted without effect (docs/serving.md).
@@ -247,7 +248,8 @@ def test_vllms_per_request_media_settings_are_refused_by_name(server, chat, fiel
 
 @pytest.mark.parametrize(("field", "value", "status"), [
     ("use_beam_search", True, 200), ("use_beam_search", False, 200), ("length_penalty", 2.0, 400),
-    ("length_penalty", 1, 200), ("logits_processors", ["my.module:Proc"], 400), ("logits_processors", [], 200),
+    ("length_penalty", 1, 200), ("early_stopping", "never", 400), ("early_stopping", False, 200),
+    ("logits_processors", ["my.module:Proc"], 400), ("logits_processors", [], 200),
     ("vllm_xargs", {"k": 1}, 400), ("return_tokens_as_token_ids", True, 400), ("return_token_ids", True, 400),
     ("spaces_between_special_tokens", False, 200), ("spaces_between_special_tokens", "no", 400),
 ])
