@@ -57,6 +57,12 @@ MAX_PROMPT_CHARS = 32 << 20
 # 512 prompts of 500 token ids), and levels of nesting.
 MAX_JSON_STRUCTURE = 1 << 18
 MAX_JSON_DEPTH = 256
+# A chunked body's pieces: the HTTP parser (h11, pure Python) costs ~8 us of the event
+# loop per piece, and a client sending one-byte chunks held it whole (/health 2 s, a chat
+# 6 s, per client).  Past this many pieces, a body whose pieces average fewer bytes than
+# the next bound is refused (a 16 MiB body in 4 KiB chunks is 4,096 of them).
+MAX_BODY_PIECES = 4096
+MIN_BODY_PIECE_BYTES = 256
 
 # Unknown request fields are ignored with a warning, once per name, for this many names.
 MAX_WARNED_FIELD_NAMES = 256

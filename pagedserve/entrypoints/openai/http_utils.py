@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import anyio
+import h11
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import get_route_path
@@ -26,6 +27,7 @@ from pagedserve.entrypoints.openai.json_body import check_json_body
 from pagedserve.entrypoints.openai.protocol_fields import check_request_id
 from pagedserve.entrypoints.openai.serving_engine import ModelNotFoundError, OpenAIError
 from pagedserve.errors import InvalidRequestError
+from pagedserve.request_limits import MAX_BODY_PIECES, MIN_BODY_PIECE_BYTES
 
 
 def error_response(err: OpenAIError, path: str = "") -> JSONResponse:
@@ -299,6 +301,12 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        encoding = dict(scope["headers"]).get(b"content-encoding", b"identity").strip().lower()
+        if encoding != b"identity":  # (it was read as the JSON text: a misleading "not UTF-8", or ignored)
+            await error_response(OpenAIError(f"Content-Encoding {encoding.decode('latin-1')[:40]!r} is not supported: "
+                                             "send the body uncompressed", status=415, code="unsupported_media_type"),
+                                 route_path(scope))(scope, receive, send)
+            return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -374,18 +382,52 @@ def json_on_ollama_paths(scope: dict[str, Any]) -> None:
         scope["headers"] = [*headers, (b"content-type", b"application/json")]
 
 
+class BodyPieces:
+    """A connection's current request body, counted as h11 parses it: the refusal for a
+    body of too many tiny pieces (request_limits.MAX_BODY_PIECES), else None."""
+
+    def __init__(self) -> None:
+        self.pieces = self.bytes = 0
+
+    def refusal(self, event: Any) -> str | None:
+        if isinstance(event, h11.Request):
+            self.pieces = self.bytes = 0
+        elif isinstance(event, h11.Data):
+            self.pieces += 1
+            self.bytes += len(event.data)
+            if self.pieces > MAX_BODY_PIECES and self.bytes < self.pieces * MIN_BODY_PIECE_BYTES:
+                return (f"The request body came in more than {MAX_BODY_PIECES} chunks of under {MIN_BODY_PIECE_BYTES} "
+                        "bytes on average: send it in fewer, larger ones.")
+        return None
+
+
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request headers have not all
     arrived `seconds` after it opened or after its last response (uvicorn's keep-alive
     timer is cancelled by any byte, so a client sending one byte a minute held a
-    connection forever)."""
+    connection forever), and answering a 400 to a body of too many tiny chunks
+    (request_limits.MAX_BODY_PIECES: each costs the event loop its parsing)."""
 
     class HeaderTimeoutH11(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _refusal: str | None = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm_header_timer()
+            next_event, pieces = self.conn.next_event, BodyPieces()
+
+            def counted() -> Any:
+                event = next_event()
+                self._refusal = pieces.refusal(event)
+                if self._refusal is not None:
+                    raise h11.RemoteProtocolError(self._refusal)  # (uvicorn answers it with a 400)
+                return event
+
+            self.conn.next_event = counted
+
+        def send_400_response(self, msg: str) -> None:
+            super().send_400_response(self._refusal or msg)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # may start a pipelined request already buffered

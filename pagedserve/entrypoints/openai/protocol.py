@@ -258,7 +258,8 @@ class _SamplingFields(OpenAIRequestBody):
         """OpenAI sends token ids as JSON object keys, so as strings."""
         if not self.logit_bias:
             return None
-        if not all(k.isascii() and k.isdigit() for k in self.logit_bias):  # (int() took "1_7" and "１７" as 17)
+        # (int() took "1_7" and "１７" as 17, and refused 4,301 digits in Python's words)
+        if not all(k.isascii() and k.isdigit() and len(k) <= 20 for k in self.logit_bias):
             raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
         return {int(k): v for k, v in self.logit_bias.items()}
 

@@ -332,6 +332,63 @@ def test_slow_headers_and_bodies_are_cut_off():
         thread.join(timeout=10)
 
 
+def test_a_body_of_many_tiny_chunks_is_refused_and_one_of_fewer_is_served():
+    """Each chunk of a chunked body costs the event loop its parsing in Python (h11): a
+    client sending one-byte chunks held it whole (/health 2 s).  Past MAX_BODY_PIECES
+    chunks averaging under MIN_BODY_PIECE_BYTES, a 400 that says so; the same body in
+    fewer chunks is served."""
+    import socket
+
+    from pagedserve.request_limits import MAX_BODY_PIECES, MIN_BODY_PIECE_BYTES
+
+    _, app = make(FakeEngine(script="ab"))
+    server, thread, port = _uvicorn_server(app, 30.0)
+    body = b'{"prompt": "hi", "max_tokens": 2}' + b" " * (MAX_BODY_PIECES + 100)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    def send(size: int) -> bytes:
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                          for i in range(0, len(body), size))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head + chunks + b"0\r\n\r\n")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith((b"}", b".")):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        return reply
+
+    try:
+        tiny = send(1)
+        assert tiny.startswith(b"HTTP/1.1 400") and b"%d chunks" % MAX_BODY_PIECES in tiny, tiny[-300:]
+        served = send(MIN_BODY_PIECE_BYTES)
+        assert served.startswith(b"HTTP/1.1 200") and b'"text":"ab"' in served, served[-300:]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_compressed_body_is_refused_by_its_encoding():
+    """Content-Encoding was never read: a gzip body was "not UTF-8 text", and the header on a
+    plain body was ignored."""
+    import gzip
+
+    _, app = make()
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+
+    async def fn(c):
+        return [await c.post("/v1/completions", content=content, headers={
+            **KEY, "content-type": "application/json", "content-encoding": encoding})
+            for content, encoding in ((gzip.compress(body), "gzip"), (body, "gzip"), (body, "identity"))]
+
+    zipped, labelled, plain = call(app, fn)
+    for r in (zipped, labelled):
+        assert r.status_code == 415 and "Content-Encoding 'gzip' is not supported" in r.json()["error"]["message"]
+    assert plain.status_code == 200
+
+
 def test_allowed_hosts_defaults_and_flag():
     from pagedserve.entrypoints.openai.http_utils import parse_allowed_hosts
 

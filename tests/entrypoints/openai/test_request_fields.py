@@ -306,6 +306,7 @@ _USER = {"role": "user", "content": "hello world"}
     # a template that never reads documents (they were dropped); logit_bias keys int() took
     (True, {"documents": [{"title": "a", "text": "SECRET"}]}, "documents"),
     (True, {"logit_bias": {"1_7": 5}}, "logit_bias"), (False, {"logit_bias": {"\uff11\uff17": 5}}, "logit_bias"),
+    (True, {"logit_bias": {"9" * 5000: 5}}, "logit_bias"),  # (Python's message on int's digit limit, no param)
 ])
 def test_fields_of_another_route_or_shape_are_refused_by_name(server, chat, fields, param):
     mark = server.log_mark()
