@@ -114,9 +114,9 @@ def derive_max_model_len(hf_config: Any) -> int:
             break
     if limit is not None:
         limit = _rope_scaled_limit(hf_config, limit)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and not _honours_window(hf_config):
-        limit = min(limit, int(window)) if limit else int(window)
+    window = _window(hf_config)
+    if window and not _honours_window(hf_config):
+        limit = min(limit, window) if limit else window
     if limit is None:
         raise ValueError("the model config gives no maximum length (max_position_embeddings); pass max_model_len")
     return limit
@@ -130,8 +130,21 @@ def _rope_scaled_limit(hf_config: Any, limit: int) -> int:
     params = rope_params(hf_config)
     if params["rope_type"] not in ("linear", "yarn") or "gemma3" in str(getattr(hf_config, "model_type", "")):
         return limit
+    if params.get("factor") is None:  # (HF's YaRN derives it: max_position_embeddings over the original context)
+        return limit
     base = params.get("original_max_position_embeddings") if params["rope_type"] == "yarn" else None
-    return int((base or limit) * float(params.get("factor") or 1.0))
+    return int((base or limit) * float(params["factor"]))
+
+
+def _window(hf_config: Any) -> int | None:
+    """The config's sliding window where some layer slides: Qwen2's use_sliding_window
+    turns it on, and a layer_types list (transformers 5's) with no sliding layer (Qwen2's
+    max_window_layers at or past its layer count) leaves none."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or not getattr(hf_config, "use_sliding_window", True):
+        return None
+    types = getattr(hf_config, "layer_types", None)
+    return None if types is not None and "sliding_attention" not in types else int(window)
 
 
 def _honours_window(hf_config: Any) -> bool:

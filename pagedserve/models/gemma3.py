@@ -62,6 +62,9 @@ def gemma3_rope_view(config: Any, layer_type: str) -> Any:
     else:
         rope = dict(getattr(config, "rope_scaling", None) or {})
         rope.setdefault("rope_theta", float(getattr(config, "rope_theta", 1000000.0)))
+    if rope.get("rope_type", rope.get("type")) == "longrope":  # (no Gemma 3 checkpoint uses it)
+        raise ValueError(f"Gemma 3's {layer_type} rope parameters set rope_type 'longrope', which is not implemented "
+                         "for Gemma 3 (its long-prompt rotation is read from a model-wide rope config only)")
     return SimpleNamespace(rope_parameters=rope, max_position_embeddings=config.max_position_embeddings,
                            partial_rotary_factor=None, rope_freq_factors=None)
 

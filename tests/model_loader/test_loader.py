@@ -35,8 +35,9 @@ def test_honoured_sliding_window_keeps_the_full_length(tiny_checkpoint) -> None:
 
 
 def test_unhonoured_sliding_window_caps_max_model_len(tiny_checkpoint) -> None:
-    # Qwen2's use_sliding_window is not implemented: the model is only exact up to its window.
-    path, _ = tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=128)
+    # Qwen2's use_sliding_window is not implemented: the model is only exact up to its window
+    # (its layers from max_window_layers on slide; a default past its layer count: none).
+    path, _ = tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=128, max_window_layers=0)
     mc = ModelConfig(model=path)
     load_model_config(mc, "cpu")
     assert mc.max_model_len == 128
@@ -179,6 +180,25 @@ def test_gemma3_as_a_bidirectional_encoder_is_refused(tmp_path) -> None:
                      use_bidirectional_attention=True).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="sets use_bidirectional_attention=True, which changes the model's math"):
         load_model_config(ModelConfig(model=str(tmp_path)), "cpu")
+
+
+def test_gemma3_with_longrope_on_a_layer_type_is_refused(tmp_path) -> None:
+    """HF rotates every position of a long sequence with LongRoPE's long factors, per
+    layer type; the engine's long-prompt rotation reads a model-wide rope config only,
+    and answered past the original context with the short factors."""
+    from transformers import Gemma3TextConfig
+
+    from pagedserve.model_loader import get_model
+
+    longrope = {"rope_type": "longrope", "rope_theta": 1e6, "original_max_position_embeddings": 64,
+                "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=64, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                      "full_attention": longrope}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="full_attention rope parameters set rope_type 'longrope'"):
+        get_model(ModelConfig(model=str(tmp_path), dtype="float32", load_format="dummy"), "cpu")
 
 
 def test_registered_config_only_name_needs_dummy(tmp_path, monkeypatch) -> None:
@@ -382,6 +402,28 @@ def test_gemma3s_linear_scaling_is_in_its_limit_already() -> None:
                              rope_scaling={"rope_type": "linear", "factor": 8.0})
     assert derive_max_model_len(config) == 131072
     assert derive_max_model_len(SimpleNamespace(**{**vars(config), "model_type": "llama"})) == 8 * 131072
+
+
+def test_a_window_no_layer_uses_and_a_derived_yarn_factor_leave_the_limit_whole() -> None:
+    """Qwen2's use_sliding_window with max_window_layers at its layer count slides no
+    layer (HF attends fully) and YaRN without a factor stretches the original context to
+    max_position_embeddings (HF derives it): both capped max_model_len below what HF
+    serves (16 and 64 tokens of 512)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from pagedserve.model_loader.loader import derive_max_model_len
+
+    def qwen2(window_layers: int) -> Qwen2Config:
+        return Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=16,
+                           max_window_layers=window_layers, num_hidden_layers=4, max_position_embeddings=512)
+
+    assert derive_max_model_len(qwen2(4)) == 512
+    assert derive_max_model_len(qwen2(2)) == 16  # (two layers slide: the window caps the Qwen2 family)
+    yarn = SimpleNamespace(model_type="llama", max_position_embeddings=512, architectures=["LlamaForCausalLM"],
+                           rope_parameters={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64})
+    assert derive_max_model_len(yarn) == 512
 
 
 def test_gguf_yarn_settings_it_cannot_honour_are_refused(tmp_path) -> None:
