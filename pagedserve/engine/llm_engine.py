@@ -165,7 +165,10 @@ class LLMEngine:
             raise ValueError("the model config has no vocab_size")
         self.max_model_len = config.scheduler_config.max_model_len
         self.max_logprobs = config.model_config.max_logprobs
-        self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, hf_config, extra_eos_token_ids)
+        # (generation_config.json's eos ids replace config.json's, as HF's and vLLM's generate read them)
+        listed = config.model_config.generation_config_values.get("eos_token_id") is not None
+        self.eos_token_id, self._extra_eos_ids = _eos_token_ids(tokenizer, None if listed else hf_config,
+                                                                extra_eos_token_ids)
         stop_ids = self.stop_token_ids = [t for t in [self.eos_token_id, *self._extra_eos_ids] if t is not None]
         # Grammars for structured outputs (the grammar library loads on the first one):
         # the InputProcessor compiles them, the core's steps fill their masks.
@@ -220,7 +223,7 @@ class LLMEngine:
         eos_ids = mc.generation_config_values.get("eos_token_id")
         extra_eos = [t for t in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(t, int)] \
             or turn_end_token_ids(tokenizer, mc.hf_config)
-        eos, _ = _eos_token_ids(tokenizer, mc.hf_config, extra_eos)
+        eos, _ = _eos_token_ids(tokenizer, None if eos_ids is not None else mc.hf_config, extra_eos)
         if config.parallel_config.tensor_parallel_size > 1:
             from pagedserve.executor.multiproc_executor import MultiprocExecutor
 

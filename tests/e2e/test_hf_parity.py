@@ -383,6 +383,23 @@ def test_partial_rotary_factor_is_ignored_where_hf_ignores_it(tmp_path) -> None:
         llm.shutdown()
 
 
+def test_generation_configs_eos_ids_replace_the_configs(tmp_path) -> None:
+    """HF's generate (and vLLM) stop on generation_config.json's eos ids: config.json's
+    other one was a stop token here too, and answers ended where HF's went on."""
+    import json
+
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    make_tiny_checkpoint("llama", str(tmp_path), eos_token_id=168)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [333, 334]}))
+    llm = LLM(str(tmp_path), dtype="float32", seed=0)
+    try:
+        assert sorted(llm.llm_engine.stop_token_ids) == [333, 334]
+    finally:
+        llm.shutdown()
+
+
 SMOL_MESSAGES = [
     "What is the capital of France?", "Write a haiku about autumn rain.",
     "Explain photosynthesis to a ten-year-old.", "List five prime numbers.",
