@@ -84,14 +84,16 @@ def check_swiglu(config: Any) -> None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, intermediate_size: int | None = None, act_fn: nn.Module | None = None) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None, act_fn: nn.Module | None = None,
+                 bias: bool = False) -> None:
         """`act_fn`: the gated activation of another family (Gemma's GELU-tanh), checked
-        by its caller; None: the config's hidden_act, which must be SwiGLU's silu."""
+        by its caller; None: the config's hidden_act, which must be SwiGLU's silu.
+        `bias`: Llama's mlp_bias (every other family's HF code has none, whatever its
+        config says)."""
         super().__init__()
         if act_fn is None:
             check_swiglu(config)
             act_fn = SiluAndMul()
-        bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
         self.act_fn = act_fn
@@ -232,9 +234,17 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
+    # The config's bias flags this family's HF code reads (Mistral's and Phi-3's read
+    # none: a config that sets one loads there without biases, as HF loads it).
+    bias_flags: tuple[str, ...] = ("attention_bias", "mlp_bias")
+
+    @classmethod
+    def config_bias(cls, config: Any, flag: str) -> bool:
+        return flag in cls.bias_flags and bool(getattr(config, flag, False))
+
     @classmethod
     def attention_flags(cls, config: Any) -> AttentionFlags:
-        bias = bool(getattr(config, "attention_bias", False))
+        bias = cls.config_bias(config, "attention_bias")
         return AttentionFlags(qkv_bias=bias, o_bias=bias)
 
     @classmethod
@@ -246,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def make_mlp(cls, config: Any, layer: int) -> nn.Module:
         """Layer `layer`'s feed-forward block."""
-        return LlamaMLP(config)
+        return LlamaMLP(config, bias=cls.config_bias(config, "mlp_bias"))
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -275,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is Llama's architecture with, in the 7B v0.1 configs, every layer attending
     over a sliding window (one sliding KV-cache group: blocks leave as the window moves)."""
+
+    bias_flags = ()
 
     @classmethod
     def sliding_window(cls, config: Any) -> int | None:

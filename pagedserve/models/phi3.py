@@ -20,6 +20,8 @@ from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM, head_dim_o
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    bias_flags = ()
+
     @classmethod
     def attention_flags(cls, config: Any) -> AttentionFlags:
         return dataclasses.replace(super().attention_flags(config), partial_rotary=True)

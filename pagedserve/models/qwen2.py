@@ -8,6 +8,8 @@ from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    bias_flags = ()  # (q, k and v always have one; o and the MLP never)
+
     @classmethod
     def attention_flags(cls, config: Any) -> AttentionFlags:
         return AttentionFlags(qkv_bias=True, o_bias=False)

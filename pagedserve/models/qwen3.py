@@ -8,7 +8,9 @@ from pagedserve.models.llama import AttentionFlags, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    bias_flags = ("attention_bias",)
+
     @classmethod
     def attention_flags(cls, config: Any) -> AttentionFlags:
-        bias = bool(getattr(config, "attention_bias", False))
+        bias = cls.config_bias(config, "attention_bias")
         return AttentionFlags(qkv_bias=bias, o_bias=bias, qk_norm=True)

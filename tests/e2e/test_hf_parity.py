@@ -383,6 +383,24 @@ def test_partial_rotary_factor_is_ignored_where_hf_ignores_it(tmp_path) -> None:
         llm.shutdown()
 
 
+@pytest.mark.parametrize(("arch", "flag"), [("mistral", "attention_bias"), ("phi3", "attention_bias"),
+                                          ("qwen2", "mlp_bias")])
+def test_a_bias_flag_the_familys_hf_code_never_reads_is_not_read(arch: str, flag: str, tmp_path) -> None:
+    """HF's Mistral and Phi-3 have no attention biases and Qwen2 no MLP bias, whatever
+    their configs say: such a config failed to load here ("checkpoint is missing ...
+    bias"), where HF runs it."""
+    from tests.e2e.conftest import make_tiny_checkpoint
+
+    hf_cfg = make_tiny_checkpoint(arch, str(tmp_path), **{flag: True})
+    prompts = shared_prefix_prompts(hf_cfg.vocab_size)[:1]
+    llm = LLM(str(tmp_path), dtype="float32", seed=0)
+    try:
+        ours, ref = ours_greedy(llm, prompts), hf_greedy(str(tmp_path), prompts)
+        assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in ref]
+    finally:
+        llm.shutdown()
+
+
 def test_generation_configs_eos_ids_replace_the_configs(tmp_path) -> None:
     """HF's generate (and vLLM) stop on generation_config.json's eos ids: config.json's
     other one was a stop token here too, and answers ended where HF's went on."""
