@@ -63,6 +63,9 @@ def check_json_body(body: bytes) -> None:
     _check_count((body.count(b'"') - body.count(b'\\"')) // 2)
     structure = _STRING.sub(b'""', body)
     _check_count(sum(structure.count(c) for c in (b"[", b"{", b",", b":")))
+    # (closings too, apart: a valid body has no more than its openings, counted above;
+    # 15 MiB of "]" went on to the slower checks below)
+    _check_count(structure.count(b"]") + structure.count(b"}"))
     _check_depth(structure)
     if _SURROGATE_BYTES.search(body) or _SURROGATE_ESCAPE.search(_NOT_LONE.sub(b"", body)):
         _raise_lone_surrogate(body)
