@@ -301,13 +301,14 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        encoding = dict(scope["headers"]).get(b"content-encoding", b"identity").strip().lower()
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding != b"identity":  # (it was read as the JSON text: a misleading "not UTF-8", or ignored)
             await error_response(OpenAIError(f"Content-Encoding {encoding.decode('latin-1')[:40]!r} is not supported: "
                                              "send the body uncompressed", status=415, code="unsupported_media_type"),
                                  route_path(scope))(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
                 await error_response(OpenAIError("Content-Length is not a number"), route_path(scope))(scope, receive, send)
