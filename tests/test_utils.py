@@ -1,10 +1,11 @@
-"""pagedserve/utils.py helpers that touch processes."""
+"""pagedserve/utils.py helpers that touch processes and the garbage collector."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+import weakref
 
 
 def _alive(pid: int) -> bool:
@@ -59,3 +60,30 @@ def test_kill_descendants_spares_the_resource_tracker_which_unlinks_shared_memor
     if left:
         os.unlink(path)
     assert not left, f"{path} was left behind"
+
+
+def test_the_start_up_collector_pause_ends_at_the_settle_and_only_resumes_what_it_paused() -> None:
+    import gc
+
+    from pagedserve.utils import pause_collector, settle_start_up_heap
+
+    assert gc.isenabled()
+    try:
+        pause_collector()
+        assert not gc.isenabled()
+        garbage = []
+        garbage.append(garbage)  # a cycle: the settle's collection frees it rather than freezing it
+        ref = weakref.ref(_Cycle(garbage))
+        del garbage
+        settle_start_up_heap()
+        assert gc.isenabled() and gc.get_freeze_count() > 0 and ref() is None
+        gc.disable()  # collections off by the caller's choice: a settle leaves them off
+        settle_start_up_heap()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+class _Cycle:
+    def __init__(self, other: object) -> None:
+        self.me, self.other = self, other

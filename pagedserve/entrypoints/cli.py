@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedserve import envs
 from pagedserve.engine.arg_spellings import vllm_flags_given
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.utils import pause_collector, settle_start_up_heap
 
 if TYPE_CHECKING:
     from pagedserve.sampling_params import SamplingParams
@@ -176,6 +177,7 @@ def _delegate(argv: list[str]) -> bool:
     ep = _benchmarks().get(argv[1]) if argv[:1] == ["bench"] and len(argv) > 1 else None
     if ep is not None:
         main: BenchmarkMain = _import_or_exit(("bench", ep.name), f"the {ep.name} benchmark", ep.module, ep.load)
+        settle_start_up_heap()  # (a benchmark's engines are its own business)
         try:
             main(argv[2:])
         except (ValueError, OSError) as e:  # (bad flags, an unwritable results file: one line, as generate's)
@@ -217,7 +219,9 @@ def _build_engine(ns: argparse.Namespace, num_seqs: int):
     if ns.max_num_seqs is None:
         log.info("max_num_seqs %d: this command's sequences (--max-num-seqs sets it)", num_seqs)
         args = args.replace(max_num_seqs=num_seqs)
-    return LLMEngine.from_engine_args(args)
+    engine = LLMEngine.from_engine_args(args)
+    settle_start_up_heap()
+    return engine
 
 
 def _check_no_chat_flags(ns: argparse.Namespace) -> None:
@@ -381,6 +385,7 @@ def cmd_chat_remote(ns: argparse.Namespace) -> None:
         raise ValueError(f"--{(local or ['max_num_seqs'])[0].replace('_', '-')} sets up a model here; with --url "
                          "the server's model answers")
     flags = {**NEUTRAL_SAMPLING, **ns.own_sampling, **_given_sampling(ns), "seed": ns.seed}
+    settle_start_up_heap()
     chat = RemoteChat(ns.url, ns.model_name, api_key(ns.api_key), request_sampling(flags), ns.system)
     if ns.quick is not None:  # (one answer, and done; a refusal is the command's error)
         chat.turn(ns.quick, _write)
@@ -471,6 +476,7 @@ def run() -> None:
     Frozen objects are still freed as their modules are cleared; only cycles wait for
     the process to end.  (Not in `main`: tests call that within one long process.)"""
     atexit.register(_quiet_finalization)  # (first registered: runs after every other exit handler)
+    pause_collector()  # until the command has started (settle_start_up_heap: utils.py says why)
     try:
         main()
     finally:

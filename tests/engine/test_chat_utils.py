@@ -21,6 +21,13 @@ def tokenizer(request, smollm2_path, gemma3_path):
     return AutoTokenizer.from_pretrained(smollm2_path if request.param == "smollm2" else gemma3_path)
 
 
+@pytest.fixture(scope="module")
+def char_limit(tokenizer) -> int:
+    """The prompt-character bound at 64 tokens, once per tokenizer (reading Gemma's 262k
+    vocabulary for its longest token took ~0.4 s of each of the property test's examples)."""
+    return prompt_char_limit(longest_token_chars(tokenizer), 64)
+
+
 def test_a_cut_prompt_is_tokenized_from_its_tail_only(monkeypatch) -> None:
     """A 16 MB prompt to keep its last 10 tokens was tokenized whole: 7 s holding the
     interpreter's lock, every other request and /health frozen."""
@@ -38,18 +45,17 @@ def test_a_cut_prompt_is_tokenized_from_its_tail_only(monkeypatch) -> None:
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from(WORDS), min_size=2, max_size=400).filter(lambda w: len(set(w)) > 1),
        st.integers(1, 64))
-def test_the_last_tokens_of_the_tail_are_the_whole_texts(tokenizer, words, keep) -> None:
-    max_len = 64
-    limit = prompt_char_limit(longest_token_chars(tokenizer), max_len)
+def test_the_last_tokens_of_the_tail_are_the_whole_texts(tokenizer, char_limit, words, keep) -> None:
+    limit = char_limit
     text = "".join(words) * (1 + 2 * (limit + 2 * CUT_MARGIN_CHARS) // len("".join(words)))
     whole = tokenizer.encode(text, add_special_tokens=False)
     assert encode_text(tokenizer, text, limit, add_special_tokens=False, cut=True)[-keep:] == whole[-keep:]
 
 
-def test_a_run_of_one_character_that_tokenizes_by_where_it_starts_is_refused(tokenizer) -> None:
+def test_a_run_of_one_character_that_tokenizes_by_where_it_starts_is_refused(tokenizer, char_limit) -> None:
     """Its last tokens depend on where the run began (runs are grouped from their start),
     so no tail can say them: refused by name, not cut wrong."""
-    limit = prompt_char_limit(longest_token_chars(tokenizer), 64)
+    limit = char_limit
     text = "\n" * (limit + 3 * CUT_MARGIN_CHARS + 1)
     whole = tokenizer.encode(text, add_special_tokens=False)
     try:

@@ -14,6 +14,15 @@ def tok():
     return make_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma3_path):
+    """transformers' Gemma 3 tokenizer, loaded once for the file (its 262k vocabulary takes
+    seconds to load on 2 cores; five tests loaded it each)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma3_path)
+
+
 def stream(tok, text: str, prompt: str = "user: ", **params):
     """Feed `text`'s tokens one at a time; return (detokenizer, texts shown after each)."""
     detok = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**params))
@@ -121,13 +130,11 @@ def test_a_stop_string_skipped_under_min_tokens_is_not_found_again_later(tok, in
     assert all(want.startswith(s) for s in shown)  # streamed text is never taken back
 
 
-def test_a_byte_fallback_run_cut_by_max_tokens_flushes_its_own_bytes(gemma3_path) -> None:
+def test_a_byte_fallback_run_cut_by_max_tokens_flushes_its_own_bytes(gemma_tokenizer) -> None:
     """Gemma's tokens <0xF0><0x9D><0x94><0x98> make one character; two more bytes of the next
     left open by max_tokens read as one U+FFFD per byte of the whole run in a window decode:
     the flush gave the character and five U+FFFD, where its own two bytes give two."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    tokenizer = gemma_tokenizer
     ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "𝔘".encode() + "😀".encode()[:2]]
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("lead"), SamplingParams())
     for tid in ids:
@@ -138,12 +145,10 @@ def test_a_byte_fallback_run_cut_by_max_tokens_flushes_its_own_bytes(gemma3_path
 
 
 @pytest.mark.parametrize("char", ["𝔘", "Б"])
-def test_a_stray_byte_after_a_byte_fallback_character_is_one_replacement(gemma3_path, char: str) -> None:
+def test_a_stray_byte_after_a_byte_fallback_character_is_one_replacement(gemma_tokenizer, char: str) -> None:
     """A stray continuation byte made the whole run read as one U+FFFD per byte, the
     character already shown too: the slice by length gave 2-4 U+FFFD for the one byte."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    tokenizer = gemma_tokenizer
     ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in char.encode() + b"\xb6"]
     ids += tokenizer.encode(" x", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("lead"), SamplingParams())
@@ -156,13 +161,11 @@ def test_a_stray_byte_after_a_byte_fallback_character_is_one_replacement(gemma3_
     assert all(detok.output_text.startswith(s) for s in shown)  # streamed text is never taken back
 
 
-def test_a_prompt_ending_inside_a_byte_fallback_run_leaves_the_output_clean(gemma3_path) -> None:
+def test_a_prompt_ending_inside_a_byte_fallback_run_leaves_the_output_clean(gemma_tokenizer) -> None:
     """The prompt's last 5 tokens start inside a character (Gemma spells 🦩 as 4 byte
     tokens): the window read that whole run, the output's bytes with it, as one U+FFFD
     per byte (8 for "🦩🦩"), and a stop string of flamingos never matched."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    tokenizer = gemma_tokenizer
     prompt = tokenizer.encode("Flamingos: 🦩🦩🦩 More: 🦩🦩")
     ids = tokenizer.encode("🦩🦩🦩", add_special_tokens=False)
     assert len(ids) == 12 and tokenizer.decode(prompt[-5:]).startswith("\ufffd")  # (the case: the edge mid-character)
@@ -224,8 +227,8 @@ def test_the_direct_decoder_is_exactly_the_tokenizers_decode(which, tok, request
 
     from transformers import AutoTokenizer
 
-    tokenizer = tok if which == "tiny" else AutoTokenizer.from_pretrained(
-        request.getfixturevalue("smollm2_path" if which == "smollm2" else "gemma3_path"))
+    tokenizer = {"tiny": lambda: tok, "gemma3": lambda: request.getfixturevalue("gemma_tokenizer"),
+                 "smollm2": lambda: AutoTokenizer.from_pretrained(request.getfixturevalue("smollm2_path"))}[which]()
     rng = random.Random(0)
     specials = list(tokenizer.all_special_ids)
     for skip in (False, True):

@@ -340,3 +340,28 @@ def test_the_command_exits_without_the_teardowns_leak_report() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip(), out
     assert "leaked" not in out.stderr, out.stderr[:300]
+
+
+def test_the_collector_waits_for_the_engine_then_never_walks_the_start_up_heap_again(tmp_path) -> None:
+    """`pagedserve generate`: no collection while it imports torch and builds the engine
+    (each full one walked ~300k objects again, up to 0.14 s on Zen 4), one when the engine
+    is built, then collections resume with the start-up heap frozen out of their sight."""
+    make_tiny_llama(str(tmp_path), vocab_size=400)
+    script = f"""
+import gc, sys
+from pagedserve.entrypoints import cli
+seen = []
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(info["generation"]))
+real = cli.settle_start_up_heap
+def settle():
+    print("before", len(seen), gc.isenabled(), gc.get_freeze_count())
+    real()
+    print("after", gc.isenabled(), gc.get_freeze_count() > 0, flush=True)
+cli.settle_start_up_heap = settle
+sys.argv = ["pagedserve", "generate", "hello", "--no-chat", "--model", {str(tmp_path)!r}, "--max-tokens", "2"]
+cli.run()
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line.split() for line in run.stdout.splitlines() if line.startswith(("before", "after"))]
+    assert lines == [["before", "0", "False", "0"], ["after", "True", "True"]], run.stdout

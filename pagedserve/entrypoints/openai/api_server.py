@@ -84,7 +84,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from pagedserve.metrics import SeriesStatLogger
-from pagedserve.utils import kill_descendants
+from pagedserve.utils import kill_descendants, settle_start_up_heap
 
 if TYPE_CHECKING:
     from pagedserve.engine.arg_utils import EngineArgs
@@ -447,6 +447,7 @@ class _EngineLoader:
             return
         self.state.started = True
         self.state.models.start()
+        settle_start_up_heap()
         logger.info("ready: serving %s on %s (%s loaded; the others load on first use)",
                     ", ".join(self.state.models.names()), bound_url(runner.server, self.args.host, self.args.port),
                     self.state.models.default_name)
@@ -458,6 +459,7 @@ class _EngineLoader:
         parser = _tool_parser(self.args, client)
         self.state.attach(attachment, parser, get_reasoning_parser(self.args.reasoning_parser))
         self.state.models.start()
+        settle_start_up_heap()
         logger.info("engine ready: serving %s on %s", ", ".join(self.state.models.names()),
                     bound_url(runner.server, self.args.host, self.args.port))
 
