@@ -17,6 +17,7 @@ from pagedserve.attention.torch_paged import TorchPagedBackend
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.cpu_info import cpu_flags
 from tests.attention.test_torch_paged import make_case, run_backend
+from tests.cpu_builds import SAME_AS_NATIVE, avx2_param
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 # The plain loops (no AVX2, no FMA), as tests build them: at -O0, which checks the same
@@ -132,6 +133,7 @@ CPU_FLAGS = cpu_flags()
 
 
 @pytest.mark.skipif(not HAS_COMPILER or "avx2" not in CPU_FLAGS, reason="needs a C++ compiler and an AVX2 CPU")
+@SAME_AS_NATIVE  # (test_kernel_matches_float32_math's cases include these)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_avx2_build_matches_float32_math(dtype):
     """The AVX2/FMA path a CPU without AVX-512 gets (most laptops, Zen 3), built here with
@@ -162,7 +164,7 @@ def _prompt_rows_case(q_dtype, cache_dtype, dim, kv_heads, group, bs, seed):
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", avx2_param("avx2")])
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.bfloat16), (torch.bfloat16, torch.int8),
                                                  (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float16),
@@ -205,15 +207,15 @@ def _relaid(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, lens: torch
     k2 = torch.full((len(lens) * nblk + 1, bs, *kc.shape[2:]), float("nan"), dtype=kc.dtype)
     v2 = k2.clone()
     for b, n in enumerate(lens.tolist()):
-        for p in range(n):
-            src = (int(table[b, p // old_bs]), p % old_bs)
-            k2[new_table[b, p // bs], p % bs] = kc[src]
-            v2[new_table[b, p // bs], p % bs] = vc[src]
+        p = torch.arange(n)
+        src = (table[b, p // old_bs].long(), p % old_bs)
+        dst = (new_table[b, p // bs].long(), p % bs)
+        k2[dst], v2[dst] = kc[src], vc[src]
     return k2, v2, new_table
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", avx2_param("avx2")])
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.bfloat16), (torch.float16, torch.float16),
                                                  (torch.bfloat16, torch.float16)])

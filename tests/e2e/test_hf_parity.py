@@ -20,8 +20,9 @@ from tests.e2e.token_prompts import shared_prefix_prompts
 MAX_TOKENS = 32
 TOP = 5
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gemma3", "mistral"]
-# Families whose compiled variant would trace a graph another test compiles: llama, qwen3
-# and qwen3_moe in tests/e2e/test_compiled_parity.py; mistral's is llama's module path (its
+# Families whose compiled variant would trace a graph another test compiles: llama and
+# qwen3_moe in tests/e2e/test_compiled_parity.py (qwen3's layers are qwen3_moe's second, dense,
+# layer: q/k norms and a gated MLP); mistral's is llama's module path (its
 # sliding window lives in the attention op, which a compiled graph calls eagerly: compiled
 # here with gemma3's sliding and global layers).  A cold compile is 10-20 s on 2 Zen 3 cores.
 COMPILED_ELSEWHERE = ("llama", "qwen3", "qwen3_moe", "mistral")

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedserve.layers import fused_ops
+from tests.cpu_builds import AVX2_TEST_BUILD, avx2_param
 
 
 @contextlib.contextmanager
@@ -31,7 +32,7 @@ def one_rounding(dtype: torch.dtype) -> dict:
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The plain AVX2 build (another vector width: other sums of squares, the same rounding).
-VARIANTS = [None, ("-mno-avx512f",)]
+VARIANTS = [None, avx2_param(AVX2_TEST_BUILD)]
 
 
 def gated_input(rows: int, inter: int, dtype: torch.dtype, extremes: list[float]) -> torch.Tensor:

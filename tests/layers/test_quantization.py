@@ -27,6 +27,7 @@ from pagedserve.layers.quantization import (
     quantized_matmul,
 )
 from tests.attention.test_cpu_paged import PLAIN_TEST_BUILD
+from tests.cpu_builds import AVX2_TEST_BUILD, avx2_param
 
 pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
                                 reason="no C++ compiler on this machine")
@@ -86,10 +87,11 @@ def test_activations_round_to_nearest_per_block(bits: int) -> None:
     assert torch.allclose(xq[:, 40].float() * xd[:, 1], x[:, 40], atol=0.51 * xd[:, 1].max().item())
 
 
-BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "plain": PLAIN_TEST_BUILD}
+BUILDS = {"native": None, "avx2": AVX2_TEST_BUILD, "plain": PLAIN_TEST_BUILD}
+BUILD_PARAMS = ["native", avx2_param("avx2"), "plain"]
 
 
-@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("build", BUILD_PARAMS)
 def test_16_bit_codes_are_the_float32_arithmetic_exactly(build: str) -> None:
     """Every build's 16-bit codes (the vector paths and the plain loop) are exactly
     round-half-even(x * (32767 / amax)) in float32, from float32, bf16 and fp16 input;
@@ -116,7 +118,7 @@ def test_16_bit_codes_are_the_float32_arithmetic_exactly(build: str) -> None:
             assert xq[6, 1:4].tolist() == [0, 2, -2]
 
 
-@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("build", BUILD_PARAMS)
 @pytest.mark.parametrize("kind", list(QuantKind))
 def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> None:
     if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
@@ -139,7 +141,7 @@ def test_kernel_matches_dequantize_then_matmul(build: str, kind: QuantKind) -> N
         assert torch.equal(dequantize_rows(pack(w, kernel), rows, kernel), w.dequantize()[rows])
 
 
-@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("build", BUILD_PARAMS)
 @pytest.mark.parametrize("kind", list(QuantKind))
 def test_a_rows_output_does_not_depend_on_its_batch(build: str, kind: QuantKind) -> None:
     """Bit for bit, whatever path the batch's size takes (AVX2: one or two rows in one
