@@ -1,6 +1,6 @@
 """row_max and row_topk_indices give torch's answers: the same maximum and first index
-as `max(-1)`, the same top-k values as `topk`, over any width (a short last block, rows
-narrower than the blocked path), ties, -inf, NaN and strided rows."""
+as `max(-1)`, the same top-k values as `topk`, over any width (a short last chunk, rows
+narrower than one), ties, -inf, NaN and strided rows."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def rows(seed: int, n: int, width: int, levels: int, specials: int) -> torch.Ten
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 5),
-       width=st.sampled_from([7, 4095, 4096, 4097, 5000, 8192 + 255, 49152]),
+       width=st.sampled_from([1, 7, 63, 64, 65, 4097, 5000, 8192 + 255, 49152]),
        levels=st.sampled_from([2, 50, 100000]), specials=st.integers(0, 3), k=st.integers(1, 9),
        strided=st.booleans())
 def test_the_same_answers_as_torch(seed, n, width, levels, specials, k, strided):
@@ -46,26 +46,38 @@ def test_the_same_answers_as_torch(seed, n, width, levels, specials, k, strided)
 
 
 def test_rows_of_mostly_minus_infinity_give_distinct_indices():
-    """A short last block, and fewer finite values than k: still k distinct indices, the
-    finite ones among them (the padding of a short block is never an answer)."""
-    for width in (4097, 4096 + 255, 8192):
+    """Fewer finite values than k, anywhere in the row (the first k columns, a partial
+    last chunk): still k distinct indices, the finite ones among them."""
+    for width in (9, 64 + 7, 4097, 4096 + 255, 8192):
         x = torch.full((2, width), float("-inf"))
         x[0, -1] = 1.0
-        x[1, [3, 700, width - 2]] = torch.tensor([2.0, 5.0, 1.0])
+        ids = [3, min(700, width - 3), width - 2]
+        x[1, ids] = torch.tensor([2.0, 5.0, 1.0])
         top = row_topk_indices(x, 8)
         assert all(len(set(r)) == 8 for r in top.tolist())
-        assert width - 1 in top[0].tolist() and {3, 700, width - 2} <= set(top[1].tolist())
+        assert width - 1 in top[0].tolist() and set(ids) <= set(top[1].tolist())
         best, first = row_max(x)
-        assert best.tolist() == [1.0, 5.0] and first.tolist() == [width - 1, 700]
+        assert best.tolist() == [1.0, 5.0] and first.tolist() == [width - 1, ids[1]]
 
 
-def test_wide_rows_take_the_blocked_path(monkeypatch):
-    """(Otherwise the test above would check torch against itself.)"""
+def test_float32_cpu_rows_take_the_kernel(monkeypatch):
+    """(Otherwise the tests above would check torch against itself.)  Other dtypes keep
+    torch's ops, and so does every row where the kernels do not build."""
+    kernel = vocab_reduce._kernel()
+    assert kernel is not None
     calls = []
-    gather = torch.Tensor.gather
-    monkeypatch.setattr(torch.Tensor, "gather", lambda self, *a: calls.append(self.shape) or gather(self, *a))
-    x = torch.randn(2, vocab_reduce.MIN_WIDTH + 5)
+    monkeypatch.setattr(vocab_reduce, "_kernel", lambda: calls.append(1) or kernel)
+    x = torch.randn(2, 300)
     row_max(x)
-    row_topk_indices(x, 8)
-    row_max(x[:, :100])
-    assert x.shape in calls and len(calls) == 4  # two gathers from x (the blocks), two of indices
+    row_topk_indices(x[:, :100], 8)
+    row_max(x.double())
+    assert len(calls) == 2
+    monkeypatch.setattr(vocab_reduce, "_kernel", lambda: None)
+    assert torch.equal(row_max(x)[1], x.max(-1).indices)
+    assert torch.equal(row_topk_indices(x, 3).sort(-1).values, x.topk(3).indices.sort(-1).values)
+
+
+def test_k_past_the_kernels_takes_torch():
+    x = torch.randn(3, 5000)
+    k = vocab_reduce._kernel().MAX_TOPK + 1
+    assert torch.equal(row_topk_indices(x, k), x.topk(k).indices)
