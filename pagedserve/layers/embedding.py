@@ -158,7 +158,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = quantized.matmul(hidden)
             mine = logits[:, : self.valid_rows]  # (a view: settled in place)
             if mine.numel():
-                self._exact_top(hidden, mine, quantized.rows)
+                self._exact_top(mine, lambda top: quantized.row_dots(top, hidden))
         elif (FLOAT32_OUT_GEMM and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
                 and self.tp_size == 1):
             # The GEMM accumulates in float32 and writes float32: no 16-bit rounding of
@@ -168,7 +168,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self._linear(hidden, self.weight, None).float()
             mine = logits[:, : self.valid_rows]
             if hidden.dtype in (torch.bfloat16, torch.float16) and mine.numel():
-                self._exact_top(hidden, mine, lambda ids: self.weight.index_select(0, ids))
+                self._exact_top(mine, lambda top: self._float32_dots(top, hidden))
         if self.tp_size == 1:
             return mine
         # Each rank settled its own slice's top tokens (the vocabulary's top tokens are
@@ -176,10 +176,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = gather_to_driver(logits, self.tp_rank, self.tp_size)
         return None if logits is None else logits[:, : self.num_embeddings]
 
-    def _exact_top(self, hidden: torch.Tensor, logits: torch.Tensor,
-                   rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Recompute each row's EXACT_TOP largest logits in float32, in place (`rows(ids)`:
-        those rows of the head's weight).
+    def _exact_top(self, logits: torch.Tensor, dots: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Recompute each row's EXACT_TOP largest logits in float32, in place (`dots(top)`:
+        the float32 dot products of rows `top` [N, k] of the head's weight with each
+        row's hidden state).
 
         A 16-bit matmul rounds its output to 16 bits: logits near 25 are multiples of
         0.125 in bf16, so the top two tokens often come out equal and argmax picks the
@@ -188,16 +188,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         quantized head rounds the hidden state instead: to 8 bits (the opt-in) it moves
         logits by about as much, to 16 bits by ~1e-4.  The same inputs dotted in float32
         for the few tokens that can win settle greedy choices and the top logprobs; the
-        rest of the row keeps the fast values.  Costs ~0.7 ms for 32 rows of SmolLM2's 49,152-token vocabulary."""
-        n = logits.shape[0]
+        rest of the row keeps the fast values.  A quantized head's dots are one C++ call
+        (QuantizedWeight.row_dots: ~0.1 ms a step less than gathering and multiplying
+        the rows in torch, a 2-core Zen 2)."""
         top = row_topk_indices(logits, EXACT_TOP)  # [N, k]
-        w = rows(top.reshape(-1)).view(n, top.shape[1], -1).float()
-        # Multiply and sum, not bmm: a row's result must not depend on how many rows there
-        # are (MKL's batched product rounds one row differently from several), or greedy
-        # choices would change with the batch, and speculative decoding's verified rows
-        # would differ from one-token steps.
-        exact = (w * hidden.float().unsqueeze(1)).sum(-1)
-        logits.scatter_(1, top, exact)
+        logits.scatter_(1, top, dots(top))
+
+    def _float32_dots(self, top: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, k]: rows `top` of the 16-bit weight dotted with `hidden` in float32.
+        Multiply and sum, not bmm: a row's result must not depend on how many rows there
+        are (MKL's batched product rounds one row differently from several), or greedy
+        choices would change with the batch, and speculative decoding's verified rows
+        would differ from one-token steps."""
+        n, k = top.shape
+        w = self.weight.index_select(0, top.reshape(-1)).view(n, k, -1).float()
+        return (w * hidden.float().unsqueeze(1)).sum(-1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         return self.compute_logits(hidden)

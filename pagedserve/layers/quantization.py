@@ -402,6 +402,12 @@ class QuantizedWeight:
         """float32 [len(ids), k] (a single-segment weight: embeddings)."""
         return dequantize_rows(self.segments[0][1], ids)[:, : self.k]
 
+    def row_dots(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """float32 [n, j]: row ids[i, j] (of a single-segment weight) dotted with x[i]
+        [n, k], in float32, each in column order (the LM head's exact top logits)."""
+        w = self.segments[0][1]
+        return quant_kernel().row_dots(w.codes, w.d, w.aux, int(w.kind), w.k, ids, x.float())
+
     def nbytes(self) -> int:
         return sum(w.nbytes() for _, w in self.segments)
 

@@ -1046,6 +1046,57 @@ at::Tensor dequantize_rows(at::Tensor codes, at::Tensor d, at::Tensor aux, int64
   return out;
 }
 
+// out[i, j] = row ids[i, j] of the packed weight, dequantized, dotted with x[i] (float32
+// [n, Kx], Kx <= K): the LM head's exact top logits (layers/embedding.py), one call where
+// gathering the rows and multiplying them out in torch took four ops.  Each dot sums its
+// row in column order, so a row's value never depends on the batch around it.
+at::Tensor row_dots(at::Tensor codes, at::Tensor d, at::Tensor aux, int64_t kind, int64_t K, at::Tensor ids,
+                    at::Tensor x) {
+  check_cpu_contiguous(codes, "codes");
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be int64 [n, k]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == ids.size(0) && x.size(1) <= K && x.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1 && x.device().is_cpu(),
+              "x must be float32 CPU rows [n, <= K], one per row of ids");
+  const int64_t rows = ids.size(0), k = ids.size(1), Kx = x.size(1), Kb = K / kBlock;
+  const int64_t capacity = codes.numel() / (Kb * block_bytes(kind)) * kTile;  // rows the tiles hold
+  for (int64_t i = 0; i < rows * k; ++i)
+    TORCH_CHECK(ids.data_ptr<int64_t>()[i] >= 0 && ids.data_ptr<int64_t>()[i] < capacity, "row id ",
+                ids.data_ptr<int64_t>()[i], " outside the weight's ", capacity, " rows");
+  auto out = at::empty({rows, k}, at::kFloat);
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* ap = kind == Q4_SYM ? nullptr : static_cast<const uint16_t*>(aux.data_ptr());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows * k, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = ip[i], t = n / kTile, r = n % kTile;
+      const float* xr = xp + (i / k) * x.stride(0);
+      float acc = 0.f;
+      for (int64_t b = 0; b * kBlock < Kx; ++b) {
+        const uint8_t* c = cp + (t * Kb + b) * block_bytes(kind);
+        const float dw = half_to_float(dp[(t * Kb + b) * kTile + r]);
+        float off = 0.f;
+        if (kind == Q4_SYM) off = -8.f * dw;
+        if (kind == Q4_ASYM) off = half_to_float(ap[(t * Kb + b) * kTile + r]);
+        for (int j = 0; j < kBlock && b * kBlock + j < Kx; ++j) {
+          float u;
+          if (kind == Q8) {
+            u = float(reinterpret_cast<const int8_t*>(c)[(j / 4) * 64 + r * 4 + j % 4]);
+          } else {
+            const uint8_t byte = c[(j / 8) * 64 + r * 4 + (j % 8) % 4];
+            u = float((j % 8) < 4 ? (byte & 15) : (byte >> 4));
+          }
+          acc += (dw * u + off) * xr[b * kBlock + j];
+        }
+      }
+      op[i] = acc;
+    }
+  });
+  return out;
+}
+
 // The tiled code layout (header comment) of [N, K] codes, one byte each (4-bit codes
 // 0..15, or int8), rows past N zero: layers/quantization.py `pack`.  One pass over the
 // codes, where the same in torch ops took strided copies of every byte a few times over.
@@ -1095,6 +1146,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, nogil);
   m.def("linear1", &linear1, nogil);
   m.def("dequantize_rows", &dequantize_rows, nogil);
+  m.def("row_dots", &row_dots, nogil);
   m.def("pack_codes", &pack_codes, nogil);
   m.def("isa", &isa);
 }
