@@ -91,7 +91,9 @@ class Sampler:
         self.apply_logit_edits(logits, metadata)
         logits = self.apply_penalties(logits, metadata)
         best, argmax = row_max(logits)
-        invalid = ~torch.isfinite(best)  # NaN anywhere, +inf, or nothing left to sample
+        # NaN anywhere, +inf, or nothing left to sample: best - best is NaN for each, 0 otherwise
+        # (two ops where ~isfinite is five, each ~10-60 us in a CPU step)
+        invalid = (best - best) != 0
         if metadata.all_greedy:
             sampled = argmax
         else:
