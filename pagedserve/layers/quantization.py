@@ -406,7 +406,7 @@ class QuantizedWeight:
         """float32 [n, j]: row ids[i, j] (of a single-segment weight) dotted with x[i]
         [n, k], in float32, each in column order (the LM head's exact top logits)."""
         w = self.segments[0][1]
-        return quant_kernel().row_dots(w.codes, w.d, w.aux, int(w.kind), w.k, ids, x.float())
+        return quant_kernel().row_dots(w.codes, w.d, w.aux, int(w.kind), w.k, ids.contiguous(), x.float().contiguous())
 
     def nbytes(self) -> int:
         return sum(w.nbytes() for _, w in self.segments)

@@ -358,3 +358,22 @@ def test_one_segment_layers_take_the_list_free_op(bits: int) -> None:
         lists = getattr(torch.ops, kernel.__name__).linear(x, [w.codes], [w.d], [w.aux], [int(w.kind)], [136], [0],
                                                            136, 1024, bits)
         assert torch.equal(y, lists) and torch.equal(y, qw.matmul(x).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", list(QuantKind))
+def test_row_dots_are_the_dequantized_rows_dotted_in_float32(kind: QuantKind) -> None:
+    """The LM head's exact top logits: row ids[i, j] of the weight dotted with x[i], for
+    every kind, a width not a multiple of the block (70: the packed rows are padded), and
+    x a strided view; each row's value alone, whatever the batch; ids past the weight's
+    rows refused by name."""
+    qw = QuantizedWeight(40, 70)
+    qw.store(0, blocks_of(kind, 40, 70, seed=3))
+    x = torch.randn(3, 80)[:, :70]
+    ids = torch.tensor([[0, 39, 17], [5, 5, 22], [38, 1, 16]])
+    got = qw.row_dots(ids, x)
+    want = (qw.rows(ids.reshape(-1)).double().view(3, 3, 70) * x.double().unsqueeze(1)).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (3, 3)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qw.row_dots(ids[1:2], x[1:2]), got[1:2])
+    with pytest.raises(RuntimeError, match="row id 48 outside"):
+        qw.row_dots(torch.tensor([[48]]), x[:1])
