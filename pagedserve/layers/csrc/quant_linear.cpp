@@ -1009,6 +1009,31 @@ at::Tensor linear1(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return linear(x, {codes}, {d}, {aux}, {kind}, {N}, {0}, N, K, bits);
 }
 
+// Row n of a packed weight (Kb blocks a row), its first Kx columns dequantized in column
+// order: fn(column, weight) for each.  dequantize_rows and row_dots read rows through it.
+template <typename Fn>
+inline void for_each_weight(const uint8_t* cp, const uint16_t* dp, const uint16_t* ap, int64_t kind, int64_t Kb,
+                            int64_t n, int64_t Kx, Fn&& fn) {
+  const int64_t t = n / kTile, r = n % kTile;
+  for (int64_t b = 0; b * kBlock < Kx; ++b) {
+    const uint8_t* c = cp + (t * Kb + b) * block_bytes(kind);
+    const float dw = half_to_float(dp[(t * Kb + b) * kTile + r]);
+    float off = 0.f;
+    if (kind == Q4_SYM) off = -8.f * dw;
+    if (kind == Q4_ASYM) off = half_to_float(ap[(t * Kb + b) * kTile + r]);
+    for (int j = 0; j < kBlock && b * kBlock + j < Kx; ++j) {
+      float u;
+      if (kind == Q8) {
+        u = float(reinterpret_cast<const int8_t*>(c)[(j / 4) * 64 + r * 4 + j % 4]);
+      } else {
+        const uint8_t byte = c[(j / 8) * 64 + r * 4 + (j % 8) % 4];
+        u = float((j % 8) < 4 ? (byte & 15) : (byte >> 4));
+      }
+      fn(b * kBlock + j, dw * u + off);
+    }
+  }
+}
+
 // Rows `ids` of the packed weight, dequantized: [len(ids), K] float32 (embedding lookups).
 at::Tensor dequantize_rows(at::Tensor codes, at::Tensor d, at::Tensor aux, int64_t kind, int64_t K,
                               at::Tensor ids) {
@@ -1022,26 +1047,8 @@ at::Tensor dequantize_rows(at::Tensor codes, at::Tensor d, at::Tensor aux, int64
   const int64_t* ip = idx.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = ip[i], t = n / kTile, r = n % kTile;
-      for (int64_t b = 0; b < Kb; ++b) {
-        const uint8_t* c = cp + (t * Kb + b) * block_bytes(kind);
-        const float dw = half_to_float(dp[(t * Kb + b) * kTile + r]);
-        float off = 0.f;
-        if (kind == Q4_SYM) off = -8.f * dw;
-        if (kind == Q4_ASYM) off = half_to_float(ap[(t * Kb + b) * kTile + r]);
-        for (int k = 0; k < kBlock; ++k) {
-          float u;
-          if (kind == Q8) {
-            u = float(reinterpret_cast<const int8_t*>(c)[(k / 4) * 64 + r * 4 + k % 4]);
-          } else {
-            const uint8_t byte = c[(k / 8) * 64 + r * 4 + (k % 8) % 4];
-            u = float((k % 8) < 4 ? (byte & 15) : (byte >> 4));
-          }
-          op[i * K + b * kBlock + k] = dw * u + off;
-        }
-      }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      for_each_weight(cp, dp, ap, kind, Kb, ip[i], K, [&](int64_t col, float w) { op[i * K + col] = w; });
   });
   return out;
 }
@@ -1071,26 +1078,9 @@ at::Tensor row_dots(at::Tensor codes, at::Tensor d, at::Tensor aux, int64_t kind
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows * k, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = ip[i], t = n / kTile, r = n % kTile;
       const float* xr = xp + (i / k) * x.stride(0);
       float acc = 0.f;
-      for (int64_t b = 0; b * kBlock < Kx; ++b) {
-        const uint8_t* c = cp + (t * Kb + b) * block_bytes(kind);
-        const float dw = half_to_float(dp[(t * Kb + b) * kTile + r]);
-        float off = 0.f;
-        if (kind == Q4_SYM) off = -8.f * dw;
-        if (kind == Q4_ASYM) off = half_to_float(ap[(t * Kb + b) * kTile + r]);
-        for (int j = 0; j < kBlock && b * kBlock + j < Kx; ++j) {
-          float u;
-          if (kind == Q8) {
-            u = float(reinterpret_cast<const int8_t*>(c)[(j / 4) * 64 + r * 4 + j % 4]);
-          } else {
-            const uint8_t byte = c[(j / 8) * 64 + r * 4 + (j % 8) % 4];
-            u = float((j % 8) < 4 ? (byte & 15) : (byte >> 4));
-          }
-          acc += (dw * u + off) * xr[b * kBlock + j];
-        }
-      }
+      for_each_weight(cp, dp, ap, kind, Kb, ip[i], Kx, [&](int64_t col, float w) { acc += w * xr[col]; });
       op[i] = acc;
     }
   });
